@@ -1,0 +1,51 @@
+# tensorrpc developer targets. `make test` and `make demo` each build .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP_FLAGS := --disable-pip-version-check -q
+
+.PHONY: all install test lint format check demo bench soak docs clean test-gpu
+
+all: test
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,bench]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check tensorrpc tests bench
+	$(BIN)/ruff check tensorrpc tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format tensorrpc tests bench
+	$(BIN)/ruff check --fix tensorrpc tests bench
+
+check: lint
+	$(BIN)/mypy
+
+test: check
+	$(BIN)/python -m pytest
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -m gpu
+
+demo: $(STAMP)
+	$(BIN)/python examples/multi_engine_demo.py
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) build dist site *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,286 @@
+"""The exception tree: everything tensorrpc raises derives from :class:`TensorRPCError`.
+
+```
+TensorRPCError
+├─ ServiceDefinitionError (+TypeError)      a @service/@rpc class cannot be described
+├─ ProtocolError
+│  ├─ LocalProtocolError                    we were asked to send something invalid
+│  └─ RemoteProtocolError                   the peer sent something invalid
+├─ SerializationError
+│  ├─ EncodeError                           a value cannot be encoded (type, size, dtype)
+│  ├─ DecodeError                           bytes from the wire cannot be decoded
+│  └─ ValidationError                       a value does not match the method's types
+├─ TransportError                           the peer or the network broke
+│  ├─ ConnectError
+│  │  └─ HandshakeRejectedError             the peer refused our HELLO / we refused theirs
+│  ├─ EngineDeadError                       the engine died or stopped answering heartbeats
+│  ├─ EnginesUnavailableError (+TimeoutError)   wait_for_engines() ran out of time
+│  └─ TensorTransportError                  a tensor transport (e.g. torch_shm) failed
+├─ CallError                                one call failed
+│  ├─ RemoteError                           the handler raised; carries the remote traceback
+│  ├─ MethodNotFoundError
+│  ├─ InvalidArgumentError                  the engine rejected the arguments
+│  ├─ CallTimeoutError (+TimeoutError)      the deadline passed
+│  ├─ OverloadedError                       a bound was hit and the caller asked not to wait
+│  ├─ EngineNotFoundError                   the targeted engine is not live
+│  ├─ DrainingError                         the engine is shutting down and refuses new calls
+│  └─ BroadcastError                        at least one engine failed a broadcast
+└─ ClosedError                              you closed the client/server and then used it
+```
+
+Errors that cross the wire travel as an :class:`ErrorCode` plus text; they are rebuilt
+here by :func:`error_from_wire` and are never pickled.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = [
+    "BroadcastError",
+    "CallError",
+    "CallTimeoutError",
+    "ClosedError",
+    "ConnectError",
+    "DecodeError",
+    "DrainingError",
+    "EncodeError",
+    "EngineDeadError",
+    "EngineNotFoundError",
+    "EnginesUnavailableError",
+    "ErrorCode",
+    "HandshakeRejectedError",
+    "InvalidArgumentError",
+    "LocalProtocolError",
+    "MethodNotFoundError",
+    "OverloadedError",
+    "ProtocolError",
+    "RemoteError",
+    "RemoteProtocolError",
+    "SerializationError",
+    "ServiceDefinitionError",
+    "TensorRPCError",
+    "TensorTransportError",
+    "TransportError",
+    "ValidationError",
+    "error_from_wire",
+]
+
+
+class TensorRPCError(Exception):
+    """Root of every exception raised by tensorrpc."""
+
+
+class ServiceDefinitionError(TensorRPCError, TypeError):
+    """A class decorated with ``@service``/``@rpc`` cannot be turned into a service spec.
+
+    Raised at decoration time, naming the method, the parameter and the offending type.
+    """
+
+
+class ProtocolError(TensorRPCError):
+    """A message violated the wire protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to send something the protocol does not allow."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol does not allow."""
+
+
+class SerializationError(TensorRPCError):
+    """A value could not be turned into frames, or frames into a value."""
+
+
+class EncodeError(SerializationError):
+    """A value cannot be encoded: unsupported type or dtype, or over a size limit."""
+
+
+class DecodeError(SerializationError):
+    """Bytes from the wire cannot be decoded (malformed, forged or over a limit)."""
+
+
+class ValidationError(SerializationError):
+    """A value does not match the type declared by the method signature."""
+
+    def __init__(
+        self, message: str, *, method: str = "", path: str = "", expected: str = ""
+    ) -> None:
+        super().__init__(message)
+        #: ``Service.method`` the value belongs to ("" when unknown).
+        self.method = method
+        #: Where in the request or response the bad value sits, e.g. ``req.items[3].x``.
+        self.path = path
+        #: A description of the expected type.
+        self.expected = expected
+
+
+class TransportError(TensorRPCError):
+    """The peer or the network broke (as opposed to :class:`ClosedError`)."""
+
+
+class ConnectError(TransportError):
+    """A connection could not be made or kept."""
+
+
+class HandshakeRejectedError(ConnectError):
+    """The handshake was refused; ``reason`` says what differs."""
+
+    def __init__(self, message: str, *, reason: str = "", engine_id: str = "") -> None:
+        super().__init__(message)
+        #: Why the handshake was refused (schema mismatch, duplicate id, version...).
+        self.reason = reason
+        #: The engine concerned, when known.
+        self.engine_id = engine_id
+
+
+class EngineDeadError(TransportError):
+    """The engine died, said BYE, or stopped answering heartbeats while calls were in flight."""
+
+    def __init__(self, message: str, *, engine_id: str = "") -> None:
+        super().__init__(message)
+        #: The engine that died.
+        self.engine_id = engine_id
+
+
+class EnginesUnavailableError(TransportError, TimeoutError):
+    """Not enough engines joined in time; names the engines that were refused and why."""
+
+    def __init__(self, message: str, *, rejected: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        #: engine id -> reason, for every engine refused at handshake.
+        self.rejected: dict[str, str] = dict(rejected or {})
+
+
+class TensorTransportError(TransportError):
+    """A tensor transport failed to place or fetch a tensor."""
+
+
+class CallError(TensorRPCError):
+    """One call failed."""
+
+
+class RemoteError(CallError):
+    """The remote handler raised an exception."""
+
+    def __init__(self, remote_type: str, message: str, remote_traceback: str = "") -> None:
+        super().__init__(f"{remote_type}: {message}")
+        #: Qualified name of the exception type raised on the engine.
+        self.remote_type = remote_type
+        #: ``str()`` of the remote exception.
+        self.message = message
+        #: The formatted remote traceback (text, never a pickled object).
+        self.remote_traceback = remote_traceback
+
+    def __str__(self) -> str:
+        text = f"{self.remote_type}: {self.message}"
+        if self.remote_traceback:
+            text += "\n\nRemote traceback:\n" + self.remote_traceback
+        return text
+
+
+class MethodNotFoundError(CallError):
+    """The engine has no such method."""
+
+
+class InvalidArgumentError(CallError):
+    """The engine refused the arguments (wrong type, missing, malformed)."""
+
+
+class CallTimeoutError(CallError, TimeoutError):
+    """The call's deadline passed."""
+
+
+class OverloadedError(CallError):
+    """A concurrency or queue bound was hit and the caller asked not to wait."""
+
+
+class EngineNotFoundError(CallError):
+    """The targeted engine is not live; ``live`` lists the engines that are."""
+
+    def __init__(self, message: str, *, live: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        #: Engine ids that were live when the call was made.
+        self.live = live
+
+
+class DrainingError(CallError):
+    """The engine is shutting down and refuses new calls."""
+
+
+class BroadcastError(CallError):
+    """At least one engine failed a broadcast; ``results`` holds every engine's outcome."""
+
+    def __init__(self, message: str, *, results: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        #: engine id -> the result, or the exception that engine's call raised.
+        self.results: dict[str, Any] = dict(results)
+
+    @property
+    def errors(self) -> dict[str, BaseException]:
+        """The engines that failed, with their exceptions."""
+        return {k: v for k, v in self.results.items() if isinstance(v, BaseException)}
+
+
+class ClosedError(TensorRPCError):
+    """The client or server was closed by its owner and then used."""
+
+
+class ErrorCode(IntEnum):
+    """Error classes that travel in an ERROR message (see docs/protocol.md)."""
+
+    #: The handler raised; ``type``/``message``/``traceback`` describe it.
+    REMOTE = 1
+    #: No such method on this service.
+    METHOD_NOT_FOUND = 2
+    #: Arguments failed validation on the engine.
+    INVALID_ARGUMENT = 3
+    #: The engine could not decode the frames.
+    DECODE = 4
+    #: The deadline had passed (before or while running).
+    DEADLINE_EXCEEDED = 5
+    #: The engine's bounded queue is full.
+    OVERLOADED = 6
+    #: The engine is draining and refuses new calls.
+    DRAINING = 7
+    #: A tensor transport failed on the engine.
+    TENSOR_TRANSPORT = 8
+    #: The handler's result failed validation or encoding on the engine.
+    BAD_RESULT = 9
+    #: Anything else that went wrong inside the engine.
+    INTERNAL = 10
+    #: The message violated the protocol (wrong frames, unknown kind, ...).
+    PROTOCOL = 11
+
+
+def error_from_wire(code: int, remote_type: str, message: str, traceback: str) -> TensorRPCError:
+    """Rebuild the local exception for an ERROR message received from an engine."""
+    match code:
+        case ErrorCode.REMOTE:
+            return RemoteError(remote_type, message, traceback)
+        case ErrorCode.METHOD_NOT_FOUND:
+            return MethodNotFoundError(message)
+        case ErrorCode.INVALID_ARGUMENT:
+            return InvalidArgumentError(message)
+        case ErrorCode.DECODE:
+            return DecodeError(f"engine could not decode the call: {message}")
+        case ErrorCode.DEADLINE_EXCEEDED:
+            return CallTimeoutError(message)
+        case ErrorCode.OVERLOADED:
+            return OverloadedError(message)
+        case ErrorCode.DRAINING:
+            return DrainingError(message)
+        case ErrorCode.TENSOR_TRANSPORT:
+            return TensorTransportError(message)
+        case ErrorCode.BAD_RESULT:
+            return RemoteError(remote_type or "BadResult", message, traceback)
+        case ErrorCode.PROTOCOL:
+            return RemoteProtocolError(message)
+        case _:
+            return RemoteError(remote_type or "InternalError", message, traceback)
