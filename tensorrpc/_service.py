@@ -1,0 +1,648 @@
+"""``@service`` / ``@rpc``: typed service definitions, compiled into specs (sans-I/O).
+
+``@rpc`` marks a method and checks at once what needs no type resolution (the kind of
+function, ``*args``/``**kwargs``/keyword-only parameters, missing annotations).
+``@service`` then resolves every annotation (``typing.get_type_hints`` with the method's
+module globals plus the namespace the class was defined in, so local classes and
+``from __future__ import annotations`` both work), compiles the validators, generates a
+Request and a Response dataclass per method and computes the schema fingerprint. Every
+error is raised while the class statement runs, as :class:`ServiceDefinitionError`.
+
+Rules (also in docs/internals.md, section `_service.py`):
+
+1. Parameters are positional-or-keyword or positional-only. ``*args``, ``**kwargs`` and
+   keyword-only parameters are refused: a call travels as a positional list and the
+   engine calls the handler as ``handler(*args)``.
+2. Defaults must be immutable values that can travel: ``None``, ``bool``, ``int``,
+   ``float``, ``str``, ``bytes``, ``Enum`` members and tuples of these. They must match
+   the parameter's type.
+3. ``def`` and ``async def`` methods return one value; an ``async def`` with ``yield``
+   annotated ``-> AsyncIterator[T]`` (or ``AsyncIterable[T]``/``AsyncGenerator[T, None]``)
+   streams. A sync generator, or a streaming annotation on a method that does not
+   ``yield``, is refused.
+4. The fingerprint hashes the service name and, per method sorted by name, its name,
+   parameter names, kinds, type descriptions, defaults, return type and streaming flag.
+   No module or class path enters it. Whether a handler is sync or async does not either:
+   it does not change what travels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import inspect
+import json
+import sys
+import typing
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Mapping,
+    Sequence,
+)
+from types import MappingProxyType
+from typing import Any, TypeVar, overload
+
+from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
+from tensorrpc._schema import (
+    CompiledType,
+    Converter,
+    TypeSpec,
+    _Invalid,
+    compile_type,
+    too_deep,
+)
+
+__all__ = ["MethodSpec", "ServiceSpec", "describe", "rpc", "service"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+_RPC_MARK = "_tensorrpc_rpc"
+_SPEC_ATTR = "_tensorrpc_spec"
+#: Bumped whenever the text hashed into fingerprints changes meaning.
+_FINGERPRINT_VERSION = "tensorrpc-schema-1"
+
+_P = inspect.Parameter
+_STREAM_ORIGINS = (AsyncIterator, AsyncIterable, AsyncGenerator)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class MethodSpec:
+    """Everything the runtime needs to know about one ``@rpc`` method.
+
+    The four helpers ``encode_args``, ``decode_args``, ``check_result`` and
+    ``decode_result`` run on every call. They are compiled closures stored as attributes
+    (called like methods, without the cost of a bound-method hop) and all raise
+    :class:`~tensorrpc.ValidationError` naming the method, the path and the expected type.
+    """
+
+    #: The service's name.
+    service: str
+    #: The method's name (also the attribute name on the class).
+    name: str
+    #: Generated frozen dataclass with one field per parameter (defaults kept).
+    request_type: type
+    #: Generated frozen dataclass with one field ``value`` (the stream item when streaming).
+    response_type: type
+    #: Parameter names in order, ``self`` excluded.
+    params: tuple[str, ...]
+    #: True for an async generator declared ``-> AsyncIterator[T]``.
+    streaming: bool
+    #: True for ``async def`` (coroutine or async generator); False for a sync ``def``.
+    is_async: bool
+    #: Compiled type of each parameter, in order.
+    param_types: tuple[TypeSpec, ...]
+    #: Compiled return type (the item type when streaming).
+    result_type: TypeSpec
+    #: Parameter name -> default value, for parameters that have one.
+    defaults: Mapping[str, object]
+    #: Human-readable signature, e.g. ``add(a: int, b: int = 1) -> int``.
+    signature: str
+    #: Client side: ``encode_args(args, kwargs) -> list``. Binds a call like Python
+    #: would (missing, unexpected or doubled arguments are errors), fills defaults,
+    #: checks every value and returns the positional wire list, one entry per parameter.
+    encode_args: Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]] = dataclasses.field(
+        repr=False
+    )
+    #: Engine side: ``decode_args(wire) -> list``. ``wire`` must be a list of
+    #: ``len(params)`` values (or shorter when the missing trailing parameters have
+    #: defaults); each is validated and built into its typed value.
+    decode_args: Callable[[object], list[Any]] = dataclasses.field(repr=False)
+    #: Engine side: ``check_result(value) -> wire value`` for a result or stream item.
+    check_result: Callable[[object], object] = dataclasses.field(repr=False)
+    #: Client side: ``decode_result(wire) -> typed value`` for a result or stream item.
+    decode_result: Callable[[object], object] = dataclasses.field(repr=False)
+
+    @property
+    def qualname(self) -> str:
+        """``Service.method``, as used in error messages."""
+        return f"{self.service}.{self.name}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ServiceSpec:
+    """The compiled description of a ``@service`` class."""
+
+    #: The service name (``@service(name=...)``, default the class name).
+    name: str
+    #: Method name -> spec, in definition order (base classes first).
+    methods: Mapping[str, MethodSpec]
+    #: Hex sha256 over the name and the normalised method signatures.
+    fingerprint: str
+
+
+# ----------------------------------------------------------------------------- @rpc
+
+
+def rpc(fn: F, /) -> F:
+    """Mark a method of a ``@service`` class as callable remotely.
+
+    The function is returned unchanged (so type checkers keep its signature); ``@service``
+    compiles it. Checks that need no type resolution happen here.
+
+    Raises:
+        ServiceDefinitionError: ``fn`` is not a plain function, is a sync generator, takes
+            ``*args``/``**kwargs``/keyword-only parameters, or lacks an annotation.
+    """
+    if not inspect.isfunction(fn):
+        raise ServiceDefinitionError(
+            f"@rpc must decorate a plain function (put it directly above 'def'), got {fn!r}"
+        )
+    where = fn.__qualname__
+    if inspect.isgeneratorfunction(fn):
+        raise ServiceDefinitionError(
+            f"{where}: sync generators cannot stream; write 'async def' with 'yield' and "
+            "annotate '-> AsyncIterator[T]'"
+        )
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    if not params or params[0].kind not in (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD):
+        raise ServiceDefinitionError(f"{where}: an @rpc method needs 'self' as its first parameter")
+    for p in params[1:]:
+        if p.kind is _P.VAR_POSITIONAL or p.kind is _P.VAR_KEYWORD:
+            star = "*" if p.kind is _P.VAR_POSITIONAL else "**"
+            raise ServiceDefinitionError(
+                f"{where}: parameter '{star}{p.name}' is not supported; declare each "
+                "parameter with its type"
+            )
+        if p.kind is _P.KEYWORD_ONLY:
+            raise ServiceDefinitionError(
+                f"{where}: keyword-only parameter '{p.name}' is not supported; make it a "
+                "regular parameter (it can still be passed by keyword)"
+            )
+        if p.annotation is _P.empty:
+            raise ServiceDefinitionError(f"{where}: parameter '{p.name}' has no type annotation")
+    if sig.return_annotation is inspect.Signature.empty:
+        raise ServiceDefinitionError(
+            f"{where}: missing return annotation (write '-> None' if it returns nothing)"
+        )
+    setattr(fn, _RPC_MARK, True)
+    return fn
+
+
+# ------------------------------------------------------------------------- @service
+
+
+@overload
+def service(cls: type[T], /) -> type[T]: ...
+@overload
+def service(*, name: str | None = None) -> Callable[[type[T]], type[T]]: ...
+def service(
+    cls: type[T] | None = None, /, *, name: str | None = None
+) -> type[T] | Callable[[type[T]], type[T]]:
+    """Turn a class with ``@rpc`` methods into a service.
+
+    Both ``@service`` and ``@service(name="calc")`` work; the default name is the class
+    name. The spec is compiled now (so every mistake surfaces at class definition) and stored
+    on the class; read it with :func:`describe`.
+
+    Raises:
+        ServiceDefinitionError: The class has no ``@rpc`` methods, or one of them cannot
+            be described (unsupported or unresolvable type, bad default, ...).
+    """
+    # The namespace the class statement ran in resolves annotations naming local classes.
+    caller = sys._getframe(1)
+    localns = dict(caller.f_locals) if caller.f_code.co_name != "<module>" else {}
+    del caller
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ServiceDefinitionError(f"service name must be a non-empty str, got {name!r}")
+
+    def decorate(klass: type[T]) -> type[T]:
+        if not isinstance(klass, type):
+            raise ServiceDefinitionError(f"@service must decorate a class, got {klass!r}")
+        spec = _build_service(klass, name or klass.__name__, localns)
+        setattr(klass, _SPEC_ATTR, spec)
+        return klass
+
+    if cls is not None:
+        return decorate(cls)
+    return decorate
+
+
+def describe(service: type | object) -> ServiceSpec:
+    """Return the :class:`ServiceSpec` of a ``@service`` class or of an instance of one.
+
+    Raises:
+        ServiceDefinitionError: The class is not a service, or is an undecorated subclass
+            of one that adds ``@rpc`` methods.
+    """
+    cls = service if isinstance(service, type) else type(service)
+    spec = getattr(cls, _SPEC_ATTR, None)
+    if not isinstance(spec, ServiceSpec):
+        raise ServiceDefinitionError(f"{cls.__qualname__} is not a @service class")
+    for klass in cls.__mro__:
+        if _SPEC_ATTR in vars(klass):
+            break
+        if any(_is_rpc(v) for v in vars(klass).values()):
+            raise ServiceDefinitionError(
+                f"{klass.__qualname__} defines @rpc methods but is not decorated with @service"
+            )
+    return spec
+
+
+def _is_rpc(obj: object) -> bool:
+    return getattr(obj, _RPC_MARK, False) is True
+
+
+def _build_service(cls: type, name: str, localns: dict[str, Any]) -> ServiceSpec:
+    functions: dict[str, Callable[..., Any]] = {}
+    for klass in reversed(cls.__mro__):
+        for attr, value in vars(klass).items():
+            if isinstance(value, (staticmethod, classmethod)) and _is_rpc(value.__func__):
+                raise ServiceDefinitionError(
+                    f"{klass.__qualname__}.{attr}: @rpc methods cannot be static or class methods"
+                )
+            if _is_rpc(value):
+                functions[attr] = value
+            elif attr in functions:
+                raise ServiceDefinitionError(
+                    f"{klass.__qualname__}.{attr} overrides an @rpc method without @rpc"
+                )
+    if not functions:
+        raise ServiceDefinitionError(f"{cls.__qualname__} has no @rpc methods")
+    ns = {**localns, **vars(cls), cls.__name__: cls}
+    methods: dict[str, MethodSpec] = {}
+    parts: list[dict[str, Any]] = []
+    for attr, fn in functions.items():
+        methods[attr], part = _build_method(name, attr, fn, ns)
+        parts.append(part)
+    return ServiceSpec(
+        name=name, methods=MappingProxyType(methods), fingerprint=_fingerprint(name, parts)
+    )
+
+
+# ------------------------------------------------------------------------ one method
+
+
+def _resolve_hints(fn: Callable[..., Any], where: str, ns: dict[str, Any]) -> dict[str, Any]:
+    globalns = getattr(fn, "__globals__", {})
+    try:
+        return typing.get_type_hints(fn, globalns=globalns, localns=ns, include_extras=True)
+    except Exception as exc:
+        # Find the annotation that failed, to name it.
+        for key, ann in fn.__annotations__.items():
+            if isinstance(ann, str):
+                try:
+                    eval(ann, globalns, ns)  # the same evaluation get_type_hints does
+                except Exception as inner:
+                    what = "the return annotation" if key == "return" else f"parameter '{key}'"
+                    raise ServiceDefinitionError(
+                        f"{where}: cannot resolve the type of {what} ({ann!r}): {inner}"
+                    ) from inner
+        raise ServiceDefinitionError(f"{where}: cannot resolve type hints: {exc}") from exc
+
+
+def _build_method(
+    service_name: str, attr: str, fn: Callable[..., Any], ns: dict[str, Any]
+) -> tuple[MethodSpec, dict[str, Any]]:
+    """Compile one method; also return its part of the fingerprint text."""
+    where = f"{service_name}.{attr}"
+    hints = _resolve_hints(fn, where, ns)
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())[1:]
+
+    ret = hints["return"]
+    while typing.get_origin(ret) is typing.Annotated:
+        ret = typing.get_args(ret)[0]
+    ret_origin = typing.get_origin(ret)
+    is_asyncgen = inspect.isasyncgenfunction(fn)
+    streams = ret_origin in _STREAM_ORIGINS
+    if is_asyncgen and not streams:
+        raise ServiceDefinitionError(
+            f"{where}: an async generator must be annotated '-> AsyncIterator[T]', not {_show(ret)}"
+        )
+    if streams and not is_asyncgen:
+        raise ServiceDefinitionError(
+            f"{where}: annotated {_show(ret)} but does not 'yield'; a streaming method "
+            "must be an async generator ('async def' with 'yield')"
+        )
+    if streams:
+        ret_args = typing.get_args(ret)
+        if not ret_args:
+            raise ServiceDefinitionError(f"{where}: write {_show(ret_origin)}[T], with T")
+        if (
+            ret_origin is AsyncGenerator
+            and len(ret_args) == 2
+            and ret_args[1] not in (None, type(None))
+        ):
+            raise ServiceDefinitionError(
+                f"{where}: a streaming method cannot receive values; use AsyncGenerator[T, None]"
+            )
+        result_tp = ret_args[0]
+    else:
+        result_tp = ret
+    result = compile_type(result_tp, where=f"{where} return type", localns=ns)
+
+    names: list[str] = []
+    kinds: list[str] = []
+    types_: list[CompiledType] = []
+    defaults: dict[str, object] = {}
+    default_reprs: dict[str, str] = {}
+    sig_parts: list[str] = []
+    for p in params:
+        pwhere = f"{where} parameter '{p.name}'"
+        node = compile_type(hints[p.name], where=pwhere, localns=ns)
+        names.append(p.name)
+        kinds.append(p.kind.name)
+        types_.append(node)
+        text = f"{p.name}: {node.description}"
+        if p.default is not _P.empty:
+            default_reprs[p.name] = _default_repr(p.default, pwhere)
+            try:
+                defaults[p.name] = node.fast_check(p.default)
+            except _Invalid as exc:
+                raise ServiceDefinitionError(
+                    f"{pwhere}: default {p.default!r} does not match its type: "
+                    f"{exc.message('default')}"
+                ) from None
+            text += f" = {default_reprs[p.name]}"
+        sig_parts.append(text)
+    signature = f"{attr}({', '.join(sig_parts)}) -> " + (
+        f"AsyncIterator[{result.description}]" if streams else result.description
+    )
+
+    n_posonly = sum(1 for p in params if p.kind is _P.POSITIONAL_ONLY)
+    encode = _make_encode(where, names, types_, defaults, n_posonly)
+    decode = _make_decode(where, names, types_, defaults)
+    rcheck = result.fast_check
+    rfrom = result.fast_from_wire
+
+    def check_result(value: object) -> object:
+        try:
+            return rcheck(value)
+        except _Invalid as exc:
+            raise exc.to_error(where, "result") from exc.cause
+        except RecursionError:
+            raise too_deep(where, "result") from None
+
+    def decode_result(wire: object) -> object:
+        try:
+            return rfrom(wire)
+        except _Invalid as exc:
+            raise exc.to_error(where, "result") from exc.cause
+        except RecursionError:
+            raise too_deep(where, "result") from None
+
+    qual = f"{service_name}_{attr}"
+    request_type = dataclasses.make_dataclass(
+        f"{qual}_Request",
+        [
+            (p.name, hints[p.name])
+            if p.default is _P.empty
+            else (p.name, hints[p.name], dataclasses.field(default=p.default))
+            for p in params
+        ],
+        frozen=True,
+        slots=True,
+    )
+    response_type = dataclasses.make_dataclass(
+        f"{qual}_Response",
+        [("value", result_tp)],
+        frozen=True,
+        slots=True,
+    )
+    # The generated types live beside the service (make_dataclass has no module= in 3.11).
+    for generated in (request_type, response_type):
+        generated.__module__ = fn.__module__
+        generated.__qualname__ = f"{service_name}.{attr}.{generated.__name__}"
+    method = MethodSpec(
+        service=service_name,
+        name=attr,
+        request_type=request_type,
+        response_type=response_type,
+        params=tuple(names),
+        streaming=streams,
+        is_async=inspect.iscoroutinefunction(fn) or is_asyncgen,
+        param_types=tuple(types_),
+        result_type=result,
+        defaults=MappingProxyType(defaults),
+        signature=signature,
+        encode_args=encode,
+        decode_args=decode,
+        check_result=check_result,
+        decode_result=decode_result,
+    )
+    part = {
+        "name": attr,
+        "params": [
+            [n, k, t.description, default_reprs.get(n)]
+            for n, k, t in zip(names, kinds, types_, strict=True)
+        ],
+        "returns": result.description,
+        "streaming": streams,
+    }
+    return method, part
+
+
+def _fingerprint(name: str, parts: list[dict[str, Any]]) -> str:
+    parts = sorted(parts, key=lambda d: str(d["name"]))
+    text = json.dumps(
+        {"format": _FINGERPRINT_VERSION, "service": name, "methods": parts},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _show(tp: object) -> str:
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return repr(tp).replace("typing.", "").replace("collections.abc.", "")
+
+
+def _default_repr(value: object, where: str) -> str:
+    """A stable text for a default; refuses mutable or untravelled defaults."""
+    if value is None or type(value) in (bool, int, str, bytes):
+        return repr(value)
+    if type(value) is float:
+        return repr(value)  # repr(float) is the shortest round-tripping text: stable
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}={_default_repr(value.value, where)}"
+    if type(value) is tuple:
+        inner = ", ".join(_default_repr(v, where) for v in value)
+        return f"({inner}{',' if len(value) == 1 else ''})"
+    kind = "mutable " if isinstance(value, (list, dict, set, bytearray)) else ""
+    raise ServiceDefinitionError(
+        f"{where}: unsupported {kind}default {value!r}; defaults must be None, bool, int, "
+        "float, str, bytes, Enum members or tuples of these (use None and fill it in the "
+        "handler for anything else)"
+    )
+
+
+# ------------------------------------------------------------- compiled hot-path code
+
+
+def _fixed_arity(convs: tuple[Converter, ...]) -> Callable[[Sequence[Any]], list[Any]]:
+    """Compile ``[convs[0](s[0]), ..., convs[n-1](s[n-1])]`` as straight-line code.
+
+    A comprehension over ``zip`` costs about three times as much for the usual two or
+    three parameters; dataclasses generates its ``__init__`` the same way. The source is
+    built from integers only.
+    """
+    n = len(convs)
+    if n > 32:
+        return lambda s: [c(v) for c, v in zip(convs, s, strict=True)]
+    body = ", ".join(f"c{i}(s[{i}])" for i in range(n))
+    namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
+    exec(f"def apply(s):\n    return [{body}]\n", namespace)
+    fn: Callable[[Sequence[Any]], list[Any]] = namespace["apply"]
+    return fn
+
+
+def _locate(
+    where: str, names: list[str], convs: tuple[Converter, ...], values: Sequence[Any]
+) -> ValidationError:
+    """After a rejection, find the offending parameter and build its error (cold path)."""
+    for i, (conv, v) in enumerate(zip(convs, values, strict=False)):
+        try:
+            conv(v)
+        except _Invalid as exc:
+            err = exc.to_error(where, f"req.{names[i]}")
+            err.__cause__ = exc.cause
+            return err
+    raise AssertionError("unreachable: converter is not deterministic")  # pragma: no cover
+
+
+def _make_encode(
+    where: str,
+    names: list[str],
+    types_: list[CompiledType],
+    defaults: dict[str, object],
+    n_posonly: int,
+) -> Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]]:
+    n = len(names)
+    checks = tuple(t.fast_check for t in types_)
+    fast = _fixed_arity(checks)
+    index = {name: i for i, name in enumerate(names)}
+    expected = [t.description for t in types_]
+
+    def bind_error(text: str, param: str = "") -> ValidationError:
+        i = index.get(param)
+        return ValidationError(
+            f"{where}: {text}",
+            method=where,
+            path=f"req.{param}" if param else "req",
+            expected=expected[i] if i is not None else "",
+        )
+
+    def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        if len(args) > n:
+            raise bind_error(f"takes {n} positional argument(s) but {len(args)} were given")
+        for key in kwargs:
+            i = index.get(key, -1)
+            if i < 0:
+                raise bind_error(f"got an unexpected keyword argument {key!r}")
+            if i < n_posonly:
+                raise bind_error(f"positional-only argument '{key}' passed by keyword", key)
+            if i < len(args):
+                raise bind_error(f"got multiple values for argument '{key}'", key)
+        values = list(args)
+        for i in range(len(args), n):
+            name = names[i]
+            if name in kwargs:
+                values.append(kwargs[name])
+            elif name in defaults:
+                values.append(_DEFAULT)
+            else:
+                raise bind_error(f"missing required argument '{name}'", name)
+        out: list[Any] = []
+        for i, v in enumerate(values):
+            if v is _DEFAULT:
+                out.append(defaults[names[i]])
+                continue
+            try:
+                out.append(checks[i](v))
+            except _Invalid:
+                raise _locate(where, names[i : i + 1], checks[i : i + 1], [v]) from None
+        return out
+
+    def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        if not kwargs and len(args) == n:
+            try:
+                return fast(args)
+            except _Invalid:
+                raise _locate(where, names, checks, args) from None
+            except RecursionError:
+                raise too_deep(where, "req") from None
+        try:
+            return bind(args, kwargs)
+        except RecursionError:
+            raise too_deep(where, "req") from None
+
+    return encode
+
+
+def _make_decode(
+    where: str,
+    names: list[str],
+    types_: list[CompiledType],
+    defaults: dict[str, object],
+) -> Callable[[object], list[Any]]:
+    n = len(names)
+    froms = tuple(t.fast_from_wire for t in types_)
+    fast = _fixed_arity(froms)
+
+    def slow(wire: object) -> list[Any]:
+        if type(wire) is not list and type(wire) is not tuple:
+            raise ValidationError(
+                f"{where}: req: expected an argument list, got {type(wire).__name__}",
+                method=where,
+                path="req",
+                expected="list",
+            )
+        assert isinstance(wire, (list, tuple))
+        if len(wire) > n:
+            raise ValidationError(
+                f"{where}: req: takes {n} argument(s) but {len(wire)} were sent",
+                method=where,
+                path="req",
+                expected=f"{n} arguments",
+            )
+        out: list[Any] = []
+        for i in range(n):
+            name = names[i]
+            if i < len(wire):
+                try:
+                    out.append(froms[i](wire[i]))
+                except _Invalid:
+                    raise _locate(where, names[i : i + 1], froms[i : i + 1], [wire[i]]) from None
+            elif name in defaults:
+                out.append(defaults[name])
+            else:
+                raise ValidationError(
+                    f"{where}: req.{name}: missing required argument '{name}'",
+                    method=where,
+                    path=f"req.{name}",
+                    expected=types_[i].description,
+                )
+        return out
+
+    def decode(wire: object) -> list[Any]:
+        if type(wire) is list and len(wire) == n:
+            try:
+                return fast(wire)
+            except _Invalid:
+                raise _locate(where, names, froms, wire) from None
+            except RecursionError:
+                raise too_deep(where, "req") from None
+        try:
+            return slow(wire)
+        except RecursionError:
+            raise too_deep(where, "req") from None
+
+    return decode
+
+
+class _DefaultMarker:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT: Any = _DefaultMarker()
