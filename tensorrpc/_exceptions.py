@@ -15,6 +15,7 @@ TensorRPCError
 │  │  └─ HandshakeRejectedError             the peer refused our HELLO / we refused theirs
 │  ├─ EngineDeadError                       the engine died or stopped answering heartbeats
 │  ├─ EnginesUnavailableError (+TimeoutError)   wait_for_engines() ran out of time
+│  ├─ PeerUnreachableError                  a ROUTER send named a peer that is not connected
 │  └─ TensorTransportError                  a tensor transport (e.g. torch_shm) failed
 ├─ CallError                                one call failed
 │  ├─ RemoteError                           the handler raised; carries the remote traceback
@@ -58,6 +59,7 @@ __all__ = [
     "LocalProtocolError",
     "MethodNotFoundError",
     "OverloadedError",
+    "PeerUnreachableError",
     "ProtocolError",
     "RemoteError",
     "RemoteProtocolError",
@@ -156,6 +158,15 @@ class EnginesUnavailableError(TransportError, TimeoutError):
         super().__init__(message)
         #: engine id -> reason, for every engine refused at handshake.
         self.rejected: dict[str, str] = dict(rejected or {})
+
+
+class PeerUnreachableError(TransportError):
+    """A ROUTER socket was asked to send to a routing id that is not connected (any more)."""
+
+    def __init__(self, message: str, *, peer: bytes = b"") -> None:
+        super().__init__(message)
+        #: The routing id the message was addressed to.
+        self.peer = peer
 
 
 class TensorTransportError(TransportError):

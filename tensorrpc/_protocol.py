@@ -1,0 +1,827 @@
+"""The wire protocol, sans-I/O: frames in, typed headers and bodies out.
+
+A tensorrpc message (after the routing-id frame a ROUTER socket adds or strips) is a list
+of frames ``[header, payload, *buffers]``; docs/protocol.md is the full specification.
+This module packs and unpacks the fixed header, encodes and decodes the msgpack bodies of
+the control kinds (HELLO, WELCOME, REJECT, BYE, CREDIT, ERROR), and checks the frame
+layout of every kind. Value-carrying payloads (CALL, RESULT, STREAM_ITEM) belong to
+``_codec``.
+
+Rules this module keeps:
+
+1. Nothing here performs I/O or imports zmq, asyncio, anyio or trio.
+2. Everything decoded from the wire is checked; any violation raises
+   :class:`~tensorrpc.RemoteProtocolError` and nothing else (ormsgpack errors included).
+3. Everything we are asked to encode is checked too; a violation raises
+   :class:`~tensorrpc.LocalProtocolError` before any byte is produced.
+4. Header packing and unpacking run once per message: they use one precompiled
+   ``struct.Struct`` and small bounded caches, and never copy payload or buffer frames.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum, IntFlag
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+import ormsgpack
+
+from tensorrpc._exceptions import (
+    LocalProtocolError,
+    RemoteProtocolError,
+    TensorRPCError,
+    error_from_wire,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from typing_extensions import Buffer
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_BUFFERS",
+    "MAX_CONTROL_BYTES",
+    "MAX_LIST_ITEMS",
+    "MAX_METHOD_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_TEXT_CHARS",
+    "MAX_TRACEBACK_CHARS",
+    "PROTOCOL_VERSION",
+    "Bye",
+    "ControlBody",
+    "Credit",
+    "ErrorInfo",
+    "Flags",
+    "Header",
+    "Hello",
+    "MessageKind",
+    "Reject",
+    "RejectReason",
+    "Welcome",
+    "decode_control",
+    "encode_control",
+    "encode_error",
+    "header_version",
+    "pack_call_header",
+    "pack_header",
+    "pack_reply_header",
+    "split_frames",
+    "unpack_header",
+]
+
+#: The protocol version this implementation speaks (header byte 2).
+PROTOCOL_VERSION: Final = 1
+#: First two bytes of every header frame.
+MAGIC: Final = b"TR"
+_HEADER = struct.Struct("<2sBBHHQI")
+#: Size in bytes of the fixed part of the header frame.
+HEADER_SIZE: Final = _HEADER.size
+#: Longest method name, in UTF-8 bytes, that may follow a CALL header.
+MAX_METHOD_BYTES: Final = 255
+#: Longest identifier-like string in a control body (ids, names, fingerprints, reasons).
+MAX_NAME_CHARS: Final = 1024
+#: Longest free-text string in a control body (``message`` fields).
+MAX_TEXT_CHARS: Final = 64 * 1024
+#: Longest ``traceback`` in an ERROR body.
+MAX_TRACEBACK_CHARS: Final = 1024 * 1024
+#: Most entries in a list field of a control body.
+MAX_LIST_ITEMS: Final = 4096
+#: Largest control payload frame accepted, in bytes.
+MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
+#: Default bound on the buffer frames after the payload of a value-carrying message.
+MAX_BUFFERS: Final = 1024
+
+_U16_MAX: Final = 0xFFFF
+_U32_MAX: Final = 0xFFFF_FFFF
+_U64_MAX: Final = 0xFFFF_FFFF_FFFF_FFFF
+_I64_MAX: Final = 0x7FFF_FFFF_FFFF_FFFF
+
+
+class MessageKind(IntEnum):
+    """What a message is; header byte 3 (see docs/protocol.md for directions)."""
+
+    #: engine → client: who I am (first message an engine sends on a connection).
+    HELLO = 1
+    #: client → engine: the HELLO is accepted.
+    WELCOME = 2
+    #: either way: the handshake is refused; the sender then forgets the peer.
+    REJECT = 3
+    #: client → engine: run a method; codec payload of the argument list (+ buffers).
+    CALL = 4
+    #: client → engine: stop the call with this ``call_id``; empty payload.
+    CANCEL = 5
+    #: engine → client: the call's return value; codec payload (+ buffers).
+    RESULT = 6
+    #: engine → client: the call failed; :class:`ErrorInfo` body.
+    ERROR = 7
+    #: engine → client: one item of a streaming call; codec payload (+ buffers).
+    STREAM_ITEM = 8
+    #: engine → client: a streaming call finished normally; empty payload.
+    STREAM_END = 9
+    #: either way: liveness probe; empty payload; ``call_id`` is an opaque nonce.
+    PING = 10
+    #: either way: answer to PING, echoing its ``call_id``; empty payload.
+    PONG = 11
+    #: either way: the sender is leaving; :class:`Bye` body.
+    BYE = 12
+    #: client → engine: the consumer of a stream took ``n`` more items; :class:`Credit` body.
+    CREDIT = 13
+
+
+class Flags(IntFlag):
+    """Header flag bits (header bytes 4-5); only CALL may set any."""
+
+    #: The CALL expects a stream (STREAM_ITEM… STREAM_END) instead of one RESULT.
+    STREAM = 1
+    #: Refuse with ``ErrorCode.OVERLOADED`` rather than queue when the engine is full.
+    NO_WAIT = 2
+
+
+_KNOWN_FLAGS: Final = int(Flags.STREAM | Flags.NO_WAIT)
+_NO_FLAGS: Final = Flags(0)
+
+
+class RejectReason:
+    """The ``reason`` codes a REJECT carries (plain strings on the wire)."""
+
+    #: Schema fingerprints differ.
+    FINGERPRINT: Final = "fingerprint"
+    #: Service names differ.
+    SERVICE: Final = "service"
+    #: Protocol versions differ.
+    VERSION: Final = "version"
+    #: Another live engine already uses this engine id.
+    DUPLICATE_ID: Final = "duplicate_id"
+    #: Anything else; ``message`` explains.
+    OTHER: Final = "other"
+
+
+_VALUE_KINDS: Final = frozenset({MessageKind.CALL, MessageKind.RESULT, MessageKind.STREAM_ITEM})
+_EMPTY_KINDS: Final = frozenset(
+    {MessageKind.CANCEL, MessageKind.STREAM_END, MessageKind.PING, MessageKind.PONG}
+)
+# Kinds whose call_id must be 0 (connection level) and kinds whose call_id must not be.
+_CONNECTION_KINDS: Final = frozenset(
+    {MessageKind.HELLO, MessageKind.WELCOME, MessageKind.REJECT, MessageKind.BYE}
+)
+_CALL_KINDS: Final = frozenset(
+    {
+        MessageKind.CALL,
+        MessageKind.CANCEL,
+        MessageKind.RESULT,
+        MessageKind.STREAM_ITEM,
+        MessageKind.STREAM_END,
+        MessageKind.CREDIT,
+    }
+)
+_KIND_BY_VALUE: Final = {int(k): k for k in MessageKind}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The decoded header frame of one message.
+
+    Args:
+        kind: What the message is.
+        call_id: The call it belongs to; 0 for connection-level kinds (HELLO, WELCOME,
+            REJECT, BYE; and ERROR about the connection rather than a call). PING/PONG
+            carry an opaque nonce.
+        flags: :class:`Flags`; only CALL may set any.
+        timeout_ms: CALL only: relative deadline in milliseconds, 0 for none.
+        method: CALL only: the method name (non-empty).
+    """
+
+    #: What the message is.
+    kind: MessageKind
+    #: Call id (u64), 0 for connection-level kinds.
+    call_id: int = 0
+    #: Flag bits, CALL only.
+    flags: Flags = _NO_FLAGS
+    #: Relative deadline in milliseconds (u32), CALL only; 0 means none.
+    timeout_ms: int = 0
+    #: Method name, CALL only.
+    method: str = ""
+
+
+# -- header packing ------------------------------------------------------------------------
+
+_pack = _HEADER.pack
+_unpack_from = _HEADER.unpack_from
+_CACHE_LIMIT: Final = 4096
+_method_bytes_cache: dict[str, bytes] = {}
+_method_name_cache: dict[bytes, str] = {}
+_reply_header_cache: dict[int, bytes] = {}
+_FLAGS_BY_VALUE: Final = {int(f): f for f in (Flags(v) for v in range(_KNOWN_FLAGS + 1))}
+
+# Building a frozen dataclass through its __init__ costs ~1 us (object.__setattr__ per
+# field); unpack_header runs once per message, so it fills the slots directly.
+_new_object = object.__new__
+_set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method = (
+    Header.__dict__[name].__set__ for name in ("kind", "call_id", "flags", "timeout_ms", "method")
+)
+
+
+def _make_header(
+    kind: MessageKind, call_id: int, flags: Flags, timeout_ms: int, method: str
+) -> Header:
+    header: Header = _new_object(Header)
+    _set_kind(header, kind)
+    _set_call_id(header, call_id)
+    _set_flags(header, flags)
+    _set_timeout_ms(header, timeout_ms)
+    _set_method(header, method)
+    return header
+
+
+def _method_bytes(method: str) -> bytes:
+    if type(method) is str:
+        encoded = _method_bytes_cache.get(method)
+        if encoded is not None:
+            return encoded
+    if not isinstance(method, str) or not method:
+        raise LocalProtocolError("a CALL needs a non-empty method name")
+    try:
+        encoded = method.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LocalProtocolError(f"method name {method!r} is not valid UTF-8") from exc
+    if len(encoded) > MAX_METHOD_BYTES:
+        raise LocalProtocolError(
+            f"method name is {len(encoded)} bytes long; the limit is {MAX_METHOD_BYTES}"
+        )
+    if len(_method_bytes_cache) < _CACHE_LIMIT:
+        _method_bytes_cache[method] = encoded
+    return encoded
+
+
+def _check_int(name: str, value: object, maximum: int) -> int:
+    if type(value) is not int and not isinstance(value, IntEnum | IntFlag):
+        raise LocalProtocolError(f"header {name} must be an int, not {type(value).__name__}")
+    if not 0 <= value <= maximum:
+        raise LocalProtocolError(f"header {name}={value} is out of range 0..{maximum}")
+    return int(value)
+
+
+def pack_call_header(call_id: int, method: str, flags: int = 0, timeout_ms: int = 0) -> bytes:
+    """Pack the header frame of a CALL (the hot path: no :class:`Header` object).
+
+    Args:
+        call_id: The call id, 1..2**64-1.
+        method: The method name (1..255 UTF-8 bytes).
+        flags: :class:`Flags` bits.
+        timeout_ms: Relative deadline in milliseconds (0 = none, at most 2**32-1).
+
+    Returns:
+        The header frame.
+
+    Raises:
+        LocalProtocolError: Any field is out of range or the method name is invalid.
+    """
+    name = _method_bytes(method)
+    if flags & ~_KNOWN_FLAGS:
+        raise LocalProtocolError(f"unknown flag bits 0x{int(flags) & ~_KNOWN_FLAGS:x}")
+    if call_id == 0:
+        raise LocalProtocolError("a CALL needs a non-zero call_id")
+    try:
+        return _pack(MAGIC, PROTOCOL_VERSION, 4, flags, 0, call_id, timeout_ms) + name
+    except struct.error as exc:
+        raise LocalProtocolError(
+            f"CALL header out of range (call_id={call_id!r}, timeout_ms={timeout_ms!r})"
+        ) from exc
+
+
+def pack_reply_header(kind: MessageKind, call_id: int = 0) -> bytes:
+    """Pack the header frame of any kind but CALL (no flags, no deadline, no method).
+
+    Headers with ``call_id == 0`` are cached, since they are identical every time.
+
+    Args:
+        kind: The message kind (not CALL).
+        call_id: The call id; must be non-zero for call-level kinds (CANCEL, RESULT,
+            STREAM_ITEM, STREAM_END, CREDIT) and zero for HELLO, WELCOME, REJECT and BYE.
+
+    Returns:
+        The header frame.
+
+    Raises:
+        LocalProtocolError: ``kind`` is CALL or unknown, or ``call_id`` does not fit it.
+    """
+    if call_id == 0:
+        cached = _reply_header_cache.get(kind)
+        if cached is not None:
+            return cached
+    kind = _check_kind_call_id(kind, call_id)
+    try:
+        packed = _pack(MAGIC, PROTOCOL_VERSION, kind, 0, 0, call_id, 0)
+    except struct.error as exc:
+        raise LocalProtocolError(f"call_id {call_id!r} is out of range") from exc
+    if call_id == 0:
+        _reply_header_cache[kind] = packed
+    return packed
+
+
+def _check_kind_call_id(kind: object, call_id: object) -> MessageKind:
+    if type(kind) is not MessageKind:
+        known = _KIND_BY_VALUE.get(kind) if type(kind) is int else None
+        if known is None:
+            raise LocalProtocolError(f"unknown message kind {kind!r}")
+        kind = known
+    if kind is MessageKind.CALL:
+        raise LocalProtocolError("use pack_call_header() for CALL headers")
+    _check_int("call_id", call_id, _U64_MAX)
+    if call_id != 0 and kind in _CONNECTION_KINDS:
+        raise LocalProtocolError(f"{kind.name} is connection-level: call_id must be 0")
+    if call_id == 0 and kind in _CALL_KINDS:
+        raise LocalProtocolError(f"{kind.name} needs a non-zero call_id")
+    return kind
+
+
+def pack_header(header: Header) -> bytes:
+    """Pack a :class:`Header` into its frame.
+
+    Args:
+        header: The header to pack.
+
+    Returns:
+        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name for CALL.
+
+    Raises:
+        LocalProtocolError: A field is out of range or does not fit the kind (a method,
+            flags or deadline on anything but CALL; a call id where none belongs, or none
+            where one is needed).
+    """
+    kind = header.kind
+    if kind is MessageKind.CALL:
+        _check_int("call_id", header.call_id, _U64_MAX)
+        _check_int("flags", header.flags, _U16_MAX)
+        _check_int("timeout_ms", header.timeout_ms, _U32_MAX)
+        return pack_call_header(header.call_id, header.method, header.flags, header.timeout_ms)
+    if header.method:
+        raise LocalProtocolError(f"{kind!r} carries no method name")
+    if header.flags:
+        raise LocalProtocolError(f"{kind!r} carries no flags")
+    if header.timeout_ms:
+        raise LocalProtocolError(f"{kind!r} carries no timeout")
+    return pack_reply_header(kind, header.call_id)
+
+
+# -- header unpacking ----------------------------------------------------------------------
+
+
+def header_version(frame: Buffer) -> int | None:
+    """Read only the protocol version of a header frame, without validating the rest.
+
+    The magic and the version byte keep their place in every protocol version, so a peer
+    can learn which version another speaks (and say so in a REJECT) even when it cannot
+    parse the rest.
+
+    Args:
+        frame: A header frame.
+
+    Returns:
+        The version byte, or None when the frame is too short or the magic is wrong.
+    """
+    view = memoryview(frame)
+    if view.nbytes < 3 or view.ndim != 1 or view.itemsize != 1 or view[:2].tobytes() != MAGIC:
+        return None
+    return int(view[2])
+
+
+def unpack_header(frame: Buffer) -> Header:
+    """Parse and validate a header frame.
+
+    Args:
+        frame: The first frame of a message (after any routing id).
+
+    Returns:
+        The decoded header.
+
+    Raises:
+        RemoteProtocolError: The frame is not a valid header of this protocol version:
+            truncated, wrong magic, unknown version, kind or flags, non-zero reserved
+            field, fields that do not fit the kind, or a bad method name.
+    """
+    try:
+        view = memoryview(frame)
+    except TypeError as exc:
+        raise RemoteProtocolError(f"header frame is not a buffer: {type(frame).__name__}") from exc
+    size = view.nbytes
+    if not view.c_contiguous:
+        raise RemoteProtocolError("header frame is not a contiguous buffer")
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    if size < HEADER_SIZE:
+        raise RemoteProtocolError(
+            f"truncated header: {size} bytes, at least {HEADER_SIZE} expected"
+        )
+    magic, version, kind_value, flags, reserved, call_id, timeout_ms = _unpack_from(view)
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): not tensorrpc")
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"unsupported protocol version {version} (this peer speaks {PROTOCOL_VERSION})"
+        )
+    kind = _KIND_BY_VALUE.get(kind_value)
+    if kind is None:
+        raise RemoteProtocolError(f"unknown message kind {kind_value}")
+    if reserved:
+        raise RemoteProtocolError(f"reserved header field is {reserved}, must be 0")
+    if kind is MessageKind.CALL:
+        if flags & ~_KNOWN_FLAGS:
+            raise RemoteProtocolError(f"unknown flag bits 0x{flags & ~_KNOWN_FLAGS:x} in CALL")
+        if call_id == 0:
+            raise RemoteProtocolError("CALL with call_id 0")
+        return _make_header(
+            kind, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, _method_name(view, size)
+        )
+    if size != HEADER_SIZE:
+        raise RemoteProtocolError(
+            f"{kind.name} header is {size} bytes; only CALL carries a method name"
+        )
+    if flags:
+        raise RemoteProtocolError(f"{kind.name} header has flags 0x{flags:x}; only CALL may")
+    if timeout_ms:
+        raise RemoteProtocolError(f"{kind.name} header has a timeout; only CALL may")
+    if call_id:
+        if kind in _CONNECTION_KINDS:
+            raise RemoteProtocolError(f"{kind.name} is connection-level but has call_id {call_id}")
+    elif kind in _CALL_KINDS:
+        raise RemoteProtocolError(f"{kind.name} with call_id 0")
+    return _make_header(kind, call_id, _NO_FLAGS, 0, "")
+
+
+def _method_name(view: memoryview, size: int) -> str:
+    length = size - HEADER_SIZE
+    if length == 0:
+        raise RemoteProtocolError("CALL without a method name")
+    if length > MAX_METHOD_BYTES:
+        raise RemoteProtocolError(
+            f"method name is {length} bytes long; the limit is {MAX_METHOD_BYTES}"
+        )
+    raw = view[HEADER_SIZE:].tobytes()
+    name = _method_name_cache.get(raw)
+    if name is not None:
+        return name
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RemoteProtocolError(f"method name {raw!r} is not valid UTF-8") from exc
+    if len(_method_name_cache) < _CACHE_LIMIT:
+        _method_name_cache[raw] = name
+    return name
+
+
+def split_frames(
+    frames: Sequence[Buffer], *, max_buffers: int = MAX_BUFFERS
+) -> tuple[Header, Buffer, Sequence[Buffer]]:
+    """Split one message into its header, payload and buffer frames, checking the layout.
+
+    The layout per kind: CALL, RESULT and STREAM_ITEM are ``[header, payload, *buffers]``
+    with a non-empty payload and at most ``max_buffers`` buffers; every other kind is
+    exactly ``[header, payload]``, and for CANCEL, STREAM_END, PING and PONG the payload is
+    empty. Nothing is copied: the payload and buffers are the frames themselves.
+
+    Args:
+        frames: The frames of one message, without the routing id.
+        max_buffers: Most buffer frames accepted after the payload.
+
+    Returns:
+        ``(header, payload, buffers)``.
+
+    Raises:
+        RemoteProtocolError: The header is invalid or the frame layout does not fit the kind.
+    """
+    count = len(frames)
+    if count < 2:
+        raise RemoteProtocolError(f"a message has at least 2 frames (header, payload); got {count}")
+    header = unpack_header(frames[0])
+    kind = header.kind
+    payload = frames[1]
+    if kind in _VALUE_KINDS:
+        if count - 2 > max_buffers:
+            raise RemoteProtocolError(
+                f"{kind.name} has {count - 2} buffer frames; the limit is {max_buffers}"
+            )
+        if _nbytes(payload) == 0:
+            raise RemoteProtocolError(f"{kind.name} with an empty payload")
+        return header, payload, frames[2:]
+    if count != 2:
+        raise RemoteProtocolError(
+            f"{kind.name} must have exactly 2 frames (header, payload); got {count}"
+        )
+    if kind in _EMPTY_KINDS and _nbytes(payload) != 0:
+        raise RemoteProtocolError(f"{kind.name} must have an empty payload")
+    return header, payload, ()
+
+
+def _nbytes(frame: Buffer) -> int:
+    try:
+        return memoryview(frame).nbytes
+    except TypeError as exc:
+        raise RemoteProtocolError(f"frame is not a buffer: {type(frame).__name__}") from exc
+
+
+# -- control bodies ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """HELLO body: what an engine says about itself when it joins a client."""
+
+    #: The engine's id, unique among the client's live engines.
+    engine_id: str
+    #: Service name.
+    service: str
+    #: Schema fingerprint of the service (hex).
+    fingerprint: str
+    #: Protocol version the engine speaks.
+    protocol_version: int
+    #: Identifies the host, to decide whether shared memory can be used.
+    host_id: str
+    #: The engine's process id.
+    pid: int
+    #: Tensor transports the engine can receive, by name.
+    transports: tuple[str, ...] = ()
+    #: How many calls the engine runs at once.
+    concurrency: int = 1
+    #: Interval at which the engine sends PINGs, in milliseconds.
+    heartbeat_ms: int = 1000
+    #: The service's method names.
+    methods: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """WELCOME body: the client accepts an engine's HELLO."""
+
+    #: The client's id (its routing identity, as text).
+    client_id: str
+    #: Identifies the client's host.
+    host_id: str
+    #: Tensor transports the client can receive, by name.
+    transports: tuple[str, ...] = ()
+    #: Interval at which the client sends PINGs, in milliseconds.
+    heartbeat_ms: int = 1000
+    #: Stream items an engine may send per stream before it needs CREDIT.
+    stream_window: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """REJECT body: the handshake is refused."""
+
+    #: One of :class:`RejectReason`'s codes (unknown codes are accepted and kept).
+    reason: str
+    #: Human-readable explanation naming what differs.
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """BYE body: the sender is leaving."""
+
+    #: Why, for logs ("shutdown", "closed", ...).
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """CREDIT body: the stream's consumer took ``n`` more items."""
+
+    #: Number of further items the engine may send (1..2**32-1).
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """ERROR body: why a call (or, with call_id 0, the connection) failed."""
+
+    #: An :class:`~tensorrpc.ErrorCode` value (unknown codes are kept as plain ints).
+    code: int
+    #: Qualified name of the remote exception type ("" when not applicable).
+    type: str = ""
+    #: Human-readable message.
+    message: str = ""
+    #: Formatted remote traceback text ("" when none).
+    traceback: str = field(default="", repr=False)
+
+    def to_exception(self) -> TensorRPCError:
+        """Build the local exception this error stands for (see ``error_from_wire``)."""
+        return error_from_wire(self.code, self.type, self.message, self.traceback)
+
+
+#: Any control-message body.
+ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo
+
+# Field schema per body class: (name, kind, limit). kind: "str" | "int" | "strs".
+_Field: TypeAlias = tuple[str, str, int]
+_SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
+    Hello: (
+        ("engine_id", "str", MAX_NAME_CHARS),
+        ("service", "str", MAX_NAME_CHARS),
+        ("fingerprint", "str", MAX_NAME_CHARS),
+        ("protocol_version", "int", 255),
+        ("host_id", "str", MAX_NAME_CHARS),
+        ("pid", "int", _I64_MAX),
+        ("transports", "strs", MAX_NAME_CHARS),
+        ("concurrency", "int", _U32_MAX),
+        ("heartbeat_ms", "int", _U32_MAX),
+        ("methods", "strs", MAX_METHOD_BYTES),
+    ),
+    Welcome: (
+        ("client_id", "str", MAX_NAME_CHARS),
+        ("host_id", "str", MAX_NAME_CHARS),
+        ("transports", "strs", MAX_NAME_CHARS),
+        ("heartbeat_ms", "int", _U32_MAX),
+        ("stream_window", "int", _U32_MAX),
+    ),
+    Reject: (("reason", "str", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
+    Bye: (("reason", "str", MAX_NAME_CHARS),),
+    Credit: (("n", "int", _U32_MAX),),
+    ErrorInfo: (
+        ("code", "int", _U16_MAX),
+        ("type", "str", MAX_NAME_CHARS),
+        ("message", "str", MAX_TEXT_CHARS),
+        ("traceback", "str", MAX_TRACEBACK_CHARS),
+    ),
+}
+_BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
+    MessageKind.HELLO: Hello,
+    MessageKind.WELCOME: Welcome,
+    MessageKind.REJECT: Reject,
+    MessageKind.BYE: Bye,
+    MessageKind.CREDIT: Credit,
+    MessageKind.ERROR: ErrorInfo,
+}
+_MIN_INT: Final = {"n": 1}  # CREDIT of 0 items means nothing and is refused
+
+
+def _check_field(
+    body: str, name: str, ftype: str, limit: int, value: object, error: type[TensorRPCError]
+) -> object:
+    where = f"{body}.{name}"
+    if ftype == "str":
+        if type(value) is not str:
+            raise error(f"{where} must be a string, not {type(value).__name__}")
+        if len(value) > limit:
+            raise error(f"{where} is {len(value)} characters long; the limit is {limit}")
+        return value
+    if ftype == "int":
+        if type(value) is not int and not isinstance(value, IntEnum):
+            raise error(f"{where} must be an integer, not {type(value).__name__}")
+        low = _MIN_INT.get(name, 0)
+        if not low <= value <= limit:
+            raise error(f"{where}={value} is out of range {low}..{limit}")
+        return int(value)
+    # "strs": a list of short strings
+    if not isinstance(value, list | tuple):
+        raise error(f"{where} must be a list of strings, not {type(value).__name__}")
+    if len(value) > MAX_LIST_ITEMS:
+        raise error(f"{where} has {len(value)} entries; the limit is {MAX_LIST_ITEMS}")
+    for i, item in enumerate(value):
+        if type(item) is not str:
+            raise error(f"{where}[{i}] must be a string, not {type(item).__name__}")
+        if len(item) > limit:
+            raise error(f"{where}[{i}] is {len(item)} characters long; the limit is {limit}")
+    return tuple(value)
+
+
+def _truncate(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    marker = "\n... [truncated]"
+    return text[: limit - len(marker)] + marker
+
+
+def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0) -> list[bytes]:
+    """Encode a control message (any kind but CALL, RESULT and STREAM_ITEM).
+
+    Args:
+        kind: The message kind.
+        body: The body dataclass matching ``kind`` (:class:`Hello` for HELLO, ...), or None
+            for CANCEL, STREAM_END, PING and PONG.
+        call_id: The call id for call-level kinds (CANCEL, STREAM_END, CREDIT, ERROR), the
+            nonce for PING/PONG, 0 otherwise.
+
+    Returns:
+        ``[header, payload]``; the payload is a msgpack map, or empty.
+
+    Raises:
+        LocalProtocolError: The kind is a value-carrying kind, or the body does not match
+            the kind, or a field has the wrong type or is over its limit.
+    """
+    if kind in _VALUE_KINDS:
+        raise LocalProtocolError(f"{kind.name} carries a codec payload, not a control body")
+    header = pack_reply_header(kind, call_id)
+    if kind in _EMPTY_KINDS:
+        if body is not None:
+            raise LocalProtocolError(f"{kind.name} carries no body")
+        return [header, b""]
+    expected = _BODY_BY_KIND[kind]
+    if type(body) is not expected:
+        raise LocalProtocolError(
+            f"{kind.name} needs a {expected.__name__} body, not {type(body).__name__}"
+        )
+    body_name = expected.__name__
+    wire: dict[str, object] = {}
+    for name, ftype, limit in _SCHEMAS[expected]:
+        wire[name] = _check_field(
+            body_name, name, ftype, limit, getattr(body, name), LocalProtocolError
+        )
+    try:
+        payload = ormsgpack.packb(wire)
+    except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
+        raise LocalProtocolError(f"cannot encode {body_name}: {exc}") from exc
+    if len(payload) > MAX_CONTROL_BYTES:
+        raise LocalProtocolError(
+            f"{body_name} encodes to {len(payload)} bytes; the limit is {MAX_CONTROL_BYTES}"
+        )
+    return [header, payload]
+
+
+def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
+    """Encode an ERROR message, truncating over-long text instead of failing.
+
+    An engine must always be able to report a failure, so ``message`` and ``traceback``
+    are cut to their limits (ending with a ``[truncated]`` marker).
+
+    Args:
+        call_id: The failed call's id, or 0 for an error about the connection.
+        info: What went wrong.
+
+    Returns:
+        ``[header, payload]``.
+
+    Raises:
+        LocalProtocolError: ``code`` or ``type`` is invalid.
+    """
+    if type(info.message) is str and type(info.traceback) is str:
+        message = _truncate(info.message, MAX_TEXT_CHARS)
+        traceback = _truncate(info.traceback, MAX_TRACEBACK_CHARS)
+        if message is not info.message or traceback is not info.traceback:
+            info = ErrorInfo(info.code, info.type, message, traceback)
+    try:
+        header = _pack(MAGIC, PROTOCOL_VERSION, MessageKind.ERROR, 0, 0, call_id, 0)
+    except struct.error as exc:
+        raise LocalProtocolError(f"call_id {call_id!r} is out of range") from exc
+    wire: dict[str, object] = {}
+    for name, ftype, limit in _SCHEMAS[ErrorInfo]:
+        wire[name] = _check_field(
+            "ErrorInfo", name, ftype, limit, getattr(info, name), LocalProtocolError
+        )
+    return [header, ormsgpack.packb(wire)]
+
+
+def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
+    """Decode the body of a control message.
+
+    Unknown map keys are ignored (so that later protocol revisions may add fields);
+    missing keys, wrong types and over-long values are errors.
+
+    Args:
+        header: The message's header (from :func:`unpack_header` or :func:`split_frames`).
+        payload: The payload frame.
+
+    Returns:
+        The body dataclass for HELLO, WELCOME, REJECT, BYE, CREDIT and ERROR; None for
+        CANCEL, STREAM_END, PING and PONG (whose payload must be empty).
+
+    Raises:
+        RemoteProtocolError: The payload is not a valid body for the header's kind (also
+            when the kind is CALL, RESULT or STREAM_ITEM, which carry codec payloads).
+    """
+    kind = header.kind
+    size = _nbytes(payload)
+    if kind in _EMPTY_KINDS:
+        if size:
+            raise RemoteProtocolError(f"{kind.name} must have an empty payload")
+        return None
+    cls = _BODY_BY_KIND.get(kind)
+    if cls is None:
+        raise RemoteProtocolError(f"{kind.name} carries a codec payload, not a control body")
+    body_name = cls.__name__
+    if size > MAX_CONTROL_BYTES:
+        raise RemoteProtocolError(
+            f"{kind.name} payload is {size} bytes; the limit is {MAX_CONTROL_BYTES}"
+        )
+    try:
+        wire = ormsgpack.unpackb(memoryview(payload))
+    except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
+        raise RemoteProtocolError(f"{kind.name} payload is not valid msgpack: {exc}") from exc
+    except TypeError as exc:
+        raise RemoteProtocolError(f"{kind.name} payload cannot be decoded: {exc}") from exc
+    if type(wire) is not dict:
+        raise RemoteProtocolError(
+            f"{kind.name} payload must be a msgpack map, not {type(wire).__name__}"
+        )
+    values: list[object] = []
+    for name, ftype, limit in _SCHEMAS[cls]:
+        try:
+            value = wire[name]
+        except KeyError:
+            raise RemoteProtocolError(f"{body_name} is missing the field {name!r}") from None
+        values.append(_check_field(body_name, name, ftype, limit, value, RemoteProtocolError))
+    body: ControlBody = cls(*values)
+    return body

@@ -1,0 +1,690 @@
+"""The only module that touches sockets: safe socket defaults and async send/recv on anyio.
+
+pyzmq's own ``zmq.asyncio`` does not run on trio, so :class:`AsyncSocket` wraps a plain
+(synchronous) pyzmq socket and waits through anyio on the socket's ``ZMQ_FD``. That file
+descriptor is *edge-triggered* and shared by reads and writes: it becomes readable when
+the socket's internal mailbox has commands, and any ``send``, ``recv`` or ``EVENTS`` read
+may consume that edge. The rules this module follows:
+
+1. Every operation is tried first with ``NOBLOCK``; only on ``zmq.Again`` do we wait.
+2. Before waiting on the FD we read ``EVENTS``; we never wait while it already shows the
+   condition we want (the classic lost wake-up).
+3. Only one task at a time waits on the FD (trio and anyio's asyncio backend refuse a
+   second waiter). Other tasks that need to wait park on an :class:`anyio.Event` that the
+   FD waiter sets whenever it wakes up.
+4. After every successful operation, if a task is parked on the FD, we read ``EVENTS`` and
+   wake that task if its condition became true (our operation may have eaten the edge).
+5. Multipart messages are atomic in ZMQ, so a ``NOBLOCK`` send or receive either moves the
+   whole message or nothing: a cancelled :meth:`AsyncSocket.send` sent all or nothing and
+   a cancelled :meth:`AsyncSocket.recv` lost nothing (all awaits happen before the
+   operation, or are shielded after it).
+6. Sockets are used from the event-loop thread only.
+
+All zmq errors are translated to tensorrpc errors in :func:`translate_zmq_error`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Self, cast
+
+import anyio
+import anyio.lowlevel
+import zmq
+
+from tensorrpc._exceptions import (
+    ClosedError,
+    ConnectError,
+    PeerUnreachableError,
+    TensorRPCError,
+    TransportError,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+    from types import TracebackType
+
+    from typing_extensions import Buffer
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "AsyncSocket",
+    "PendingSends",
+    "SocketOptions",
+    "create_socket",
+    "map_zmq_errors",
+    "translate_zmq_error",
+]
+
+_NOBLOCK: Final = zmq.NOBLOCK
+_EVENTS: Final = zmq.EVENTS
+_POLLIN: Final = zmq.POLLIN
+_POLLOUT: Final = zmq.POLLOUT
+# After this many operations in a row that did not have to wait, yield once to the event
+# loop so that a busy socket cannot starve the other tasks.
+_FAIRNESS_STREAK: Final = 32
+# When a ROUTER with ROUTER_MANDATORY reports POLLOUT (some peer has room) but the send to
+# *our* peer would block, the FD will not tell us when that peer drains; we re-try after
+# waiting on the FD at most this long (doubling up to the maximum).
+_PEER_FULL_BACKOFF_S: Final = 0.001
+_PEER_FULL_BACKOFF_MAX_S: Final = 0.05
+
+_CLOSED_ERRNOS: Final = frozenset({errno.ENOTSOCK, zmq.ETERM})
+_ENDPOINT_ERRNOS: Final = frozenset(
+    {
+        errno.EADDRINUSE,
+        errno.EADDRNOTAVAIL,
+        errno.EINVAL,
+        errno.ENOENT,
+        errno.ENAMETOOLONG,
+        errno.EACCES,
+        errno.ENODEV,
+        errno.ECONNREFUSED,
+        zmq.EPROTONOSUPPORT,
+        zmq.ENOCOMPATPROTO,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SocketOptions:
+    """Socket options applied by :func:`create_socket`; the defaults are the safe ones."""
+
+    #: Outgoing queue bound, in messages, per peer (0 would mean unlimited: avoid).
+    sndhwm: int = 10_000
+    #: Incoming queue bound, in messages, per peer.
+    rcvhwm: int = 10_000
+    #: Largest inbound frame ZMQ accepts; a peer sending more is disconnected.
+    #: ``-1`` disables the limit and must be asked for explicitly.
+    maxmsgsize: int = 1 << 32
+    #: How long ZMQ keeps trying to deliver queued messages (a last BYE or reply) after
+    #: ``close``, in milliseconds; closing itself never waits.
+    linger_ms: int = 100
+    #: Enable TCP keepalive on ``tcp://`` connections (no effect on ipc/inproc).
+    tcp_keepalive: bool = True
+    #: Seconds of idleness before the first keepalive probe.
+    tcp_keepalive_idle_s: int = 30
+    #: Seconds between keepalive probes.
+    tcp_keepalive_intvl_s: int = 10
+    #: Unanswered probes before the connection is dropped.
+    tcp_keepalive_cnt: int = 3
+    #: ROUTER only: sending to an unknown routing id raises
+    #: :class:`~tensorrpc.PeerUnreachableError` instead of dropping the message silently.
+    router_mandatory: bool = True
+    #: ROUTER only: a new connection with a live routing id takes it over (an engine
+    #: restarted under the same id before the old connection was noticed dead).
+    router_handover: bool = True
+    #: Buffers smaller than this many bytes are copied even when sending with
+    #: ``copy=False`` (zero-copy has a fixed cost that only pays off for large frames).
+    copy_threshold: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if self.maxmsgsize == 0 or self.maxmsgsize < -1:
+            raise ValueError("maxmsgsize must be positive, or -1 for no limit")
+        for name in ("sndhwm", "rcvhwm", "linger_ms", "copy_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+
+
+#: The default :class:`SocketOptions`.
+DEFAULT_OPTIONS: Final = SocketOptions()
+
+
+def translate_zmq_error(exc: zmq.ZMQError, what: str = "", *, peer: bytes = b"") -> TensorRPCError:
+    """Turn a pyzmq error into the tensorrpc error that describes it.
+
+    Args:
+        exc: The pyzmq error.
+        what: What was being done, for the message ("bind tcp://...").
+        peer: The routing id the failed send was addressed to, when known.
+
+    Returns:
+        :class:`~tensorrpc.PeerUnreachableError` for ``EHOSTUNREACH``;
+        :class:`~tensorrpc.ClosedError` when the socket or context was closed;
+        :class:`~tensorrpc.ConnectError` for bad or unavailable endpoints;
+        :class:`~tensorrpc.TransportError` for anything else.
+    """
+    code = exc.errno
+    prefix = f"{what}: " if what else ""
+    if code == errno.EHOSTUNREACH:
+        return PeerUnreachableError(
+            f"{prefix}peer {peer!r} is not connected (it left or never said hello)", peer=peer
+        )
+    if code in _CLOSED_ERRNOS:
+        return ClosedError(f"{prefix}the socket is closed ({exc.strerror})")
+    if code in _ENDPOINT_ERRNOS:
+        return ConnectError(f"{prefix}{exc.strerror}")
+    return TransportError(f"{prefix}{exc.strerror} (zmq errno {code})")
+
+
+@contextlib.contextmanager
+def map_zmq_errors(what: str = "", *, peer: bytes = b"") -> Iterator[None]:
+    """Translate pyzmq errors raised in the block (see :func:`translate_zmq_error`).
+
+    Args:
+        what: What the block does, for error messages.
+        peer: The routing id involved, when any.
+
+    Raises:
+        TensorRPCError: The translated error, chained to the pyzmq one.
+    """
+    try:
+        yield
+    except zmq.ZMQError as exc:
+        raise translate_zmq_error(exc, what, peer=peer) from exc
+
+
+def create_socket(
+    socket_type: int,
+    *,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    options: SocketOptions = DEFAULT_OPTIONS,
+    routing_id: bytes | None = None,
+) -> AsyncSocket:
+    """Create a socket with safe defaults and wrap it in an :class:`AsyncSocket`.
+
+    Args:
+        socket_type: ``zmq.ROUTER``, ``zmq.DEALER``, ...
+        context: The ZMQ context; the process-wide ``zmq.Context.instance()`` by default.
+        options: Socket options (HWMs, MAXMSGSIZE, linger, keepalive, ROUTER behaviour).
+        routing_id: This socket's routing id as its peers' ROUTERs will see it (1-255
+            bytes, not starting with a zero byte, which ZMQ reserves).
+
+    Returns:
+        The wrapped socket; close it with :meth:`AsyncSocket.aclose`.
+
+    Raises:
+        ValueError: ``routing_id`` is malformed.
+        TransportError: ZMQ refused to create or configure the socket.
+    """
+    if routing_id is not None:
+        _check_routing_id(routing_id)
+    ctx = context if context is not None else zmq.Context.instance()
+    with map_zmq_errors("create socket"):
+        sock = ctx.socket(socket_type)
+    try:
+        with map_zmq_errors("configure socket"):
+            sock.setsockopt(zmq.LINGER, options.linger_ms)
+            sock.setsockopt(zmq.SNDHWM, options.sndhwm)
+            sock.setsockopt(zmq.RCVHWM, options.rcvhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, options.maxmsgsize)
+            if options.tcp_keepalive:
+                sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, options.tcp_keepalive_idle_s)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, options.tcp_keepalive_intvl_s)
+                sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, options.tcp_keepalive_cnt)
+            if socket_type == zmq.ROUTER:
+                sock.setsockopt(zmq.ROUTER_MANDATORY, int(options.router_mandatory))
+                sock.setsockopt(zmq.ROUTER_HANDOVER, int(options.router_handover))
+            if routing_id is not None:
+                sock.setsockopt(zmq.ROUTING_ID, routing_id)
+            sock.copy_threshold = options.copy_threshold
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return AsyncSocket(sock)
+
+
+def _check_routing_id(routing_id: bytes) -> None:
+    if not isinstance(routing_id, bytes):
+        raise TypeError(f"routing ids are bytes, not {type(routing_id).__name__}")
+    if not 1 <= len(routing_id) <= 255:
+        raise ValueError(f"a routing id is 1 to 255 bytes long, not {len(routing_id)}")
+    if routing_id[0] == 0:
+        raise ValueError("a routing id must not start with a zero byte (reserved by ZMQ)")
+
+
+class AsyncSocket:
+    """A pyzmq socket driven from anyio (asyncio or trio), one per event-loop thread.
+
+    Any number of tasks may call :meth:`send` and :meth:`recv` concurrently; the socket
+    itself must only be used from the thread running the event loop.
+
+    Zero-copy: with ``copy=False`` (the default) buffers of at least ``copy_threshold``
+    bytes are handed to ZMQ without copying; ZMQ keeps a reference to them until it has
+    sent them, but **their contents must not change** until then. Send with
+    ``track=True`` and keep the owners of the memory (see :class:`PendingSends`) until
+    ``tracker.done``.
+
+    Args:
+        sock: A configured pyzmq socket (see :func:`create_socket`); this object owns it.
+    """
+
+    __slots__ = (
+        "_bound_files",
+        "_changed",
+        "_closed",
+        "_fd",
+        "_fd_mask",
+        "_fd_scope",
+        "_get",
+        "_recv_multipart",
+        "_send_multipart",
+        "_sock",
+        "_streak",
+        "_threshold",
+    )
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self._sock = sock
+        self._fd: int = sock.FD
+        self._get = cast("Callable[[int], int]", sock.get)
+        self._recv_multipart = sock.recv_multipart
+        self._send_multipart = sock.send_multipart
+        self._threshold: int = sock.copy_threshold
+        self._closed = False
+        self._fd_scope: anyio.CancelScope | None = None
+        self._fd_mask = 0
+        self._changed: anyio.Event | None = None  # created lazily, inside the event loop
+        self._streak = 0
+        # ipc:// files we bound, with (st_dev, st_ino) to only ever remove our own file.
+        self._bound_files: dict[str, tuple[int, int]] = {}
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        """The underlying pyzmq socket (for options; do not send or receive on it)."""
+        return self._sock
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` (or :meth:`close`) was called."""
+        return self._closed
+
+    @property
+    def socket_type(self) -> int:
+        """``zmq.ROUTER``, ``zmq.DEALER``, ..."""
+        return int(self._sock.get(zmq.TYPE))
+
+    # -- endpoints --------------------------------------------------------------------------
+
+    def bind(self, endpoint: str) -> str:
+        """Bind to ``endpoint`` and return the real endpoint.
+
+        ``tcp://127.0.0.1:0`` binds an ephemeral port and returns ``tcp://127.0.0.1:PORT``.
+        For ``ipc://PATH`` the socket file is removed again on close.
+
+        Args:
+            endpoint: ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``.
+
+        Returns:
+            The endpoint peers should connect to (read back from ``LAST_ENDPOINT``).
+
+        Raises:
+            ClosedError: The socket is closed.
+            ConnectError: The endpoint is malformed, in use or not available.
+        """
+        self._check_open()
+        with map_zmq_errors(f"bind {endpoint}"):
+            self._sock.bind(endpoint)
+            real = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if real.startswith("ipc://") and not real.startswith("ipc://@"):
+            path = real[len("ipc://") :]
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                self._bound_files[path] = (st.st_dev, st.st_ino)
+        return real
+
+    def connect(self, endpoint: str, *, peer_id: bytes | None = None) -> None:
+        """Connect to ``endpoint`` (ZMQ connects in the background and reconnects).
+
+        Args:
+            endpoint: ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``.
+            peer_id: ROUTER only: the routing id under which the peer at this endpoint
+                will be addressed (``CONNECT_ROUTING_ID``).
+
+        Raises:
+            ClosedError: The socket is closed.
+            ConnectError: The endpoint is malformed.
+            ValueError: ``peer_id`` is malformed.
+        """
+        self._check_open()
+        with map_zmq_errors(f"connect {endpoint}"):
+            if peer_id is not None:
+                _check_routing_id(peer_id)
+                self._sock.setsockopt(zmq.CONNECT_ROUTING_ID, peer_id)
+            self._sock.connect(endpoint)
+
+    def disconnect(self, endpoint: str) -> None:
+        """Undo :meth:`connect` for ``endpoint``.
+
+        Raises:
+            ClosedError: The socket is closed.
+            ConnectError: The socket is not connected to ``endpoint``.
+        """
+        self._check_open()
+        with map_zmq_errors(f"disconnect {endpoint}"):
+            self._sock.disconnect(endpoint)
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _prepare(
+        self, frames: Sequence[Buffer | zmq.Frame], track: bool, copy: bool
+    ) -> tuple[Sequence[Buffer | zmq.Frame], zmq.MessageTracker | None]:
+        if not track:
+            return frames, None
+        if copy:
+            return frames, zmq.MessageTracker()
+        parts: list[Buffer | zmq.Frame] = []
+        tracked: list[zmq.Frame] = []
+        threshold = self._threshold
+        for frame in frames:
+            if isinstance(frame, zmq.Frame):
+                parts.append(frame)
+                if frame.tracker is not None:
+                    tracked.append(frame)
+            elif memoryview(frame).nbytes < threshold:
+                parts.append(frame)  # copied by pyzmq: nothing to track
+            else:
+                tracked_frame = zmq.Frame(frame, track=True, copy=False)
+                parts.append(tracked_frame)
+                tracked.append(tracked_frame)
+        return parts, zmq.MessageTracker(*tracked)
+
+    def _send_once(self, parts: Sequence[Buffer | zmq.Frame], copy: bool) -> bool:
+        try:
+            self._send_multipart(parts, _NOBLOCK, copy=copy)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            peer = b""
+            if exc.errno == errno.EHOSTUNREACH and parts:
+                first = parts[0]
+                peer = first.bytes if isinstance(first, zmq.Frame) else bytes(first)
+            raise translate_zmq_error(exc, "send", peer=peer) from exc
+        return True
+
+    def send_nowait(
+        self, frames: Sequence[Buffer | zmq.Frame], *, track: bool = False, copy: bool = False
+    ) -> zmq.MessageTracker | None:
+        """Send one multipart message if that can be done without waiting.
+
+        Args:
+            frames: The message's frames (on a ROUTER the first is the peer's routing id).
+            track: Return a tracker that is done once ZMQ no longer needs the buffers.
+            copy: Copy every frame instead of referencing large buffers.
+
+        Returns:
+            The tracker when ``track`` is true, else None.
+
+        Raises:
+            anyio.WouldBlock: The message cannot be queued now (high-water mark).
+            ClosedError: The socket is closed.
+            PeerUnreachableError: ROUTER: no peer with that routing id is connected.
+            TransportError: Any other ZMQ failure.
+        """
+        self._check_open()
+        parts, tracker = self._prepare(frames, track, copy)
+        sent = self._send_once(parts, copy)
+        self._after_op()
+        if not sent:
+            raise anyio.WouldBlock
+        return tracker
+
+    async def send(
+        self, frames: Sequence[Buffer | zmq.Frame], *, track: bool = False, copy: bool = False
+    ) -> zmq.MessageTracker | None:
+        """Send one multipart message, waiting while the high-water mark is reached.
+
+        Cancellation-safe: if cancelled, either the whole message was sent or none of it.
+
+        Args:
+            frames: The message's frames (on a ROUTER the first is the peer's routing id).
+            track: Return a tracker that is done once ZMQ no longer needs the buffers.
+            copy: Copy every frame instead of referencing large buffers.
+
+        Returns:
+            The tracker when ``track`` is true, else None.
+
+        Raises:
+            ClosedError: The socket is closed (also while waiting).
+            PeerUnreachableError: ROUTER: no peer with that routing id is connected.
+            TransportError: Any other ZMQ failure.
+        """
+        self._check_open()
+        parts, tracker = self._prepare(frames, track, copy)
+        backoff = _PEER_FULL_BACKOFF_S
+        retried = False
+        while not self._send_once(parts, copy):
+            events = self._get(_EVENTS)
+            if events & _POLLOUT and retried:
+                # POLLOUT, yet the send failed twice: a ROUTER whose *other* peers have room.
+                # The FD will not announce when ours drains, so wait for it only a while.
+                await self._wait(_POLLOUT, events, patience=backoff)
+                backoff = min(backoff * 2, _PEER_FULL_BACKOFF_MAX_S)
+            else:
+                # With POLLOUT the failure may just have been stale state (reading EVENTS
+                # processed the peer's pending "room again" commands): retry at once.
+                retried = bool(events & _POLLOUT)
+                await self._wait(_POLLOUT, events)
+        self._after_op()
+        if self._streak >= _FAIRNESS_STREAK:
+            self._streak = 0
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+        return tracker
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def recv_nowait(self) -> list[zmq.Frame]:
+        """Receive one multipart message if one is waiting.
+
+        Returns:
+            The message's frames, not copied (on a ROUTER the first is the routing id).
+
+        Raises:
+            anyio.WouldBlock: No message is waiting.
+            ClosedError: The socket is closed.
+            TransportError: Any other ZMQ failure.
+        """
+        self._check_open()
+        try:
+            frames = self._recv_multipart(_NOBLOCK, copy=False)
+        except zmq.Again:
+            self._after_op()
+            raise anyio.WouldBlock from None
+        except zmq.ZMQError as exc:
+            raise translate_zmq_error(exc, "recv") from exc
+        self._after_op()
+        return frames
+
+    async def recv(self) -> list[zmq.Frame]:
+        """Receive one multipart message, waiting for it if needed.
+
+        Cancellation-safe: a cancelled receive has not taken a message off the socket.
+
+        Returns:
+            The message's frames, not copied (on a ROUTER the first is the routing id).
+            ``frame.buffer`` is a memoryview of a frame's bytes that keeps it alive.
+
+        Raises:
+            ClosedError: The socket is closed (also while waiting).
+            TransportError: Any other ZMQ failure.
+        """
+        self._check_open()
+        while True:
+            try:
+                frames = self._recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                await self._wait(_POLLIN, self._get(_EVENTS))
+                continue
+            except zmq.ZMQError as exc:
+                raise translate_zmq_error(exc, "recv") from exc
+            break
+        self._after_op()
+        if self._streak >= _FAIRNESS_STREAK:
+            self._streak = 0
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+        return frames
+
+    # -- waiting ----------------------------------------------------------------------------
+
+    def _after_op(self) -> None:
+        self._streak += 1
+        if self._fd_scope is not None:
+            self._poke(self._get(_EVENTS))
+
+    def _poke(self, events: int) -> None:
+        # Any operation (and any EVENTS read) may consume the FD's edge: if the task parked
+        # on the FD waits for something ``events`` shows, wake it to re-check.
+        scope = self._fd_scope
+        if scope is not None and events & self._fd_mask:
+            scope.cancel()
+
+    async def _wait(self, mask: int, events: int, patience: float | None = None) -> None:
+        """Wait until ``EVENTS & mask`` may be true; the caller then retries its operation.
+
+        Args:
+            mask: ``POLLIN`` or ``POLLOUT``.
+            events: ``EVENTS`` as read after the operation failed with ``Again``.
+            patience: Give up waiting after this many seconds (None: no limit).
+        """
+        self._streak = 0
+        self._poke(events)  # reading ``events`` may have eaten the FD waiter's edge
+        if patience is None and events & mask:
+            await anyio.lowlevel.checkpoint()
+            return
+        if self._closed:
+            raise ClosedError("the socket was closed")
+        if self._fd_scope is None:
+            with anyio.CancelScope() as scope:
+                if patience is not None:
+                    scope.deadline = anyio.current_time() + patience
+                self._fd_scope = scope
+                self._fd_mask = mask
+                try:
+                    await anyio.wait_readable(self._fd)
+                except Exception as exc:
+                    if self._closed:
+                        raise ClosedError("the socket was closed while waiting") from exc
+                    raise
+                finally:
+                    self._fd_scope = None
+                    self._fd_mask = 0
+                    self._wake_parked()
+        else:
+            self._fd_mask |= mask
+            changed = self._changed
+            if changed is None:
+                changed = self._changed = anyio.Event()
+            if patience is None:
+                await changed.wait()
+            else:
+                with anyio.move_on_after(patience):
+                    await changed.wait()
+        if self._closed:
+            raise ClosedError("the socket was closed while waiting")
+
+    def _wake_parked(self) -> None:
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
+
+    # -- closing ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the socket is closed")
+
+    def close(self) -> None:
+        """Close the socket now (synchronous form of :meth:`aclose`).
+
+        Must not be called while another task waits on this socket outside an event loop;
+        inside one, tasks waiting in :meth:`send`/:meth:`recv` get :class:`ClosedError`.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._fd_scope is not None:
+            anyio.notify_closing(self._fd)
+        self._wake_parked()
+        self._sock.close(linger=None)
+        for path, (dev, ino) in self._bound_files.items():
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    os.unlink(path)
+        self._bound_files.clear()
+
+    async def aclose(self) -> None:
+        """Close the socket, remove the ipc:// files it bound, wake its waiters.
+
+        Tasks waiting in :meth:`send` or :meth:`recv` raise :class:`~tensorrpc.ClosedError`.
+        Messages still queued are dropped after ``linger_ms``. Idempotent.
+        """
+        self.close()
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"fd={self._fd}"
+        return f"<AsyncSocket {state}>"
+
+
+class PendingSends:
+    """Keeps the memory of zero-copy sends alive until ZMQ is done with it.
+
+    The pattern of vLLM's ``add_pending_message``: after ``send(..., track=True)``, call
+    :meth:`add` with the tracker and the objects owning the sent buffers (tensors,
+    contiguous temporaries). Done entries are dropped cheaply on every :meth:`add`, so the
+    list stays as short as the number of messages ZMQ still holds.
+
+    Args:
+        max_scan: Scan the whole list for done entries once it grows past this many
+            entries since the last full scan (trackers usually finish in order, so the
+            cheap check from the oldest end is normally enough).
+    """
+
+    __slots__ = ("_items", "_next_scan", "_scan")
+
+    def __init__(self, *, max_scan: int = 64) -> None:
+        self._items: deque[tuple[zmq.MessageTracker, object]] = deque()
+        self._scan = max_scan
+        self._next_scan = max_scan
+
+    def add(self, tracker: zmq.MessageTracker | None, keepalive: object) -> None:
+        """Hold ``keepalive`` until ``tracker`` is done (nothing to do if it already is).
+
+        Args:
+            tracker: What :meth:`AsyncSocket.send` returned with ``track=True``.
+            keepalive: The objects owning the sent buffers (any object; a list is fine).
+        """
+        self.prune()
+        if tracker is not None and not tracker.done:
+            self._items.append((tracker, keepalive))
+
+    def prune(self) -> int:
+        """Drop the entries whose tracker is done.
+
+        Returns:
+            How many entries are still pending.
+        """
+        items = self._items
+        while items and items[0][0].done:
+            items.popleft()
+        if len(items) > self._next_scan:
+            self._items = items = deque(item for item in items if not item[0].done)
+            self._next_scan = len(items) + self._scan
+        return len(items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        """Forget every entry (only once the socket is closed and ZMQ holds nothing)."""
+        self._items.clear()
