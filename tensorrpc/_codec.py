@@ -1,0 +1,710 @@
+"""Values ⇄ ``[payload, *buffers]``: msgpack with out-of-band tensor buffers (sans-I/O).
+
+The payload is msgpack written by ormsgpack. Plain values (None, bool, int, float, str,
+bytes, list, tuple, dict with str keys, dataclass instances, Enum members) are ormsgpack's
+native types: dataclasses go as maps, enums as their value, tuples as arrays. Every
+``torch.Tensor`` and ``numpy.ndarray`` anywhere in the value becomes a msgpack **Ext**
+whose data is the msgpack array ``[dtype, shape, loc, ref]``:
+
+* ``dtype``: a stable name from an allowlist (``"float32"``, ``"bfloat16"``,
+  ``"float8_e4m3fn"``, ...);
+* ``shape``: a list of non-negative ints;
+* ``loc``: a :class:`Location`; ``ref`` is the raw bytes (``INLINE``), an index into the
+  buffers (``FRAME``) or ``[transport, handle]`` (``HANDLE``).
+
+Bytes are always C-contiguous and little-endian. Tensors below
+:attr:`CodecConfig.inline_threshold` bytes ride inline; the others become exactly one
+buffer each that references the tensor's memory (a contiguous CPU tensor is not copied),
+unless a :class:`~tensorrpc.transports.TensorPlacer` takes them. Decoding builds tensors on
+the received buffers without copying and validates every descriptor before touching memory.
+
+Per-call state lives in a small collector object (:class:`_Encoder` / :class:`_Decoder`)
+created for each call, never on the module. This module imports no I/O library.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import ormsgpack
+import torch
+
+from tensorrpc._exceptions import DecodeError, EncodeError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from typing_extensions import Buffer
+
+    from tensorrpc.transports._base import TensorPlacer, TensorResolver
+
+__all__ = [
+    "DEFAULT",
+    "CodecConfig",
+    "Encoded",
+    "ExtCode",
+    "Location",
+    "decode",
+    "encode",
+]
+
+
+class ExtCode(IntEnum):
+    """msgpack Ext type codes used by tensorrpc."""
+
+    #: A ``torch.Tensor``; decodes to a ``torch.Tensor``.
+    TORCH = 1
+    #: A ``numpy.ndarray``; decodes to a ``numpy.ndarray``.
+    NUMPY = 2
+
+
+class Location(IntEnum):
+    """Where a tensor's bytes are, third element of a tensor descriptor."""
+
+    #: ``ref`` is the raw bytes, inside the payload.
+    INLINE = 0
+    #: ``ref`` is an index into the message's buffers (one out-of-band frame per tensor).
+    FRAME = 1
+    #: ``ref`` is ``[transport, handle]``, resolved by a ``TensorResolver``.
+    HANDLE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CodecConfig:
+    """Limits and policies of the codec, the same on both ends of a connection."""
+
+    #: Tensors with ``nbytes`` below this go inline in the payload; the others go out of band.
+    inline_threshold: int = 512
+    #: Largest tensor accepted, in bytes, both directions.
+    max_tensor_bytes: int = 1 << 34
+    #: Most tensors (and out-of-band buffers) in one message.
+    max_tensors: int = 1024
+    #: Largest msgpack payload, in bytes, both directions.
+    max_payload_bytes: int = 1 << 28
+    #: On the frames and inline paths, copy non-CPU (e.g. CUDA) tensors to host memory;
+    #: when False such a tensor is an :class:`EncodeError`.
+    allow_cuda_copy: bool = False
+
+
+#: The configuration used when none is given.
+DEFAULT: Final = CodecConfig()
+
+
+@dataclass(slots=True)
+class Encoded:
+    """One encoded message: a msgpack payload and its out-of-band buffers."""
+
+    #: The msgpack frame.
+    payload: bytes
+    #: One 1-D byte ``memoryview`` per out-of-band tensor, referencing its memory.
+    buffers: list[memoryview] = field(default_factory=list)
+    #: Objects owning the memory of ``buffers`` (the tensors, or their contiguous/host
+    #: temporaries). Hold them until the transport is done with the buffers (ZMQ tracker).
+    keepalive: list[object] = field(default_factory=list)
+
+
+# Wire limits that do not depend on the configuration.
+_MAX_RANK: Final = 32
+#: Bound on prod(max(dim, 1)) * itemsize, so that no shape can overflow numpy/torch sizes.
+_MAX_EXTENT_BYTES: Final = 1 << 62
+_MAX_TRANSPORT_NAME: Final = 64
+_MAX_HANDLE_BYTES: Final = 4096
+
+#: An Ext code never used on the wire: decode appends ``Ext(_END_CODE, _END_NONCE)``
+#: after the payload to detect trailing bytes. The nonce is random per process, so a
+#: peer cannot forge the marker.
+_END_CODE: Final = 127
+_END_NONCE: Final = os.urandom(16)
+_END_MARK: Final = ormsgpack.packb(ormsgpack.Ext(_END_CODE, _END_NONCE))
+_END: Final = object()
+
+_TORCH: Final = int(ExtCode.TORCH)
+_NUMPY: Final = int(ExtCode.NUMPY)
+_INLINE: Final = int(Location.INLINE)
+_FRAME: Final = int(Location.FRAME)
+_HANDLE: Final = int(Location.HANDLE)
+
+
+def _build_torch_table() -> dict[str, torch.dtype]:
+    names = [
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex32",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+        "bits8",
+        "bits16",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+    ]
+    table: dict[str, torch.dtype] = {}
+    for name in names:
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            table[name] = dtype
+    return table
+
+
+#: Wire name -> torch dtype: the decode allowlist for ``ExtCode.TORCH``.
+_TORCH_DTYPES: Final = _build_torch_table()
+_TORCH_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+
+#: Wire name -> numpy dtype (native = little-endian; checked at import): ``ExtCode.NUMPY``.
+_NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {
+    name: np.dtype(name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
+_NUMPY_NAMES: Final = {dtype: name for name, dtype in _NUMPY_DTYPES.items()}
+#: numpy dtype -> torch dtype of the same bytes (all numeric numpy dtypes exist in torch).
+_NUMPY_TO_TORCH: Final = {dtype: _TORCH_DTYPES[name] for name, dtype in _NUMPY_DTYPES.items()}
+#: torch dtype -> the numpy dtype of the same bytes, where numpy has one.
+_TORCH_TO_NUMPY: Final = {
+    torch_dtype: np_dtype for np_dtype, torch_dtype in _NUMPY_TO_TORCH.items()
+}
+#: torch dtypes whose ``.numpy()`` buffer can be recast to bytes (single-char formats).
+_CASTABLE: Final = frozenset(
+    torch_dtype for np_dtype, torch_dtype in _NUMPY_TO_TORCH.items() if np_dtype.kind != "c"
+)
+#: Wire name -> (torch dtype, numpy dtype of the same bytes or None): ``ExtCode.TORCH``.
+_TORCH_DECODE: Final = {
+    name: (dtype, _TORCH_TO_NUMPY.get(dtype)) for name, dtype in _TORCH_DTYPES.items()
+}
+#: Wire name -> (torch dtype, numpy dtype): ``ExtCode.NUMPY``.
+_NUMPY_DECODE: Final = {
+    name: (_NUMPY_TO_TORCH[dtype], dtype) for name, dtype in _NUMPY_DTYPES.items()
+}
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian host to test on
+    raise ImportError("tensorrpc's codec needs a little-endian host")
+
+_STRIDED: Final = torch.strided
+_PACK_OPTIONS: Final = ormsgpack.OPT_PASSTHROUGH_DATETIME | ormsgpack.OPT_PASSTHROUGH_UUID
+
+
+def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+    """Return a C-contiguous CPU tensor with ``tensor``'s values and a byte view of it.
+
+    ``tensor`` is on the CPU and detached. The result is ``tensor`` itself when it is
+    already contiguous (no copy), else one contiguous temporary. The view is 1-D, format
+    ``"B"``, and keeps the tensor alive.
+    """
+    if tensor.numel() == 0:
+        return tensor, memoryview(b"")
+    if tensor.is_contiguous() and tensor.dtype in _CASTABLE:
+        # The cheapest zero-copy route (about 1 µs): numpy's buffer, recast to bytes.
+        # numpy() refuses tensors with the conj/neg bit set; those take the path below.
+        try:
+            return tensor, tensor.numpy().data.cast("B")
+        except RuntimeError:
+            pass
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
+    if not tensor.is_contiguous():
+        if tensor.dtype is torch.complex32:
+            # Allocating a complex32 tensor warns ("experimental"); copy its float16 pairs.
+            tensor = torch.view_as_real(tensor).contiguous()
+        else:
+            tensor = tensor.contiguous()
+    if tensor.dtype in _CASTABLE:
+        return tensor, tensor.numpy().data.cast("B")
+    # A contiguous tensor may still carry odd strides on size-1 dims, which view(uint8)
+    # refuses; as_strided gives the canonical 1-D view of the same memory.
+    flat = tensor.as_strided((tensor.numel(),), (1,))
+    return tensor, flat.view(torch.uint8).numpy().data
+
+
+class _Encoder:
+    """Per-call state of :func:`encode`: the ormsgpack ``default=`` hook and what it collects."""
+
+    __slots__ = ("_config", "_count", "_placer", "buffers", "error", "keepalive")
+
+    def __init__(self, config: CodecConfig, placer: TensorPlacer | None) -> None:
+        self._config = config
+        self._placer = placer
+        self._count = 0
+        self.buffers: list[memoryview] = []
+        self.keepalive: list[object] = []
+        #: The exception raised inside the hook (ormsgpack replaces it with a TypeError).
+        self.error: Exception | None = None
+
+    def default(self, obj: object) -> ormsgpack.Ext:
+        try:
+            if isinstance(obj, torch.Tensor):
+                return self._tensor(obj)
+            if isinstance(obj, np.ndarray):
+                return self._ndarray(obj)
+            raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
+        except Exception as exc:
+            self.error = exc
+            raise
+
+    def _check_count(self) -> None:
+        if self._count > self._config.max_tensors:
+            raise EncodeError(
+                f"message has more than max_tensors={self._config.max_tensors} tensors"
+            )
+
+    def _check_size(self, nbytes: int, shape: list[int]) -> None:
+        if len(shape) > _MAX_RANK:
+            raise EncodeError(
+                f"tensor of rank {len(shape)} is over the wire's limit of {_MAX_RANK}"
+            )
+        if nbytes > self._config.max_tensor_bytes:
+            raise EncodeError(
+                f"tensor of shape {shape} has {nbytes} bytes, over "
+                f"max_tensor_bytes={self._config.max_tensor_bytes}"
+            )
+
+    def _tensor(self, tensor: torch.Tensor) -> ormsgpack.Ext:
+        self._count += 1
+        if self._count > self._config.max_tensors:
+            self._check_count()
+        name = _TORCH_NAMES.get(tensor.dtype)
+        if name is None or tensor.layout is not _STRIDED or tensor.is_nested:
+            raise EncodeError(_tensor_kind_error(tensor))
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        shape = list(tensor.shape)
+        nbytes = tensor.nbytes
+        if nbytes > self._config.max_tensor_bytes or len(shape) > _MAX_RANK:
+            self._check_size(nbytes, shape)
+        if nbytes >= self._config.inline_threshold and self._placer is not None:
+            placed = self._placer.place(tensor)
+            if placed is not None:
+                self.keepalive.append(tensor)
+                return ormsgpack.Ext(_TORCH, _handle_descriptor(name, shape, placed))
+        if not tensor.is_cpu:
+            tensor = self._to_host(tensor)
+        owner, view = _host_bytes(tensor)
+        return ormsgpack.Ext(_TORCH, self._descriptor(name, shape, nbytes, owner, view))
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        device = tensor.device
+        if device.type == "cpu":
+            return tensor
+        if device.type == "meta":
+            raise EncodeError("cannot encode a tensor on the meta device: it has no data")
+        if not self._config.allow_cuda_copy:
+            raise EncodeError(
+                f"a tensor on device '{device}' must be copied to host memory to travel in "
+                "the payload or in a frame; pass CodecConfig(allow_cuda_copy=True) to allow "
+                "that copy, move it with .cpu() yourself, or use the torch_shm transport"
+            )
+        return tensor.to("cpu")
+
+    def _descriptor(
+        self, name: str, shape: list[int], nbytes: int, owner: object, view: memoryview
+    ) -> bytes:
+        if nbytes < self._config.inline_threshold:
+            return ormsgpack.packb([name, shape, _INLINE, view.tobytes()])
+        self.buffers.append(view)
+        self.keepalive.append(owner)
+        return ormsgpack.packb([name, shape, _FRAME, len(self.buffers) - 1])
+
+    def _ndarray(self, array: np.ndarray[Any, Any]) -> ormsgpack.Ext:
+        self._count += 1
+        self._check_count()
+        if isinstance(array, np.ma.MaskedArray):
+            raise EncodeError("cannot encode a numpy masked array; use .filled() or send the mask")
+        dtype = array.dtype
+        name = _NUMPY_NAMES.get(dtype)
+        if name is None:
+            if dtype.isnative or dtype.byteorder == "|" or dtype.fields is not None:
+                raise EncodeError(_numpy_dtype_error(dtype))
+            # Big-endian: the wire is little-endian, so convert (one copy).
+            native = dtype.newbyteorder("<")
+            name = _NUMPY_NAMES.get(native)
+            if name is None:
+                raise EncodeError(_numpy_dtype_error(dtype))
+            array = array.astype(native)
+        shape = list(array.shape)
+        nbytes = array.nbytes
+        self._check_size(nbytes, shape)
+        array = np.ascontiguousarray(array)
+        if array.ndim != len(shape):  # ascontiguousarray turns 0-d arrays into 1-d ones
+            array = array.reshape(shape)
+        if (
+            nbytes >= self._config.inline_threshold
+            and self._placer is not None
+            and array.flags.writeable
+        ):
+            placed = self._placer.place(torch.from_numpy(array))
+            if placed is not None:
+                self.keepalive.append(array)
+                return ormsgpack.Ext(_NUMPY, _handle_descriptor(name, shape, placed))
+        view = array.reshape(-1).view(np.uint8).data
+        return ormsgpack.Ext(_NUMPY, self._descriptor(name, shape, nbytes, array, view))
+
+
+def _handle_descriptor(name: str, shape: list[int], placed: object) -> bytes:
+    """The descriptor of a placed tensor; checks the placer's answer like a receiver would."""
+    if not (
+        isinstance(placed, tuple)
+        and len(placed) == 2
+        and type(placed[0]) is str
+        and 0 < len(placed[0]) <= _MAX_TRANSPORT_NAME
+        and type(placed[1]) is bytes
+        and len(placed[1]) <= _MAX_HANDLE_BYTES
+    ):
+        raise EncodeError(
+            f"a tensor placer returned {placed!r:.100}; expected (transport name of 1 to "
+            f"{_MAX_TRANSPORT_NAME} chars, handle of at most {_MAX_HANDLE_BYTES} bytes) or None"
+        )
+    return ormsgpack.packb([name, shape, _HANDLE, list(placed)])
+
+
+def _type_name(obj: object) -> str:
+    cls = type(obj)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _tensor_kind_error(tensor: torch.Tensor) -> str:
+    if tensor.is_quantized:
+        return f"cannot encode a quantized tensor ({tensor.dtype}); call .dequantize() first"
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        kind = "nested" if tensor.is_nested else str(tensor.layout)
+        return (
+            f"cannot encode a {kind} tensor; only dense (strided) tensors are supported "
+            "(call .to_dense() first)"
+        )
+    return f"cannot encode a tensor of unsupported dtype {tensor.dtype}"
+
+
+def _numpy_dtype_error(dtype: np.dtype[Any]) -> str:
+    if dtype.fields is not None:
+        what = "structured"
+    elif dtype.kind == "O":
+        what = "object"
+    elif dtype.kind in "SUa":
+        what = "string"
+    elif dtype.kind == "V":
+        what = "void"
+    elif dtype.kind in "fc":
+        return (
+            f"cannot encode a numpy array of dtype {dtype} ({dtype.itemsize} bytes): extended "
+            "precision has no portable byte layout; convert it to float64/complex128"
+        )
+    else:
+        what = "non-numeric"
+    return (
+        f"cannot encode a numpy array of {what} dtype {dtype!r}; only bool, int, uint, "
+        "float and complex arrays are supported"
+    )
+
+
+def encode(
+    value: object, config: CodecConfig = DEFAULT, *, placer: TensorPlacer | None = None
+) -> Encoded:
+    """Encode ``value`` into a msgpack payload and out-of-band tensor buffers.
+
+    Args:
+        value: Plain values (None, bool, int, float, str, bytes, list, tuple, dict with
+            str keys, dataclass instances, Enum members) with ``torch.Tensor`` and
+            ``numpy.ndarray`` anywhere inside.
+        config: Limits and policies.
+        placer: Offered every tensor at or above ``config.inline_threshold`` bytes; a
+            tensor it takes travels by handle, the others in a buffer of their own.
+
+    Returns:
+        The payload, one buffer per out-of-band tensor, and the objects that own the
+        buffers' memory (keep them alive until the buffers have been sent).
+
+    Raises:
+        EncodeError: Unsupported type or dtype, sparse/quantized/meta tensor, a device
+            tensor without ``allow_cuda_copy``, or a limit exceeded.
+        TensorTransportError: The placer failed.
+    """
+    encoder = _Encoder(config, placer)
+    try:
+        payload = ormsgpack.packb(value, default=encoder.default, option=_PACK_OPTIONS)
+    except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
+        if encoder.error is not None:
+            raise encoder.error from None
+        raise EncodeError(f"cannot encode value: {exc}") from exc
+    if encoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
+        raise encoder.error
+    if len(payload) > config.max_payload_bytes:
+        raise EncodeError(
+            f"payload of {len(payload)} bytes is over max_payload_bytes="
+            f"{config.max_payload_bytes} (lower inline_threshold or send less)"
+        )
+    return Encoded(payload, encoder.buffers, encoder.keepalive)
+
+
+def _check_shape(shape: object, itemsize: int) -> tuple[tuple[int, ...], int]:
+    """Validate a shape from the wire; return it as a tuple with its element count."""
+    if type(shape) is not list or len(shape) > _MAX_RANK:
+        raise DecodeError(f"tensor shape must be a list of at most {_MAX_RANK} ints")
+    numel = 1
+    extent = itemsize
+    for dim in shape:
+        if type(dim) is not int or dim < 0:
+            raise DecodeError(f"tensor shape {shape!r} must hold non-negative ints")
+        numel *= dim
+        if dim > 1:
+            extent *= dim
+            if extent > _MAX_EXTENT_BYTES:
+                raise DecodeError(f"tensor shape {shape!r} is too large")
+    return tuple(shape), numel
+
+
+def _byte_view(buffer: object) -> memoryview:
+    try:
+        view = memoryview(buffer)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise DecodeError(f"buffer of type {type(buffer).__qualname__} is not a buffer") from exc
+    if not view.c_contiguous:
+        raise DecodeError("buffer is not C-contiguous")
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    return view
+
+
+def _torch_on(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor on ``view``'s writable memory (no copy when it is aligned)."""
+    tensor = torch.frombuffer(view, dtype=dtype)
+    if tensor.data_ptr() % min(dtype.itemsize, 8):
+        tensor = torch.frombuffer(bytearray(view), dtype=dtype)
+    return tensor if len(shape) == 1 else tensor.view(shape)
+
+
+class _Decoder:
+    """Per-call state of :func:`decode`: the ormsgpack ``ext_hook`` and frame bookkeeping."""
+
+    __slots__ = ("_buffers", "_config", "_count", "_resolver", "error", "used")
+
+    def __init__(
+        self,
+        buffers: Sequence[Buffer],
+        config: CodecConfig,
+        resolver: TensorResolver | None,
+    ) -> None:
+        self._buffers = buffers
+        self._config = config
+        self._resolver = resolver
+        self._count = 0
+        #: Indices of the buffers referenced so far.
+        self.used: set[int] = set()
+        #: The exception raised inside the hook (ormsgpack replaces it with a ValueError).
+        self.error: Exception | None = None
+
+    def ext_hook(self, code: int, data: bytes) -> object:
+        try:
+            return self._ext(code, data)
+        except Exception as exc:
+            self.error = exc
+            raise
+
+    def _ext(self, code: int, data: bytes) -> object:
+        if code == _END_CODE and data == _END_NONCE:
+            return _END
+        if code != _TORCH and code != _NUMPY:
+            raise DecodeError(f"unknown msgpack ext code {code}")
+        self._count += 1
+        if self._count > self._config.max_tensors:
+            raise DecodeError(
+                f"message has more than max_tensors={self._config.max_tensors} tensors"
+            )
+        try:
+            desc = ormsgpack.unpackb(data)
+        except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
+            raise DecodeError(f"malformed tensor descriptor: {exc}") from exc
+        if type(desc) is not list or len(desc) != 4:
+            raise DecodeError("tensor descriptor must be [dtype, shape, loc, ref]")
+        dtype_name, raw_shape, loc, ref = desc
+        if type(dtype_name) is not str:
+            raise DecodeError("tensor dtype must be a string")
+        as_numpy = code == _NUMPY
+        entry = (_NUMPY_DECODE if as_numpy else _TORCH_DECODE).get(dtype_name)
+        if entry is None:
+            raise DecodeError(f"tensor dtype {dtype_name!r} is not allowed")
+        torch_dtype, np_dtype = entry
+        itemsize = torch_dtype.itemsize
+        shape, numel = _check_shape(raw_shape, itemsize)
+        nbytes = numel * itemsize
+        if nbytes > self._config.max_tensor_bytes:
+            raise DecodeError(
+                f"tensor of shape {list(shape)} has {nbytes} bytes, over "
+                f"max_tensor_bytes={self._config.max_tensor_bytes}"
+            )
+        if type(loc) is not int:
+            raise DecodeError("tensor location must be an int")
+        if loc == _HANDLE:
+            return self._resolve(ref, torch_dtype, shape, as_numpy)
+        if loc == _INLINE:
+            if type(ref) is not bytes:
+                raise DecodeError("inline tensor data must be bytes")
+            view = memoryview(ref)
+        elif loc == _FRAME:
+            view = self._frame(ref)
+        else:
+            raise DecodeError(f"unknown tensor location {loc}")
+        if view.nbytes != nbytes:
+            raise DecodeError(
+                f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
+                f"got {view.nbytes}"
+            )
+        if numel == 0:
+            if as_numpy:
+                return np.empty(shape, dtype=np_dtype)
+            return torch.empty(0, dtype=torch.uint8).view(torch_dtype).reshape(shape)
+        if view.readonly:
+            # torch has no read-only tensors (frombuffer would warn and hand out a tensor
+            # that can write to immutable memory), so copy once; numpy follows suit.
+            view = memoryview(bytearray(view))
+        if np_dtype is None or (not as_numpy and len(shape) == 1):
+            return _torch_on(view, torch_dtype, shape)
+        array: np.ndarray[Any, Any] = np.frombuffer(view, dtype=np_dtype)
+        if not array.flags.aligned:
+            array = np.frombuffer(bytearray(view), dtype=np_dtype)
+        array = array.reshape(shape)
+        return array if as_numpy else torch.from_numpy(array)
+
+    def _frame(self, ref: object) -> memoryview:
+        if type(ref) is not int or not 0 <= ref < len(self._buffers):
+            raise DecodeError(
+                f"tensor frame index {ref!r} out of range ({len(self._buffers)} buffers)"
+            )
+        if ref in self.used:
+            raise DecodeError(f"tensor frame {ref} referenced twice")
+        self.used.add(ref)
+        return _byte_view(self._buffers[ref])
+
+    def _resolve(
+        self,
+        ref: object,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        as_numpy: bool,
+    ) -> object:
+        if type(ref) is not list or len(ref) != 2:
+            raise DecodeError("tensor handle must be [transport, handle]")
+        transport, handle = ref
+        if type(transport) is not str or not 0 < len(transport) <= _MAX_TRANSPORT_NAME:
+            raise DecodeError("tensor transport name must be a short non-empty string")
+        if type(handle) is not bytes or len(handle) > _MAX_HANDLE_BYTES:
+            raise DecodeError(f"tensor handle must be at most {_MAX_HANDLE_BYTES} bytes")
+        if self._resolver is None:
+            raise DecodeError(
+                f"tensor sent by handle through transport {transport!r}, but no resolver "
+                "was given to decode()"
+            )
+        tensor = self._resolver.resolve(transport, handle, dtype, shape)
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.dtype != dtype
+            or tuple(tensor.shape) != shape
+        ):
+            raise DecodeError(
+                f"transport {transport!r} resolved a handle to the wrong tensor "
+                f"(expected {dtype} {list(shape)})"
+            )
+        if not as_numpy:
+            return tensor
+        if tensor.device.type != "cpu":
+            raise DecodeError(f"transport {transport!r} resolved a numpy array off the CPU")
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        return tensor.numpy()
+
+
+def decode(
+    payload: Buffer,
+    buffers: Sequence[Buffer] = (),
+    config: CodecConfig = DEFAULT,
+    *,
+    resolver: TensorResolver | None = None,
+) -> Any:
+    """Decode a payload and its out-of-band buffers back into a value.
+
+    Tensors sent in frames are built on ``buffers`` without copying when a buffer is
+    writable (``zmq.Frame`` received with ``copy=False`` is; pass ``frame.buffer`` or the
+    frame itself); a read-only buffer (``bytes``) is copied once, because torch has no
+    read-only tensors. Each decoded tensor keeps its buffer alive.
+
+    Args:
+        payload: The msgpack frame.
+        buffers: The out-of-band frames, in order; each must be referenced exactly once.
+        config: Limits (must match the sender's for the sizes it may send).
+        resolver: Resolves tensors sent by handle; without one a handle is a DecodeError.
+
+    Returns:
+        The value: lists for arrays (tuples come back as lists), dicts for maps
+        (dataclasses come back as dicts), ``torch.Tensor`` / ``numpy.ndarray`` for tensors.
+
+    Raises:
+        DecodeError: Malformed msgpack, a bad descriptor, a dtype not allowed, sizes that
+            do not match or exceed the limits, bad frame indices, unreferenced buffers.
+        TensorTransportError: The resolver failed.
+    """
+    try:
+        view = memoryview(payload)
+    except TypeError as exc:
+        raise DecodeError(f"payload of type {type(payload).__qualname__} is not a buffer") from exc
+    if view.nbytes > config.max_payload_bytes:
+        raise DecodeError(
+            f"payload of {view.nbytes} bytes is over max_payload_bytes={config.max_payload_bytes}"
+        )
+    if len(buffers) > config.max_tensors:
+        raise DecodeError(
+            f"message has {len(buffers)} buffers, more than max_tensors={config.max_tensors}"
+        )
+    if view.ndim != 1 or view.itemsize != 1:
+        view = _byte_view(view)
+    decoder = _Decoder(buffers, config, resolver)
+    # ormsgpack ignores bytes after the first object; frame the payload as the array
+    # [payload, END] so that anything after the object (or a truncated object) fails.
+    framed = b"".join((b"\x92", view, _END_MARK))
+    try:
+        framed_value = ormsgpack.unpackb(framed, ext_hook=decoder.ext_hook)
+    except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
+        if decoder.error is not None:
+            raise decoder.error from None
+        raise DecodeError(f"malformed msgpack payload: {exc}") from exc
+    if decoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
+        raise decoder.error
+    if framed_value[1] is not _END:
+        raise DecodeError("trailing bytes after the msgpack payload")
+    if len(decoder.used) != len(buffers):
+        raise DecodeError(f"message has {len(buffers)} buffers but references {len(decoder.used)}")
+    return framed_value[0]

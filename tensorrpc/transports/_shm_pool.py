@@ -1,0 +1,359 @@
+"""Memory plumbing for the ``torch_shm`` transport: mappings, memfd segments, buffer reuse.
+
+Three pieces, none of which knows about handles or the wire:
+
+* :func:`map_shared` maps a file descriptor with ``mmap(2)`` through ctypes and returns a
+  ``uint8`` tensor over the mapping. The mapping is unmapped when the last tensor viewing
+  it dies, and it holds **no file descriptor** (Python's :class:`mmap.mmap` keeps a
+  ``dup()`` of the descriptor open for as long as it lives, which would cost one
+  descriptor per received tensor).
+* :class:`SegmentPool` owns ``memfd_create(2)`` segments (nothing is ever named in
+  ``/dev/shm``, so nothing can be left there, even after ``kill -9``) and hands out
+  64-byte aligned regions of them with a first-fit free list. Segments are kept and reused:
+  creating and faulting in a fresh segment per transfer costs several times the copy.
+* :class:`BufferCache` recycles the receiver's private destination buffers for large
+  tensors: when the user drops a received tensor its pages go back to a free list instead
+  of to the kernel, so the next copy-out writes to pages that are already faulted in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import fcntl
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "PAGE_SIZE",
+    "REGION_ALIGN",
+    "REGION_HEADER",
+    "BufferCache",
+    "Segment",
+    "SegmentPool",
+    "map_shared",
+    "memfd_device",
+]
+
+#: Memory page size; window mappings start on a page boundary.
+PAGE_SIZE = mmap.PAGESIZE
+#: Every pool region starts and ends on this boundary (a cache line).
+REGION_ALIGN = 64
+#: Bytes in front of each pool region's data: a little-endian u64 tag, then padding.
+REGION_HEADER = 64
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _mmap(fd: int, length: int, offset: int, flags: int) -> int:
+    addr = _libc.mmap(None, length, _PROT_RW, flags, fd, offset)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap failed: {os.strerror(err)}")
+    return int(addr)
+
+
+class _Unmapper:
+    """Unmaps (or recycles) one mapping when the ctypes array holding it dies."""
+
+    __slots__ = ("addr", "length", "recycle")
+
+    def __init__(self, addr: int, length: int, recycle: Callable[[int, int], bool] | None) -> None:
+        self.addr = addr
+        self.length = length
+        self.recycle = recycle
+
+    def __del__(self) -> None:
+        try:
+            if self.recycle is not None and self.recycle(self.addr, self.length):
+                return
+            _libc.munmap(self.addr, self.length)
+        except Exception:  # pragma: no cover - interpreter shutdown: the OS unmaps anyway
+            pass
+
+
+def _tensor_over(
+    addr: int, length: int, recycle: Callable[[int, int], bool] | None = None
+) -> torch.Tensor:
+    """A uint8 tensor over ``length`` bytes at ``addr`` that owns the mapping."""
+    array = (ctypes.c_char * length).from_address(addr)
+    # The tensor keeps `array` alive and `array` keeps the unmapper alive: the memory goes
+    # away exactly when the last view of it does, never earlier.
+    array._tensorrpc_unmapper = _Unmapper(addr, length, recycle)  # type: ignore[attr-defined]
+    return torch.frombuffer(array, dtype=torch.uint8)
+
+
+def map_shared(fd: int, length: int, offset: int = 0, *, populate: bool = False) -> torch.Tensor:
+    """Map ``length`` bytes of ``fd`` from ``offset`` (a page multiple), shared and writable.
+
+    Args:
+        fd: an open file descriptor; it may be closed as soon as this returns.
+        length: bytes to map (> 0).
+        offset: file offset, a multiple of :data:`PAGE_SIZE`.
+        populate: fault every page in now (one system call instead of one fault per page).
+
+    Returns:
+        A ``uint8`` tensor over the mapping; the mapping lives as long as it or any view.
+
+    Raises:
+        OSError: the kernel refused the mapping.
+    """
+    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    return _tensor_over(_mmap(fd, length, offset, flags), length)
+
+
+def memfd_device() -> int:
+    """The ``st_dev`` shared by every (non-hugetlb) memfd on this kernel."""
+    fd = os.memfd_create("tensorrpc-probe", os.MFD_CLOEXEC)
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class Segment:
+    """One sealed memfd, mapped once, carved into regions by a first-fit free list."""
+
+    __slots__ = ("dev", "fd", "free", "ino", "name", "size", "used", "view")
+
+    def __init__(self, name: str, size: int) -> None:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            # A peer that maps this segment must never see it shrink under its feet
+            # (SIGBUS): seal the size for good.
+            fcntl.fcntl(
+                fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            )
+            st = os.fstat(fd)
+            view = map_shared(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        #: memfd name (shown as ``/memfd:<name> (deleted)`` in ``/proc/<pid>/fd``).
+        self.name = name
+        self.fd = fd
+        self.size = size
+        self.dev = st.st_dev
+        self.ino = st.st_ino
+        #: ``uint8`` tensor over the whole segment.
+        self.view = view
+        #: Free ranges as ``[offset, size]`` pairs, sorted by offset, never adjacent.
+        self.free: list[list[int]] = [[0, size]]
+        self.used = 0
+
+    def alloc(self, n: int) -> int | None:
+        """Take ``n`` bytes (a multiple of :data:`REGION_ALIGN`); return the offset or None."""
+        for i, block in enumerate(self.free):
+            off, size = block
+            if size >= n:
+                if size == n:
+                    del self.free[i]
+                else:
+                    block[0] = off + n
+                    block[1] = size - n
+                self.used += n
+                return off
+        return None
+
+    def release(self, off: int, n: int) -> None:
+        """Give back a range taken by :meth:`alloc`, merging it with free neighbours."""
+        self.used -= n
+        i = bisect.bisect_left(self.free, [off, 0])
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == off:
+            self.free[i - 1][1] += n
+            if i < len(self.free) and self.free[i - 1][0] + self.free[i - 1][1] == self.free[i][0]:
+                self.free[i - 1][1] += self.free[i][1]
+                del self.free[i]
+        elif i < len(self.free) and off + n == self.free[i][0]:
+            self.free[i][0] = off
+            self.free[i][1] += n
+        else:
+            self.free.insert(i, [off, n])
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping goes when the last view of it does."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.view = torch.empty(0, dtype=torch.uint8)
+
+
+class SegmentPool:
+    """Sender-side pool of reusable memfd segments (not thread-safe: the caller locks).
+
+    Args:
+        prefix: memfd name prefix; segments are named ``<prefix><pid>-<n>``.
+        segment_bytes: size of an ordinary segment; larger requests get a segment of their
+            own, rounded up to 2 MiB.
+        max_bytes: the pool never holds more than this in segments (busy or idle).
+        keep_bytes: idle segments beyond this total are closed as soon as they empty.
+    """
+
+    def __init__(self, prefix: str, *, segment_bytes: int, max_bytes: int, keep_bytes: int) -> None:
+        self.prefix = prefix
+        self.segment_bytes = segment_bytes
+        self.max_bytes = max_bytes
+        self.keep_bytes = keep_bytes
+        self.segments: list[Segment] = []
+        self._seq = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes in all segments, busy or idle."""
+        return sum(s.size for s in self.segments)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in regions currently handed out."""
+        return sum(s.used for s in self.segments)
+
+    def allocate(self, nbytes: int) -> tuple[Segment, int, int] | None:
+        """A region with room for a header and ``nbytes`` of data.
+
+        Returns:
+            ``(segment, region offset, region size)``, or None when the pool is at
+            ``max_bytes`` and nothing fits.
+
+        Raises:
+            OSError: creating a segment failed (out of memory, descriptor limit).
+        """
+        n = REGION_HEADER + _round_up(max(nbytes, 1), REGION_ALIGN)
+        for seg in self.segments:
+            off = seg.alloc(n)
+            if off is not None:
+                return seg, off, n
+        size = self.segment_bytes if n <= self.segment_bytes else _round_up(n, 2 << 20)
+        if self.total_bytes + size > self.max_bytes:
+            self._trim(0)
+            if self.total_bytes + size > self.max_bytes:
+                return None
+        self._seq += 1
+        seg = Segment(f"{self.prefix}{os.getpid()}-{self._seq}", size)
+        self.segments.append(seg)
+        off = seg.alloc(n)
+        assert off is not None
+        return seg, off, n
+
+    def release(self, seg: Segment, off: int, n: int) -> None:
+        """Return a region; close idle segments beyond ``keep_bytes``."""
+        seg.release(off, n)
+        if seg.used == 0 and self.total_bytes > self.keep_bytes:
+            self._trim(self.keep_bytes)
+
+    def _trim(self, keep: int) -> None:
+        total = self.total_bytes
+        for seg in list(self.segments):
+            if total <= keep:
+                break
+            if seg.used == 0 and seg in self.segments:
+                self.segments.remove(seg)
+                total -= seg.size
+                seg.close()
+
+    def close(self) -> None:
+        """Close every segment (views still held elsewhere keep their mapping)."""
+        for seg in self.segments:
+            seg.close()
+        self.segments.clear()
+
+    def abandon(self) -> None:
+        """After ``fork()``: the child must not allocate from its parent's segments."""
+        self.close()
+
+
+def _size_class(n: int) -> int:
+    """Round up to a page, then to the next of 4 steps per power of two (<= 25% waste)."""
+    n = _round_up(n, PAGE_SIZE)
+    top = 1 << (n.bit_length() - 1)
+    step = max(top // 4, PAGE_SIZE)
+    return _round_up(n, step)
+
+
+class BufferCache:
+    """Recycled anonymous buffers for the receiver's copies of large tensors.
+
+    A buffer handed out by :meth:`empty` belongs to the tensor built on it. When that tensor
+    (and every view of it) dies, the pages come back here, up to ``max_idle_bytes``, and the
+    next tensor of a similar size reuses them. Thread-safe; buffers may die in any thread.
+
+    Args:
+        max_idle_bytes: idle buffers kept for reuse; beyond this they are unmapped.
+        min_bytes: smaller tensors use torch's allocator (malloc recycles those already).
+    """
+
+    def __init__(self, *, max_idle_bytes: int, min_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.min_bytes = min_bytes
+        self._lock = threading.RLock()
+        self._free: dict[int, list[int]] = {}
+        self._idle = 0
+        self._closed = False
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes held for reuse right now."""
+        return self._idle
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A fresh (uninitialised) contiguous ``uint8`` tensor of ``nbytes``."""
+        if nbytes < self.min_bytes or self.max_idle_bytes <= 0:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        size = _size_class(nbytes)
+        addr = None
+        with self._lock:
+            stack = self._free.get(size)
+            if stack:
+                addr = stack.pop()
+                self._idle -= size
+        if addr is None:
+            addr = _mmap(-1, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return _tensor_over(addr, size, self._recycle)[:nbytes]
+
+    def _recycle(self, addr: int, length: int) -> bool:
+        with self._lock:
+            if self._closed or self._idle + length > self.max_idle_bytes:
+                return False
+            self._free.setdefault(length, []).append(addr)
+            self._idle += length
+            return True
+
+    def clear(self) -> None:
+        """Unmap every idle buffer."""
+        with self._lock:
+            free, self._free = self._free, {}
+            self._idle = 0
+        for length, addrs in free.items():
+            for addr in addrs:
+                _libc.munmap(addr, length)
+
+    def close(self) -> None:
+        """Unmap idle buffers; buffers still in use are unmapped when their tensors die."""
+        with self._lock:
+            self._closed = True
+        self.clear()

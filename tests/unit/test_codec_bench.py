@@ -1,0 +1,23 @@
+"""The codec benchmark runs and reports every case and system (figures are not judged)."""
+
+from __future__ import annotations
+
+import math
+
+from bench import codec_bench
+
+
+def test_quick_codec_bench_reports_every_case_and_system() -> None:
+    result = codec_bench.run(quick=True)
+    assert result["unit"] == "us"
+    assert set(result["cases"]) == {"ids-list", "ids-tensor", "embeds"}
+    for row in result["cases"].values():
+        assert {"tensorrpc", "msgspec", "pickle5"} <= set(row)
+        assert row["msgspec"]["ratio_to_msgspec"] == 1.0
+        for figures in row.values():
+            assert figures["encode"] > 0
+            assert figures["decode"] > 0
+            assert math.isclose(figures["total"], figures["encode"] + figures["decode"])
+    table = codec_bench.format_table(result)
+    assert "tensorrpc" in table
+    assert "pickle5" in table
