@@ -43,12 +43,15 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TransportError,
 )
+from tensorrpc._security import apply_curve, warn_if_exposed
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from types import TracebackType
 
     from typing_extensions import Buffer
+
+    from tensorrpc._security import CurveConfig
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -184,6 +187,7 @@ def create_socket(
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
     options: SocketOptions = DEFAULT_OPTIONS,
     routing_id: bytes | None = None,
+    curve: CurveConfig | None = None,
 ) -> AsyncSocket:
     """Create a socket with safe defaults and wrap it in an :class:`AsyncSocket`.
 
@@ -193,12 +197,21 @@ def create_socket(
         options: Socket options (HWMs, MAXMSGSIZE, linger, keepalive, ROUTER behaviour).
         routing_id: This socket's routing id as its peers' ROUTERs will see it (1-255
             bytes, not starting with a zero byte, which ZMQ reserves).
+        curve: Encrypt and authenticate every ``tcp://``/``ipc://`` connection with
+            CURVE: a :class:`~tensorrpc._security.CurveServerConfig` (this socket holds
+            the server key and checks clients against its allow-list; a per-socket ZAP
+            domain is registered with the context's ZAP handler until the socket closes)
+            or a :class:`~tensorrpc._security.CurveClientConfig`. The role does not depend
+            on bind/connect; usually the binding side is the server. ``inproc://``
+            connections are not encrypted. None: no CURVE (plaintext).
 
     Returns:
         The wrapped socket; close it with :meth:`AsyncSocket.aclose`.
 
     Raises:
-        ValueError: ``routing_id`` is malformed.
+        ValueError: ``routing_id`` or a CURVE key is malformed.
+        ConnectError: ``curve`` is a server config and another ZAP handler (not
+            tensorrpc's) serves the context.
         TransportError: ZMQ refused to create or configure the socket.
     """
     if routing_id is not None:
@@ -206,6 +219,7 @@ def create_socket(
     ctx = context if context is not None else zmq.Context.instance()
     with map_zmq_errors("create socket"):
         sock = ctx.socket(socket_type)
+    on_close: Callable[[], None] | None = None
     try:
         with map_zmq_errors("configure socket"):
             sock.setsockopt(zmq.LINGER, options.linger_ms)
@@ -223,10 +237,14 @@ def create_socket(
             if routing_id is not None:
                 sock.setsockopt(zmq.ROUTING_ID, routing_id)
             sock.copy_threshold = options.copy_threshold
+            if curve is not None:
+                on_close = apply_curve(sock, curve, ctx)
     except BaseException:
         sock.close(linger=0)
+        if on_close is not None:
+            on_close()
         raise
-    return AsyncSocket(sock)
+    return AsyncSocket(sock, on_close=on_close)
 
 
 def _check_routing_id(routing_id: bytes) -> None:
@@ -252,6 +270,7 @@ class AsyncSocket:
 
     Args:
         sock: A configured pyzmq socket (see :func:`create_socket`); this object owns it.
+        on_close: Called once, after the socket is closed (e.g. to release its ZAP domain).
     """
 
     __slots__ = (
@@ -262,6 +281,7 @@ class AsyncSocket:
         "_fd_mask",
         "_fd_scope",
         "_get",
+        "_on_close",
         "_recv_multipart",
         "_send_multipart",
         "_sock",
@@ -269,8 +289,11 @@ class AsyncSocket:
         "_threshold",
     )
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(
+        self, sock: zmq.Socket[bytes], *, on_close: Callable[[], None] | None = None
+    ) -> None:
         self._sock = sock
+        self._on_close = on_close
         self._fd: int = sock.FD
         self._get = cast("Callable[[int], int]", sock.get)
         self._recv_multipart = sock.recv_multipart
@@ -307,7 +330,9 @@ class AsyncSocket:
         """Bind to ``endpoint`` and return the real endpoint.
 
         ``tcp://127.0.0.1:0`` binds an ephemeral port and returns ``tcp://127.0.0.1:PORT``.
-        For ``ipc://PATH`` the socket file is removed again on close.
+        For ``ipc://PATH`` the socket file is removed again on close. Binding every
+        interface (``tcp://*:PORT``, ``tcp://0.0.0.0:PORT``, ``tcp://[::]:PORT``) without
+        CURVE logs a warning on the ``tensorrpc.security`` logger.
 
         Args:
             endpoint: ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``.
@@ -321,6 +346,7 @@ class AsyncSocket:
         """
         self._check_open()
         with map_zmq_errors(f"bind {endpoint}"):
+            warn_if_exposed(endpoint, self._sock)
             self._sock.bind(endpoint)
             real = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if real.startswith("ipc://") and not real.startswith("ipc://@"):
@@ -610,6 +636,9 @@ class AsyncSocket:
                 if (st.st_dev, st.st_ino) == (dev, ino):
                     os.unlink(path)
         self._bound_files.clear()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     async def aclose(self) -> None:
         """Close the socket, remove the ipc:// files it bound, wake its waiters.

@@ -1,0 +1,692 @@
+"""CURVE encryption and authentication for tensorrpc sockets, and the exposure warning.
+
+ZMQ's CURVE mechanism (CurveZMQ: Curve25519 key exchange, then every frame encrypted and
+authenticated) protects ``tcp://`` and ``ipc://`` connections. Its roles are **ZMQ roles,
+independent of bind/connect**:
+
+* the *CURVE server* holds a keypair whose public key its peers know in advance, and
+  decides which clients it accepts (:class:`CurveServerConfig`, with an allow-list);
+* a *CURVE client* holds its own keypair and the server's public key
+  (:class:`CurveClientConfig`); it refuses any peer that cannot prove it holds the
+  server's secret key.
+
+The simplest rule, and the one the docs recommend: **the binding side is the CURVE
+server**. A CURVE-server socket may also ``connect`` (ZMQ allows either pairing), which is
+how a socket that both binds and connects keeps one role.
+
+Client keys are checked by a ZAP handler (:class:`ZapAuthenticator`): one background thread
+per ZMQ context, because the ZAP endpoint ``inproc://zeromq.zap.01`` is per context.
+Each CURVE-server socket registers its own ZAP domain with its own allow-list, so servers
+in one process can accept different clients. The handler starts with the first secured
+socket of a context and stops when the last one closes. pyzmq's ``ThreadAuthenticator``
+was not used: its "allow any client" switch is global to the context rather than per
+domain, and it runs an asyncio loop inside its thread; the handler here is a plain
+blocking poll loop of about forty lines, independent of the caller's event loop (asyncio
+or trio).
+
+Keys are z85-encoded bytes (40 characters), as :func:`zmq.curve_keypair` returns them.
+Key files use ZMQ's certificate format (readable by :func:`zmq.auth.load_certificate`):
+``NAME.key`` holds the public key, ``NAME.key_secret`` both keys, written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import secrets
+import stat
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, TypeAlias
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+from tensorrpc._exceptions import ConnectError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Collection
+
+__all__ = [
+    "AuthStatistics",
+    "CurveClientConfig",
+    "CurveConfig",
+    "CurveKeyPair",
+    "CurveServerConfig",
+    "ZAP_ENDPOINT",
+    "ZapAuthenticator",
+    "apply_curve",
+    "auth_statistics",
+    "generate_keypair",
+    "is_all_interfaces",
+    "load_keypair",
+    "load_public_key",
+    "load_public_keys",
+    "save_keypair",
+    "warn_if_exposed",
+]
+
+logger = logging.getLogger("tensorrpc.security")
+
+#: The ZAP endpoint libzmq asks, one per context (RFC 27).
+ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
+_ZAP_VERSION: Final = b"1.0"
+_Z85_KEY_LEN: Final = 40
+_SECRET_SUFFIX: Final = ".key_secret"
+_PUBLIC_SUFFIX: Final = ".key"
+_STOP_TIMEOUT_S: Final = 5.0
+
+
+def _check_key(key: bytes, what: str) -> bytes:
+    if not isinstance(key, bytes):
+        raise TypeError(f"{what} must be z85-encoded bytes, not {type(key).__name__}")
+    if len(key) != _Z85_KEY_LEN:
+        raise ValueError(f"{what} must be 40 z85 characters (a CURVE key), not {len(key)} bytes")
+    try:
+        z85.decode(key)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"{what} is not valid z85") from exc
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeyPair:
+    """A CURVE keypair, both keys z85-encoded (40 bytes each).
+
+    The secret key is left out of ``repr`` so that it never lands in a log or traceback.
+
+    Raises:
+        TypeError: A key is not bytes.
+        ValueError: A key is malformed, or the public key does not belong to the secret key.
+    """
+
+    #: The public key: give it to the peers.
+    public_key: bytes
+    #: The secret key: keep it on this host, readable by this user only.
+    secret_key: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_key(self.public_key, "public_key")
+        _check_key(self.secret_key, "secret_key")
+        if zmq.curve_public(self.secret_key) != self.public_key:
+            raise ValueError("public_key does not belong to secret_key")
+
+
+@dataclass(frozen=True, slots=True)
+class CurveServerConfig:
+    """Make a socket the CURVE server: it holds ``keypair`` and checks its clients' keys.
+
+    The CURVE server role is a ZMQ role, independent of bind/connect: a server socket may
+    bind (the usual case: the side peers dial into) or connect.
+
+    Args:
+        keypair: This socket's keypair; its public key is what clients must know.
+        allowed_clients: The z85 public keys of the clients this socket accepts. ``None``
+            accepts **any client that knows the server's public key**: traffic is still
+            encrypted and the server still authenticated to its clients, but the server
+            learns nothing about who connects, so the public key becomes a shared secret
+            (anyone who obtains it can call). An empty collection accepts nobody.
+
+    Raises:
+        TypeError: A key is not bytes.
+        ValueError: A key is malformed.
+    """
+
+    #: This socket's keypair.
+    keypair: CurveKeyPair
+    #: The accepted client public keys (z85), or None for any client.
+    allowed_clients: Collection[bytes] | None
+
+    def __post_init__(self) -> None:
+        clients: object = self.allowed_clients
+        if isinstance(clients, (bytes, str)):
+            raise TypeError("allowed_clients is a collection of keys, not one key")
+        if self.allowed_clients is not None:
+            keys = frozenset(_check_key(k, "allowed client key") for k in self.allowed_clients)
+            object.__setattr__(self, "allowed_clients", keys)
+
+
+@dataclass(frozen=True, slots=True)
+class CurveClientConfig:
+    """Make a socket a CURVE client of the server whose public key is ``server_public_key``.
+
+    The socket may connect (the usual case) or bind; either way it only talks to a peer
+    that proves it holds the secret key of ``server_public_key``.
+
+    Args:
+        keypair: This socket's keypair; the server's allow-list names its public key.
+        server_public_key: The CURVE server's public key (z85).
+
+    Raises:
+        TypeError: A key is not bytes.
+        ValueError: A key is malformed.
+    """
+
+    #: This socket's keypair.
+    keypair: CurveKeyPair
+    #: The server's public key (z85).
+    server_public_key: bytes
+
+    def __post_init__(self) -> None:
+        _check_key(self.server_public_key, "server_public_key")
+
+
+#: Either side's CURVE configuration, as ``create_socket(curve=...)`` takes it.
+CurveConfig: TypeAlias = CurveServerConfig | CurveClientConfig
+
+
+# -- keys and key files ----------------------------------------------------------------------
+
+
+def generate_keypair() -> CurveKeyPair:
+    """Generate a new CURVE keypair with libzmq's ``zmq_curve_keypair``.
+
+    Returns:
+        The keypair, both keys z85-encoded.
+    """
+    public, secret = zmq.curve_keypair()
+    return CurveKeyPair(public, secret)
+
+
+_BANNER: Final = """#   ****  Generated on {now} by tensorrpc  ****
+#   ZeroMQ CURVE {kind}
+#   {advice}
+
+"""
+
+
+def _cert_text(keypair: CurveKeyPair, *, secret: bool) -> str:
+    now = datetime.now().isoformat(timespec="seconds")
+    if secret:
+        banner = _BANNER.format(
+            now=now,
+            kind="**Secret** Certificate",
+            advice="DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
+        )
+    else:
+        banner = _BANNER.format(
+            now=now,
+            kind="Public Certificate",
+            advice="Give this file to the peers; check its contents after exchange.",
+        )
+    text = banner + "metadata\ncurve\n"
+    text += f'    public-key = "{keypair.public_key.decode("ascii")}"\n'
+    if secret:
+        text += f'    secret-key = "{keypair.secret_key.decode("ascii")}"\n'
+    return text
+
+
+def _write_file(path: Path, text: str, mode: int, *, overwrite: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask may have removed bits; an old file may have had more
+        os.write(fd, text.encode("ascii"))
+    finally:
+        os.close(fd)
+
+
+def save_keypair(
+    keypair: CurveKeyPair, directory: str | os.PathLike[str], name: str, *, overwrite: bool = False
+) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (public, mode 0644) and ``NAME.key_secret`` (mode 0600).
+
+    The files are ZMQ certificates (the format of ``zmq.auth.create_certificates``); the
+    secret file is created with mode 0600 from the start, never readable by others.
+
+    Args:
+        keypair: The keypair to save.
+        directory: An existing directory.
+        name: The file name without suffix (no path separators).
+        overwrite: Replace existing files instead of failing.
+
+    Returns:
+        The paths of the public and the secret certificate.
+
+    Raises:
+        ValueError: ``name`` is empty or contains a path separator.
+        FileExistsError: A file exists and ``overwrite`` is false.
+        OSError: The files cannot be written.
+    """
+    if not name or os.sep in name or (os.altsep and os.altsep in name) or name in {".", ".."}:
+        raise ValueError(f"invalid key file name {name!r}")
+    base = Path(directory)
+    public_path = base / f"{name}{_PUBLIC_SUFFIX}"
+    secret_path = base / f"{name}{_SECRET_SUFFIX}"
+    if not overwrite:
+        for path in (public_path, secret_path):
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "key file exists", os.fspath(path))
+    _write_file(secret_path, _cert_text(keypair, secret=True), 0o600, overwrite=overwrite)
+    _write_file(public_path, _cert_text(keypair, secret=False), 0o644, overwrite=overwrite)
+    return public_path, secret_path
+
+
+def load_keypair(path: str | os.PathLike[str], *, check_permissions: bool = True) -> CurveKeyPair:
+    """Load a keypair from a secret certificate (``NAME.key_secret``).
+
+    Args:
+        path: The secret certificate.
+        check_permissions: Refuse a file that users other than its owner may read or
+            write (like ssh does for private keys).
+
+    Returns:
+        The keypair.
+
+    Raises:
+        PermissionError: The file is accessible to group or others.
+        ValueError: The file holds no secret key, or malformed keys.
+        OSError: The file cannot be read.
+    """
+    if check_permissions:
+        mode = os.stat(path).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise PermissionError(
+                errno.EACCES,
+                f"secret key file is accessible to other users (mode {stat.S_IMODE(mode):04o});"
+                " run chmod 600 on it",
+                os.fspath(path),
+            )
+    public, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(f"{os.fspath(path)} holds no secret key (is it a public certificate?)")
+    return CurveKeyPair(public, secret)
+
+
+def load_public_key(path: str | os.PathLike[str]) -> bytes:
+    """Load the public key from a certificate (public or secret).
+
+    Args:
+        path: A ``NAME.key`` (or ``NAME.key_secret``) file.
+
+    Returns:
+        The z85 public key.
+
+    Raises:
+        ValueError: The file holds no valid public key.
+        OSError: The file cannot be read.
+    """
+    public, _ = zmq.auth.load_certificate(path)
+    return _check_key(public, f"public key in {os.fspath(path)}")
+
+
+def load_public_keys(directory: str | os.PathLike[str]) -> frozenset[bytes]:
+    """Load the public keys of every ``*.key`` file in ``directory`` (an allow-list).
+
+    Args:
+        directory: A directory of public certificates.
+
+    Returns:
+        The z85 public keys.
+
+    Raises:
+        ValueError: A file holds no valid public key.
+        OSError: The directory or a file cannot be read.
+    """
+    return frozenset(
+        load_public_key(path) for path in sorted(Path(directory).glob(f"*{_PUBLIC_SUFFIX}"))
+    )
+
+
+# -- the ZAP handler -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AuthStatistics:
+    """What the ZAP handler decided for one CURVE-server socket."""
+
+    #: Handshakes accepted.
+    accepted: int
+    #: Handshakes refused (unknown client key, or a mechanism other than CURVE).
+    denied: int
+
+
+@dataclass(slots=True)
+class _Domain:
+    allowed: frozenset[bytes] | None  # raw 32-byte keys; None = any client
+    accepted: int = 0
+    denied: int = 0
+
+
+class ZapAuthenticator:
+    """The ZAP handler of one ZMQ context, shared by all its CURVE-server sockets.
+
+    Obtain it with :meth:`acquire` (which starts it on first use) and give it back with
+    :meth:`release` (which stops it when no socket uses it any more); :func:`apply_curve`
+    does both for you. Decisions, per request:
+
+    1. ``NULL`` mechanism: accepted (libzmq only asks for NULL sockets that set a ZAP domain).
+    2. ``CURVE`` on a registered domain: accepted if the domain accepts any client or the
+       client's key is on its allow-list, else denied.
+    3. Anything else (an unregistered domain, PLAIN, GSSAPI, a malformed request): denied.
+
+    The handler owns the context's ZAP endpoint: a context can have only one, so another
+    handler (e.g. pyzmq's ``ThreadAuthenticator``) on the same context makes
+    :meth:`acquire` fail.
+
+    Args:
+        context: The ZMQ context whose ZAP requests this handler answers.
+    """
+
+    _lock: Final = threading.Lock()
+    _instances: Final[dict[int, ZapAuthenticator]] = {}
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self._context = context
+        self._domains: dict[str, _Domain] = {}
+        self._users = 0
+        self._thread: threading.Thread | None = None
+        self._control: zmq.Socket[bytes] | None = None
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    @classmethod
+    def acquire(cls, context: zmq.Context[zmq.Socket[bytes]]) -> ZapAuthenticator:
+        """Return the context's handler, starting it if needed; pair with :meth:`release`.
+
+        Raises:
+            ConnectError: The context's ZAP endpoint is taken by another handler.
+        """
+        with cls._lock:
+            auth = cls._instances.get(id(context))
+            if auth is None:
+                auth = cls(context)
+                auth._start()
+                cls._instances[id(context)] = auth
+            auth._users += 1
+            return auth
+
+    def release(self) -> None:
+        """Give back one :meth:`acquire`; the last one stops the handler thread."""
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            self._instances.pop(id(self._context), None)
+            self._stop()
+
+    @classmethod
+    def for_context(cls, context: zmq.Context[zmq.Socket[bytes]]) -> ZapAuthenticator | None:
+        """The running handler of ``context``, if any."""
+        with cls._lock:
+            return cls._instances.get(id(context))
+
+    @property
+    def running(self) -> bool:
+        """Whether the handler thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _start(self) -> None:
+        ctx = self._context
+        zap = ctx.socket(zmq.REP)
+        control = thread_end = None
+        try:
+            zap.setsockopt(zmq.LINGER, 0)
+            try:
+                zap.bind(ZAP_ENDPOINT)
+            except zmq.ZMQError as exc:
+                raise ConnectError(
+                    "another ZAP handler already serves this ZMQ context (for example"
+                    " pyzmq's ThreadAuthenticator); tensorrpc needs its own: give the"
+                    " secured sockets a separate zmq.Context"
+                ) from exc
+            pipe = f"inproc://tensorrpc.zap-control.{secrets.token_hex(8)}"
+            control = ctx.socket(zmq.PAIR)
+            control.setsockopt(zmq.LINGER, 0)
+            control.bind(pipe)
+            thread_end = ctx.socket(zmq.PAIR)
+            thread_end.setsockopt(zmq.LINGER, 0)
+            thread_end.connect(pipe)
+        except BaseException:
+            for sock in (zap, control, thread_end):
+                if sock is not None:
+                    sock.close(linger=0)
+            raise
+        self._control = control
+        self._thread = threading.Thread(
+            target=self._run, args=(zap, thread_end), name="tensorrpc-zap", daemon=True
+        )
+        self._thread.start()
+
+    def _stop(self) -> None:
+        control, self._control = self._control, None
+        thread, self._thread = self._thread, None
+        if control is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            control.send(b"STOP", zmq.NOBLOCK)
+        if thread is not None:
+            thread.join(_STOP_TIMEOUT_S)
+            if thread.is_alive():  # pragma: no cover - the loop answers STOP at once
+                logger.error("the ZAP handler thread did not stop in %s s", _STOP_TIMEOUT_S)
+        control.close(linger=0)
+
+    def _run(self, zap: zmq.Socket[bytes], control: zmq.Socket[bytes]) -> None:
+        poller = zmq.Poller()
+        poller.register(zap, zmq.POLLIN)
+        poller.register(control, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if control in events:
+                    return
+                if zap in events:
+                    try:
+                        request = zap.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        continue
+                    zap.send_multipart(self._safe_answer(request))
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ETERM:  # the context was terminated under us: just leave
+                logger.exception("the ZAP handler failed; CURVE servers now refuse clients")
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                zap.unbind(ZAP_ENDPOINT)  # synchronous: the endpoint is free for a restart
+            zap.close(linger=0)
+            control.close(linger=0)
+
+    # -- domains ----------------------------------------------------------------------------
+
+    def register(self, allowed_clients: Collection[bytes] | None) -> str:
+        """Register a new ZAP domain with its allow-list; return the domain name.
+
+        Args:
+            allowed_clients: z85 client public keys, or None for any client.
+
+        Returns:
+            The domain to set as the socket's ``ZAP_DOMAIN``.
+        """
+        allowed = None
+        if allowed_clients is not None:
+            allowed = frozenset(z85.decode(_check_key(k, "client key")) for k in allowed_clients)
+        domain = f"tensorrpc.{secrets.token_hex(8)}"
+        self._domains[domain] = _Domain(allowed)
+        return domain
+
+    def unregister(self, domain: str) -> None:
+        """Forget ``domain``; later handshakes for it are denied."""
+        self._domains.pop(domain, None)
+
+    def statistics(self, domain: str) -> AuthStatistics:
+        """The accepted and denied handshakes of ``domain`` so far.
+
+        Raises:
+            KeyError: ``domain`` is not registered.
+        """
+        entry = self._domains[domain]
+        return AuthStatistics(entry.accepted, entry.denied)
+
+    def _safe_answer(self, request: list[bytes]) -> list[bytes]:
+        # A REP socket must answer every request, and the thread must survive: any bug
+        # here refuses the handshake (ZAP status 500) instead of killing authentication.
+        try:
+            return self._answer(request)
+        except Exception:
+            logger.exception("the ZAP handler failed on a request; refusing the handshake")
+            request_id = request[1] if len(request) > 1 else b""
+            return [_ZAP_VERSION, request_id, b"500", b"internal error", b"", b""]
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        if len(request) < 6 or request[0] != _ZAP_VERSION:
+            logger.warning("malformed ZAP request refused (%d frames)", len(request))
+            request_id = request[1] if len(request) > 1 else b""
+            return [_ZAP_VERSION, request_id, b"400", b"malformed request", b"", b""]
+        _, request_id, raw_domain, address, _, mechanism, *credentials = request
+        domain = raw_domain.decode("utf-8", "replace")
+        peer = address.decode("utf-8", "replace")
+        if mechanism == b"NULL":
+            return [_ZAP_VERSION, request_id, b"200", b"OK", b"anonymous", b""]
+        entry = self._domains.get(domain)
+        if entry is None or mechanism != b"CURVE" or len(credentials) != 1:
+            reason = "unknown domain" if entry is None else "only CURVE is accepted"
+            logger.warning(
+                "%s handshake from %s refused: %s",
+                mechanism.decode("ascii", "replace"),
+                peer,
+                reason,
+            )
+            if entry is not None:
+                entry.denied += 1
+            return [_ZAP_VERSION, request_id, b"400", reason.encode(), b"", b""]
+        key = credentials[0]
+        if entry.allowed is not None and key not in entry.allowed:
+            entry.denied += 1
+            logger.info(
+                "CURVE client %s from %s refused: key not on the allow-list",
+                z85.encode(key).decode("ascii"),
+                peer,
+            )
+            return [_ZAP_VERSION, request_id, b"400", b"unknown key", b"", b""]
+        entry.accepted += 1
+        return [_ZAP_VERSION, request_id, b"200", b"OK", z85.encode(key), b""]
+
+
+def auth_statistics(sock: zmq.Socket[bytes]) -> AuthStatistics:
+    """The handshakes a CURVE-server socket accepted and denied so far.
+
+    Args:
+        sock: A socket configured with a :class:`CurveServerConfig` (``AsyncSocket.socket``).
+
+    Raises:
+        ValueError: The socket is not a tensorrpc CURVE server.
+    """
+    domain = sock.getsockopt_string(zmq.ZAP_DOMAIN)
+    auth = ZapAuthenticator.for_context(sock.context)
+    if auth is None or not domain:
+        raise ValueError("the socket is not a tensorrpc CURVE server")
+    try:
+        return auth.statistics(domain)
+    except KeyError:
+        raise ValueError("the socket is not a tensorrpc CURVE server") from None
+
+
+# -- applying a configuration ----------------------------------------------------------------
+
+
+def apply_curve(
+    sock: zmq.Socket[bytes], config: CurveConfig, context: zmq.Context[zmq.Socket[bytes]]
+) -> Callable[[], None] | None:
+    """Set the CURVE options of ``sock``; call before it binds or connects.
+
+    For a server this registers a ZAP domain with the context's :class:`ZapAuthenticator`
+    (starting it if needed) and returns the function that unregisters it; call that once
+    the socket is closed. If a server's handler is ever missing, libzmq refuses its clients
+    (``ZAP_ENFORCE_DOMAIN``) rather than accepting everyone.
+
+    Args:
+        sock: A new, unconnected socket.
+        config: The socket's CURVE role and keys.
+        context: The socket's context.
+
+    Returns:
+        The clean-up function for a server, None for a client.
+
+    Raises:
+        TypeError: ``config`` is not a CURVE configuration.
+        ConnectError: The context's ZAP endpoint is taken by another handler.
+        zmq.ZMQError: libzmq refused an option (e.g. built without CURVE).
+    """
+    if isinstance(config, CurveClientConfig):
+        sock.setsockopt(zmq.CURVE_SERVERKEY, config.server_public_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, config.keypair.public_key)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, config.keypair.secret_key)
+        return None
+    if not isinstance(config, CurveServerConfig):
+        raise TypeError(f"curve must be a CurveServerConfig or CurveClientConfig, not {config!r}")
+    auth = ZapAuthenticator.acquire(context)
+    try:
+        domain = auth.register(config.allowed_clients)
+        try:
+            sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode("ascii"))
+            with contextlib.suppress(AttributeError, zmq.ZMQError):  # older libzmq
+                sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, config.keypair.public_key)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, config.keypair.secret_key)
+        except BaseException:
+            auth.unregister(domain)
+            raise
+    except BaseException:
+        auth.release()
+        raise
+
+    def cleanup() -> None:
+        auth.unregister(domain)
+        auth.release()
+
+    return cleanup
+
+
+# -- exposure warning ------------------------------------------------------------------------
+
+
+def is_all_interfaces(endpoint: str) -> bool:
+    """Whether binding ``endpoint`` listens on every network interface.
+
+    True for ``tcp://*:PORT``, ``tcp://0.0.0.0:PORT``, ``tcp://[::]:PORT`` and other
+    spellings of the unspecified address; false for a specific address, an interface
+    name, and non-TCP transports.
+    """
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme.lower() not in {"tcp", "ws", "wss"}:
+        return False
+    host = rest.split("/", 1)[0]
+    host = host.rpartition(";")[2]  # a "source;destination" form names the bound side last
+    host = host.rsplit(":", 1)[0] if ":" in host else host
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in {"*", ""}:
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_unspecified
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(endpoint: str, sock: zmq.Socket[bytes]) -> bool:
+    """Log a warning if ``sock`` is about to bind every interface without CURVE.
+
+    Args:
+        endpoint: The endpoint about to be bound.
+        sock: The socket (its ``MECHANISM`` option tells whether CURVE is on).
+
+    Returns:
+        Whether the warning was logged.
+    """
+    if not is_all_interfaces(endpoint) or sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:
+        return False
+    logger.warning(
+        "binding %s without CURVE: this socket listens on every network interface, and"
+        " anyone who can reach the port can connect, send calls and read replies, all in"
+        " plaintext (the exposure of CVE-2025-30202). Bind to 127.0.0.1 or ipc://, or"
+        " enable CURVE (see docs/security.md).",
+        endpoint,
+    )
+    return True
