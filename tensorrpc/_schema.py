@@ -17,9 +17,14 @@ Both raise :class:`~tensorrpc.ValidationError` naming the path of the bad value
 that raise the cheap :class:`_Invalid` without building any path string; the path is
 assembled only when a value is actually rejected, so a valid call pays for no string
 work at all. Containers whose elements are plain scalars are checked with one C-level
-pass (``set(map(type, value))``) instead of a Python loop, and are returned without a
-copy; the one thing that pass cannot see is an ``int`` beyond 64 bits inside a container,
-which the codec's encoder refuses instead (a top-level ``int`` is range-checked here).
+pass (``[*map(type, value)].count(int) == len(value)``) instead of a Python loop, and are
+returned without a copy; the one thing that pass cannot see is an ``int`` beyond 64 bits
+inside a container, which the codec's encoder refuses instead (a top-level ``int`` is
+range-checked here). Dataclasses get generated straight-line code, like the ``__init__``
+dataclasses writes, that tests scalar fields in place. Nothing is ever validated twice:
+a rejection deep inside a recursive value costs one pass, not one per level. The
+field-by-field loops and the set-of-types pass remain as the reference (``_Ctx(fast=False)``)
+that the tests hold the fast form to.
 
 Supported annotations: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
 ``list[T]``, ``tuple[T, ...]``, ``tuple[A, B]``, ``tuple[()]``, ``dict[str, T]``,
@@ -34,10 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
+import operator
 import reprlib
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -153,9 +160,13 @@ class CompiledType:
         fast_from_wire: Receive-side converter raising the internal ``_Invalid``.
         exact: When not ``None``, the exact Python types for which both converters return
             the value unchanged; containers use it to check scalar elements in one pass.
+        inline: When not ``None``, a Python expression over ``{x}`` that is true exactly
+            when both converters would return ``x`` itself unchanged; the code generated
+            for a dataclass tests it in place of calling the converters. It may name only
+            builtins and the names of ``_INLINE_NAMESPACE``.
     """
 
-    __slots__ = ("description", "exact", "fast_check", "fast_from_wire")
+    __slots__ = ("description", "exact", "fast_check", "fast_from_wire", "inline")
 
     def __init__(
         self,
@@ -163,11 +174,13 @@ class CompiledType:
         fast_check: Converter,
         fast_from_wire: Converter,
         exact: frozenset[type] | None = None,
+        inline: str | None = None,
     ) -> None:
         self.description = description
         self.fast_check = fast_check
         self.fast_from_wire = fast_from_wire
         self.exact = exact
+        self.inline = inline
 
     def check(self, value: object, path: str) -> object:
         """Validate a value about to be sent; return the value to put on the wire.
@@ -283,16 +296,53 @@ def _ndarray_conv(v: Any) -> Any:
     raise _Invalid("ndarray", v)
 
 
-_NONE = CompiledType("None", _none_conv, _none_conv, frozenset({_NoneType}))
-_BOOL = CompiledType("bool", _bool_conv, _bool_conv, frozenset({bool}))
+# Inline tests (see ``CompiledType.inline``): true exactly when both converters return the
+# value itself. For ``int`` that includes the 64-bit range check of ``_int_check``.
+_INT_INLINE = f"(type({{x}}) is int and {_I64_MIN} <= {{x}} < {_U64_END})"
+#: The only non-builtin names an inline test may use.
+_INLINE_NAMESPACE: dict[str, object] = {"_Tensor": torch.Tensor, "_ndarray": np.ndarray}
+
+_NONE = CompiledType("None", _none_conv, _none_conv, frozenset({_NoneType}), "{x} is None")
+_BOOL = CompiledType(
+    "bool", _bool_conv, _bool_conv, frozenset({bool}), "({x} is True or {x} is False)"
+)
 # Containers of exact ints skip the 64-bit range check (a C-level pass over the element
 # types is all they pay); an out-of-range int there is refused by the codec's encoder.
-_INT = CompiledType("int", _int_check, _int_check, frozenset({int}))
-_FLOAT = CompiledType("float", _float_check, _float_from_wire, frozenset({float}))
-_STR = CompiledType("str", _str_check, _str_from_wire, frozenset({str}))
-_BYTES = CompiledType("bytes", _bytes_check, _bytes_from_wire, frozenset({bytes}))
-_TENSOR = CompiledType("Tensor", _tensor_conv, _tensor_conv)
-_NDARRAY = CompiledType("ndarray", _ndarray_conv, _ndarray_conv)
+_INT = CompiledType("int", _int_check, _int_check, frozenset({int}), _INT_INLINE)
+_FLOAT = CompiledType(
+    "float", _float_check, _float_from_wire, frozenset({float}), "type({x}) is float"
+)
+_STR = CompiledType("str", _str_check, _str_from_wire, frozenset({str}), "type({x}) is str")
+_BYTES = CompiledType(
+    "bytes", _bytes_check, _bytes_from_wire, frozenset({bytes}), "type({x}) is bytes"
+)
+# A plain Tensor/ndarray passes unchanged like any subclass; ``exact`` lets containers of
+# them take the one-pass check too (a subclass still goes element by element).
+_TENSOR = CompiledType(
+    "Tensor",
+    _tensor_conv,
+    _tensor_conv,
+    frozenset({torch.Tensor}),
+    "isinstance({x}, _Tensor)",
+)
+_NDARRAY = CompiledType(
+    "ndarray",
+    _ndarray_conv,
+    _ndarray_conv,
+    frozenset({np.ndarray}),
+    "isinstance({x}, _ndarray)",
+)
+
+#: How an inline test names an exact element type (builtins or ``_INLINE_NAMESPACE``).
+_INLINE_TYPE_NAMES: dict[object, str] = {
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "str",
+    bytes: "bytes",
+    torch.Tensor: "_Tensor",
+    np.ndarray: "_ndarray",
+}
 
 _SCALARS: dict[object, CompiledType] = {
     None: _NONE,
@@ -308,22 +358,54 @@ _SCALARS: dict[object, CompiledType] = {
 
 # ------------------------------------------------------------------------ containers
 
+#: Decides whether every element of a list, tuple or ``dict.values()`` is already exactly
+#: right, so that the container is returned as is; ``False`` sends it element by element.
+AllExact = Callable[[Collection[Any]], bool]
 
-def _seq_fast(elem: CompiledType, values: Iterable[Any]) -> bool:
-    """True when every element is already exactly right (one C-level pass)."""
+
+def _never(values: Collection[Any]) -> bool:
+    return False
+
+
+def _all_exact(elem: CompiledType, fast: bool = True) -> AllExact:
+    """The one-pass element check of a container of ``elem``.
+
+    ``map(type, values)`` collected into a list, then ``list.count`` of each allowed type:
+    both loops run in C, and ``count`` meets the same type object again and again, which it
+    matches by identity before any comparison. That is about half the cost of collecting
+    the types into a set (hashing every one), which the reference mode (``fast=False``,
+    for tests) still does.
+    """
     exact = elem.exact
-    return exact is not None and set(map(type, values)) <= exact
+    if exact is None:
+        return _never
+    if not fast:
+        return lambda values: set(map(type, values)) <= exact
+    if len(exact) == 1:
+        (only,) = exact
+
+        def all_one(values: Collection[Any]) -> bool:
+            return [*map(type, values)].count(only) == len(values)
+
+        return all_one
+    allowed = tuple(exact)
+
+    def all_of(values: Collection[Any]) -> bool:
+        return sum(map([*map(type, values)].count, allowed)) == len(values)
+
+    return all_of
 
 
-def _list_node(elem: CompiledType) -> CompiledType:
+def _list_node(elem: CompiledType, fast: bool = True) -> CompiledType:
     desc = f"list[{elem.description}]"
     echeck = elem.fast_check
     efrom = elem.fast_from_wire
+    all_exact = _all_exact(elem, fast)
 
     def check(v: Any) -> Any:
         if type(v) is not list:
             raise _Invalid(desc, v)
-        if _seq_fast(elem, v):
+        if all_exact(v):
             return v
         out: list[Any] | None = None
         i = 0
@@ -345,46 +427,56 @@ def _list_node(elem: CompiledType) -> CompiledType:
                 v = list(v)
             else:
                 raise _Invalid(desc, v)
-        if _seq_fast(elem, v):
+        if all_exact(v):
             return v
         return _map_indexed(efrom, v)
 
-    return CompiledType(desc, check, from_wire)
+    # In generated dataclass code: the same one-pass test as ``all_exact``, without the
+    # two calls (``check``, ``all_exact``) around it.
+    only = next(iter(elem.exact)) if elem.exact is not None and len(elem.exact) == 1 else None
+    name = _INLINE_TYPE_NAMES.get(only)
+    inline = (
+        None
+        if name is None
+        else f"(type({{x}}) is list and [*map(type, {{x}})].count({name}) == len({{x}}))"
+    )
+    return CompiledType(desc, check, from_wire, None, inline)
 
 
 def _map_indexed(conv: Converter, values: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """``[conv(x) for x in values]``, naming the index of a rejected element.
+
+    One pass: the index is what the iterator had consumed when ``conv`` raised. (Running
+    the elements again to find it would redo a nested value's work at every level of a
+    recursive type: exponential in the depth.)
+    """
+    it = iter(values)
     try:
-        return [conv(x) for x in values]
-    except _Invalid:
-        pass
-    # Rejected: run again element by element to learn the index (failure path only).
-    for i, x in enumerate(values):
-        try:
-            conv(x)
-        except _Invalid as exc:
-            exc.segments.append(f"[{i}]")
-            raise
-    raise AssertionError("unreachable: converter is not deterministic")  # pragma: no cover
+        return list(map(conv, it))
+    except _Invalid as exc:
+        exc.segments.append(f"[{len(values) - operator.length_hint(it) - 1}]")
+        raise
 
 
-def _var_tuple_node(elem: CompiledType) -> CompiledType:
+def _var_tuple_node(elem: CompiledType, fast: bool = True) -> CompiledType:
     desc = f"tuple[{elem.description}, ...]"
     echeck = elem.fast_check
     efrom = elem.fast_from_wire
+    all_exact = _all_exact(elem, fast)
 
     def check(v: Any) -> Any:
         if type(v) is not tuple:
             if not isinstance(v, tuple):
                 raise _Invalid(desc, v)
             v = tuple(v)  # a NamedTuple subclass travels as a plain tuple
-        if _seq_fast(elem, v):
+        if all_exact(v):
             return v
         return tuple(_map_indexed(echeck, v))
 
     def from_wire(v: Any) -> Any:
         if type(v) is not list and type(v) is not tuple:
             raise _Invalid(desc, v)
-        if _seq_fast(elem, v):
+        if all_exact(v):
             return tuple(v)
         return tuple(_map_indexed(efrom, v))
 
@@ -400,17 +492,12 @@ def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
     def _apply(convs: tuple[Converter, ...], v: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
         if len(v) != n:
             raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
+        it = iter(v)
         try:
-            return tuple([c(x) for c, x in zip(convs, v, strict=True)])
-        except _Invalid:
-            pass
-        for i, (c, x) in enumerate(zip(convs, v, strict=True)):
-            try:
-                c(x)
-            except _Invalid as exc:
-                exc.segments.append(f"[{i}]")
-                raise
-        raise AssertionError("unreachable")  # pragma: no cover
+            return tuple(map(operator.call, convs, it))
+        except _Invalid as exc:  # one pass, as in _map_indexed
+            exc.segments.append(f"[{n - operator.length_hint(it) - 1}]")
+            raise
 
     def check(v: Any) -> Any:
         if not isinstance(v, tuple):
@@ -425,13 +512,15 @@ def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
     return CompiledType(desc, check, from_wire)
 
 
-def _dict_node(val: CompiledType) -> CompiledType:
+def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
     desc = f"dict[str, {val.description}]"
     vcheck = val.fast_check
     vfrom = val.fast_from_wire
+    all_exact = _all_exact(val, fast)
+    keys_exact = _all_exact(_STR, fast)
 
     def _keys_ok(v: dict[Any, Any]) -> None:
-        if not set(map(type, v)) <= {str}:
+        if not keys_exact(v):
             for k in v:
                 if type(k) is not str:
                     raise _Invalid(
@@ -440,7 +529,7 @@ def _dict_node(val: CompiledType) -> CompiledType:
 
     def _apply(conv: Converter, v: dict[Any, Any]) -> dict[Any, Any]:
         _keys_ok(v)
-        if not v or _seq_fast(val, v.values()):
+        if not v or all_exact(v.values()):
             return v
         out: dict[Any, Any] = {}
         changed = False
@@ -523,7 +612,9 @@ def _union_node(alts: list[CompiledType]) -> CompiledType:
                     raise
                 raise _Invalid(desc, v) from None
 
-        return CompiledType(desc, opt_check, opt_from_wire, exact)
+        inner = others[0].inline
+        inline = None if inner is None else f"({{x}} is None or ({inner}))"
+        return CompiledType(desc, opt_check, opt_from_wire, exact, inline)
 
     def check(v: Any) -> Any:
         if type(v) in fast_types:
@@ -624,14 +715,38 @@ def _enum_node(cls: type[enum.Enum], where: str) -> CompiledType:
 
 
 class _Ctx:
-    """State of one :func:`compile_type` call: where, localns, dataclasses in progress."""
+    """State of one :func:`compile_type` call: where, localns, dataclasses in progress.
 
-    __slots__ = ("in_progress", "localns", "where")
+    ``fast=False`` compiles the reference form, for tests: containers check their elements
+    with the plain set-of-types pass and dataclasses with the field-by-field loops, no
+    generated code. It must accept, reject and return exactly what the fast form does.
+    """
 
-    def __init__(self, where: str, localns: Mapping[str, Any] | None) -> None:
+    __slots__ = ("fast", "in_progress", "localns", "where")
+
+    def __init__(self, where: str, localns: Mapping[str, Any] | None, *, fast: bool = True) -> None:
         self.where = where
         self.localns = localns
+        self.fast = fast
         self.in_progress: dict[type, CompiledType] = {}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Field:
+    """One compiled dataclass field."""
+
+    name: str
+    check: Converter
+    from_wire: Converter
+    required: bool
+    kw_only: bool
+    inline: str | None
+
+
+def _ctor_rejected(cls: type, desc: str, value: object, exc: Exception) -> _Invalid:
+    err = _Invalid(desc, value, f"{cls.__name__}(...) rejected the value: {exc!r}")
+    err.cause = exc
+    return err
 
 
 def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
@@ -649,7 +764,7 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
         ) from exc
 
     # Fields are filled after the node exists so that recursive references resolve.
-    fields: list[tuple[str, Converter, Converter, bool]] = []
+    fields: list[_Field] = []
     field_names: set[str] = set()
     desc_ref = [f"dataclass {cls.__name__}"]
     has_private = False
@@ -665,9 +780,10 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
         vals: list[Any] = []
         name = ""
         try:
-            for name, fcheck, _, _ in fields:
+            for f in fields:
+                name = f.name
                 x = getattr(v, name)
-                y = fcheck(x)
+                y = f.check(x)
                 changed = changed or y is not x
                 vals.append(y)
         except _Invalid as exc:
@@ -677,22 +793,23 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
             return v
         # ormsgpack drops "_"-prefixed fields and would send a subclass's extra fields;
         # the plain map of declared fields is the same wire form.
-        return {f[0]: y for f, y in zip(fields, vals, strict=True)}
+        return {f.name: y for f, y in zip(fields, vals, strict=True)}
 
     def from_wire(v: Any) -> Any:
         if type(v) is not dict:
             raise _Invalid(desc_ref[0], v)
         kwargs: dict[str, Any] = {}
         seen = 0
-        for name, _, ffrom, required in fields:
+        for f in fields:
+            name = f.name
             if name in v:
                 try:
-                    kwargs[name] = ffrom(v[name])
+                    kwargs[name] = f.from_wire(v[name])
                 except _Invalid as exc:
                     exc.segments.append(f".{name}")
                     raise
                 seen += 1
-            elif required:
+            elif f.required:
                 missing = _Invalid(desc_ref[0], v, f"missing field '{name}' of {desc_ref[0]}")
                 missing.segments.append(f".{name}")
                 raise missing
@@ -704,11 +821,20 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
         try:
             return cls(**kwargs)
         except Exception as exc:
-            err = _Invalid(desc_ref[0], v, f"{cls.__name__}(...) rejected the value: {exc!r}")
-            err.cause = exc
-            raise err from exc
+            raise _ctor_rejected(cls, desc_ref[0], v, exc) from exc
 
-    node = CompiledType(desc_ref[0], check, from_wire)
+    # Recursive references (compiled below, before the generated code exists) call these,
+    # which dispatch to whatever the node ends up with.
+    impl_check: Converter = check
+    impl_from_wire: Converter = from_wire
+
+    def entry_check(v: Any) -> Any:
+        return impl_check(v)
+
+    def entry_from_wire(v: Any) -> Any:
+        return impl_from_wire(v)
+
+    node = CompiledType(desc_ref[0], entry_check, entry_from_wire)
     ctx.in_progress[cls] = node
     try:
         parts = []
@@ -720,14 +846,166 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
                 )
             sub = _compile(hints[f.name], ctx, f"dataclass {cls.__name__} field '{f.name}'")
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            fields.append((f.name, sub.fast_check, sub.fast_from_wire, required))
+            fields.append(
+                _Field(
+                    f.name,
+                    sub.fast_check,
+                    sub.fast_from_wire,
+                    required,
+                    bool(f.kw_only),
+                    sub.inline,
+                )
+            )
             field_names.add(f.name)
             has_private = has_private or f.name.startswith("_")
             parts.append(f"{f.name}: {sub.description}" + ("" if required else " = ..."))
     finally:
         del ctx.in_progress[cls]
     node.description = desc_ref[0] = f"dataclass {cls.__name__}{{{', '.join(parts)}}}"
+    if ctx.fast and fields:
+        impl_check, impl_from_wire = _dataclass_codegen(
+            cls, fields, desc_ref[0], check, from_wire, has_private
+        )
+    node.fast_check = impl_check
+    node.fast_from_wire = impl_from_wire
     return node
+
+
+def _binds_positionally(cls: type, fields: list[_Field]) -> bool:
+    """True when ``cls(*a, **k)`` with the non-keyword-only fields in ``a`` (in order) and
+    the keyword-only ones in ``k`` binds exactly like ``cls(**all_fields)``.
+
+    That holds for the ``__init__`` dataclasses generates; a hand-written ``__init__``,
+    ``__new__`` or metaclass ``__call__`` gets keyword arguments only, like the slow path.
+    """
+    new: object = cls.__new__
+    if type(cls).__call__ is not type.__call__ or new is not object.__new__:
+        return False
+    init = cls.__dict__.get("__init__")
+    if not inspect.isfunction(init):
+        return False
+    try:
+        params = list(inspect.signature(init, follow_wrapped=False).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - a plain function has one
+        return False
+    if not params or params[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+        return False
+    positional = [f.name for f in fields if not f.kw_only]
+    keyword = {f.name for f in fields if f.kw_only}
+    rest = params[1:]
+    head = rest[: len(positional)]
+    tail = rest[len(positional) :]
+    return (
+        [p.name for p in head] == positional
+        and all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in head)
+        and {p.name for p in tail} == keyword
+        and len(tail) == len(keyword)
+        and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in tail)
+    )
+
+
+def _dataclass_codegen(
+    cls: type,
+    fields: list[_Field],
+    desc: str,
+    slow_check: Converter,
+    slow_from_wire: Converter,
+    private: bool,
+) -> tuple[Converter, Converter]:
+    """Straight-line ``check``/``from_wire`` for a dataclass, as dataclasses does ``__init__``.
+
+    One C call (``attrgetter``/``itemgetter``) fetches every field; a field whose node has
+    an inline test is tested in place, the others call their converter; each field has its
+    own ``try`` (free unless it raises) that adds the ``.name`` segment, so nothing is ever
+    run twice. Whatever the generated code does not handle itself (a subclass instance,
+    ``_private`` fields, a map with missing or unknown keys) goes to the slow loops, which
+    are the reference. The source is built from indices only; names and converters are
+    passed in the namespace.
+
+    Args:
+        private: The dataclass has ``_``-prefixed fields; it always travels as a plain map,
+            built by ``slow_check``.
+    """
+    n = len(fields)
+    ns: dict[str, Any] = dict(_INLINE_NAMESPACE)
+    ns.update(
+        _cls=cls,
+        _Invalid=_Invalid,
+        _slow_check=slow_check,
+        _slow_from=slow_from_wire,
+        _get=operator.attrgetter(*(f.name for f in fields)),
+        _items=operator.itemgetter(*(f.name for f in fields)),
+        _rejected=lambda v, exc: _ctor_rejected(cls, desc, v, exc),
+    )
+    for i, f in enumerate(fields):
+        ns[f"c{i}"] = f.check
+        ns[f"f{i}"] = f.from_wire
+        ns[f"k{i}"] = f.name
+        ns[f"s{i}"] = f".{f.name}"
+    xs = ", ".join(f"x{i}" for i in range(n))
+
+    def convert(i: int, conv: str, track: bool) -> list[str]:
+        """Lines setting ``x{i}`` to the converted value (``ch`` when it changed)."""
+        body = [
+            "try:",
+            f"    y = {conv}{i}(x{i})",
+            "except _Invalid as e:",
+            f"    e.segments.append(s{i})",
+            "    raise",
+        ]
+        if track:
+            body += [f"if y is not x{i}:", f"    x{i} = y", "    ch = True"]
+        else:
+            body[1] = f"    x{i} = {conv}{i}(x{i})"
+        inline = fields[i].inline
+        if inline is None:
+            return body
+        return [f"if not ({inline.format(x=f'x{i}')}):", *("    " + line for line in body)]
+
+    check_src: list[str] = []
+    if not private:
+        check_src += [
+            "def check(v):",
+            "    if type(v) is not _cls:",
+            "        return _slow_check(v)",
+            "    try:",
+            f"        {xs} = _get(v)",
+            "    except AttributeError:",  # let the slow loop raise it in field order
+            "        return _slow_check(v)",
+            "    ch = False",
+        ]
+        for i in range(n):
+            check_src += ["    " + line for line in convert(i, "c", True)]
+        items = ", ".join(f"k{i}: x{i}" for i in range(n))
+        check_src += ["    if ch:", f"        return {{{items}}}", "    return v"]
+
+    if _binds_positionally(cls, fields):
+        args = [f"x{i}" for i, f in enumerate(fields) if not f.kw_only]
+        kws = [f"k{i}: x{i}" for i, f in enumerate(fields) if f.kw_only]
+        if kws:
+            args.append(f"**{{{', '.join(kws)}}}")
+        call = f"_cls({', '.join(args)})"
+    else:
+        call = f"_cls(**{{{', '.join(f'k{i}: x{i}' for i in range(n))}}})"
+    from_src = [
+        "def from_wire(v):",
+        f"    if type(v) is not dict or len(v) != {n}:",
+        "        return _slow_from(v)",
+        "    try:",
+        f"        {xs} = _items(v)",
+        "    except KeyError:",
+        "        return _slow_from(v)",
+    ]
+    for i in range(n):
+        from_src += ["    " + line for line in convert(i, "f", False)]
+    from_src += [
+        "    try:",
+        f"        return {call}",
+        "    except Exception as exc:",
+        "        raise _rejected(v, exc) from exc",
+    ]
+    exec("\n".join(check_src + from_src) + "\n", ns)
+    return (slow_check if private else ns["check"]), ns["from_wire"]
 
 
 _UNION_ORIGINS = (typing.Union, types.UnionType)
@@ -766,10 +1044,10 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
     if origin is list:
         if len(args) != 1:
             raise fail("write list[T]")
-        return _list_node(_compile(args[0], ctx, _type_name(tp)))
+        return _list_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
-            return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)))
+            return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
         if args == ((),):  # typing.Tuple[()] on older Pythons
             args = ()
         return _fixed_tuple_node([_compile(a, ctx, _type_name(tp)) for a in args])
@@ -778,7 +1056,7 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
             raise fail("write dict[str, T]")
         if args[0] is not str:
             raise fail("dict keys must be str")
-        return _dict_node(_compile(args[1], ctx, _type_name(tp)))
+        return _dict_node(_compile(args[1], ctx, _type_name(tp)), ctx.fast)
     if origin in _UNION_ORIGINS:
         return _union_node([_compile(a, ctx, _type_name(tp)) for a in args])
     if origin is typing.Literal:
