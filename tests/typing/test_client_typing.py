@@ -1,0 +1,81 @@
+"""Static checks (mypy) of the client's typing: stubs typed as the service, exact `call`.
+
+mypy verifies the ``assert_type`` calls and the ``type: ignore`` codes (strict mode flags an
+unused ignore, so each one proves that mypy still rejects a wrong call). At run time the
+checks only build the objects; nothing is sent (the clients are never opened).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, assert_type
+
+import pytest
+import torch
+
+from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
+from tensorrpc._exceptions import ClosedError
+from tensorrpc._service import rpc, service
+
+
+@service
+class Calc:
+    @rpc
+    async def add(self, a: int, b: int = 1) -> int:
+        return a + b
+
+    @rpc
+    def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * factor
+
+    @rpc
+    async def count(self, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+
+async def typed_calls(client: Client[Calc]) -> None:
+    """Never run: only type-checked."""
+    calc = client.stub()
+    assert_type(calc, Calc)
+    assert_type(client.stub(engine="e1", timeout=0.5), Calc)
+    assert_type(await calc.add(1, 2), int)
+    assert_type(calc.count(3), AsyncIterator[int])
+    assert_type(await client.call(Calc.add, 1), int)
+    assert_type(await client.call(Calc.add, 1, b=2), int)
+    assert_type(await client.call(Calc.scale, torch.ones(2), 2.0), torch.Tensor)
+    assert_type(client.stream(Calc.count, 5), CallStream[int])
+    async for item in client.stream(Calc.count, 5):
+        assert_type(item, int)
+    view = client.with_options(engine="e1", timeout=1.0, wait=False)
+    assert_type(view, CallView[Calc])
+    assert_type(await view.call(Calc.add, 1, 2), int)
+    assert_type(await client.broadcast("add", 1, 2), dict[str, Any])
+    assert_type(client.engines["e1"], EngineInfo)
+    assert_type(client.statistics(), ClientStatistics)
+    await client.call(Calc.add, "x")  # type: ignore[call-overload]
+    await client.call(Calc.add, 1, c=3)  # type: ignore[call-arg]
+    client.stream(Calc.add, 1)  # type: ignore[arg-type]
+    client.stub(transport="pigeon")  # type: ignore[arg-type]
+
+
+async def streaming_method_through_call_is_never(client: Client[Calc]) -> None:
+    """Never run: `call` on a streaming method has no result (it raises TypeError)."""
+    await client.call(Calc.count, 3)
+    print("unreachable")  # type: ignore[unreachable]
+
+
+def test_client_is_generic_in_the_service() -> None:
+    client = Client(Calc, bind="ipc:///nonexistent/never-bound.sock")
+    assert_type(client, Client[Calc])
+    assert client.service.name == "Calc"
+
+
+async def test_unopened_client_refuses_calls(anyio_backend: str) -> None:
+    client = Client(Calc, connect="tcp://127.0.0.1:1")
+    with pytest.raises(ClosedError):
+        await client.call(Calc.add, 1)
+    with pytest.raises(TypeError, match="streaming"):
+        await client.call(Calc.count, 1)
+    with pytest.raises(TypeError, match="not a streaming"):
+        client.stream(Calc.add, 1)  # type: ignore[arg-type]
