@@ -1,0 +1,328 @@
+"""The docs cannot rot: every Python block in README.md and docs/*.md runs, and the site builds.
+
+Rules for authors (also in docs/index.md, "About these pages"):
+
+* Every fenced block opened with three backticks and ``python`` is a complete program. It
+  runs in a fresh interpreter (this venv's), with a temporary directory as its working
+  directory and as ``TMPDIR``, and must exit 0 within :data:`TIMEOUT_S` seconds, leave no
+  process running and no file behind (ipc:// socket files included).
+* A block that genuinely cannot run on its own (an interface sketch, a snippet that needs
+  key files or another host) is preceded by ``<!-- doctest: skip (why) -->`` on the line
+  just above its opening fence (blank lines between are allowed). The reason is required.
+* Output is not compared; examples ``assert`` what they promise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Pages whose Python blocks are run.
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+#: Per block; examples are meant to finish in a few seconds (torch's import is most of it).
+TIMEOUT_S = 90.0
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)$")
+_SKIP = re.compile(r"^\s*<!--\s*doctest:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->\s*$")
+_ANY_DOCTEST_COMMENT = re.compile(r"^\s*<!--\s*doctest")
+_IPC_PATH = re.compile(r"ipc://(?P<path>/[^\"'\s]+)")
+
+#: Blocks on pages owned by other people that are not programs (interface sketches, or
+#: snippets that need key files and a remote host) and do not carry a skip marker yet,
+#: identified by page and the SHA-256 of their code (first 16 hex digits). They are
+#: reported as skipped until the page's owner marks them (a marker wins) or makes them
+#: runnable; then the entry can go. An edited or new block is not covered and runs.
+#: Do not add entries: mark the block in its page instead.
+AWAITING_MARKERS: dict[tuple[str, str], str] = {
+    **dict.fromkeys(
+        [
+            ("docs/internals.md", "999e06cdc249f62c"),  # class TypeSpec(Protocol): ...
+            ("docs/internals.md", "9fe159f25429e164"),  # def rpc(fn: F) -> F ...
+            ("docs/internals.md", "d2f27f6cd88c74bb"),  # class CodecConfig ...
+            ("docs/internals.md", "0d09206223c53a52"),  # class TensorPlacer(Protocol): ...
+            ("docs/internals.md", "565a0a3e274a42c1"),  # PROTOCOL_VERSION = 1; ...
+            ("docs/internals.md", "44a2bdd4cfc273f6"),  # class SocketOptions ...
+            ("docs/internals.md", "4e910ffff37a0c32"),  # class EngineInfo ...
+            ("docs/internals.md", "fdc0085218a9c24c"),  # class TorchShmTransport: ...
+            ("docs/internals.md", "188ad6415c0c1fa1"),  # async def serve(...) ...
+        ],
+        "interface sketch (signatures without bodies)",
+    ),
+    **dict.fromkeys(
+        [
+            ("docs/security.md", "14f58ea81b94ca8a"),  # generate_keypair / save_keypair
+            ("docs/security.md", "e44c4d9ac7ec0d4e"),  # create_socket(curve=...)
+        ],
+        "needs key files and a host at 10.0.0.5",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One fenced Python block of a page."""
+
+    page: str  # relative to the repository root
+    line: int  # 1-based line of the opening fence
+    code: str
+    skip_reason: str | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.code.encode()).hexdigest()[:16]
+
+
+def extract_blocks(text: str, page: str) -> list[Block]:
+    """Return the ``python`` fenced blocks of a markdown text, with their skip markers.
+
+    Raises:
+        ValueError: A fence is not closed, or a ``doctest`` comment is malformed or does
+            not sit right above a python block.
+    """
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    used_markers: set[int] = set()
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        indent, fence = match["indent"], match["fence"]
+        info = match["info"].strip().split()
+        start = i
+        body: list[str] = []
+        i += 1
+        while i < len(lines):
+            close = _FENCE.match(lines[i])
+            if (
+                close is not None
+                and close["fence"][0] == fence[0]
+                and len(close["fence"]) >= len(fence)
+                and not close["info"].strip()
+            ):
+                break
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        else:
+            raise ValueError(f"{page}:{start + 1}: unclosed code fence")
+        i += 1
+        if not info or info[0] not in ("python", "py", "python3"):
+            continue
+        skip_reason = None
+        j = start - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        if j >= 0 and _ANY_DOCTEST_COMMENT.search(lines[j]):
+            marker = _SKIP.match(lines[j])
+            if marker is None:
+                raise ValueError(
+                    f"{page}:{j + 1}: malformed marker; write <!-- doctest: skip (reason) -->"
+                )
+            skip_reason = marker["reason"].strip()
+            used_markers.add(j)
+        blocks.append(Block(page, start + 1, "\n".join(body) + "\n", skip_reason))
+    for n, line in enumerate(lines):
+        if _ANY_DOCTEST_COMMENT.search(line) and n not in used_markers:
+            raise ValueError(f"{page}:{n + 1}: doctest marker not right above a python block")
+    return blocks
+
+
+def _all_blocks() -> tuple[list[Block], dict[str, str]]:
+    blocks: list[Block] = []
+    errors: dict[str, str] = {}
+    for path in PAGES:
+        page = str(path.relative_to(ROOT))
+        try:
+            blocks += extract_blocks(path.read_text(encoding="utf-8"), page)
+        except ValueError as exc:
+            errors[page] = str(exc)
+    return blocks, errors
+
+
+BLOCKS, PAGE_ERRORS = _all_blocks()
+
+
+def test_pages_have_closed_fences_and_well_formed_markers() -> None:
+    assert PAGE_ERRORS == {}
+
+
+def _leftover_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a recycled id owned by someone else
+        return False
+    return True
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_python_block_runs(block: Block, tmp_path: Path) -> None:
+    if block.skip_reason is not None:
+        pytest.skip(f"marked in the page: {block.skip_reason}")
+    awaiting = AWAITING_MARKERS.get((block.page, block.digest))
+    if awaiting is not None:
+        pytest.skip(f"{awaiting}; awaiting a doctest marker from the page's owner")
+    work = tmp_path / "cwd"
+    tmp = tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    script = tmp_path / "doc_example.py"
+    script.write_text(block.code, encoding="utf-8")
+    env = dict(os.environ)
+    # The working tree's tensorrpc (and examples/), whatever the venv's install looks like.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["TMPDIR"] = str(tmp)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    ipc_files = [Path(m["path"]) for m in _IPC_PATH.finditer(block.code)]
+    before = {p for p in ipc_files if p.exists()}
+    started = time.monotonic()
+    # Output goes to a file, not a pipe: a pipe would make us wait for any child that
+    # inherited it, and the leftover-process check below would never see it.
+    log_path = tmp_path / "output.txt"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "dev", "-W", "error", str(script)],
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            text = log_path.read_text(errors="replace")
+            pytest.fail(f"{block.id} ran past {TIMEOUT_S} s:\n{text}")
+    text = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, f"{block.id} exited {proc.returncode}:\n{text}"
+    # Children of the example (engine processes) must be gone too.
+    deadline = time.monotonic() + 5.0
+    while _process_group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _process_group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{block.id} left processes running")
+    assert _leftover_files(work) == [], f"{block.id} left files in its working directory"
+    assert _leftover_files(tmp) == [], f"{block.id} left files in TMPDIR"
+    left = [str(p) for p in ipc_files if p.exists() and p not in before]
+    assert left == [], f"{block.id} left ipc socket files"
+    assert time.monotonic() - started < TIMEOUT_S
+
+
+def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav() -> None:
+    nav = re.findall(r":\s*([\w./-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert sorted(nav) == pages
+
+
+def _missing_docs_toolchain() -> str | None:
+    for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            return module
+    return None
+
+
+@pytest.mark.slow
+def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
+    missing = _missing_docs_toolchain()
+    if missing is not None:
+        pytest.skip(f"{missing} is not installed: pip install -e '.[docs]' to check the site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "s")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    warnings = [line for line in log.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert warnings == []
+    reference = (tmp_path / "s" / "reference" / "index.html").read_text(encoding="utf-8")
+    import tensorrpc
+
+    missing_names = [n for n in tensorrpc.__all__ if f'id="tensorrpc.{n}"' not in reference]
+    assert missing_names == [], "the API reference does not render these exported names"
+
+
+# -- the extractor itself ------------------------------------------------------------------
+
+
+def test_extract_blocks_reads_markers_and_ignores_other_languages() -> None:
+    text = "\n".join(
+        [
+            "# Page",
+            "```python",
+            "print(1)",
+            "```",
+            "<!-- doctest: skip (fragment) -->",
+            "",
+            "```python",
+            "x.y()",
+            "```",
+            "```console",
+            "make test",
+            "```",
+            "- item",
+            "",
+            "  ```python",
+            "  print(2)",
+            "  ```",
+        ]
+    )
+    blocks = extract_blocks(text, "page.md")
+    assert [(b.line, b.code, b.skip_reason) for b in blocks] == [
+        (2, "print(1)\n", None),
+        (7, "x.y()\n", "fragment"),
+        (15, "print(2)\n", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "```python\nprint(1)\n",
+        "<!-- doctest: skip -->\n```python\nx\n```",
+        "<!-- doctest: skip (no block follows) -->\ntext\n",
+        "<!-- doctest: skip (a console block) -->\n```console\nx\n```",
+    ],
+)
+def test_extract_blocks_rejects_bad_fences_and_markers(text: str) -> None:
+    with pytest.raises(ValueError, match=r"page\.md:\d+"):
+        extract_blocks(text, "page.md")
+
+
+def test_pages_are_found() -> None:
+    assert ROOT / "README.md" in PAGES
+    assert ROOT / "docs" / "index.md" in PAGES
