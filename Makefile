@@ -18,12 +18,12 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check tensorrpc tests bench
-	$(BIN)/ruff check tensorrpc tests bench
+	$(BIN)/ruff format --check tensorrpc tests bench examples
+	$(BIN)/ruff check tensorrpc tests bench examples
 
 format: $(STAMP)
-	$(BIN)/ruff format tensorrpc tests bench
-	$(BIN)/ruff check --fix tensorrpc tests bench
+	$(BIN)/ruff format tensorrpc tests bench examples
+	$(BIN)/ruff check --fix tensorrpc tests bench examples
 
 check: lint
 	$(BIN)/mypy
@@ -35,7 +35,7 @@ test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu
 
 demo: $(STAMP)
-	$(BIN)/python examples/multi_engine_demo.py
+	$(BIN)/python -m examples.multi_engine_demo
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
@@ -44,7 +44,7 @@ soak: $(STAMP)
 	$(BIN)/python -m bench.soak
 
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,312 @@
+"""The multi-engine demo: one client, several engine processes, a mixed load.
+
+    python -m examples.multi_engine_demo [--engines 3] [--requests 120]
+
+It starts N engine processes that each serve a tiny transformer (``examples/tiny_lm.py``),
+binds one client socket they dial into, and sends a mixed load through it:
+
+* text requests (prompt token ids), balanced across engines, tokens streamed back;
+* image requests: a 768 KiB image tensor to ``encode_image`` (over torch shared memory or
+  zero-copy frames, alternately), then generation from the returned prompt embeddings on
+  the same engine (targeted);
+* calls that time out on purpose (a deadline shorter than the work), calls cancelled by
+  the caller, and streams the caller leaves early;
+* broadcasts: ``reset`` before the run and ``stats`` after it.
+
+A progress bar runs while it works; at the end it prints per-engine and per-transport
+tables. It exits 0 when every outcome was the expected one, and leaves no process, socket
+file or /dev/shm segment behind (Ctrl-C included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import torch
+
+import tensorrpc
+from examples.lm_service import EngineStats, LMEngine
+from tensorrpc._client import Transport
+
+ENGINE_START_TIMEOUT = 60.0
+
+
+@dataclass
+class Tally:
+    """What the client saw, per engine and overall."""
+
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    tokens: Counter[str] = field(default_factory=Counter)
+    calls: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    unexpected: list[str] = field(default_factory=list)
+    done: int = 0
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain text when not a terminal)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.last_line = -1
+
+    def update(self, done: int, tokens: int) -> None:
+        width = 30
+        filled = width * done // self.total
+        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        bar = "#" * filled + "." * (width - filled)
+        text = f"[{bar}] {done}/{self.total} requests, {tokens} tokens ({rate:.0f} tok/s)"
+        if self.tty:
+            print("\r" + text, end="", file=sys.stderr, flush=True)
+        elif done * 10 // self.total != self.last_line or done == self.total:
+            self.last_line = done * 10 // self.total
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+@contextmanager
+def engine_processes(address: str, count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start ``count`` engine processes dialing ``address``; always stop and reap them."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(count):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "examples.demo_engine",
+                        "--connect",
+                        address,
+                        "--engine-id",
+                        f"engine-{i}",
+                    ],
+                    cwd=Path(__file__).resolve().parent.parent,
+                    start_new_session=True,  # Ctrl-C reaches the demo, which stops them in order
+                )
+            )
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+async def run_load(
+    client: tensorrpc.Client[LMEngine], requests: int, tally: Tally, seed: int
+) -> None:
+    rng = random.Random(seed)
+    engines = sorted(client.engines)
+    progress = Progress(requests)
+    limit = anyio.Semaphore(8)
+
+    def record(engine: str, started: float, outcome: str, tokens: int = 0) -> None:
+        tally.latencies[engine].append(time.perf_counter() - started)
+        tally.calls[engine] += 1
+        tally.tokens[engine] += tokens
+        tally.outcomes[outcome] += 1
+        tally.done += 1
+        progress.update(tally.done, sum(tally.tokens.values()))
+
+    async def text_request(i: int) -> None:
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(8, 64))]
+        started = time.perf_counter()
+        tokens = 0
+        # Balanced: the client picks the engine with the fewest calls in flight.
+        view = client.with_options(transport="frames" if i % 2 else "auto")
+        stream = view.stream(LMEngine.generate, prompt, max_tokens=rng.randrange(8, 24))
+        async with stream:
+            async for _ in stream:
+                tokens += 1
+        record(stream.engine or "?", started, "text (balanced)", tokens)
+
+    async def image_request(i: int) -> None:
+        engine = engines[i % len(engines)]
+        transport: Transport = "auto" if i % 2 else "frames"
+        image = torch.rand(3, 256, 256)
+        started = time.perf_counter()
+        embeds = await client.with_options(engine=engine, transport=transport).call(
+            LMEngine.encode_image, image
+        )
+        tokens = 0
+        async for _ in client.stub(engine=engine).generate(
+            [1, 2, 3], max_tokens=12, prompt_embeds=embeds
+        ):
+            tokens += 1
+        record(engine, started, f"image/{transport}", tokens)
+
+    async def deadline_request(i: int) -> None:
+        engine = engines[i % len(engines)]
+        started = time.perf_counter()
+        try:
+            await client.stub(engine=engine, timeout=0.05).sleep(2.0)
+        except tensorrpc.CallTimeoutError:
+            tally.errors[engine] += 1
+            record(engine, started, "timed out (on purpose)")
+        else:
+            tally.unexpected.append("a call meant to time out returned")
+
+    async def cancelled_request(i: int) -> None:
+        engine = engines[i % len(engines)]
+        started = time.perf_counter()
+        with anyio.move_on_after(0.05) as scope:
+            await client.stub(engine=engine).sleep(2.0)
+        if not scope.cancelled_caught:
+            tally.unexpected.append("a call meant to be cancelled returned")
+        record(engine, started, "cancelled (on purpose)")
+
+    async def early_break_request(i: int) -> None:
+        engine = engines[i % len(engines)]
+        started = time.perf_counter()
+        tokens = 0
+        stream = client.with_options(engine=engine).stream(
+            LMEngine.generate, [5, 6, 7], max_tokens=200
+        )
+        async for _ in stream:
+            tokens += 1
+            if tokens == 3:
+                break
+        await stream.aclose()  # the engine's generator is cancelled at once
+        record(engine, started, "stream left early", tokens)
+
+    kinds = ["text"] * 6 + ["image"] * 2 + ["deadline", "cancel", "early_break"]
+    plan = [rng.choice(kinds) for _ in range(requests)]
+
+    async def one(i: int, kind: str) -> None:
+        async with limit:
+            try:
+                if kind == "text":
+                    await text_request(i)
+                elif kind == "image":
+                    await image_request(i)
+                elif kind == "deadline":
+                    await deadline_request(i)
+                elif kind == "cancel":
+                    await cancelled_request(i)
+                else:
+                    await early_break_request(i)
+            except tensorrpc.TensorRPCError as exc:
+                tally.unexpected.append(f"{kind}: {type(exc).__name__}: {exc}")
+
+    async with anyio.create_task_group() as tg:
+        for i, kind in enumerate(plan):
+            tg.start_soon(one, i, kind)
+    progress.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
+    ]
+    print(f"\n{title}")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="tensorrpc-demo-") as tmp:
+        address = f"ipc://{tmp}/client.sock"
+        async with tensorrpc.Client(LMEngine, bind=address) as client:
+            with engine_processes(address, args.engines):
+                await client.wait_for_engines(args.engines, timeout=ENGINE_START_TIMEOUT)
+                print(
+                    f"{len(client.engines)} engines up: {', '.join(sorted(client.engines))}",
+                    file=sys.stderr,
+                )
+                await client.broadcast("reset")
+                tally = Tally()
+                started = time.perf_counter()
+                await run_load(client, args.requests, tally, args.seed)
+                elapsed = time.perf_counter() - started
+                engine_stats: dict[str, EngineStats] = await client.broadcast("stats")
+                summary(client, tally, engine_stats, elapsed)
+        return 1 if tally.unexpected else 0
+
+
+def summary(
+    client: tensorrpc.Client[LMEngine],
+    tally: Tally,
+    engine_stats: dict[str, EngineStats],
+    elapsed: float,
+) -> None:
+    rows = []
+    for engine in sorted(client.engines):
+        lat = tally.latencies.get(engine, [])
+        st = engine_stats[engine]
+        rows.append(
+            [
+                engine,
+                str(st.pid),
+                str(tally.calls[engine]),
+                str(tally.tokens[engine]),
+                f"{percentile(lat, 0.5) * 1e3:.1f}",
+                f"{percentile(lat, 0.99) * 1e3:.1f}",
+                str(tally.errors[engine]),
+            ]
+        )
+    print_table(
+        "Per engine", ["engine", "pid", "requests", "tokens", "p50 ms", "p99 ms", "errors"], rows
+    )
+    print_table(
+        "Outcomes", ["outcome", "count"], [[k, str(v)] for k, v in sorted(tally.outcomes.items())]
+    )
+    print(f"\n{tally.done} requests in {elapsed:.1f} s")
+    if tally.unexpected:
+        print("\nUnexpected:", *tally.unexpected, sep="\n  ")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engines", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    try:
+        code = anyio.run(main_async, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: engines stopped", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

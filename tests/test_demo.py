@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_demo_runs_small_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    shm_before = _shm_entries()
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.multi_engine_demo", "--engines", "2", "--requests", "24"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Per engine" in out
+    rows = re.findall(r"^(engine-\d+)\s+(\d+)\s+(\d+)\s+(\d+)", out, flags=re.MULTILINE)
+    assert {r[0] for r in rows} == {"engine-0", "engine-1"}
+    assert sum(int(r[3]) for r in rows) > 0  # tokens were streamed
+    assert "24 requests in" in out
+    for _engine, pid, _requests, _tokens in rows:
+        assert not Path(f"/proc/{pid}").exists(), f"engine process {pid} left running"
+    assert list(tmp_path.iterdir()) == [], "the demo left files (socket files) behind"
+    assert _shm_entries() <= shm_before, "the demo left /dev/shm segments behind"
