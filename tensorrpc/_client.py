@@ -557,6 +557,11 @@ class CallStream(Generic[T]):
         # Kept by the finalizer without the client, so that GC never touches the socket.
         self._orphans = client._orphans
 
+    @property
+    def engine(self) -> str | None:
+        """The id of the engine serving this stream (``None`` until the first item)."""
+        return None if self._call is None else self._call.engine.engine_id
+
     def __aiter__(self) -> Self:
         return self
 
