@@ -6,12 +6,17 @@ descriptor is *edge-triggered* and shared by reads and writes: it becomes readab
 the socket's internal mailbox has commands, and any ``send``, ``recv`` or ``EVENTS`` read
 may consume that edge. The rules this module follows:
 
-1. Every operation is tried first with ``NOBLOCK``; only on ``zmq.Again`` do we wait.
+1. A send is tried first with ``NOBLOCK``, a receive first reads ``EVENTS`` (a failed
+   receive raises, which costs more); only when that fails do we wait.
 2. Before waiting on the FD we read ``EVENTS``; we never wait while it already shows the
    condition we want (the classic lost wake-up).
-3. Only one task at a time waits on the FD (trio and anyio's asyncio backend refuse a
-   second waiter). Other tasks that need to wait park on an :class:`anyio.Event` that the
-   FD waiter sets whenever it wakes up.
+3. On asyncio the FD is registered once per socket with ``loop.add_reader`` and stays
+   registered until close (no ``epoll_ctl`` per wait); its callback reads ``EVENTS``
+   (which drains the mailbox, so a level-triggered registration cannot spin) and wakes
+   the waiting tasks (plain futures) whose condition it shows. On other backends (trio)
+   only one task at a time waits on the FD through ``anyio.wait_readable``; other tasks
+   that need to wait park on an :class:`anyio.Event` that the FD waiter sets whenever it
+   wakes up.
 4. After every successful operation, if a task is parked on the FD, we read ``EVENTS`` and
    wake that task if its condition became true (our operation may have eaten the edge).
 5. Multipart messages are atomic in ZMQ, so a ``NOBLOCK`` send or receive either moves the
@@ -25,6 +30,7 @@ All zmq errors are translated to tensorrpc errors in :func:`translate_zmq_error`
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -63,10 +69,21 @@ __all__ = [
     "translate_zmq_error",
 ]
 
-_NOBLOCK: Final = zmq.NOBLOCK
-_EVENTS: Final = zmq.EVENTS
-_POLLIN: Final = zmq.POLLIN
-_POLLOUT: Final = zmq.POLLOUT
+# Plain ints: pyzmq's constants are IntFlag members, whose operators cost microseconds.
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK: Final = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_EVENTS: Final = int(zmq.EVENTS)
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
+# The compiled socket's methods, called without pyzmq's Python-level wrappers (which
+# re-check every frame's type and combine flags as IntFlags on every call).
+_BASE_SEND: Final = cast(
+    "Callable[[zmq.Socket[bytes], object, int, bool], object]", zmq.backend.Socket.send
+)
+_BASE_RECV: Final = cast(
+    "Callable[[zmq.Socket[bytes], int, bool], zmq.Frame]", zmq.backend.Socket.recv
+)
+_get_running_loop: Final = asyncio._get_running_loop
 # After this many operations in a row that did not have to wait, yield once to the event
 # loop so that a busy socket cannot starve the other tasks.
 _FAIRNESS_STREAK: Final = 32
@@ -274,6 +291,7 @@ class AsyncSocket:
     """
 
     __slots__ = (
+        "_amask",
         "_bound_files",
         "_changed",
         "_closed",
@@ -281,12 +299,12 @@ class AsyncSocket:
         "_fd_mask",
         "_fd_scope",
         "_get",
+        "_loop",
         "_on_close",
-        "_recv_multipart",
-        "_send_multipart",
         "_sock",
         "_streak",
         "_threshold",
+        "_waiters",
     )
 
     def __init__(
@@ -296,13 +314,16 @@ class AsyncSocket:
         self._on_close = on_close
         self._fd: int = sock.FD
         self._get = cast("Callable[[int], int]", sock.get)
-        self._recv_multipart = sock.recv_multipart
-        self._send_multipart = sock.send_multipart
         self._threshold: int = sock.copy_threshold
         self._closed = False
         self._fd_scope: anyio.CancelScope | None = None
         self._fd_mask = 0
         self._changed: anyio.Event | None = None  # created lazily, inside the event loop
+        # asyncio: the loop our FD is registered with, the waiting tasks' (mask, future)
+        # pairs and the union of their masks.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._amask = 0
         self._streak = 0
         # ipc:// files we bound, with (st_dev, st_ino) to only ever remove our own file.
         self._bound_files: dict[str, tuple[int, int]] = {}
@@ -413,8 +434,14 @@ class AsyncSocket:
         return parts, zmq.MessageTracker(*tracked)
 
     def _send_once(self, parts: Sequence[Buffer | zmq.Frame], copy: bool) -> bool:
+        sock = self._sock
         try:
-            self._send_multipart(parts, _NOBLOCK, copy=copy)
+            # NOBLOCK multipart sends are atomic: once the first frame is queued, the others
+            # are too (ZMQ checks the high-water mark on the first frame only).
+            last = len(parts) - 1
+            for i in range(last):
+                _BASE_SEND(sock, parts[i], _SNDMORE_NOBLOCK, copy)
+            _BASE_SEND(sock, parts[last], _NOBLOCK, copy)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -509,13 +536,29 @@ class AsyncSocket:
         """
         self._check_open()
         try:
-            frames = self._recv_multipart(_NOBLOCK, copy=False)
+            # Reading EVENTS first is cheaper than a failed receive (an exception).
+            events = self._get(_EVENTS)
+            if events & _POLLIN:
+                frames = self._recv_frames()
+                self._after_op()
+                return frames
         except zmq.Again:
             self._after_op()
             raise anyio.WouldBlock from None
         except zmq.ZMQError as exc:
             raise translate_zmq_error(exc, "recv") from exc
-        self._after_op()
+        self._streak += 1
+        self._poke(events)  # reading EVENTS may have eaten the edge a waiter needs
+        raise anyio.WouldBlock
+
+    def _recv_frames(self) -> list[zmq.Frame]:
+        # A multipart message is atomic: once its first frame is here, all of them are.
+        sock = self._sock
+        frame: zmq.Frame = _BASE_RECV(sock, _NOBLOCK, False)
+        frames = [frame]
+        while frame.more:
+            frame = _BASE_RECV(sock, _NOBLOCK, False)
+            frames.append(frame)
         return frames
 
     async def recv(self) -> list[zmq.Frame]:
@@ -532,11 +575,16 @@ class AsyncSocket:
             TransportError: Any other ZMQ failure.
         """
         self._check_open()
+        get = self._get
         while True:
             try:
-                frames = self._recv_multipart(_NOBLOCK, copy=False)
+                # Reading EVENTS first is cheaper than a failed receive (an exception).
+                events = get(_EVENTS)
+                if not events & _POLLIN:
+                    await self._wait(_POLLIN, events)
+                    continue
+                frames = self._recv_frames()
             except zmq.Again:
-                await self._wait(_POLLIN, self._get(_EVENTS))
                 continue
             except zmq.ZMQError as exc:
                 raise translate_zmq_error(exc, "recv") from exc
@@ -551,15 +599,78 @@ class AsyncSocket:
 
     def _after_op(self) -> None:
         self._streak += 1
-        if self._fd_scope is not None:
+        if self._fd_mask or self._amask:
             self._poke(self._get(_EVENTS))
 
     def _poke(self, events: int) -> None:
-        # Any operation (and any EVENTS read) may consume the FD's edge: if the task parked
-        # on the FD waits for something ``events`` shows, wake it to re-check.
+        # Any operation (and any EVENTS read) may consume the FD's edge: if a task waits
+        # for something ``events`` shows, wake it to re-check.
+        if events & self._amask:
+            self._wake_waiters(events)
         scope = self._fd_scope
         if scope is not None and events & self._fd_mask:
             scope.cancel()
+
+    def _wake_waiters(self, events: int) -> None:
+        """asyncio: wake every waiting task whose condition ``events`` shows."""
+        keep: list[tuple[int, asyncio.Future[None]]] = []
+        amask = 0
+        for entry in self._waiters:
+            mask, fut = entry
+            if mask & events:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append(entry)
+                amask |= mask
+        self._waiters = keep
+        self._amask = amask
+
+    def _on_readable(self) -> None:
+        """asyncio reader callback: the socket's mailbox has commands."""
+        if self._closed:
+            return
+        try:
+            events = self._get(_EVENTS)  # processes the commands: the FD is drained
+        except zmq.ZMQError:
+            events = -1  # let every waiter retry and meet the error itself
+        if events & self._amask:
+            self._wake_waiters(events)
+
+    def _register(self, loop: asyncio.AbstractEventLoop) -> None:
+        old = self._loop
+        if old is not None and not old.is_closed():
+            with contextlib.suppress(Exception):
+                old.remove_reader(self._fd)
+        self._loop = None
+        loop.add_reader(self._fd, self._on_readable)
+        self._loop = loop
+
+    async def _wait_asyncio(
+        self, loop: asyncio.AbstractEventLoop, mask: int, patience: float | None
+    ) -> None:
+        if self._loop is not loop:
+            self._register(loop)
+        fut: asyncio.Future[None] = loop.create_future()
+        entry = (mask, fut)
+        self._waiters.append(entry)
+        self._amask |= mask
+        try:
+            if patience is None:
+                await fut
+            else:
+                with anyio.move_on_after(patience):
+                    await fut
+        finally:
+            if not fut.done() or fut.cancelled():
+                # Not woken (cancelled, or out of patience): leave the list.
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                amask = 0
+                for m, _ in self._waiters:
+                    amask |= m
+                self._amask = amask
+                fut.cancel()
 
     async def _wait(self, mask: int, events: int, patience: float | None = None) -> None:
         """Wait until ``EVENTS & mask`` may be true; the caller then retries its operation.
@@ -576,7 +687,10 @@ class AsyncSocket:
             return
         if self._closed:
             raise ClosedError("the socket was closed")
-        if self._fd_scope is None:
+        loop = _get_running_loop()
+        if loop is not None:
+            await self._wait_asyncio(loop, mask, patience)
+        elif self._fd_scope is None:
             with anyio.CancelScope() as scope:
                 if patience is not None:
                     scope.deadline = anyio.current_time() + patience
@@ -629,6 +743,13 @@ class AsyncSocket:
         if self._fd_scope is not None:
             anyio.notify_closing(self._fd)
         self._wake_parked()
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            # Waiters see _closed when they resume and raise ClosedError.
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._fd)
+            with contextlib.suppress(RuntimeError):
+                self._wake_waiters(-1)
         self._sock.close(linger=None)
         for path, (dev, ino) in self._bound_files.items():
             with contextlib.suppress(OSError):

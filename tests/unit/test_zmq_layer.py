@@ -535,3 +535,61 @@ async def test_a_task_parking_behind_the_fd_waiter_passes_on_what_it_saw(
             # receiver, which must still be woken to take the reply.
             await dealer.send([b"last"])
     assert received == [b"reply"]
+
+
+async def test_a_closed_socket_leaves_no_registration_behind_and_its_fd_can_be_reused(
+    anyio_backend, make_socket, endpoint
+):
+    # On asyncio the FD stays registered with the loop between waits: closing must remove
+    # it, or a new socket that gets the same FD number would inherit a stale entry.
+    for round_no in range(3):
+        ep = endpoint if endpoint.startswith("tcp") else f"{endpoint}{round_no}"
+        router, dealer, _ = bound_pair(make_socket, ep)
+        fd = dealer.socket.FD
+        with anyio.fail_after(10):
+            await dealer.send([b"ping"])
+            peer = (await router.recv())[0]
+            await router.send([peer, b"pong"])
+            assert [f.bytes for f in await dealer.recv()] == [b"pong"]
+        await router.aclose()
+        await dealer.aclose()
+        if anyio_backend == "asyncio":
+            import asyncio
+
+            assert not asyncio.get_running_loop().remove_reader(fd)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_socket_keeps_working_on_a_second_event_loop(backend, make_socket):
+    router, dealer, _ = bound_pair(make_socket, f"inproc://two-loops-{backend}")
+
+    async def ping(payload: bytes) -> None:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def answer() -> None:
+                    frames = await router.recv()
+                    await router.send([frames[0], frames[1]])
+
+                tg.start_soon(answer)
+                await anyio.wait_all_tasks_blocked()  # the router waits on its FD
+                await dealer.send([payload])
+                assert [f.bytes for f in await dealer.recv()] == [payload]
+
+    anyio.run(ping, b"first", backend=backend)
+    anyio.run(ping, b"second", backend=backend)
+
+
+async def test_a_receive_that_timed_out_does_not_steal_a_later_message(
+    anyio_backend, make_socket, endpoint
+):
+    router, dealer, _ = bound_pair(make_socket, endpoint)
+    with anyio.fail_after(10):
+        await dealer.send([b"hello"])
+        peer = (await router.recv())[0]
+        for _ in range(3):
+            with anyio.move_on_after(0.01) as scope:
+                await dealer.recv()
+            assert scope.cancelled_caught
+        await router.send([peer, b"reply"])
+        assert [f.bytes for f in await dealer.recv()] == [b"reply"]
