@@ -1,0 +1,160 @@
+"""Timing loops shared by every benchmark case.
+
+Every loop is bounded twice: by a count and by a time budget, whichever comes first, so
+a slow system shortens its own sample instead of stretching the whole run. Warm-up calls
+run before any sample is kept. Latencies are kept in nanoseconds (``perf_counter_ns``)
+and summarised as medians and tail percentiles; nothing is averaged away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How long one measurement may run: a sample count and a time limit.
+
+    Attributes:
+        warmup: calls made (and discarded) before measuring.
+        count: at most this many measured calls.
+        seconds: stop measuring after this long, even below ``count``.
+        min_count: measure at least this many calls even past ``seconds`` (bounded by
+            ``count``), so a slow system still yields a median.
+    """
+
+    warmup: int
+    count: int
+    seconds: float
+    min_count: int = 3
+
+
+def summarize(latencies_ns: list[int]) -> dict[str, Any]:
+    """Summarise per-call latencies (nanoseconds) in microseconds.
+
+    Returns a dict with ``n``, ``median_us``, ``p99_us``, ``mean_us``, ``min_us`` and
+    ``max_us``. An empty sample raises ``ValueError``: a figure is never invented.
+    """
+    if not latencies_ns:
+        raise ValueError("no samples")
+    ordered = sorted(latencies_ns)
+    n = len(ordered)
+    # nearest-rank percentile: the smallest sample with at least 99% of samples <= it
+    p99 = ordered[min(n - 1, max(0, math.ceil(0.99 * n) - 1))]
+    return {
+        "n": n,
+        "median_us": statistics.median(ordered) / 1e3,
+        "p99_us": p99 / 1e3,
+        "mean_us": statistics.fmean(ordered) / 1e3,
+        "min_us": ordered[0] / 1e3,
+        "max_us": ordered[-1] / 1e3,
+    }
+
+
+def _keep_going(done: int, started: float, budget: Budget) -> bool:
+    if done >= budget.count:
+        return False
+    if done < budget.min_count:
+        return True
+    return time.perf_counter() - started < budget.seconds
+
+
+async def time_async(fn: Callable[[], Awaitable[object]], budget: Budget) -> list[int]:
+    """Call ``fn`` sequentially; return each measured call's latency in nanoseconds."""
+    for _ in range(budget.warmup):
+        await fn()
+    samples: list[int] = []
+    started = time.perf_counter()
+    clock = time.perf_counter_ns
+    while _keep_going(len(samples), started, budget):
+        t0 = clock()
+        await fn()
+        samples.append(clock() - t0)
+    return samples
+
+
+def time_sync(fn: Callable[[], object], budget: Budget) -> list[int]:
+    """Blocking twin of :func:`time_async` for systems whose client API is synchronous."""
+    for _ in range(budget.warmup):
+        fn()
+    samples: list[int] = []
+    started = time.perf_counter()
+    clock = time.perf_counter_ns
+    while _keep_going(len(samples), started, budget):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    return samples
+
+
+def time_sync_each(
+    prepare: Callable[[], Any], fn: Callable[[Any], object], budget: Budget
+) -> list[int]:
+    """Like :func:`time_sync`, but ``prepare()`` runs untimed before each call of ``fn``.
+
+    Used where every call needs a new input (say a fresh tensor) whose creation is not
+    part of what is measured.
+    """
+    for _ in range(budget.warmup):
+        fn(prepare())
+    samples: list[int] = []
+    started = time.perf_counter()
+    clock = time.perf_counter_ns
+    while _keep_going(len(samples), started, budget):
+        arg = prepare()
+        t0 = clock()
+        fn(arg)
+        samples.append(clock() - t0)
+        del arg
+    return samples
+
+
+async def pipelined(
+    fn: Callable[[], Awaitable[object]],
+    *,
+    inflight: int,
+    total: int,
+    seconds: float,
+    warmup: int,
+) -> dict[str, Any]:
+    """Throughput with ``inflight`` calls outstanding at all times.
+
+    ``inflight`` worker tasks each await ``fn`` in a loop, the way an application keeps
+    many requests in flight. Workers stop after ``total`` calls in all or ``seconds``,
+    whichever comes first; a warm-up phase of ``warmup`` calls runs the same way first.
+
+    Returns ``{"calls", "seconds", "calls_per_s", "inflight"}``.
+    """
+
+    async def phase(limit: int, deadline_s: float) -> tuple[int, float]:
+        issued = 0
+        done = 0
+        start = time.perf_counter()
+        stop_at = start + deadline_s
+
+        async def worker() -> None:
+            nonlocal issued, done
+            while issued < limit and time.perf_counter() < stop_at:
+                issued += 1
+                await fn()
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(inflight)))
+        return done, time.perf_counter() - start
+
+    await phase(warmup, seconds)
+    calls, elapsed = await phase(total, seconds)
+    if calls == 0 or elapsed <= 0:
+        raise RuntimeError("no pipelined call completed")
+    return {
+        "calls": calls,
+        "seconds": elapsed,
+        "calls_per_s": calls / elapsed,
+        "inflight": inflight,
+    }

@@ -1,0 +1,438 @@
+"""Turn the benchmark's results into ``bench.json``, ``bench.md`` and a chart.
+
+The JSON keeps every raw figure and the machine description; the markdown shows medians
+and ratios to tensorrpc, and the targets the issues set with whether they were met; the
+chart plots latency against payload size (log-log), one line per system. A system that
+could not be measured shows its reason instead of a number, never a made-up figure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+#: multiplication sign for ratios (an escape: ruff flags the literal as ambiguous)
+TIMES = "\u00d7"
+#: the floor every round-trip target refers to
+FLOOR = "pyzmq"
+#: the reference of the transfer table's ratios
+TRANSFER_REF = "tensorrpc frames"
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0:
+        return float(x)
+    return None
+
+
+def fmt_us(us: float | None) -> str:
+    """A latency in µs, ms or s, three significant digits."""
+    if us is None:
+        return "n/a"
+    if us < 1_000:
+        return f"{us:.3g} µs"
+    if us < 1_000_000:
+        return f"{us / 1e3:.3g} ms"
+    return f"{us / 1e6:.3g} s"
+
+
+def fmt_rate(x: float | None) -> str:
+    """A rate in calls per second."""
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f}/s"
+
+
+def fmt_ratio(x: float | None) -> str:
+    """A ratio, as ``1.23`` followed by a multiplication sign."""
+    return "n/a" if x is None else f"{x:.2f}{TIMES}"
+
+
+def fmt_size(n: int) -> str:
+    """A size in bytes as KiB/MiB."""
+    if n >= 1 << 20:
+        return f"{n >> 20} MiB"
+    if n >= 1 << 10:
+        return f"{n >> 10} KiB"
+    return f"{n} B"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None else None
+
+
+def _target(
+    tid: str, description: str, value: float | None, goal: str, met: bool | None, why: str = ""
+) -> dict[str, Any]:
+    return {
+        "id": tid,
+        "description": description,
+        "value": value,
+        "goal": goal,
+        "met": met,
+        "note": why,
+    }
+
+
+def _why_missing(*entries: Any) -> str:
+    for e in entries:
+        reason = _get(e, "unavailable")
+        if reason:
+            return str(reason)
+    return "not measured in this run"
+
+
+def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Check the targets of issues 3, 4 and the codec against the measured figures."""
+    out: list[dict[str, Any]] = []
+    rt = _get(results, "roundtrip", "systems") or {}
+    if rt:
+        ours, floor, grpc = rt.get("tensorrpc"), rt.get(FLOOR), rt.get("grpc.aio")
+        small = _num(_get(ours, "small", "median_us"))
+        pipe = _num(_get(ours, "pipelined", "calls_per_s"))
+        f_small = _num(_get(floor, "small", "median_us"))
+        f_pipe = _num(_get(floor, "pipelined", "calls_per_s"))
+        g_small = _num(_get(grpc, "small", "median_us"))
+        g_pipe = _num(_get(grpc, "pipelined", "calls_per_s"))
+
+        def add(tid: str, desc: str, value: float | None, goal: str, ok: bool, *src: Any) -> None:
+            met = ok if value is not None else None
+            out.append(_target(tid, desc, value, goal, met, "" if value else _why_missing(*src)))
+
+        r = _ratio(small, f_small)
+        add(
+            "rt_small",
+            "small call median, tensorrpc ÷ raw pyzmq",
+            r,
+            "≤ 1.5",
+            r is not None and r <= 1.5,
+            ours,
+            floor,
+        )
+        r = _ratio(pipe, f_pipe)
+        add(
+            "rt_pipelined",
+            "64 in flight calls/s, tensorrpc ÷ raw pyzmq",
+            r,
+            "≥ 0.5",
+            r is not None and r >= 0.5,
+            ours,
+            floor,
+        )
+        r = _ratio(small, g_small)
+        add(
+            "rt_small_grpc",
+            "small call median, tensorrpc ÷ grpc.aio",
+            r,
+            "< 1",
+            r is not None and r < 1,
+            ours,
+            grpc,
+        )
+        r = _ratio(pipe, g_pipe)
+        add(
+            "rt_pipelined_grpc",
+            "64 in flight calls/s, tensorrpc ÷ grpc.aio",
+            r,
+            "> 1",
+            r is not None and r > 1,
+            ours,
+            grpc,
+        )
+
+    tx = _get(results, "transfer", "systems") or {}
+    if tx:
+        big = str(64 << 20)
+        frames = tx.get("tensorrpc frames")
+        fresh = tx.get("tensorrpc torch_shm (fresh)")
+        shared = tx.get("tensorrpc torch_shm (shared)")
+        pyzmq = tx.get("pyzmq")
+        copy = tx.get("Tensor.copy_ (in-process)")
+        fr = _num(_get(frames, "sizes", big, "median_us"))
+        r = _ratio(fr, _num(_get(pyzmq, "sizes", big, "median_us")))
+        out.append(_target(
+            "tx_frames_64m", "64 MiB, tensorrpc frames ÷ raw pyzmq", r, "≤ 1.3",
+            None if r is None else r <= 1.3,
+            "" if r is not None else _why_missing(_get(frames, "sizes", big), frames, pyzmq),
+        ))  # fmt: skip
+        small = _num(_get(shared, "small", "median_us"))
+        if small is None:
+            small = _num(_get(rt, "tensorrpc", "small", "median_us"))
+        for size in results["transfer"].get("sizes", []):
+            cell = _get(shared, "sizes", str(size))
+            r = _ratio(_num(_get(cell, "median_us")), small)
+            out.append(_target(
+                f"tx_shm_shared_{size}",
+                f"{fmt_size(size)}, torch_shm (already shared) ÷ small call", r, "≤ 3",
+                None if r is None else r <= 3,
+                "" if r is not None else _why_missing(cell, shared),
+            ))  # fmt: skip
+        fresh_big = _num(_get(fresh, "sizes", big, "median_us"))
+        r = _ratio(fresh_big, fr)
+        out.append(_target(
+            "tx_shm_fresh_64m", "64 MiB, torch_shm (fresh) ÷ frames", r, "≤ 0.5 (well under)",
+            None if r is None else r <= 0.5,
+            "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh, frames),
+        ))  # fmt: skip
+        r = _ratio(fresh_big, _num(_get(copy, "sizes", big, "median_us")))
+        out.append(_target(
+            "tx_shm_fresh_64m_copy", "64 MiB, torch_shm (fresh) ÷ in-process copy_", r,
+            "≤ 2 (aim)", None if r is None else r <= 2,
+            "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh),
+        ))  # fmt: skip
+
+    codec = results.get("codec")
+    if isinstance(codec, dict) and isinstance(codec.get("cases"), dict):
+        goal = codec.get("target_ratio", 1.5)
+        for case, row in codec["cases"].items():
+            r = _num(_get(row, "tensorrpc", "ratio_to_msgspec"))
+            out.append(_target(
+                f"codec_{case}", f"codec {case}: tensorrpc ÷ msgspec (encode+decode)", r,
+                f"≤ {goal}", None if r is None else r <= goal,
+                "" if r is not None else "not measured",
+            ))  # fmt: skip
+    return out
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    parts = [
+        str(m.get("cpu_model", "?")),
+        f"{m.get('cpus_usable', '?')} usable CPUs",
+        f"Python {m.get('python', '?')}",
+        f"torch {m.get('torch', '?')}",
+        f"pyzmq {m.get('pyzmq', '?')} (libzmq {m.get('libzmq', '?')})",
+        f"grpcio {m.get('grpcio', '?')}",
+    ]
+    return ", ".join(parts)
+
+
+def _roundtrip_md(rt: dict[str, Any]) -> list[str]:
+    systems: dict[str, Any] = rt.get("systems", {})
+    notes: dict[str, str] = rt.get("notes", {})
+    ref = systems.get("tensorrpc")
+    ref_small = _num(_get(ref, "small", "median_us"))
+    ref_pipe = _num(_get(ref, "pipelined", "calls_per_s"))
+    lines = [
+        "## Round trip: small call (two ints → int)",
+        "",
+        "Sequential calls (median, p99) and 64 calls in flight (calls/s). Ratios are the "
+        "system's figure ÷ tensorrpc's: above 1 means a slower call or a higher "
+        "throughput than tensorrpc.",
+        "",
+        "| system | median | p99 | median ÷ tensorrpc | 64 in flight | calls/s ÷ tensorrpc "
+        "| setup |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, entry in systems.items():
+        note = notes.get(name, "")
+        if "unavailable" in entry:
+            lines.append(f"| {name} | unavailable: {_cell(entry['unavailable'])} "
+                         f"| | | | | {note} |")  # fmt: skip
+            continue
+        small = _num(_get(entry, "small", "median_us"))
+        p99 = _num(_get(entry, "small", "p99_us"))
+        pipe = _num(_get(entry, "pipelined", "calls_per_s"))
+        lines.append(
+            f"| {name} | {fmt_us(small)} | {fmt_us(p99)} | {fmt_ratio(_ratio(small, ref_small))} "
+            f"| {fmt_rate(pipe)} | {fmt_ratio(_ratio(pipe, ref_pipe))} | {note} |"
+        )
+    return lines
+
+
+def _cell(text: Any) -> str:
+    s = str(text).replace("|", "/").replace("\n", " ")
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+def _transfer_md(tx: dict[str, Any]) -> list[str]:
+    systems: dict[str, Any] = tx.get("systems", {})
+    sizes: list[int] = tx.get("sizes", [])
+    notes: dict[str, str] = tx.get("notes", {})
+    ref = systems.get(TRANSFER_REF)
+    lines = [
+        "## Transfer: a float32 tensor to the server, a small result back",
+        "",
+        f"Median latency per call; in brackets the system's median ÷ `{TRANSFER_REF}`'s at "
+        "the same size (above 1: slower than tensorrpc frames). The small call is two ints "
+        "→ int, measured in the same session.",
+        "",
+        "| system | small call | " + " | ".join(fmt_size(s) for s in sizes) + " | setup |",
+        "|---|---:|" + "---:|" * len(sizes) + "---|",
+    ]
+    ref_small = _num(_get(ref, "small", "median_us"))
+    for name, entry in systems.items():
+        note = notes.get(name, "")
+        if "unavailable" in entry:
+            blank = " | " * len(sizes)
+            lines.append(f"| {name} | unavailable: {_cell(entry['unavailable'])}{blank}| {note} |")
+            continue
+        small = _num(_get(entry, "small", "median_us"))
+        cells = [fmt_us(small) + _bracket(_ratio(small, ref_small)) if small else "-"]
+        for size in sizes:
+            cell = _get(entry, "sizes", str(size))
+            if cell is None:
+                cells.append("-")
+            elif "unavailable" in cell:
+                cells.append(f"unavailable: {_cell(cell['unavailable'])}")
+            else:
+                med = _num(cell.get("median_us"))
+                ref_med = _num(_get(ref, "sizes", str(size), "median_us"))
+                cells.append(fmt_us(med) + _bracket(_ratio(med, ref_med)))
+        counters = entry.get("counters")
+        if isinstance(counters, dict) and counters:
+            split = ", ".join(
+                f"{counters[k]} {label}"
+                for k, label in (("frames_tensors", "by frames"), ("shm_tensors", "by torch_shm"))
+                if k in counters
+            )
+            note = f"{note}; tensors sent: {split}" if split else note
+        if entry.get("warning"):
+            note = f"{note} (**{entry['warning']}**)"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {note} |")
+    return lines
+
+
+def _bracket(r: float | None) -> str:
+    return "" if r is None else f" ({r:.2f}{TIMES})"
+
+
+def _codec_md(codec: dict[str, Any]) -> list[str]:
+    lines = ["## Codec: encode + decode of an EngineCoreRequest-shaped message", ""]
+    if "unavailable" in codec:
+        return [*lines, f"unavailable: {_cell(codec['unavailable'])}"]
+    cases = codec.get("cases")
+    if not isinstance(cases, dict):
+        return [*lines, "```", json.dumps(codec, indent=1)[:4000], "```"]
+    lines += [
+        "Medians in µs; ratio is the system's encode+decode ÷ msgspec's.",
+        "",
+        "| case | system | encode | decode | total | ÷ msgspec |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for case, row in cases.items():
+        for system, f in row.items():
+            lines.append(
+                f"| {case} | {system} | {f.get('encode', 0):.2f} | {f.get('decode', 0):.2f} "
+                f"| {f.get('total', 0):.2f} | {fmt_ratio(_num(f.get('ratio_to_msgspec')))} |"
+            )
+    return lines
+
+
+def _targets_md(targets: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "## Targets",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---:|---|---|",
+    ]
+    for t in targets:
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        value = fmt_ratio(t["value"]) if t["value"] is not None else f"n/a ({_cell(t['note'])})"
+        lines.append(f"| {t['description']} | {value} | {t['goal']} | {met} |")
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The markdown report of one run."""
+    m = results.get("machine", {})
+    lines = [
+        "# tensorrpc benchmark",
+        "",
+        f"Run {m.get('started', '?')} in {results.get('duration_s', 0):.0f} s"
+        f"{' (quick)' if results.get('quick') else ''}; {_machine_line(m)}; load average "
+        f"{m.get('loadavg_start', '?')} at the start. Every server runs in its own process "
+        "on this machine.",
+        "",
+    ]
+    if "roundtrip" in results:
+        lines += [*_roundtrip_md(results["roundtrip"]), ""]
+    if "transfer" in results:
+        lines += [*_transfer_md(results["transfer"]), ""]
+    if "codec" in results:
+        lines += [*_codec_md(results["codec"]), ""]
+    targets = results.get("targets", [])
+    if targets:
+        lines += [*_targets_md(targets), ""]
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path) -> str | None:
+    """Plot latency against payload size (log-log), one line per system.
+
+    Returns None when written, else why not (no transfer figures, no matplotlib).
+    """
+    tx = results.get("transfer")
+    if not isinstance(tx, dict):
+        return "no transfer figures in this run"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"matplotlib unavailable: {exc}"
+    sizes: list[int] = tx.get("sizes", [])
+    fig, ax = plt.subplots(figsize=(10.5, 5.5))
+    colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
+    plotted = 0
+    for index, (name, entry) in enumerate(tx.get("systems", {}).items()):
+        xs: list[float] = []
+        ys: list[float] = []
+        for size in sizes:
+            med = _num(_get(entry, "sizes", str(size), "median_us"))
+            if med is not None:
+                xs.append(size)
+                ys.append(med / 1e3)
+        if not xs:
+            continue
+        style = "--" if "in-process" in name else "-"
+        width = 2.5 if name.startswith("tensorrpc") else 1.3
+        color = colors[(2 * index) % 20 + (index // 10) % 2]
+        ax.plot(xs, ys, style, marker="o", linewidth=width, label=name, color=color)
+        plotted += 1
+    if not plotted:
+        plt.close(fig)
+        return "no transfer figures to plot"
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
+    ax.set_xlabel("tensor size")
+    ax.set_ylabel("median latency per call (ms)")
+    ax.set_title("Tensor to a server process, small result back")
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write ``bench.json``, ``bench.md`` and ``latency_vs_size.png`` into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["targets"] = compute_targets(results)
+    paths = {
+        "json": out_dir / "bench.json",
+        "markdown": out_dir / "bench.md",
+        "chart": out_dir / "latency_vs_size.png",
+    }
+    why = chart(results, paths["chart"])
+    results["chart"] = {"path": paths["chart"].name} if why is None else {"unavailable": why}
+    if why is not None:
+        # a chart left by an earlier run would not match this run's figures
+        paths.pop("chart").unlink(missing_ok=True)
+    paths["markdown"].write_text(markdown(results) + "\n", encoding="utf-8")
+    paths["json"].write_text(
+        json.dumps(results, indent=1, allow_nan=False, default=repr) + "\n", encoding="utf-8"
+    )
+    return paths

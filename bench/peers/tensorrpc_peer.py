@@ -1,0 +1,96 @@
+"""tensorrpc itself, set up the way vLLM runs its engines.
+
+Setup: the benchmark process holds a :class:`tensorrpc.Client` bound on ``ipc://``
+(engines dial in, vLLM's topology); the engine is ``tensorrpc.serve(BenchService(),
+connect=..., engine_id="bench")`` in its own process. Both handlers are ``async def``, so
+they run on the engine's event loop like the other peers' handlers. Calls go through a
+stub targeted at the engine: ``client.stub(engine="bench", transport=...)`` with
+``"frames"`` (out-of-band zero-copy ZMQ frames) or ``"torch_shm"`` (shared memory; only a
+handle travels). ``consume`` answers ``(numel, first, last)`` like every other peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import time
+from typing import Any
+
+import torch
+
+from bench.peers._child import ready, wait_stdin_eof
+from bench.peers._proc import PeerProcess
+from tensorrpc._service import rpc, service
+
+ENGINE_ID = "bench"
+
+
+@service(name="BenchService")
+class BenchService:
+    """The benchmark's service: a small call and a tensor sink."""
+
+    @rpc
+    async def add(self, a: int, b: int) -> int:
+        """Two ints in, one int out."""
+        return a + b
+
+    @rpc
+    async def consume(self, t: torch.Tensor) -> tuple[int, float, float]:
+        """Take a tensor; answer its size and its first and last elements."""
+        return (t.numel(), float(t[0]), float(t[-1]))
+
+
+def runtime() -> tuple[Any, Any]:
+    """``(Client, serve)`` from tensorrpc, or ``ImportError`` saying what is missing."""
+    pkg = importlib.import_module("tensorrpc")
+    client_cls = getattr(pkg, "Client", None)
+    serve = getattr(pkg, "serve", None)
+    if client_cls is None:
+        client_cls = importlib.import_module("tensorrpc._client").Client
+    if serve is None:
+        serve = importlib.import_module("tensorrpc._server").serve
+    return client_cls, serve
+
+
+async def wait_engine(client: Any, peer: PeerProcess, within: float) -> None:
+    """Wait until the engine has joined ``client``; fail at once if its process died."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            await client.wait_for_engines(1, timeout=1.0)
+            return
+        except TimeoutError:
+            if not peer.alive():
+                raise RuntimeError(peer.failure()) from None
+            if time.monotonic() > deadline:
+                raise
+
+
+async def serve_main(addr: str) -> None:
+    """Serve one engine dialling in to ``addr`` until stdin closes."""
+    _, serve = runtime()
+    engine = asyncio.create_task(serve(BenchService(), connect=addr, engine_id=ENGINE_ID))
+    ready(addr)
+    stop = asyncio.create_task(wait_stdin_eof())
+    try:
+        done, _ = await asyncio.wait({engine, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if engine in done:
+            engine.result()  # serve() ended on its own: let its error end the process
+    finally:
+        # cancelling serve() drains it gracefully (BYE to the client)
+        engine.cancel()
+        stop.cancel()
+        await asyncio.gather(engine, stop, return_exceptions=True)
+
+
+def main() -> None:
+    """Engine entry point: ``python -m bench.peers.tensorrpc_peer ADDR``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("addr")
+    args = parser.parse_args()
+    asyncio.run(serve_main(args.addr))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""`python -m bench --quick` runs end to end and writes sane figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _numbers(tree: Any) -> list[float]:
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _numbers(v)]
+    if isinstance(tree, list):
+        return [x for v in tree for x in _numbers(v)]
+    if isinstance(tree, int | float) and not isinstance(tree, bool):
+        return [float(tree)]
+    return []
+
+
+def test_quick_roundtrip_writes_json_and_markdown(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--only",
+            "roundtrip",
+            "--system",
+            "pyzmq",
+            "--system",
+            "tensorrpc",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    systems = results["roundtrip"]["systems"]
+    assert set(systems) == {"pyzmq", "tensorrpc"}
+    for entry in systems.values():
+        assert "unavailable" not in entry, entry
+        small, pipe = entry["small"], entry["pipelined"]
+        assert small["n"] > 0
+        assert 0 < small["min_us"] <= small["median_us"] <= small["p99_us"] <= small["max_us"]
+        assert pipe["calls"] > 0
+        assert pipe["calls_per_s"] > 0
+        assert all(math.isfinite(x) and x >= 0 for x in _numbers(entry))
+    assert results["machine"]["cpus"] >= 1
+    assert results["duration_s"] > 0
+
+    md = (out / "bench.md").read_text(encoding="utf-8")
+    assert "| pyzmq |" in md
+    assert "## Round trip" in md
+    assert "## Targets" in md
+    assert "## Round trip" in proc.stdout
+    # no transfer section in this run, so no chart
+    assert not (out / "latency_vs_size.png").exists()
+
+
+def test_report_renders_unavailable_systems_without_numbers(tmp_path: Path) -> None:
+    from bench import _report
+
+    results: dict[str, Any] = {
+        "quick": True,
+        "duration_s": 1.0,
+        "machine": {"cpus_usable": 2},
+        "transfer": {
+            "sizes": [4096],
+            "notes": {},
+            "systems": {
+                "tensorrpc frames": {"unavailable": "RuntimeError: boom"},
+                "pyzmq": {
+                    "small": {"median_us": 100.0},
+                    "sizes": {"4096": {"median_us": 150.0, "p99_us": 300.0}},
+                },
+            },
+        },
+    }
+    paths = _report.write(results, tmp_path)
+    md = paths["markdown"].read_text(encoding="utf-8")
+    assert "unavailable: RuntimeError: boom" in md
+    assert "150 µs" in md
+    data = json.loads(paths["json"].read_text(encoding="utf-8"))
+    frames_target = next(t for t in data["targets"] if t["id"] == "tx_frames_64m")
+    assert frames_target["met"] is None
+    assert frames_target["value"] is None
+    assert paths["chart"].stat().st_size > 0
