@@ -1,0 +1,861 @@
+"""The ``tensorrpc`` command: run engines, inspect services, make calls from a shell.
+
+Subcommands (``tensorrpc SUBCOMMAND --help`` for each):
+
+* ``serve module:Class``: run an engine that serves an instance of a ``@service`` class
+  until SIGINT/SIGTERM, which drain it gracefully (exit status 0).
+* ``describe module:Class``: print the service (methods, signatures, types, fingerprint).
+* ``call ADDR method --arg k=v``: call a method of a running engine without its class.
+* ``bench`` / ``demo``: run the benchmark / the multi-engine demo of a repository checkout.
+
+User mistakes (a bad address, an unknown method or class, a malformed ``--arg``, an engine
+that does not answer in time) are reported as one line on stderr, never a traceback. The
+exit status is 2 for usage errors, 1 for other failures and 0 on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import dataclasses
+import enum
+import importlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import anyio
+
+import tensorrpc
+
+__all__ = ["main"]
+
+logger = logging.getLogger("tensorrpc.cli")
+T = TypeVar("T")
+
+#: Elements of a tensor printed by ``call`` (the rest is summarized by its shape).
+DEFAULT_MAX_VALUES = 8
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_PORT = re.compile(r"^:?(\d{1,5})$")
+_HOST_PORT = re.compile(r"^([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5}|\*)$")
+_ARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit status 2."""
+
+
+class CommandError(Exception):
+    """A failure the user can act on: reported in one line, exit status 1."""
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog="tensorrpc",
+        description="asyncio-native RPC for tensor-heavy Python services.",
+        epilog="Run 'tensorrpc SUBCOMMAND --help' for the options of each subcommand.",
+    )
+    parser.add_argument("--version", action="version", version=tensorrpc.__version__)
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
+    sub.required = True
+
+    serve = sub.add_parser(
+        "serve",
+        help="run an engine serving a @service class",
+        description=(
+            "Import module:Class (the current directory is on sys.path), instantiate it "
+            "with no arguments and serve it until SIGINT or SIGTERM, which drain the "
+            "engine gracefully (exit status 0). module:factory also works: a callable "
+            "that takes no arguments and returns an instance of a @service class. Give "
+            "--connect (the client binds; the engine dials in, one or more clients) or "
+            "--bind (the engine listens; clients dial it)."
+        ),
+    )
+    serve.add_argument("target", metavar="module:Class", help="the service class or factory")
+    where = serve.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--connect",
+        metavar="ADDR",
+        action="append",
+        help="a client's bound address to dial (repeat for several clients)",
+    )
+    where.add_argument(
+        "--bind",
+        metavar="ADDR",
+        help=(
+            "address to listen on: tcp://HOST:PORT, ipc://PATH, or a bare PORT (meaning "
+            "tcp://127.0.0.1:PORT); binding every interface without CURVE logs a warning"
+        ),
+    )
+    serve.add_argument("--engine-id", metavar="ID", help="engine id (default: hostname-pid)")
+    serve.add_argument(
+        "--workers", type=_positive_int, default=64, metavar="N", help="calls run at once"
+    )
+    serve.add_argument(
+        "--sync-workers",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="threads running sync handlers",
+    )
+    serve.add_argument(
+        "--grace-period",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="seconds running calls may take to finish at shutdown",
+    )
+    _add_log_level(serve)
+
+    describe = sub.add_parser(
+        "describe",
+        help="print a service's methods, types and fingerprint",
+        description=(
+            "Print a @service class: its name, schema fingerprint and, per method, the "
+            "signature, request and response types, whether it streams and whether its "
+            "handler is sync or async. Nothing is instantiated for module:Class; a "
+            "module:factory is called to get an instance."
+        ),
+    )
+    describe.add_argument("target", metavar="module:Class", help="the service class or factory")
+    describe.add_argument("--json", action="store_true", help="print JSON")
+
+    call = sub.add_parser(
+        "call",
+        help="call a method of a running engine",
+        description=(
+            "Call a method of a running engine without its class: the engine's HELLO "
+            "says which methods it has and which stream. Arguments travel by name and "
+            "the engine checks them. A value is parsed as JSON when it parses (numbers, "
+            "true/false/null, lists, objects, quoted strings), else taken as a string; "
+            "@FILE.npy loads a numpy array (sent as a torch tensor unless the parameter "
+            "is an ndarray). The result is printed as JSON (strings as they are, unless "
+            "--json), tensors summarized; a stream prints one item per line."
+        ),
+    )
+    call.add_argument(
+        "address",
+        metavar="ADDR",
+        help="the engine's address (tcp://HOST:PORT, ipc://PATH, or a bare PORT)",
+    )
+    call.add_argument("method", nargs="?", help="the method to call")
+    call.add_argument(
+        "--arg",
+        dest="args",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an argument (repeat for each)",
+    )
+    call.add_argument("--engine", metavar="ID", help="call this engine (default: any)")
+    call.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds for an engine to answer and the call to finish (default 10)",
+    )
+    call.add_argument(
+        "--bind",
+        action="store_true",
+        help="bind ADDR and wait for an engine to dial in, instead of dialling ADDR",
+    )
+    call.add_argument(
+        "--list", action="store_true", help="list the engine's methods instead of calling"
+    )
+    call.add_argument(
+        "--stream",
+        action="store_true",
+        help="treat the method as streaming (only needed for engines that do not say)",
+    )
+    call.add_argument("--json", action="store_true", help="print every value as JSON")
+    call.add_argument(
+        "--max-values",
+        type=_positive_int,
+        default=DEFAULT_MAX_VALUES,
+        metavar="N",
+        help=f"tensor elements to print (default {DEFAULT_MAX_VALUES})",
+    )
+
+    for name, module, what in (
+        ("bench", "bench", "the benchmark"),
+        ("demo", "examples.multi_engine_demo", "the multi-engine demo"),
+    ):
+        runner = sub.add_parser(
+            name,
+            help=f"run {what} (needs a repository checkout)",
+            description=(
+                f"Run {what} ('python -m {module}' in the repository checkout that "
+                "tensorrpc was installed from, or the current directory). Arguments are "
+                f"passed on: 'tensorrpc {name} -- --help' shows its own options."
+            ),
+        )
+        runner.add_argument("extra", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments")
+        runner.set_defaults(module=module)
+    return parser
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        default="info",
+        type=str.lower,
+        help="logging level (default info; debug also prints tracebacks)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def normalize_address(text: str) -> str:
+    """Turn a command-line address into a ZMQ endpoint.
+
+    ``5555`` and ``:5555`` mean ``tcp://127.0.0.1:5555`` (loopback: safe by default),
+    ``HOST:PORT`` means ``tcp://HOST:PORT``; ``tcp://``, ``ipc://`` and ``inproc://``
+    endpoints are taken as they are.
+
+    Raises:
+        UsageError: The text is none of these.
+    """
+    if text.startswith(_SCHEMES):
+        if text.partition("://")[2]:
+            return text
+        raise UsageError(f"bad address {text!r}: nothing after '://'")
+    if (m := _PORT.match(text)) is not None:
+        port = int(m[1])
+        if port > 65535:
+            raise UsageError(f"bad address {text!r}: port out of range")
+        return f"tcp://127.0.0.1:{port}"
+    if (m := _HOST_PORT.match(text)) is not None:
+        return f"tcp://{text}"
+    raise UsageError(
+        f"bad address {text!r}: expected tcp://HOST:PORT, ipc://PATH, HOST:PORT or a PORT"
+    )
+
+
+# ----------------------------------------------------------------------- loading code
+
+
+def load_target(target: str) -> object:
+    """Import ``module:attr`` (``attr`` may be dotted) with the current directory on sys.path.
+
+    Raises:
+        UsageError: ``target`` is not ``module:name``.
+        CommandError: The module cannot be imported or has no such attribute.
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"expected module:Class, got {target!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (
+            module_name == exc.name or module_name.startswith(exc.name + ".")
+        ):
+            raise CommandError(
+                f"cannot import {module_name!r}: no module named {exc.name!r}"
+            ) from exc
+        raise CommandError(f"importing {module_name!r} failed: {_one_line(exc)}") from exc
+    except Exception as exc:
+        raise CommandError(f"importing {module_name!r} failed: {_one_line(exc)}") from exc
+    obj: object = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CommandError(f"module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def service_of(target: str, *, instantiate: bool) -> tuple[tensorrpc.ServiceSpec, object]:
+    """Load a service class (or factory) and return its spec and an instance (or the class).
+
+    With ``instantiate`` false a class is described without creating an instance; a
+    factory is always called.
+
+    Raises:
+        CommandError: Not a ``@service`` class or a factory returning an instance of one,
+            or creating the instance failed.
+    """
+    obj = load_target(target)
+    if isinstance(obj, type):
+        try:
+            spec = tensorrpc.describe(obj)
+        except tensorrpc.ServiceDefinitionError as exc:
+            raise CommandError(f"{target}: {exc}") from exc
+        if not instantiate:
+            return spec, obj
+        try:
+            return spec, obj()
+        except Exception as exc:
+            raise CommandError(
+                f"{target}: creating an instance with no arguments failed: {_one_line(exc)}"
+            ) from exc
+    if not callable(obj):
+        raise CommandError(f"{target} is a {type(obj).__name__}, not a @service class or a factory")
+    try:
+        instance = obj()
+    except Exception as exc:
+        raise CommandError(f"{target}(): {_one_line(exc)}") from exc
+    try:
+        spec = tensorrpc.describe(instance)
+    except tensorrpc.ServiceDefinitionError:
+        raise CommandError(
+            f"{target}() returned a {type(instance).__name__}, not an instance of a @service class"
+        ) from None
+    return spec, instance
+
+
+# ------------------------------------------------------------------------- describe
+
+
+def describe_dict(spec: tensorrpc.ServiceSpec) -> dict[str, Any]:
+    """The JSON form of ``tensorrpc describe --json``."""
+    methods = []
+    for m in spec.methods.values():
+        params = []
+        for name, tp in zip(m.params, m.param_types, strict=True):
+            param: dict[str, Any] = {"name": name, "type": tp.description}
+            if name in m.defaults:
+                param["default"] = to_json(m.defaults[name])
+            params.append(param)
+        methods.append(
+            {
+                "name": m.name,
+                "signature": m.signature,
+                "params": params,
+                "returns": m.result_type.description,
+                "streaming": m.streaming,
+                "async": m.is_async,
+                "request_type": m.request_type.__name__,
+                "response_type": m.response_type.__name__,
+            }
+        )
+    return {"service": spec.name, "fingerprint": spec.fingerprint, "methods": methods}
+
+
+def describe_text(spec: tensorrpc.ServiceSpec) -> str:
+    """The text form of ``tensorrpc describe``."""
+    lines = [
+        f"service {spec.name}",
+        f"fingerprint {spec.fingerprint}",
+        f"methods ({len(spec.methods)}):",
+    ]
+    for m in spec.methods.values():
+        params = []
+        for name, tp in zip(m.params, m.param_types, strict=True):
+            text = f"{name}: {tp.description}"
+            if name in m.defaults:
+                text += f" = {json.dumps(to_json(m.defaults[name]))}"
+            params.append(text)
+        kind = "stream" if m.streaming else "unary"
+        handler = "async" if m.is_async else "sync (runs in a thread)"
+        lines += [
+            "",
+            f"  {m.signature}",
+            f"      {kind}, {handler}",
+            f"      request  {m.request_type.__name__}({', '.join(params)})",
+            f"      response {m.response_type.__name__}(value: {m.result_type.description})"
+            + (" per item" if m.streaming else ""),
+        ]
+    return "\n".join(lines)
+
+
+def _cmd_describe(args: argparse.Namespace) -> int:
+    spec, _ = service_of(args.target, instantiate=False)
+    if args.json:
+        print(json.dumps(describe_dict(spec), indent=2))
+    else:
+        print(describe_text(spec))
+    return 0
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    connect = [normalize_address(a) for a in args.connect] if args.connect else None
+    bind = normalize_address(args.bind) if args.bind else None
+    spec, instance = service_of(args.target, instantiate=True)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            server = await tg.start(
+                _serve,
+                instance,
+                connect,
+                bind,
+                args,
+            )
+            where = (
+                f"listening on {server.endpoint}"
+                if bind
+                else f"dialling {', '.join(connect or ())}"
+            )
+            logger.info(
+                "engine %r serves %s (%d methods), %s; stop with Ctrl-C or SIGTERM",
+                server.engine_id,
+                spec.name,
+                len(spec.methods),
+                where,
+            )
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    logger.info("%s: draining", signal.Signals(signum).name)
+                    break
+            tg.cancel_scope.cancel()
+
+    try:
+        _run(run)
+    except tensorrpc.ConnectError as exc:
+        raise CommandError(f"cannot serve: {_one_line(exc)}") from exc
+    logger.info("stopped")
+    return 0
+
+
+async def _serve(
+    instance: object,
+    connect: list[str] | None,
+    bind: str | None,
+    args: argparse.Namespace,
+    *,
+    task_status: anyio.abc.TaskStatus[tensorrpc.Server] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    await tensorrpc.serve(
+        instance,
+        connect=connect,
+        bind=bind,
+        engine_id=args.engine_id,
+        max_concurrency=args.workers,
+        sync_workers=args.sync_workers,
+        grace_period=args.grace_period,
+        task_status=task_status,
+    )
+
+
+# ----------------------------------------------------------------------------- call
+
+
+def parse_value(text: str) -> object:
+    """A ``--arg`` value: JSON when it parses, else the text itself (``@FILE.npy`` aside).
+
+    Raises:
+        UsageError: ``@FILE`` names a file that cannot be loaded.
+    """
+    if text.startswith("@"):
+        return _load_npy(text[1:])
+    try:
+        value: object = json.loads(text)
+    except ValueError:
+        return text
+    return value
+
+
+def parse_args(items: Sequence[str]) -> dict[str, object]:
+    """Parse ``NAME=VALUE`` items into an argument map.
+
+    Raises:
+        UsageError: An item lacks ``=``, its name is not an identifier, or is repeated.
+    """
+    out: dict[str, object] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise UsageError(f"bad --arg {item!r}: expected NAME=VALUE")
+        if not _ARG_NAME.match(name):
+            raise UsageError(f"bad --arg {item!r}: {name!r} is not a parameter name")
+        if name in out:
+            raise UsageError(f"--arg {name} given twice")
+        out[name] = parse_value(text)
+    return out
+
+
+def _load_npy(path: str) -> object:
+    import numpy as np
+
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load {path!r} as a .npy array: {_one_line(exc)}") from exc
+
+
+def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
+    """A JSON-able view of a decoded value; tensors and arrays are summarized.
+
+    A tensor or array becomes ``{"tensor": {"dtype", "shape", "numel", "values"}}`` with
+    the first ``max_values`` elements (flattened); bytes become ``{"bytes": base64}``;
+    dataclasses and mappings become objects; Enums their value.
+    """
+    import numpy as np
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value.value if isinstance(value, enum.Enum) else value
+    if isinstance(value, enum.Enum):
+        return to_json(value.value, max_values)
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().reshape(-1)[:max_values]
+        if flat.dtype in (torch.bfloat16, torch.float16) or flat.dtype.is_floating_point:
+            flat = flat.to(torch.float64)
+        try:
+            values = flat.cpu().tolist()
+        except (RuntimeError, TypeError):  # exotic dtypes (float8, bits)
+            values = None
+        return {
+            "tensor": {
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape),
+                "numel": value.numel(),
+                "values": values,
+            }
+        }
+    if isinstance(value, np.ndarray):
+        return {
+            "tensor": {
+                "dtype": str(value.dtype),
+                "shape": list(value.shape),
+                "numel": int(value.size),
+                "values": value.reshape(-1)[:max_values].tolist(),
+            }
+        }
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"bytes": base64.b64encode(bytes(value)).decode()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: to_json(getattr(value, f.name), max_values) for f in dataclasses.fields(value)
+        }
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v, max_values) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_json(v, max_values) for v in value]
+    return repr(value)
+
+
+def _render(value: object, *, as_json: bool, max_values: int) -> str:
+    if isinstance(value, str) and not as_json:
+        return value
+    return json.dumps(to_json(value, max_values))
+
+
+def split_signature(signature: str) -> dict[str, str]:
+    """Parameter name -> type text, from ``name(a: int, b: list[int] = 1) -> T``."""
+    start = signature.find("(")
+    if start < 0:
+        return {}
+    depth = 0
+    params: list[str] = []
+    current: list[str] = []
+    for ch in signature[start + 1 :]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            params.append("".join(current))
+            current = []
+            continue
+        current.append(ch)
+    params.append("".join(current))
+    out: dict[str, str] = {}
+    for text in params:
+        name, sep, rest = text.partition(":")
+        if sep:
+            out[name.strip()] = rest.split(" = ", 1)[0].strip()
+    return out
+
+
+def _tensors_for(arguments: dict[str, object], types: Mapping[str, str]) -> dict[str, object]:
+    """Arrays loaded from .npy files become torch tensors unless the parameter is an ndarray."""
+    import numpy as np
+    import torch
+
+    out: dict[str, object] = {}
+    for name, value in arguments.items():
+        tp = types.get(name, "")
+        if isinstance(value, np.ndarray) and not ("ndarray" in tp and "Tensor" not in tp):
+            value = torch.from_numpy(value)
+        out[name] = value
+    return out
+
+
+def _engine_text(info: tensorrpc.EngineInfo) -> str:
+    return (
+        f"engine {info.engine_id}: service {info.service}, fingerprint "
+        f"{info.fingerprint[:16]}, pid {info.pid}, protocol {info.protocol_version}"
+    )
+
+
+async def _call(args: argparse.Namespace, address: str, arguments: dict[str, object]) -> int:
+    where = {"bind": address} if args.bind else {"connect": address}
+    deadline = anyio.current_time() + args.timeout
+    async with tensorrpc.Client.dynamic(**where) as client:
+        try:
+            engines = await client.wait_for_engines(1, timeout=args.timeout)
+        except tensorrpc.EnginesUnavailableError as exc:
+            verb = "dialled in at" if args.bind else "answered at"
+            text = f"no engine {verb} {address} within {args.timeout:g} s"
+            if exc.rejected:
+                text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in exc.rejected.items())
+            raise CommandError(text) from None
+        if args.engine is not None:
+            if args.engine not in engines:
+                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                    while args.engine not in client.engines:
+                        engines = await client.wait_for_engines(len(client.engines) + 1)
+                if args.engine not in client.engines:
+                    raise CommandError(
+                        f"engine {args.engine!r} is not connected; live engines: "
+                        + ", ".join(sorted(client.engines))
+                    )
+            info = client.engines[args.engine]
+        else:
+            info = engines[sorted(engines)[0]]
+        if args.list:
+            _print_methods(info, as_json=args.json)
+            return 0
+        method = args.method
+        announced = bool(info.signatures)
+        if method not in info.methods:
+            raise CommandError(
+                f"unknown method {method!r}; the engine offers: {', '.join(info.methods)}"
+            )
+        types: dict[str, str] = {}
+        streaming = args.stream
+        if announced:
+            signature = info.signatures[info.methods.index(method)]
+            types = split_signature(signature)
+            streaming = method in info.streaming
+        view = client.with_options(
+            engine=info.engine_id, timeout=max(0.001, deadline - anyio.current_time())
+        )
+        arguments = _tensors_for(arguments, types)
+        render = _render
+        if streaming:
+            async with view.stream_by_name(method, arguments) as stream:
+                async for item in stream:
+                    print(render(item, as_json=args.json, max_values=args.max_values), flush=True)
+        else:
+            result = await view.call_by_name(method, arguments)
+            print(render(result, as_json=args.json, max_values=args.max_values))
+    return 0
+
+
+def _print_methods(info: tensorrpc.EngineInfo, *, as_json: bool) -> None:
+    signatures = info.signatures or tuple(f"{m}(...)" for m in info.methods)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "engine_id": info.engine_id,
+                    "service": info.service,
+                    "fingerprint": info.fingerprint,
+                    "pid": info.pid,
+                    "methods": [
+                        {
+                            "name": name,
+                            "signature": sig if info.signatures else None,
+                            "streaming": (name in info.streaming) if info.signatures else None,
+                        }
+                        for name, sig in zip(info.methods, signatures, strict=True)
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return
+    print(_engine_text(info))
+    for sig in signatures:
+        print(f"  {sig}")
+
+
+def _cmd_call(args: argparse.Namespace) -> int:
+    address = normalize_address(args.address)
+    if not args.list and not args.method:
+        raise UsageError("give a METHOD to call, or --list")
+    if args.list and args.args:
+        raise UsageError("--list takes no --arg")
+    arguments = parse_args(args.args)
+    try:
+        return _run(_call, args, address, arguments)
+    except tensorrpc.ConnectError as exc:
+        raise CommandError(f"cannot use {address}: {_one_line(exc)}") from exc
+    except tensorrpc.CallTimeoutError:
+        raise CommandError(f"{args.method} did not finish within {args.timeout:g} s") from None
+    except (tensorrpc.MethodNotFoundError, tensorrpc.InvalidArgumentError) as exc:
+        raise CommandError(_one_line(exc)) from None
+    except tensorrpc.RemoteError as exc:
+        raise CommandError(f"the handler raised {_one_line(exc)}") from exc
+    except tensorrpc.TensorRPCError as exc:
+        raise CommandError(f"{type(exc).__name__}: {_one_line(exc)}") from exc
+    except TypeError as exc:  # a streaming method called as unary or the reverse
+        raise CommandError(_one_line(exc)) from exc
+
+
+# ----------------------------------------------------------------------- bench, demo
+
+
+def _repo_root(module: str) -> Path | None:
+    """The checkout holding ``module`` (a package or ``pkg.mod``): cwd or tensorrpc's parent."""
+    relative = Path(*module.split("."))
+    for root in (Path.cwd(), Path(tensorrpc.__file__).resolve().parent.parent):
+        if (root / relative / "__main__.py").is_file():
+            return root
+        if (root / relative.with_suffix(".py")).is_file():
+            return root
+    return None
+
+
+def _cmd_run_module(args: argparse.Namespace) -> int:
+    module: str = args.module
+    root = _repo_root(module)
+    if root is None:
+        raise CommandError(
+            f"{module!r} is not available: 'tensorrpc {args.command}' needs the repository "
+            "checkout (run it from the checkout, or install tensorrpc from one)"
+        )
+    extra = list(args.extra)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    proc = subprocess.Popen([sys.executable, "-m", module, *extra], cwd=root)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        # The child got the same SIGINT (same process group) and stops on its own.
+        with contextlib.suppress(KeyboardInterrupt):
+            proc.wait()
+        return 130
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _run(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    """``anyio.run``, re-raising the one error inside nested exception groups as itself."""
+    try:
+        return anyio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        if exc is group:
+            raise
+        raise exc from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    first = text.splitlines()[0]
+    return first if len(first) <= 500 else first[:497] + "..."
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": _cmd_serve,
+    "describe": _cmd_describe,
+    "call": _cmd_call,
+    "bench": _cmd_run_module,
+    "demo": _cmd_run_module,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tensorrpc`` command.
+
+    Args:
+        argv: The arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 1 when the command failed, 2 for a usage error.
+    """
+    parser = _build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command == "call" and args.method is None and extra[:1] != ["--"]:
+            # argparse leaves an optional positional after options unparsed:
+            # `tensorrpc call ADDR --timeout 5 add` names the method last.
+            for i, item in enumerate(extra):
+                if not item.startswith("-"):
+                    args.method = extra.pop(i)
+                    break
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    level = getattr(args, "log_level", "warning")
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    prog = f"tensorrpc {args.command}"
+    try:
+        return _COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc} (see {prog} --help)", file=sys.stderr)
+        return 2
+    except CommandError as exc:
+        if level == "debug" and exc.__cause__ is not None:
+            logger.debug("caused by", exc_info=exc.__cause__)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except tensorrpc.TensorRPCError as exc:
+        if level == "debug":
+            logger.debug("failed", exc_info=exc)
+        print(f"{prog}: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader of our output went away (``| head``): stop quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+
+
+if __name__ == "__main__":  # python -m tensorrpc.cli
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""The ``tensorrpc`` command line: help, describe, serve + call end to end, one-line errors.
+
+Most cases run ``main()`` in this process (starting a Python that imports torch costs
+seconds on a loaded machine); the end-to-end test runs ``serve`` and ``call`` as real
+processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorrpc
+from tensorrpc.cli import main, normalize_address, parse_args, split_signature, to_json
+
+from .integration.services import Calculator
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICE = "tests.integration.services:Calculator"
+#: Bound on every wait for a child process (each imports torch: slow on a busy machine).
+PROC_WAIT_S = 90.0
+
+
+def _command() -> list[str]:
+    """The installed console script, or ``python -m tensorrpc.cli`` without it."""
+    script = shutil.which("tensorrpc", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "tensorrpc.cli"]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, expected_code: int, *fragments: str) -> None:
+    assert code == expected_code
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("tensorrpc")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `module:Class` is imported with the current directory on sys.path.
+    monkeypatch.chdir(ROOT)
+
+
+# ------------------------------------------------------------------------------ help
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["serve", "--help"],
+        ["describe", "--help"],
+        ["call", "--help"],
+        ["bench", "--help"],
+        ["demo", "--help"],
+    ],
+    ids=lambda argv: " ".join(argv),
+)
+def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0
+    assert out.startswith("usage: tensorrpc")
+    assert err == ""
+    if argv[0] == "--help":
+        for sub in ("serve", "describe", "call", "bench", "demo"):
+            assert sub in out
+
+
+def test_no_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys)
+    assert_one_line_error(code, err, 2, "required")
+
+
+# -------------------------------------------------------------------------- describe
+
+
+def test_describe_prints_every_method(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "describe", SERVICE)
+    assert code == 0, err
+    spec = tensorrpc.describe(Calculator)
+    assert "service Calculator" in out
+    assert f"fingerprint {spec.fingerprint}" in out
+    for method in spec.methods.values():
+        assert method.signature in out
+    assert "request  Calculator_add_Request(a: int, b: int = 1)" in out
+    assert "response Calculator_add_Response(value: int)" in out
+    assert "unary, sync (runs in a thread)" in out  # mul
+    assert "stream, async" in out  # count
+
+
+def test_describe_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "describe", SERVICE, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    spec = tensorrpc.describe(Calculator)
+    assert doc["service"] == "Calculator"
+    assert doc["fingerprint"] == spec.fingerprint
+    by_name = {m["name"]: m for m in doc["methods"]}
+    assert list(by_name) == list(spec.methods)
+    assert by_name["add"]["params"] == [
+        {"name": "a", "type": "int"},
+        {"name": "b", "type": "int", "default": 1},
+    ]
+    assert by_name["add"]["returns"] == "int"
+    assert by_name["add"]["async"] is True
+    assert by_name["mul"]["async"] is False
+    assert by_name["count"]["streaming"] is True
+    assert by_name["count"]["signature"] == "count(n: int) -> AsyncIterator[int]"
+    assert by_name["scale"]["params"][0] == {"name": "x", "type": "Tensor"}
+
+
+def test_describe_accepts_a_factory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "cli_factory_mod.py").write_text(
+        "from tests.integration.services import Calculator\n"
+        "def make():\n"
+        "    return Calculator('from-factory')\n"
+        "def broken():\n"
+        "    return 42\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = run_cli(capsys, "describe", "cli_factory_mod:make")
+    assert code == 0
+    assert "service Calculator" in out
+    code, _, err = run_cli(capsys, "describe", "cli_factory_mod:broken")
+    assert_one_line_error(code, err, 1, "returned a int, not an instance of a @service class")
+
+
+@pytest.mark.parametrize(
+    ("target", "code", "fragment"),
+    [
+        ("no_such_module_xyz:Calc", 1, "cannot import 'no_such_module_xyz'"),
+        ("tests.integration.services:Nope", 1, "has no attribute 'Nope'"),
+        ("tests.integration.services", 2, "expected module:Class"),
+        ("tests.integration.services:WAIT_NOT_THERE", 1, "has no attribute"),
+        ("tests.integration.engine_proc:ROOT", 1, "not a @service class or a factory"),
+        ("tests.integration.engine_proc:EngineProcess", 1, "is not a @service class"),
+    ],
+)
+def test_describe_mistakes_are_one_line(
+    capsys: pytest.CaptureFixture[str], target: str, code: int, fragment: str
+) -> None:
+    status, _, err = run_cli(capsys, "describe", target)
+    assert_one_line_error(status, err, code, fragment)
+
+
+# ---------------------------------------------------------------------- call parsing
+
+
+def test_arg_values_are_json_when_they_parse() -> None:
+    args = parse_args(
+        ["a=1", "b=2.5", "c=true", "d=null", "e=[1, 2]", 'f={"k": "v"}', 'g="7"', "h=hello", "i="]
+    )
+    assert args == {
+        "a": 1,
+        "b": 2.5,
+        "c": True,
+        "d": None,
+        "e": [1, 2],
+        "f": {"k": "v"},
+        "g": "7",
+        "h": "hello",
+        "i": "",
+    }
+
+
+def test_arg_npy_files_load_without_pickle(tmp_path: Path) -> None:
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(6, dtype=np.int16).reshape(2, 3))
+    value = parse_args([f"x=@{path}"])["x"]
+    assert isinstance(value, np.ndarray)
+    assert value.dtype == np.int16
+    assert value.shape == (2, 3)
+    objects = tmp_path / "obj.npy"
+    np.save(objects, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(Exception, match="cannot load"):
+        parse_args([f"x=@{objects}"])
+
+
+def test_addresses_default_to_loopback() -> None:
+    assert normalize_address("5555") == "tcp://127.0.0.1:5555"
+    assert normalize_address(":5555") == "tcp://127.0.0.1:5555"
+    assert normalize_address("localhost:7") == "tcp://localhost:7"
+    assert normalize_address("ipc:///tmp/x.sock") == "ipc:///tmp/x.sock"
+
+
+def test_signatures_split_into_parameter_types() -> None:
+    text = "f(x: Tensor, d: dict[str, list[int]] = (1, 2), p: tuple[int, str]) -> Tensor"
+    assert split_signature(text) == {
+        "x": "Tensor",
+        "d": "dict[str, list[int]]",
+        "p": "tuple[int, str]",
+    }
+    assert split_signature("g() -> int") == {}
+
+
+def test_results_become_json_with_tensors_summarized() -> None:
+    import torch
+
+    doc = to_json({"t": torch.arange(20, dtype=torch.int32).reshape(4, 5), "b": b"\x00\x01"})
+    assert doc == {
+        "t": {
+            "tensor": {
+                "dtype": "int32",
+                "shape": [4, 5],
+                "numel": 20,
+                "values": [0, 1, 2, 3, 4, 5, 6, 7],
+            }
+        },
+        "b": {"bytes": "AAE="},
+    }
+    assert to_json(np.ones(2, dtype=np.float32), max_values=1)["tensor"]["values"] == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "fragment"),
+    [
+        (["call", "not-an-address", "add"], 2, "bad address 'not-an-address'"),
+        (["call", "tcp://", "add"], 2, "bad address"),
+        (["call", "5555", "add", "--arg", "a"], 2, "expected NAME=VALUE"),
+        (["call", "5555", "add", "--arg", "1x=2"], 2, "not a parameter name"),
+        (["call", "5555", "add", "--arg", "a=1", "--arg", "a=2"], 2, "given twice"),
+        (["call", "5555"], 2, "give a METHOD"),
+        (["call", "5555", "add", "--timeout", "-1"], 2, "expected a positive number"),
+        (["call", "5555", "add", "--arg", "x=@/nonexistent/x.npy"], 2, "cannot load"),
+        (["serve", SERVICE, "--bind", "nowhere"], 2, "bad address"),
+        (["serve", SERVICE], 2, "one of the arguments --connect --bind is required"),
+        (["serve", SERVICE, "--bind", "1", "--workers", "0"], 2, "positive integer"),
+        (["serve", "tests.integration.services:Nope", "--bind", "1"], 1, "no attribute"),
+    ],
+)
+def test_usage_mistakes_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], code: int, fragment: str
+) -> None:
+    status, _, err = run_cli(capsys, *argv)
+    assert_one_line_error(status, err, code, fragment)
+
+
+def test_unreachable_engine_fails_within_the_timeout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    status, _, err = run_cli(
+        capsys, "call", f"ipc://{tmp_path}/nobody.sock", "add", "--timeout", "0.3"
+    )
+    assert time.monotonic() - started < 10
+    assert_one_line_error(status, err, 1, "no engine answered", "within 0.3 s")
+
+
+def test_bench_and_demo_say_when_the_checkout_is_missing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tensorrpc, "__file__", str(tmp_path / "site" / "tensorrpc" / "x.py"))
+    for command in ("bench", "demo"):
+        status, _, err = run_cli(capsys, command)
+        assert_one_line_error(status, err, 1, "is not available", "repository checkout")
+
+
+# ------------------------------------------------------------------------ end to end
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``tensorrpc serve`` in a child process; always killed and reaped."""
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*_command(), "serve", SERVICE, *args],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=PROC_WAIT_S)
+
+
+def test_serve_and_call_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/engine.sock"
+    with serving(tmp_path, "--bind", address, "--engine-id", "e1", "--workers", "4") as (
+        proc,
+        log,
+    ):
+        call = [*_command(), "call", address, "--timeout", str(PROC_WAIT_S)]
+        # Two real `tensorrpc call` processes, side by side: unary and streaming.
+        unary = subprocess.Popen(
+            [*call, "add", "--arg", "a=1", "--arg", "b=41"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        stream = subprocess.Popen(
+            [*call, "count", "--arg", "n=3", "--json"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            out, err = unary.communicate(timeout=PROC_WAIT_S)
+            assert unary.returncode == 0, err
+            assert out == "42\n"
+            out, err = stream.communicate(timeout=PROC_WAIT_S)
+            assert stream.returncode == 0, err
+            assert out.splitlines() == ["0", "1", "2"]
+        finally:
+            for child in (unary, stream):
+                if child.poll() is None:
+                    child.kill()
+                child.communicate(timeout=PROC_WAIT_S)  # reaps it and closes its pipes
+
+        # The engine is up: the rest run in this process (fast).
+        status, out, err = run_cli(capsys, "call", address, "--list")
+        assert status == 0, err
+        assert out.splitlines()[0].startswith("engine e1: service Calculator")
+        assert "  count(n: int) -> AsyncIterator[int]" in out.splitlines()
+
+        # Calculator() was made with no arguments: its own engine_id field is "".
+        status, out, _ = run_cli(capsys, "call", address, "echo", "--arg", "tag=hi")
+        assert (status, out) == (0, ":hi\n")
+        status, out, _ = run_cli(capsys, "call", address, "echo", "--arg", "tag=hi", "--json")
+        assert (status, out) == (0, '":hi"\n')
+
+        npy = tmp_path / "x.npy"
+        np.save(npy, np.arange(4, dtype=np.float32))
+        status, out, err = run_cli(
+            capsys, "call", address, "scale", "--arg", f"x=@{npy}", "--arg", "factor=2"
+        )
+        assert status == 0, err
+        assert json.loads(out) == {
+            "tensor": {"dtype": "float32", "shape": [4], "numel": 4, "values": [0, 2, 4, 6]}
+        }
+
+        status, _, err = run_cli(capsys, "call", address, "nope")
+        assert_one_line_error(status, err, 1, "unknown method 'nope'", "offers: add, mul")
+        status, _, err = run_cli(capsys, "call", address, "add", "--arg", "z=1")
+        assert_one_line_error(status, err, 1, "unexpected argument 'z'")
+        status, _, err = run_cli(capsys, "call", address, "add", "--arg", "a=x")
+        assert_one_line_error(status, err, 1, "req.a: expected int")
+        status, _, err = run_cli(capsys, "call", address, "fail", "--arg", "message=boom")
+        assert_one_line_error(status, err, 1, "ValueError: boom")
+        status, _, err = run_cli(
+            capsys, "call", address, "add", "--engine", "e9", "--timeout", "0.3"
+        )
+        assert_one_line_error(status, err, 1, "engine 'e9' is not connected", "e1")
+
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=PROC_WAIT_S) == 0
+        text = log.read_text()
+        assert "SIGTERM: draining" in text
+        assert "Traceback" not in text
+    assert not (tmp_path / "engine.sock").exists()
+
+
+def test_serve_dials_a_client_that_binds(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    address = f"ipc://{tmp_path}/client.sock"
+    with serving(tmp_path, "--connect", address, "--engine-id", "dialer") as (proc, _):
+        # `call --bind`: the command binds and waits for the engine to dial in.
+        status, out, err = run_cli(
+            capsys, "call", address, "--bind", "pid", "--timeout", str(PROC_WAIT_S)
+        )
+        assert status == 0, err
+        assert out == f"{proc.pid}\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=PROC_WAIT_S) == 0
