@@ -1,11 +1,30 @@
 """Tensor transports: where the bytes of a large tensor travel.
 
 The codec talks to a transport through two small protocols, :class:`TensorPlacer`
-(sending side) and :class:`TensorResolver` (receiving side).
+(sending side) and :class:`TensorResolver` (receiving side). The runtime picks a transport
+per call (``client.stub(transport="auto" | "frames" | "torch_shm")``, see
+docs/transports.md) and reports what each moved in ``statistics().transports``
+(:class:`TransportStatistics`).
 """
 
 from __future__ import annotations
 
 from tensorrpc.transports._base import TensorPlacer, TensorResolver
+from tensorrpc.transports._policy import (
+    DEFAULT_SHM_THRESHOLD,
+    TransportCounters,
+    TransportName,
+    TransportStatistics,
+)
+from tensorrpc.transports.torch_shm import TorchShmStatistics, TorchShmTransport
 
-__all__ = ["TensorPlacer", "TensorResolver"]
+__all__ = [
+    "DEFAULT_SHM_THRESHOLD",
+    "TensorPlacer",
+    "TensorResolver",
+    "TorchShmStatistics",
+    "TorchShmTransport",
+    "TransportCounters",
+    "TransportName",
+    "TransportStatistics",
+]

@@ -1,0 +1,351 @@
+"""torch_shm lifetimes through the runtime: nothing leaks, whatever happens to either side.
+
+The engine is its own program (``tests/transports/_engine.py``) started with
+``subprocess.Popen``; the client is the test process, or another program
+(``_client_proc.py``) when the client is the one killed. Leaks are looked for in both
+processes' ``/proc/<pid>/fd`` and in the ``/dev/shm`` listing. A process's pool segments
+are memfds it keeps for reuse: they must be exactly the segments its pool reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+import zmq
+
+from tensorrpc._client import Client
+from tensorrpc._codec import encode
+from tensorrpc._exceptions import EngineDeadError
+from tensorrpc._hostinfo import host_id
+from tensorrpc._protocol import (
+    ErrorInfo,
+    Header,
+    MessageKind,
+    Welcome,
+    decode_control,
+    encode_control,
+    pack_call_header,
+    split_frames,
+)
+from tensorrpc.transports.torch_shm import HandleKind, _Handle, _pack
+from tests.transports._engine import ROOT, TensorEngine, TensorService
+
+pytestmark = pytest.mark.anyio
+
+POOL_FD = "/memfd:tensorrpc-"
+
+
+def fds(pid: int | str = "self") -> list[str]:
+    """What each open descriptor of a process points to."""
+    out = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+    return sorted(out)
+
+
+def non_pool(targets: list[str]) -> list[str]:
+    return [t for t in targets if not t.startswith(POOL_FD)]
+
+
+def pool_fds(targets: list[str]) -> int:
+    return sum(t.startswith(POOL_FD) for t in targets)
+
+
+def shm_fds(targets: list[str]) -> list[str]:
+    """Descriptors of shared memory (memfds and /dev/shm files)."""
+    return [t for t in targets if t.startswith(("/memfd:", "/dev/shm/"))]
+
+
+def dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@contextlib.asynccontextmanager
+async def connected(address: str, **kw: object) -> AsyncIterator[Client[TensorService]]:
+    async with Client(TensorService, connect=address, heartbeat_interval=0.2, **kw) as client:  # type: ignore[arg-type]
+        await client.wait_for_engines(1, timeout=60)
+        yield client
+
+
+async def eventually(check, what: str, within: float = 30.0) -> None:
+    """Poll a condition that lives in another process (each probe is an RPC), bounded."""
+    with anyio.move_on_after(within):
+        while not await check():  # noqa: ASYNC110 - the state lives in another process
+            await anyio.sleep(0.05)
+        return
+    raise AssertionError(f"never happened within {within} s: {what}")
+
+
+@pytest.fixture
+def engine(tmp_path: Path):
+    with TensorEngine(tmp_path, bind=f"ipc://{tmp_path}/engine.sock") as proc:
+        yield proc
+
+
+async def run_calls(client: Client[TensorService], n: int, concurrency: int) -> None:
+    stub = client.stub(transport="torch_shm")
+    x = torch.arange(20_000, dtype=torch.float32)  # 80 KiB, over the auto threshold too
+    left = n
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            y = await stub.echo(x)
+            assert y[-1] == 19_999
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(concurrency):
+            tg.start_soon(worker)
+
+
+async def test_10000_calls_leave_no_descriptor_or_shm_file(
+    anyio_backend: str, engine: TensorEngine
+):
+    shm_before = dev_shm()
+    async with connected(engine.address()) as client:
+        stub = client.stub()
+        await run_calls(client, 500, 32)  # warm up: pools and caches reach their size
+        own, theirs = fds(), fds(engine.pid)
+        with anyio.fail_after(300):
+            await run_calls(client, 10_000, 32)
+        state = await stub.shm_state()
+        stats = client.statistics().transports
+        assert stats.torch_shm.tensors_sent >= 10_500
+        assert stats.torch_shm.tensors_received >= 10_500
+        assert stats.frames.tensors_sent == 0
+        assert stats.torch_shm_detail is not None
+        assert stats.torch_shm_detail.leases_active == 0
+        assert state[0] == 0, "engine still holds result leases"
+        own_after, theirs_after = fds(), fds(engine.pid)
+        assert non_pool(own_after) == non_pool(own)
+        assert non_pool(theirs_after) == non_pool(theirs)
+        assert pool_fds(own_after) == stats.torch_shm_detail.pool_segments
+        assert pool_fds(theirs_after) == state[4]
+    assert dev_shm() == shm_before
+
+
+async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path):
+    shm_before = dev_shm()
+    own_before = fds()
+    with TensorEngine(tmp_path, bind=f"ipc://{tmp_path}/e.sock") as engine:
+        async with connected(engine.address()) as client:
+            stub = client.stub(transport="torch_shm")
+            shared = torch.zeros(1 << 16)
+            shared.share_memory_()  # type: ignore[no-untyped-call]
+            assert await stub.fill(shared, 2.0) == 2.0 * (1 << 16)
+            await stub.echo(torch.ones(1 << 16))
+            board = await stub.shared_board()
+            assert board.shape == (1 << 16,)
+            del shared
+        assert engine.stop() == 0
+        del board
+    assert shm_fds(fds()) == shm_fds(own_before)
+    assert dev_shm() == shm_before
+
+
+async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
+    shm_before = dev_shm()
+    own_before = fds()
+    with TensorEngine(tmp_path, bind=f"ipc://{tmp_path}/e.sock") as engine:
+        async with connected(engine.address(), dead_after=2.0) as client:
+            stub = client.stub(transport="torch_shm")
+            failures: list[BaseException] = []
+
+            async def one(i: int) -> None:
+                try:
+                    await stub.hold(torch.full((1 << 18,), float(i)), 60.0)
+                except EngineDeadError as exc:
+                    failures.append(exc)
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for i in range(8):
+                        tg.start_soon(one, i)
+
+                    async def engine_has_them() -> bool:
+                        return (await stub.shm_state())[3] >= 8
+
+                    await eventually(engine_has_them, "engine attached to 8 arguments")
+                    detail = client.statistics().transports.torch_shm_detail
+                    assert detail is not None
+                    assert detail.leases_active == 8  # held until the engine replies
+                    engine.kill()
+            assert len(failures) == 8
+            detail = client.statistics().transports.torch_shm_detail
+            assert detail is not None
+            assert detail.leases_active == 0
+            assert detail.pool_bytes_in_use == 128  # only the handshake probe is left
+    assert shm_fds(fds()) == shm_fds(own_before)
+    assert dev_shm() == shm_before
+
+
+async def test_client_killed_mid_transfer(anyio_backend: str, engine: TensorEngine):
+    shm_before = dev_shm()
+    address = engine.address()
+    async with connected(address) as client:
+        stub = client.stub()
+        baseline = non_pool(fds(engine.pid))
+        proc = subprocess.Popen(  # noqa: ASYNC220 - started once, reaped below
+            [sys.executable, "-m", "tests.transports._client_proc", address],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            assert proc.stdout is not None
+            # In a thread: our own client must keep answering the engine's heartbeats.
+            with anyio.fail_after(60):
+                line = await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
+            assert line.strip() == b"running"
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+        async def released() -> bool:
+            state = await stub.shm_state()
+            return state[0] == 0 and non_pool(fds(engine.pid)) == baseline
+
+        # The engine forgets the dead client after its dead_after (2 s) and drops its leases.
+        await eventually(released, "the engine released the dead client's leases")
+        state = await stub.shm_state()
+        assert pool_fds(fds(engine.pid)) == state[4]
+    assert dev_shm() == shm_before
+
+
+@pytest.mark.parametrize("transport", ["torch_shm", "auto", "frames"])
+async def test_independent_processes_alias_shared_tensors(
+    anyio_backend: str, engine: TensorEngine, transport: str
+):
+    async with connected(engine.address()) as client:
+        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        shared = torch.zeros(1 << 16)
+        shared.share_memory_()  # type: ignore[no-untyped-call]
+        fresh = torch.zeros(1 << 16)
+        assert await stub.fill(shared, 3.0) == 3.0 * (1 << 16)
+        assert await stub.fill(fresh, 5.0) == 5.0 * (1 << 16)
+        # A fresh tensor is copied: the engine's write stays there.
+        assert torch.count_nonzero(fresh) == 0
+        board = await stub.shared_board()
+        before = float(board[0])
+        await stub.bump_board(1.0)
+        if transport == "frames":
+            assert torch.count_nonzero(shared) == 0
+            assert float(board[0]) == before
+        else:
+            # Already-shared storages travel by alias both ways: the engine wrote into our
+            # tensor, and its later write shows in the result we hold.
+            assert bool(torch.all(shared == 3.0))
+            assert float(board[0]) == before + 1.0
+            detail = client.statistics().transports.torch_shm_detail
+            assert detail is not None
+            assert detail.tensors_aliased >= 1
+            assert (await stub.shm_state())[5] >= 1
+
+
+def test_forged_handle_gets_a_clear_error_and_the_engine_keeps_serving(engine: TensorEngine):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(engine.address())
+
+    def reply() -> tuple[Header, bytes]:
+        """The next message that is not a heartbeat (those are answered)."""
+        while True:
+            assert sock.poll(30_000), "no answer from the engine"
+            header, payload, _ = split_frames(sock.recv_multipart())
+            if header.kind is not MessageKind.PING:
+                return header, bytes(payload)
+            sock.send_multipart(encode_control(MessageKind.PONG, None, header.call_id))
+
+    def forged(**fields: int) -> bytes:
+        h: dict[str, int] = {"kind": HandleKind.POOL, "pid": os.getpid(), "fd": 0, "dev": 0}
+        h.update(ino=0, lease=1, tag=1, base=64, span=4096, elem_offset=0)
+        h.update(fields)
+        return _pack(_Handle(strides=(1,), tail=b"", **h))  # type: ignore[arg-type]
+
+    class Forger:
+        def __init__(self, handle: bytes) -> None:
+            self.handle = handle
+
+        def place(self, tensor: torch.Tensor) -> tuple[str, bytes]:
+            return "torch_shm", self.handle
+
+    try:
+        sock.send_multipart(encode_control(MessageKind.PING, None, 0))
+        header, _payload = reply()
+        assert header.kind is MessageKind.HELLO
+        welcome = Welcome(
+            client_id="forger",
+            host_id=host_id(),
+            transports=("frames", "torch_shm"),
+            pid=os.getpid(),
+        )
+        sock.send_multipart(encode_control(MessageKind.WELCOME, welcome))
+        with open(__file__, "rb") as victim:  # a regular file we own: must not be read
+            cases = [
+                forged(fd=victim.fileno()),  # our own fd, not a tensorrpc segment
+                forged(pid=engine.pid, fd=0),  # someone else's pid
+                forged(kind=HandleKind.TORCH_FD, fd=victim.fileno(), span=1 << 40),
+                b"TRSH" + b"\x00" * 20,  # truncated
+            ]
+            for call_id, handle in enumerate(cases, 1):
+                enc = encode([torch.zeros(1024, dtype=torch.uint8)], placer=Forger(handle))
+                sock.send_multipart(
+                    [pack_call_header(call_id, "digest"), enc.payload, *enc.buffers]
+                )
+                header, payload = reply()
+                assert header.kind is MessageKind.ERROR
+                assert header.call_id == call_id
+                info = decode_control(header, payload)
+                assert isinstance(info, ErrorInfo)
+                assert "torch_shm" in info.message
+        # The engine is still serving: a normal call with the tensor inline works.
+        enc = encode([torch.arange(8, dtype=torch.uint8)])
+        sock.send_multipart([pack_call_header(99, "digest"), enc.payload, *enc.buffers])
+        header, payload = reply()
+        assert header.kind is MessageKind.RESULT
+        assert header.call_id == 99
+        assert engine.proc.poll() is None
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+async def test_unread_results_are_released_without_waiting_for_the_sweep(
+    anyio_backend: str, engine: TensorEngine
+):
+    async with connected(engine.address()) as client:
+        view = client.with_options(transport="torch_shm")
+        stub = client.stub()
+        for _ in range(3):
+            stream = view.stream(TensorService.items, 1000, 40_000)
+            async with stream:
+                first = await stream.__anext__()
+                assert float(first[0]) == 0.0
+            # Buffered and late items were never decoded; their leases go back at once.
+            with anyio.fail_after(60):
+                with anyio.CancelScope() as scope:
+                    scope.deadline = anyio.current_time() + 0.001
+                    await view.call(TensorService.make, "float32", [1 << 18], 0)
+
+        async def released() -> bool:
+            return (await stub.shm_state())[0] == 0
+
+        await eventually(released, "the engine got RELEASE for every unread result")
