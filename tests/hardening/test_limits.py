@@ -1,0 +1,156 @@
+"""Size limits: MAXMSGSIZE (per frame, enforced by ZMQ) and the codec's per-tensor maximum.
+
+What is ours to send and too big is refused on the sending side with a clear
+``EncodeError`` before anything leaves; what arrives too big is dropped by ZMQ, which
+disconnects that peer, and neither side crashes: the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+import zmq
+
+from tensorrpc._client import Client
+from tensorrpc._codec import CodecConfig
+from tensorrpc._exceptions import (
+    CallTimeoutError,
+    EncodeError,
+    EngineDeadError,
+    RemoteError,
+)
+from tensorrpc._protocol import MessageKind, pack_call_header, pack_reply_header
+from tensorrpc._server import Server
+from tensorrpc._zmq import SocketOptions, create_socket
+from tests.integration.fake_engine import FakeEngine
+from tests.integration.server_services import Probe
+from tests.integration.services import Calculator
+
+from ._live import live_engine
+
+WAIT = 20.0
+LIMIT = 1 << 20  # 1 MiB
+SMALL = SocketOptions(maxmsgsize=LIMIT)
+
+
+def _big(nbytes: int) -> torch.Tensor:
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+async def test_too_big_argument_is_an_encode_error_before_sending(tmp_path: Path) -> None:
+    async with Server(Probe(), bind=f"ipc://{tmp_path}/e.sock", socket_options=SMALL) as server:
+        assert server.endpoint is not None
+        async with Client(Probe, connect=server.endpoint, socket_options=SMALL) as client:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            probe = client.stub(transport="frames")  # torch_shm would not use a frame
+            with pytest.raises(EncodeError, match="maxmsgsize"):
+                await probe.scale(_big(2 * LIMIT), 2.0)
+            assert client.statistics().calls_in_flight == 0
+            assert server.statistics().calls == 0  # nothing was sent
+            x = _big(LIMIT // 2)
+            with anyio.fail_after(WAIT):
+                assert torch.equal(await probe.scale(x, 2.0), x * 2)
+
+
+async def test_per_tensor_limit_is_an_encode_error_on_either_side(tmp_path: Path) -> None:
+    codec = CodecConfig(max_tensor_bytes=16 * 1024)
+    async with Server(Probe(), bind=f"ipc://{tmp_path}/e.sock", codec=codec) as server:
+        assert server.endpoint is not None
+        async with Client(Probe, connect=server.endpoint, codec_config=codec) as client:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            with pytest.raises(EncodeError, match="max_tensor_bytes"):
+                await client.stub(transport="frames").scale(_big(32 * 1024), 1.0)
+            # results over the engine's limit (two 24 KiB tensors): it refuses to send them
+            loose = CodecConfig(max_tensor_bytes=1 << 30)
+            async with Client(Probe, connect=server.endpoint, codec_config=loose) as other:
+                with anyio.fail_after(WAIT):
+                    await other.wait_for_engines(1)
+                    with pytest.raises(RemoteError, match="max_tensor_bytes"):
+                        await other.stub(transport="frames").tensors(1, 2)
+            with anyio.fail_after(WAIT):
+                assert await client.stub().add(1, 2) == 3
+
+
+async def test_too_big_result_is_refused_by_the_engine(tmp_path: Path) -> None:
+    async with live_engine(tmp_path, socket_options=SocketOptions(maxmsgsize=16 * 1024)) as (
+        server,
+        peer,
+        _,
+    ):
+        call_id = peer.call("tensors", 1, 2)  # two 24 KiB tensors: each over 16 KiB
+        msg = await peer.expect(MessageKind.ERROR, call_id)
+        assert "maxmsgsize" in msg.error().message
+        assert await peer.result(peer.call("add", 1, 1)) == 2
+        assert server.statistics().errors == 1
+
+
+async def test_engine_drops_an_oversize_peer_and_serves_the_others(tmp_path: Path) -> None:
+    """A raw peer sends one frame over the engine's MAXMSGSIZE: ZMQ disconnects it."""
+    async with live_engine(tmp_path, listen=True, socket_options=SMALL) as (server, peer, _):
+        assert server.endpoint is not None
+        async with create_socket(zmq.DEALER) as rogue:
+            rogue.connect(server.endpoint)
+            rogue.send_nowait([pack_call_header(1, "scale"), b"\x92\x00\x00", bytes(2 * LIMIT)])
+            # the engine still answers its real client, several times over
+            for i in range(20):
+                assert await peer.result(peer.call("add", i, 1)) == i + 1
+        assert server.statistics().calls == 20
+
+
+async def test_mismatched_limits_fail_the_call_cleanly_with_its_deadline(tmp_path: Path) -> None:
+    """The client's limit is larger than the engine's: ZMQ on the engine drops the CALL and
+    the connection. The call cannot be answered; its deadline ends it (no hang), and the
+    engine keeps serving. (Configure the same ``maxmsgsize`` on both ends.)"""
+    async with Server(Probe(), bind="tcp://127.0.0.1:0", socket_options=SMALL) as server:
+        assert server.endpoint is not None
+        async with Client(
+            Probe, connect=server.endpoint, heartbeat_interval=0.1, dead_after=1.0
+        ) as client:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            with anyio.fail_after(WAIT), pytest.raises((CallTimeoutError, EngineDeadError)):
+                await client.stub(timeout=2.0, transport="frames").scale(_big(2 * LIMIT), 1.0)
+            assert client.statistics().calls_in_flight == 0
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+                assert await client.stub().add(2, 2) == 4
+
+
+async def test_client_drops_an_oversize_engine_and_its_calls_fail(tmp_path: Path) -> None:
+    """A hostile engine replies with a frame over the client's MAXMSGSIZE: ZMQ drops the
+    connection, the engine is declared dead and its call fails with EngineDeadError."""
+    client = Client(
+        Calculator,
+        bind=f"ipc://{tmp_path}/c.sock",
+        socket_options=SMALL,
+        heartbeat_interval=0.05,
+        dead_after=0.6,
+    )
+    async with client, FakeEngine(client.addresses[0], "huge") as engine:
+        await engine.join()
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+        outcome: list[BaseException] = []
+
+        async def caller() -> None:
+            try:
+                await client.stub().add(1, 2)
+            except EngineDeadError as exc:
+                outcome.append(exc)
+
+        engine.answer_pings = False
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(caller)
+                call = await engine.next(MessageKind.CALL)
+                await engine.send(
+                    [pack_reply_header(MessageKind.RESULT, call.call_id), bytes(2 * LIMIT)]
+                )
+        assert len(outcome) == 1
+        assert client.statistics().calls_in_flight == 0
+        assert "huge" not in client.engines
