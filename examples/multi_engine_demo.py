@@ -39,7 +39,6 @@ import torch
 
 import tensorrpc
 from examples.lm_service import EngineStats, LMEngine
-from tensorrpc._client import Transport
 
 ENGINE_START_TIMEOUT = 60.0
 
@@ -148,7 +147,7 @@ async def run_load(
 
     async def image_request(i: int) -> None:
         engine = engines[i % len(engines)]
-        transport: Transport = "auto" if i % 2 else "frames"
+        transport: tensorrpc.TransportName = "torch_shm" if i % 2 else "frames"
         image = torch.rand(3, 256, 256)
         started = time.perf_counter()
         embeds = await client.with_options(engine=engine, transport=transport).call(
@@ -284,6 +283,25 @@ def summary(
     )
     print_table(
         "Outcomes", ["outcome", "count"], [[k, str(v)] for k, v in sorted(tally.outcomes.items())]
+    )
+    transports = client.statistics().transports
+    trows = []
+    for name in ("frames", "torch_shm"):
+        c = getattr(transports, name)
+        trows.append(
+            [
+                name,
+                str(c.tensors_sent),
+                f"{c.bytes_sent / 2**20:.1f}",
+                str(c.tensors_received),
+                f"{c.bytes_received / 2**20:.1f}",
+                str(c.fallbacks),
+            ]
+        )
+    print_table(
+        "Per transport (client side; tensors small enough to ride inline are not counted)",
+        ["transport", "tensors out", "MiB out", "tensors in", "MiB in", "fallbacks"],
+        trows,
     )
     print(f"\n{tally.done} requests in {elapsed:.1f} s")
     if tally.unexpected:

@@ -49,8 +49,26 @@ from tensorrpc._exceptions import (
     ValidationError,
 )
 from tensorrpc._protocol import PROTOCOL_VERSION
+from tensorrpc._security import (
+    CurveClientConfig,
+    CurveConfig,
+    CurveKeyPair,
+    CurveServerConfig,
+    generate_keypair,
+    load_keypair,
+    load_public_key,
+    load_public_keys,
+    save_keypair,
+)
 from tensorrpc._server import PeerStatistics, Server, ServerStatistics, serve
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
+from tensorrpc._zmq import SocketOptions
+from tensorrpc.transports import (
+    TorchShmStatistics,
+    TransportCounters,
+    TransportName,
+    TransportStatistics,
+)
 
 __version__ = "0.1.0"
 
@@ -67,6 +85,10 @@ __all__ = [
     "ClosedError",
     "CodecConfig",
     "ConnectError",
+    "CurveClientConfig",
+    "CurveConfig",
+    "CurveKeyPair",
+    "CurveServerConfig",
     "DecodeError",
     "DrainingError",
     "EncodeError",
@@ -92,12 +114,22 @@ __all__ = [
     "ServerStatistics",
     "ServiceDefinitionError",
     "ServiceSpec",
+    "SocketOptions",
     "TensorRPCError",
     "TensorTransportError",
+    "TorchShmStatistics",
+    "TransportCounters",
     "TransportError",
+    "TransportName",
+    "TransportStatistics",
     "ValidationError",
     "describe",
+    "generate_keypair",
+    "load_keypair",
+    "load_public_key",
+    "load_public_keys",
     "rpc",
+    "save_keypair",
     "serve",
     "service",
 ]

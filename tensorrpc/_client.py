@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -36,7 +37,6 @@ from typing import (
     Any,
     Concatenate,
     Generic,
-    Literal,
     NoReturn,
     ParamSpec,
     TypeVar,
@@ -53,12 +53,15 @@ from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
     ClosedError,
+    EncodeError,
     EngineDeadError,
     EnginesUnavailableError,
+    MethodNotFoundError,
     OverloadedError,
     PeerUnreachableError,
     RemoteProtocolError,
     TensorRPCError,
+    TensorTransportError,
 )
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._protocol import (
@@ -71,6 +74,7 @@ from tensorrpc._protocol import (
     Hello,
     MessageKind,
     Reject,
+    Release,
     Welcome,
     decode_control,
     encode_control,
@@ -78,8 +82,17 @@ from tensorrpc._protocol import (
     split_frames,
 )
 from tensorrpc._routing import Balancing, EngineInfo, EngineRegistry, EngineState, StreamCredit
-from tensorrpc._service import describe
+from tensorrpc._service import ServiceSpec, describe, schemaless_method
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
+from tensorrpc.transports._policy import (
+    DEFAULT_SHM_THRESHOLD,
+    TRANSPORTS,
+    LeaseCollector,
+    PolicyPlacer,
+    TransportName,
+    TransportPolicy,
+    TransportStatistics,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -87,8 +100,10 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
-    from tensorrpc._service import MethodSpec, ServiceSpec
-    from tensorrpc.transports._base import TensorPlacer, TensorResolver
+    from tensorrpc._security import CurveConfig
+    from tensorrpc._service import MethodSpec
+    from tensorrpc.transports._base import TensorPlacer
+    from tensorrpc.transports.torch_shm import ShmResolver
 
 __all__ = [
     "CallOptions",
@@ -108,10 +123,13 @@ R = TypeVar("R")
 T = TypeVar("T")
 
 #: Tensor transport names a call may ask for.
-Transport = Literal["auto", "frames"]
-_TRANSPORTS: frozenset[str] = frozenset({"auto", "frames"})
+Transport = TransportName
+_TRANSPORTS: frozenset[str] = TRANSPORTS
 #: Transports this client can receive (announced in WELCOME).
 _RECEIVES: tuple[str, ...] = ("frames",)
+_NO_TRANSPORT_STATISTICS = TransportStatistics()
+_SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
+_SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
 
 _RESULT = MessageKind.RESULT
 _ERROR = MessageKind.ERROR
@@ -148,8 +166,11 @@ class CallOptions:
             answers that its queue is full, wait and retry (bounded by the deadline);
             ``False`` raises :class:`~tensorrpc.OverloadedError` at once and asks the
             engine to refuse rather than queue.
-        transport: Tensor transport for arguments and results: ``"auto"`` (default) or
-            ``"frames"``.
+        transport: Tensor transport for arguments and results: ``"auto"`` (default:
+            ``torch_shm`` for tensors of at least ``shm_threshold`` bytes when the engine
+            is on this host and can attach to our shared memory, frames otherwise),
+            ``"frames"`` or ``"torch_shm"`` (every out-of-band tensor by shared memory
+            when possible, else frames, counted as a fallback). See docs/transports.md.
     """
 
     engine: str | None = None
@@ -209,6 +230,8 @@ class ClientStatistics:
     waiting_for_capacity: int
     rejected: Mapping[str, str]
     overload_retries: int = 0
+    #: Per tensor transport: tensors and bytes moved, and fallbacks to frames.
+    transports: TransportStatistics = _NO_TRANSPORT_STATISTICS
 
 
 # ------------------------------------------------------------------------------ call table
@@ -224,6 +247,8 @@ class _Call:
         "engine",
         "error",
         "items",
+        "lease",
+        "placed",
         "reply_buffers",
         "reply_kind",
         "reply_payload",
@@ -244,6 +269,10 @@ class _Call:
         self.items: collections.deque[tuple[Buffer, Sequence[Buffer]]] | None = None
         self.done = False
         self.credit: StreamCredit | None = None
+        # torch_shm: the lease of the argument tensors (released when the engine replies)
+        # and how many tensors (and bytes) went by handle.
+        self.lease: int | None = None
+        self.placed = (0, 0)
 
 
 class _Waiters:
@@ -308,6 +337,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class _Schemaless:
+    """Stands for "no service class" when :meth:`Client.dynamic` builds a client."""
+
+
+#: The (empty) spec of a schemaless client.
+_SCHEMALESS_SPEC = ServiceSpec(name="(schemaless)", methods=MappingProxyType({}), fingerprint="")
+
+
 # ----------------------------------------------------------------------------- user views
 
 
@@ -348,7 +385,8 @@ class CallView(Generic[S]):
             engine: Target engine id, or ``None`` to balance.
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"`` or ``"frames"``.
+            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
+                :class:`CallOptions`).
 
         Returns:
             The new view.
@@ -376,7 +414,8 @@ class CallView(Generic[S]):
             engine: Target engine id, or ``None`` to balance.
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"`` or ``"frames"``.
+            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
+                :class:`CallOptions`).
 
         Returns:
             The stub, typed as the service class.
@@ -495,6 +534,66 @@ class CallView(Generic[S]):
         """
         return await self._client._broadcast(method, args, kwargs, self._options)
 
+    async def call_by_name(self, method: str, arguments: Mapping[str, Any] | None = None, /) -> Any:
+        """Call a unary method by name, with its arguments given by name.
+
+        On a typed client the arguments are bound and checked like :meth:`call` and the
+        result is typed. On a schemaless client (:meth:`Client.dynamic`) the arguments
+        travel as a map of name -> value that the engine binds and validates (missing
+        ones take their defaults), and the result is returned as decoded (lists, dicts,
+        tensors), without conversion.
+
+        Args:
+            method: The method name.
+            arguments: Parameter name -> value.
+
+        Returns:
+            The method's result.
+
+        Raises:
+            MethodNotFoundError: No live engine (or not the targeted one) offers
+                ``method``; the message lists what is offered.
+            TypeError: ``method`` streams (use :meth:`stream_by_name`).
+            InvalidArgumentError: The engine refused the arguments (schemaless).
+            ValidationError: The arguments do not match (typed client).
+            EngineNotFoundError: The targeted engine is not live, or none is.
+            CallTimeoutError: The deadline passed.
+            EngineDeadError: The engine died or left while the call was in flight.
+            RemoteError: The handler raised (and other CallError subclasses).
+            ClosedError: The client is closed.
+        """
+        client = self._client
+        spec, encoded = client._by_name(method, arguments or {}, self._options, streaming=False)
+        if encoded is None:
+            return await client._call(spec, (), arguments or {}, self._options)
+        return await client._call(spec, (), {}, self._options, encoded)
+
+    def stream_by_name(
+        self, method: str, arguments: Mapping[str, Any] | None = None, /
+    ) -> CallStream[Any]:
+        """Start a streaming call by name, with its arguments given by name.
+
+        The by-name form of :meth:`stream`; see :meth:`call_by_name` for how arguments
+        and items are handled on typed and schemaless clients.
+
+        Args:
+            method: The streaming method's name.
+            arguments: Parameter name -> value.
+
+        Returns:
+            The stream of items.
+
+        Raises:
+            MethodNotFoundError: No live engine (or not the targeted one) offers
+                ``method``.
+            TypeError: ``method`` does not stream (use :meth:`call_by_name`).
+            ValidationError: The arguments do not match (typed client).
+            ClosedError: The client is closed.
+        """
+        client = self._client
+        spec, encoded = client._by_name(method, arguments or {}, self._options, streaming=True)
+        return CallStream(client, spec, (), arguments or {}, self._options, encoded=encoded)
+
 
 class _Stub:
     """Runtime object behind :meth:`CallView.stub`; attributes are bound method callers."""
@@ -546,11 +645,17 @@ class CallStream(Generic[T]):
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
         options: CallOptions,
+        *,
+        encoded: _codec.Encoded | None = None,
     ) -> None:
         self._client = client
         self._spec = spec
         self._options = options
-        self._wire: list[Any] | None = spec.encode_args(args, dict(kwargs))
+        # Pre-encoded arguments (schemaless calls) skip encode_args.
+        self._encoded = encoded
+        self._wire: list[Any] | None = (
+            None if encoded is not None else spec.encode_args(args, dict(kwargs))
+        )
         self._call: _Call | None = None
         self._deadline: float | None = None
         self._finished = False
@@ -572,12 +677,13 @@ class CallStream(Generic[T]):
         try:
             if self._call is None:
                 wire, self._wire = self._wire, None
-                if wire is None:
+                encoded, self._encoded = self._encoded, None
+                if wire is None and encoded is None:
                     raise StopAsyncIteration
                 if self._options.timeout is not None:
                     self._deadline = anyio.current_time() + self._options.timeout
                 self._call = await client._start_stream(
-                    self._spec, wire, self._options, self._deadline
+                    self._spec, wire, self._options, self._deadline, encoded
                 )
             return cast("T", await client._next_item(self._call, self._deadline))
         except StopAsyncIteration:
@@ -593,6 +699,7 @@ class CallStream(Generic[T]):
         """Stop the stream; the engine's generator is cancelled at once (idempotent)."""
         self._finished = True
         self._wire = None
+        self._encoded = None
         if self._call is not None:
             self._client._abandon(self._call)
 
@@ -648,6 +755,19 @@ class Client(CallView[S]):
         codec_config: Codec limits (must agree with the engines').
         client_id: Identifies the client to engines (default: random).
         high_water_mark: ZMQ send/receive high-water mark, in messages.
+        torch_shm: Offer and use the ``torch_shm`` tensor transport with engines on this
+            host (Linux; checked at handshake). ``False``: frames only.
+        shm_threshold: With ``transport="auto"``, CPU tensors of at least this many
+            bytes go by ``torch_shm`` (CUDA tensors always do when it is usable).
+        curve: CURVE encryption and authentication for the client's ROUTER (see
+            docs/security.md): usually a ``CurveClientConfig`` holding the engines'
+            public key when the client dials listening engines, or a
+            ``CurveServerConfig`` with an allow-list of engine keys when engines dial in.
+            None: plaintext.
+        socket_options: ZMQ socket options (``maxmsgsize`` is the largest frame this
+            client sends or accepts: a bigger argument tensor is an ``EncodeError``
+            before anything is sent). Default: the safe defaults with
+            ``high_water_mark`` as both HWMs; when given, ``high_water_mark`` is ignored.
 
     Raises:
         ConnectError: From ``async with``: an address is malformed or already in use.
@@ -665,6 +785,7 @@ class Client(CallView[S]):
         "_closed",
         "_codec_config",
         "_connect",
+        "_curve",
         "_dead_after",
         "_engines_changed",
         "_heartbeat_interval",
@@ -673,10 +794,13 @@ class Client(CallView[S]):
         "_opened",
         "_orphans",
         "_past",
+        "_policy",
         "_registry",
         "_retries",
         "_scopes",
+        "_shm_peers",
         "_sock",
+        "_socket_options",
         "_spec",
         "_stream_window",
         "_tg",
@@ -699,9 +823,13 @@ class Client(CallView[S]):
         codec_config: _codec.CodecConfig | None = None,
         client_id: str | None = None,
         high_water_mark: int = 100_000,
+        curve: CurveConfig | None = None,
+        socket_options: SocketOptions | None = None,
+        torch_shm: bool = True,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
     ) -> None:
         super().__init__(self, _DEFAULT_OPTIONS)
-        self._spec: ServiceSpec = describe(service)
+        self._spec: ServiceSpec = _SCHEMALESS_SPEC if service is _Schemaless else describe(service)
         self._bind = [bind] if isinstance(bind, str) else list(bind or ())
         self._connect = [connect] if isinstance(connect, str) else list(connect or ())
         if not self._bind and not self._connect:
@@ -717,6 +845,10 @@ class Client(CallView[S]):
         self._codec_config = codec_config or _codec.DEFAULT
         self._client_id = client_id or f"client-{secrets.token_hex(6)}"
         self._hwm = high_water_mark
+        self._curve = curve
+        self._socket_options = socket_options or SocketOptions(
+            sndhwm=high_water_mark, rcvhwm=high_water_mark
+        )
         self._host_id = _host_id()
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count(1)
@@ -735,6 +867,47 @@ class Client(CallView[S]):
         self._capacity: anyio.Event | None = None
         self._engines_changed: anyio.Event | None = None
         self._waiters: _Waiters | None = None
+        self._policy = TransportPolicy(torch_shm=torch_shm, shm_threshold=shm_threshold)
+        # Engine routing id -> (its pid, it attaches to our handles, we attach to its).
+        self._shm_peers: dict[bytes, tuple[int, bool, bool]] = {}
+
+    @classmethod
+    def dynamic(
+        cls,
+        *,
+        bind: str | Sequence[str] | None = None,
+        connect: str | Sequence[str] | None = None,
+        **options: Any,
+    ) -> Client[Any]:
+        """A schemaless client: calls any engine's methods by name, without its class.
+
+        It admits every engine that speaks this protocol version, whatever its service
+        and fingerprint, and learns the method names (and, from engines that announce
+        them, the signatures and which methods stream) from each HELLO; see
+        :attr:`engines`. Call with :meth:`call_by_name` and :meth:`stream_by_name`:
+        arguments travel as a map of name -> value that the engine validates with its
+        own types, and results come back as decoded (lists, dicts, tensors), without
+        conversion. :meth:`call`, :meth:`stream`, :meth:`stub` and :meth:`broadcast`
+        need a service class and raise ``TypeError``. Meant for tools (``tensorrpc
+        call``), tests and debugging; typed clients are checked on both ends.
+
+        Args:
+            bind: Address(es) to bind; engines dial in.
+            connect: Address(es) of engines that listen.
+            **options: Any other keyword argument of :class:`Client`.
+
+        Returns:
+            The client (open it with ``async with``).
+
+        Raises:
+            ValueError: Inconsistent arguments.
+        """
+        return cls(cast("type[Any]", _Schemaless), bind=bind, connect=connect, **options)
+
+    @property
+    def schemaless(self) -> bool:
+        """True for a client made by :meth:`dynamic`."""
+        return self._spec is _SCHEMALESS_SPEC
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -800,6 +973,7 @@ class Client(CallView[S]):
         for scope in self._scopes:
             scope.cancel()
         self._close_socket()
+        self._policy.close()
         await anyio.lowlevel.checkpoint()
 
     # -- public state ---------------------------------------------------------------------
@@ -854,6 +1028,7 @@ class Client(CallView[S]):
             waiting_for_capacity=self._waiting,
             rejected=MappingProxyType(dict(self._registry.rejected)),
             overload_retries=self._retries,
+            transports=self._policy.statistics(),
         )
 
     async def wait_for_engines(
@@ -892,8 +1067,7 @@ class Client(CallView[S]):
     # -- socket layer ----------------------------------------------------------------------
 
     def _open_socket(self) -> None:
-        options = SocketOptions(sndhwm=self._hwm, rcvhwm=self._hwm)
-        sock = create_socket(zmq.ROUTER, options=options)
+        sock = create_socket(zmq.ROUTER, options=self._socket_options, curve=self._curve)
         self._sock = sock
         try:
             for address in self._bind:
@@ -981,13 +1155,112 @@ class Client(CallView[S]):
             )
         return spec
 
-    def _placer(self, options: CallOptions, engine: EngineState) -> TensorPlacer | None:
-        """Where large argument tensors go; frames for now (torch_shm plugs in here)."""
-        return None
+    def _by_name(
+        self,
+        name: str,
+        arguments: Mapping[str, Any],
+        options: CallOptions,
+        *,
+        streaming: bool,
+    ) -> tuple[MethodSpec, _codec.Encoded | None]:
+        """The spec for a by-name call, and (schemaless) its pre-encoded argument map."""
+        self._check_open()
+        use = "stream_by_name()" if not streaming else "call_by_name()"
+        if not self.schemaless:
+            spec = self._spec.methods.get(name)
+            if spec is None:
+                raise MethodNotFoundError(
+                    f"service {self._spec.name!r} has no method {name!r}; it offers: "
+                    + ", ".join(self._spec.methods)
+                )
+            if spec.streaming != streaming:
+                raise TypeError(
+                    f"{spec.qualname} is {'a' if spec.streaming else 'not a'} streaming "
+                    f"method: use {use}"
+                )
+            return spec, None
+        engines = self._registry.engines
+        if options.engine is not None:
+            target = engines.get(options.engine)
+            infos = [] if target is None else [target.info]
+        else:
+            infos = [state.info for state in engines.values()]
+        service = infos[0].service if infos else "engine"
+        # With no live engine the call itself raises EngineNotFoundError.
+        if infos and not any(name in info.methods for info in infos):
+            offered = sorted({m for info in infos for m in info.methods})
+            raise MethodNotFoundError(
+                f"unknown method {name!r}; the engine offers: {', '.join(offered)}"
+            )
+        for info in infos:
+            if info.signatures and name in info.methods:
+                if (name in info.streaming) != streaming:
+                    raise TypeError(
+                        f"{info.service}.{name} is {'not ' if streaming else ''}a streaming "
+                        f"method: use {use}"
+                    )
+                service = info.service
+                break
+        spec = schemaless_method(service, name, streaming=streaming)
+        for key in arguments:
+            if not isinstance(key, str):
+                raise TypeError(f"argument names must be str, got {key!r}")
+        return spec, self._encode(spec, dict(arguments), _DEFAULT_OPTIONS, None)
 
-    def _resolver(self, options: CallOptions) -> TensorResolver | None:
-        """Resolves tensors that come back by handle; none for frames."""
-        return None
+    def _placer(self, options: CallOptions, engine: EngineState) -> PolicyPlacer | None:
+        """Where large argument tensors go (None: frames only)."""
+        shm = self._shm_peers.get(engine.peer)
+        return self._policy.placer(
+            options.transport, engine.peer, peer_receives=shm is not None and shm[1]
+        )
+
+    def _resolver(self, engine: EngineState) -> ShmResolver | None:
+        """Resolves tensors that come back by torch_shm handle (None: the engine sends none)."""
+        shm = self._shm_peers.get(engine.peer)
+        if shm is None or not shm[2]:
+            return None
+        return self._policy.resolver(shm[0])
+
+    def _result_flags(self, options: CallOptions, engine: EngineState) -> int:
+        """The CALL flag bits that tell the engine how to send result tensors."""
+        mode = options.transport
+        if mode == "frames":
+            return 0
+        shm = self._shm_peers.get(engine.peer)
+        if shm is None or not shm[2]:
+            return 0
+        return _SHM_RESULTS_ALL_FLAG if mode == "torch_shm" else _SHM_RESULTS_FLAG
+
+    def _released(self, engine: EngineState, resolver: ShmResolver | None) -> None:
+        """Tell the engine we attached to the result tensors sent under these leases."""
+        if resolver is not None:
+            leases = resolver.leases
+            if leases:
+                self._send_control(engine.peer, MessageKind.RELEASE, Release(leases))
+
+    def _discard(self, engine: EngineState, payload: Buffer, buffers: Sequence[Buffer]) -> None:
+        """A reply nobody will decode: release the torch_shm leases it carries, if any."""
+        shm = self._shm_peers.get(engine.peer)
+        if shm is None or not shm[2]:
+            return  # the engine sends us no handles
+        collector = LeaseCollector()
+        with contextlib.suppress(TensorRPCError):
+            _codec.decode(payload, buffers, self._codec_config, resolver=collector)
+        if collector.leases:
+            leases = tuple(dict.fromkeys(collector.leases))
+            self._send_control(engine.peer, MessageKind.RELEASE, Release(leases))
+
+    def _shm_failed(self, engine: EngineState, *, sending: bool) -> None:
+        """The engine could not attach to our handles (or we to its): stop using torch_shm."""
+        shm = self._shm_peers.get(engine.peer)
+        if shm is not None:
+            pid, send, receive = shm
+            self._shm_peers[engine.peer] = (pid, False, receive) if sending else (pid, send, False)
+            logger.warning(
+                "torch_shm %s engine %r failed; using frames from now on",
+                "to" if sending else "from",
+                engine.engine_id,
+            )
 
     async def _acquire(self, options: CallOptions) -> EngineState:
         """Pick an engine with a free in-flight slot, waiting for one if allowed."""
@@ -1035,6 +1308,10 @@ class Client(CallView[S]):
         if error is not None:
             call.error = error
             call.engine.errors += 1
+        if call.lease is not None:
+            # The engine replied (so it attached to the arguments), or never will.
+            self._policy.release_one(call.lease)
+            call.lease = None
         self._calls.pop(call.call_id, None)
         state = call.engine
         state.calls.discard(call.call_id)
@@ -1045,6 +1322,10 @@ class Client(CallView[S]):
 
     def _abandon(self, call: _Call) -> None:
         """The caller gave up (cancelled, timed out, closed a stream): tell the engine."""
+        items = call.items
+        while items:  # stream items nobody will read
+            payload, buffers = items.popleft()
+            self._discard(call.engine, payload, buffers)
         if call.done:
             return
         self._finish(call)
@@ -1052,10 +1333,30 @@ class Client(CallView[S]):
             self._send_control(call.engine.peer, MessageKind.CANCEL, None, call.call_id)
 
     def _encode(
-        self, spec: MethodSpec, wire: list[Any], options: CallOptions, state: EngineState | None
+        self,
+        spec: MethodSpec,
+        wire: object,
+        options: CallOptions,
+        state: EngineState | None,
+        placer: TensorPlacer | None = None,
     ) -> _codec.Encoded:
-        placer = self._placer(options, state) if state is not None else None
-        return _codec.encode(wire, self._codec_config, placer=placer)
+        encoded = _codec.encode(wire, self._codec_config, placer=placer)
+        limit = self._socket_options.maxmsgsize
+        if limit > 0:
+            # A frame over the peer's MAXMSGSIZE makes ZMQ drop the whole connection (and
+            # every call on it); engines and clients share one limit, so refuse it here.
+            if len(encoded.payload) > limit:
+                raise EncodeError(
+                    f"{spec.qualname}: the encoded arguments take {len(encoded.payload)} "
+                    f"bytes, over the largest message (socket_options.maxmsgsize={limit})"
+                )
+            for buffer in encoded.buffers:
+                if buffer.nbytes > limit:
+                    raise EncodeError(
+                        f"{spec.qualname}: a tensor argument of {buffer.nbytes} bytes is "
+                        f"over the largest message (socket_options.maxmsgsize={limit})"
+                    )
+        return encoded
 
     async def _start(
         self,
@@ -1072,9 +1373,21 @@ class Client(CallView[S]):
         state = self._registry.select(options.engine) if not self._closed else None
         if state is None:
             state = await self._acquire(options)
+        placer = None
         if encoded is None:
-            encoded = self._encode(spec, cast("list[Any]", wire), options, state)
+            placer = self._placer(options, state)
+            try:
+                encoded = self._encode(spec, cast("list[Any]", wire), options, state, placer)
+            except BaseException:
+                if placer is not None:
+                    placer.abort()
+                raise
         call = self._begin(state, spec, stream=bool(flags & _STREAM_FLAG))
+        if placer is not None:
+            call.lease = placer.lease
+            call.placed = (placer.placed, placer.placed_bytes)
+        flags |= self._result_flags(options, state)
+        self._policy.sent_frames(encoded.buffers)
         timeout_ms = 0
         if deadline is not None:
             timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
@@ -1122,22 +1435,27 @@ class Client(CallView[S]):
             if not call.done:
                 self._abandon(call)
                 call.engine.errors += 1
+            elif call.reply_kind is _RESULT:  # it came, but nobody will decode it
+                self._discard(call.engine, call.reply_payload, call.reply_buffers)
             raise
         if call.error is not None:
             raise call.error
         state = call.engine
         if call.reply_kind is _RESULT:
+            resolver = self._resolver(state)
+            self._policy.received_frames(call.reply_buffers)
             try:
                 value = _codec.decode(
-                    call.reply_payload,
-                    call.reply_buffers,
-                    self._codec_config,
-                    resolver=self._resolver(options),
+                    call.reply_payload, call.reply_buffers, self._codec_config, resolver=resolver
                 )
                 return call.spec.decode_result(value)
-            except TensorRPCError:
+            except TensorRPCError as exc:
                 state.errors += 1
+                if isinstance(exc, TensorTransportError):
+                    self._shm_failed(state, sending=False)
                 raise
+            finally:
+                self._released(state, resolver)
         state.errors += 1
         raise self._reply_error(call.reply_payload)
 
@@ -1178,6 +1496,16 @@ class Client(CallView[S]):
             call = await self._start(spec, wire, encoded, options, deadline, flags)
             try:
                 return await self._result(call, options)
+            except TensorTransportError:
+                if call.reply_kind is not _ERROR or not call.placed[0] or wire is None:
+                    raise
+                # The engine could not attach to the arguments' shared memory (it answers
+                # so before running the handler): resend them as frames.
+                call.engine.errors -= 1
+                self._shm_failed(call.engine, sending=True)
+                if options.transport == "auto":
+                    self._policy.record_fallback(*call.placed)
+                continue
             except OverloadedError:
                 if not options.wait or call.reply_kind is not _ERROR:
                     raise
@@ -1197,14 +1525,19 @@ class Client(CallView[S]):
         return info.to_exception()
 
     async def _start_stream(
-        self, spec: MethodSpec, wire: list[Any], options: CallOptions, deadline: float | None
+        self,
+        spec: MethodSpec,
+        wire: list[Any] | None,
+        options: CallOptions,
+        deadline: float | None,
+        encoded: _codec.Encoded | None = None,
     ) -> _Call:
         self._check_open()
         flags = _STREAM_FLAG if options.wait else _STREAM_FLAG | _NO_WAIT_FLAG
         if deadline is None:
-            return await self._start(spec, wire, None, options, None, flags)
+            return await self._start(spec, wire, encoded, options, None, flags)
         with anyio.move_on_after(deadline - anyio.current_time()):
-            return await self._start(spec, wire, None, options, deadline, flags)
+            return await self._start(spec, wire, encoded, options, deadline, flags)
         raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
 
     async def _next_item(self, call: _Call, deadline: float | None) -> Any:
@@ -1237,7 +1570,16 @@ class Client(CallView[S]):
                 self._send_control(
                     call.engine.peer, MessageKind.CREDIT, Credit(grant), call.call_id
                 )
-        value = _codec.decode(payload, buffers, self._codec_config, resolver=None)
+        state = call.engine
+        resolver = self._resolver(state)
+        self._policy.received_frames(buffers)
+        try:
+            value = _codec.decode(payload, buffers, self._codec_config, resolver=resolver)
+        except TensorTransportError:
+            self._shm_failed(state, sending=False)
+            raise
+        finally:
+            self._released(state, resolver)
         return call.spec.decode_result(value)
 
     def _reap_orphans(self) -> None:
@@ -1343,6 +1685,8 @@ class Client(CallView[S]):
                             state.engine_id,
                             self._reply_error(payload),
                         )
+                    if kind is _RESULT or kind is _STREAM_ITEM:
+                        self._discard(state, payload, buffers)
                     return  # late reply to a finished call, or not ours: drop it
                 if call.items is None:
                     if kind is _RESULT or kind is _ERROR:
@@ -1363,6 +1707,9 @@ class Client(CallView[S]):
                         )
                         return
                     call.items.append((payload, buffers))
+                    if call.lease is not None:  # the engine has attached to the arguments
+                        self._policy.release_one(call.lease)
+                        call.lease = None
                     assert self._waiters is not None
                     self._waiters.wake(call.waiter)
                 elif kind is _STREAM_END:
@@ -1411,6 +1758,8 @@ class Client(CallView[S]):
             heartbeat_ms=hello.heartbeat_ms,
             methods=hello.methods,
             address=self._aliases.get(peer),
+            streaming=hello.streaming,
+            signatures=hello.signatures,
         )
         registry = self._registry
         previous = registry.by_peer(peer)
@@ -1429,12 +1778,14 @@ class Client(CallView[S]):
             and not _pid_alive(current.info.pid)
         ):
             self._engine_lost(current, f"is gone (process {current.info.pid} exited)")
+        # A schemaless client takes any service; it still checks the protocol version.
+        schemaless = self._spec is _SCHEMALESS_SPEC
         outcome = registry.admit(
             info,
             peer,
             time.monotonic(),
-            service=self._spec.name,
-            fingerprint=self._spec.fingerprint,
+            service=info.service if schemaless else self._spec.name,
+            fingerprint=info.fingerprint if schemaless else self._spec.fingerprint,
             protocol_version=PROTOCOL_VERSION,
         )
         if isinstance(outcome, tuple):
@@ -1443,12 +1794,25 @@ class Client(CallView[S]):
             self._send_control(peer, _REJECT, Reject(reason, message))
             self._notify_engines()
             return
+        # torch_shm both ways only if we can attach to the engine's probe (same host, and
+        # its /proc fds open here); the engine checks our probe the same way.
+        policy = self._policy
+        shm_ok = policy.can_receive_from(
+            our_host=self._host_id,
+            peer_host=hello.host_id,
+            offered=hello.transports,
+            probe=hello.probe,
+            pid=hello.pid,
+        )
+        self._shm_peers[peer] = (hello.pid, shm_ok, shm_ok)
         welcome = Welcome(
             client_id=self._client_id,
             host_id=self._host_id,
-            transports=_RECEIVES,
+            transports=policy.offered() if shm_ok else _RECEIVES,
             heartbeat_ms=max(1, int(self._heartbeat_interval * 1000)),
             stream_window=self._stream_window,
+            pid=os.getpid(),
+            probe=policy.probe() if shm_ok else b"",
         )
         self._send_control(peer, MessageKind.WELCOME, welcome)
         self._notify_engines()
@@ -1479,6 +1843,8 @@ class Client(CallView[S]):
         if self._registry.remove(state.engine_id) is not state:
             return
         logger.info("engine %r %s", state.engine_id, why)
+        shm = self._shm_peers.pop(state.peer, None)
+        self._policy.peer_gone(state.peer, state.info.pid if shm is not None else 0)
         for call_id in list(state.calls):
             call = self._calls.get(call_id)
             if call is not None:
@@ -1518,6 +1884,7 @@ class Client(CallView[S]):
                     self._send_control(alias, _PING, None, _HELLO_REQUEST)
             self._reap_orphans()
             self._tracked.prune()
+            self._policy.sweep()
 
 
 _ERROR_HEADER = Header(MessageKind.ERROR, 1)

@@ -21,7 +21,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum, IntFlag
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
@@ -47,6 +47,8 @@ __all__ = [
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
     "MAX_NAME_CHARS",
+    "MAX_PROBE_BYTES",
+    "MAX_SIGNATURE_CHARS",
     "MAX_TEXT_CHARS",
     "MAX_TRACEBACK_CHARS",
     "PROTOCOL_VERSION",
@@ -60,6 +62,7 @@ __all__ = [
     "MessageKind",
     "Reject",
     "RejectReason",
+    "Release",
     "Welcome",
     "decode_control",
     "encode_control",
@@ -93,6 +96,10 @@ MAX_LIST_ITEMS: Final = 4096
 MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
 #: Default bound on the buffer frames after the payload of a value-carrying message.
 MAX_BUFFERS: Final = 1024
+#: Longest ``probe`` handle in HELLO / WELCOME, in bytes.
+MAX_PROBE_BYTES: Final = 4096
+#: Longest entry of HELLO's ``signatures`` list, in characters.
+MAX_SIGNATURE_CHARS: Final = 4096
 
 _U16_MAX: Final = 0xFFFF
 _U32_MAX: Final = 0xFFFF_FFFF
@@ -129,6 +136,9 @@ class MessageKind(IntEnum):
     BYE = 12
     #: client → engine: the consumer of a stream took ``n`` more items; :class:`Credit` body.
     CREDIT = 13
+    #: client → engine: the client attached to the shared-memory tensors of these result
+    #: leases (``torch_shm``); the engine may reuse their memory. :class:`Release` body.
+    RELEASE = 14
 
 
 class Flags(IntFlag):
@@ -138,9 +148,15 @@ class Flags(IntFlag):
     STREAM = 1
     #: Refuse with ``ErrorCode.OVERLOADED`` rather than queue when the engine is full.
     NO_WAIT = 2
+    #: Result tensors at least the engine's ``torch_shm`` threshold may travel by
+    #: ``torch_shm`` handle (the call's transport is ``auto``).
+    SHM_RESULTS = 4
+    #: Every out-of-band result tensor should travel by ``torch_shm`` handle (the call's
+    #: transport is ``torch_shm``).
+    SHM_RESULTS_ALL = 8
 
 
-_KNOWN_FLAGS: Final = int(Flags.STREAM | Flags.NO_WAIT)
+_KNOWN_FLAGS: Final = int(Flags.STREAM | Flags.NO_WAIT | Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
 _NO_FLAGS: Final = Flags(0)
 
 
@@ -165,7 +181,13 @@ _EMPTY_KINDS: Final = frozenset(
 )
 # Kinds whose call_id must be 0 (connection level) and kinds whose call_id must not be.
 _CONNECTION_KINDS: Final = frozenset(
-    {MessageKind.HELLO, MessageKind.WELCOME, MessageKind.REJECT, MessageKind.BYE}
+    {
+        MessageKind.HELLO,
+        MessageKind.WELCOME,
+        MessageKind.REJECT,
+        MessageKind.BYE,
+        MessageKind.RELEASE,
+    }
 )
 _CALL_KINDS: Final = frozenset(
     {
@@ -550,6 +572,15 @@ class Hello:
     heartbeat_ms: int = 1000
     #: The service's method names.
     methods: tuple[str, ...] = ()
+    #: ``torch_shm`` probe handle (optional; empty when not offered): the client opens it
+    #: to learn whether it can attach to this engine's shared memory.
+    probe: bytes = b""
+    #: The names of the methods that stream (optional). Only meaningful when
+    #: ``signatures`` is announced: an engine that predates these fields sends neither.
+    streaming: tuple[str, ...] = ()
+    #: One human-readable signature per entry of ``methods``, in the same order
+    #: (``"add(a: int, b: int = 1) -> int"``); optional, empty when not announced.
+    signatures: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,6 +597,11 @@ class Welcome:
     heartbeat_ms: int = 1000
     #: Stream items an engine may send per stream before it needs CREDIT.
     stream_window: int = 16
+    #: The client's process id (optional; 0 when unknown): ``torch_shm`` handles the
+    #: client sends must name this process.
+    pid: int = 0
+    #: ``torch_shm`` probe handle of the client (optional; empty when not offered).
+    probe: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -595,6 +631,14 @@ class Credit:
 
 
 @dataclass(frozen=True, slots=True)
+class Release:
+    """RELEASE body: the client attached to the tensors sent under these leases."""
+
+    #: Lease ids (from the engine's ``torch_shm`` handles), 1..2**63-1 each.
+    leases: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorInfo:
     """ERROR body: why a call (or, with call_id 0, the connection) failed."""
 
@@ -613,7 +657,7 @@ class ErrorInfo:
 
 
 #: Any control-message body.
-ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo
+ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release
 
 # Field schema per body class: (name, kind, limit). kind: "str" | "int" | "strs".
 _Field: TypeAlias = tuple[str, str, int]
@@ -629,6 +673,9 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("concurrency", "int", _U32_MAX),
         ("heartbeat_ms", "int", _U32_MAX),
         ("methods", "strs", MAX_METHOD_BYTES),
+        ("probe", "bytes", MAX_PROBE_BYTES),
+        ("streaming", "strs", MAX_METHOD_BYTES),
+        ("signatures", "strs", MAX_SIGNATURE_CHARS),
     ),
     Welcome: (
         ("client_id", "str", MAX_NAME_CHARS),
@@ -636,10 +683,13 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("transports", "strs", MAX_NAME_CHARS),
         ("heartbeat_ms", "int", _U32_MAX),
         ("stream_window", "int", _U32_MAX),
+        ("pid", "int", _I64_MAX),
+        ("probe", "bytes", MAX_PROBE_BYTES),
     ),
     Reject: (("reason", "str", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "str", MAX_NAME_CHARS),),
     Credit: (("n", "int", _U32_MAX),),
+    Release: (("leases", "ints", _I64_MAX),),
     ErrorInfo: (
         ("code", "int", _U16_MAX),
         ("type", "str", MAX_NAME_CHARS),
@@ -654,8 +704,22 @@ _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
     MessageKind.BYE: Bye,
     MessageKind.CREDIT: Credit,
     MessageKind.ERROR: ErrorInfo,
+    MessageKind.RELEASE: Release,
 }
 _MIN_INT: Final = {"n": 1}  # CREDIT of 0 items means nothing and is refused
+# Fields added after version 1 shipped: a peer that omits them gets the default.
+_OPTIONAL: Final = frozenset(
+    {
+        (Hello, "probe"),
+        (Hello, "streaming"),
+        (Hello, "signatures"),
+        (Welcome, "pid"),
+        (Welcome, "probe"),
+    }
+)
+_DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {
+    (cls, name): next(f.default for f in fields(cls) if f.name == name) for cls, name in _OPTIONAL
+}
 
 
 def _check_field(
@@ -675,6 +739,21 @@ def _check_field(
         if not low <= value <= limit:
             raise error(f"{where}={value} is out of range {low}..{limit}")
         return int(value)
+    if ftype == "bytes":
+        if type(value) is not bytes:
+            raise error(f"{where} must be bytes, not {type(value).__name__}")
+        if len(value) > limit:
+            raise error(f"{where} is {len(value)} bytes long; the limit is {limit}")
+        return value
+    if ftype == "ints":
+        if not isinstance(value, list | tuple):
+            raise error(f"{where} must be a list of integers, not {type(value).__name__}")
+        if not 0 < len(value) <= MAX_LIST_ITEMS:
+            raise error(f"{where} has {len(value)} entries; expected 1..{MAX_LIST_ITEMS}")
+        for i, item in enumerate(value):
+            if type(item) is not int or not 0 < item <= limit:
+                raise error(f"{where}[{i}] must be an integer in 1..{limit}, not {item!r}")
+        return tuple(value)
     # "strs": a list of short strings
     if not isinstance(value, list | tuple):
         raise error(f"{where} must be a list of strings, not {type(value).__name__}")
@@ -821,6 +900,9 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
         try:
             value = wire[name]
         except KeyError:
+            if (cls, name) in _OPTIONAL:
+                values.append(_DEFAULTS[cls, name])
+                continue
             raise RemoteProtocolError(f"{body_name} is missing the field {name!r}") from None
         values.append(_check_field(body_name, name, ftype, limit, value, RemoteProtocolError))
     body: ControlBody = cls(*values)

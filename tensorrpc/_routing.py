@@ -50,6 +50,10 @@ class EngineInfo:
         methods: Method names the engine serves.
         address: The address the client dialled to reach it, or ``None`` when the engine
             dialled in.
+        streaming: The names of the methods that stream (meaningful only when
+            ``signatures`` is not empty: older engines announce neither).
+        signatures: One signature per entry of ``methods``, in the same order
+            (``"add(a: int, b: int = 1) -> int"``), or empty when not announced.
     """
 
     engine_id: str
@@ -63,6 +67,8 @@ class EngineInfo:
     heartbeat_ms: int = 0
     methods: tuple[str, ...] = ()
     address: str | None = None
+    streaming: tuple[str, ...] = ()
+    signatures: tuple[str, ...] = ()
 
 
 def check_hello(

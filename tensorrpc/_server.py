@@ -71,6 +71,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._protocol import (
+    MAX_SIGNATURE_CHARS,
     PROTOCOL_VERSION,
     Bye,
     Credit,
@@ -79,6 +80,7 @@ from tensorrpc._protocol import (
     Hello,
     MessageKind,
     Reject,
+    Release,
     Welcome,
     decode_control,
     encode_control,
@@ -89,6 +91,12 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._service import describe
 from tensorrpc._zmq import DEFAULT_OPTIONS, AsyncSocket, PendingSends, SocketOptions, create_socket
+from tensorrpc.transports._policy import (
+    DEFAULT_SHM_THRESHOLD,
+    PolicyPlacer,
+    TransportPolicy,
+    TransportStatistics,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Callable, Sequence
@@ -98,8 +106,9 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup, TaskStatus
     from typing_extensions import Buffer
 
+    from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec, ServiceSpec
-    from tensorrpc.transports._base import TensorPlacer, TensorResolver
+    from tensorrpc.transports.torch_shm import ShmResolver
 
 __all__ = ["PeerStatistics", "Server", "ServerStatistics", "serve"]
 
@@ -117,6 +126,10 @@ _RESULT: Final = MessageKind.RESULT
 _STREAM_ITEM: Final = MessageKind.STREAM_ITEM
 _STREAM: Final = int(Flags.STREAM)
 _NO_WAIT: Final = int(Flags.NO_WAIT)
+_SHM_RESULTS: Final = int(Flags.SHM_RESULTS)
+_SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
+_RELEASE: Final = MessageKind.RELEASE
+_NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
 
 # First HELLO re-send delay in dial-in mode; doubles up to heartbeat_interval.
 _HELLO_RETRY_MIN_S: Final = 0.05
@@ -124,9 +137,6 @@ _HELLO_RETRY_MIN_S: Final = 0.05
 _CLOSE_LINGER_MS: Final = 1000
 # How long a cancelled async generator may take to run its ``finally`` blocks.
 _ACLOSE_TIMEOUT_S: Final = 1.0
-# Transports this engine can receive; torch_shm is added by the transport issue through
-# the ``_placer``/``_resolver`` hooks below.
-_TRANSPORTS: Final = ("frames",)
 _MISSING: Final = object()
 # A worker yields to the event loop after this many calls in a row without waiting.
 _FAIRNESS_STREAK: Final = 32
@@ -155,6 +165,7 @@ class _Conn:
         "prefix",
         "reject",
         "route",
+        "shm",
         "sock",
         "state",
         "stream_window",
@@ -180,6 +191,8 @@ class _Conn:
         self.hello_delay = _HELLO_RETRY_MIN_S
         self.next_hello = 0.0
         self.reject: Reject | None = None
+        #: torch_shm with this client: (its pid, it attaches to our handles, we to its).
+        self.shm: tuple[int, bool, bool] | None = None
 
     @property
     def name(self) -> str:
@@ -205,6 +218,7 @@ class _Call:
         "fn",
         "payload",
         "result",
+        "results",
         "scope",
         "shutdown",
         "spec",
@@ -240,6 +254,8 @@ class _Call:
         self.result: object = _MISSING
         #: Unary calls: the exception the handler raised.
         self.failure: BaseException | None = None
+        #: The CALL's SHM_RESULTS / SHM_RESULTS_ALL flag bits (how to send result tensors).
+        self.results = 0
 
     def stop(self) -> None:
         scope = self.scope
@@ -290,6 +306,16 @@ class ServerStatistics:
     dropped: int
     #: Per known client.
     clients: tuple[PeerStatistics, ...]
+    #: Per tensor transport: tensors and bytes moved, and fallbacks to frames.
+    transports: TransportStatistics = _NO_TRANSPORT_STATISTICS
+
+
+def _hello_signature(spec: MethodSpec) -> str:
+    # HELLO caps each signature; a huge dataclass description is cut, never refused.
+    text = spec.signature
+    if len(text) <= MAX_SIGNATURE_CHARS:
+        return text
+    return text[: MAX_SIGNATURE_CHARS - 5] + " ..."
 
 
 def _addresses_of(connect: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -340,7 +366,17 @@ class Server:
         heartbeat_interval: Seconds between PINGs to each client.
         dead_after: A client silent for this long is forgotten and its calls cancelled.
         codec: Codec limits (must match the clients').
-        socket_options: ZMQ socket options (HWMs, MAXMSGSIZE, ...).
+        socket_options: ZMQ socket options (HWMs, MAXMSGSIZE, ...). ``maxmsgsize`` is
+            the largest frame this engine accepts (a peer sending more is disconnected
+            by ZMQ) and sends (a bigger result is answered with a BAD_RESULT error).
+        curve: CURVE encryption and authentication for the engine's sockets (see
+            docs/security.md): usually a ``CurveServerConfig`` with an allow-list of
+            client keys in listen mode, a ``CurveClientConfig`` holding the client's
+            public key in dial-in mode. None: plaintext.
+        torch_shm: Offer and use the ``torch_shm`` tensor transport with clients on this
+            host (Linux; checked at handshake). ``False``: frames only.
+        shm_threshold: For calls whose transport is ``auto``, CPU result tensors of at
+            least this many bytes go by ``torch_shm``.
 
     Raises:
         ValueError: Bad arguments (both or neither of connect/bind, bad numbers).
@@ -362,6 +398,9 @@ class Server:
         dead_after: float = 5.0,
         codec: _codec.CodecConfig = _codec.DEFAULT,
         socket_options: SocketOptions = DEFAULT_OPTIONS,
+        curve: CurveConfig | None = None,
+        torch_shm: bool = True,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
     ) -> None:
         addresses = _addresses_of(connect)
         if (bind is None) == (not addresses):
@@ -392,6 +431,8 @@ class Server:
         self._dead_after = dead_after
         self._codec = codec
         self._socket_options = socket_options
+        self._curve = curve
+        self._policy = TransportPolicy(torch_shm=torch_shm, shm_threshold=shm_threshold)
         self._limiter = anyio.CapacityLimiter(sync_workers)
         self._hello_frames = encode_control(
             MessageKind.HELLO,
@@ -402,10 +443,13 @@ class Server:
                 protocol_version=PROTOCOL_VERSION,
                 host_id=_host_id(),
                 pid=os.getpid(),
-                transports=_TRANSPORTS,
+                transports=self._policy.offered(),
                 concurrency=max_concurrency,
                 heartbeat_ms=max(1, round(heartbeat_interval * 1000)),
                 methods=tuple(self._spec.methods),
+                streaming=tuple(m.name for m in self._spec.methods.values() if m.streaming),
+                signatures=tuple(_hello_signature(m) for m in self._spec.methods.values()),
+                probe=self._policy.probe(),
             ),
         )
         self._endpoint: str | None = None
@@ -480,6 +524,7 @@ class Server:
                 )
                 for c in conns
             ),
+            transports=self._policy.statistics(),
         )
 
     async def __aenter__(self) -> Self:
@@ -553,6 +598,7 @@ class Server:
                 if self._inner_scope is not None:
                     self._inner_scope.cancel()
                 self._close_sockets()
+                self._policy.close()
                 if self._stopped is not None:
                     self._stopped.set()
 
@@ -561,14 +607,17 @@ class Server:
     def _open_sockets(self) -> None:
         try:
             if self._bind is not None:
-                sock = create_socket(zmq.ROUTER, options=self._socket_options)
+                sock = create_socket(zmq.ROUTER, options=self._socket_options, curve=self._curve)
                 self._sockets.append(sock)
                 self._endpoint = sock.bind(self._bind)
                 logger.info("engine %r listening on %s", self._engine_id, self._endpoint)
             else:
                 for address in self._addresses:
                     sock = create_socket(
-                        zmq.DEALER, options=self._socket_options, routing_id=self._routing_id
+                        zmq.DEALER,
+                        options=self._socket_options,
+                        routing_id=self._routing_id,
+                        curve=self._curve,
                     )
                     self._sockets.append(sock)
                     # Only queue on a live connection: no HELLOs piling up while the
@@ -829,6 +878,8 @@ class Server:
         elif kind is _BYE:
             logger.info("client %s said BYE", conn.name)
             self._forget(conn, "said BYE")
+        elif kind is _RELEASE:
+            self._on_release(conn, header, payload)
         else:
             self._dropped += 1
             logger.warning("dropped an unexpected %s from %s", kind.name, conn.name)
@@ -910,6 +961,7 @@ class Server:
             )
             return
         call = _Call(conn, call_id, spec, fn, deadline, payload, buffers)
+        call.results = flags & (_SHM_RESULTS | _SHM_RESULTS_ALL)
         queue.append(call)
         if self._idle:
             self._idle.pop().set()
@@ -934,6 +986,16 @@ class Server:
             call.credit_event = None
             event.set()
 
+    def _on_release(self, conn: _Conn, header: Any, payload: Buffer) -> None:
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            self._dropped += 1
+            logger.warning("dropped a malformed RELEASE from %s: %s", conn.name, exc)
+            return
+        assert isinstance(body, Release)
+        self._policy.release(body.leases, conn)
+
     def _on_welcome(self, conn: _Conn, header: Any, payload: Buffer) -> None:
         try:
             body = decode_control(header, payload)
@@ -949,6 +1011,21 @@ class Server:
         conn.state = _ConnState.LIVE
         conn.client_id = body.client_id
         conn.stream_window = max(1, body.stream_window)
+        # The client lists torch_shm only if it opened our probe; we open its probe to know
+        # whether we can attach to the arguments it sends by handle.
+        host = _host_id()
+        policy = self._policy
+        conn.shm = (
+            body.pid,
+            bool(policy.probe()) and body.host_id == host and "torch_shm" in body.transports,
+            policy.can_receive_from(
+                our_host=host,
+                peer_host=body.host_id,
+                offered=body.transports,
+                probe=body.probe,
+                pid=body.pid,
+            ),
+        )
         logger.info("engine %r joined client %s", self._engine_id, conn.name)
 
     def _on_reject(self, conn: _Conn, header: Any, payload: Buffer) -> None:
@@ -988,6 +1065,9 @@ class Server:
         for call in conn.calls.values():
             call.cancelled = True
             call.stop()
+        # The client is gone (or refused us): free what we shared with it.
+        shm, conn.shm = conn.shm, None
+        self._policy.peer_gone(conn, shm[0] if shm is not None else 0)
 
     def _forget(self, conn: _Conn, why: str) -> None:
         """The client is gone: cancel its calls; dial-in: say HELLO again until it is back."""
@@ -1037,6 +1117,7 @@ class Server:
                         hello_wait = min(hello_wait, conn.next_hello - now)
             if now >= next_ping:
                 next_ping = now + interval
+                self._policy.sweep()
                 for conn in self._all_conns():
                     if conn.state is _ConnState.LIVE:
                         self._ping_nonce = self._ping_nonce % 0xFFFF_FFFF + 1
@@ -1119,6 +1200,7 @@ class Server:
         buffers = call.buffers
         call.payload = None
         call.buffers = ()
+        self._policy.received_frames(buffers)
         try:
             wire = _codec.decode(payload, buffers, self._codec, resolver=self._resolver(conn))
             return call.spec.decode_args(wire)
@@ -1132,10 +1214,16 @@ class Server:
 
     def _encode(self, call: _Call, value: object) -> _codec.Encoded | None:
         """Check and encode a result or stream item; on failure reply ERROR, return None."""
+        placer = self._placer(call)
         try:
             wire = call.spec.check_result(value)
-            return _codec.encode(wire, self._codec, placer=self._placer(call.conn))
+            encoded = _codec.encode(wire, self._codec, placer=placer)
+            self._check_sizes(encoded)
+            self._policy.sent_frames(encoded.buffers)
+            return encoded
         except (ValidationError, EncodeError) as exc:
+            if placer is not None:
+                placer.abort()
             self._send_error(
                 call.conn,
                 call.call_id,
@@ -1147,13 +1235,41 @@ class Server:
             self._send_error(call.conn, call.call_id, ErrorCode.TENSOR_TRANSPORT, str(exc))
         return None
 
-    def _placer(self, conn: _Conn) -> TensorPlacer | None:
-        # Hook for tensor transports (torch_shm): decide per client (same host, offered).
-        return None
+    def _check_sizes(self, encoded: _codec.Encoded) -> None:
+        # A frame over the client's MAXMSGSIZE makes ZMQ drop the whole connection (and
+        # every call on it); both sides share one limit, so refuse it here instead.
+        limit = self._socket_options.maxmsgsize
+        if limit <= 0:
+            return
+        if len(encoded.payload) > limit:
+            raise EncodeError(
+                f"the encoded result takes {len(encoded.payload)} bytes, over the largest "
+                f"message (socket_options.maxmsgsize={limit})"
+            )
+        for buffer in encoded.buffers:
+            if buffer.nbytes > limit:
+                raise EncodeError(
+                    f"a result tensor of {buffer.nbytes} bytes is over the largest message "
+                    f"(socket_options.maxmsgsize={limit})"
+                )
 
-    def _resolver(self, conn: _Conn) -> TensorResolver | None:
-        # Hook for tensor transports (torch_shm): resolve handles the client sent.
-        return None
+    def _placer(self, call: _Call) -> PolicyPlacer | None:
+        # The CALL's flags say how the client wants result tensors; it only asks for
+        # torch_shm when it can attach to ours, and conn.shm[1] says it told us so.
+        results = call.results
+        shm = call.conn.shm
+        if not results or shm is None:
+            return None
+        mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
+        return self._policy.placer(mode, call.conn, peer_receives=shm[1])
+
+    def _resolver(self, conn: _Conn) -> ShmResolver | None:
+        # Handles the client sent name its own process; a failure to attach is answered
+        # with TENSOR_TRANSPORT before the handler runs, and the client resends as frames.
+        shm = conn.shm
+        if shm is None:
+            return None
+        return self._policy.resolver(shm[0])
 
     def _reply_stopped(self, call: _Call) -> None:
         """The call's scope was cancelled: say why, unless the client gave up on it."""
@@ -1314,6 +1430,9 @@ async def serve(
     dead_after: float = 5.0,
     codec: _codec.CodecConfig = _codec.DEFAULT,
     socket_options: SocketOptions = DEFAULT_OPTIONS,
+    curve: CurveConfig | None = None,
+    torch_shm: bool = True,
+    shm_threshold: int = DEFAULT_SHM_THRESHOLD,
     task_status: TaskStatus[Server] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``instance`` until cancelled; cancelling drains (see :meth:`Server.aclose`).
@@ -1340,6 +1459,9 @@ async def serve(
         dead_after=dead_after,
         codec=codec,
         socket_options=socket_options,
+        curve=curve,
+        torch_shm=torch_shm,
+        shm_threshold=shm_threshold,
     ) as server:
         task_status.started(server)
         await server.serve_forever()

@@ -108,9 +108,11 @@ class MethodSpec:
     encode_args: Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]] = dataclasses.field(
         repr=False
     )
-    #: Engine side: ``decode_args(wire) -> list``. ``wire`` must be a list of
+    #: Engine side: ``decode_args(wire) -> list``. ``wire`` is either a list of
     #: ``len(params)`` values (or shorter when the missing trailing parameters have
-    #: defaults); each is validated and built into its typed value.
+    #: defaults) or a map of parameter name -> value (missing parameters take their
+    #: defaults; unknown names are refused); each value is validated and built into its
+    #: typed value. Returns the positional list either way.
     decode_args: Callable[[object], list[Any]] = dataclasses.field(repr=False)
     #: Engine side: ``check_result(value) -> wire value`` for a result or stream item.
     check_result: Callable[[object], object] = dataclasses.field(repr=False)
@@ -586,14 +588,37 @@ def _make_decode(
     n = len(names)
     froms = tuple(t.fast_from_wire for t in types_)
     fast = _fixed_arity(froms)
+    index = frozenset(names)
+
+    def by_name(wire: dict[Any, Any]) -> list[Any]:
+        for key in wire:
+            if type(key) is not str:
+                raise ValidationError(
+                    f"{where}: req: argument names must be strings, got a key of type "
+                    f"{type(key).__name__}",
+                    method=where,
+                    path="req",
+                    expected="str keys",
+                )
+            if key not in index:
+                raise ValidationError(
+                    f"{where}: req: unexpected argument {key!r}; the parameters are "
+                    f"{', '.join(names) or '(none)'}",
+                    method=where,
+                    path=f"req.{key}",
+                    expected="",
+                )
+        return slow([wire.get(name, _DEFAULT) for name in names])
 
     def slow(wire: object) -> list[Any]:
+        if type(wire) is dict:
+            return by_name(wire)
         if type(wire) is not list and type(wire) is not tuple:
             raise ValidationError(
-                f"{where}: req: expected an argument list, got {type(wire).__name__}",
+                f"{where}: req: expected an argument list or map, got {type(wire).__name__}",
                 method=where,
                 path="req",
-                expected="list",
+                expected="list or map",
             )
         assert isinstance(wire, (list, tuple))
         if len(wire) > n:
@@ -606,7 +631,7 @@ def _make_decode(
         out: list[Any] = []
         for i in range(n):
             name = names[i]
-            if i < len(wire):
+            if i < len(wire) and wire[i] is not _DEFAULT:
                 try:
                     out.append(froms[i](wire[i]))
                 except _Invalid:
@@ -636,6 +661,95 @@ def _make_decode(
             raise too_deep(where, "req") from None
 
     return decode
+
+
+# ------------------------------------------------------------------ schemaless calls
+
+
+class _AnyValue:
+    """The type of a schemaless method's values: anything the codec carries, as is."""
+
+    __slots__ = ()
+
+    @property
+    def description(self) -> str:
+        return "any"
+
+    def check(self, value: object, path: str) -> object:
+        return value
+
+    def from_wire(self, value: object, path: str) -> object:
+        return value
+
+
+_ANY_VALUE = _AnyValue()
+
+
+def _as_is(value: object) -> object:
+    return value
+
+
+def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec:
+    """A :class:`MethodSpec` for calling ``name`` without the service class.
+
+    Used by a schemaless client (:meth:`tensorrpc.Client.dynamic`), which sends its
+    arguments as a map of parameter name -> value (the engine validates them with its own
+    spec) and returns results as the codec decoded them: ``check_result`` and
+    ``decode_result`` pass values through unchanged. ``encode_args`` takes positional
+    arguments only and returns them as the wire list (keywords need the parameter order,
+    which only the engine knows: send those as a map).
+
+    Args:
+        service: The service name (for error messages).
+        name: The method name.
+        streaming: Whether the method streams.
+
+    Returns:
+        The spec; ``params`` is empty and ``signature`` is ``name(...)``.
+    """
+    where = f"{service}.{name}"
+
+    def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        if kwargs:
+            raise ValidationError(
+                f"{where}: a schemaless call cannot bind keyword arguments; send them "
+                "as a map (call_by_name)",
+                method=where,
+                path="req",
+                expected="positional arguments",
+            )
+        return list(args)
+
+    def decode(wire: object) -> list[Any]:
+        if type(wire) is not list:
+            raise ValidationError(
+                f"{where}: req: expected an argument list, got {type(wire).__name__}",
+                method=where,
+                path="req",
+                expected="list",
+            )
+        return list(wire)
+
+    qual = f"{service}_{name}".replace(".", "_")
+    return MethodSpec(
+        service=service,
+        name=name,
+        request_type=dataclasses.make_dataclass(f"{qual}_Request", [], frozen=True),
+        response_type=dataclasses.make_dataclass(
+            f"{qual}_Response", [("value", object)], frozen=True
+        ),
+        params=(),
+        streaming=streaming,
+        is_async=True,
+        param_types=(),
+        result_type=_ANY_VALUE,
+        defaults=MappingProxyType({}),
+        signature=f"{name}(...) -> " + ("AsyncIterator[any]" if streaming else "any"),
+        encode_args=encode,
+        decode_args=decode,
+        check_result=_as_is,
+        decode_result=_as_is,
+    )
 
 
 class _DefaultMarker:

@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "tensorrpc", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
-settings.register_profile("tensorrpc-ci", parent=settings.get_profile("tensorrpc"), derandomize=True)
+settings.register_profile(
+    "tensorrpc-ci", parent=settings.get_profile("tensorrpc"), derandomize=True
+)
 settings.load_profile("tensorrpc-ci" if os.environ.get("CI") else "tensorrpc")
 
 

@@ -11,6 +11,8 @@ import inspect
 import shutil
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,8 @@ INIT = Path(tensorrpc.__file__).resolve()
 #: Exported names that are plain values, not classes or functions: they cannot carry a
 #: docstring of their own (the docs describe them).
 CONSTANTS = frozenset({"PROTOCOL_VERSION"})
+# Type aliases: unions and literals, documented on the pages that use them.
+TYPE_ALIASES = frozenset({"CurveConfig", "TransportName"})
 
 
 def isort_style_key(name: str) -> tuple[int, str]:
@@ -120,7 +124,7 @@ def _own_docstring(value: object) -> str:
 def test_every_exported_class_and_function_has_a_docstring() -> None:
     undocumented = []
     for name in tensorrpc.__all__:
-        if name in CONSTANTS:
+        if name in CONSTANTS | TYPE_ALIASES:
             continue
         value = getattr(tensorrpc, name)
         assert inspect.isclass(value) or callable(value), f"{name} is neither class nor function"
@@ -149,6 +153,10 @@ def test_constants_are_plain_values() -> None:
     for name in CONSTANTS:
         value = getattr(tensorrpc, name)
         assert isinstance(value, int | str | bytes), name
+    for name in TYPE_ALIASES:
+        assert typing.get_origin(getattr(tensorrpc, name)) in (types.UnionType, typing.Literal), (
+            name
+        )
 
 
 def test_isort_style_key_orders_the_three_groups() -> None:

@@ -108,6 +108,9 @@ class EngineProcess:
         self._log.close()
 
 
+ENGINE_DEAD_AFTER = 3.0
+
+
 async def _serve(args: argparse.Namespace) -> None:
     import anyio
 
@@ -121,7 +124,9 @@ async def _serve(args: argparse.Namespace) -> None:
         connect=args.connect or None,
         bind=args.bind,
         heartbeat_interval=0.1,
-        dead_after=1.0,
+        # How long the engine waits before forgetting a silent client. Generous, so that a
+        # client starved of CPU on a loaded 2-core machine is not forgotten mid-test.
+        dead_after=ENGINE_DEAD_AFTER,
         grace_period=0.5,
     )
     async with anyio.create_task_group() as tg:

@@ -172,7 +172,13 @@ def test_header_byte_layout_matches_the_spec():
 def test_every_valid_header_round_trips(kind, call_id, flags, timeout_ms, method):
     if kind is MessageKind.CALL:
         header = Header(kind, call_id, flags, timeout_ms, method)
-    elif kind in (MessageKind.HELLO, MessageKind.WELCOME, MessageKind.REJECT, MessageKind.BYE):
+    elif kind in (
+        MessageKind.HELLO,
+        MessageKind.WELCOME,
+        MessageKind.REJECT,
+        MessageKind.BYE,
+        MessageKind.RELEASE,
+    ):
         header = Header(kind)
     else:
         header = Header(kind, call_id)
@@ -243,7 +249,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(version=2), "unsupported protocol version 2"),
         (raw_header(version=0), "unsupported protocol version 0"),
         (raw_header(kind=0), "unknown message kind 0"),
-        (raw_header(kind=14), "unknown message kind 14"),
+        (raw_header(kind=15), "unknown message kind 15"),
         (raw_header(kind=255), "unknown message kind 255"),
         (raw_header(reserved=1), "reserved"),
         (raw_header(flags=1), "only CALL"),
@@ -255,7 +261,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(kind=MessageKind.HELLO, call_id=3), "connection-level"),
         (raw_header(kind=MessageKind.CALL, tail=b""), "without a method name"),
         (raw_header(kind=MessageKind.CALL, call_id=0, tail=b"m"), "CALL with call_id 0"),
-        (raw_header(kind=MessageKind.CALL, flags=4, tail=b"m"), "unknown flag bits 0x4"),
+        (raw_header(kind=MessageKind.CALL, flags=16, tail=b"m"), "unknown flag bits 0x10"),
         (raw_header(kind=MessageKind.CALL, tail=b"\xff\xfe"), "not valid UTF-8"),
         (raw_header(kind=MessageKind.CALL, tail=b"m" * (MAX_METHOD_BYTES + 1)), "limit"),
     ],
@@ -376,7 +382,7 @@ def test_a_value_just_inside_each_limit_is_accepted():
         (lambda: pack_call_header(1, ""), "non-empty method"),
         (lambda: pack_call_header(1, "m" * 256), "limit"),
         (lambda: pack_call_header(1, "\ud800"), "UTF-8"),
-        (lambda: pack_call_header(1, "m", flags=8), "unknown flag"),
+        (lambda: pack_call_header(1, "m", flags=16), "unknown flag"),
         (lambda: pack_reply_header(MessageKind.CALL, 1), "pack_call_header"),
         (lambda: pack_reply_header(99, 1), "unknown message kind"),  # type: ignore[arg-type]
         (lambda: pack_reply_header(MessageKind.RESULT, 0), "non-zero call_id"),

@@ -312,8 +312,9 @@ def test_decode_args_fills_trailing_defaults() -> None:
         ([1, True], "Calculator.add: req.b: expected int, got bool (True)"),
         ([], "Calculator.add: req.a: missing required argument 'a'"),
         ([1, 2, 3], "Calculator.add: req: takes 2 argument(s) but 3 were sent"),
-        ({"a": 1}, "Calculator.add: req: expected an argument list, got dict"),
-        (None, "Calculator.add: req: expected an argument list, got NoneType"),
+        ({"c": 1}, "Calculator.add: req: unexpected argument 'c'; the parameters are a, b"),
+        ({"b": 1}, "Calculator.add: req.a: missing required argument 'a'"),
+        (None, "Calculator.add: req: expected an argument list or map, got NoneType"),
     ],
 )
 def test_decode_args_errors(wire: object, message: str) -> None:
