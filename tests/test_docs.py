@@ -44,29 +44,6 @@ _IPC_PATH = re.compile(r"ipc://(?P<path>/[^\"'\s]+)")
 #: reported as skipped until the page's owner marks them (a marker wins) or makes them
 #: runnable; then the entry can go. An edited or new block is not covered and runs.
 #: Do not add entries: mark the block in its page instead.
-AWAITING_MARKERS: dict[tuple[str, str], str] = {
-    **dict.fromkeys(
-        [
-            ("docs/internals.md", "999e06cdc249f62c"),  # class TypeSpec(Protocol): ...
-            ("docs/internals.md", "9fe159f25429e164"),  # def rpc(fn: F) -> F ...
-            ("docs/internals.md", "d2f27f6cd88c74bb"),  # class CodecConfig ...
-            ("docs/internals.md", "0d09206223c53a52"),  # class TensorPlacer(Protocol): ...
-            ("docs/internals.md", "565a0a3e274a42c1"),  # PROTOCOL_VERSION = 1; ...
-            ("docs/internals.md", "44a2bdd4cfc273f6"),  # class SocketOptions ...
-            ("docs/internals.md", "4e910ffff37a0c32"),  # class EngineInfo ...
-            ("docs/internals.md", "fdc0085218a9c24c"),  # class TorchShmTransport: ...
-            ("docs/internals.md", "188ad6415c0c1fa1"),  # async def serve(...) ...
-        ],
-        "interface sketch (signatures without bodies)",
-    ),
-    **dict.fromkeys(
-        [
-            ("docs/security.md", "14f58ea81b94ca8a"),  # generate_keypair / save_keypair
-            ("docs/security.md", "e44c4d9ac7ec0d4e"),  # create_socket(curve=...)
-        ],
-        "needs key files and a host at 10.0.0.5",
-    ),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +157,6 @@ def _process_group_alive(pgid: int) -> bool:
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     if block.skip_reason is not None:
         pytest.skip(f"marked in the page: {block.skip_reason}")
-    awaiting = AWAITING_MARKERS.get((block.page, block.digest))
-    if awaiting is not None:
-        pytest.skip(f"{awaiting}; awaiting a doctest marker from the page's owner")
     work = tmp_path / "cwd"
     tmp = tmp_path / "tmp"
     work.mkdir()
