@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,49 @@ def test_demo_runs_small_and_leaves_nothing_behind(tmp_path: Path) -> None:
         assert not Path(f"/proc/{pid}").exists(), f"engine process {pid} left running"
     assert list(tmp_path.iterdir()) == [], "the demo left files (socket files) behind"
     assert _shm_entries() <= shm_before, "the demo left /dev/shm segments behind"
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def test_demo_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "examples.multi_engine_demo",
+            "--engines",
+            "2",
+            "--requests",
+            "100000",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    engines: list[int] = []
+    try:
+        assert proc.stderr is not None
+        # Wait (bounded by the demo's own 60 s engine start-up timeout) until the load runs.
+        for line in proc.stderr:
+            if "engines up" in line:
+                break
+        engines = _children(proc.pid)
+        assert len(engines) == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert "interrupted" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    for pid in engines:
+        assert not Path(f"/proc/{pid}").exists(), f"engine process {pid} left running"
+    assert list(tmp_path.iterdir()) == [], "the demo left files (socket files) behind"
