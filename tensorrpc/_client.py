@@ -1341,22 +1341,38 @@ class Client(CallView[S]):
         placer: TensorPlacer | None = None,
     ) -> _codec.Encoded:
         encoded = _codec.encode(wire, self._codec_config, placer=placer)
-        limit = self._socket_options.maxmsgsize
-        if limit > 0:
-            # A frame over the peer's MAXMSGSIZE makes ZMQ drop the whole connection (and
-            # every call on it); engines and clients share one limit, so refuse it here.
-            if len(encoded.payload) > limit:
-                raise EncodeError(
-                    f"{spec.qualname}: the encoded arguments take {len(encoded.payload)} "
-                    f"bytes, over the largest message (socket_options.maxmsgsize={limit})"
-                )
-            for buffer in encoded.buffers:
-                if buffer.nbytes > limit:
-                    raise EncodeError(
-                        f"{spec.qualname}: a tensor argument of {buffer.nbytes} bytes is "
-                        f"over the largest message (socket_options.maxmsgsize={limit})"
-                    )
+        self._check_sizes(spec, encoded, state)
         return encoded
+
+    def _check_sizes(
+        self, spec: MethodSpec, encoded: _codec.Encoded, state: EngineState | None
+    ) -> None:
+        """Refuse arguments with a frame over our ``maxmsgsize`` or the engine's.
+
+        A frame over the receiver's MAXMSGSIZE makes its ZMQ drop the whole connection
+        (and every call on it) without a word, so it is refused here, before sending: the
+        limit is the smaller of ours and the one the engine announced in its HELLO.
+        """
+        limit = self._socket_options.maxmsgsize
+        what = f"socket_options.maxmsgsize={limit}"
+        if state is not None:
+            peer = state.info.max_message_bytes
+            if peer > 0 and (limit <= 0 or peer < limit):
+                limit = peer
+                what = f"engine {state.engine_id!r} takes at most its maxmsgsize={peer}"
+        if limit <= 0:
+            return
+        if len(encoded.payload) > limit:
+            raise EncodeError(
+                f"{spec.qualname}: the encoded arguments take {len(encoded.payload)} "
+                f"bytes, over the largest message ({what})"
+            )
+        for buffer in encoded.buffers:
+            if buffer.nbytes > limit:
+                raise EncodeError(
+                    f"{spec.qualname}: a tensor argument of {buffer.nbytes} bytes is "
+                    f"over the largest message ({what})"
+                )
 
     async def _start(
         self,
@@ -1374,7 +1390,10 @@ class Client(CallView[S]):
         if state is None:
             state = await self._acquire(options)
         placer = None
-        if encoded is None:
+        if encoded is not None:
+            # Encoded before an engine was chosen (by name, broadcast): check its limit.
+            self._check_sizes(spec, encoded, state)
+        else:
             placer = self._placer(options, state)
             try:
                 encoded = self._encode(spec, cast("list[Any]", wire), options, state, placer)
@@ -1760,6 +1779,7 @@ class Client(CallView[S]):
             address=self._aliases.get(peer),
             streaming=hello.streaming,
             signatures=hello.signatures,
+            max_message_bytes=hello.max_message_bytes,
         )
         registry = self._registry
         previous = registry.by_peer(peer)
@@ -1813,6 +1833,7 @@ class Client(CallView[S]):
             stream_window=self._stream_window,
             pid=os.getpid(),
             probe=policy.probe() if shm_ok else b"",
+            max_message_bytes=max(0, self._socket_options.maxmsgsize),
         )
         self._send_control(peer, MessageKind.WELCOME, welcome)
         self._notify_engines()

@@ -581,6 +581,10 @@ class Hello:
     #: One human-readable signature per entry of ``methods``, in the same order
     #: (``"add(a: int, b: int = 1) -> int"``); optional, empty when not announced.
     signatures: tuple[str, ...] = ()
+    #: The largest message frame the engine accepts, in bytes (its ``maxmsgsize``);
+    #: optional, 0 when it has no limit or does not announce one. A client refuses to
+    #: send a frame over it rather than have the engine's ZMQ drop the connection.
+    max_message_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,6 +606,10 @@ class Welcome:
     pid: int = 0
     #: ``torch_shm`` probe handle of the client (optional; empty when not offered).
     probe: bytes = b""
+    #: The largest message frame the client accepts, in bytes (its ``maxmsgsize``);
+    #: optional, 0 when it has no limit or does not announce one. An engine refuses to
+    #: send a result frame over it (``BAD_RESULT``) rather than have it dropped.
+    max_message_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -676,6 +684,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("probe", "bytes", MAX_PROBE_BYTES),
         ("streaming", "strs", MAX_METHOD_BYTES),
         ("signatures", "strs", MAX_SIGNATURE_CHARS),
+        ("max_message_bytes", "int", _I64_MAX),
     ),
     Welcome: (
         ("client_id", "str", MAX_NAME_CHARS),
@@ -685,6 +694,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("stream_window", "int", _U32_MAX),
         ("pid", "int", _I64_MAX),
         ("probe", "bytes", MAX_PROBE_BYTES),
+        ("max_message_bytes", "int", _I64_MAX),
     ),
     Reject: (("reason", "str", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "str", MAX_NAME_CHARS),),
@@ -713,8 +723,10 @@ _OPTIONAL: Final = frozenset(
         (Hello, "probe"),
         (Hello, "streaming"),
         (Hello, "signatures"),
+        (Hello, "max_message_bytes"),
         (Welcome, "pid"),
         (Welcome, "probe"),
+        (Welcome, "max_message_bytes"),
     }
 )
 _DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {

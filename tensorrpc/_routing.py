@@ -54,6 +54,8 @@ class EngineInfo:
             ``signatures`` is not empty: older engines announce neither).
         signatures: One signature per entry of ``methods``, in the same order
             (``"add(a: int, b: int = 1) -> int"``), or empty when not announced.
+        max_message_bytes: The largest message frame the engine accepts (its
+            ``maxmsgsize``), or 0 when it has no limit or did not announce one.
     """
 
     engine_id: str
@@ -69,6 +71,7 @@ class EngineInfo:
     address: str | None = None
     streaming: tuple[str, ...] = ()
     signatures: tuple[str, ...] = ()
+    max_message_bytes: int = 0
 
 
 def check_hello(

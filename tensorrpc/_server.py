@@ -161,6 +161,7 @@ class _Conn:
         "errors",
         "hello_delay",
         "last_seen",
+        "max_message_bytes",
         "next_hello",
         "prefix",
         "reject",
@@ -182,6 +183,8 @@ class _Conn:
         self.state = _ConnState.HELLO
         self.client_id = ""
         self.stream_window = 16
+        #: The largest frame the client accepts (from WELCOME; 0: no limit announced).
+        self.max_message_bytes = 0
         self.last_seen = time.monotonic()
         self.calls: dict[int, _Call] = {}
         self.calls_total = 0
@@ -450,6 +453,7 @@ class Server:
                 streaming=tuple(m.name for m in self._spec.methods.values() if m.streaming),
                 signatures=tuple(_hello_signature(m) for m in self._spec.methods.values()),
                 probe=self._policy.probe(),
+                max_message_bytes=max(0, socket_options.maxmsgsize),
             ),
         )
         self._endpoint: str | None = None
@@ -1011,6 +1015,7 @@ class Server:
         conn.state = _ConnState.LIVE
         conn.client_id = body.client_id
         conn.stream_window = max(1, body.stream_window)
+        conn.max_message_bytes = body.max_message_bytes
         # The client lists torch_shm only if it opened our probe; we open its probe to know
         # whether we can attach to the arguments it sends by handle.
         host = _host_id()
@@ -1218,7 +1223,7 @@ class Server:
         try:
             wire = call.spec.check_result(value)
             encoded = _codec.encode(wire, self._codec, placer=placer)
-            self._check_sizes(encoded)
+            self._check_sizes(call.conn, encoded)
             self._policy.sent_frames(encoded.buffers)
             return encoded
         except (ValidationError, EncodeError) as exc:
@@ -1235,22 +1240,27 @@ class Server:
             self._send_error(call.conn, call.call_id, ErrorCode.TENSOR_TRANSPORT, str(exc))
         return None
 
-    def _check_sizes(self, encoded: _codec.Encoded) -> None:
-        # A frame over the client's MAXMSGSIZE makes ZMQ drop the whole connection (and
-        # every call on it); both sides share one limit, so refuse it here instead.
+    def _check_sizes(self, conn: _Conn, encoded: _codec.Encoded) -> None:
+        # A frame over the client's MAXMSGSIZE makes its ZMQ drop the whole connection
+        # (and every call on it) without a word: refuse it here instead. The limit is the
+        # smaller of ours and the one the client announced in its WELCOME.
         limit = self._socket_options.maxmsgsize
+        what = f"socket_options.maxmsgsize={limit}"
+        peer = conn.max_message_bytes
+        if peer > 0 and (limit <= 0 or peer < limit):
+            limit = peer
+            what = f"client {conn.name!r} takes at most its maxmsgsize={peer}"
         if limit <= 0:
             return
         if len(encoded.payload) > limit:
             raise EncodeError(
                 f"the encoded result takes {len(encoded.payload)} bytes, over the largest "
-                f"message (socket_options.maxmsgsize={limit})"
+                f"message ({what})"
             )
         for buffer in encoded.buffers:
             if buffer.nbytes > limit:
                 raise EncodeError(
-                    f"a result tensor of {buffer.nbytes} bytes is over the largest message "
-                    f"(socket_options.maxmsgsize={limit})"
+                    f"a result tensor of {buffer.nbytes} bytes is over the largest message ({what})"
                 )
 
     def _placer(self, call: _Call) -> PolicyPlacer | None:

@@ -1,8 +1,9 @@
 """Size limits: MAXMSGSIZE (per frame, enforced by ZMQ) and the codec's per-tensor maximum.
 
-What is ours to send and too big is refused on the sending side with a clear
-``EncodeError`` before anything leaves; what arrives too big is dropped by ZMQ, which
-disconnects that peer, and neither side crashes: the engine keeps serving the others.
+What is ours to send and too big for our limit or the peer's (each side announces its
+limit in the handshake) is refused on the sending side with a clear error before anything
+leaves; what arrives too big is dropped by ZMQ, which disconnects that peer, and neither
+side crashes: the engine keeps serving the others.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import zmq
 from tensorrpc._client import Client
 from tensorrpc._codec import CodecConfig
 from tensorrpc._exceptions import (
-    CallTimeoutError,
     EncodeError,
     EngineDeadError,
     RemoteError,
@@ -102,23 +102,53 @@ async def test_engine_drops_an_oversize_peer_and_serves_the_others(tmp_path: Pat
         assert server.statistics().calls == 20
 
 
-async def test_mismatched_limits_fail_the_call_cleanly_with_its_deadline(tmp_path: Path) -> None:
-    """The client's limit is larger than the engine's: ZMQ on the engine drops the CALL and
-    the connection. The call cannot be answered; its deadline ends it (no hang), and the
-    engine keeps serving. (Configure the same ``maxmsgsize`` on both ends.)"""
-    async with Server(Probe(), bind="tcp://127.0.0.1:0", socket_options=SMALL) as server:
+async def test_a_call_over_the_engine_s_smaller_limit_fails_at_once(tmp_path: Path) -> None:
+    """The client's limit is larger than the engine's. The engine announced its limit in
+    HELLO, so the client refuses the call before sending it: no deadline is needed, and
+    the engine never sees it (its ZMQ would drop the call and the connection)."""
+    async with Server(
+        Probe(), bind="tcp://127.0.0.1:0", engine_id="small", socket_options=SMALL
+    ) as server:
         assert server.endpoint is not None
-        async with Client(
-            Probe, connect=server.endpoint, heartbeat_interval=0.1, dead_after=1.0
-        ) as client:
+        async with Client(Probe, connect=server.endpoint) as client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
-            with anyio.fail_after(WAIT), pytest.raises((CallTimeoutError, EngineDeadError)):
-                await client.stub(timeout=2.0, transport="frames").scale(_big(2 * LIMIT), 1.0)
+            assert client.engines["small"].max_message_bytes == LIMIT
+            probe = client.stub(transport="frames")  # no timeout: it must not need one
+            with anyio.fail_after(WAIT):
+                with pytest.raises(EncodeError, match=rf"'small'.*maxmsgsize={LIMIT}\)"):
+                    await probe.scale(_big(2 * LIMIT), 1.0)
+                x = _big(LIMIT // 2)
+                assert torch.equal(await probe.scale(x, 2.0), x * 2)
             assert client.statistics().calls_in_flight == 0
+            assert server.statistics().calls == 1  # only the call that fits was sent
+        # arguments encoded before an engine is chosen (by name) are checked the same way
+        async with Client.dynamic(connect=server.endpoint) as dynamic:
+            with anyio.fail_after(WAIT):
+                await dynamic.wait_for_engines(1)
+                with pytest.raises(EncodeError, match=rf"maxmsgsize={LIMIT}\)"):
+                    await dynamic.call_by_name("scale", {"x": _big(2 * LIMIT), "factor": 1.0})
+                assert await dynamic.call_by_name("add", {"a": 2, "b": 2}) == 4
+        assert server.statistics().calls == 2
+
+
+async def test_a_result_over_the_client_s_smaller_limit_is_refused_by_the_engine(
+    tmp_path: Path,
+) -> None:
+    """The engine's limit is larger than the client's: the client announced its limit in
+    WELCOME, so the engine answers BAD_RESULT naming it instead of sending the result."""
+    small = SocketOptions(maxmsgsize=16 * 1024)
+    async with Server(Probe(), bind=f"ipc://{tmp_path}/e.sock") as server:
+        assert server.endpoint is not None
+        async with Client(Probe, connect=server.endpoint, socket_options=small) as client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
+                # two 24 KiB tensors: each over the client's 16 KiB
+                with pytest.raises(RemoteError, match=r"client .*maxmsgsize=16384\)"):
+                    await client.stub(transport="frames").tensors(1, 2)
                 assert await client.stub().add(2, 2) == 4
+            assert client.statistics().calls_in_flight == 0
+        assert server.statistics().errors == 1
 
 
 async def test_client_drops_an_oversize_engine_and_its_calls_fail(tmp_path: Path) -> None:

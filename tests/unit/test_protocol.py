@@ -369,6 +369,24 @@ def test_a_value_just_inside_each_limit_is_accepted():
     assert decode_control(header, payload) == body
 
 
+def test_max_message_bytes_is_announced_and_optional_for_older_peers() -> None:
+    hello = Hello("e", "S", "f", 1, "h", 5, max_message_bytes=1 << 20)
+    welcome = Welcome("c", "h", max_message_bytes=1 << 32)
+    for kind, body in ((MessageKind.HELLO, hello), (MessageKind.WELCOME, welcome)):
+        header, payload, _ = split_frames(encode_control(kind, body))
+        wire = ormsgpack.unpackb(memoryview(payload))
+        assert wire["max_message_bytes"] == body.max_message_bytes
+        assert decode_control(header, payload) == body
+        # an older peer does not send the field: it decodes as 0 (no limit announced)
+        old = {k: v for k, v in wire.items() if k != "max_message_bytes"}
+        decoded = decode_control(header, ormsgpack.packb(old))
+        assert isinstance(decoded, Hello | Welcome)
+        assert decoded.max_message_bytes == 0
+        for bad, match in ((-1, "out of range"), ("1", "must be an integer")):
+            with pytest.raises(RemoteProtocolError, match=match):
+                decode_control(header, ormsgpack.packb({**old, "max_message_bytes": bad}))
+
+
 # -- invalid local input -> LocalProtocolError ---------------------------------------------
 
 
