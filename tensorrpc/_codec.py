@@ -49,6 +49,7 @@ __all__ = [
     "Encoded",
     "ExtCode",
     "Location",
+    "check_message_size",
     "decode",
     "encode",
 ]
@@ -430,6 +431,43 @@ def _numpy_dtype_error(dtype: np.dtype[Any]) -> str:
         f"cannot encode a numpy array of {what} dtype {dtype!r}; only bool, int, uint, "
         "float and complex arrays are supported"
     )
+
+
+def check_message_size(
+    encoded: Encoded, own_limit: int, peer_limit: int, *, what: str, peer: str
+) -> None:
+    """Refuse a message with a frame over the smaller positive ``maxmsgsize`` of both ends.
+
+    A frame over the receiver's MAXMSGSIZE makes its ZMQ drop the whole connection (and
+    every call on it) without a word, so senders check here first.
+
+    Args:
+        encoded: The message about to be sent.
+        own_limit: Our socket's ``maxmsgsize`` (0 or negative: no limit).
+        peer_limit: The limit the peer announced in its handshake (0: none announced).
+        what: What the message carries, for the error (``"Calc.add: the arguments"``).
+        peer: How to name the peer in the error (``"engine 'e1'"``).
+
+    Raises:
+        EncodeError: The payload or a tensor frame is over the limit.
+    """
+    limit = own_limit
+    why = f"socket_options.maxmsgsize={own_limit}"
+    if peer_limit > 0 and (limit <= 0 or peer_limit < limit):
+        limit = peer_limit
+        why = f"{peer} takes at most its maxmsgsize={peer_limit}"
+    if limit <= 0:
+        return
+    if len(encoded.payload) > limit:
+        raise EncodeError(
+            f"{what} take {len(encoded.payload)} encoded bytes, over the largest message ({why})"
+        )
+    for buffer in encoded.buffers:
+        if buffer.nbytes > limit:
+            raise EncodeError(
+                f"{what} include a tensor of {buffer.nbytes} bytes, over the largest "
+                f"message ({why})"
+            )
 
 
 def encode(

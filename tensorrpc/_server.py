@@ -1244,24 +1244,13 @@ class Server:
         # A frame over the client's MAXMSGSIZE makes its ZMQ drop the whole connection
         # (and every call on it) without a word: refuse it here instead. The limit is the
         # smaller of ours and the one the client announced in its WELCOME.
-        limit = self._socket_options.maxmsgsize
-        what = f"socket_options.maxmsgsize={limit}"
-        peer = conn.max_message_bytes
-        if peer > 0 and (limit <= 0 or peer < limit):
-            limit = peer
-            what = f"client {conn.name!r} takes at most its maxmsgsize={peer}"
-        if limit <= 0:
-            return
-        if len(encoded.payload) > limit:
-            raise EncodeError(
-                f"the encoded result takes {len(encoded.payload)} bytes, over the largest "
-                f"message ({what})"
-            )
-        for buffer in encoded.buffers:
-            if buffer.nbytes > limit:
-                raise EncodeError(
-                    f"a result tensor of {buffer.nbytes} bytes is over the largest message ({what})"
-                )
+        _codec.check_message_size(
+            encoded,
+            self._socket_options.maxmsgsize,
+            conn.max_message_bytes,
+            what="the results",
+            peer=f"client {conn.name!r}",
+        )
 
     def _placer(self, call: _Call) -> PolicyPlacer | None:
         # The CALL's flags say how the client wants result tensors; it only asks for

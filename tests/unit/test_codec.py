@@ -850,3 +850,20 @@ def test_sans_io_modules_import_no_io_library(module: str) -> None:
 def test_wire_enums_have_the_documented_values() -> None:
     assert [int(c) for c in ExtCode] == [1, 2]
     assert [int(loc) for loc in Location] == [0, 1, 2]
+
+
+def test_check_message_size_uses_the_smaller_positive_limit() -> None:
+    encoded = _codec.encode({"x": torch.zeros(1024, dtype=torch.uint8)})
+    assert len(encoded.buffers) == 1
+    # No limit on either side, or limits that fit: nothing raised.
+    _codec.check_message_size(encoded, -1, 0, what="w", peer="engine 'e'")
+    _codec.check_message_size(encoded, 4096, 2048, what="w", peer="engine 'e'")
+    # Our own limit applies when the peer announced none.
+    with pytest.raises(EncodeError, match=r"w include a tensor of 1024 bytes.*maxmsgsize=512\)"):
+        _codec.check_message_size(encoded, 512, 0, what="w", peer="engine 'e'")
+    # The peer's smaller limit wins and is named.
+    with pytest.raises(EncodeError, match=r"engine 'e' takes at most its maxmsgsize=1000\)"):
+        _codec.check_message_size(encoded, 4096, 1000, what="w", peer="engine 'e'")
+    # The payload frame is checked too.
+    with pytest.raises(EncodeError, match=r"w take \d+ encoded bytes"):
+        _codec.check_message_size(encoded, 4, 0, what="w", peer="engine 'e'")
