@@ -53,7 +53,6 @@ from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
     ClosedError,
-    EncodeError,
     EngineDeadError,
     EnginesUnavailableError,
     MethodNotFoundError,
@@ -1215,9 +1214,14 @@ class Client(CallView[S]):
         )
 
     def _resolver(self, engine: EngineState) -> ShmResolver | None:
-        """Resolves tensors that come back by torch_shm handle (None: the engine sends none)."""
+        """Resolves tensors that come back by torch_shm handle (None: the engine sends none).
+
+        Kept after torch_shm *from* the engine was switched off (``shm[2]``): replies that
+        were already in flight may still carry handles, and must fail (or succeed) as
+        transport errors, not as undecodable messages.
+        """
         shm = self._shm_peers.get(engine.peer)
-        if shm is None or not shm[2]:
+        if shm is None:
             return None
         return self._policy.resolver(shm[0])
 
@@ -1240,8 +1244,7 @@ class Client(CallView[S]):
 
     def _discard(self, engine: EngineState, payload: Buffer, buffers: Sequence[Buffer]) -> None:
         """A reply nobody will decode: release the torch_shm leases it carries, if any."""
-        shm = self._shm_peers.get(engine.peer)
-        if shm is None or not shm[2]:
+        if engine.peer not in self._shm_peers:
             return  # the engine sends us no handles
         collector = LeaseCollector()
         with contextlib.suppress(TensorRPCError):
@@ -1353,26 +1356,13 @@ class Client(CallView[S]):
         (and every call on it) without a word, so it is refused here, before sending: the
         limit is the smaller of ours and the one the engine announced in its HELLO.
         """
-        limit = self._socket_options.maxmsgsize
-        what = f"socket_options.maxmsgsize={limit}"
-        if state is not None:
-            peer = state.info.max_message_bytes
-            if peer > 0 and (limit <= 0 or peer < limit):
-                limit = peer
-                what = f"engine {state.engine_id!r} takes at most its maxmsgsize={peer}"
-        if limit <= 0:
-            return
-        if len(encoded.payload) > limit:
-            raise EncodeError(
-                f"{spec.qualname}: the encoded arguments take {len(encoded.payload)} "
-                f"bytes, over the largest message ({what})"
-            )
-        for buffer in encoded.buffers:
-            if buffer.nbytes > limit:
-                raise EncodeError(
-                    f"{spec.qualname}: a tensor argument of {buffer.nbytes} bytes is "
-                    f"over the largest message ({what})"
-                )
+        _codec.check_message_size(
+            encoded,
+            self._socket_options.maxmsgsize,
+            0 if state is None else state.info.max_message_bytes,
+            what=f"{spec.qualname}: the arguments",
+            peer="engine" if state is None else f"engine {state.engine_id!r}",
+        )
 
     async def _start(
         self,
