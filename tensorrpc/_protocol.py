@@ -171,6 +171,8 @@ class RejectReason:
     VERSION: Final = "version"
     #: Another live engine already uses this engine id.
     DUPLICATE_ID: Final = "duplicate_id"
+    #: The handshake message (HELLO or WELCOME) was malformed; ``message`` names the fault.
+    PROTOCOL: Final = "protocol"
     #: Anything else; ``message`` explains.
     OTHER: Final = "other"
 
@@ -585,6 +587,15 @@ class Hello:
     #: optional, 0 when it has no limit or does not announce one. A client refuses to
     #: send a frame over it rather than have the engine's ZMQ drop the connection.
     max_message_bytes: int = 0
+    #: The engine's session epoch with this client (optional; 0 when not announced): a
+    #: random u64 (1..2**64-1) drawn per session. A HELLO repeating the epoch belongs to
+    #: the same session; a new epoch from a known engine id means the engine lost the
+    #: session and every call in flight on it.
+    epoch: int = 0
+    #: How long the engine waits, in milliseconds, without a message from the client
+    #: before it declares the client dead (optional; 0 when not announced). The client
+    #: PINGs often enough for it.
+    dead_after_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,6 +621,17 @@ class Welcome:
     #: optional, 0 when it has no limit or does not announce one. An engine refuses to
     #: send a result frame over it (``BAD_RESULT``) rather than have it dropped.
     max_message_bytes: int = 0
+    #: The client's session epoch with this engine (optional; 0 when not announced): a
+    #: random u64 (1..2**64-1) drawn per session. An engine that sees a WELCOME with a
+    #: new epoch from a client it has a session with knows the client lost that session.
+    epoch: int = 0
+    #: How long the client waits, in milliseconds, without a message from the engine
+    #: before it declares the engine dead (optional; 0 when not announced). The engine
+    #: PINGs often enough for it.
+    dead_after_ms: int = 0
+    #: The client's schema fingerprint (optional; "" when not announced or schema-less),
+    #: so that an engine can refuse a mismatch too.
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -685,6 +707,8 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("streaming", "strs", MAX_METHOD_BYTES),
         ("signatures", "strs", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
+        ("epoch", "int", _U64_MAX),
+        ("dead_after_ms", "int", _U32_MAX),
     ),
     Welcome: (
         ("client_id", "str", MAX_NAME_CHARS),
@@ -695,6 +719,9 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("pid", "int", _I64_MAX),
         ("probe", "bytes", MAX_PROBE_BYTES),
         ("max_message_bytes", "int", _I64_MAX),
+        ("epoch", "int", _U64_MAX),
+        ("dead_after_ms", "int", _U32_MAX),
+        ("fingerprint", "str", MAX_NAME_CHARS),
     ),
     Reject: (("reason", "str", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "str", MAX_NAME_CHARS),),
@@ -727,6 +754,11 @@ _OPTIONAL: Final = frozenset(
         (Welcome, "pid"),
         (Welcome, "probe"),
         (Welcome, "max_message_bytes"),
+        (Hello, "epoch"),
+        (Hello, "dead_after_ms"),
+        (Welcome, "epoch"),
+        (Welcome, "dead_after_ms"),
+        (Welcome, "fingerprint"),
     }
 )
 _DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {
