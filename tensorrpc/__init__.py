@@ -48,6 +48,7 @@ from tensorrpc._exceptions import (
     TransportError,
     ValidationError,
 )
+from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._protocol import PROTOCOL_VERSION
 from tensorrpc._security import (
     CurveClientConfig,
@@ -76,6 +77,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BroadcastError",
     "CallError",
+    "CallObservation",
     "CallOptions",
     "CallStream",
     "CallTimeoutError",
@@ -103,6 +105,7 @@ __all__ = [
     "LocalProtocolError",
     "MethodNotFoundError",
     "MethodSpec",
+    "Observer",
     "OverloadedError",
     "PeerStatistics",
     "PeerUnreachableError",
