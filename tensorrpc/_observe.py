@@ -117,7 +117,7 @@ class Observer:
         """A client or engine that was ``opened`` closed."""
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         """A client sent a CALL (in the caller's task: its context is the caller's).
 
@@ -126,6 +126,9 @@ class Observer:
             engine: The engine id it went to.
             stream: Whether it is a streaming call.
             nbytes: Bytes of its payload and tensor frames.
+            transport: How its tensors travel: ``"torch_shm"`` (some by shared-memory
+                handle), ``"frames"`` (out-of-band frames) or ``"inline"`` (none out of
+                band).
 
         Returns:
             An observation of this call, or None to ignore it.
@@ -214,9 +217,11 @@ class _Fanout(Observer):
             o.closed(target)
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
-        return _fanout([o.client_call(method, engine, stream, nbytes) for o in self.observers])
+        return _fanout(
+            [o.client_call(method, engine, stream, nbytes, transport) for o in self.observers]
+        )
 
     def engine_call(
         self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
@@ -360,14 +365,28 @@ def client_call(
     features: Sequence[str],
     stream: bool,
     nbytes: int,
+    shm_tensors: int,
+    frames: int,
 ) -> tuple[CallObservation | None, bytes]:
     """Client call site: observe a CALL about to be sent; add its trace context if any.
+
+    Args:
+        observer: The client's observer.
+        header: The CALL's header frame.
+        method: The method name.
+        engine: The engine id.
+        features: The engine's HELLO ``features``.
+        stream: Whether the call streams.
+        nbytes: Bytes of payload and tensor frames.
+        shm_tensors: Argument tensors sent by ``torch_shm`` handle.
+        frames: Argument tensor frames.
 
     Returns:
         The observation (or None) and the header frame to send (with the ``TRACE`` flag
         and context when the observation has one and the engine reads it).
     """
-    observation = observer.client_call(method, engine, stream, nbytes)
+    transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
+    observation = observer.client_call(method, engine, stream, nbytes, transport)
     if observation is not None and "trace_context" in features:
         trace = observation.trace_context()
         if trace:

@@ -245,7 +245,7 @@ class PrometheusObserver(Observer):
     # -- calls ------------------------------------------------------------------------------
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         store = self._store
         key = (method, engine)

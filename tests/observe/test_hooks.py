@@ -75,7 +75,7 @@ class Recorder(Observer):
         self.opened_targets.remove(target)
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         events: list[tuple[Any, ...]] = [("client", method, engine, stream, nbytes > 0)]
         self.calls.append(events)
@@ -206,7 +206,7 @@ def test_resolve_combines_installed_and_given_observers() -> None:
         combined = _observe.resolve([a, a], None)
         assert isinstance(combined, Observer)
         assert combined.observers == (b, a)  # type: ignore[attr-defined]
-        call = combined.client_call("m", "e", False, 1)
+        call = combined.client_call("m", "e", False, 1, "inline")
         assert call is not None
         call.finished("ok", 3)
         assert a.calls[0][-1] == ("finished", "ok", True)
