@@ -172,6 +172,7 @@ MAX_BODY_BYTES: Final[Mapping[MessageKind, int]] = MappingProxyType(
         MessageKind.CREDIT: 1024,
         MessageKind.RELEASE: 64 * 1024,
         MessageKind.ERROR: MAX_CONTROL_BYTES,
+        MessageKind.PROOF: 1024,
     }
 )
 

@@ -94,7 +94,14 @@ _CONTROL_KINDS = [
     (MessageKind.CREDIT, 1),
     (MessageKind.RELEASE, 0),
     (MessageKind.ERROR, 1),
+    (MessageKind.PROOF, 0),
 ]
+
+
+def test_every_control_kind_with_a_body_has_a_cap() -> None:
+    from tensorrpc._protocol import _BODY_BY_KIND
+
+    assert set(MAX_BODY_BYTES) == set(_BODY_BY_KIND)
 
 
 @pytest.mark.parametrize("bomb", [empty_arrays, nested_pairs])
@@ -113,6 +120,7 @@ def test_control_body_bomb_is_refused_before_decoding(
     ("kind", "call_id", "cap"),
     [
         (MessageKind.CREDIT, 1, 1024),
+        (MessageKind.PROOF, 0, 1024),
         (MessageKind.BYE, 0, 8 * 1024),
         (MessageKind.WELCOME, 0, 64 * 1024),
         (MessageKind.RELEASE, 0, 64 * 1024),
