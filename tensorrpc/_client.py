@@ -82,6 +82,7 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._routing import Balancing, EngineInfo, EngineRegistry, EngineState, StreamCredit
 from tensorrpc._service import ServiceSpec, describe, schemaless_method
+from tensorrpc._stub import Stub
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
@@ -398,14 +399,14 @@ class CallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: Transport = "auto",
-    ) -> S:
-        """A proxy typed as the service class whose methods call the engines.
+    ) -> Stub[S]:
+        """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
-        ``await stub.add(1, 2)`` calls ``add``; ``stub.count(5)`` returns a
-        :class:`CallStream` for ``async for``. To mypy the stub *is* the service class, so
-        a sync ``def`` method looks like it returns its value directly, while at run time
-        every unary call returns an awaitable: use :meth:`call` for the exact types of
-        sync methods.
+        ``await stub.add(1, 2)`` calls ``add``, whether the handler is ``async def`` or a
+        sync ``def``; ``stub.count(5)`` returns a [`CallStream`][tensorrpc.CallStream]
+        for ``async for``. The mypy plugin ``tensorrpc.mypy_plugin`` types each method
+        exactly (see [`Stub`][tensorrpc.Stub]); [`call`][tensorrpc.CallView.call] is
+        exact under any type checker.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -415,10 +416,10 @@ class CallView(Generic[S]):
                 :class:`CallOptions`).
 
         Returns:
-            The stub, typed as the service class.
+            The stub.
         """
         options = CallOptions(engine=engine, timeout=timeout, wait=wait, transport=transport)
-        return cast("S", _Stub(self._client, options))
+        return _Stub(self._client, options)
 
     @overload
     async def call(
@@ -592,8 +593,8 @@ class CallView(Generic[S]):
         return CallStream(client, spec, (), arguments or {}, self._options, encoded=encoded)
 
 
-class _Stub:
-    """Runtime object behind :meth:`CallView.stub`; attributes are bound method callers."""
+class _Stub(Stub[Any]):
+    """Runtime object behind `CallView.stub`; attributes are bound method callers."""
 
     def __init__(self, client: Client[Any], options: CallOptions) -> None:
         self._client = client
