@@ -49,6 +49,7 @@ from tensorrpc._exceptions import (
     TransportError,
     ValidationError,
 )
+from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._protocol import PROTOCOL_VERSION
 from tensorrpc._security import (
     CurveClientConfig,
@@ -81,6 +82,7 @@ __all__ = [
     "BlockingStream",
     "BroadcastError",
     "CallError",
+    "CallObservation",
     "CallOptions",
     "CallStream",
     "CallTimeoutError",
@@ -108,6 +110,7 @@ __all__ = [
     "LocalProtocolError",
     "MethodNotFoundError",
     "MethodSpec",
+    "Observer",
     "OverloadedError",
     "PeerStatistics",
     "PeerUnreachableError",
