@@ -60,7 +60,7 @@ from tensorrpc._security import (
     load_public_keys,
     save_keypair,
 )
-from tensorrpc._server import PeerStatistics, Server, ServerStatistics, serve
+from tensorrpc._server import PeerStatistics, Server, ServerConfig, ServerStatistics, serve
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports import (
@@ -111,6 +111,7 @@ __all__ = [
     "RemoteProtocolError",
     "SerializationError",
     "Server",
+    "ServerConfig",
     "ServerStatistics",
     "ServiceDefinitionError",
     "ServiceSpec",
