@@ -43,6 +43,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_BUFFERS",
+    "MAX_CHALLENGE_BYTES",
     "MAX_CONTROL_BYTES",
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
@@ -60,6 +61,7 @@ __all__ = [
     "Header",
     "Hello",
     "MessageKind",
+    "Proof",
     "Reject",
     "RejectReason",
     "Release",
@@ -98,6 +100,8 @@ MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
 MAX_BUFFERS: Final = 1024
 #: Longest ``probe`` handle in HELLO / WELCOME, in bytes.
 MAX_PROBE_BYTES: Final = 4096
+#: Longest ``challenge`` (HELLO, WELCOME) and ``proof`` (WELCOME, PROOF), in bytes.
+MAX_CHALLENGE_BYTES: Final = 64
 #: Longest entry of HELLO's ``signatures`` list, in characters.
 MAX_SIGNATURE_CHARS: Final = 4096
 
@@ -139,6 +143,9 @@ class MessageKind(IntEnum):
     #: client → engine: the client attached to the shared-memory tensors of these result
     #: leases (``torch_shm``); the engine may reuse their memory. :class:`Release` body.
     RELEASE = 14
+    #: engine → client, once after a WELCOME that carried a ``challenge``: the engine's
+    #: answer to it (``torch_shm`` proof of its process id); :class:`Proof` body.
+    PROOF = 15
 
 
 class Flags(IntFlag):
@@ -189,6 +196,7 @@ _CONNECTION_KINDS: Final = frozenset(
         MessageKind.REJECT,
         MessageKind.BYE,
         MessageKind.RELEASE,
+        MessageKind.PROOF,
     }
 )
 _CALL_KINDS: Final = frozenset(
@@ -596,6 +604,9 @@ class Hello:
     #: before it declares the client dead (optional; 0 when not announced). The client
     #: PINGs often enough for it.
     dead_after_ms: int = 0
+    #: ``torch_shm``: a fresh random challenge (optional; empty when ``torch_shm`` is not
+    #: offered). The client proves its process id by answering it in WELCOME's ``proof``.
+    challenge: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -632,6 +643,12 @@ class Welcome:
     #: The client's schema fingerprint (optional; "" when not announced or schema-less),
     #: so that an engine can refuse a mismatch too.
     fingerprint: str = ""
+    #: ``torch_shm``: the client's fresh random challenge for the engine (optional; empty
+    #: when ``torch_shm`` is not offered); the engine answers it in a PROOF message.
+    challenge: bytes = b""
+    #: ``torch_shm``: the client's answer to HELLO's ``challenge`` (optional; empty when
+    #: not offered): HMAC-SHA256 keyed by the secret in the client's probe memfd.
+    proof: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,6 +686,15 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Proof:
+    """PROOF body: the engine's answer to the ``challenge`` of the client's WELCOME."""
+
+    #: HMAC-SHA256 keyed by the secret in the engine's probe memfd; empty when the engine
+    #: does not use ``torch_shm`` with this client (the client's proof did not verify).
+    proof: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorInfo:
     """ERROR body: why a call (or, with call_id 0, the connection) failed."""
 
@@ -687,7 +713,7 @@ class ErrorInfo:
 
 
 #: Any control-message body.
-ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release
+ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release | Proof
 
 # Field schema per body class: (name, kind, limit). kind: "str" | "int" | "strs".
 _Field: TypeAlias = tuple[str, str, int]
@@ -709,6 +735,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("max_message_bytes", "int", _I64_MAX),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
+        ("challenge", "bytes", MAX_CHALLENGE_BYTES),
     ),
     Welcome: (
         ("client_id", "str", MAX_NAME_CHARS),
@@ -722,11 +749,14 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("fingerprint", "str", MAX_NAME_CHARS),
+        ("challenge", "bytes", MAX_CHALLENGE_BYTES),
+        ("proof", "bytes", MAX_CHALLENGE_BYTES),
     ),
     Reject: (("reason", "str", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "str", MAX_NAME_CHARS),),
     Credit: (("n", "int", _U32_MAX),),
     Release: (("leases", "ints", _I64_MAX),),
+    Proof: (("proof", "bytes", MAX_CHALLENGE_BYTES),),
     ErrorInfo: (
         ("code", "int", _U16_MAX),
         ("type", "str", MAX_NAME_CHARS),
@@ -742,6 +772,7 @@ _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
     MessageKind.CREDIT: Credit,
     MessageKind.ERROR: ErrorInfo,
     MessageKind.RELEASE: Release,
+    MessageKind.PROOF: Proof,
 }
 _MIN_INT: Final = {"n": 1}  # CREDIT of 0 items means nothing and is refused
 # Fields added after version 1 shipped: a peer that omits them gets the default.
@@ -759,6 +790,9 @@ _OPTIONAL: Final = frozenset(
         (Welcome, "epoch"),
         (Welcome, "dead_after_ms"),
         (Welcome, "fingerprint"),
+        (Hello, "challenge"),
+        (Welcome, "challenge"),
+        (Welcome, "proof"),
     }
 )
 _DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {
