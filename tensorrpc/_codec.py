@@ -34,7 +34,8 @@ import numpy as np
 import ormsgpack
 import torch
 
-from tensorrpc._exceptions import DecodeError, EncodeError
+from tensorrpc._exceptions import DecodeError, EncodeError, ValidationError
+from tensorrpc._protocol import count_msgpack_objects
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -51,6 +52,7 @@ __all__ = [
     "Location",
     "check_message_size",
     "decode",
+    "frame_limit",
     "encode",
 ]
 
@@ -87,6 +89,13 @@ class CodecConfig:
     max_tensors: int = 1024
     #: Largest msgpack payload, in bytes, both directions.
     max_payload_bytes: int = 1 << 28
+    #: Most msgpack objects (every value, container and map key counts one) in a payload,
+    #: both directions. Decoding builds a Python object of ~30-70 bytes per msgpack object
+    #: of as little as one byte, so this bounds the memory (about 20 MB) and CPU a payload
+    #: can cost the receiver, whatever its size: a receiver counts the objects of any
+    #: payload larger than this many bytes before decoding it. Tensors are one object
+    #: each, whatever their size; send long lists of numbers as tensors.
+    max_payload_objects: int = 1 << 18
     #: On the frames and inline paths, copy non-CPU (e.g. CUDA) tensors to host memory;
     #: when False such a tensor is an :class:`EncodeError`.
     allow_cuda_copy: bool = False
@@ -433,6 +442,18 @@ def _numpy_dtype_error(dtype: np.dtype[Any]) -> str:
     )
 
 
+def frame_limit(config: CodecConfig) -> int:
+    """The largest frame a receiver with ``config`` can accept, in bytes.
+
+    A frame is a payload (at most ``max_payload_bytes``) or one tensor's bytes (at most
+    ``max_tensor_bytes``); anything larger is refused by the codec after it has arrived,
+    so a receiver sets its socket's ``maxmsgsize`` to at most this (ZMQ then drops such a
+    frame at its header, never buffering it) and announces it in its handshake (senders
+    refuse such a frame before sending it).
+    """
+    return max(config.max_tensor_bytes, config.max_payload_bytes)
+
+
 def check_message_size(
     encoded: Encoded, own_limit: int, peer_limit: int, *, what: str, peer: str
 ) -> None:
@@ -505,6 +526,12 @@ def encode(
         raise EncodeError(
             f"payload of {len(payload)} bytes is over max_payload_bytes="
             f"{config.max_payload_bytes} (lower inline_threshold or send less)"
+        )
+    budget = config.max_payload_objects
+    if len(payload) > budget and count_msgpack_objects(payload, budget) > budget:
+        raise EncodeError(
+            f"payload holds more than max_payload_objects={budget} values; the receiver "
+            "refuses it (send long lists of numbers as a tensor)"
         )
     return Encoded(payload, encoder.buffers, encoder.keepalive)
 
@@ -686,6 +713,24 @@ class _Decoder:
         return tensor.numpy()
 
 
+def _ignore_ext(code: int, data: bytes) -> None:
+    return None
+
+
+def _only_bad_keys(framed: bytes) -> bool:
+    """Whether ``framed`` is well-formed msgpack whose only fault is a non-str map key.
+
+    Such a payload is a value the peer may not send (the receiver answers
+    ``INVALID_ARGUMENT``), not a corrupt one (``DECODE``). Only called once decoding
+    failed, after the object budget was checked; tensors are not built again.
+    """
+    try:
+        ormsgpack.unpackb(framed, ext_hook=_ignore_ext, option=ormsgpack.OPT_NON_STR_KEYS)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def decode(
     payload: Buffer,
     buffers: Sequence[Buffer] = (),
@@ -712,7 +757,10 @@ def decode(
 
     Raises:
         DecodeError: Malformed msgpack, a bad descriptor, a dtype not allowed, sizes that
-            do not match or exceed the limits, bad frame indices, unreferenced buffers.
+            do not match or exceed the limits (``max_payload_objects`` included), bad
+            frame indices, unreferenced buffers.
+        ValidationError: Well-formed msgpack with a map key that is not a string (the
+            value cannot be one a peer may send; an engine answers ``INVALID_ARGUMENT``).
         TensorTransportError: The resolver failed.
     """
     try:
@@ -729,6 +777,13 @@ def decode(
         )
     if view.ndim != 1 or view.itemsize != 1:
         view = _byte_view(view)
+    budget = config.max_payload_objects
+    # At most one object per byte: only a payload larger than the budget needs counting.
+    if view.nbytes > budget and count_msgpack_objects(view, budget) > budget:
+        raise DecodeError(
+            f"payload holds more than max_payload_objects={budget} msgpack values "
+            f"({view.nbytes} bytes); refused before decoding"
+        )
     decoder = _Decoder(buffers, config, resolver)
     # ormsgpack ignores bytes after the first object; frame the payload as the array
     # [payload, END] so that anything after the object (or a truncated object) fails.
@@ -738,6 +793,11 @@ def decode(
     except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
         if decoder.error is not None:
             raise decoder.error from None
+        if _only_bad_keys(framed):
+            raise ValidationError(
+                f"a map in the payload has a key that is not a string ({exc}); maps carry "
+                "str keys only (parameter names, dataclass fields, dict[str, ...])"
+            ) from None
         raise DecodeError(f"malformed msgpack payload: {exc}") from exc
     if decoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
         raise decoder.error

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from typing_extensions import Buffer
 
+    from tensorrpc._observe import CallObservation
     from tensorrpc._server_protocol import ServerProtocol
     from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
@@ -70,10 +71,12 @@ _FAIRNESS_STREAK: Final = 32
 class Call(ServerCall):
     """A :class:`ServerCall` with what the I/O shell needs to stop and wake it."""
 
-    __slots__ = ("credit_event", "failure", "result", "scope")
+    __slots__ = ("credit_event", "failure", "observed", "result", "scope")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
+        #: What the engine's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
         self.scope: anyio.CancelScope | None = None
         self.credit_event: anyio.Event | None = None
         #: Unary calls: the handler's return value (``_MISSING`` until it returns).
@@ -207,7 +210,7 @@ class Dispatcher:
                                 if scope.cancel_called:
                                     stopped = call  # answered below, outside the spent scope
                                 else:
-                                    self._proto.done(call)
+                                    self._done(call)
                             streak += 1
                             if streak >= _FAIRNESS_STREAK:
                                 # Handlers that never wait would otherwise keep this worker
@@ -218,11 +221,16 @@ class Dispatcher:
                         await self._reply(stopped)
                 finally:
                     if stopped is not None:
-                        self._proto.done(stopped)
+                        self._done(stopped)
         finally:
             self._workers -= 1
             if self._workers == 0 and self._closed:
                 self.done.set()
+
+    def _done(self, call: Call) -> None:
+        self._proto.done(call)
+        if call.observed is not None:  # observe: the worker is done with the call
+            call.observed.finished("cancelled" if call.cancelled else "ok", 0)
 
     # -- one call ---------------------------------------------------------------------------
 
@@ -232,6 +240,8 @@ class Dispatcher:
         frames = self._proto.error_reply(call, code, message, type_name, tb)
         if frames is not None:
             self._send_now(call.key, frames)
+            if call.observed is not None:  # observe: an ERROR reply to an observed call
+                call.observed.error(code.name)
 
     def _deadline(self, call: Call) -> float:
         """The call's deadline on anyio's clock (the protocol's is ``time.monotonic``)."""
@@ -265,6 +275,8 @@ class Dispatcher:
         args = self._decode(call)
         if args is None:
             return
+        if call.observed is not None:  # observe: the handler starts (in this task)
+            call.observed.started()
         if call.spec.streaming:
             await self._run_stream(call, args, deadline)
             return
@@ -450,6 +462,8 @@ class Dispatcher:
                 return False  # the ERROR is sent: nothing more
             proto.item_sent(call)
             await self._send_value(call, _STREAM_ITEM, encoded)
+            if call.observed is not None:  # observe: a stream item went out
+                call.observed.item()
 
     async def _wait_credit(self, call: Call) -> bool:
         """Park until credit arrives; False (ERROR sent) when the client has too many parked."""

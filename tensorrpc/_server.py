@@ -37,19 +37,29 @@ from typing import TYPE_CHECKING, Final, TypedDict, cast
 import anyio
 import zmq
 
-from tensorrpc import _codec
+from tensorrpc import _codec, _observe
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import (
     ClosedError,
+    ErrorCode,
     HandshakeRejectedError,
     PeerUnreachableError,
     TransportError,
 )
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
-from tensorrpc._protocol import MAX_SIGNATURE_CHARS, PROTOCOL_VERSION, Hello
+from tensorrpc._protocol import (
+    MAX_SIGNATURE_CHARS,
+    PROTOCOL_VERSION,
+    ErrorInfo,
+    Hello,
+    MessageKind,
+    encode_error,
+    pack_reply_header,
+)
 from tensorrpc._server_protocol import (
     AllRejected,
+    BuiltinCall,
     ProtocolSettings,
     Released,
     ServerProtocol,
@@ -74,6 +84,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
     from typing_extensions import Buffer
 
+    from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec, ServiceSpec
 
@@ -119,8 +130,10 @@ class ServerConfig:
     #: Codec limits (must match the clients'); None: the defaults.
     codec: _codec.CodecConfig | None = None
     #: ZMQ socket options (HWMs, MAXMSGSIZE, ...); None: the defaults. ``maxmsgsize`` is
-    #: the largest frame this engine accepts and sends (a bigger result is answered
-    #: with a BAD_RESULT error).
+    #: the largest frame this engine accepts (a peer sending more is disconnected by
+    #: ZMQ) and sends (a bigger result is answered with a BAD_RESULT error); it is
+    #: lowered to the largest frame ``codec`` accepts (the larger of ``max_tensor_bytes``
+    #: and ``max_payload_bytes``), and announced in HELLO.
     socket_options: SocketOptions | None = None
     #: CURVE encryption and authentication (see docs/security.md); None: plaintext.
     curve: CurveConfig | None = None
@@ -133,6 +146,12 @@ class ServerConfig:
     max_strangers: int = 1024
     #: Most streams of one client waiting for credit at once; more end with OVERLOADED.
     max_parked_streams: int = 256
+    #: An ``Observer`` (or several) told about every call this engine runs (see
+    #: docs/observability.md).
+    observer: Observer | Sequence[Observer] | None = None
+    #: Export Prometheus metrics of this engine (the default registry) over HTTP on this
+    #: port (needs the ``metrics`` extra; 0 picks a free port).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -166,6 +185,8 @@ class ServerOptions(TypedDict, total=False):
     shm_threshold: int
     max_strangers: int
     max_parked_streams: int
+    observer: Observer | Sequence[Observer] | None
+    metrics_port: int | None
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
@@ -283,7 +304,10 @@ class Server:
         self._binds = _addresses_of(cfg.bind)
         self._listen = bool(self._binds)
         self._codec = cfg.codec if cfg.codec is not None else _codec.DEFAULT
-        self._socket_options = cfg.socket_options or DEFAULT_OPTIONS
+        # A frame over the codec's limits would be buffered only to be refused: ZMQ drops
+        # it at its header instead, and HELLO announces the limit (clients check it).
+        sock_options = cfg.socket_options or DEFAULT_OPTIONS
+        self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
         self._proto = ServerProtocol(self._settings(instance), call_factory=Call)
         self._pending = PendingSends()
@@ -310,6 +334,10 @@ class Server:
         self._poke: anyio.Event | None = None
         self._outer_tg: anyio.abc.TaskGroup | None = None
         self._inner_scope: anyio.CancelScope | None = None
+        self._observer = _observe.resolve(cfg.observer, cfg.metrics_port)
+        # Per-method counters for the built-in statistics method, from its first use on.
+        self._recorder: _observe.StatisticsRecorder | None = None
+        self._started_at = time.time()
 
     def _settings(self, instance: object) -> ProtocolSettings:
         cfg = self._config
@@ -329,6 +357,7 @@ class Server:
             signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
             probe=self._policy.probe(),
             max_message_bytes=max(0, self._socket_options.maxmsgsize),
+            features=_observe.FEATURES,
         )
         return ProtocolSettings(
             hello=hello,
@@ -341,6 +370,7 @@ class Server:
             max_strangers=cfg.max_strangers,
             max_parked_streams=cfg.max_parked_streams,
             max_buffers=self._codec.max_tensors,
+            builtins=frozenset({_observe.STATISTICS_METHOD}),
         )
 
     # -- public surface ---------------------------------------------------------------------
@@ -409,6 +439,8 @@ class Server:
         self._stopped = anyio.Event()
         self._poke = anyio.Event()
         self._open_sockets()
+        if self._observer is not None:  # observe: the engine opened
+            self._observer.opened(self)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         try:
@@ -474,6 +506,8 @@ class Server:
                     self._inner_scope.cancel()
                 self._close_sockets()
                 self._policy.close()
+                if self._observer is not None:  # observe: the engine closed
+                    self._observer.closed(self)
                 if self._stopped is not None:
                     self._stopped.set()
 
@@ -638,7 +672,7 @@ class Server:
                     size += len(frame)
                 call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
                 if call is not None:
-                    self._dispatch.wake_one()
+                    self._accepted(cast("Call", call), size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
@@ -661,11 +695,46 @@ class Server:
                 body = cast("list[Buffer]", frames[1:])
                 call = receive(route, body, monotonic(), size - len(route))
                 if call is not None:
-                    self._dispatch.wake_one()
+                    self._accepted(cast("Call", call), size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
                 logger.exception("error handling a message")
+
+    def _accepted(self, call: Call, size: int) -> None:
+        self._dispatch.wake_one()
+        if self._observer is not None:  # observe: a CALL was accepted
+            call.observed = self._observer.engine_call(
+                call.spec.name, self._engine_id, call.session.name, call.spec.streaming,
+                call.trace, size,
+            )  # fmt: skip
+
+    def _answer_statistics(self, event: BuiltinCall) -> None:
+        """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
+        session, call_id = event.session, event.call_id
+        if not _observe.statistics_allowed(self._config.curve):
+            error = ErrorInfo(
+                int(ErrorCode.METHOD_NOT_FOUND),
+                "",
+                "statistics are only given to authenticated peers: this engine's CURVE "
+                "socket accepts any client key (set allowed_clients)",
+            )
+            self._send_now(session.key, encode_error(call_id, error))
+            return
+        if self._recorder is None:
+            self._recorder = _observe.StatisticsRecorder()
+            self._observer = _observe.combine(self._observer, self._recorder)
+        body = _observe.statistics_body(
+            self.statistics(),
+            service=self._spec.name,
+            pid=os.getpid(),
+            started=self._started_at,
+            recorder=self._recorder,
+        )
+        encoded = _codec.encode(body, self._codec)
+        self._send_now(
+            session.key, [pack_reply_header(MessageKind.RESULT, call_id), encoded.payload]
+        )
 
     def _flush(self) -> None:
         """Do what the protocol queued: send frames, stop or wake calls, handle news."""
@@ -687,7 +756,9 @@ class Server:
                 self._on_event(event)
 
     def _on_event(self, event: object) -> None:
-        if isinstance(event, Released):
+        if isinstance(event, BuiltinCall):
+            self._answer_statistics(event)
+        elif isinstance(event, Released):
             self._policy.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
             self._negotiate_shm(event.session, event)

@@ -78,6 +78,7 @@ __all__ = [
     "ADMISSION",
     "TRANSITIONS",
     "AllRejected",
+    "BuiltinCall",
     "ProtocolSettings",
     "ServerCall",
     "ServerProtocol",
@@ -101,7 +102,6 @@ _RELEASE: Final = MessageKind.RELEASE
 _STREAM: Final = int(Flags.STREAM)
 _NO_WAIT: Final = int(Flags.NO_WAIT)
 _SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
-_KNOWN_FLAGS: Final = int(Flags.STREAM | Flags.NO_WAIT) | _SHM_BITS
 _HEADER: Final = struct.Struct("<2sBBHHQI")
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
@@ -210,6 +210,8 @@ class ProtocolSettings:
     max_strangers: int = 1024
     max_parked_streams: int = 256
     max_buffers: int = 1024
+    #: Method names the shell answers itself (the built-in statistics method).
+    builtins: frozenset[str] = frozenset()
 
 
 class ServerCall:
@@ -234,6 +236,7 @@ class ServerCall:
         "session",
         "shutdown",
         "spec",
+        "trace",
     )
 
     def __init__(
@@ -246,6 +249,7 @@ class ServerCall:
         payload: Buffer | None,
         buffers: Sequence[Buffer],
         results: int,
+        trace: bytes = b"",
     ) -> None:
         self.session = session
         self.key = session.key
@@ -268,6 +272,8 @@ class ServerCall:
         self.credits = session.stream_window
         #: The stream waits for credit.
         self.parked = False
+        #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
+        self.trace = trace
 
 
 class Session:
@@ -355,6 +361,15 @@ class AllRejected:
 
 
 @dataclass(frozen=True, slots=True)
+class BuiltinCall:
+    """A CALL of a method the shell answers itself (``ProtocolSettings.builtins``)."""
+
+    session: Session
+    call_id: int
+    method: str
+
+
+@dataclass(frozen=True, slots=True)
 class Released:
     """RELEASE: the client attached to the tensors of these result leases."""
 
@@ -362,7 +377,7 @@ class Released:
     leases: tuple[int, ...]
 
 
-Event = SessionStarted | SessionEnded | AllRejected | Released
+Event = SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall
 Outgoing = tuple["Hashable", list[bytes], bool]
 
 
@@ -674,6 +689,9 @@ class ServerProtocol:
             return None
         method: str = header.method
         entry = self._methods.get(method)
+        if entry is None and method in self.settings.builtins:
+            self.events.append(BuiltinCall(session, call_id, method))
+            return None
         if entry is None:
             self._refuse(
                 session,
@@ -700,7 +718,7 @@ class ServerProtocol:
         timeout_ms: int = header.timeout_ms
         deadline = now + timeout_ms / 1000 if timeout_ms else _INF
         call = self._call_factory(
-            session, call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS
+            session, call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS, header.trace
         )
         self.queue.append(call)
         calls[call_id] = call
