@@ -1003,7 +1003,7 @@ class Server:
         if self._observer is not None:  # observe: a CALL was accepted
             call.observed = self._observer.engine_call(
                 method, self._engine_id, conn.name, spec.streaming, trace,
-                memoryview(payload).nbytes + sum(memoryview(b).nbytes for b in buffers),
+                _observe.message_bytes(payload, buffers),
             )  # fmt: skip
 
     def _on_credit(self, conn: _Conn, call_id: int, header: Any, payload: Buffer) -> None:
