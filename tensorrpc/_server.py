@@ -1132,6 +1132,8 @@ class Server:
         interval = self._heartbeat_interval
         next_ping = time.monotonic() + interval
         while True:
+            for sock in self._sockets:
+                sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             now = time.monotonic()
             hello_wait = interval
             for conn in self._all_conns():
