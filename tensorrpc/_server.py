@@ -89,6 +89,7 @@ from tensorrpc._protocol import (
     split_frames,
     unpack_header,
 )
+from tensorrpc._schema import bad_result_message
 from tensorrpc._service import describe
 from tensorrpc._zmq import DEFAULT_OPTIONS, AsyncSocket, PendingSends, SocketOptions, create_socket
 from tensorrpc.transports._policy import (
@@ -1233,7 +1234,7 @@ class Server:
                 call.conn,
                 call.call_id,
                 ErrorCode.BAD_RESULT,
-                f"{call.spec.qualname} returned a bad result: {exc}",
+                bad_result_message(call.spec.qualname, exc),
                 _type_name(exc),
             )
         except TensorTransportError as exc:
