@@ -150,8 +150,6 @@ _NO_WAIT_FLAG = int(Flags.NO_WAIT)
 # PING nonce 0 asks a listening engine to (re)send HELLO; heartbeats use nonce 1.
 _HELLO_REQUEST = 0
 _HEARTBEAT_NONCE = 1
-# The reader yields to the event loop after this many messages taken without waiting.
-_READER_STREAK = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -1716,18 +1714,15 @@ class Client(CallView[S]):
         recv_nowait = sock.recv_nowait
         checkpoint = anyio.lowlevel.checkpoint
         on_message = self._on_message
-        streak = 0
+        yield_due = sock.yield_due  # a busy (or flooded) socket must not starve the callers
         while True:
             try:
                 frames = recv_nowait()
-                streak += 1
-                if streak >= _READER_STREAK:  # a busy socket must not starve the callers
-                    streak = 0
+                if yield_due():  # after 32 messages or 2 ms of handling them
                     await checkpoint()
             except anyio.WouldBlock:
                 # Nothing queued: let the callers we just woke run (and decode) before we
                 # re-arm the wait on the socket, which costs a little.
-                streak = 0
                 await checkpoint()
                 frames = await recv()
             try:
