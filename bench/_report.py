@@ -382,10 +382,8 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
     except ImportError as exc:
         return f"matplotlib unavailable: {exc}"
     sizes: list[int] = tx.get("sizes", [])
-    fig, ax = plt.subplots(figsize=(10.5, 5.5))
-    colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
-    plotted = 0
-    for index, (name, entry) in enumerate(tx.get("systems", {}).items()):
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for name, entry in tx.get("systems", {}).items():
         xs: list[float] = []
         ys: list[float] = []
         for size in sizes:
@@ -393,26 +391,48 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
             if med is not None:
                 xs.append(size)
                 ys.append(med / 1e3)
-        if not xs:
-            continue
-        style = "--" if "in-process" in name else "-"
-        width = 2.5 if name.startswith("tensorrpc") else 1.3
-        color = colors[(2 * index) % 20 + (index // 10) % 2]
-        ax.plot(xs, ys, style, marker="o", linewidth=width, label=name, color=color)
-        plotted += 1
-    if not plotted:
-        plt.close(fig)
+        if xs:
+            series[name] = (xs, ys)
+    if not series:
         return "no transfer figures to plot"
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
-    ax.set_xlabel("tensor size")
-    ax.set_ylabel("median latency per call (ms)")
-    ax.set_title("Tensor to a server process, small result back")
-    ax.grid(True, which="both", linewidth=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    # Two panels with a few lines each, legends in large type: one chart with a dozen
+    # entries is unreadable once scaled into a page. Left: tensorrpc's transports; right:
+    # the other systems, with tensorrpc's default beside them. The in-process copy (the
+    # physical floor) is drawn dashed on both.
+    floor = [n for n in series if "in-process" in n]
+    ours = [n for n in series if n.startswith("tensorrpc")]
+    others = [n for n in series if n not in ours and n not in floor]
+    reference = [n for n in ours if "auto" in n][:1]
+    panels = [("tensorrpc transports", ours + floor), ("other systems", reference + others + floor)]
+    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 7), sharey=True)
+    for ax, (title, names) in zip(axes, panels, strict=True):
+        for index, name in enumerate(names):
+            xs, ys = series[name]
+            dashed = name in floor
+            ours_line = name.startswith("tensorrpc")
+            ax.plot(
+                xs,
+                ys,
+                (":" if "copy_" in name else "--") if dashed else "-",
+                marker="o",
+                linewidth=2.6 if ours_line else 1.6,
+                color="0.45" if dashed else colors[index % 10],
+                label=name,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
+        ax.set_xlabel("tensor size", fontsize=11)
+        ax.set_title(title, fontsize=13)
+        ax.grid(True, which="both", linewidth=0.3)
+        ax.tick_params(labelsize=10)
+        # Under the plot, outside the lines.
+        ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    axes[0].set_ylabel("median latency per call (ms)", fontsize=11)
+    fig.suptitle("A tensor to a server process, a small result back", fontsize=14)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
 

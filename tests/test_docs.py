@@ -352,3 +352,34 @@ def test_readme_benchmark_figures_are_copied_from_the_benchmark_page() -> None:
 def test_figure_pattern_reads_latencies_and_rates() -> None:
     text = "281 µs, 11,295/s and 12.3 ms; 4 times, 64 MiB, p99s"
     assert _FIGURE.findall(text) == ["281 µs", "11,295/s", "12.3 ms"]
+
+
+# -- code fits the page ----------------------------------------------------------------------
+
+#: Columns of code the site shows without scrolling at 1280 px (docs/stylesheets/extra.css
+#: and the integrated table of contents make room for them; checked on screenshots).
+CODE_COLUMNS = 100
+
+
+def long_code_lines(text: str) -> list[tuple[int, int]]:
+    """``(line, length)`` of every line inside a fenced block longer than CODE_COLUMNS."""
+    found: list[tuple[int, int]] = []
+    fence: str | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _FENCE.match(line)
+        if match is not None and (fence is None or match["fence"][0] == fence[0]):
+            fence = match["fence"] if fence is None else None
+            continue
+        if fence is not None and len(line) > CODE_COLUMNS:
+            found.append((number, len(line)))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_code_lines_fit_the_page(page: Path) -> None:
+    assert long_code_lines(page.read_text(encoding="utf-8")) == []
+
+
+def test_long_code_lines_are_found() -> None:
+    text = "x" * 120 + "\n```python\n" + "y" * 101 + "\n" + "z" * 100 + "\n```\n"
+    assert long_code_lines(text) == [(3, 101)]
