@@ -62,7 +62,7 @@ from tensorrpc._security import (
     load_public_keys,
     save_keypair,
 )
-from tensorrpc._server import PeerStatistics, Server, ServerStatistics, serve
+from tensorrpc._server import PeerStatistics, Server, ServerConfig, ServerStatistics, serve
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
 from tensorrpc._stub import Stub
 from tensorrpc._zmq import SocketOptions
@@ -131,6 +131,7 @@ __all__ = [
     "RemoteProtocolError",
     "SerializationError",
     "Server",
+    "ServerConfig",
     "ServerStatistics",
     "ServiceDefinitionError",
     "ServiceSpec",
