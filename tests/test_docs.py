@@ -361,16 +361,27 @@ def test_figure_pattern_reads_latencies_and_rates() -> None:
 CODE_COLUMNS = 100
 
 
+#: Languages of the blocks readers copy from; a block without one (a terminal capture,
+#: a diagram) may be wider: the site scrolls it inside its box.
+CODE_LANGUAGES = frozenset({"python", "py", "python3", "console", "bash", "sh", "toml", "yaml"})
+
+
 def long_code_lines(text: str) -> list[tuple[int, int]]:
-    """``(line, length)`` of every line inside a fenced block longer than CODE_COLUMNS."""
+    """``(line, length)`` of every code line longer than CODE_COLUMNS (see CODE_LANGUAGES)."""
     found: list[tuple[int, int]] = []
     fence: str | None = None
+    checked = False
     for number, line in enumerate(text.splitlines(), start=1):
         match = _FENCE.match(line)
         if match is not None and (fence is None or match["fence"][0] == fence[0]):
-            fence = match["fence"] if fence is None else None
+            if fence is None:
+                fence = match["fence"]
+                words = match["info"].split()
+                checked = bool(words) and words[0] in CODE_LANGUAGES
+            else:
+                fence = None
             continue
-        if fence is not None and len(line) > CODE_COLUMNS:
+        if fence is not None and checked and len(line) > CODE_COLUMNS:
             found.append((number, len(line)))
     return found
 
@@ -383,3 +394,5 @@ def test_code_lines_fit_the_page(page: Path) -> None:
 def test_long_code_lines_are_found() -> None:
     text = "x" * 120 + "\n```python\n" + "y" * 101 + "\n" + "z" * 100 + "\n```\n"
     assert long_code_lines(text) == [(3, 101)]
+    capture = "```\n" + "w" * 130 + "\n```\n```console\n" + "v" * 101 + "\n```\n"
+    assert long_code_lines(capture) == [(5, 101)]
