@@ -69,6 +69,7 @@ from tensorrpc.transports import (
     TransportName,
     TransportStatistics,
 )
+from tensorrpc.transports._shared import share, shared_empty
 
 __version__ = "0.1.0"
 
@@ -132,4 +133,6 @@ __all__ = [
     "save_keypair",
     "serve",
     "service",
+    "share",
+    "shared_empty",
 ]

@@ -72,6 +72,7 @@ from tensorrpc._protocol import (
     Header,
     Hello,
     MessageKind,
+    Proof,
     Reject,
     Release,
     Welcome,
@@ -1745,6 +1746,8 @@ class Client(CallView[S]):
                 self._engine_lost(state, "said BYE")
         elif kind is _REJECT:
             self._on_reject(peer, state, header, payload)
+        elif kind is MessageKind.PROOF:
+            self._on_proof(peer, state, header, payload)
         else:
             logger.warning("dropped an unexpected %s from %r", kind.name, peer)
 
@@ -1804,28 +1807,41 @@ class Client(CallView[S]):
             self._send_control(peer, _REJECT, Reject(reason, message))
             self._notify_engines()
             return
-        # torch_shm both ways only if we can attach to the engine's probe (same host, and
-        # its /proc fds open here); the engine checks our probe the same way.
+        # torch_shm only with an engine that proves its pid in PROOF (docs/protocol.md
+        # §8.1); until then: frames, and the engine is announced once PROOF settles it.
         policy = self._policy
-        shm_ok = policy.can_receive_from(
-            our_host=self._host_id,
-            peer_host=hello.host_id,
-            offered=hello.transports,
-            probe=hello.probe,
-            pid=hello.pid,
-        )
-        self._shm_peers[peer] = (hello.pid, shm_ok, shm_ok)
+        shm = policy.welcome_fields(peer, hello, our_host=self._host_id)
+        settled = policy.settled(peer)
+        self._shm_peers[peer] = settled or (0, False, False)
         welcome = Welcome(
             client_id=self._client_id,
             host_id=self._host_id,
-            transports=policy.offered() if shm_ok else _RECEIVES,
+            transports=shm.transports,
             heartbeat_ms=max(1, int(self._heartbeat_interval * 1000)),
             stream_window=self._stream_window,
             pid=os.getpid(),
-            probe=policy.probe() if shm_ok else b"",
+            probe=shm.probe,
             max_message_bytes=max(0, self._socket_options.maxmsgsize),
+            challenge=shm.challenge,
+            proof=shm.proof,
         )
         self._send_control(peer, MessageKind.WELCOME, welcome)
+        if settled is not None or not shm.challenge:
+            self._notify_engines()
+            self._wake_capacity()
+
+    def _on_proof(
+        self, peer: bytes, state: EngineState | None, header: Any, payload: Buffer
+    ) -> None:
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            logger.warning("dropped a malformed PROOF from %r: %s", peer, exc)
+            body = Proof(b"")
+        assert isinstance(body, Proof)
+        if state is None or peer not in self._shm_peers:
+            return
+        self._shm_peers[peer] = self._policy.on_proof(peer, body, our_host=self._host_id)
         self._notify_engines()
         self._wake_capacity()
 
@@ -1855,7 +1871,7 @@ class Client(CallView[S]):
             return
         logger.info("engine %r %s", state.engine_id, why)
         shm = self._shm_peers.pop(state.peer, None)
-        self._policy.peer_gone(state.peer, state.info.pid if shm is not None else 0)
+        self._policy.peer_gone(state.peer, shm[0] if shm is not None else 0)
         for call_id in list(state.calls):
             call = self._calls.get(call_id)
             if call is not None:

@@ -47,7 +47,7 @@ import socket as _socket
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -437,24 +437,21 @@ class Server:
         self._curve = curve
         self._policy = TransportPolicy(torch_shm=torch_shm, shm_threshold=shm_threshold)
         self._limiter = anyio.CapacityLimiter(sync_workers)
-        self._hello_frames = encode_control(
-            MessageKind.HELLO,
-            Hello(
-                engine_id=engine_id,
-                service=self._spec.name,
-                fingerprint=self._spec.fingerprint,
-                protocol_version=PROTOCOL_VERSION,
-                host_id=_host_id(),
-                pid=os.getpid(),
-                transports=self._policy.offered(),
-                concurrency=max_concurrency,
-                heartbeat_ms=max(1, round(heartbeat_interval * 1000)),
-                methods=tuple(self._spec.methods),
-                streaming=tuple(m.name for m in self._spec.methods.values() if m.streaming),
-                signatures=tuple(_hello_signature(m) for m in self._spec.methods.values()),
-                probe=self._policy.probe(),
-                max_message_bytes=max(0, socket_options.maxmsgsize),
-            ),
+        self._hello = Hello(
+            engine_id=engine_id,
+            service=self._spec.name,
+            fingerprint=self._spec.fingerprint,
+            protocol_version=PROTOCOL_VERSION,
+            host_id=_host_id(),
+            pid=os.getpid(),
+            transports=self._policy.offered(),
+            concurrency=max_concurrency,
+            heartbeat_ms=max(1, round(heartbeat_interval * 1000)),
+            methods=tuple(self._spec.methods),
+            streaming=tuple(m.name for m in self._spec.methods.values() if m.streaming),
+            signatures=tuple(_hello_signature(m) for m in self._spec.methods.values()),
+            probe=self._policy.probe(),
+            max_message_bytes=max(0, socket_options.maxmsgsize),
         )
         self._endpoint: str | None = None
         self._sockets: list[AsyncSocket] = []
@@ -712,7 +709,9 @@ class Server:
 
     def _send_hello(self, conn: _Conn) -> bool:
         # Dial-in: fails (uncounted) until ZMQ has connected; the next retry sends it.
-        return self._send_now(conn, self._hello_frames, count=False)
+        # torch_shm: a fresh challenge per connection (docs/protocol.md §8.1).
+        hello = replace(self._hello, challenge=self._policy.challenge(conn))
+        return self._send_now(conn, encode_control(MessageKind.HELLO, hello), count=False)
 
     def _send_error(
         self,
@@ -1016,21 +1015,11 @@ class Server:
         conn.client_id = body.client_id
         conn.stream_window = max(1, body.stream_window)
         conn.max_message_bytes = body.max_message_bytes
-        # The client lists torch_shm only if it opened our probe; we open its probe to know
-        # whether we can attach to the arguments it sends by handle.
-        host = _host_id()
-        policy = self._policy
-        conn.shm = (
-            body.pid,
-            bool(policy.probe()) and body.host_id == host and "torch_shm" in body.transports,
-            policy.can_receive_from(
-                our_host=host,
-                peer_host=body.host_id,
-                offered=body.transports,
-                probe=body.probe,
-                pid=body.pid,
-            ),
-        )
+        # torch_shm only with a client that proved its pid (docs/protocol.md §8.1); the
+        # PROOF answers its challenge so that it can trust ours.
+        conn.shm, proof = self._policy.on_welcome(conn, body, our_host=_host_id())
+        if proof is not None:
+            self._send_now(conn, encode_control(MessageKind.PROOF, proof))
         logger.info("engine %r joined client %s", self._engine_id, conn.name)
 
     def _on_reject(self, conn: _Conn, header: Any, payload: Buffer) -> None:

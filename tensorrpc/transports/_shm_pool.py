@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PAGE_SIZE",
+    "map_shared_owned",
     "REGION_ALIGN",
     "REGION_HEADER",
     "BufferCache",
@@ -121,6 +122,21 @@ def map_shared(fd: int, length: int, offset: int = 0, *, populate: bool = False)
     """
     flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
     return _tensor_over(_mmap(fd, length, offset, flags), length)
+
+
+def map_shared_owned(fd: int, length: int, *, on_unmap: Callable[[int, int], None]) -> torch.Tensor:
+    """Map all ``length`` bytes of ``fd`` and give the descriptor to the mapping.
+
+    When the last view of the mapping dies, ``on_unmap(addr, fd)`` runs (it must close
+    ``fd``), then the memory is unmapped.
+    """
+    addr = _mmap(fd, length, 0, mmap.MAP_SHARED)
+
+    def recycle(addr: int, _length: int) -> bool:
+        on_unmap(addr, fd)
+        return False
+
+    return _tensor_over(addr, length, recycle)
 
 
 def memfd_device() -> int:

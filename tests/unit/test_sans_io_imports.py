@@ -14,6 +14,7 @@ SANS_IO_FILES = (
     "_protocol.py",
     "_routing.py",
     "transports/_base.py",
+    "transports/_shm_auth.py",
 )
 REQUIRED = ("_exceptions.py", "_protocol.py")
 FORBIDDEN = frozenset({"zmq", "asyncio", "anyio", "trio", "sniffio", "pickle", "_pickle", "dill"})
