@@ -62,6 +62,7 @@ from tensorrpc._security import (
 )
 from tensorrpc._server import PeerStatistics, Server, ServerStatistics, serve
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
+from tensorrpc._stub import Stub
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports import (
     TorchShmStatistics,
@@ -116,6 +117,7 @@ __all__ = [
     "ServiceDefinitionError",
     "ServiceSpec",
     "SocketOptions",
+    "Stub",
     "TensorRPCError",
     "TensorTransportError",
     "TorchShmStatistics",

@@ -83,6 +83,7 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._routing import Balancing, EngineInfo, EngineRegistry, EngineState, StreamCredit
 from tensorrpc._service import ServiceSpec, describe, schemaless_method
+from tensorrpc._stub import Stub
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
@@ -150,8 +151,6 @@ _NO_WAIT_FLAG = int(Flags.NO_WAIT)
 # PING nonce 0 asks a listening engine to (re)send HELLO; heartbeats use nonce 1.
 _HELLO_REQUEST = 0
 _HEARTBEAT_NONCE = 1
-# The reader yields to the event loop after this many messages taken without waiting.
-_READER_STREAK = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,14 +400,14 @@ class CallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: Transport = "auto",
-    ) -> S:
-        """A proxy typed as the service class whose methods call the engines.
+    ) -> Stub[S]:
+        """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
-        ``await stub.add(1, 2)`` calls ``add``; ``stub.count(5)`` returns a
-        :class:`CallStream` for ``async for``. To mypy the stub *is* the service class, so
-        a sync ``def`` method looks like it returns its value directly, while at run time
-        every unary call returns an awaitable: use :meth:`call` for the exact types of
-        sync methods.
+        ``await stub.add(1, 2)`` calls ``add``, whether the handler is ``async def`` or a
+        sync ``def``; ``stub.count(5)`` returns a [`CallStream`][tensorrpc.CallStream]
+        for ``async for``. The mypy plugin ``tensorrpc.mypy_plugin`` types each method
+        exactly (see [`Stub`][tensorrpc.Stub]); [`call`][tensorrpc.CallView.call] is
+        exact under any type checker.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -418,10 +417,10 @@ class CallView(Generic[S]):
                 :class:`CallOptions`).
 
         Returns:
-            The stub, typed as the service class.
+            The stub.
         """
         options = CallOptions(engine=engine, timeout=timeout, wait=wait, transport=transport)
-        return cast("S", _Stub(self._client, options))
+        return _Stub(self._client, options)
 
     @overload
     async def call(
@@ -595,8 +594,8 @@ class CallView(Generic[S]):
         return CallStream(client, spec, (), arguments or {}, self._options, encoded=encoded)
 
 
-class _Stub:
-    """Runtime object behind :meth:`CallView.stub`; attributes are bound method callers."""
+class _Stub(Stub[Any]):
+    """Runtime object behind `CallView.stub`; attributes are bound method callers."""
 
     def __init__(self, client: Client[Any], options: CallOptions) -> None:
         self._client = client
@@ -1063,6 +1062,73 @@ class Client(CallView[S]):
         if rejected:
             text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
         raise EnginesUnavailableError(text, rejected=rejected)
+
+    # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
+
+    @property
+    def curve(self) -> CurveConfig | None:
+        """The CURVE configuration of the client's socket (``None``: plaintext)."""
+        return self._curve
+
+    def connect(self, address: str) -> None:
+        """Dial one more listening engine, as if its address had been given to ``connect=``.
+
+        The client pings the address until the engine answers with its HELLO, and keeps
+        pinging it while its engine is down, like the constructor's addresses.
+
+        Args:
+            address: The engine's address (``tcp://HOST:PORT``, ``ipc://PATH``).
+
+        Raises:
+            ClosedError: The client is not open or is closed.
+            ConnectError: The address is malformed.
+        """
+        self._check_open()
+        assert self._sock is not None
+        alias = f"@{secrets.token_hex(4)}/{len(self._aliases)}".encode()
+        self._sock.connect(address, peer_id=alias)
+        self._aliases[alias] = address
+        self._send_control(alias, _PING, None, _HELLO_REQUEST)
+
+    def disconnect(self, address: str) -> None:
+        """Stop dialling an address given to :meth:`connect` or to ``connect=``.
+
+        The engine behind it stays live until it says BYE or goes silent for
+        ``dead_after``. Unknown addresses are ignored.
+
+        Raises:
+            ClosedError: The client is not open or is closed.
+        """
+        self._check_open()
+        assert self._sock is not None
+        for alias, known in list(self._aliases.items()):
+            if known == address:
+                del self._aliases[alias]
+                with contextlib.suppress(TensorRPCError):
+                    self._sock.disconnect(address)
+
+    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> bool:
+        """Take a live engine out now, when something outside the protocol saw it die.
+
+        For supervisors (a process manager, Ray) that learn of an engine's death before
+        its heartbeats stop: its calls in flight fail at once with
+        [`EngineDeadError`][tensorrpc.EngineDeadError] instead of after ``dead_after``.
+        Nothing happens unless the live engine of that id runs as process ``pid``, so a
+        restarted incarnation that already rejoined under the same id is left alone.
+
+        Args:
+            engine_id: The engine's id.
+            pid: The process id of the incarnation that died.
+            reason: Why, for the errors and the log (``"died (Ray: actor killed)"``).
+
+        Returns:
+            True when an engine was taken out.
+        """
+        state = self._registry.engines.get(engine_id)
+        if state is None or state.info.pid != pid:
+            return False
+        self._engine_lost(state, reason)
+        return True
 
     # -- socket layer ----------------------------------------------------------------------
 
@@ -1649,18 +1715,15 @@ class Client(CallView[S]):
         recv_nowait = sock.recv_nowait
         checkpoint = anyio.lowlevel.checkpoint
         on_message = self._on_message
-        streak = 0
+        yield_due = sock.yield_due  # a busy (or flooded) socket must not starve the callers
         while True:
             try:
                 frames = recv_nowait()
-                streak += 1
-                if streak >= _READER_STREAK:  # a busy socket must not starve the callers
-                    streak = 0
+                if yield_due():  # after 32 messages or 2 ms of handling them
                     await checkpoint()
             except anyio.WouldBlock:
                 # Nothing queued: let the callers we just woke run (and decode) before we
                 # re-arm the wait on the socket, which costs a little.
-                streak = 0
                 await checkpoint()
                 frames = await recv()
             try:

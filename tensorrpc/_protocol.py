@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field, fields
 from enum import IntEnum, IntFlag
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import ormsgpack
@@ -35,16 +36,18 @@ from tensorrpc._exceptions import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from typing_extensions import Buffer
 
 __all__ = [
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_BODY_BYTES",
     "MAX_BUFFERS",
     "MAX_CHALLENGE_BYTES",
     "MAX_CONTROL_BYTES",
+    "MAX_CONTROL_OBJECTS",
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
     "MAX_NAME_CHARS",
@@ -66,6 +69,7 @@ __all__ = [
     "RejectReason",
     "Release",
     "Welcome",
+    "count_msgpack_objects",
     "decode_control",
     "encode_control",
     "encode_error",
@@ -94,8 +98,13 @@ MAX_TEXT_CHARS: Final = 64 * 1024
 MAX_TRACEBACK_CHARS: Final = 1024 * 1024
 #: Most entries in a list field of a control body.
 MAX_LIST_ITEMS: Final = 4096
-#: Largest control payload frame accepted, in bytes.
+#: Largest control payload frame of any kind, in bytes (ERROR's cap; see MAX_BODY_BYTES).
 MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
+#: Most msgpack objects (every value, key and container counts one) in a control body.
+#: A HELLO at its field limits has four lists of at most 4096 entries; the rest is slack
+#: for keys added by later revisions. Checked before decoding, so that a body of a
+#: million empty arrays costs a scan that stops here, not a million Python lists.
+MAX_CONTROL_OBJECTS: Final = 32 * 1024
 #: Default bound on the buffer frames after the payload of a value-carrying message.
 MAX_BUFFERS: Final = 1024
 #: Longest ``probe`` handle in HELLO / WELCOME, in bytes.
@@ -146,6 +155,26 @@ class MessageKind(IntEnum):
     #: engine → client, once after a WELCOME that carried a ``challenge``: the engine's
     #: answer to it (``torch_shm`` proof of its process id); :class:`Proof` body.
     PROOF = 15
+
+
+#: Largest payload accepted per control kind, in bytes, checked before decoding. The
+#: bodies are small and fixed except HELLO's ``signatures`` (1 MiB holds a service of
+#: ~2,000 methods with 400-character signatures; an engine cuts its signatures rather than
+#: exceed it), REJECT's ``message`` (65,536 characters of up to 4 UTF-8 bytes) and ERROR's
+#: ``traceback`` (1,048,576 characters). The empty kinds (CANCEL, STREAM_END, PING, PONG)
+#: take 0 bytes; CALL, RESULT and STREAM_ITEM are bounded by the codec.
+MAX_BODY_BYTES: Final[Mapping[MessageKind, int]] = MappingProxyType(
+    {
+        MessageKind.HELLO: 1024 * 1024,
+        MessageKind.WELCOME: 64 * 1024,
+        MessageKind.REJECT: 320 * 1024,
+        MessageKind.BYE: 8 * 1024,
+        MessageKind.CREDIT: 1024,
+        MessageKind.RELEASE: 64 * 1024,
+        MessageKind.ERROR: MAX_CONTROL_BYTES,
+        MessageKind.PROOF: 1024,
+    }
+)
 
 
 class Flags(IntFlag):
@@ -555,6 +584,126 @@ def _nbytes(frame: Buffer) -> int:
         raise RemoteProtocolError(f"frame is not a buffer: {type(frame).__name__}") from exc
 
 
+# -- object budget -------------------------------------------------------------------------
+
+
+def _scan_tables() -> tuple[bytes, bytes, dict[int, tuple[int, int, int]], bytes]:
+    # fixed[b]: the whole size of an object starting with byte b whose size the byte
+    # alone tells (0: variable or invalid); kids[b]: the elements a fix container holds.
+    fixed = bytearray(256)
+    kids = bytearray(256)
+    for b in range(0x80):  # positive fixint
+        fixed[b] = 1
+    for b in range(0x80, 0x90):  # fixmap
+        fixed[b], kids[b] = 1, 2 * (b & 0x0F)
+    for b in range(0x90, 0xA0):  # fixarray
+        fixed[b], kids[b] = 1, b & 0x0F
+    for b in range(0xA0, 0xC0):  # fixstr
+        fixed[b] = 1 + (b & 0x1F)
+    for b in range(0xE0, 0x100):  # negative fixint
+        fixed[b] = 1
+    sizes = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9}
+    sizes |= {0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9, 0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10}
+    sizes |= {0xD8: 18}
+    for b, size in sizes.items():
+        fixed[b] = size
+    # variable: byte -> (length bytes, bytes between length and data, 0 blob/1 array/2 map)
+    variable = {0xC4: (1, 0, 0), 0xC5: (2, 0, 0), 0xC6: (4, 0, 0)}  # bin
+    variable |= {0xC7: (1, 1, 0), 0xC8: (2, 1, 0), 0xC9: (4, 1, 0)}  # ext
+    variable |= {0xD9: (1, 0, 0), 0xDA: (2, 0, 0), 0xDB: (4, 0, 0)}  # str
+    variable |= {0xDC: (2, 0, 1), 0xDD: (4, 0, 1), 0xDE: (2, 0, 2), 0xDF: (4, 0, 2)}
+    # One-byte objects with no elements: a run of them is counted without a Python loop.
+    single = bytes(b for b in range(256) if fixed[b] == 1 and kids[b] == 0)
+    return bytes(fixed), bytes(kids), variable, single
+
+
+_FIXED, _KIDS, _VARIABLE, _SINGLE_BYTE = _scan_tables()
+_RUN_MIN: Final = 16
+
+
+def count_msgpack_objects(data: Buffer, budget: int) -> int:
+    """Count the msgpack objects of the first document in ``data``, stopping past ``budget``.
+
+    Every value counts one: each scalar, string, binary, ext, array and map, and each map
+    key. The scan reads headers only (strings, binaries and exts are skipped by their
+    length), so it costs at most ``budget`` steps whatever ``data`` holds, and runs of
+    one-byte objects or of same-typed fixed-size scalars (a list of floats) are counted in
+    one step. It never fails: truncated or invalid input is counted as far as it goes and
+    left to the decoder to report.
+
+    Args:
+        data: A msgpack document (trailing bytes are ignored).
+        budget: The most objects the caller accepts.
+
+    Returns:
+        The number of objects, or ``budget + 1`` as soon as there are more than ``budget``.
+    """
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    fixed, kids, variable, single = _FIXED, _KIDS, _VARIABLE, _SINGLE_BYTE
+    end = view.nbytes
+    pos = 0
+    pending = 1  # objects still to read
+    count = 0
+    while pending:
+        if pos >= end:
+            return count  # truncated: the decoder reports it
+        byte = view[pos]
+        size = fixed[byte]
+        count += 1
+        if count > budget:
+            return budget + 1
+        pending -= 1
+        if size:
+            pos += size
+            pending += kids[byte]
+            if count + pending > budget:
+                return budget + 1
+            continue
+        spec = variable.get(byte)
+        if spec is None:
+            return count  # 0xc1 (never used): the decoder reports it
+        width, gap, what = spec
+        length = int.from_bytes(view[pos + 1 : pos + 1 + width], "big")
+        pos += 1 + width
+        if what == 0:
+            pos += gap + length
+            continue
+        pending += length if what == 1 else 2 * length
+        if count + pending > budget:
+            return budget + 1  # each element still to read is one object at least
+        if what == 2:
+            continue
+        if length >= _RUN_MIN and pos < end:
+            # An array whose elements are all one-byte objects, or all the same
+            # fixed-size scalar (0xcb float64, ...), is counted without a loop.
+            first = view[pos]
+            step = fixed[first]
+            if step == 1 and kids[first] == 0:
+                run = view[pos : pos + length].tobytes()
+                if len(run) == length and not run.translate(None, single):
+                    count += length
+                    if count > budget:
+                        return budget + 1
+                    pending -= length
+                    pos += length
+            elif step > 1 and kids[first] == 0 and first not in _NO_RUN:
+                heads = view[pos : pos + step * length : step].tobytes()
+                if len(heads) == length and heads.count(first) == length:
+                    count += length
+                    if count > budget:
+                        return budget + 1
+                    pending -= length
+                    pos += step * length
+    return count
+
+
+# fixstr headers give a size but a run of them need not share one: only scalars whose
+# size the type byte fixes (ints, floats, fixext) may be counted by stride.
+_NO_RUN: Final = frozenset(range(0xA0, 0xC0))
+
+
 # -- control bodies ------------------------------------------------------------------------
 
 
@@ -891,11 +1040,27 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
         payload = ormsgpack.packb(wire)
     except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
         raise LocalProtocolError(f"cannot encode {body_name}: {exc}") from exc
-    if len(payload) > MAX_CONTROL_BYTES:
+    cap = MAX_BODY_BYTES[kind]
+    if len(payload) > cap and isinstance(body, Hello) and body.signatures:
+        # Signatures are for tools, never checked: cut them rather than refuse to join.
+        for chars in (1024, 256, 64, 0):
+            if chars:
+                cut = tuple(_truncate_signature(text, chars) for text in body.signatures)
+            else:
+                cut = tuple("" for _ in body.signatures)
+            wire["signatures"] = cut
+            payload = ormsgpack.packb(wire)
+            if len(payload) <= cap:
+                break
+    if len(payload) > cap:
         raise LocalProtocolError(
-            f"{body_name} encodes to {len(payload)} bytes; the limit is {MAX_CONTROL_BYTES}"
+            f"{body_name} encodes to {len(payload)} bytes; the limit for {kind.name} is {cap}"
         )
     return [header, payload]
+
+
+def _truncate_signature(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 4] + " ..."
 
 
 def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
@@ -928,7 +1093,36 @@ def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
         wire[name] = _check_field(
             "ErrorInfo", name, ftype, limit, getattr(info, name), LocalProtocolError
         )
-    return [header, ormsgpack.packb(wire)]
+    payload = ormsgpack.packb(wire)
+    cap = MAX_BODY_BYTES[MessageKind.ERROR]
+    while len(payload) > cap and wire["traceback"]:
+        # Characters of up to 4 UTF-8 bytes: cut the traceback until the body fits.
+        text = str(wire["traceback"])
+        keep = len(text) - (len(payload) - cap) - 64
+        wire["traceback"] = _truncate(text, keep) if keep > 64 else ""
+        payload = ormsgpack.packb(wire)
+    return [header, payload]
+
+
+def _check_body_budget(kind: MessageKind, payload: Buffer, size: int) -> None:
+    """Refuse a control body over its kind's size cap, not a map, or of too many objects."""
+    cap = MAX_BODY_BYTES[kind]
+    if size > cap:
+        raise RemoteProtocolError(
+            f"{kind.name} payload is {size} bytes; the limit for {kind.name} is {cap}"
+        )
+    view = memoryview(payload)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    first = view[0] if size else 0xC0
+    if not (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)):
+        raise RemoteProtocolError(f"{kind.name} payload must be a msgpack map")
+    if size > MAX_CONTROL_OBJECTS and (
+        count_msgpack_objects(view, MAX_CONTROL_OBJECTS) > MAX_CONTROL_OBJECTS
+    ):
+        raise RemoteProtocolError(
+            f"{kind.name} payload holds more than {MAX_CONTROL_OBJECTS} msgpack objects (the limit)"
+        )
 
 
 def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
@@ -959,10 +1153,7 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
     if cls is None:
         raise RemoteProtocolError(f"{kind.name} carries a codec payload, not a control body")
     body_name = cls.__name__
-    if size > MAX_CONTROL_BYTES:
-        raise RemoteProtocolError(
-            f"{kind.name} payload is {size} bytes; the limit is {MAX_CONTROL_BYTES}"
-        )
+    _check_body_budget(kind, payload, size)
     try:
         wire = ormsgpack.unpackb(memoryview(payload))
     except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13

@@ -304,9 +304,11 @@ def test_wrong_frame_layouts_raise_remote_protocol_error(frames, match):
 @pytest.mark.parametrize(
     ("kind", "payload", "match"),
     [
-        (MessageKind.BYE, b"\xc1", "not valid msgpack"),
-        (MessageKind.BYE, b"", "not valid msgpack"),
-        (MessageKind.BYE, b"\xc7\x01\x05a", "cannot be decoded|not valid msgpack"),
+        (MessageKind.BYE, b"\xc1", "must be a msgpack map"),
+        (MessageKind.BYE, b"", "must be a msgpack map"),
+        (MessageKind.BYE, b"\xc7\x01\x05a", "must be a msgpack map"),
+        (MessageKind.BYE, b"\x81\xa6reason", "not valid msgpack"),
+        (MessageKind.BYE, b"\x81\xa6reason\xc7\x01\x05a", "cannot be decoded|not valid msgpack"),
         (MessageKind.BYE, ormsgpack.packb([1, 2]), "must be a msgpack map"),
         (MessageKind.BYE, ormsgpack.packb({}), "missing the field 'reason'"),
         (MessageKind.BYE, ormsgpack.packb({"reason": 1}), "Bye.reason must be a string"),
