@@ -1008,19 +1008,26 @@ class Server:
             return
         assert isinstance(body, Welcome)
         if conn.state is _ConnState.LIVE:
-            return  # answer to a repeated HELLO
+            # Answer to a repeated HELLO, or the client welcomed us again after it had
+            # declared us dead: it waits for the PROOF of its (new) torch_shm challenge.
+            if body.challenge:
+                self._answer_welcome(conn, body)
+            return
         if conn.state is _ConnState.REJECTED:
             return
         conn.state = _ConnState.LIVE
         conn.client_id = body.client_id
         conn.stream_window = max(1, body.stream_window)
         conn.max_message_bytes = body.max_message_bytes
+        self._answer_welcome(conn, body)
+        logger.info("engine %r joined client %s", self._engine_id, conn.name)
+
+    def _answer_welcome(self, conn: _Conn, body: Welcome) -> None:
         # torch_shm only with a client that proved its pid (docs/protocol.md §8.1); the
         # PROOF answers its challenge so that it can trust ours.
         conn.shm, proof = self._policy.on_welcome(conn, body, our_host=_host_id())
         if proof is not None:
             self._send_now(conn, encode_control(MessageKind.PROOF, proof))
-        logger.info("engine %r joined client %s", self._engine_id, conn.name)
 
     def _on_reject(self, conn: _Conn, header: Any, payload: Buffer) -> None:
         try:
