@@ -9,6 +9,7 @@ pickled.
 
 from __future__ import annotations
 
+from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream
 from tensorrpc._client import (
     CallOptions,
     CallStream,
@@ -48,6 +49,7 @@ from tensorrpc._exceptions import (
     TransportError,
     ValidationError,
 )
+from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._protocol import PROTOCOL_VERSION
 from tensorrpc._security import (
     CurveClientConfig,
@@ -76,8 +78,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BlockingCallView",
+    "BlockingClient",
+    "BlockingStream",
     "BroadcastError",
     "CallError",
+    "CallObservation",
     "CallOptions",
     "CallStream",
     "CallTimeoutError",
@@ -105,6 +111,7 @@ __all__ = [
     "LocalProtocolError",
     "MethodNotFoundError",
     "MethodSpec",
+    "Observer",
     "OverloadedError",
     "PeerStatistics",
     "PeerUnreachableError",

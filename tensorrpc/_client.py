@@ -48,7 +48,7 @@ import anyio
 import anyio.lowlevel
 import zmq
 
-from tensorrpc import _codec
+from tensorrpc import _codec, _observe
 from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
@@ -101,6 +101,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
+    from tensorrpc._observe import CallObservation, Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec
     from tensorrpc.transports._base import TensorPlacer
@@ -148,9 +149,9 @@ _RETRY_MIN_S = 0.001
 _RETRY_MAX_S = 0.05
 _STREAM_FLAG = int(Flags.STREAM)
 _NO_WAIT_FLAG = int(Flags.NO_WAIT)
-# PING nonce 0 asks a listening engine to (re)send HELLO; heartbeats use nonce 1.
+# PING nonce 0 asks a listening engine to (re)send HELLO.
 _HELLO_REQUEST = 0
-_HEARTBEAT_NONCE = 1
+# Heartbeat PINGs carry time.monotonic_ns() as their nonce (always > 1), to time the PONG.
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +248,7 @@ class _Call:
         "error",
         "items",
         "lease",
+        "observed",
         "placed",
         "reply_buffers",
         "reply_kind",
@@ -272,6 +274,8 @@ class _Call:
         # and how many tensors (and bytes) went by handle.
         self.lease: int | None = None
         self.placed = (0, 0)
+        #: What the client's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
 
 
 class _Waiters:
@@ -687,11 +691,13 @@ class CallStream(Generic[T]):
             return cast("T", await client._next_item(self._call, self._deadline))
         except StopAsyncIteration:
             self._finished = True
+            _observe.stream_finished(self._call, None)  # observe: the stream ended
             raise
-        except BaseException:
+        except BaseException as exc:
             self._finished = True
             if self._call is not None:
                 client._abandon(self._call)
+                _observe.stream_finished(self._call, exc)  # observe: the stream failed
             raise
 
     async def aclose(self) -> None:
@@ -701,6 +707,7 @@ class CallStream(Generic[T]):
         self._encoded = None
         if self._call is not None:
             self._client._abandon(self._call)
+            _observe.stream_finished(self._call, None)  # observe: closed by the consumer
 
     async def __aenter__(self) -> Self:
         return self
@@ -767,6 +774,11 @@ class Client(CallView[S]):
             client sends or accepts: a bigger argument tensor is an ``EncodeError``
             before anything is sent). Default: the safe defaults with
             ``high_water_mark`` as both HWMs; when given, ``high_water_mark`` is ignored.
+        observer: An [`Observer`][tensorrpc.Observer] (or several) told about every call,
+            engine and heartbeat (see docs/observability.md): e.g.
+            ``tensorrpc.metrics.PrometheusObserver`` or ``tensorrpc.tracing.TracingObserver``.
+        metrics_port: Export Prometheus metrics of this client (the default registry) over
+            HTTP on this port (needs the ``metrics`` extra; 0 picks a free port).
 
     Raises:
         ConnectError: From ``async with``: an address is malformed or already in use.
@@ -790,6 +802,7 @@ class Client(CallView[S]):
         "_heartbeat_interval",
         "_host_id",
         "_hwm",
+        "_observer",
         "_opened",
         "_orphans",
         "_past",
@@ -826,6 +839,8 @@ class Client(CallView[S]):
         socket_options: SocketOptions | None = None,
         torch_shm: bool = True,
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        observer: Observer | Sequence[Observer] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         super().__init__(self, _DEFAULT_OPTIONS)
         self._spec: ServiceSpec = _SCHEMALESS_SPEC if service is _Schemaless else describe(service)
@@ -869,6 +884,7 @@ class Client(CallView[S]):
         self._policy = TransportPolicy(torch_shm=torch_shm, shm_threshold=shm_threshold)
         # Engine routing id -> (its pid, it attaches to our handles, we attach to its).
         self._shm_peers: dict[bytes, tuple[int, bool, bool]] = {}
+        self._observer = _observe.resolve(observer, metrics_port)
 
     @classmethod
     def dynamic(
@@ -918,6 +934,8 @@ class Client(CallView[S]):
         self._capacity = anyio.Event()
         self._engines_changed = anyio.Event()
         self._open_socket()
+        if self._observer is not None:  # observe: the client opened
+            self._observer.opened(self)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -973,6 +991,8 @@ class Client(CallView[S]):
             scope.cancel()
         self._close_socket()
         self._policy.close()
+        if self._observer is not None:  # observe: the client closed
+            self._observer.closed(self)
         await anyio.lowlevel.checkpoint()
 
     # -- public state ---------------------------------------------------------------------
@@ -1253,7 +1273,8 @@ class Client(CallView[S]):
             infos = [state.info for state in engines.values()]
         service = infos[0].service if infos else "engine"
         # With no live engine the call itself raises EngineNotFoundError.
-        if infos and not any(name in info.methods for info in infos):
+        builtin = name == _observe.STATISTICS_METHOD
+        if infos and not builtin and not any(name in info.methods for info in infos):
             offered = sorted({m for info in infos for m in info.methods})
             raise MethodNotFoundError(
                 f"unknown method {name!r}; the engine offers: {', '.join(offered)}"
@@ -1470,10 +1491,16 @@ class Client(CallView[S]):
         header = pack_call_header(call.call_id, spec.name, flags, timeout_ms)
         payload = encoded.payload
         buffers = encoded.buffers
-        frames: list[Any] = [state.peer, header, payload, *buffers]
-        nbytes = len(header) + len(payload)
+        nbytes = len(payload)
         for buffer in buffers:
             nbytes += buffer.nbytes
+        if self._observer is not None:  # observe: a CALL goes out (may add trace context)
+            call.observed, header = _observe.client_call(
+                self._observer, header, spec.name, state.engine_id, state.info.features,
+                bool(flags & _STREAM_FLAG), nbytes, call.placed[0], len(buffers),
+            )  # fmt: skip
+        frames: list[Any] = [state.peer, header, payload, *buffers]
+        nbytes += len(header)
         state.bytes_sent += nbytes
         sock = self._sock
         track = bool(buffers)
@@ -1492,10 +1519,12 @@ class Client(CallView[S]):
                     f"engine {state.engine_id!r} is unreachable", engine_id=state.engine_id
                 )
             ) from exc
-        except BaseException:
+        except BaseException as exc:
             if not call.done:
                 self._abandon(call)
                 state.errors += 1
+            if call.observed is not None:  # observe: the CALL could not be sent
+                call.observed.finished(_observe.outcome_of(exc), 0)
             raise
         if track:
             self._tracked.add(tracker, encoded.keepalive)
@@ -1571,6 +1600,10 @@ class Client(CallView[S]):
         while True:
             call = await self._start(spec, wire, encoded, options, deadline, flags)
             try:
+                if call.observed is not None:  # observe: the unary call ends
+                    return await _observe.observe_result(
+                        call.observed, self._result(call, options), call
+                    )
                 return await self._result(call, options)
             except TensorTransportError:
                 if call.reply_kind is not _ERROR or not call.placed[0] or wire is None:
@@ -1639,6 +1672,8 @@ class Client(CallView[S]):
                 call.engine.errors += 1
                 raise CallTimeoutError(f"{call.spec.qualname} stream passed its deadline")
         payload, buffers = items.popleft()
+        if call.observed is not None:  # observe: a stream item is taken
+            call.observed.item()
         if not call.done:
             assert call.credit is not None
             grant = call.credit.consumed()
@@ -1801,7 +1836,10 @@ class Client(CallView[S]):
             if state is not None:
                 self._send_control(peer, _PONG, None, header.call_id)
         elif kind is _PONG:
-            pass
+            if state is not None and self._observer is not None and header.call_id > 1:
+                # observe: heartbeat round trip (heartbeat PINGs carry time.monotonic_ns())
+                rtt = (time.monotonic_ns() - header.call_id) / 1e9
+                self._observer.heartbeat(self._client_id, state.engine_id, rtt)
         elif kind is _HELLO:
             self._on_hello(peer, header, payload)
         elif kind is _BYE:
@@ -1836,6 +1874,7 @@ class Client(CallView[S]):
             streaming=hello.streaming,
             signatures=hello.signatures,
             max_message_bytes=hello.max_message_bytes,
+            features=hello.features,
         )
         registry = self._registry
         previous = registry.by_peer(peer)
@@ -1889,6 +1928,9 @@ class Client(CallView[S]):
             proof=shm.proof,
         )
         self._send_control(peer, MessageKind.WELCOME, welcome)
+        if self._observer is not None:  # observe: an engine joined
+            event = "rejoined" if info.engine_id in self._past else "joined"
+            self._observer.engine_event(self._client_id, info.engine_id, event)
         if settled is not None or not shm.challenge:
             self._notify_engines()
             self._wake_capacity()
@@ -1951,6 +1993,8 @@ class Client(CallView[S]):
         past[1] += state.errors
         past[2] += state.bytes_sent
         past[3] += state.bytes_received
+        if self._observer is not None:  # observe: an engine was lost
+            self._observer.engine_event(self._client_id, state.engine_id, "lost")
         self._notify_engines()
         self._wake_capacity()
 
@@ -1967,7 +2011,8 @@ class Client(CallView[S]):
                     state, f"sent nothing for {now - state.last_seen:.1f} s (dead_after)"
                 )
             for state in list(registry.engines.values()):
-                self._send_control(state.peer, _PING, None, _HEARTBEAT_NONCE)
+                # The nonce is the send time, so that a PONG tells the round trip.
+                self._send_control(state.peer, _PING, None, time.monotonic_ns())
             live_peers = {s.peer for s in registry.engines.values()}
             for alias in self._aliases:
                 if alias not in live_peers:

@@ -56,6 +56,7 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "MAX_TRACEBACK_CHARS",
     "PROTOCOL_VERSION",
+    "TRACE_CONTEXT_BYTES",
     "Bye",
     "ControlBody",
     "Credit",
@@ -79,6 +80,7 @@ __all__ = [
     "pack_reply_header",
     "split_frames",
     "unpack_header",
+    "with_trace",
 ]
 
 #: The protocol version this implementation speaks (header byte 2).
@@ -113,6 +115,9 @@ MAX_PROBE_BYTES: Final = 4096
 MAX_CHALLENGE_BYTES: Final = 64
 #: Longest entry of HELLO's ``signatures`` list, in characters.
 MAX_SIGNATURE_CHARS: Final = 4096
+#: Size of the binary W3C trace context a CALL with the ``TRACE`` flag carries at the end of
+#: its header frame: version (1 byte, 0), trace-id (16), parent span id (8), trace-flags (1).
+TRACE_CONTEXT_BYTES: Final = 26
 
 _U16_MAX: Final = 0xFFFF
 _U32_MAX: Final = 0xFFFF_FFFF
@@ -190,9 +195,18 @@ class Flags(IntFlag):
     #: Every out-of-band result tensor should travel by ``torch_shm`` handle (the call's
     #: transport is ``torch_shm``).
     SHM_RESULTS_ALL = 8
+    #: The header frame ends with a :data:`TRACE_CONTEXT_BYTES`-byte W3C trace context
+    #: (after the method name). Sent only to engines that list ``"trace_context"`` in
+    #: HELLO's ``features``.
+    TRACE = 16
 
 
-_KNOWN_FLAGS: Final = int(Flags.STREAM | Flags.NO_WAIT | Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+_KNOWN_FLAGS: Final = int(
+    Flags.STREAM | Flags.NO_WAIT | Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL | Flags.TRACE
+)
+_TRACE: Final = int(Flags.TRACE)
+# The flags a caller of pack_call_header may pass (TRACE follows from its trace argument).
+_CALLER_FLAGS: Final = _KNOWN_FLAGS & ~_TRACE
 _NO_FLAGS: Final = Flags(0)
 
 
@@ -253,6 +267,8 @@ class Header:
         flags: :class:`Flags`; only CALL may set any.
         timeout_ms: CALL only: relative deadline in milliseconds, 0 for none.
         method: CALL only: the method name (non-empty).
+        trace: CALL with the ``TRACE`` flag only: the binary W3C trace context
+            (:data:`TRACE_CONTEXT_BYTES` bytes); empty otherwise.
     """
 
     #: What the message is.
@@ -265,6 +281,8 @@ class Header:
     timeout_ms: int = 0
     #: Method name, CALL only.
     method: str = ""
+    #: Binary W3C trace context, CALL with the ``TRACE`` flag only; empty otherwise.
+    trace: bytes = b""
 
 
 # -- header packing ------------------------------------------------------------------------
@@ -280,13 +298,19 @@ _FLAGS_BY_VALUE: Final = {int(f): f for f in (Flags(v) for v in range(_KNOWN_FLA
 # Building a frozen dataclass through its __init__ costs ~1 us (object.__setattr__ per
 # field); unpack_header runs once per message, so it fills the slots directly.
 _new_object = object.__new__
-_set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method = (
-    Header.__dict__[name].__set__ for name in ("kind", "call_id", "flags", "timeout_ms", "method")
+_set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method, _set_trace = (
+    Header.__dict__[name].__set__
+    for name in ("kind", "call_id", "flags", "timeout_ms", "method", "trace")
 )
 
 
 def _make_header(
-    kind: MessageKind, call_id: int, flags: Flags, timeout_ms: int, method: str
+    kind: MessageKind,
+    call_id: int,
+    flags: Flags,
+    timeout_ms: int,
+    method: str,
+    trace: bytes = b"",
 ) -> Header:
     header: Header = _new_object(Header)
     _set_kind(header, kind)
@@ -294,6 +318,7 @@ def _make_header(
     _set_flags(header, flags)
     _set_timeout_ms(header, timeout_ms)
     _set_method(header, method)
+    _set_trace(header, trace)
     return header
 
 
@@ -325,24 +350,36 @@ def _check_int(name: str, value: object, maximum: int) -> int:
     return int(value)
 
 
-def pack_call_header(call_id: int, method: str, flags: int = 0, timeout_ms: int = 0) -> bytes:
+def pack_call_header(
+    call_id: int, method: str, flags: int = 0, timeout_ms: int = 0, trace: bytes = b""
+) -> bytes:
     """Pack the header frame of a CALL (the hot path: no :class:`Header` object).
 
     Args:
         call_id: The call id, 1..2**64-1.
         method: The method name (1..255 UTF-8 bytes).
-        flags: :class:`Flags` bits.
+        flags: :class:`Flags` bits (``TRACE`` is set from ``trace``, never by the caller).
         timeout_ms: Relative deadline in milliseconds (0 = none, at most 2**32-1).
+        trace: A binary W3C trace context of :data:`TRACE_CONTEXT_BYTES` bytes to carry
+            (sets the ``TRACE`` flag), or empty for none.
 
     Returns:
         The header frame.
 
     Raises:
-        LocalProtocolError: Any field is out of range or the method name is invalid.
+        LocalProtocolError: Any field is out of range, the method name is invalid or
+            ``trace`` has the wrong size.
     """
     name = _method_bytes(method)
-    if flags & ~_KNOWN_FLAGS:
-        raise LocalProtocolError(f"unknown flag bits 0x{int(flags) & ~_KNOWN_FLAGS:x}")
+    if flags & ~_CALLER_FLAGS:
+        raise LocalProtocolError(f"unknown flag bits 0x{int(flags) & ~_CALLER_FLAGS:x}")
+    if trace:
+        if len(trace) != TRACE_CONTEXT_BYTES:
+            raise LocalProtocolError(
+                f"a trace context is {TRACE_CONTEXT_BYTES} bytes, not {len(trace)}"
+            )
+        flags |= _TRACE
+        name += trace
     if call_id == 0:
         raise LocalProtocolError("a CALL needs a non-zero call_id")
     try:
@@ -351,6 +388,29 @@ def pack_call_header(call_id: int, method: str, flags: int = 0, timeout_ms: int 
         raise LocalProtocolError(
             f"CALL header out of range (call_id={call_id!r}, timeout_ms={timeout_ms!r})"
         ) from exc
+
+
+def with_trace(header: bytes, trace: bytes) -> bytes:
+    """Add a trace context to a CALL header frame made by :func:`pack_call_header`.
+
+    Args:
+        header: A CALL header frame without the ``TRACE`` flag.
+        trace: The binary W3C trace context, :data:`TRACE_CONTEXT_BYTES` bytes.
+
+    Returns:
+        The header frame with the ``TRACE`` flag set and ``trace`` appended.
+
+    Raises:
+        LocalProtocolError: ``header`` already has a trace, or ``trace`` has the wrong size.
+    """
+    if len(trace) != TRACE_CONTEXT_BYTES:
+        raise LocalProtocolError(
+            f"a trace context is {TRACE_CONTEXT_BYTES} bytes, not {len(trace)}"
+        )
+    flags = int.from_bytes(header[4:6], "little")
+    if flags & _TRACE:
+        raise LocalProtocolError("the CALL header already carries a trace context")
+    return header[:4] + (flags | _TRACE).to_bytes(2, "little") + header[6:] + trace
 
 
 def pack_reply_header(kind: MessageKind, call_id: int = 0) -> bytes:
@@ -406,7 +466,8 @@ def pack_header(header: Header) -> bytes:
         header: The header to pack.
 
     Returns:
-        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name for CALL.
+        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name (and the trace context
+        with the ``TRACE`` flag) for CALL.
 
     Raises:
         LocalProtocolError: A field is out of range or does not fit the kind (a method,
@@ -418,13 +479,20 @@ def pack_header(header: Header) -> bytes:
         _check_int("call_id", header.call_id, _U64_MAX)
         _check_int("flags", header.flags, _U16_MAX)
         _check_int("timeout_ms", header.timeout_ms, _U32_MAX)
-        return pack_call_header(header.call_id, header.method, header.flags, header.timeout_ms)
+        flags = header.flags & ~_TRACE
+        if bool(header.flags & _TRACE) != bool(header.trace):
+            raise LocalProtocolError("the TRACE flag is set exactly when a trace is given")
+        return pack_call_header(
+            header.call_id, header.method, flags, header.timeout_ms, header.trace
+        )
     if header.method:
         raise LocalProtocolError(f"{kind!r} carries no method name")
     if header.flags:
         raise LocalProtocolError(f"{kind!r} carries no flags")
     if header.timeout_ms:
         raise LocalProtocolError(f"{kind!r} carries no timeout")
+    if header.trace:
+        raise LocalProtocolError(f"{kind!r} carries no trace context")
     return pack_reply_header(kind, header.call_id)
 
 
@@ -494,6 +562,16 @@ def unpack_header(frame: Buffer) -> Header:
             raise RemoteProtocolError(f"unknown flag bits 0x{flags & ~_KNOWN_FLAGS:x} in CALL")
         if call_id == 0:
             raise RemoteProtocolError("CALL with call_id 0")
+        if flags & _TRACE:
+            size -= TRACE_CONTEXT_BYTES
+            if size < HEADER_SIZE:
+                raise RemoteProtocolError("CALL with the TRACE flag is too short for its context")
+            trace = view[size:].tobytes()
+            if trace[0] != 0:
+                raise RemoteProtocolError(f"unknown trace context version {trace[0]}")
+            return _make_header(
+                kind, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, _method_name(view, size), trace
+            )
         return _make_header(
             kind, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, _method_name(view, size)
         )
@@ -521,7 +599,7 @@ def _method_name(view: memoryview, size: int) -> str:
         raise RemoteProtocolError(
             f"method name is {length} bytes long; the limit is {MAX_METHOD_BYTES}"
         )
-    raw = view[HEADER_SIZE:].tobytes()
+    raw = view[HEADER_SIZE:size].tobytes()
     name = _method_name_cache.get(raw)
     if name is not None:
         return name
@@ -744,6 +822,10 @@ class Hello:
     #: optional, 0 when it has no limit or does not announce one. A client refuses to
     #: send a frame over it rather than have the engine's ZMQ drop the connection.
     max_message_bytes: int = 0
+    #: Optional protocol features the engine supports (optional, empty when not
+    #: announced): ``"trace_context"`` (it reads the ``TRACE`` CALL flag) and
+    #: ``"statistics"`` (it answers the built-in ``_tensorrpc.statistics`` method).
+    features: tuple[str, ...] = ()
     #: The engine's session epoch with this client (optional; 0 when not announced): a
     #: random u64 (1..2**64-1) drawn per session. A HELLO repeating the epoch belongs to
     #: the same session; a new epoch from a known engine id means the engine lost the
@@ -882,6 +964,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("streaming", "strs", MAX_METHOD_BYTES),
         ("signatures", "strs", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
+        ("features", "strs", MAX_NAME_CHARS),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("challenge", "bytes", MAX_CHALLENGE_BYTES),
@@ -931,6 +1014,7 @@ _OPTIONAL: Final = frozenset(
         (Hello, "streaming"),
         (Hello, "signatures"),
         (Hello, "max_message_bytes"),
+        (Hello, "features"),
         (Welcome, "pid"),
         (Welcome, "probe"),
         (Welcome, "max_message_bytes"),

@@ -56,6 +56,8 @@ class EngineInfo:
             (``"add(a: int, b: int = 1) -> int"``), or empty when not announced.
         max_message_bytes: The largest message frame the engine accepts (its
             ``maxmsgsize``), or 0 when it has no limit or did not announce one.
+        features: Optional protocol features the engine announced (``"trace_context"``,
+            ``"statistics"``); empty for engines that predate them.
     """
 
     engine_id: str
@@ -72,6 +74,7 @@ class EngineInfo:
     streaming: tuple[str, ...] = ()
     signatures: tuple[str, ...] = ()
     max_message_bytes: int = 0
+    features: tuple[str, ...] = ()
 
 
 def check_hello(
