@@ -1309,9 +1309,9 @@ class Client(CallView[S]):
         transport errors, not as undecodable messages.
         """
         shm = self._shm_peers.get(engine.peer)
-        if shm is None:
-            return None
-        return self._policy.resolver(shm[0])
+        # An engine already lost (or never proven): handles are refused with a
+        # TensorTransportError, not a DecodeError.
+        return self._policy.resolver(shm[0] if shm is not None else 0)
 
     def _result_flags(self, options: CallOptions, engine: EngineState) -> int:
         """The CALL flag bits that tell the engine how to send result tensors."""
