@@ -190,6 +190,13 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "≤ 2 (aim)", None if r is None else r <= 2,
             "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh),
         ))  # fmt: skip
+        ray = tx.get("Ray actor (numpy)")
+        r = _ratio(fresh_big, _num(_get(ray, "sizes", big, "median_us")))
+        out.append(_target(
+            "tx_shm_fresh_64m_ray", "64 MiB, torch_shm (fresh) ÷ Ray actor (numpy)", r,
+            "< 1 (below Ray by value)", None if r is None else r < 1,
+            "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh, ray),
+        ))  # fmt: skip
 
     codec = results.get("codec")
     if isinstance(codec, dict) and isinstance(codec.get("cases"), dict):
@@ -302,6 +309,48 @@ def _transfer_md(tx: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _transfer_out_md(tx: dict[str, Any]) -> list[str]:
+    """The other direction: a small request, a tensor back (systems that measured it)."""
+    systems = {
+        name: entry
+        for name, entry in tx.get("systems", {}).items()
+        if isinstance(entry, dict) and ("sizes_out" in entry or "unavailable" in entry)
+    }
+    if not any("sizes_out" in entry for entry in systems.values()):
+        return []
+    sizes: list[int] = tx.get("sizes", [])
+    ref = systems.get(TRANSFER_REF)
+    lines = [
+        "## Transfer, the other way: a small request, a tensor back",
+        "",
+        "The server answers a float32 tensor it already holds (made once per size; for "
+        "`torch_shm (shared)` kept in shared memory by the engine), so a call times the "
+        f"transfer only. Median latency per call; in brackets ÷ `{TRANSFER_REF}`'s. The "
+        "other peers are measured in the first direction only.",
+        "",
+        "| system | " + " | ".join(fmt_size(s) for s in sizes) + " |",
+        "|---|" + "---:|" * len(sizes),
+    ]
+    for name, entry in systems.items():
+        if "unavailable" in entry:
+            blank = " | " * (len(sizes) - 1)
+            lines.append(f"| {name} | unavailable: {_cell(entry['unavailable'])}{blank} |")
+            continue
+        cells = []
+        for size in sizes:
+            cell = _get(entry, "sizes_out", str(size))
+            if cell is None:
+                cells.append("-")
+            elif "unavailable" in cell:
+                cells.append(f"unavailable: {_cell(cell['unavailable'])}")
+            else:
+                med = _num(cell.get("median_us"))
+                ref_med = _num(_get(ref, "sizes_out", str(size), "median_us"))
+                cells.append(fmt_us(med) + _bracket(_ratio(med, ref_med)))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _bracket(r: float | None) -> str:
     return "" if r is None else f" ({r:.2f}{TIMES})"
 
@@ -342,6 +391,34 @@ def _targets_md(targets: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _scale_md(scale: dict[str, Any]) -> list[str]:
+    inflight = scale.get("busy_inflight", "?")
+    lines = [
+        "## Scale: one client, many engines",
+        "",
+        "Engines dial in over `ipc://` from up to 8 processes. Latency and client CPU are "
+        f"per call; *busy* keeps {inflight} calls in flight; `select()` is the balancing "
+        "decision alone with every engine busy.",
+        "",
+        "| engines | join (all at once) | client RSS / engine | call median | call p99 "
+        "| client CPU / call | busy calls/s | busy CPU / call | broadcast median "
+        "| select() |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, e in scale.get("engines", {}).items():
+        if "unavailable" in e:
+            lines.append(f"| {n} | {_cell(e['unavailable'])} |||||||||")
+            continue
+        lines.append(
+            f"| {n} | {e['join_ms']:.0f} ms | {e['rss_per_engine_kib']:.0f} KiB "
+            f"| {fmt_us(e['call']['median_us'])} | {fmt_us(e['call']['p99_us'])} "
+            f"| {fmt_us(e['call']['client_cpu_us'])} | {fmt_rate(e['busy']['calls_per_s'])} "
+            f"| {fmt_us(e['busy']['client_cpu_us'])} | {fmt_us(e['broadcast']['median_us'])} "
+            f"| {e['select_us']:.2f} µs |"
+        )
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The markdown report of one run."""
     m = results.get("machine", {})
@@ -358,8 +435,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [*_roundtrip_md(results["roundtrip"]), ""]
     if "transfer" in results:
         lines += [*_transfer_md(results["transfer"]), ""]
+        out = _transfer_out_md(results["transfer"])
+        if out:
+            lines += [*out, ""]
     if "codec" in results:
         lines += [*_codec_md(results["codec"]), ""]
+    if "scale" in results:
+        lines += [*_scale_md(results["scale"]), ""]
     targets = results.get("targets", [])
     if targets:
         lines += [*_targets_md(targets), ""]
@@ -382,35 +464,42 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
     except ImportError as exc:
         return f"matplotlib unavailable: {exc}"
     sizes: list[int] = tx.get("sizes", [])
-    fig, ax = plt.subplots(figsize=(10.5, 5.5))
+    systems = tx.get("systems", {})
+    both = any(isinstance(e, dict) and "sizes_out" in e for e in systems.values())
+    fig, axes = plt.subplots(1, 2 if both else 1, figsize=(15.5 if both else 10.5, 5.5))
+    panels = list(axes) if both else [axes]
     colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
     plotted = 0
-    for index, (name, entry) in enumerate(tx.get("systems", {}).items()):
-        xs: list[float] = []
-        ys: list[float] = []
-        for size in sizes:
-            med = _num(_get(entry, "sizes", str(size), "median_us"))
-            if med is not None:
-                xs.append(size)
-                ys.append(med / 1e3)
-        if not xs:
-            continue
-        style = "--" if "in-process" in name else "-"
-        width = 2.5 if name.startswith("tensorrpc") else 1.3
-        color = colors[(2 * index) % 20 + (index // 10) % 2]
-        ax.plot(xs, ys, style, marker="o", linewidth=width, label=name, color=color)
-        plotted += 1
+    directions = [("sizes", "Tensor to a server process, small result back")]
+    if both:
+        directions.append(("sizes_out", "Small request, tensor back from the server"))
+    for ax, (key, title) in zip(panels, directions, strict=True):
+        for index, (name, entry) in enumerate(systems.items()):
+            xs: list[float] = []
+            ys: list[float] = []
+            for size in sizes:
+                med = _num(_get(entry, key, str(size), "median_us"))
+                if med is not None:
+                    xs.append(size)
+                    ys.append(med / 1e3)
+            if not xs:
+                continue
+            style = "--" if "in-process" in name else "-"
+            width = 2.5 if name.startswith("tensorrpc") else 1.3
+            color = colors[(2 * index) % 20 + (index // 10) % 2]
+            ax.plot(xs, ys, style, marker="o", linewidth=width, label=name, color=color)
+            plotted += 1
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
+        ax.set_xlabel("tensor size")
+        ax.set_ylabel("median latency per call (ms)")
+        ax.set_title(title)
+        ax.grid(True, which="both", linewidth=0.3)
     if not plotted:
         plt.close(fig)
         return "no transfer figures to plot"
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
-    ax.set_xlabel("tensor size")
-    ax.set_ylabel("median latency per call (ms)")
-    ax.set_title("Tensor to a server process, small result back")
-    ax.grid(True, which="both", linewidth=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    panels[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,7 @@ pickled.
 
 from __future__ import annotations
 
-from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream
+from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream, BlockingStub
 from tensorrpc._client import (
     CallOptions,
     CallStream,
@@ -62,7 +62,7 @@ from tensorrpc._security import (
     load_public_keys,
     save_keypair,
 )
-from tensorrpc._server import PeerStatistics, Server, ServerStatistics, serve
+from tensorrpc._server import PeerStatistics, Server, ServerConfig, ServerStatistics, serve
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
 from tensorrpc._stub import Stub
 from tensorrpc._zmq import SocketOptions
@@ -81,6 +81,7 @@ __all__ = [
     "BlockingCallView",
     "BlockingClient",
     "BlockingStream",
+    "BlockingStub",
     "BroadcastError",
     "CallError",
     "CallObservation",
@@ -120,6 +121,7 @@ __all__ = [
     "RemoteProtocolError",
     "SerializationError",
     "Server",
+    "ServerConfig",
     "ServerStatistics",
     "ServiceDefinitionError",
     "ServiceSpec",

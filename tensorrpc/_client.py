@@ -81,7 +81,14 @@ from tensorrpc._protocol import (
     pack_call_header,
     split_frames,
 )
-from tensorrpc._routing import Balancing, EngineInfo, EngineRegistry, EngineState, StreamCredit
+from tensorrpc._routing import (
+    Balancing,
+    EngineInfo,
+    EngineRegistry,
+    EngineState,
+    StreamCredit,
+    unavailable_message,
+)
 from tensorrpc._service import ServiceSpec, describe, schemaless_method
 from tensorrpc._stub import Stub
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
@@ -151,6 +158,8 @@ _STREAM_FLAG = int(Flags.STREAM)
 _NO_WAIT_FLAG = int(Flags.NO_WAIT)
 # PING nonce 0 asks a listening engine to (re)send HELLO.
 _HELLO_REQUEST = 0
+# wait_for_engines: how long to wait for another engine once every one that tried was refused.
+_REFUSAL_GRACE_S = 0.5
 # Heartbeat PINGs carry time.monotonic_ns() as their nonce (always > 1), to time the PONG.
 
 
@@ -1060,27 +1069,42 @@ class Client(CallView[S]):
 
         Args:
             count: How many live engines to wait for.
-            timeout: Seconds to wait at most; ``None`` waits without bound.
+            timeout: Seconds to wait at most. With a timeout, a wait in which every
+                engine that tried to join was refused (wrong schema, service or
+                version, duplicate id, or the engine refused this client) and none is
+                live fails after a short grace (0.5 s) instead of waiting out the
+                timeout. ``None`` waits forever, however many engines are refused;
+                each refusal is logged at WARNING on the ``tensorrpc.client`` logger.
 
         Returns:
             The live engines (as :attr:`engines`).
 
         Raises:
-            EnginesUnavailableError: The timeout passed first; it names the engines that
-                were refused at handshake and why (also a ``TimeoutError``).
+            EnginesUnavailableError: The timeout passed first, or every engine that tried
+                to join was refused; it names the refused engines and why (for a schema
+                mismatch, the methods that differ) (also a ``TimeoutError``).
             ClosedError: The client is closed.
         """
         self._check_open()
+        registry = self._registry
         with anyio.move_on_after(timeout):
-            while len(self._registry.engines) < count:
-                assert self._engines_changed is not None
-                await self._engines_changed.wait()
+            while len(registry.engines) < count:
+                changed = self._engines_changed
+                assert changed is not None
+                if timeout is not None and registry.rejected and not registry.engines:
+                    # Every engine that tried to join was refused and none is live: give
+                    # one still on its way a short grace, then say why.
+                    with anyio.move_on_after(_REFUSAL_GRACE_S):
+                        await changed.wait()
+                    if not changed.is_set():
+                        break
+                else:
+                    await changed.wait()
                 self._check_open()
-            return self.engines
-        rejected = dict(self._registry.rejected)
-        text = f"{len(self._registry.engines)} of {count} engines live after {timeout} s"
-        if rejected:
-            text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
+            else:
+                return self.engines
+        rejected = dict(registry.rejected)
+        text = unavailable_message(len(registry.engines), count, timeout, rejected)
         raise EnginesUnavailableError(text, rejected=rejected)
 
     # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
@@ -1902,6 +1926,7 @@ class Client(CallView[S]):
             service=info.service if schemaless else self._spec.name,
             fingerprint=info.fingerprint if schemaless else self._spec.fingerprint,
             protocol_version=PROTOCOL_VERSION,
+            signatures={n: m.signature for n, m in self._spec.methods.items()},
         )
         if isinstance(outcome, tuple):
             reason, message = outcome

@@ -325,9 +325,12 @@ class TransportPolicy:
         return (link.pid, link.send, link.receive)
 
     def on_welcome(
-        self, peer: Hashable, welcome: Welcome, *, our_host: str
+        self, peer: Hashable, welcome: Welcome, *, our_host: str, challenge: bytes | None = None
     ) -> tuple[tuple[int, bool, bool], Proof | None]:
         """Engine: decide torch_shm with a client from its WELCOME.
+
+        ``challenge`` is the one our HELLO to this client carried (default: the one
+        :meth:`challenge` made for ``peer``).
 
         Returns:
             ``((pid, send, receive), proof)``: the client's proven pid (0: not proven)
@@ -336,6 +339,8 @@ class TransportPolicy:
             the client's own proof verified.
         """
         link = self._link(peer)
+        if challenge is not None:
+            link.challenge = challenge
         claim = (welcome.pid, welcome.host_id, tuple(welcome.transports), welcome.probe)
         state = self._decide(
             link, our_host=our_host, claim=claim, proof=welcome.proof, role=Role.CLIENT

@@ -13,6 +13,8 @@ SANS_IO_FILES = (
     "_codec.py",
     "_protocol.py",
     "_routing.py",
+    "_server_protocol.py",
+    "_liveness.py",
     "transports/_base.py",
     "transports/_shm_auth.py",
 )
