@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import anyio.lowlevel
@@ -184,48 +184,58 @@ class Dispatcher:
     # -- the pool ---------------------------------------------------------------------------
 
     async def _worker(self) -> None:
-        streak = 0
         try:
-            while True:
-                stopped: Call | None = None
-                try:
-                    with anyio.CancelScope() as scope:
-                        while stopped is None:
-                            call = self._proto.next_call()
-                            if call is None:
-                                if self._closed or self._workers - self._parked > self._capacity:
-                                    return
-                                event = anyio.Event()
-                                self._idle.append(event)
-                                await event.wait()
-                                streak = 0
-                                continue
-                            assert isinstance(call, Call)
-                            try:
-                                await self._run(call, scope)
-                            except Exception:
-                                logger.exception("internal error running %s", call.spec.qualname)
-                                self._error(call, ErrorCode.INTERNAL, "internal engine error")
-                            finally:
-                                if scope.cancel_called:
-                                    stopped = call  # answered below, outside the spent scope
-                                else:
-                                    self._done(call)
-                            streak += 1
-                            if streak >= _FAIRNESS_STREAK:
-                                # Handlers that never wait would otherwise keep this worker
-                                # from yielding while the queue stays full.
-                                streak = 0
-                                await anyio.lowlevel.checkpoint()
-                    if stopped is not None:
-                        await self._reply(stopped)
-                finally:
-                    if stopped is not None:
-                        self._done(stopped)
+            while await self._run_calls():
+                pass
         finally:
             self._workers -= 1
             if self._workers == 0 and self._closed:
                 self.done.set()
+
+    async def _run_calls(self) -> bool:
+        """Run calls in one cancel scope until one gets it cancelled; False: exit the pool."""
+        stopped: Call | None = None
+        streak = 0
+        try:
+            with anyio.CancelScope() as scope:
+                while stopped is None:
+                    call = cast("Call | None", self._proto.next_call())
+                    if call is None:
+                        if not await self._wait_for_work():
+                            return False
+                        streak = 0
+                        continue
+                    try:
+                        await self._run(call, scope)
+                    except Exception:
+                        logger.exception("internal error running %s", call.spec.qualname)
+                        self._error(call, ErrorCode.INTERNAL, "internal engine error")
+                    finally:
+                        if scope.cancel_called:
+                            stopped = call  # answered below, outside the spent scope
+                        else:
+                            self._done(call)
+                    streak += 1
+                    if streak >= _FAIRNESS_STREAK:
+                        # Handlers that never wait would otherwise keep this worker from
+                        # yielding while the queue stays full.
+                        streak = 0
+                        await anyio.lowlevel.checkpoint()
+            if stopped is not None:
+                await self._reply(stopped)
+        finally:
+            if stopped is not None:
+                self._done(stopped)
+        return True
+
+    async def _wait_for_work(self) -> bool:
+        """Park until a call is queued; False when this worker should exit instead."""
+        if self._closed or self._workers - self._parked > self._capacity:
+            return False
+        event = anyio.Event()
+        self._idle.append(event)
+        await event.wait()
+        return True
 
     def _done(self, call: Call) -> None:
         self._proto.done(call)
@@ -250,6 +260,23 @@ class Dispatcher:
             return deadline
         return anyio.current_time() + (deadline - time.monotonic())
 
+    def _refused(self, call: Call, deadline: float) -> bool:
+        """Whether a call a worker took must not run (cancelled, shutdown, already late)."""
+        if call.cancelled:
+            return True
+        if self._proto.hard_stop:
+            call.shutdown = True
+            self._reply_stopped(call)
+            return True
+        if deadline != math.inf and anyio.current_time() >= deadline:
+            self._error(
+                call,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{call.spec.qualname} was already past its deadline when a worker took it",
+            )
+            return True
+        return False
+
     async def _run(self, call: Call, scope: anyio.CancelScope) -> None:
         """Run one call inside its worker's ``scope`` and reply.
 
@@ -257,21 +284,10 @@ class Dispatcher:
         is left in ``call.result``/``call.failure`` and the worker replies once it has left
         the spent scope (see :meth:`_reply`).
         """
-        if call.cancelled:
-            return
-        if self._proto.hard_stop:
-            call.shutdown = True
-            self._reply_stopped(call)
-            return
         deadline = self._deadline(call)
-        finite = deadline != math.inf
-        if finite and anyio.current_time() >= deadline:
-            self._error(
-                call,
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"{call.spec.qualname} was already past its deadline when a worker took it",
-            )
+        if self._refused(call, deadline):
             return
+        finite = deadline != math.inf
         args = self._decode(call)
         if args is None:
             return
