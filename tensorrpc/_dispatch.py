@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.lowlevel
@@ -41,7 +41,7 @@ from tensorrpc._exceptions import (
     ValidationError,
 )
 from tensorrpc._protocol import Flags, MessageKind, encode_control, pack_reply_header
-from tensorrpc._server_protocol import ServerCall
+from tensorrpc._server_protocol import MISSING, ServerCall
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from typing_extensions import Buffer
 
-    from tensorrpc._observe import CallObservation
     from tensorrpc._server_protocol import ServerProtocol
     from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
@@ -61,38 +60,14 @@ logger = logging.getLogger("tensorrpc.server")
 _RESULT: Final = MessageKind.RESULT
 _STREAM_ITEM: Final = MessageKind.STREAM_ITEM
 _SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
-_MISSING: Final = object()
 # How long a cancelled async generator may take to run its ``finally`` blocks.
 _ACLOSE_TIMEOUT_S: Final = 1.0
 # A worker yields to the event loop after this many calls in a row without waiting.
 _FAIRNESS_STREAK: Final = 32
 
 
-class Call(ServerCall):
-    """A :class:`ServerCall` with what the I/O shell needs to stop and wake it."""
-
-    __slots__ = ("credit_event", "failure", "observed", "result", "scope")
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        #: What the engine's observer watches of this call (None: no observer).
-        self.observed: CallObservation | None = None
-        self.scope: anyio.CancelScope | None = None
-        self.credit_event: anyio.Event | None = None
-        #: Unary calls: the handler's return value (``_MISSING`` until it returns).
-        self.result: object = _MISSING
-        #: Unary calls: the exception the handler raised.
-        self.failure: BaseException | None = None
-
-    def wake(self) -> None:
-        """The protocol listed this call: stop it if it is cancelled, wake its credit wait."""
-        if self.cancelled or self.shutdown:
-            scope = self.scope
-            if scope is not None:
-                scope.cancel()
-        event = self.credit_event
-        if event is not None:
-            event.set()
+#: The calls this pool runs (the protocol's record carries the shell's slots too).
+Call = ServerCall
 
 
 def _gone(call: Call) -> bool:
@@ -199,7 +174,7 @@ class Dispatcher:
         try:
             with anyio.CancelScope() as scope:
                 while stopped is None:
-                    call = cast("Call | None", self._proto.next_call())
+                    call = self._proto.next_call()
                     if call is None:
                         if not await self._wait_for_work():
                             return False
@@ -405,7 +380,7 @@ class Dispatcher:
         if call.failure is not None:
             self._reply_exception(call, call.failure)
             return
-        if call.result is _MISSING:
+        if call.result is MISSING:
             self._reply_stopped(call)
             return
         encoded = self._encode(call, call.result)
