@@ -9,7 +9,7 @@ pickled.
 
 from __future__ import annotations
 
-from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream
+from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream, BlockingStub
 from tensorrpc._client import (
     CallOptions,
     CallStream,
@@ -80,6 +80,7 @@ __all__ = [
     "BlockingCallView",
     "BlockingClient",
     "BlockingStream",
+    "BlockingStub",
     "BroadcastError",
     "CallError",
     "CallObservation",
