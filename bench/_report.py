@@ -391,6 +391,34 @@ def _targets_md(targets: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _scale_md(scale: dict[str, Any]) -> list[str]:
+    inflight = scale.get("busy_inflight", "?")
+    lines = [
+        "## Scale: one client, many engines",
+        "",
+        "Engines dial in over `ipc://` from up to 8 processes. Latency and client CPU are "
+        f"per call; *busy* keeps {inflight} calls in flight; `select()` is the balancing "
+        "decision alone with every engine busy.",
+        "",
+        "| engines | join (all at once) | client RSS / engine | call median | call p99 "
+        "| client CPU / call | busy calls/s | busy CPU / call | broadcast median "
+        "| select() |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, e in scale.get("engines", {}).items():
+        if "unavailable" in e:
+            lines.append(f"| {n} | {_cell(e['unavailable'])} |||||||||")
+            continue
+        lines.append(
+            f"| {n} | {e['join_ms']:.0f} ms | {e['rss_per_engine_kib']:.0f} KiB "
+            f"| {fmt_us(e['call']['median_us'])} | {fmt_us(e['call']['p99_us'])} "
+            f"| {fmt_us(e['call']['client_cpu_us'])} | {fmt_rate(e['busy']['calls_per_s'])} "
+            f"| {fmt_us(e['busy']['client_cpu_us'])} | {fmt_us(e['broadcast']['median_us'])} "
+            f"| {e['select_us']:.2f} µs |"
+        )
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The markdown report of one run."""
     m = results.get("machine", {})
@@ -412,6 +440,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [*out, ""]
     if "codec" in results:
         lines += [*_codec_md(results["codec"]), ""]
+    if "scale" in results:
+        lines += [*_scale_md(results["scale"]), ""]
     targets = results.get("targets", [])
     if targets:
         lines += [*_targets_md(targets), ""]
