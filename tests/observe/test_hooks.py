@@ -240,9 +240,5 @@ async def test_an_engine_that_comes_back_under_its_id_is_observed_as_rejoined(
                 await client_obs.wait_for(lambda: ("c1", "e1", "rejoined") in client_obs.events)
                 assert await client.stub().add(1) == 2
     joins = [e for e in client_obs.events if e[0] == "c1"]
-    assert joins == [
-        ("c1", "e1", "joined"),
-        ("c1", "e1", "lost"),
-        ("c1", "e1", "rejoined"),
-        ("c1", "e1", "lost"),
-    ]
+    # (a last "lost" may or may not arrive before the client closes)
+    assert joins[:3] == [("c1", "e1", "joined"), ("c1", "e1", "lost"), ("c1", "e1", "rejoined")]
