@@ -9,7 +9,7 @@ pickled.
 
 from __future__ import annotations
 
-from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream
+from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream, BlockingStub
 from tensorrpc._client import (
     CallOptions,
     CallStream,
@@ -75,11 +75,24 @@ from tensorrpc.transports import (
 
 __version__ = "0.1.0"
 
+# Tracebacks and reprs name the public path (tensorrpc.ValidationError), not the private
+# module an exception is defined in. Only exceptions and ErrorCode: other classes keep
+# their module, where typing.get_type_hints() looks up their string annotations.
+for _value in list(globals().values()):
+    if (
+        isinstance(_value, type)
+        and issubclass(_value, BaseException | ErrorCode)
+        and _value.__module__ == "tensorrpc._exceptions"
+    ):
+        _value.__module__ = __name__
+del _value
+
 __all__ = [
     "PROTOCOL_VERSION",
     "BlockingCallView",
     "BlockingClient",
     "BlockingStream",
+    "BlockingStub",
     "BroadcastError",
     "CallError",
     "CallObservation",

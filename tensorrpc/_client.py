@@ -1081,7 +1081,9 @@ class Client(CallView[S]):
         Raises:
             EnginesUnavailableError: The timeout passed first, or every engine that tried
                 to join was refused; it names the refused engines and why (for a schema
-                mismatch, the methods that differ) (also a ``TimeoutError``).
+                mismatch, the methods that differ) and the handshakes that failed on the
+                client's socket, with libzmq's reason (a CURVE key not on the allow-list,
+                a wrong server key, CURVE against plaintext) (also a ``TimeoutError``).
             ClosedError: The client is closed.
         """
         self._check_open()
@@ -1103,7 +1105,8 @@ class Client(CallView[S]):
             else:
                 return self.engines
         rejected = dict(registry.rejected)
-        text = unavailable_message(len(registry.engines), count, timeout, rejected)
+        failures = self._sock.handshake_failures() if self._sock is not None else ()
+        text = unavailable_message(len(registry.engines), count, timeout, rejected, failures)
         raise EnginesUnavailableError(text, rejected=rejected)
 
     # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
@@ -2013,6 +2016,8 @@ class Client(CallView[S]):
         interval = self._heartbeat_interval
         while True:
             await anyio.sleep(interval)
+            if self._sock is not None:
+                self._sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             now = time.monotonic()
             registry = self._registry
             for state in registry.expired(now, self._dead_after):

@@ -41,6 +41,7 @@ from tensorrpc._exceptions import (
     ValidationError,
 )
 from tensorrpc._protocol import Flags, MessageKind, encode_control, pack_reply_header
+from tensorrpc._schema import bad_result_message
 from tensorrpc._server_protocol import MISSING, ServerCall
 
 if TYPE_CHECKING:
@@ -332,7 +333,7 @@ class Dispatcher:
             self._error(
                 call,
                 ErrorCode.BAD_RESULT,
-                f"{call.spec.qualname} returned a bad result: {exc}",
+                bad_result_message(call.spec.qualname, exc),
                 type_name(exc),
             )
         except TensorTransportError as exc:

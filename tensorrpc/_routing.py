@@ -22,7 +22,7 @@ from tensorrpc._exceptions import EngineNotFoundError
 from tensorrpc._protocol import MAX_SIGNATURE_CHARS
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "Balancing",
@@ -430,7 +430,11 @@ class StreamCredit:
 
 
 def unavailable_message(
-    live: int, count: int, timeout: float | None, rejected: Mapping[str, str]
+    live: int,
+    count: int,
+    timeout: float | None,
+    rejected: Mapping[str, str],
+    failures: Sequence[str] = (),
 ) -> str:
     """The text of the error ``wait_for_engines`` raises when it gives up.
 
@@ -439,6 +443,8 @@ def unavailable_message(
         count: Engines waited for.
         timeout: The wait's timeout (seconds).
         rejected: Refused engine id → ``"reason: message"``.
+        failures: Failed handshakes on the client's socket (CURVE refusals), most recent
+            last; the last three distinct ones are named.
 
     Returns:
         ``"0 of 2 engines live after 5.0 s; refused: e1: fingerprint: ..."``, or, when
@@ -451,4 +457,7 @@ def unavailable_message(
         text = f"{live} of {count} engines live after {timeout} s"
     if rejected:
         text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
+    if failures:
+        distinct = list(dict.fromkeys(reversed(failures)))[:3]
+        text += "; handshakes failed (CURVE): " + "; ".join(reversed(distinct))
     return text

@@ -821,6 +821,8 @@ class Server:
             if now >= next_sweep:
                 next_sweep = now + interval
                 self._policy.sweep()
+                for sock in self._sockets:
+                    sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._pending.prune()
             wait = max(0.005, min(self._proto.wake_at, next_sweep) - time.monotonic())
             self._poke = poke = anyio.Event()
