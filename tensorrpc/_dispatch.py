@@ -1,8 +1,8 @@
 """The engine's worker pool: takes accepted calls from the protocol and runs their handlers.
 
-``max_concurrency`` worker tasks take calls from :attr:`ServerProtocol.queue`, decode
+``max_concurrency`` worker tasks take calls from `ServerProtocol.queue`, decode
 them (codec and ``decode_args``), run the handler in a cancel scope (sync handlers in
-worker threads through a :class:`anyio.CapacityLimiter`) and send the reply. A fixed pool
+worker threads through a `anyio.CapacityLimiter`) and send the reply. A fixed pool
 of tasks taking from a plain deque and parking on an Event when it is empty was measured
 faster than a memory object stream (several checkpoints per item) or a task per call
 (a task creation per call); see docs/internals.md.
@@ -11,8 +11,8 @@ Rules:
 
 1. A worker runs its calls inside one cancel scope, replaced only after a call got it
    cancelled (CANCEL, deadline, shutdown): a new scope per call costs ~5 us on asyncio.
-2. The protocol decides whether a reply may go (:meth:`ServerProtocol.may_reply`,
-   :meth:`~ServerProtocol.error_reply`, :meth:`~ServerProtocol.may_send_item`); this
+2. The protocol decides whether a reply may go (`ServerProtocol.may_reply`,
+   `error_reply`, `may_send_item`); this
    module only produces it.
 3. A stream that waits for credit does not hold a worker: it parks (the protocol stops
    counting it busy) and, if the pool would otherwise shrink, a replacement worker
@@ -70,7 +70,7 @@ _FAIRNESS_STREAK: Final = 32
 
 
 class Call(ServerCall):
-    """A :class:`ServerCall` with what the I/O shell needs to stop and wake it."""
+    """A `ServerCall` with what the I/O shell needs to stop and wake it."""
 
     __slots__ = ("credit_event", "failure", "observed", "result", "scope")
 
@@ -111,7 +111,7 @@ def type_name(exc: BaseException) -> str:
 
 
 class Dispatcher:
-    """Runs the calls a :class:`ServerProtocol` accepted, on a pool of worker tasks.
+    """Runs the calls a `ServerProtocol` accepted, on a pool of worker tasks.
 
     Args:
         proto: The engine's protocol machine.
@@ -174,7 +174,7 @@ class Dispatcher:
             self._idle.pop().set()
 
     def close(self) -> None:
-        """Workers finish what is queued, then exit (:attr:`done` is set when all have)."""
+        """Workers finish what is queued, then exit (`done` is set when all have)."""
         self._closed = True
         idle, self._idle = self._idle, []
         for event in idle:
@@ -256,7 +256,7 @@ class Dispatcher:
 
         If ``scope`` gets cancelled for this call (CANCEL, deadline, shutdown), the outcome
         is left in ``call.result``/``call.failure`` and the worker replies once it has left
-        the spent scope (see :meth:`_reply`).
+        the spent scope (see `_reply`).
         """
         if call.cancelled:
             return

@@ -1,6 +1,6 @@
 """Client-side routing decisions, free of I/O: engine registry, handshake checks, balancing.
 
-The client's I/O shell (:mod:`tensorrpc._client`) asks this module what to do and then does
+The client's I/O shell (`_client`) asks this module what to do and then does
 it; nothing here touches a socket, a clock or an event loop (times are passed in).
 
 Invariants:
@@ -97,7 +97,7 @@ def check_hello(
         fingerprint: The client's schema fingerprint.
         protocol_version: The client's protocol version.
         signatures: The client's methods (name → signature); when given, a fingerprint
-            mismatch names the methods that differ (see :func:`schema_diff`).
+            mismatch names the methods that differ (see `schema_diff`).
 
     Returns:
         ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
@@ -127,7 +127,7 @@ def check_hello(
     return None
 
 
-#: Most methods named per category in a :func:`schema_diff` (the rest are counted).
+#: Most methods named per category in a `schema_diff` (the rest are counted).
 _DIFF_NAMES = 8
 
 
@@ -278,8 +278,8 @@ class EngineRegistry:
         returns the existing state unchanged.
 
         Returns:
-            The new (or existing) :class:`EngineState`, or ``(reason, message)`` for a
-            REJECT; refusals are also recorded in :attr:`rejected` as ``"reason: message"``.
+            The new (or existing) `EngineState`, or ``(reason, message)`` for a
+            REJECT; refusals are also recorded in `rejected` as ``"reason: message"``.
         """
         current = self._engines.get(info.engine_id)
         if current is not None and current.peer == peer:

@@ -17,7 +17,7 @@ Rules this module keeps:
 
 1. Every socket operation happens on the event-loop thread; a receive loop never waits
    on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full).
-2. The memory of every zero-copy send is held (:class:`~tensorrpc._zmq.PendingSends`)
+2. The memory of every zero-copy send is held (`PendingSends`)
    until ZMQ's tracker says it is done.
 3. Shutdown drains: new CALLs get DRAINING, running calls get ``grace_period`` to finish,
    then are cancelled (and get an ERROR), BYE goes to every client, sockets close.
@@ -135,7 +135,7 @@ class ServerConfig:
     #: lowered to the largest frame ``codec`` accepts (the larger of ``max_tensor_bytes``
     #: and ``max_payload_bytes``), and announced in HELLO.
     socket_options: SocketOptions | None = None
-    #: CURVE encryption and authentication (see docs/security.md); None: plaintext.
+    #: CURVE encryption and authentication (see [Security](security.md)); None: plaintext.
     curve: CurveConfig | None = None
     #: Offer and use the ``torch_shm`` tensor transport with clients on this host.
     torch_shm: bool = True
