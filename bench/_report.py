@@ -465,16 +465,12 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
         return f"matplotlib unavailable: {exc}"
     sizes: list[int] = tx.get("sizes", [])
     systems = tx.get("systems", {})
-    both = any(isinstance(e, dict) and "sizes_out" in e for e in systems.values())
-    fig, axes = plt.subplots(1, 2 if both else 1, figsize=(15.5 if both else 10.5, 5.5))
-    panels = list(axes) if both else [axes]
-    colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
-    plotted = 0
-    directions = [("sizes", "Tensor to a server process, small result back")]
-    if both:
-        directions.append(("sizes_out", "Small request, tensor back from the server"))
-    for ax, (key, title) in zip(panels, directions, strict=True):
-        for index, (name, entry) in enumerate(systems.items()):
+    directions = [("sizes", "tensor to the server, small result back")]
+    if any(isinstance(e, dict) and "sizes_out" in e for e in systems.values()):
+        directions.append(("sizes_out", "small request, tensor back"))
+    series: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for key, _ in directions:
+        for name, entry in systems.items():
             xs: list[float] = []
             ys: list[float] = []
             for size in sizes:
@@ -482,26 +478,51 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
                 if med is not None:
                     xs.append(size)
                     ys.append(med / 1e3)
-            if not xs:
-                continue
-            style = "--" if "in-process" in name else "-"
-            width = 2.5 if name.startswith("tensorrpc") else 1.3
-            color = colors[(2 * index) % 20 + (index // 10) % 2]
-            ax.plot(xs, ys, style, marker="o", linewidth=width, label=name, color=color)
-            plotted += 1
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
-        ax.set_xlabel("tensor size")
-        ax.set_ylabel("median latency per call (ms)")
-        ax.set_title(title)
-        ax.grid(True, which="both", linewidth=0.3)
-    if not plotted:
-        plt.close(fig)
+            if xs:
+                series[key, name] = (xs, ys)
+    if not series:
         return "no transfer figures to plot"
-    panels[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    # A few lines per panel, legends in large type under each: one chart with a dozen
+    # entries is unreadable once scaled into a page. Left: tensorrpc's transports; right:
+    # the other systems, with tensorrpc's default beside them; one row per direction. The
+    # in-process copy (the physical floor) is drawn in grey on every panel.
+    names = list(systems)
+    floor = [n for n in names if "in-process" in n]
+    ours = [n for n in names if n.startswith("tensorrpc")]
+    others = [n for n in names if n not in ours and n not in floor]
+    reference = [n for n in ours if "auto" in n][:1]
+    groups = [("tensorrpc transports", ours + floor), ("other systems", reference + others + floor)]
+    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
+    rows = len(directions)
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 7 * rows), sharey=True, squeeze=False)
+    for row, (key, direction) in enumerate(directions):
+        for ax, (group, members) in zip(axes[row], groups, strict=True):
+            for index, name in enumerate(members):
+                if (key, name) not in series:
+                    continue
+                xs, ys = series[key, name]
+                grey = name in floor
+                ax.plot(
+                    xs,
+                    ys,
+                    (":" if "copy_" in name else "--") if grey else "-",
+                    marker="o",
+                    linewidth=2.6 if name.startswith("tensorrpc") else 1.6,
+                    color="0.45" if grey else colors[index % 10],
+                    label=name,
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
+            ax.set_xlabel("tensor size", fontsize=11)
+            ax.set_title(f"{group}: {direction}", fontsize=12)
+            ax.grid(True, which="both", linewidth=0.3)
+            ax.tick_params(labelsize=10)
+            if ax.lines:  # under the plot, outside the lines
+                ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+        axes[row][0].set_ylabel("median latency per call (ms)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
 

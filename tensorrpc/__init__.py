@@ -1,7 +1,9 @@
 """tensorrpc: asyncio-native RPC for tensor-heavy Python services.
 
-Declare a service with ``@service``/``@rpc`` and type hints, run it with :func:`serve` in
-any number of engine processes, and call it through one :class:`Client` that multiplexes
+Declare a service with ``@service``/``@rpc`` and type hints, run it with [`serve`][tensorrpc.serve]
+in
+any number of engine processes, and call it through one [`Client`][tensorrpc.Client] that
+multiplexes
 every engine over a single ZMQ ROUTER socket. Payloads are msgpack (ormsgpack); tensors
 travel as zero-copy out-of-band frames or through torch shared memory. Nothing is ever
 pickled.
@@ -75,6 +77,18 @@ from tensorrpc.transports import (
 from tensorrpc.transports._shared import share, shared_empty
 
 __version__ = "0.1.0"
+
+# Tracebacks and reprs name the public path (tensorrpc.ValidationError), not the private
+# module an exception is defined in. Only exceptions and ErrorCode: other classes keep
+# their module, where typing.get_type_hints() looks up their string annotations.
+for _value in list(globals().values()):
+    if (
+        isinstance(_value, type)
+        and issubclass(_value, BaseException | ErrorCode)
+        and _value.__module__ == "tensorrpc._exceptions"
+    ):
+        _value.__module__ = __name__
+del _value
 
 __all__ = [
     "PROTOCOL_VERSION",

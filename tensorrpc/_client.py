@@ -1,6 +1,6 @@
 """The client: one ROUTER socket multiplexing typed calls over many engines.
 
-Shape of the I/O shell (routing decisions live in :mod:`tensorrpc._routing`):
+Shape of the I/O shell (routing decisions live in `_routing`):
 
 * One ROUTER socket carries both topologies: engines dial in (``bind=``; each engine's
   DEALER has the routing id ``engine_id/nonce``) and the client dials engines
@@ -165,7 +165,7 @@ _REFUSAL_GRACE_S = 0.5
 
 @dataclass(frozen=True, slots=True)
 class CallOptions:
-    """Per-call options; set through :meth:`Client.stub` or :meth:`Client.with_options`.
+    """Per-call options; set through `Client.stub` or `Client.with_options`.
 
     Attributes:
         engine: Send to this engine id; ``None`` balances over the live engines.
@@ -173,13 +173,13 @@ class CallOptions:
             round trip, and for a stream every item); ``None`` for none.
         wait: When the client's per-engine in-flight bound is reached, or an engine
             answers that its queue is full, wait and retry (bounded by the deadline);
-            ``False`` raises :class:`~tensorrpc.OverloadedError` at once and asks the
+            ``False`` raises [`OverloadedError`][tensorrpc.OverloadedError] at once and asks the
             engine to refuse rather than queue.
         transport: Tensor transport for arguments and results: ``"auto"`` (default:
             ``torch_shm`` for tensors of at least ``shm_threshold`` bytes when the engine
             is on this host and can attach to our shared memory, frames otherwise),
             ``"frames"`` or ``"torch_shm"`` (every out-of-band tensor by shared memory
-            when possible, else frames, counted as a fallback). See docs/transports.md.
+            when possible, else frames, counted as a fallback). See [Transports](transports.md).
     """
 
     engine: str | None = None
@@ -224,7 +224,7 @@ class EngineStatistics:
 
 @dataclass(frozen=True, slots=True)
 class ClientStatistics:
-    """A snapshot of a client's state, from :meth:`Client.statistics`.
+    """A snapshot of a client's state, from [`Client.statistics`][tensorrpc.Client.statistics].
 
     Attributes:
         engines: Per engine id counters, for every engine seen since the client opened.
@@ -350,7 +350,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 class _Schemaless:
-    """Stands for "no service class" when :meth:`Client.dynamic` builds a client."""
+    """Stands for "no service class" when [`Client.dynamic`][tensorrpc.Client.dynamic] builds a
+    client."""
 
 
 #: The (empty) spec of a schemaless client.
@@ -361,11 +362,11 @@ _SCHEMALESS_SPEC = ServiceSpec(name="(schemaless)", methods=MappingProxyType({})
 
 
 class CallView(Generic[S]):
-    """Calls on a client with a fixed set of :class:`CallOptions`.
+    """Calls on a client with a fixed set of [`CallOptions`][tensorrpc.CallOptions].
 
-    :class:`Client` is itself a view with the default options; :meth:`with_options`
+    [`Client`][tensorrpc.Client] is itself a view with the default options; `with_options`
     returns another view on the same client. Options are set this way (or through
-    :meth:`stub`) because ``call(method, /, *args, **kwargs)`` forwards every keyword to
+    `stub`) because ``call(method, /, *args, **kwargs)`` forwards every keyword to
     the method.
     """
 
@@ -398,7 +399,7 @@ class CallView(Generic[S]):
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                :class:`CallOptions`).
+                [`CallOptions`][tensorrpc.CallOptions]).
 
         Returns:
             The new view.
@@ -427,7 +428,7 @@ class CallView(Generic[S]):
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                :class:`CallOptions`).
+                [`CallOptions`][tensorrpc.CallOptions]).
 
         Returns:
             The stub.
@@ -549,8 +550,9 @@ class CallView(Generic[S]):
     async def call_by_name(self, method: str, arguments: Mapping[str, Any] | None = None, /) -> Any:
         """Call a unary method by name, with its arguments given by name.
 
-        On a typed client the arguments are bound and checked like :meth:`call` and the
-        result is typed. On a schemaless client (:meth:`Client.dynamic`) the arguments
+        On a typed client the arguments are bound and checked like `call` and the
+        result is typed. On a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]) the
+        arguments
         travel as a map of name -> value that the engine binds and validates (missing
         ones take their defaults), and the result is returned as decoded (lists, dicts,
         tensors), without conversion.
@@ -565,7 +567,7 @@ class CallView(Generic[S]):
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``; the message lists what is offered.
-            TypeError: ``method`` streams (use :meth:`stream_by_name`).
+            TypeError: ``method`` streams (use `stream_by_name`).
             InvalidArgumentError: The engine refused the arguments (schemaless).
             ValidationError: The arguments do not match (typed client).
             EngineNotFoundError: The targeted engine is not live, or none is.
@@ -585,7 +587,7 @@ class CallView(Generic[S]):
     ) -> CallStream[Any]:
         """Start a streaming call by name, with its arguments given by name.
 
-        The by-name form of :meth:`stream`; see :meth:`call_by_name` for how arguments
+        The by-name form of `stream`; see `call_by_name` for how arguments
         and items are handled on typed and schemaless clients.
 
         Args:
@@ -598,7 +600,7 @@ class CallView(Generic[S]):
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``.
-            TypeError: ``method`` does not stream (use :meth:`call_by_name`).
+            TypeError: ``method`` does not stream (use `call_by_name`).
             ValidationError: The arguments do not match (typed client).
             ClosedError: The client is closed.
         """
@@ -646,7 +648,8 @@ class CallStream(Generic[T]):
     Flow control: the engine may run ahead of the consumer by at most the stream window
     (WELCOME's ``stream_window``); credit is granted back as items are taken.
 
-    Raises (from iteration): the same errors as :meth:`CallView.call`; a deadline bounds
+    Raises (from iteration): the same errors as [`CallView.call`][tensorrpc.CallView.call]; a
+        deadline bounds
     the whole stream.
     """
 
@@ -750,16 +753,17 @@ class Client(CallView[S]):
             print(await client.stub().add(1, 2))
 
     Engines join and leave at any time. A balanced call fails at once with
-    :class:`~tensorrpc.EngineNotFoundError` when no engine is live (use
-    :meth:`wait_for_engines` first). When an engine dies (silent for ``dead_after``, or its
+    [`EngineNotFoundError`][tensorrpc.EngineNotFoundError] when no engine is live (use
+    `wait_for_engines` first). When an engine dies (silent for ``dead_after``, or its
     connection closes) or says BYE, every call in flight to it, streams included, fails
-    with :class:`~tensorrpc.EngineDeadError`; replies it sent before its BYE are delivered
+    with [`EngineDeadError`][tensorrpc.EngineDeadError]; replies it sent before its BYE are
+    delivered
     first. A restarted engine re-joins under the same id.
 
     Args:
         service: The ``@service`` class (its schema fingerprint must match the engines').
         bind: Address(es) to bind; engines dial in (``connect=`` on their side). Use
-            ``tcp://127.0.0.1:0`` for an ephemeral port and read :attr:`addresses`.
+            ``tcp://127.0.0.1:0`` for an ephemeral port and read `addresses`.
         connect: Address(es) of engines that listen (``bind=`` on their side).
         balancing: ``"least_outstanding"`` (default) or ``"round_robin"``.
         max_in_flight: Bound on calls (streams included) in flight per engine; callers
@@ -784,7 +788,7 @@ class Client(CallView[S]):
             before anything is sent). Default: the safe defaults with
             ``high_water_mark`` as both HWMs; when given, ``high_water_mark`` is ignored.
         observer: An [`Observer`][tensorrpc.Observer] (or several) told about every call,
-            engine and heartbeat (see docs/observability.md): e.g.
+            engine and heartbeat (see [Observability](observability.md)): e.g.
             ``tensorrpc.metrics.PrometheusObserver`` or ``tensorrpc.tracing.TracingObserver``.
         metrics_port: Export Prometheus metrics of this client (the default registry) over
             HTTP on this port (needs the ``metrics`` extra; 0 picks a free port).
@@ -908,17 +912,17 @@ class Client(CallView[S]):
         It admits every engine that speaks this protocol version, whatever its service
         and fingerprint, and learns the method names (and, from engines that announce
         them, the signatures and which methods stream) from each HELLO; see
-        :attr:`engines`. Call with :meth:`call_by_name` and :meth:`stream_by_name`:
+        `engines`. Call with `call_by_name` and `stream_by_name`:
         arguments travel as a map of name -> value that the engine validates with its
         own types, and results come back as decoded (lists, dicts, tensors), without
-        conversion. :meth:`call`, :meth:`stream`, :meth:`stub` and :meth:`broadcast`
+        conversion. `call`, `stream`, `stub` and `broadcast`
         need a service class and raise ``TypeError``. Meant for tools (``tensorrpc
         call``), tests and debugging; typed clients are checked on both ends.
 
         Args:
             bind: Address(es) to bind; engines dial in.
             connect: Address(es) of engines that listen.
-            **options: Any other keyword argument of :class:`Client`.
+            **options: Any other keyword argument of [`Client`][tensorrpc.Client].
 
         Returns:
             The client (open it with ``async with``).
@@ -930,7 +934,7 @@ class Client(CallView[S]):
 
     @property
     def schemaless(self) -> bool:
-        """True for a client made by :meth:`dynamic`."""
+        """True for a client made by `dynamic`."""
         return self._spec is _SCHEMALESS_SPEC
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -983,7 +987,7 @@ class Client(CallView[S]):
     async def aclose(self) -> None:
         """Close the client: say BYE to every engine, fail calls still in flight, reap tasks.
 
-        Calls still in flight raise :class:`~tensorrpc.ClosedError`. Idempotent.
+        Calls still in flight raise [`ClosedError`][tensorrpc.ClosedError]. Idempotent.
         """
         if self._closed:
             return
@@ -1077,12 +1081,14 @@ class Client(CallView[S]):
                 each refusal is logged at WARNING on the ``tensorrpc.client`` logger.
 
         Returns:
-            The live engines (as :attr:`engines`).
+            The live engines (as `engines`).
 
         Raises:
             EnginesUnavailableError: The timeout passed first, or every engine that tried
                 to join was refused; it names the refused engines and why (for a schema
-                mismatch, the methods that differ) (also a ``TimeoutError``).
+                mismatch, the methods that differ) and the handshakes that failed on the
+                client's socket, with libzmq's reason (a CURVE key not on the allow-list,
+                a wrong server key, CURVE against plaintext) (also a ``TimeoutError``).
             ClosedError: The client is closed.
         """
         self._check_open()
@@ -1104,7 +1110,8 @@ class Client(CallView[S]):
             else:
                 return self.engines
         rejected = dict(registry.rejected)
-        text = unavailable_message(len(registry.engines), count, timeout, rejected)
+        failures = self._sock.handshake_failures() if self._sock is not None else ()
+        text = unavailable_message(len(registry.engines), count, timeout, rejected, failures)
         raise EnginesUnavailableError(text, rejected=rejected)
 
     # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
@@ -1135,7 +1142,7 @@ class Client(CallView[S]):
         self._send_control(alias, _PING, None, _HELLO_REQUEST)
 
     def disconnect(self, address: str) -> None:
-        """Stop dialling an address given to :meth:`connect` or to ``connect=``.
+        """Stop dialling an address given to `connect` or to ``connect=``.
 
         The engine behind it stays live until it says BYE or goes silent for
         ``dead_after``. Unknown addresses are ignored.
@@ -2029,6 +2036,8 @@ class Client(CallView[S]):
         interval = self._heartbeat_interval
         while True:
             await anyio.sleep(interval)
+            if self._sock is not None:
+                self._sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             now = time.monotonic()
             registry = self._registry
             for state in registry.expired(now, self._dead_after):

@@ -1,6 +1,6 @@
 """Client-side routing decisions, free of I/O: engine registry, handshake checks, balancing.
 
-The client's I/O shell (:mod:`tensorrpc._client`) asks this module what to do and then does
+The client's I/O shell (`_client`) asks this module what to do and then does
 it; nothing here touches a socket, a clock or an event loop (times are passed in).
 
 Invariants:
@@ -22,7 +22,7 @@ from tensorrpc._exceptions import EngineNotFoundError
 from tensorrpc._protocol import MAX_SIGNATURE_CHARS
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "Balancing",
@@ -97,7 +97,7 @@ def check_hello(
         fingerprint: The client's schema fingerprint.
         protocol_version: The client's protocol version.
         signatures: The client's methods (name → signature); when given, a fingerprint
-            mismatch names the methods that differ (see :func:`schema_diff`).
+            mismatch names the methods that differ (see `schema_diff`).
 
     Returns:
         ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
@@ -127,7 +127,7 @@ def check_hello(
     return None
 
 
-#: Most methods named per category in a :func:`schema_diff` (the rest are counted).
+#: Most methods named per category in a `schema_diff` (the rest are counted).
 _DIFF_NAMES = 8
 
 
@@ -278,8 +278,8 @@ class EngineRegistry:
         returns the existing state unchanged.
 
         Returns:
-            The new (or existing) :class:`EngineState`, or ``(reason, message)`` for a
-            REJECT; refusals are also recorded in :attr:`rejected` as ``"reason: message"``.
+            The new (or existing) `EngineState`, or ``(reason, message)`` for a
+            REJECT; refusals are also recorded in `rejected` as ``"reason: message"``.
         """
         current = self._engines.get(info.engine_id)
         if current is not None and current.peer == peer:
@@ -430,7 +430,11 @@ class StreamCredit:
 
 
 def unavailable_message(
-    live: int, count: int, timeout: float | None, rejected: Mapping[str, str]
+    live: int,
+    count: int,
+    timeout: float | None,
+    rejected: Mapping[str, str],
+    failures: Sequence[str] = (),
 ) -> str:
     """The text of the error ``wait_for_engines`` raises when it gives up.
 
@@ -439,6 +443,8 @@ def unavailable_message(
         count: Engines waited for.
         timeout: The wait's timeout (seconds).
         rejected: Refused engine id → ``"reason: message"``.
+        failures: Failed handshakes on the client's socket (CURVE refusals), most recent
+            last; the last three distinct ones are named.
 
     Returns:
         ``"0 of 2 engines live after 5.0 s; refused: e1: fingerprint: ..."``, or, when
@@ -451,4 +457,7 @@ def unavailable_message(
         text = f"{live} of {count} engines live after {timeout} s"
     if rejected:
         text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
+    if failures:
+        distinct = list(dict.fromkeys(reversed(failures)))[:3]
+        text += "; handshakes failed (CURVE): " + "; ".join(reversed(distinct))
     return text

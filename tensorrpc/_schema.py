@@ -1,6 +1,6 @@
 """Type hints → compiled validators and converters (sans-I/O).
 
-:func:`compile_type` turns one annotation into a :class:`TypeSpec` node with two jobs:
+`compile_type` turns one annotation into a `TypeSpec` node with two jobs:
 
 * ``check`` (send side): verify a Python value against the annotation and return the
   value to put on the wire. That is the value itself almost always; an ``int`` given for
@@ -12,9 +12,9 @@
   typed value: a ``tuple`` from a list, a dataclass from a map, an ``Enum`` member from
   its value.
 
-Both raise :class:`~tensorrpc.ValidationError` naming the path of the bad value
+Both raise [`ValidationError`][tensorrpc.ValidationError] naming the path of the bad value
 (``req.items[3].x``) and what was expected. Internally every node is a pair of closures
-that raise the cheap :class:`_Invalid` without building any path string; the path is
+that raise the cheap `_Invalid` without building any path string; the path is
 assembled only when a value is actually rejected, so a valid call pays for no string
 work at all. Containers whose elements are plain scalars are checked with one C-level
 pass (``[*map(type, value)].count(int) == len(value)``) instead of a Python loop, and are
@@ -32,7 +32,7 @@ Supported annotations: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes`
 dataclasses (nested and recursive, by field name), ``torch.Tensor``, ``numpy.ndarray``
 (also ``numpy.typing.NDArray[...]``, checked as any ndarray), and ``Annotated``/``NewType``
 wrappers of these. ``Any``, bare ``list``/``dict``/``tuple`` and everything else are
-refused with :class:`~tensorrpc.ServiceDefinitionError`.
+refused with [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
 """
 
 from __future__ import annotations
@@ -52,10 +52,17 @@ import torch
 
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 
-__all__ = ["CompiledType", "TypeSpec", "compile_type", "describe_value", "too_deep"]
+__all__ = [
+    "CompiledType",
+    "TypeSpec",
+    "bad_result_message",
+    "compile_type",
+    "describe_value",
+    "too_deep",
+]
 
 #: A compiled half of a node: takes a value, returns the converted value or raises
-#: :class:`_Invalid`.
+#: `_Invalid`.
 Converter = Callable[[Any], Any]
 
 _NoneType = type(None)
@@ -115,7 +122,8 @@ class _Invalid(Exception):
     """Internal, cheap rejection raised by compiled converters.
 
     Containers catch it only to push their path segment and re-raise, so the full path is
-    assembled once, when the public API turns it into a :class:`ValidationError`.
+    assembled once, when the public API turns it into a
+    [`ValidationError`][tensorrpc.ValidationError].
     """
 
     def __init__(self, expected: str, value: object, reason: str | None = None) -> None:
@@ -152,7 +160,7 @@ def too_deep(method: str, root: str) -> ValidationError:
 
 
 class CompiledType:
-    """The one concrete :class:`TypeSpec`: a description and two compiled converters.
+    """The one concrete `TypeSpec`: a description and two compiled converters.
 
     Attributes:
         description: Normalised, stable text for the type.
@@ -715,7 +723,7 @@ def _enum_node(cls: type[enum.Enum], where: str) -> CompiledType:
 
 
 class _Ctx:
-    """State of one :func:`compile_type` call: where, localns, dataclasses in progress.
+    """State of one `compile_type` call: where, localns, dataclasses in progress.
 
     ``fast=False`` compiles the reference form, for tests: containers check their elements
     with the plain set-of-types pass and dataclasses with the field-by-field loops, no
@@ -1070,7 +1078,63 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
             return _enum_node(tp, ctx.where)
         if dataclasses.is_dataclass(tp):
             return _dataclass_node(tp, ctx)
-    raise fail()
+    raise fail(_suggestion(tp, origin, args))
+
+
+#: Abstract containers and what to write instead (the runtime builds concrete values).
+_CONCRETE = {
+    "Sequence": "list",
+    "MutableSequence": "list",
+    "Iterable": "list",
+    "Collection": "list",
+    "Set": "list",
+    "MutableSet": "list",
+    "Mapping": "dict[str, ...]",
+    "MutableMapping": "dict[str, ...]",
+}
+
+
+def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
+    """A hint for an unsupported annotation: what to write instead, when there is one."""
+    item = _type_name(args[0]) if len(args) == 1 else "T"
+    if origin in (set, frozenset) or tp in (set, frozenset):
+        return f"sets do not travel; use list[{item}] (or tuple[{item}, ...]) and convert"
+    name = getattr(origin or tp, "__name__", "")
+    if name in _CONCRETE:
+        concrete = _CONCRETE[name]
+        if concrete == "list":
+            return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
+        return "annotate a concrete container: dict[str, T]"
+    if tp is object:
+        return "annotate the concrete type"
+    if isinstance(tp, type) and tp.__module__ not in ("builtins", "typing", "collections.abc"):
+        return (
+            f"a plain class does not travel; make {tp.__name__} a @dataclass whose fields "
+            "have supported types, or pass its fields as parameters"
+        )
+    return "see docs/services.md for the supported types"
+
+
+def bad_result_message(qualname: str, error: object) -> str:
+    """The engine's message for a result that failed its check, naming the method once.
+
+    ``"Calc.bad: result: expected int, got str ('x')"`` becomes ``"Calc.bad returned a
+    bad result: expected int, got str ('x')"``; a nested path stays
+    (``"... bad result at result.x[0]: expected int ..."``).
+
+    Args:
+        qualname: ``Service.method``.
+        error: The validation or encoding error (its text may start with ``qualname: ``).
+
+    Returns:
+        The message.
+    """
+    text = str(error).removeprefix(f"{qualname}: ")
+    if text.startswith("result: "):
+        return f"{qualname} returned a bad result: {text.removeprefix('result: ')}"
+    if text.startswith(("result.", "result[")):
+        return f"{qualname} returned a bad result at {text}"
+    return f"{qualname} returned a bad result: {text}"
 
 
 def _hashable(tp: object) -> bool:
@@ -1084,7 +1148,7 @@ def _hashable(tp: object) -> bool:
 def compile_type(
     tp: object, *, where: str, localns: Mapping[str, Any] | None = None
 ) -> CompiledType:
-    """Compile a resolved type annotation into a :class:`TypeSpec`.
+    """Compile a resolved type annotation into a `TypeSpec`.
 
     Args:
         tp: The annotation, already resolved (no strings), e.g. ``list[int]``.

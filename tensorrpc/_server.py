@@ -17,7 +17,7 @@ Rules this module keeps:
 
 1. Every socket operation happens on the event-loop thread; a receive loop never waits
    on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full).
-2. The memory of every zero-copy send is held (:class:`~tensorrpc._zmq.PendingSends`)
+2. The memory of every zero-copy send is held (`PendingSends`)
    until ZMQ's tracker says it is done.
 3. Shutdown drains: new CALLs get DRAINING, running calls get ``grace_period`` to finish,
    then are cancelled (and get an ERROR), BYE goes to every client, sockets close.
@@ -138,7 +138,7 @@ class ServerConfig:
     #: lowered to the largest frame ``codec`` accepts (the larger of ``max_tensor_bytes``
     #: and ``max_payload_bytes``), and announced in HELLO.
     socket_options: SocketOptions | None = None
-    #: CURVE encryption and authentication (see docs/security.md); None: plaintext.
+    #: CURVE encryption and authentication (see [Security](security.md)); None: plaintext.
     curve: CurveConfig | None = None
     #: Offer and use the ``torch_shm`` tensor transport with clients on this host.
     torch_shm: bool = True
@@ -312,7 +312,7 @@ class Server:
         sock_options = cfg.socket_options or DEFAULT_OPTIONS
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
-        self._proto = ServerProtocol(self._settings(instance), call_factory=Call)
+        self._proto = ServerProtocol(self._settings(instance))
         self._pending = PendingSends()
         self._dispatch = Dispatcher(
             self._proto,
@@ -675,7 +675,7 @@ class Server:
                     size += len(frame)
                 call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
                 if call is not None:
-                    self._accepted(cast("Call", call), size)
+                    self._accepted(call, size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
@@ -698,7 +698,7 @@ class Server:
                 body = cast("list[Buffer]", frames[1:])
                 call = receive(route, body, monotonic(), size - len(route))
                 if call is not None:
-                    self._accepted(cast("Call", call), size)
+                    self._accepted(call, size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
@@ -752,7 +752,7 @@ class Server:
         if proto.wakeups:
             wakeups, proto.wakeups = proto.wakeups, []
             for call in wakeups:
-                cast("Call", call).wake()
+                call.wake()
         if proto.events:
             events, proto.events = proto.events, []
             for event in events:
@@ -816,6 +816,8 @@ class Server:
             if now >= next_sweep:
                 next_sweep = now + interval
                 self._policy.sweep()
+                for sock in self._sockets:
+                    sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._pending.prune()
             wait = max(0.005, min(self._proto.wake_at, next_sweep) - time.monotonic())
             self._poke = poke = anyio.Event()

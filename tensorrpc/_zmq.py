@@ -1,6 +1,6 @@
 """The only module that touches sockets: safe socket defaults and async send/recv on anyio.
 
-pyzmq's own ``zmq.asyncio`` does not run on trio, so :class:`AsyncSocket` wraps a plain
+pyzmq's own ``zmq.asyncio`` does not run on trio, so `AsyncSocket` wraps a plain
 (synchronous) pyzmq socket and waits through anyio on the socket's ``ZMQ_FD``. That file
 descriptor is *edge-triggered* and shared by reads and writes: it becomes readable when
 the socket's internal mailbox has commands, and any ``send``, ``recv`` or ``EVENTS`` read
@@ -15,17 +15,17 @@ may consume that edge. The rules this module follows:
    (which drains the mailbox, so a level-triggered registration cannot spin) and wakes
    the waiting tasks (plain futures) whose condition it shows. On other backends (trio)
    only one task at a time waits on the FD through ``anyio.wait_readable``; other tasks
-   that need to wait park on an :class:`anyio.Event` that the FD waiter sets whenever it
+   that need to wait park on an `anyio.Event` that the FD waiter sets whenever it
    wakes up.
 4. After every successful operation, if a task is parked on the FD, we read ``EVENTS`` and
    wake that task if its condition became true (our operation may have eaten the edge).
 5. Multipart messages are atomic in ZMQ, so a ``NOBLOCK`` send or receive either moves the
-   whole message or nothing: a cancelled :meth:`AsyncSocket.send` sent all or nothing and
-   a cancelled :meth:`AsyncSocket.recv` lost nothing (all awaits happen before the
+   whole message or nothing: a cancelled `AsyncSocket.send` sent all or nothing and
+   a cancelled `AsyncSocket.recv` lost nothing (all awaits happen before the
    operation, or are shielded after it).
 6. Sockets are used from the event-loop thread only.
 
-All zmq errors are translated to tensorrpc errors in :func:`translate_zmq_error`.
+All zmq errors are translated to tensorrpc errors in `translate_zmq_error`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import logging
 import os
 import time
 from collections import deque
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Final, Self, cast
 import anyio
 import anyio.lowlevel
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from tensorrpc._exceptions import (
     ClosedError,
@@ -51,7 +53,12 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TransportError,
 )
-from tensorrpc._security import apply_curve, warn_if_exposed
+from tensorrpc._security import (
+    HANDSHAKE_FAILURE_EVENTS,
+    apply_curve,
+    describe_handshake_failure,
+    warn_if_exposed,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -93,6 +100,11 @@ _get_running_loop: Final = asyncio._get_running_loop
 _FAIRNESS_STREAK: Final = 32
 _FAIRNESS_S: Final = 0.002
 _monotonic = time.monotonic
+_security_logger = logging.getLogger("tensorrpc.security")
+# Handshake failures an AsyncSocket remembers (the most recent), and distinct reasons it
+# counts (a peer retrying every 100 ms repeats the same one).
+_MAX_FAILURES: Final = 16
+_MAX_REASONS: Final = 64
 # When a ROUTER with ROUTER_MANDATORY reports POLLOUT (some peer has room) but the send to
 # *our* peer would block, the FD will not tell us when that peer drains; we re-try after
 # waiting on the FD at most this long (doubling up to the maximum).
@@ -118,7 +130,7 @@ _ENDPOINT_ERRNOS: Final = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class SocketOptions:
-    """Socket options applied by :func:`create_socket`; the defaults are the safe ones."""
+    """Socket options applied by `create_socket`; the defaults are the safe ones."""
 
     #: Outgoing queue bound, in messages, per peer (0 would mean unlimited: avoid).
     sndhwm: int = 10_000
@@ -139,7 +151,8 @@ class SocketOptions:
     #: Unanswered probes before the connection is dropped.
     tcp_keepalive_cnt: int = 3
     #: ROUTER only: sending to an unknown routing id raises
-    #: :class:`~tensorrpc.PeerUnreachableError` instead of dropping the message silently.
+    #: [`PeerUnreachableError`][tensorrpc.PeerUnreachableError] instead of dropping the message
+    #: silently.
     router_mandatory: bool = True
     #: ROUTER only: a new connection with a live routing id takes it over (an engine
     #: restarted under the same id before the old connection was noticed dead).
@@ -171,7 +184,7 @@ class SocketOptions:
                 raise ValueError(f"{name} must not be negative")
 
 
-#: The default :class:`SocketOptions`.
+#: The default [`SocketOptions`][tensorrpc.SocketOptions].
 DEFAULT_OPTIONS: Final = SocketOptions()
 
 
@@ -184,10 +197,10 @@ def translate_zmq_error(exc: zmq.ZMQError, what: str = "", *, peer: bytes = b"")
         peer: The routing id the failed send was addressed to, when known.
 
     Returns:
-        :class:`~tensorrpc.PeerUnreachableError` for ``EHOSTUNREACH``;
-        :class:`~tensorrpc.ClosedError` when the socket or context was closed;
-        :class:`~tensorrpc.ConnectError` for bad or unavailable endpoints;
-        :class:`~tensorrpc.TransportError` for anything else.
+        [`PeerUnreachableError`][tensorrpc.PeerUnreachableError] for ``EHOSTUNREACH``;
+        [`ClosedError`][tensorrpc.ClosedError] when the socket or context was closed;
+        [`ConnectError`][tensorrpc.ConnectError] for bad or unavailable endpoints;
+        [`TransportError`][tensorrpc.TransportError] for anything else.
     """
     code = exc.errno
     prefix = f"{what}: " if what else ""
@@ -204,7 +217,7 @@ def translate_zmq_error(exc: zmq.ZMQError, what: str = "", *, peer: bytes = b"")
 
 @contextlib.contextmanager
 def map_zmq_errors(what: str = "", *, peer: bytes = b"") -> Iterator[None]:
-    """Translate pyzmq errors raised in the block (see :func:`translate_zmq_error`).
+    """Translate pyzmq errors raised in the block (see `translate_zmq_error`).
 
     Args:
         what: What the block does, for error messages.
@@ -227,7 +240,7 @@ def create_socket(
     routing_id: bytes | None = None,
     curve: CurveConfig | None = None,
 ) -> AsyncSocket:
-    """Create a socket with safe defaults and wrap it in an :class:`AsyncSocket`.
+    """Create a socket with safe defaults and wrap it in an `AsyncSocket`.
 
     Args:
         socket_type: ``zmq.ROUTER``, ``zmq.DEALER``, ...
@@ -236,15 +249,15 @@ def create_socket(
         routing_id: This socket's routing id as its peers' ROUTERs will see it (1-255
             bytes, not starting with a zero byte, which ZMQ reserves).
         curve: Encrypt and authenticate every ``tcp://``/``ipc://`` connection with
-            CURVE: a :class:`~tensorrpc._security.CurveServerConfig` (this socket holds
+            CURVE: a `CurveServerConfig` (this socket holds
             the server key and checks clients against its allow-list; a per-socket ZAP
             domain is registered with the context's ZAP handler until the socket closes)
-            or a :class:`~tensorrpc._security.CurveClientConfig`. The role does not depend
+            or a `CurveClientConfig`. The role does not depend
             on bind/connect; usually the binding side is the server. ``inproc://``
             connections are not encrypted. None: no CURVE (plaintext).
 
     Returns:
-        The wrapped socket; close it with :meth:`AsyncSocket.aclose`.
+        The wrapped socket; close it with `AsyncSocket.aclose`.
 
     Raises:
         ValueError: ``routing_id`` or a CURVE key is malformed.
@@ -277,12 +290,16 @@ def create_socket(
             sock.copy_threshold = options.copy_threshold
             if curve is not None:
                 on_close = apply_curve(sock, curve, ctx)
+        monitor: zmq.Socket[bytes] | None = None
+        with contextlib.suppress(zmq.ZMQError):  # a libzmq without monitor events: none
+            monitor = sock.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
+            monitor.setsockopt(zmq.LINGER, 0)
     except BaseException:
         sock.close(linger=0)
         if on_close is not None:
             on_close()
         raise
-    return AsyncSocket(sock, on_close=on_close)
+    return AsyncSocket(sock, on_close=on_close, monitor=monitor)
 
 
 def _check_routing_id(routing_id: bytes) -> None:
@@ -297,17 +314,17 @@ def _check_routing_id(routing_id: bytes) -> None:
 class AsyncSocket:
     """A pyzmq socket driven from anyio (asyncio or trio), one per event-loop thread.
 
-    Any number of tasks may call :meth:`send` and :meth:`recv` concurrently; the socket
+    Any number of tasks may call `send` and `recv` concurrently; the socket
     itself must only be used from the thread running the event loop.
 
     Zero-copy: with ``copy=False`` (the default) buffers of at least ``copy_threshold``
     bytes are handed to ZMQ without copying; ZMQ keeps a reference to them until it has
     sent them, but **their contents must not change** until then. Send with
-    ``track=True`` and keep the owners of the memory (see :class:`PendingSends`) until
+    ``track=True`` and keep the owners of the memory (see `PendingSends`) until
     ``tracker.done``.
 
     Args:
-        sock: A configured pyzmq socket (see :func:`create_socket`); this object owns it.
+        sock: A configured pyzmq socket (see `create_socket`); this object owns it.
         on_close: Called once, after the socket is closed (e.g. to release its ZAP domain).
     """
 
@@ -316,11 +333,14 @@ class AsyncSocket:
         "_bound_files",
         "_changed",
         "_closed",
+        "_failure_counts",
+        "_failures",
         "_fd",
         "_fd_mask",
         "_fd_scope",
         "_get",
         "_loop",
+        "_monitor",
         "_on_close",
         "_since",
         "_sock",
@@ -330,10 +350,17 @@ class AsyncSocket:
     )
 
     def __init__(
-        self, sock: zmq.Socket[bytes], *, on_close: Callable[[], None] | None = None
+        self,
+        sock: zmq.Socket[bytes],
+        *,
+        on_close: Callable[[], None] | None = None,
+        monitor: zmq.Socket[bytes] | None = None,
     ) -> None:
         self._sock = sock
         self._on_close = on_close
+        self._monitor = monitor
+        self._failures: deque[str] = deque(maxlen=_MAX_FAILURES)
+        self._failure_counts: dict[str, int] = {}
         self._fd: int = sock.FD
         self._get = cast("Callable[[int], int]", sock.get)
         self._threshold: int = sock.copy_threshold
@@ -360,7 +387,7 @@ class AsyncSocket:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`aclose` (or :meth:`close`) was called."""
+        """Whether `aclose` (or `close`) was called."""
         return self._closed
 
     @property
@@ -421,7 +448,7 @@ class AsyncSocket:
             self._sock.connect(endpoint)
 
     def disconnect(self, endpoint: str) -> None:
-        """Undo :meth:`connect` for ``endpoint``.
+        """Undo `connect` for ``endpoint``.
 
         Raises:
             ClosedError: The socket is closed.
@@ -623,8 +650,8 @@ class AsyncSocket:
 
         True after 32 operations in a row that did not wait, or once 2 ms have passed
         since the socket last waited or yielded (including the time its user spent
-        handling what it received). A loop that receives with :meth:`recv_nowait` calls
-        this after each message and yields when it is true; :meth:`recv` does so itself.
+        handling what it received). A loop that receives with `recv_nowait` calls
+        this after each message and yields when it is true; `recv` does so itself.
         """
         now = _monotonic()
         if self._streak >= _FAIRNESS_STREAK or now - self._since >= _FAIRNESS_S:
@@ -764,6 +791,57 @@ class AsyncSocket:
             self._changed = None
             changed.set()
 
+    # -- handshake failures -----------------------------------------------------------------
+
+    def handshake_failures(self) -> tuple[str, ...]:
+        """The recent failed handshakes of this socket (CURVE refusals, mechanism mismatch).
+
+        Reads the events libzmq's socket monitor queued since the last call (without
+        waiting), logs each new reason at WARNING on the ``tensorrpc.security`` logger
+        (a reason that repeats, as a peer retrying does, is logged again every 100th
+        time), and returns the most recent 16, oldest first.
+
+        Returns:
+            One line per failure: ``"handshake on tcp://...: authentication failed (ZAP
+            status 400: ...)"``; empty when none failed (or libzmq has no monitor).
+        """
+        monitor = self._monitor
+        if monitor is None or self._closed:
+            return tuple(self._failures)
+        while True:
+            try:
+                message = monitor.recv_multipart(_NOBLOCK)
+            except zmq.ZMQError:  # Again: nothing more queued
+                break
+            try:
+                event = parse_monitor_message(message)
+            except Exception:  # a malformed event must not break the caller
+                continue
+            endpoint = bytes(event["endpoint"]).decode("utf-8", "replace")
+            text = describe_handshake_failure(int(event["event"]), int(event["value"]), endpoint)
+            self._failures.append(text)
+            counts = self._failure_counts
+            count = counts.get(text, 0) + 1
+            if len(counts) < _MAX_REASONS or text in counts:
+                counts[text] = count
+            if count % 100 == 1:
+                _security_logger.warning(
+                    "%s [seen by this %s]%s",
+                    text,
+                    self._role(),
+                    f" ({count} times so far)" if count > 1 else "",
+                )
+        return tuple(self._failures)
+
+    def _role(self) -> str:
+        sock = self._sock
+        try:
+            if sock.getsockopt(zmq.MECHANISM) != zmq.CURVE:
+                return "plaintext socket"
+            return "CURVE server" if sock.getsockopt(zmq.CURVE_SERVER) else "CURVE client"
+        except zmq.ZMQError:
+            return "socket"
+
     # -- closing ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -771,10 +849,10 @@ class AsyncSocket:
             raise ClosedError("the socket is closed")
 
     def close(self) -> None:
-        """Close the socket now (synchronous form of :meth:`aclose`).
+        """Close the socket now (synchronous form of `aclose`).
 
         Must not be called while another task waits on this socket outside an event loop;
-        inside one, tasks waiting in :meth:`send`/:meth:`recv` get :class:`ClosedError`.
+        inside one, tasks waiting in `send`/`recv` get [`ClosedError`][tensorrpc.ClosedError].
         """
         if self._closed:
             return
@@ -789,6 +867,11 @@ class AsyncSocket:
                 loop.remove_reader(self._fd)
             with contextlib.suppress(RuntimeError):
                 self._wake_waiters(-1)
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            monitor.close(linger=0)
         self._sock.close(linger=None)
         for path, (dev, ino) in self._bound_files.items():
             with contextlib.suppress(OSError):
@@ -803,7 +886,7 @@ class AsyncSocket:
     async def aclose(self) -> None:
         """Close the socket, remove the ipc:// files it bound, wake its waiters.
 
-        Tasks waiting in :meth:`send` or :meth:`recv` raise :class:`~tensorrpc.ClosedError`.
+        Tasks waiting in `send` or `recv` raise [`ClosedError`][tensorrpc.ClosedError].
         Messages still queued are dropped after ``linger_ms``. Idempotent.
         """
         self.close()
@@ -829,8 +912,8 @@ class PendingSends:
     """Keeps the memory of zero-copy sends alive until ZMQ is done with it.
 
     The pattern of vLLM's ``add_pending_message``: after ``send(..., track=True)``, call
-    :meth:`add` with the tracker and the objects owning the sent buffers (tensors,
-    contiguous temporaries). Done entries are dropped cheaply on every :meth:`add`, so the
+    `add` with the tracker and the objects owning the sent buffers (tensors,
+    contiguous temporaries). Done entries are dropped cheaply on every `add`, so the
     list stays as short as the number of messages ZMQ still holds.
 
     Args:
@@ -850,7 +933,7 @@ class PendingSends:
         """Hold ``keepalive`` until ``tracker`` is done (nothing to do if it already is).
 
         Args:
-            tracker: What :meth:`AsyncSocket.send` returned with ``track=True``.
+            tracker: What `AsyncSocket.send` returned with ``track=True``.
             keepalive: The objects owning the sent buffers (any object; a list is fine).
         """
         self.prune()

@@ -1,7 +1,7 @@
 """Which tensor transport a message uses, and the counters that say what happened.
 
-One :class:`TransportPolicy` per :class:`~tensorrpc.Client` or engine
-:class:`~tensorrpc.Server` owns that endpoint's :class:`TorchShmTransport` (when torch_shm
+One `TransportPolicy` per [`Client`][tensorrpc.Client] or engine
+[`Server`][tensorrpc.Server] owns that endpoint's `TorchShmTransport` (when torch_shm
 is enabled and the platform has it) and decides, per message and per tensor, where bytes
 go:
 
@@ -19,9 +19,9 @@ what it claimed (docs/protocol.md §8.1): same host id, the peer offers ``torch_
 it answered our fresh challenge with an HMAC keyed by the secret in its probe memfd, which
 we read through ``/proc/<its pid>/fd``. Only a proven peer gets tensors by handle or a
 resolver; any other peer's handles are refused without a word about files or descriptors.
-The handshake methods here (:meth:`TransportPolicy.challenge`,
-:meth:`TransportPolicy.welcome_fields`, :meth:`TransportPolicy.on_welcome`,
-:meth:`TransportPolicy.on_proof`) are the calls the client and engine make.
+The handshake methods here (`TransportPolicy.challenge`,
+`TransportPolicy.welcome_fields`, `TransportPolicy.on_welcome`,
+`TransportPolicy.on_proof`) are the calls the client and engine make.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ logger = logging.getLogger("tensorrpc.transports")
 
 #: Tensor transport names a call may ask for.
 TransportName = Literal["auto", "frames", "torch_shm"]
-#: The accepted values of :data:`TransportName`.
+#: The accepted values of [`TransportName`][tensorrpc.TransportName].
 TRANSPORTS: Final = frozenset({"auto", "frames", "torch_shm"})
 #: ``auto`` sends CPU tensors of at least this many bytes by torch_shm (see
 #: docs/transports.md for the measurement behind it).
@@ -78,7 +78,7 @@ NO_SHM: Final = (0, False, False)
 
 
 class WelcomeShm:
-    """The torch_shm fields of a WELCOME (see :meth:`TransportPolicy.welcome_fields`)."""
+    """The torch_shm fields of a WELCOME (see `TransportPolicy.welcome_fields`)."""
 
     __slots__ = ("challenge", "probe", "proof", "transports")
 
@@ -127,7 +127,7 @@ class TransportStatistics:
 class PolicyPlacer:
     """The codec's placer for one message: applies the policy, delegates to torch_shm.
 
-    Made by :meth:`TransportPolicy.placer`; :attr:`lease` is the torch_shm lease to
+    Made by `TransportPolicy.placer`; `lease` is the torch_shm lease to
     release when the peer confirms it attached (None: nothing went by handle).
     """
 
@@ -291,7 +291,7 @@ class TransportPolicy:
 
         The proof is only computed for an engine on the same host that offers torch_shm
         with a challenge of the right size and a pid other than ours. Until
-        :meth:`on_proof` the engine gets no handle and its handles are refused.
+        `on_proof` the engine gets no handle and its handles are refused.
         """
         none = WelcomeShm(("frames",), b"", b"", b"")
         shm = self.shm
@@ -330,7 +330,7 @@ class TransportPolicy:
         """Engine: decide torch_shm with a client from its WELCOME.
 
         ``challenge`` is the one our HELLO to this client carried (default: the one
-        :meth:`challenge` made for ``peer``).
+        `challenge` made for ``peer``).
 
         Returns:
             ``((pid, send, receive), proof)``: the client's proven pid (0: not proven)

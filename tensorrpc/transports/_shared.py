@@ -1,6 +1,6 @@
 """Tensors born in tensorrpc shared memory: sent by ``torch_shm`` by alias, with no copy.
 
-:func:`shared_empty` and :func:`share` make CPU tensors whose storage is a sealed
+`shared_empty` and `share` make CPU tensors whose storage is a sealed
 ``memfd`` (``memfd_create(2)`` with ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``): its
 size can never change, so a peer that maps it can never be hit by ``SIGBUS``. The
 ``torch_shm`` transport sends such a tensor (or any non-overlapping view of it) by
@@ -115,7 +115,7 @@ def shared_empty(
 
 
 def share(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a CPU tensor in tensorrpc shared memory (see :func:`shared_empty`).
+    """A copy of a CPU tensor in tensorrpc shared memory (see `shared_empty`).
 
     Copy once, then send it (and reuse it) by alias as often as you like.
     """

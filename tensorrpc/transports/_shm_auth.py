@@ -4,19 +4,19 @@ A ``torch_shm`` handle names memory in the sender's process, opened by the recei
 ``/proc/<pid>/fd/<n>``. The pid comes from the peer's handshake message, so it is a
 *claim*; it is only used once *proven* (docs/protocol.md §8.1):
 
-* each side keeps a secret (:data:`SECRET_BYTES` random bytes) in a sealed memfd, its
-  *probe*; the secret never travels, the probe handle (:class:`ProbeHandle`) names the
+* each side keeps a secret (`SECRET_BYTES` random bytes) in a sealed memfd, its
+  *probe*; the secret never travels, the probe handle (`ProbeHandle`) names the
   memfd;
-* the verifier sends a fresh random challenge (:func:`new_challenge`); the prover answers
-  with :func:`make_proof`, an HMAC-SHA256 keyed by its secret over a fixed label, its
+* the verifier sends a fresh random challenge (`new_challenge`); the prover answers
+  with `make_proof`, an HMAC-SHA256 keyed by its secret over a fixed label, its
   role, both pids and the challenge;
 * the verifier reads the secret through ``/proc/<claimed pid>/fd/<n>`` (the I/O part:
-  :meth:`TorchShmTransport.read_peer_secret`) and checks the answer with
-  :func:`check_proof`. Only a process that can open the prover's descriptors can read the
+  `TorchShmTransport.read_peer_secret`) and checks the answer with
+  `check_proof`. Only a process that can open the prover's descriptors can read the
   secret, and the proof names the prover's pid, so a proof proves "the claimed pid is a
   process whose descriptors I can open, and the peer holds its secret".
 
-:class:`ShmLink` records, per peer, what was decided; :func:`decide` is the one decision
+`ShmLink` records, per peer, what was decided; `decide` is the one decision
 both the client and the engine make. Nothing here touches the network, files or clocks.
 """
 
@@ -94,7 +94,7 @@ def make_proof(
         challenge: The verifier's challenge, as received.
 
     Returns:
-        :data:`PROOF_BYTES` bytes.
+        `PROOF_BYTES` bytes.
     """
     msg = _LABEL + role.value + _PIDS.pack(prover_pid & (2**64 - 1), verifier_pid & (2**64 - 1))
     return hmac.new(secret, msg + challenge, hashlib.sha256).digest()
@@ -154,7 +154,7 @@ class ProbeHandle:
 class ShmLink:
     """``torch_shm`` with one peer, as one side decided it at the handshake.
 
-    Until :func:`decide` accepts the peer, ``pid`` is 0 and both flags are False: no
+    Until `decide` accepts the peer, ``pid`` is 0 and both flags are False: no
     handle goes to the peer and every handle from it is refused.
     """
 

@@ -2,7 +2,7 @@
 
 A handle is a packed struct (magic, version, kind, ndim, pid, fd, dev, ino, lease, tag,
 base, span, elem_offset), the strides, and a kind-specific tail. Everything here is pure:
-parse, bounds, layout. The receiver (:mod:`tensorrpc.transports._shm_recv`) then checks
+parse, bounds, layout. The receiver (`tensorrpc.transports._shm_recv`) then checks
 the file it names before it maps anything.
 """
 

@@ -1,7 +1,7 @@
 """The receiving side of ``torch_shm``: check a handle's file, map it, build the tensor.
 
 Every handle from the wire is untrusted. Before any memory is touched the receiver checks
-the handle's format and bounds (:mod:`._shm_handle`), that it names the peer's own proven
+the handle's format and bounds (`._shm_handle`), that it names the peer's own proven
 pid, and that ``/proc/<pid>/fd/<n>`` is a tensorrpc memfd of the right kind (by its name),
 on the memfd device, with the handle's inode, **sealed against shrinking and growing**
 (so no ``ftruncate`` can ever turn an access into ``SIGBUS``), and at most
@@ -183,7 +183,7 @@ class Receiver:
         *,
         count: bool = True,
     ) -> torch.Tensor:
-        """Build the tensor a parsed handle describes (see :meth:`ShmResolver.resolve`)."""
+        """Build the tensor a parsed handle describes (see `ShmResolver.resolve`)."""
         if not isinstance(dtype, torch.dtype):
             raise fail(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
         if len(shape) != len(h.strides):
@@ -375,7 +375,7 @@ class Receiver:
 class ShmResolver:
     """Resolves handles of incoming messages (implements the codec's ``TensorResolver``).
 
-    Made by :meth:`TorchShmTransport.resolver` for one peer; handles that name any other
+    Made by `TorchShmTransport.resolver` for one peer; handles that name any other
     process are refused. Records the lease ids it saw, for the runtime to send back.
     """
 

@@ -1,9 +1,10 @@
 """``torch_shm``: tensors cross between processes on one host as shared memory; a handle travels.
 
-How a tensor goes (sender: :meth:`ShmPlacer.place`; receiver: :meth:`ShmResolver.resolve`):
+How a tensor goes (sender: [`ShmPlacer.place`][tensorrpc.transports.torch_shm.ShmPlacer.place];
+receiver: [`ShmResolver.resolve`][tensorrpc.transports.torch_shm.ShmResolver.resolve]):
 
-* **Born in tensorrpc shared memory** (:func:`tensorrpc.shared_empty`,
-  :func:`tensorrpc.share`): a sealed memfd; the handle names it and the receiver maps it.
+* **Born in tensorrpc shared memory** (`tensorrpc.shared_empty`,
+  `tensorrpc.share`): a sealed memfd; the handle names it and the receiver maps it.
   No byte is copied and the received tensor **aliases the sender's memory**: writes on
   either side are seen by the other. CUDA tensors go through torch's CUDA IPC and alias
   too.
@@ -12,7 +13,7 @@ How a tensor goes (sender: :meth:`ShmPlacer.place`; receiver: :meth:`ShmResolver
   transport owns and reuses, and the receiver copies it out into memory of its own. The
   caller's tensor is only read; process-wide torch settings are never touched.
 
-Runtime integration (one :class:`TorchShmTransport` per process or endpoint)::
+Runtime integration (one `TorchShmTransport` per process or endpoint)::
 
     shm = TorchShmTransport()                      # close() (or `with`) at shutdown
     # handshake (docs/protocol.md §8.1): send shm.probe_handle() and a challenge; answer
@@ -33,7 +34,7 @@ Runtime integration (one :class:`TorchShmTransport` per process or endpoint)::
 Why ``/proc/<pid>/fd`` rather than ``SCM_RIGHTS``: the handle rides inside the normal
 message over any ZMQ transport with no side channel. Opening ``/proc/<pid>/fd/<n>`` needs
 the kernel's ``PTRACE_MODE_READ`` check: same uid, a dumpable peer, and a ``/proc`` that
-shows it. The checks a receiver makes are in :mod:`tensorrpc.transports._shm_recv`.
+shows it. The checks a receiver makes are in `tensorrpc.transports._shm_recv`.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ _contiguous_strides = contiguous_strides
 
 @dataclass(frozen=True, slots=True)
 class TorchShmStatistics:
-    """A snapshot of one :class:`TorchShmTransport`'s counters."""
+    """A snapshot of one [`TorchShmTransport`][tensorrpc.transports.torch_shm.TorchShmTransport]'s
+    counters."""
 
     #: Tensors sent by handle (copied into the pool or aliased).
     tensors_sent: int
@@ -112,7 +114,9 @@ class TorchShmStatistics:
     fallbacks: int
     #: Leases not yet released (messages whose receiver has not confirmed).
     leases_active: int
-    #: Leases dropped by :meth:`TorchShmTransport.sweep` or ``release_peer``.
+    #: Leases dropped by
+    #: [`TorchShmTransport.sweep`][tensorrpc.transports.torch_shm.TorchShmTransport.sweep] or
+    #: ``release_peer``.
     leases_expired: int
     #: memfd segments in the sender's pool.
     pool_segments: int
@@ -141,8 +145,10 @@ class _Lease:
 class ShmPlacer:
     """Places the tensors of one outgoing message (implements the codec's ``TensorPlacer``).
 
-    Made by :meth:`TorchShmTransport.placer`. Everything placed through one placer shares
-    one lease, kept by the transport until :meth:`TorchShmTransport.release`.
+    Made by [`TorchShmTransport.placer`][tensorrpc.transports.torch_shm.TorchShmTransport.placer].
+    Everything placed through one placer shares
+    one lease, kept by the transport until
+    [`TorchShmTransport.release`][tensorrpc.transports.torch_shm.TorchShmTransport.release].
     """
 
     __slots__ = ("_lease", "_peer", "_transport")
@@ -216,7 +222,7 @@ class TorchShmTransport:
         mapped_bytes_per_peer: most bytes of one peer's segments kept mapped; a larger
             segment is mapped only over the range a handle needs, and not kept.
         max_segment_bytes: a peer's segment larger than this is refused.
-        lease_timeout: seconds after which :meth:`sweep` drops an unreleased lease.
+        lease_timeout: seconds after which `sweep` drops an unreleased lease.
         cuda: send CUDA tensors through CUDA IPC (else they fall back to frames).
         clock: monotonic clock, for tests.
     """
@@ -395,7 +401,9 @@ class TorchShmTransport:
         """The peer has attached to everything under ``lease``: let it go.
 
         Args:
-            lease: a lease id from :attr:`ShmPlacer.lease` or a peer's RELEASE message.
+            lease: a lease id from
+                [`ShmPlacer.lease`][tensorrpc.transports.torch_shm.ShmPlacer.lease] or a peer's
+                RELEASE message.
             peer: when given, only release the lease if it was made for this peer.
 
         Returns:
