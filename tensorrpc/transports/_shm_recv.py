@@ -200,23 +200,27 @@ class Receiver:
         else:
             if peer_pid is not None and h.pid != peer_pid:
                 raise fail("the handle does not name the peer's process")
-            start, length = check_bounds(h, dtype.itemsize, shape)
-            if h.kind == HandleKind.POOL:
-                out = self._resolve_pool(h, dtype, shape, nbytes)
-            elif h.kind == HandleKind.SHARED:
-                out = self._resolve_shared(h, dtype, shape, start, length)
-            elif h.kind == HandleKind.CUDA:
-                out = self._resolve_cuda(h, dtype, shape)
-            else:
-                raise fail(
-                    "torch shared-memory files are not accepted (they can shrink while "
-                    "mapped); send the tensor from the pool or from tensorrpc.shared_empty"
-                )
+            out = self._resolve_kind(h, dtype, shape, nbytes)
         if count:
             with self._lock:
                 self.tensors_received += 1
                 self.bytes_received += nbytes
         return out
+
+    def _resolve_kind(
+        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+    ) -> torch.Tensor:
+        start, length = check_bounds(h, dtype.itemsize, shape)
+        if h.kind == HandleKind.POOL:
+            return self._resolve_pool(h, dtype, shape, nbytes)
+        if h.kind == HandleKind.SHARED:
+            return self._resolve_shared(h, dtype, shape, start, length)
+        if h.kind == HandleKind.CUDA:
+            return self._resolve_cuda(h, dtype, shape)
+        raise fail(
+            "torch shared-memory files are not accepted (they can shrink while mapped); "
+            "send the tensor from the pool or from tensorrpc.shared_empty"
+        )
 
     def _open(
         self, pid: int, fd: int, dev: int, ino: int, pattern: re.Pattern[str], flags: int
