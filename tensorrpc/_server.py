@@ -309,7 +309,7 @@ class Server:
         sock_options = cfg.socket_options or DEFAULT_OPTIONS
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
-        self._proto = ServerProtocol(self._settings(instance), call_factory=Call)
+        self._proto = ServerProtocol(self._settings(instance))
         self._pending = PendingSends()
         self._dispatch = Dispatcher(
             self._proto,
@@ -672,7 +672,7 @@ class Server:
                     size += len(frame)
                 call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
                 if call is not None:
-                    self._accepted(cast("Call", call), size)
+                    self._accepted(call, size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
@@ -695,7 +695,7 @@ class Server:
                 body = cast("list[Buffer]", frames[1:])
                 call = receive(route, body, monotonic(), size - len(route))
                 if call is not None:
-                    self._accepted(cast("Call", call), size)
+                    self._accepted(call, size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
@@ -749,7 +749,7 @@ class Server:
         if proto.wakeups:
             wakeups, proto.wakeups = proto.wakeups, []
             for call in wakeups:
-                cast("Call", call).wake()
+                call.wake()
         if proto.events:
             events, proto.events = proto.events, []
             for event in events:

@@ -43,7 +43,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
@@ -72,13 +72,16 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
+    from tensorrpc._observe import CallObservation
     from tensorrpc._service import MethodSpec
 
 __all__ = [
     "ADMISSION",
+    "MISSING",
     "TRANSITIONS",
     "AllRejected",
     "BuiltinCall",
+    "Cancellable",
     "ProtocolSettings",
     "ServerCall",
     "ServerProtocol",
@@ -86,6 +89,7 @@ __all__ = [
     "SessionEnded",
     "SessionStarted",
     "SessionState",
+    "Settable",
     "ShmPeer",
     "readable_call_id",
 ]
@@ -106,6 +110,8 @@ _HEADER: Final = struct.Struct("<2sBBHHQI")
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
 _INF: Final = float("inf")
+#: ``ServerCall.result`` before the handler returned.
+MISSING: Final = object()
 #: First HELLO re-send delay of a dial-in engine; doubles up to the heartbeat interval.
 HELLO_RETRY_MIN_S: Final = 0.05
 
@@ -214,11 +220,25 @@ class ProtocolSettings:
     builtins: frozenset[str] = frozenset()
 
 
+class Cancellable(Protocol):
+    """What the shell hangs on a call to stop it (its cancel scope)."""
+
+    def cancel(self) -> None:
+        """Stop the running handler."""
+
+
+class Settable(Protocol):
+    """What the shell hangs on a call to wake it (the event a stream waits on)."""
+
+    def set(self) -> None:
+        """Wake the waiter."""
+
+
 class ServerCall:
     """One accepted call, from admission until its worker is done with it.
 
-    The shell may subclass it (adding slots for its cancel scope and wake-up event);
-    `ServerProtocol.receive` builds calls through the factory it was given.
+    The last five slots belong to the I/O shell (one object per call, built in one
+    ``__init__``: the hot path); the protocol never reads them.
     """
 
     __slots__ = (
@@ -226,13 +246,18 @@ class ServerCall:
         "buffers",
         "call_id",
         "cancelled",
+        "credit_event",
         "credits",
         "deadline",
+        "failure",
         "fn",
         "key",
+        "observed",
         "parked",
         "payload",
+        "result",
         "results",
+        "scope",
         "session",
         "shutdown",
         "spec",
@@ -274,6 +299,26 @@ class ServerCall:
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
         self.trace = trace
+        #: Shell: the cancel scope the handler runs in, while it runs.
+        self.scope: Cancellable | None = None
+        #: Shell: what a stream waiting for credit waits on.
+        self.credit_event: Settable | None = None
+        #: Shell: the handler's return value (``MISSING`` until it returns).
+        self.result: object = MISSING
+        #: Shell: the exception the handler raised.
+        self.failure: BaseException | None = None
+        #: Shell: what the engine's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
+
+    def wake(self) -> None:
+        """Stop the call if it is cancelled or shut down, and wake its credit wait."""
+        if self.cancelled or self.shutdown:
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+        event = self.credit_event
+        if event is not None:
+            event.set()
 
 
 class Session:

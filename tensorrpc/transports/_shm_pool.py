@@ -315,11 +315,6 @@ class BufferCache:
         self._idle = 0
         self._closed = False
 
-    @property
-    def idle_bytes(self) -> int:
-        """Bytes held for reuse right now."""
-        return self._idle
-
     def empty(self, nbytes: int) -> torch.Tensor:
         """A fresh (uninitialised) contiguous ``uint8`` tensor of ``nbytes``."""
         if nbytes < self.min_bytes or self.max_idle_bytes <= 0:
