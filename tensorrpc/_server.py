@@ -54,6 +54,7 @@ from tensorrpc._protocol import (
     ErrorInfo,
     Hello,
     MessageKind,
+    Welcome,
     encode_error,
     pack_reply_header,
 )
@@ -63,7 +64,6 @@ from tensorrpc._server_protocol import (
     ProtocolSettings,
     Released,
     ServerProtocol,
-    Session,
     SessionEnded,
     SessionStarted,
     ShmPeer,
@@ -253,6 +253,36 @@ def _hello_signature(spec: MethodSpec) -> str:
     if len(text) <= MAX_SIGNATURE_CHARS:
         return text
     return text[: MAX_SIGNATURE_CHARS - 5] + " ..."
+
+
+_STATISTICS_REFUSED: Final = ErrorInfo(
+    int(ErrorCode.METHOD_NOT_FOUND),
+    "",
+    "statistics are only given to authenticated peers: this engine's CURVE socket accepts "
+    "any client key (set allowed_clients)",
+)
+
+
+def negotiate_shm(policy: TransportPolicy, welcome: Welcome) -> ShmPeer:
+    """What a new session may do with ``torch_shm``, from the client's WELCOME.
+
+    The client lists torch_shm only if it opened our probe; we open its probe to know
+    whether we can attach to the arguments it sends by handle.
+    """
+    host = _host_id()
+    return ShmPeer(
+        pid=welcome.pid,
+        peer_receives=bool(policy.probe())
+        and welcome.host_id == host
+        and "torch_shm" in welcome.transports,
+        we_receive=policy.can_receive_from(
+            our_host=host,
+            peer_host=welcome.host_id,
+            offered=welcome.transports,
+            probe=welcome.probe,
+            pid=welcome.pid,
+        ),
+    )
 
 
 def _addresses_of(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -713,13 +743,7 @@ class Server:
         """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
         session, call_id = event.session, event.call_id
         if not _observe.statistics_allowed(self._config.curve):
-            error = ErrorInfo(
-                int(ErrorCode.METHOD_NOT_FOUND),
-                "",
-                "statistics are only given to authenticated peers: this engine's CURVE "
-                "socket accepts any client key (set allowed_clients)",
-            )
-            self._send_now(session.key, encode_error(call_id, error))
+            self._send_now(session.key, encode_error(call_id, _STATISTICS_REFUSED))
             return
         if self._recorder is None:
             self._recorder = _observe.StatisticsRecorder()
@@ -761,7 +785,7 @@ class Server:
         elif isinstance(event, Released):
             self._policy.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
-            self._negotiate_shm(event.session, event)
+            event.session.shm = negotiate_shm(self._policy, event.welcome)
             logger.info("engine %r joined client %s", self._engine_id, event.session.name)
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
@@ -777,26 +801,6 @@ class Server:
                     engine_id=self._engine_id,
                 )
             )
-
-    def _negotiate_shm(self, session: Session, event: SessionStarted) -> None:
-        # The client lists torch_shm only if it opened our probe; we open its probe to know
-        # whether we can attach to the arguments it sends by handle.
-        welcome = event.welcome
-        host = _host_id()
-        policy = self._policy
-        session.shm = ShmPeer(
-            pid=welcome.pid,
-            peer_receives=bool(policy.probe())
-            and welcome.host_id == host
-            and "torch_shm" in welcome.transports,
-            we_receive=policy.can_receive_from(
-                our_host=host,
-                peer_host=welcome.host_id,
-                offered=welcome.transports,
-                probe=welcome.probe,
-                pid=welcome.pid,
-            ),
-        )
 
     def _fail(self, error: BaseException) -> None:
         """Stop serving because of ``error`` (raised by serve_forever)."""
