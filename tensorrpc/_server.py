@@ -258,6 +258,14 @@ def _hello_signature(spec: MethodSpec) -> str:
     return text[: MAX_SIGNATURE_CHARS - 5] + " ..."
 
 
+_STATISTICS_REFUSED: Final = ErrorInfo(
+    int(ErrorCode.METHOD_NOT_FOUND),
+    "",
+    "statistics are only given to authenticated peers: this engine's CURVE socket accepts "
+    "any client key (set allowed_clients)",
+)
+
+
 def _addresses_of(value: str | Sequence[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -716,13 +724,7 @@ class Server:
         """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
         session, call_id = event.session, event.call_id
         if not _observe.statistics_allowed(self._config.curve):
-            error = ErrorInfo(
-                int(ErrorCode.METHOD_NOT_FOUND),
-                "",
-                "statistics are only given to authenticated peers: this engine's CURVE "
-                "socket accepts any client key (set allowed_clients)",
-            )
-            self._send_now(session.key, encode_error(call_id, error))
+            self._send_now(session.key, encode_error(call_id, _STATISTICS_REFUSED))
             return
         if self._recorder is None:
             self._recorder = _observe.StatisticsRecorder()
