@@ -1,0 +1,469 @@
+"""The client's engine table, sans-I/O: admission, aliases, counters, liveness, capacity.
+
+The client's protocol machine (:mod:`tensorrpc._client_protocol`) asks this module what to
+do and then does it; nothing here touches a socket, a clock or an event loop (times are
+parameters, in seconds).
+
+Invariants:
+
+1. An engine id maps to at most one *live* engine, and a routing id (peer) to at most one.
+2. An engine leaves the table when it is declared dead, says BYE, refuses us, becomes
+   unreachable or is replaced by a new session at its peer; its id is then free.
+3. ``in_flight`` of an engine equals the number of its calls in the call table.
+4. Selection never returns an engine whose ``in_flight`` is at the per-engine bound.
+5. Every table fed by strangers is bounded: refusals keep the latest
+   :data:`MAX_REJECTED` entries with their text cut to a fixed length, the counters of
+   departed engines the latest :data:`MAX_PAST` ids. A peer that is refused costs
+   constant memory whatever it sends.
+6. Capacity waits are woken one at a time: a freed slot wakes at most one waiter.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from tensorrpc._exceptions import EngineNotFoundError
+
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+__all__ = [
+    "MAX_PAST",
+    "MAX_REJECTED",
+    "Balancing",
+    "CapacityWaiters",
+    "Engine",
+    "EngineInfo",
+    "EngineTable",
+    "PastEngine",
+    "ShmCapability",
+    "check_hello",
+]
+
+#: Balancing policies for calls that do not name an engine.
+Balancing = Literal["least_outstanding", "round_robin"]
+
+#: Most refusals remembered (the oldest is forgotten first).
+MAX_REJECTED: Final = 64
+#: Most departed engine ids whose counters are kept for statistics.
+MAX_PAST: Final = 1024
+#: Longest engine id kept as a key of the refusals, and longest refusal text, in chars.
+MAX_REJECTED_KEY: Final = 128
+MAX_REJECTED_TEXT: Final = 512
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine said about itself in its HELLO.
+
+    Attributes:
+        engine_id: The engine's id, unique among the live engines of one client.
+        service: The service name the engine serves.
+        fingerprint: Schema fingerprint of the engine's service.
+        protocol_version: Wire protocol version the engine speaks.
+        host_id: Identifies the engine's host (same value means same machine).
+        pid: The engine's process id.
+        transports: Tensor transports the engine offers.
+        concurrency: How many calls the engine runs at once.
+        heartbeat_ms: The engine's heartbeat interval.
+        methods: Method names the engine serves.
+        address: The address the client dialled to reach it, or ``None`` when the engine
+            dialled in.
+        streaming: The names of the methods that stream (meaningful only when
+            ``signatures`` is not empty: older engines announce neither).
+        signatures: One signature per entry of ``methods``, in the same order
+            (``"add(a: int, b: int = 1) -> int"``), or empty when not announced.
+        max_message_bytes: The largest message frame the engine accepts (its
+            ``maxmsgsize``), or 0 when it has no limit or did not announce one.
+        dead_after_ms: How long the engine waits without hearing from this client before
+            it forgets it, or 0 when not announced.
+    """
+
+    engine_id: str
+    service: str
+    fingerprint: str
+    protocol_version: int
+    host_id: str = ""
+    pid: int = 0
+    transports: tuple[str, ...] = ()
+    concurrency: int = 0
+    heartbeat_ms: int = 0
+    methods: tuple[str, ...] = ()
+    address: str | None = None
+    streaming: tuple[str, ...] = ()
+    signatures: tuple[str, ...] = ()
+    max_message_bytes: int = 0
+    dead_after_ms: int = 0
+
+
+def check_hello(
+    info: EngineInfo,
+    *,
+    service: str,
+    fingerprint: str,
+    protocol_version: int,
+) -> tuple[str, str] | None:
+    """Compare an engine's HELLO against what the client expects.
+
+    Args:
+        info: What the engine said.
+        service: The client's service name.
+        fingerprint: The client's schema fingerprint.
+        protocol_version: The client's protocol version.
+
+    Returns:
+        ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
+        is a REJECT code (``"version"``, ``"service"``, ``"fingerprint"``) and ``message``
+        says what differs (``"engine 'e1' has schema fingerprint X, client expects Y"``).
+    """
+    if info.protocol_version != protocol_version:
+        return (
+            "version",
+            f"engine {info.engine_id!r} speaks protocol version {info.protocol_version}, "
+            f"client speaks {protocol_version}",
+        )
+    if info.service != service:
+        return (
+            "service",
+            f"engine {info.engine_id!r} serves {info.service!r}, client expects {service!r}",
+        )
+    if info.fingerprint != fingerprint:
+        return (
+            "fingerprint",
+            f"engine {info.engine_id!r} has schema fingerprint {info.fingerprint}, "
+            f"client expects {fingerprint} (the service's method signatures differ)",
+        )
+    return None
+
+
+@dataclass(slots=True)
+class ShmCapability:
+    """``torch_shm`` with one engine, as proven at handshake (its probe opened here).
+
+    Attributes:
+        pid: The engine process whose handles we resolve.
+        to_engine: We may send argument tensors by handle (cleared when the engine fails
+            to attach to one).
+        from_engine: The engine may send result tensors by handle (cleared when we fail
+            to attach to one).
+    """
+
+    pid: int
+    to_engine: bool = True
+    from_engine: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class Engine:
+    """One live engine session as the client tracks it (mutable; owned by the table)."""
+
+    #: What the engine said in HELLO.
+    info: EngineInfo
+    #: ZMQ routing id of the engine's peer on the client's ROUTER socket.
+    peer: bytes
+    #: The engine's session epoch (HELLO ``epoch``; 0 from engines that send none).
+    epoch: int = 0
+    #: Our session epoch with this engine (sent in WELCOME).
+    client_epoch: int = 0
+    #: When we last heard a well-formed message from the engine.
+    heard: float = 0.0
+    #: When we last sent the engine anything.
+    sent: float = 0.0
+    #: When the next heartbeat PING is due.
+    next_ping: float = 0.0
+    #: Seconds between heartbeats to this engine (ours, or less for its bound).
+    ping_every: float = 1.0
+    #: Call ids in flight on this engine (unary calls and streams).
+    calls: set[int] = field(default_factory=set)
+    #: Calls started on this engine.
+    calls_total: int = 0
+    #: Calls that ended in an error.
+    errors: int = 0
+    #: Bytes sent to the engine (headers, payloads and tensor frames).
+    bytes_sent: int = 0
+    #: Bytes received from the engine.
+    bytes_received: int = 0
+    #: False once the engine is dead or gone.
+    alive: bool = True
+    #: ``torch_shm`` with this engine, or ``None`` when not usable.
+    shm: ShmCapability | None = None
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's id."""
+        return self.info.engine_id
+
+    @property
+    def in_flight(self) -> int:
+        """Number of calls in flight on this engine."""
+        return len(self.calls)
+
+    @property
+    def dead_after(self) -> float:
+        """The engine's announced bound in seconds (0: not announced)."""
+        return self.info.dead_after_ms / 1000
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.engine_id!r} peer={self.peer!r}>"
+
+
+@dataclass(slots=True)
+class PastEngine:
+    """Counters of an engine id summed over its sessions that ended."""
+
+    calls: int = 0
+    errors: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class EngineTable:
+    """The live engines of one client, their departed counters, refusals and balancing.
+
+    Args:
+        balancing: ``"least_outstanding"`` (default) or ``"round_robin"``.
+        max_in_flight: Bound on calls in flight per engine (at least 1).
+    """
+
+    def __init__(self, *, balancing: Balancing = "least_outstanding", max_in_flight: int) -> None:
+        if balancing not in ("least_outstanding", "round_robin"):
+            raise ValueError(f"unknown balancing policy {balancing!r}")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.balancing: Balancing = balancing
+        self.max_in_flight = max_in_flight
+        self._engines: dict[str, Engine] = {}
+        self._by_peer: dict[bytes, Engine] = {}
+        self._order: list[Engine] = []
+        self._cursor = 0
+        #: Engine id -> why it was refused (latest refusal; at most MAX_REJECTED).
+        self.rejected: OrderedDict[str, str] = OrderedDict()
+        #: Refusals since the client opened (also those no longer in ``rejected``).
+        self.rejected_total = 0
+        #: Engine id -> counters of its ended sessions (at most MAX_PAST ids).
+        self.past: OrderedDict[str, PastEngine] = OrderedDict()
+
+    # -- membership ---------------------------------------------------------------------
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        """Live engines by id (the table's own dict: do not mutate)."""
+        return self._engines
+
+    def live_ids(self) -> tuple[str, ...]:
+        """Ids of the live engines, sorted."""
+        return tuple(sorted(self._engines))
+
+    def by_peer(self, peer: bytes) -> Engine | None:
+        """The live engine behind a routing id, if any."""
+        return self._by_peer.get(peer)
+
+    def add(self, engine: Engine) -> None:
+        """Enter an admitted engine; its id and peer must be free."""
+        assert engine.engine_id not in self._engines
+        assert engine.peer not in self._by_peer
+        self._engines[engine.engine_id] = engine
+        self._by_peer[engine.peer] = engine
+        self._order.append(engine)
+        self.rejected.pop(engine.engine_id, None)
+
+    def refuse(self, engine_id: str, reason: str, message: str) -> None:
+        """Remember a refusal (bounded: the oldest is forgotten first)."""
+        key = _cut(engine_id, MAX_REJECTED_KEY)
+        rejected = self.rejected
+        rejected.pop(key, None)
+        rejected[key] = _cut(f"{reason}: {message}", MAX_REJECTED_TEXT)
+        while len(rejected) > MAX_REJECTED:
+            rejected.popitem(last=False)
+        self.rejected_total += 1
+
+    def remove(self, engine: Engine) -> bool:
+        """Take a live engine out (dead or gone); its id becomes free.
+
+        Returns:
+            False when it was not live (already removed).
+        """
+        if self._engines.get(engine.engine_id) is not engine:
+            return False
+        del self._engines[engine.engine_id]
+        engine.alive = False
+        self._by_peer.pop(engine.peer, None)
+        index = self._order.index(engine)
+        del self._order[index]
+        if index < self._cursor:
+            self._cursor -= 1
+        past = self.past.pop(engine.engine_id, None) or PastEngine()
+        past.calls += engine.calls_total
+        past.errors += engine.errors
+        past.bytes_sent += engine.bytes_sent
+        past.bytes_received += engine.bytes_received
+        self.past[engine.engine_id] = past
+        while len(self.past) > MAX_PAST:
+            self.past.popitem(last=False)
+        return True
+
+    def expired(self, now: float, dead_after: float) -> list[Engine]:
+        """Engines not heard from for longer than ``dead_after`` seconds (not removed)."""
+        limit = now - dead_after
+        return [e for e in self._order if e.heard < limit]
+
+    def forgot_us(self, now: float) -> list[Engine]:
+        """Engines we sent nothing to for longer than their own bound.
+
+        Such an engine has forgotten this client (and cancelled its calls), whatever it
+        says next; this happens when the client's event loop stalls.
+        """
+        return [e for e in self._order if e.info.dead_after_ms and now - e.sent > e.dead_after]
+
+    # -- selection ----------------------------------------------------------------------
+
+    def select(self, engine_id: str | None) -> Engine | None:
+        """Pick the engine for a new call.
+
+        Args:
+            engine_id: The engine the call targets, or ``None`` to balance.
+
+        Returns:
+            The engine to use, or ``None`` when every candidate is at its in-flight bound
+            (the caller waits or fails with OverloadedError).
+
+        Raises:
+            EngineNotFoundError: The targeted engine is not live, or no engine is live.
+        """
+        if engine_id is not None:
+            engine = self._engines.get(engine_id)
+            if engine is None:
+                live = self.live_ids()
+                raise EngineNotFoundError(
+                    f"engine {engine_id!r} is not live; live engines: "
+                    f"{', '.join(live) if live else '(none)'}",
+                    live=live,
+                )
+            return engine if len(engine.calls) < self.max_in_flight else None
+        order = self._order
+        count = len(order)
+        if count == 0:
+            raise EngineNotFoundError("no live engines", live=())
+        limit = self.max_in_flight
+        start = self._cursor % count
+        self._cursor = start + 1
+        if self.balancing == "round_robin":
+            for offset in range(count):
+                engine = order[(start + offset) % count]
+                if len(engine.calls) < limit:
+                    self._cursor = start + offset + 1
+                    return engine
+            return None
+        # Least outstanding; ties go to the engine after the previous pick so that an idle
+        # pool is used evenly rather than always hitting the first engine.
+        best: Engine | None = None
+        best_load = limit
+        for offset in range(count):
+            engine = order[(start + offset) % count]
+            load = len(engine.calls)
+            if load < best_load:
+                best, best_load = engine, load
+                if load == 0:
+                    break
+        return best
+
+    def has_capacity(self, engine_id: str | None) -> bool:
+        """Whether a call (targeted or balanced) could start now, without side effects."""
+        if engine_id is not None:
+            engine = self._engines.get(engine_id)
+            return engine is None or len(engine.calls) < self.max_in_flight
+        return not self._order or any(len(e.calls) < self.max_in_flight for e in self._order)
+
+
+class CapacityWaiters:
+    """Callers waiting for an in-flight slot, woken one per freed slot.
+
+    A waiter waits either for a given engine id or for any engine (``None``). The tokens
+    are the I/O shell's (futures, events); this class only says which to wake. Waking
+    every waiter on every freed slot made N queued calls cost O(N²); here a freed slot
+    wakes one waiter, and a woken waiter that finds no slot queues again.
+    """
+
+    __slots__ = ("_any", "_by_engine", "wakeups")
+
+    def __init__(self) -> None:
+        # Dicts used as ordered sets: FIFO order, O(1) removal of a cancelled waiter.
+        self._any: dict[Hashable, None] = {}
+        self._by_engine: dict[str, dict[Hashable, None]] = {}
+        #: Wake-ups handed out (for tests and statistics).
+        self.wakeups = 0
+
+    def __len__(self) -> int:
+        return len(self._any) + sum(map(len, self._by_engine.values()))
+
+    def queued(self, target: str | None) -> bool:
+        """Whether callers already wait for ``target`` (a new caller then queues too)."""
+        return bool(self._any if target is None else self._by_engine.get(target))
+
+    def add(self, target: str | None, token: Hashable) -> None:
+        """Queue a waiter for ``target`` (an engine id, or ``None`` for any engine)."""
+        if target is None:
+            self._any[token] = None
+        else:
+            self._by_engine.setdefault(target, {})[token] = None
+
+    def discard(self, target: str | None, token: Hashable) -> None:
+        """Forget a waiter that stopped waiting (cancelled, timed out)."""
+        if target is None:
+            self._any.pop(token, None)
+            return
+        queue = self._by_engine.get(target)
+        if queue is not None:
+            queue.pop(token, None)
+            if not queue:
+                del self._by_engine[target]
+
+    def _take(self, target: str | None, limit: int) -> list[Any]:
+        queue = self._any if target is None else self._by_engine.get(target)
+        out: list[Any] = []
+        while queue and len(out) < limit:
+            token = next(iter(queue))
+            del queue[token]
+            out.append(token)
+        if target is not None and queue is not None and not queue:
+            del self._by_engine[target]
+        self.wakeups += len(out)
+        return out
+
+    def released(self, engine_id: str | None) -> list[Any]:
+        """A slot on ``engine_id`` became free: the (at most one) waiter to wake.
+
+        ``None`` hands a slot of an unknown engine to the first waiter for any engine.
+        """
+        if not self._any and engine_id not in self._by_engine:
+            return []
+        if engine_id is not None:
+            woken = self._take(engine_id, 1)
+            if woken:
+                return woken
+        return self._take(None, 1)
+
+    def joined(self, engine_id: str, slots: int) -> list[Any]:
+        """An engine with ``slots`` free slots joined: the waiters to wake."""
+        woken = self._take(engine_id, slots)
+        return woken + self._take(None, slots - len(woken))
+
+    def lost(self, engine_id: str, *, none_left: bool) -> list[Any]:
+        """An engine left: its targeted waiters (and, if no engine is left, all) wake."""
+        woken = self._take(engine_id, len(self._by_engine.get(engine_id, ())))
+        if none_left:
+            woken += self._take(None, len(self._any))
+        return woken
+
+    def everyone(self) -> list[Any]:
+        """Every waiter (the client is closing)."""
+        woken = self._take(None, len(self._any))
+        for engine_id in list(self._by_engine):
+            woken += self._take(engine_id, len(self._by_engine[engine_id]))
+        return woken
