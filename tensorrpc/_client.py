@@ -640,6 +640,69 @@ class Client(CallView[S]):
                 text += f" (and {table.rejected_total - len(rejected)} earlier refusals)"
         raise EnginesUnavailableError(text, rejected=rejected)
 
+    # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
+
+    @property
+    def curve(self) -> CurveConfig | None:
+        """The CURVE configuration of the client's socket (``None``: plaintext)."""
+        return self._curve
+
+    def connect(self, address: str) -> None:
+        """Dial one more listening engine, as if its address had been given to ``connect=``.
+
+        The client pings the address until the engine answers with its HELLO, and keeps
+        pinging it while its engine is down, like the constructor's addresses.
+
+        Args:
+            address: The engine's address (``tcp://HOST:PORT``, ``ipc://PATH``).
+
+        Raises:
+            ClosedError: The client is not open or is closed.
+            ConnectError: The address is malformed.
+        """
+        self._check_open()
+        assert self._sock is not None
+        alias = f"@{secrets.token_hex(4)}/{self._protocol.dial_count}".encode()
+        self._sock.connect(address, peer_id=alias)
+        self._protocol.dial(alias, address, _monotonic())
+        self._flush()
+
+    def disconnect(self, address: str) -> None:
+        """Stop dialling an address given to :meth:`connect` or to ``connect=``.
+
+        The engine behind it stays live until it says BYE or goes silent for
+        ``dead_after``. Unknown addresses are ignored.
+
+        Raises:
+            ClosedError: The client is not open or is closed.
+        """
+        self._check_open()
+        assert self._sock is not None
+        if self._protocol.undial(address):
+            with contextlib.suppress(TensorRPCError):
+                self._sock.disconnect(address)
+
+    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> bool:
+        """Take a live engine out now, when something outside the protocol saw it die.
+
+        For supervisors (a process manager, Ray) that learn of an engine's death before
+        its heartbeats stop: its calls in flight fail at once with
+        [`EngineDeadError`][tensorrpc.EngineDeadError] instead of after ``dead_after``.
+        Nothing happens unless the live engine of that id runs as process ``pid``, so a
+        restarted incarnation that already rejoined under the same id is left alone.
+
+        Args:
+            engine_id: The engine's id.
+            pid: The process id of the incarnation that died.
+            reason: Why, for the errors and the log (``"died (Ray: actor killed)"``).
+
+        Returns:
+            True when an engine was taken out.
+        """
+        lost = self._protocol.declare_dead(engine_id, pid=pid, reason=reason)
+        self._event(lost)
+        return lost is not None
+
     # -- socket and events -----------------------------------------------------------------
 
     def _open_socket(self) -> None:

@@ -300,6 +300,7 @@ class ClientProtocol:
         self.calls = CallTable()
         self.capacity = CapacityWaiters()
         self._dials: dict[bytes, _Dial] = {}
+        self._dial_count = 0
         self._outbox: list[list[bytes]] = []
         #: Events found while handling a message whose own event was already returned.
         self.pending: collections.deque[Event] = collections.deque()
@@ -338,7 +339,24 @@ class ClientProtocol:
         """An address was connected under routing id ``alias``: ask it for HELLO."""
         dial = _Dial(address, self.config.heartbeat.interval)
         self._dials[alias] = dial
+        self._dial_count += 1
         self._hello_request(alias, dial, now)
+
+    @property
+    def dial_count(self) -> int:
+        """Addresses dialled so far (also those no longer dialled)."""
+        return self._dial_count
+
+    def undial(self, address: str) -> list[bytes]:
+        """Stop asking ``address`` for HELLO; its live engine (if any) stays.
+
+        Returns:
+            The aliases that dialled it (empty: it was not dialled).
+        """
+        aliases = [alias for alias, dial in self._dials.items() if dial.address == address]
+        for alias in aliases:
+            del self._dials[alias]
+        return aliases
 
     def address_of(self, peer: bytes) -> str | None:
         """The address dialled under this routing id, if any."""
@@ -610,6 +628,16 @@ class ClientProtocol:
             f"longer than its bound ({engine.dead_after:g} s; did the client's event loop "
             "stall?)",
         )
+
+    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> EngineLost | None:
+        """End the session of ``engine_id`` if its engine runs as process ``pid``.
+
+        For supervisors that saw the process die before its heartbeats stopped.
+        """
+        engine = self.engines.engines.get(engine_id)
+        if engine is None or engine.info.pid != pid:
+            return None
+        return self._lose(engine, reason)
 
     def unreachable(self, peer: bytes, now: float) -> EngineLost | None:
         """A send to ``peer`` failed because no connection to it exists (yet)."""

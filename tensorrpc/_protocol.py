@@ -43,6 +43,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "MAX_BUFFERS",
+    "MAX_CHALLENGE_BYTES",
     "MAX_CONTROL_BYTES",
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
@@ -60,6 +61,7 @@ __all__ = [
     "Header",
     "Hello",
     "MessageKind",
+    "Proof",
     "Reject",
     "RejectReason",
     "Release",
@@ -98,6 +100,8 @@ MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
 MAX_BUFFERS: Final = 1024
 #: Longest ``probe`` handle in HELLO / WELCOME, in bytes.
 MAX_PROBE_BYTES: Final = 4096
+#: Longest ``challenge`` (HELLO, WELCOME) and ``proof`` (WELCOME, PROOF), in bytes.
+MAX_CHALLENGE_BYTES: Final = 64
 #: Longest entry of HELLO's ``signatures`` list, in characters.
 MAX_SIGNATURE_CHARS: Final = 4096
 
@@ -139,6 +143,9 @@ class MessageKind(IntEnum):
     #: client → engine: the client attached to the shared-memory tensors of these result
     #: leases (``torch_shm``); the engine may reuse their memory. :class:`Release` body.
     RELEASE = 14
+    #: engine → client, once after a WELCOME that carried a ``challenge``: the engine's
+    #: answer to it (``torch_shm`` proof of its process id); :class:`Proof` body.
+    PROOF = 15
 
 
 class Flags(IntFlag):
@@ -171,6 +178,8 @@ class RejectReason:
     VERSION: Final = "version"
     #: Another live engine already uses this engine id.
     DUPLICATE_ID: Final = "duplicate_id"
+    #: The handshake message (HELLO or WELCOME) was malformed; ``message`` names the fault.
+    PROTOCOL: Final = "protocol"
     #: Anything else; ``message`` explains.
     OTHER: Final = "other"
 
@@ -187,6 +196,7 @@ _CONNECTION_KINDS: Final = frozenset(
         MessageKind.REJECT,
         MessageKind.BYE,
         MessageKind.RELEASE,
+        MessageKind.PROOF,
     }
 )
 _CALL_KINDS: Final = frozenset(
@@ -585,6 +595,18 @@ class Hello:
     #: optional, 0 when it has no limit or does not announce one. A client refuses to
     #: send a frame over it rather than have the engine's ZMQ drop the connection.
     max_message_bytes: int = 0
+    #: The engine's session epoch with this client (optional; 0 when not announced): a
+    #: random u64 (1..2**64-1) drawn per session. A HELLO repeating the epoch belongs to
+    #: the same session; a new epoch from a known engine id means the engine lost the
+    #: session and every call in flight on it.
+    epoch: int = 0
+    #: How long the engine waits, in milliseconds, without a message from the client
+    #: before it declares the client dead (optional; 0 when not announced). The client
+    #: PINGs often enough for it.
+    dead_after_ms: int = 0
+    #: ``torch_shm``: a fresh random challenge (optional; empty when ``torch_shm`` is not
+    #: offered). The client proves its process id by answering it in WELCOME's ``proof``.
+    challenge: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,6 +632,23 @@ class Welcome:
     #: optional, 0 when it has no limit or does not announce one. An engine refuses to
     #: send a result frame over it (``BAD_RESULT``) rather than have it dropped.
     max_message_bytes: int = 0
+    #: The client's session epoch with this engine (optional; 0 when not announced): a
+    #: random u64 (1..2**64-1) drawn per session. An engine that sees a WELCOME with a
+    #: new epoch from a client it has a session with knows the client lost that session.
+    epoch: int = 0
+    #: How long the client waits, in milliseconds, without a message from the engine
+    #: before it declares the engine dead (optional; 0 when not announced). The engine
+    #: PINGs often enough for it.
+    dead_after_ms: int = 0
+    #: The client's schema fingerprint (optional; "" when not announced or schema-less),
+    #: so that an engine can refuse a mismatch too.
+    fingerprint: str = ""
+    #: ``torch_shm``: the client's fresh random challenge for the engine (optional; empty
+    #: when ``torch_shm`` is not offered); the engine answers it in a PROOF message.
+    challenge: bytes = b""
+    #: ``torch_shm``: the client's answer to HELLO's ``challenge`` (optional; empty when
+    #: not offered): HMAC-SHA256 keyed by the secret in the client's probe memfd.
+    proof: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,6 +686,15 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Proof:
+    """PROOF body: the engine's answer to the ``challenge`` of the client's WELCOME."""
+
+    #: HMAC-SHA256 keyed by the secret in the engine's probe memfd; empty when the engine
+    #: does not use ``torch_shm`` with this client (the client's proof did not verify).
+    proof: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorInfo:
     """ERROR body: why a call (or, with call_id 0, the connection) failed."""
 
@@ -665,7 +713,7 @@ class ErrorInfo:
 
 
 #: Any control-message body.
-ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release
+ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release | Proof
 
 # Field schema per body class: (name, kind, limit). kind: "str" | "int" | "strs".
 _Field: TypeAlias = tuple[str, str, int]
@@ -685,6 +733,9 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("streaming", "strs", MAX_METHOD_BYTES),
         ("signatures", "strs", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
+        ("epoch", "int", _U64_MAX),
+        ("dead_after_ms", "int", _U32_MAX),
+        ("challenge", "bytes", MAX_CHALLENGE_BYTES),
     ),
     Welcome: (
         ("client_id", "str", MAX_NAME_CHARS),
@@ -695,11 +746,17 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("pid", "int", _I64_MAX),
         ("probe", "bytes", MAX_PROBE_BYTES),
         ("max_message_bytes", "int", _I64_MAX),
+        ("epoch", "int", _U64_MAX),
+        ("dead_after_ms", "int", _U32_MAX),
+        ("fingerprint", "str", MAX_NAME_CHARS),
+        ("challenge", "bytes", MAX_CHALLENGE_BYTES),
+        ("proof", "bytes", MAX_CHALLENGE_BYTES),
     ),
     Reject: (("reason", "str", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "str", MAX_NAME_CHARS),),
     Credit: (("n", "int", _U32_MAX),),
     Release: (("leases", "ints", _I64_MAX),),
+    Proof: (("proof", "bytes", MAX_CHALLENGE_BYTES),),
     ErrorInfo: (
         ("code", "int", _U16_MAX),
         ("type", "str", MAX_NAME_CHARS),
@@ -715,6 +772,7 @@ _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
     MessageKind.CREDIT: Credit,
     MessageKind.ERROR: ErrorInfo,
     MessageKind.RELEASE: Release,
+    MessageKind.PROOF: Proof,
 }
 _MIN_INT: Final = {"n": 1}  # CREDIT of 0 items means nothing and is refused
 # Fields added after version 1 shipped: a peer that omits them gets the default.
@@ -727,6 +785,14 @@ _OPTIONAL: Final = frozenset(
         (Welcome, "pid"),
         (Welcome, "probe"),
         (Welcome, "max_message_bytes"),
+        (Hello, "epoch"),
+        (Hello, "dead_after_ms"),
+        (Welcome, "epoch"),
+        (Welcome, "dead_after_ms"),
+        (Welcome, "fingerprint"),
+        (Hello, "challenge"),
+        (Welcome, "challenge"),
+        (Welcome, "proof"),
     }
 )
 _DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {

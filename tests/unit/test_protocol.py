@@ -178,6 +178,7 @@ def test_every_valid_header_round_trips(kind, call_id, flags, timeout_ms, method
         MessageKind.REJECT,
         MessageKind.BYE,
         MessageKind.RELEASE,
+        MessageKind.PROOF,
     ):
         header = Header(kind)
     else:
@@ -249,7 +250,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(version=2), "unsupported protocol version 2"),
         (raw_header(version=0), "unsupported protocol version 0"),
         (raw_header(kind=0), "unknown message kind 0"),
-        (raw_header(kind=15), "unknown message kind 15"),
+        (raw_header(kind=16), "unknown message kind 16"),
         (raw_header(kind=255), "unknown message kind 255"),
         (raw_header(reserved=1), "reserved"),
         (raw_header(flags=1), "only CALL"),
@@ -487,3 +488,30 @@ def test_mutated_valid_messages_give_a_value_or_a_remote_protocol_error(entry, p
     position %= max(len(joined), 1)
     joined[position] = byte
     check_only_protocol_errors([bytes(joined[: len(frames[0])]), bytes(joined[len(frames[0]) :])])
+
+
+def test_session_fields_round_trip_and_are_optional_for_older_peers() -> None:
+    hello = Hello("e", "S", "f", 1, "h", 5, epoch=2**64 - 1, dead_after_ms=5000)
+    welcome = Welcome("c", "h", epoch=1, dead_after_ms=2**32 - 1, fingerprint="ab" * 32)
+    for kind, body in ((MessageKind.HELLO, hello), (MessageKind.WELCOME, welcome)):
+        header, payload, _ = split_frames(encode_control(kind, body))
+        wire = ormsgpack.unpackb(memoryview(payload))
+        assert decode_control(header, payload) == body
+        old = {k: v for k, v in wire.items() if k not in ("epoch", "dead_after_ms")}
+        decoded = decode_control(header, ormsgpack.packb(old))
+        assert isinstance(decoded, Hello | Welcome)
+        assert (decoded.epoch, decoded.dead_after_ms) == (0, 0)
+        for key, bad, match in (
+            ("epoch", -1, "out of range"),
+            ("dead_after_ms", 2**32, "out of range"),
+            ("epoch", True, "must be an integer"),
+        ):
+            with pytest.raises(RemoteProtocolError, match=match):
+                decode_control(header, ormsgpack.packb({**old, key: bad}))
+    header, payload, _ = split_frames(encode_control(MessageKind.WELCOME, welcome))
+    old = {k: v for k, v in ormsgpack.unpackb(memoryview(payload)).items() if k != "fingerprint"}
+    decoded = decode_control(header, ormsgpack.packb(old))
+    assert isinstance(decoded, Welcome)
+    assert decoded.fingerprint == ""
+    with pytest.raises(RemoteProtocolError, match="must be a string"):
+        decode_control(header, ormsgpack.packb({**old, "fingerprint": 7}))

@@ -10,6 +10,7 @@ from tensorrpc._protocol import (
     Flags,
     Hello,
     MessageKind,
+    Proof,
     Release,
     Welcome,
     decode_control,
@@ -77,3 +78,37 @@ def test_probe_must_be_bytes():
     }
     with pytest.raises(RemoteProtocolError, match="probe"):
         decode_control(header, ormsgpack.packb(body))
+
+
+def test_challenge_and_proof_fields_round_trip_and_default_to_empty():
+    hello = Hello("e", "S", "f", 1, "h", 5, challenge=b"\x02" * 32)
+    frames = encode_control(MessageKind.HELLO, hello)
+    assert decode_control(unpack_header(frames[0]), frames[1]) == hello
+    welcome = Welcome("c", "h", pid=9, challenge=b"\x03" * 32, proof=b"\x04" * 32)
+    frames = encode_control(MessageKind.WELCOME, welcome)
+    assert decode_control(unpack_header(frames[0]), frames[1]) == welcome
+    assert Hello("e", "S", "f", 1, "h", 5).challenge == b""
+    assert Welcome("c", "h").proof == Welcome("c", "h").challenge == b""
+
+
+def test_proof_is_a_connection_level_message():
+    frames = encode_control(MessageKind.PROOF, Proof(b"\x05" * 32))
+    header, payload, _buffers = split_frames(frames)
+    assert header.kind is MessageKind.PROOF
+    assert header.call_id == 0
+    assert decode_control(header, payload) == Proof(b"\x05" * 32)
+    assert decode_control(header, ormsgpack.packb({"proof": b""})) == Proof(b"")
+    with pytest.raises(RemoteProtocolError, match="missing"):
+        decode_control(header, ormsgpack.packb({}))
+
+
+@pytest.mark.parametrize("value", ["text", b"\x00" * 65, 7])
+def test_oversized_or_mistyped_challenge_and_proof_are_refused(value):
+    frames = encode_control(MessageKind.PROOF, Proof(b""))
+    with pytest.raises(RemoteProtocolError, match="proof"):
+        decode_control(unpack_header(frames[0]), ormsgpack.packb({"proof": value}))
+    frames = encode_control(MessageKind.HELLO, Hello("e", "S", "f", 1, "h", 5))
+    body = ormsgpack.unpackb(frames[1])
+    body["challenge"] = value
+    with pytest.raises(RemoteProtocolError, match="challenge"):
+        decode_control(unpack_header(frames[0]), ormsgpack.packb(body))
