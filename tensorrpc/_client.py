@@ -43,6 +43,7 @@ from tensorrpc._client_protocol import (
     EngineJoined,
     EngineLost,
     EngineRefused,
+    Heartbeat,
     Ignored,
     reply_error,
 )
@@ -60,7 +61,6 @@ from tensorrpc._exceptions import (
     TensorTransportError,
 )
 from tensorrpc._hostinfo import host_id as _host_id
-from tensorrpc._liveness import Heartbeat
 from tensorrpc._protocol import Flags, Hello, MessageKind, encode_control, pack_call_header
 from tensorrpc._service import ServiceSpec, describe, schemaless_method
 from tensorrpc._views import (

@@ -46,7 +46,7 @@ from tensorrpc._engines import (
     check_hello,
 )
 from tensorrpc._exceptions import ClosedError, RemoteProtocolError
-from tensorrpc._liveness import Backoff, Heartbeat, ping_interval
+from tensorrpc._liveness import Backoff, check_heartbeat, ping_interval, to_ms
 from tensorrpc._protocol import (
     PROTOCOL_VERSION,
     Bye,
@@ -81,6 +81,7 @@ __all__ = [
     "EngineLost",
     "EngineRefused",
     "Event",
+    "Heartbeat",
     "Ignored",
 ]
 
@@ -157,6 +158,23 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("live", "send fails: peer unreachable", "end the session (calls fail)", "none"),
     ("live", "close()", "BYE; calls fail: ClosedError", "none"),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """One side's liveness settings.
+
+    Attributes:
+        interval: Seconds between PINGs when the peer announced no shorter need.
+        dead_after: Seconds of silence after which a peer is declared dead; announced
+            to the peer (in milliseconds) in the handshake.
+    """
+
+    interval: float = 1.0
+    dead_after: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_heartbeat(self.interval, self.dead_after)
 
 
 _DEFAULT_HEARTBEAT: Final = Heartbeat()
@@ -564,7 +582,7 @@ class ClientProtocol:
             client_epoch=self._epochs(),
             heard=now,
             sent=now,
-            ping_every=ping_interval(heartbeat.interval, info.dead_after_ms / 1000),
+            ping_every=ping_interval(heartbeat.interval, info.dead_after_ms),
         )
         engine.next_ping = now + engine.ping_every
         offer = self._hooks.shm_offer(hello)
@@ -586,13 +604,13 @@ class ClientProtocol:
             client_id=config.client_id,
             host_id=config.host_id,
             transports=transports,
-            heartbeat_ms=config.heartbeat.interval_ms,
+            heartbeat_ms=to_ms(config.heartbeat.interval),
             stream_window=config.stream_window,
             pid=config.pid,
             probe=probe,
             max_message_bytes=config.max_message_bytes,
             epoch=engine.client_epoch,
-            dead_after_ms=config.heartbeat.dead_after_ms,
+            dead_after_ms=to_ms(config.heartbeat.dead_after),
             fingerprint="" if config.schemaless else config.fingerprint,
         )
         self._queue(engine, engine.peer, MessageKind.WELCOME, welcome, 0, now)
@@ -646,7 +664,7 @@ class ClientProtocol:
             return self._lose(engine, "is unreachable (its connection closed)")
         dial = self._dials.get(peer)
         if dial is not None:
-            dial.due = now + dial.backoff.next()
+            dial.due = now + dial.backoff.failed()
         return None
 
     def tick(self, now: float) -> list[EngineLost]:

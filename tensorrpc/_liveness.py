@@ -1,98 +1,101 @@
-"""Liveness arithmetic, sans-I/O: heartbeat intervals, dead-after bounds, capped backoff.
+"""Liveness arithmetic shared by both ends, sans-I/O: heartbeat bounds and capped backoff.
 
-Both ends of a connection use these rules (docs/protocol.md §9):
+Nothing here reads a clock: every time is a parameter (seconds, any monotonic origin).
 
-1. Each side announces in the handshake how long it waits before declaring the other dead
-   (``dead_after_ms`` in HELLO and WELCOME; 0 means "not announced").
-2. Each side pings often enough for the *other* side's bound: at its own
-   ``heartbeat_interval``, or every third of the peer's bound when that is shorter, so
-   that two pings in a row may be lost before the peer gives up.
-3. Any well-formed message from a peer with a session counts as life.
-4. Retries (a HELLO nobody answered, a first PING before the connection is up) back off
-   exponentially from a floor to a cap and never faster than the floor.
+Rules:
 
-Nothing here reads a clock: times are parameters, in seconds.
+1. A side pings each peer at least :data:`PINGS_PER_BOUND` times per the dead-after bound
+   the *peer* announced, and never less often than its own heartbeat interval, so that no
+   peer declares it dead while both are healthy.
+2. A bound of 0 (an older peer that announced none) imposes nothing.
+3. Backoff doubles from its minimum up to its cap and starts again from the minimum after
+   :meth:`Backoff.reset`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Final
 
-__all__ = ["Backoff", "Heartbeat", "check_heartbeat", "ping_interval"]
+__all__ = [
+    "MIN_PING_INTERVAL_S",
+    "PINGS_PER_BOUND",
+    "Backoff",
+    "check_heartbeat",
+    "ping_interval",
+    "to_ms",
+]
 
-#: Pings per peer bound: a peer hears from us at least this many times per bound.
-PINGS_PER_BOUND = 3
+#: How many PINGs a side sends per dead-after bound of its peer.
+PINGS_PER_BOUND: Final = 3
+#: The shortest interval between two PINGs to one peer, whatever it announced.
+MIN_PING_INTERVAL_S: Final = 0.01
 
 
-def check_heartbeat(interval: float, dead_after: float) -> None:
-    """Refuse a heartbeat interval and dead-after bound that cannot work together.
+def check_heartbeat(heartbeat_interval: float, dead_after: float) -> None:
+    """Check a side's own liveness settings.
+
+    Args:
+        heartbeat_interval: Seconds between PINGs to each peer.
+        dead_after: Seconds of silence after which a peer is declared dead.
 
     Raises:
-        ValueError: unless ``0 < interval < dead_after``.
+        ValueError: Unless ``0 < heartbeat_interval < dead_after``.
     """
-    if not interval > 0 or not dead_after > interval:
-        raise ValueError(
-            f"need 0 < heartbeat_interval < dead_after, got {interval!r} and {dead_after!r}"
-        )
+    if not heartbeat_interval > 0 or not dead_after > heartbeat_interval:
+        raise ValueError("need 0 < heartbeat_interval < dead_after")
 
 
-def ping_interval(own_interval: float, peer_dead_after: float) -> float:
-    """Seconds between two PINGs to a peer that announced ``peer_dead_after`` (0: none)."""
-    if peer_dead_after > 0:
-        return min(own_interval, peer_dead_after / PINGS_PER_BOUND)
-    return own_interval
+def to_ms(seconds: float) -> int:
+    """A duration in whole milliseconds for the wire (at least 1, at most 2**32-1)."""
+    return max(1, min(round(seconds * 1000), 0xFFFF_FFFF))
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """One side's liveness settings.
+def ping_interval(own_interval: float, peer_dead_after_ms: int) -> float:
+    """Seconds between PINGs to a peer that announced ``peer_dead_after_ms``.
 
-    Attributes:
-        interval: Seconds between PINGs when the peer announced no shorter need.
-        dead_after: Seconds of silence after which this side declares a peer dead;
-            announced to the peer (in milliseconds) in the handshake.
+    Args:
+        own_interval: This side's heartbeat interval in seconds.
+        peer_dead_after_ms: The peer's dead-after bound in milliseconds (0: none announced).
+
+    Returns:
+        ``own_interval``, shortened so that the peer hears at least
+        :data:`PINGS_PER_BOUND` PINGs per its bound; never below
+        :data:`MIN_PING_INTERVAL_S`.
     """
-
-    interval: float = 1.0
-    dead_after: float = 5.0
-
-    def __post_init__(self) -> None:
-        check_heartbeat(self.interval, self.dead_after)
-
-    @property
-    def interval_ms(self) -> int:
-        """``interval`` in whole milliseconds (at least 1), as sent on the wire."""
-        return max(1, int(self.interval * 1000))
-
-    @property
-    def dead_after_ms(self) -> int:
-        """``dead_after`` in whole milliseconds (at least 1), as sent on the wire."""
-        return max(1, int(self.dead_after * 1000))
+    if peer_dead_after_ms <= 0:
+        return own_interval
+    bound = peer_dead_after_ms / 1000 / PINGS_PER_BOUND
+    return max(MIN_PING_INTERVAL_S, min(own_interval, bound))
 
 
 class Backoff:
-    """Capped exponential backoff: ``floor``, ``2·floor``, ... up to ``cap``.
+    """A capped exponential delay: ``minimum``, doubled per failure, at most ``cap``.
 
     Args:
-        floor: The first delay, in seconds (> 0).
-        cap: The largest delay, in seconds (≥ ``floor``).
+        minimum: The first delay, in seconds.
+        cap: The longest delay, in seconds.
     """
 
-    __slots__ = ("_next", "cap", "floor")
+    __slots__ = ("_cap", "_delay", "_minimum")
 
-    def __init__(self, floor: float, cap: float) -> None:
-        if not 0 < floor <= cap:
-            raise ValueError(f"need 0 < floor <= cap, got {floor!r} and {cap!r}")
-        self.floor = floor
-        self.cap = cap
-        self._next = floor
+    def __init__(self, minimum: float, cap: float) -> None:
+        if not 0 < minimum <= cap:
+            raise ValueError("need 0 < minimum <= cap")
+        self._minimum = minimum
+        self._cap = cap
+        self._delay = minimum
 
-    def next(self) -> float:
-        """The delay before the next attempt; each call doubles the following one."""
-        delay = self._next
-        self._next = min(delay * 2, self.cap)
+    @property
+    def delay(self) -> float:
+        """The delay the next failure waits."""
+        return self._delay
+
+    def failed(self) -> float:
+        """Return the delay to wait now and double the next one (up to the cap)."""
+        delay = self._delay
+        self._delay = min(delay * 2, self._cap)
         return delay
 
     def reset(self) -> None:
-        """Start again from ``floor`` (after a success)."""
-        self._next = self.floor
+        """Start again from the minimum (after a success)."""
+        self._delay = self._minimum
