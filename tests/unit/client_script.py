@@ -23,8 +23,7 @@ from tensorrpc._protocol import (
     pack_reply_header,
     split_frames,
 )
-from tensorrpc._service import MethodSpec, describe
-from tensorrpc._service import rpc, service
+from tensorrpc._service import MethodSpec, describe, rpc, service
 
 
 @service
