@@ -110,7 +110,9 @@ class ClientMachine(RuleBasedStateMachine):
         call = data.draw(st.sampled_from([c for c in self.calls if c.stream and not c.ended]))
         peer = self.peer(call.engine.engine_id)
         for i in range(n):
-            self.observe(self.protocol.receive(peer, result(call.call_id, i, K.STREAM_ITEM), self.now))
+            self.observe(
+                self.protocol.receive(peer, result(call.call_id, i, K.STREAM_ITEM), self.now)
+            )
 
     @precondition(lambda self: self.calls)
     @rule(data=st.data())
