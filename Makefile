@@ -1,11 +1,13 @@
 # tensorrpc developer targets. `make test` and `make demo` each build .venv when missing.
+# The editable install is a plain .pth entry with the repository root (pyproject.toml sets
+# package-dir), which mypy follows; see CONTRIBUTING.md.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: all install test lint format check demo bench soak docs clean test-gpu
+.PHONY: all install test lint format check demo bench soak docs docs-serve dist clean test-gpu
 
 all: test
 
@@ -45,6 +47,14 @@ soak: $(STAMP)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The site with working links and search at http://127.0.0.1:8000/ (rebuilt on edits).
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8000
+
+# Wheel and sdist into dist/ (offline: the build backend comes from .venv).
+dist: $(STAMP)
+	$(BIN)/python -m build --no-isolation --outdir dist
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .mypy_cache .ruff_cache .pytest_cache

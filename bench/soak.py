@@ -42,6 +42,7 @@ from tensorrpc._client import Client
 from tensorrpc._exceptions import TensorRPCError
 from tensorrpc._server import Server
 from tensorrpc._service import rpc, service
+from tensorrpc._stub import Stub
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "soak.json"
@@ -232,7 +233,7 @@ async def _drive(config: Config, engines: _Engines, figures: Figures) -> None:
     # every 1 in `stride` calls is a tensor call, spread evenly over the run
     stride = max(1, total // config.tensor_calls) if config.tensor_calls else 0
 
-    async def tensor_call(stub: Soak, uid: int) -> bool:
+    async def tensor_call(stub: Stub[Soak], uid: int) -> bool:
         # In a function of its own, so that no worker keeps its last tensors alive while
         # it makes small calls (1,000 workers would hold a gigabyte).
         x = torch.full((TENSOR_ELEMENTS,), uid & 0xFFFF, dtype=torch.int64)

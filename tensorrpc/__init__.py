@@ -48,6 +48,7 @@ from tensorrpc._exceptions import (
     TransportError,
     ValidationError,
 )
+from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._protocol import PROTOCOL_VERSION
 from tensorrpc._security import (
     CurveClientConfig,
@@ -62,6 +63,7 @@ from tensorrpc._security import (
 )
 from tensorrpc._server import PeerStatistics, Server, ServerStatistics, serve
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
+from tensorrpc._stub import Stub
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports import (
     TorchShmStatistics,
@@ -76,6 +78,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BroadcastError",
     "CallError",
+    "CallObservation",
     "CallOptions",
     "CallStream",
     "CallTimeoutError",
@@ -103,6 +106,7 @@ __all__ = [
     "LocalProtocolError",
     "MethodNotFoundError",
     "MethodSpec",
+    "Observer",
     "OverloadedError",
     "PeerStatistics",
     "PeerUnreachableError",
@@ -115,6 +119,7 @@ __all__ = [
     "ServiceDefinitionError",
     "ServiceSpec",
     "SocketOptions",
+    "Stub",
     "TensorRPCError",
     "TensorTransportError",
     "TorchShmStatistics",

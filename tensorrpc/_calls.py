@@ -116,7 +116,8 @@ class Call:
     """One call: where it went, its state, and what came back.
 
     The I/O shell owns ``waiter`` (what wakes the caller), ``lease`` and ``placed`` (the
-    argument tensors that went by shared memory); the table only carries them.
+    argument tensors that went by shared memory) and ``observed``; the table only carries
+    them.
     """
 
     __slots__ = (
@@ -126,6 +127,7 @@ class Call:
         "error",
         "items",
         "lease",
+        "observed",
         "placed",
         "reply_buffers",
         "reply_kind",
@@ -152,6 +154,8 @@ class Call:
         self.credit: StreamCredit | None = None
         self.lease: int | None = None
         self.placed = (0, 0)
+        #: What the client's observer watches of this call (None: no observer).
+        self.observed: Any = None
 
     @property
     def ended(self) -> bool:

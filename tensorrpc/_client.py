@@ -33,7 +33,7 @@ import anyio
 import anyio.lowlevel
 import zmq
 
-from tensorrpc import _codec
+from tensorrpc import _codec, _observe
 from tensorrpc._calls import Call, CallState
 from tensorrpc._client_protocol import (
     HEARTBEAT_NONCE,
@@ -45,6 +45,7 @@ from tensorrpc._client_protocol import (
     EngineRefused,
     Heartbeat,
     Ignored,
+    Pong,
     reply_error,
 )
 from tensorrpc._engines import Engine, EngineInfo
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from tensorrpc._engines import Balancing
+    from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec
     from tensorrpc.transports._base import TensorPlacer
@@ -119,8 +121,6 @@ _RETRY_MIN_S = 0.001
 _RETRY_MAX_S = 0.05
 _STREAM_FLAG = int(Flags.STREAM)
 _NO_WAIT_FLAG = int(Flags.NO_WAIT)
-# The reader yields to the event loop after this many messages taken without waiting.
-_READER_STREAK = 32
 _monotonic = time.monotonic
 
 
@@ -353,6 +353,11 @@ class Client(CallView[S]):
             client sends or accepts: a bigger argument tensor is an ``EncodeError``
             before anything is sent). Default: the safe defaults with
             ``high_water_mark`` as both HWMs; when given, ``high_water_mark`` is ignored.
+        observer: An [`Observer`][tensorrpc.Observer] (or several) told about every call,
+            engine and heartbeat (see docs/observability.md): e.g.
+            ``tensorrpc.metrics.PrometheusObserver`` or ``tensorrpc.tracing.TracingObserver``.
+        metrics_port: Export Prometheus metrics of this client (the default registry) over
+            HTTP on this port (needs the ``metrics`` extra; 0 picks a free port).
 
     Raises:
         ConnectError: From ``async with``: an address is malformed or already in use.
@@ -365,6 +370,7 @@ class Client(CallView[S]):
         "_connect",
         "_curve",
         "_engines_changed",
+        "_observer",
         "_opened",
         "_orphans",
         "_protocol",
@@ -398,6 +404,8 @@ class Client(CallView[S]):
         socket_options: SocketOptions | None = None,
         torch_shm: bool = True,
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        observer: Observer | Sequence[Observer] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         super().__init__(self, _DEFAULT_OPTIONS)
         self._spec: ServiceSpec = _SCHEMALESS_SPEC if service is _Schemaless else describe(service)
@@ -437,6 +445,7 @@ class Client(CallView[S]):
         self._engines_changed: anyio.Event | None = None
         self._tick: anyio.Event | None = None
         self._waiters: _Waiters | None = None
+        self._observer = _observe.resolve(observer, metrics_port)
 
     @classmethod
     def dynamic(
@@ -486,6 +495,8 @@ class Client(CallView[S]):
         self._engines_changed = anyio.Event()
         self._tick = anyio.Event()
         self._open_socket()
+        if self._observer is not None:  # observe: the client opened
+            self._observer.opened(self)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -540,6 +551,8 @@ class Client(CallView[S]):
             scope.cancel()
         self._close_socket()
         self._transfers.policy.close()
+        if self._observer is not None:  # observe: the client closed
+            self._observer.closed(self)
         await anyio.lowlevel.checkpoint()
 
     # -- public state ---------------------------------------------------------------------
@@ -761,10 +774,19 @@ class Client(CallView[S]):
             self._transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
             for call in event.calls:
                 self._ended(call)
+            self._observe_engine(engine.engine_id, "lost")
             none_left = not self._protocol.engines.engines
             self._wake_all(self._protocol.capacity.lost(engine.engine_id, none_left=none_left))
             self._notify_engines()
+        elif isinstance(event, Pong):
+            if self._observer is not None:  # observe: heartbeat round trip
+                rtt = (time.monotonic_ns() - event.nonce) / 1e9
+                self._observer.heartbeat(self.client_id, event.engine.engine_id, rtt)
         elif isinstance(event, EngineJoined):
+            engine_id = event.engine.engine_id
+            self._observe_engine(
+                engine_id, "rejoined" if engine_id in self._protocol.engines.past else "joined"
+            )
             table = self._protocol.engines
             self._wake_all(
                 self._protocol.capacity.joined(event.engine.engine_id, table.max_in_flight)
@@ -790,6 +812,10 @@ class Client(CallView[S]):
             self._notify_engines()
         elif isinstance(event, Ignored):
             logger.warning("dropped a message from %r: %s", event.peer, event.why)
+
+    def _observe_engine(self, engine_id: str, event: str) -> None:
+        if self._observer is not None:  # observe: an engine joined, rejoined or was lost
+            self._observer.engine_event(self.client_id, engine_id, event)
 
     def _notify_engines(self) -> None:
         if self._engines_changed is not None:
@@ -964,10 +990,12 @@ class Client(CallView[S]):
                     f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
                 )
             ) from exc
-        except BaseException:
+        except BaseException as exc:
             if not call.ended:
                 self._abandon(call)
                 engine.errors += 1
+            if call.observed is not None:  # observe: the CALL could not be sent
+                call.observed.finished(_observe.outcome_of(exc), 0)
             raise
         if track:
             self._tracked.add(tracker, encoded.keepalive)
@@ -1060,6 +1088,8 @@ class Client(CallView[S]):
         while True:
             call = await self._start(spec, wire, encoded, options, deadline, flags)
             try:
+                if call.observed is not None:  # observe: the unary call ends
+                    return await _observe.observe_result(call.observed, self._result(call), call)
                 return await self._result(call)
             except TensorTransportError:
                 if call.reply_kind is not _ERROR or not call.placed[0] or wire is None:
@@ -1120,6 +1150,8 @@ class Client(CallView[S]):
                 call.engine.errors += 1
                 raise CallTimeoutError(f"{call.spec.qualname} stream passed its deadline")
         payload, buffers = self._protocol.take_item(call, _monotonic())
+        if call.observed is not None:  # observe: a stream item is taken
+            call.observed.item()
         self._flush()
         return self._decode(call, payload, buffers)
 
@@ -1172,18 +1204,15 @@ class Client(CallView[S]):
         recv_nowait = sock.recv_nowait
         checkpoint = anyio.lowlevel.checkpoint
         on_message = self._on_message
-        streak = 0
+        yield_due = sock.yield_due  # a busy (or flooded) socket must not starve the callers
         while True:
             try:
                 frames = recv_nowait()
-                streak += 1
-                if streak >= _READER_STREAK:  # a busy socket must not starve the callers
-                    streak = 0
+                if yield_due():  # after 32 messages or 2 ms of handling them
                     await checkpoint()
             except anyio.WouldBlock:
                 # Nothing queued: let the callers we just woke run (and decode) before we
                 # re-arm the wait on the socket, which costs a little.
-                streak = 0
                 await checkpoint()
                 frames = await recv()
             try:
@@ -1255,7 +1284,8 @@ def _typed_by_name(service: ServiceSpec, name: str, *, streaming: bool) -> Metho
 def _schemaless_by_name(infos: list[EngineInfo], name: str, *, streaming: bool) -> MethodSpec:
     service = infos[0].service if infos else "engine"
     # With no live engine the call itself raises EngineNotFoundError.
-    if infos and not any(name in info.methods for info in infos):
+    builtin = name == _observe.STATISTICS_METHOD
+    if infos and not builtin and not any(name in info.methods for info in infos):
         offered = sorted({m for info in infos for m in info.methods})
         raise MethodNotFoundError(
             f"unknown method {name!r}; the engine offers: {', '.join(offered)}"

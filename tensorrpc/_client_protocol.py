@@ -83,6 +83,7 @@ __all__ = [
     "Event",
     "Heartbeat",
     "Ignored",
+    "Pong",
 ]
 
 _RESULT: Final = MessageKind.RESULT
@@ -98,7 +99,9 @@ _FAILED: Final = CallState.FAILED
 _CANCELLED: Final = CallState.CANCELLED
 _ERROR_HEADER: Final = Header(MessageKind.ERROR, 1)
 
-#: PING nonce 0 asks a listening engine to (re)send HELLO; heartbeats use nonce 1.
+#: PING nonce 0 asks a listening engine to (re)send HELLO. Heartbeat PINGs carry the send
+#: time in nanoseconds of the caller's clock (always > 1), so that a PONG tells the round
+#: trip; HEARTBEAT_NONCE is the nonce of a reachability PING.
 HELLO_REQUEST: Final = 0
 HEARTBEAT_NONCE: Final = 1
 #: First retry delay of a hello request whose send failed (connection not up yet).
@@ -267,6 +270,14 @@ class Dropped:
 
 
 @dataclass(frozen=True, slots=True)
+class Pong:
+    """An engine answered one of our heartbeat PINGs (sent at ``nonce`` nanoseconds)."""
+
+    engine: Engine
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
 class Ignored:
     """A message that was dropped; ``why`` is for the log."""
 
@@ -275,7 +286,7 @@ class Ignored:
 
 
 #: What :meth:`ClientProtocol.receive` and :meth:`~ClientProtocol.tick` report.
-Event = EngineJoined | EngineLost | EngineRefused | Dropped | Ignored
+Event = EngineJoined | EngineLost | EngineRefused | Dropped | Pong | Ignored
 
 
 class _Dial:
@@ -505,6 +516,8 @@ class ClientProtocol:
                 self._queue(engine, peer, _PONG, None, header.call_id, now)
             return None
         if kind is _PONG:
+            if engine is not None and header.call_id > HEARTBEAT_NONCE:
+                return Pong(engine, header.call_id)
             return None
         if kind is _HELLO:
             return self._on_hello(peer, header, payload, now)
@@ -677,7 +690,8 @@ class ClientProtocol:
             )
         for engine in list(self.engines.engines.values()):
             if now >= engine.next_ping:
-                self._queue(engine, engine.peer, _PING, None, HEARTBEAT_NONCE, now)
+                nonce = max(HEARTBEAT_NONCE + 1, int(now * 1e9))
+                self._queue(engine, engine.peer, _PING, None, nonce, now)
                 engine.next_ping = now + engine.ping_every
         for alias, dial in self._dials.items():
             if now >= dial.due and self.engines.by_peer(alias) is None:
@@ -737,6 +751,7 @@ def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
         signatures=hello.signatures,
         max_message_bytes=hello.max_message_bytes,
         dead_after_ms=hello.dead_after_ms,
+        features=hello.features,
     )
 
 

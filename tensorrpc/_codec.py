@@ -35,6 +35,7 @@ import ormsgpack
 import torch
 
 from tensorrpc._exceptions import DecodeError, EncodeError
+from tensorrpc._protocol import count_msgpack_objects
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -87,6 +88,13 @@ class CodecConfig:
     max_tensors: int = 1024
     #: Largest msgpack payload, in bytes, both directions.
     max_payload_bytes: int = 1 << 28
+    #: Most msgpack objects (every value, container and map key counts one) in a payload,
+    #: both directions. Decoding builds a Python object of ~30-70 bytes per msgpack object
+    #: of as little as one byte, so this bounds the memory (about 20 MB) and CPU a payload
+    #: can cost the receiver, whatever its size: a receiver counts the objects of any
+    #: payload larger than this many bytes before decoding it. Tensors are one object
+    #: each, whatever their size; send long lists of numbers as tensors.
+    max_payload_objects: int = 1 << 18
     #: On the frames and inline paths, copy non-CPU (e.g. CUDA) tensors to host memory;
     #: when False such a tensor is an :class:`EncodeError`.
     allow_cuda_copy: bool = False
@@ -506,6 +514,12 @@ def encode(
             f"payload of {len(payload)} bytes is over max_payload_bytes="
             f"{config.max_payload_bytes} (lower inline_threshold or send less)"
         )
+    budget = config.max_payload_objects
+    if len(payload) > budget and count_msgpack_objects(payload, budget) > budget:
+        raise EncodeError(
+            f"payload holds more than max_payload_objects={budget} values; the receiver "
+            "refuses it (send long lists of numbers as a tensor)"
+        )
     return Encoded(payload, encoder.buffers, encoder.keepalive)
 
 
@@ -729,6 +743,13 @@ def decode(
         )
     if view.ndim != 1 or view.itemsize != 1:
         view = _byte_view(view)
+    budget = config.max_payload_objects
+    # At most one object per byte: only a payload larger than the budget needs counting.
+    if view.nbytes > budget and count_msgpack_objects(view, budget) > budget:
+        raise DecodeError(
+            f"payload holds more than max_payload_objects={budget} msgpack values "
+            f"({view.nbytes} bytes); refused before decoding"
+        )
     decoder = _Decoder(buffers, config, resolver)
     # ormsgpack ignores bytes after the first object; frame the payload as the array
     # [payload, END] so that anything after the object (or a truncated object) fails.

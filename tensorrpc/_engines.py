@@ -83,6 +83,8 @@ class EngineInfo:
             ``maxmsgsize``), or 0 when it has no limit or did not announce one.
         dead_after_ms: How long the engine waits without hearing from this client before
             it forgets it, or 0 when not announced.
+        features: Optional protocol features the engine announced (``"trace_context"``,
+            ``"statistics"``); empty for engines that predate them.
     """
 
     engine_id: str
@@ -100,6 +102,7 @@ class EngineInfo:
     signatures: tuple[str, ...] = ()
     max_message_bytes: int = 0
     dead_after_ms: int = 0
+    features: tuple[str, ...] = ()
 
 
 def check_hello(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field, fields
 from enum import IntEnum, IntFlag
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 import ormsgpack
@@ -35,16 +36,18 @@ from tensorrpc._exceptions import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from typing_extensions import Buffer
 
 __all__ = [
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_BODY_BYTES",
     "MAX_BUFFERS",
     "MAX_CHALLENGE_BYTES",
     "MAX_CONTROL_BYTES",
+    "MAX_CONTROL_OBJECTS",
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
     "MAX_NAME_CHARS",
@@ -53,6 +56,7 @@ __all__ = [
     "MAX_TEXT_CHARS",
     "MAX_TRACEBACK_CHARS",
     "PROTOCOL_VERSION",
+    "TRACE_CONTEXT_BYTES",
     "Bye",
     "ControlBody",
     "Credit",
@@ -66,6 +70,7 @@ __all__ = [
     "RejectReason",
     "Release",
     "Welcome",
+    "count_msgpack_objects",
     "decode_control",
     "encode_control",
     "encode_error",
@@ -75,6 +80,7 @@ __all__ = [
     "pack_reply_header",
     "split_frames",
     "unpack_header",
+    "with_trace",
 ]
 
 #: The protocol version this implementation speaks (header byte 2).
@@ -94,8 +100,13 @@ MAX_TEXT_CHARS: Final = 64 * 1024
 MAX_TRACEBACK_CHARS: Final = 1024 * 1024
 #: Most entries in a list field of a control body.
 MAX_LIST_ITEMS: Final = 4096
-#: Largest control payload frame accepted, in bytes.
+#: Largest control payload frame of any kind, in bytes (ERROR's cap; see MAX_BODY_BYTES).
 MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
+#: Most msgpack objects (every value, key and container counts one) in a control body.
+#: A HELLO at its field limits has four lists of at most 4096 entries; the rest is slack
+#: for keys added by later revisions. Checked before decoding, so that a body of a
+#: million empty arrays costs a scan that stops here, not a million Python lists.
+MAX_CONTROL_OBJECTS: Final = 32 * 1024
 #: Default bound on the buffer frames after the payload of a value-carrying message.
 MAX_BUFFERS: Final = 1024
 #: Longest ``probe`` handle in HELLO / WELCOME, in bytes.
@@ -104,6 +115,9 @@ MAX_PROBE_BYTES: Final = 4096
 MAX_CHALLENGE_BYTES: Final = 64
 #: Longest entry of HELLO's ``signatures`` list, in characters.
 MAX_SIGNATURE_CHARS: Final = 4096
+#: Size of the binary W3C trace context a CALL with the ``TRACE`` flag carries at the end of
+#: its header frame: version (1 byte, 0), trace-id (16), parent span id (8), trace-flags (1).
+TRACE_CONTEXT_BYTES: Final = 26
 
 _U16_MAX: Final = 0xFFFF
 _U32_MAX: Final = 0xFFFF_FFFF
@@ -148,6 +162,26 @@ class MessageKind(IntEnum):
     PROOF = 15
 
 
+#: Largest payload accepted per control kind, in bytes, checked before decoding. The
+#: bodies are small and fixed except HELLO's ``signatures`` (1 MiB holds a service of
+#: ~2,000 methods with 400-character signatures; an engine cuts its signatures rather than
+#: exceed it), REJECT's ``message`` (65,536 characters of up to 4 UTF-8 bytes) and ERROR's
+#: ``traceback`` (1,048,576 characters). The empty kinds (CANCEL, STREAM_END, PING, PONG)
+#: take 0 bytes; CALL, RESULT and STREAM_ITEM are bounded by the codec.
+MAX_BODY_BYTES: Final[Mapping[MessageKind, int]] = MappingProxyType(
+    {
+        MessageKind.HELLO: 1024 * 1024,
+        MessageKind.WELCOME: 64 * 1024,
+        MessageKind.REJECT: 320 * 1024,
+        MessageKind.BYE: 8 * 1024,
+        MessageKind.CREDIT: 1024,
+        MessageKind.RELEASE: 64 * 1024,
+        MessageKind.ERROR: MAX_CONTROL_BYTES,
+        MessageKind.PROOF: 1024,
+    }
+)
+
+
 class Flags(IntFlag):
     """Header flag bits (header bytes 4-5); only CALL may set any."""
 
@@ -161,9 +195,18 @@ class Flags(IntFlag):
     #: Every out-of-band result tensor should travel by ``torch_shm`` handle (the call's
     #: transport is ``torch_shm``).
     SHM_RESULTS_ALL = 8
+    #: The header frame ends with a :data:`TRACE_CONTEXT_BYTES`-byte W3C trace context
+    #: (after the method name). Sent only to engines that list ``"trace_context"`` in
+    #: HELLO's ``features``.
+    TRACE = 16
 
 
-_KNOWN_FLAGS: Final = int(Flags.STREAM | Flags.NO_WAIT | Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+_KNOWN_FLAGS: Final = int(
+    Flags.STREAM | Flags.NO_WAIT | Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL | Flags.TRACE
+)
+_TRACE: Final = int(Flags.TRACE)
+# The flags a caller of pack_call_header may pass (TRACE follows from its trace argument).
+_CALLER_FLAGS: Final = _KNOWN_FLAGS & ~_TRACE
 _NO_FLAGS: Final = Flags(0)
 
 
@@ -224,6 +267,8 @@ class Header:
         flags: :class:`Flags`; only CALL may set any.
         timeout_ms: CALL only: relative deadline in milliseconds, 0 for none.
         method: CALL only: the method name (non-empty).
+        trace: CALL with the ``TRACE`` flag only: the binary W3C trace context
+            (:data:`TRACE_CONTEXT_BYTES` bytes); empty otherwise.
     """
 
     #: What the message is.
@@ -236,6 +281,8 @@ class Header:
     timeout_ms: int = 0
     #: Method name, CALL only.
     method: str = ""
+    #: Binary W3C trace context, CALL with the ``TRACE`` flag only; empty otherwise.
+    trace: bytes = b""
 
 
 # -- header packing ------------------------------------------------------------------------
@@ -251,13 +298,19 @@ _FLAGS_BY_VALUE: Final = {int(f): f for f in (Flags(v) for v in range(_KNOWN_FLA
 # Building a frozen dataclass through its __init__ costs ~1 us (object.__setattr__ per
 # field); unpack_header runs once per message, so it fills the slots directly.
 _new_object = object.__new__
-_set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method = (
-    Header.__dict__[name].__set__ for name in ("kind", "call_id", "flags", "timeout_ms", "method")
+_set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method, _set_trace = (
+    Header.__dict__[name].__set__
+    for name in ("kind", "call_id", "flags", "timeout_ms", "method", "trace")
 )
 
 
 def _make_header(
-    kind: MessageKind, call_id: int, flags: Flags, timeout_ms: int, method: str
+    kind: MessageKind,
+    call_id: int,
+    flags: Flags,
+    timeout_ms: int,
+    method: str,
+    trace: bytes = b"",
 ) -> Header:
     header: Header = _new_object(Header)
     _set_kind(header, kind)
@@ -265,6 +318,7 @@ def _make_header(
     _set_flags(header, flags)
     _set_timeout_ms(header, timeout_ms)
     _set_method(header, method)
+    _set_trace(header, trace)
     return header
 
 
@@ -296,24 +350,36 @@ def _check_int(name: str, value: object, maximum: int) -> int:
     return int(value)
 
 
-def pack_call_header(call_id: int, method: str, flags: int = 0, timeout_ms: int = 0) -> bytes:
+def pack_call_header(
+    call_id: int, method: str, flags: int = 0, timeout_ms: int = 0, trace: bytes = b""
+) -> bytes:
     """Pack the header frame of a CALL (the hot path: no :class:`Header` object).
 
     Args:
         call_id: The call id, 1..2**64-1.
         method: The method name (1..255 UTF-8 bytes).
-        flags: :class:`Flags` bits.
+        flags: :class:`Flags` bits (``TRACE`` is set from ``trace``, never by the caller).
         timeout_ms: Relative deadline in milliseconds (0 = none, at most 2**32-1).
+        trace: A binary W3C trace context of :data:`TRACE_CONTEXT_BYTES` bytes to carry
+            (sets the ``TRACE`` flag), or empty for none.
 
     Returns:
         The header frame.
 
     Raises:
-        LocalProtocolError: Any field is out of range or the method name is invalid.
+        LocalProtocolError: Any field is out of range, the method name is invalid or
+            ``trace`` has the wrong size.
     """
     name = _method_bytes(method)
-    if flags & ~_KNOWN_FLAGS:
-        raise LocalProtocolError(f"unknown flag bits 0x{int(flags) & ~_KNOWN_FLAGS:x}")
+    if flags & ~_CALLER_FLAGS:
+        raise LocalProtocolError(f"unknown flag bits 0x{int(flags) & ~_CALLER_FLAGS:x}")
+    if trace:
+        if len(trace) != TRACE_CONTEXT_BYTES:
+            raise LocalProtocolError(
+                f"a trace context is {TRACE_CONTEXT_BYTES} bytes, not {len(trace)}"
+            )
+        flags |= _TRACE
+        name += trace
     if call_id == 0:
         raise LocalProtocolError("a CALL needs a non-zero call_id")
     try:
@@ -322,6 +388,29 @@ def pack_call_header(call_id: int, method: str, flags: int = 0, timeout_ms: int 
         raise LocalProtocolError(
             f"CALL header out of range (call_id={call_id!r}, timeout_ms={timeout_ms!r})"
         ) from exc
+
+
+def with_trace(header: bytes, trace: bytes) -> bytes:
+    """Add a trace context to a CALL header frame made by :func:`pack_call_header`.
+
+    Args:
+        header: A CALL header frame without the ``TRACE`` flag.
+        trace: The binary W3C trace context, :data:`TRACE_CONTEXT_BYTES` bytes.
+
+    Returns:
+        The header frame with the ``TRACE`` flag set and ``trace`` appended.
+
+    Raises:
+        LocalProtocolError: ``header`` already has a trace, or ``trace`` has the wrong size.
+    """
+    if len(trace) != TRACE_CONTEXT_BYTES:
+        raise LocalProtocolError(
+            f"a trace context is {TRACE_CONTEXT_BYTES} bytes, not {len(trace)}"
+        )
+    flags = int.from_bytes(header[4:6], "little")
+    if flags & _TRACE:
+        raise LocalProtocolError("the CALL header already carries a trace context")
+    return header[:4] + (flags | _TRACE).to_bytes(2, "little") + header[6:] + trace
 
 
 def pack_reply_header(kind: MessageKind, call_id: int = 0) -> bytes:
@@ -377,7 +466,8 @@ def pack_header(header: Header) -> bytes:
         header: The header to pack.
 
     Returns:
-        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name for CALL.
+        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name (and the trace context
+        with the ``TRACE`` flag) for CALL.
 
     Raises:
         LocalProtocolError: A field is out of range or does not fit the kind (a method,
@@ -389,13 +479,20 @@ def pack_header(header: Header) -> bytes:
         _check_int("call_id", header.call_id, _U64_MAX)
         _check_int("flags", header.flags, _U16_MAX)
         _check_int("timeout_ms", header.timeout_ms, _U32_MAX)
-        return pack_call_header(header.call_id, header.method, header.flags, header.timeout_ms)
+        flags = header.flags & ~_TRACE
+        if bool(header.flags & _TRACE) != bool(header.trace):
+            raise LocalProtocolError("the TRACE flag is set exactly when a trace is given")
+        return pack_call_header(
+            header.call_id, header.method, flags, header.timeout_ms, header.trace
+        )
     if header.method:
         raise LocalProtocolError(f"{kind!r} carries no method name")
     if header.flags:
         raise LocalProtocolError(f"{kind!r} carries no flags")
     if header.timeout_ms:
         raise LocalProtocolError(f"{kind!r} carries no timeout")
+    if header.trace:
+        raise LocalProtocolError(f"{kind!r} carries no trace context")
     return pack_reply_header(kind, header.call_id)
 
 
@@ -465,6 +562,16 @@ def unpack_header(frame: Buffer) -> Header:
             raise RemoteProtocolError(f"unknown flag bits 0x{flags & ~_KNOWN_FLAGS:x} in CALL")
         if call_id == 0:
             raise RemoteProtocolError("CALL with call_id 0")
+        if flags & _TRACE:
+            size -= TRACE_CONTEXT_BYTES
+            if size < HEADER_SIZE:
+                raise RemoteProtocolError("CALL with the TRACE flag is too short for its context")
+            trace = view[size:].tobytes()
+            if trace[0] != 0:
+                raise RemoteProtocolError(f"unknown trace context version {trace[0]}")
+            return _make_header(
+                kind, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, _method_name(view, size), trace
+            )
         return _make_header(
             kind, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, _method_name(view, size)
         )
@@ -492,7 +599,7 @@ def _method_name(view: memoryview, size: int) -> str:
         raise RemoteProtocolError(
             f"method name is {length} bytes long; the limit is {MAX_METHOD_BYTES}"
         )
-    raw = view[HEADER_SIZE:].tobytes()
+    raw = view[HEADER_SIZE:size].tobytes()
     name = _method_name_cache.get(raw)
     if name is not None:
         return name
@@ -555,6 +662,126 @@ def _nbytes(frame: Buffer) -> int:
         raise RemoteProtocolError(f"frame is not a buffer: {type(frame).__name__}") from exc
 
 
+# -- object budget -------------------------------------------------------------------------
+
+
+def _scan_tables() -> tuple[bytes, bytes, dict[int, tuple[int, int, int]], bytes]:
+    # fixed[b]: the whole size of an object starting with byte b whose size the byte
+    # alone tells (0: variable or invalid); kids[b]: the elements a fix container holds.
+    fixed = bytearray(256)
+    kids = bytearray(256)
+    for b in range(0x80):  # positive fixint
+        fixed[b] = 1
+    for b in range(0x80, 0x90):  # fixmap
+        fixed[b], kids[b] = 1, 2 * (b & 0x0F)
+    for b in range(0x90, 0xA0):  # fixarray
+        fixed[b], kids[b] = 1, b & 0x0F
+    for b in range(0xA0, 0xC0):  # fixstr
+        fixed[b] = 1 + (b & 0x1F)
+    for b in range(0xE0, 0x100):  # negative fixint
+        fixed[b] = 1
+    sizes = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9}
+    sizes |= {0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9, 0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10}
+    sizes |= {0xD8: 18}
+    for b, size in sizes.items():
+        fixed[b] = size
+    # variable: byte -> (length bytes, bytes between length and data, 0 blob/1 array/2 map)
+    variable = {0xC4: (1, 0, 0), 0xC5: (2, 0, 0), 0xC6: (4, 0, 0)}  # bin
+    variable |= {0xC7: (1, 1, 0), 0xC8: (2, 1, 0), 0xC9: (4, 1, 0)}  # ext
+    variable |= {0xD9: (1, 0, 0), 0xDA: (2, 0, 0), 0xDB: (4, 0, 0)}  # str
+    variable |= {0xDC: (2, 0, 1), 0xDD: (4, 0, 1), 0xDE: (2, 0, 2), 0xDF: (4, 0, 2)}
+    # One-byte objects with no elements: a run of them is counted without a Python loop.
+    single = bytes(b for b in range(256) if fixed[b] == 1 and kids[b] == 0)
+    return bytes(fixed), bytes(kids), variable, single
+
+
+_FIXED, _KIDS, _VARIABLE, _SINGLE_BYTE = _scan_tables()
+_RUN_MIN: Final = 16
+
+
+def count_msgpack_objects(data: Buffer, budget: int) -> int:
+    """Count the msgpack objects of the first document in ``data``, stopping past ``budget``.
+
+    Every value counts one: each scalar, string, binary, ext, array and map, and each map
+    key. The scan reads headers only (strings, binaries and exts are skipped by their
+    length), so it costs at most ``budget`` steps whatever ``data`` holds, and runs of
+    one-byte objects or of same-typed fixed-size scalars (a list of floats) are counted in
+    one step. It never fails: truncated or invalid input is counted as far as it goes and
+    left to the decoder to report.
+
+    Args:
+        data: A msgpack document (trailing bytes are ignored).
+        budget: The most objects the caller accepts.
+
+    Returns:
+        The number of objects, or ``budget + 1`` as soon as there are more than ``budget``.
+    """
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    fixed, kids, variable, single = _FIXED, _KIDS, _VARIABLE, _SINGLE_BYTE
+    end = view.nbytes
+    pos = 0
+    pending = 1  # objects still to read
+    count = 0
+    while pending:
+        if pos >= end:
+            return count  # truncated: the decoder reports it
+        byte = view[pos]
+        size = fixed[byte]
+        count += 1
+        if count > budget:
+            return budget + 1
+        pending -= 1
+        if size:
+            pos += size
+            pending += kids[byte]
+            if count + pending > budget:
+                return budget + 1
+            continue
+        spec = variable.get(byte)
+        if spec is None:
+            return count  # 0xc1 (never used): the decoder reports it
+        width, gap, what = spec
+        length = int.from_bytes(view[pos + 1 : pos + 1 + width], "big")
+        pos += 1 + width
+        if what == 0:
+            pos += gap + length
+            continue
+        pending += length if what == 1 else 2 * length
+        if count + pending > budget:
+            return budget + 1  # each element still to read is one object at least
+        if what == 2:
+            continue
+        if length >= _RUN_MIN and pos < end:
+            # An array whose elements are all one-byte objects, or all the same
+            # fixed-size scalar (0xcb float64, ...), is counted without a loop.
+            first = view[pos]
+            step = fixed[first]
+            if step == 1 and kids[first] == 0:
+                run = view[pos : pos + length].tobytes()
+                if len(run) == length and not run.translate(None, single):
+                    count += length
+                    if count > budget:
+                        return budget + 1
+                    pending -= length
+                    pos += length
+            elif step > 1 and kids[first] == 0 and first not in _NO_RUN:
+                heads = view[pos : pos + step * length : step].tobytes()
+                if len(heads) == length and heads.count(first) == length:
+                    count += length
+                    if count > budget:
+                        return budget + 1
+                    pending -= length
+                    pos += step * length
+    return count
+
+
+# fixstr headers give a size but a run of them need not share one: only scalars whose
+# size the type byte fixes (ints, floats, fixext) may be counted by stride.
+_NO_RUN: Final = frozenset(range(0xA0, 0xC0))
+
+
 # -- control bodies ------------------------------------------------------------------------
 
 
@@ -595,6 +822,10 @@ class Hello:
     #: optional, 0 when it has no limit or does not announce one. A client refuses to
     #: send a frame over it rather than have the engine's ZMQ drop the connection.
     max_message_bytes: int = 0
+    #: Optional protocol features the engine supports (optional, empty when not
+    #: announced): ``"trace_context"`` (it reads the ``TRACE`` CALL flag) and
+    #: ``"statistics"`` (it answers the built-in ``_tensorrpc.statistics`` method).
+    features: tuple[str, ...] = ()
     #: The engine's session epoch with this client (optional; 0 when not announced): a
     #: random u64 (1..2**64-1) drawn per session. A HELLO repeating the epoch belongs to
     #: the same session; a new epoch from a known engine id means the engine lost the
@@ -733,6 +964,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("streaming", "strs", MAX_METHOD_BYTES),
         ("signatures", "strs", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
+        ("features", "strs", MAX_NAME_CHARS),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("challenge", "bytes", MAX_CHALLENGE_BYTES),
@@ -782,6 +1014,7 @@ _OPTIONAL: Final = frozenset(
         (Hello, "streaming"),
         (Hello, "signatures"),
         (Hello, "max_message_bytes"),
+        (Hello, "features"),
         (Welcome, "pid"),
         (Welcome, "probe"),
         (Welcome, "max_message_bytes"),
@@ -891,11 +1124,27 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
         payload = ormsgpack.packb(wire)
     except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
         raise LocalProtocolError(f"cannot encode {body_name}: {exc}") from exc
-    if len(payload) > MAX_CONTROL_BYTES:
+    cap = MAX_BODY_BYTES[kind]
+    if len(payload) > cap and isinstance(body, Hello) and body.signatures:
+        # Signatures are for tools, never checked: cut them rather than refuse to join.
+        for chars in (1024, 256, 64, 0):
+            if chars:
+                cut = tuple(_truncate_signature(text, chars) for text in body.signatures)
+            else:
+                cut = tuple("" for _ in body.signatures)
+            wire["signatures"] = cut
+            payload = ormsgpack.packb(wire)
+            if len(payload) <= cap:
+                break
+    if len(payload) > cap:
         raise LocalProtocolError(
-            f"{body_name} encodes to {len(payload)} bytes; the limit is {MAX_CONTROL_BYTES}"
+            f"{body_name} encodes to {len(payload)} bytes; the limit for {kind.name} is {cap}"
         )
     return [header, payload]
+
+
+def _truncate_signature(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 4] + " ..."
 
 
 def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
@@ -928,7 +1177,36 @@ def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
         wire[name] = _check_field(
             "ErrorInfo", name, ftype, limit, getattr(info, name), LocalProtocolError
         )
-    return [header, ormsgpack.packb(wire)]
+    payload = ormsgpack.packb(wire)
+    cap = MAX_BODY_BYTES[MessageKind.ERROR]
+    while len(payload) > cap and wire["traceback"]:
+        # Characters of up to 4 UTF-8 bytes: cut the traceback until the body fits.
+        text = str(wire["traceback"])
+        keep = len(text) - (len(payload) - cap) - 64
+        wire["traceback"] = _truncate(text, keep) if keep > 64 else ""
+        payload = ormsgpack.packb(wire)
+    return [header, payload]
+
+
+def _check_body_budget(kind: MessageKind, payload: Buffer, size: int) -> None:
+    """Refuse a control body over its kind's size cap, not a map, or of too many objects."""
+    cap = MAX_BODY_BYTES[kind]
+    if size > cap:
+        raise RemoteProtocolError(
+            f"{kind.name} payload is {size} bytes; the limit for {kind.name} is {cap}"
+        )
+    view = memoryview(payload)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    first = view[0] if size else 0xC0
+    if not (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)):
+        raise RemoteProtocolError(f"{kind.name} payload must be a msgpack map")
+    if size > MAX_CONTROL_OBJECTS and (
+        count_msgpack_objects(view, MAX_CONTROL_OBJECTS) > MAX_CONTROL_OBJECTS
+    ):
+        raise RemoteProtocolError(
+            f"{kind.name} payload holds more than {MAX_CONTROL_OBJECTS} msgpack objects (the limit)"
+        )
 
 
 def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
@@ -959,10 +1237,7 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
     if cls is None:
         raise RemoteProtocolError(f"{kind.name} carries a codec payload, not a control body")
     body_name = cls.__name__
-    if size > MAX_CONTROL_BYTES:
-        raise RemoteProtocolError(
-            f"{kind.name} payload is {size} bytes; the limit is {MAX_CONTROL_BYTES}"
-        )
+    _check_body_budget(kind, payload, size)
     try:
         wire = ormsgpack.unpackb(memoryview(payload))
     except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13

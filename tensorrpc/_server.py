@@ -56,7 +56,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import zmq
 
-from tensorrpc import _codec
+from tensorrpc import _codec, _observe
 from tensorrpc._exceptions import (
     ClosedError,
     DecodeError,
@@ -106,6 +106,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup, TaskStatus
     from typing_extensions import Buffer
 
+    from tensorrpc._observe import CallObservation, Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec, ServiceSpec
     from tensorrpc.transports.torch_shm import ShmResolver
@@ -219,6 +220,7 @@ class _Call:
         "deadline",
         "failure",
         "fn",
+        "observed",
         "payload",
         "result",
         "results",
@@ -259,6 +261,8 @@ class _Call:
         self.failure: BaseException | None = None
         #: The CALL's SHM_RESULTS / SHM_RESULTS_ALL flag bits (how to send result tensors).
         self.results = 0
+        #: What the engine's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
 
     def stop(self) -> None:
         scope = self.scope
@@ -380,6 +384,10 @@ class Server:
             host (Linux; checked at handshake). ``False``: frames only.
         shm_threshold: For calls whose transport is ``auto``, CPU result tensors of at
             least this many bytes go by ``torch_shm``.
+        observer: An [`Observer`][tensorrpc.Observer] (or several) told about every call
+            this engine runs (see docs/observability.md).
+        metrics_port: Export Prometheus metrics of this engine (the default registry) over
+            HTTP on this port (needs the ``metrics`` extra; 0 picks a free port).
 
     Raises:
         ValueError: Bad arguments (both or neither of connect/bind, bad numbers).
@@ -404,6 +412,8 @@ class Server:
         curve: CurveConfig | None = None,
         torch_shm: bool = True,
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        observer: Observer | Sequence[Observer] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         addresses = _addresses_of(connect)
         if (bind is None) == (not addresses):
@@ -454,6 +464,7 @@ class Server:
                 signatures=tuple(_hello_signature(m) for m in self._spec.methods.values()),
                 probe=self._policy.probe(),
                 max_message_bytes=max(0, socket_options.maxmsgsize),
+                features=_observe.FEATURES,
             ),
         )
         self._endpoint: str | None = None
@@ -482,6 +493,10 @@ class Server:
         self._inner_scope: anyio.CancelScope | None = None
         self._workers_done: anyio.Event | None = None
         self._workers_left = 0
+        self._observer = _observe.resolve(observer, metrics_port)
+        # Per-method counters for the built-in statistics method, from its first use on.
+        self._recorder: _observe.StatisticsRecorder | None = None
+        self._started_at = time.time()
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -538,6 +553,8 @@ class Server:
         self._stopped = anyio.Event()
         self._workers_done = anyio.Event()
         self._open_sockets()
+        if self._observer is not None:  # observe: the engine opened
+            self._observer.opened(self)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         try:
@@ -603,6 +620,8 @@ class Server:
                     self._inner_scope.cancel()
                 self._close_sockets()
                 self._policy.close()
+                if self._observer is not None:  # observe: the engine closed
+                    self._observer.closed(self)
                 if self._stopped is not None:
                     self._stopped.set()
 
@@ -726,6 +745,10 @@ class Server:
         conn.errors += 1
         self._errors_total += 1
         self._send_now(conn, encode_error(call_id, ErrorInfo(int(code), type_name, message, tb)))
+        if self._observer is not None:  # observe: an ERROR reply to an observed call
+            call = conn.calls.get(call_id)
+            if call is not None and call.observed is not None:
+                call.observed.error(code.name)
 
     async def _send_reply(
         self, call: _Call, frames: list[Buffer], keepalive: list[object] | None
@@ -858,6 +881,7 @@ class Server:
                 header.timeout_ms,
                 payload,
                 buffers,
+                header.trace,
             )
         elif kind is _CREDIT:
             self._on_credit(conn, header.call_id, header, payload)
@@ -909,6 +933,7 @@ class Server:
         timeout_ms: int,
         payload: Buffer,
         buffers: Sequence[Buffer],
+        trace: bytes = b"",
     ) -> None:
         if conn.state is not _ConnState.LIVE:
             self._send_error(conn, call_id, ErrorCode.PROTOCOL, "CALL before the handshake")
@@ -919,6 +944,9 @@ class Server:
             )
             return
         entry = self._methods.get(method)
+        if entry is None and method == _observe.STATISTICS_METHOD:
+            self._answer_statistics(conn, call_id)  # observe: the built-in statistics method
+            return
         if entry is None:
             self._send_error(
                 conn,
@@ -972,6 +1000,11 @@ class Server:
         conn.calls[call_id] = call
         conn.calls_total += 1
         self._calls_total += 1
+        if self._observer is not None:  # observe: a CALL was accepted
+            call.observed = self._observer.engine_call(
+                method, self._engine_id, conn.name, spec.streaming, trace,
+                memoryview(payload).nbytes + sum(memoryview(b).nbytes for b in buffers),
+            )  # fmt: skip
 
     def _on_credit(self, conn: _Conn, call_id: int, header: Any, payload: Buffer) -> None:
         try:
@@ -1190,6 +1223,32 @@ class Server:
     def _release(self, call: _Call) -> None:
         self._busy -= 1
         call.conn.calls.pop(call.call_id, None)
+        if call.observed is not None:  # observe: the worker is done with the call
+            call.observed.finished("cancelled" if call.cancelled else "ok", 0)
+
+    def _answer_statistics(self, conn: _Conn, call_id: int) -> None:
+        """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
+        if not _observe.statistics_allowed(self._curve):
+            self._send_error(
+                conn,
+                call_id,
+                ErrorCode.METHOD_NOT_FOUND,
+                "statistics are only given to authenticated peers: this engine's CURVE "
+                "socket accepts any client key (set allowed_clients)",
+            )
+            return
+        if self._recorder is None:
+            self._recorder = _observe.StatisticsRecorder()
+            self._observer = _observe.combine(self._observer, self._recorder)
+        body = _observe.statistics_body(
+            self.statistics(),
+            service=self._spec.name,
+            pid=os.getpid(),
+            started=self._started_at,
+            recorder=self._recorder,
+        )
+        encoded = _codec.encode(body, self._codec)
+        self._send_now(conn, [pack_reply_header(_RESULT, call_id), encoded.payload])
 
     def _reply_internal(self, call: _Call) -> None:
         if not call.cancelled:
@@ -1316,6 +1375,8 @@ class Server:
         args = self._decode(call)
         if args is None:
             return
+        if call.observed is not None:  # observe: the handler starts (in this task)
+            call.observed.started()
         if call.spec.streaming:
             await self._run_stream(call, args)
             return
@@ -1395,6 +1456,8 @@ class Server:
                         break
                     call.credits -= 1
                     await self._send_value(call, _STREAM_ITEM, encoded)
+                    if call.observed is not None:  # observe: a stream item went out
+                        call.observed.item()
             except Exception as exc:
                 failure = exc
             finally:
@@ -1432,6 +1495,8 @@ async def serve(
     curve: CurveConfig | None = None,
     torch_shm: bool = True,
     shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+    observer: Observer | Sequence[Observer] | None = None,
+    metrics_port: int | None = None,
     task_status: TaskStatus[Server] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``instance`` until cancelled; cancelling drains (see :meth:`Server.aclose`).
@@ -1461,6 +1526,8 @@ async def serve(
         curve=curve,
         torch_shm=torch_shm,
         shm_threshold=shm_threshold,
+        observer=observer,
+        metrics_port=metrics_port,
     ) as server:
         task_status.started(server)
         await server.serve_forever()

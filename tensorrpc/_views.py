@@ -22,6 +22,8 @@ from typing import (
 
 import anyio
 
+from tensorrpc import _observe
+from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
 if TYPE_CHECKING:
@@ -193,14 +195,14 @@ class CallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: Transport = "auto",
-    ) -> S:
-        """A proxy typed as the service class whose methods call the engines.
+    ) -> Stub[S]:
+        """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
-        ``await stub.add(1, 2)`` calls ``add``; ``stub.count(5)`` returns a
-        :class:`CallStream` for ``async for``. To mypy the stub *is* the service class, so
-        a sync ``def`` method looks like it returns its value directly, while at run time
-        every unary call returns an awaitable: use :meth:`call` for the exact types of
-        sync methods.
+        ``await stub.add(1, 2)`` calls ``add``, whether the handler is ``async def`` or a
+        sync ``def``; ``stub.count(5)`` returns a [`CallStream`][tensorrpc.CallStream]
+        for ``async for``. The mypy plugin ``tensorrpc.mypy_plugin`` types each method
+        exactly (see [`Stub`][tensorrpc.Stub]); [`call`][tensorrpc.CallView.call] is
+        exact under any type checker.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -210,10 +212,10 @@ class CallView(Generic[S]):
                 :class:`CallOptions`).
 
         Returns:
-            The stub, typed as the service class.
+            The stub.
         """
         options = CallOptions(engine=engine, timeout=timeout, wait=wait, transport=transport)
-        return cast("S", _Stub(self._client, options))
+        return _Stub(self._client, options)
 
     @overload
     async def call(
@@ -387,8 +389,8 @@ class CallView(Generic[S]):
         return CallStream(client, spec, (), arguments or {}, self._options, encoded=encoded)
 
 
-class _Stub:
-    """Runtime object behind :meth:`CallView.stub`; attributes are bound method callers."""
+class _Stub(Stub[Any]):
+    """Runtime object behind `CallView.stub`; attributes are bound method callers."""
 
     def __init__(self, client: Client[Any], options: CallOptions) -> None:
         self._client = client
@@ -480,11 +482,13 @@ class CallStream(Generic[T]):
             return cast("T", await client._next_item(self._call, self._deadline))
         except StopAsyncIteration:
             self._finished = True
+            _observe.stream_finished(self._call, None)  # observe: the stream ended
             raise
-        except BaseException:
+        except BaseException as exc:
             self._finished = True
             if self._call is not None:
                 client._abandon(self._call)
+                _observe.stream_finished(self._call, exc)  # observe: the stream failed
             raise
 
     async def aclose(self) -> None:
@@ -494,6 +498,7 @@ class CallStream(Generic[T]):
         self._encoded = None
         if self._call is not None:
             self._client._abandon(self._call)
+            _observe.stream_finished(self._call, None)  # observe: closed by the consumer
 
     async def __aenter__(self) -> Self:
         return self

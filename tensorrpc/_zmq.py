@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Self, cast
@@ -84,9 +85,13 @@ _BASE_RECV: Final = cast(
     "Callable[[zmq.Socket[bytes], int, bool], zmq.Frame]", zmq.backend.Socket.recv
 )
 _get_running_loop: Final = asyncio._get_running_loop
-# After this many operations in a row that did not have to wait, yield once to the event
-# loop so that a busy socket cannot starve the other tasks.
+# After this many operations in a row that did not have to wait, or this much time since
+# the socket last let the event loop run (the caller handling what it received, e.g.
+# decoding a large message, counts), yield once so that a busy socket, or a peer that
+# floods it with costly messages, cannot starve the other tasks.
 _FAIRNESS_STREAK: Final = 32
+_FAIRNESS_S: Final = 0.002
+_monotonic = time.monotonic
 # When a ROUTER with ROUTER_MANDATORY reports POLLOUT (some peer has room) but the send to
 # *our* peer would block, the FD will not tell us when that peer drains; we re-try after
 # waiting on the FD at most this long (doubling up to the maximum).
@@ -301,6 +306,7 @@ class AsyncSocket:
         "_get",
         "_loop",
         "_on_close",
+        "_since",
         "_sock",
         "_streak",
         "_threshold",
@@ -325,6 +331,7 @@ class AsyncSocket:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._amask = 0
         self._streak = 0
+        self._since = _monotonic()  # when this socket's user last let the loop run
         # ipc:// files we bound, with (st_dev, st_ino) to only ever remove our own file.
         self._bound_files: dict[str, tuple[int, int]] = {}
 
@@ -518,6 +525,7 @@ class AsyncSocket:
         self._after_op()
         if self._streak >= _FAIRNESS_STREAK:
             self._streak = 0
+            self._since = _monotonic()
             await anyio.lowlevel.cancel_shielded_checkpoint()
         return tracker
 
@@ -590,10 +598,24 @@ class AsyncSocket:
                 raise translate_zmq_error(exc, "recv") from exc
             break
         self._after_op()
-        if self._streak >= _FAIRNESS_STREAK:
-            self._streak = 0
+        if self.yield_due():
             await anyio.lowlevel.cancel_shielded_checkpoint()
         return frames
+
+    def yield_due(self) -> bool:
+        """Whether the caller should let the event loop run now (and the budget restarts).
+
+        True after 32 operations in a row that did not wait, or once 2 ms have passed
+        since the socket last waited or yielded (including the time its user spent
+        handling what it received). A loop that receives with :meth:`recv_nowait` calls
+        this after each message and yields when it is true; :meth:`recv` does so itself.
+        """
+        now = _monotonic()
+        if self._streak >= _FAIRNESS_STREAK or now - self._since >= _FAIRNESS_S:
+            self._streak = 0
+            self._since = now
+            return True
+        return False
 
     # -- waiting ----------------------------------------------------------------------------
 
@@ -681,6 +703,7 @@ class AsyncSocket:
             patience: Give up waiting after this many seconds (None: no limit).
         """
         self._streak = 0
+        self._since = _monotonic()
         self._poke(events)  # reading ``events`` may have eaten the FD waiter's edge
         if patience is None and events & mask:
             await anyio.lowlevel.checkpoint()

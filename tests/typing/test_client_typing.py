@@ -7,7 +7,7 @@ checks only build the objects; nothing is sent (the clients are never opened).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, assert_type
 
 import pytest
@@ -16,6 +16,7 @@ import torch
 from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
 from tensorrpc._exceptions import ClosedError
 from tensorrpc._service import rpc, service
+from tensorrpc._stub import Stub
 
 
 @service
@@ -37,10 +38,17 @@ class Calc:
 async def typed_calls(client: Client[Calc]) -> None:
     """Never run: only type-checked."""
     calc = client.stub()
-    assert_type(calc, Calc)
-    assert_type(client.stub(engine="e1", timeout=0.5), Calc)
+    assert_type(calc, Stub[Calc])
+    assert_type(client.stub(engine="e1", timeout=0.5), Stub[Calc])
+    # The stub's methods (typed by tensorrpc.mypy_plugin): every unary call is awaited,
+    # sync handlers included; a streaming method gives a CallStream.
+    assert_type(await assert_type(calc.add(1, 2), Coroutine[Any, Any, int]), int)
     assert_type(await calc.add(1, 2), int)
-    assert_type(calc.count(3), AsyncIterator[int])
+    assert_type(await calc.add(1, b=2), int)
+    assert_type(await calc.scale(torch.ones(2), 2.0), torch.Tensor)
+    assert_type(calc.count(3), CallStream[int])
+    async for i in calc.count(3):
+        assert_type(i, int)
     assert_type(await client.call(Calc.add, 1), int)
     assert_type(await client.call(Calc.add, 1, b=2), int)
     assert_type(await client.call(Calc.scale, torch.ones(2), 2.0), torch.Tensor)

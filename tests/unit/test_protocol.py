@@ -262,7 +262,13 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(kind=MessageKind.HELLO, call_id=3), "connection-level"),
         (raw_header(kind=MessageKind.CALL, tail=b""), "without a method name"),
         (raw_header(kind=MessageKind.CALL, call_id=0, tail=b"m"), "CALL with call_id 0"),
-        (raw_header(kind=MessageKind.CALL, flags=16, tail=b"m"), "unknown flag bits 0x10"),
+        (raw_header(kind=MessageKind.CALL, flags=32, tail=b"m"), "unknown flag bits 0x20"),
+        (raw_header(kind=MessageKind.CALL, flags=16, tail=b"m"), "too short for its context"),
+        (
+            raw_header(kind=MessageKind.CALL, flags=16, tail=b"m" + b"\x01" + bytes(25)),
+            "unknown trace context version 1",
+        ),
+        (raw_header(kind=MessageKind.CALL, flags=16, tail=bytes(26)), "without a method name"),
         (raw_header(kind=MessageKind.CALL, tail=b"\xff\xfe"), "not valid UTF-8"),
         (raw_header(kind=MessageKind.CALL, tail=b"m" * (MAX_METHOD_BYTES + 1)), "limit"),
     ],
@@ -304,9 +310,11 @@ def test_wrong_frame_layouts_raise_remote_protocol_error(frames, match):
 @pytest.mark.parametrize(
     ("kind", "payload", "match"),
     [
-        (MessageKind.BYE, b"\xc1", "not valid msgpack"),
-        (MessageKind.BYE, b"", "not valid msgpack"),
-        (MessageKind.BYE, b"\xc7\x01\x05a", "cannot be decoded|not valid msgpack"),
+        (MessageKind.BYE, b"\xc1", "must be a msgpack map"),
+        (MessageKind.BYE, b"", "must be a msgpack map"),
+        (MessageKind.BYE, b"\xc7\x01\x05a", "must be a msgpack map"),
+        (MessageKind.BYE, b"\x81\xa6reason", "not valid msgpack"),
+        (MessageKind.BYE, b"\x81\xa6reason\xc7\x01\x05a", "cannot be decoded|not valid msgpack"),
         (MessageKind.BYE, ormsgpack.packb([1, 2]), "must be a msgpack map"),
         (MessageKind.BYE, ormsgpack.packb({}), "missing the field 'reason'"),
         (MessageKind.BYE, ormsgpack.packb({"reason": 1}), "Bye.reason must be a string"),
@@ -488,6 +496,61 @@ def test_mutated_valid_messages_give_a_value_or_a_remote_protocol_error(entry, p
     position %= max(len(joined), 1)
     joined[position] = byte
     check_only_protocol_errors([bytes(joined[: len(frames[0])]), bytes(joined[len(frames[0]) :])])
+
+
+def test_a_call_header_carries_a_trace_context_after_the_method():
+    trace = b"\x00" + bytes(range(1, 17)) + bytes(range(20, 28)) + b"\x01"
+    frame = pack_call_header(7, "add", int(Flags.STREAM), 1500, trace)
+    assert frame.endswith(b"add" + trace)
+    header = unpack_header(frame)
+    assert header.method == "add"
+    assert header.trace == trace
+    assert header.flags == Flags.STREAM | Flags.TRACE
+    assert header.timeout_ms == 1500
+    assert pack_header(header) == frame
+    plain = unpack_header(pack_call_header(7, "add"))
+    assert plain.trace == b""
+    assert not plain.flags & Flags.TRACE
+
+
+def test_a_trace_context_of_the_wrong_size_or_a_caller_set_trace_flag_is_refused():
+    with pytest.raises(LocalProtocolError, match="26 bytes"):
+        pack_call_header(7, "add", 0, 0, b"\x00" * 25)
+    with pytest.raises(LocalProtocolError, match="unknown flag bits 0x10"):
+        pack_call_header(7, "add", int(Flags.TRACE))
+    with pytest.raises(LocalProtocolError, match="TRACE flag"):
+        pack_header(Header(MessageKind.CALL, 7, Flags.TRACE, 0, "add"))
+    with pytest.raises(LocalProtocolError, match="no trace"):
+        pack_header(Header(MessageKind.RESULT, 7, trace=bytes(26)))
+
+
+def test_hello_features_are_optional_and_round_trip():
+    hello = Hello("e", "svc", "f" * 64, 1, "h", 1, features=("trace_context", "statistics"))
+    header, payload = encode_control(MessageKind.HELLO, hello)
+    decoded = decode_control(unpack_header(header), payload)
+    assert decoded == hello
+    old = Hello("e", "svc", "f" * 64, 1, "h", 1)
+    header, payload = encode_control(MessageKind.HELLO, old)
+    body = ormsgpack.unpackb(payload)
+    del body["features"]
+    decoded = decode_control(unpack_header(header), ormsgpack.packb(body))
+    assert isinstance(decoded, Hello)
+    assert decoded.features == ()
+
+
+def test_with_trace_adds_the_flag_and_context_to_a_packed_call_header():
+    from tensorrpc._protocol import with_trace
+
+    trace = b"\x00" + bytes(range(1, 26))
+    plain = pack_call_header(9, "mul", int(Flags.NO_WAIT), 250)
+    traced = with_trace(plain, trace)
+    assert traced == pack_call_header(9, "mul", int(Flags.NO_WAIT), 250, trace)
+    header = unpack_header(traced)
+    assert (header.method, header.trace) == ("mul", trace)
+    with pytest.raises(LocalProtocolError, match="already"):
+        with_trace(traced, trace)
+    with pytest.raises(LocalProtocolError, match="26 bytes"):
+        with_trace(plain, b"")
 
 
 def test_session_fields_round_trip_and_are_optional_for_older_peers() -> None:

@@ -415,6 +415,47 @@ async def test_a_busy_socket_still_lets_other_tasks_run(anyio_backend, make_sock
     assert seen_ticks[0] > 0
 
 
+async def test_a_socket_whose_messages_are_costly_to_handle_yields_by_time(
+    anyio_backend, make_socket, monkeypatch
+):
+    # A flood of messages that each take long to handle (a decode bomb before the caps)
+    # must not hold the loop for 32 messages: the socket yields once 2 ms have passed
+    # since it last let others run. The clock is ours, so that the test measures nothing,
+    # and the yields are counted where the socket makes them.
+    from tensorrpc import _zmq
+
+    now = [1000.0]
+    monkeypatch.setattr(_zmq, "_monotonic", lambda: now[0])
+    yields = [0]
+    original = anyio.lowlevel.cancel_shielded_checkpoint
+
+    async def counting_checkpoint() -> None:
+        yields[0] += 1
+        await original()
+
+    monkeypatch.setattr(anyio.lowlevel, "cancel_shielded_checkpoint", counting_checkpoint)
+    router, dealer, _ = bound_pair(make_socket, f"inproc://costly-{anyio_backend}")
+    with anyio.fail_after(20):
+        for i in range(8):
+            await dealer.send([b"%d" % i])
+        await router.recv()
+        start = yields[0]
+        await router.recv()
+        await router.recv()  # cheap handling: no yield
+        assert yields[0] == start
+        for _ in range(3):
+            now[0] += 0.5  # handling the previous message took 0.5 s
+            await router.recv()
+            assert yields[0] == start + 1, "the socket did not let the other tasks run"
+            start = yields[0]
+        # the recv_nowait loops (the client's reader) ask the same budget
+        router.recv_nowait()
+        assert not router.yield_due()
+        now[0] += 0.5
+        assert router.yield_due()
+        assert not router.yield_due()  # the budget restarted
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -1,0 +1,537 @@
+"""Observation hooks: what clients and engines tell observers (metrics, traces, ``top``).
+
+A [`Client`][tensorrpc.Client] and a [`Server`][tensorrpc.Server] hold one
+[`Observer`][tensorrpc.Observer] or ``None`` (the default: then every call site is one
+``is not None`` test and nothing else). The call sites, in the order a call meets them:
+
+client
+    ``opened``/``closed`` (entering and closing the client); ``client_call`` when a CALL
+    is sent (it may return a trace context for the header); the call's
+    ``CallObservation.item`` per stream item taken and ``finished`` when the caller gets
+    the result or the error; ``engine_event`` when an engine joins, rejoins or is lost;
+    ``heartbeat`` when an engine answers a heartbeat PING.
+engine
+    ``opened``/``closed``; ``engine_call`` when a CALL is accepted (with the trace context
+    it carried); ``started`` when its handler is about to run (after the arguments were
+    decoded, in the worker task that runs the handler); ``item`` per stream item sent;
+    ``error`` when an ERROR reply goes out for it; ``finished`` when its worker lets go of
+    it (same task as ``started``).
+
+Everything else (Prometheus in ``tensorrpc.metrics``, OpenTelemetry in
+``tensorrpc.tracing``, the built-in statistics method that ``tensorrpc top`` reads) builds
+on these hooks. This module imports nothing outside the standard library and tensorrpc.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Sequence
+
+    from tensorrpc._security import CurveConfig
+
+__all__ = [
+    "FEATURES",
+    "STATISTICS_METHOD",
+    "CallObservation",
+    "Observer",
+    "StatisticsRecorder",
+    "install",
+    "installed",
+    "outcome_of",
+    "resolve",
+    "uninstall",
+]
+
+T = TypeVar("T")
+
+#: The built-in engine method that answers with the engine's statistics (a map), read by
+#: ``tensorrpc top``. A dot never appears in a service's method names, so it cannot clash.
+STATISTICS_METHOD: Final = "_tensorrpc.statistics"
+#: What an engine announces in HELLO's ``features``.
+FEATURES: Final = ("trace_context", "statistics")
+#: Latency histogram of the statistics method: bucket ``i`` holds durations up to
+#: ``2 ** (i / LATENCY_BUCKETS_PER_OCTAVE)`` microseconds.
+LATENCY_BUCKETS_PER_OCTAVE: Final = 4
+LATENCY_BUCKETS: Final = 128
+
+
+class CallObservation:
+    """What an observer learns about one call; every method here does nothing.
+
+    Made by [`Observer.client_call`][tensorrpc.Observer.client_call] or
+    [`Observer.engine_call`][tensorrpc.Observer.engine_call]; subclasses override what
+    they need.
+    """
+
+    __slots__ = ()
+
+    def trace_context(self) -> bytes:
+        """Client side: the binary W3C trace context to send with the CALL, or ``b""``.
+
+        Returns:
+            26 bytes (version 0, trace id, span id, trace flags), or empty for none.
+        """
+        return b""
+
+    def started(self) -> None:
+        """Engine side: the handler is about to run (in the task that runs it)."""
+
+    def item(self) -> None:
+        """A stream item was taken (client) or sent (engine)."""
+
+    def error(self, code: str) -> None:
+        """Engine side: an ERROR reply with this code name (``"REMOTE"``, ...) was sent."""
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        """The call is over.
+
+        Args:
+            outcome: ``"ok"``; on the client the exception's class name
+                (``"RemoteError"``, ``"CallTimeoutError"``, ``"cancelled"`` for a caller
+                that gave up); on the engine the ERROR code name (``"REMOTE"``,
+                ``"DEADLINE_EXCEEDED"``, ...) or ``"cancelled"`` (the client cancelled).
+            nbytes: Client side: bytes of the reply (0 when none); engine side: 0.
+        """
+
+
+class Observer:
+    """Receives a client's or an engine's events; the base class ignores them all.
+
+    Pass one (or a list) as ``observer=`` to [`Client`][tensorrpc.Client],
+    [`Server`][tensorrpc.Server] or [`serve`][tensorrpc.serve], or
+    ``install`` it (``tensorrpc.tracing.instrument()`` does) for every client and engine made
+    afterwards. One observer may watch several clients and engines at once. Hooks run on
+    the event loop, inline with the call: they must be quick and must not raise.
+    """
+
+    __slots__ = ()
+
+    def opened(self, target: Any) -> None:
+        """A client or engine (``target``) started; its ``statistics()`` may be read now."""
+
+    def closed(self, target: Any) -> None:
+        """A client or engine that was ``opened`` closed."""
+
+    def client_call(
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+    ) -> CallObservation | None:
+        """A client sent a CALL (in the caller's task: its context is the caller's).
+
+        Args:
+            method: The method name.
+            engine: The engine id it went to.
+            stream: Whether it is a streaming call.
+            nbytes: Bytes of its payload and tensor frames.
+            transport: How its tensors travel: ``"torch_shm"`` (some by shared-memory
+                handle), ``"frames"`` (out-of-band frames) or ``"inline"`` (none out of
+                band).
+
+        Returns:
+            An observation of this call, or None to ignore it.
+        """
+        return None
+
+    def engine_call(
+        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+    ) -> CallObservation | None:
+        """An engine accepted a CALL (queued for a worker).
+
+        Args:
+            method: The method name.
+            engine: This engine's id.
+            client: The calling client's id.
+            stream: Whether it is a streaming call.
+            trace: The binary W3C trace context the CALL carried, or ``b""``.
+            nbytes: Bytes of its payload and tensor frames.
+
+        Returns:
+            An observation of this call, or None to ignore it.
+        """
+        return None
+
+    def engine_event(self, client: str, engine: str, event: str) -> None:
+        """A client's engine ``"joined"``, ``"rejoined"`` (seen before) or was ``"lost"``."""
+
+    def heartbeat(self, client: str, engine: str, rtt: float) -> None:
+        """A client's heartbeat PING to ``engine`` came back after ``rtt`` seconds."""
+
+
+# -- several observers --------------------------------------------------------------------
+
+
+class _FanoutCall(CallObservation):
+    __slots__ = ("_calls",)
+
+    def __init__(self, calls: list[CallObservation]) -> None:
+        self._calls = calls
+
+    def trace_context(self) -> bytes:
+        for call in self._calls:
+            trace = call.trace_context()
+            if trace:
+                return trace
+        return b""
+
+    def started(self) -> None:
+        for call in self._calls:
+            call.started()
+
+    def item(self) -> None:
+        for call in self._calls:
+            call.item()
+
+    def error(self, code: str) -> None:
+        for call in self._calls:
+            call.error(code)
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        for call in self._calls:
+            call.finished(outcome, nbytes)
+
+
+def _fanout(calls: list[CallObservation | None]) -> CallObservation | None:
+    kept = [c for c in calls if c is not None]
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else _FanoutCall(kept)
+
+
+class _Fanout(Observer):
+    """Several observers seen as one."""
+
+    __slots__ = ("observers",)
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self.observers = tuple(observers)
+
+    def opened(self, target: Any) -> None:
+        for o in self.observers:
+            o.opened(target)
+
+    def closed(self, target: Any) -> None:
+        for o in self.observers:
+            o.closed(target)
+
+    def client_call(
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+    ) -> CallObservation | None:
+        return _fanout(
+            [o.client_call(method, engine, stream, nbytes, transport) for o in self.observers]
+        )
+
+    def engine_call(
+        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+    ) -> CallObservation | None:
+        return _fanout(
+            [o.engine_call(method, engine, client, stream, trace, nbytes) for o in self.observers]
+        )
+
+    def engine_event(self, client: str, engine: str, event: str) -> None:
+        for o in self.observers:
+            o.engine_event(client, engine, event)
+
+    def heartbeat(self, client: str, engine: str, rtt: float) -> None:
+        for o in self.observers:
+            o.heartbeat(client, engine, rtt)
+
+
+def combine(*observers: Observer | None) -> Observer | None:
+    """One observer standing for all the given ones (None when none is given)."""
+    flat: list[Observer] = []
+    for o in observers:
+        if isinstance(o, _Fanout):
+            flat.extend(o.observers)
+        elif o is not None:
+            flat.append(o)
+    flat = list(dict.fromkeys(flat))  # the same observer once
+    if not flat:
+        return None
+    return flat[0] if len(flat) == 1 else _Fanout(flat)
+
+
+# -- process-wide observers ---------------------------------------------------------------
+
+_installed: list[Observer] = []
+
+
+def install(observer: Observer) -> None:
+    """Give ``observer`` to every client and engine created from now on (idempotent)."""
+    if observer not in _installed:
+        _installed.append(observer)
+
+
+def uninstall(observer: Observer) -> None:
+    """Undo ``install`` (clients and engines already made keep the observer)."""
+    if observer in _installed:
+        _installed.remove(observer)
+
+
+def installed() -> tuple[Observer, ...]:
+    """The observers installed process-wide."""
+    return tuple(_installed)
+
+
+def resolve(
+    observer: Observer | Sequence[Observer] | None, metrics_port: int | None
+) -> Observer | None:
+    """The observer a new client or engine uses: its own, the installed ones, and metrics.
+
+    Args:
+        observer: What the user passed as ``observer=``.
+        metrics_port: ``metrics_port=``: also export Prometheus metrics (the default
+            registry) over HTTP on this port of 127.0.0.1... see ``tensorrpc.metrics``.
+
+    Returns:
+        The combined observer, or None when there is nothing to observe.
+
+    Raises:
+        TypeError: ``observer`` is not an Observer (or a sequence of them).
+        ImportError: ``metrics_port`` is given without the ``metrics`` extra.
+    """
+    own: list[Observer] = []
+    if isinstance(observer, Observer):
+        own.append(observer)
+    elif observer is not None:
+        for o in observer:
+            if not isinstance(o, Observer):
+                raise TypeError(f"observer must be a tensorrpc Observer, not {type(o).__name__}")
+            own.append(o)
+    if metrics_port is not None:
+        from tensorrpc import metrics  # the optional extra, only when asked for
+
+        own.append(metrics.exporter(metrics_port))
+    return combine(*_installed, *own)
+
+
+# -- helpers for the call sites -----------------------------------------------------------
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """The client-side outcome label of a call that ended with ``exc`` (None: ``"ok"``)."""
+    if exc is None:
+        return "ok"
+    if isinstance(exc, Exception):
+        return type(exc).__name__
+    return "cancelled"  # the caller's task was cancelled (or the process is exiting)
+
+
+class _Reply(Protocol):
+    reply_payload: Any
+    reply_buffers: Sequence[Any]
+
+
+def reply_bytes(call: _Reply) -> int:
+    """Bytes of the reply a client call holds (payload and tensor frames)."""
+    n = len(call.reply_payload)
+    for b in call.reply_buffers:
+        n += memoryview(b).nbytes
+    return n
+
+
+async def observe_result(observation: CallObservation, result: Awaitable[T], call: _Reply) -> T:
+    """Await a unary call's ``result`` and tell ``observation`` how it ended."""
+    try:
+        value = await result
+    except BaseException as exc:
+        observation.finished(outcome_of(exc), reply_bytes(call))
+        raise
+    observation.finished("ok", reply_bytes(call))
+    return value
+
+
+class _Observed(Protocol):
+    observed: CallObservation | None
+
+
+def stream_finished(call: _Observed | None, exc: BaseException | None) -> None:
+    """Client call site: a stream ended (``exc`` None: finished or closed early); once."""
+    if call is None:
+        return
+    observed = call.observed
+    if observed is not None:
+        call.observed = None
+        observed.finished(outcome_of(exc), 0)
+
+
+def client_call(
+    observer: Observer,
+    header: bytes,
+    method: str,
+    engine: str,
+    features: Sequence[str],
+    stream: bool,
+    nbytes: int,
+    shm_tensors: int,
+    frames: int,
+) -> tuple[CallObservation | None, bytes]:
+    """Client call site: observe a CALL about to be sent; add its trace context if any.
+
+    Args:
+        observer: The client's observer.
+        header: The CALL's header frame.
+        method: The method name.
+        engine: The engine id.
+        features: The engine's HELLO ``features``.
+        stream: Whether the call streams.
+        nbytes: Bytes of payload and tensor frames.
+        shm_tensors: Argument tensors sent by ``torch_shm`` handle.
+        frames: Argument tensor frames.
+
+    Returns:
+        The observation (or None) and the header frame to send (with the ``TRACE`` flag
+        and context when the observation has one and the engine reads it).
+    """
+    transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
+    observation = observer.client_call(method, engine, stream, nbytes, transport)
+    if observation is not None and "trace_context" in features:
+        trace = observation.trace_context()
+        if trace:
+            from tensorrpc._protocol import with_trace
+
+            header = with_trace(header, trace)
+    return observation, header
+
+
+def statistics_allowed(curve: CurveConfig | None) -> bool:
+    """Whether an engine answers the statistics method (peers must be authenticated).
+
+    Without CURVE there is no authentication to ask for. With CURVE, a server socket that
+    accepts any client key (``allowed_clients=None``) encrypts but does not authenticate,
+    so it refuses; with an allow-list, or as a CURVE client (the peer proved the server
+    key we asked for), every peer is authenticated.
+    """
+    if curve is None:
+        return True
+    allowed = getattr(curve, "allowed_clients", ())
+    return allowed is not None
+
+
+# -- the recorder behind the built-in statistics method -----------------------------------
+
+
+def latency_bucket(seconds: float) -> int:
+    """The statistics histogram bucket of a duration (see ``LATENCY_BUCKETS_PER_OCTAVE``)."""
+    us = seconds * 1e6
+    if us <= 1.0:
+        return 0
+    return min(LATENCY_BUCKETS - 1, math.ceil(math.log2(us) * LATENCY_BUCKETS_PER_OCTAVE))
+
+
+def bucket_upper_seconds(index: int) -> float:
+    """The upper bound, in seconds, of statistics histogram bucket ``index``."""
+    return float(2.0 ** (index / LATENCY_BUCKETS_PER_OCTAVE) / 1e6)
+
+
+class _MethodCounters:
+    __slots__ = ("calls", "errors", "latency")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.errors = 0
+        self.latency = [0] * LATENCY_BUCKETS
+
+
+class _RecordedCall(CallObservation):
+    __slots__ = ("_counters", "_failed", "_start")
+
+    def __init__(self, counters: _MethodCounters) -> None:
+        self._counters = counters
+        self._start = time.perf_counter()
+        self._failed = False
+
+    def error(self, code: str) -> None:
+        self._failed = True
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        c = self._counters
+        c.calls += 1
+        if self._failed:
+            c.errors += 1
+        c.latency[latency_bucket(time.perf_counter() - self._start)] += 1
+
+
+class StatisticsRecorder(Observer):
+    """Per-method calls, errors and latency of one engine, for the statistics method.
+
+    An engine starts one the first time a peer asks for its statistics, so engines that
+    nobody watches pay nothing. Latency is the engine's: from accepting the CALL to
+    letting go of it (queue wait and handler).
+    """
+
+    __slots__ = ("_methods", "since")
+
+    def __init__(self) -> None:
+        self._methods: dict[str, _MethodCounters] = {}
+        #: ``time.time()`` when recording started.
+        self.since = time.time()
+
+    def engine_call(
+        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+    ) -> CallObservation | None:
+        counters = self._methods.get(method)
+        if counters is None:
+            counters = self._methods[method] = _MethodCounters()
+        return _RecordedCall(counters)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Per method: ``calls``, ``errors`` and the sparse ``latency`` histogram."""
+        return {
+            name: {
+                "calls": c.calls,
+                "errors": c.errors,
+                "latency": [[i, n] for i, n in enumerate(c.latency) if n],
+            }
+            for name, c in sorted(self._methods.items())
+        }
+
+
+def _counters(c: Any) -> dict[str, int]:
+    return {
+        "tensors_sent": c.tensors_sent,
+        "bytes_sent": c.bytes_sent,
+        "tensors_received": c.tensors_received,
+        "bytes_received": c.bytes_received,
+        "fallbacks": c.fallbacks,
+    }
+
+
+def statistics_body(
+    stats: Any, *, service: str, pid: int, started: float, recorder: StatisticsRecorder
+) -> dict[str, Any]:
+    """The map the statistics method answers with (documented in docs/protocol.md).
+
+    Args:
+        stats: The engine's ``ServerStatistics``.
+        service: Its service name.
+        pid: Its process id.
+        started: ``time.time()`` when it started.
+        recorder: Its per-method recorder.
+    """
+    clients = stats.clients
+    return {
+        "engine_id": stats.engine_id,
+        "service": service,
+        "pid": pid,
+        "time": time.time(),
+        "uptime_s": max(0.0, time.time() - started),
+        "calls": stats.calls,
+        "errors": stats.errors,
+        "in_flight": stats.in_flight,
+        "queued": stats.queued,
+        "overloaded": stats.overloaded,
+        "dropped": stats.dropped,
+        "clients": sum(1 for c in clients if c.state == "live"),
+        "bytes_in": sum(c.bytes_in for c in clients),
+        "bytes_out": sum(c.bytes_out for c in clients),
+        "transports": {
+            "frames": _counters(stats.transports.frames),
+            "torch_shm": _counters(stats.transports.torch_shm),
+        },
+        "latency_buckets_per_octave": LATENCY_BUCKETS_PER_OCTAVE,
+        "methods_since": recorder.since,
+        "methods": recorder.snapshot(),
+    }

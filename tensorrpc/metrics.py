@@ -1,0 +1,590 @@
+"""Prometheus metrics of tensorrpc clients and engines (the ``metrics`` extra).
+
+```python
+# sketch: needs a running engine
+from prometheus_client import CollectorRegistry, generate_latest
+from tensorrpc.metrics import PrometheusObserver
+
+registry = CollectorRegistry()
+metrics = PrometheusObserver(registry)
+async with Client(Calculator, connect=..., observer=metrics) as client:
+    ...
+print(generate_latest(registry).decode())
+```
+
+Or let tensorrpc serve them: ``Client(..., metrics_port=9464)`` /
+``serve(..., metrics_port=9464)`` export the default registry over HTTP on 127.0.0.1.
+The names, units and labels are listed in docs/observability.md. Labels are bounded:
+``method`` and ``engine`` (ids), plus the small fixed sets ``outcome``, ``transport``,
+``direction``, ``event`` and ``state``; never call ids or arguments.
+
+Cost: the hot path only adds to Python ints and one bucket of a histogram (no locks, no
+prometheus_client objects per call); everything else is read from the clients' and
+engines' ``statistics()`` when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any, Final
+
+try:
+    from prometheus_client import REGISTRY, start_http_server
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "tensorrpc.metrics needs prometheus_client: pip install 'tensorrpc[metrics]'"
+    ) from exc
+
+from tensorrpc._client import Client
+from tensorrpc._observe import CallObservation, Observer
+from tensorrpc._server import Server
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
+__all__ = ["DEFAULT_BUCKETS", "RTT_BUCKETS", "PrometheusObserver", "bound_port", "exporter"]
+
+#: Latency histogram buckets (seconds): RPC round trips start at tens of microseconds.
+DEFAULT_BUCKETS: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+#: Heartbeat round-trip buckets (seconds).
+RTT_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+_perf_counter = time.perf_counter
+
+
+class _Histogram:
+    """Counts per bucket (non-cumulative, the last one is +Inf) and the sum."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        counts = list(self.counts)
+        for bound, n in zip(self.bounds, counts, strict=False):
+            running += n
+            out.append((_float_text(bound), running))
+        out.append(("+Inf", running + counts[-1]))
+        return out
+
+
+def _float_text(value: float) -> str:
+    return repr(float(value))
+
+
+class _Series:
+    """One (method, engine) pair: what the hooks count."""
+
+    __slots__ = ("duration", "handler", "items", "outcomes", "queue", "started")
+
+    def __init__(self, bounds: tuple[float, ...], engine_side: bool) -> None:
+        self.started = 0
+        self.items = 0
+        self.outcomes: dict[str, int] = {}
+        #: Client: end-to-end latency. Engine: unused (queue + handler instead).
+        self.duration = _Histogram(bounds)
+        self.queue = _Histogram(bounds) if engine_side else None
+        self.handler = _Histogram(bounds) if engine_side else None
+
+
+class _ClientCall(CallObservation):
+    __slots__ = ("_series", "_start")
+
+    def __init__(self, series: _Series) -> None:
+        self._series = series
+        self._start = _perf_counter()
+
+    def item(self) -> None:
+        self._series.items += 1
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        series = self._series
+        series.duration.observe(_perf_counter() - self._start)
+        outcomes = series.outcomes
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+
+class _EngineCall(CallObservation):
+    __slots__ = ("_code", "_received", "_series", "_started")
+
+    def __init__(self, series: _Series) -> None:
+        self._series = series
+        self._received = _perf_counter()
+        self._started = 0.0
+        self._code = ""
+
+    def started(self) -> None:
+        self._started = now = _perf_counter()
+        queue = self._series.queue
+        assert queue is not None
+        queue.observe(now - self._received)
+
+    def item(self) -> None:
+        self._series.items += 1
+
+    def error(self, code: str) -> None:
+        self._code = code
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        series = self._series
+        now = _perf_counter()
+        if self._started:
+            handler = series.handler
+            assert handler is not None
+            handler.observe(now - self._started)
+        else:  # never ran (deadline passed in the queue, bad arguments, ...)
+            queue = series.queue
+            assert queue is not None
+            queue.observe(now - self._received)
+        if self._code:
+            outcome = self._code
+        outcomes = series.outcomes
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+
+class _Store:
+    """What all views of one observer share: the series and the watched targets."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.client: dict[tuple[str, str], _Series] = {}
+        self.engine: dict[tuple[str, str], _Series] = {}
+        self.engine_events: dict[tuple[str, str], int] = {}
+        self.rtt: dict[str, _Histogram] = {}
+        self.targets: dict[int, Any] = {}
+        self.lock = threading.Lock()  # only for targets (changed from the loop, read by scrapes)
+
+
+class PrometheusObserver(Observer):
+    """An [`Observer`][tensorrpc.Observer] that exports Prometheus metrics.
+
+    Args:
+        registry: Where to register the metrics (default: prometheus_client's global
+            ``REGISTRY``). One observer per registry: register it once and pass it to as
+            many clients and engines as you like; their series add up per label set.
+        buckets: Latency histogram buckets, in seconds.
+
+    Raises:
+        ValueError: The registry already holds tensorrpc metrics.
+    """
+
+    __slots__ = ("_port", "_store")
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        buckets: Sequence[float] = DEFAULT_BUCKETS,
+    ) -> None:
+        self._store = _Store(tuple(sorted(float(b) for b in buckets)))
+        self._port: int | None = None
+        (REGISTRY if registry is None else registry).register(_Collector(self._store))
+
+    def _view(self, port: int) -> PrometheusObserver:
+        # The same metrics, plus an HTTP server on `port` while a target it opened is open.
+        view: PrometheusObserver = object.__new__(PrometheusObserver)
+        view._store = self._store
+        view._port = port
+        return view
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def opened(self, target: Any) -> None:
+        store = self._store
+        with store.lock:
+            store.targets[id(target)] = target
+        if self._port is not None:
+            _http.acquire(target, self._port)
+
+    def closed(self, target: Any) -> None:
+        store = self._store
+        with store.lock:
+            store.targets.pop(id(target), None)
+        if self._port is not None:
+            _http.release(target)
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def client_call(
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+    ) -> CallObservation | None:
+        store = self._store
+        key = (method, engine)
+        series = store.client.get(key)
+        if series is None:
+            series = store.client[key] = _Series(store.buckets, False)
+        series.started += 1
+        return _ClientCall(series)
+
+    def engine_call(
+        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+    ) -> CallObservation | None:
+        store = self._store
+        key = (method, engine)
+        series = store.engine.get(key)
+        if series is None:
+            series = store.engine[key] = _Series(store.buckets, True)
+        series.started += 1
+        return _EngineCall(series)
+
+    def engine_event(self, client: str, engine: str, event: str) -> None:
+        events = self._store.engine_events
+        key = (engine, event)
+        events[key] = events.get(key, 0) + 1
+
+    def heartbeat(self, client: str, engine: str, rtt: float) -> None:
+        store = self._store
+        histogram = store.rtt.get(engine)
+        if histogram is None:
+            histogram = store.rtt[engine] = _Histogram(RTT_BUCKETS)
+        histogram.observe(rtt)
+
+
+# -- scrape time --------------------------------------------------------------------------
+
+
+def _add(family: Any, labels: list[str], value: float) -> None:
+    family.add_metric(labels, value)
+
+
+class _Collector:
+    """Builds every family at scrape time from the hook counters and ``statistics()``."""
+
+    def __init__(self, store: _Store) -> None:
+        self._store = store
+
+    def describe(self) -> list[Metric]:
+        return list(self._families(with_samples=False))
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(with_samples=True)
+
+    def _families(self, *, with_samples: bool) -> Iterator[Metric]:
+        store = self._store
+        with store.lock:
+            targets = list(store.targets.values()) if with_samples else []
+        clients = [t.statistics() for t in targets if isinstance(t, Client)]
+        engines = [t.statistics() for t in targets if isinstance(t, Server)]
+        me = ["method", "engine"]
+
+        def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=labels)
+
+        def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        def histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+            return HistogramMetricFamily(name, doc, labels=labels)
+
+        client_series = list(store.client.items()) if with_samples else []
+        engine_series = list(store.engine.items()) if with_samples else []
+
+        # client: calls (hooks)
+        started = counter(
+            "tensorrpc_client_calls_started", "Calls (and streams) a client sent.", me
+        )
+        finished = counter(
+            "tensorrpc_client_calls",
+            "Calls (and streams) that ended, by outcome: ok or the exception's class name.",
+            [*me, "outcome"],
+        )
+        duration = histogram(
+            "tensorrpc_client_call_duration_seconds",
+            "Client-side latency of unary calls and whole streams, sending to result.",
+            me,
+        )
+        items = counter("tensorrpc_client_stream_items", "Stream items taken by callers.", me)
+        for (method, engine), s in client_series:
+            started.add_metric([method, engine], s.started)
+            for outcome, n in list(s.outcomes.items()):
+                finished.add_metric([method, engine, outcome], n)
+            duration.add_metric([method, engine], s.duration.buckets(), s.duration.total)
+            if s.items:
+                items.add_metric([method, engine], s.items)
+        yield from (started, finished, duration, items)
+
+        # client: engines and heartbeats (hooks)
+        events = counter(
+            "tensorrpc_client_engine_events",
+            "Engines that joined, rejoined (seen before) or were lost (dead, BYE, refused).",
+            ["engine", "event"],
+        )
+        if with_samples:
+            for (engine, event), n in list(store.engine_events.items()):
+                events.add_metric([engine, event], n)
+        rtt = histogram(
+            "tensorrpc_client_heartbeat_rtt_seconds", "Heartbeat PING round trips.", ["engine"]
+        )
+        if with_samples:
+            for engine, h in list(store.rtt.items()):
+                rtt.add_metric([engine], h.buckets(), h.total)
+        yield from (events, rtt)
+
+        # client: state (statistics)
+        in_flight = gauge("tensorrpc_client_calls_in_flight", "Calls in flight.", ["engine"])
+        up = gauge(
+            "tensorrpc_client_engine_up", "1 while the engine is live, 0 once lost.", ["engine"]
+        )
+        engines_by_state = gauge(
+            "tensorrpc_client_engines", "Engines seen, by state (live, dead).", ["state"]
+        )
+        waiting = gauge(
+            "tensorrpc_client_calls_waiting", "Callers waiting for an in-flight slot.", []
+        )
+        retries = counter(
+            "tensorrpc_client_overload_retries", "Calls retried after OVERLOADED.", []
+        )
+        nbytes = counter(
+            "tensorrpc_client_bytes",
+            "Bytes sent to and received from engines (all frames).",
+            ["engine", "direction"],
+        )
+        per_engine: dict[str, list[int]] = {}
+        live = dead = wait = retried = 0
+        for stats in clients:
+            wait += stats.waiting_for_capacity
+            retried += stats.overload_retries
+            for engine, e in stats.engines.items():
+                acc = per_engine.setdefault(engine, [0, 0, 0, 0])
+                acc[0] += e.in_flight
+                acc[1] = max(acc[1], int(e.live))
+                acc[2] += e.bytes_sent
+                acc[3] += e.bytes_received
+        for engine, (flying, is_live, sent, received) in sorted(per_engine.items()):
+            in_flight.add_metric([engine], flying)
+            up.add_metric([engine], is_live)
+            nbytes.add_metric([engine, "sent"], sent)
+            nbytes.add_metric([engine, "received"], received)
+            live += is_live
+            dead += 1 - is_live
+        if with_samples:
+            engines_by_state.add_metric(["live"], live)
+            engines_by_state.add_metric(["dead"], dead)
+            waiting.add_metric([], wait)
+            retries.add_metric([], retried)
+        yield from (in_flight, up, engines_by_state, waiting, retries, nbytes)
+        yield from _transport_families("client", [s.transports for s in clients], with_samples)
+
+        # engine: calls (hooks)
+        e_started = counter("tensorrpc_engine_calls_started", "Calls an engine accepted.", me)
+        e_finished = counter(
+            "tensorrpc_engine_calls",
+            "Calls that ended, by outcome: ok, cancelled, or the ERROR code sent.",
+            [*me, "outcome"],
+        )
+        queue = histogram(
+            "tensorrpc_engine_queue_wait_seconds",
+            "Time from accepting a CALL to its handler starting.",
+            me,
+        )
+        handler = histogram(
+            "tensorrpc_engine_handler_seconds", "Time handlers ran (streams: whole stream).", me
+        )
+        e_items = counter("tensorrpc_engine_stream_items", "Stream items engines sent.", me)
+        for (method, engine), s in engine_series:
+            e_started.add_metric([method, engine], s.started)
+            for outcome, n in list(s.outcomes.items()):
+                e_finished.add_metric([method, engine, outcome], n)
+            assert s.queue is not None
+            assert s.handler is not None
+            queue.add_metric([method, engine], s.queue.buckets(), s.queue.total)
+            handler.add_metric([method, engine], s.handler.buckets(), s.handler.total)
+            if s.items:
+                e_items.add_metric([method, engine], s.items)
+        yield from (e_started, e_finished, queue, handler, e_items)
+
+        # engine: state (statistics)
+        e_in_flight = gauge(
+            "tensorrpc_engine_calls_in_flight", "Calls queued or running.", ["engine"]
+        )
+        e_queued = gauge("tensorrpc_engine_calls_queued", "Calls waiting for a worker.", ["engine"])
+        overloaded = counter(
+            "tensorrpc_engine_overloaded", "Calls refused as OVERLOADED.", ["engine"]
+        )
+        dropped = counter(
+            "tensorrpc_engine_dropped_messages",
+            "Messages dropped: malformed, unexpected or undeliverable.",
+            ["engine"],
+        )
+        e_clients = gauge("tensorrpc_engine_clients", "Clients in session.", ["engine"])
+        e_bytes = counter(
+            "tensorrpc_engine_bytes",
+            "Bytes received from and sent to clients (all frames).",
+            ["engine", "direction"],
+        )
+        for es in engines:
+            eid = es.engine_id
+            e_in_flight.add_metric([eid], es.in_flight)
+            e_queued.add_metric([eid], es.queued)
+            overloaded.add_metric([eid], es.overloaded)
+            dropped.add_metric([eid], es.dropped)
+            e_clients.add_metric([eid], sum(1 for c in es.clients if c.state == "live"))
+            e_bytes.add_metric([eid, "received"], sum(c.bytes_in for c in es.clients))
+            e_bytes.add_metric([eid, "sent"], sum(c.bytes_out for c in es.clients))
+        yield from (e_in_flight, e_queued, overloaded, dropped, e_clients, e_bytes)
+        yield from _transport_families("engine", [s.transports for s in engines], with_samples)
+
+
+def _transport_families(side: str, stats: list[Any], with_samples: bool) -> Iterator[Metric]:
+    tensors = CounterMetricFamily(
+        f"tensorrpc_{side}_tensors",
+        "Out-of-band tensors moved, by transport and direction.",
+        labels=["transport", "direction"],
+    )
+    tensor_bytes = CounterMetricFamily(
+        f"tensorrpc_{side}_tensor_bytes",
+        "Bytes of out-of-band tensors moved, by transport and direction.",
+        labels=["transport", "direction"],
+    )
+    fallbacks = CounterMetricFamily(
+        f"tensorrpc_{side}_transport_fallbacks",
+        "Tensors meant for a transport that went as frames instead.",
+        labels=["transport"],
+    )
+    if with_samples:
+        for transport in ("frames", "torch_shm"):
+            counters = [getattr(s, transport) for s in stats]
+            tensors.add_metric([transport, "sent"], sum(c.tensors_sent for c in counters))
+            tensors.add_metric([transport, "received"], sum(c.tensors_received for c in counters))
+            tensor_bytes.add_metric([transport, "sent"], sum(c.bytes_sent for c in counters))
+            tensor_bytes.add_metric(
+                [transport, "received"], sum(c.bytes_received for c in counters)
+            )
+            fallbacks.add_metric([transport], sum(c.fallbacks for c in counters))
+    yield from (tensors, tensor_bytes, fallbacks)
+
+
+# -- metrics_port= ------------------------------------------------------------------------
+
+
+class _HttpServers:
+    """HTTP exporters started for ``metrics_port=``: one per requested port, ref-counted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_port: dict[int, tuple[WSGIServer, threading.Thread, set[int]]] = {}
+        self._target_port: dict[int, int] = {}
+
+    def acquire(self, target: Any, port: int) -> None:
+        with self._lock:
+            entry = self._by_port.get(port) if port else None
+            if entry is None:
+                server, thread = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+                entry = (server, thread, set())
+                self._by_port[port or server.server_port] = entry
+            entry[2].add(id(target))
+            self._target_port[id(target)] = entry[0].server_port
+
+    def release(self, target: Any) -> None:
+        with self._lock:
+            bound = self._target_port.pop(id(target), None)
+            entry = None if bound is None else self._by_port.get(bound)
+            if entry is None:
+                for e in self._by_port.values():
+                    if e[0].server_port == bound:
+                        entry = e
+            if entry is None:
+                return
+            server, thread, users = entry
+            users.discard(id(target))
+            if users:
+                return
+            for key, e in list(self._by_port.items()):
+                if e is entry:
+                    del self._by_port[key]
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    def port_of(self, target: Any) -> int | None:
+        with self._lock:
+            return self._target_port.get(id(target))
+
+
+_http = _HttpServers()
+_default: PrometheusObserver | None = None
+_default_lock = threading.Lock()
+
+
+def default_observer() -> PrometheusObserver:
+    """The process-wide observer on the global registry (made on first use)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PrometheusObserver()
+        return _default
+
+
+def exporter(port: int) -> Observer:
+    """What ``metrics_port=port`` adds to a client or engine.
+
+    The default observer's metrics (global registry), and an HTTP exporter on
+    ``127.0.0.1:port`` that runs while the client or engine is open (shared by all that
+    ask for the same port; ``0`` starts one on a free port, see
+    [`bound_port`][tensorrpc.metrics.bound_port]). To export on other interfaces, use
+    prometheus_client's ``start_http_server(port, addr=...)`` with a
+    [`PrometheusObserver`][tensorrpc.metrics.PrometheusObserver].
+
+    Args:
+        port: TCP port, 0 for a free one.
+
+    Returns:
+        The observer to combine into the client's or engine's.
+
+    Raises:
+        ValueError: ``port`` is out of range.
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"metrics_port must be 0..65535, not {port}")
+    return default_observer()._view(port)
+
+
+def bound_port(target: Client[Any] | Server) -> int | None:
+    """The port of the HTTP exporter ``metrics_port=`` started for an open client or engine.
+
+    Args:
+        target: The client or engine.
+
+    Returns:
+        The TCP port, or None when it has none (closed, or no ``metrics_port``).
+    """
+    return _http.port_of(target)

@@ -1,0 +1,239 @@
+"""OpenTelemetry traces across tensorrpc calls (the ``otel`` extra: ``opentelemetry-api``).
+
+A client call becomes a CLIENT span, child of the caller's current span; its context
+travels in the CALL (the ``TRACE`` header flag, docs/protocol.md §3) and the engine runs
+the handler inside a SERVER span, child of the client's. Calls the handler makes (to other
+engines, through another client) are children of that span, so one trace follows a
+request through every engine it touches.
+
+```python
+# sketch: configure an OpenTelemetry SDK as usual, then
+import tensorrpc.tracing
+
+tensorrpc.tracing.instrument()  # every Client and Server created from now on
+```
+
+or pass ``observer=tensorrpc.tracing.TracingObserver()`` to the ones you want. With the
+API alone (no SDK configured) and no incoming trace, no span is made at all.
+
+Span attributes: ``rpc.system`` (``"tensorrpc"``), ``rpc.method``, ``tensorrpc.engine_id``,
+``tensorrpc.client_id`` (engine spans), ``tensorrpc.transport`` (client spans: how the
+arguments' tensors travelled: ``torch_shm``, ``frames`` or ``inline``),
+``tensorrpc.request_bytes``, ``tensorrpc.response_bytes`` (client spans),
+``tensorrpc.stream_items`` (streams), ``tensorrpc.outcome`` (``ok``, an exception class
+name on the client, an ERROR code name on the engine, or ``cancelled``); the status is
+ERROR for any outcome but ``ok`` and ``cancelled``. Engine spans start when the CALL is
+accepted and carry a ``handler.start`` event when a worker takes it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+try:
+    from opentelemetry import context as otel_context, trace
+    from opentelemetry.trace import (
+        NonRecordingSpan,
+        ProxyTracerProvider,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TraceFlags,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "tensorrpc.tracing needs opentelemetry-api: pip install 'tensorrpc[otel]'"
+    ) from exc
+
+from tensorrpc import _observe
+from tensorrpc._observe import CallObservation, Observer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer, TracerProvider
+
+__all__ = [
+    "TracingObserver",
+    "decode_trace_context",
+    "encode_trace_context",
+    "instrument",
+    "uninstrument",
+]
+
+_NO_OUTCOME_ERROR = frozenset({"ok", "cancelled"})
+
+
+def encode_trace_context(span_context: SpanContext) -> bytes:
+    """The 26-byte binary W3C ``traceparent`` of a span context (docs/protocol.md §3)."""
+    return (
+        b"\x00"
+        + span_context.trace_id.to_bytes(16, "big")
+        + span_context.span_id.to_bytes(8, "big")
+        + bytes([int(span_context.trace_flags) & 0xFF])
+    )
+
+
+def decode_trace_context(data: bytes) -> SpanContext | None:
+    """The remote span context of a CALL's trace context, or None if it is not valid."""
+    if len(data) != 26 or data[0] != 0:
+        return None
+    span_context = SpanContext(
+        trace_id=int.from_bytes(data[1:17], "big"),
+        span_id=int.from_bytes(data[17:25], "big"),
+        is_remote=True,
+        trace_flags=TraceFlags(data[25]),
+    )
+    return span_context if span_context.is_valid else None
+
+
+def _end(span: Span, outcome: str) -> None:
+    span.set_attribute("tensorrpc.outcome", outcome)
+    if outcome not in _NO_OUTCOME_ERROR:
+        span.set_status(Status(StatusCode.ERROR, outcome))
+    span.end()
+
+
+class _ClientSpan(CallObservation):
+    __slots__ = ("_items", "_span")
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+        self._items = 0
+
+    def trace_context(self) -> bytes:
+        return encode_trace_context(self._span.get_span_context())
+
+    def item(self) -> None:
+        self._items += 1
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        span = self._span
+        span.set_attribute("tensorrpc.response_bytes", nbytes)
+        if self._items:
+            span.set_attribute("tensorrpc.stream_items", self._items)
+        _end(span, outcome)
+
+
+class _EngineSpan(CallObservation):
+    __slots__ = ("_code", "_items", "_span", "_token")
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+        self._token: object = None
+        self._items = 0
+        self._code = ""
+
+    def started(self) -> None:
+        # In the worker task that runs the handler: its calls become children.
+        self._span.add_event("handler.start")
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+
+    def item(self) -> None:
+        self._items += 1
+
+    def error(self, code: str) -> None:
+        self._code = code
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        token, self._token = self._token, None
+        if token is not None:
+            otel_context.detach(token)  # type: ignore[arg-type]
+        if self._items:
+            self._span.set_attribute("tensorrpc.stream_items", self._items)
+        _end(self._span, self._code or outcome)
+
+
+class TracingObserver(Observer):
+    """An [`Observer`][tensorrpc.Observer] that makes OpenTelemetry spans of calls.
+
+    Args:
+        tracer_provider: Where spans go (default: the global provider, as configured by
+            your OpenTelemetry SDK setup).
+    """
+
+    __slots__ = ("_provider", "_tracer")
+
+    def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
+        self._provider = tracer_provider
+        self._tracer: Tracer = trace.get_tracer("tensorrpc", tracer_provider=tracer_provider)
+
+    def _idle(self) -> bool:
+        # No SDK anywhere: spans would be no-ops; skip them unless a trace is running.
+        return (
+            self._provider is None
+            and isinstance(trace.get_tracer_provider(), ProxyTracerProvider)
+            and not trace.get_current_span().get_span_context().is_valid
+        )
+
+    def client_call(
+        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+    ) -> CallObservation | None:
+        if self._idle():
+            return None
+        span = self._tracer.start_span(
+            method,
+            kind=SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "tensorrpc",
+                "rpc.method": method,
+                "tensorrpc.engine_id": engine,
+                "tensorrpc.transport": transport,
+                "tensorrpc.request_bytes": nbytes,
+                "tensorrpc.stream": stream,
+            },
+        )
+        if not span.get_span_context().is_valid:
+            return None
+        return _ClientSpan(span)
+
+    def engine_call(
+        self, method: str, engine: str, client: str, stream: bool, trace_bytes: bytes, nbytes: int
+    ) -> CallObservation | None:
+        parent = decode_trace_context(trace_bytes) if trace_bytes else None
+        if parent is None and self._idle():
+            return None
+        ctx: Any = None
+        if parent is not None:
+            ctx = trace.set_span_in_context(NonRecordingSpan(parent), otel_context.Context())
+        span = self._tracer.start_span(
+            method,
+            context=ctx,
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": "tensorrpc",
+                "rpc.method": method,
+                "tensorrpc.engine_id": engine,
+                "tensorrpc.client_id": client,
+                "tensorrpc.request_bytes": nbytes,
+                "tensorrpc.stream": stream,
+            },
+        )
+        return _EngineSpan(span)
+
+
+_instrumented: TracingObserver | None = None
+
+
+def instrument(tracer_provider: TracerProvider | None = None) -> TracingObserver:
+    """Trace every [`Client`][tensorrpc.Client] and [`Server`][tensorrpc.Server] created
+    from now on (idempotent: a second call returns the first observer).
+
+    Args:
+        tracer_provider: Where spans go (default: the global provider).
+
+    Returns:
+        The installed observer (also usable as ``observer=`` of peers made earlier).
+    """
+    global _instrumented
+    if _instrumented is None:
+        _instrumented = TracingObserver(tracer_provider)
+        _observe.install(_instrumented)
+    return _instrumented
+
+
+def uninstrument() -> None:
+    """Stop tracing clients and engines created from now on."""
+    global _instrumented
+    if _instrumented is not None:
+        _observe.uninstall(_instrumented)
+        _instrumented = None

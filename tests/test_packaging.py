@@ -1,0 +1,242 @@
+"""What a user installs works: the wheel and sdist build, install and type-check.
+
+``python -m build`` runs on a copy of the package sources (so the working tree gets no
+``build/`` or ``*.egg-info``), offline (``--no-isolation``: the build backend is this
+venv's). Each install goes into a fresh virtual environment that reaches this venv's
+packages (torch, pyzmq, mypy, pip) through a ``.pth`` line, so nothing is downloaded:
+``pip install --no-deps --no-index``. mypy then checks a small user project outside the
+repository, configured as the docs tell users to (strict, the ``tensorrpc.mypy_plugin``
+plugin), once against the installed wheel and once against an editable install
+(``pip install -e``), which must be a plain ``.pth`` path that mypy can follow, not an
+import hook.
+
+mypy shares the project's ``.mypy_cache`` (same options as pyproject.toml), so torch's
+analysis from the ``make check`` run that precedes the tests is reused.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600
+
+USER_CODE = """\
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import assert_type
+
+import torch
+
+import tensorrpc
+from tensorrpc import rpc, service
+
+
+@service
+class Calc:
+    @rpc
+    async def add(self, a: int, b: int = 1) -> int:
+        return a + b
+
+    @rpc
+    def scale(self, x: torch.Tensor, factor: float) -> torch.Tensor:
+        return x * factor
+
+    @rpc
+    async def count(self, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+
+async def main(client: tensorrpc.Client[Calc]) -> None:
+    calc = client.stub()
+    assert_type(await calc.add(1, 2), int)
+    assert_type(await calc.scale(torch.ones(2), 2.0), torch.Tensor)
+    assert_type(calc.count(3), tensorrpc.CallStream[int])
+    assert_type(await client.call(Calc.add, 1), int)
+    # Strict mode reports an unused ignore: each line proves mypy sees tensorrpc's types.
+    await calc.add("x")  # type: ignore[arg-type]
+    z: torch.Tensor = calc.scale(torch.ones(2), 2.0)  # type: ignore[assignment]
+    calc.nothing()  # type: ignore[misc]
+    del z
+"""
+
+USER_CONFIG = """\
+[tool.mypy]
+strict = true
+python_version = "3.11"
+warn_unreachable = true
+plugins = ["tensorrpc.mypy_plugin"]
+"""
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment without anything that points Python or mypy at the repository."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        args,
+        cwd=cwd,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+    return proc
+
+
+def _fresh_venv(path: Path) -> Path:
+    """A venv without pip whose site-packages also sees this interpreter's packages."""
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(path)
+    python = path / "bin" / "python"
+    purelib = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], path
+    )
+    shared = sysconfig.get_paths()["purelib"]
+    # A .pth line adds the directory only: the .pth files inside it (this venv's own
+    # editable tensorrpc) are not run, so the fresh venv has no tensorrpc of its own.
+    Path(purelib.stdout.strip(), "_shared_packages.pth").write_text(shared + "\n")
+    return python
+
+
+def _source_copy(dest: Path) -> Path:
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(
+        ROOT / "tensorrpc", dest / "tensorrpc", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return dest
+
+
+def _user_project(dest: Path) -> Path:
+    dest.mkdir()
+    (dest / "pyproject.toml").write_text(USER_CONFIG)
+    (dest / "user_app.py").write_text(USER_CODE)
+    return dest
+
+
+def _mypy(python: Path, project: Path) -> str:
+    proc = _run(
+        [str(python), "-m", "mypy", "--cache-dir", str(ROOT / ".mypy_cache"), "user_app.py"],
+        project,
+    )
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """``(sources, wheel, sdist)`` from one ``python -m build`` (sdist, then wheel from it)."""
+    base = tmp_path_factory.mktemp("packaging")
+    src = _source_copy(base / "src")
+    dist = base / "dist"
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist)], src)
+    (wheel,) = dist.glob("*.whl")
+    (sdist,) = dist.glob("*.tar.gz")
+    return src, wheel, sdist
+
+
+def _package_files() -> set[str]:
+    return {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tensorrpc").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def test_sdist_has_the_sources_license_and_marker(built: tuple[Path, Path, Path]) -> None:
+    _, _, sdist = built
+    with tarfile.open(sdist) as tar:
+        top = sdist.name.removesuffix(".tar.gz")
+        names = {n.removeprefix(top + "/") for n in tar.getnames()}
+    assert {"LICENSE", "README.md", "pyproject.toml", "tensorrpc/py.typed"} <= names
+    assert _package_files() <= names
+
+
+def test_wheel_metadata_and_files(built: tuple[Path, Path, Path]) -> None:
+    _, wheel, _ = built
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        (metadata_name,) = (n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = email.parser.Parser().parsestr(zf.read(metadata_name).decode())
+    assert _package_files() <= names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata["Requires-Python"] == ">=3.11"
+    assert "Typing :: Typed" in metadata.get_all("Classifier", [])
+    assert any(r.startswith("torch") for r in metadata.get_all("Requires-Dist", []))
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text
+    assert "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text
+
+
+def test_installed_wheel_imports_runs_and_type_checks(
+    built: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    _, wheel, _ = built
+    python = _fresh_venv(tmp_path / "venv")
+    _run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], tmp_path
+    )
+    project = _user_project(tmp_path / "app")
+    where = _run([str(python), "-c", "import tensorrpc; print(tensorrpc.__file__)"], project)
+    assert Path(where.stdout.strip()).is_relative_to(tmp_path / "venv")
+    cli = _run([str(tmp_path / "venv" / "bin" / "tensorrpc"), "--help"], project)
+    assert "serve" in cli.stdout
+    assert "Success: no issues found in 1 source file" in _mypy(python, project)
+
+
+def test_editable_install_is_a_path_that_mypy_follows(
+    built: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    src, _, _ = built
+    python = _fresh_venv(tmp_path / "venv")
+    _run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "-e",
+            str(src),
+        ],
+        tmp_path,
+    )
+    purelib = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            tmp_path,
+        ).stdout.strip()
+    )
+    # setuptools' "static pth" strategy: the source root on a line, no import hook.
+    (pth,) = purelib.glob("__editable__*tensorrpc*.pth")
+    assert pth.read_text().strip() == str(src)
+    assert list(purelib.glob("__editable__*finder*")) == []
+    project = _user_project(tmp_path / "app")
+    where = _run([str(python), "-c", "import tensorrpc; print(tensorrpc.__file__)"], project)
+    assert Path(where.stdout.strip()) == src / "tensorrpc" / "__init__.py"
+    assert "Success: no issues found in 1 source file" in _mypy(python, project)
