@@ -129,6 +129,8 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
         "end the old session (its calls fail: EngineDeadError); WELCOME",
         "live",
     ),
+    ("none", "PING", "nothing (only peers with a session get PONG)", "none"),
+    ("none", "RESULT/ERROR/STREAM_ITEM/STREAM_END", "drop silently", "none"),
     ("dialing", "timer: hello request due", "PING 0; next in heartbeat interval", "dialing"),
     ("dialing", "send fails: peer not connected", "retry PING 0 after capped backoff", "dialing"),
     ("dialing", "HELLO, acceptable", "WELCOME (new client epoch)", "live"),
@@ -150,7 +152,7 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ),
     ("live", "BYE", "end the session (its calls fail: EngineDeadError)", "none"),
     ("live", "REJECT", "end the session (its calls fail); remember the refusal", "none"),
-    ("live", "timer: heartbeat due", "PING 1", "live"),
+    ("live", "timer: heartbeat due", "PING (nonce: the send time in ns)", "live"),
     ("live", "timer: engine silent past our dead_after", "end the session (calls fail)", "none"),
     (
         "live",
