@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import time
+import warnings
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -337,7 +338,9 @@ class Client(CallView[S]):
         heartbeat_interval: Seconds between PINGs to each engine.
         dead_after: An engine silent for this many seconds is declared dead.
         stream_window: Stream items an engine may send ahead of the consumer.
-        codec_config: Codec limits (must agree with the engines').
+        codec: Codec limits (must agree with the engines'; the same keyword as
+            [`Server`][tensorrpc.Server]).
+        codec_config: Deprecated spelling of ``codec`` (kept for one release).
         client_id: Identifies the client to engines (default: random).
         high_water_mark: ZMQ send/receive high-water mark, in messages.
         torch_shm: Offer and use the ``torch_shm`` tensor transport with engines on this
@@ -397,6 +400,7 @@ class Client(CallView[S]):
         heartbeat_interval: float = 1.0,
         dead_after: float = 5.0,
         stream_window: int = 16,
+        codec: _codec.CodecConfig | None = None,
         codec_config: _codec.CodecConfig | None = None,
         client_id: str | None = None,
         high_water_mark: int = 100_000,
@@ -418,7 +422,16 @@ class Client(CallView[S]):
         )
         policy = TransportPolicy(torch_shm=torch_shm, shm_threshold=shm_threshold)
         maxmsgsize = self._socket_options.maxmsgsize
-        self._transfers = _Transfers(policy, codec_config or _codec.DEFAULT, maxmsgsize)
+        if codec_config is not None:
+            warnings.warn(
+                "Client(codec_config=...) is deprecated: use codec=..., as Server and serve() do",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if codec is not None and codec is not codec_config:
+                raise ValueError("give codec= only (codec_config= is its deprecated alias)")
+            codec = codec_config
+        self._transfers = _Transfers(policy, codec or _codec.DEFAULT, maxmsgsize)
         config = ClientConfig(
             service=self._spec.name,
             fingerprint=self._spec.fingerprint,
@@ -961,9 +974,14 @@ class Client(CallView[S]):
         if deadline is not None:
             timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
         header = pack_call_header(call.call_id, spec.name, flags, timeout_ms)
-        await self._send_call(
-            call, [engine.peer, header, encoded.payload, *encoded.buffers], encoded
-        )
+        if self._observer is not None:  # observe: a CALL goes out (may add trace context)
+            nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
+            call.observed, header = _observe.client_call(
+                self._observer, header, spec.name, engine.engine_id, engine.info.features,
+                bool(flags & _STREAM_FLAG), nbytes, call.placed[0], len(encoded.buffers),
+            )  # fmt: skip
+        frames = [engine.peer, header, encoded.payload, *encoded.buffers]
+        await self._send_call(call, frames, encoded)
         return call
 
     async def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> None:

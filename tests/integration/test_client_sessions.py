@@ -212,3 +212,24 @@ async def test_many_waiting_callers_are_woken_once_each(tmp_path: Path) -> None:
         assert sorted(results, key=int) == [str(i) for i in range(calls)]
         # One wake-up per freed slot (plus a few passed on), not one per waiter per slot.
         assert client._protocol.capacity.wakeups <= calls + 8
+
+
+def test_codec_is_spelled_as_on_the_server_and_the_old_name_warns(tmp_path: Path) -> None:
+    from tensorrpc._codec import CodecConfig
+
+    codec = CodecConfig(max_tensors=7)
+    client = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock", codec=codec)
+    assert client._transfers.codec_config is codec
+    with pytest.warns(DeprecationWarning, match="codec="):
+        old = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock", codec_config=codec)
+    assert old._transfers.codec_config is codec
+    with (
+        pytest.warns(DeprecationWarning, match="codec="),
+        pytest.raises(ValueError, match="codec= only"),
+    ):
+        Client(
+            Calculator,
+            bind=f"ipc://{tmp_path}/c.sock",
+            codec=codec,
+            codec_config=CodecConfig(),
+        )
