@@ -14,7 +14,7 @@ all: test
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
-	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,bench]'
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,bench,ray]'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -13,9 +13,11 @@ binds one client socket they dial into, and sends a mixed load through it:
   the caller, and streams the caller leaves early;
 * broadcasts: ``reset`` before the run and ``stats`` after it.
 
-A progress bar runs while it works; at the end it prints per-engine and per-transport
-tables. It exits 0 when every outcome was the expected one, and leaves no process, socket
-file or /dev/shm segment behind (Ctrl-C included).
+It draws with ``rich`` (the ``demo`` extra): a progress bar with live tokens/s while it
+works, then per-engine, outcome and per-transport tables and a latency histogram per
+engine. When stdout is not a terminal everything is plain text (no colours, no live
+redraw, tables without borders). It exits 0 when every outcome was the expected one, and
+leaves no process, socket file or /dev/shm segment behind (Ctrl-C included).
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ from pathlib import Path
 
 import anyio
 import torch
+from rich import box
+from rich.bar import Bar
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
 
 import tensorrpc
 from examples.lm_service import EngineStats, LMEngine
@@ -56,30 +70,45 @@ class Tally:
     done: int = 0
 
 
-class Progress:
-    """A one-line progress bar on stderr (plain text when not a terminal)."""
+#: Upper bounds (ms) of the latency histogram's buckets; the last one is open.
+BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.start = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self.last_line = -1
 
-    def update(self, done: int, tokens: int) -> None:
-        width = 30
-        filled = width * done // self.total
-        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
-        bar = "#" * filled + "." * (width - filled)
-        text = f"[{bar}] {done}/{self.total} requests, {tokens} tokens ({rate:.0f} tok/s)"
-        if self.tty:
-            print("\r" + text, end="", file=sys.stderr, flush=True)
-        elif done * 10 // self.total != self.last_line or done == self.total:
-            self.last_line = done * 10 // self.total
-            print(text, file=sys.stderr, flush=True)
+@dataclass
+class Screen:
+    """Where the demo draws: stdout for results, stderr for progress and status lines.
 
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
+    On a terminal, colours, rounded tables and a live progress bar; otherwise plain text:
+    no colours or escape codes, tables without borders, the progress bar drawn once at
+    the end.
+    """
+
+    out: Console = field(default_factory=Console)
+    err: Console = field(default_factory=lambda: Console(stderr=True))
+
+    @property
+    def box(self) -> box.Box | None:
+        return box.ROUNDED if self.out.is_terminal else None
+
+    def table(self, title: str, *columns: str) -> Table:
+        table = Table(title=title, box=self.box, title_justify="left", pad_edge=False)
+        for i, name in enumerate(columns):
+            table.add_column(name, justify="left" if i == 0 else "right")
+        return table
+
+
+def progress_bar(screen: Screen) -> Progress:
+    """The bar: requests done of the total, tokens so far and tokens/s, elapsed time."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TextColumn("{task.fields[tokens]} tokens"),
+        TextColumn("[cyan]{task.fields[rate]:.0f} tok/s"),
+        TimeElapsedColumn(),
+        console=screen.err,
+    )
 
 
 @contextmanager
@@ -118,12 +147,17 @@ def engine_processes(address: str, count: int) -> Iterator[list[subprocess.Popen
 
 
 async def run_load(
-    client: tensorrpc.Client[LMEngine], requests: int, tally: Tally, seed: int
+    client: tensorrpc.Client[LMEngine],
+    requests: int,
+    tally: Tally,
+    seed: int,
+    progress: Progress,
+    task: TaskID,
 ) -> None:
     rng = random.Random(seed)
     engines = sorted(client.engines)
-    progress = Progress(requests)
     limit = anyio.Semaphore(8)
+    start = time.perf_counter()
 
     def record(engine: str, started: float, outcome: str, tokens: int = 0) -> None:
         tally.latencies[engine].append(time.perf_counter() - started)
@@ -131,7 +165,9 @@ async def run_load(
         tally.tokens[engine] += tokens
         tally.outcomes[outcome] += 1
         tally.done += 1
-        progress.update(tally.done, sum(tally.tokens.values()))
+        total = sum(tally.tokens.values())
+        rate = total / max(time.perf_counter() - start, 1e-9)
+        progress.update(task, completed=tally.done, tokens=total, rate=rate)
 
     async def text_request(i: int) -> None:
         prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(8, 64))]
@@ -216,7 +252,6 @@ async def run_load(
     async with anyio.create_task_group() as tg:
         for i, kind in enumerate(plan):
             tg.start_soon(one, i, kind)
-    progress.close()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -226,86 +261,118 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
-    ]
-    print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-
-
 async def main_async(args: argparse.Namespace) -> int:
+    screen = Screen()
     with tempfile.TemporaryDirectory(prefix="tensorrpc-demo-") as tmp:
         address = f"ipc://{tmp}/client.sock"
         async with tensorrpc.Client(LMEngine, bind=address) as client:
             with engine_processes(address, args.engines):
                 await client.wait_for_engines(args.engines, timeout=ENGINE_START_TIMEOUT)
-                print(
-                    f"{len(client.engines)} engines up: {', '.join(sorted(client.engines))}",
-                    file=sys.stderr,
+                screen.err.print(
+                    f"{len(client.engines)} engines up: {', '.join(sorted(client.engines))}"
                 )
                 await client.broadcast("reset")
                 tally = Tally()
                 started = time.perf_counter()
-                await run_load(client, args.requests, tally, args.seed)
+                with progress_bar(screen) as progress:
+                    task = progress.add_task("load", total=args.requests, tokens=0, rate=0.0)
+                    await run_load(client, args.requests, tally, args.seed, progress, task)
                 elapsed = time.perf_counter() - started
                 engine_stats: dict[str, EngineStats] = await client.broadcast("stats")
-                summary(client, tally, engine_stats, elapsed)
+                summary(screen, client, tally, engine_stats, elapsed)
         return 1 if tally.unexpected else 0
 
 
 def summary(
+    screen: Screen,
     client: tensorrpc.Client[LMEngine],
     tally: Tally,
     engine_stats: dict[str, EngineStats],
     elapsed: float,
 ) -> None:
-    rows = []
+    engines = screen.table("Per engine", "engine", "pid", "requests", "tokens", "p50 ms", "p99 ms")
+    engines.add_column("errors", justify="right")
     for engine in sorted(client.engines):
         lat = tally.latencies.get(engine, [])
-        st = engine_stats[engine]
-        rows.append(
-            [
-                engine,
-                str(st.pid),
-                str(tally.calls[engine]),
-                str(tally.tokens[engine]),
-                f"{percentile(lat, 0.5) * 1e3:.1f}",
-                f"{percentile(lat, 0.99) * 1e3:.1f}",
-                str(tally.errors[engine]),
-            ]
+        engines.add_row(
+            engine,
+            str(engine_stats[engine].pid),
+            str(tally.calls[engine]),
+            str(tally.tokens[engine]),
+            f"{percentile(lat, 0.5) * 1e3:.1f}",
+            f"{percentile(lat, 0.99) * 1e3:.1f}",
+            str(tally.errors[engine]),
         )
-    print_table(
-        "Per engine", ["engine", "pid", "requests", "tokens", "p50 ms", "p99 ms", "errors"], rows
-    )
-    print_table(
-        "Outcomes", ["outcome", "count"], [[k, str(v)] for k, v in sorted(tally.outcomes.items())]
-    )
-    transports = client.statistics().transports
-    trows = []
-    for name in ("frames", "torch_shm"):
-        c = getattr(transports, name)
-        trows.append(
-            [
-                name,
-                str(c.tensors_sent),
-                f"{c.bytes_sent / 2**20:.1f}",
-                str(c.tensors_received),
-                f"{c.bytes_received / 2**20:.1f}",
-                str(c.fallbacks),
-            ]
-        )
-    print_table(
+    outcomes = screen.table("Outcomes", "outcome", "count")
+    for name, count in sorted(tally.outcomes.items()):
+        outcomes.add_row(name, str(count))
+    transports = screen.table(
         "Per transport (client side; tensors small enough to ride inline are not counted)",
-        ["transport", "tensors out", "MiB out", "tensors in", "MiB in", "fallbacks"],
-        trows,
+        "transport",
+        "tensors out",
+        "MiB out",
+        "tensors in",
+        "MiB in",
+        "fallbacks",
     )
-    print(f"\n{tally.done} requests in {elapsed:.1f} s")
+    stats = client.statistics().transports
+    for name in ("frames", "torch_shm"):
+        c = getattr(stats, name)
+        transports.add_row(
+            name,
+            str(c.tensors_sent),
+            f"{c.bytes_sent / 2**20:.1f}",
+            str(c.tensors_received),
+            f"{c.bytes_received / 2**20:.1f}",
+            str(c.fallbacks),
+        )
+    for table in (engines, outcomes, transports, *histograms(screen, tally)):
+        screen.out.print()
+        screen.out.print(table)
+    screen.out.print()
+    screen.out.print(f"{tally.done} requests in {elapsed:.1f} s")
     if tally.unexpected:
-        print("\nUnexpected:", *tally.unexpected, sep="\n  ")
+        screen.out.print("Unexpected:", *tally.unexpected, sep="\n  ")
+
+
+def histograms(screen: Screen, tally: Tally) -> list[Table]:
+    """One latency histogram per engine: calls per bucket, drawn as bars.
+
+    The buckets shown are those from the fastest to the slowest call of any engine, so
+    that the engines' histograms line up.
+    """
+    counts = {
+        engine: Counter(bucket(seconds * 1e3) for seconds in latencies)
+        for engine, latencies in sorted(tally.latencies.items())
+    }
+    used = [i for c in counts.values() for i in c]
+    if not used:
+        return []
+    labels = bucket_labels()
+    tables = []
+    for engine, count in counts.items():
+        most = max(count.values(), default=1)
+        table = screen.table(f"Latency histogram: {engine}", "ms", "calls")
+        table.add_column("", width=32)
+        for i in range(min(used), max(used) + 1):
+            table.add_row(labels[i], str(count[i]), Bar(most, 0, count[i], width=32))
+        tables.append(table)
+    return tables
+
+
+def bucket(ms: float) -> int:
+    """The histogram bucket of a latency in milliseconds."""
+    for i, upper in enumerate(BUCKETS_MS):
+        if ms < upper:
+            return i
+    return len(BUCKETS_MS)
+
+
+def bucket_labels() -> list[str]:
+    lower = (0, *BUCKETS_MS)
+    return [f"{lo}-{hi}" for lo, hi in zip(lower, BUCKETS_MS, strict=False)] + [
+        f"≥{BUCKETS_MS[-1]}"
+    ]
 
 
 def main() -> None:
@@ -320,7 +387,7 @@ def main() -> None:
     try:
         code = anyio.run(main_async, args)
     except KeyboardInterrupt:
-        print("\ninterrupted: engines stopped", file=sys.stderr)
+        Console(stderr=True).print("interrupted: engines stopped")
         code = 130
     sys.exit(code)
 

@@ -9,6 +9,7 @@ pickled.
 
 from __future__ import annotations
 
+from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream
 from tensorrpc._client import (
     CallOptions,
     CallStream,
@@ -76,6 +77,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BlockingCallView",
+    "BlockingClient",
+    "BlockingStream",
     "BroadcastError",
     "CallError",
     "CallObservation",

@@ -34,7 +34,7 @@ import numpy as np
 import ormsgpack
 import torch
 
-from tensorrpc._exceptions import DecodeError, EncodeError
+from tensorrpc._exceptions import DecodeError, EncodeError, ValidationError
 from tensorrpc._protocol import count_msgpack_objects
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ __all__ = [
     "Location",
     "check_message_size",
     "decode",
+    "frame_limit",
     "encode",
 ]
 
@@ -441,6 +442,18 @@ def _numpy_dtype_error(dtype: np.dtype[Any]) -> str:
     )
 
 
+def frame_limit(config: CodecConfig) -> int:
+    """The largest frame a receiver with ``config`` can accept, in bytes.
+
+    A frame is a payload (at most ``max_payload_bytes``) or one tensor's bytes (at most
+    ``max_tensor_bytes``); anything larger is refused by the codec after it has arrived,
+    so a receiver sets its socket's ``maxmsgsize`` to at most this (ZMQ then drops such a
+    frame at its header, never buffering it) and announces it in its handshake (senders
+    refuse such a frame before sending it).
+    """
+    return max(config.max_tensor_bytes, config.max_payload_bytes)
+
+
 def check_message_size(
     encoded: Encoded, own_limit: int, peer_limit: int, *, what: str, peer: str
 ) -> None:
@@ -700,6 +713,24 @@ class _Decoder:
         return tensor.numpy()
 
 
+def _ignore_ext(code: int, data: bytes) -> None:
+    return None
+
+
+def _only_bad_keys(framed: bytes) -> bool:
+    """Whether ``framed`` is well-formed msgpack whose only fault is a non-str map key.
+
+    Such a payload is a value the peer may not send (the receiver answers
+    ``INVALID_ARGUMENT``), not a corrupt one (``DECODE``). Only called once decoding
+    failed, after the object budget was checked; tensors are not built again.
+    """
+    try:
+        ormsgpack.unpackb(framed, ext_hook=_ignore_ext, option=ormsgpack.OPT_NON_STR_KEYS)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def decode(
     payload: Buffer,
     buffers: Sequence[Buffer] = (),
@@ -726,7 +757,10 @@ def decode(
 
     Raises:
         DecodeError: Malformed msgpack, a bad descriptor, a dtype not allowed, sizes that
-            do not match or exceed the limits, bad frame indices, unreferenced buffers.
+            do not match or exceed the limits (``max_payload_objects`` included), bad
+            frame indices, unreferenced buffers.
+        ValidationError: Well-formed msgpack with a map key that is not a string (the
+            value cannot be one a peer may send; an engine answers ``INVALID_ARGUMENT``).
         TensorTransportError: The resolver failed.
     """
     try:
@@ -759,6 +793,11 @@ def decode(
     except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
         if decoder.error is not None:
             raise decoder.error from None
+        if _only_bad_keys(framed):
+            raise ValidationError(
+                f"a map in the payload has a key that is not a string ({exc}); maps carry "
+                "str keys only (parameter names, dataclass fields, dict[str, ...])"
+            ) from None
         raise DecodeError(f"malformed msgpack payload: {exc}") from exc
     if decoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
         raise decoder.error

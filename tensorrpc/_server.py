@@ -375,7 +375,9 @@ class Server:
         codec: Codec limits (must match the clients').
         socket_options: ZMQ socket options (HWMs, MAXMSGSIZE, ...). ``maxmsgsize`` is
             the largest frame this engine accepts (a peer sending more is disconnected
-            by ZMQ) and sends (a bigger result is answered with a BAD_RESULT error).
+            by ZMQ) and sends (a bigger result is answered with a BAD_RESULT error); it
+            is lowered to the largest frame ``codec`` accepts (the larger of
+            ``max_tensor_bytes`` and ``max_payload_bytes``), and announced in HELLO.
         curve: CURVE encryption and authentication for the engine's sockets (see
             docs/security.md): usually a ``CurveServerConfig`` with an allow-list of
             client keys in listen mode, a ``CurveClientConfig`` holding the client's
@@ -443,6 +445,9 @@ class Server:
         self._heartbeat_interval = heartbeat_interval
         self._dead_after = dead_after
         self._codec = codec
+        # A frame over the codec's limits would be buffered only to be refused: ZMQ drops
+        # it at its header instead, and HELLO announces the limit (clients check it).
+        socket_options = socket_options.capped(_codec.frame_limit(codec))
         self._socket_options = socket_options
         self._curve = curve
         self._policy = TransportPolicy(torch_shm=torch_shm, shm_threshold=shm_threshold)

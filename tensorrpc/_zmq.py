@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import os
 import time
@@ -146,6 +147,21 @@ class SocketOptions:
     #: Buffers smaller than this many bytes are copied even when sending with
     #: ``copy=False`` (zero-copy has a fixed cost that only pays off for large frames).
     copy_threshold: int = 64 * 1024
+
+    def capped(self, limit: int) -> SocketOptions:
+        """These options with ``maxmsgsize`` lowered to ``limit`` where it is larger.
+
+        Args:
+            limit: The largest frame worth receiving (e.g. ``_codec.frame_limit``):
+                ``-1`` (no limit) becomes ``limit`` too, since a larger frame would
+                only be buffered to be refused.
+
+        Returns:
+            ``self`` when nothing changes, else a copy.
+        """
+        if limit <= 0 or 0 < self.maxmsgsize <= limit:
+            return self
+        return dataclasses.replace(self, maxmsgsize=limit)
 
     def __post_init__(self) -> None:
         if self.maxmsgsize == 0 or self.maxmsgsize < -1:

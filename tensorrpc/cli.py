@@ -5,7 +5,8 @@ Subcommands (``tensorrpc SUBCOMMAND --help`` for each):
 * ``serve module:Class``: run an engine that serves an instance of a ``@service`` class
   until SIGINT/SIGTERM, which drain it gracefully (exit status 0).
 * ``describe module:Class``: print the service (methods, signatures, types, fingerprint).
-* ``call ADDR method --arg k=v``: call a method of a running engine without its class.
+* ``call ADDR method k=v ...`` (or ``--arg k=v``, ``-d JSON``): call a method of a running
+  engine without its class.
 * ``bench`` / ``demo``: run the benchmark / the multi-engine demo of a repository checkout.
 
 User mistakes (a bad address, an unknown method or class, a malformed ``--arg``, an engine
@@ -161,12 +162,27 @@ def _build_parser() -> _Parser:
     )
     call.add_argument("method", nargs="?", help="the method to call")
     call.add_argument(
+        "items",
+        nargs="*",
+        metavar="NAME=VALUE",
+        help="arguments, as after httpie: add a=2 b=5 (same values as --arg)",
+    )
+    call.add_argument(
         "--arg",
         dest="args",
         action="append",
         default=[],
         metavar="NAME=VALUE",
         help="an argument (repeat for each)",
+    )
+    call.add_argument(
+        "-d",
+        "--data",
+        metavar="JSON",
+        help=(
+            "the arguments as one JSON object, as after grpcurl: -d '{\"a\": 2}'; "
+            "@FILE reads it from a file, @- from stdin"
+        ),
     )
     call.add_argument("--engine", metavar="ID", help="call this engine (default: any)")
     call.add_argument(
@@ -493,23 +509,59 @@ def parse_value(text: str) -> object:
     return value
 
 
-def parse_args(items: Sequence[str]) -> dict[str, object]:
-    """Parse ``NAME=VALUE`` items into an argument map.
+def parse_args(items: Sequence[str], data: str | None = None) -> dict[str, object]:
+    """Parse ``NAME=VALUE`` items (and a ``-d`` JSON object) into one argument map.
+
+    Args:
+        items: ``NAME=VALUE`` strings, from positional arguments and ``--arg``.
+        data: The ``-d`` text: a JSON object, ``@FILE`` holding one, or ``@-`` (stdin).
 
     Raises:
-        UsageError: An item lacks ``=``, its name is not an identifier, or is repeated.
+        UsageError: An item lacks ``=``, a name is not an identifier or is given twice
+            (in the items or in both the items and the object), or ``data`` is not a
+            JSON object.
     """
-    out: dict[str, object] = {}
+    out: dict[str, object] = parse_data(data) if data is not None else {}
+    from_data = set(out)
     for item in items:
         name, sep, text = item.partition("=")
         if not sep:
-            raise UsageError(f"bad --arg {item!r}: expected NAME=VALUE")
+            raise UsageError(f"bad argument {item!r}: expected NAME=VALUE")
         if not _ARG_NAME.match(name):
-            raise UsageError(f"bad --arg {item!r}: {name!r} is not a parameter name")
+            raise UsageError(f"bad argument {item!r}: {name!r} is not a parameter name")
         if name in out:
-            raise UsageError(f"--arg {name} given twice")
+            where = " (also in -d)" if name in from_data else ""
+            raise UsageError(f"argument {name} given twice{where}")
         out[name] = parse_value(text)
     return out
+
+
+def parse_data(data: str) -> dict[str, object]:
+    """The ``-d`` argument map: a JSON object given inline, as ``@FILE``, or ``@-`` (stdin).
+
+    Raises:
+        UsageError: The file cannot be read, the text is not JSON, or not an object whose
+            keys are parameter names.
+    """
+    source = "-d"
+    if data.startswith("@"):
+        path = data[1:]
+        source = "stdin" if path == "-" else repr(path)
+        try:
+            data = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"cannot read -d {source}: {_one_line(exc)}") from exc
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise UsageError(f"-d from {source} is not JSON: {_one_line(exc)}") from None
+    if not isinstance(value, dict):
+        kind = type(value).__name__ if value is not None else "null"
+        raise UsageError(f"-d from {source} must be a JSON object of arguments, not {kind}")
+    for name in value:
+        if not _ARG_NAME.match(name):
+            raise UsageError(f"-d from {source}: {name!r} is not a parameter name")
+    return value
 
 
 def _load_npy(path: str) -> object:
@@ -716,9 +768,9 @@ def _cmd_call(args: argparse.Namespace) -> int:
     address = normalize_address(args.address)
     if not args.list and not args.method:
         raise UsageError("give a METHOD to call, or --list")
-    if args.list and args.args:
-        raise UsageError("--list takes no --arg")
-    arguments = parse_args(args.args)
+    if args.list and (args.args or args.items or args.data is not None):
+        raise UsageError("--list takes no arguments")
+    arguments = parse_args([*args.items, *args.args], args.data)
     try:
         return _run(_call, args, address, arguments)
     except tensorrpc.ConnectError as exc:
@@ -817,9 +869,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             # argparse leaves an optional positional after options unparsed:
             # `tensorrpc call ADDR --timeout 5 add` names the method last.
             for i, item in enumerate(extra):
-                if not item.startswith("-"):
+                if not item.startswith("-") and "=" not in item:  # not NAME=VALUE
                     args.method = extra.pop(i)
                     break
+        if args.command == "call" and extra[:1] != ["--"]:
+            # Likewise NAME=VALUE arguments that follow an option: `call ADDR add --json a=1`.
+            args.items += [item for item in extra if not item.startswith("-")]
+            extra = [item for item in extra if item.startswith("-")]
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:

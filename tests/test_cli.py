@@ -8,6 +8,7 @@ processes.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -22,7 +23,14 @@ import numpy as np
 import pytest
 
 import tensorrpc
-from tensorrpc.cli import main, normalize_address, parse_args, split_signature, to_json
+from tensorrpc.cli import (
+    UsageError,
+    main,
+    normalize_address,
+    parse_args,
+    split_signature,
+    to_json,
+)
 
 from .integration.services import Calculator
 
@@ -184,6 +192,31 @@ def test_arg_values_are_json_when_they_parse() -> None:
     }
 
 
+def test_data_is_a_json_object_merged_with_the_items(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parse_args([], '{"a": 2, "b": [1, 2]}') == {"a": 2, "b": [1, 2]}
+    # -d values are plain JSON: a string stays a string, even one that looks like @FILE.
+    assert parse_args(["b=5"], '{"a": "@x.npy"}') == {"a": "@x.npy", "b": 5}
+    path = tmp_path / "args.json"
+    path.write_text('{"n": 3}', encoding="utf-8")
+    assert parse_args([], f"@{path}") == {"n": 3}
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"tag": "from stdin"}'))
+    assert parse_args([], "@-") == {"tag": "from stdin"}
+    with pytest.raises(UsageError, match="given twice \\(also in -d\\)"):
+        parse_args(["a=1"], '{"a": 2}')
+    with pytest.raises(UsageError, match="not JSON"):
+        parse_args([], "{a: 2}")
+    with pytest.raises(UsageError, match="must be a JSON object of arguments, not list"):
+        parse_args([], "[1, 2]")
+    with pytest.raises(UsageError, match="not null"):
+        parse_args([], "null")
+    with pytest.raises(UsageError, match="'1x' is not a parameter name"):
+        parse_args([], '{"1x": 2}')
+    with pytest.raises(UsageError, match="cannot read -d"):
+        parse_args([], f"@{tmp_path}/missing.json")
+
+
 def test_arg_npy_files_load_without_pickle(tmp_path: Path) -> None:
     path = tmp_path / "x.npy"
     np.save(path, np.arange(6, dtype=np.int16).reshape(2, 3))
@@ -240,6 +273,11 @@ def test_results_become_json_with_tensors_summarized() -> None:
         (["call", "5555", "add", "--arg", "a"], 2, "expected NAME=VALUE"),
         (["call", "5555", "add", "--arg", "1x=2"], 2, "not a parameter name"),
         (["call", "5555", "add", "--arg", "a=1", "--arg", "a=2"], 2, "given twice"),
+        (["call", "5555", "add", "a=1", "--arg", "a=2"], 2, "argument a given twice"),
+        (["call", "5555", "add", "a"], 2, "bad argument 'a': expected NAME=VALUE"),
+        (["call", "5555", "add", "-d", "[1]"], 2, "must be a JSON object"),
+        (["call", "5555", "add", "-d", '{"a": 1}', "a=2"], 2, "given twice (also in -d)"),
+        (["call", "5555", "--list", "a=1"], 2, "--list takes no arguments"),
         (["call", "5555"], 2, "give a METHOD"),
         (["call", "5555", "add", "--timeout", "-1"], 2, "expected a positive number"),
         (["call", "5555", "add", "--arg", "x=@/nonexistent/x.npy"], 2, "cannot load"),
@@ -340,6 +378,20 @@ def test_serve_and_call_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         assert status == 0, err
         assert out.splitlines()[0].startswith("engine e1: service Calculator")
         assert "  count(n: int) -> AsyncIterator[int]" in out.splitlines()
+
+        # Arguments as people type them after httpie (positional) and grpcurl (-d JSON),
+        # also after options, and mixed with --arg.
+        for argv in (
+            ["add", "a=1", "b=41"],
+            ["--timeout", "30", "add", "a=1", "b=41"],
+            ["add", "--json", "a=1", "--arg", "b=41"],
+            ["add", "-d", '{"a": 1, "b": 41}'],
+            ["add", "--data", '{"a": 1}', "b=41"],
+        ):
+            status, out, err = run_cli(capsys, "call", address, *argv)
+            assert (status, out) == (0, "42\n"), (argv, err)
+        status, out, err = run_cli(capsys, "call", address, "count", "-d", '{"n": 2}')
+        assert (status, out.splitlines()) == (0, ["0", "1"]), err
 
         # Calculator() was made with no arguments: its own engine_id field is "".
         status, out, _ = run_cli(capsys, "call", address, "echo", "--arg", "tag=hi")

@@ -28,11 +28,21 @@ def test_demo_runs_small_and_leaves_nothing_behind(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
+    # Not a terminal: rich draws plain text (no escape codes, tables without borders).
+    assert "\x1b" not in out + proc.stderr
     assert "Per engine" in out
-    rows = re.findall(r"^(engine-\d+)\s+(\d+)\s+(\d+)\s+(\d+)", out, flags=re.MULTILINE)
+    rows = re.findall(r"^\s*(engine-\d+)\s+(\d+)\s+(\d+)\s+(\d+)", out, flags=re.MULTILINE)
     assert {r[0] for r in rows} == {"engine-0", "engine-1"}
     assert sum(int(r[3]) for r in rows) > 0  # tokens were streamed
     assert "24 requests in" in out
+    for engine in ("engine-0", "engine-1"):
+        # Its latency histogram: one row per bucket, the calls in them add up to its requests.
+        section = out.split(f"Latency histogram: {engine}")[1].split("Latency histogram")[0]
+        buckets = re.findall(r"^\s*(\d+-\d+|≥\d+)\s+(\d+)", section, flags=re.MULTILINE)
+        assert buckets, section
+        calls = next(int(r[2]) for r in rows if r[0] == engine)
+        assert sum(int(n) for _, n in buckets) == calls
+    assert "24/24" in proc.stderr  # the progress bar, drawn once at the end
     for _engine, pid, _requests, _tokens in rows:
         assert not Path(f"/proc/{pid}").exists(), f"engine process {pid} left running"
     assert list(tmp_path.iterdir()) == [], "the demo left files (socket files) behind"

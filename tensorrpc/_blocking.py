@@ -1,0 +1,601 @@
+"""A blocking client for scripts and notebooks: the async `Client` on a background loop.
+
+`BlockingClient` starts one daemon thread that runs an event loop (asyncio by default,
+or trio) with an anyio ``BlockingPortal``, opens an ordinary `Client` inside it, and turns
+each call into "run this coroutine on that loop and wait for its result". The caller's
+thread never runs the client's loop, so it works the same from a plain script, from a
+thread, and from code whose own thread already runs an event loop (Jupyter, an asyncio
+application calling a library that blocks).
+
+Lifetime: ``with BlockingClient(...) as client:`` or ``close()``; a client that is neither
+closed nor in a ``with`` is closed when it is garbage-collected or when the interpreter
+exits (a ``weakref.finalize``), so no thread, socket or engine lease outlives it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import threading
+import weakref
+from types import MappingProxyType, TracebackType
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Generic,
+    Literal,
+    NoReturn,
+    ParamSpec,
+    Self,
+    TypeVar,
+    cast,
+    overload,
+)
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
+from tensorrpc._exceptions import ClosedError
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+
+    from tensorrpc._service import ServiceSpec
+    from tensorrpc.transports import TransportName
+
+S = TypeVar("S")
+T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
+
+#: How long ``close()`` waits for the client to say BYE and the loop thread to end.
+CLOSE_TIMEOUT = 10.0
+#: How long the constructor waits for the background loop to start.
+START_TIMEOUT = 30.0
+
+
+class _Runner:
+    """The loop thread, its portal and the open client; owns the shutdown sequence.
+
+    Kept apart from `BlockingClient` so that the finalizer holds no reference to the
+    user's object (it would never be collected otherwise).
+    """
+
+    def __init__(self, make_client: Callable[[], Client[Any]], backend: str) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._main, args=(backend,), name="tensorrpc-blocking-client", daemon=True
+        )
+        self._thread.start()
+        try:
+            self.portal = self._ready.result(timeout=START_TIMEOUT)
+        except BaseException:
+            self._thread.join(timeout=CLOSE_TIMEOUT)
+            raise
+        self._client_cm: contextlib.AbstractContextManager[Client[Any]] | None = None
+        try:
+            client = self.portal.call(make_client)
+            cm = self.portal.wrap_async_context_manager(client)
+            self.client = cm.__enter__()
+            self._client_cm = cm
+        except BaseException:
+            self.close()
+            raise
+
+    def _main(self, backend: str) -> None:
+        async def serve() -> None:
+            try:
+                async with BlockingPortal() as portal:
+                    self._ready.set_result(portal)
+                    await portal.sleep_until_stopped()
+            except BaseException as exc:
+                if not self._ready.done():
+                    self._ready.set_exception(exc)
+                raise
+
+        with contextlib.suppress(BaseException):
+            # Whatever ends the loop has already been reported to the caller (set_exception
+            # above, or the result of the call that failed).
+            anyio.run(serve, backend=backend)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn()`` on the loop and wait for it; cancel it if the wait is interrupted."""
+        if self._closed:
+            raise ClosedError("the client was closed")
+        future = self.portal.start_task_soon(fn)
+        try:
+            return future.result()
+        except BaseException:
+            # KeyboardInterrupt in the caller's thread: cancel the call on the loop (anyio
+            # cancels the task's scope, and the client sends CANCEL to the engine).
+            future.cancel()
+            raise
+
+    def run_sync(self, fn: Callable[[], T]) -> T:
+        """Run a plain function on the loop's thread (to read the client's state safely)."""
+        if self._closed:
+            raise ClosedError("the client was closed")
+        return self.portal.call(fn)
+
+    def close(self) -> None:
+        """Close the client (BYE to every engine), stop the loop, join the thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a BlockingClient cannot be closed from its own loop thread")
+        try:
+            cm, self._client_cm = self._client_cm, None
+            if cm is not None:
+                with contextlib.suppress(Exception):
+                    cm.__exit__(None, None, None)
+        finally:
+            if self._ready.done() and self._ready.exception() is None:
+                with contextlib.suppress(RuntimeError):  # the loop already ended
+                    self.portal.call(self.portal.stop, True)
+            self._thread.join(timeout=CLOSE_TIMEOUT)
+
+
+class BlockingStream(Generic[T]):
+    """The items of one streaming call as a plain iterator (and context manager).
+
+    The call is sent on the first ``next()``. Leave early with ``close()`` or by leaving
+    its ``with`` block: the engine's generator is cancelled at once. A stream that is
+    dropped is cancelled on the engine soon after it is garbage-collected, as for
+    [`CallStream`][tensorrpc.CallStream].
+    """
+
+    __slots__ = ("__weakref__", "_runner", "_stream")
+
+    def __init__(self, runner: _Runner, stream: CallStream[T]) -> None:
+        self._runner = runner
+        self._stream = stream
+
+    @property
+    def engine(self) -> str | None:
+        """The id of the engine serving this stream (``None`` until the first item)."""
+        return self._stream.engine
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> T:
+        stream = self._stream
+
+        async def step() -> tuple[bool, T | None]:
+            try:
+                return True, await stream.__anext__()
+            except StopAsyncIteration:
+                return False, None
+
+        more, item = self._runner.run(step)
+        if not more:
+            raise StopIteration
+        return cast("T", item)
+
+    def close(self) -> None:
+        """Stop the stream; the engine's generator is cancelled at once (idempotent)."""
+        if not self._runner.closed:
+            self._runner.run(self._stream.aclose)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class BlockingCallView(Generic[S]):
+    """Blocking calls on a [`BlockingClient`][tensorrpc.BlockingClient] with fixed options.
+
+    The blocking twin of [`CallView`][tensorrpc.CallView]: the same methods, returning
+    results instead of awaitables and [`BlockingStream`][tensorrpc.BlockingStream]s
+    instead of async iterators.
+    """
+
+    __slots__ = ("__weakref__", "_runner", "_view")
+
+    def __init__(self, runner: _Runner, view: CallView[S]) -> None:
+        self._runner = runner
+        self._view = view
+
+    def with_options(
+        self,
+        *,
+        engine: str | None = None,
+        timeout: float | None = None,
+        wait: bool = True,
+        transport: TransportName = "auto",
+    ) -> BlockingCallView[S]:
+        """A view on the same client whose calls use these options.
+
+        Args:
+            engine: Target engine id, or ``None`` to balance.
+            timeout: Per-call deadline in seconds, or ``None``.
+            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
+            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
+
+        Returns:
+            The new view.
+        """
+        view = self._view.with_options(
+            engine=engine, timeout=timeout, wait=wait, transport=transport
+        )
+        return BlockingCallView(self._runner, view)
+
+    def stub(
+        self,
+        *,
+        engine: str | None = None,
+        timeout: float | None = None,
+        wait: bool = True,
+        transport: TransportName = "auto",
+    ) -> S:
+        """A proxy typed as the service class whose methods call the engines and block.
+
+        ``stub.add(1, 2)`` returns the result; ``stub.count(5)`` returns a
+        [`BlockingStream`][tensorrpc.BlockingStream]. To mypy the stub *is* the service
+        class, so an ``async def`` method looks like it returns a coroutine (and a
+        streaming one an async iterator), while at run time it returns the result (or a
+        plain iterator): use [`call`][tensorrpc.BlockingCallView.call] and
+        [`stream`][tensorrpc.BlockingCallView.stream] for exact types.
+
+        Args:
+            engine: Target engine id, or ``None`` to balance.
+            timeout: Per-call deadline in seconds, or ``None``.
+            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
+            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
+
+        Returns:
+            The stub, typed as the service class.
+        """
+        view = self._view.with_options(
+            engine=engine, timeout=timeout, wait=wait, transport=transport
+        )
+        return cast("S", _BlockingStub(self._runner, view, self._runner.client.service))
+
+    @overload
+    def call(
+        self,
+        method: Callable[Concatenate[Any, P], Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R: ...
+
+    @overload
+    def call(
+        self,
+        method: Callable[Concatenate[Any, P], AsyncIterator[Any]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> NoReturn: ...
+
+    @overload
+    def call(
+        self,
+        method: Callable[Concatenate[Any, P], R],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> R: ...
+
+    def call(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Call one unary method and wait for its result, typed from the service's method.
+
+        ``client.call(Calculator.add, 1, 2)`` checks the arguments against
+        ``Calculator.add`` and returns its result type. Interrupting the wait (Ctrl-C)
+        cancels the call on the engine.
+
+        Args:
+            method: The method, taken from the service class (``Calculator.add``).
+            *args: Positional arguments.
+            **kwargs: Keyword arguments.
+
+        Returns:
+            The method's result.
+
+        Raises:
+            TypeError: ``method`` is not a unary method of this client's service.
+            ClosedError: The client is closed.
+            TensorRPCError: As [`CallView.call`][tensorrpc.CallView.call].
+        """
+        view = self._view
+        return self._runner.run(functools.partial(view.call, method, *args, **kwargs))
+
+    def stream(
+        self,
+        method: Callable[Concatenate[Any, P], AsyncIterator[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> BlockingStream[T]:
+        """Start a streaming call: ``for item in client.stream(Calc.count, 5): ...``.
+
+        Args:
+            method: The streaming method, taken from the service class.
+            *args: Positional arguments.
+            **kwargs: Keyword arguments.
+
+        Returns:
+            The stream of items, a plain iterator.
+
+        Raises:
+            TypeError: ``method`` is not a streaming method of this client's service.
+            ClosedError: The client is closed.
+        """
+        view = self._view
+        stream = self._runner.run_sync(functools.partial(view.stream, method, *args, **kwargs))
+        return BlockingStream(self._runner, stream)
+
+    def broadcast(self, method: str, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Call a unary method on every live engine concurrently; ``{engine id: result}``.
+
+        Args:
+            method: The method name.
+            *args: Positional arguments.
+            **kwargs: Keyword arguments.
+
+        Returns:
+            ``{engine_id: result}`` for every engine live when the broadcast started.
+
+        Raises:
+            BroadcastError: At least one engine failed.
+            EngineNotFoundError: No engine is live.
+            ClosedError: The client is closed.
+        """
+        view = self._view
+        return self._runner.run(functools.partial(view.broadcast, method, *args, **kwargs))
+
+    def call_by_name(self, method: str, arguments: Mapping[str, Any] | None = None, /) -> Any:
+        """Call a unary method by name, with its arguments given by name.
+
+        See [`CallView.call_by_name`][tensorrpc.CallView.call_by_name].
+
+        Args:
+            method: The method name.
+            arguments: Parameter name -> value.
+
+        Returns:
+            The method's result.
+        """
+        view = self._view
+        return self._runner.run(functools.partial(view.call_by_name, method, arguments))
+
+    def stream_by_name(
+        self, method: str, arguments: Mapping[str, Any] | None = None, /
+    ) -> BlockingStream[Any]:
+        """Start a streaming call by name, with its arguments given by name.
+
+        Args:
+            method: The streaming method's name.
+            arguments: Parameter name -> value.
+
+        Returns:
+            The stream of items, a plain iterator.
+        """
+        view = self._view
+        stream = self._runner.run_sync(functools.partial(view.stream_by_name, method, arguments))
+        return BlockingStream(self._runner, stream)
+
+
+class _BlockingStub:
+    """Runtime object behind [`BlockingCallView.stub`][tensorrpc.BlockingCallView.stub]."""
+
+    def __init__(self, runner: _Runner, view: CallView[Any], spec: ServiceSpec) -> None:
+        options = view.options
+        self._runner = runner
+        self._spec = spec
+        self._async_stub: Any = view.stub(
+            engine=options.engine,
+            timeout=options.timeout,
+            wait=options.wait,
+            transport=options.transport,
+        )
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = self._spec.methods.get(name)
+        if method is None or name.startswith("_"):
+            raise AttributeError(f"service {self._spec.name!r} has no rpc method {name!r}")
+        async_fn: Callable[..., Any] = getattr(self._async_stub, name)
+        runner = self._runner
+        fn: Callable[..., Any]
+        if method.streaming:
+
+            def fn(*args: Any, **kwargs: Any) -> BlockingStream[Any]:
+                stream = runner.run_sync(functools.partial(async_fn, *args, **kwargs))
+                return BlockingStream(runner, stream)
+
+        else:
+
+            def fn(*args: Any, **kwargs: Any) -> Any:
+                return runner.run(functools.partial(async_fn, *args, **kwargs))
+
+        fn.__name__ = name
+        fn.__qualname__ = async_fn.__qualname__
+        fn.__doc__ = async_fn.__doc__
+        self.__dict__[name] = fn  # later lookups skip __getattr__
+        return fn
+
+    def __repr__(self) -> str:
+        return f"<blocking {self._async_stub!r}>"
+
+
+class BlockingClient(BlockingCallView[S]):
+    """A blocking [`Client`][tensorrpc.Client] for scripts, notebooks and sync code.
+
+    It runs an ordinary async client on an event loop in a background thread and waits
+    for each call, so ``client.call(Calc.add, 1, 2)`` returns ``3`` and streams are plain
+    iterators. It works from any thread, including one whose event loop is already
+    running (a Jupyter cell, an asyncio application): the caller's loop is never used.
+    The client is open as soon as it is made; close it with ``close()`` or a ``with``
+    block. One left open is closed when it is garbage-collected or at interpreter exit.
+
+        with BlockingClient(Calculator, connect="tcp://127.0.0.1:5555") as client:
+            client.wait_for_engines(1, timeout=10)
+            print(client.call(Calculator.add, 1, 2))
+
+    Args:
+        service: The ``@service`` class (its schema fingerprint must match the engines').
+        bind: Address(es) to bind; engines dial in.
+        connect: Address(es) of engines that listen.
+        backend: The background loop: ``"asyncio"`` (default) or ``"trio"``.
+        **options: Any other keyword argument of [`Client`][tensorrpc.Client]
+            (``max_in_flight``, ``curve``, ``torch_shm``, ...).
+
+    Raises:
+        ConnectError: An address is malformed or already in use.
+        ValueError: Inconsistent arguments.
+    """
+
+    __slots__ = ("_finalizer",)
+
+    def __init__(
+        self,
+        service: type[S],
+        *,
+        bind: str | Sequence[str] | None = None,
+        connect: str | Sequence[str] | None = None,
+        backend: Literal["asyncio", "trio"] = "asyncio",
+        **options: Any,
+    ) -> None:
+        def make() -> Client[Any]:
+            return Client(service, bind=bind, connect=connect, **options)
+
+        self._init(make, backend)
+
+    def _init(self, make: Callable[[], Client[Any]], backend: str) -> None:
+        runner = _Runner(make, backend)
+        super().__init__(runner, runner.client)
+        # Closes the client at GC or at interpreter exit; holds the runner, not self.
+        self._finalizer = weakref.finalize(self, runner.close)
+
+    @classmethod
+    def dynamic(
+        cls,
+        *,
+        bind: str | Sequence[str] | None = None,
+        connect: str | Sequence[str] | None = None,
+        backend: Literal["asyncio", "trio"] = "asyncio",
+        **options: Any,
+    ) -> BlockingClient[Any]:
+        """A blocking schemaless client (see [`Client.dynamic`][tensorrpc.Client.dynamic]).
+
+        Args:
+            bind: Address(es) to bind; engines dial in.
+            connect: Address(es) of engines that listen.
+            backend: The background loop: ``"asyncio"`` (default) or ``"trio"``.
+            **options: Any other keyword argument of [`Client`][tensorrpc.Client].
+
+        Returns:
+            The open client; call it with ``call_by_name`` and ``stream_by_name``.
+        """
+        self: BlockingClient[Any] = cls.__new__(cls)
+
+        def make() -> Client[Any]:
+            return Client.dynamic(bind=bind, connect=connect, **options)
+
+        self._init(make, backend)
+        return self
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the client (BYE to every engine; calls in flight raise ClosedError).
+
+        Stops the background loop and joins its thread. Idempotent.
+        """
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """True once the client is closed."""
+        return self._runner.closed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def service(self) -> ServiceSpec:
+        """The service spec this client calls."""
+        return self._runner.client.service
+
+    @property
+    def schemaless(self) -> bool:
+        """True for a client made by [`dynamic`][tensorrpc.BlockingClient.dynamic]."""
+        return self._runner.client.schemaless
+
+    @property
+    def client_id(self) -> str:
+        """This client's id, as sent to engines in WELCOME."""
+        return self._runner.client.client_id
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The addresses actually bound (ephemeral ports resolved)."""
+        return self._runner.client.addresses
+
+    @property
+    def engines(self) -> Mapping[str, EngineInfo]:
+        """The live engines: engine id -> what the engine said in HELLO (a snapshot)."""
+        client = self._runner.client
+        return self._runner.run_sync(lambda: MappingProxyType(dict(client.engines)))
+
+    @property
+    def rejected(self) -> Mapping[str, str]:
+        """Engine id -> why it was refused at handshake (latest refusal)."""
+        client = self._runner.client
+        return self._runner.run_sync(lambda: MappingProxyType(dict(client.rejected)))
+
+    def statistics(self) -> ClientStatistics:
+        """Counters per engine and for the whole client (a frozen snapshot)."""
+        return self._runner.run_sync(self._runner.client.statistics)
+
+    def wait_for_engines(
+        self, count: int = 1, *, timeout: float | None = None
+    ) -> Mapping[str, EngineInfo]:
+        """Wait until at least ``count`` engines are live.
+
+        Args:
+            count: How many live engines to wait for.
+            timeout: Seconds to wait at most; ``None`` waits without bound.
+
+        Returns:
+            The live engines (as [`engines`][tensorrpc.BlockingClient.engines]).
+
+        Raises:
+            EnginesUnavailableError: The timeout passed first (also a ``TimeoutError``).
+            ClosedError: The client is closed.
+        """
+        client = self._runner.client
+        return self._runner.run(functools.partial(client.wait_for_engines, count, timeout=timeout))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<BlockingClient of {self.service.name} ({state})>"

@@ -1,0 +1,488 @@
+"""Test helpers and a pytest plugin: engines of a service, started and reaped for a test.
+
+Helpers (usable without pytest):
+
+* [`serve_engines`][tensorrpc.testing.serve_engines]: an async context manager that binds a
+  [`Client`][tensorrpc.Client], starts ``count`` engines of a service that dial in (as
+  tasks of the current event loop, or as subprocesses), waits until they are live and
+  hands back the connected client. On exit it closes the client and stops every engine;
+  subprocesses are terminated, killed past ``stop_timeout`` and reaped.
+* [`engine_processes`][tensorrpc.testing.engine_processes]: the same engines as
+  subprocesses, as a plain (sync) context manager, for code without an event loop (a
+  [`BlockingClient`][tensorrpc.BlockingClient], a notebook).
+
+The pytest plugin (enable it with ``pytest_plugins = ["tensorrpc.testing"]`` in a
+``conftest.py``, or ``-p tensorrpc.testing``) adds fixtures on top of them, for async tests
+run by anyio's pytest plugin on asyncio and trio:
+
+* ``tensorrpc_client``: a client connected to ``tensorrpc_engine_count`` engines of
+  ``tensorrpc_service`` (override these fixtures, and ``tensorrpc_isolation``, in your
+  tests);
+* ``tensorrpc_engines``: a factory, ``await tensorrpc_engines(Service, count=2,
+  isolation="process")``, for tests that need several services or settings.
+
+Every wait is bounded (``start_timeout``, ``stop_timeout``), and an engine process that
+exits while starting fails the start at once with its output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+
+import anyio
+import anyio.abc
+import pytest
+
+from tensorrpc._client import Client
+from tensorrpc._exceptions import EnginesUnavailableError
+from tensorrpc._server import serve
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+
+__all__ = [
+    "EngineProcess",
+    "EngineStartError",
+    "Isolation",
+    "engine_processes",
+    "serve_engines",
+]
+
+S = TypeVar("S")
+S_co = TypeVar("S_co", covariant=True)
+
+#: Where engines run: tasks of the caller's event loop, or one subprocess each.
+Isolation = Literal["task", "process"]
+
+#: Seconds to wait for the engines to be live, and for them to stop.
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 10.0
+#: Engine settings that ``tensorrpc serve`` takes as flags (for ``isolation="process"``).
+_PROCESS_OPTIONS = {
+    "grace_period": "--grace-period",
+    "max_concurrency": "--workers",
+    "sync_workers": "--sync-workers",
+}
+#: Output of a failed engine process quoted in the error.
+_LOG_TAIL = 4000
+
+
+class EngineStartError(RuntimeError):
+    """The engines did not become live in time, or an engine process exited while starting.
+
+    The message holds the output of the engine processes that failed.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProcess:
+    """One engine subprocess started by [`engine_processes`][tensorrpc.testing.engine_processes]."""
+
+    engine_id: str
+    process: subprocess.Popen[bytes]
+    #: Its stdout and stderr (deleted when the context manager exits).
+    log: Path
+
+    def output(self) -> str:
+        """The end of what the engine printed so far (its last 4000 characters)."""
+        return _log_tail(self.log)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def import_path(factory: Callable[[], object]) -> tuple[str, list[str]]:
+    """``module:qualname`` of a class or factory, and extra ``sys.path`` entries for it.
+
+    A class or function defined in a script run as ``__main__`` maps to the script's module
+    name, with its directory on the path (the script must then guard its top level with
+    ``if __name__ == "__main__":``, as for multiprocessing's spawn).
+
+    Raises:
+        ValueError: The callable is not defined at the top level of a module.
+    """
+    module = getattr(factory, "__module__", None)
+    qualname = getattr(factory, "__qualname__", None)
+    if not module or not qualname or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"{factory!r} is not importable: isolation='process' needs a class or factory "
+            "defined at the top level of a module (the engine process imports it)"
+        )
+    extra: list[str] = []
+    if module == "__main__":
+        main_file = getattr(sys.modules["__main__"], "__file__", None)
+        if main_file is None:
+            raise ValueError(
+                f"{factory!r} is defined in an interactive session: isolation='process' "
+                "needs it in a module or script file"
+            )
+        path = Path(main_file).resolve()
+        module = path.stem
+        extra.append(str(path.parent))
+    return f"{module}:{qualname}", extra
+
+
+def _engine_command(
+    factory: Callable[[], object],
+    address: str | Sequence[str],
+    engine_id: str,
+    engine_options: Mapping[str, Any],
+) -> tuple[list[str], dict[str, str]]:
+    target, extra_path = import_path(factory)
+    args = [sys.executable, "-m", "tensorrpc.cli", "serve", target]
+    for one in [address] if isinstance(address, str) else address:
+        args += ["--connect", one]
+    args += ["--engine-id", engine_id, "--log-level", "warning"]
+    for key, value in engine_options.items():
+        flag = _PROCESS_OPTIONS.get(key)
+        if flag is None:
+            raise ValueError(
+                f"engine option {key!r} is not available with isolation='process' "
+                f"(only {', '.join(sorted(_PROCESS_OPTIONS))})"
+            )
+        args += [flag, str(value)]
+    env = dict(os.environ)
+    # The child imports what this process can: the same sys.path, and the script's folder.
+    path = [*extra_path, *(p for p in sys.path if p and os.path.isdir(p))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return args, env
+
+
+def _stop_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM (the engine drains), then SIGKILL past ``timeout``; always reaped."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _log_tail(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-_LOG_TAIL:]
+
+
+def _engine_ids(count: int, engine_ids: Sequence[str] | None) -> list[str]:
+    if count < 1:
+        raise ValueError("count must be at least 1")
+    ids = list(engine_ids) if engine_ids is not None else [f"engine-{i}" for i in range(count)]
+    if len(ids) != count or len(set(ids)) != count:
+        raise ValueError(f"need {count} distinct engine ids, got {ids!r}")
+    return ids
+
+
+@contextlib.contextmanager
+def engine_processes(
+    factory: Callable[[], object],
+    address: str | Sequence[str],
+    count: int = 1,
+    *,
+    engine_ids: Sequence[str] | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+    stop_timeout: float = STOP_TIMEOUT,
+) -> Iterator[list[EngineProcess]]:
+    """Run ``count`` engine subprocesses that dial the client(s) bound at ``address``.
+
+    Each runs ``tensorrpc serve MODULE:FACTORY --connect ADDRESS`` (the factory, a
+    ``@service`` class or a function returning an instance, must be importable). The
+    caller waits for them with its client's ``wait_for_engines``. On exit every process
+    gets SIGTERM (it drains), SIGKILL past ``stop_timeout``, and is reaped.
+
+    Args:
+        factory: The service class, or a zero-argument factory of instances.
+        address: The client's bound address, or several clients' (each engine serves
+            them all).
+        count: How many engines.
+        engine_ids: Their ids (default ``engine-0``, ``engine-1``, ...).
+        engine_options: ``grace_period``, ``max_concurrency`` or ``sync_workers``.
+        stop_timeout: Seconds each engine gets to stop before it is killed.
+
+    Yields:
+        The processes, with their output.
+
+    Raises:
+        ValueError: The factory is not importable, or bad ids or options.
+    """
+    ids = _engine_ids(count, engine_ids)
+    commands = [_engine_command(factory, address, i, engine_options or {}) for i in ids]
+    engines: list[EngineProcess] = []
+    with tempfile.TemporaryDirectory(prefix="tensorrpc-engines-") as logs:
+        try:
+            for engine_id, (args, env) in zip(ids, commands, strict=True):
+                path = Path(logs) / f"{engine_id}.log"
+                with path.open("wb") as log:
+                    proc = subprocess.Popen(
+                        args,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # Ctrl-C reaches us; we stop them
+                    )
+                engines.append(EngineProcess(engine_id, proc, path))
+            yield engines
+        finally:
+            for engine in engines:
+                if engine.process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        engine.process.send_signal(signal.SIGTERM)
+            for engine in engines:
+                _stop_process(engine.process, stop_timeout)
+
+
+async def _wait_live(client: Client[Any], engines: Sequence[EngineProcess], seconds: float) -> None:
+    """Wait until the engines are live; fail at once if an engine process exits meanwhile."""
+
+    async def watch(engine: EngineProcess) -> None:
+        # Polls the child's exit status (portable; no pidfd); bounded by the caller's scope.
+        while engine.process.poll() is None:  # noqa: ASYNC110 - nothing to wait on but time
+            await anyio.sleep(0.05)
+        raise EngineStartError(
+            f"engine process {engine.engine_id!r} (pid {engine.process.pid}) exited with "
+            f"status {engine.process.returncode} while starting:\n{engine.output()}"
+        )
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for engine in engines:
+                tg.start_soon(watch, engine)
+            await client.wait_for_engines(len(engines), timeout=seconds)
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # One failure (a process that exited, or the timeout): raise it as itself.
+        first = group.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    except EnginesUnavailableError as exc:
+        text = "\n".join(f"--- {e.engine_id}:\n{e.output()}" for e in engines)
+        raise EngineStartError(f"{exc}\n{text}") from exc
+
+
+@contextlib.asynccontextmanager
+async def serve_engines(
+    service: type[S],
+    count: int = 1,
+    *,
+    factory: Callable[[], object] | None = None,
+    isolation: Isolation = "task",
+    engine_ids: Sequence[str] | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+    address: str = "tcp://127.0.0.1:0",
+    start_timeout: float = START_TIMEOUT,
+    stop_timeout: float = STOP_TIMEOUT,
+) -> AsyncIterator[Client[S]]:
+    """Start ``count`` engines of ``service`` and yield a client connected to all of them.
+
+    The client binds ``address`` (an ephemeral loopback port by default) and the engines
+    dial in. With ``isolation="task"`` each engine is a task of the current event loop
+    (fast; the handlers share the test's process), with ``"process"`` a subprocess running
+    ``tensorrpc serve`` (real isolation: its own memory, torch shared memory across
+    processes, kill -9 possible through the yielded client's ``engines[id].pid``).
+
+    Args:
+        service: The ``@service`` class.
+        count: How many engines.
+        factory: Makes one engine's instance (default: ``service`` called with no
+            arguments). With ``isolation="process"`` it must be importable (defined at
+            the top level of a module).
+        isolation: ``"task"`` or ``"process"``.
+        engine_ids: The engines' ids (default ``engine-0``, ``engine-1``, ...).
+        engine_options: Keyword arguments of [`serve`][tensorrpc.serve]
+            (``"process"``: only ``grace_period``, ``max_concurrency``, ``sync_workers``).
+        client_options: Keyword arguments of [`Client`][tensorrpc.Client].
+        address: The address the client binds.
+        start_timeout: Seconds to wait for the engines to be live.
+        stop_timeout: Seconds each engine process gets to stop before it is killed.
+
+    Yields:
+        The open client, with every engine live.
+
+    Raises:
+        EngineStartError: The engines were not live within ``start_timeout``, or an engine
+            process exited while starting (the message has its output).
+        ValueError: Bad arguments (a factory that is not importable for processes, ...).
+    """
+    ids = _engine_ids(count, engine_ids)
+    make: Callable[[], object] = factory if factory is not None else service
+    options = dict(engine_options or {})
+    if isolation not in ("task", "process"):
+        raise ValueError(f"isolation must be 'task' or 'process', not {isolation!r}")
+    started = False
+    try:
+        async with _engines(
+            service,
+            ids,
+            make,
+            isolation,
+            options,
+            client_options,
+            address,
+            start_timeout,
+            stop_timeout,
+        ) as client:
+            started = True
+            yield client
+    except BaseExceptionGroup as group:
+        # A failed start comes out of the task groups as a group of one: raise it as itself.
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if started or not isinstance(leaf, EngineStartError):
+            raise
+        raise leaf from None
+
+
+@contextlib.asynccontextmanager
+async def _engines(
+    service: type[S],
+    ids: list[str],
+    make: Callable[[], object],
+    isolation: Isolation,
+    options: dict[str, Any],
+    client_options: Mapping[str, Any] | None,
+    address: str,
+    start_timeout: float,
+    stop_timeout: float,
+) -> AsyncIterator[Client[S]]:
+    count = len(ids)
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(
+            Client(service, bind=address, **dict(client_options or {}))
+        )
+        bound = client.addresses[0]
+        if isolation == "task":
+            options.setdefault("grace_period", 1.0)
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            # Registered after the task group: runs first on exit, so that the engines are
+            # stopped (their scope cancelled) before the task group waits for them.
+            stack.callback(tg.cancel_scope.cancel)
+            for engine_id in ids:
+                await tg.start(_serve_task, make(), bound, engine_id, options)
+            with anyio.fail_after(start_timeout + 1):
+                try:
+                    await client.wait_for_engines(count, timeout=start_timeout)
+                except EnginesUnavailableError as exc:
+                    raise EngineStartError(str(exc)) from exc
+        else:
+            engines = stack.enter_context(
+                engine_processes(
+                    make,
+                    bound,
+                    count,
+                    engine_ids=ids,
+                    engine_options=options,
+                    stop_timeout=stop_timeout,
+                )
+            )
+            await _wait_live(client, engines, start_timeout)
+        yield client
+
+
+async def _serve_task(
+    instance: object,
+    address: str,
+    engine_id: str,
+    options: Mapping[str, Any],
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    task_status.started()
+    await serve(instance, connect=address, engine_id=engine_id, **options)
+
+
+# --------------------------------------------------------------------------- pytest plugin
+
+
+class EnginesFactory(Protocol):
+    """The ``tensorrpc_engines`` fixture: starts engines, returns a connected client.
+
+    It takes the arguments of [`serve_engines`][tensorrpc.testing.serve_engines]; what it
+    starts is stopped (and reaped) when the test ends.
+    """
+
+    async def __call__(
+        self,
+        service: type[S],
+        count: int = 1,
+        *,
+        factory: Callable[[], object] | None = None,
+        isolation: Isolation = "task",
+        engine_ids: Sequence[str] | None = None,
+        engine_options: Mapping[str, Any] | None = None,
+        client_options: Mapping[str, Any] | None = None,
+        address: str = "tcp://127.0.0.1:0",
+        start_timeout: float = START_TIMEOUT,
+        stop_timeout: float = STOP_TIMEOUT,
+    ) -> Client[S]: ...
+
+
+@pytest.fixture
+def tensorrpc_service() -> type[Any]:
+    """The ``@service`` class ``tensorrpc_client`` serves: override it in your tests."""
+    raise pytest.UsageError(
+        "tensorrpc_client needs the service: define a fixture named tensorrpc_service "
+        "that returns your @service class (in the test module or a conftest.py)"
+    )
+
+
+@pytest.fixture
+def tensorrpc_factory() -> Callable[[], object] | None:
+    """Makes each engine's instance for ``tensorrpc_client`` (default: the class itself)."""
+    return None
+
+
+@pytest.fixture
+def tensorrpc_engine_count() -> int:
+    """How many engines ``tensorrpc_client`` starts (default 1)."""
+    return 1
+
+
+@pytest.fixture
+def tensorrpc_isolation() -> Isolation:
+    """Where ``tensorrpc_client``'s engines run: ``"task"`` (default) or ``"process"``."""
+    return "task"
+
+
+@pytest.fixture
+async def tensorrpc_client(
+    anyio_backend: object,
+    tensorrpc_service: type[Any],
+    tensorrpc_factory: Callable[[], object] | None,
+    tensorrpc_engine_count: int,
+    tensorrpc_isolation: Isolation,
+) -> AsyncIterator[Client[Any]]:
+    """A client connected to ``tensorrpc_engine_count`` engines of ``tensorrpc_service``."""
+    async with serve_engines(
+        tensorrpc_service,
+        tensorrpc_engine_count,
+        factory=tensorrpc_factory,
+        isolation=tensorrpc_isolation,
+    ) as client:
+        yield client
+
+
+@pytest.fixture
+async def tensorrpc_engines(anyio_backend: object) -> AsyncIterator[EnginesFactory]:
+    """A factory: ``client = await tensorrpc_engines(Service, count=2)``; stopped at the end."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(service: type[S], count: int = 1, **kwargs: Any) -> Client[S]:
+            return await stack.enter_async_context(serve_engines(service, count, **kwargs))
+
+        yield start
