@@ -1238,6 +1238,21 @@ class Client(CallView[S]):
             except Exception:  # one bad message must never stop the reader
                 logger.exception("tensorrpc client: error handling a message")
 
+    def _drain(self, limit: int = 4096) -> None:
+        """Handle the messages already received (the reader may not have run yet)."""
+        sock = self._sock
+        for _ in range(limit):
+            if sock is None:
+                return
+            try:
+                frames = sock.recv_nowait()
+            except anyio.WouldBlock:
+                return
+            try:
+                self._on_message(frames)
+            except Exception:  # one bad message must never stop the client
+                logger.exception("tensorrpc client: error handling a message")
+
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
             logger.warning("dropped a message of %d frames", len(frames))
@@ -1273,6 +1288,7 @@ class Client(CallView[S]):
                 assert self._tick is not None
                 await self._tick.wait()
             self._tick = anyio.Event()
+            self._drain()  # messages already here prove life: read them before judging
             now = _monotonic()
             for lost in protocol.tick(now):
                 self._event(lost)
