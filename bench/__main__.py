@@ -1,7 +1,8 @@
 """``python -m bench``: measure tensorrpc beside the systems people use today.
 
 Sections (all by default, in one run): ``roundtrip`` (small call, 64 in flight),
-``transfer`` (tensors of 4 KiB, 1 MiB, 64 MiB), ``codec`` (``bench.codec_bench``).
+``transfer`` (tensors of 4 KiB, 1 MiB, 64 MiB), ``codec`` (``bench.codec_bench``),
+``scale`` (one client with 1, 8 and 64 engines, ``bench.scale``).
 Every server runs in its own process, is started and reaped by this run, and every
 loop is bounded by a count and a time budget; the whole run is also bounded, and a case
 that would start past that bound is recorded as skipped. Results go to ``--out``
@@ -29,7 +30,7 @@ from typing import Any
 
 from bench import _common, _report
 
-SECTIONS = ("roundtrip", "transfer", "codec")
+SECTIONS = ("roundtrip", "transfer", "codec", "scale")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: the whole run must finish within 10 minutes on 2 cores; cases past this are skipped
 RUN_BUDGET_S = 540.0
@@ -156,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             results["transfer"] = transfer.run(
                 args.quick, workdir=workdir, progress=_progress, systems=args.system
             )
+        if "scale" in sections:
+            from bench import scale
+
+            results["scale"] = scale.run(args.quick, workdir=workdir, progress=_progress)
         if "codec" in sections:
             results["codec"] = _common.guarded(_progress, "codec", lambda: _codec(args.quick))
     results["machine"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -190,6 +190,13 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "≤ 2 (aim)", None if r is None else r <= 2,
             "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh),
         ))  # fmt: skip
+        ray = tx.get("Ray actor (numpy)")
+        r = _ratio(fresh_big, _num(_get(ray, "sizes", big, "median_us")))
+        out.append(_target(
+            "tx_shm_fresh_64m_ray", "64 MiB, torch_shm (fresh) ÷ Ray actor (numpy)", r,
+            "< 1 (below Ray by value)", None if r is None else r < 1,
+            "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh, ray),
+        ))  # fmt: skip
 
     codec = results.get("codec")
     if isinstance(codec, dict) and isinstance(codec.get("cases"), dict):
@@ -302,6 +309,48 @@ def _transfer_md(tx: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _transfer_out_md(tx: dict[str, Any]) -> list[str]:
+    """The other direction: a small request, a tensor back (systems that measured it)."""
+    systems = {
+        name: entry
+        for name, entry in tx.get("systems", {}).items()
+        if isinstance(entry, dict) and ("sizes_out" in entry or "unavailable" in entry)
+    }
+    if not any("sizes_out" in entry for entry in systems.values()):
+        return []
+    sizes: list[int] = tx.get("sizes", [])
+    ref = systems.get(TRANSFER_REF)
+    lines = [
+        "## Transfer, the other way: a small request, a tensor back",
+        "",
+        "The server answers a float32 tensor it already holds (made once per size; for "
+        "`torch_shm (shared)` kept in shared memory by the engine), so a call times the "
+        f"transfer only. Median latency per call; in brackets ÷ `{TRANSFER_REF}`'s. The "
+        "other peers are measured in the first direction only.",
+        "",
+        "| system | " + " | ".join(fmt_size(s) for s in sizes) + " |",
+        "|---|" + "---:|" * len(sizes),
+    ]
+    for name, entry in systems.items():
+        if "unavailable" in entry:
+            blank = " | " * (len(sizes) - 1)
+            lines.append(f"| {name} | unavailable: {_cell(entry['unavailable'])}{blank} |")
+            continue
+        cells = []
+        for size in sizes:
+            cell = _get(entry, "sizes_out", str(size))
+            if cell is None:
+                cells.append("-")
+            elif "unavailable" in cell:
+                cells.append(f"unavailable: {_cell(cell['unavailable'])}")
+            else:
+                med = _num(cell.get("median_us"))
+                ref_med = _num(_get(ref, "sizes_out", str(size), "median_us"))
+                cells.append(fmt_us(med) + _bracket(_ratio(med, ref_med)))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _bracket(r: float | None) -> str:
     return "" if r is None else f" ({r:.2f}{TIMES})"
 
@@ -342,6 +391,34 @@ def _targets_md(targets: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _scale_md(scale: dict[str, Any]) -> list[str]:
+    inflight = scale.get("busy_inflight", "?")
+    lines = [
+        "## Scale: one client, many engines",
+        "",
+        "Engines dial in over `ipc://` from up to 8 processes. Latency and client CPU are "
+        f"per call; *busy* keeps {inflight} calls in flight; `select()` is the balancing "
+        "decision alone with every engine busy.",
+        "",
+        "| engines | join (all at once) | client RSS / engine | call median | call p99 "
+        "| client CPU / call | busy calls/s | busy CPU / call | broadcast median "
+        "| select() |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, e in scale.get("engines", {}).items():
+        if "unavailable" in e:
+            lines.append(f"| {n} | {_cell(e['unavailable'])} |||||||||")
+            continue
+        lines.append(
+            f"| {n} | {e['join_ms']:.0f} ms | {e['rss_per_engine_kib']:.0f} KiB "
+            f"| {fmt_us(e['call']['median_us'])} | {fmt_us(e['call']['p99_us'])} "
+            f"| {fmt_us(e['call']['client_cpu_us'])} | {fmt_rate(e['busy']['calls_per_s'])} "
+            f"| {fmt_us(e['busy']['client_cpu_us'])} | {fmt_us(e['broadcast']['median_us'])} "
+            f"| {e['select_us']:.2f} µs |"
+        )
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The markdown report of one run."""
     m = results.get("machine", {})
@@ -358,8 +435,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [*_roundtrip_md(results["roundtrip"]), ""]
     if "transfer" in results:
         lines += [*_transfer_md(results["transfer"]), ""]
+        out = _transfer_out_md(results["transfer"])
+        if out:
+            lines += [*out, ""]
     if "codec" in results:
         lines += [*_codec_md(results["codec"]), ""]
+    if "scale" in results:
+        lines += [*_scale_md(results["scale"]), ""]
     targets = results.get("targets", [])
     if targets:
         lines += [*_targets_md(targets), ""]
@@ -382,37 +464,65 @@ def chart(results: dict[str, Any], path: Path) -> str | None:
     except ImportError as exc:
         return f"matplotlib unavailable: {exc}"
     sizes: list[int] = tx.get("sizes", [])
-    fig, ax = plt.subplots(figsize=(10.5, 5.5))
-    colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
-    plotted = 0
-    for index, (name, entry) in enumerate(tx.get("systems", {}).items()):
-        xs: list[float] = []
-        ys: list[float] = []
-        for size in sizes:
-            med = _num(_get(entry, "sizes", str(size), "median_us"))
-            if med is not None:
-                xs.append(size)
-                ys.append(med / 1e3)
-        if not xs:
-            continue
-        style = "--" if "in-process" in name else "-"
-        width = 2.5 if name.startswith("tensorrpc") else 1.3
-        color = colors[(2 * index) % 20 + (index // 10) % 2]
-        ax.plot(xs, ys, style, marker="o", linewidth=width, label=name, color=color)
-        plotted += 1
-    if not plotted:
-        plt.close(fig)
+    systems = tx.get("systems", {})
+    directions = [("sizes", "tensor to the server, small result back")]
+    if any(isinstance(e, dict) and "sizes_out" in e for e in systems.values()):
+        directions.append(("sizes_out", "small request, tensor back"))
+    series: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    for key, _ in directions:
+        for name, entry in systems.items():
+            xs: list[float] = []
+            ys: list[float] = []
+            for size in sizes:
+                med = _num(_get(entry, key, str(size), "median_us"))
+                if med is not None:
+                    xs.append(size)
+                    ys.append(med / 1e3)
+            if xs:
+                series[key, name] = (xs, ys)
+    if not series:
         return "no transfer figures to plot"
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
-    ax.set_xlabel("tensor size")
-    ax.set_ylabel("median latency per call (ms)")
-    ax.set_title("Tensor to a server process, small result back")
-    ax.grid(True, which="both", linewidth=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    # A few lines per panel, legends in large type under each: one chart with a dozen
+    # entries is unreadable once scaled into a page. Left: tensorrpc's transports; right:
+    # the other systems, with tensorrpc's default beside them; one row per direction. The
+    # in-process copy (the physical floor) is drawn in grey on every panel.
+    names = list(systems)
+    floor = [n for n in names if "in-process" in n]
+    ours = [n for n in names if n.startswith("tensorrpc")]
+    others = [n for n in names if n not in ours and n not in floor]
+    reference = [n for n in ours if "auto" in n][:1]
+    groups = [("tensorrpc transports", ours + floor), ("other systems", reference + others + floor)]
+    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
+    rows = len(directions)
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 7 * rows), sharey=True, squeeze=False)
+    for row, (key, direction) in enumerate(directions):
+        for ax, (group, members) in zip(axes[row], groups, strict=True):
+            for index, name in enumerate(members):
+                if (key, name) not in series:
+                    continue
+                xs, ys = series[key, name]
+                grey = name in floor
+                ax.plot(
+                    xs,
+                    ys,
+                    (":" if "copy_" in name else "--") if grey else "-",
+                    marker="o",
+                    linewidth=2.6 if name.startswith("tensorrpc") else 1.6,
+                    color="0.45" if grey else colors[index % 10],
+                    label=name,
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
+            ax.set_xlabel("tensor size", fontsize=11)
+            ax.set_title(f"{group}: {direction}", fontsize=12)
+            ax.grid(True, which="both", linewidth=0.3)
+            ax.tick_params(labelsize=10)
+            if ax.lines:  # under the plot, outside the lines
+                ax.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+        axes[row][0].set_ylabel("median latency per call (ms)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
 

@@ -1,4 +1,5 @@
-"""Transfer: a tensor of 4 KiB, 1 MiB and 64 MiB sent to a server, a small result back.
+"""Transfer: a tensor of 4 KiB, 1 MiB and 64 MiB sent to a server, a small result back;
+and the other direction, a small request and a tensor back (``sizes_out``).
 
 The tensor is ``float32``, filled with ``arange`` so that the reply ``(numel, first,
 last)`` proves the bytes arrived; every system's reply is checked once per size before
@@ -21,7 +22,14 @@ Systems (each one's peer module says how it is set up):
 * ``mp.Queue (shared)`` / ``mp.Queue (fresh)``: torch.multiprocessing queues;
 * ``grpc.aio``: the tensor's bytes through a generic bytes handler;
 * ``torch.distributed.rpc``: TensorPipe on CPU;
-* ``Ray actor``: a local Ray instance and one actor (optional: only if Ray is installed).
+* ``Ray actor (torch)`` / ``Ray actor (numpy)``: a local Ray instance and one actor, the
+  payload as a torch tensor (pickled) and as a numpy array (zero-copy from Ray's object
+  store: Ray at its best); optional, only if Ray is installed.
+
+Tensor out (small request, the server answers a tensor it already holds): the in-process
+lines (the same copy), tensorrpc (frames, torch_shm from a fresh tensor, torch_shm from a
+tensor the engine keeps in shared memory) and Ray (torch, numpy). The other peers are
+measured in the first direction only.
 """
 
 from __future__ import annotations
@@ -91,6 +99,15 @@ def _shared_tensor(size: int) -> torch.Tensor:
     return t
 
 
+def check_tensor(value: Any, size: int) -> None:
+    """Raise unless ``value`` is :func:`make_tensor`'s tensor (or its numpy array)."""
+    n = size // 4
+    flat = value.reshape(-1)
+    count = int(flat.numel()) if isinstance(flat, torch.Tensor) else int(flat.size)
+    if count != n or float(flat[0]) != 0.0 or float(flat[-1]) != n - 1:
+        raise RuntimeError(f"wrong tensor for {size} bytes: {count} elements")
+
+
 def check(reply: Any, size: int) -> None:
     """Raise unless ``reply`` is ``(numel, first, last)`` of :func:`make_tensor`."""
     n = size // 4
@@ -133,6 +150,18 @@ async def _sizes_async(
     return out
 
 
+async def _sizes_out_async(cfg: Config, fetch: Callable[[int], Any]) -> dict[str, Any]:
+    """Time ``fetch(size)``, a small request answered by a tensor of ``size`` bytes."""
+    out: dict[str, Any] = {}
+    for size, budget in cfg.sizes.items():
+        try:
+            check_tensor(await fetch(size), size)
+            out[str(size)] = summarize(await time_async(functools.partial(fetch, size), budget))
+        except Exception as exc:
+            out[str(size)] = unavailable(exc)
+    return out
+
+
 def _in_process(cfg: Config, workdir: Path) -> dict[str, Any]:
     copy_sizes: dict[str, Any] = {}
     clone_sizes: dict[str, Any] = {}
@@ -150,9 +179,10 @@ def _in_process(cfg: Config, workdir: Path) -> dict[str, Any]:
             del src, dst
     finally:
         torch.set_num_threads(threads)
+    # The floor is the same copy whichever way the bytes go.
     return {
-        "Tensor.copy_ (in-process)": {"sizes": copy_sizes},
-        "Tensor.clone (in-process)": {"sizes": clone_sizes},
+        "Tensor.copy_ (in-process)": {"sizes": copy_sizes, "sizes_out": copy_sizes},
+        "Tensor.clone (in-process)": {"sizes": clone_sizes, "sizes_out": clone_sizes},
     }
 
 
@@ -282,6 +312,12 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
                     sizes = await _sizes_async(cfg, stub.consume, tensor_for)
                     entry: dict[str, Any] = {"small": small, "sizes": sizes}
                     entry.update(_transport_check(transport, key, before, _counters(client)))
+                    # The other direction: the engine answers a tensor it holds (in shared
+                    # memory already for "shm_shared").
+                    shared = key == "shm_shared"
+                    entry["sizes_out"] = await _sizes_out_async(
+                        cfg, functools.partial(_produce, stub, shared=shared)
+                    )
                 except Exception as exc:
                     entry = unavailable(exc)
                 out[names[key]] = entry
@@ -294,6 +330,10 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
     with PeerProcess("bench.peers.tensorrpc_peer", [addr], ready_timeout=cfg.ready_timeout) as peer:
         result: dict[str, Any] = run_async(lambda: case(peer), cfg.case_timeout)
     return result
+
+
+async def _produce(stub: Any, size: int, *, shared: bool) -> Any:
+    return await stub.produce(size, shared)
 
 
 def _stats(client: Any) -> Any:
@@ -372,7 +412,18 @@ def _ray(cfg: Config, workdir: Path) -> dict[str, Any]:
         "sizes": {str(size): asdict(budget) for size, budget in cfg.sizes.items()},
     }
     result = ray_peer.run(conf, workdir=str(workdir), timeout=cfg.case_timeout)
-    return {"Ray actor": {"small": result["small"], "sizes": result["sizes"]}}
+    return {
+        "Ray actor (torch)": {
+            "small": result["small"],
+            "sizes": result["sizes"],
+            "sizes_out": result["sizes_out"],
+        },
+        "Ray actor (numpy)": {
+            "small": result["small"],
+            "sizes": result["sizes_numpy"],
+            "sizes_out": result["sizes_out_numpy"],
+        },
+    }
 
 
 #: case → the systems it fills, in table order
@@ -391,7 +442,7 @@ CASES: dict[str, tuple[Callable[[Config, Path], dict[str, Any]], tuple[str, ...]
     "mp.Queue": (_mpqueue, ("mp.Queue (shared)", "mp.Queue (fresh)")),
     "grpc.aio": (_grpc, ("grpc.aio",)),
     "torch.distributed.rpc": (_torch_rpc, ("torch.distributed.rpc",)),
-    "Ray": (_ray, ("Ray actor",)),
+    "Ray": (_ray, ("Ray actor (torch)", "Ray actor (numpy)")),
 }
 
 #: one line per system for the report: how it was measured
@@ -407,7 +458,8 @@ NOTES = {
     "mp.Queue (fresh)": "torch.multiprocessing Queue, a new tensor per call (moved to shm)",
     "grpc.aio": "tensor.numpy().tobytes() through a generic bytes handler, unix socket",
     "torch.distributed.rpc": "TensorPipe on CPU, rpc_sync",
-    "Ray actor": "torch.Tensor argument to an actor method (Ray serializer + object store)",
+    "Ray actor (torch)": "torch.Tensor argument / result of an actor method (pickled by Ray)",
+    "Ray actor (numpy)": "numpy array argument / result: Ray's object store, zero-copy reads",
 }
 
 
@@ -439,4 +491,4 @@ def run(
     return {"config": conf, "sizes": list(SIZES), "notes": dict(NOTES), "systems": out}
 
 
-__all__ = ["CASES", "SIZES", "Config", "config", "make_tensor", "run"]
+__all__ = ["CASES", "SIZES", "Config", "check", "check_tensor", "config", "make_tensor", "run"]

@@ -9,7 +9,7 @@ pickled.
 
 from __future__ import annotations
 
-from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream
+from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream, BlockingStub
 from tensorrpc._client import (
     CallOptions,
     CallStream,
@@ -62,7 +62,7 @@ from tensorrpc._security import (
     load_public_keys,
     save_keypair,
 )
-from tensorrpc._server import PeerStatistics, Server, ServerStatistics, serve
+from tensorrpc._server import PeerStatistics, Server, ServerConfig, ServerStatistics, serve
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
 from tensorrpc._stub import Stub
 from tensorrpc._zmq import SocketOptions
@@ -75,11 +75,24 @@ from tensorrpc.transports import (
 
 __version__ = "0.1.0"
 
+# Tracebacks and reprs name the public path (tensorrpc.ValidationError), not the private
+# module an exception is defined in. Only exceptions and ErrorCode: other classes keep
+# their module, where typing.get_type_hints() looks up their string annotations.
+for _value in list(globals().values()):
+    if (
+        isinstance(_value, type)
+        and issubclass(_value, BaseException | ErrorCode)
+        and _value.__module__ == "tensorrpc._exceptions"
+    ):
+        _value.__module__ = __name__
+del _value
+
 __all__ = [
     "PROTOCOL_VERSION",
     "BlockingCallView",
     "BlockingClient",
     "BlockingStream",
+    "BlockingStub",
     "BroadcastError",
     "CallError",
     "CallObservation",
@@ -119,6 +132,7 @@ __all__ = [
     "RemoteProtocolError",
     "SerializationError",
     "Server",
+    "ServerConfig",
     "ServerStatistics",
     "ServiceDefinitionError",
     "ServiceSpec",

@@ -245,15 +245,16 @@ class BlockingCallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: TransportName = "auto",
-    ) -> S:
-        """A proxy typed as the service class whose methods call the engines and block.
+    ) -> BlockingStub[S]:
+        """A [`BlockingStub`][tensorrpc.BlockingStub]: methods that call the engines and wait.
 
-        ``stub.add(1, 2)`` returns the result; ``stub.count(5)`` returns a
-        [`BlockingStream`][tensorrpc.BlockingStream]. To mypy the stub *is* the service
-        class, so an ``async def`` method looks like it returns a coroutine (and a
-        streaming one an async iterator), while at run time it returns the result (or a
-        plain iterator): use [`call`][tensorrpc.BlockingCallView.call] and
-        [`stream`][tensorrpc.BlockingCallView.stream] for exact types.
+        ``stub.add(1, 2)`` returns the result, whether the handler is ``async def`` or a
+        sync ``def``; ``stub.count(5)`` returns a
+        [`BlockingStream`][tensorrpc.BlockingStream]. The mypy plugin
+        ``tensorrpc.mypy_plugin`` types each method from the service's (the result type,
+        or ``BlockingStream[T]`` for a stream); without it, attributes are untyped:
+        [`call`][tensorrpc.BlockingCallView.call] and
+        [`stream`][tensorrpc.BlockingCallView.stream] are exact under any checker.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -267,7 +268,7 @@ class BlockingCallView(Generic[S]):
         view = self._view.with_options(
             engine=engine, timeout=timeout, wait=wait, transport=transport
         )
-        return cast("S", _BlockingStub(self._runner, view, self._runner.client.service))
+        return _BlockingStub(self._runner, view, self._runner.client.service)
 
     @overload
     def call(
@@ -395,8 +396,26 @@ class BlockingCallView(Generic[S]):
         return BlockingStream(self._runner, stream)
 
 
-class _BlockingStub:
+class BlockingStub(Generic[S]):
+    """A proxy whose attributes call the ``@rpc`` methods of the service ``S`` and wait.
+
+    Returned by [`BlockingCallView.stub`][tensorrpc.BlockingCallView.stub]:
+    ``stub.add(1, 2)`` is the result, ``stub.count(5)`` a
+    [`BlockingStream`][tensorrpc.BlockingStream]. With the mypy plugin
+    ``tensorrpc.mypy_plugin`` each attribute is typed from the service method; an
+    attribute that is not an ``@rpc`` method raises `AttributeError`.
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        raise AttributeError(f"{type(self).__name__} has no rpc method {name!r}")
+
+
+class _BlockingStub(BlockingStub[Any]):
     """Runtime object behind [`BlockingCallView.stub`][tensorrpc.BlockingCallView.stub]."""
+
+    __slots__ = ("__dict__", "_async_stub", "_runner", "_spec")
 
     def __init__(self, runner: _Runner, view: CallView[Any], spec: ServiceSpec) -> None:
         options = view.options

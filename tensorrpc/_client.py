@@ -49,7 +49,7 @@ from tensorrpc._client_protocol import (
     Pong,
     reply_error,
 )
-from tensorrpc._engines import Engine, EngineInfo
+from tensorrpc._engines import Engine, EngineInfo, unavailable_message
 from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
@@ -117,6 +117,8 @@ _RESULT = MessageKind.RESULT
 _ERROR = MessageKind.ERROR
 _REPLIED = CallState.REPLIED
 _U32_MAX = 0xFFFF_FFFF
+# wait_for_engines: how long to wait for another engine once every one that tried was refused.
+_REFUSAL_GRACE_S = 0.5
 # Back-off between retries of a call an engine refused as OVERLOADED (wait=True only).
 _RETRY_MIN_S = 0.001
 _RETRY_MAX_S = 0.05
@@ -444,6 +446,7 @@ class Client(CallView[S]):
             balancing=balancing,
             max_in_flight=max_in_flight,
             schemaless=self._spec is _SCHEMALESS_SPEC,
+            signatures={n: m.signature for n, m in self._spec.methods.items()},
         )
         self._protocol = ClientProtocol(config, self._transfers)
         self._curve = curve
@@ -640,30 +643,47 @@ class Client(CallView[S]):
 
         Args:
             count: How many live engines to wait for.
-            timeout: Seconds to wait at most; ``None`` waits without bound.
+            timeout: Seconds to wait at most. With a timeout, a wait in which every
+                engine that tried to join was refused (wrong schema, service or
+                version, duplicate id, or the engine refused this client) and none is
+                live fails after a short grace (0.5 s) instead of waiting out the
+                timeout. ``None`` waits forever, however many engines are refused;
+                each refusal is logged at WARNING on the ``tensorrpc.client`` logger.
 
         Returns:
             The live engines (as :attr:`engines`).
 
         Raises:
-            EnginesUnavailableError: The timeout passed first; it names the engines that
-                were refused at handshake and why (the latest 64; also a ``TimeoutError``).
+            EnginesUnavailableError: The timeout passed first, or every engine that tried
+                to join was refused; it names the refused engines and why (the latest
+                64; for a schema mismatch, the methods that differ) and the handshakes
+                that failed on the client's socket, with libzmq's reason (a CURVE key
+                not on the allow-list, a wrong server key, CURVE against plaintext)
+                (also a ``TimeoutError``).
             ClosedError: The client is closed.
         """
         self._check_open()
         table = self._protocol.engines
         with anyio.move_on_after(timeout):
             while len(table.engines) < count:
-                assert self._engines_changed is not None
-                await self._engines_changed.wait()
+                changed = self._engines_changed
+                assert changed is not None
+                if timeout is not None and table.rejected and not table.engines:
+                    # Every engine that tried to join was refused and none is live: give
+                    # one still on its way a short grace, then say why.
+                    with anyio.move_on_after(_REFUSAL_GRACE_S):
+                        await changed.wait()
+                    if not changed.is_set():
+                        break
+                else:
+                    await changed.wait()
                 self._check_open()
-            return self.engines
+            else:
+                return self.engines
         rejected = dict(table.rejected)
-        text = f"{len(table.engines)} of {count} engines live after {timeout} s"
-        if rejected:
-            text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
-            if table.rejected_total > len(rejected):
-                text += f" (and {table.rejected_total - len(rejected)} earlier refusals)"
+        failures = self._sock.handshake_failures() if self._sock is not None else ()
+        earlier = table.rejected_total - len(rejected)
+        text = unavailable_message(len(table.engines), count, timeout, rejected, failures, earlier)
         raise EnginesUnavailableError(text, rejected=rejected)
 
     # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
@@ -1288,6 +1308,8 @@ class Client(CallView[S]):
                 assert self._tick is not None
                 await self._tick.wait()
             self._tick = anyio.Event()
+            if self._sock is not None:
+                self._sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._drain()  # messages already here prove life: read them before judging
             now = _monotonic()
             for lost in protocol.tick(now):

@@ -64,7 +64,7 @@ from tensorrpc._protocol import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -217,6 +217,8 @@ class ClientConfig:
         balancing: How calls without a target pick an engine.
         max_in_flight: Calls in flight per engine.
         schemaless: Admit any service and fingerprint (protocol version still checked).
+        signatures: Our methods (name → signature), so that a fingerprint refusal names
+            the methods that differ.
     """
 
     service: str
@@ -230,6 +232,7 @@ class ClientConfig:
     balancing: Balancing = "least_outstanding"
     max_in_flight: int = 1024
     schemaless: bool = False
+    signatures: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -586,6 +589,7 @@ class ClientProtocol:
             service=info.service if config.schemaless else config.service,
             fingerprint=info.fingerprint if config.schemaless else config.fingerprint,
             protocol_version=PROTOCOL_VERSION,
+            signatures=None if config.schemaless else config.signatures,
         )
 
     def _admit(self, peer: bytes, info: EngineInfo, hello: Hello, now: float) -> EngineJoined:

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from tensorrpc._exceptions import EngineNotFoundError
+from tensorrpc._protocol import MAX_SIGNATURE_CHARS
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Hashable, Mapping, Sequence
 
 __all__ = [
     "MAX_PAST",
@@ -40,6 +41,8 @@ __all__ = [
     "PastEngine",
     "ShmCapability",
     "check_hello",
+    "schema_diff",
+    "unavailable_message",
 ]
 
 #: Balancing policies for calls that do not name an engine.
@@ -111,6 +114,7 @@ def check_hello(
     service: str,
     fingerprint: str,
     protocol_version: int,
+    signatures: Mapping[str, str] | None = None,
 ) -> tuple[str, str] | None:
     """Compare an engine's HELLO against what the client expects.
 
@@ -119,6 +123,8 @@ def check_hello(
         service: The client's service name.
         fingerprint: The client's schema fingerprint.
         protocol_version: The client's protocol version.
+        signatures: The client's methods (name → signature); when given, a fingerprint
+            mismatch names the methods that differ (see `schema_diff`).
 
     Returns:
         ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
@@ -137,12 +143,78 @@ def check_hello(
             f"engine {info.engine_id!r} serves {info.service!r}, client expects {service!r}",
         )
     if info.fingerprint != fingerprint:
+        diff = schema_diff(signatures, info) if signatures is not None else ""
         return (
             "fingerprint",
             f"engine {info.engine_id!r} has schema fingerprint {info.fingerprint}, "
-            f"client expects {fingerprint} (the service's method signatures differ)",
+            f"client expects {fingerprint} ("
+            + (diff or "the service's method signatures differ")
+            + ")",
         )
     return None
+
+
+#: Most methods named per category in a :func:`schema_diff` (the rest are counted).
+_DIFF_NAMES = 8
+
+
+def schema_diff(ours: Mapping[str, str], info: EngineInfo) -> str:
+    """Say which methods differ between the client's service and an engine's HELLO.
+
+    Args:
+        ours: The client's methods: name → signature (``MethodSpec.signature``).
+        info: The engine's HELLO (its ``methods`` and, from engines that announce them,
+            ``signatures``).
+
+    Returns:
+        ``"engine adds: ...; engine lacks: ...; changed: name: engine `...`, client
+        `...`"`` (the parts that apply, at most 8 names each), or a sentence saying that
+        the names and announced signatures are the same (the difference is then in types
+        they name, such as a dataclass's fields).
+    """
+    theirs = dict.fromkeys(info.methods, "")
+    if len(info.signatures) == len(info.methods):
+        theirs = dict(zip(info.methods, info.signatures, strict=True))
+    parts: list[str] = []
+    added = [name for name in theirs if name not in ours]
+    removed = [name for name in ours if name not in theirs]
+    changed = [
+        name
+        for name in ours
+        if name in theirs and theirs[name] and theirs[name] != _announced(ours[name])
+    ]
+    if added:
+        parts.append("engine adds: " + _names(added, theirs))
+    if removed:
+        parts.append("engine lacks: " + _names(removed, ours))
+    if changed:
+        shown = "; ".join(
+            f"{name}: engine `{theirs[name]}`, client `{_announced(ours[name])}`"
+            for name in changed[:_DIFF_NAMES]
+        )
+        more = len(changed) - _DIFF_NAMES
+        parts.append("changed: " + shown + (f"; and {more} more" if more > 0 else ""))
+    if not parts:
+        if not info.signatures:
+            return "the engine does not announce its signatures; the method names are the same"
+        return (
+            "the method names and signatures are the same: the difference is in types "
+            "they name (a dataclass's fields, an enum's values)"
+        )
+    return "; ".join(parts)
+
+
+def _announced(signature: str) -> str:
+    # What an engine puts in HELLO for this signature (it cuts long ones).
+    if len(signature) <= MAX_SIGNATURE_CHARS:
+        return signature
+    return signature[: MAX_SIGNATURE_CHARS - 5] + " ..."
+
+
+def _names(names: list[str], signatures: Mapping[str, str]) -> str:
+    shown = ", ".join(f"`{signatures[n]}`" if signatures[n] else n for n in names[:_DIFF_NAMES])
+    more = len(names) - _DIFF_NAMES
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass(slots=True)
@@ -470,3 +542,42 @@ class CapacityWaiters:
         for engine_id in list(self._by_engine):
             woken += self._take(engine_id, len(self._by_engine[engine_id]))
         return woken
+
+
+def unavailable_message(
+    live: int,
+    count: int,
+    timeout: float | None,
+    rejected: Mapping[str, str],
+    failures: Sequence[str] = (),
+    earlier: int = 0,
+) -> str:
+    """The text of the error ``wait_for_engines`` raises when it gives up.
+
+    Args:
+        live: Engines live now.
+        count: Engines waited for.
+        timeout: The wait's timeout (seconds).
+        rejected: Refused engine id → ``"reason: message"``.
+        failures: Failed handshakes on the client's socket (CURVE refusals), most recent
+            last; the last three distinct ones are named.
+        earlier: Refusals no longer in ``rejected`` (it keeps the latest
+            [`MAX_REJECTED`][tensorrpc._engines.MAX_REJECTED]).
+
+    Returns:
+        ``"0 of 2 engines live after 5.0 s; refused: e1: fingerprint: ..."``, or, when
+        none is live and engines were refused, ``"0 of 2 engines live: every engine
+        that tried to join was refused; refused: ..."``.
+    """
+    if rejected and not live:
+        text = f"{live} of {count} engines live: every engine that tried to join was refused"
+    else:
+        text = f"{live} of {count} engines live after {timeout} s"
+    if rejected:
+        text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
+        if earlier > 0:
+            text += f" (and {earlier} earlier refusals)"
+    if failures:
+        distinct = list(dict.fromkeys(reversed(failures)))[:3]
+        text += "; handshakes failed (CURVE): " + "; ".join(reversed(distinct))
+    return text

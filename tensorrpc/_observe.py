@@ -324,12 +324,17 @@ class _Reply(Protocol):
     reply_buffers: Sequence[Any]
 
 
-def reply_bytes(call: _Reply) -> int:
-    """Bytes of the reply a client call holds (payload and tensor frames)."""
-    n = len(call.reply_payload)
-    for b in call.reply_buffers:
+def message_bytes(payload: Any, buffers: Sequence[Any]) -> int:
+    """Bytes of a message's payload and tensor frames."""
+    n = memoryview(payload).nbytes
+    for b in buffers:
         n += memoryview(b).nbytes
     return n
+
+
+def reply_bytes(call: _Reply) -> int:
+    """Bytes of the reply a client call holds (payload and tensor frames)."""
+    return message_bytes(call.reply_payload, call.reply_buffers)
 
 
 async def observe_result(observation: CallObservation, result: Awaitable[T], call: _Reply) -> T:

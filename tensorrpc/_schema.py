@@ -52,7 +52,14 @@ import torch
 
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 
-__all__ = ["CompiledType", "TypeSpec", "compile_type", "describe_value", "too_deep"]
+__all__ = [
+    "CompiledType",
+    "TypeSpec",
+    "bad_result_message",
+    "compile_type",
+    "describe_value",
+    "too_deep",
+]
 
 #: A compiled half of a node: takes a value, returns the converted value or raises
 #: :class:`_Invalid`.
@@ -1070,7 +1077,63 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
             return _enum_node(tp, ctx.where)
         if dataclasses.is_dataclass(tp):
             return _dataclass_node(tp, ctx)
-    raise fail()
+    raise fail(_suggestion(tp, origin, args))
+
+
+#: Abstract containers and what to write instead (the runtime builds concrete values).
+_CONCRETE = {
+    "Sequence": "list",
+    "MutableSequence": "list",
+    "Iterable": "list",
+    "Collection": "list",
+    "Set": "list",
+    "MutableSet": "list",
+    "Mapping": "dict[str, ...]",
+    "MutableMapping": "dict[str, ...]",
+}
+
+
+def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
+    """A hint for an unsupported annotation: what to write instead, when there is one."""
+    item = _type_name(args[0]) if len(args) == 1 else "T"
+    if origin in (set, frozenset) or tp in (set, frozenset):
+        return f"sets do not travel; use list[{item}] (or tuple[{item}, ...]) and convert"
+    name = getattr(origin or tp, "__name__", "")
+    if name in _CONCRETE:
+        concrete = _CONCRETE[name]
+        if concrete == "list":
+            return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
+        return "annotate a concrete container: dict[str, T]"
+    if tp is object:
+        return "annotate the concrete type"
+    if isinstance(tp, type) and tp.__module__ not in ("builtins", "typing", "collections.abc"):
+        return (
+            f"a plain class does not travel; make {tp.__name__} a @dataclass whose fields "
+            "have supported types, or pass its fields as parameters"
+        )
+    return "see docs/services.md for the supported types"
+
+
+def bad_result_message(qualname: str, error: object) -> str:
+    """The engine's message for a result that failed its check, naming the method once.
+
+    ``"Calc.bad: result: expected int, got str ('x')"`` becomes ``"Calc.bad returned a
+    bad result: expected int, got str ('x')"``; a nested path stays
+    (``"... bad result at result.x[0]: expected int ..."``).
+
+    Args:
+        qualname: ``Service.method``.
+        error: The validation or encoding error (its text may start with ``qualname: ``).
+
+    Returns:
+        The message.
+    """
+    text = str(error).removeprefix(f"{qualname}: ")
+    if text.startswith("result: "):
+        return f"{qualname} returned a bad result: {text.removeprefix('result: ')}"
+    if text.startswith(("result.", "result[")):
+        return f"{qualname} returned a bad result at {text}"
+    return f"{qualname} returned a bad result: {text}"
 
 
 def _hashable(tp: object) -> bool:

@@ -63,6 +63,7 @@ __all__ = [
     "ZapAuthenticator",
     "apply_curve",
     "auth_statistics",
+    "describe_handshake_failure",
     "generate_keypair",
     "is_all_interfaces",
     "load_keypair",
@@ -585,6 +586,62 @@ def auth_statistics(sock: zmq.Socket[bytes]) -> AuthStatistics:
         return auth.statistics(domain)
     except KeyError:
         raise ValueError("the socket is not a tensorrpc CURVE server") from None
+
+
+# -- handshake failures (socket monitor events) ---------------------------------------------
+
+#: The socket-monitor events that report a failed ZMTP handshake (libzmq >= 4.3).
+HANDSHAKE_FAILURE_EVENTS: Final = (
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    | int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    | int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+)
+_ZAP_STATUS: Final = {
+    300: "temporary error",
+    400: "the CURVE server refused this client key: it is not on the allow-list",
+    500: "the ZAP handler failed",
+}
+_PROTOCOL_ERRORS: Final = {
+    int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH): (
+        "security mechanism mismatch: one side uses CURVE, the other plaintext"
+    ),
+    int(zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC): (
+        "CURVE cryptographic error: the client does not hold the server's key pair "
+        "(a wrong server public key), or the traffic was tampered with"
+    ),
+    int(zmq.PROTOCOL_ERROR_ZMTP_KEY_EXCHANGE): "CURVE key exchange failed",
+}
+
+
+def describe_handshake_failure(event: int, value: int, endpoint: str) -> str:
+    """Say in words why a handshake failed, from a socket-monitor event.
+
+    Args:
+        event: ``EVENT_HANDSHAKE_FAILED_AUTH`` (``value`` is the ZAP status code),
+            ``EVENT_HANDSHAKE_FAILED_PROTOCOL`` (``value`` is a ``PROTOCOL_ERROR_*`` code)
+            or ``EVENT_HANDSHAKE_FAILED_NO_DETAIL`` (``value`` is an errno).
+        value: The event's value.
+        endpoint: The endpoint the event is about.
+
+    Returns:
+        ``"handshake on tcp://...: authentication failed (ZAP status 400: ...)"`` and so on.
+    """
+    where = f"handshake on {endpoint}"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        status = _ZAP_STATUS.get(value, "refused")
+        return f"{where}: authentication failed (ZAP status {value}: {status})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        try:
+            name = zmq.Event(value).name or hex(value)
+        except ValueError:
+            name = hex(value)
+        reason = _PROTOCOL_ERRORS.get(value, f"protocol error {name}")
+        return f"{where}: failed ({reason}; libzmq {name})"
+    reason = os.strerror(value) if 0 < value < 4096 else str(value)
+    return (
+        f"{where}: failed without detail (errno {value}: {reason}); with CURVE this is "
+        "usually a wrong server public key: the server dropped the connection"
+    )
 
 
 # -- applying a configuration ----------------------------------------------------------------

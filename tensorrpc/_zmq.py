@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import logging
 import os
 import time
 from collections import deque
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Final, Self, cast
 import anyio
 import anyio.lowlevel
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from tensorrpc._exceptions import (
     ClosedError,
@@ -51,7 +53,12 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TransportError,
 )
-from tensorrpc._security import apply_curve, warn_if_exposed
+from tensorrpc._security import (
+    HANDSHAKE_FAILURE_EVENTS,
+    apply_curve,
+    describe_handshake_failure,
+    warn_if_exposed,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -93,6 +100,11 @@ _get_running_loop: Final = asyncio._get_running_loop
 _FAIRNESS_STREAK: Final = 32
 _FAIRNESS_S: Final = 0.002
 _monotonic = time.monotonic
+_security_logger = logging.getLogger("tensorrpc.security")
+# Handshake failures an AsyncSocket remembers (the most recent), and distinct reasons it
+# counts (a peer retrying every 100 ms repeats the same one).
+_MAX_FAILURES: Final = 16
+_MAX_REASONS: Final = 64
 # When a ROUTER with ROUTER_MANDATORY reports POLLOUT (some peer has room) but the send to
 # *our* peer would block, the FD will not tell us when that peer drains; we re-try after
 # waiting on the FD at most this long (doubling up to the maximum).
@@ -277,12 +289,16 @@ def create_socket(
             sock.copy_threshold = options.copy_threshold
             if curve is not None:
                 on_close = apply_curve(sock, curve, ctx)
+        monitor: zmq.Socket[bytes] | None = None
+        with contextlib.suppress(zmq.ZMQError):  # a libzmq without monitor events: none
+            monitor = sock.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
+            monitor.setsockopt(zmq.LINGER, 0)
     except BaseException:
         sock.close(linger=0)
         if on_close is not None:
             on_close()
         raise
-    return AsyncSocket(sock, on_close=on_close)
+    return AsyncSocket(sock, on_close=on_close, monitor=monitor)
 
 
 def _check_routing_id(routing_id: bytes) -> None:
@@ -316,11 +332,14 @@ class AsyncSocket:
         "_bound_files",
         "_changed",
         "_closed",
+        "_failure_counts",
+        "_failures",
         "_fd",
         "_fd_mask",
         "_fd_scope",
         "_get",
         "_loop",
+        "_monitor",
         "_on_close",
         "_since",
         "_sock",
@@ -330,10 +349,17 @@ class AsyncSocket:
     )
 
     def __init__(
-        self, sock: zmq.Socket[bytes], *, on_close: Callable[[], None] | None = None
+        self,
+        sock: zmq.Socket[bytes],
+        *,
+        on_close: Callable[[], None] | None = None,
+        monitor: zmq.Socket[bytes] | None = None,
     ) -> None:
         self._sock = sock
         self._on_close = on_close
+        self._monitor = monitor
+        self._failures: deque[str] = deque(maxlen=_MAX_FAILURES)
+        self._failure_counts: dict[str, int] = {}
         self._fd: int = sock.FD
         self._get = cast("Callable[[int], int]", sock.get)
         self._threshold: int = sock.copy_threshold
@@ -764,6 +790,57 @@ class AsyncSocket:
             self._changed = None
             changed.set()
 
+    # -- handshake failures -----------------------------------------------------------------
+
+    def handshake_failures(self) -> tuple[str, ...]:
+        """The recent failed handshakes of this socket (CURVE refusals, mechanism mismatch).
+
+        Reads the events libzmq's socket monitor queued since the last call (without
+        waiting), logs each new reason at WARNING on the ``tensorrpc.security`` logger
+        (a reason that repeats, as a peer retrying does, is logged again every 100th
+        time), and returns the most recent 16, oldest first.
+
+        Returns:
+            One line per failure: ``"handshake on tcp://...: authentication failed (ZAP
+            status 400: ...)"``; empty when none failed (or libzmq has no monitor).
+        """
+        monitor = self._monitor
+        if monitor is None or self._closed:
+            return tuple(self._failures)
+        while True:
+            try:
+                message = monitor.recv_multipart(_NOBLOCK)
+            except zmq.ZMQError:  # Again: nothing more queued
+                break
+            try:
+                event = parse_monitor_message(message)
+            except Exception:  # a malformed event must not break the caller
+                continue
+            endpoint = bytes(event["endpoint"]).decode("utf-8", "replace")
+            text = describe_handshake_failure(int(event["event"]), int(event["value"]), endpoint)
+            self._failures.append(text)
+            counts = self._failure_counts
+            count = counts.get(text, 0) + 1
+            if len(counts) < _MAX_REASONS or text in counts:
+                counts[text] = count
+            if count % 100 == 1:
+                _security_logger.warning(
+                    "%s [seen by this %s]%s",
+                    text,
+                    self._role(),
+                    f" ({count} times so far)" if count > 1 else "",
+                )
+        return tuple(self._failures)
+
+    def _role(self) -> str:
+        sock = self._sock
+        try:
+            if sock.getsockopt(zmq.MECHANISM) != zmq.CURVE:
+                return "plaintext socket"
+            return "CURVE server" if sock.getsockopt(zmq.CURVE_SERVER) else "CURVE client"
+        except zmq.ZMQError:
+            return "socket"
+
     # -- closing ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -789,6 +866,11 @@ class AsyncSocket:
                 loop.remove_reader(self._fd)
             with contextlib.suppress(RuntimeError):
                 self._wake_waiters(-1)
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            monitor.close(linger=0)
         self._sock.close(linger=None)
         for path, (dev, ino) in self._bound_files.items():
             with contextlib.suppress(OSError):

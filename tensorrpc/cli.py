@@ -214,6 +214,8 @@ def _build_parser() -> _Parser:
         help=f"tensor elements to print (default {DEFAULT_MAX_VALUES})",
     )
 
+    _add_top(sub)
+
     for name, module, what in (
         ("bench", "bench", "the benchmark"),
         ("demo", "examples.multi_engine_demo", "the multi-engine demo"),
@@ -230,6 +232,73 @@ def _build_parser() -> _Parser:
         runner.add_argument("extra", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments")
         runner.set_defaults(module=module)
     return parser
+
+
+def _add_top(sub: Any) -> None:
+    top = sub.add_parser(
+        "top",
+        help="live view of engines' statistics",
+        description=(
+            "A live terminal view of the engines at ADDR...: liveness, calls/s, errors/s, "
+            "in-flight and queued calls, latency p50/p99 over the last interval, bytes/s "
+            "on the wire and by tensor transport. It reads the engines' built-in "
+            "statistics method (no extra port). q or Ctrl-C quits. Needs rich (the 'top' "
+            "extra)."
+        ),
+    )
+    top.add_argument("addresses", nargs="+", metavar="ADDR", help="engine addresses")
+    top.add_argument(
+        "--interval", type=_positive_float, default=1.0, metavar="S", help="seconds (default 1)"
+    )
+    top.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for an engine and for each answer (default 10)",
+    )
+    top.add_argument("--count", type=_positive_int, metavar="N", help="stop after N refreshes")
+    top.add_argument(
+        "--curve-keypair",
+        metavar="FILE",
+        help="CURVE: our secret key file (with --curve-server-key)",
+    )
+    top.add_argument(
+        "--curve-server-key", metavar="FILE", help="CURVE: the engines' public key file"
+    )
+    _add_log_level(top)
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    try:
+        from tensorrpc import top
+    except ImportError as exc:
+        raise CommandError(
+            f"tensorrpc top needs rich: pip install 'tensorrpc[top]' ({exc})"
+        ) from None
+    curve = None
+    if bool(args.curve_keypair) != bool(args.curve_server_key):
+        raise UsageError("give both --curve-keypair and --curve-server-key, or neither")
+    if args.curve_keypair:
+        curve = tensorrpc.CurveClientConfig(
+            tensorrpc.load_keypair(args.curve_keypair),
+            tensorrpc.load_public_key(args.curve_server_key),
+        )
+    addresses = [normalize_address(a) for a in args.addresses]
+    try:
+        return _run(
+            lambda: top.run(
+                addresses,
+                interval=args.interval,
+                wait=args.timeout,
+                count=args.count,
+                curve=curve,
+            )
+        )
+    except tensorrpc.EnginesUnavailableError:
+        raise CommandError(
+            f"no engine answered at {' '.join(addresses)} within {args.timeout:g} s"
+        ) from None
 
 
 def _add_log_level(parser: argparse.ArgumentParser) -> None:
@@ -848,6 +917,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": _cmd_serve,
     "describe": _cmd_describe,
     "call": _cmd_call,
+    "top": _cmd_top,
     "bench": _cmd_run_module,
     "demo": _cmd_run_module,
 }

@@ -15,6 +15,10 @@ What it does:
   as the stub's call is awaited either way) and [`CallStream[T]`][tensorrpc.CallStream]
   for a streaming method. A name that is not an ``@rpc`` method is an error, as it is at
   run time.
+* [`BlockingStub[S]`][tensorrpc.BlockingStub] attributes (a
+  [`BlockingClient`][tensorrpc.BlockingClient]'s stub): the same signatures, returning
+  the result ``R`` itself for a unary method and
+  [`BlockingStream[T]`][tensorrpc.BlockingStream] for a streaming one.
 
 This module imports mypy; ``import tensorrpc`` never imports it.
 """
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["TensorRPCPlugin", "plugin"]
 
 _STUB = "tensorrpc._stub.Stub"
+_BLOCKING_STUB = "tensorrpc._blocking.BlockingStub"
+_BLOCKING_STREAM = "tensorrpc.BlockingStream"
 _SERVICE_DECORATORS = frozenset({"tensorrpc._service.service", "tensorrpc.service"})
 _RPC_DECORATORS = frozenset({"tensorrpc._service.rpc", "tensorrpc.rpc"})
 _META = "tensorrpc"
@@ -78,10 +84,14 @@ def _rpc_methods(info: TypeInfo) -> dict[str, str] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def _stub_attribute(ctx: AttributeContext, *, name: str) -> Type:
-    """``Stub[S].name``: the ``@rpc`` method's signature, returning what the stub returns."""
+def _stub_attribute(ctx: AttributeContext, *, name: str, blocking: bool = False) -> Type:
+    """``Stub[S].name``: the ``@rpc`` method's signature, returning what the stub returns.
+
+    ``BlockingStub[S].name`` (``blocking``): the same, returning the result itself.
+    """
     stub = get_proper_type(ctx.type)
-    if not isinstance(stub, Instance) or stub.type.fullname != _STUB or not stub.args:
+    expected = _BLOCKING_STUB if blocking else _STUB
+    if not isinstance(stub, Instance) or stub.type.fullname != expected or not stub.args:
         return ctx.default_attr_type
     service = get_proper_type(stub.args[0])
     if not isinstance(service, Instance):
@@ -116,7 +126,17 @@ def _stub_attribute(ctx: AttributeContext, *, name: str) -> Type:
             mapped = map_instance_to_supertype(result, iterator.type)
             if mapped.args:
                 item = mapped.args[0]
-        returns: Type = ctx.api.named_generic_type(_CALL_STREAM, [item])
+        stream = _BLOCKING_STREAM if blocking else _CALL_STREAM
+        returns: Type = ctx.api.named_generic_type(stream, [item])
+    elif blocking:
+        returns = result
+        if (
+            kind == "async"
+            and isinstance(result, Instance)
+            and result.type.fullname == "typing.Coroutine"
+            and len(result.args) == 3
+        ):
+            returns = result.args[2]
     elif (
         kind == "async"
         and isinstance(result, Instance)
@@ -129,7 +149,7 @@ def _stub_attribute(ctx: AttributeContext, *, name: str) -> Type:
 
 
 class TensorRPCPlugin(Plugin):
-    """Types ``Stub[S]`` attributes from the ``@rpc`` methods of ``S``."""
+    """Types ``Stub[S]`` and ``BlockingStub[S]`` attributes from the ``@rpc`` methods of ``S``."""
 
     def get_class_decorator_hook_2(self, fullname: str) -> Callable[[ClassDefContext], bool] | None:
         return _record_rpc_methods if fullname in _SERVICE_DECORATORS else None
@@ -138,6 +158,8 @@ class TensorRPCPlugin(Plugin):
         owner, _, name = fullname.rpartition(".")
         if owner == _STUB:
             return partial(_stub_attribute, name=name)
+        if owner == _BLOCKING_STUB:
+            return partial(_stub_attribute, name=name, blocking=True)
         return None
 
 

@@ -117,6 +117,9 @@ def import_path(factory: Callable[[], object]) -> tuple[str, list[str]]:
             "defined at the top level of a module (the engine process imports it)"
         )
     extra: list[str] = []
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if module == "__main__" and spec is not None and spec.name not in ("__main__", None):
+        module = spec.name  # run as `python -m package.module`: importable by that name
     if module == "__main__":
         main_file = getattr(sys.modules["__main__"], "__file__", None)
         if main_file is None:

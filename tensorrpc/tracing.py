@@ -14,7 +14,8 @@ tensorrpc.tracing.instrument()  # every Client and Server created from now on
 ```
 
 or pass ``observer=tensorrpc.tracing.TracingObserver()`` to the ones you want. With the
-API alone (no SDK configured) and no incoming trace, no span is made at all.
+API alone (no SDK configured, no ``tracer_provider`` given) no span is made and no
+context is sent: each hook is one type test.
 
 Span attributes: ``rpc.system`` (``"tensorrpc"``), ``rpc.method``, ``tensorrpc.engine_id``,
 ``tensorrpc.client_id`` (engine spans), ``tensorrpc.transport`` (client spans: how the
@@ -61,6 +62,7 @@ __all__ = [
 ]
 
 _NO_OUTCOME_ERROR = frozenset({"ok", "cancelled"})
+_PROXY = ProxyTracerProvider
 
 
 def encode_trace_context(span_context: SpanContext) -> bytes:
@@ -158,12 +160,9 @@ class TracingObserver(Observer):
         self._tracer: Tracer = trace.get_tracer("tensorrpc", tracer_provider=tracer_provider)
 
     def _idle(self) -> bool:
-        # No SDK anywhere: spans would be no-ops; skip them unless a trace is running.
-        return (
-            self._provider is None
-            and isinstance(trace.get_tracer_provider(), ProxyTracerProvider)
-            and not trace.get_current_span().get_span_context().is_valid
-        )
+        # No SDK configured (the global provider is still the API's proxy) and none given:
+        # every span would be a no-op, so make none and send no context (one type test).
+        return self._provider is None and type(trace.get_tracer_provider()) is _PROXY
 
     def client_call(
         self, method: str, engine: str, stream: bool, nbytes: int, transport: str
@@ -189,9 +188,9 @@ class TracingObserver(Observer):
     def engine_call(
         self, method: str, engine: str, client: str, stream: bool, trace_bytes: bytes, nbytes: int
     ) -> CallObservation | None:
-        parent = decode_trace_context(trace_bytes) if trace_bytes else None
-        if parent is None and self._idle():
+        if self._idle():
             return None
+        parent = decode_trace_context(trace_bytes) if trace_bytes else None
         ctx: Any = None
         if parent is not None:
             ctx = trace.set_span_in_context(NonRecordingSpan(parent), otel_context.Context())

@@ -98,3 +98,36 @@ def test_report_renders_unavailable_systems_without_numbers(tmp_path: Path) -> N
     assert frames_target["met"] is None
     assert frames_target["value"] is None
     assert paths["chart"].stat().st_size > 0
+
+
+def test_report_has_the_other_direction_when_measured(tmp_path: Path) -> None:
+    from bench import _report
+
+    cell = {"4096": {"median_us": 200.0, "p99_us": 300.0}}
+    results: dict[str, Any] = {
+        "quick": True,
+        "duration_s": 1.0,
+        "machine": {"cpus_usable": 2},
+        "transfer": {
+            "sizes": [4096],
+            "notes": {},
+            "systems": {
+                "Tensor.copy_ (in-process)": {"sizes": cell, "sizes_out": cell},
+                "tensorrpc frames": {
+                    "small": {"median_us": 100.0},
+                    "sizes": cell,
+                    "sizes_out": {"4096": {"median_us": 400.0, "p99_us": 500.0}},
+                },
+                "Ray actor (numpy)": {"unavailable": "RuntimeError: ray is not installed"},
+                "pyzmq": {"small": {"median_us": 100.0}, "sizes": cell},  # one way only
+            },
+        },
+    }
+    paths = _report.write(results, tmp_path)
+    md = paths["markdown"].read_text(encoding="utf-8")
+    other = md.split("## Transfer, the other way")[1]
+    assert f"| tensorrpc frames | 400 µs (1.00{_report.TIMES}) |" in other
+    assert f"| Tensor.copy_ (in-process) | 200 µs (0.50{_report.TIMES}) |" in other
+    assert "unavailable: RuntimeError: ray is not installed" in other
+    assert "| pyzmq |" not in other
+    assert paths["chart"].stat().st_size > 0

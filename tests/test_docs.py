@@ -9,6 +9,9 @@ Rules for authors (also in docs/index.md, "About these pages"):
 * A block that genuinely cannot run on its own (an interface sketch, a snippet that needs
   key files or another host) is preceded by ``<!-- doctest: skip (why) -->`` on the line
   just above its opening fence (blank lines between are allowed). The reason is required.
+* A block whose fence names a file, ``python title="echo_service.py"``, is a module
+  that later blocks of the same page import: it is written into the working directory
+  (which is on ``PYTHONPATH``) of itself and of every block after it on that page.
 * Output is not compared; examples ``assert`` what they promise.
 """
 
@@ -37,6 +40,7 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`\n]*)
 _SKIP = re.compile(r"^\s*<!--\s*doctest:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->\s*$")
 _ANY_DOCTEST_COMMENT = re.compile(r"^\s*<!--\s*doctest")
 _IPC_PATH = re.compile(r"ipc://(?P<path>/[^\"'\s]+)")
+_TITLE = re.compile(r'title="(?P<name>[\w.-]+\.py)"')
 
 #: Blocks on pages owned by other people that are not programs (interface sketches, or
 #: snippets that need key files and a remote host) and do not carry a skip marker yet,
@@ -54,6 +58,8 @@ class Block:
     line: int  # 1-based line of the opening fence
     code: str
     skip_reason: str | None
+    #: The file name the page gives the block (``title="name.py"``), if any.
+    filename: str | None = None
 
     @property
     def id(self) -> str:
@@ -101,6 +107,7 @@ def extract_blocks(text: str, page: str) -> list[Block]:
         i += 1
         if not info or info[0] not in ("python", "py", "python3"):
             continue
+        title = _TITLE.search(match["info"])
         skip_reason = None
         j = start - 1
         while j >= 0 and not lines[j].strip():
@@ -113,7 +120,8 @@ def extract_blocks(text: str, page: str) -> list[Block]:
                 )
             skip_reason = marker["reason"].strip()
             used_markers.add(j)
-        blocks.append(Block(page, start + 1, "\n".join(body) + "\n", skip_reason))
+        filename = title["name"] if title is not None else None
+        blocks.append(Block(page, start + 1, "\n".join(body) + "\n", skip_reason, filename))
     for n, line in enumerate(lines):
         if _ANY_DOCTEST_COMMENT.search(line) and n not in used_markers:
             raise ValueError(f"{page}:{n + 1}: doctest marker not right above a python block")
@@ -163,9 +171,14 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     tmp.mkdir()
     script = tmp_path / "doc_example.py"
     script.write_text(block.code, encoding="utf-8")
+    modules = _page_files_up_to(block)
+    for module in modules:
+        assert module.filename is not None
+        (work / module.filename).write_text(module.code, encoding="utf-8")
     env = dict(os.environ)
-    # The working tree's tensorrpc (and examples/), whatever the venv's install looks like.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # The working tree's tensorrpc (and examples/), whatever the venv's install looks like;
+    # the page's module files in the working directory.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work), str(ROOT), env.get("PYTHONPATH")]))
     env["TMPDIR"] = str(tmp)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     ipc_files = [Path(m["path"]) for m in _IPC_PATH.finditer(block.code)]
@@ -200,11 +213,21 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     if _process_group_alive(proc.pid):
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"{block.id} left processes running")
-    assert _leftover_files(work) == [], f"{block.id} left files in its working directory"
+    written = sorted(str(m.filename) for m in modules)
+    assert _leftover_files(work) == written, f"{block.id} left files in its working directory"
     assert _leftover_files(tmp) == [], f"{block.id} left files in TMPDIR"
     left = [str(p) for p in ipc_files if p.exists() and p not in before]
     assert left == [], f"{block.id} left ipc socket files"
     assert time.monotonic() - started < TIMEOUT_S
+
+
+def _page_files_up_to(block: Block) -> list[Block]:
+    """The module blocks (with a file name) of ``block``'s page, up to ``block`` itself."""
+    return [
+        b
+        for b in BLOCKS
+        if b.page == block.page and b.filename is not None and b.line <= block.line
+    ]
 
 
 def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav() -> None:
@@ -273,13 +296,17 @@ def test_extract_blocks_reads_markers_and_ignores_other_languages() -> None:
             "  ```python",
             "  print(2)",
             "  ```",
+            '```python title="svc.py"',
+            "X = 1",
+            "```",
         ]
     )
     blocks = extract_blocks(text, "page.md")
-    assert [(b.line, b.code, b.skip_reason) for b in blocks] == [
-        (2, "print(1)\n", None),
-        (7, "x.y()\n", "fragment"),
-        (15, "print(2)\n", None),
+    assert [(b.line, b.code, b.skip_reason, b.filename) for b in blocks] == [
+        (2, "print(1)\n", None, None),
+        (7, "x.y()\n", "fragment", None),
+        (15, "print(2)\n", None, None),
+        (18, "X = 1\n", None, "svc.py"),
     ]
 
 
@@ -300,3 +327,72 @@ def test_extract_blocks_rejects_bad_fences_and_markers(text: str) -> None:
 def test_pages_are_found() -> None:
     assert ROOT / "README.md" in PAGES
     assert ROOT / "docs" / "index.md" in PAGES
+
+
+# -- the README's benchmark figures are the benchmark page's -------------------------------
+
+_FIGURE = re.compile(r"(?<![\w.,])\d[\d,.]*\s?(?:µs|ms|s|/s)(?![\w])")
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_readme_benchmark_figures_are_copied_from_the_benchmark_page() -> None:
+    """Every figure in the README's "How fast" section appears verbatim in benchmarks.md."""
+    readme = _section((ROOT / "README.md").read_text(encoding="utf-8"), "## How fast")
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    figures = set(_FIGURE.findall(readme))
+    assert len(figures) >= 15, figures
+    assert sorted(f for f in figures if f not in page) == []
+
+
+def test_figure_pattern_reads_latencies_and_rates() -> None:
+    text = "281 µs, 11,295/s and 12.3 ms; 4 times, 64 MiB, p99s"
+    assert _FIGURE.findall(text) == ["281 µs", "11,295/s", "12.3 ms"]
+
+
+# -- code fits the page ----------------------------------------------------------------------
+
+#: Columns of code the site shows without scrolling at 1280 px (docs/stylesheets/extra.css
+#: and the integrated table of contents make room for them; checked on screenshots).
+CODE_COLUMNS = 100
+
+
+#: Languages of the blocks readers copy from; a block without one (a terminal capture,
+#: a diagram) may be wider: the site scrolls it inside its box.
+CODE_LANGUAGES = frozenset({"python", "py", "python3", "console", "bash", "sh", "toml", "yaml"})
+
+
+def long_code_lines(text: str) -> list[tuple[int, int]]:
+    """``(line, length)`` of every code line longer than CODE_COLUMNS (see CODE_LANGUAGES)."""
+    found: list[tuple[int, int]] = []
+    fence: str | None = None
+    checked = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _FENCE.match(line)
+        if match is not None and (fence is None or match["fence"][0] == fence[0]):
+            if fence is None:
+                fence = match["fence"]
+                words = match["info"].split()
+                checked = bool(words) and words[0] in CODE_LANGUAGES
+            else:
+                fence = None
+            continue
+        if fence is not None and checked and len(line) > CODE_COLUMNS:
+            found.append((number, len(line)))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_code_lines_fit_the_page(page: Path) -> None:
+    assert long_code_lines(page.read_text(encoding="utf-8")) == []
+
+
+def test_long_code_lines_are_found() -> None:
+    text = "x" * 120 + "\n```python\n" + "y" * 101 + "\n" + "z" * 100 + "\n```\n"
+    assert long_code_lines(text) == [(3, 101)]
+    capture = "```\n" + "w" * 130 + "\n```\n```console\n" + "v" * 101 + "\n```\n"
+    assert long_code_lines(capture) == [(5, 101)]

@@ -44,7 +44,7 @@ def sync_suite(
         wait: block until the call behind a handle completes.
         consume: send a tensor, blocking; return the reply ``(numel, first, last)``.
     """
-    from bench.transfer import check, make_tensor
+    from bench.transfer import make_tensor
 
     out: dict[str, Any] = {"sizes": {}}
     out["small"] = summarize(time_sync(call_add, Budget(**config["small"])))
@@ -72,15 +72,38 @@ def sync_suite(
         "calls_per_s": calls / elapsed,
         "inflight": inflight,
     }
+    out["sizes"] = sizes_suite(config, consume, make_tensor)
+    return out
+
+
+def sizes_suite(
+    config: dict[str, Any],
+    send: Callable[[Any], Any],
+    make: Callable[[int], Any],
+    *,
+    direction: str = "in",
+) -> dict[str, Any]:
+    """Time ``send`` per tensor size, after checking its reply once per size.
+
+    ``direction="in"``: ``send(payload)`` sends ``make(size)`` and the reply is ``(numel,
+    first, last)``. ``"out"``: ``send(size)`` asks for a tensor (or array) of ``size``
+    bytes and the reply is that tensor, checked like :func:`bench.transfer.check_tensor`.
+    """
+    from bench.transfer import check, check_tensor
+
+    out: dict[str, Any] = {}
     for size, budget in config["sizes"].items():
         try:
-            t = make_tensor(int(size))
-            check(consume(t), int(size))
-            lat = time_sync(functools.partial(consume, t), Budget(**budget))
-            out["sizes"][size] = summarize(lat)
-            del t
+            if direction == "in":
+                arg = make(int(size))
+                check(send(arg), int(size))
+            else:
+                arg = int(size)
+                check_tensor(send(arg), int(size))
+            out[size] = summarize(time_sync(functools.partial(send, arg), Budget(**budget)))
+            del arg
         except Exception as exc:
-            out["sizes"][size] = unavailable(exc)
+            out[size] = unavailable(exc)
     return out
 
 

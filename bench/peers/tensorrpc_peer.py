@@ -28,7 +28,10 @@ ENGINE_ID = "bench"
 
 @service(name="BenchService")
 class BenchService:
-    """The benchmark's service: a small call and a tensor sink."""
+    """The benchmark's service: a small call, a tensor sink and a tensor source."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[tuple[int, bool], torch.Tensor] = {}
 
     @rpc
     async def add(self, a: int, b: int) -> int:
@@ -39,6 +42,22 @@ class BenchService:
     async def consume(self, t: torch.Tensor) -> tuple[int, float, float]:
         """Take a tensor; answer its size and its first and last elements."""
         return (t.numel(), float(t[0]), float(t[-1]))
+
+    @rpc
+    async def produce(self, nbytes: int, shared: bool) -> torch.Tensor:
+        """Answer a float32 ``arange`` tensor of ``nbytes`` bytes that the engine holds.
+
+        The tensor is made once per size (and, with ``shared``, moved into shared memory
+        once), so that a call times the transfer, not the tensor's creation.
+        """
+        key = (nbytes, shared)
+        t = self._tensors.get(key)
+        if t is None:
+            t = torch.arange(nbytes // 4, dtype=torch.float32)
+            if shared:
+                t.share_memory_()  # type: ignore[no-untyped-call]
+            self._tensors[key] = t
+        return t
 
 
 def runtime() -> tuple[Any, Any]:

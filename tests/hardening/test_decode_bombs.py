@@ -198,7 +198,6 @@ async def test_engine_pays_bounded_memory_for_control_and_call_bombs(tmp_path: P
             for bomb in bombs:
                 peer.send([pack_reply_header(MessageKind.CREDIT, 7), bomb])
                 peer.send([pack_reply_header(MessageKind.RELEASE), bomb])
-                peer.send([pack_reply_header(MessageKind.WELCOME), bomb])
             peer.send([pack_call_header(99, "add"), call_bomb])
             error = (await peer.expect(MessageKind.ERROR, 99)).error()
             assert "max_payload_objects" in error.message

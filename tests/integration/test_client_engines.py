@@ -333,6 +333,13 @@ async def test_fingerprint_mismatch_is_refused_on_both_sides(tmp_path: Path, spa
         dead_after=DEAD_AFTER,
     ) as client:
         engine = spawn("old", connect=client.addresses, service="v2")
+        # the wait fails as soon as the only engine that tried was refused (issue 14),
+        # not after its timeout, and names the methods that differ
+        with anyio.fail_after(60), pytest.raises(EnginesUnavailableError) as fast:
+            await client.wait_for_engines(1, timeout=600)
+        assert "every engine that tried to join was refused" in str(fast.value)
+        assert "changed: add: engine `add(a: int, b: int, c: int) -> int`" in str(fast.value)
+        assert "engine lacks: `mul(" in str(fast.value)
         # the engine gives up once its only client refused it
         status = await anyio.to_thread.run_sync(engine.wait, 30)
         assert status == EXIT_REFUSED

@@ -12,6 +12,7 @@ import torch
 
 import tensorrpc
 from tensorrpc import Client, Server, serve
+from tensorrpc.testing import EnginesFactory
 
 from .services import Calculator, CalculatorV2
 
@@ -136,21 +137,18 @@ async def test_admits_engines_of_any_service_and_targets_them(
 
 
 async def test_typed_client_calls_by_name_with_its_schema(
-    anyio_backend: str, tmp_path: Path
+    tensorrpc_engines: EnginesFactory,
 ) -> None:
-    async with (
-        engine(Calculator("e1"), ipc(tmp_path, "e1"), "e1") as server,
-        Client(Calculator, connect=server.endpoint) as client,
-    ):
-        assert not client.schemaless
-        with anyio.fail_after(WAIT):
-            await client.wait_for_engines(1)
-            assert await client.call_by_name("add", {"a": 1}) == 2
-            assert [i async for i in client.stream_by_name("count", {"n": 2})] == [0, 1]
-            with pytest.raises(tensorrpc.ValidationError, match="unexpected keyword"):
-                await client.call_by_name("add", {"z": 1})
-            with pytest.raises(tensorrpc.MethodNotFoundError, match="has no method 'nope'"):
-                await client.call_by_name("nope")
+    # tensorrpc.testing's fixture: an engine in this process, a typed client connected.
+    client = await tensorrpc_engines(Calculator, start_timeout=WAIT)
+    assert not client.schemaless
+    with anyio.fail_after(WAIT):
+        assert await client.call_by_name("add", {"a": 1}) == 2
+        assert [i async for i in client.stream_by_name("count", {"n": 2})] == [0, 1]
+        with pytest.raises(tensorrpc.ValidationError, match="unexpected keyword"):
+            await client.call_by_name("add", {"z": 1})
+        with pytest.raises(tensorrpc.MethodNotFoundError, match="has no method 'nope'"):
+            await client.call_by_name("nope")
 
 
 async def test_schemaless_client_has_no_typed_calls(anyio_backend: str, tmp_path: Path) -> None:

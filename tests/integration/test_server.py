@@ -26,8 +26,10 @@ from tensorrpc._protocol import (
     PROTOCOL_VERSION,
     Bye,
     Flags,
+    Hello,
     MessageKind,
     Reject,
+    decode_control,
     split_frames,
 )
 from tensorrpc._server import Server, serve
@@ -509,29 +511,38 @@ async def test_two_clients_of_a_listening_engine_get_their_own_replies(tmp_path:
             assert len(server.statistics().clients) == 2
 
 
-async def test_client_that_forgot_the_engine_is_greeted_again(tmp_path: Path) -> None:
-    """A client that pings our address but answers none of our PINGs no longer knows us."""
+async def test_pings_keep_a_session_and_the_hello_request_gets_pong_and_hello(
+    tmp_path: Path,
+) -> None:
+    """Any PING counts as life; a client that forgot the engine asks for HELLO with nonce 0."""
     async with engine(tmp_path, "tcp-listen", heartbeat_interval=0.05, dead_after=0.3) as (
         server,
         peer,
         _,
     ):
-
-        async def ping_only() -> None:
-            while True:
+        first = peer.hello
+        assert first is not None
+        assert first.epoch != 0
+        assert first.dead_after_ms == 300
+        with anyio.fail_after(WAIT):
+            for _ in range(12):  # 0.6 s of PINGs only, twice the engine's bound
                 peer.control(MessageKind.PING, None, 1)
                 await anyio.sleep(0.05)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ping_only)
-            with anyio.fail_after(WAIT):
-                while True:
-                    frames = await peer.sock.recv()
-                    header, _, _ = split_frames([f.buffer for f in frames[1:]])
-                    if header.kind is MessageKind.HELLO:
-                        break
-            tg.cancel_scope.cancel()
-        assert server.statistics().clients[0].state == "hello"
+        assert server.statistics().clients[0].state == "live"
+        peer.control(MessageKind.PING, None, 0)
+        kinds: set[str] = set()
+        with anyio.fail_after(WAIT):
+            while len(kinds) < 2:
+                frames = await peer.sock.recv()
+                header, payload, _ = split_frames([f.buffer for f in frames[1:]])
+                if header.kind is MessageKind.PONG and header.call_id == 0:
+                    kinds.add("pong")
+                elif header.kind is MessageKind.HELLO:
+                    hello = decode_control(header, payload)
+                    assert isinstance(hello, Hello)
+                    assert hello.epoch == first.epoch  # the same session
+                    kinds.add("hello")
+        assert server.statistics().clients[0].state == "live"
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

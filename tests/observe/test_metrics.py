@@ -182,3 +182,23 @@ def test_one_observer_per_registry() -> None:
     PrometheusObserver(registry)
     with pytest.raises(ValueError, match="Duplicated"):
         PrometheusObserver(registry)
+
+
+async def test_client_metrics_port_serves_the_default_registry(tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/e.sock"
+    eid = f"c-{tmp_path.name}"
+    async with (
+        Server(Calculator(eid), bind=address, engine_id=eid),
+        Client(Calculator, connect=address, metrics_port=0) as client,
+    ):
+        port = bound_port(client)
+        assert port is not None
+        with anyio.fail_after(20):
+            await client.wait_for_engines(1)
+            assert await client.stub().add(1) == 2
+            text = await anyio.to_thread.run_sync(_fetch, port)
+    assert bound_port(client) is None
+    s = _samples(text)
+    assert _value(s, "tensorrpc_client_calls_total", method="add", engine=eid, outcome="ok") == 1
+    with pytest.raises(ValueError, match="metrics_port"):
+        Client(Calculator, connect=address, metrics_port=70000)

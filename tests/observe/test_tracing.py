@@ -152,6 +152,9 @@ async def test_without_an_sdk_or_a_trace_nothing_is_made(tmp_path: Path) -> None
     tracing = TracingObserver()  # the global provider: no SDK is configured in the tests
     assert tracing.client_call("m", "e", False, 1, "inline") is None
     assert tracing.engine_call("m", "e", "c", False, b"", 1) is None
+    # an incoming context is not continued either: without an SDK nothing is recorded
+    incoming = b"\x00" + bytes(range(1, 26))
+    assert tracing.engine_call("m", "e", "c", False, incoming, 1) is None
     address = f"ipc://{tmp_path}/e.sock"
     async with (
         Server(Calculator("e"), bind=address, engine_id="e", observer=tracing),
@@ -178,3 +181,18 @@ def test_trace_context_bytes_round_trip() -> None:
     assert decoded.is_remote
     assert decode_trace_context(b"\x01" + data[1:]) is None
     assert decode_trace_context(bytes(26)) is None  # all-zero ids are invalid
+
+
+def test_instrument_installs_one_observer_for_peers_made_afterwards() -> None:
+    from tensorrpc import _observe
+    from tensorrpc.tracing import instrument, uninstrument
+
+    provider = TracerProvider()
+    first = instrument(provider)
+    try:
+        assert instrument() is first
+        assert first in _observe.installed()
+        assert _observe.resolve(None, None) is first
+    finally:
+        uninstrument()
+    assert first not in _observe.installed()

@@ -16,6 +16,7 @@ from tensorrpc import (
     BlockingCallView,
     BlockingClient,
     BlockingStream,
+    BlockingStub,
     ClientStatistics,
     EngineInfo,
 )
@@ -34,8 +35,16 @@ def typed_calls(client: BlockingClient[Calc]) -> None:
         assert_type(next(stream), int)
     iterator: Iterator[int] = client.stream(Calc.count, 5)
     del iterator
-    assert_type(client.stub(), Calc)
-    assert_type(client.stub().scale(torch.ones(1), 2.0), torch.Tensor)
+    calc = client.stub()
+    assert_type(calc, BlockingStub[Calc])
+    # With tensorrpc.mypy_plugin: results themselves, sync and async handlers alike.
+    assert_type(calc.add(1, 2), int)
+    assert_type(calc.add(1, b=5), int)
+    assert_type(calc.scale(torch.ones(1), 2.0), torch.Tensor)
+    assert_type(calc.count(3), BlockingStream[int])
+    assert_type(client.stub(engine="e1").add(1), int)
+    calc.add("x")  # type: ignore[arg-type]
+    calc.helper()  # type: ignore[misc]
     view = client.with_options(engine="e1", timeout=1.0, wait=False)
     assert_type(view, BlockingCallView[Calc])
     assert_type(view.call(Calc.add, 1, 2), int)

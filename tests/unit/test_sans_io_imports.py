@@ -16,6 +16,7 @@ SANS_IO_FILES = (
     "_engines.py",
     "_liveness.py",
     "_client_protocol.py",
+    "_server_protocol.py",
     "transports/_base.py",
 )
 REQUIRED = ("_exceptions.py", "_protocol.py")

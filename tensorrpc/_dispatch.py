@@ -1,0 +1,485 @@
+"""The engine's worker pool: takes accepted calls from the protocol and runs their handlers.
+
+``max_concurrency`` worker tasks take calls from :attr:`ServerProtocol.queue`, decode
+them (codec and ``decode_args``), run the handler in a cancel scope (sync handlers in
+worker threads through a :class:`anyio.CapacityLimiter`) and send the reply. A fixed pool
+of tasks taking from a plain deque and parking on an Event when it is empty was measured
+faster than a memory object stream (several checkpoints per item) or a task per call
+(a task creation per call); see docs/internals.md.
+
+Rules:
+
+1. A worker runs its calls inside one cancel scope, replaced only after a call got it
+   cancelled (CANCEL, deadline, shutdown): a new scope per call costs ~5 us on asyncio.
+2. The protocol decides whether a reply may go (:meth:`ServerProtocol.may_reply`,
+   :meth:`~ServerProtocol.error_reply`, :meth:`~ServerProtocol.may_send_item`); this
+   module only produces it.
+3. A stream that waits for credit does not hold a worker: it parks (the protocol stops
+   counting it busy) and, if the pool would otherwise shrink, a replacement worker
+   starts; a worker beyond the pool's size exits once its call is done.
+4. The memory of every zero-copy reply is held until ZMQ's tracker says it is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from tensorrpc import _codec
+from tensorrpc._exceptions import (
+    DecodeError,
+    EncodeError,
+    ErrorCode,
+    TensorTransportError,
+    ValidationError,
+)
+from tensorrpc._protocol import Flags, MessageKind, encode_control, pack_reply_header
+from tensorrpc._schema import bad_result_message
+from tensorrpc._server_protocol import ServerCall
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, Awaitable, Callable
+
+    from anyio.abc import TaskGroup
+    from typing_extensions import Buffer
+
+    from tensorrpc._observe import CallObservation
+    from tensorrpc._server_protocol import ServerProtocol
+    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
+    from tensorrpc.transports.torch_shm import ShmResolver
+
+__all__ = ["Call", "Dispatcher"]
+
+logger = logging.getLogger("tensorrpc.server")
+
+_RESULT: Final = MessageKind.RESULT
+_STREAM_ITEM: Final = MessageKind.STREAM_ITEM
+_SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
+_MISSING: Final = object()
+# How long a cancelled async generator may take to run its ``finally`` blocks.
+_ACLOSE_TIMEOUT_S: Final = 1.0
+# A worker yields to the event loop after this many calls in a row without waiting.
+_FAIRNESS_STREAK: Final = 32
+
+
+class Call(ServerCall):
+    """A :class:`ServerCall` with what the I/O shell needs to stop and wake it."""
+
+    __slots__ = ("credit_event", "failure", "observed", "result", "scope")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        #: What the engine's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
+        self.scope: anyio.CancelScope | None = None
+        self.credit_event: anyio.Event | None = None
+        #: Unary calls: the handler's return value (``_MISSING`` until it returns).
+        self.result: object = _MISSING
+        #: Unary calls: the exception the handler raised.
+        self.failure: BaseException | None = None
+
+    def wake(self) -> None:
+        """The protocol listed this call: stop it if it is cancelled, wake its credit wait."""
+        if self.cancelled or self.shutdown:
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+        event = self.credit_event
+        if event is not None:
+            event.set()
+
+
+def _gone(call: Call) -> bool:
+    # A function, not an attribute test, so that mypy does not keep a narrowing of
+    # ``call.cancelled`` from before an await (other tasks set it meanwhile).
+    return call.cancelled
+
+
+def type_name(exc: BaseException) -> str:
+    """How ``ErrorInfo.type`` spells an exception's type (builtins and ``__main__`` bare)."""
+    cls = type(exc)
+    if cls.__module__ in ("builtins", "__main__"):
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Dispatcher:
+    """Runs the calls a :class:`ServerProtocol` accepted, on a pool of worker tasks.
+
+    Args:
+        proto: The engine's protocol machine.
+        engine_id: For messages.
+        max_concurrency: Worker tasks (calls running at once).
+        sync_workers: Threads running sync handlers at once.
+        codec: Codec limits.
+        policy: The tensor transport policy (placers, resolvers, statistics).
+        maxmsgsize: Our largest frame (0: none), for the result size check.
+        grace_period: For the DRAINING message.
+        send_now: Send small frames to a client without waiting.
+        send_reply: Send a reply, waiting a bounded time; ``(call, frames, keepalive)``.
+    """
+
+    def __init__(
+        self,
+        proto: ServerProtocol,
+        *,
+        engine_id: str,
+        max_concurrency: int,
+        sync_workers: int,
+        codec: _codec.CodecConfig,
+        policy: TransportPolicy,
+        maxmsgsize: int,
+        grace_period: float,
+        send_now: Callable[[object, list[bytes]], bool],
+        send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
+    ) -> None:
+        self._proto = proto
+        self._engine_id = engine_id
+        self._capacity = max_concurrency
+        self._limiter = anyio.CapacityLimiter(sync_workers)
+        self._codec = codec
+        self._policy = policy
+        self._maxmsgsize = maxmsgsize
+        self._grace_period = grace_period
+        self._send_now = send_now
+        self._send_reply = send_reply
+        self._idle: list[anyio.Event] = []
+        self._closed = False
+        self._workers = 0
+        self._parked = 0
+        self._tg: TaskGroup | None = None
+        self.done = anyio.Event()
+
+    def start(self, tg: TaskGroup) -> None:
+        """Start the pool in ``tg``."""
+        self._tg = tg
+        for _ in range(self._capacity):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        assert self._tg is not None
+        self._workers += 1
+        self._tg.start_soon(self._worker)
+
+    def wake_one(self) -> None:
+        """A call was queued: wake one parked worker, if any."""
+        if self._idle:
+            self._idle.pop().set()
+
+    def close(self) -> None:
+        """Workers finish what is queued, then exit (:attr:`done` is set when all have)."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for event in idle:
+            event.set()
+        if self._workers == 0:
+            self.done.set()
+
+    # -- the pool ---------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        streak = 0
+        try:
+            while True:
+                stopped: Call | None = None
+                try:
+                    with anyio.CancelScope() as scope:
+                        while stopped is None:
+                            call = self._proto.next_call()
+                            if call is None:
+                                if self._closed or self._workers - self._parked > self._capacity:
+                                    return
+                                event = anyio.Event()
+                                self._idle.append(event)
+                                await event.wait()
+                                streak = 0
+                                continue
+                            assert isinstance(call, Call)
+                            try:
+                                await self._run(call, scope)
+                            except Exception:
+                                logger.exception("internal error running %s", call.spec.qualname)
+                                self._error(call, ErrorCode.INTERNAL, "internal engine error")
+                            finally:
+                                if scope.cancel_called:
+                                    stopped = call  # answered below, outside the spent scope
+                                else:
+                                    self._done(call)
+                            streak += 1
+                            if streak >= _FAIRNESS_STREAK:
+                                # Handlers that never wait would otherwise keep this worker
+                                # from yielding while the queue stays full.
+                                streak = 0
+                                await anyio.lowlevel.checkpoint()
+                    if stopped is not None:
+                        await self._reply(stopped)
+                finally:
+                    if stopped is not None:
+                        self._done(stopped)
+        finally:
+            self._workers -= 1
+            if self._workers == 0 and self._closed:
+                self.done.set()
+
+    def _done(self, call: Call) -> None:
+        self._proto.done(call)
+        if call.observed is not None:  # observe: the worker is done with the call
+            call.observed.finished("cancelled" if call.cancelled else "ok", 0)
+
+    # -- one call ---------------------------------------------------------------------------
+
+    def _error(
+        self, call: Call, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
+    ) -> None:
+        frames = self._proto.error_reply(call, code, message, type_name, tb)
+        if frames is not None:
+            self._send_now(call.key, frames)
+            if call.observed is not None:  # observe: an ERROR reply to an observed call
+                call.observed.error(code.name)
+
+    def _deadline(self, call: Call) -> float:
+        """The call's deadline on anyio's clock (the protocol's is ``time.monotonic``)."""
+        deadline = call.deadline
+        if deadline == math.inf:
+            return deadline
+        return anyio.current_time() + (deadline - time.monotonic())
+
+    async def _run(self, call: Call, scope: anyio.CancelScope) -> None:
+        """Run one call inside its worker's ``scope`` and reply.
+
+        If ``scope`` gets cancelled for this call (CANCEL, deadline, shutdown), the outcome
+        is left in ``call.result``/``call.failure`` and the worker replies once it has left
+        the spent scope (see :meth:`_reply`).
+        """
+        if call.cancelled:
+            return
+        if self._proto.hard_stop:
+            call.shutdown = True
+            self._reply_stopped(call)
+            return
+        deadline = self._deadline(call)
+        finite = deadline != math.inf
+        if finite and anyio.current_time() >= deadline:
+            self._error(
+                call,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{call.spec.qualname} was already past its deadline when a worker took it",
+            )
+            return
+        args = self._decode(call)
+        if args is None:
+            return
+        if call.observed is not None:  # observe: the handler starts (in this task)
+            call.observed.started()
+        if call.spec.streaming:
+            await self._run_stream(call, args, deadline)
+            return
+        call.scope = scope
+        if finite:
+            scope.deadline = deadline
+        try:
+            if call.spec.is_async:
+                call.result = await call.fn(*args)  # type: ignore[misc]
+            else:
+                call.result = await anyio.to_thread.run_sync(
+                    call.fn, *args, limiter=self._limiter, abandon_on_cancel=True
+                )
+        except Exception as exc:
+            call.failure = exc
+        finally:
+            call.scope = None
+            if finite:
+                scope.deadline = math.inf
+        if not scope.cancel_called:
+            await self._reply(call)
+
+    def _decode(self, call: Call) -> list[Any] | None:
+        """Decode and validate the arguments; on failure reply with an ERROR and return None."""
+        payload = call.payload
+        assert payload is not None
+        buffers = call.buffers
+        call.payload = None
+        call.buffers = ()
+        self._policy.received_frames(buffers)
+        try:
+            wire = _codec.decode(payload, buffers, self._codec, resolver=self._resolver(call))
+            return call.spec.decode_args(wire)
+        except ValidationError as exc:
+            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc))
+        except DecodeError as exc:
+            self._error(call, ErrorCode.DECODE, str(exc))
+        except TensorTransportError as exc:
+            self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
+        return None
+
+    def _encode(self, call: Call, value: object) -> _codec.Encoded | None:
+        """Check and encode a result or stream item; on failure reply ERROR, return None."""
+        placer = self._placer(call)
+        try:
+            wire = call.spec.check_result(value)
+            encoded = _codec.encode(wire, self._codec, placer=placer)
+            # A frame over the client's MAXMSGSIZE makes its ZMQ drop the connection
+            # (and every call on it) without a word: refuse it here instead.
+            _codec.check_message_size(
+                encoded,
+                self._maxmsgsize,
+                call.session.max_message_bytes,
+                what="the results",
+                peer=f"client {call.session.name!r}",
+            )
+            self._policy.sent_frames(encoded.buffers)
+            return encoded
+        except (ValidationError, EncodeError) as exc:
+            if placer is not None:
+                placer.abort()
+            self._error(
+                call,
+                ErrorCode.BAD_RESULT,
+                bad_result_message(call.spec.qualname, exc),
+                type_name(exc),
+            )
+        except TensorTransportError as exc:
+            self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
+        return None
+
+    def _placer(self, call: Call) -> PolicyPlacer | None:
+        # The CALL's flags say how the client wants result tensors; it only asks for
+        # torch_shm when it can attach to ours, and shm.peer_receives says it told us so.
+        results = call.results
+        shm = call.session.shm
+        if not results or shm is None:
+            return None
+        mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
+        return self._policy.placer(mode, call.session, peer_receives=shm.peer_receives)
+
+    def _resolver(self, call: Call) -> ShmResolver | None:
+        # Handles the client sent name its own process; a failure to attach is answered
+        # with TENSOR_TRANSPORT before the handler runs, and the client resends as frames.
+        shm = call.session.shm
+        if shm is None:
+            return None
+        return self._policy.resolver(shm.pid)
+
+    def _reply_stopped(self, call: Call) -> None:
+        """The call's scope was cancelled: say why, unless the client gave up on it."""
+        if call.shutdown:
+            self._error(
+                call,
+                ErrorCode.DRAINING,
+                f"engine {self._engine_id!r} shut down before {call.spec.qualname} finished "
+                f"(grace period {self._grace_period} s)",
+            )
+        else:
+            self._error(
+                call,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{call.spec.qualname} ran past its deadline and was cancelled",
+            )
+
+    async def _reply(self, call: Call) -> None:
+        """Answer a unary call from its outcome (nothing if the client gave up on it)."""
+        if _gone(call):
+            return
+        if call.failure is not None:
+            self._reply_exception(call, call.failure)
+            return
+        if call.result is _MISSING:
+            self._reply_stopped(call)
+            return
+        encoded = self._encode(call, call.result)
+        if encoded is not None and self._proto.may_reply(call):
+            await self._send_value(call, _RESULT, encoded)
+
+    def _reply_exception(self, call: Call, exc: BaseException) -> None:
+        self._error(
+            call,
+            ErrorCode.REMOTE,
+            str(exc),
+            type_name(exc),
+            "".join(traceback.format_exception(exc)),
+        )
+
+    async def _send_value(self, call: Call, kind: MessageKind, encoded: _codec.Encoded) -> None:
+        frames: list[Buffer] = [pack_reply_header(kind, call.call_id), encoded.payload]
+        if encoded.buffers:
+            frames.extend(encoded.buffers)
+            await self._send_reply(call, frames, encoded.keepalive)
+        else:
+            await self._send_reply(call, frames, None)
+
+    # -- streams ----------------------------------------------------------------------------
+
+    async def _run_stream(self, call: Call, args: list[Any], deadline: float) -> None:
+        gen: AsyncGenerator[Any, None] | None = None
+        failure: BaseException | None = None
+        finished = False
+        with anyio.CancelScope(deadline=deadline) as scope:
+            call.scope = scope
+            try:
+                gen = call.fn(*args)  # type: ignore[assignment]
+                assert gen is not None
+                finished = await self._pump(call, gen)
+            except Exception as exc:
+                failure = exc
+            finally:
+                if gen is not None and not finished:
+                    with anyio.move_on_after(_ACLOSE_TIMEOUT_S, shield=True):
+                        try:
+                            await gen.aclose()
+                        except Exception:
+                            logger.exception("%s failed to close", call.spec.qualname)
+        call.scope = None
+        if call.cancelled or call.answered:
+            return
+        if failure is not None:
+            self._reply_exception(call, failure)
+        elif finished:
+            if self._proto.may_reply(call):
+                self._send_now(call.key, encode_control(MessageKind.STREAM_END, None, call.call_id))
+        else:
+            self._reply_stopped(call)
+
+    async def _pump(self, call: Call, gen: AsyncGenerator[Any, None]) -> bool:
+        """Send the generator's items as credit allows; True when it finished."""
+        proto = self._proto
+        while True:
+            if not proto.may_send_item(call):
+                if call.cancelled or call.answered or not await self._wait_credit(call):
+                    return False
+                continue
+            try:
+                item = await gen.__anext__()
+            except StopAsyncIteration:
+                return True
+            encoded = self._encode(call, item)
+            if encoded is None:
+                return False  # the ERROR is sent: nothing more
+            proto.item_sent(call)
+            await self._send_value(call, _STREAM_ITEM, encoded)
+            if call.observed is not None:  # observe: a stream item went out
+                call.observed.item()
+
+    async def _wait_credit(self, call: Call) -> bool:
+        """Park until credit arrives; False (ERROR sent) when the client has too many parked."""
+        reason = self._proto.park(call)
+        if reason is not None:
+            self._error(call, ErrorCode.OVERLOADED, reason)
+            return False
+        self._parked += 1
+        if self._workers - self._parked < self._capacity and not self._closed:
+            self._spawn()  # the pool keeps its size while this stream waits
+        try:
+            event = call.credit_event = anyio.Event()
+            await event.wait()
+        finally:
+            call.credit_event = None
+            self._parked -= 1
+            self._proto.unpark(call)
+        return True

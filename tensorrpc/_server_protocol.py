@@ -1,0 +1,1008 @@
+"""The engine's side of the protocol as a state machine, sans-I/O: frames and ``now`` in.
+
+:class:`ServerProtocol` holds every decision an engine makes about its clients: sessions
+and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
+dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
+I/O shell (:mod:`tensorrpc._server`) feeds it messages and the time, sends the frames it
+queues in :attr:`ServerProtocol.outbox`, runs the calls it returns and wakes the calls
+it lists in :attr:`ServerProtocol.wakeups`. Nothing here imports zmq, anyio, asyncio,
+trio, threading or ``time``.
+
+A client is named by an opaque hashable *key*: its routing id on a listening engine, the
+address it is dialled at on a dial-in engine.
+
+Rules this module keeps (numbered as the tests cite them):
+
+1. A session is named by a random non-zero u64 epoch, announced in HELLO; a session that
+   ends (BYE, silence, REJECT, a new client epoch) never comes back: the next one gets
+   a new epoch.
+2. Any well-formed message from a client with a session counts as life, PING included.
+   A client silent for ``dead_after`` loses its session; its calls are cancelled and
+   get no reply.
+3. A PING gets a PONG echoing its nonce (0 included) when the peer has a session; a PING
+   with nonce 0 (the hello request) also gets the HELLO, and a PING from a peer without
+   a session gets the HELLO only. At most one HELLO per peer per heartbeat interval.
+4. Strangers (peers of a listening engine without a session) cost constant memory: at
+   most ``max_strangers`` entries, the oldest evicted first, each forgotten after
+   ``dead_after`` without a completed handshake.
+5. Every CALL whose call id can be read gets exactly one answer: accepted (and later one
+   final reply) or one ERROR naming the refusal (:data:`ADMISSION`).
+6. A CALL reusing the id of a call in flight cancels the original (which then sends
+   nothing) and is answered with one ERROR(id, PROTOCOL).
+7. A call gets at most one final reply, none once it is cancelled, and nothing after it.
+8. A stream sends at most ``stream_window + sum(CREDIT n)`` items; window 0 means no
+   item before the first CREDIT.
+9. ``in_flight`` equals the number of calls in the session tables; a call leaves its
+   table exactly once (:meth:`ServerProtocol.done`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from collections import deque
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import TYPE_CHECKING, Final
+
+from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
+from tensorrpc._liveness import Backoff, ping_interval, to_ms
+from tensorrpc._protocol import (
+    HEADER_SIZE,
+    MAGIC,
+    Bye,
+    Credit,
+    ErrorInfo,
+    Flags,
+    Header,
+    Hello,
+    MessageKind,
+    Reject,
+    RejectReason,
+    Release,
+    Welcome,
+    decode_control,
+    encode_control,
+    encode_error,
+    split_frames,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable, Mapping, Sequence
+
+    from typing_extensions import Buffer
+
+    from tensorrpc._service import MethodSpec
+
+__all__ = [
+    "ADMISSION",
+    "TRANSITIONS",
+    "AllRejected",
+    "BuiltinCall",
+    "ProtocolSettings",
+    "ServerCall",
+    "ServerProtocol",
+    "Session",
+    "SessionEnded",
+    "SessionStarted",
+    "SessionState",
+    "ShmPeer",
+    "readable_call_id",
+]
+
+_CALL: Final = MessageKind.CALL
+_CANCEL: Final = MessageKind.CANCEL
+_CREDIT: Final = MessageKind.CREDIT
+_PING: Final = MessageKind.PING
+_PONG: Final = MessageKind.PONG
+_WELCOME: Final = MessageKind.WELCOME
+_REJECT: Final = MessageKind.REJECT
+_BYE: Final = MessageKind.BYE
+_RELEASE: Final = MessageKind.RELEASE
+_STREAM: Final = int(Flags.STREAM)
+_NO_WAIT: Final = int(Flags.NO_WAIT)
+_SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+_HEADER: Final = struct.Struct("<2sBBHHQI")
+_U64: Final = 0xFFFF_FFFF_FFFF_FFFF
+_U32: Final = 0xFFFF_FFFF
+_INF: Final = float("inf")
+#: First HELLO re-send delay of a dial-in engine; doubles up to the heartbeat interval.
+HELLO_RETRY_MIN_S: Final = 0.05
+
+
+class SessionState(Enum):
+    """Where an engine stands with one client."""
+
+    #: HELLO sent or owed; no WELCOME yet.
+    GREETING = "hello"
+    #: WELCOME received: calls are admitted.
+    LIVE = "live"
+    #: The client said BYE (dial-in): no HELLO until it speaks again or ``dead_after``.
+    PARTED = "parted"
+    #: The client refused us (dial-in): we stopped trying.
+    REJECTED = "rejected"
+
+
+#: The engine's transition table: (state, input, action, next state). docs/protocol.md
+#: carries the same table; ``tests/unit/test_server_protocol.py`` checks both against
+#: the behaviour. ``none`` is a listening engine's peer without an entry (a stranger).
+TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
+    ("none", "PING", "HELLO (new epoch; capped, rate-limited)", "hello"),
+    ("none", "CALL", "ERROR(id, PROTOCOL)", "none"),
+    ("none", "other message", "drop", "none"),
+    ("hello", "timer: hello due (dial-in)", "HELLO (same epoch, backoff)", "hello"),
+    ("hello", "PING", "HELLO (rate-limited)", "hello"),
+    ("hello", "WELCOME", "start the session", "live"),
+    ("hello", "malformed WELCOME", "REJECT protocol; forget (listen) or stop (dial-in)", "none"),
+    ("hello", "WELCOME with another fingerprint", "REJECT fingerprint", "none"),
+    ("hello", "CALL", "ERROR(id, PROTOCOL)", "hello"),
+    ("hello", "REJECT", "stop trying (dial-in) or forget (listen)", "rejected"),
+    ("hello", "timer: dead_after (listen)", "forget the stranger", "none"),
+    ("live", "PING", "PONG (same nonce)", "live"),
+    ("live", "PING nonce 0", "PONG 0 and HELLO (same epoch, rate-limited)", "live"),
+    ("live", "CALL", "admit (ADMISSION) or ERROR", "live"),
+    ("live", "CALL with an id in flight", "cancel the original; ERROR(id, PROTOCOL)", "live"),
+    ("live", "CANCEL", "cancel the call (no reply)", "live"),
+    ("live", "CREDIT", "add credit; wake the stream", "live"),
+    ("live", "WELCOME, same epoch", "ignore", "live"),
+    ("live", "WELCOME, new epoch", "cancel the calls; new session", "live"),
+    ("live", "BYE", "cancel the calls; end the session", "parted"),
+    ("live", "REJECT", "cancel the calls; end the session", "rejected"),
+    ("live", "timer: ping due", "PING", "live"),
+    ("live", "timer: dead_after", "cancel the calls; end the session; HELLO (new epoch)", "hello"),
+    ("parted", "any message", "HELLO (new epoch)", "hello"),
+    ("parted", "timer: dead_after (dial-in)", "HELLO (new epoch)", "hello"),
+    ("rejected", "any message", "drop", "rejected"),
+)
+
+
+#: Every refusal of a CALL, in the order the checks run: (check, error code).
+ADMISSION: Final[tuple[tuple[str, ErrorCode], ...]] = (
+    ("malformed header (readable call id)", ErrorCode.PROTOCOL),
+    ("malformed frames", ErrorCode.PROTOCOL),
+    ("no session", ErrorCode.PROTOCOL),
+    ("call id in flight", ErrorCode.PROTOCOL),
+    ("draining", ErrorCode.DRAINING),
+    ("unknown method", ErrorCode.METHOD_NOT_FOUND),
+    ("stream flag does not match the method", ErrorCode.INVALID_ARGUMENT),
+    ("NO_WAIT and every worker busy", ErrorCode.OVERLOADED),
+    ("queue full", ErrorCode.OVERLOADED),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ShmPeer:
+    """What a session may do with ``torch_shm`` (decided at WELCOME)."""
+
+    #: The client's process id (its handles name it).
+    pid: int = 0
+    #: The client attaches to our handles (result tensors may go by handle).
+    peer_receives: bool = False
+    #: We attach to the client's handles (its probe opened here).
+    we_receive: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolSettings:
+    """What a :class:`ServerProtocol` needs to know about its engine.
+
+    Args:
+        hello: The HELLO body to announce (``epoch`` and ``dead_after_ms`` are filled in
+            per session).
+        methods: Method name -> (spec, bound handler).
+        listen: True for a listening engine (ROUTER), False when it dials in.
+        max_concurrency: Calls run at once.
+        max_queued: Calls accepted beyond those running.
+        heartbeat_interval: Seconds between PINGs (and HELLO re-sends) per client.
+        dead_after: Seconds of silence after which a client loses its session.
+        max_strangers: Listening engine: most peers without a session remembered.
+        max_parked_streams: Most streams of one client that may wait for credit at once.
+        max_buffers: Most buffer frames after a payload.
+    """
+
+    hello: Hello
+    methods: Mapping[str, tuple[MethodSpec, Callable[..., object]]]
+    listen: bool
+    max_concurrency: int = 64
+    max_queued: int = 256
+    heartbeat_interval: float = 1.0
+    dead_after: float = 5.0
+    max_strangers: int = 1024
+    max_parked_streams: int = 256
+    max_buffers: int = 1024
+    #: Method names the shell answers itself (the built-in statistics method).
+    builtins: frozenset[str] = frozenset()
+
+
+class ServerCall:
+    """One accepted call, from admission until its worker is done with it.
+
+    The shell may subclass it (adding slots for its cancel scope and wake-up event);
+    :meth:`ServerProtocol.receive` builds calls through the factory it was given.
+    """
+
+    __slots__ = (
+        "answered",
+        "buffers",
+        "call_id",
+        "cancelled",
+        "credits",
+        "deadline",
+        "fn",
+        "key",
+        "parked",
+        "payload",
+        "results",
+        "session",
+        "shutdown",
+        "spec",
+        "trace",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        call_id: int,
+        spec: MethodSpec,
+        fn: Callable[..., object],
+        deadline: float,
+        payload: Buffer | None,
+        buffers: Sequence[Buffer],
+        results: int,
+        trace: bytes = b"",
+    ) -> None:
+        self.session = session
+        self.key = session.key
+        self.call_id = call_id
+        self.spec = spec
+        self.fn = fn
+        #: Absolute deadline on the shell's clock, ``inf`` for none.
+        self.deadline = deadline
+        self.payload = payload
+        self.buffers = buffers
+        #: The CALL's SHM_RESULTS / SHM_RESULTS_ALL bits.
+        self.results = results
+        #: The client cancelled the call or lost its session: no reply at all.
+        self.cancelled = False
+        #: Shutdown stopped the call: the reply is DRAINING.
+        self.shutdown = False
+        #: The final reply was handed out.
+        self.answered = False
+        #: Stream items the engine may still send (window + credit - sent).
+        self.credits = session.stream_window
+        #: The stream waits for credit.
+        self.parked = False
+        #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
+        self.trace = trace
+
+
+class Session:
+    """One client as the engine sees it (per key)."""
+
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "calls",
+        "calls_total",
+        "client_epoch",
+        "client_id",
+        "created",
+        "epoch",
+        "errors",
+        "hello_backoff",
+        "hello_frames",
+        "key",
+        "last_heard",
+        "max_message_bytes",
+        "next_hello",
+        "next_ping",
+        "parked",
+        "peer_dead_after_ms",
+        "reject",
+        "shm",
+        "state",
+        "stream_window",
+    )
+
+    def __init__(self, key: Hashable, now: float, heartbeat: float) -> None:
+        self.key = key
+        self.state = SessionState.GREETING
+        self.epoch = 0
+        self.client_epoch = 0
+        self.client_id = ""
+        self.stream_window = 16
+        self.max_message_bytes = 0
+        self.peer_dead_after_ms = 0
+        self.created = now
+        self.last_heard = now
+        self.next_hello = now
+        self.next_ping = now + heartbeat
+        self.hello_backoff = Backoff(min(HELLO_RETRY_MIN_S, heartbeat), heartbeat)
+        self.hello_frames: list[bytes] = []
+        self.calls: dict[int, ServerCall] = {}
+        self.parked = 0
+        self.calls_total = 0
+        self.errors = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.reject: Reject | None = None
+        self.shm: ShmPeer | None = None
+
+    @property
+    def name(self) -> str:
+        """The client's id once known, else its key."""
+        return self.client_id or str(self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStarted:
+    """A client's WELCOME was accepted: the shell decides ``session.shm`` now."""
+
+    session: Session
+    welcome: Welcome
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnded:
+    """A session ended (its calls are already cancelled): free what was shared."""
+
+    session: Session
+    why: str
+    #: Worth a warning (silence, a refusal), not just an info line (BYE).
+    warn: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AllRejected:
+    """Dial-in: every client refused this engine."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinCall:
+    """A CALL of a method the shell answers itself (``ProtocolSettings.builtins``)."""
+
+    session: Session
+    call_id: int
+    method: str
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """RELEASE: the client attached to the tensors of these result leases."""
+
+    session: Session
+    leases: tuple[int, ...]
+
+
+Event = SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall
+Outgoing = tuple["Hashable", list[bytes], bool]
+
+
+def readable_call_id(frame: Buffer) -> int | None:
+    """The call id of a CALL header that fails validation, if it can be read at all.
+
+    Bytes 0-2 keep their place in every version, and version 1's layout places the
+    call id at bytes 8-15; a CALL header of at least 20 bytes with the magic and a
+    non-zero call id has one.
+    """
+    view = memoryview(frame)
+    if view.ndim != 1 or view.itemsize != 1 or view.nbytes < HEADER_SIZE:
+        return None
+    magic, _version, kind, _flags, _reserved, call_id, _timeout = _HEADER.unpack_from(view)
+    if magic != MAGIC or kind != _CALL or call_id == 0:
+        return None
+    return int(call_id)
+
+
+def _new_epoch() -> int:
+    return secrets.randbits(64) or 1
+
+
+def _bytes_of(frames: Sequence[Buffer]) -> int:
+    size = 0
+    for frame in frames:
+        size += memoryview(frame).nbytes
+    return size
+
+
+class ServerProtocol:
+    """Every decision of an engine about its clients; see the module docstring.
+
+    Args:
+        settings: The engine's identity and limits.
+        call_factory: Builds accepted calls (the shell's :class:`ServerCall` subclass).
+        new_epoch: Draws a session epoch (non-zero u64); tests pass a counter.
+
+    The shell reads what to do from three lists after each input, and empties them:
+    :attr:`outbox` (``(key, frames, is_hello)`` to send), :attr:`wakeups` (calls whose
+    cancellation or credit its waiters must see) and :attr:`events` (session-level
+    news). :attr:`pending` is True when any of them has entries.
+    """
+
+    def __init__(
+        self,
+        settings: ProtocolSettings,
+        *,
+        call_factory: Callable[..., ServerCall] = ServerCall,
+        new_epoch: Callable[[], int] = _new_epoch,
+    ) -> None:
+        self.settings = settings
+        self._hello = replace(settings.hello, dead_after_ms=to_ms(settings.dead_after))
+        self._listen = settings.listen
+        self._methods = settings.methods
+        self._heartbeat = settings.heartbeat_interval
+        self._dead_after = settings.dead_after
+        self._max_buffers = settings.max_buffers
+        self._capacity = settings.max_concurrency
+        self._limit = settings.max_concurrency + settings.max_queued
+        self._call_factory = call_factory
+        self._new_epoch = new_epoch
+        #: Every client with an entry, by key (strangers included).
+        self.sessions: dict[Hashable, Session] = {}
+        # Listen mode: keys of the entries without a session yet, oldest first.
+        self._strangers: dict[Hashable, None] = {}
+        #: Accepted calls waiting for a worker.
+        self.queue: deque[ServerCall] = deque()
+        #: ``(key, frames, is_hello)`` to send, in order.
+        self.outbox: list[Outgoing] = []
+        #: Calls cancelled, stopped or given credit since the shell last looked.
+        self.wakeups: list[ServerCall] = []
+        #: Session-level news since the shell last looked.
+        self.events: list[Event] = []
+        #: Calls taken by a worker and not done (parked streams excluded).
+        self.busy = 0
+        #: New CALLs are refused with DRAINING.
+        self.draining = False
+        #: Shutdown cancelled the running calls.
+        self.hard_stop = False
+        #: The earliest time :meth:`tick` has something to do.
+        self.wake_at = 0.0
+        self.calls_total = 0
+        self.errors_total = 0
+        self.overloaded = 0
+        self.dropped = 0
+        self.strangers_evicted = 0
+        self._ping_nonce = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether the outbox, wakeups or events hold anything."""
+        return bool(self.outbox or self.wakeups or self.events)
+
+    @property
+    def hello(self) -> Hello:
+        """The HELLO body this engine announces (``epoch`` 0: filled in per session)."""
+        return self._hello
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def add_client(self, key: Hashable, now: float) -> Session:
+        """Dial-in: start greeting the client at ``key`` (HELLO goes out at the next tick).
+
+        Returns:
+            The client's session entry.
+        """
+        session = Session(key, now, self._heartbeat)
+        self._greet(session, now)
+        self.sessions[key] = session
+        self.wake_at = now
+        return session
+
+    def _greet(self, session: Session, now: float) -> None:
+        """Enter GREETING with a new epoch (a new session): HELLO is due now."""
+        session.state = SessionState.GREETING
+        session.epoch = epoch = self._new_epoch() & _U64 or 1
+        session.hello_frames = encode_control(MessageKind.HELLO, replace(self._hello, epoch=epoch))
+        session.client_epoch = 0
+        session.client_id = ""
+        session.created = now
+        session.next_hello = now
+        session.hello_backoff.reset()
+
+    def _send_hello(self, session: Session, now: float) -> None:
+        if now < session.next_hello:
+            return  # at most one HELLO per heartbeat (rule 3)
+        session.next_hello = now + self._heartbeat
+        self.outbox.append((session.key, session.hello_frames, True))
+
+    def hello_unsent(self, key: Hashable, now: float) -> None:
+        """Dial-in: a HELLO could not go (not connected yet): retry soon, backing off."""
+        session = self.sessions.get(key)
+        if session is not None and session.state is SessionState.GREETING:
+            session.next_hello = now + session.hello_backoff.failed()
+            self.wake_at = min(self.wake_at, session.next_hello)
+
+    def _stranger(self, key: Hashable, now: float) -> Session:
+        strangers = self._strangers
+        while len(strangers) >= self.settings.max_strangers:
+            oldest = next(iter(strangers))
+            del strangers[oldest]
+            self.sessions.pop(oldest, None)
+            self.strangers_evicted += 1
+        session = Session(key, now, self._heartbeat)
+        self._greet(session, now)
+        self.sessions[key] = session
+        strangers[key] = None
+        return session
+
+    def _start(self, session: Session, welcome: Welcome, now: float) -> None:
+        session.state = SessionState.LIVE
+        session.client_id = welcome.client_id
+        session.client_epoch = welcome.epoch
+        session.stream_window = welcome.stream_window
+        session.max_message_bytes = welcome.max_message_bytes
+        session.peer_dead_after_ms = welcome.dead_after_ms
+        session.last_heard = now
+        session.next_ping = now + ping_interval(self._heartbeat, welcome.dead_after_ms)
+        session.hello_backoff.reset()
+        self._strangers.pop(session.key, None)
+        self.wake_at = min(self.wake_at, session.next_ping)
+        self.events.append(SessionStarted(session, welcome))
+
+    def _end(
+        self, session: Session, why: str, now: float, then: SessionState, *, warn: bool = False
+    ) -> None:
+        """End a session: cancel its calls (no replies); ``then`` is the dial-in state."""
+        calls, session.calls = session.calls, {}
+        for call in calls.values():
+            self._cancel(call)
+        if session.state is SessionState.LIVE or warn:
+            self.events.append(SessionEnded(session, why, warn))
+        if self._listen:
+            self.sessions.pop(session.key, None)
+            self._strangers.pop(session.key, None)
+            return
+        if then is SessionState.GREETING:
+            self._greet(session, now)
+            if not self.draining:
+                self._send_hello(session, now)
+        else:
+            session.state = then
+            session.created = now
+
+    def _refuse_session(self, session: Session, reason: str, message: str, now: float) -> None:
+        """Answer a bad WELCOME with REJECT; we then forget the client (or stop trying)."""
+        self.outbox.append((session.key, encode_control(_REJECT, Reject(reason, message)), False))
+        session.reject = Reject(reason, message)
+        self._end(session, f"refused: {message}", now, SessionState.REJECTED, warn=True)
+        self._check_all_rejected()
+
+    def _check_all_rejected(self) -> None:
+        if self._listen or not self.sessions:
+            return
+        if all(s.state is SessionState.REJECTED for s in self.sessions.values()):
+            last = None
+            for s in self.sessions.values():
+                last = s.reject
+            reasons = "; ".join(
+                f"{s.key}: {s.reject.reason}: {s.reject.message}"
+                for s in self.sessions.values()
+                if s.reject is not None
+            )
+            self.events.append(AllRejected(last.reason if last else "other", reasons))
+
+    # -- input ------------------------------------------------------------------------------
+
+    def receive(
+        self, key: Hashable, frames: Sequence[Buffer], now: float, size: int = -1
+    ) -> ServerCall | None:
+        """Take one message from the client at ``key``.
+
+        Args:
+            key: The client's key.
+            frames: The message, without the routing id.
+            now: The current time on the shell's monotonic clock, in seconds.
+            size: The message's size in bytes, when the shell knows it cheaply.
+
+        Returns:
+            The call to queue for a worker when the message is an accepted CALL (it is
+            already in :attr:`queue`), else None.
+        """
+        session = self.sessions.get(key)
+        if session is None:
+            self._from_stranger(key, frames, now)
+            return None
+        try:
+            header, payload, buffers = split_frames(frames, max_buffers=self._max_buffers)
+        except RemoteProtocolError as exc:
+            self._malformed(session, frames, exc)
+            return None
+        session.bytes_in += size if size >= 0 else _bytes_of(frames)
+        if session.state is SessionState.LIVE:
+            session.last_heard = now  # rule 2: any well-formed message is life
+            if header.kind is _CALL:
+                return self._admit(session, header, payload, buffers, now)
+            self._live_control(session, header, payload, now)
+            return None
+        self._not_live(session, header, payload, now)
+        return None
+
+    def _from_stranger(self, key: Hashable, frames: Sequence[Buffer], now: float) -> None:
+        if not self._listen:
+            self.dropped += 1
+            return
+        try:
+            header, _payload, _buffers = split_frames(frames, max_buffers=self._max_buffers)
+        except RemoteProtocolError as exc:
+            self.dropped += 1
+            call_id = readable_call_id(frames[0]) if frames else None
+            if call_id is not None:
+                self._error(key, call_id, ErrorCode.PROTOCOL, str(exc))
+            return
+        if header.kind is _PING and not self.draining:
+            self._send_hello(self._stranger(key, now), now)
+            return
+        self.dropped += 1
+        if header.kind is _CALL:
+            self._error(key, header.call_id, ErrorCode.PROTOCOL, "no session: send PING first")
+
+    def _malformed(
+        self, session: Session, frames: Sequence[Buffer], exc: RemoteProtocolError
+    ) -> None:
+        self.dropped += 1
+        call_id = readable_call_id(frames[0]) if frames else None
+        if call_id is not None:  # rule 5: a readable call id gets an answer
+            session.errors += 1
+            self._error(session.key, call_id, ErrorCode.PROTOCOL, str(exc))
+
+    def _error(self, key: Hashable, call_id: int, code: ErrorCode, message: str) -> None:
+        self.errors_total += 1
+        self.outbox.append((key, encode_error(call_id, ErrorInfo(int(code), "", message)), False))
+
+    def _refuse(self, session: Session, call_id: int, code: ErrorCode, message: str) -> None:
+        session.errors += 1
+        if code is ErrorCode.OVERLOADED:
+            self.overloaded += 1
+        self._error(session.key, call_id, code, message)
+
+    def _admit(
+        self,
+        session: Session,
+        header: Header,
+        payload: Buffer,
+        buffers: Sequence[Buffer],
+        now: float,
+    ) -> ServerCall | None:
+        """The admission table (:data:`ADMISSION`) for a CALL of a live session."""
+        call_id: int = header.call_id
+        calls = session.calls
+        original = calls.get(call_id)
+        if original is not None:  # rule 6
+            self._cancel(original)
+            self._refuse(
+                session,
+                call_id,
+                ErrorCode.PROTOCOL,
+                f"call id {call_id} is already in flight: both calls are cancelled",
+            )
+            return None
+        if self.draining:
+            self._refuse(
+                session,
+                call_id,
+                ErrorCode.DRAINING,
+                f"engine {self._hello.engine_id!r} is shutting down",
+            )
+            return None
+        method: str = header.method
+        entry = self._methods.get(method)
+        if entry is None and method in self.settings.builtins:
+            self.events.append(BuiltinCall(session, call_id, method))
+            return None
+        if entry is None:
+            self._refuse(
+                session,
+                call_id,
+                ErrorCode.METHOD_NOT_FOUND,
+                f"service {self._hello.service!r} has no method {method!r}",
+            )
+            return None
+        spec, fn = entry
+        flags = int(header.flags)
+        if bool(flags & _STREAM) != spec.streaming:
+            what = "a stream" if spec.streaming else "a unary call"
+            self._refuse(
+                session,
+                call_id,
+                ErrorCode.INVALID_ARGUMENT,
+                f"{spec.qualname} must be called as {what}",
+            )
+            return None
+        in_flight = self.busy + len(self.queue)
+        if in_flight >= (self._capacity if flags & _NO_WAIT else self._limit):
+            self._refuse(session, call_id, ErrorCode.OVERLOADED, self._full_message(flags))
+            return None
+        timeout_ms: int = header.timeout_ms
+        deadline = now + timeout_ms / 1000 if timeout_ms else _INF
+        call = self._call_factory(
+            session, call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS, header.trace
+        )
+        self.queue.append(call)
+        calls[call_id] = call
+        session.calls_total += 1
+        self.calls_total += 1
+        return call
+
+    def _full_message(self, flags: int) -> str:
+        engine = self._hello.engine_id
+        if flags & _NO_WAIT:
+            return f"engine {engine!r} is busy ({self._capacity} calls running)"
+        queued = self._limit - self._capacity
+        return f"engine {engine!r} is full ({self._capacity} running, {queued} queued)"
+
+    def _cancel(self, call: ServerCall) -> None:
+        if not call.cancelled:
+            call.cancelled = True
+            self.wakeups.append(call)
+
+    def _live_control(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
+        kind = header.kind
+        call_id: int = header.call_id
+        if kind is _CANCEL:
+            call = session.calls.get(call_id)
+            if call is not None:
+                self._cancel(call)
+        elif kind is _CREDIT:
+            self._on_credit(session, header, payload)
+        elif kind is _PING:
+            self.outbox.append((session.key, encode_control(_PONG, None, call_id), False))
+            if call_id == 0 and self._listen:
+                self._send_hello(session, now)  # the hello request (rule 3)
+        elif kind is _PONG:
+            pass
+        elif kind is _WELCOME:
+            self._on_welcome(session, header, payload, now)
+        elif kind is _BYE:
+            self._end(session, "said BYE", now, SessionState.PARTED)
+        elif kind is _REJECT:
+            self._on_reject(session, header, payload, now)
+        elif kind is _RELEASE:
+            body = self._body(session, header, payload)
+            if isinstance(body, Release):
+                self.events.append(Released(session, body.leases))
+        else:
+            self.dropped += 1
+
+    def _body(self, session: Session, header: Header, payload: Buffer) -> object:
+        try:
+            return decode_control(header, payload)
+        except RemoteProtocolError:
+            self.dropped += 1
+            return None
+
+    def _on_credit(self, session: Session, header: Header, payload: Buffer) -> None:
+        body = self._body(session, header, payload)
+        if not isinstance(body, Credit):
+            return
+        call = session.calls.get(header.call_id)
+        if call is None or call.cancelled:
+            return  # the stream already ended
+        call.credits += body.n
+        if call.parked:
+            self.wakeups.append(call)
+
+    def _not_live(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
+        state = session.state
+        if state is SessionState.REJECTED:
+            self.dropped += 1
+            return
+        kind = header.kind
+        if state is SessionState.PARTED:
+            self._greet(session, now)  # the client speaks again: a new session
+            if kind is not _PING:
+                self._send_hello(session, now)
+        session.last_heard = now
+        if kind is _WELCOME:
+            self._on_welcome(session, header, payload, now)
+        elif kind is _PING:
+            self._send_hello(session, now)
+        elif kind is _CALL:
+            self.dropped += 1
+            self._refuse(
+                session,
+                header.call_id,
+                ErrorCode.PROTOCOL,
+                "no session: the handshake (HELLO, WELCOME) is not complete",
+            )
+        elif kind is _REJECT:
+            self._on_reject(session, header, payload, now)
+        elif kind is _BYE:
+            self._end(session, "said BYE", now, SessionState.PARTED)
+        else:
+            self.dropped += 1
+
+    def _on_welcome(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
+        try:
+            welcome = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            self.dropped += 1
+            self._refuse_session(session, RejectReason.PROTOCOL, f"malformed WELCOME: {exc}", now)
+            return
+        assert isinstance(welcome, Welcome)
+        ours = self._hello.fingerprint
+        if welcome.fingerprint and welcome.fingerprint != ours:
+            self._refuse_session(
+                session,
+                RejectReason.FINGERPRINT,
+                f"client schema fingerprint {welcome.fingerprint} differs from the engine's {ours}",
+                now,
+            )
+            return
+        if session.state is SessionState.LIVE:
+            if not welcome.epoch or welcome.epoch == session.client_epoch:
+                return  # a repeated WELCOME of this session
+            # The client started a new session (it lost the old one): the old calls go,
+            # without replies; our epoch stays, since the client welcomed it.
+            calls, session.calls = session.calls, {}
+            for call in calls.values():
+                self._cancel(call)
+            self.events.append(SessionEnded(session, "started a new session"))
+        self._start(session, welcome, now)
+
+    def _on_reject(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            body = Reject(RejectReason.OTHER, f"malformed REJECT: {exc}")
+        assert isinstance(body, Reject)
+        session.reject = body
+        why = f"refused engine {self._hello.engine_id!r}: {body.reason}: {body.message}"
+        self._end(session, why, now, SessionState.REJECTED, warn=True)
+        self._check_all_rejected()
+
+    # -- timers -----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> float:
+        """Run the timers: silent clients, PINGs, HELLO re-sends, stale strangers.
+
+        Returns:
+            The time at which :meth:`tick` next has something to do (also kept in
+            :attr:`wake_at`; inputs may move it earlier).
+        """
+        wake = now + self._heartbeat
+        dead_after = self._dead_after
+        for session in list(self.sessions.values()):
+            state = session.state
+            if state is SessionState.LIVE:
+                if now - session.last_heard > dead_after:
+                    silent = now - session.last_heard
+                    why = f"silent for {silent:.1f} s: its {len(session.calls)} calls cancelled"
+                    self._end(session, why, now, SessionState.GREETING, warn=True)
+                    if not self._listen:
+                        wake = min(wake, session.next_hello)
+                    continue
+                if now >= session.next_ping:
+                    self._ping(session, now)
+                wake = min(wake, session.next_ping, session.last_heard + dead_after)
+            elif self._listen:
+                continue  # strangers: purged below
+            elif state is SessionState.GREETING and not self.draining:
+                if now >= session.next_hello:
+                    self._send_hello(session, now)
+                wake = min(wake, session.next_hello)
+            elif state is SessionState.PARTED and now - session.created > dead_after:
+                # A client restarted at the same address cannot speak first: greet it.
+                self._greet(session, now)
+                self._send_hello(session, now)
+        if self._listen:
+            wake = min(wake, self._purge_strangers(now))
+        self.wake_at = wake
+        return wake
+
+    def _ping(self, session: Session, now: float) -> None:
+        self._ping_nonce = self._ping_nonce % _U32 + 1
+        self.outbox.append((session.key, encode_control(_PING, None, self._ping_nonce), False))
+        session.next_ping = now + ping_interval(self._heartbeat, session.peer_dead_after_ms)
+
+    def _purge_strangers(self, now: float) -> float:
+        """Forget strangers that did not finish the handshake within ``dead_after``."""
+        strangers = self._strangers
+        sessions = self.sessions
+        limit = now - self._dead_after
+        while strangers:
+            key = next(iter(strangers))
+            session = sessions.get(key)
+            if session is not None and session.created > limit:
+                return session.created + self._dead_after
+            del strangers[key]
+            sessions.pop(key, None)
+        return _INF
+
+    # -- calls, for the workers -------------------------------------------------------------
+
+    def next_call(self) -> ServerCall | None:
+        """Take the oldest queued call for a worker (counted busy until :meth:`done`)."""
+        queue = self.queue
+        if not queue:
+            return None
+        self.busy += 1
+        return queue.popleft()
+
+    def done(self, call: ServerCall) -> None:
+        """A worker is finished with ``call``: it leaves its session's table (rule 9)."""
+        self.busy -= 1
+        calls = call.session.calls
+        if calls.get(call.call_id) is call:
+            del calls[call.call_id]
+
+    def may_reply(self, call: ServerCall) -> bool:
+        """Claim the call's final reply: False when it has one or must get none (rule 7)."""
+        if call.cancelled or call.answered:
+            return False
+        call.answered = True
+        return True
+
+    def error_reply(
+        self, call: ServerCall, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
+    ) -> list[bytes] | None:
+        """The ERROR frames that end ``call``, or None when it must get no reply."""
+        if not self.may_reply(call):
+            return None
+        call.session.errors += 1
+        self.errors_total += 1
+        return encode_error(call.call_id, ErrorInfo(int(code), type_name, message, tb))
+
+    def may_send_item(self, call: ServerCall) -> bool:
+        """Whether a stream may send its next item now (rule 8)."""
+        return call.credits > 0 and not call.cancelled and not call.answered
+
+    def item_sent(self, call: ServerCall) -> None:
+        """Count one STREAM_ITEM sent against the stream's credit."""
+        call.credits -= 1
+
+    def park(self, call: ServerCall) -> str | None:
+        """A stream waits for credit; it stops counting as busy.
+
+        Returns:
+            None, or the reason to end the stream with OVERLOADED: its client already
+            has ``max_parked_streams`` streams waiting for credit.
+        """
+        session = call.session
+        limit = self.settings.max_parked_streams
+        if session.parked >= limit:
+            return (
+                f"client {session.name!r} has {limit} streams waiting for credit (the "
+                "engine's limit per client): read or close some of them"
+            )
+        session.parked += 1
+        call.parked = True
+        self.busy -= 1
+        return None
+
+    def unpark(self, call: ServerCall) -> None:
+        """The stream runs again (credit arrived, or it was cancelled)."""
+        call.parked = False
+        call.session.parked -= 1
+        self.busy += 1
+
+    # -- drain ------------------------------------------------------------------------------
+
+    def start_drain(self) -> None:
+        """Refuse new CALLs with DRAINING and stop greeting clients."""
+        self.draining = True
+
+    def stop_all(self) -> None:
+        """Shutdown: every queued and running call is stopped and answered DRAINING."""
+        self.hard_stop = True
+        for session in list(self.sessions.values()):
+            for call in session.calls.values():
+                if not call.shutdown:
+                    call.shutdown = True
+                    self.wakeups.append(call)
+
+    def goodbye(self) -> None:
+        """Queue BYE to every client that has or may get a session (not refused, parted)."""
+        bye = encode_control(_BYE, Bye("shutdown"))
+        for session in self.sessions.values():
+            if session.state not in (SessionState.REJECTED, SessionState.PARTED):
+                self.outbox.append((session.key, bye, False))
+
+    def in_flight(self) -> int:
+        """Calls queued or running (parked streams included)."""
+        parked = 0
+        for session in self.sessions.values():
+            parked += session.parked
+        return self.busy + len(self.queue) + parked

@@ -1,0 +1,303 @@
+"""``tensorrpc top ADDR...``: a live terminal view of engines' statistics (the ``top`` extra).
+
+It connects like any client (``Client.dynamic``) to the engines at the given addresses,
+asks each for the built-in ``_tensorrpc.statistics`` method every interval (no extra port;
+docs/protocol.md §10) and draws, per engine: liveness, calls/s, errors/s, in-flight and
+queued calls, latency p50/p99 over the last interval (the engine's: accepting the CALL to
+the end of its handler), bytes/s on the wire and by tensor transport. ``q`` or Ctrl-C
+quits. Without a terminal it prints one plain table per refresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from tensorrpc import _observe
+from tensorrpc._client import Client
+from tensorrpc._exceptions import TensorRPCError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from tensorrpc._security import CurveConfig
+
+__all__ = ["EngineView", "percentile", "run", "table"]
+
+
+def percentile(counts: dict[int, int], q: float, per_octave: int) -> float | None:
+    """The ``q`` quantile (0..1), in seconds, of a statistics latency histogram.
+
+    Args:
+        counts: Bucket index -> calls.
+        q: The quantile.
+        per_octave: The histogram's buckets per octave.
+
+    Returns:
+        The upper bound of the bucket holding the quantile, or None for no calls.
+    """
+    total = sum(counts.values())
+    if total <= 0:
+        return None
+    rank = max(1, math.ceil(q * total))
+    running = 0
+    for index in sorted(counts):
+        running += counts[index]
+        if running >= rank:
+            return float(2.0 ** (index / per_octave) / 1e6)
+    return None  # pragma: no cover - running reaches total
+
+
+@dataclass
+class EngineView:
+    """What ``top`` shows of one engine: the last two statistics answers and liveness."""
+
+    engine_id: str
+    live: bool = True
+    note: str = ""
+    previous: dict[str, Any] | None = None
+    current: dict[str, Any] | None = None
+    rates: dict[str, float] = field(default_factory=dict)
+    p50: float | None = None
+    p99: float | None = None
+
+    def update(self, stats: dict[str, Any]) -> None:
+        """Take a new statistics answer; compute the rates since the previous one."""
+        self.previous, self.current = self.current, stats
+        self.note = ""
+        prev = self.previous
+        if prev is None:
+            return
+        dt = float(stats["time"]) - float(prev["time"])
+        if dt <= 0:
+            return
+
+        def rate(new: float, old: float) -> float:
+            return max(0.0, (new - old) / dt)
+
+        self.rates = {
+            "calls": rate(stats["calls"], prev["calls"]),
+            "errors": rate(stats["errors"], prev["errors"]),
+            "bytes": rate(
+                stats["bytes_in"] + stats["bytes_out"], prev["bytes_in"] + prev["bytes_out"]
+            ),
+        }
+        for name in ("frames", "torch_shm"):
+            new, old = stats["transports"][name], prev["transports"][name]
+            self.rates[name] = rate(
+                new["bytes_sent"] + new["bytes_received"], old["bytes_sent"] + old["bytes_received"]
+            )
+        window: dict[int, int] = {}
+        for method, m in stats["methods"].items():
+            before = {int(i): int(n) for i, n in prev["methods"].get(method, {}).get("latency", [])}
+            for i, n in m["latency"]:
+                d = int(n) - before.get(int(i), 0)
+                if d > 0:
+                    window[int(i)] = window.get(int(i), 0) + d
+        per_octave = int(
+            stats.get("latency_buckets_per_octave", _observe.LATENCY_BUCKETS_PER_OCTAVE)
+        )
+        self.p50 = percentile(window, 0.50, per_octave)
+        self.p99 = percentile(window, 0.99, per_octave)
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 1e-3:
+        return f"{value * 1e6:.0f} µs"
+    if value < 1:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def _bytes_per_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B/s", "KB/s", "MB/s", "GB/s"):
+        if value < 1000:
+            return f"{value:.0f} {unit}" if unit == "B/s" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB/s"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def table(views: Sequence[EngineView], title: str) -> Table:
+    """The rich table of one refresh."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
+    for name, justify in (
+        ("engine", "left"),
+        ("state", "left"),
+        ("calls/s", "right"),
+        ("err/s", "right"),
+        ("in flight", "right"),
+        ("queued", "right"),
+        ("p50", "right"),
+        ("p99", "right"),
+        ("wire/s", "right"),
+        ("frames/s", "right"),
+        ("shm/s", "right"),
+        ("calls", "right"),
+        ("errors", "right"),
+    ):
+        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for v in views:
+        s = v.current or {}
+        r = v.rates
+        state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
+        t.add_row(
+            v.engine_id,
+            state,
+            _rate(r.get("calls")),
+            _rate(r.get("errors")),
+            str(s.get("in_flight", "-")),
+            str(s.get("queued", "-")),
+            _seconds(v.p50),
+            _seconds(v.p99),
+            _bytes_per_s(r.get("bytes")),
+            _bytes_per_s(r.get("frames")),
+            _bytes_per_s(r.get("torch_shm")),
+            str(s.get("calls", "-")),
+            str(s.get("errors", "-")),
+        )
+    return t
+
+
+@contextlib.contextmanager
+def _cbreak(fd: int) -> Iterator[bool]:
+    """Single keys without Enter (and no echo) while inside; False when not a terminal."""
+    if not os.isatty(fd):
+        yield False
+        return
+    import termios
+    import tty
+
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield True
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+async def _poll(client: Client[Any], views: dict[str, EngineView], patience: float) -> None:
+    for engine_id in client.engines:
+        views.setdefault(engine_id, EngineView(engine_id))
+    for engine_id, view in views.items():
+        view.live = engine_id in client.engines
+        if not view.live:
+            view.rates = {}
+            view.p50 = view.p99 = None
+            continue
+        try:
+            stats = await client.with_options(engine=engine_id, timeout=patience).call_by_name(
+                _observe.STATISTICS_METHOD
+            )
+        except TensorRPCError as exc:
+            view.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+            continue
+        view.update(stats)
+
+
+async def run(
+    addresses: Sequence[str],
+    *,
+    interval: float = 1.0,
+    wait: float = 10.0,
+    count: int | None = None,
+    curve: CurveConfig | None = None,
+    console: Console | None = None,
+) -> int:
+    """Watch the engines at ``addresses`` until ``q``, Ctrl-C or ``count`` refreshes.
+
+    Args:
+        addresses: Engine addresses to connect to.
+        interval: Seconds between refreshes.
+        wait: Seconds to wait for the first engine, and for each statistics answer.
+        count: Stop after this many refreshes (None: until ``q`` or Ctrl-C).
+        curve: CURVE configuration for the connection (a ``CurveClientConfig``).
+        console: Where to draw (default: a rich console on stdout).
+
+    Returns:
+        The exit status (0).
+
+    Raises:
+        EnginesUnavailableError: No engine answered within ``wait``.
+    """
+    from rich.console import Console
+    from rich.live import Live
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 150))  # a log or a pipe: no truncation
+    views: dict[str, EngineView] = {}
+    title = "tensorrpc top " + " ".join(addresses)
+    try:
+        stdin = sys.stdin.fileno() if sys.stdin is not None else -1
+    except (OSError, ValueError):  # replaced by something without a descriptor
+        stdin = -1
+    async with Client.dynamic(connect=list(addresses), curve=curve) as client:
+        await client.wait_for_engines(1, timeout=wait)
+        with (
+            anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+            _cbreak(stdin) if stdin >= 0 else contextlib.nullcontext(False) as keys,
+        ):
+            async with anyio.create_task_group() as tg:
+
+                async def on_signal() -> None:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+                async def on_key() -> None:
+                    while True:
+                        await anyio.wait_readable(stdin)
+                        data = os.read(stdin, 64)
+                        if not data or b"q" in data.lower():
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(on_signal)
+                if keys:
+                    tg.start_soon(on_key)
+                live = console.is_terminal
+                refreshes = 0
+                with (
+                    Live(console=console, auto_refresh=False)
+                    if live
+                    else contextlib.nullcontext() as screen
+                ):
+                    while count is None or refreshes < count:
+                        await _poll(client, views, wait)
+                        refreshes += 1
+                        footer = f"refresh {refreshes}, every {interval:g} s" + (
+                            "; q or Ctrl-C quits" if keys else ""
+                        )
+                        shown = table(list(views.values()), title)
+                        shown.caption = footer
+                        if screen is not None:
+                            screen.update(shown, refresh=True)
+                        else:
+                            console.print(shown)
+                        if count is not None and refreshes >= count:
+                            break
+                        await anyio.sleep(interval)
+                tg.cancel_scope.cancel()
+    return 0

@@ -1,0 +1,156 @@
+"""An in-memory engine protocol with a fake clock, and a scripted client for it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorrpc._protocol import (
+    Credit,
+    ErrorInfo,
+    Header,
+    Hello,
+    MessageKind,
+    Welcome,
+    decode_control,
+    encode_control,
+    pack_call_header,
+    split_frames,
+)
+from tensorrpc._server_protocol import ProtocolSettings, ServerCall, ServerProtocol
+from tensorrpc._service import describe, rpc, service
+
+PAYLOAD = b"\x90"  # any non-empty payload: the protocol never decodes it
+
+
+@service
+class Tiny:
+    """One unary and one streaming method."""
+
+    @rpc
+    async def add(self, a: int, b: int = 1) -> int:
+        return a + b
+
+    @rpc
+    async def count(self, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+
+SPEC = describe(Tiny)
+
+
+def make_hello() -> Hello:
+    return Hello(
+        engine_id="e1",
+        service=SPEC.name,
+        fingerprint=SPEC.fingerprint,
+        protocol_version=1,
+        host_id="h",
+        pid=1,
+        methods=tuple(SPEC.methods),
+    )
+
+
+@dataclass
+class Sent:
+    """One message the engine queued, decoded."""
+
+    key: object
+    header: Header
+    body: Any
+    hello: bool
+
+    @property
+    def kind(self) -> MessageKind:
+        return self.header.kind
+
+
+@dataclass
+class Engine:
+    """A ServerProtocol, its fake clock and what it sent, for one test."""
+
+    proto: ServerProtocol
+    now: float = 100.0
+    sent: list[Sent] = field(default_factory=list)
+
+    @classmethod
+    def make(cls, *, listen: bool = True, **settings: Any) -> Engine:
+        instance = Tiny()
+        methods = {name: (spec, getattr(instance, name)) for name, spec in SPEC.methods.items()}
+        counter = itertools.count(1000)
+        proto = ServerProtocol(
+            ProtocolSettings(hello=make_hello(), methods=methods, listen=listen, **settings),
+            new_epoch=lambda: next(counter),
+        )
+        return cls(proto)
+
+    # -- driving ------------------------------------------------------------------------
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.proto.tick(self.now)
+        self.collect()
+
+    def send(self, key: object, frames: list[bytes]) -> ServerCall | None:
+        call = self.proto.receive(key, frames, self.now)
+        self.collect()
+        return call
+
+    def control(self, key: object, kind: MessageKind, body: Any = None, call_id: int = 0) -> None:
+        self.send(key, encode_control(kind, body, call_id))
+
+    def call(
+        self, key: object, call_id: int, method: str = "add", flags: int = 0, timeout_ms: int = 0
+    ) -> ServerCall | None:
+        return self.send(key, [pack_call_header(call_id, method, flags, timeout_ms), PAYLOAD])
+
+    def welcome(
+        self, key: object, *, epoch: int = 7, stream_window: int = 16, **fields: Any
+    ) -> None:
+        self.control(
+            key,
+            MessageKind.WELCOME,
+            Welcome("c", "h", stream_window=stream_window, epoch=epoch, **fields),
+        )
+
+    def join(self, key: object = b"c1", **fields: Any) -> None:
+        """Listen mode: PING, HELLO, WELCOME."""
+        self.control(key, MessageKind.PING, None, 1)
+        self.welcome(key, **fields)
+        self.take()
+
+    def credit(self, key: object, call_id: int, n: int) -> None:
+        self.control(key, MessageKind.CREDIT, Credit(n), call_id)
+
+    # -- observing ----------------------------------------------------------------------
+
+    def collect(self) -> None:
+        proto = self.proto
+        for key, frames, is_hello in proto.outbox:
+            header, payload, _ = split_frames(frames)
+            body = None
+            if header.kind not in (MessageKind.RESULT, MessageKind.STREAM_ITEM):
+                body = decode_control(header, payload)
+            self.sent.append(Sent(key, header, body, is_hello))
+        proto.outbox.clear()
+
+    def take(self) -> list[Sent]:
+        sent, self.sent = self.sent, []
+        return sent
+
+    def kinds(self) -> list[MessageKind]:
+        return [s.kind for s in self.take()]
+
+    def only(self, kind: MessageKind) -> Sent:
+        sent = self.take()
+        assert [s.kind for s in sent] == [kind], sent
+        return sent[0]
+
+    def error(self, call_id: int) -> ErrorInfo:
+        msg = self.only(MessageKind.ERROR)
+        assert msg.header.call_id == call_id
+        assert isinstance(msg.body, ErrorInfo)
+        return msg.body

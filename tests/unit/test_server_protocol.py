@@ -1,0 +1,543 @@
+"""The engine's protocol machine, driven in memory with a fake clock: no sockets, no sleeps."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from tensorrpc._exceptions import ErrorCode
+from tensorrpc._protocol import (
+    Bye,
+    Flags,
+    Hello,
+    MessageKind,
+    Reject,
+    RejectReason,
+    Release,
+    pack_call_header,
+)
+from tensorrpc._server_protocol import (
+    ADMISSION,
+    TRANSITIONS,
+    AllRejected,
+    Released,
+    ServerCall,
+    SessionEnded,
+    SessionStarted,
+    SessionState,
+    readable_call_id,
+)
+
+from .server_helpers import PAYLOAD, SPEC, Engine
+
+PING = MessageKind.PING
+PONG = MessageKind.PONG
+HELLO = MessageKind.HELLO
+ERROR = MessageKind.ERROR
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def cancelled(call: ServerCall) -> bool:
+    return call.cancelled
+
+
+def hello_of(engine: Engine) -> Hello:
+    msg = engine.only(HELLO)
+    assert isinstance(msg.body, Hello)
+    return msg.body
+
+
+# -- handshake and strangers ----------------------------------------------------------------
+
+
+def test_a_stranger_ping_gets_one_hello_per_heartbeat_with_epoch_and_bound() -> None:
+    engine = Engine.make(heartbeat_interval=1.0, dead_after=5.0)
+    engine.control(b"c1", PING, None, 1)
+    hello = hello_of(engine)
+    assert hello.epoch == 1000
+    assert hello.dead_after_ms == 5000
+    engine.control(b"c1", PING, None, 1)
+    assert engine.take() == []  # rate-limited
+    engine.now += 1.0
+    engine.control(b"c1", PING, None, 1)
+    assert hello_of(engine).epoch == 1000  # same session, same epoch
+
+
+def test_strangers_cost_a_bounded_table_and_are_forgotten_after_dead_after() -> None:
+    engine = Engine.make(max_strangers=3, dead_after=2.0, heartbeat_interval=0.5)
+    for i in range(5):
+        engine.control(b"s%d" % i, PING, None, 1)
+    assert len(engine.proto.sessions) == 3
+    assert engine.proto.strangers_evicted == 2
+    assert set(engine.proto.sessions) == {b"s2", b"s3", b"s4"}
+    engine.advance(2.5)
+    assert engine.proto.sessions == {}
+
+
+def test_a_stranger_that_only_pongs_or_calls_gets_no_entry() -> None:
+    engine = Engine.make()
+    engine.control(b"x", PONG, None, 5)
+    assert engine.take() == []
+    engine.call(b"x", 9)
+    assert engine.error(9).code == ErrorCode.PROTOCOL
+    assert engine.proto.sessions == {}
+    assert engine.proto.dropped == 2
+
+
+def test_welcome_starts_the_session_and_announces_it() -> None:
+    engine = Engine.make()
+    engine.control(b"c1", PING, None, 1)
+    engine.take()
+    engine.welcome(b"c1", epoch=42, stream_window=3, dead_after_ms=900)
+    session = engine.proto.sessions[b"c1"]
+    assert session.state is SessionState.LIVE
+    assert (session.client_epoch, session.stream_window, session.peer_dead_after_ms) == (
+        42,
+        3,
+        900,
+    )
+    assert [type(e) for e in engine.proto.events] == [SessionStarted]
+
+
+def test_malformed_welcome_is_refused_with_the_reason() -> None:
+    engine = Engine.make()
+    engine.control(b"c1", PING, None, 1)
+    engine.take()
+    header = encode_welcome_header()
+    engine.send(b"c1", [header, b"\x81\xa9client_id\x07"])  # client_id is not a string
+    reject = engine.only(MessageKind.REJECT).body
+    assert isinstance(reject, Reject)
+    assert reject.reason == RejectReason.PROTOCOL
+    assert "client_id" in reject.message
+    assert b"c1" not in engine.proto.sessions
+
+
+def encode_welcome_header() -> bytes:
+    return struct.pack("<2sBBHHQI", b"TR", 1, int(MessageKind.WELCOME), 0, 0, 0, 0)
+
+
+def test_a_welcome_with_another_fingerprint_is_refused() -> None:
+    engine = Engine.make()
+    engine.control(b"c1", PING, None, 1)
+    engine.take()
+    engine.welcome(b"c1", fingerprint="0" * 64)
+    reject = engine.only(MessageKind.REJECT).body
+    assert isinstance(reject, Reject)
+    assert reject.reason == RejectReason.FINGERPRINT
+    assert SPEC.fingerprint in reject.message
+    engine.control(b"c2", PING, None, 1)
+    engine.take()
+    engine.welcome(b"c2", fingerprint=SPEC.fingerprint)
+    assert engine.proto.sessions[b"c2"].state is SessionState.LIVE
+
+
+def test_a_repeated_welcome_is_harmless_and_a_new_epoch_starts_a_new_session() -> None:
+    engine = Engine.make()
+    engine.join(epoch=5)
+    call = engine.call(b"c1", 1)
+    assert call is not None
+    engine.welcome(b"c1", epoch=5)
+    assert not cancelled(call)
+    engine.proto.events.clear()
+    engine.welcome(b"c1", epoch=6)
+    assert cancelled(call)
+    assert call in engine.proto.wakeups
+    assert not engine.proto.may_reply(call)
+    assert [type(e) for e in engine.proto.events] == [SessionEnded, SessionStarted]
+    assert engine.proto.sessions[b"c1"].client_epoch == 6
+    assert engine.take() == []  # no HELLO: the client already has our epoch
+
+
+# -- liveness -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nonce", [0, 1, 2**64 - 1])
+def test_a_ping_with_any_nonce_gets_a_pong_echoing_it(nonce: int) -> None:
+    engine = Engine.make(listen=False)
+    engine.proto.add_client("addr", engine.now)
+    engine.advance(0)
+    engine.take()
+    engine.welcome("addr")
+    engine.control("addr", PING, None, nonce)
+    pong = engine.only(PONG)
+    assert pong.header.call_id == nonce
+
+
+def test_the_hello_request_gets_pong_and_the_same_hello() -> None:
+    engine = Engine.make()
+    engine.join()
+    epoch = engine.proto.sessions[b"c1"].epoch
+    engine.now += 1.0
+    engine.control(b"c1", PING, None, 0)
+    sent = engine.take()
+    assert [s.kind for s in sent] == [PONG, HELLO]
+    assert sent[0].header.call_id == 0
+    assert isinstance(sent[1].body, Hello)
+    assert sent[1].body.epoch == epoch
+
+
+def test_pings_alone_keep_a_session_alive() -> None:
+    engine = Engine.make(heartbeat_interval=0.5, dead_after=2.0)
+    engine.join()
+    for _ in range(10):  # 5 s of PINGs only: 2.5 times the bound
+        engine.now += 0.5
+        engine.control(b"c1", PING, None, 1)
+        engine.advance(0)
+    assert engine.proto.sessions[b"c1"].state is SessionState.LIVE
+
+
+def test_a_silent_client_loses_its_session_and_calls_and_gets_a_new_epoch() -> None:
+    engine = Engine.make(heartbeat_interval=0.5, dead_after=2.0)
+    engine.join()
+    old_epoch = engine.proto.sessions[b"c1"].epoch
+    call = engine.call(b"c1", 1)
+    assert call is not None
+    engine.advance(2.1)
+    assert call.cancelled
+    assert not engine.proto.may_reply(call)
+    assert b"c1" not in engine.proto.sessions
+    ended = [e for e in engine.proto.events if isinstance(e, SessionEnded)]
+    assert ended
+    assert ended[0].warn
+    engine.take()
+    # The client wakes up: its next message gets a HELLO of a new session.
+    engine.control(b"c1", PING, None, 1)
+    assert hello_of(engine).epoch != old_epoch
+    engine.call(b"c1", 2)
+    assert engine.error(2).code == ErrorCode.PROTOCOL
+
+
+def test_dial_in_silence_greets_again_at_once_with_a_new_epoch() -> None:
+    engine = Engine.make(listen=False, heartbeat_interval=0.5, dead_after=2.0)
+    engine.proto.add_client("addr", engine.now)
+    engine.advance(0)
+    first = hello_of(engine).epoch
+    engine.welcome("addr")
+    engine.advance(2.1)
+    hellos = [s for s in engine.take() if s.kind is HELLO]
+    assert len(hellos) == 1
+    assert isinstance(hellos[0].body, Hello)
+    assert hellos[0].body.epoch != first
+    assert engine.proto.sessions["addr"].state is SessionState.GREETING
+
+
+def test_the_engine_pings_often_enough_for_the_clients_bound() -> None:
+    engine = Engine.make(heartbeat_interval=1.0, dead_after=5.0)
+    engine.join(dead_after_ms=300)
+    pings = 0
+    for _ in range(100):
+        engine.advance(0.01)
+        pings += sum(1 for s in engine.take() if s.kind is PING)
+    assert pings >= 3 * 1.0 / 0.3 - 1  # at least 3 per 300 ms over one second
+    assert engine.proto.wake_at - engine.now <= 0.1 + 1e-9
+
+
+def test_dial_in_hello_backs_off_while_not_connected() -> None:
+    engine = Engine.make(listen=False, heartbeat_interval=1.0)
+    engine.proto.add_client("addr", engine.now)
+    engine.advance(0)
+    assert engine.take()[0].hello
+    engine.proto.hello_unsent("addr", engine.now)
+    assert engine.proto.wake_at == pytest.approx(engine.now + 0.05)
+    engine.advance(0.05)
+    assert engine.kinds() == [HELLO]
+    engine.proto.hello_unsent("addr", engine.now)
+    assert engine.proto.wake_at == pytest.approx(engine.now + 0.1)
+
+
+# -- BYE and REJECT -------------------------------------------------------------------------
+
+
+def test_a_clients_bye_ends_the_session_and_no_hello_follows_until_it_speaks() -> None:
+    engine = Engine.make(listen=False, heartbeat_interval=0.5, dead_after=2.0)
+    engine.proto.add_client("addr", engine.now)
+    engine.advance(0)
+    first = hello_of(engine).epoch
+    engine.welcome("addr")
+    call = engine.call("addr", 1)
+    assert call is not None
+    engine.control("addr", MessageKind.BYE, Bye("closed"))
+    assert call.cancelled
+    assert engine.proto.sessions["addr"].state is SessionState.PARTED
+    engine.advance(1.0)
+    assert engine.take() == []
+    engine.control("addr", PING, None, 1)
+    assert hello_of(engine).epoch not in (0, first)
+
+
+def test_a_parted_dial_in_client_is_greeted_again_after_dead_after() -> None:
+    engine = Engine.make(listen=False, heartbeat_interval=0.5, dead_after=2.0)
+    engine.proto.add_client("addr", engine.now)
+    engine.advance(0)
+    engine.welcome("addr")
+    engine.take()
+    engine.control("addr", MessageKind.BYE, Bye("closed"))
+    engine.advance(2.1)
+    assert engine.kinds() == [HELLO]
+
+
+def test_every_client_refusing_a_dial_in_engine_is_fatal() -> None:
+    engine = Engine.make(listen=False)
+    for key in ("a", "b"):
+        engine.proto.add_client(key, engine.now)
+    engine.advance(0)
+    engine.take()
+    engine.control("a", MessageKind.REJECT, Reject("fingerprint", "x != y"))
+    assert not [e for e in engine.proto.events if isinstance(e, AllRejected)]
+    engine.control("b", MessageKind.REJECT, Reject("service", "s != t"))
+    fatal = [e for e in engine.proto.events if isinstance(e, AllRejected)]
+    assert len(fatal) == 1
+    assert "x != y" in fatal[0].message
+    assert "s != t" in fatal[0].message
+    engine.advance(10)
+    assert engine.take() == []  # refused: no more HELLOs
+
+
+# -- admission -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("frame", "fault"),
+    [
+        (
+            struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x40, 0, 11, 0) + b"add",
+            "unknown flag bits 0x40",
+        ),
+        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 3, 11, 0) + b"add", "reserved"),
+        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 0, 11, 0), "without a method name"),
+        (struct.pack("<2sBBHHQI", b"TR", 2, 4, 0, 0, 11, 0) + b"add", "version 2"),
+        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 0, 11, 0) + b"\xff", "UTF-8"),
+    ],
+)
+def test_every_readable_call_id_gets_a_protocol_error_naming_the_fault(
+    frame: bytes, fault: str
+) -> None:
+    engine = Engine.make()
+    engine.join()
+    assert readable_call_id(frame) == 11
+    engine.send(b"c1", [frame, PAYLOAD])
+    error = engine.error(11)
+    assert error.code == ErrorCode.PROTOCOL
+    assert fault in error.message
+
+
+def test_a_malformed_message_without_a_call_id_is_dropped_silently() -> None:
+    engine = Engine.make()
+    engine.join()
+    engine.send(b"c1", [b"garbage", b""])
+    assert engine.take() == []
+    assert engine.proto.dropped == 1
+
+
+def test_a_reused_call_id_cancels_the_original_and_gets_one_protocol_error() -> None:
+    engine = Engine.make()
+    engine.join()
+    original = engine.call(b"c1", 5)
+    assert original is not None
+    assert engine.call(b"c1", 5) is None
+    error = engine.error(5)
+    assert error.code == ErrorCode.PROTOCOL
+    assert "already in flight" in error.message
+    assert original.cancelled
+    assert original in engine.proto.wakeups
+    assert not engine.proto.may_reply(original)
+    assert engine.proto.error_reply(original, ErrorCode.REMOTE, "late") is None
+
+
+def test_the_admission_table_names_every_refusal_in_order() -> None:
+    assert [code for _, code in ADMISSION] == [
+        ErrorCode.PROTOCOL,
+        ErrorCode.PROTOCOL,
+        ErrorCode.PROTOCOL,
+        ErrorCode.PROTOCOL,
+        ErrorCode.DRAINING,
+        ErrorCode.METHOD_NOT_FOUND,
+        ErrorCode.INVALID_ARGUMENT,
+        ErrorCode.OVERLOADED,
+        ErrorCode.OVERLOADED,
+    ]
+
+
+def test_admission_refusals_have_their_codes() -> None:
+    engine = Engine.make(max_concurrency=1, max_queued=1)
+    engine.join()
+    engine.call(b"c1", 1, "nope")
+    assert engine.error(1).code == ErrorCode.METHOD_NOT_FOUND
+    engine.call(b"c1", 2, "add", int(Flags.STREAM))
+    assert engine.error(2).code == ErrorCode.INVALID_ARGUMENT
+    engine.call(b"c1", 3, "count")
+    assert engine.error(3).code == ErrorCode.INVALID_ARGUMENT
+    assert engine.call(b"c1", 4) is not None
+    engine.call(b"c1", 5, flags=int(Flags.NO_WAIT))
+    assert "busy" in engine.error(5).message
+    assert engine.call(b"c1", 6) is not None
+    engine.call(b"c1", 7)
+    assert "full" in engine.error(7).message
+    assert engine.proto.overloaded == 2
+    engine.proto.start_drain()
+    engine.call(b"c1", 8)
+    assert engine.error(8).code == ErrorCode.DRAINING
+
+
+def test_a_call_before_welcome_is_refused() -> None:
+    engine = Engine.make()
+    engine.control(b"c1", PING, None, 1)
+    engine.take()
+    engine.call(b"c1", 3)
+    assert engine.error(3).code == ErrorCode.PROTOCOL
+
+
+def test_deadline_is_relative_to_receipt_on_the_protocol_clock() -> None:
+    engine = Engine.make()
+    engine.join()
+    call = engine.call(b"c1", 1, timeout_ms=250)
+    assert call is not None
+    assert call.deadline == pytest.approx(engine.now + 0.25)
+    untimed = engine.call(b"c1", 2)
+    assert untimed is not None
+    assert untimed.deadline == float("inf")
+
+
+def test_in_flight_counts_follow_the_call_table() -> None:
+    engine = Engine.make()
+    engine.join()
+    calls = [engine.call(b"c1", i) for i in range(1, 4)]
+    proto = engine.proto
+    assert proto.in_flight() == len(proto.sessions[b"c1"].calls) == 3
+    taken = proto.next_call()
+    assert taken is not None
+    assert taken is calls[0]
+    assert proto.busy == 1
+    assert proto.in_flight() == 3
+    proto.done(taken)
+    assert proto.in_flight() == len(proto.sessions[b"c1"].calls) == 2
+
+
+def test_a_final_reply_is_handed_out_once_and_never_after_cancel() -> None:
+    engine = Engine.make()
+    engine.join()
+    call = engine.call(b"c1", 1)
+    other = engine.call(b"c1", 2)
+    assert call is not None
+    assert other is not None
+    assert engine.proto.may_reply(call)
+    assert not engine.proto.may_reply(call)
+    engine.control(b"c1", MessageKind.CANCEL, None, 2)
+    assert other.cancelled
+    assert engine.proto.error_reply(other, ErrorCode.REMOTE, "x") is None
+
+
+# -- streams --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [0, 1, 4])
+def test_a_stream_sends_at_most_window_plus_credit(window: int) -> None:
+    engine = Engine.make()
+    engine.join(stream_window=window)
+    call = engine.call(b"c1", 1, "count", int(Flags.STREAM))
+    assert call is not None
+    proto = engine.proto
+    sent = 0
+    granted = 0
+    for credit in (0, 2, 0, 3, 1):
+        if credit:
+            engine.credit(b"c1", 1, credit)
+            granted += credit
+        while proto.may_send_item(call):
+            proto.item_sent(call)
+            sent += 1
+        assert sent == window + granted
+    assert call.credits == 0
+
+
+def test_credit_wakes_a_parked_stream_and_parked_streams_are_capped_per_client() -> None:
+    engine = Engine.make(max_parked_streams=1)
+    engine.join(stream_window=0)
+    first = engine.call(b"c1", 1, "count", int(Flags.STREAM))
+    second = engine.call(b"c1", 2, "count", int(Flags.STREAM))
+    assert first is not None
+    assert second is not None
+    proto = engine.proto
+    for call in (first, second):
+        assert proto.next_call() is call
+    assert proto.park(first) is None
+    assert proto.busy == 1  # a parked stream holds no worker
+    reason = proto.park(second)
+    assert reason is not None
+    assert "waiting for credit" in reason
+    engine.credit(b"c1", 1, 2)
+    assert first in proto.wakeups
+    proto.unpark(first)
+    assert proto.busy == 2
+    assert proto.may_send_item(first)
+
+
+def test_release_is_passed_on() -> None:
+    engine = Engine.make()
+    engine.join()
+    engine.control(b"c1", MessageKind.RELEASE, Release((3, 4)))
+    released = [e for e in engine.proto.events if isinstance(e, Released)]
+    assert released[0].leases == (3, 4)
+
+
+# -- drain ----------------------------------------------------------------------------------
+
+
+def test_drain_stops_calls_and_says_bye_to_every_session_not_refused() -> None:
+    engine = Engine.make()
+    engine.join(b"c1")
+    engine.control(b"c2", PING, None, 1)
+    engine.take()
+    call = engine.call(b"c1", 1)
+    assert call is not None
+    engine.proto.start_drain()
+    engine.proto.stop_all()
+    assert call.shutdown
+    assert call in engine.proto.wakeups
+    engine.proto.goodbye()
+    engine.collect()
+    assert sorted(cast("bytes", s.key) for s in engine.take() if s.kind is MessageKind.BYE) == [
+        b"c1",
+        b"c2",
+    ]
+    engine.control(b"c3", PING, None, 1)
+    assert engine.take() == []  # no new sessions while draining
+
+
+# -- the transition table -------------------------------------------------------------------
+
+
+def parse_table(heading: str) -> list[tuple[str, str, str, str]]:
+    text = DOCS.read_text(encoding="utf-8")
+    start = text.index(heading)
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        if not line.startswith("|") or set(line) <= {"|", "-", " "}:
+            continue
+        cells = [re.sub(r"`", "", c.strip()) for c in line.strip().strip("|").split("|")]
+        if cells[0] == "state":
+            continue
+        assert len(cells) == 4, line
+        rows.append((cells[0], cells[1], cells[2], cells[3]))
+    return rows
+
+
+def test_the_engine_transition_table_in_the_spec_is_the_one_in_the_code() -> None:
+    assert parse_table("### Engine transitions") == list(TRANSITIONS)
+
+
+def test_the_session_states_of_the_table_are_the_codes() -> None:
+    states = {s.value for s in SessionState} | {"none"}
+    assert {row[0] for row in TRANSITIONS} <= states
+    assert {row[3] for row in TRANSITIONS} <= states
+
+
+def test_pack_call_header_round_trips_through_readable_call_id() -> None:
+    assert readable_call_id(pack_call_header(77, "add")) == 77
+    assert readable_call_id(b"short") is None
