@@ -54,7 +54,7 @@ MAX_REJECTED: Final = 64
 MAX_PAST: Final = 1024
 #: Longest engine id kept as a key of the refusals, and longest refusal text, in chars.
 MAX_REJECTED_KEY: Final = 128
-MAX_REJECTED_TEXT: Final = 512
+MAX_REJECTED_TEXT: Final = 2048
 
 
 def _cut(text: str, limit: int) -> str:

@@ -135,7 +135,7 @@ class ClientStatistics:
     #: Per tensor transport: tensors and bytes moved, and fallbacks to frames.
     transports: TransportStatistics = _NO_TRANSPORT_STATISTICS
     #: Engines refused at handshake since the client opened (``rejected`` keeps only
-    #: the latest 64, each text cut to 512 characters).
+    #: the latest 64, each text cut to 2048 characters).
     rejected_total: int = 0
 
 

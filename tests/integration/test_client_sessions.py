@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from tensorrpc._client import Client
-from tensorrpc._engines import MAX_REJECTED
+from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT
 from tensorrpc._exceptions import EngineDeadError, EnginesUnavailableError
 from tensorrpc._hostinfo import host_id
 from tensorrpc._protocol import MessageKind, Reject, Welcome
@@ -182,7 +182,7 @@ async def test_refused_strangers_cost_bounded_state(tmp_path: Path) -> None:
         assert len(client.rejected) == MAX_REJECTED
         with pytest.raises(EnginesUnavailableError) as info:
             await client.wait_for_engines(1, timeout=0.01)
-        assert len(str(info.value)) < 64 * 1024
+        assert len(str(info.value)) < MAX_REJECTED * (MAX_REJECTED_KEY + MAX_REJECTED_TEXT + 8)
         assert f"{n - MAX_REJECTED} earlier refusals" in str(info.value)
 
 

@@ -14,7 +14,7 @@ from tensorrpc._client_protocol import (
     EngineRefused,
     Ignored,
 )
-from tensorrpc._engines import MAX_REJECTED
+from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT
 from tensorrpc._exceptions import ClosedError, EngineDeadError, RemoteProtocolError
 from tensorrpc._protocol import Credit, MessageKind, Reject, Welcome
 
@@ -180,7 +180,9 @@ def test_strangers_cost_constant_memory() -> None:
         protocol.frames_to_send()
     assert len(protocol.engines.rejected) == MAX_REJECTED
     assert protocol.engines.rejected_total == 5000
-    assert sum(len(k) + len(v) for k, v in protocol.engines.rejected.items()) < 64 * 1024
+    assert sum(len(k) + len(v) for k, v in protocol.engines.rejected.items()) <= MAX_REJECTED * (
+        MAX_REJECTED_KEY + MAX_REJECTED_TEXT
+    )
     assert not protocol.engines.engines
 
 
