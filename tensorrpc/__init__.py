@@ -1,7 +1,9 @@
 """tensorrpc: asyncio-native RPC for tensor-heavy Python services.
 
-Declare a service with ``@service``/``@rpc`` and type hints, run it with :func:`serve` in
-any number of engine processes, and call it through one :class:`Client` that multiplexes
+Declare a service with ``@service``/``@rpc`` and type hints, run it with [`serve`][tensorrpc.serve]
+in
+any number of engine processes, and call it through one [`Client`][tensorrpc.Client] that
+multiplexes
 every engine over a single ZMQ ROUTER socket. Payloads are msgpack (ormsgpack); tensors
 travel as zero-copy out-of-band frames or through torch shared memory. Nothing is ever
 pickled.

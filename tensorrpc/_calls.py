@@ -9,10 +9,10 @@ Rules the table keeps (a hypothesis state machine in tests/unit checks them):
    engine that call was sent to; anything else (late, foreign, unknown id) is dropped.
 3. A unary call accepts exactly one RESULT or ERROR. A streaming call accepts
    STREAM_ITEMs, then exactly one STREAM_END or ERROR. A RESULT for a stream or a stream
-   message for a unary call ends the call with :class:`~tensorrpc.RemoteProtocolError`.
+   message for a unary call ends the call with `tensorrpc.RemoteProtocolError`.
 4. Credit: an engine may have sent at most ``window + granted`` items of a stream, where
    ``granted`` is the sum of the CREDITs the client sent. An item beyond that ends the
-   stream with :class:`~tensorrpc.RemoteProtocolError`; the engine's remaining credit, as
+   stream with `tensorrpc.RemoteProtocolError`; the engine's remaining credit, as
    the client counts it, is never negative.
 5. Nothing is sent for a call after it ended, except the one CANCEL that tells the engine
    the caller gave up (a cancelled call ends in ``CANCELLED`` before its CANCEL goes).

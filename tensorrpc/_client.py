@@ -1,7 +1,7 @@
 """The client's I/O shell: one ROUTER socket multiplexing typed calls over many engines.
 
 Every decision (handshake, sessions, the call table, reply legality, credit, liveness,
-capacity) is made by :class:`~tensorrpc._client_protocol.ClientProtocol`; this module
+capacity) is made by `tensorrpc._client_protocol.ClientProtocol`; this module
 does the I/O around it:
 
 * One ROUTER socket carries both topologies: engines dial in (``bind=``; each engine's
@@ -191,7 +191,7 @@ def _event_wait(event: Any) -> Awaitable[Any]:
 
 
 class _Schemaless:
-    """Stands for "no service class" when :meth:`Client.dynamic` builds a client."""
+    """Stands for "no service class" when `Client.dynamic` builds a client."""
 
 
 #: The (empty) spec of a schemaless client.
@@ -323,16 +323,16 @@ class Client(CallView[S]):
             print(await client.stub().add(1, 2))
 
     Engines join and leave at any time. A balanced call fails at once with
-    :class:`~tensorrpc.EngineNotFoundError` when no engine is live (use
-    :meth:`wait_for_engines` first). When an engine dies (silent for ``dead_after``, or its
+    `tensorrpc.EngineNotFoundError` when no engine is live (use
+    `wait_for_engines` first). When an engine dies (silent for ``dead_after``, or its
     connection closes) or says BYE, every call in flight to it, streams included, fails
-    with :class:`~tensorrpc.EngineDeadError`; replies it sent before its BYE are delivered
+    with `tensorrpc.EngineDeadError`; replies it sent before its BYE are delivered
     first. A restarted engine re-joins under the same id.
 
     Args:
         service: The ``@service`` class (its schema fingerprint must match the engines').
         bind: Address(es) to bind; engines dial in (``connect=`` on their side). Use
-            ``tcp://127.0.0.1:0`` for an ephemeral port and read :attr:`addresses`.
+            ``tcp://127.0.0.1:0`` for an ephemeral port and read `addresses`.
         connect: Address(es) of engines that listen (``bind=`` on their side).
         balancing: ``"least_outstanding"`` (default) or ``"round_robin"``.
         max_in_flight: Bound on calls (streams included) in flight per engine; callers
@@ -476,17 +476,17 @@ class Client(CallView[S]):
         It admits every engine that speaks this protocol version, whatever its service
         and fingerprint, and learns the method names (and, from engines that announce
         them, the signatures and which methods stream) from each HELLO; see
-        :attr:`engines`. Call with :meth:`call_by_name` and :meth:`stream_by_name`:
+        `engines`. Call with `call_by_name` and `stream_by_name`:
         arguments travel as a map of name -> value that the engine validates with its
         own types, and results come back as decoded (lists, dicts, tensors), without
-        conversion. :meth:`call`, :meth:`stream`, :meth:`stub` and :meth:`broadcast`
+        conversion. `call`, `stream`, `stub` and `broadcast`
         need a service class and raise ``TypeError``. Meant for tools (``tensorrpc
         call``), tests and debugging; typed clients are checked on both ends.
 
         Args:
             bind: Address(es) to bind; engines dial in.
             connect: Address(es) of engines that listen.
-            **options: Any other keyword argument of :class:`Client`.
+            **options: Any other keyword argument of `Client`.
 
         Returns:
             The client (open it with ``async with``).
@@ -498,7 +498,7 @@ class Client(CallView[S]):
 
     @property
     def schemaless(self) -> bool:
-        """True for a client made by :meth:`dynamic`."""
+        """True for a client made by `dynamic`."""
         return self._spec is _SCHEMALESS_SPEC
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -651,7 +651,7 @@ class Client(CallView[S]):
                 each refusal is logged at WARNING on the ``tensorrpc.client`` logger.
 
         Returns:
-            The live engines (as :attr:`engines`).
+            The live engines (as `engines`).
 
         Raises:
             EnginesUnavailableError: The timeout passed first, or every engine that tried
@@ -714,7 +714,7 @@ class Client(CallView[S]):
         self._flush()
 
     def disconnect(self, address: str) -> None:
-        """Stop dialling an address given to :meth:`connect` or to ``connect=``.
+        """Stop dialling an address given to `connect` or to ``connect=``.
 
         The engine behind it stays live until it says BYE or goes silent for
         ``dead_after``. Unknown addresses are ignored.
@@ -799,34 +799,14 @@ class Client(CallView[S]):
 
     def _event(self, event: object) -> None:
         """Act on what the protocol reported (other than a resolved call)."""
-        if event is None:
-            return
         if isinstance(event, EngineLost):
-            engine = event.engine
-            logger.info("engine %r %s", engine.engine_id, event.why)
-            self._transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
-            for call in event.calls:
-                self._ended(call)
-            self._observe_engine(engine.engine_id, "lost")
-            none_left = not self._protocol.engines.engines
-            self._wake_all(self._protocol.capacity.lost(engine.engine_id, none_left=none_left))
-            self._notify_engines()
+            self._on_lost(event)
         elif isinstance(event, Pong):
             if self._observer is not None:  # observe: heartbeat round trip
                 rtt = (time.monotonic_ns() - event.nonce) / 1e9
                 self._observer.heartbeat(self.client_id, event.engine.engine_id, rtt)
         elif isinstance(event, EngineJoined):
-            engine_id = event.engine.engine_id
-            self._observe_engine(
-                engine_id, "rejoined" if engine_id in self._protocol.engines.past else "joined"
-            )
-            table = self._protocol.engines
-            self._wake_all(
-                self._protocol.capacity.joined(event.engine.engine_id, table.max_in_flight)
-            )
-            self._notify_engines()
-            if self._tick is not None:
-                self._tick.set()  # its heartbeat may be due sooner than our next tick
+            self._on_joined(event)
         elif isinstance(event, Dropped):
             leases = self._transfers.leases(event.engine, event.payload, event.buffers)
             self._protocol.release(event.engine, leases, _monotonic())
@@ -845,6 +825,26 @@ class Client(CallView[S]):
             self._notify_engines()
         elif isinstance(event, Ignored):
             logger.warning("dropped a message from %r: %s", event.peer, event.why)
+
+    def _on_lost(self, event: EngineLost) -> None:
+        engine = event.engine
+        logger.info("engine %r %s", engine.engine_id, event.why)
+        self._transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
+        for call in event.calls:
+            self._ended(call)
+        self._observe_engine(engine.engine_id, "lost")
+        none_left = not self._protocol.engines.engines
+        self._wake_all(self._protocol.capacity.lost(engine.engine_id, none_left=none_left))
+        self._notify_engines()
+
+    def _on_joined(self, event: EngineJoined) -> None:
+        engine_id = event.engine.engine_id
+        table = self._protocol.engines
+        self._observe_engine(engine_id, "rejoined" if engine_id in table.past else "joined")
+        self._wake_all(self._protocol.capacity.joined(engine_id, table.max_in_flight))
+        self._notify_engines()
+        if self._tick is not None:
+            self._tick.set()  # its heartbeat may be due sooner than our next tick
 
     def _observe_engine(self, engine_id: str, event: str) -> None:
         if self._observer is not None:  # observe: an engine joined, rejoined or was lost

@@ -1,14 +1,14 @@
 """The client's side of the protocol as a state machine, sans-I/O.
 
-:class:`ClientProtocol` takes frames and the current time in, and gives back what
-happened (the :class:`~tensorrpc._calls.Call` a reply resolved, or an event) and the
-frames to send (:meth:`ClientProtocol.frames_to_send`). It never touches a socket, a
-clock or an event loop; :class:`tensorrpc.Client` is the I/O shell around it. The
-transition table (:data:`TRANSITIONS`) is also the one in docs/protocol.md §13; a test
+`ClientProtocol` takes frames and the current time in, and gives back what
+happened (the `tensorrpc._calls.Call` a reply resolved, or an event) and the
+frames to send (`ClientProtocol.frames_to_send`). It never touches a socket, a
+clock or an event loop; `tensorrpc.Client` is the I/O shell around it. The
+transition table (`TRANSITIONS`) is also the one in docs/protocol.md §13; a test
 keeps the two equal.
 
-Rules the machine keeps (with those of :mod:`tensorrpc._calls` and
-:mod:`tensorrpc._engines`):
+Rules the machine keeps (with those of `tensorrpc._calls` and
+`tensorrpc._engines`):
 
 1. A session with an engine starts with an acceptable HELLO, answered by WELCOME, and
    ends exactly once: BYE, REJECT, silence past our ``dead_after``, a send that finds the
@@ -290,7 +290,7 @@ class Ignored:
     why: str
 
 
-#: What :meth:`ClientProtocol.receive` and :meth:`~ClientProtocol.tick` report.
+#: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
 Event = EngineJoined | EngineLost | EngineRefused | Dropped | Pong | Ignored
 
 
@@ -344,7 +344,7 @@ class ClientProtocol:
 
     @property
     def has_output(self) -> bool:
-        """Whether control frames wait in :meth:`frames_to_send`."""
+        """Whether control frames wait in `frames_to_send`."""
         return bool(self._outbox)
 
     def frames_to_send(self) -> list[list[bytes]]:
@@ -404,7 +404,7 @@ class ClientProtocol:
     # -- calls ----------------------------------------------------------------------------
 
     def select(self, engine_id: str | None) -> Engine | None:
-        """The engine for a new call (see :meth:`EngineTable.select`); None: wait."""
+        """The engine for a new call (see `EngineTable.select`); None: wait."""
         if self.capacity.queued(engine_id):
             return None  # earlier callers wait for this capacity: queue behind them
         return self.engines.select(engine_id)
@@ -460,8 +460,8 @@ class ClientProtocol:
         """Handle one message from ``peer`` (its frames after the routing id).
 
         Returns:
-            The :class:`Call` a reply concerns (its state says what happened), an event,
-            or ``None``. Further events, if any, are left in :attr:`pending`.
+            The `Call` a reply concerns (its state says what happened), an event,
+            or ``None``. Further events, if any, are left in `pending`.
         """
         try:
             header, payload, buffers = split_frames(frames)
@@ -705,7 +705,7 @@ class ClientProtocol:
         return lost
 
     def next_tick(self, now: float) -> float:
-        """Seconds until :meth:`tick` has something to do (at most the heartbeat interval)."""
+        """Seconds until `tick` has something to do (at most the heartbeat interval)."""
         heartbeat = self.config.heartbeat
         due = now + heartbeat.interval
         for engine in self.engines.engines.values():

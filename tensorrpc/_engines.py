@@ -1,6 +1,6 @@
 """The client's engine table, sans-I/O: admission, aliases, counters, liveness, capacity.
 
-The client's protocol machine (:mod:`tensorrpc._client_protocol`) asks this module what to
+The client's protocol machine (`tensorrpc._client_protocol`) asks this module what to
 do and then does it; nothing here touches a socket, a clock or an event loop (times are
 parameters, in seconds).
 
@@ -12,8 +12,8 @@ Invariants:
 3. ``in_flight`` of an engine equals the number of its calls in the call table.
 4. Selection never returns an engine whose ``in_flight`` is at the per-engine bound.
 5. Every table fed by strangers is bounded: refusals keep the latest
-   :data:`MAX_REJECTED` entries with their text cut to a fixed length, the counters of
-   departed engines the latest :data:`MAX_PAST` ids. A peer that is refused costs
+   `MAX_REJECTED` entries with their text cut to a fixed length, the counters of
+   departed engines the latest `MAX_PAST` ids. A peer that is refused costs
    constant memory whatever it sends.
 6. Capacity waits are woken one at a time: a freed slot wakes at most one waiter.
 """
@@ -154,7 +154,7 @@ def check_hello(
     return None
 
 
-#: Most methods named per category in a :func:`schema_diff` (the rest are counted).
+#: Most methods named per category in a `schema_diff` (the rest are counted).
 _DIFF_NAMES = 8
 
 

@@ -1,11 +1,11 @@
 """The engine's side of the protocol as a state machine, sans-I/O: frames and ``now`` in.
 
-:class:`ServerProtocol` holds every decision an engine makes about its clients: sessions
+`ServerProtocol` holds every decision an engine makes about its clients: sessions
 and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
 dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
-I/O shell (:mod:`tensorrpc._server`) feeds it messages and the time, sends the frames it
-queues in :attr:`ServerProtocol.outbox`, runs the calls it returns and wakes the calls
-it lists in :attr:`ServerProtocol.wakeups`. Nothing here imports zmq, anyio, asyncio,
+I/O shell (`_server`) feeds it messages and the time, sends the frames it
+queues in `ServerProtocol.outbox`, runs the calls it returns and wakes the calls
+it lists in `ServerProtocol.wakeups`. Nothing here imports zmq, anyio, asyncio,
 trio, threading or ``time``.
 
 A client is named by an opaque hashable *key*: its routing id on a listening engine, the
@@ -26,14 +26,14 @@ Rules this module keeps (numbered as the tests cite them):
    most ``max_strangers`` entries, the oldest evicted first, each forgotten after
    ``dead_after`` without a completed handshake.
 5. Every CALL whose call id can be read gets exactly one answer: accepted (and later one
-   final reply) or one ERROR naming the refusal (:data:`ADMISSION`).
+   final reply) or one ERROR naming the refusal (`ADMISSION`).
 6. A CALL reusing the id of a call in flight cancels the original (which then sends
    nothing) and is answered with one ERROR(id, PROTOCOL).
 7. A call gets at most one final reply, none once it is cancelled, and nothing after it.
 8. A stream sends at most ``stream_window + sum(CREDIT n)`` items; window 0 means no
    item before the first CREDIT.
 9. ``in_flight`` equals the number of calls in the session tables; a call leaves its
-   table exactly once (:meth:`ServerProtocol.done`).
+   table exactly once (`ServerProtocol.done`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
@@ -72,13 +72,16 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
+    from tensorrpc._observe import CallObservation
     from tensorrpc._service import MethodSpec
 
 __all__ = [
     "ADMISSION",
+    "MISSING",
     "TRANSITIONS",
     "AllRejected",
     "BuiltinCall",
+    "Cancellable",
     "ProtocolSettings",
     "ServerCall",
     "ServerProtocol",
@@ -86,6 +89,7 @@ __all__ = [
     "SessionEnded",
     "SessionStarted",
     "SessionState",
+    "Settable",
     "ShmPeer",
     "readable_call_id",
 ]
@@ -106,6 +110,8 @@ _HEADER: Final = struct.Struct("<2sBBHHQI")
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
 _INF: Final = float("inf")
+#: ``ServerCall.result`` before the handler returned.
+MISSING: Final = object()
 #: First HELLO re-send delay of a dial-in engine; doubles up to the heartbeat interval.
 HELLO_RETRY_MIN_S: Final = 0.05
 
@@ -184,7 +190,7 @@ class ShmPeer:
 
 @dataclass(frozen=True, slots=True)
 class ProtocolSettings:
-    """What a :class:`ServerProtocol` needs to know about its engine.
+    """What a `ServerProtocol` needs to know about its engine.
 
     Args:
         hello: The HELLO body to announce (``epoch`` and ``dead_after_ms`` are filled in
@@ -214,11 +220,25 @@ class ProtocolSettings:
     builtins: frozenset[str] = frozenset()
 
 
+class Cancellable(Protocol):
+    """What the shell hangs on a call to stop it (its cancel scope)."""
+
+    def cancel(self) -> None:
+        """Stop the running handler."""
+
+
+class Settable(Protocol):
+    """What the shell hangs on a call to wake it (the event a stream waits on)."""
+
+    def set(self) -> None:
+        """Wake the waiter."""
+
+
 class ServerCall:
     """One accepted call, from admission until its worker is done with it.
 
-    The shell may subclass it (adding slots for its cancel scope and wake-up event);
-    :meth:`ServerProtocol.receive` builds calls through the factory it was given.
+    The last five slots belong to the I/O shell (one object per call, built in one
+    ``__init__``: the hot path); the protocol never reads them.
     """
 
     __slots__ = (
@@ -226,13 +246,18 @@ class ServerCall:
         "buffers",
         "call_id",
         "cancelled",
+        "credit_event",
         "credits",
         "deadline",
+        "failure",
         "fn",
         "key",
+        "observed",
         "parked",
         "payload",
+        "result",
         "results",
+        "scope",
         "session",
         "shutdown",
         "spec",
@@ -274,6 +299,26 @@ class ServerCall:
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
         self.trace = trace
+        #: Shell: the cancel scope the handler runs in, while it runs.
+        self.scope: Cancellable | None = None
+        #: Shell: what a stream waiting for credit waits on.
+        self.credit_event: Settable | None = None
+        #: Shell: the handler's return value (``MISSING`` until it returns).
+        self.result: object = MISSING
+        #: Shell: the exception the handler raised.
+        self.failure: BaseException | None = None
+        #: Shell: what the engine's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
+
+    def wake(self) -> None:
+        """Stop the call if it is cancelled or shut down, and wake its credit wait."""
+        if self.cancelled or self.shutdown:
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+        event = self.credit_event
+        if event is not None:
+            event.set()
 
 
 class Session:
@@ -413,13 +458,13 @@ class ServerProtocol:
 
     Args:
         settings: The engine's identity and limits.
-        call_factory: Builds accepted calls (the shell's :class:`ServerCall` subclass).
+        call_factory: Builds accepted calls (the shell's `ServerCall` subclass).
         new_epoch: Draws a session epoch (non-zero u64); tests pass a counter.
 
     The shell reads what to do from three lists after each input, and empties them:
-    :attr:`outbox` (``(key, frames, is_hello)`` to send), :attr:`wakeups` (calls whose
-    cancellation or credit its waiters must see) and :attr:`events` (session-level
-    news). :attr:`pending` is True when any of them has entries.
+    `outbox` (``(key, frames, is_hello)`` to send), `wakeups` (calls whose
+    cancellation or credit its waiters must see) and `events` (session-level
+    news). `pending` is True when any of them has entries.
     """
 
     def __init__(
@@ -458,7 +503,7 @@ class ServerProtocol:
         self.draining = False
         #: Shutdown cancelled the running calls.
         self.hard_stop = False
-        #: The earliest time :meth:`tick` has something to do.
+        #: The earliest time `tick` has something to do.
         self.wake_at = 0.0
         self.calls_total = 0
         self.errors_total = 0
@@ -599,7 +644,7 @@ class ServerProtocol:
 
         Returns:
             The call to queue for a worker when the message is an accepted CALL (it is
-            already in :attr:`queue`), else None.
+            already in `queue`), else None.
         """
         session = self.sessions.get(key)
         if session is None:
@@ -666,7 +711,7 @@ class ServerProtocol:
         buffers: Sequence[Buffer],
         now: float,
     ) -> ServerCall | None:
-        """The admission table (:data:`ADMISSION`) for a CALL of a live session."""
+        """The admission table (`ADMISSION`) for a CALL of a live session."""
         call_id: int = header.call_id
         calls = session.calls
         original = calls.get(call_id)
@@ -859,8 +904,8 @@ class ServerProtocol:
         """Run the timers: silent clients, PINGs, HELLO re-sends, stale strangers.
 
         Returns:
-            The time at which :meth:`tick` next has something to do (also kept in
-            :attr:`wake_at`; inputs may move it earlier).
+            The time at which `tick` next has something to do (also kept in
+            `wake_at`; inputs may move it earlier).
         """
         wake = now + self._heartbeat
         dead_after = self._dead_after
@@ -914,7 +959,7 @@ class ServerProtocol:
     # -- calls, for the workers -------------------------------------------------------------
 
     def next_call(self) -> ServerCall | None:
-        """Take the oldest queued call for a worker (counted busy until :meth:`done`)."""
+        """Take the oldest queued call for a worker (counted busy until `done`)."""
         queue = self.queue
         if not queue:
             return None

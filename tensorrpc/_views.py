@@ -1,7 +1,7 @@
 """The user-facing call surface: options, views, stubs, streams and statistics.
 
-:class:`CallView` (and :class:`tensorrpc.Client`, which is one) turns typed method calls
-into calls on the client's I/O shell; :class:`CallStream` is one streaming call;
+`CallView` (and `tensorrpc.Client`, which is one) turns typed method calls
+into calls on the client's I/O shell; `CallStream` is one streaming call;
 the statistics classes are frozen snapshots. Nothing here touches a socket.
 """
 
@@ -58,7 +58,7 @@ _NO_TRANSPORT_STATISTICS = TransportStatistics()
 
 @dataclass(frozen=True, slots=True)
 class CallOptions:
-    """Per-call options; set through :meth:`Client.stub` or :meth:`Client.with_options`.
+    """Per-call options; set through `Client.stub` or `Client.with_options`.
 
     Attributes:
         engine: Send to this engine id; ``None`` balances over the live engines.
@@ -66,7 +66,7 @@ class CallOptions:
             round trip, and for a stream every item); ``None`` for none.
         wait: When the client's per-engine in-flight bound is reached, or an engine
             answers that its queue is full, wait and retry (bounded by the deadline);
-            ``False`` raises :class:`~tensorrpc.OverloadedError` at once and asks the
+            ``False`` raises `tensorrpc.OverloadedError` at once and asks the
             engine to refuse rather than queue.
         transport: Tensor transport for arguments and results: ``"auto"`` (default:
             ``torch_shm`` for tensors of at least ``shm_threshold`` bytes when the engine
@@ -117,7 +117,7 @@ class EngineStatistics:
 
 @dataclass(frozen=True, slots=True)
 class ClientStatistics:
-    """A snapshot of a client's state, from :meth:`Client.statistics`.
+    """A snapshot of a client's state, from `Client.statistics`.
 
     Attributes:
         engines: Per engine id counters, for every engine seen since the client opened.
@@ -143,11 +143,11 @@ class ClientStatistics:
 
 
 class CallView(Generic[S]):
-    """Calls on a client with a fixed set of :class:`CallOptions`.
+    """Calls on a client with a fixed set of `CallOptions`.
 
-    :class:`Client` is itself a view with the default options; :meth:`with_options`
+    `Client` is itself a view with the default options; `with_options`
     returns another view on the same client. Options are set this way (or through
-    :meth:`stub`) because ``call(method, /, *args, **kwargs)`` forwards every keyword to
+    `stub`) because ``call(method, /, *args, **kwargs)`` forwards every keyword to
     the method.
     """
 
@@ -180,7 +180,7 @@ class CallView(Generic[S]):
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                :class:`CallOptions`).
+                `CallOptions`).
 
         Returns:
             The new view.
@@ -209,7 +209,7 @@ class CallView(Generic[S]):
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                :class:`CallOptions`).
+                `CallOptions`).
 
         Returns:
             The stub.
@@ -331,8 +331,8 @@ class CallView(Generic[S]):
     async def call_by_name(self, method: str, arguments: Mapping[str, Any] | None = None, /) -> Any:
         """Call a unary method by name, with its arguments given by name.
 
-        On a typed client the arguments are bound and checked like :meth:`call` and the
-        result is typed. On a schemaless client (:meth:`Client.dynamic`) the arguments
+        On a typed client the arguments are bound and checked like `call` and the
+        result is typed. On a schemaless client (`Client.dynamic`) the arguments
         travel as a map of name -> value that the engine binds and validates (missing
         ones take their defaults), and the result is returned as decoded (lists, dicts,
         tensors), without conversion.
@@ -347,7 +347,7 @@ class CallView(Generic[S]):
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``; the message lists what is offered.
-            TypeError: ``method`` streams (use :meth:`stream_by_name`).
+            TypeError: ``method`` streams (use `stream_by_name`).
             InvalidArgumentError: The engine refused the arguments (schemaless).
             ValidationError: The arguments do not match (typed client).
             EngineNotFoundError: The targeted engine is not live, or none is.
@@ -367,7 +367,7 @@ class CallView(Generic[S]):
     ) -> CallStream[Any]:
         """Start a streaming call by name, with its arguments given by name.
 
-        The by-name form of :meth:`stream`; see :meth:`call_by_name` for how arguments
+        The by-name form of `stream`; see `call_by_name` for how arguments
         and items are handled on typed and schemaless clients.
 
         Args:
@@ -380,7 +380,7 @@ class CallView(Generic[S]):
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``.
-            TypeError: ``method`` does not stream (use :meth:`call_by_name`).
+            TypeError: ``method`` does not stream (use `call_by_name`).
             ValidationError: The arguments do not match (typed client).
             ClosedError: The client is closed.
         """
@@ -428,7 +428,7 @@ class CallStream(Generic[T]):
     Flow control: the engine may run ahead of the consumer by at most the stream window
     (WELCOME's ``stream_window``); credit is granted back as items are taken.
 
-    Raises (from iteration): the same errors as :meth:`CallView.call`; a deadline bounds
+    Raises (from iteration): the same errors as `CallView.call`; a deadline bounds
     the whole stream.
     """
 

@@ -1,7 +1,7 @@
 """Which tensor transport a message uses, and the counters that say what happened.
 
-One :class:`TransportPolicy` per :class:`~tensorrpc.Client` or engine
-:class:`~tensorrpc.Server` owns that endpoint's :class:`TorchShmTransport` (when torch_shm
+One `TransportPolicy` per [`Client`][tensorrpc.Client] or engine
+[`Server`][tensorrpc.Server] owns that endpoint's `TorchShmTransport` (when torch_shm
 is enabled and the platform has it) and decides, per message and per tensor, where bytes
 go:
 
@@ -58,7 +58,7 @@ logger = logging.getLogger("tensorrpc.transports")
 
 #: Tensor transport names a call may ask for.
 TransportName = Literal["auto", "frames", "torch_shm"]
-#: The accepted values of :data:`TransportName`.
+#: The accepted values of [`TransportName`][tensorrpc.TransportName].
 TRANSPORTS: Final = frozenset({"auto", "frames", "torch_shm"})
 #: ``auto`` sends CPU tensors of at least this many bytes by torch_shm (see
 #: docs/transports.md for the measurement behind it).
@@ -97,7 +97,7 @@ class TransportStatistics:
 class PolicyPlacer:
     """The codec's placer for one message: applies the policy, delegates to torch_shm.
 
-    Made by :meth:`TransportPolicy.placer`; :attr:`lease` is the torch_shm lease to
+    Made by `TransportPolicy.placer`; `lease` is the torch_shm lease to
     release when the peer confirms it attached (None: nothing went by handle).
     """
 

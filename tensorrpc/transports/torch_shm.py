@@ -1,6 +1,7 @@
 """``torch_shm``: tensors cross between processes on one host as shared memory; a handle travels.
 
-How a tensor goes (sender: :meth:`ShmPlacer.place`; receiver: :meth:`ShmResolver.resolve`):
+How a tensor goes (sender: [`ShmPlacer.place`][tensorrpc.transports.torch_shm.ShmPlacer.place];
+receiver: [`ShmResolver.resolve`][tensorrpc.transports.torch_shm.ShmResolver.resolve]):
 
 * **Already shared** (its storage is in torch shared memory, under either sharing strategy):
   the handle names the storage and the receiver maps it. No byte is copied and the
@@ -14,7 +15,8 @@ How a tensor goes (sender: :meth:`ShmPlacer.place`; receiver: :meth:`ShmResolver
   private. The caller's tensor is only read; its storage is never moved or re-shared, and
   process-wide torch settings (the sharing strategy) are never touched.
 
-Runtime integration, in five calls (one :class:`TorchShmTransport` per process or endpoint)::
+Runtime integration, in five calls (one
+[`TorchShmTransport`][tensorrpc.transports.torch_shm.TorchShmTransport] per process or endpoint)::
 
     shm = TorchShmTransport()                      # close() (or `with`) at shutdown
     # handshake: offer "torch_shm" with shm.probe_handle(); the peer checks it with
@@ -40,14 +42,15 @@ passing race; a descriptor received over ``SCM_RIGHTS`` would also have to be ma
 its message. Opening ``/proc/<pid>/fd/<n>`` needs the kernel's ``PTRACE_MODE_READ`` check:
 same uid and a dumpable peer (Yama's ``ptrace_scope`` restricts attaching only, not this),
 and a ``/proc`` that shows the peer (same pid namespace, no ``hidepid``). When that fails,
-:meth:`TorchShmTransport.check_probe` says so at handshake and the runtime uses frames.
+[`TorchShmTransport.check_probe`][tensorrpc.transports.torch_shm.TorchShmTransport.check_probe]
+says so at handshake and the runtime uses frames.
 
 Every handle from the wire is checked before any memory is touched: its format and
 bounds, that its pid is the peer's, and that the descriptor or name really is a
 tensorrpc memfd (``/memfd:tensorrpc-… (deleted)``, on the memfd device, sealed against
 shrinking) or a torch segment (``/dev/shm/torch_…``, on the ``/dev/shm`` device, owned by
 us); the path is only ``stat``-ed before the checks pass, and the opened file must be the
-same inode. A forged handle raises :class:`~tensorrpc.TensorTransportError`.
+same inode. A forged handle raises [`TensorTransportError`][tensorrpc.TensorTransportError].
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ class HandleKind(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class TorchShmStatistics:
-    """A snapshot of one :class:`TorchShmTransport`'s counters."""
+    """A snapshot of one [`TorchShmTransport`][tensorrpc.transports.torch_shm.TorchShmTransport]'s
+    counters."""
 
     #: Tensors sent by handle (copied into the pool or aliased).
     tensors_sent: int
@@ -149,7 +153,9 @@ class TorchShmStatistics:
     fallbacks: int
     #: Leases not yet released (messages whose receiver has not confirmed).
     leases_active: int
-    #: Leases dropped by :meth:`TorchShmTransport.sweep` or ``release_peer``.
+    #: Leases dropped by
+    #: [`TorchShmTransport.sweep`][tensorrpc.transports.torch_shm.TorchShmTransport.sweep] or
+    #: ``release_peer``.
     leases_expired: int
     #: memfd segments in the sender's pool.
     pool_segments: int
@@ -254,8 +260,10 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 class ShmPlacer:
     """Places the tensors of one outgoing message (implements the codec's ``TensorPlacer``).
 
-    Made by :meth:`TorchShmTransport.placer`. Everything placed through one placer shares
-    one lease, kept by the transport until :meth:`TorchShmTransport.release`.
+    Made by [`TorchShmTransport.placer`][tensorrpc.transports.torch_shm.TorchShmTransport.placer].
+    Everything placed through one placer shares
+    one lease, kept by the transport until
+    [`TorchShmTransport.release`][tensorrpc.transports.torch_shm.TorchShmTransport.release].
     """
 
     __slots__ = ("_lease", "_peer", "_transport")
@@ -289,7 +297,9 @@ class ShmPlacer:
 class ShmResolver:
     """Resolves handles of incoming messages (implements the codec's ``TensorResolver``).
 
-    Made by :meth:`TorchShmTransport.resolver` for one peer; handles that name any other
+    Made by
+    [`TorchShmTransport.resolver`][tensorrpc.transports.torch_shm.TorchShmTransport.resolver] for
+    one peer; handles that name any other
     process are refused. Records the lease ids it saw, for the runtime to send back.
     """
 
@@ -346,7 +356,7 @@ class TorchShmTransport:
         recv_cache_bytes: idle receive buffers kept for reuse (see ``BufferCache``).
         recv_cache_min_bytes: received copies smaller than this use torch's allocator.
         mapped_segments: how many peers' pool segments a receiver keeps mapped (LRU).
-        lease_timeout: seconds after which :meth:`sweep` drops an unreleased lease.
+        lease_timeout: seconds after which `sweep` drops an unreleased lease.
         cuda: send CUDA tensors through CUDA IPC (else they fall back to frames).
         clock: monotonic clock, for tests.
     """
@@ -478,7 +488,9 @@ class TorchShmTransport:
         Pool regions become reusable and already-shared storages are no longer pinned.
 
         Args:
-            lease: a lease id from :attr:`ShmPlacer.lease` or a peer's RELEASE message.
+            lease: a lease id from
+                [`ShmPlacer.lease`][tensorrpc.transports.torch_shm.ShmPlacer.lease] or a peer's
+                RELEASE message.
             peer: when given, only release the lease if it was made for this peer.
 
         Returns:
@@ -723,7 +735,7 @@ class TorchShmTransport:
     def probe_handle(self) -> bytes:
         """A handle to a small fixed pattern in our pool, kept for the transport's life.
 
-        Send it in the handshake; the peer's :meth:`check_probe` tells whether it can open
+        Send it in the handshake; the peer's `check_probe` tells whether it can open
         our segments (same host, same uid, ``/proc`` visible).
 
         Raises:
