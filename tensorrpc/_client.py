@@ -863,7 +863,7 @@ class Client(CallView[S]):
             self._engines_changed.set()
             self._engines_changed = anyio.Event()
 
-    def _wake_all(self, tokens: list[Any]) -> None:
+    def _wake_all(self, tokens: Sequence[Any]) -> None:
         waiters = self._waiters
         if waiters is not None:
             for token in tokens:
@@ -1302,7 +1302,7 @@ class Client(CallView[S]):
         pending = protocol.pending
         while pending:
             self._event(pending.popleft())
-        if protocol.has_output:
+        if protocol.outbox:
             self._flush()
         if self._orphans:
             self._reap_orphans()

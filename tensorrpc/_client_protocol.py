@@ -341,7 +341,8 @@ class ClientProtocol:
         self.capacity = CapacityWaiters()
         self._dials: dict[bytes, _Dial] = {}
         self._dial_count = 0
-        self._outbox: list[list[bytes]] = []
+        #: Control messages queued to send (``[peer, header, payload]``), oldest first.
+        self.outbox: list[list[bytes]] = []
         #: Events found while handling a message whose own event was already returned.
         self.pending: collections.deque[Event] = collections.deque()
         self.closed = False
@@ -351,11 +352,11 @@ class ClientProtocol:
     @property
     def has_output(self) -> bool:
         """Whether control frames wait in `frames_to_send`."""
-        return bool(self._outbox)
+        return bool(self.outbox)
 
     def frames_to_send(self) -> list[list[bytes]]:
         """Take the control messages to send, each ``[peer, header, payload]``, in order."""
-        out, self._outbox = self._outbox, []
+        out, self.outbox = self.outbox, []
         return out
 
     def _queue(
@@ -368,7 +369,7 @@ class ClientProtocol:
         now: float,
     ) -> None:
         frames = encode_control(kind, body, call_id)
-        self._outbox.append([peer, *frames])
+        self.outbox.append([peer, *frames])
         if engine is not None:
             engine.sent = now
             engine.bytes_sent += len(frames[0]) + len(frames[1])

@@ -511,13 +511,13 @@ class CapacityWaiters:
         self.wakeups += len(out)
         return out
 
-    def released(self, engine_id: str | None) -> list[Any]:
+    def released(self, engine_id: str | None) -> Sequence[Any]:
         """A slot on ``engine_id`` became free: the (at most one) waiter to wake.
 
         ``None`` hands a slot of an unknown engine to the first waiter for any engine.
         """
         if not self._any and engine_id not in self._by_engine:
-            return []
+            return ()
         if engine_id is not None:
             woken = self._take(engine_id, 1)
             if woken:

@@ -187,7 +187,7 @@ async def test_refused_strangers_cost_bounded_state(tmp_path: Path) -> None:
 
 
 async def test_many_waiting_callers_are_woken_once_each(tmp_path: Path) -> None:
-    calls = 1500
+    calls = 600
     async with (
         make_client(tmp_path, max_in_flight=4, dead_after=30.0) as client,
         FakeEngine(client.addresses[0], "e1") as engine,

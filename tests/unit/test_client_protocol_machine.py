@@ -197,5 +197,5 @@ def sent_one(frames: list[bytes]) -> tuple[MessageKind, int] | None:
     return None
 
 
-ClientMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+ClientMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestClientMachine = ClientMachine.TestCase
