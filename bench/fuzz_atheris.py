@@ -36,7 +36,7 @@ with atheris.instrument_imports(include=["tensorrpc"]):
     import torch
 
     from tensorrpc import _codec, _protocol
-    from tensorrpc._exceptions import DecodeError, RemoteProtocolError
+    from tensorrpc._exceptions import DecodeError, RemoteProtocolError, ValidationError
 
 # Small limits keep every input's memory bounded (a forged 16 GiB descriptor is refused
 # by the limit check, which is what is being fuzzed, rather than allocated).
@@ -49,7 +49,7 @@ _VALUE_KINDS = (
     _protocol.MessageKind.STREAM_ITEM,
 )
 _MAX_FRAMES = 8
-_EXPECTED = (RemoteProtocolError, DecodeError)
+_EXPECTED = (RemoteProtocolError, DecodeError, ValidationError)
 DEFAULT_CORPUS = Path(__file__).parent / "results" / "fuzz_corpus"
 
 

@@ -81,17 +81,15 @@ def _rss_kib() -> int:
 
 
 def select_cost_us(n: int, loops: int) -> float:
-    """Microseconds per ``EngineRegistry.select(None)`` with ``n`` engines, all busy."""
-    from tensorrpc._routing import EngineInfo, EngineRegistry
+    """Microseconds per ``EngineTable.select(None)`` with ``n`` engines, all busy."""
+    from tensorrpc._engines import Engine, EngineInfo, EngineTable
 
-    registry = EngineRegistry(max_in_flight=1024)
+    registry = EngineTable(max_in_flight=1024)
     for i in range(n):
         info = EngineInfo(engine_id=f"e{i}", service="Echo", fingerprint="f", protocol_version=1)
-        state = registry.admit(
-            info, f"p{i}".encode(), 0.0, service="Echo", fingerprint="f", protocol_version=1
-        )
-        assert not isinstance(state, tuple)
-        state.calls.add(i)  # one call in flight on every engine
+        engine = Engine(info=info, peer=f"p{i}".encode())
+        registry.add(engine)
+        engine.calls.add(i)  # one call in flight on every engine
     started = time.perf_counter()
     for _ in range(loops):
         registry.select(None)

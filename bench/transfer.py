@@ -17,7 +17,7 @@ Systems (each one's peer module says how it is set up):
 * ``pyzmq``: raw DEALER → ROUTER, the tensor as one zero-copy frame;
 * ``tensorrpc frames`` / ``tensorrpc torch_shm (fresh)`` / ``tensorrpc torch_shm
   (shared)``: the tensor as an out-of-band frame; copied into tensorrpc's shared memory;
-  already in shared memory (``share_memory_()`` on the benchmark's own tensor);
+  already in tensorrpc shared memory (``tensorrpc.share()`` of the benchmark's tensor);
   ``tensorrpc auto (default)``: what a call gets without choosing;
 * ``mp.Queue (shared)`` / ``mp.Queue (fresh)``: torch.multiprocessing queues;
 * ``grpc.aio``: the tensor's bytes through a generic bytes handler;
@@ -106,6 +106,13 @@ def check_tensor(value: Any, size: int) -> None:
     count = int(flat.numel()) if isinstance(flat, torch.Tensor) else int(flat.size)
     if count != n or float(flat[0]) != 0.0 or float(flat[-1]) != n - 1:
         raise RuntimeError(f"wrong tensor for {size} bytes: {count} elements")
+
+
+def _tensorrpc_shared_tensor(size: int) -> torch.Tensor:
+    """The payload in tensorrpc shared memory (a sealed memfd: torch_shm sends it by alias)."""
+    import tensorrpc
+
+    return tensorrpc.share(make_tensor(size))
 
 
 def check(reply: Any, size: int) -> None:
@@ -302,7 +309,7 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
             runs = [
                 ("frames", "frames", make_tensor),
                 ("shm_fresh", "torch_shm", make_tensor),
-                ("shm_shared", "torch_shm", _shared_tensor),
+                ("shm_shared", "torch_shm", _tensorrpc_shared_tensor),
                 ("auto", "auto", make_tensor),
             ]
             for key, transport, tensor_for in runs:
@@ -451,7 +458,7 @@ NOTES = {
     "Tensor.clone (in-process)": "allocate + copy in one process, one thread",
     "tensorrpc frames": "out-of-band zero-copy ZMQ frame, ipc://",
     "tensorrpc torch_shm (fresh)": "copied into tensorrpc's shared memory; handle travels",
-    "tensorrpc torch_shm (shared)": "share_memory_() tensor: only the handle travels",
+    "tensorrpc torch_shm (shared)": "tensorrpc.share() tensor: only the handle travels",
     "tensorrpc auto (default)": "the default policy, same (non-shared) tensor as frames",
     "pyzmq": "raw DEALER → ROUTER, one copy=False frame, ipc://",
     "mp.Queue (shared)": "torch.multiprocessing Queue, tensor already share_memory_()",

@@ -1,7 +1,9 @@
 """tensorrpc: asyncio-native RPC for tensor-heavy Python services.
 
-Declare a service with ``@service``/``@rpc`` and type hints, run it with :func:`serve` in
-any number of engine processes, and call it through one :class:`Client` that multiplexes
+Declare a service with ``@service``/``@rpc`` and type hints, run it with [`serve`][tensorrpc.serve]
+in
+any number of engine processes, and call it through one [`Client`][tensorrpc.Client] that
+multiplexes
 every engine over a single ZMQ ROUTER socket. Payloads are msgpack (ormsgpack); tensors
 travel as zero-copy out-of-band frames or through torch shared memory. Nothing is ever
 pickled.
@@ -72,6 +74,7 @@ from tensorrpc.transports import (
     TransportName,
     TransportStatistics,
 )
+from tensorrpc.transports._shared import share, shared_empty
 
 __version__ = "0.1.0"
 
@@ -155,4 +158,6 @@ __all__ = [
     "save_keypair",
     "serve",
     "service",
+    "share",
+    "shared_empty",
 ]

@@ -9,16 +9,17 @@ whose data is the msgpack array ``[dtype, shape, loc, ref]``:
 * ``dtype``: a stable name from an allowlist (``"float32"``, ``"bfloat16"``,
   ``"float8_e4m3fn"``, ...);
 * ``shape``: a list of non-negative ints;
-* ``loc``: a :class:`Location`; ``ref`` is the raw bytes (``INLINE``), an index into the
+* ``loc``: a `Location`; ``ref`` is the raw bytes (``INLINE``), an index into the
   buffers (``FRAME``) or ``[transport, handle]`` (``HANDLE``).
 
 Bytes are always C-contiguous and little-endian. Tensors below
-:attr:`CodecConfig.inline_threshold` bytes ride inline; the others become exactly one
+[`CodecConfig.inline_threshold`][tensorrpc.CodecConfig.inline_threshold] bytes ride inline; the
+others become exactly one
 buffer each that references the tensor's memory (a contiguous CPU tensor is not copied),
-unless a :class:`~tensorrpc.transports.TensorPlacer` takes them. Decoding builds tensors on
+unless a `TensorPlacer` takes them. Decoding builds tensors on
 the received buffers without copying and validates every descriptor before touching memory.
 
-Per-call state lives in a small collector object (:class:`_Encoder` / :class:`_Decoder`)
+Per-call state lives in a small collector object (`_Encoder` / `_Decoder`)
 created for each call, never on the module. This module imports no I/O library.
 """
 
@@ -97,7 +98,7 @@ class CodecConfig:
     #: each, whatever their size; send long lists of numbers as tensors.
     max_payload_objects: int = 1 << 18
     #: On the frames and inline paths, copy non-CPU (e.g. CUDA) tensors to host memory;
-    #: when False such a tensor is an :class:`EncodeError`.
+    #: when False such a tensor is an [`EncodeError`][tensorrpc.EncodeError].
     allow_cuda_copy: bool = False
 
 
@@ -262,7 +263,7 @@ def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 
 
 class _Encoder:
-    """Per-call state of :func:`encode`: the ormsgpack ``default=`` hook and what it collects."""
+    """Per-call state of `encode`: the ormsgpack ``default=`` hook and what it collects."""
 
     __slots__ = ("_config", "_count", "_placer", "buffers", "error", "keepalive")
 
@@ -574,7 +575,7 @@ def _torch_on(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> t
 
 
 class _Decoder:
-    """Per-call state of :func:`decode`: the ormsgpack ``ext_hook`` and frame bookkeeping."""
+    """Per-call state of `decode`: the ormsgpack ``ext_hook`` and frame bookkeeping."""
 
     __slots__ = ("_buffers", "_config", "_count", "_resolver", "error", "used")
 

@@ -1,8 +1,8 @@
 """The engine's worker pool: takes accepted calls from the protocol and runs their handlers.
 
-``max_concurrency`` worker tasks take calls from :attr:`ServerProtocol.queue`, decode
+``max_concurrency`` worker tasks take calls from `ServerProtocol.queue`, decode
 them (codec and ``decode_args``), run the handler in a cancel scope (sync handlers in
-worker threads through a :class:`anyio.CapacityLimiter`) and send the reply. A fixed pool
+worker threads through a `anyio.CapacityLimiter`) and send the reply. A fixed pool
 of tasks taking from a plain deque and parking on an Event when it is empty was measured
 faster than a memory object stream (several checkpoints per item) or a task per call
 (a task creation per call); see docs/internals.md.
@@ -11,8 +11,8 @@ Rules:
 
 1. A worker runs its calls inside one cancel scope, replaced only after a call got it
    cancelled (CANCEL, deadline, shutdown): a new scope per call costs ~5 us on asyncio.
-2. The protocol decides whether a reply may go (:meth:`ServerProtocol.may_reply`,
-   :meth:`~ServerProtocol.error_reply`, :meth:`~ServerProtocol.may_send_item`); this
+2. The protocol decides whether a reply may go (`ServerProtocol.may_reply`,
+   `error_reply`, `may_send_item`); this
    module only produces it.
 3. A stream that waits for credit does not hold a worker: it parks (the protocol stops
    counting it busy) and, if the pool would otherwise shrink, a replacement worker
@@ -42,7 +42,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._protocol import Flags, MessageKind, encode_control, pack_reply_header
 from tensorrpc._schema import bad_result_message
-from tensorrpc._server_protocol import ServerCall
+from tensorrpc._server_protocol import MISSING, ServerCall
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from typing_extensions import Buffer
 
-    from tensorrpc._observe import CallObservation
     from tensorrpc._server_protocol import ServerProtocol
     from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
@@ -62,38 +61,14 @@ logger = logging.getLogger("tensorrpc.server")
 _RESULT: Final = MessageKind.RESULT
 _STREAM_ITEM: Final = MessageKind.STREAM_ITEM
 _SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
-_MISSING: Final = object()
 # How long a cancelled async generator may take to run its ``finally`` blocks.
 _ACLOSE_TIMEOUT_S: Final = 1.0
 # A worker yields to the event loop after this many calls in a row without waiting.
 _FAIRNESS_STREAK: Final = 32
 
 
-class Call(ServerCall):
-    """A :class:`ServerCall` with what the I/O shell needs to stop and wake it."""
-
-    __slots__ = ("credit_event", "failure", "observed", "result", "scope")
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        #: What the engine's observer watches of this call (None: no observer).
-        self.observed: CallObservation | None = None
-        self.scope: anyio.CancelScope | None = None
-        self.credit_event: anyio.Event | None = None
-        #: Unary calls: the handler's return value (``_MISSING`` until it returns).
-        self.result: object = _MISSING
-        #: Unary calls: the exception the handler raised.
-        self.failure: BaseException | None = None
-
-    def wake(self) -> None:
-        """The protocol listed this call: stop it if it is cancelled, wake its credit wait."""
-        if self.cancelled or self.shutdown:
-            scope = self.scope
-            if scope is not None:
-                scope.cancel()
-        event = self.credit_event
-        if event is not None:
-            event.set()
+#: The calls this pool runs (the protocol's record carries the shell's slots too).
+Call = ServerCall
 
 
 def _gone(call: Call) -> bool:
@@ -111,7 +86,7 @@ def type_name(exc: BaseException) -> str:
 
 
 class Dispatcher:
-    """Runs the calls a :class:`ServerProtocol` accepted, on a pool of worker tasks.
+    """Runs the calls a `ServerProtocol` accepted, on a pool of worker tasks.
 
     Args:
         proto: The engine's protocol machine.
@@ -174,7 +149,7 @@ class Dispatcher:
             self._idle.pop().set()
 
     def close(self) -> None:
-        """Workers finish what is queued, then exit (:attr:`done` is set when all have)."""
+        """Workers finish what is queued, then exit (`done` is set when all have)."""
         self._closed = True
         idle, self._idle = self._idle, []
         for event in idle:
@@ -185,48 +160,58 @@ class Dispatcher:
     # -- the pool ---------------------------------------------------------------------------
 
     async def _worker(self) -> None:
-        streak = 0
         try:
-            while True:
-                stopped: Call | None = None
-                try:
-                    with anyio.CancelScope() as scope:
-                        while stopped is None:
-                            call = self._proto.next_call()
-                            if call is None:
-                                if self._closed or self._workers - self._parked > self._capacity:
-                                    return
-                                event = anyio.Event()
-                                self._idle.append(event)
-                                await event.wait()
-                                streak = 0
-                                continue
-                            assert isinstance(call, Call)
-                            try:
-                                await self._run(call, scope)
-                            except Exception:
-                                logger.exception("internal error running %s", call.spec.qualname)
-                                self._error(call, ErrorCode.INTERNAL, "internal engine error")
-                            finally:
-                                if scope.cancel_called:
-                                    stopped = call  # answered below, outside the spent scope
-                                else:
-                                    self._done(call)
-                            streak += 1
-                            if streak >= _FAIRNESS_STREAK:
-                                # Handlers that never wait would otherwise keep this worker
-                                # from yielding while the queue stays full.
-                                streak = 0
-                                await anyio.lowlevel.checkpoint()
-                    if stopped is not None:
-                        await self._reply(stopped)
-                finally:
-                    if stopped is not None:
-                        self._done(stopped)
+            while await self._run_calls():
+                pass
         finally:
             self._workers -= 1
             if self._workers == 0 and self._closed:
                 self.done.set()
+
+    async def _run_calls(self) -> bool:
+        """Run calls in one cancel scope until one gets it cancelled; False: exit the pool."""
+        stopped: Call | None = None
+        streak = 0
+        try:
+            with anyio.CancelScope() as scope:
+                while stopped is None:
+                    call = self._proto.next_call()
+                    if call is None:
+                        if not await self._wait_for_work():
+                            return False
+                        streak = 0
+                        continue
+                    try:
+                        await self._run(call, scope)
+                    except Exception:
+                        logger.exception("internal error running %s", call.spec.qualname)
+                        self._error(call, ErrorCode.INTERNAL, "internal engine error")
+                    finally:
+                        if scope.cancel_called:
+                            stopped = call  # answered below, outside the spent scope
+                        else:
+                            self._done(call)
+                    streak += 1
+                    if streak >= _FAIRNESS_STREAK:
+                        # Handlers that never wait would otherwise keep this worker from
+                        # yielding while the queue stays full.
+                        streak = 0
+                        await anyio.lowlevel.checkpoint()
+            if stopped is not None:
+                await self._reply(stopped)
+        finally:
+            if stopped is not None:
+                self._done(stopped)
+        return True
+
+    async def _wait_for_work(self) -> bool:
+        """Park until a call is queued; False when this worker should exit instead."""
+        if self._closed or self._workers - self._parked > self._capacity:
+            return False
+        event = anyio.Event()
+        self._idle.append(event)
+        await event.wait()
+        return True
 
     def _done(self, call: Call) -> None:
         self._proto.done(call)
@@ -251,28 +236,34 @@ class Dispatcher:
             return deadline
         return anyio.current_time() + (deadline - time.monotonic())
 
-    async def _run(self, call: Call, scope: anyio.CancelScope) -> None:
-        """Run one call inside its worker's ``scope`` and reply.
-
-        If ``scope`` gets cancelled for this call (CANCEL, deadline, shutdown), the outcome
-        is left in ``call.result``/``call.failure`` and the worker replies once it has left
-        the spent scope (see :meth:`_reply`).
-        """
+    def _refused(self, call: Call, deadline: float) -> bool:
+        """Whether a call a worker took must not run (cancelled, shutdown, already late)."""
         if call.cancelled:
-            return
+            return True
         if self._proto.hard_stop:
             call.shutdown = True
             self._reply_stopped(call)
-            return
-        deadline = self._deadline(call)
-        finite = deadline != math.inf
-        if finite and anyio.current_time() >= deadline:
+            return True
+        if deadline != math.inf and anyio.current_time() >= deadline:
             self._error(
                 call,
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"{call.spec.qualname} was already past its deadline when a worker took it",
             )
+            return True
+        return False
+
+    async def _run(self, call: Call, scope: anyio.CancelScope) -> None:
+        """Run one call inside its worker's ``scope`` and reply.
+
+        If ``scope`` gets cancelled for this call (CANCEL, deadline, shutdown), the outcome
+        is left in ``call.result``/``call.failure`` and the worker replies once it has left
+        the spent scope (see `_reply`).
+        """
+        deadline = self._deadline(call)
+        if self._refused(call, deadline):
             return
+        finite = deadline != math.inf
         args = self._decode(call)
         if args is None:
             return
@@ -390,7 +381,7 @@ class Dispatcher:
         if call.failure is not None:
             self._reply_exception(call, call.failure)
             return
-        if call.result is _MISSING:
+        if call.result is MISSING:
             self._reply_stopped(call)
             return
         encoded = self._encode(call, call.result)

@@ -1,4 +1,5 @@
-"""The exception tree: everything tensorrpc raises derives from :class:`TensorRPCError`.
+"""The exception tree: everything tensorrpc raises derives from
+[`TensorRPCError`][tensorrpc.TensorRPCError].
 
 ```
 TensorRPCError
@@ -29,8 +30,9 @@ TensorRPCError
 └─ ClosedError                              you closed the client/server and then used it
 ```
 
-Errors that cross the wire travel as an :class:`ErrorCode` plus text; they are rebuilt
-here by :func:`error_from_wire` and are never pickled.
+Errors that cross the wire travel as an [`ErrorCode`][tensorrpc.ErrorCode] plus text; they are
+rebuilt
+here by `error_from_wire` and are never pickled.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class ValidationError(SerializationError):
 
 
 class TransportError(TensorRPCError):
-    """The peer or the network broke (as opposed to :class:`ClosedError`)."""
+    """The peer or the network broke (as opposed to [`ClosedError`][tensorrpc.ClosedError])."""
 
 
 class ConnectError(TransportError):
@@ -244,7 +246,7 @@ class ClosedError(TensorRPCError):
 
 
 class ErrorCode(IntEnum):
-    """Error classes that travel in an ERROR message (see docs/protocol.md)."""
+    """Error classes that travel in an ERROR message (see [Wire protocol](protocol.md))."""
 
     #: The handler raised; ``type``/``message``/``traceback`` describe it.
     REMOTE = 1

@@ -1,6 +1,6 @@
 """A stable identifier for this host and boot, used to detect peers on the same host.
 
-Two processes see the same :func:`host_id` when they run on the same machine, in the
+Two processes see the same `host_id` when they run on the same machine, in the
 same boot, under the same hostname (and the same ``/etc/machine-id``). Containers on one
 machine usually differ in hostname and machine id, so they are (conservatively) treated
 as different hosts: their ``/dev/shm`` is not necessarily shared either.

@@ -4,12 +4,12 @@ Nothing here reads a clock: every time is a parameter (seconds, any monotonic or
 
 Rules:
 
-1. A side pings each peer at least :data:`PINGS_PER_BOUND` times per the dead-after bound
+1. A side pings each peer at least `PINGS_PER_BOUND` times per the dead-after bound
    the *peer* announced, and never less often than its own heartbeat interval, so that no
    peer declares it dead while both are healthy.
 2. A bound of 0 (an older peer that announced none) imposes nothing.
 3. Backoff doubles from its minimum up to its cap and starts again from the minimum after
-   :meth:`Backoff.reset`.
+   `Backoff.reset`.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def ping_interval(own_interval: float, peer_dead_after_ms: int) -> float:
 
     Returns:
         ``own_interval``, shortened so that the peer hears at least
-        :data:`PINGS_PER_BOUND` PINGs per its bound; never below
-        :data:`MIN_PING_INTERVAL_S`.
+        `PINGS_PER_BOUND` PINGs per its bound; never below
+        `MIN_PING_INTERVAL_S`.
     """
     if peer_dead_after_ms <= 0:
         return own_interval

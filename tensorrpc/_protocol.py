@@ -11,9 +11,10 @@ Rules this module keeps:
 
 1. Nothing here performs I/O or imports zmq, asyncio, anyio or trio.
 2. Everything decoded from the wire is checked; any violation raises
-   :class:`~tensorrpc.RemoteProtocolError` and nothing else (ormsgpack errors included).
+   [`RemoteProtocolError`][tensorrpc.RemoteProtocolError] and nothing else (ormsgpack errors
+   included).
 3. Everything we are asked to encode is checked too; a violation raises
-   :class:`~tensorrpc.LocalProtocolError` before any byte is produced.
+   [`LocalProtocolError`][tensorrpc.LocalProtocolError] before any byte is produced.
 4. Header packing and unpacking run once per message: they use one precompiled
    ``struct.Struct`` and small bounded caches, and never copy payload or buffer frames.
 """
@@ -140,7 +141,7 @@ class MessageKind(IntEnum):
     CANCEL = 5
     #: engine → client: the call's return value; codec payload (+ buffers).
     RESULT = 6
-    #: engine → client: the call failed; :class:`ErrorInfo` body.
+    #: engine → client: the call failed; `ErrorInfo` body.
     ERROR = 7
     #: engine → client: one item of a streaming call; codec payload (+ buffers).
     STREAM_ITEM = 8
@@ -150,15 +151,15 @@ class MessageKind(IntEnum):
     PING = 10
     #: either way: answer to PING, echoing its ``call_id``; empty payload.
     PONG = 11
-    #: either way: the sender is leaving; :class:`Bye` body.
+    #: either way: the sender is leaving; `Bye` body.
     BYE = 12
-    #: client → engine: the consumer of a stream took ``n`` more items; :class:`Credit` body.
+    #: client → engine: the consumer of a stream took ``n`` more items; `Credit` body.
     CREDIT = 13
     #: client → engine: the client attached to the shared-memory tensors of these result
-    #: leases (``torch_shm``); the engine may reuse their memory. :class:`Release` body.
+    #: leases (``torch_shm``); the engine may reuse their memory. `Release` body.
     RELEASE = 14
     #: engine → client, once after a WELCOME that carried a ``challenge``: the engine's
-    #: answer to it (``torch_shm`` proof of its process id); :class:`Proof` body.
+    #: answer to it (``torch_shm`` proof of its process id); `Proof` body.
     PROOF = 15
 
 
@@ -195,7 +196,7 @@ class Flags(IntFlag):
     #: Every out-of-band result tensor should travel by ``torch_shm`` handle (the call's
     #: transport is ``torch_shm``).
     SHM_RESULTS_ALL = 8
-    #: The header frame ends with a :data:`TRACE_CONTEXT_BYTES`-byte W3C trace context
+    #: The header frame ends with a `TRACE_CONTEXT_BYTES`-byte W3C trace context
     #: (after the method name). Sent only to engines that list ``"trace_context"`` in
     #: HELLO's ``features``.
     TRACE = 16
@@ -264,11 +265,11 @@ class Header:
         call_id: The call it belongs to; 0 for connection-level kinds (HELLO, WELCOME,
             REJECT, BYE; and ERROR about the connection rather than a call). PING/PONG
             carry an opaque nonce.
-        flags: :class:`Flags`; only CALL may set any.
+        flags: `Flags`; only CALL may set any.
         timeout_ms: CALL only: relative deadline in milliseconds, 0 for none.
         method: CALL only: the method name (non-empty).
         trace: CALL with the ``TRACE`` flag only: the binary W3C trace context
-            (:data:`TRACE_CONTEXT_BYTES` bytes); empty otherwise.
+            (`TRACE_CONTEXT_BYTES` bytes); empty otherwise.
     """
 
     #: What the message is.
@@ -353,14 +354,14 @@ def _check_int(name: str, value: object, maximum: int) -> int:
 def pack_call_header(
     call_id: int, method: str, flags: int = 0, timeout_ms: int = 0, trace: bytes = b""
 ) -> bytes:
-    """Pack the header frame of a CALL (the hot path: no :class:`Header` object).
+    """Pack the header frame of a CALL (the hot path: no `Header` object).
 
     Args:
         call_id: The call id, 1..2**64-1.
         method: The method name (1..255 UTF-8 bytes).
-        flags: :class:`Flags` bits (``TRACE`` is set from ``trace``, never by the caller).
+        flags: `Flags` bits (``TRACE`` is set from ``trace``, never by the caller).
         timeout_ms: Relative deadline in milliseconds (0 = none, at most 2**32-1).
-        trace: A binary W3C trace context of :data:`TRACE_CONTEXT_BYTES` bytes to carry
+        trace: A binary W3C trace context of `TRACE_CONTEXT_BYTES` bytes to carry
             (sets the ``TRACE`` flag), or empty for none.
 
     Returns:
@@ -391,11 +392,11 @@ def pack_call_header(
 
 
 def with_trace(header: bytes, trace: bytes) -> bytes:
-    """Add a trace context to a CALL header frame made by :func:`pack_call_header`.
+    """Add a trace context to a CALL header frame made by `pack_call_header`.
 
     Args:
         header: A CALL header frame without the ``TRACE`` flag.
-        trace: The binary W3C trace context, :data:`TRACE_CONTEXT_BYTES` bytes.
+        trace: The binary W3C trace context, `TRACE_CONTEXT_BYTES` bytes.
 
     Returns:
         The header frame with the ``TRACE`` flag set and ``trace`` appended.
@@ -460,7 +461,7 @@ def _check_kind_call_id(kind: object, call_id: object) -> MessageKind:
 
 
 def pack_header(header: Header) -> bytes:
-    """Pack a :class:`Header` into its frame.
+    """Pack a `Header` into its frame.
 
     Args:
         header: The header to pack.
@@ -886,7 +887,7 @@ class Welcome:
 class Reject:
     """REJECT body: the handshake is refused."""
 
-    #: One of :class:`RejectReason`'s codes (unknown codes are accepted and kept).
+    #: One of `RejectReason`'s codes (unknown codes are accepted and kept).
     reason: str
     #: Human-readable explanation naming what differs.
     message: str = ""
@@ -929,7 +930,7 @@ class Proof:
 class ErrorInfo:
     """ERROR body: why a call (or, with call_id 0, the connection) failed."""
 
-    #: An :class:`~tensorrpc.ErrorCode` value (unknown codes are kept as plain ints).
+    #: An [`ErrorCode`][tensorrpc.ErrorCode] value (unknown codes are kept as plain ints).
     code: int
     #: Qualified name of the remote exception type ("" when not applicable).
     type: str = ""
@@ -1090,7 +1091,7 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
 
     Args:
         kind: The message kind.
-        body: The body dataclass matching ``kind`` (:class:`Hello` for HELLO, ...), or None
+        body: The body dataclass matching ``kind`` (`Hello` for HELLO, ...), or None
             for CANCEL, STREAM_END, PING and PONG.
         call_id: The call id for call-level kinds (CANCEL, STREAM_END, CREDIT, ERROR), the
             nonce for PING/PONG, 0 otherwise.
@@ -1216,7 +1217,7 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
     missing keys, wrong types and over-long values are errors.
 
     Args:
-        header: The message's header (from :func:`unpack_header` or :func:`split_frames`).
+        header: The message's header (from `unpack_header` or `split_frames`).
         payload: The payload frame.
 
     Returns:

@@ -1,6 +1,6 @@
 """Type hints → compiled validators and converters (sans-I/O).
 
-:func:`compile_type` turns one annotation into a :class:`TypeSpec` node with two jobs:
+`compile_type` turns one annotation into a `TypeSpec` node with two jobs:
 
 * ``check`` (send side): verify a Python value against the annotation and return the
   value to put on the wire. That is the value itself almost always; an ``int`` given for
@@ -12,9 +12,9 @@
   typed value: a ``tuple`` from a list, a dataclass from a map, an ``Enum`` member from
   its value.
 
-Both raise :class:`~tensorrpc.ValidationError` naming the path of the bad value
+Both raise [`ValidationError`][tensorrpc.ValidationError] naming the path of the bad value
 (``req.items[3].x``) and what was expected. Internally every node is a pair of closures
-that raise the cheap :class:`_Invalid` without building any path string; the path is
+that raise the cheap `_Invalid` without building any path string; the path is
 assembled only when a value is actually rejected, so a valid call pays for no string
 work at all. Containers whose elements are plain scalars are checked with one C-level
 pass (``[*map(type, value)].count(int) == len(value)``) instead of a Python loop, and are
@@ -32,7 +32,7 @@ Supported annotations: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes`
 dataclasses (nested and recursive, by field name), ``torch.Tensor``, ``numpy.ndarray``
 (also ``numpy.typing.NDArray[...]``, checked as any ndarray), and ``Annotated``/``NewType``
 wrappers of these. ``Any``, bare ``list``/``dict``/``tuple`` and everything else are
-refused with :class:`~tensorrpc.ServiceDefinitionError`.
+refused with [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 #: A compiled half of a node: takes a value, returns the converted value or raises
-#: :class:`_Invalid`.
+#: `_Invalid`.
 Converter = Callable[[Any], Any]
 
 _NoneType = type(None)
@@ -122,7 +122,8 @@ class _Invalid(Exception):
     """Internal, cheap rejection raised by compiled converters.
 
     Containers catch it only to push their path segment and re-raise, so the full path is
-    assembled once, when the public API turns it into a :class:`ValidationError`.
+    assembled once, when the public API turns it into a
+    [`ValidationError`][tensorrpc.ValidationError].
     """
 
     def __init__(self, expected: str, value: object, reason: str | None = None) -> None:
@@ -159,7 +160,7 @@ def too_deep(method: str, root: str) -> ValidationError:
 
 
 class CompiledType:
-    """The one concrete :class:`TypeSpec`: a description and two compiled converters.
+    """The one concrete `TypeSpec`: a description and two compiled converters.
 
     Attributes:
         description: Normalised, stable text for the type.
@@ -722,7 +723,7 @@ def _enum_node(cls: type[enum.Enum], where: str) -> CompiledType:
 
 
 class _Ctx:
-    """State of one :func:`compile_type` call: where, localns, dataclasses in progress.
+    """State of one `compile_type` call: where, localns, dataclasses in progress.
 
     ``fast=False`` compiles the reference form, for tests: containers check their elements
     with the plain set-of-types pass and dataclasses with the field-by-field loops, no
@@ -1147,7 +1148,7 @@ def _hashable(tp: object) -> bool:
 def compile_type(
     tp: object, *, where: str, localns: Mapping[str, Any] | None = None
 ) -> CompiledType:
-    """Compile a resolved type annotation into a :class:`TypeSpec`.
+    """Compile a resolved type annotation into a `TypeSpec`.
 
     Args:
         tp: The annotation, already resolved (no strings), e.g. ``list[int]``.

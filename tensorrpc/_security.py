@@ -5,16 +5,18 @@ authenticated) protects ``tcp://`` and ``ipc://`` connections. Its roles are **Z
 independent of bind/connect**:
 
 * the *CURVE server* holds a keypair whose public key its peers know in advance, and
-  decides which clients it accepts (:class:`CurveServerConfig`, with an allow-list);
+  decides which clients it accepts ([`CurveServerConfig`][tensorrpc.CurveServerConfig], with an
+  allow-list);
 * a *CURVE client* holds its own keypair and the server's public key
-  (:class:`CurveClientConfig`); it refuses any peer that cannot prove it holds the
+  ([`CurveClientConfig`][tensorrpc.CurveClientConfig]); it refuses any peer that cannot prove it
+  holds the
   server's secret key.
 
 The simplest rule, and the one the docs recommend: **the binding side is the CURVE
 server**. A CURVE-server socket may also ``connect`` (ZMQ allows either pairing), which is
 how a socket that both binds and connects keeps one role.
 
-Client keys are checked by a ZAP handler (:class:`ZapAuthenticator`): one background thread
+Client keys are checked by a ZAP handler (`ZapAuthenticator`): one background thread
 per ZMQ context, because the ZAP endpoint ``inproc://zeromq.zap.01`` is per context.
 Each CURVE-server socket registers its own ZAP domain with its own allow-list, so servers
 in one process can accept different clients. The handler starts with the first secured
@@ -24,8 +26,8 @@ domain, and it runs an asyncio loop inside its thread; the handler here is a pla
 blocking poll loop of about forty lines, independent of the caller's event loop (asyncio
 or trio).
 
-Keys are z85-encoded bytes (40 characters), as :func:`zmq.curve_keypair` returns them.
-Key files use ZMQ's certificate format (readable by :func:`zmq.auth.load_certificate`):
+Keys are z85-encoded bytes (40 characters), as `zmq.curve_keypair` returns them.
+Key files use ZMQ's certificate format (readable by `zmq.auth.load_certificate`):
 ``NAME.key`` holds the public key, ``NAME.key_secret`` both keys, written with mode 0600.
 """
 
@@ -359,8 +361,8 @@ class _Domain:
 class ZapAuthenticator:
     """The ZAP handler of one ZMQ context, shared by all its CURVE-server sockets.
 
-    Obtain it with :meth:`acquire` (which starts it on first use) and give it back with
-    :meth:`release` (which stops it when no socket uses it any more); :func:`apply_curve`
+    Obtain it with `acquire` (which starts it on first use) and give it back with
+    `release` (which stops it when no socket uses it any more); `apply_curve`
     does both for you. Decisions, per request:
 
     1. ``NULL`` mechanism: accepted (libzmq only asks for NULL sockets that set a ZAP domain).
@@ -370,7 +372,7 @@ class ZapAuthenticator:
 
     The handler owns the context's ZAP endpoint: a context can have only one, so another
     handler (e.g. pyzmq's ``ThreadAuthenticator``) on the same context makes
-    :meth:`acquire` fail.
+    `acquire` fail.
 
     Args:
         context: The ZMQ context whose ZAP requests this handler answers.
@@ -390,7 +392,7 @@ class ZapAuthenticator:
 
     @classmethod
     def acquire(cls, context: zmq.Context[zmq.Socket[bytes]]) -> ZapAuthenticator:
-        """Return the context's handler, starting it if needed; pair with :meth:`release`.
+        """Return the context's handler, starting it if needed; pair with `release`.
 
         Raises:
             ConnectError: The context's ZAP endpoint is taken by another handler.
@@ -405,7 +407,7 @@ class ZapAuthenticator:
             return auth
 
     def release(self) -> None:
-        """Give back one :meth:`acquire`; the last one stops the handler thread."""
+        """Give back one `acquire`; the last one stops the handler thread."""
         with self._lock:
             self._users -= 1
             if self._users > 0:
@@ -573,7 +575,8 @@ def auth_statistics(sock: zmq.Socket[bytes]) -> AuthStatistics:
     """The handshakes a CURVE-server socket accepted and denied so far.
 
     Args:
-        sock: A socket configured with a :class:`CurveServerConfig` (``AsyncSocket.socket``).
+        sock: A socket configured with a [`CurveServerConfig`][tensorrpc.CurveServerConfig]
+            (``AsyncSocket.socket``).
 
     Raises:
         ValueError: The socket is not a tensorrpc CURVE server.
@@ -652,7 +655,7 @@ def apply_curve(
 ) -> Callable[[], None] | None:
     """Set the CURVE options of ``sock``; call before it binds or connects.
 
-    For a server this registers a ZAP domain with the context's :class:`ZapAuthenticator`
+    For a server this registers a ZAP domain with the context's `ZapAuthenticator`
     (starting it if needed) and returns the function that unregisters it; call that once
     the socket is closed. If a server's handler is ever missing, libzmq refuses its clients
     (``ZAP_ENFORCE_DOMAIN``) rather than accepting everyone.

@@ -17,7 +17,7 @@ Rules this module keeps:
 
 1. Every socket operation happens on the event-loop thread; a receive loop never waits
    on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full).
-2. The memory of every zero-copy send is held (:class:`~tensorrpc._zmq.PendingSends`)
+2. The memory of every zero-copy send is held (`PendingSends`)
    until ZMQ's tracker says it is done.
 3. Shutdown drains: new CALLs get DRAINING, running calls get ``grace_period`` to finish,
    then are cancelled (and get an ERROR), BYE goes to every client, sockets close.
@@ -54,6 +54,8 @@ from tensorrpc._protocol import (
     ErrorInfo,
     Hello,
     MessageKind,
+    Welcome,
+    encode_control,
     encode_error,
     pack_reply_header,
 )
@@ -67,6 +69,7 @@ from tensorrpc._server_protocol import (
     SessionEnded,
     SessionStarted,
     ShmPeer,
+    WelcomedAgain,
 )
 from tensorrpc._service import describe
 from tensorrpc._zmq import DEFAULT_OPTIONS, AsyncSocket, PendingSends, SocketOptions, create_socket
@@ -135,7 +138,7 @@ class ServerConfig:
     #: lowered to the largest frame ``codec`` accepts (the larger of ``max_tensor_bytes``
     #: and ``max_payload_bytes``), and announced in HELLO.
     socket_options: SocketOptions | None = None
-    #: CURVE encryption and authentication (see docs/security.md); None: plaintext.
+    #: CURVE encryption and authentication (see [Security](security.md)); None: plaintext.
     curve: CurveConfig | None = None
     #: Offer and use the ``torch_shm`` tensor transport with clients on this host.
     torch_shm: bool = True
@@ -255,6 +258,14 @@ def _hello_signature(spec: MethodSpec) -> str:
     return text[: MAX_SIGNATURE_CHARS - 5] + " ..."
 
 
+_STATISTICS_REFUSED: Final = ErrorInfo(
+    int(ErrorCode.METHOD_NOT_FOUND),
+    "",
+    "statistics are only given to authenticated peers: this engine's CURVE socket accepts "
+    "any client key (set allowed_clients)",
+)
+
+
 def _addresses_of(value: str | Sequence[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -309,7 +320,7 @@ class Server:
         sock_options = cfg.socket_options or DEFAULT_OPTIONS
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
-        self._proto = ServerProtocol(self._settings(instance), call_factory=Call)
+        self._proto = ServerProtocol(self._settings(instance))
         self._pending = PendingSends()
         self._dispatch = Dispatcher(
             self._proto,
@@ -672,7 +683,7 @@ class Server:
                     size += len(frame)
                 call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
                 if call is not None:
-                    self._accepted(cast("Call", call), size)
+                    self._accepted(call, size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
@@ -695,7 +706,7 @@ class Server:
                 body = cast("list[Buffer]", frames[1:])
                 call = receive(route, body, monotonic(), size - len(route))
                 if call is not None:
-                    self._accepted(cast("Call", call), size)
+                    self._accepted(call, size)
                 self._flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
@@ -713,13 +724,7 @@ class Server:
         """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
         session, call_id = event.session, event.call_id
         if not _observe.statistics_allowed(self._config.curve):
-            error = ErrorInfo(
-                int(ErrorCode.METHOD_NOT_FOUND),
-                "",
-                "statistics are only given to authenticated peers: this engine's CURVE "
-                "socket accepts any client key (set allowed_clients)",
-            )
-            self._send_now(session.key, encode_error(call_id, error))
+            self._send_now(session.key, encode_error(call_id, _STATISTICS_REFUSED))
             return
         if self._recorder is None:
             self._recorder = _observe.StatisticsRecorder()
@@ -749,7 +754,7 @@ class Server:
         if proto.wakeups:
             wakeups, proto.wakeups = proto.wakeups, []
             for call in wakeups:
-                cast("Call", call).wake()
+                call.wake()
         if proto.events:
             events, proto.events = proto.events, []
             for event in events:
@@ -761,7 +766,7 @@ class Server:
         elif isinstance(event, Released):
             self._policy.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
-            self._negotiate_shm(event.session, event)
+            self._negotiate_shm(event.session, event.welcome)
             logger.info("engine %r joined client %s", self._engine_id, event.session.name)
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
@@ -769,6 +774,8 @@ class Server:
             self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
             log = logger.warning if event.warn else logger.info
             log("client %s %s", event.session.name, event.why)
+        elif isinstance(event, WelcomedAgain):
+            self._negotiate_shm(event.session, event.welcome)
         elif isinstance(event, AllRejected):
             self._fail(
                 HandshakeRejectedError(
@@ -778,25 +785,15 @@ class Server:
                 )
             )
 
-    def _negotiate_shm(self, session: Session, event: SessionStarted) -> None:
-        # The client lists torch_shm only if it opened our probe; we open its probe to know
-        # whether we can attach to the arguments it sends by handle.
-        welcome = event.welcome
-        host = _host_id()
-        policy = self._policy
-        session.shm = ShmPeer(
-            pid=welcome.pid,
-            peer_receives=bool(policy.probe())
-            and welcome.host_id == host
-            and "torch_shm" in welcome.transports,
-            we_receive=policy.can_receive_from(
-                our_host=host,
-                peer_host=welcome.host_id,
-                offered=welcome.transports,
-                probe=welcome.probe,
-                pid=welcome.pid,
-            ),
+    def _negotiate_shm(self, session: Session, welcome: Welcome) -> None:
+        # torch_shm only with a client that proved its pid (docs/protocol.md §8.1): the
+        # policy checks its answer to our HELLO's challenge; our PROOF answers its own.
+        (pid, send, receive), proof = self._policy.on_welcome(
+            session, welcome, our_host=_host_id(), challenge=session.challenge
         )
+        session.shm = ShmPeer(pid=pid, peer_receives=send, we_receive=receive)
+        if proof is not None:
+            self._send_now(session.key, encode_control(MessageKind.PROOF, proof))
 
     def _fail(self, error: BaseException) -> None:
         """Stop serving because of ``error`` (raised by serve_forever)."""

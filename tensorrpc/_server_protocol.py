@@ -1,11 +1,11 @@
 """The engine's side of the protocol as a state machine, sans-I/O: frames and ``now`` in.
 
-:class:`ServerProtocol` holds every decision an engine makes about its clients: sessions
+`ServerProtocol` holds every decision an engine makes about its clients: sessions
 and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
 dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
-I/O shell (:mod:`tensorrpc._server`) feeds it messages and the time, sends the frames it
-queues in :attr:`ServerProtocol.outbox`, runs the calls it returns and wakes the calls
-it lists in :attr:`ServerProtocol.wakeups`. Nothing here imports zmq, anyio, asyncio,
+I/O shell (`_server`) feeds it messages and the time, sends the frames it
+queues in `ServerProtocol.outbox`, runs the calls it returns and wakes the calls
+it lists in `ServerProtocol.wakeups`. Nothing here imports zmq, anyio, asyncio,
 trio, threading or ``time``.
 
 A client is named by an opaque hashable *key*: its routing id on a listening engine, the
@@ -26,14 +26,14 @@ Rules this module keeps (numbered as the tests cite them):
    most ``max_strangers`` entries, the oldest evicted first, each forgotten after
    ``dead_after`` without a completed handshake.
 5. Every CALL whose call id can be read gets exactly one answer: accepted (and later one
-   final reply) or one ERROR naming the refusal (:data:`ADMISSION`).
+   final reply) or one ERROR naming the refusal (`ADMISSION`).
 6. A CALL reusing the id of a call in flight cancels the original (which then sends
    nothing) and is answered with one ERROR(id, PROTOCOL).
 7. A call gets at most one final reply, none once it is cancelled, and nothing after it.
 8. A stream sends at most ``stream_window + sum(CREDIT n)`` items; window 0 means no
    item before the first CREDIT.
 9. ``in_flight`` equals the number of calls in the session tables; a call leaves its
-   table exactly once (:meth:`ServerProtocol.done`).
+   table exactly once (`ServerProtocol.done`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
@@ -66,26 +66,32 @@ from tensorrpc._protocol import (
     encode_error,
     split_frames,
 )
+from tensorrpc.transports._shm_auth import new_challenge
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Mapping, Sequence
 
     from typing_extensions import Buffer
 
+    from tensorrpc._observe import CallObservation
     from tensorrpc._service import MethodSpec
 
 __all__ = [
     "ADMISSION",
+    "MISSING",
     "TRANSITIONS",
     "AllRejected",
     "BuiltinCall",
+    "Cancellable",
     "ProtocolSettings",
     "ServerCall",
     "ServerProtocol",
     "Session",
     "SessionEnded",
     "SessionStarted",
+    "WelcomedAgain",
     "SessionState",
+    "Settable",
     "ShmPeer",
     "readable_call_id",
 ]
@@ -106,6 +112,8 @@ _HEADER: Final = struct.Struct("<2sBBHHQI")
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
 _INF: Final = float("inf")
+#: ``ServerCall.result`` before the handler returned.
+MISSING: Final = object()
 #: First HELLO re-send delay of a dial-in engine; doubles up to the heartbeat interval.
 HELLO_RETRY_MIN_S: Final = 0.05
 
@@ -184,7 +192,7 @@ class ShmPeer:
 
 @dataclass(frozen=True, slots=True)
 class ProtocolSettings:
-    """What a :class:`ServerProtocol` needs to know about its engine.
+    """What a `ServerProtocol` needs to know about its engine.
 
     Args:
         hello: The HELLO body to announce (``epoch`` and ``dead_after_ms`` are filled in
@@ -214,11 +222,25 @@ class ProtocolSettings:
     builtins: frozenset[str] = frozenset()
 
 
+class Cancellable(Protocol):
+    """What the shell hangs on a call to stop it (its cancel scope)."""
+
+    def cancel(self) -> None:
+        """Stop the running handler."""
+
+
+class Settable(Protocol):
+    """What the shell hangs on a call to wake it (the event a stream waits on)."""
+
+    def set(self) -> None:
+        """Wake the waiter."""
+
+
 class ServerCall:
     """One accepted call, from admission until its worker is done with it.
 
-    The shell may subclass it (adding slots for its cancel scope and wake-up event);
-    :meth:`ServerProtocol.receive` builds calls through the factory it was given.
+    The last five slots belong to the I/O shell (one object per call, built in one
+    ``__init__``: the hot path); the protocol never reads them.
     """
 
     __slots__ = (
@@ -226,13 +248,18 @@ class ServerCall:
         "buffers",
         "call_id",
         "cancelled",
+        "credit_event",
         "credits",
         "deadline",
+        "failure",
         "fn",
         "key",
+        "observed",
         "parked",
         "payload",
+        "result",
         "results",
+        "scope",
         "session",
         "shutdown",
         "spec",
@@ -274,6 +301,26 @@ class ServerCall:
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
         self.trace = trace
+        #: Shell: the cancel scope the handler runs in, while it runs.
+        self.scope: Cancellable | None = None
+        #: Shell: what a stream waiting for credit waits on.
+        self.credit_event: Settable | None = None
+        #: Shell: the handler's return value (``MISSING`` until it returns).
+        self.result: object = MISSING
+        #: Shell: the exception the handler raised.
+        self.failure: BaseException | None = None
+        #: Shell: what the engine's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
+
+    def wake(self) -> None:
+        """Stop the call if it is cancelled or shut down, and wake its credit wait."""
+        if self.cancelled or self.shutdown:
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+        event = self.credit_event
+        if event is not None:
+            event.set()
 
 
 class Session:
@@ -284,6 +331,7 @@ class Session:
         "bytes_out",
         "calls",
         "calls_total",
+        "challenge",
         "client_epoch",
         "client_id",
         "created",
@@ -319,6 +367,8 @@ class Session:
         self.next_ping = now + heartbeat
         self.hello_backoff = Backoff(min(HELLO_RETRY_MIN_S, heartbeat), heartbeat)
         self.hello_frames: list[bytes] = []
+        #: ``torch_shm``: the fresh challenge of this session's HELLO (empty: not offered).
+        self.challenge = b""
         self.calls: dict[int, ServerCall] = {}
         self.parked = 0
         self.calls_total = 0
@@ -337,6 +387,15 @@ class Session:
 @dataclass(frozen=True, slots=True)
 class SessionStarted:
     """A client's WELCOME was accepted: the shell decides ``session.shm`` now."""
+
+    session: Session
+    welcome: Welcome
+
+
+@dataclass(frozen=True, slots=True)
+class WelcomedAgain:
+    """A repeated WELCOME of a live session that carries a ``torch_shm`` challenge: the
+    shell answers it again (PROOF), since the client waits for that answer."""
 
     session: Session
     welcome: Welcome
@@ -377,7 +436,7 @@ class Released:
     leases: tuple[int, ...]
 
 
-Event = SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall
+Event = SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall | WelcomedAgain
 Outgoing = tuple["Hashable", list[bytes], bool]
 
 
@@ -413,13 +472,13 @@ class ServerProtocol:
 
     Args:
         settings: The engine's identity and limits.
-        call_factory: Builds accepted calls (the shell's :class:`ServerCall` subclass).
+        call_factory: Builds accepted calls (the shell's `ServerCall` subclass).
         new_epoch: Draws a session epoch (non-zero u64); tests pass a counter.
 
     The shell reads what to do from three lists after each input, and empties them:
-    :attr:`outbox` (``(key, frames, is_hello)`` to send), :attr:`wakeups` (calls whose
-    cancellation or credit its waiters must see) and :attr:`events` (session-level
-    news). :attr:`pending` is True when any of them has entries.
+    `outbox` (``(key, frames, is_hello)`` to send), `wakeups` (calls whose
+    cancellation or credit its waiters must see) and `events` (session-level
+    news). `pending` is True when any of them has entries.
     """
 
     def __init__(
@@ -458,7 +517,7 @@ class ServerProtocol:
         self.draining = False
         #: Shutdown cancelled the running calls.
         self.hard_stop = False
-        #: The earliest time :meth:`tick` has something to do.
+        #: The earliest time `tick` has something to do.
         self.wake_at = 0.0
         self.calls_total = 0
         self.errors_total = 0
@@ -495,7 +554,10 @@ class ServerProtocol:
         """Enter GREETING with a new epoch (a new session): HELLO is due now."""
         session.state = SessionState.GREETING
         session.epoch = epoch = self._new_epoch() & _U64 or 1
-        session.hello_frames = encode_control(MessageKind.HELLO, replace(self._hello, epoch=epoch))
+        # torch_shm: a fresh challenge per session, answered in WELCOME (protocol §8.1).
+        session.challenge = challenge = new_challenge() if self._hello.probe else b""
+        hello = replace(self._hello, epoch=epoch, challenge=challenge)
+        session.hello_frames = encode_control(MessageKind.HELLO, hello)
         session.client_epoch = 0
         session.client_id = ""
         session.created = now
@@ -599,7 +661,7 @@ class ServerProtocol:
 
         Returns:
             The call to queue for a worker when the message is an accepted CALL (it is
-            already in :attr:`queue`), else None.
+            already in `queue`), else None.
         """
         session = self.sessions.get(key)
         if session is None:
@@ -666,7 +728,7 @@ class ServerProtocol:
         buffers: Sequence[Buffer],
         now: float,
     ) -> ServerCall | None:
-        """The admission table (:data:`ADMISSION`) for a CALL of a live session."""
+        """The admission table (`ADMISSION`) for a CALL of a live session."""
         call_id: int = header.call_id
         calls = session.calls
         original = calls.get(call_id)
@@ -833,6 +895,8 @@ class ServerProtocol:
             return
         if session.state is SessionState.LIVE:
             if not welcome.epoch or welcome.epoch == session.client_epoch:
+                if welcome.challenge:  # it waits for the PROOF of its torch_shm challenge
+                    self.events.append(WelcomedAgain(session, welcome))
                 return  # a repeated WELCOME of this session
             # The client started a new session (it lost the old one): the old calls go,
             # without replies; our epoch stays, since the client welcomed it.
@@ -859,8 +923,8 @@ class ServerProtocol:
         """Run the timers: silent clients, PINGs, HELLO re-sends, stale strangers.
 
         Returns:
-            The time at which :meth:`tick` next has something to do (also kept in
-            :attr:`wake_at`; inputs may move it earlier).
+            The time at which `tick` next has something to do (also kept in
+            `wake_at`; inputs may move it earlier).
         """
         wake = now + self._heartbeat
         dead_after = self._dead_after
@@ -914,7 +978,7 @@ class ServerProtocol:
     # -- calls, for the workers -------------------------------------------------------------
 
     def next_call(self) -> ServerCall | None:
-        """Take the oldest queued call for a worker (counted busy until :meth:`done`)."""
+        """Take the oldest queued call for a worker (counted busy until `done`)."""
         queue = self.queue
         if not queue:
             return None

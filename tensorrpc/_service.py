@@ -6,7 +6,8 @@ function, ``*args``/``**kwargs``/keyword-only parameters, missing annotations).
 module globals plus the namespace the class was defined in, so local classes and
 ``from __future__ import annotations`` both work), compiles the validators, generates a
 Request and a Response dataclass per method and computes the schema fingerprint. Every
-error is raised while the class statement runs, as :class:`ServiceDefinitionError`.
+error is raised while the class statement runs, as
+[`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
 
 Rules (also in docs/internals.md, section `_service.py`):
 
@@ -77,7 +78,8 @@ class MethodSpec:
     The four helpers ``encode_args``, ``decode_args``, ``check_result`` and
     ``decode_result`` run on every call. They are compiled closures stored as attributes
     (called like methods, without the cost of a bound-method hop) and all raise
-    :class:`~tensorrpc.ValidationError` naming the method, the path and the expected type.
+    [`ValidationError`][tensorrpc.ValidationError] naming the method, the path and the expected
+    type.
     """
 
     #: The service's name.
@@ -200,7 +202,7 @@ def service(
 
     Both ``@service`` and ``@service(name="calc")`` work; the default name is the class
     name. The spec is compiled now (so every mistake surfaces at class definition) and stored
-    on the class; read it with :func:`describe`.
+    on the class; read it with [`describe`][tensorrpc.describe].
 
     Raises:
         ServiceDefinitionError: The class has no ``@rpc`` methods, or one of them cannot
@@ -226,7 +228,8 @@ def service(
 
 
 def describe(service: type | object) -> ServiceSpec:
-    """Return the :class:`ServiceSpec` of a ``@service`` class or of an instance of one.
+    """Return the [`ServiceSpec`][tensorrpc.ServiceSpec] of a ``@service`` class or of an instance
+    of one.
 
     Raises:
         ServiceDefinitionError: The class is not a service, or is an undecorated subclass
@@ -690,9 +693,9 @@ def _as_is(value: object) -> object:
 
 
 def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec:
-    """A :class:`MethodSpec` for calling ``name`` without the service class.
+    """A [`MethodSpec`][tensorrpc.MethodSpec] for calling ``name`` without the service class.
 
-    Used by a schemaless client (:meth:`tensorrpc.Client.dynamic`), which sends its
+    Used by a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]), which sends its
     arguments as a map of parameter name -> value (the engine validates them with its own
     spec) and returns results as the codec decoded them: ``check_result`` and
     ``decode_result`` pass values through unchanged. ``encode_args`` takes positional

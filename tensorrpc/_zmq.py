@@ -1,6 +1,6 @@
 """The only module that touches sockets: safe socket defaults and async send/recv on anyio.
 
-pyzmq's own ``zmq.asyncio`` does not run on trio, so :class:`AsyncSocket` wraps a plain
+pyzmq's own ``zmq.asyncio`` does not run on trio, so `AsyncSocket` wraps a plain
 (synchronous) pyzmq socket and waits through anyio on the socket's ``ZMQ_FD``. That file
 descriptor is *edge-triggered* and shared by reads and writes: it becomes readable when
 the socket's internal mailbox has commands, and any ``send``, ``recv`` or ``EVENTS`` read
@@ -15,17 +15,17 @@ may consume that edge. The rules this module follows:
    (which drains the mailbox, so a level-triggered registration cannot spin) and wakes
    the waiting tasks (plain futures) whose condition it shows. On other backends (trio)
    only one task at a time waits on the FD through ``anyio.wait_readable``; other tasks
-   that need to wait park on an :class:`anyio.Event` that the FD waiter sets whenever it
+   that need to wait park on an `anyio.Event` that the FD waiter sets whenever it
    wakes up.
 4. After every successful operation, if a task is parked on the FD, we read ``EVENTS`` and
    wake that task if its condition became true (our operation may have eaten the edge).
 5. Multipart messages are atomic in ZMQ, so a ``NOBLOCK`` send or receive either moves the
-   whole message or nothing: a cancelled :meth:`AsyncSocket.send` sent all or nothing and
-   a cancelled :meth:`AsyncSocket.recv` lost nothing (all awaits happen before the
+   whole message or nothing: a cancelled `AsyncSocket.send` sent all or nothing and
+   a cancelled `AsyncSocket.recv` lost nothing (all awaits happen before the
    operation, or are shielded after it).
 6. Sockets are used from the event-loop thread only.
 
-All zmq errors are translated to tensorrpc errors in :func:`translate_zmq_error`.
+All zmq errors are translated to tensorrpc errors in `translate_zmq_error`.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ _ENDPOINT_ERRNOS: Final = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class SocketOptions:
-    """Socket options applied by :func:`create_socket`; the defaults are the safe ones."""
+    """Socket options applied by `create_socket`; the defaults are the safe ones."""
 
     #: Outgoing queue bound, in messages, per peer (0 would mean unlimited: avoid).
     sndhwm: int = 10_000
@@ -151,7 +151,8 @@ class SocketOptions:
     #: Unanswered probes before the connection is dropped.
     tcp_keepalive_cnt: int = 3
     #: ROUTER only: sending to an unknown routing id raises
-    #: :class:`~tensorrpc.PeerUnreachableError` instead of dropping the message silently.
+    #: [`PeerUnreachableError`][tensorrpc.PeerUnreachableError] instead of dropping the message
+    #: silently.
     router_mandatory: bool = True
     #: ROUTER only: a new connection with a live routing id takes it over (an engine
     #: restarted under the same id before the old connection was noticed dead).
@@ -183,7 +184,7 @@ class SocketOptions:
                 raise ValueError(f"{name} must not be negative")
 
 
-#: The default :class:`SocketOptions`.
+#: The default [`SocketOptions`][tensorrpc.SocketOptions].
 DEFAULT_OPTIONS: Final = SocketOptions()
 
 
@@ -196,10 +197,10 @@ def translate_zmq_error(exc: zmq.ZMQError, what: str = "", *, peer: bytes = b"")
         peer: The routing id the failed send was addressed to, when known.
 
     Returns:
-        :class:`~tensorrpc.PeerUnreachableError` for ``EHOSTUNREACH``;
-        :class:`~tensorrpc.ClosedError` when the socket or context was closed;
-        :class:`~tensorrpc.ConnectError` for bad or unavailable endpoints;
-        :class:`~tensorrpc.TransportError` for anything else.
+        [`PeerUnreachableError`][tensorrpc.PeerUnreachableError] for ``EHOSTUNREACH``;
+        [`ClosedError`][tensorrpc.ClosedError] when the socket or context was closed;
+        [`ConnectError`][tensorrpc.ConnectError] for bad or unavailable endpoints;
+        [`TransportError`][tensorrpc.TransportError] for anything else.
     """
     code = exc.errno
     prefix = f"{what}: " if what else ""
@@ -216,7 +217,7 @@ def translate_zmq_error(exc: zmq.ZMQError, what: str = "", *, peer: bytes = b"")
 
 @contextlib.contextmanager
 def map_zmq_errors(what: str = "", *, peer: bytes = b"") -> Iterator[None]:
-    """Translate pyzmq errors raised in the block (see :func:`translate_zmq_error`).
+    """Translate pyzmq errors raised in the block (see `translate_zmq_error`).
 
     Args:
         what: What the block does, for error messages.
@@ -239,7 +240,7 @@ def create_socket(
     routing_id: bytes | None = None,
     curve: CurveConfig | None = None,
 ) -> AsyncSocket:
-    """Create a socket with safe defaults and wrap it in an :class:`AsyncSocket`.
+    """Create a socket with safe defaults and wrap it in an `AsyncSocket`.
 
     Args:
         socket_type: ``zmq.ROUTER``, ``zmq.DEALER``, ...
@@ -248,15 +249,15 @@ def create_socket(
         routing_id: This socket's routing id as its peers' ROUTERs will see it (1-255
             bytes, not starting with a zero byte, which ZMQ reserves).
         curve: Encrypt and authenticate every ``tcp://``/``ipc://`` connection with
-            CURVE: a :class:`~tensorrpc._security.CurveServerConfig` (this socket holds
+            CURVE: a `CurveServerConfig` (this socket holds
             the server key and checks clients against its allow-list; a per-socket ZAP
             domain is registered with the context's ZAP handler until the socket closes)
-            or a :class:`~tensorrpc._security.CurveClientConfig`. The role does not depend
+            or a `CurveClientConfig`. The role does not depend
             on bind/connect; usually the binding side is the server. ``inproc://``
             connections are not encrypted. None: no CURVE (plaintext).
 
     Returns:
-        The wrapped socket; close it with :meth:`AsyncSocket.aclose`.
+        The wrapped socket; close it with `AsyncSocket.aclose`.
 
     Raises:
         ValueError: ``routing_id`` or a CURVE key is malformed.
@@ -313,17 +314,17 @@ def _check_routing_id(routing_id: bytes) -> None:
 class AsyncSocket:
     """A pyzmq socket driven from anyio (asyncio or trio), one per event-loop thread.
 
-    Any number of tasks may call :meth:`send` and :meth:`recv` concurrently; the socket
+    Any number of tasks may call `send` and `recv` concurrently; the socket
     itself must only be used from the thread running the event loop.
 
     Zero-copy: with ``copy=False`` (the default) buffers of at least ``copy_threshold``
     bytes are handed to ZMQ without copying; ZMQ keeps a reference to them until it has
     sent them, but **their contents must not change** until then. Send with
-    ``track=True`` and keep the owners of the memory (see :class:`PendingSends`) until
+    ``track=True`` and keep the owners of the memory (see `PendingSends`) until
     ``tracker.done``.
 
     Args:
-        sock: A configured pyzmq socket (see :func:`create_socket`); this object owns it.
+        sock: A configured pyzmq socket (see `create_socket`); this object owns it.
         on_close: Called once, after the socket is closed (e.g. to release its ZAP domain).
     """
 
@@ -386,7 +387,7 @@ class AsyncSocket:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`aclose` (or :meth:`close`) was called."""
+        """Whether `aclose` (or `close`) was called."""
         return self._closed
 
     @property
@@ -447,7 +448,7 @@ class AsyncSocket:
             self._sock.connect(endpoint)
 
     def disconnect(self, endpoint: str) -> None:
-        """Undo :meth:`connect` for ``endpoint``.
+        """Undo `connect` for ``endpoint``.
 
         Raises:
             ClosedError: The socket is closed.
@@ -649,8 +650,8 @@ class AsyncSocket:
 
         True after 32 operations in a row that did not wait, or once 2 ms have passed
         since the socket last waited or yielded (including the time its user spent
-        handling what it received). A loop that receives with :meth:`recv_nowait` calls
-        this after each message and yields when it is true; :meth:`recv` does so itself.
+        handling what it received). A loop that receives with `recv_nowait` calls
+        this after each message and yields when it is true; `recv` does so itself.
         """
         now = _monotonic()
         if self._streak >= _FAIRNESS_STREAK or now - self._since >= _FAIRNESS_S:
@@ -848,10 +849,10 @@ class AsyncSocket:
             raise ClosedError("the socket is closed")
 
     def close(self) -> None:
-        """Close the socket now (synchronous form of :meth:`aclose`).
+        """Close the socket now (synchronous form of `aclose`).
 
         Must not be called while another task waits on this socket outside an event loop;
-        inside one, tasks waiting in :meth:`send`/:meth:`recv` get :class:`ClosedError`.
+        inside one, tasks waiting in `send`/`recv` get [`ClosedError`][tensorrpc.ClosedError].
         """
         if self._closed:
             return
@@ -885,7 +886,7 @@ class AsyncSocket:
     async def aclose(self) -> None:
         """Close the socket, remove the ipc:// files it bound, wake its waiters.
 
-        Tasks waiting in :meth:`send` or :meth:`recv` raise :class:`~tensorrpc.ClosedError`.
+        Tasks waiting in `send` or `recv` raise [`ClosedError`][tensorrpc.ClosedError].
         Messages still queued are dropped after ``linger_ms``. Idempotent.
         """
         self.close()
@@ -911,8 +912,8 @@ class PendingSends:
     """Keeps the memory of zero-copy sends alive until ZMQ is done with it.
 
     The pattern of vLLM's ``add_pending_message``: after ``send(..., track=True)``, call
-    :meth:`add` with the tracker and the objects owning the sent buffers (tensors,
-    contiguous temporaries). Done entries are dropped cheaply on every :meth:`add`, so the
+    `add` with the tracker and the objects owning the sent buffers (tensors,
+    contiguous temporaries). Done entries are dropped cheaply on every `add`, so the
     list stays as short as the number of messages ZMQ still holds.
 
     Args:
@@ -932,7 +933,7 @@ class PendingSends:
         """Hold ``keepalive`` until ``tracker`` is done (nothing to do if it already is).
 
         Args:
-            tracker: What :meth:`AsyncSocket.send` returned with ``track=True``.
+            tracker: What `AsyncSocket.send` returned with ``track=True``.
             keepalive: The objects owning the sent buffers (any object; a list is fine).
         """
         self.prune()

@@ -18,6 +18,7 @@ Rules for authors (also in docs/index.md, "About these pages"):
 from __future__ import annotations
 
 import hashlib
+import html
 import importlib.util
 import os
 import re
@@ -247,14 +248,28 @@ def _missing_docs_toolchain() -> str | None:
     return None
 
 
-@pytest.mark.slow
-def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class BuiltSite:
+    """One ``mkdocs build`` of the docs: its log, exit status and output directory."""
+
+    log: str
+    returncode: int
+    root: Path
+
+    def page(self, name: str) -> str:
+        """The HTML of ``name.md`` (the offline plugin writes ``name.html``)."""
+        return (self.root / f"{name}.html").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory: pytest.TempPathFactory) -> BuiltSite:
     missing = _missing_docs_toolchain()
     if missing is not None:
         pytest.skip(f"{missing} is not installed: pip install -e '.[docs]' to check the site")
+    site = tmp_path_factory.mktemp("site")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "s")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -262,15 +277,63 @@ def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
         timeout=300,
         check=False,
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
-    warnings = [line for line in log.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    return BuiltSite(proc.stdout + proc.stderr, proc.returncode, site)
+
+
+@pytest.mark.slow
+def test_mkdocs_build_is_strict_clean(built_site: BuiltSite) -> None:
+    assert built_site.returncode == 0, built_site.log
+    log = built_site.log.splitlines()
+    warnings = [line for line in log if line.startswith(("WARNING", "ERROR"))]
     assert warnings == []
-    reference = (tmp_path / "s" / "reference" / "index.html").read_text(encoding="utf-8")
+    reference = built_site.page("reference")
     import tensorrpc
 
     missing_names = [n for n in tensorrpc.__all__ if f'id="tensorrpc.{n}"' not in reference]
     assert missing_names == [], "the API reference does not render these exported names"
+
+
+#: A Sphinx role left in a docstring, as it shows in the rendered text.
+_SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|attr|data|exc|mod|obj|const):`")
+#: A mkdocstrings cross-reference that did not resolve: autorefs leaves the source text.
+_UNRESOLVED_REF = re.compile(r"\[[^\]\n]{1,80}\]\[[\w.]+\]")
+#: Headings of dunder members (``tensorrpc.Client.__aenter__``) in the reference.
+_DUNDER_ID = re.compile(r'id="(tensorrpc[\w.]*\.__\w+__)"')
+
+
+def rendering_problems(page_html: str) -> list[str]:
+    """Literal Sphinx roles, unresolved cross-references and dunder headings in a page."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", page_html))
+    return [
+        *(f"Sphinx role {m!r}" for m in _SPHINX_ROLE.findall(text)),
+        *(f"unresolved reference {m!r}" for m in _UNRESOLVED_REF.findall(text)),
+        *(f"dunder member {m!r}" for m in _DUNDER_ID.findall(page_html)),
+    ]
+
+
+def test_rendering_problems_are_found() -> None:
+    page = (
+        '<h3 id="tensorrpc.Client.__aenter__">x</h3><p>Raises :class:`<code>Foo</code>`'
+        "; see [<code>Client</code>][tensorrpc.Nope]; fine: <a href=x>Client</a></p>"
+    )
+    assert rendering_problems(page) == [
+        "Sphinx role ':class:`'",
+        "unresolved reference '[Client][tensorrpc.Nope]'",
+        "dunder member 'tensorrpc.Client.__aenter__'",
+    ]
+    assert rendering_problems("<p>a <code>[x][y]</code> b</p>") == ["unresolved reference '[x][y]'"]
+
+
+@pytest.mark.slow
+def test_rendered_pages_have_no_sphinx_roles_unresolved_references_or_dunders(
+    built_site: BuiltSite,
+) -> None:
+    pages = sorted(built_site.root.glob("*.html"))
+    assert len(pages) >= 15
+    problems = {
+        p.name: found for p in pages if (found := rendering_problems(p.read_text(encoding="utf-8")))
+    }
+    assert problems == {}
 
 
 # -- the extractor itself ------------------------------------------------------------------

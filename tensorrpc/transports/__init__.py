@@ -1,10 +1,10 @@
 """Tensor transports: where the bytes of a large tensor travel.
 
-The codec talks to a transport through two small protocols, :class:`TensorPlacer`
-(sending side) and :class:`TensorResolver` (receiving side). The runtime picks a transport
+The codec talks to a transport through two small protocols, `TensorPlacer`
+(sending side) and `TensorResolver` (receiving side). The runtime picks a transport
 per call (``client.stub(transport="auto" | "frames" | "torch_shm")``, see
 docs/transports.md) and reports what each moved in ``statistics().transports``
-(:class:`TransportStatistics`).
+([`TransportStatistics`][tensorrpc.TransportStatistics]).
 """
 
 from __future__ import annotations

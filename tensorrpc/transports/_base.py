@@ -1,11 +1,11 @@
 """Plug points between the codec and the tensor transports.
 
-The codec (:mod:`tensorrpc._codec`) decides *that* a tensor is large enough to travel out of
+The codec (`_codec`) decides *that* a tensor is large enough to travel out of
 band; a tensor transport decides *where* its bytes live. The codec only ever sees a
 transport's name and an opaque handle (``bytes``); what the handle means (a shared-memory
 segment name, a CUDA IPC handle, ...) is the transport's business.
 
-Both plug points are :class:`typing.Protocol` classes, so a transport needs no base class:
+Both plug points are `typing.Protocol` classes, so a transport needs no base class:
 any object with the right method fits.
 
 On the wire a placed tensor is the descriptor ``[dtype, shape, Location.HANDLE,
@@ -26,8 +26,8 @@ __all__ = ["TensorPlacer", "TensorResolver"]
 class TensorPlacer(Protocol):
     """Decides, per message, where a large tensor's bytes go (sending side).
 
-    A placer is used for one :func:`tensorrpc._codec.encode` call (one message). The codec
-    calls :meth:`place` for every tensor of at least ``CodecConfig.inline_threshold`` bytes,
+    A placer is used for one `_codec.encode` call (one message). The codec
+    calls `place` for every tensor of at least ``CodecConfig.inline_threshold`` bytes,
     in the order the tensors appear in the value; smaller tensors always ride inline.
     Writable numpy arrays are offered as the C-contiguous ``torch.Tensor`` that shares
     their memory (``torch.from_numpy``); read-only arrays are not offered.

@@ -1,7 +1,7 @@
 """Which tensor transport a message uses, and the counters that say what happened.
 
-One :class:`TransportPolicy` per :class:`~tensorrpc.Client` or engine
-:class:`~tensorrpc.Server` owns that endpoint's :class:`TorchShmTransport` (when torch_shm
+One `TransportPolicy` per [`Client`][tensorrpc.Client] or engine
+[`Server`][tensorrpc.Server] owns that endpoint's `TorchShmTransport` (when torch_shm
 is enabled and the platform has it) and decides, per message and per tensor, where bytes
 go:
 
@@ -14,21 +14,29 @@ go:
   should have taken but could not (pool full, unsupported layout) counts as a fallback;
   a large tensor to a peer on another host is not a fallback, frames are the plan there.
 
-Whether the peer "can take it" is decided at handshake: same host id, the peer offers
-``torch_shm``, and the peer's probe handle opens here (so a peer whose ``/proc`` fds we
-cannot open is detected, not assumed).
+Whether the peer "can take it" is decided at handshake, from what the peer *proved*, not
+what it claimed (docs/protocol.md §8.1): same host id, the peer offers ``torch_shm``, and
+it answered our fresh challenge with an HMAC keyed by the secret in its probe memfd, which
+we read through ``/proc/<its pid>/fd``. Only a proven peer gets tensors by handle or a
+resolver; any other peer's handles are refused without a word about files or descriptors.
+The handshake methods here (`TransportPolicy.challenge`,
+`TransportPolicy.welcome_fields`, `TransportPolicy.on_welcome`,
+`TransportPolicy.on_proof`) are the calls the client and engine make.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 import torch
 
 from tensorrpc._exceptions import TensorTransportError
+from tensorrpc._protocol import Hello, Proof, Welcome
+from tensorrpc.transports._shm_auth import CHALLENGE_BYTES, Role, ShmLink, decide, new_challenge
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
     ShmPlacer,
@@ -58,11 +66,33 @@ logger = logging.getLogger("tensorrpc.transports")
 
 #: Tensor transport names a call may ask for.
 TransportName = Literal["auto", "frames", "torch_shm"]
-#: The accepted values of :data:`TransportName`.
+#: The accepted values of [`TransportName`][tensorrpc.TransportName].
 TRANSPORTS: Final = frozenset({"auto", "frames", "torch_shm"})
 #: ``auto`` sends CPU tensors of at least this many bytes by torch_shm (see
 #: docs/transports.md for the measurement behind it).
 DEFAULT_SHM_THRESHOLD: Final = 64 << 10
+#: Most peers with a torch_shm handshake state (the oldest is forgotten beyond it).
+MAX_LINKS: Final = 4096
+#: ``(pid, we send handles, we resolve handles)`` for a peer that may not use torch_shm.
+NO_SHM: Final = (0, False, False)
+
+
+class WelcomeShm:
+    """The torch_shm fields of a WELCOME (see `TransportPolicy.welcome_fields`)."""
+
+    __slots__ = ("challenge", "probe", "proof", "transports")
+
+    def __init__(
+        self, transports: tuple[str, ...], probe: bytes, challenge: bytes, proof: bytes
+    ) -> None:
+        #: Transports the client offers.
+        self.transports = transports
+        #: The client's probe handle.
+        self.probe = probe
+        #: The client's challenge for the engine (empty: expect no PROOF).
+        self.challenge = challenge
+        #: The client's answer to the HELLO's challenge.
+        self.proof = proof
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +127,7 @@ class TransportStatistics:
 class PolicyPlacer:
     """The codec's placer for one message: applies the policy, delegates to torch_shm.
 
-    Made by :meth:`TransportPolicy.placer`; :attr:`lease` is the torch_shm lease to
+    Made by `TransportPolicy.placer`; `lease` is the torch_shm lease to
     release when the peer confirms it attached (None: nothing went by handle).
     """
 
@@ -191,6 +221,7 @@ class TransportPolicy:
             self.shm = TorchShmTransport()
         self.shm_threshold = shm_threshold
         self._probe: bytes | None = None
+        self._links: dict[Hashable, ShmLink] = {}
         self._frames = [0, 0, 0, 0]
         self._fallbacks = 0
 
@@ -211,20 +242,132 @@ class TransportPolicy:
                     logger.warning("torch_shm disabled: %s", exc)
         return self._probe
 
-    def can_receive_from(
-        self, *, our_host: str, peer_host: str, offered: Sequence[str], probe: bytes, pid: int
-    ) -> bool:
-        """Whether we can attach to the peer's torch_shm handles.
+    def _link(self, peer: Hashable) -> ShmLink:
+        links = self._links
+        link = links.get(peer)
+        if link is None:
+            while len(links) >= MAX_LINKS:
+                del links[next(iter(links))]  # the oldest handshake state goes first
+            link = links[peer] = ShmLink(new_challenge())
+        return link
 
-        True when torch_shm is on here, the host ids match, the peer offers torch_shm and
-        its probe handle opens here and holds the expected pattern.
-        """
+    def _enabled(self) -> bool:
+        return self.shm is not None and bool(self.probe())
+
+    def _decide(
+        self,
+        link: ShmLink,
+        *,
+        our_host: str,
+        claim: tuple[int, str, tuple[str, ...], bytes],
+        proof: bytes,
+        role: Role,
+    ) -> tuple[int, bool, bool]:
         shm = self.shm
-        if shm is None or not self.probe() or peer_host != our_host:
-            return False
-        if TRANSPORT_NAME not in offered or not probe or pid <= 0:
-            return False
-        return shm.check_probe(probe, pid)
+        pid, host, offers, probe = claim
+        decide(
+            link,
+            enabled=shm is not None and self._enabled(),
+            our_pid=os.getpid(),
+            our_host=our_host,
+            peer_pid=pid,
+            peer_host=host,
+            peer_offers=offers,
+            probe=probe,
+            proof=proof,
+            peer_role=role,
+            read_secret=shm.read_peer_secret if shm is not None else lambda _h: None,
+        )
+        return (link.pid, link.send, link.receive)
+
+    def challenge(self, peer: Hashable) -> bytes:
+        """Engine: the challenge for this client's HELLO (kept until the peer is gone)."""
+        if not self._enabled():
+            return b""
+        return self._link(peer).challenge
+
+    def welcome_fields(self, peer: Hashable, hello: Hello, *, our_host: str) -> WelcomeShm:
+        """Client: the torch_shm fields of the WELCOME answering ``hello``.
+
+        The proof is only computed for an engine on the same host that offers torch_shm
+        with a challenge of the right size and a pid other than ours. Until
+        `on_proof` the engine gets no handle and its handles are refused.
+        """
+        none = WelcomeShm(("frames",), b"", b"", b"")
+        shm = self.shm
+        if shm is None or not self._enabled():
+            return none
+        if (
+            hello.host_id != our_host
+            or TRANSPORT_NAME not in hello.transports
+            or len(hello.challenge) != CHALLENGE_BYTES
+            or not hello.probe
+            or hello.pid in (0, os.getpid())
+        ):
+            return none
+        link = self._links.get(peer)
+        if link is None or link.peer_challenge != hello.challenge:
+            self._links.pop(peer, None)
+            link = self._link(peer)
+            link.peer_challenge = hello.challenge
+            link.claim = (hello.pid, hello.host_id, tuple(hello.transports), hello.probe)
+        try:
+            proof = shm.prove(Role.CLIENT, verifier_pid=hello.pid, challenge=hello.challenge)
+        except TensorTransportError:
+            return none
+        return WelcomeShm(self.offered(), self.probe(), link.challenge, proof)
+
+    def settled(self, peer: Hashable) -> tuple[int, bool, bool] | None:
+        """Client: the engine's torch_shm state once its PROOF came, None while pending."""
+        link = self._links.get(peer)
+        if link is None or not link.settled:
+            return None
+        return (link.pid, link.send, link.receive)
+
+    def on_welcome(
+        self, peer: Hashable, welcome: Welcome, *, our_host: str, challenge: bytes | None = None
+    ) -> tuple[tuple[int, bool, bool], Proof | None]:
+        """Engine: decide torch_shm with a client from its WELCOME.
+
+        ``challenge`` is the one our HELLO to this client carried (default: the one
+        `challenge` made for ``peer``).
+
+        Returns:
+            ``((pid, send, receive), proof)``: the client's proven pid (0: not proven)
+            and whether we send it handles and resolve its handles; the PROOF to send
+            back (None when the WELCOME carried no challenge). The PROOF is empty unless
+            the client's own proof verified.
+        """
+        link = self._link(peer)
+        if challenge is not None:
+            link.challenge = challenge
+        claim = (welcome.pid, welcome.host_id, tuple(welcome.transports), welcome.probe)
+        state = self._decide(
+            link, our_host=our_host, claim=claim, proof=welcome.proof, role=Role.CLIENT
+        )
+        if not welcome.challenge:
+            return state, None
+        proof = b""
+        shm = self.shm
+        if link.proven and shm is not None and len(welcome.challenge) == CHALLENGE_BYTES:
+            try:
+                proof = shm.prove(Role.ENGINE, verifier_pid=link.pid, challenge=welcome.challenge)
+            except TensorTransportError:
+                proof = b""
+        if not proof:
+            link.pid = 0
+            link.send = link.receive = False
+            state = NO_SHM
+        return state, Proof(proof)
+
+    def on_proof(self, peer: Hashable, body: Proof, *, our_host: str) -> tuple[int, bool, bool]:
+        """Client: decide torch_shm with an engine from its PROOF (answer to our WELCOME)."""
+        link = self._links.get(peer)
+        if link is None or link.claim is None or link.settled:
+            return NO_SHM if link is None else (link.pid, link.send, link.receive)
+        return self._decide(
+            link, our_host=our_host, claim=link.claim, proof=body.proof, role=Role.ENGINE
+        )
 
     # -- per message -----------------------------------------------------------------------
 
@@ -250,14 +393,22 @@ class TransportPolicy:
         return PolicyPlacer(self, inner, threshold, cuda_only=False)
 
     def resolver(self, peer_pid: int) -> ShmResolver | None:
-        """A resolver for handles from the process ``peer_pid`` (None: torch_shm is off)."""
+        """A resolver for handles from the *proven* process ``peer_pid``.
+
+        Returns:
+            None when torch_shm is off here; a resolver that refuses every handle (a
+            ``TensorTransportError`` naming no file) when ``peer_pid`` is 0 (not proven)
+            or our own pid.
+        """
         shm = self.shm
-        if shm is None or peer_pid <= 0:
+        if shm is None:
             return None
+        if peer_pid <= 0 or peer_pid == os.getpid():
+            return shm.refusing_resolver()
         try:
             return shm.resolver(peer_pid)
         except TensorTransportError:
-            return None
+            return shm.refusing_resolver()
 
     def sent_frames(self, buffers: Sequence[memoryview]) -> None:
         """Count the out-of-band frames of one sent message."""
@@ -298,6 +449,7 @@ class TransportPolicy:
 
     def peer_gone(self, peer: Hashable, pid: int) -> None:
         """The peer died or left: drop its leases and unmap its segments."""
+        self._links.pop(peer, None)
         shm = self.shm
         if shm is not None:
             shm.release_peer(peer)

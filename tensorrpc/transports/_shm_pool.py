@@ -2,16 +2,16 @@
 
 Three pieces, none of which knows about handles or the wire:
 
-* :func:`map_shared` maps a file descriptor with ``mmap(2)`` through ctypes and returns a
+* `map_shared` maps a file descriptor with ``mmap(2)`` through ctypes and returns a
   ``uint8`` tensor over the mapping. The mapping is unmapped when the last tensor viewing
-  it dies, and it holds **no file descriptor** (Python's :class:`mmap.mmap` keeps a
+  it dies, and it holds **no file descriptor** (Python's `mmap.mmap` keeps a
   ``dup()`` of the descriptor open for as long as it lives, which would cost one
   descriptor per received tensor).
-* :class:`SegmentPool` owns ``memfd_create(2)`` segments (nothing is ever named in
+* `SegmentPool` owns ``memfd_create(2)`` segments (nothing is ever named in
   ``/dev/shm``, so nothing can be left there, even after ``kill -9``) and hands out
   64-byte aligned regions of them with a first-fit free list. Segments are kept and reused:
   creating and faulting in a fresh segment per transfer costs several times the copy.
-* :class:`BufferCache` recycles the receiver's private destination buffers for large
+* `BufferCache` recycles the receiver's private destination buffers for large
   tensors: when the user drops a received tensor its pages go back to a free list instead
   of to the kernel, so the next copy-out writes to pages that are already faulted in.
 """
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PAGE_SIZE",
+    "map_shared_owned",
     "REGION_ALIGN",
     "REGION_HEADER",
     "BufferCache",
@@ -110,7 +111,7 @@ def map_shared(fd: int, length: int, offset: int = 0, *, populate: bool = False)
     Args:
         fd: an open file descriptor; it may be closed as soon as this returns.
         length: bytes to map (> 0).
-        offset: file offset, a multiple of :data:`PAGE_SIZE`.
+        offset: file offset, a multiple of `PAGE_SIZE`.
         populate: fault every page in now (one system call instead of one fault per page).
 
     Returns:
@@ -121,6 +122,21 @@ def map_shared(fd: int, length: int, offset: int = 0, *, populate: bool = False)
     """
     flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
     return _tensor_over(_mmap(fd, length, offset, flags), length)
+
+
+def map_shared_owned(fd: int, length: int, *, on_unmap: Callable[[int, int], None]) -> torch.Tensor:
+    """Map all ``length`` bytes of ``fd`` and give the descriptor to the mapping.
+
+    When the last view of the mapping dies, ``on_unmap(addr, fd)`` runs (it must close
+    ``fd``), then the memory is unmapped.
+    """
+    addr = _mmap(fd, length, 0, mmap.MAP_SHARED)
+
+    def recycle(addr: int, _length: int) -> bool:
+        on_unmap(addr, fd)
+        return False
+
+    return _tensor_over(addr, length, recycle)
 
 
 def memfd_device() -> int:
@@ -168,7 +184,7 @@ class Segment:
         self.used = 0
 
     def alloc(self, n: int) -> int | None:
-        """Take ``n`` bytes (a multiple of :data:`REGION_ALIGN`); return the offset or None."""
+        """Take ``n`` bytes (a multiple of `REGION_ALIGN`); return the offset or None."""
         for i, block in enumerate(self.free):
             off, size = block
             if size >= n:
@@ -182,7 +198,7 @@ class Segment:
         return None
 
     def release(self, off: int, n: int) -> None:
-        """Give back a range taken by :meth:`alloc`, merging it with free neighbours."""
+        """Give back a range taken by `alloc`, merging it with free neighbours."""
         self.used -= n
         i = bisect.bisect_left(self.free, [off, 0])
         if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == off:
@@ -298,7 +314,7 @@ def _size_class(n: int) -> int:
 class BufferCache:
     """Recycled anonymous buffers for the receiver's copies of large tensors.
 
-    A buffer handed out by :meth:`empty` belongs to the tensor built on it. When that tensor
+    A buffer handed out by `empty` belongs to the tensor built on it. When that tensor
     (and every view of it) dies, the pages come back here, up to ``max_idle_bytes``, and the
     next tensor of a similar size reuses them. Thread-safe; buffers may die in any thread.
 
@@ -314,11 +330,6 @@ class BufferCache:
         self._free: dict[int, list[int]] = {}
         self._idle = 0
         self._closed = False
-
-    @property
-    def idle_bytes(self) -> int:
-        """Bytes held for reuse right now."""
-        return self._idle
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A fresh (uninitialised) contiguous ``uint8`` tensor of ``nbytes``."""

@@ -16,8 +16,8 @@ import anyio
 import pytest
 
 from tensorrpc._client import Client
+from tensorrpc._engines import unavailable_message
 from tensorrpc._exceptions import EnginesUnavailableError
-from tensorrpc._routing import unavailable_message
 from tensorrpc._security import (
     CurveClientConfig,
     CurveKeyPair,

@@ -60,14 +60,14 @@ async def test_per_tensor_limit_is_an_encode_error_on_either_side(tmp_path: Path
     codec = CodecConfig(max_tensor_bytes=16 * 1024)
     async with Server(Probe(), bind=f"ipc://{tmp_path}/e.sock", codec=codec) as server:
         assert server.endpoint is not None
-        async with Client(Probe, connect=server.endpoint, codec_config=codec) as client:
+        async with Client(Probe, connect=server.endpoint, codec=codec) as client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
             with pytest.raises(EncodeError, match="max_tensor_bytes"):
                 await client.stub(transport="frames").scale(_big(32 * 1024), 1.0)
             # results over the engine's limit (two 24 KiB tensors): it refuses to send them
             loose = CodecConfig(max_tensor_bytes=1 << 30)
-            async with Client(Probe, connect=server.endpoint, codec_config=loose) as other:
+            async with Client(Probe, connect=server.endpoint, codec=loose) as other:
                 with anyio.fail_after(WAIT):
                     await other.wait_for_engines(1)
                     with pytest.raises(RemoteError, match="max_tensor_bytes"):

@@ -114,8 +114,11 @@ class FakeEngine:
             frames = [self.peer, *frames]
         await self.sock.send(frames)
 
+    def hello_frames(self) -> list[bytes]:
+        return encode_control(MessageKind.HELLO, Hello(**self.hello_fields))
+
     async def send_hello(self) -> None:
-        await self.send(encode_control(MessageKind.HELLO, Hello(**self.hello_fields)))
+        await self.send(self.hello_frames())
 
     async def next(self, *kinds: MessageKind, wait: float = 5.0) -> Message:
         """The next message of one of ``kinds`` (PING/PONG are answered and skipped)."""

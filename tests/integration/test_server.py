@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -573,3 +574,132 @@ def test_host_id_is_the_same_in_another_process() -> None:
     )
     assert other.stdout.strip() == host_id()
     assert host_id().startswith(socket.gethostname()[:200] + "/")
+
+
+# -- issue 10: sessions, answers to every readable call id, credit, BYE (over sockets) -------
+
+
+async def test_a_reused_call_id_cancels_the_original_and_gets_one_protocol_error(
+    tmp_path: Path,
+) -> None:
+    async with engine(tmp_path) as (server, peer, probe):
+        peer.call("block", "dup", call_id=500)
+        with anyio.fail_after(WAIT):
+            await probe.started("dup").wait()
+        peer.call("block", "dup2", call_id=500)
+        info = (await peer.expect(MessageKind.ERROR, 500)).error()
+        assert info.code == ErrorCode.PROTOCOL
+        assert "already in flight" in info.message
+        with anyio.fail_after(WAIT):
+            await probe.done("dup").wait()
+        assert probe.events["dup"] == "cancelled"
+        assert "dup2" not in probe.events
+        # nothing more for id 500: the next message is the answer to the next call
+        assert await peer.result(peer.call("add", 1)) == 2
+        assert server.statistics().in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("frame", "fault"),
+    [
+        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x80, 0, 77, 0) + b"add", "unknown flag bits"),
+        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 1, 77, 0) + b"add", "reserved"),
+        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 0, 77, 0), "method name"),
+        (struct.pack("<2sBBHHQI", b"TR", 9, 4, 0, 0, 77, 0) + b"add", "version 9"),
+    ],
+)
+async def test_a_bad_call_header_with_a_readable_call_id_is_answered(
+    tmp_path: Path, frame: bytes, fault: str
+) -> None:
+    async with engine(tmp_path) as (_, peer, _):
+        peer.send([frame, b"\x91\x01"])
+        info = (await peer.expect(MessageKind.ERROR, 77)).error()
+        assert info.code == ErrorCode.PROTOCOL
+        assert fault in info.message
+
+
+async def test_a_malformed_welcome_gets_a_reject_with_the_reason(tmp_path: Path) -> None:
+    async with (
+        open_peer(SPEC, bind=f"ipc://{tmp_path}/c") as (peer, address),
+        Server(Probe(), connect=address, engine_id="e1"),
+    ):
+        msg = await peer.expect(MessageKind.HELLO)
+        peer.route = msg.route
+        header = struct.pack("<2sBBHHQI", b"TR", 1, int(MessageKind.WELCOME), 0, 0, 0, 0)
+        peer.send([header, b"\x81\xa9client_id\x07"])
+        reject = (await peer.expect(MessageKind.REJECT)).body()
+        assert isinstance(reject, Reject)
+        assert reject.reason == "protocol"
+        assert "client_id" in reject.message
+
+
+async def test_stream_window_zero_sends_nothing_before_the_first_credit(tmp_path: Path) -> None:
+    async with engine(tmp_path, stream_window=0) as (_, peer, probe):
+        call_id = peer.call("count", 4, "w0", flags=Flags.STREAM)
+        assert await peer.result(peer.call("add", 1)) == 2  # the engine had time to run
+        assert probe.produced.get("w0", 0) == 0
+        peer.credit(call_id, 2)
+        items = [(await peer.expect(MessageKind.STREAM_ITEM, call_id)).value() for _ in range(2)]
+        assert items == [0, 1]
+        assert await peer.result(peer.call("add", 1)) == 2
+        assert probe.produced["w0"] == 2
+
+
+async def test_after_a_clients_bye_hello_waits_until_it_speaks_again(tmp_path: Path) -> None:
+    async with engine(tmp_path, heartbeat_interval=0.05, dead_after=1.0) as (server, peer, _):
+        first = peer.hello
+        assert first is not None
+        peer.control(MessageKind.BYE, Bye("closed"))
+        with anyio.move_on_after(0.4):  # 8 heartbeats: no HELLO (and nothing else) comes
+            msg = await peer.recv(hello=True)
+            raise AssertionError(f"unexpected {msg.kind!r} after BYE")
+        assert server.statistics().clients[0].state == "parted"
+        peer.control(MessageKind.PING, None, 1)
+        hello = (await peer.expect(MessageKind.HELLO)).body()
+        assert isinstance(hello, Hello)
+        assert hello.epoch not in (0, first.epoch)
+
+
+async def test_a_stalled_client_gets_a_new_epoch_when_it_speaks_again(tmp_path: Path) -> None:
+    async with engine(tmp_path, "ipc-listen", heartbeat_interval=0.05, dead_after=0.3) as (
+        server,
+        peer,
+        probe,
+    ):
+        first = peer.hello
+        assert first is not None
+        peer.call("block", "stall")
+        with anyio.fail_after(WAIT):
+            await probe.started("stall").wait()
+            await probe.done("stall").wait()  # the peer stalls: its session ends
+        assert probe.events["stall"] == "cancelled"
+        assert server.statistics().clients == ()
+        peer.control(MessageKind.PING, None, 1)
+        hello = (await peer.expect(MessageKind.HELLO)).body()
+        assert isinstance(hello, Hello)
+        assert hello.epoch not in (0, first.epoch)
+
+
+async def test_streams_waiting_for_credit_do_not_hold_workers(tmp_path: Path) -> None:
+    async with engine(tmp_path, stream_window=1, max_concurrency=2) as (server, peer, _):
+        streams = [peer.call("count", 5, f"s{i}", flags=Flags.STREAM) for i in range(6)]
+        for call_id in streams:
+            assert (await peer.expect(MessageKind.STREAM_ITEM, call_id)).value() == 0
+        # six streams wait for credit on a two-worker engine; unary calls still run
+        assert [await peer.result(peer.call("add", i)) for i in range(3)] == [1, 2, 3]
+        assert server.statistics().in_flight == 6
+        for call_id in streams:
+            peer.control(MessageKind.CANCEL, None, call_id)
+
+
+async def test_idle_streams_are_capped_per_client_with_a_clear_error(tmp_path: Path) -> None:
+    async with engine(tmp_path, stream_window=0, max_parked_streams=1) as (_, peer, _):
+        first = peer.call("count", 3, flags=Flags.STREAM)
+        assert await peer.result(peer.call("add", 1)) == 2  # the first stream is parked
+        second = peer.call("count", 3, flags=Flags.STREAM)
+        info = (await peer.expect(MessageKind.ERROR, second)).error()
+        assert info.code == ErrorCode.OVERLOADED
+        assert "waiting for credit" in info.message
+        peer.credit(first, 3)
+        items = [(await peer.expect(MessageKind.STREAM_ITEM, first)).value() for _ in range(3)]
+        assert items == [0, 1, 2]

@@ -222,3 +222,23 @@ def test_outcome_labels() -> None:
     assert _observe.outcome_of(None) == "ok"
     assert _observe.outcome_of(CallTimeoutError("x")) == "CallTimeoutError"
     assert _observe.outcome_of(KeyboardInterrupt()) == "cancelled"
+
+
+async def test_an_engine_that_comes_back_under_its_id_is_observed_as_rejoined(
+    tmp_path: Path,
+) -> None:
+    client_obs = Recorder()
+    address = f"ipc://{tmp_path}/e1.sock"
+    async with Client(
+        Calculator, connect=address, client_id="c1", observer=client_obs, heartbeat_interval=0.05
+    ) as client:
+        with anyio.fail_after(20):
+            async with Server(Calculator("e1"), bind=address, engine_id="e1", grace_period=0.5):
+                await client.wait_for_engines(1)
+            await client_obs.wait_for(lambda: ("c1", "e1", "lost") in client_obs.events)
+            async with Server(Calculator("e1"), bind=address, engine_id="e1", grace_period=0.5):
+                await client_obs.wait_for(lambda: ("c1", "e1", "rejoined") in client_obs.events)
+                assert await client.stub().add(1) == 2
+    joins = [e for e in client_obs.events if e[0] == "c1"]
+    # (a last "lost" may or may not arrive before the client closes)
+    assert joins[:3] == [("c1", "e1", "joined"), ("c1", "e1", "lost"), ("c1", "e1", "rejoined")]

@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 import torch
 
+import tensorrpc
 from tensorrpc import rpc, service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,8 +70,9 @@ class TensorService:
     """What the transport tests call."""
 
     def __init__(self) -> None:
-        self.board: torch.Tensor = torch.zeros(1 << 16, dtype=torch.float32)
-        self.board.share_memory_()  # type: ignore[no-untyped-call]
+        self.board: torch.Tensor = tensorrpc.shared_empty(1 << 16, dtype=torch.float32)
+        self.board.zero_()
+        self._events: dict[str, anyio.Event] = {}
 
     @rpc
     async def echo(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,7 @@ class TensorService:
 
     @rpc
     async def shared_board(self) -> torch.Tensor:
-        """A tensor already in shared memory: goes by alias under torch_shm."""
+        """A tensor in tensorrpc shared memory: goes by alias under torch_shm."""
         return self.board
 
     @rpc
@@ -111,6 +113,27 @@ class TensorService:
     async def hold(self, x: torch.Tensor, seconds: float) -> int:
         await anyio.sleep(seconds)
         return x.numel()
+
+    @rpc
+    async def gated_sum(self, x: torch.Tensor) -> float:
+        """Hold the argument until ``open_gate``, then read it (bounded wait)."""
+        self._event("gated").set()
+        with anyio.fail_after(60):
+            await self._event("gate").wait()
+        return float(x.sum())
+
+    def _event(self, name: str) -> anyio.Event:
+        return self._events.setdefault(name, anyio.Event())
+
+    @rpc
+    async def wait_gated(self) -> None:
+        """Return once a ``gated_sum`` call holds its argument (bounded wait)."""
+        with anyio.fail_after(60):
+            await self._event("gated").wait()
+
+    @rpc
+    async def open_gate(self) -> None:
+        self._event("gate").set()
 
     @rpc
     async def items(self, n: int, size: int) -> AsyncIterator[torch.Tensor]:

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from tensorrpc._exceptions import TensorTransportError
+from tensorrpc.transports._shared import share
 from tensorrpc.transports.torch_shm import TorchShmTransport
 
 
@@ -44,7 +45,9 @@ def make_tensor(spec: dict[str, Any]) -> torch.Tensor:
         raw &= 1
     base = raw.view(dtype).reshape(base_shape)
     strategy = spec.get("shared")
-    if strategy:
+    if strategy == "tensorrpc":
+        base = share(base)
+    elif strategy:
         before = tmp.get_sharing_strategy()  # type: ignore[no-untyped-call]
         tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
         try:

@@ -207,7 +207,7 @@ async def test_cuda_tensors_go_by_cuda_ipc_or_need_allow_cuda_copy(
     async with Client(
         TensorService,
         connect=engine_address,
-        codec_config=CodecConfig(allow_cuda_copy=True),
+        codec=CodecConfig(allow_cuda_copy=True),
     ) as copying:
         await copying.wait_for_engines(1, timeout=60)
         assert await copying.stub(transport="frames").digest(gpu) == digest(x)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import zmq
 
+import tensorrpc
 from tensorrpc._client import Client
 from tensorrpc._codec import encode
 from tensorrpc._exceptions import EngineDeadError
@@ -42,7 +43,17 @@ from tests.transports._engine import ROOT, TensorEngine, TensorService
 
 pytestmark = pytest.mark.anyio
 
-POOL_FD = "/memfd:tensorrpc-"
+POOL_FD = (
+    "/memfd:tensorrpc-1",
+    "/memfd:tensorrpc-2",
+    "/memfd:tensorrpc-3",
+    "/memfd:tensorrpc-4",
+    "/memfd:tensorrpc-5",
+    "/memfd:tensorrpc-6",
+    "/memfd:tensorrpc-7",
+    "/memfd:tensorrpc-8",
+    "/memfd:tensorrpc-9",
+)  # pool segments, not the probe
 
 
 def fds(pid: int | str = "self") -> list[str]:
@@ -186,7 +197,7 @@ async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
             detail = client.statistics().transports.torch_shm_detail
             assert detail is not None
             assert detail.leases_active == 0
-            assert detail.pool_bytes_in_use == 128  # only the handshake probe is left
+            assert detail.pool_bytes_in_use == 0  # (the probe is a memfd of its own)
     assert shm_fds(fds()) == shm_fds(own_before)
     assert dev_shm() == shm_before
 
@@ -235,8 +246,8 @@ async def test_independent_processes_alias_shared_tensors(
 ):
     async with connected(engine.address()) as client:
         stub = client.stub(transport=transport)  # type: ignore[arg-type]
-        shared = torch.zeros(1 << 16)
-        shared.share_memory_()  # type: ignore[no-untyped-call]
+        shared = tensorrpc.shared_empty(1 << 16)
+        shared.zero_()
         fresh = torch.zeros(1 << 16)
         assert await stub.fill(shared, 3.0) == 3.0 * (1 << 16)
         assert await stub.fill(fresh, 5.0) == 5.0 * (1 << 16)
@@ -249,8 +260,8 @@ async def test_independent_processes_alias_shared_tensors(
             assert torch.count_nonzero(shared) == 0
             assert float(board[0]) == before
         else:
-            # Already-shared storages travel by alias both ways: the engine wrote into our
-            # tensor, and its later write shows in the result we hold.
+            # Tensors in tensorrpc shared memory travel by alias both ways: the engine
+            # wrote into our tensor, and its later write shows in the result we hold.
             assert bool(torch.all(shared == 3.0))
             assert float(board[0]) == before + 1.0
             detail = client.statistics().transports.torch_shm_detail

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,14 @@ import torch.multiprocessing as tmp
 
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc.transports import TensorPlacer, TensorResolver
+from tensorrpc.transports._shared import share
+from tensorrpc.transports._shm_auth import (
+    SECRET_BYTES,
+    ProbeHandle,
+    Role,
+    check_proof,
+    new_challenge,
+)
 from tensorrpc.transports._shm_pool import Segment
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
@@ -200,7 +209,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("shared", [None, "file_descriptor", "file_system"])
+@pytest.mark.parametrize("shared", [None, "file_descriptor", "file_system", "tensorrpc"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_dtype_and_layout_round_trips_between_independent_processes(pair, layout, shared):
     a, b = pair
@@ -224,11 +233,10 @@ def test_empty_tensors_round_trip(pair):
     a.request("release", leases=[placed["lease"]])
 
 
-@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
-def test_already_shared_tensor_aliases_without_copy(pair, strategy):
+def test_tensor_in_tensorrpc_shared_memory_aliases_without_copy(pair):
     a, b = pair
     before = a.request("stats")["stats"]
-    spec = {"dtype": "float32", "shape": [64, 64], "shared": strategy, "keep": "x"}
+    spec = {"dtype": "float32", "shape": [64, 64], "shared": "tensorrpc", "keep": "x"}
     placed, got = transfer(a, b, [spec], keep=True)
     after = a.request("stats")["stats"]
     assert after["tensors_aliased"] == before["tensors_aliased"] + 1
@@ -245,7 +253,26 @@ def test_already_shared_tensor_aliases_without_copy(pair, strategy):
     b.request("drop", names=["x"])
 
 
-@pytest.mark.parametrize("shared", [None, "file_descriptor", "file_system"])
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_torch_shared_tensor_is_copied_through_the_sealed_pool(pair, strategy):
+    # torch's shared files can be ftruncate()d by their owner at any time (SIGBUS in a
+    # receiver that maps them), so torch_shm never maps them: it copies them like any
+    # other tensor, and the receiver's tensor is private.
+    a, b = pair
+    before = a.request("stats")["stats"]
+    spec = {"dtype": "float32", "shape": [64, 64], "shared": strategy, "keep": "x"}
+    placed, got = transfer(a, b, [spec], keep=True)
+    after = a.request("stats")["stats"]
+    assert after["tensors_aliased"] == before["tensors_aliased"]
+    assert got["digests"] == placed["digests"]
+    a.request("fill", name="x", value=7.0)
+    assert b.request("read", name="x")["digest"] == placed["digests"][0]
+    a.request("release", leases=[placed["lease"]])
+    a.request("drop", names=["x"])
+    b.request("drop", names=["x"])
+
+
+@pytest.mark.parametrize("shared", [None, "file_descriptor", "tensorrpc"])
 def test_received_tensor_outlives_every_sender_reference(pair, shared):
     a, b = pair
     spec = {"dtype": "int32", "shape": [1000], "seed": 5, "shared": shared, "keep": "y"}
@@ -273,7 +300,7 @@ def test_handles_from_another_pid_are_refused(pair):
     item = {"handle": placed["handles"][0], "dtype": "float32", "shape": [1024]}
     got = b.request("resolve", items=[item], peer_pid=a.pid + 100_000)
     assert got["digests"] == [None]
-    assert "pid" in got["errors"][0]
+    assert "peer's process" in got["errors"][0]
     a.request("release", leases=[placed["lease"]])
 
 
@@ -287,7 +314,7 @@ def test_ten_thousand_transfers_leak_no_fd_and_nothing_in_dev_shm(pair):
                 "dtype": "float32",
                 "shape": [sizes[j % len(sizes)]],
                 "seed": j,
-                "shared": "file_descriptor" if j % 10 == 0 else None,
+                "shared": "tensorrpc" if j % 10 == 0 else None,
             }
             for j in range(i * 100, i * 100 + 100)
         ]
@@ -318,6 +345,7 @@ def test_normal_shutdown_returns_every_fd_and_leaves_nothing(spare):
         {"dtype": "float32", "shape": [4096], "seed": 1},
         {"dtype": "float32", "shape": [4096], "seed": 2, "shared": "file_descriptor"},
         {"dtype": "float32", "shape": [4096], "seed": 3, "shared": "file_system"},
+        {"dtype": "float32", "shape": [4096], "seed": 4, "shared": "tensorrpc"},
     ]
     for _ in range(3):
         placed, got = transfer(a, b, specs)
@@ -340,7 +368,7 @@ def test_kill_9_of_the_sender_leaves_receiver_tensors_valid_and_nothing_behind(p
     specs = [
         {"dtype": "float32", "shape": [2048], "seed": 1, "keep": "k1"},
         {"dtype": "float32", "shape": [2048], "seed": 2, "shared": "file_descriptor", "keep": "k2"},
-        {"dtype": "float32", "shape": [2048], "seed": 3, "shared": "file_system", "keep": "k3"},
+        {"dtype": "float32", "shape": [2048], "seed": 3, "shared": "tensorrpc", "keep": "k3"},
     ]
     placed, got = transfer(sender, b, specs, keep=True)
     assert got["digests"] == placed["digests"]
@@ -348,7 +376,7 @@ def test_kill_9_of_the_sender_leaves_receiver_tensors_valid_and_nothing_behind(p
     sender.kill()
     for name, want in zip(("k1", "k2", "k3"), placed["digests"], strict=True):
         assert b.request("read", name=name)["digest"] == want
-    assert b.request("forget_peer", pid=sender.pid)["forgotten"] == 1
+    assert b.request("forget_peer", pid=sender.pid)["forgotten"] == 2  # pool + shared
     b.request("drop", names=["k1", "k2", "k3"])
     assert b.request("fds")["fds"] == fds_b
     wait_for(lambda: shm_entries(sender.pid) == [], "torch to clean the dead sender's files")
@@ -361,7 +389,7 @@ def test_kill_9_of_the_receiver_lets_the_sender_reclaim_everything(pair, spare):
     stats_before = a.request("stats")["stats"]
     specs = [
         {"dtype": "float32", "shape": [8192], "seed": i, "shared": s}
-        for i, s in enumerate([None, None, "file_descriptor", "file_system"])
+        for i, s in enumerate([None, None, "file_descriptor", "tensorrpc"])
     ]
     placed, got = transfer(a, receiver, specs)
     assert got["digests"] == placed["digests"]
@@ -381,11 +409,21 @@ def test_forged_handle_naming_another_processes_file_is_refused(pair, tmp_path):
     fd = a.request("open_file", path=str(path))["fd"]
     st = os.stat(path)
     with TorchShmTransport() as shm:
-        forged = _forge(HandleKind.POOL, pid=a.pid, fd=fd, dev=st.st_dev, ino=st.st_ino)
-        with pytest.raises(TensorTransportError, match="not a tensorrpc/torch"):
-            shm.resolver(a.pid).resolve(TRANSPORT_NAME, forged, torch.uint8, (1024,))
+        for kind in (HandleKind.POOL, HandleKind.SHARED):
+            forged = _forge(
+                kind,
+                pid=a.pid,
+                fd=fd,
+                dev=st.st_dev,
+                ino=st.st_ino,
+                base=64 * (kind == HandleKind.POOL),
+            )
+            with pytest.raises(TensorTransportError, match=NO_ATTACH) as info:
+                shm.resolver(a.pid).resolve(TRANSPORT_NAME, forged, torch.uint8, (1024,))
+            assert "secret" not in str(info.value)
+            assert str(tmp_path) not in str(info.value)
         forged = _forge(HandleKind.TORCH_FD, pid=a.pid, fd=0, dev=st.st_dev, ino=st.st_ino)
-        with pytest.raises(TensorTransportError, match="not a tensorrpc/torch"):
+        with pytest.raises(TensorTransportError, match="not accepted"):
             shm.resolver(a.pid).resolve(TRANSPORT_NAME, forged, torch.uint8, (1024,))
 
 
@@ -396,6 +434,9 @@ def test_forged_handle_naming_another_processes_file_is_refused(pair, tmp_path):
 def shm():
     with TorchShmTransport() as transport:
         yield transport
+
+
+NO_ATTACH = "cannot attach to the handle"
 
 
 def _forge(kind: HandleKind, **fields: Any) -> bytes:
@@ -617,14 +658,40 @@ def test_tensors_it_cannot_place_fall_back_and_are_counted():
         assert stats.tensors_sent == 0
 
 
-def test_probe_tells_whether_a_peer_can_attach(shm):
+def test_probe_secret_is_read_only_through_a_genuine_sealed_probe_memfd(shm):
     with TorchShmTransport() as other:
-        probe = other.probe_handle()
-        assert probe == other.probe_handle()
-        assert shm.check_probe(probe, os.getpid())
-        assert not shm.check_probe(probe, os.getpid() + 1)
-        assert not shm.check_probe(b"garbage", os.getpid())
+        probe = ProbeHandle.unpack(other.probe_handle())
+        assert probe is not None
+        assert probe.pid == os.getpid()
+        assert other.probe_handle() == other.probe_handle()
+        secret = shm.read_peer_secret(probe)
+        assert secret is not None
+        assert len(secret) == SECRET_BYTES
+        challenge = new_challenge()
+        proof = other.prove(Role.ENGINE, verifier_pid=1234, challenge=challenge)
+        assert check_proof(
+            secret,
+            Role.ENGINE,
+            prover_pid=os.getpid(),
+            verifier_pid=1234,
+            challenge=challenge,
+            proof=proof,
+        )
+        assert not check_proof(
+            secret,
+            Role.CLIENT,
+            prover_pid=os.getpid(),
+            verifier_pid=1234,
+            challenge=challenge,
+            proof=proof,
+        )
+        assert shm.read_peer_secret(replace(probe, pid=os.getpid() + 100_000)) is None
+        assert shm.read_peer_secret(replace(probe, ino=probe.ino + 1)) is None
         assert other.statistics().leases_active == 0
+        # A pool segment or any other file is not a probe, even with the right identity.
+        handle, _ = _valid_pool_handle(other)
+        h = _unpack(handle)
+        assert shm.read_peer_secret(ProbeHandle(h.pid, h.fd, h.dev, h.ino)) is None
 
 
 def test_closed_transport_refuses_work():
@@ -651,9 +718,15 @@ def test_forged_handle_to_a_regular_file_is_refused(shm, tmp_path):
     path.write_bytes(bytes(8192))
     with path.open("rb") as f:
         st = os.fstat(f.fileno())
-        for kind in (HandleKind.POOL, HandleKind.TORCH_FD):
-            forged = _forge(kind, fd=f.fileno(), dev=st.st_dev, ino=st.st_ino)
-            with pytest.raises(TensorTransportError, match="not a tensorrpc/torch"):
+        for kind in (HandleKind.POOL, HandleKind.SHARED):
+            forged = _forge(
+                kind,
+                fd=f.fileno(),
+                dev=st.st_dev,
+                ino=st.st_ino,
+                base=64 * (kind == HandleKind.POOL),
+            )
+            with pytest.raises(TensorTransportError, match=NO_ATTACH):
                 _resolve(shm, forged)
 
 
@@ -662,11 +735,12 @@ def test_forged_handle_to_etc_passwd_is_refused(shm):
     try:
         st = os.fstat(fd)
         forged = _forge(HandleKind.POOL, fd=fd, dev=st.st_dev, ino=st.st_ino, span=16)
-        with pytest.raises(TensorTransportError, match="not a tensorrpc/torch"):
+        with pytest.raises(TensorTransportError, match=NO_ATTACH) as info:
             _resolve(shm, forged, (16,))
+        assert "passwd" not in str(info.value)
         name = b"/../../etc/passwd"
         forged = _forge(HandleKind.TORCH_FILE, tail=name, span=16, base=0)
-        with pytest.raises(TensorTransportError, match="not a torch shared-memory segment name"):
+        with pytest.raises(TensorTransportError, match="not accepted"):
             _resolve(shm, forged, (16,))
     finally:
         os.close(fd)
@@ -678,7 +752,7 @@ def test_forged_handle_to_a_pipe_or_socket_is_refused(shm):
     try:
         for fd in (r, w, s1.fileno()):
             forged = _forge(HandleKind.POOL, fd=fd)
-            with pytest.raises(TensorTransportError, match="not a tensorrpc/torch"):
+            with pytest.raises(TensorTransportError, match=NO_ATTACH):
                 _resolve(shm, forged)
     finally:
         for fd in (r, w):
@@ -688,38 +762,38 @@ def test_forged_handle_to_a_pipe_or_socket_is_refused(shm):
 
 
 def test_forged_handle_to_a_memfd_not_made_by_tensorrpc_is_refused(shm):
-    for name in ("evil", "tensorrpc-1-1"):
+    for name in ("evil", "tensorrpc-1-1", "tensorrpc-shared-1-1"):
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, 1 << 16)
             st = os.fstat(fd)
-            forged = _forge(HandleKind.POOL, fd=fd, dev=st.st_dev, ino=st.st_ino)
-            with pytest.raises(TensorTransportError, match=r"not a tensorrpc|not sealed"):
-                _resolve(shm, forged)
+            for kind in (HandleKind.POOL, HandleKind.SHARED):
+                forged = _forge(
+                    kind, fd=fd, dev=st.st_dev, ino=st.st_ino, base=64 * (kind == HandleKind.POOL)
+                )
+                with pytest.raises(TensorTransportError, match=rf"{NO_ATTACH}|not sealed"):
+                    _resolve(shm, forged)
         finally:
             os.close(fd)
 
 
-def test_forged_handle_to_a_dev_shm_file_not_made_by_torch_is_refused(shm):
+def test_handles_naming_torch_shared_files_are_refused_whatever_they_name(shm):
     stem = f"tensorrpc-test-{uuid.uuid4().hex}"
     plain = Path("/dev/shm") / stem
-    link = Path("/dev/shm") / f"torch_{os.getpid()}_{uuid.uuid4().int % 10**9}_0"
     plain.write_bytes(bytes(8192))
-    link.symlink_to("/etc/passwd")
+    shared = torch.zeros(1024, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+    fd = shared.untyped_storage()._get_shared_fd()
     try:
         st = plain.stat()
-        for name in (f"/{stem}", f"/{stem}/../{link.name}"):
-            forged = _forge(
-                HandleKind.TORCH_FILE, dev=st.st_dev, ino=st.st_ino, base=0, tail=name.encode()
-            )
-            with pytest.raises(TensorTransportError, match="not a torch shared-memory"):
+        for kind, tail in (
+            (HandleKind.TORCH_FILE, f"/{stem}".encode()),
+            (HandleKind.TORCH_FD, b""),
+        ):
+            forged = _forge(kind, dev=st.st_dev, ino=st.st_ino, base=0, tail=tail, fd=fd)
+            with pytest.raises(TensorTransportError, match="not accepted"):
                 _resolve(shm, forged)
-        forged = _forge(HandleKind.TORCH_FILE, base=0, tail=f"/{link.name}".encode())
-        with pytest.raises(TensorTransportError, match="cannot open"):
-            _resolve(shm, forged)
     finally:
         plain.unlink()
-        link.unlink()
 
 
 def test_forged_handle_to_a_genuine_segment_with_wrong_identity_is_refused(shm):
@@ -771,13 +845,13 @@ def test_forged_handle_with_out_of_range_fields_is_refused(shm, change, shape):
         _resolve(shm, _pack(_Handle(**fields)), shape)
 
 
-def test_forged_torch_fd_handle_with_out_of_range_fields_is_refused(shm):
-    shared = torch.arange(1024, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+def test_forged_shared_handle_with_out_of_range_fields_is_refused(shm):
+    shared = share(torch.arange(1024, dtype=torch.uint8))
     placed = shm.placer("p").place(shared)
     assert placed is not None
     fields = _fields(_unpack(placed[1]))
-    assert fields["kind"] == HandleKind.TORCH_FD
-    for change in ({"elem_offset": 1}, {"span": 4096}, {"base": 8192}, {"tail": b"x"}):
+    assert fields["kind"] == HandleKind.SHARED
+    for change in ({"elem_offset": 3073}, {"span": 8192}, {"base": 64}, {"tail": b"x"}):
         with pytest.raises(TensorTransportError):
             _resolve(shm, _pack(_Handle(**{**fields, **change})))
     assert torch.equal(_resolve(shm, placed[1]), shared)

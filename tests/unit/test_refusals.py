@@ -9,9 +9,9 @@ import anyio
 import pytest
 
 from tensorrpc._client import Client
+from tensorrpc._engines import EngineInfo, check_hello, schema_diff, unavailable_message
 from tensorrpc._exceptions import EnginesUnavailableError
 from tensorrpc._protocol import Reject, Welcome
-from tensorrpc._routing import EngineInfo, check_hello, schema_diff, unavailable_message
 from tensorrpc._service import describe
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.services import Calculator, CalculatorV2

@@ -12,13 +12,18 @@ SANS_IO_FILES = (
     "_service.py",
     "_codec.py",
     "_protocol.py",
-    "_routing.py",
-    "_server_protocol.py",
+    "_calls.py",
+    "_engines.py",
     "_liveness.py",
+    "_client_protocol.py",
+    "_server_protocol.py",
     "transports/_base.py",
+    "transports/_shm_auth.py",
 )
 REQUIRED = ("_exceptions.py", "_protocol.py")
-FORBIDDEN = frozenset({"zmq", "asyncio", "anyio", "trio", "sniffio", "pickle", "_pickle", "dill"})
+FORBIDDEN = frozenset(
+    {"zmq", "asyncio", "anyio", "trio", "sniffio", "time", "threading", "pickle", "_pickle", "dill"}
+)
 
 
 def imported_top_level_modules(source: str) -> set[str]:

@@ -1,40 +1,64 @@
-"""Client-side routing decisions, free of I/O: engine registry, handshake checks, balancing.
+"""The client's engine table, sans-I/O: admission, aliases, counters, liveness, capacity.
 
-The client's I/O shell (:mod:`tensorrpc._client`) asks this module what to do and then does
-it; nothing here touches a socket, a clock or an event loop (times are passed in).
+The client's protocol machine (`tensorrpc._client_protocol`) asks this module what to
+do and then does it; nothing here touches a socket, a clock or an event loop (times are
+parameters, in seconds).
 
 Invariants:
 
-1. An engine id maps to at most one *live* engine; a second HELLO under a live id is
-   refused (``duplicate_id``) and the first engine keeps its place.
-2. An engine leaves the registry when it is declared dead or says BYE; its id is then free.
-3. ``in_flight`` of an engine equals the number of calls started on it and not yet ended;
-   a call is ended exactly once (``end_call`` ignores unknown call ids).
+1. An engine id maps to at most one *live* engine, and a routing id (peer) to at most one.
+2. An engine leaves the table when it is declared dead, says BYE, refuses us, becomes
+   unreachable or is replaced by a new session at its peer; its id is then free.
+3. ``in_flight`` of an engine equals the number of its calls in the call table.
 4. Selection never returns an engine whose ``in_flight`` is at the per-engine bound.
+5. Every table fed by strangers is bounded: refusals keep the latest
+   `MAX_REJECTED` entries with their text cut to a fixed length, the counters of
+   departed engines the latest `MAX_PAST` ids. A peer that is refused costs
+   constant memory whatever it sends.
+6. Capacity waits are woken one at a time: a freed slot wakes at most one waiter.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from tensorrpc._exceptions import EngineNotFoundError
 from tensorrpc._protocol import MAX_SIGNATURE_CHARS
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Hashable, Mapping, Sequence
 
 __all__ = [
+    "MAX_PAST",
+    "MAX_REJECTED",
     "Balancing",
+    "CapacityWaiters",
+    "Engine",
     "EngineInfo",
-    "EngineRegistry",
-    "EngineState",
-    "StreamCredit",
+    "EngineTable",
+    "PastEngine",
+    "ShmCapability",
     "check_hello",
+    "schema_diff",
+    "unavailable_message",
 ]
 
 #: Balancing policies for calls that do not name an engine.
 Balancing = Literal["least_outstanding", "round_robin"]
+
+#: Most refusals remembered (the oldest is forgotten first).
+MAX_REJECTED: Final = 64
+#: Most departed engine ids whose counters are kept for statistics.
+MAX_PAST: Final = 1024
+#: Longest engine id kept as a key of the refusals, and longest refusal text, in chars.
+MAX_REJECTED_KEY: Final = 128
+MAX_REJECTED_TEXT: Final = 2048
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +84,8 @@ class EngineInfo:
             (``"add(a: int, b: int = 1) -> int"``), or empty when not announced.
         max_message_bytes: The largest message frame the engine accepts (its
             ``maxmsgsize``), or 0 when it has no limit or did not announce one.
+        dead_after_ms: How long the engine waits without hearing from this client before
+            it forgets it, or 0 when not announced.
         features: Optional protocol features the engine announced (``"trace_context"``,
             ``"statistics"``); empty for engines that predate them.
     """
@@ -78,6 +104,7 @@ class EngineInfo:
     streaming: tuple[str, ...] = ()
     signatures: tuple[str, ...] = ()
     max_message_bytes: int = 0
+    dead_after_ms: int = 0
     features: tuple[str, ...] = ()
 
 
@@ -97,7 +124,7 @@ def check_hello(
         fingerprint: The client's schema fingerprint.
         protocol_version: The client's protocol version.
         signatures: The client's methods (name → signature); when given, a fingerprint
-            mismatch names the methods that differ (see :func:`schema_diff`).
+            mismatch names the methods that differ (see `schema_diff`).
 
     Returns:
         ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
@@ -127,7 +154,7 @@ def check_hello(
     return None
 
 
-#: Most methods named per category in a :func:`schema_diff` (the rest are counted).
+#: Most methods named per category in a `schema_diff` (the rest are counted).
 _DIFF_NAMES = 8
 
 
@@ -190,16 +217,43 @@ def _names(names: list[str], signatures: Mapping[str, str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+@dataclass(slots=True)
+class ShmCapability:
+    """``torch_shm`` with one engine, as proven at handshake (its probe opened here).
+
+    Attributes:
+        pid: The engine process whose handles we resolve.
+        to_engine: We may send argument tensors by handle (cleared when the engine fails
+            to attach to one).
+        from_engine: The engine may send result tensors by handle (cleared when we fail
+            to attach to one).
+    """
+
+    pid: int
+    to_engine: bool = True
+    from_engine: bool = True
+
+
 @dataclass(slots=True, eq=False)
-class EngineState:
-    """One live engine as the client tracks it (mutable; owned by the registry)."""
+class Engine:
+    """One live engine session as the client tracks it (mutable; owned by the table)."""
 
     #: What the engine said in HELLO.
     info: EngineInfo
     #: ZMQ routing id of the engine's peer on the client's ROUTER socket.
     peer: bytes
-    #: Monotonic time of the last message received from the engine.
-    last_seen: float
+    #: The engine's session epoch (HELLO ``epoch``; 0 from engines that send none).
+    epoch: int = 0
+    #: Our session epoch with this engine (sent in WELCOME).
+    client_epoch: int = 0
+    #: When we last heard a well-formed message from the engine.
+    heard: float = 0.0
+    #: When we last sent the engine anything.
+    sent: float = 0.0
+    #: When the next heartbeat PING is due.
+    next_ping: float = 0.0
+    #: Seconds between heartbeats to this engine (ours, or less for its bound).
+    ping_every: float = 1.0
     #: Call ids in flight on this engine (unary calls and streams).
     calls: set[int] = field(default_factory=set)
     #: Calls started on this engine.
@@ -212,6 +266,8 @@ class EngineState:
     bytes_received: int = 0
     #: False once the engine is dead or gone.
     alive: bool = True
+    #: ``torch_shm`` with this engine, or ``None`` when not usable.
+    shm: ShmCapability | None = None
 
     @property
     def engine_id(self) -> str:
@@ -223,9 +279,27 @@ class EngineState:
         """Number of calls in flight on this engine."""
         return len(self.calls)
 
+    @property
+    def dead_after(self) -> float:
+        """The engine's announced bound in seconds (0: not announced)."""
+        return self.info.dead_after_ms / 1000
 
-class EngineRegistry:
-    """The live engines of one client and the balancing decision between them.
+    def __repr__(self) -> str:
+        return f"<Engine {self.engine_id!r} peer={self.peer!r}>"
+
+
+@dataclass(slots=True)
+class PastEngine:
+    """Counters of an engine id summed over its sessions that ended."""
+
+    calls: int = 0
+    errors: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class EngineTable:
+    """The live engines of one client, their departed counters, refusals and balancing.
 
     Args:
         balancing: ``"least_outstanding"`` (default) or ``"round_robin"``.
@@ -239,106 +313,92 @@ class EngineRegistry:
             raise ValueError("max_in_flight must be at least 1")
         self.balancing: Balancing = balancing
         self.max_in_flight = max_in_flight
-        self._engines: dict[str, EngineState] = {}
-        self._by_peer: dict[bytes, EngineState] = {}
-        self._order: list[EngineState] = []
+        self._engines: dict[str, Engine] = {}
+        self._by_peer: dict[bytes, Engine] = {}
+        self._order: list[Engine] = []
         self._cursor = 0
-        #: engine id -> why it was refused at handshake (latest refusal wins).
-        self.rejected: dict[str, str] = {}
+        #: Engine id -> why it was refused (latest refusal; at most MAX_REJECTED).
+        self.rejected: OrderedDict[str, str] = OrderedDict()
+        #: Refusals since the client opened (also those no longer in ``rejected``).
+        self.rejected_total = 0
+        #: Engine id -> counters of its ended sessions (at most MAX_PAST ids).
+        self.past: OrderedDict[str, PastEngine] = OrderedDict()
 
     # -- membership ---------------------------------------------------------------------
 
     @property
-    def engines(self) -> dict[str, EngineState]:
-        """Live engines by id (the registry's own dict: do not mutate)."""
+    def engines(self) -> dict[str, Engine]:
+        """Live engines by id (the table's own dict: do not mutate)."""
         return self._engines
 
     def live_ids(self) -> tuple[str, ...]:
         """Ids of the live engines, sorted."""
         return tuple(sorted(self._engines))
 
-    def by_peer(self, peer: bytes) -> EngineState | None:
+    def by_peer(self, peer: bytes) -> Engine | None:
         """The live engine behind a routing id, if any."""
         return self._by_peer.get(peer)
 
-    def admit(
-        self,
-        info: EngineInfo,
-        peer: bytes,
-        now: float,
-        *,
-        service: str,
-        fingerprint: str,
-        protocol_version: int,
-        signatures: Mapping[str, str] | None = None,
-    ) -> EngineState | tuple[str, str]:
-        """Decide on a HELLO: admit the engine, or say why it is refused.
+    def add(self, engine: Engine) -> None:
+        """Enter an admitted engine; its id and peer must be free."""
+        assert engine.engine_id not in self._engines
+        assert engine.peer not in self._by_peer
+        self._engines[engine.engine_id] = engine
+        self._by_peer[engine.peer] = engine
+        self._order.append(engine)
+        self.rejected.pop(engine.engine_id, None)
 
-        A HELLO from a peer that is already the live engine of that id (a repeated HELLO)
-        returns the existing state unchanged.
+    def refuse(self, engine_id: str, reason: str, message: str) -> None:
+        """Remember a refusal (bounded: the oldest is forgotten first)."""
+        key = _cut(engine_id, MAX_REJECTED_KEY)
+        rejected = self.rejected
+        rejected.pop(key, None)
+        rejected[key] = _cut(f"{reason}: {message}", MAX_REJECTED_TEXT)
+        while len(rejected) > MAX_REJECTED:
+            rejected.popitem(last=False)
+        self.rejected_total += 1
 
-        Returns:
-            The new (or existing) :class:`EngineState`, or ``(reason, message)`` for a
-            REJECT; refusals are also recorded in :attr:`rejected` as ``"reason: message"``.
-        """
-        current = self._engines.get(info.engine_id)
-        if current is not None and current.peer == peer:
-            current.last_seen = now
-            return current
-        refusal = check_hello(
-            info,
-            service=service,
-            fingerprint=fingerprint,
-            protocol_version=protocol_version,
-            signatures=signatures,
-        )
-        if refusal is None and current is not None:
-            refusal = (
-                "duplicate_id",
-                f"engine id {info.engine_id!r} is already served by a live "
-                f"engine (pid {current.info.pid}); a restart may reuse it once that one is dead",
-            )
-        if refusal is None and peer in self._by_peer:
-            old = self._by_peer[peer]
-            refusal = (
-                "other",
-                f"peer already registered as engine {old.engine_id!r}",
-            )
-        if refusal is not None:
-            self.rejected[info.engine_id] = f"{refusal[0]}: {refusal[1]}"
-            return refusal
-        state = EngineState(info=info, peer=peer, last_seen=now)
-        self._engines[info.engine_id] = state
-        self._by_peer[peer] = state
-        self._order.append(state)
-        self.rejected.pop(info.engine_id, None)
-        return state
-
-    def remove(self, engine_id: str) -> EngineState | None:
-        """Take an engine out (dead or gone); its id becomes free.
+    def remove(self, engine: Engine) -> bool:
+        """Take a live engine out (dead or gone); its id becomes free.
 
         Returns:
-            The removed state (its ``calls`` are the calls to fail), or ``None``.
+            False when it was not live (already removed).
         """
-        state = self._engines.pop(engine_id, None)
-        if state is None:
-            return None
-        state.alive = False
-        self._by_peer.pop(state.peer, None)
-        index = self._order.index(state)
+        if self._engines.get(engine.engine_id) is not engine:
+            return False
+        del self._engines[engine.engine_id]
+        engine.alive = False
+        self._by_peer.pop(engine.peer, None)
+        index = self._order.index(engine)
         del self._order[index]
         if index < self._cursor:
             self._cursor -= 1
-        return state
+        past = self.past.pop(engine.engine_id, None) or PastEngine()
+        past.calls += engine.calls_total
+        past.errors += engine.errors
+        past.bytes_sent += engine.bytes_sent
+        past.bytes_received += engine.bytes_received
+        self.past[engine.engine_id] = past
+        while len(self.past) > MAX_PAST:
+            self.past.popitem(last=False)
+        return True
 
-    def expired(self, now: float, dead_after: float) -> list[EngineState]:
-        """Engines silent for longer than ``dead_after`` seconds (not removed here)."""
+    def expired(self, now: float, dead_after: float) -> list[Engine]:
+        """Engines not heard from for longer than ``dead_after`` seconds (not removed)."""
         limit = now - dead_after
-        return [s for s in self._order if s.last_seen < limit]
+        return [e for e in self._order if e.heard < limit]
+
+    def forgot_us(self, now: float) -> list[Engine]:
+        """Engines we sent nothing to for longer than their own bound.
+
+        Such an engine has forgotten this client (and cancelled its calls), whatever it
+        says next; this happens when the client's event loop stalls.
+        """
+        return [e for e in self._order if e.info.dead_after_ms and now - e.sent > e.dead_after]
 
     # -- selection ----------------------------------------------------------------------
 
-    def select(self, engine_id: str | None) -> EngineState | None:
+    def select(self, engine_id: str | None) -> Engine | None:
         """Pick the engine for a new call.
 
         Args:
@@ -352,15 +412,15 @@ class EngineRegistry:
             EngineNotFoundError: The targeted engine is not live, or no engine is live.
         """
         if engine_id is not None:
-            state = self._engines.get(engine_id)
-            if state is None:
+            engine = self._engines.get(engine_id)
+            if engine is None:
                 live = self.live_ids()
                 raise EngineNotFoundError(
                     f"engine {engine_id!r} is not live; live engines: "
                     f"{', '.join(live) if live else '(none)'}",
                     live=live,
                 )
-            return state if len(state.calls) < self.max_in_flight else None
+            return engine if len(engine.calls) < self.max_in_flight else None
         order = self._order
         count = len(order)
         if count == 0:
@@ -370,20 +430,20 @@ class EngineRegistry:
         self._cursor = start + 1
         if self.balancing == "round_robin":
             for offset in range(count):
-                state = order[(start + offset) % count]
-                if len(state.calls) < limit:
+                engine = order[(start + offset) % count]
+                if len(engine.calls) < limit:
                     self._cursor = start + offset + 1
-                    return state
+                    return engine
             return None
         # Least outstanding; ties go to the engine after the previous pick so that an idle
         # pool is used evenly rather than always hitting the first engine.
-        best: EngineState | None = None
+        best: Engine | None = None
         best_load = limit
         for offset in range(count):
-            state = order[(start + offset) % count]
-            load = len(state.calls)
+            engine = order[(start + offset) % count]
+            load = len(engine.calls)
             if load < best_load:
-                best, best_load = state, load
+                best, best_load = engine, load
                 if load == 0:
                     break
         return best
@@ -391,42 +451,97 @@ class EngineRegistry:
     def has_capacity(self, engine_id: str | None) -> bool:
         """Whether a call (targeted or balanced) could start now, without side effects."""
         if engine_id is not None:
-            state = self._engines.get(engine_id)
-            return state is None or len(state.calls) < self.max_in_flight
-        return not self._order or any(len(s.calls) < self.max_in_flight for s in self._order)
+            engine = self._engines.get(engine_id)
+            return engine is None or len(engine.calls) < self.max_in_flight
+        return not self._order or any(len(e.calls) < self.max_in_flight for e in self._order)
 
 
-class StreamCredit:
-    """Flow-control credit on the client side of one stream.
+class CapacityWaiters:
+    """Callers waiting for an in-flight slot, woken one per freed slot.
 
-    The engine may have up to ``window`` items sent and not yet granted back. The client
-    grants credit in batches of about half a window as the consumer takes items, so that
-    the engine keeps streaming while the consumer keeps up and stops when it does not.
-
-    Args:
-        window: Initial credit the engine was given (WELCOME's ``stream_window``).
+    A waiter waits either for a given engine id or for any engine (``None``). The tokens
+    are the I/O shell's (futures, events); this class only says which to wake. Waking
+    every waiter on every freed slot made N queued calls cost O(N²); here a freed slot
+    wakes one waiter, and a woken waiter that finds no slot queues again.
     """
 
-    __slots__ = ("_batch", "_pending", "window")
+    __slots__ = ("_any", "_by_engine", "wakeups")
 
-    def __init__(self, window: int) -> None:
-        if window < 1:
-            raise ValueError("stream window must be at least 1")
-        self.window = window
-        self._batch = max(1, window // 2)
-        self._pending = 0
+    def __init__(self) -> None:
+        # Dicts used as ordered sets: FIFO order, O(1) removal of a cancelled waiter.
+        self._any: dict[Hashable, None] = {}
+        self._by_engine: dict[str, dict[Hashable, None]] = {}
+        #: Wake-ups handed out (for tests and statistics).
+        self.wakeups = 0
 
-    def consumed(self, n: int = 1) -> int:
-        """Record that the consumer took ``n`` items.
+    def __len__(self) -> int:
+        return len(self._any) + sum(map(len, self._by_engine.values()))
 
-        Returns:
-            The credit to send to the engine now (0: send nothing yet).
+    def queued(self, target: str | None) -> bool:
+        """Whether callers already wait for ``target`` (a new caller then queues too)."""
+        return bool(self._any if target is None else self._by_engine.get(target))
+
+    def add(self, target: str | None, token: Hashable) -> None:
+        """Queue a waiter for ``target`` (an engine id, or ``None`` for any engine)."""
+        if target is None:
+            self._any[token] = None
+        else:
+            self._by_engine.setdefault(target, {})[token] = None
+
+    def discard(self, target: str | None, token: Hashable) -> None:
+        """Forget a waiter that stopped waiting (cancelled, timed out)."""
+        if target is None:
+            self._any.pop(token, None)
+            return
+        queue = self._by_engine.get(target)
+        if queue is not None:
+            queue.pop(token, None)
+            if not queue:
+                del self._by_engine[target]
+
+    def _take(self, target: str | None, limit: int) -> list[Any]:
+        queue = self._any if target is None else self._by_engine.get(target)
+        out: list[Any] = []
+        while queue and len(out) < limit:
+            token = next(iter(queue))
+            del queue[token]
+            out.append(token)
+        if target is not None and queue is not None and not queue:
+            del self._by_engine[target]
+        self.wakeups += len(out)
+        return out
+
+    def released(self, engine_id: str | None) -> Sequence[Any]:
+        """A slot on ``engine_id`` became free: the (at most one) waiter to wake.
+
+        ``None`` hands a slot of an unknown engine to the first waiter for any engine.
         """
-        self._pending += n
-        if self._pending >= self._batch:
-            grant, self._pending = self._pending, 0
-            return grant
-        return 0
+        if not self._any and engine_id not in self._by_engine:
+            return ()
+        if engine_id is not None:
+            woken = self._take(engine_id, 1)
+            if woken:
+                return woken
+        return self._take(None, 1)
+
+    def joined(self, engine_id: str, slots: int) -> list[Any]:
+        """An engine with ``slots`` free slots joined: the waiters to wake."""
+        woken = self._take(engine_id, slots)
+        return woken + self._take(None, slots - len(woken))
+
+    def lost(self, engine_id: str, *, none_left: bool) -> list[Any]:
+        """An engine left: its targeted waiters (and, if no engine is left, all) wake."""
+        woken = self._take(engine_id, len(self._by_engine.get(engine_id, ())))
+        if none_left:
+            woken += self._take(None, len(self._any))
+        return woken
+
+    def everyone(self) -> list[Any]:
+        """Every waiter (the client is closing)."""
+        woken = self._take(None, len(self._any))
+        for engine_id in list(self._by_engine):
+            woken += self._take(engine_id, len(self._by_engine[engine_id]))
+        return woken
 
 
 def unavailable_message(
@@ -435,6 +550,7 @@ def unavailable_message(
     timeout: float | None,
     rejected: Mapping[str, str],
     failures: Sequence[str] = (),
+    earlier: int = 0,
 ) -> str:
     """The text of the error ``wait_for_engines`` raises when it gives up.
 
@@ -445,6 +561,8 @@ def unavailable_message(
         rejected: Refused engine id → ``"reason: message"``.
         failures: Failed handshakes on the client's socket (CURVE refusals), most recent
             last; the last three distinct ones are named.
+        earlier: Refusals no longer in ``rejected`` (it keeps the latest
+            [`MAX_REJECTED`][tensorrpc._engines.MAX_REJECTED]).
 
     Returns:
         ``"0 of 2 engines live after 5.0 s; refused: e1: fingerprint: ..."``, or, when
@@ -457,6 +575,8 @@ def unavailable_message(
         text = f"{live} of {count} engines live after {timeout} s"
     if rejected:
         text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in sorted(rejected.items()))
+        if earlier > 0:
+            text += f" (and {earlier} earlier refusals)"
     if failures:
         distinct = list(dict.fromkeys(reversed(failures)))[:3]
         text += "; handshakes failed (CURVE): " + "; ".join(reversed(distinct))

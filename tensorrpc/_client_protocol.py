@@ -1,0 +1,803 @@
+"""The client's side of the protocol as a state machine, sans-I/O.
+
+`ClientProtocol` takes frames and the current time in, and gives back what
+happened (the `tensorrpc._calls.Call` a reply resolved, or an event) and the
+frames to send (`ClientProtocol.frames_to_send`). It never touches a socket, a
+clock or an event loop; `tensorrpc.Client` is the I/O shell around it. The
+transition table (`TRANSITIONS`) is also the one in docs/protocol.md §13; a test
+keeps the two equal.
+
+Rules the machine keeps (with those of `tensorrpc._calls` and
+`tensorrpc._engines`):
+
+1. A session with an engine starts with an acceptable HELLO, answered by WELCOME, and
+   ends exactly once: BYE, REJECT, silence past our ``dead_after``, a send that finds the
+   peer gone, a new session at its peer (new epoch), or our own silence past the
+   engine's bound. When a session ends, every call on it fails with EngineDeadError at
+   once, in the same step.
+2. A repeated HELLO of the current session (same epoch) changes nothing and is answered
+   by the same WELCOME. A HELLO for an engine id whose session is alive on another peer
+   is refused as ``duplicate_id`` while that peer is reachable: an impostor cannot
+   displace a live engine or receive its calls.
+3. Any well-formed message from a peer with a session counts as life. We ping each
+   engine at our heartbeat interval, or three times per its announced bound if shorter,
+   and answer every PING with a PONG echoing its nonce.
+4. An engine address we dial (client-dials topology) gets hello requests (PING 0) until
+   an engine there says HELLO: every heartbeat interval while the connection is up, and
+   with a capped backoff while the send fails because the connection is not up yet.
+5. Nothing is sent for a call after it ended, except its one CANCEL.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from tensorrpc._calls import Call, CallState, CallTable
+from tensorrpc._engines import (
+    Balancing,
+    CapacityWaiters,
+    Engine,
+    EngineInfo,
+    EngineTable,
+    ShmCapability,
+    check_hello,
+)
+from tensorrpc._exceptions import ClosedError, RemoteProtocolError
+from tensorrpc._liveness import Backoff, check_heartbeat, ping_interval, to_ms
+from tensorrpc._protocol import (
+    PROTOCOL_VERSION,
+    Bye,
+    Credit,
+    ErrorInfo,
+    Header,
+    Hello,
+    MessageKind,
+    Proof,
+    Reject,
+    Release,
+    Welcome,
+    decode_control,
+    encode_control,
+    split_frames,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from typing_extensions import Buffer
+
+    from tensorrpc._exceptions import TensorRPCError
+    from tensorrpc._service import MethodSpec
+
+__all__ = [
+    "TRANSITIONS",
+    "ClientConfig",
+    "ClientHooks",
+    "ClientProtocol",
+    "Dropped",
+    "EngineJoined",
+    "EngineLost",
+    "EngineRefused",
+    "Event",
+    "Heartbeat",
+    "Ignored",
+    "Pong",
+]
+
+_RESULT: Final = MessageKind.RESULT
+_ERROR: Final = MessageKind.ERROR
+_STREAM_ITEM: Final = MessageKind.STREAM_ITEM
+_STREAM_END: Final = MessageKind.STREAM_END
+_PING: Final = MessageKind.PING
+_PONG: Final = MessageKind.PONG
+_HELLO: Final = MessageKind.HELLO
+_BYE: Final = MessageKind.BYE
+_REJECT: Final = MessageKind.REJECT
+_FAILED: Final = CallState.FAILED
+_CANCELLED: Final = CallState.CANCELLED
+_ERROR_HEADER: Final = Header(MessageKind.ERROR, 1)
+
+#: PING nonce 0 asks a listening engine to (re)send HELLO. Heartbeat PINGs carry the send
+#: time in nanoseconds of the caller's clock (always > 1), so that a PONG tells the round
+#: trip; HEARTBEAT_NONCE is the nonce of a reachability PING.
+HELLO_REQUEST: Final = 0
+HEARTBEAT_NONCE: Final = 1
+#: First retry delay of a hello request whose send failed (connection not up yet).
+DIAL_RETRY_MIN_S: Final = 0.005
+#: Shortest and longest pause of the housekeeping timer.
+_MIN_TICK_S: Final = 0.0005
+
+#: The client role's transitions: (state, message or timer, action, next state). The
+#: state is the client's view of one engine peer: ``none`` (no session), ``dialing`` (an
+#: address we connect to, no session yet) or ``live`` (welcomed). docs/protocol.md §13
+#: holds the same table.
+TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
+    ("none", "HELLO, acceptable", "WELCOME (new client epoch)", "live"),
+    ("none", "HELLO, version/service/fingerprint differ", "REJECT with the reason", "none"),
+    ("none", "HELLO, malformed", "REJECT `protocol`", "none"),
+    (
+        "none",
+        "HELLO, engine id live on another peer that is reachable",
+        "REJECT `duplicate_id`; the live session is untouched",
+        "none",
+    ),
+    (
+        "none",
+        "HELLO, engine id live on another peer that is unreachable",
+        "end the old session (its calls fail: EngineDeadError); WELCOME",
+        "live",
+    ),
+    ("none", "PING", "nothing (only peers with a session get PONG)", "none"),
+    ("none", "RESULT/ERROR/STREAM_ITEM/STREAM_END", "drop silently", "none"),
+    ("dialing", "timer: hello request due", "PING 0; next in heartbeat interval", "dialing"),
+    ("dialing", "send fails: peer not connected", "retry PING 0 after capped backoff", "dialing"),
+    ("dialing", "HELLO, acceptable", "WELCOME (new client epoch)", "live"),
+    ("live", "any well-formed message", "the engine is heard now", "live"),
+    ("live", "HELLO, same epoch", "WELCOME again (same client epoch)", "live"),
+    (
+        "live",
+        "HELLO, new epoch or another engine",
+        "end the session (its calls fail: EngineDeadError); then as from none",
+        "none",
+    ),
+    ("live", "PING n", "PONG n", "live"),
+    ("live", "PONG", "nothing", "live"),
+    (
+        "live",
+        "RESULT/ERROR/STREAM_ITEM/STREAM_END",
+        "deliver to the call of that id sent to this engine, else drop",
+        "live",
+    ),
+    ("live", "BYE", "end the session (its calls fail: EngineDeadError)", "none"),
+    ("live", "REJECT", "end the session (its calls fail); remember the refusal", "none"),
+    ("live", "timer: heartbeat due", "PING (nonce: the send time in ns)", "live"),
+    ("live", "timer: engine silent past our dead_after", "end the session (calls fail)", "none"),
+    (
+        "live",
+        "timer or message: we sent nothing for longer than the engine's dead_after_ms",
+        "end the session: the engine forgot us (calls fail: EngineDeadError)",
+        "none",
+    ),
+    ("live", "send fails: peer unreachable", "end the session (calls fail)", "none"),
+    ("live", "close()", "BYE; calls fail: ClosedError", "none"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """One side's liveness settings.
+
+    Attributes:
+        interval: Seconds between PINGs when the peer announced no shorter need.
+        dead_after: Seconds of silence after which a peer is declared dead; announced
+            to the peer (in milliseconds) in the handshake.
+    """
+
+    interval: float = 1.0
+    dead_after: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_heartbeat(self.interval, self.dead_after)
+
+
+_DEFAULT_HEARTBEAT: Final = Heartbeat()
+
+
+class ClientHooks(Protocol):
+    """What the protocol asks of the I/O shell during a handshake."""
+
+    def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
+        """Can we try ``torch_shm`` with this engine (docs/protocol.md §8.1)?
+
+        Returns:
+            ``(transports, probe, challenge, proof)`` for our WELCOME when it can, else
+            ``None``. With a challenge, the engine is announced once its PROOF came.
+        """
+        ...
+
+    def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
+        """The engine's PROOF: ``(proven pid or 0, send handles, resolve handles)``."""
+        ...
+
+    def reachable(self, peer: bytes) -> bool:
+        """Whether a connection to ``peer`` still exists (a PING to it can be queued)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """What a client says and expects in handshakes, and its bounds.
+
+    Attributes:
+        service: The service name engines must serve (ignored when ``schemaless``).
+        fingerprint: The schema fingerprint engines must have (ignored when schemaless).
+        client_id: Sent in WELCOME.
+        host_id: Sent in WELCOME.
+        pid: Sent in WELCOME.
+        heartbeat: Our heartbeat interval and dead-after bound.
+        stream_window: Stream items an engine may send ahead of the consumer.
+        max_message_bytes: Our largest accepted frame (0: no limit), sent in WELCOME.
+        balancing: How calls without a target pick an engine.
+        max_in_flight: Calls in flight per engine.
+        schemaless: Admit any service and fingerprint (protocol version still checked).
+        signatures: Our methods (name → signature), so that a fingerprint refusal names
+            the methods that differ.
+    """
+
+    service: str
+    fingerprint: str
+    client_id: str
+    host_id: str = ""
+    pid: int = 0
+    heartbeat: Heartbeat = _DEFAULT_HEARTBEAT
+    stream_window: int = 16
+    max_message_bytes: int = 0
+    balancing: Balancing = "least_outstanding"
+    max_in_flight: int = 1024
+    schemaless: bool = False
+    signatures: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineJoined:
+    """An engine was welcomed."""
+
+    engine: Engine
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLost:
+    """An engine's session ended; ``calls`` are the calls that failed with it."""
+
+    engine: Engine
+    why: str
+    calls: tuple[Call, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRefused:
+    """A handshake was refused: by us (``by_client``) or by the engine (its REJECT)."""
+
+    engine_id: str
+    reason: str
+    message: str
+    by_client: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """A RESULT or STREAM_ITEM nobody will decode (its ``torch_shm`` leases need release).
+
+    ``call`` is the call it ended on a protocol violation, if any.
+    """
+
+    engine: Engine
+    payload: Buffer
+    buffers: Sequence[Buffer]
+    call: Call | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """An engine answered one of our heartbeat PINGs (sent at ``nonce`` nanoseconds)."""
+
+    engine: Engine
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """A message that was dropped; ``why`` is for the log."""
+
+    peer: bytes
+    why: str
+
+
+#: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
+Event = EngineJoined | EngineLost | EngineRefused | Dropped | Pong | Ignored
+
+
+class _Dial:
+    """An address the client dials: its alias (routing id) and hello-request schedule."""
+
+    __slots__ = ("address", "backoff", "due")
+
+    def __init__(self, address: str, interval: float) -> None:
+        self.address = address
+        self.backoff = Backoff(DIAL_RETRY_MIN_S, max(DIAL_RETRY_MIN_S, interval))
+        self.due = 0.0
+
+
+def _random_epoch() -> int:
+    return secrets.randbits(64) or 1
+
+
+class ClientProtocol:
+    """The client's protocol state: engines, calls, liveness, frames to send.
+
+    Args:
+        config: Handshake values and bounds.
+        hooks: The I/O shell's answers during a handshake.
+        epochs: Draws our session epochs (default: random non-zero u64).
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        hooks: ClientHooks,
+        *,
+        epochs: Callable[[], int] = _random_epoch,
+    ) -> None:
+        if config.stream_window < 1:
+            raise ValueError("stream_window must be at least 1")
+        self.config = config
+        self._hooks = hooks
+        self._epochs = epochs
+        self.engines = EngineTable(balancing=config.balancing, max_in_flight=config.max_in_flight)
+        self.calls = CallTable()
+        self.capacity = CapacityWaiters()
+        self._dials: dict[bytes, _Dial] = {}
+        self._dial_count = 0
+        #: Control messages queued to send (``[peer, header, payload]``), oldest first.
+        self.outbox: list[list[bytes]] = []
+        #: Events found while handling a message whose own event was already returned.
+        self.pending: collections.deque[Event] = collections.deque()
+        self.closed = False
+
+    # -- output ---------------------------------------------------------------------------
+
+    @property
+    def has_output(self) -> bool:
+        """Whether control frames wait in `frames_to_send`."""
+        return bool(self.outbox)
+
+    def frames_to_send(self) -> list[list[bytes]]:
+        """Take the control messages to send, each ``[peer, header, payload]``, in order."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _queue(
+        self,
+        engine: Engine | None,
+        peer: bytes,
+        kind: MessageKind,
+        body: Any,
+        call_id: int,
+        now: float,
+    ) -> None:
+        frames = encode_control(kind, body, call_id)
+        self.outbox.append([peer, *frames])
+        if engine is not None:
+            engine.sent = now
+            engine.bytes_sent += len(frames[0]) + len(frames[1])
+
+    # -- dialling -------------------------------------------------------------------------
+
+    def dial(self, alias: bytes, address: str, now: float) -> None:
+        """An address was connected under routing id ``alias``: ask it for HELLO."""
+        dial = _Dial(address, self.config.heartbeat.interval)
+        self._dials[alias] = dial
+        self._dial_count += 1
+        self._hello_request(alias, dial, now)
+
+    @property
+    def dial_count(self) -> int:
+        """Addresses dialled so far (also those no longer dialled)."""
+        return self._dial_count
+
+    def undial(self, address: str) -> list[bytes]:
+        """Stop asking ``address`` for HELLO; its live engine (if any) stays.
+
+        Returns:
+            The aliases that dialled it (empty: it was not dialled).
+        """
+        aliases = [alias for alias, dial in self._dials.items() if dial.address == address]
+        for alias in aliases:
+            del self._dials[alias]
+        return aliases
+
+    def address_of(self, peer: bytes) -> str | None:
+        """The address dialled under this routing id, if any."""
+        dial = self._dials.get(peer)
+        return None if dial is None else dial.address
+
+    def _hello_request(self, alias: bytes, dial: _Dial, now: float) -> None:
+        self._queue(None, alias, _PING, None, HELLO_REQUEST, now)
+        dial.due = now + self.config.heartbeat.interval
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def select(self, engine_id: str | None) -> Engine | None:
+        """The engine for a new call (see `EngineTable.select`); None: wait."""
+        if self.capacity.queued(engine_id):
+            return None  # earlier callers wait for this capacity: queue behind them
+        return self.engines.select(engine_id)
+
+    def start_call(
+        self, engine: Engine, spec: MethodSpec, waiter: Any, *, stream: bool, now: float
+    ) -> Call:
+        """Enter a call to ``engine`` in the table; the shell then sends its CALL."""
+        if self.closed:
+            raise ClosedError("the client is closed")
+        engine.sent = now
+        return self.calls.open(
+            engine, spec, waiter, stream=stream, window=self.config.stream_window
+        )
+
+    def cancel(self, call: Call, now: float) -> bool:
+        """The caller gave up on ``call``: end it and tell the engine (CANCEL).
+
+        Returns:
+            True when the call ended here (False: it had already ended).
+        """
+        if not self.calls.end(call, _CANCELLED):
+            return False
+        engine = call.engine
+        if engine.alive and not self.closed:
+            self._queue(engine, engine.peer, MessageKind.CANCEL, None, call.call_id, now)
+        return True
+
+    def take_item(self, call: Call, now: float) -> tuple[Buffer, Sequence[Buffer]]:
+        """The consumer takes the next stream item; credit goes back to the engine."""
+        items = call.items
+        assert items  # the shell waits until there is one
+        item = items.popleft()
+        credit = call.credit
+        assert credit is not None
+        if not call.ended:
+            grant = credit.consumed()
+            if grant:
+                engine = call.engine
+                self._queue(
+                    engine, engine.peer, MessageKind.CREDIT, Credit(grant), call.call_id, now
+                )
+        return item
+
+    def release(self, engine: Engine, leases: Sequence[int], now: float) -> None:
+        """Tell ``engine`` we attached to its result tensors under these leases."""
+        if engine.alive and leases:
+            self._queue(engine, engine.peer, MessageKind.RELEASE, Release(tuple(leases)), 0, now)
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def receive(self, peer: bytes, frames: Sequence[Buffer], now: float) -> Call | Event | None:
+        """Handle one message from ``peer`` (its frames after the routing id).
+
+        Returns:
+            The `Call` a reply concerns (its state says what happened), an event,
+            or ``None``. Further events, if any, are left in `pending`.
+        """
+        try:
+            header, payload, buffers = split_frames(frames)
+        except RemoteProtocolError as exc:
+            return Ignored(peer, f"malformed message: {exc}")
+        kind = header.kind
+        engine = self.engines.by_peer(peer)
+        if engine is not None:
+            if engine.info.dead_after_ms and now - engine.sent > engine.dead_after:
+                self.pending.append(self._forgotten(engine, now))
+                engine = None
+            else:
+                engine.heard = now
+                size = 0
+                for frame in frames:
+                    size += len(frame)  # type: ignore[arg-type]
+                engine.bytes_received += size
+                if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
+                    return self._reply(engine, kind, header, payload, buffers, now)
+        return self._control(peer, engine, kind, header, payload, now)
+
+    def _reply(
+        self,
+        engine: Engine,
+        kind: MessageKind,
+        header: Header,
+        payload: Buffer,
+        buffers: Sequence[Buffer],
+        now: float,
+    ) -> Call | Event | None:
+        call = self.calls.reply(engine, kind, header.call_id, payload, buffers)
+        if call is None:
+            if kind is _RESULT or kind is _STREAM_ITEM:
+                return Dropped(engine, payload, buffers)
+            if kind is _ERROR and header.call_id == 0:
+                return Ignored(
+                    engine.peer, f"engine {engine.engine_id!r} reported: {reply_error(payload)}"
+                )
+            return None
+        if call.state is _FAILED:  # the reply broke the rules: stop the engine's side
+            self._queue(engine, engine.peer, MessageKind.CANCEL, None, call.call_id, now)
+            if kind is _RESULT or kind is _STREAM_ITEM:
+                return Dropped(engine, payload, buffers, call)
+        return call
+
+    def _control(
+        self,
+        peer: bytes,
+        engine: Engine | None,
+        kind: MessageKind,
+        header: Header,
+        payload: Buffer,
+        now: float,
+    ) -> Event | None:
+        if kind is _PING:
+            if engine is not None:
+                self._queue(engine, peer, _PONG, None, header.call_id, now)
+            return None
+        if kind is _PONG:
+            if engine is not None and header.call_id > HEARTBEAT_NONCE:
+                return Pong(engine, header.call_id)
+            return None
+        if kind is _HELLO:
+            return self._on_hello(peer, header, payload, now)
+        if kind is _BYE:
+            return None if engine is None else self._lose(engine, "said BYE")
+        if kind is _REJECT:
+            return self._on_reject(peer, engine, header, payload)
+        if kind is MessageKind.PROOF:
+            return self._on_proof(engine, header, payload)
+        if engine is None:
+            if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
+                return None  # a reply of a session that ended: dropped silently
+            return Ignored(peer, f"unexpected {kind.name} from a peer without a session")
+        return Ignored(peer, f"unexpected {kind.name} from engine {engine.engine_id!r}")
+
+    # -- handshake ------------------------------------------------------------------------
+
+    def _on_hello(self, peer: bytes, header: Header, payload: Buffer, now: float) -> Event | None:
+        try:
+            hello = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            message = f"malformed HELLO: {exc}"
+            self._queue(None, peer, _REJECT, Reject("protocol", message[:4096]), 0, now)
+            return Ignored(peer, message)
+        assert isinstance(hello, Hello)
+        previous = self.engines.by_peer(peer)
+        if previous is not None:
+            if _same_session(previous, hello):
+                # A repeat: the engine may have missed our WELCOME; say the same again.
+                offer = self._hooks.shm_offer(hello) if previous.shm is not None else None
+                self._welcome(previous, now, offer)
+                return None
+            why = (
+                "was replaced by a new session at its address (its calls are lost)"
+                if previous.engine_id == hello.engine_id
+                else f"was replaced by engine {hello.engine_id!r} at its address"
+            )
+            self.pending.append(self._lose(previous, why))
+        info = _engine_info(hello, self.address_of(peer))
+        refusal = self._check(info)
+        if refusal is None:
+            current = self.engines.engines.get(info.engine_id)
+            if current is not None:
+                if self._hooks.reachable(current.peer):
+                    refusal = (
+                        "duplicate_id",
+                        f"engine id {info.engine_id!r} is already served by a live engine "
+                        f"(pid {current.info.pid}); a restart may reuse it once that one is "
+                        "dead or gone",
+                    )
+                else:
+                    self.pending.append(
+                        self._lose(current, "is unreachable (its connection closed)")
+                    )
+        if refusal is not None:
+            reason, message = refusal
+            self.engines.refuse(info.engine_id, reason, message)
+            self._queue(None, peer, _REJECT, Reject(reason, message), 0, now)
+            return EngineRefused(info.engine_id, reason, message, by_client=True)
+        return self._admit(peer, info, hello, now)
+
+    def _check(self, info: EngineInfo) -> tuple[str, str] | None:
+        config = self.config
+        return check_hello(
+            info,
+            service=info.service if config.schemaless else config.service,
+            fingerprint=info.fingerprint if config.schemaless else config.fingerprint,
+            protocol_version=PROTOCOL_VERSION,
+            signatures=None if config.schemaless else config.signatures,
+        )
+
+    def _admit(
+        self, peer: bytes, info: EngineInfo, hello: Hello, now: float
+    ) -> EngineJoined | None:
+        heartbeat = self.config.heartbeat
+        engine = Engine(
+            info=info,
+            peer=peer,
+            epoch=hello.epoch,
+            client_epoch=self._epochs(),
+            heard=now,
+            sent=now,
+            ping_every=ping_interval(heartbeat.interval, info.dead_after_ms),
+        )
+        engine.next_ping = now + engine.ping_every
+        offer = self._hooks.shm_offer(hello)
+        pending = offer is not None and bool(offer[2])
+        if pending:  # torch_shm once its PROOF verifies (pid -1: waiting for it)
+            engine.shm = ShmCapability(pid=-1, to_engine=False, from_engine=False)
+        self.engines.add(engine)
+        dial = self._dials.get(peer)
+        if dial is not None:
+            dial.backoff.reset()
+        self._welcome(engine, now, offer)
+        return None if pending else EngineJoined(engine)
+
+    def _on_proof(self, engine: Engine | None, header: Header, payload: Buffer) -> Event | None:
+        shm = engine.shm if engine is not None else None
+        if engine is None or shm is None or shm.pid != -1:
+            return None  # not waiting for one
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError:
+            body = Proof(b"")
+        assert isinstance(body, Proof)
+        pid, send, receive = self._hooks.shm_proof(engine, body)
+        engine.shm = ShmCapability(pid=pid, to_engine=send, from_engine=receive)
+        return EngineJoined(engine)
+
+    def _welcome(
+        self,
+        engine: Engine,
+        now: float,
+        offer: tuple[tuple[str, ...], bytes, bytes, bytes] | None,
+    ) -> None:
+        config = self.config
+        transports, probe, challenge, proof = (
+            offer if offer is not None else (("frames",), b"", b"", b"")
+        )
+        welcome = Welcome(
+            client_id=config.client_id,
+            host_id=config.host_id,
+            transports=transports,
+            heartbeat_ms=to_ms(config.heartbeat.interval),
+            stream_window=config.stream_window,
+            pid=config.pid,
+            probe=probe,
+            max_message_bytes=config.max_message_bytes,
+            epoch=engine.client_epoch,
+            dead_after_ms=to_ms(config.heartbeat.dead_after),
+            fingerprint="" if config.schemaless else config.fingerprint,
+            challenge=challenge,
+            proof=proof,
+        )
+        self._queue(engine, engine.peer, MessageKind.WELCOME, welcome, 0, now)
+
+    def _on_reject(
+        self, peer: bytes, engine: Engine | None, header: Header, payload: Buffer
+    ) -> Event:
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            body = Reject("other", f"malformed REJECT: {exc}")
+        assert isinstance(body, Reject)
+        who = engine.engine_id if engine is not None else self.address_of(peer) or repr(peer)
+        self.engines.refuse(who, body.reason, body.message)
+        if engine is not None:
+            self.pending.append(self._lose(engine, f"refused this client ({body.reason})"))
+        return EngineRefused(who, body.reason, body.message, by_client=False)
+
+    # -- endings --------------------------------------------------------------------------
+
+    def _lose(self, engine: Engine, why: str) -> EngineLost:
+        calls = self.calls.fail_engine(engine, why)
+        self.engines.remove(engine)  # after the calls: its counters include their errors
+        dial = self._dials.get(engine.peer)
+        if dial is not None:
+            dial.due = 0.0  # ask the address for a HELLO again at once
+        return EngineLost(engine, why, tuple(calls))
+
+    def _forgotten(self, engine: Engine, now: float) -> EngineLost:
+        return self._lose(
+            engine,
+            f"lost this client's session: nothing was sent to it for {now - engine.sent:.1f} s, "
+            f"longer than its bound ({engine.dead_after:g} s; did the client's event loop "
+            "stall?)",
+        )
+
+    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> EngineLost | None:
+        """End the session of ``engine_id`` if its engine runs as process ``pid``.
+
+        For supervisors that saw the process die before its heartbeats stopped.
+        """
+        engine = self.engines.engines.get(engine_id)
+        if engine is None or engine.info.pid != pid:
+            return None
+        return self._lose(engine, reason)
+
+    def unreachable(self, peer: bytes, now: float) -> EngineLost | None:
+        """A send to ``peer`` failed because no connection to it exists (yet)."""
+        engine = self.engines.by_peer(peer)
+        if engine is not None:
+            return self._lose(engine, "is unreachable (its connection closed)")
+        dial = self._dials.get(peer)
+        if dial is not None:
+            dial.due = now + dial.backoff.failed()
+        return None
+
+    def tick(self, now: float) -> list[EngineLost]:
+        """Timers: end silent or forgotten sessions, send heartbeats and hello requests."""
+        lost = [self._forgotten(engine, now) for engine in self.engines.forgot_us(now)]
+        dead_after = self.config.heartbeat.dead_after
+        for engine in self.engines.expired(now, dead_after):
+            lost.append(
+                self._lose(engine, f"sent nothing for {now - engine.heard:.1f} s (dead_after)")
+            )
+        for engine in list(self.engines.engines.values()):
+            if now >= engine.next_ping:
+                nonce = max(HEARTBEAT_NONCE + 1, int(now * 1e9))
+                self._queue(engine, engine.peer, _PING, None, nonce, now)
+                engine.next_ping = now + engine.ping_every
+        for alias, dial in self._dials.items():
+            if now >= dial.due and self.engines.by_peer(alias) is None:
+                self._hello_request(alias, dial, now)
+        return lost
+
+    def next_tick(self, now: float) -> float:
+        """Seconds until `tick` has something to do (at most the heartbeat interval)."""
+        heartbeat = self.config.heartbeat
+        due = now + heartbeat.interval
+        for engine in self.engines.engines.values():
+            due = min(due, engine.next_ping, engine.heard + heartbeat.dead_after)
+            if engine.info.dead_after_ms:
+                due = min(due, engine.sent + engine.dead_after)
+        for alias, dial in self._dials.items():
+            if self.engines.by_peer(alias) is None:
+                due = min(due, dial.due)
+        return max(_MIN_TICK_S, due - now)
+
+    def close(self, now: float) -> list[Call]:
+        """Say BYE to every engine and fail every call with ClosedError (idempotent).
+
+        Returns:
+            The calls that ended here.
+        """
+        if self.closed:
+            return []
+        for engine in list(self.engines.engines.values()):
+            self._queue(engine, engine.peer, _BYE, Bye("closed"), 0, now)
+        self.closed = True
+        return self.calls.fail_all(ClosedError, "the client was closed")
+
+
+def _same_session(engine: Engine, hello: Hello) -> bool:
+    if engine.engine_id != hello.engine_id:
+        return False
+    if hello.epoch or engine.epoch:
+        return hello.epoch == engine.epoch
+    # Older engines announce no epoch: the same process on the same host is the same.
+    return engine.info.pid == hello.pid and engine.info.host_id == hello.host_id
+
+
+def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
+    return EngineInfo(
+        engine_id=hello.engine_id,
+        service=hello.service,
+        fingerprint=hello.fingerprint,
+        protocol_version=hello.protocol_version,
+        host_id=hello.host_id,
+        pid=hello.pid,
+        transports=hello.transports,
+        concurrency=hello.concurrency,
+        heartbeat_ms=hello.heartbeat_ms,
+        methods=hello.methods,
+        address=address,
+        streaming=hello.streaming,
+        signatures=hello.signatures,
+        max_message_bytes=hello.max_message_bytes,
+        dead_after_ms=hello.dead_after_ms,
+        features=hello.features,
+    )
+
+
+def reply_error(payload: Buffer) -> TensorRPCError:
+    """The exception an ERROR payload describes (RemoteProtocolError if malformed)."""
+    try:
+        info = decode_control(_ERROR_HEADER, payload)
+    except RemoteProtocolError as exc:
+        return exc
+    assert isinstance(info, ErrorInfo)
+    return info.to_exception()

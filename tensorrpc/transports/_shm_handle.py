@@ -1,0 +1,184 @@
+"""The ``torch_shm`` handle: its wire format and the checks that need no memory access.
+
+A handle is a packed struct (magic, version, kind, ndim, pid, fd, dev, ino, lease, tag,
+base, span, elem_offset), the strides, and a kind-specific tail. Everything here is pure:
+parse, bounds, layout. The receiver (`tensorrpc.transports._shm_recv`) then checks
+the file it names before it maps anything.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final
+
+from tensorrpc._exceptions import TensorTransportError
+
+__all__ = [
+    "TRANSPORT_NAME",
+    "HandleKind",
+    "fail",
+    "pack",
+    "unpack",
+]
+
+#: The name this transport goes by in descriptors and handshakes.
+TRANSPORT_NAME: Final = "torch_shm"
+
+_MAGIC = b"TRSH"
+_VERSION = 1
+# magic, version, kind, ndim, pid, fd, dev, ino, lease, tag, base, span, elem_offset
+_HEAD = struct.Struct("<4sBBHiiQQQQQQq")
+CUDA_TAIL: Final = struct.Struct("<iQQQB")
+U16: Final = struct.Struct("<H")
+_MAX_NDIM = 64
+_MAX_HANDLE = 4096
+MAX_FD: Final = 1 << 20  # the kernel's hard ceiling on fs.nr_open
+_MAX_SPAN = 1 << 46
+_MAX_BASE = 1 << 46
+
+
+class HandleKind(IntEnum):
+    """Where a handle's bytes live (byte 5 of the handle)."""
+
+    #: A tensor with no elements: nothing to map.
+    EMPTY = 0
+    #: A region of the sender's memfd pool (a sealed memfd).
+    POOL = 1
+    #: Formerly a torch ``file_descriptor`` storage; refused (its file can shrink: SIGBUS).
+    TORCH_FD = 2
+    #: Formerly a torch ``file_system`` storage; refused (its file can shrink: SIGBUS).
+    TORCH_FILE = 3
+    #: A CUDA storage shared through torch's CUDA IPC.
+    CUDA = 4
+    #: A tensor in tensorrpc shared memory (``tensorrpc.shared_empty``): a sealed memfd,
+    #: sent by alias.
+    SHARED = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """A parsed handle (every field from the wire: untrusted until checked)."""
+
+    kind: HandleKind
+    pid: int
+    fd: int
+    dev: int
+    ino: int
+    lease: int
+    tag: int
+    base: int
+    span: int
+    elem_offset: int
+    strides: tuple[int, ...]
+    tail: bytes
+
+
+def fail(message: str) -> TensorTransportError:
+    """The error for a handle that cannot be used (never names files or descriptors)."""
+    return TensorTransportError(f"torch_shm: {message}")
+
+
+def pack(h: Handle) -> bytes:
+    """The wire form of a handle."""
+    head = _HEAD.pack(
+        _MAGIC,
+        _VERSION,
+        h.kind,
+        len(h.strides),
+        h.pid,
+        h.fd,
+        h.dev,
+        h.ino,
+        h.lease,
+        h.tag,
+        h.base,
+        h.span,
+        h.elem_offset,
+    )
+    return head + struct.pack(f"<{len(h.strides)}q", *h.strides) + h.tail
+
+
+def unpack(handle: bytes) -> Handle:
+    """Parse a handle from the wire.
+
+    Raises:
+        TensorTransportError: it is not a well-formed handle of this version.
+    """
+    if not isinstance(handle, bytes | bytearray | memoryview):
+        raise fail(f"handle must be bytes, not {type(handle).__name__}")
+    data = bytes(handle)
+    if not _HEAD.size <= len(data) <= _MAX_HANDLE:
+        raise fail(f"handle of {len(data)} bytes (expected {_HEAD.size}..{_MAX_HANDLE})")
+    (magic, version, kind, ndim, pid, fd, dev, ino, lease, tag, base, span, elem_offset) = (
+        _HEAD.unpack_from(data)
+    )
+    if magic != _MAGIC:
+        raise fail("not a torch_shm handle (bad magic)")
+    if version != _VERSION:
+        raise fail(f"handle version {version} not supported (this side speaks {_VERSION})")
+    try:
+        kind = HandleKind(kind)
+    except ValueError:
+        raise fail(f"unknown handle kind {kind}") from None
+    if ndim > _MAX_NDIM:
+        raise fail(f"handle with {ndim} dimensions")
+    end = _HEAD.size + 8 * ndim
+    if len(data) < end:
+        raise fail("handle truncated in its strides")
+    strides = struct.unpack_from(f"<{ndim}q", data, _HEAD.size)
+    return Handle(kind, pid, fd, dev, ino, lease, tag, base, span, elem_offset, strides, data[end:])
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """C-contiguous strides (in elements) for ``shape``."""
+    strides = []
+    acc = 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def non_overlapping(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether no two elements of the strided view share memory.
+
+    A view whose elements overlap (a zero stride, ``expand``) would let 4 KiB of shared
+    memory stand for a tensor of any size; such views are never sent or accepted by alias.
+    """
+    dims = sorted((s, n) for n, s in zip(shape, strides, strict=True) if n > 1)
+    reach = 0  # elements spanned by the dims so far, minus one
+    for stride, n in dims:
+        if stride <= reach:
+            return False
+        reach += (n - 1) * stride
+    return True
+
+
+def check_bounds(h: Handle, dtype_size: int, shape: tuple[int, ...]) -> tuple[int, int]:
+    """Check a non-empty handle's pid, strides and span against the descriptor.
+
+    Returns:
+        ``(start, length)``: the bytes of the storage the view reads, relative to ``base``.
+
+    Raises:
+        TensorTransportError: a field is out of range, or the view leaves its storage.
+    """
+    if h.pid <= 0:
+        raise fail(f"bad pid {h.pid}")
+    if any(s < 0 for s in h.strides) or h.elem_offset < 0:
+        raise fail("negative stride or offset")
+    if not 0 < h.span <= _MAX_SPAN or not 0 <= h.base <= _MAX_BASE:
+        raise fail(f"span {h.span} or base {h.base} out of range")
+    if not non_overlapping(shape, h.strides):
+        raise fail("the handle's strides make elements overlap (a zero or short stride)")
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, h.strides, strict=True))
+    start = h.elem_offset * dtype_size
+    length = extent * dtype_size
+    if start + length > h.span:
+        raise fail(f"tensor needs bytes {start}..{start + length} of a {h.span}-byte storage")
+    if math.prod(shape) * dtype_size > length:
+        raise fail("the handle's strides make elements overlap")
+    return start, length

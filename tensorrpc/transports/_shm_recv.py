@@ -1,0 +1,432 @@
+"""The receiving side of ``torch_shm``: check a handle's file, map it, build the tensor.
+
+Every handle from the wire is untrusted. Before any memory is touched the receiver checks
+the handle's format and bounds (`._shm_handle`), that it names the peer's own proven
+pid, and that ``/proc/<pid>/fd/<n>`` is a tensorrpc memfd of the right kind (by its name),
+on the memfd device, with the handle's inode, **sealed against shrinking and growing**
+(so no ``ftruncate`` can ever turn an access into ``SIGBUS``), and at most
+``max_segment_bytes`` long, with the handle's bytes inside it. The path is only
+``stat``-ed before the checks pass, and the opened file must be the same inode. Errors
+say what is wrong with the *handle*, never which files or descriptors a process has.
+
+Mappings are lazy (no ``MAP_POPULATE``: a sparse segment costs nothing but the pages the
+tensor really reads) and kept in a per-peer LRU keyed by ``(pid, dev, ino)``, bounded by
+count and by bytes per peer; a segment bigger than the per-peer budget is mapped only
+over the page-aligned range the handle needs, and not kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import math
+import os
+import re
+import stat
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Final
+
+import torch
+
+from tensorrpc.transports._shm_auth import SECRET_BYTES, ProbeHandle
+from tensorrpc.transports._shm_handle import (
+    CUDA_TAIL,
+    MAX_FD,
+    TRANSPORT_NAME,
+    U16,
+    Handle,
+    HandleKind,
+    check_bounds,
+    contiguous_strides,
+    fail,
+    unpack,
+)
+from tensorrpc.transports._shm_pool import PAGE_SIZE, REGION_HEADER, BufferCache, map_shared
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["Receiver", "SegmentMaps", "ShmResolver", "refuse_all"]
+
+logger = logging.getLogger("tensorrpc.transports")
+
+POOL_RE: Final = re.compile(r"/memfd:tensorrpc-[0-9]+-[0-9]+ \(deleted\)")
+SHARED_RE: Final = re.compile(r"/memfd:tensorrpc-shared-[0-9]+-[0-9]+ \(deleted\)")
+PROBE_RE: Final = re.compile(r"/memfd:tensorrpc-probe-[0-9]+ \(deleted\)")
+_SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_PROBE_SEALED = _SEALED | fcntl.F_SEAL_WRITE
+_TORCH_NAME_RE = re.compile(r"/torch_[0-9]+_[0-9]+_[0-9]+")
+_NO_ATTACH = "cannot attach to the handle (not a live tensorrpc segment of the peer)"
+
+
+def _read_u64(addr: int) -> int:
+    return int(ctypes.c_uint64.from_address(addr).value)
+
+
+class SegmentMaps:
+    """Mapped segments of peers, LRU, bounded by count (all peers) and bytes (per peer).
+
+    Args:
+        max_segments: most segments kept mapped, all peers together.
+        max_bytes_per_peer: most bytes kept mapped per peer; a larger segment is never kept.
+    """
+
+    def __init__(self, *, max_segments: int, max_bytes_per_peer: int) -> None:
+        self.max_segments = max_segments
+        self.max_bytes_per_peer = max_bytes_per_peer
+        self._maps: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+        self._bytes: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def bytes_of(self, pid: int) -> int:
+        """Bytes kept mapped for ``pid``."""
+        return self._bytes.get(pid, 0)
+
+    def get(self, key: tuple[int, int, int]) -> torch.Tensor | None:
+        """The mapping of ``(pid, dev, ino)`` (marked most recently used), or None."""
+        view = self._maps.get(key)
+        if view is not None:
+            self._maps.move_to_end(key)
+        return view
+
+    def put(self, key: tuple[int, int, int], view: torch.Tensor) -> bool:
+        """Keep a whole-segment mapping; False when it is over the per-peer budget."""
+        size = view.numel()
+        pid = key[0]
+        if size > self.max_bytes_per_peer or self.max_segments <= 0:
+            return False
+        old = self._maps.pop(key, None)
+        if old is not None:
+            self._bytes[pid] -= old.numel()
+        while self._bytes.get(pid, 0) + size > self.max_bytes_per_peer:
+            self._evict(next(k for k in self._maps if k[0] == pid))
+        while len(self._maps) >= self.max_segments:
+            self._evict(next(iter(self._maps)))
+        self._maps[key] = view
+        self._bytes[pid] = self._bytes.get(pid, 0) + size
+        return True
+
+    def _evict(self, key: tuple[int, int, int]) -> None:
+        view = self._maps.pop(key)
+        left = self._bytes[key[0]] - view.numel()
+        if left:
+            self._bytes[key[0]] = left
+        else:
+            del self._bytes[key[0]]
+
+    def forget(self, pid: int) -> int:
+        """Drop every mapping of ``pid`` (tensors built on them keep theirs alive)."""
+        keys = [k for k in self._maps if k[0] == pid]
+        for k in keys:
+            self._evict(k)
+        return len(keys)
+
+    def clear(self) -> None:
+        """Drop every mapping."""
+        self._maps.clear()
+        self._bytes.clear()
+
+
+class Receiver:
+    """Resolves handles into tensors for one process (thread-safe).
+
+    Args:
+        memfd_dev: ``st_dev`` of memfds on this kernel.
+        maps: the mapping cache.
+        buffers: recycled destination buffers for copies out of the pool.
+        max_segment_bytes: a segment larger than this is refused.
+    """
+
+    def __init__(
+        self, memfd_dev: int, maps: SegmentMaps, buffers: BufferCache, max_segment_bytes: int
+    ) -> None:
+        self._lock = threading.Lock()
+        self._memfd_dev = memfd_dev
+        self.maps = maps
+        self.buffers = buffers
+        self.max_segment_bytes = max_segment_bytes
+        self.tensors_received = 0
+        self.bytes_received = 0
+
+    # -- probes ----------------------------------------------------------------------------
+
+    def read_probe_secret(self, probe: ProbeHandle) -> bytes | None:
+        """The secret in a peer's probe memfd, or None when it cannot be read or is wrong."""
+        try:
+            ofd, _st = self._open(probe.pid, probe.fd, probe.dev, probe.ino, PROBE_RE, os.O_RDONLY)
+        except Exception:  # any failure: not proven
+            return None
+        try:
+            if os.fstat(ofd).st_size != SECRET_BYTES:
+                return None
+            if fcntl.fcntl(ofd, fcntl.F_GET_SEALS) & _PROBE_SEALED != _PROBE_SEALED:
+                return None
+            data = os.pread(ofd, SECRET_BYTES, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(ofd)
+        return data if len(data) == SECRET_BYTES else None
+
+    # -- handles ---------------------------------------------------------------------------
+
+    def resolve(
+        self,
+        h: Handle,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        peer_pid: int | None,
+        *,
+        count: bool = True,
+    ) -> torch.Tensor:
+        """Build the tensor a parsed handle describes (see `ShmResolver.resolve`)."""
+        if not isinstance(dtype, torch.dtype):
+            raise fail(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+        if len(shape) != len(h.strides):
+            raise fail(f"handle has {len(h.strides)} dimensions, descriptor {len(shape)}")
+        if any(not isinstance(n, int) or n < 0 for n in shape):
+            raise fail(f"bad shape {shape!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            if h.kind != HandleKind.EMPTY:
+                raise fail("handle for an empty tensor must be EMPTY")
+            out = torch.empty(shape, dtype=dtype)
+        elif h.kind == HandleKind.EMPTY:
+            raise fail("EMPTY handle for a tensor with elements")
+        else:
+            if peer_pid is not None and h.pid != peer_pid:
+                raise fail("the handle does not name the peer's process")
+            out = self._resolve_kind(h, dtype, shape, nbytes)
+        if count:
+            with self._lock:
+                self.tensors_received += 1
+                self.bytes_received += nbytes
+        return out
+
+    def _resolve_kind(
+        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+    ) -> torch.Tensor:
+        start, length = check_bounds(h, dtype.itemsize, shape)
+        if h.kind == HandleKind.POOL:
+            return self._resolve_pool(h, dtype, shape, nbytes)
+        if h.kind == HandleKind.SHARED:
+            return self._resolve_shared(h, dtype, shape, start, length)
+        if h.kind == HandleKind.CUDA:
+            return self._resolve_cuda(h, dtype, shape)
+        raise fail(
+            "torch shared-memory files are not accepted (they can shrink while mapped); "
+            "send the tensor from the pool or from tensorrpc.shared_empty"
+        )
+
+    def _open(
+        self, pid: int, fd: int, dev: int, ino: int, pattern: re.Pattern[str], flags: int
+    ) -> tuple[int, os.stat_result]:
+        """Open ``/proc/<pid>/fd/<fd>`` if it is the memfd described; generic errors only."""
+        if not 0 <= fd < MAX_FD or pid <= 0:
+            raise fail(_NO_ATTACH)
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            target = os.readlink(path)
+            if not pattern.fullmatch(target):
+                raise fail(_NO_ATTACH)
+            # stat() follows the magic link without opening anything: check before open().
+            self._check_file(os.stat(path), dev, ino)
+            ofd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError:
+            raise fail(_NO_ATTACH) from None
+        try:
+            st = os.fstat(ofd)
+            self._check_file(st, dev, ino)
+        except BaseException:
+            os.close(ofd)
+            raise
+        return ofd, st
+
+    def _check_file(self, st: os.stat_result, dev: int, ino: int) -> None:
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != self._memfd_dev:
+            raise fail(_NO_ATTACH)
+        if st.st_dev != dev or st.st_ino != ino:
+            raise fail(_NO_ATTACH)
+        if st.st_size > self.max_segment_bytes:
+            raise fail(f"segment larger than this receiver's limit ({self.max_segment_bytes} B)")
+
+    def _segment(
+        self, h: Handle, pattern: re.Pattern[str], first: int, length: int
+    ) -> tuple[torch.Tensor, int]:
+        """A mapping covering bytes ``first .. first+length`` of the handle's segment.
+
+        Returns:
+            ``(view, offset)``: the bytes start at ``view[offset]``.
+        """
+        key = (h.pid, h.dev, h.ino)
+        end = max(first + length, h.base + h.span)  # the handle's whole storage must fit
+        with self._lock:
+            view = self.maps.get(key)
+        if view is not None:
+            if end > view.numel():
+                raise fail("the handle reaches past the end of its segment")
+            return view, first
+        ofd, st = self._open(h.pid, h.fd, h.dev, h.ino, pattern, os.O_RDWR)
+        try:
+            if fcntl.fcntl(ofd, fcntl.F_GET_SEALS) & _SEALED != _SEALED:
+                raise fail("the segment is not sealed against shrinking and growing")
+            size = st.st_size
+            if end > size:
+                raise fail("the handle reaches past the end of its segment")
+            if size <= self.maps.max_bytes_per_peer:
+                view = map_shared(ofd, size)
+                with self._lock:
+                    self.maps.put(key, view)
+                return view, first
+            window = first - first % PAGE_SIZE
+            return map_shared(ofd, first - window + length, window), first - window
+        except OSError as exc:
+            raise fail(f"cannot map the peer's segment: {exc.strerror}") from None
+        finally:
+            os.close(ofd)
+
+    def _resolve_pool(
+        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+    ) -> torch.Tensor:
+        if h.tail:
+            raise fail("unexpected bytes after a POOL handle")
+        if h.elem_offset != 0 or h.strides != contiguous_strides(shape) or h.span != nbytes:
+            raise fail("pool handle must describe exactly one contiguous tensor")
+        if h.base < REGION_HEADER or h.base % 64:
+            raise fail(f"pool region at byte {h.base} is misaligned")
+        if h.tag == 0:
+            raise fail("pool handle without a tag")
+        view, at = self._segment(h, POOL_RE, h.base - REGION_HEADER, REGION_HEADER + nbytes)
+        tag_at = view.data_ptr() + at
+        if _read_u64(tag_at) != h.tag:
+            raise fail("pool region no longer holds this tensor (lease released or expired)")
+        out = self.buffers.empty(nbytes)
+        ctypes.memmove(out.data_ptr(), tag_at + REGION_HEADER, nbytes)
+        if _read_u64(tag_at) != h.tag:
+            raise fail("pool region was reused while it was read (lease released too early)")
+        return out.view(dtype).view(shape)
+
+    def _resolve_shared(
+        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], start: int, length: int
+    ) -> torch.Tensor:
+        if h.tail:
+            raise fail("unexpected bytes after a SHARED handle")
+        if h.base != 0:
+            raise fail("shared handle must start at byte 0 of its segment")
+        view, at = self._segment(h, SHARED_RE, start, length)
+        try:
+            flat = view[at : at + length].view(dtype)
+            return flat.as_strided(shape, h.strides)
+        except RuntimeError as exc:
+            raise fail(f"cannot build the tensor on the shared segment: {exc}") from None
+
+    def _resolve_cuda(
+        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:  # pragma: no cover - needs two processes and a GPU
+        tail = h.tail
+        if len(tail) < CUDA_TAIL.size:
+            raise fail("CUDA handle truncated")
+        device, size_bytes, offset_bytes, ref_offset, event_sync = CUDA_TAIL.unpack_from(tail)
+        parts: list[bytes] = []
+        pos = CUDA_TAIL.size
+        for _ in range(3):
+            if len(tail) < pos + 2:
+                raise fail("CUDA handle truncated")
+            (n,) = U16.unpack_from(tail, pos)
+            pos += 2
+            if n > 1024 or len(tail) < pos + n:
+                raise fail("CUDA handle field out of range")
+            parts.append(tail[pos : pos + n])
+            pos += n
+        if pos != len(tail):
+            raise fail("unexpected bytes after a CUDA handle")
+        ipc_handle, ref_handle, event_handle = parts
+        if not _TORCH_NAME_RE.fullmatch(ref_handle.decode("ascii", "replace")):
+            raise fail("CUDA ref-counter handle is not a torch shared-memory name")
+        if not torch.cuda.is_available() or not 0 <= device < torch.cuda.device_count():
+            raise fail(f"no CUDA device {device} here")
+        if size_bytes != h.span:
+            raise fail("CUDA handle sizes disagree")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        try:
+            tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+                torch.Tensor,
+                torch.Size(shape),
+                h.strides,
+                h.elem_offset,
+                torch.storage.TypedStorage,
+                dtype,
+                device,
+                ipc_handle,
+                size_bytes,
+                offset_bytes,
+                False,
+                ref_handle,
+                ref_offset,
+                event_handle,
+                bool(event_sync),
+            )
+        except (RuntimeError, TypeError) as exc:
+            raise fail(f"CUDA IPC failed: {exc}") from None
+        return tensor
+
+
+class ShmResolver:
+    """Resolves handles of incoming messages (implements the codec's ``TensorResolver``).
+
+    Made by `TorchShmTransport.resolver` for one peer; handles that name any other
+    process are refused. Records the lease ids it saw, for the runtime to send back.
+    """
+
+    __slots__ = ("_check", "_leases", "_peer_pid", "_receiver")
+
+    def __init__(self, receiver: Receiver, peer_pid: int | None, check: Callable[[], None]) -> None:
+        self._receiver = receiver
+        self._peer_pid = peer_pid
+        self._check = check
+        self._leases: list[int] = []
+
+    @property
+    def leases(self) -> tuple[int, ...]:
+        """Distinct lease ids of the handles resolved so far, in order of appearance."""
+        return tuple(dict.fromkeys(self._leases))
+
+    def resolve(
+        self, transport: str, handle: bytes, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Build the tensor a handle describes.
+
+        Returns:
+            A private copy for pool handles; a tensor aliasing the sender's memory for
+            tensorrpc shared memory and CUDA storages.
+
+        Raises:
+            TensorTransportError: the handle is malformed, does not match ``dtype`` and
+                ``shape``, names anything but a sealed tensorrpc segment of the peer, or
+                the segment cannot be opened (another host, no ``/proc`` access, sender
+                gone).
+        """
+        if transport != TRANSPORT_NAME:
+            raise fail(f"cannot resolve a {transport!r} handle")
+        self._check()
+        h = unpack(handle)
+        tensor = self._receiver.resolve(h, dtype, tuple(shape), self._peer_pid)
+        self._leases.append(h.lease)
+        return tensor
+
+
+def refuse_all() -> None:
+    """The check of a resolver for a peer that may not use ``torch_shm``.
+
+    Raises:
+        TensorTransportError: always; the message says nothing about files or descriptors.
+    """
+    raise fail(
+        "torch_shm is not in use with this peer (its process id was not proven at the "
+        "handshake); send tensors as frames"
+    )

@@ -1,0 +1,170 @@
+"""Scripted engines for ClientProtocol unit tests: frames in, frames out, a fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorrpc import _codec
+from tensorrpc._calls import Call
+from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
+from tensorrpc._engines import Engine
+from tensorrpc._protocol import (
+    PROTOCOL_VERSION,
+    Bye,
+    ErrorInfo,
+    Hello,
+    MessageKind,
+    Proof,
+    Reject,
+    decode_control,
+    encode_control,
+    encode_error,
+    pack_reply_header,
+    split_frames,
+)
+from tensorrpc._service import MethodSpec, describe, rpc, service
+
+
+@service
+class Calc:
+    @rpc
+    async def add(self, a: int, b: int) -> int:
+        return a + b
+
+    @rpc
+    async def count(self, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+
+SPEC = describe(Calc)
+ADD: MethodSpec = SPEC.methods["add"]
+COUNT: MethodSpec = SPEC.methods["count"]
+
+
+@dataclass
+class Hooks:
+    """The shell's answers: torch_shm never usable; peers reachable unless listed."""
+
+    gone: set[bytes] = field(default_factory=set)
+    asked: list[bytes] = field(default_factory=list)
+
+    def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
+        return None
+
+    def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
+        return (0, False, False)
+
+    def reachable(self, peer: bytes) -> bool:
+        self.asked.append(peer)
+        return peer not in self.gone
+
+
+def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:
+    options: dict[str, Any] = {
+        "service": SPEC.name,
+        "fingerprint": SPEC.fingerprint,
+        "client_id": "c1",
+        "heartbeat": Heartbeat(1.0, 5.0),
+        "stream_window": 4,
+        "max_in_flight": 8,
+    }
+    options.update(kw)
+    hooks = Hooks()
+    epochs = iter(range(100, 10**6))
+    return ClientProtocol(ClientConfig(**options), hooks, epochs=lambda: next(epochs)), hooks
+
+
+def hello(engine_id: str = "e1", **kw: Any) -> list[bytes]:
+    fields: dict[str, Any] = {
+        "engine_id": engine_id,
+        "service": SPEC.name,
+        "fingerprint": SPEC.fingerprint,
+        "protocol_version": PROTOCOL_VERSION,
+        "host_id": "h",
+        "pid": 42,
+        "epoch": 7,
+        "dead_after_ms": 3000,
+    }
+    fields.update(kw)
+    return encode_control(MessageKind.HELLO, Hello(**fields))
+
+
+def result(call_id: int, value: Any, kind: MessageKind = MessageKind.RESULT) -> list[Any]:
+    encoded = _codec.encode(value)
+    return [pack_reply_header(kind, call_id), encoded.payload, *encoded.buffers]
+
+
+def error(call_id: int, code: int = 1, message: str = "boom") -> list[bytes]:
+    return encode_error(call_id, ErrorInfo(code, "ValueError", message, ""))
+
+
+def end(call_id: int) -> list[bytes]:
+    return encode_control(MessageKind.STREAM_END, None, call_id)
+
+
+def control(kind: MessageKind, body: Any = None, call_id: int = 0) -> list[bytes]:
+    return encode_control(kind, body, call_id)
+
+
+def bye() -> list[bytes]:
+    return control(MessageKind.BYE, Bye("shutdown"))
+
+
+def reject(reason: str = "fingerprint") -> list[bytes]:
+    return control(MessageKind.REJECT, Reject(reason, "no"))
+
+
+@dataclass
+class Sent:
+    """One control message the protocol queued."""
+
+    peer: bytes
+    kind: MessageKind
+    call_id: int
+    body: Any
+
+
+def sent(protocol: ClientProtocol) -> list[Sent]:
+    """Drain and decode what the protocol queued."""
+    out = []
+    for frames in protocol.frames_to_send():
+        header, payload, _ = split_frames(frames[1:])
+        body = None
+        if header.kind in (
+            MessageKind.WELCOME,
+            MessageKind.REJECT,
+            MessageKind.BYE,
+            MessageKind.CREDIT,
+            MessageKind.RELEASE,
+        ):
+            body = decode_control(header, payload)
+        out.append(Sent(frames[0], header.kind, header.call_id, body))
+    return out
+
+
+def kinds(protocol: ClientProtocol) -> list[MessageKind]:
+    return [s.kind for s in sent(protocol)]
+
+
+def join(
+    protocol: ClientProtocol,
+    engine_id: str = "e1",
+    peer: bytes | None = None,
+    now: float = 0.0,
+    **kw: Any,
+) -> Engine:
+    """Admit an engine and drain the WELCOME."""
+    peer = peer if peer is not None else f"{engine_id}/x".encode()
+    protocol.receive(peer, hello(engine_id, **kw), now)
+    out = sent(protocol)
+    assert [s.kind for s in out] == [MessageKind.WELCOME], out
+    return protocol.engines.engines[engine_id]
+
+
+def start(
+    protocol: ClientProtocol, engine: Engine, *, stream: bool = False, now: float = 0.0
+) -> Call:
+    return protocol.start_call(engine, COUNT if stream else ADD, object(), stream=stream, now=now)

@@ -1,0 +1,471 @@
+"""ClientProtocol without sockets: scripted engine frames in, control frames out, fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorrpc._calls import Call, CallState
+from tensorrpc._client_protocol import (
+    DIAL_RETRY_MIN_S,
+    HELLO_REQUEST,
+    Dropped,
+    EngineJoined,
+    EngineLost,
+    EngineRefused,
+    Ignored,
+)
+from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT
+from tensorrpc._exceptions import ClosedError, EngineDeadError, RemoteProtocolError
+from tensorrpc._protocol import Credit, MessageKind, Reject, Welcome
+
+from .client_script import (
+    SPEC,
+    bye,
+    control,
+    end,
+    error,
+    hello,
+    join,
+    kinds,
+    make_protocol,
+    reject,
+    result,
+    sent,
+    start,
+)
+
+K = MessageKind
+
+
+def state_of(call: Call) -> CallState:
+    return call.state
+
+
+# -- handshake -------------------------------------------------------------------------------
+
+
+def test_acceptable_hello_is_welcomed_with_our_session_and_bounds() -> None:
+    protocol, _ = make_protocol()
+    event = protocol.receive(b"e1/x", hello("e1", dead_after_ms=3000), 0.0)
+    assert isinstance(event, EngineJoined)
+    [welcome] = sent(protocol)
+    assert welcome.peer == b"e1/x"
+    body = welcome.body
+    assert isinstance(body, Welcome)
+    assert body.client_id == "c1"
+    assert body.epoch == 100
+    assert body.dead_after_ms == 5000
+    assert body.heartbeat_ms == 1000
+    assert body.fingerprint == SPEC.fingerprint
+    assert body.stream_window == 4
+    assert body.transports == ("frames",)
+    assert event.engine.info.dead_after_ms == 3000
+
+
+def test_schemaless_welcome_announces_no_fingerprint_and_admits_any_service() -> None:
+    protocol, _ = make_protocol(schemaless=True)
+    event = protocol.receive(b"p", hello("e1", service="Other", fingerprint="abc"), 0.0)
+    assert isinstance(event, EngineJoined)
+    assert sent(protocol)[0].body.fingerprint == ""
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"fingerprint": "abc"}, "fingerprint"),
+        ({"service": "X"}, "service"),
+        ({"protocol_version": 9}, "version"),
+    ],
+)
+def test_mismatched_hello_is_refused_with_the_reason(kw: dict[str, object], reason: str) -> None:
+    protocol, _ = make_protocol()
+    event = protocol.receive(b"p", hello("e1", **kw), 0.0)
+    assert isinstance(event, EngineRefused)
+    assert event.by_client
+    assert event.reason == reason
+    [out] = sent(protocol)
+    assert out.kind is K.REJECT
+    assert out.body.reason == reason
+    assert protocol.engines.rejected["e1"].startswith(reason)
+    assert not protocol.engines.engines
+
+
+def test_malformed_hello_gets_a_protocol_reject() -> None:
+    protocol, _ = make_protocol()
+    frames = hello("e1")
+    frames[1] = b"\x81\xa1x\x01"  # a map without the required fields
+    event = protocol.receive(b"p", frames, 0.0)
+    assert isinstance(event, Ignored)
+    [out] = sent(protocol)
+    assert out.kind is K.REJECT
+    assert isinstance(out.body, Reject)
+    assert out.body.reason == "protocol"
+
+
+def test_repeated_hello_of_the_same_session_is_harmless() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", epoch=7)
+    call = start(protocol, engine)
+    assert protocol.receive(b"p", hello("e1", epoch=7), 1.0) is None
+    [again] = sent(protocol)
+    assert again.kind is K.WELCOME
+    assert again.body.epoch == 100  # the same client epoch: nothing changed
+    assert state_of(call) is CallState.IN_FLIGHT
+    assert protocol.engines.engines["e1"] is engine
+
+
+def test_new_epoch_from_a_known_engine_fails_its_calls_at_once() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", epoch=7)
+    calls = [start(protocol, engine) for _ in range(3)]
+    event = protocol.receive(b"p", hello("e1", epoch=8), 1.0)
+    assert isinstance(event, EngineJoined)
+    [lost] = protocol.pending
+    assert isinstance(lost, EngineLost)
+    assert set(lost.calls) == set(calls)
+    for call in calls:
+        assert state_of(call) is CallState.FAILED
+        assert isinstance(call.error, EngineDeadError)
+        assert "replaced by a new session" in str(call.error)
+    [welcome] = sent(protocol)
+    assert welcome.body.epoch == 101  # a new session of ours too
+    assert protocol.engines.engines["e1"] is event.engine is not engine
+    assert len(protocol.calls) == 0
+
+
+def test_restart_of_an_engine_without_epochs_is_seen_by_its_pid() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", epoch=0, pid=10)
+    call = start(protocol, engine)
+    assert protocol.receive(b"p", hello("e1", epoch=0, pid=10), 1.0) is None
+    assert kinds(protocol) == [K.WELCOME]
+    assert isinstance(protocol.receive(b"p", hello("e1", epoch=0, pid=11), 1.0), EngineJoined)
+    assert isinstance(call.error, EngineDeadError)
+
+
+def test_impostor_with_a_live_id_is_refused_and_steals_nothing() -> None:
+    protocol, hooks = make_protocol()
+    engine = join(protocol, "e1", b"e1/real")
+    call = start(protocol, engine)
+    event = protocol.receive(b"e1/fake", hello("e1", epoch=99), 1.0)
+    assert isinstance(event, EngineRefused)
+    assert event.reason == "duplicate_id"
+    assert hooks.asked == [b"e1/real"]
+    [out] = sent(protocol)
+    assert (out.peer, out.kind, out.body.reason) == (b"e1/fake", K.REJECT, "duplicate_id")
+    assert protocol.engines.engines["e1"] is engine
+    # its replies to the live engine's call ids go nowhere
+    assert protocol.receive(b"e1/fake", result(call.call_id, 666), 1.0) is None
+    assert state_of(call) is CallState.IN_FLIGHT
+    assert protocol.receive(b"e1/real", result(call.call_id, 3), 1.0) is call
+    assert state_of(call) is CallState.REPLIED
+
+
+def test_restarted_engine_replaces_a_session_whose_peer_is_gone() -> None:
+    protocol, hooks = make_protocol()
+    engine = join(protocol, "e1", b"e1/old")
+    call = start(protocol, engine)
+    hooks.gone.add(b"e1/old")
+    event = protocol.receive(b"e1/new", hello("e1", epoch=9), 1.0)
+    assert isinstance(event, EngineJoined)
+    assert isinstance(call.error, EngineDeadError)
+    assert "unreachable" in str(call.error)
+    assert protocol.engines.by_peer(b"e1/new") is event.engine
+
+
+def test_strangers_cost_constant_memory() -> None:
+    protocol, _ = make_protocol()
+    for i in range(5000):
+        protocol.receive(f"p{i}".encode(), hello(f"{i}-" + "x" * 1000, fingerprint="bad"), 0.0)
+        protocol.frames_to_send()
+    assert len(protocol.engines.rejected) == MAX_REJECTED
+    assert protocol.engines.rejected_total == 5000
+    assert sum(len(k) + len(v) for k, v in protocol.engines.rejected.items()) <= MAX_REJECTED * (
+        MAX_REJECTED_KEY + MAX_REJECTED_TEXT
+    )
+    assert not protocol.engines.engines
+
+
+def test_reject_from_an_engine_ends_its_session_and_is_remembered() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine)
+    event = protocol.receive(b"p", reject("fingerprint"), 1.0)
+    assert isinstance(event, EngineRefused)
+    assert not event.by_client
+    assert isinstance(protocol.pending.popleft(), EngineLost)
+    assert isinstance(call.error, EngineDeadError)
+    assert protocol.engines.rejected["e1"] == "fingerprint: no"
+
+
+# -- calls -----------------------------------------------------------------------------------
+
+
+def test_unary_reply_is_delivered_once_and_late_or_foreign_replies_dropped() -> None:
+    protocol, _ = make_protocol()
+    e1 = join(protocol, "e1", b"p1")
+    join(protocol, "e2", b"p2")
+    call = start(protocol, e1)
+    assert protocol.receive(b"p2", result(call.call_id, 0), 0.1) is not call
+    assert state_of(call) is CallState.IN_FLIGHT
+    assert protocol.receive(b"p1", result(call.call_id, 3), 0.1) is call
+    assert state_of(call) is CallState.REPLIED
+    assert call.reply_kind is K.RESULT
+    late = protocol.receive(b"p1", result(call.call_id, 4), 0.2)
+    assert isinstance(late, Dropped)  # its torch_shm leases (if any) get released
+    assert protocol.receive(b"p1", error(call.call_id), 0.2) is None
+    assert e1.in_flight == 0
+
+
+def test_error_reply_ends_a_unary_call_and_counts_as_an_error() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine)
+    assert protocol.receive(b"p", error(call.call_id), 0.1) is call
+    assert call.reply_kind is K.ERROR
+    assert engine.errors == 1
+
+
+@pytest.mark.parametrize("kind", [K.STREAM_ITEM, K.STREAM_END])
+def test_stream_message_for_a_unary_call_fails_it_and_cancels(kind: MessageKind) -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine)
+    frames = result(call.call_id, 1, kind) if kind is K.STREAM_ITEM else end(call.call_id)
+    event = protocol.receive(b"p", frames, 0.1)
+    got = event.call if isinstance(event, Dropped) else event
+    assert got is call
+    assert state_of(call) is CallState.FAILED
+    assert isinstance(call.error, RemoteProtocolError)
+    assert [(s.kind, s.call_id) for s in sent(protocol)] == [(K.CANCEL, call.call_id)]
+
+
+def test_result_for_a_stream_is_a_violation() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine, stream=True)
+    event = protocol.receive(b"p", result(call.call_id, 1), 0.1)
+    assert isinstance(event, Dropped)
+    assert event.call is call
+    assert "RESULT for a streaming call" in str(call.error)
+
+
+def test_stream_credit_flows_back_in_half_windows_and_end_closes() -> None:
+    protocol, _ = make_protocol(stream_window=4)
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine, stream=True)
+    for i in range(4):
+        assert protocol.receive(b"p", result(call.call_id, i, K.STREAM_ITEM), 0.1) is call
+    assert state_of(call) is CallState.STREAMING
+    protocol.take_item(call, 0.2)
+    assert kinds(protocol) == []
+    protocol.take_item(call, 0.2)
+    [credit] = sent(protocol)
+    assert (credit.kind, credit.call_id, credit.body) == (K.CREDIT, call.call_id, Credit(2))
+    assert call.credit is not None
+    assert call.credit.remaining == 2
+    assert protocol.receive(b"p", end(call.call_id), 0.3) is call
+    assert state_of(call) is CallState.REPLIED
+    protocol.take_item(call, 0.4)
+    protocol.take_item(call, 0.4)
+    assert kinds(protocol) == []  # nothing is sent for a call after its end
+
+
+def test_stream_item_beyond_window_and_credit_fails_the_stream() -> None:
+    protocol, _ = make_protocol(stream_window=2)
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine, stream=True)
+    for i in range(2):
+        protocol.receive(b"p", result(call.call_id, i, K.STREAM_ITEM), 0.1)
+    event = protocol.receive(b"p", result(call.call_id, 2, K.STREAM_ITEM), 0.1)
+    assert isinstance(event, Dropped)
+    assert state_of(call) is CallState.FAILED
+    assert "window" in str(call.error)
+    assert kinds(protocol) == [K.CANCEL]
+
+
+def test_cancel_sends_one_cancel_and_then_nothing() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine, stream=True)
+    assert protocol.cancel(call, 0.1)
+    assert not protocol.cancel(call, 0.2)
+    assert [(s.kind, s.call_id) for s in sent(protocol)] == [(K.CANCEL, call.call_id)]
+    assert protocol.receive(b"p", result(call.call_id, 0, K.STREAM_ITEM), 0.3) is not call
+    assert state_of(call) is CallState.CANCELLED
+    assert engine.in_flight == 0
+
+
+def test_error_with_call_id_zero_is_reported() -> None:
+    protocol, _ = make_protocol()
+    join(protocol, "e1", b"p")
+    event = protocol.receive(b"p", error(0, 11, "bad header"), 0.1)
+    assert isinstance(event, Ignored)
+    assert "bad header" in event.why
+
+
+def test_malformed_frames_are_ignored_and_the_session_stays() -> None:
+    protocol, _ = make_protocol()
+    join(protocol, "e1", b"p")
+    assert isinstance(protocol.receive(b"p", [b"junk"], 0.1), Ignored)
+    assert "e1" in protocol.engines.engines
+
+
+# -- liveness --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nonce", [0, 1, 2**64 - 1])
+def test_every_ping_gets_a_pong_echoing_its_nonce(nonce: int) -> None:
+    protocol, _ = make_protocol()
+    join(protocol, "e1", b"p")
+    protocol.receive(b"p", control(K.PING, None, nonce), 0.1)
+    assert [(s.kind, s.call_id) for s in sent(protocol)] == [(K.PONG, nonce)]
+
+
+def test_pings_from_strangers_are_not_answered() -> None:
+    protocol, _ = make_protocol()
+    protocol.receive(b"who", control(K.PING, None, 5), 0.1)
+    assert kinds(protocol) == []
+
+
+def test_any_message_counts_as_life_and_silence_kills() -> None:
+    protocol, _ = make_protocol()  # dead_after 5 s
+    engine = join(protocol, "e1", b"p", dead_after_ms=0)
+    call = start(protocol, engine)
+    for t in (2.0, 4.0, 6.0, 8.0):
+        protocol.receive(b"p", control(K.PONG, None, 1), t)
+        assert protocol.tick(t) == []
+    [lost] = protocol.tick(13.1)
+    assert lost.engine is engine
+    assert lost.calls == (call,)
+    assert isinstance(call.error, EngineDeadError)
+    assert "sent nothing for 5.1 s" in str(call.error)
+
+
+def test_we_ping_often_enough_for_the_engines_bound() -> None:
+    protocol, _ = make_protocol()  # our own interval: 1 s
+    join(protocol, "fast", b"f", dead_after_ms=300)
+    join(protocol, "slow", b"s", dead_after_ms=0)
+    pings: dict[bytes, int] = {b"f": 0, b"s": 0}
+    now = 0.0
+    while now < 3.0:
+        now += protocol.next_tick(now)
+        protocol.tick(now)
+        for s in sent(protocol):
+            if s.kind is K.PING:
+                pings[s.peer] += 1
+        protocol.receive(b"f", control(K.PONG, None, 1), now)
+        protocol.receive(b"s", control(K.PONG, None, 1), now)
+    assert pings[b"f"] >= 3 * 3 - 1  # three per 0.3 s bound
+    assert pings[b"s"] in (2, 3)  # every 1 s
+
+
+def test_a_stalled_client_ends_calls_of_engines_that_forgot_it() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", dead_after_ms=2000, epoch=7)
+    call = start(protocol, engine, now=0.0)
+    # the loop stalls for 10 s: no ticks, no sends; then the engine's new HELLO arrives
+    event = protocol.receive(b"p", hello("e1", epoch=7, dead_after_ms=2000), 10.0)
+    assert isinstance(event, EngineJoined)  # even a repeated epoch starts a new session
+    [lost] = protocol.pending
+    assert isinstance(lost, EngineLost)
+    assert lost.calls == (call,)
+    assert isinstance(call.error, EngineDeadError)
+    assert "lost this client's session" in str(call.error)
+
+
+def test_a_stalled_client_learns_it_at_the_next_tick_too() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", dead_after_ms=2000)
+    call = start(protocol, engine, now=0.0)
+    [lost] = protocol.tick(2.5)
+    assert lost.calls == (call,)
+    assert "stall" in str(call.error)
+
+
+def test_bye_ends_the_session_and_fails_its_calls() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = start(protocol, engine)
+    event = protocol.receive(b"p", bye(), 0.1)
+    assert isinstance(event, EngineLost)
+    assert "said BYE" in str(call.error)
+    assert "e1" in protocol.engines.past
+
+
+# -- dialling --------------------------------------------------------------------------------
+
+
+def test_dialled_address_gets_hello_requests_retried_until_connected() -> None:
+    protocol, _ = make_protocol()
+    protocol.dial(b"@a/0", "ipc://x", 0.0)
+    [ping] = sent(protocol)
+    assert (ping.peer, ping.kind, ping.call_id) == (b"@a/0", K.PING, HELLO_REQUEST)
+    now = 0.0
+    delays = []
+    for _ in range(4):  # ROUTER_MANDATORY: the send failed, not connected yet
+        assert protocol.unreachable(b"@a/0", now) is None
+        delay = protocol.next_tick(now)
+        delays.append(delay)
+        now += delay
+        protocol.tick(now)
+        assert kinds(protocol) == [K.PING]
+    assert delays == pytest.approx([DIAL_RETRY_MIN_S * 2**i for i in range(4)])
+    # connected: the next request waits a heartbeat interval
+    assert protocol.next_tick(now) == pytest.approx(1.0)
+    event = protocol.receive(b"@a/0", hello("e1"), now)
+    assert isinstance(event, EngineJoined)
+    assert event.engine.info.address == "ipc://x"
+    sent(protocol)
+    protocol.tick(now + 1.5)
+    assert kinds(protocol) == [K.PING]  # the heartbeat; no more hello requests
+    protocol.receive(b"@a/0", bye(), now + 1.6)
+    protocol.tick(now + 1.6)
+    assert [(s.kind, s.call_id) for s in sent(protocol)] == [(K.PING, HELLO_REQUEST)]
+
+
+def test_undialled_address_gets_no_more_requests() -> None:
+    protocol, _ = make_protocol()
+    protocol.dial(b"@a/0", "ipc://x", 0.0)
+    sent(protocol)
+    assert protocol.undial("ipc://x") == [b"@a/0"]
+    protocol.tick(5.0)
+    assert kinds(protocol) == []
+
+
+def test_declare_dead_needs_the_right_pid() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", pid=42)
+    call = start(protocol, engine)
+    assert protocol.declare_dead("e1", pid=41, reason="x") is None
+    lost = protocol.declare_dead("e1", pid=42, reason="died (supervisor)")
+    assert lost is not None
+    assert "died (supervisor)" in str(call.error)
+
+
+# -- capacity and close -----------------------------------------------------------------------
+
+
+def test_new_callers_queue_behind_waiters() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    assert protocol.select(None) is engine
+    protocol.capacity.add(None, "w")
+    assert protocol.select(None) is None
+    assert protocol.select("e1") is engine
+
+
+def test_close_says_bye_and_fails_every_call() -> None:
+    protocol, _ = make_protocol()
+    e1 = join(protocol, "e1", b"p1")
+    e2 = join(protocol, "e2", b"p2")
+    calls = [start(protocol, e1), start(protocol, e2, stream=True)]
+    ended = protocol.close(1.0)
+    assert set(ended) == set(calls)
+    assert all(isinstance(c.error, ClosedError) for c in calls)
+    assert sorted((s.peer, s.kind) for s in sent(protocol)) == [(b"p1", K.BYE), (b"p2", K.BYE)]
+    assert protocol.close(2.0) == []
+    with pytest.raises(ClosedError):
+        start(protocol, e1)
+    assert not protocol.cancel(calls[0], 3.0)
+    assert kinds(protocol) == []
