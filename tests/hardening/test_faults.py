@@ -234,6 +234,7 @@ async def test_client_killed_mid_call_cancels_the_handler(
 
 
 SHUTDOWN_CALLS = 1000
+STORM_DEAD_AFTER = 10.0
 
 
 async def _storm(client: Client[Calculator], outcomes: list[object], started: anyio.Event) -> None:
@@ -264,11 +265,19 @@ async def test_graceful_shutdown_with_1000_calls_in_flight(tmp_path: Path, side:
         max_queued=SHUTDOWN_CALLS,
         grace_period=0.2,
         heartbeat_interval=HEARTBEAT,
-        dead_after=DEAD_AFTER,
+        # Both ends share this process's loop: starting 1,000 calls on a loaded 2-core
+        # machine can hold it past a 1 s bound, and then each end rightly declares the
+        # other dead before the shutdown under test happens.
+        dead_after=STORM_DEAD_AFTER,
     )
     async with server:
         assert server.endpoint is not None
-        client = _client(connect=server.endpoint)
+        client = Client(
+            Calculator,
+            connect=server.endpoint,
+            heartbeat_interval=HEARTBEAT,
+            dead_after=STORM_DEAD_AFTER,
+        )
         async with client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
