@@ -263,8 +263,9 @@ class _Transfers:
         errors, not as undecodable messages.
         """
         shm = engine.shm
-        # Not proven (or lost): handles are refused with a TensorTransportError.
-        return self.policy.resolver(shm.pid if shm is not None else 0)
+        # Not proven (or lost): handles are refused with a TensorTransportError. Result
+        # tensors are built on the engine's regions, leased to us until they are freed.
+        return self.policy.resolver(shm.pid if shm is not None else 0, hold=engine.peer)
 
     def result_flags(self, options: CallOptions, engine: Engine) -> int:
         """The CALL flag bits that tell the engine how to send result tensors."""
@@ -989,6 +990,7 @@ class Client(CallView[S]):
                     placer.abort()
                 raise
         assert self._waiters is not None
+        self._release_held(engine)  # results freed since: the engine may reuse their regions
         now = _monotonic()
         call = self._protocol.start_call(
             engine, spec, self._waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now
@@ -1094,9 +1096,26 @@ class Client(CallView[S]):
                 transfers.shm_failed(engine, sending=False)
             raise
         finally:
-            if resolver is not None and resolver.leases:
-                self._protocol.release(engine, resolver.leases, _monotonic())
-                self._flush()
+            if resolver is not None:
+                self._release_held(engine, resolver)
+
+    def _release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
+        """RELEASE the engine's leases whose result tensors are gone (batched: after a
+        decode, before a CALL, and at each housekeeping tick)."""
+        leases = self._transfers.policy.releasable(engine.peer, resolver)
+        if leases:
+            self._protocol.release(engine, leases, _monotonic())
+            self._flush()
+
+    def _release_all_held(self) -> None:
+        """RELEASE, to every engine, the leases of result tensors freed since (a tick)."""
+        engines = self._protocol.engines
+        for peer in self._transfers.policy.releasable_peers():
+            engine = engines.by_peer(peer) if isinstance(peer, bytes) else None
+            if engine is not None:
+                self._release_held(engine)
+            else:  # gone: nothing to tell it
+                self._transfers.policy.releasable(peer)
 
     async def _call(
         self,
@@ -1324,6 +1343,7 @@ class Client(CallView[S]):
                 self._event(lost)
             self._flush()
             self._reap_orphans()
+            self._release_all_held()
             if now >= next_sweep:
                 next_sweep = now + interval
                 self._tracked.prune()
