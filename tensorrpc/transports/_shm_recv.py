@@ -55,7 +55,7 @@ from tensorrpc.transports._shm_pool import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
-__all__ = ["Receiver", "SegmentMaps", "ShmResolver", "refuse_all"]
+__all__ = ["Receiver", "SegmentMaps", "ShmReceiving", "ShmResolver", "refuse_all"]
 
 logger = logging.getLogger("tensorrpc.transports")
 
@@ -507,7 +507,7 @@ class ShmResolver:
 
         Without ``hold`` that is every lease seen. With it, a lease whose tensors are
         still alive is released later, once they are gone
-        ([`TorchShmTransport.releasable`][tensorrpc.transports.torch_shm.TorchShmTransport.releasable]);
+        (`TorchShmTransport.releasable`);
         what this returns also includes the peer's earlier leases released since.
         Idempotent (a second call returns only what was released since).
         """
@@ -535,3 +535,94 @@ def refuse_all() -> None:
         "torch_shm is not in use with this peer (its process id was not proven at the "
         "handshake); send tensors as frames"
     )
+
+
+class ShmReceiving:
+    """The receiving half of `TorchShmTransport`: resolvers, the peers' leases held by
+    one-copy tensors, and the peers' mappings.
+
+    A base class: the transport provides ``_receiver`` and ``_checked``.
+    """
+
+    _receiver: Receiver
+
+    def _checked(self) -> None:  # pragma: no cover - the transport overrides it
+        raise NotImplementedError
+
+    def read_peer_secret(self, probe: ProbeHandle) -> bytes | None:
+        """The secret in a peer's probe memfd (None: it cannot be opened or is not one)."""
+        return self._receiver.read_probe_secret(probe)
+
+    def resolver(
+        self, peer_pid: int | None, *, hold: Hashable = None, keep: Hashable = None
+    ) -> ShmResolver:
+        """A resolver that accepts handles from the process ``peer_pid`` only.
+
+        Args:
+            peer_pid: the peer's *proven* pid (see docs/protocol.md §8.1). ``None``
+                accepts any pid; use it only for tests and tools.
+            hold: one-copy receive from a peer that keeps its regions until a RELEASE
+                (any hashable key for that peer): pool tensors are built on the peer's
+                region, which stays leased to us until the tensor's storage is freed;
+                [`ShmResolver.close`][tensorrpc.transports.torch_shm.ShmResolver.close]
+                and `releasable` say which lease ids to RELEASE.
+            keep: one-copy receive of one message (any hashable key; a tuple starting
+                with the peer's key) whose sender takes its regions back by itself (an
+                argument lease ends with the first reply): call `detach` with the key
+                before that point. Without ``hold`` or ``keep``, pool tensors are copied
+                out and every lease may be released once the message is decoded.
+
+        Raises:
+            TensorTransportError: the transport is closed.
+            ValueError: both ``hold`` and ``keep`` given.
+        """
+        self._checked()
+        if hold is not None and keep is not None:
+            raise ValueError("hold and keep are exclusive")
+        owner = (True, hold) if hold is not None else (False, keep) if keep is not None else None
+        return ShmResolver(self._receiver, peer_pid, self._checked, owner)
+
+    def detach(self, keep: Hashable) -> int:
+        """Message ``keep`` ends: its tensors still on the peer's regions get private pages.
+
+        Returns:
+            How many tensors were still alive (and copied); usually none.
+
+        Raises:
+            TensorTransportError: the kernel refused the private pages.
+        """
+        try:
+            return self._receiver.detach(keep)
+        except OSError as exc:
+            raise fail(f"cannot give received tensors pages of their own: {exc.strerror}") from None
+
+    def releasable(self, peer: Hashable) -> tuple[int, ...]:
+        """Lease ids of ``peer`` (a ``hold`` key) whose tensors are all gone, each once."""
+        return self._receiver.holds.take(peer)
+
+    def releasable_peers(self) -> list[Hashable]:
+        """``hold`` keys with releasable leases (for a periodic flush)."""
+        return self._receiver.holds.peers()
+
+    def forget_holds(self, peer: Hashable) -> int:
+        """The peer is gone: release nothing more to it, and give the tensors still on the
+        regions of its messages (``keep`` keys starting with ``peer``) pages of their own.
+
+        Tensors received by ``hold`` stay valid: their mapping keeps the memory alive.
+
+        Returns:
+            How many tensors were copied.
+        """
+        copied = 0
+        for key in self._receiver.holds.forget(peer):
+            copied += self.detach(key)
+        return copied
+
+    def refusing_resolver(self) -> ShmResolver:
+        """A resolver that refuses every handle: for a peer whose pid was not proven."""
+        return ShmResolver(self._receiver, 0, refuse_all)
+
+    def forget_peer(self, peer_pid: int) -> int:
+        """Unmap the peer's segments (it died or left). Returns how many."""
+        with self._receiver._lock:
+            return self._receiver.maps.forget(peer_pid)
