@@ -201,7 +201,7 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         shared_big = _num(_get(shared, "sizes", big, "median_us"))
         extra = None if shared_big is None or small is None else (shared_big - small) / 1000
         out.append(_target(
-            "tx_shm_shared_64m_ms", "64 MiB, torch_shm (already shared) − small call (ms)",
+            "tx_shm_shared_64m_ms", "64 MiB, torch_shm (already shared) minus small call",
             extra, "≤ 0.1", None if extra is None else extra <= 0.1,
             "" if extra is not None else _why_missing(_get(shared, "sizes", big), shared),
         ))  # fmt: skip
