@@ -8,6 +8,11 @@ queues in `ServerProtocol.outbox`, runs the calls it returns and wakes the calls
 it lists in `ServerProtocol.wakeups`. Nothing here imports zmq, anyio, asyncio,
 trio, threading or ``time``.
 
+The call side (admission by method and capacity, the queue of accepted calls, the busy
+workers, reply legality, stream credit) is `tensorrpc._server_calls.CallQueue`; the
+workers' methods (`next_call`, `done`, `may_reply`, `park` ...) are bound to it. A
+listening engine's peers without a session are `Strangers`.
+
 A client is named by an opaque hashable *key*: its routing id on a listening engine, the
 address it is dialled at on a dial-in engine.
 
@@ -33,17 +38,16 @@ Rules this module keeps (numbered as the tests cite them):
 8. A stream sends at most ``stream_window + sum(CREDIT n)`` items; window 0 means no
    item before the first CREDIT.
 9. ``in_flight`` equals the number of calls in the session tables; a call leaves its
-   table exactly once (`ServerProtocol.done`).
+   table exactly once (`CallQueue.done`).
 """
 
 from __future__ import annotations
 
 import secrets
 import struct
-from collections import deque
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
@@ -53,7 +57,6 @@ from tensorrpc._protocol import (
     Bye,
     Credit,
     ErrorInfo,
-    Flags,
     Header,
     Hello,
     MessageKind,
@@ -66,14 +69,21 @@ from tensorrpc._protocol import (
     encode_error,
     split_frames,
 )
+from tensorrpc._server_calls import (
+    ADMISSION,
+    MISSING,
+    CallQueue,
+    Cancellable,
+    ServerCall,
+    Settable,
+)
 from tensorrpc.transports._shm_auth import new_challenge
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable, Mapping, Sequence
+    from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 
     from typing_extensions import Buffer
 
-    from tensorrpc._observe import CallObservation
     from tensorrpc._service import MethodSpec
 
 __all__ = [
@@ -87,6 +97,7 @@ __all__ = [
     "ServerCall",
     "ServerProtocol",
     "Session",
+    "Strangers",
     "SessionEnded",
     "SessionStarted",
     "WelcomedAgain",
@@ -105,15 +116,10 @@ _WELCOME: Final = MessageKind.WELCOME
 _REJECT: Final = MessageKind.REJECT
 _BYE: Final = MessageKind.BYE
 _RELEASE: Final = MessageKind.RELEASE
-_STREAM: Final = int(Flags.STREAM)
-_NO_WAIT: Final = int(Flags.NO_WAIT)
-_SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
 _HEADER: Final = struct.Struct("<2sBBHHQI")
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
 _INF: Final = float("inf")
-#: ``ServerCall.result`` before the handler returned.
-MISSING: Final = object()
 #: First HELLO re-send delay of a dial-in engine; doubles up to the heartbeat interval.
 HELLO_RETRY_MIN_S: Final = 0.05
 
@@ -164,20 +170,6 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
 )
 
 
-#: Every refusal of a CALL, in the order the checks run: (check, error code).
-ADMISSION: Final[tuple[tuple[str, ErrorCode], ...]] = (
-    ("malformed header (readable call id)", ErrorCode.PROTOCOL),
-    ("malformed frames", ErrorCode.PROTOCOL),
-    ("no session", ErrorCode.PROTOCOL),
-    ("call id in flight", ErrorCode.PROTOCOL),
-    ("draining", ErrorCode.DRAINING),
-    ("unknown method", ErrorCode.METHOD_NOT_FOUND),
-    ("stream flag does not match the method", ErrorCode.INVALID_ARGUMENT),
-    ("NO_WAIT and every worker busy", ErrorCode.OVERLOADED),
-    ("queue full", ErrorCode.OVERLOADED),
-)
-
-
 @dataclass(frozen=True, slots=True)
 class ShmPeer:
     """What a session may do with ``torch_shm`` (decided at WELCOME)."""
@@ -220,107 +212,6 @@ class ProtocolSettings:
     max_buffers: int = 1024
     #: Method names the shell answers itself (the built-in statistics method).
     builtins: frozenset[str] = frozenset()
-
-
-class Cancellable(Protocol):
-    """What the shell hangs on a call to stop it (its cancel scope)."""
-
-    def cancel(self) -> None:
-        """Stop the running handler."""
-
-
-class Settable(Protocol):
-    """What the shell hangs on a call to wake it (the event a stream waits on)."""
-
-    def set(self) -> None:
-        """Wake the waiter."""
-
-
-class ServerCall:
-    """One accepted call, from admission until its worker is done with it.
-
-    The last five slots belong to the I/O shell (one object per call, built in one
-    ``__init__``: the hot path); the protocol never reads them.
-    """
-
-    __slots__ = (
-        "answered",
-        "buffers",
-        "call_id",
-        "cancelled",
-        "credit_event",
-        "credits",
-        "deadline",
-        "failure",
-        "fn",
-        "key",
-        "observed",
-        "parked",
-        "payload",
-        "result",
-        "results",
-        "scope",
-        "session",
-        "shutdown",
-        "spec",
-        "trace",
-    )
-
-    def __init__(
-        self,
-        session: Session,
-        call_id: int,
-        spec: MethodSpec,
-        fn: Callable[..., object],
-        deadline: float,
-        payload: Buffer | None,
-        buffers: Sequence[Buffer],
-        results: int,
-        trace: bytes = b"",
-    ) -> None:
-        self.session = session
-        self.key = session.key
-        self.call_id = call_id
-        self.spec = spec
-        self.fn = fn
-        #: Absolute deadline on the shell's clock, ``inf`` for none.
-        self.deadline = deadline
-        self.payload = payload
-        self.buffers = buffers
-        #: The CALL's SHM_RESULTS / SHM_RESULTS_ALL bits.
-        self.results = results
-        #: The client cancelled the call or lost its session: no reply at all.
-        self.cancelled = False
-        #: Shutdown stopped the call: the reply is DRAINING.
-        self.shutdown = False
-        #: The final reply was handed out.
-        self.answered = False
-        #: Stream items the engine may still send (window + credit - sent).
-        self.credits = session.stream_window
-        #: The stream waits for credit.
-        self.parked = False
-        #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
-        self.trace = trace
-        #: Shell: the cancel scope the handler runs in, while it runs.
-        self.scope: Cancellable | None = None
-        #: Shell: what a stream waiting for credit waits on.
-        self.credit_event: Settable | None = None
-        #: Shell: the handler's return value (``MISSING`` until it returns).
-        self.result: object = MISSING
-        #: Shell: the exception the handler raised.
-        self.failure: BaseException | None = None
-        #: Shell: what the engine's observer watches of this call (None: no observer).
-        self.observed: CallObservation | None = None
-
-    def wake(self) -> None:
-        """Stop the call if it is cancelled or shut down, and wake its credit wait."""
-        if self.cancelled or self.shutdown:
-            scope = self.scope
-            if scope is not None:
-                scope.cancel()
-        event = self.credit_event
-        if event is not None:
-            event.set()
 
 
 class Session:
@@ -382,6 +273,30 @@ class Session:
     def name(self) -> str:
         """The client's id once known, else its key."""
         return self.client_id or str(self.key)
+
+    def greet(self, hello: Hello, now: float) -> None:
+        """Enter GREETING for the new session ``hello`` announces: HELLO is due now."""
+        self.state = SessionState.GREETING
+        self.epoch = hello.epoch
+        self.challenge = hello.challenge
+        self.hello_frames = encode_control(MessageKind.HELLO, hello)
+        self.client_epoch = 0
+        self.client_id = ""
+        self.created = now
+        self.next_hello = now
+        self.hello_backoff.reset()
+
+    def start(self, welcome: Welcome, now: float, next_ping: float) -> None:
+        """Enter LIVE: the client's WELCOME was accepted."""
+        self.state = SessionState.LIVE
+        self.client_id = welcome.client_id
+        self.client_epoch = welcome.epoch
+        self.stream_window = welcome.stream_window
+        self.max_message_bytes = welcome.max_message_bytes
+        self.peer_dead_after_ms = welcome.dead_after_ms
+        self.last_heard = now
+        self.next_ping = next_ping
+        self.hello_backoff.reset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,11 +375,77 @@ def _new_epoch() -> int:
     return secrets.randbits(64) or 1
 
 
+def _all_rejected(sessions: Collection[Session]) -> AllRejected | None:
+    """Dial-in: the news that every client refused us, if they all did."""
+    if not sessions or any(s.state is not SessionState.REJECTED for s in sessions):
+        return None
+    last = None
+    for s in sessions:
+        last = s.reject
+    reasons = "; ".join(
+        f"{s.key}: {s.reject.reason}: {s.reject.message}" for s in sessions if s.reject is not None
+    )
+    return AllRejected(last.reason if last else "other", reasons)
+
+
 def _bytes_of(frames: Sequence[Buffer]) -> int:
     size = 0
     for frame in frames:
         size += memoryview(frame).nbytes
     return size
+
+
+class Strangers:
+    """Listening engine: the peers without a session, oldest first (rule 4).
+
+    Args:
+        sessions: The protocol's table of every peer (strangers are entries in it too).
+        limit: Most strangers remembered; the oldest is evicted for a new one.
+        dead_after: Seconds a stranger has to finish the handshake.
+    """
+
+    __slots__ = ("_dead_after", "_keys", "_limit", "_sessions", "evicted")
+
+    def __init__(self, sessions: dict[Hashable, Session], limit: int, dead_after: float) -> None:
+        self._sessions = sessions
+        self._keys: dict[Hashable, None] = {}
+        self._limit = limit
+        self._dead_after = dead_after
+        #: Strangers forgotten because the table was full.
+        self.evicted = 0
+
+    def add(self, session: Session) -> None:
+        """Enter a new stranger (evicting the oldest ones while the table is full)."""
+        keys = self._keys
+        while len(keys) >= self._limit:
+            oldest = next(iter(keys))
+            del keys[oldest]
+            self._sessions.pop(oldest, None)
+            self.evicted += 1
+        self._sessions[session.key] = session
+        keys[session.key] = None
+
+    def pop(self, key: Hashable) -> None:
+        """``key`` is no stranger any more (it has a session, or it is forgotten)."""
+        self._keys.pop(key, None)
+
+    def purge(self, now: float) -> float:
+        """Forget strangers that did not finish the handshake within ``dead_after``.
+
+        Returns:
+            When the oldest remaining stranger is due (``inf``: none is left).
+        """
+        keys = self._keys
+        sessions = self._sessions
+        limit = now - self._dead_after
+        while keys:
+            key = next(iter(keys))
+            session = sessions.get(key)
+            if session is not None and session.created > limit:
+                return session.created + self._dead_after
+            del keys[key]
+            sessions.pop(key, None)
+        return _INF
 
 
 class ServerProtocol:
@@ -495,24 +476,29 @@ class ServerProtocol:
         self._heartbeat = settings.heartbeat_interval
         self._dead_after = settings.dead_after
         self._max_buffers = settings.max_buffers
-        self._capacity = settings.max_concurrency
-        self._limit = settings.max_concurrency + settings.max_queued
-        self._call_factory = call_factory
         self._new_epoch = new_epoch
         #: Every client with an entry, by key (strangers included).
         self.sessions: dict[Hashable, Session] = {}
-        # Listen mode: keys of the entries without a session yet, oldest first.
-        self._strangers: dict[Hashable, None] = {}
+        self._strangers = Strangers(self.sessions, settings.max_strangers, settings.dead_after)
+        #: The call side: admission by method and capacity, the queue, the workers.
+        self.calls = calls = CallQueue(settings, call_factory)
         #: Accepted calls waiting for a worker.
-        self.queue: deque[ServerCall] = deque()
+        self.queue = calls.queue
+        # The workers' side of the calls, bound straight to the call queue (no extra call
+        # on the hot path): see `CallQueue` for each.
+        self.next_call = calls.next_call
+        self.done = calls.done
+        self.may_reply = calls.may_reply
+        self.may_send_item = calls.may_send_item
+        self.item_sent = calls.item_sent
+        self.park = calls.park
+        self.unpark = calls.unpark
         #: ``(key, frames, is_hello)`` to send, in order.
         self.outbox: list[Outgoing] = []
         #: Calls cancelled, stopped or given credit since the shell last looked.
         self.wakeups: list[ServerCall] = []
         #: Session-level news since the shell last looked.
         self.events: list[Event] = []
-        #: Calls taken by a worker and not done (parked streams excluded).
-        self.busy = 0
         #: New CALLs are refused with DRAINING.
         self.draining = False
         #: Shutdown cancelled the running calls.
@@ -523,8 +509,17 @@ class ServerProtocol:
         self.errors_total = 0
         self.overloaded = 0
         self.dropped = 0
-        self.strangers_evicted = 0
         self._ping_nonce = 0
+
+    @property
+    def busy(self) -> int:
+        """Calls taken by a worker and not done (parked streams excluded)."""
+        return self.calls.busy
+
+    @property
+    def strangers_evicted(self) -> int:
+        """Listening engine: peers without a session forgotten because the table was full."""
+        return self._strangers.evicted
 
     @property
     def pending(self) -> bool:
@@ -552,17 +547,10 @@ class ServerProtocol:
 
     def _greet(self, session: Session, now: float) -> None:
         """Enter GREETING with a new epoch (a new session): HELLO is due now."""
-        session.state = SessionState.GREETING
-        session.epoch = epoch = self._new_epoch() & _U64 or 1
+        epoch = self._new_epoch() & _U64 or 1
         # torch_shm: a fresh challenge per session, answered in WELCOME (protocol §8.1).
-        session.challenge = challenge = new_challenge() if self._hello.probe else b""
-        hello = replace(self._hello, epoch=epoch, challenge=challenge)
-        session.hello_frames = encode_control(MessageKind.HELLO, hello)
-        session.client_epoch = 0
-        session.client_id = ""
-        session.created = now
-        session.next_hello = now
-        session.hello_backoff.reset()
+        challenge = new_challenge() if self._hello.probe else b""
+        session.greet(replace(self._hello, epoch=epoch, challenge=challenge), now)
 
     def _send_hello(self, session: Session, now: float) -> None:
         if now < session.next_hello:
@@ -578,29 +566,14 @@ class ServerProtocol:
             self.wake_at = min(self.wake_at, session.next_hello)
 
     def _stranger(self, key: Hashable, now: float) -> Session:
-        strangers = self._strangers
-        while len(strangers) >= self.settings.max_strangers:
-            oldest = next(iter(strangers))
-            del strangers[oldest]
-            self.sessions.pop(oldest, None)
-            self.strangers_evicted += 1
         session = Session(key, now, self._heartbeat)
         self._greet(session, now)
-        self.sessions[key] = session
-        strangers[key] = None
+        self._strangers.add(session)
         return session
 
     def _start(self, session: Session, welcome: Welcome, now: float) -> None:
-        session.state = SessionState.LIVE
-        session.client_id = welcome.client_id
-        session.client_epoch = welcome.epoch
-        session.stream_window = welcome.stream_window
-        session.max_message_bytes = welcome.max_message_bytes
-        session.peer_dead_after_ms = welcome.dead_after_ms
-        session.last_heard = now
-        session.next_ping = now + ping_interval(self._heartbeat, welcome.dead_after_ms)
-        session.hello_backoff.reset()
-        self._strangers.pop(session.key, None)
+        session.start(welcome, now, now + ping_interval(self._heartbeat, welcome.dead_after_ms))
+        self._strangers.pop(session.key)
         self.wake_at = min(self.wake_at, session.next_ping)
         self.events.append(SessionStarted(session, welcome))
 
@@ -615,7 +588,7 @@ class ServerProtocol:
             self.events.append(SessionEnded(session, why, warn))
         if self._listen:
             self.sessions.pop(session.key, None)
-            self._strangers.pop(session.key, None)
+            self._strangers.pop(session.key)
             return
         if then is SessionState.GREETING:
             self._greet(session, now)
@@ -633,18 +606,10 @@ class ServerProtocol:
         self._check_all_rejected()
 
     def _check_all_rejected(self) -> None:
-        if self._listen or not self.sessions:
-            return
-        if all(s.state is SessionState.REJECTED for s in self.sessions.values()):
-            last = None
-            for s in self.sessions.values():
-                last = s.reject
-            reasons = "; ".join(
-                f"{s.key}: {s.reject.reason}: {s.reject.message}"
-                for s in self.sessions.values()
-                if s.reject is not None
-            )
-            self.events.append(AllRejected(last.reason if last else "other", reasons))
+        if not self._listen:
+            event = _all_rejected(self.sessions.values())
+            if event is not None:
+                self.events.append(event)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -734,66 +699,24 @@ class ServerProtocol:
         original = calls.get(call_id)
         if original is not None:  # rule 6
             self._cancel(original)
-            self._refuse(
-                session,
-                call_id,
-                ErrorCode.PROTOCOL,
-                f"call id {call_id} is already in flight: both calls are cancelled",
-            )
+            message = f"call id {call_id} is already in flight: both calls are cancelled"
+            self._refuse(session, call_id, ErrorCode.PROTOCOL, message)
             return None
         if self.draining:
-            self._refuse(
-                session,
-                call_id,
-                ErrorCode.DRAINING,
-                f"engine {self._hello.engine_id!r} is shutting down",
-            )
+            message = f"engine {self._hello.engine_id!r} is shutting down"
+            self._refuse(session, call_id, ErrorCode.DRAINING, message)
             return None
-        method: str = header.method
-        entry = self._methods.get(method)
-        if entry is None and method in self.settings.builtins:
-            self.events.append(BuiltinCall(session, call_id, method))
+        verdict = self.calls.admit(session, header, payload, buffers, now)
+        if verdict is None:
+            self.events.append(BuiltinCall(session, call_id, header.method))
             return None
-        if entry is None:
-            self._refuse(
-                session,
-                call_id,
-                ErrorCode.METHOD_NOT_FOUND,
-                f"service {self._hello.service!r} has no method {method!r}",
-            )
+        if isinstance(verdict, tuple):
+            self._refuse(session, call_id, *verdict)
             return None
-        spec, fn = entry
-        flags = int(header.flags)
-        if bool(flags & _STREAM) != spec.streaming:
-            what = "a stream" if spec.streaming else "a unary call"
-            self._refuse(
-                session,
-                call_id,
-                ErrorCode.INVALID_ARGUMENT,
-                f"{spec.qualname} must be called as {what}",
-            )
-            return None
-        in_flight = self.busy + len(self.queue)
-        if in_flight >= (self._capacity if flags & _NO_WAIT else self._limit):
-            self._refuse(session, call_id, ErrorCode.OVERLOADED, self._full_message(flags))
-            return None
-        timeout_ms: int = header.timeout_ms
-        deadline = now + timeout_ms / 1000 if timeout_ms else _INF
-        call = self._call_factory(
-            session, call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS, header.trace
-        )
-        self.queue.append(call)
-        calls[call_id] = call
+        calls[call_id] = verdict
         session.calls_total += 1
         self.calls_total += 1
-        return call
-
-    def _full_message(self, flags: int) -> str:
-        engine = self._hello.engine_id
-        if flags & _NO_WAIT:
-            return f"engine {engine!r} is busy ({self._capacity} calls running)"
-        queued = self._limit - self._capacity
-        return f"engine {engine!r} is full ({self._capacity} running, {queued} queued)"
+        return verdict
 
     def _cancel(self, call: ServerCall) -> None:
         if not call.cancelled:
@@ -952,7 +875,7 @@ class ServerProtocol:
                 self._greet(session, now)
                 self._send_hello(session, now)
         if self._listen:
-            wake = min(wake, self._purge_strangers(now))
+            wake = min(wake, self._strangers.purge(now))
         self.wake_at = wake
         return wake
 
@@ -961,43 +884,7 @@ class ServerProtocol:
         self.outbox.append((session.key, encode_control(_PING, None, self._ping_nonce), False))
         session.next_ping = now + ping_interval(self._heartbeat, session.peer_dead_after_ms)
 
-    def _purge_strangers(self, now: float) -> float:
-        """Forget strangers that did not finish the handshake within ``dead_after``."""
-        strangers = self._strangers
-        sessions = self.sessions
-        limit = now - self._dead_after
-        while strangers:
-            key = next(iter(strangers))
-            session = sessions.get(key)
-            if session is not None and session.created > limit:
-                return session.created + self._dead_after
-            del strangers[key]
-            sessions.pop(key, None)
-        return _INF
-
-    # -- calls, for the workers -------------------------------------------------------------
-
-    def next_call(self) -> ServerCall | None:
-        """Take the oldest queued call for a worker (counted busy until `done`)."""
-        queue = self.queue
-        if not queue:
-            return None
-        self.busy += 1
-        return queue.popleft()
-
-    def done(self, call: ServerCall) -> None:
-        """A worker is finished with ``call``: it leaves its session's table (rule 9)."""
-        self.busy -= 1
-        calls = call.session.calls
-        if calls.get(call.call_id) is call:
-            del calls[call.call_id]
-
-    def may_reply(self, call: ServerCall) -> bool:
-        """Claim the call's final reply: False when it has one or must get none (rule 7)."""
-        if call.cancelled or call.answered:
-            return False
-        call.answered = True
-        return True
+    # -- replies, for the workers -------------------------------------------------------------
 
     def error_reply(
         self, call: ServerCall, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
@@ -1008,39 +895,6 @@ class ServerProtocol:
         call.session.errors += 1
         self.errors_total += 1
         return encode_error(call.call_id, ErrorInfo(int(code), type_name, message, tb))
-
-    def may_send_item(self, call: ServerCall) -> bool:
-        """Whether a stream may send its next item now (rule 8)."""
-        return call.credits > 0 and not call.cancelled and not call.answered
-
-    def item_sent(self, call: ServerCall) -> None:
-        """Count one STREAM_ITEM sent against the stream's credit."""
-        call.credits -= 1
-
-    def park(self, call: ServerCall) -> str | None:
-        """A stream waits for credit; it stops counting as busy.
-
-        Returns:
-            None, or the reason to end the stream with OVERLOADED: its client already
-            has ``max_parked_streams`` streams waiting for credit.
-        """
-        session = call.session
-        limit = self.settings.max_parked_streams
-        if session.parked >= limit:
-            return (
-                f"client {session.name!r} has {limit} streams waiting for credit (the "
-                "engine's limit per client): read or close some of them"
-            )
-        session.parked += 1
-        call.parked = True
-        self.busy -= 1
-        return None
-
-    def unpark(self, call: ServerCall) -> None:
-        """The stream runs again (credit arrived, or it was cancelled)."""
-        call.parked = False
-        call.session.parked -= 1
-        self.busy += 1
 
     # -- drain ------------------------------------------------------------------------------
 

@@ -273,33 +273,48 @@ def create_socket(
     on_close: Callable[[], None] | None = None
     try:
         with map_zmq_errors("configure socket"):
-            sock.setsockopt(zmq.LINGER, options.linger_ms)
-            sock.setsockopt(zmq.SNDHWM, options.sndhwm)
-            sock.setsockopt(zmq.RCVHWM, options.rcvhwm)
-            sock.setsockopt(zmq.MAXMSGSIZE, options.maxmsgsize)
-            if options.tcp_keepalive:
-                sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-                sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, options.tcp_keepalive_idle_s)
-                sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, options.tcp_keepalive_intvl_s)
-                sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, options.tcp_keepalive_cnt)
-            if socket_type == zmq.ROUTER:
-                sock.setsockopt(zmq.ROUTER_MANDATORY, int(options.router_mandatory))
-                sock.setsockopt(zmq.ROUTER_HANDOVER, int(options.router_handover))
-            if routing_id is not None:
-                sock.setsockopt(zmq.ROUTING_ID, routing_id)
-            sock.copy_threshold = options.copy_threshold
+            _configure(sock, socket_type, options, routing_id)
             if curve is not None:
                 on_close = apply_curve(sock, curve, ctx)
-        monitor: zmq.Socket[bytes] | None = None
-        with contextlib.suppress(zmq.ZMQError):  # a libzmq without monitor events: none
-            monitor = sock.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
-            monitor.setsockopt(zmq.LINGER, 0)
+        monitor = _handshake_monitor(sock)
     except BaseException:
         sock.close(linger=0)
         if on_close is not None:
             on_close()
         raise
     return AsyncSocket(sock, on_close=on_close, monitor=monitor)
+
+
+def _configure(
+    sock: zmq.Socket[bytes], socket_type: int, options: SocketOptions, routing_id: bytes | None
+) -> None:
+    """Apply ``options`` (and the routing id) to a new socket."""
+    sock.setsockopt(zmq.LINGER, options.linger_ms)
+    sock.setsockopt(zmq.SNDHWM, options.sndhwm)
+    sock.setsockopt(zmq.RCVHWM, options.rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, options.maxmsgsize)
+    if options.tcp_keepalive:
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, options.tcp_keepalive_idle_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, options.tcp_keepalive_intvl_s)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, options.tcp_keepalive_cnt)
+    if socket_type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, int(options.router_mandatory))
+        sock.setsockopt(zmq.ROUTER_HANDOVER, int(options.router_handover))
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.copy_threshold = options.copy_threshold
+
+
+def _handshake_monitor(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
+    """The socket's monitor for failed handshakes; None for a libzmq without monitor events."""
+    try:
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
+    except zmq.ZMQError:
+        return None
+    with contextlib.suppress(zmq.ZMQError):
+        monitor.setsockopt(zmq.LINGER, 0)
+    return monitor
 
 
 def _check_routing_id(routing_id: bytes) -> None:
@@ -309,6 +324,262 @@ def _check_routing_id(routing_id: bytes) -> None:
         raise ValueError(f"a routing id is 1 to 255 bytes long, not {len(routing_id)}")
     if routing_id[0] == 0:
         raise ValueError("a routing id must not start with a zero byte (reserved by ZMQ)")
+
+
+class _FdWaiter:
+    """Waiting on a socket's edge-triggered ``ZMQ_FD`` (rules 2-4 of the module docstring).
+
+    On asyncio the FD is registered with the loop once and every waiting task holds a
+    future; elsewhere one task waits on the FD and the others park on an event.
+
+    Args:
+        fd: The socket's ``ZMQ_FD``.
+        get: The socket's option getter (reads ``EVENTS``).
+    """
+
+    __slots__ = (
+        "_changed",
+        "_fd",
+        "_get",
+        "_loop",
+        "_waiters",
+        "amask",
+        "closed",
+        "fd_mask",
+        "fd_scope",
+    )
+
+    def __init__(self, fd: int, get: Callable[[int], int]) -> None:
+        self._fd = fd
+        self._get = get
+        self.closed = False
+        #: trio: the scope of the task waiting on the FD, and the conditions it waits for.
+        self.fd_scope: anyio.CancelScope | None = None
+        self.fd_mask = 0
+        self._changed: anyio.Event | None = None  # created lazily, inside the event loop
+        # asyncio: the loop our FD is registered with, the waiting tasks' (mask, future)
+        # pairs and the union of their masks.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self.amask = 0
+
+    def poke(self, events: int) -> None:
+        """Wake the tasks waiting for something ``events`` shows.
+
+        Any operation (and any EVENTS read) may consume the FD's edge: a task waiting for
+        something ``events`` shows must re-check.
+        """
+        if events & self.amask:
+            self._wake_waiters(events)
+        scope = self.fd_scope
+        if scope is not None and events & self.fd_mask:
+            scope.cancel()
+
+    def _wake_waiters(self, events: int) -> None:
+        """asyncio: wake every waiting task whose condition ``events`` shows."""
+        keep: list[tuple[int, asyncio.Future[None]]] = []
+        amask = 0
+        for entry in self._waiters:
+            mask, fut = entry
+            if mask & events:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append(entry)
+                amask |= mask
+        self._waiters = keep
+        self.amask = amask
+
+    def _on_readable(self) -> None:
+        """asyncio reader callback: the socket's mailbox has commands."""
+        if self.closed:
+            return
+        try:
+            events = self._get(_EVENTS)  # processes the commands: the FD is drained
+        except zmq.ZMQError:
+            events = -1  # let every waiter retry and meet the error itself
+        if events & self.amask:
+            self._wake_waiters(events)
+
+    def _register(self, loop: asyncio.AbstractEventLoop) -> None:
+        old = self._loop
+        if old is not None and not old.is_closed():
+            with contextlib.suppress(Exception):
+                old.remove_reader(self._fd)
+        self._loop = None
+        loop.add_reader(self._fd, self._on_readable)
+        self._loop = loop
+
+    async def _wait_asyncio(
+        self, loop: asyncio.AbstractEventLoop, mask: int, patience: float | None
+    ) -> None:
+        if self._loop is not loop:
+            self._register(loop)
+        fut: asyncio.Future[None] = loop.create_future()
+        entry = (mask, fut)
+        self._waiters.append(entry)
+        self.amask |= mask
+        try:
+            if patience is None:
+                await fut
+            else:
+                with anyio.move_on_after(patience):
+                    await fut
+        finally:
+            if not fut.done() or fut.cancelled():
+                # Not woken (cancelled, or out of patience): leave the list.
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                amask = 0
+                for m, _ in self._waiters:
+                    amask |= m
+                self.amask = amask
+                fut.cancel()
+
+    async def wait(self, mask: int, events: int, patience: float | None = None) -> None:
+        """Wait until ``EVENTS & mask`` may be true; the caller then retries its operation.
+
+        Args:
+            mask: ``POLLIN`` or ``POLLOUT``.
+            events: ``EVENTS`` as read after the operation failed with ``Again``.
+            patience: Give up waiting after this many seconds (None: no limit).
+
+        Raises:
+            ClosedError: The socket is closed (also while waiting).
+        """
+        self.poke(events)  # reading ``events`` may have eaten the FD waiter's edge
+        if patience is None and events & mask:
+            await anyio.lowlevel.checkpoint()
+            return
+        if self.closed:
+            raise ClosedError("the socket was closed")
+        loop = _get_running_loop()
+        if loop is not None:
+            await self._wait_asyncio(loop, mask, patience)
+        elif self.fd_scope is None:
+            await self._wait_fd(mask, patience)
+        else:
+            await self._wait_parked(mask, patience)
+        if self.closed:
+            raise ClosedError("the socket was closed while waiting")
+
+    async def _wait_fd(self, mask: int, patience: float | None) -> None:
+        """Not asyncio: this task waits on the FD for everyone."""
+        with anyio.CancelScope() as scope:
+            if patience is not None:
+                scope.deadline = anyio.current_time() + patience
+            self.fd_scope = scope
+            self.fd_mask = mask
+            try:
+                await anyio.wait_readable(self._fd)
+            except Exception as exc:
+                if self.closed:
+                    raise ClosedError("the socket was closed while waiting") from exc
+                raise
+            finally:
+                self.fd_scope = None
+                self.fd_mask = 0
+                self._wake_parked()
+
+    async def _wait_parked(self, mask: int, patience: float | None) -> None:
+        """Not asyncio: another task waits on the FD; park until it wakes up."""
+        self.fd_mask |= mask
+        changed = self._changed
+        if changed is None:
+            changed = self._changed = anyio.Event()
+        if patience is None:
+            await changed.wait()
+        else:
+            with anyio.move_on_after(patience):
+                await changed.wait()
+
+    def _wake_parked(self) -> None:
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
+
+    def close(self) -> None:
+        """The socket is closing: wake every waiter (each then raises ClosedError)."""
+        self.closed = True
+        if self.fd_scope is not None:
+            anyio.notify_closing(self._fd)
+        self._wake_parked()
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            # Waiters see ``closed`` when they resume and raise ClosedError.
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._fd)
+            with contextlib.suppress(RuntimeError):
+                self._wake_waiters(-1)
+
+
+class _HandshakeLog:
+    """The failed handshakes a socket's monitor reports (see `AsyncSocket.handshake_failures`).
+
+    Args:
+        sock: The socket (its CURVE role names it in the log).
+        monitor: Its monitor socket.
+    """
+
+    __slots__ = ("_counts", "_failures", "_monitor", "_sock")
+
+    def __init__(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None) -> None:
+        self._sock = sock
+        self._monitor = monitor
+        self._failures: deque[str] = deque(maxlen=_MAX_FAILURES)
+        self._counts: dict[str, int] = {}
+
+    def read(self) -> tuple[str, ...]:
+        """Read the queued monitor events, log the new reasons, return the recent ones."""
+        monitor = self._monitor
+        if monitor is None:
+            return tuple(self._failures)
+        while True:
+            try:
+                message = monitor.recv_multipart(_NOBLOCK)
+            except zmq.ZMQError:  # Again: nothing more queued
+                break
+            try:
+                event = parse_monitor_message(message)
+            except Exception:  # a malformed event must not break the caller
+                continue
+            endpoint = bytes(event["endpoint"]).decode("utf-8", "replace")
+            self._record(
+                describe_handshake_failure(int(event["event"]), int(event["value"]), endpoint)
+            )
+        return tuple(self._failures)
+
+    def _record(self, text: str) -> None:
+        self._failures.append(text)
+        counts = self._counts
+        count = counts.get(text, 0) + 1
+        if len(counts) < _MAX_REASONS or text in counts:
+            counts[text] = count
+        if count % 100 == 1:
+            _security_logger.warning(
+                "%s [seen by this %s]%s",
+                text,
+                self._role(),
+                f" ({count} times so far)" if count > 1 else "",
+            )
+
+    def _role(self) -> str:
+        sock = self._sock
+        try:
+            if sock.getsockopt(zmq.MECHANISM) != zmq.CURVE:
+                return "plaintext socket"
+            return "CURVE server" if sock.getsockopt(zmq.CURVE_SERVER) else "CURVE client"
+        except zmq.ZMQError:
+            return "socket"
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket closes)."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            monitor.close(linger=0)
 
 
 class AsyncSocket:
@@ -329,24 +600,17 @@ class AsyncSocket:
     """
 
     __slots__ = (
-        "_amask",
         "_bound_files",
-        "_changed",
         "_closed",
-        "_failure_counts",
-        "_failures",
         "_fd",
-        "_fd_mask",
-        "_fd_scope",
         "_get",
-        "_loop",
-        "_monitor",
+        "_handshakes",
         "_on_close",
         "_since",
         "_sock",
         "_streak",
         "_threshold",
-        "_waiters",
+        "_waiter",
     )
 
     def __init__(
@@ -358,21 +622,12 @@ class AsyncSocket:
     ) -> None:
         self._sock = sock
         self._on_close = on_close
-        self._monitor = monitor
-        self._failures: deque[str] = deque(maxlen=_MAX_FAILURES)
-        self._failure_counts: dict[str, int] = {}
+        self._handshakes = _HandshakeLog(sock, monitor)
         self._fd: int = sock.FD
         self._get = cast("Callable[[int], int]", sock.get)
         self._threshold: int = sock.copy_threshold
         self._closed = False
-        self._fd_scope: anyio.CancelScope | None = None
-        self._fd_mask = 0
-        self._changed: anyio.Event | None = None  # created lazily, inside the event loop
-        # asyncio: the loop our FD is registered with, the waiting tasks' (mask, future)
-        # pairs and the union of their masks.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._amask = 0
+        self._waiter = _FdWaiter(self._fd, self._get)
         self._streak = 0
         self._since = _monotonic()  # when this socket's user last let the loop run
         # ipc:// files we bound, with (st_dev, st_ino) to only ever remove our own file.
@@ -664,132 +919,20 @@ class AsyncSocket:
 
     def _after_op(self) -> None:
         self._streak += 1
-        if self._fd_mask or self._amask:
-            self._poke(self._get(_EVENTS))
+        waiter = self._waiter
+        if waiter.fd_mask or waiter.amask:
+            waiter.poke(self._get(_EVENTS))
 
     def _poke(self, events: int) -> None:
         # Any operation (and any EVENTS read) may consume the FD's edge: if a task waits
         # for something ``events`` shows, wake it to re-check.
-        if events & self._amask:
-            self._wake_waiters(events)
-        scope = self._fd_scope
-        if scope is not None and events & self._fd_mask:
-            scope.cancel()
-
-    def _wake_waiters(self, events: int) -> None:
-        """asyncio: wake every waiting task whose condition ``events`` shows."""
-        keep: list[tuple[int, asyncio.Future[None]]] = []
-        amask = 0
-        for entry in self._waiters:
-            mask, fut = entry
-            if mask & events:
-                if not fut.done():
-                    fut.set_result(None)
-            else:
-                keep.append(entry)
-                amask |= mask
-        self._waiters = keep
-        self._amask = amask
-
-    def _on_readable(self) -> None:
-        """asyncio reader callback: the socket's mailbox has commands."""
-        if self._closed:
-            return
-        try:
-            events = self._get(_EVENTS)  # processes the commands: the FD is drained
-        except zmq.ZMQError:
-            events = -1  # let every waiter retry and meet the error itself
-        if events & self._amask:
-            self._wake_waiters(events)
-
-    def _register(self, loop: asyncio.AbstractEventLoop) -> None:
-        old = self._loop
-        if old is not None and not old.is_closed():
-            with contextlib.suppress(Exception):
-                old.remove_reader(self._fd)
-        self._loop = None
-        loop.add_reader(self._fd, self._on_readable)
-        self._loop = loop
-
-    async def _wait_asyncio(
-        self, loop: asyncio.AbstractEventLoop, mask: int, patience: float | None
-    ) -> None:
-        if self._loop is not loop:
-            self._register(loop)
-        fut: asyncio.Future[None] = loop.create_future()
-        entry = (mask, fut)
-        self._waiters.append(entry)
-        self._amask |= mask
-        try:
-            if patience is None:
-                await fut
-            else:
-                with anyio.move_on_after(patience):
-                    await fut
-        finally:
-            if not fut.done() or fut.cancelled():
-                # Not woken (cancelled, or out of patience): leave the list.
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(entry)
-                amask = 0
-                for m, _ in self._waiters:
-                    amask |= m
-                self._amask = amask
-                fut.cancel()
+        self._waiter.poke(events)
 
     async def _wait(self, mask: int, events: int, patience: float | None = None) -> None:
-        """Wait until ``EVENTS & mask`` may be true; the caller then retries its operation.
-
-        Args:
-            mask: ``POLLIN`` or ``POLLOUT``.
-            events: ``EVENTS`` as read after the operation failed with ``Again``.
-            patience: Give up waiting after this many seconds (None: no limit).
-        """
+        """Wait until ``EVENTS & mask`` may be true (see `_FdWaiter.wait`)."""
         self._streak = 0
         self._since = _monotonic()
-        self._poke(events)  # reading ``events`` may have eaten the FD waiter's edge
-        if patience is None and events & mask:
-            await anyio.lowlevel.checkpoint()
-            return
-        if self._closed:
-            raise ClosedError("the socket was closed")
-        loop = _get_running_loop()
-        if loop is not None:
-            await self._wait_asyncio(loop, mask, patience)
-        elif self._fd_scope is None:
-            with anyio.CancelScope() as scope:
-                if patience is not None:
-                    scope.deadline = anyio.current_time() + patience
-                self._fd_scope = scope
-                self._fd_mask = mask
-                try:
-                    await anyio.wait_readable(self._fd)
-                except Exception as exc:
-                    if self._closed:
-                        raise ClosedError("the socket was closed while waiting") from exc
-                    raise
-                finally:
-                    self._fd_scope = None
-                    self._fd_mask = 0
-                    self._wake_parked()
-        else:
-            self._fd_mask |= mask
-            changed = self._changed
-            if changed is None:
-                changed = self._changed = anyio.Event()
-            if patience is None:
-                await changed.wait()
-            else:
-                with anyio.move_on_after(patience):
-                    await changed.wait()
-        if self._closed:
-            raise ClosedError("the socket was closed while waiting")
-
-    def _wake_parked(self) -> None:
-        changed = self._changed
-        if changed is not None:
-            self._changed = None
-            changed.set()
+        await self._waiter.wait(mask, events, patience)
 
     # -- handshake failures -----------------------------------------------------------------
 
@@ -805,42 +948,7 @@ class AsyncSocket:
             One line per failure: ``"handshake on tcp://...: authentication failed (ZAP
             status 400: ...)"``; empty when none failed (or libzmq has no monitor).
         """
-        monitor = self._monitor
-        if monitor is None or self._closed:
-            return tuple(self._failures)
-        while True:
-            try:
-                message = monitor.recv_multipart(_NOBLOCK)
-            except zmq.ZMQError:  # Again: nothing more queued
-                break
-            try:
-                event = parse_monitor_message(message)
-            except Exception:  # a malformed event must not break the caller
-                continue
-            endpoint = bytes(event["endpoint"]).decode("utf-8", "replace")
-            text = describe_handshake_failure(int(event["event"]), int(event["value"]), endpoint)
-            self._failures.append(text)
-            counts = self._failure_counts
-            count = counts.get(text, 0) + 1
-            if len(counts) < _MAX_REASONS or text in counts:
-                counts[text] = count
-            if count % 100 == 1:
-                _security_logger.warning(
-                    "%s [seen by this %s]%s",
-                    text,
-                    self._role(),
-                    f" ({count} times so far)" if count > 1 else "",
-                )
-        return tuple(self._failures)
-
-    def _role(self) -> str:
-        sock = self._sock
-        try:
-            if sock.getsockopt(zmq.MECHANISM) != zmq.CURVE:
-                return "plaintext socket"
-            return "CURVE server" if sock.getsockopt(zmq.CURVE_SERVER) else "CURVE client"
-        except zmq.ZMQError:
-            return "socket"
+        return self._handshakes.read()
 
     # -- closing ----------------------------------------------------------------------------
 
@@ -857,31 +965,21 @@ class AsyncSocket:
         if self._closed:
             return
         self._closed = True
-        if self._fd_scope is not None:
-            anyio.notify_closing(self._fd)
-        self._wake_parked()
-        loop, self._loop = self._loop, None
-        if loop is not None and not loop.is_closed():
-            # Waiters see _closed when they resume and raise ClosedError.
-            with contextlib.suppress(Exception):
-                loop.remove_reader(self._fd)
-            with contextlib.suppress(RuntimeError):
-                self._wake_waiters(-1)
-        monitor, self._monitor = self._monitor, None
-        if monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            monitor.close(linger=0)
+        self._waiter.close()
+        self._handshakes.close()
         self._sock.close(linger=None)
+        self._remove_bound_files()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    def _remove_bound_files(self) -> None:
         for path, (dev, ino) in self._bound_files.items():
             with contextlib.suppress(OSError):
                 st = os.stat(path)
                 if (st.st_dev, st.st_ino) == (dev, ino):
                     os.unlink(path)
         self._bound_files.clear()
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
 
     async def aclose(self) -> None:
         """Close the socket, remove the ipc:// files it bound, wake its waiters.

@@ -17,6 +17,7 @@ SANS_IO_FILES = (
     "_liveness.py",
     "_client_protocol.py",
     "_server_protocol.py",
+    "_server_calls.py",
     "transports/_base.py",
     "transports/_shm_auth.py",
 )

@@ -1,0 +1,300 @@
+"""The engine's accepted calls, sans-I/O: from admission until a worker is done.
+
+`CallQueue` is the call side of `ServerProtocol`: the admission checks that depend on
+the method and on the engine's capacity (the last rows of `ADMISSION`), the queue of
+accepted calls waiting for a worker, the count of busy workers, reply legality (rule 7 of
+`tensorrpc._server_protocol`) and stream credit (rule 8). The protocol owns the sessions
+and hands it the CALLs of live sessions. Nothing here imports zmq, anyio, asyncio, trio,
+threading or ``time``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Final, Protocol
+
+from tensorrpc._exceptions import ErrorCode
+from tensorrpc._protocol import Flags
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from typing_extensions import Buffer
+
+    from tensorrpc._observe import CallObservation
+    from tensorrpc._protocol import Header
+    from tensorrpc._server_protocol import ProtocolSettings, Session
+    from tensorrpc._service import MethodSpec
+
+__all__ = [
+    "ADMISSION",
+    "MISSING",
+    "CallQueue",
+    "Cancellable",
+    "Refusal",
+    "ServerCall",
+    "Settable",
+]
+
+_STREAM: Final = int(Flags.STREAM)
+_NO_WAIT: Final = int(Flags.NO_WAIT)
+_SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+_INF: Final = float("inf")
+#: ``ServerCall.result`` before the handler returned.
+MISSING: Final = object()
+
+#: Every refusal of a CALL, in the order the checks run: (check, error code).
+ADMISSION: Final[tuple[tuple[str, ErrorCode], ...]] = (
+    ("malformed header (readable call id)", ErrorCode.PROTOCOL),
+    ("malformed frames", ErrorCode.PROTOCOL),
+    ("no session", ErrorCode.PROTOCOL),
+    ("call id in flight", ErrorCode.PROTOCOL),
+    ("draining", ErrorCode.DRAINING),
+    ("unknown method", ErrorCode.METHOD_NOT_FOUND),
+    ("stream flag does not match the method", ErrorCode.INVALID_ARGUMENT),
+    ("NO_WAIT and every worker busy", ErrorCode.OVERLOADED),
+    ("queue full", ErrorCode.OVERLOADED),
+)
+
+
+#: A refused CALL: the ERROR code and message to answer it with.
+Refusal = tuple[ErrorCode, str]
+
+
+class Cancellable(Protocol):
+    """What the shell hangs on a call to stop it (its cancel scope)."""
+
+    def cancel(self) -> None:
+        """Stop the running handler."""
+
+
+class Settable(Protocol):
+    """What the shell hangs on a call to wake it (the event a stream waits on)."""
+
+    def set(self) -> None:
+        """Wake the waiter."""
+
+
+class ServerCall:
+    """One accepted call, from admission until its worker is done with it.
+
+    The last five slots belong to the I/O shell (one object per call, built in one
+    ``__init__``: the hot path); the protocol never reads them.
+    """
+
+    __slots__ = (
+        "answered",
+        "buffers",
+        "call_id",
+        "cancelled",
+        "credit_event",
+        "credits",
+        "deadline",
+        "failure",
+        "fn",
+        "key",
+        "observed",
+        "parked",
+        "payload",
+        "result",
+        "results",
+        "scope",
+        "session",
+        "shutdown",
+        "spec",
+        "trace",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        call_id: int,
+        spec: MethodSpec,
+        fn: Callable[..., object],
+        deadline: float,
+        payload: Buffer | None,
+        buffers: Sequence[Buffer],
+        results: int,
+        trace: bytes = b"",
+    ) -> None:
+        self.session = session
+        self.key = session.key
+        self.call_id = call_id
+        self.spec = spec
+        self.fn = fn
+        #: Absolute deadline on the shell's clock, ``inf`` for none.
+        self.deadline = deadline
+        self.payload = payload
+        self.buffers = buffers
+        #: The CALL's SHM_RESULTS / SHM_RESULTS_ALL bits.
+        self.results = results
+        #: The client cancelled the call or lost its session: no reply at all.
+        self.cancelled = False
+        #: Shutdown stopped the call: the reply is DRAINING.
+        self.shutdown = False
+        #: The final reply was handed out.
+        self.answered = False
+        #: Stream items the engine may still send (window + credit - sent).
+        self.credits = session.stream_window
+        #: The stream waits for credit.
+        self.parked = False
+        #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
+        self.trace = trace
+        #: Shell: the cancel scope the handler runs in, while it runs.
+        self.scope: Cancellable | None = None
+        #: Shell: what a stream waiting for credit waits on.
+        self.credit_event: Settable | None = None
+        #: Shell: the handler's return value (``MISSING`` until it returns).
+        self.result: object = MISSING
+        #: Shell: the exception the handler raised.
+        self.failure: BaseException | None = None
+        #: Shell: what the engine's observer watches of this call (None: no observer).
+        self.observed: CallObservation | None = None
+
+    def wake(self) -> None:
+        """Stop the call if it is cancelled or shut down, and wake its credit wait."""
+        if self.cancelled or self.shutdown:
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+        event = self.credit_event
+        if event is not None:
+            event.set()
+
+
+class CallQueue:
+    """Accepted calls between admission and the end of their worker (module docstring).
+
+    Args:
+        settings: The engine's methods and limits.
+        call_factory: Builds accepted calls (the shell's `ServerCall` subclass).
+    """
+
+    __slots__ = (
+        "_builtins",
+        "_call_factory",
+        "_capacity",
+        "_engine",
+        "_limit",
+        "_max_parked",
+        "_methods",
+        "_service",
+        "busy",
+        "queue",
+    )
+
+    def __init__(self, settings: ProtocolSettings, call_factory: Callable[..., ServerCall]) -> None:
+        self._methods = settings.methods
+        self._builtins = settings.builtins
+        self._engine = settings.hello.engine_id
+        self._service = settings.hello.service
+        self._capacity = settings.max_concurrency
+        self._limit = settings.max_concurrency + settings.max_queued
+        self._max_parked = settings.max_parked_streams
+        self._call_factory = call_factory
+        #: Accepted calls waiting for a worker.
+        self.queue: deque[ServerCall] = deque()
+        #: Calls taken by a worker and not done (parked streams excluded).
+        self.busy = 0
+
+    def admit(
+        self,
+        session: Session,
+        header: Header,
+        payload: Buffer,
+        buffers: Sequence[Buffer],
+        now: float,
+    ) -> ServerCall | Refusal | None:
+        """The method and capacity rows of `ADMISSION` for a CALL of a live session.
+
+        Returns:
+            The accepted call (already queued); the refusal to answer with; or None
+            for a method the shell answers itself (``ProtocolSettings.builtins``).
+        """
+        method: str = header.method
+        entry = self._methods.get(method)
+        if entry is None:
+            if method in self._builtins:
+                return None
+            return ErrorCode.METHOD_NOT_FOUND, (
+                f"service {self._service!r} has no method {method!r}"
+            )
+        spec, fn = entry
+        flags = int(header.flags)
+        if bool(flags & _STREAM) != spec.streaming:
+            what = "a stream" if spec.streaming else "a unary call"
+            return ErrorCode.INVALID_ARGUMENT, f"{spec.qualname} must be called as {what}"
+        if self.busy + len(self.queue) >= (self._capacity if flags & _NO_WAIT else self._limit):
+            return ErrorCode.OVERLOADED, self._full_message(flags)
+        timeout_ms: int = header.timeout_ms
+        deadline = now + timeout_ms / 1000 if timeout_ms else _INF
+        call = self._call_factory(
+            session, header.call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS,
+            header.trace,
+        )  # fmt: skip
+        self.queue.append(call)
+        return call
+
+    def _full_message(self, flags: int) -> str:
+        engine = self._engine
+        if flags & _NO_WAIT:
+            return f"engine {engine!r} is busy ({self._capacity} calls running)"
+        queued = self._limit - self._capacity
+        return f"engine {engine!r} is full ({self._capacity} running, {queued} queued)"
+
+    # -- for the workers --------------------------------------------------------------------
+
+    def next_call(self) -> ServerCall | None:
+        """Take the oldest queued call for a worker (counted busy until `done`)."""
+        queue = self.queue
+        if not queue:
+            return None
+        self.busy += 1
+        return queue.popleft()
+
+    def done(self, call: ServerCall) -> None:
+        """A worker is finished with ``call``: it leaves its session's table (rule 9)."""
+        self.busy -= 1
+        calls = call.session.calls
+        if calls.get(call.call_id) is call:
+            del calls[call.call_id]
+
+    def may_reply(self, call: ServerCall) -> bool:
+        """Claim the call's final reply: False when it has one or must get none (rule 7)."""
+        if call.cancelled or call.answered:
+            return False
+        call.answered = True
+        return True
+
+    def may_send_item(self, call: ServerCall) -> bool:
+        """Whether a stream may send its next item now (rule 8)."""
+        return call.credits > 0 and not call.cancelled and not call.answered
+
+    def item_sent(self, call: ServerCall) -> None:
+        """Count one STREAM_ITEM sent against the stream's credit."""
+        call.credits -= 1
+
+    def park(self, call: ServerCall) -> str | None:
+        """A stream waits for credit; it stops counting as busy.
+
+        Returns:
+            None, or the reason to end the stream with OVERLOADED: its client already
+            has ``max_parked_streams`` streams waiting for credit.
+        """
+        session = call.session
+        limit = self._max_parked
+        if session.parked >= limit:
+            return (
+                f"client {session.name!r} has {limit} streams waiting for credit (the "
+                "engine's limit per client): read or close some of them"
+            )
+        session.parked += 1
+        call.parked = True
+        self.busy -= 1
+        return None
+
+    def unpark(self, call: ServerCall) -> None:
+        """The stream runs again (credit arrived, or it was cancelled)."""
+        call.parked = False
+        call.session.parked -= 1
+        self.busy += 1
