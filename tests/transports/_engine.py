@@ -1,8 +1,9 @@
 """A tensor engine program for the transport tests (not a test module).
 
 Run as ``python -m tests.transports._engine --bind ipc://... --address-file F`` (listen) or
-``--connect ADDR`` (dial-in). It is its own program, started with ``subprocess.Popen``:
-it shares nothing with the test process but the socket address.
+``--connect ADDR`` (dial-in). It is its own program, forked by tests/_forkserver.py
+(``subprocess.Popen`` semantics): it shares nothing with the test process but the socket
+address.
 :class:`TensorEngine` starts one from a test and always reaps it.
 """
 
@@ -27,6 +28,7 @@ import torch
 
 import tensorrpc
 from tensorrpc import rpc, service
+from tests import _forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,7 +180,9 @@ class TensorEngine:
         if not torch_shm:
             args.append("--no-torch-shm")
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        # Forked from a pre-imported interpreter (tests/_forkserver.py): a process of its
+        # own, without the seconds of torch's import.
+        self.proc = _forkserver.popen(
             args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
