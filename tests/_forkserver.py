@@ -72,7 +72,8 @@ class Forked:
     ) -> None:
         self.args = args
         self.pid = pid
-        self.returncode: int | None = None
+        #: None while running; typed as typeshed types Popen's (``int | Any``).
+        self.returncode: int | Any = None
         self.stdin = stdin
         self.stdout = stdout
         self.stderr = stderr

@@ -2,7 +2,7 @@
 
 Run as ``python -m tests.engine_proc --engine-id e1 --connect ADDR`` (or ``--bind ADDR
 --address-file F``); `EngineProcess` starts one from a test and always reaps it. It is
-its own program, forked by ``tests/_forkserver.py`` (Popen's interface): it shares nothing with the test
+its own program, forked by ``tests/_forkserver.py``: it shares nothing with the test
 process but the socket address. ``--service`` picks what it serves: ``v1``
 (`tests.integration.services.Calculator`), ``v2`` (same name, another fingerprint) or
 ``tensor`` (`tests.transports._engine.TensorService`, for the transport tests, with
