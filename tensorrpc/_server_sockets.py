@@ -148,17 +148,19 @@ class ServerSockets:
             flush: Called after each message: do what the protocol queued.
         """
         if self._router is not None:
-            tg.start_soon(self._router_loop, self._router, accepted, flush)
+            tg.start_soon(self._receive_loop, self._router, None, accepted, flush)
         for address, sock in self._dealers.items():
-            tg.start_soon(self._dealer_loop, address, sock, accepted, flush)
+            tg.start_soon(self._receive_loop, sock, address, accepted, flush)
 
-    async def _dealer_loop(
+    async def _receive_loop(
         self,
-        address: str,
         sock: AsyncSocket,
+        address: str | None,
         accepted: Callable[[Call, int], None],
         flush: Callable[[], None],
     ) -> None:
+        """Feed every message of ``sock`` to the protocol: a ROUTER's (``address`` None)
+        keyed by its routing id frame, a DEALER's by the client ``address``."""
         recv = sock.recv
         receive = self._proto.receive
         monotonic = time.monotonic
@@ -171,38 +173,18 @@ class ServerSockets:
                 size = 0
                 for frame in frames:
                     size += len(frame)
-                call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
+                if address is None:
+                    route = frames[0].bytes
+                    body = cast("list[Buffer]", frames[1:])
+                    call = receive(route, body, monotonic(), size - len(route))
+                else:
+                    call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
                 if call is not None:
                     accepted(call, size)
                 flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
-                logger.exception("error handling a message from %s", address)
-
-    async def _router_loop(
-        self, sock: AsyncSocket, accepted: Callable[[Call, int], None], flush: Callable[[], None]
-    ) -> None:
-        recv = sock.recv
-        receive = self._proto.receive
-        monotonic = time.monotonic
-        while True:
-            try:
-                frames = await recv()
-            except ClosedError:
-                return
-            try:
-                size = 0
-                for frame in frames:
-                    size += len(frame)
-                route = frames[0].bytes
-                body = cast("list[Buffer]", frames[1:])
-                call = receive(route, body, monotonic(), size - len(route))
-                if call is not None:
-                    accepted(call, size)
-                flush()
-            except Exception:  # one bad message must never stop the loop
-                self._proto.dropped += 1
-                logger.exception("error handling a message")
+                logger.exception("error handling a message from %s", address or "a peer")
 
     # -- sending ----------------------------------------------------------------------------
 
