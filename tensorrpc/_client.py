@@ -28,7 +28,7 @@ import secrets
 import time
 import warnings
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import anyio
 import anyio.lowlevel
@@ -49,7 +49,12 @@ from tensorrpc._client_protocol import (
     Pong,
     reply_error,
 )
-from tensorrpc._engines import Engine, EngineInfo, unavailable_message
+from tensorrpc._engines import (
+    MAX_REJECTED_KEY,
+    Engine,
+    EngineInfo,
+    unavailable_message,
+)
 from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
@@ -195,6 +200,51 @@ def _event_woken(event: Any) -> bool:
 
 def _event_wait(event: Any) -> Awaitable[Any]:
     return cast("Awaitable[Any]", event.wait())
+
+
+class _RefusalLog:
+    """Logs handshake refusals at WARNING, bounded: strangers cannot flood the log.
+
+    At most `BURST` refusals are logged one by one per `WINDOW_S` seconds, each with
+    the engine id and text cut short; the rest are counted and summed up in one line.
+    """
+
+    BURST: Final = 16
+    WINDOW_S: Final = 10.0
+    TEXT: Final = 512
+    __slots__ = ("logged", "skipped", "window_end")
+
+    def __init__(self) -> None:
+        self.window_end = 0.0
+        self.logged = 0
+        self.skipped = 0
+
+    def log(self, event: EngineRefused, now: float) -> None:
+        """Log one refusal (or count it when this window's burst is spent)."""
+        if now >= self.window_end:
+            if self.skipped:
+                logger.warning(
+                    "%d more handshake refusals in %g s were not logged one by one "
+                    "(see Client.rejected)",
+                    self.skipped,
+                    self.WINDOW_S,
+                )
+            self.window_end = now + self.WINDOW_S
+            self.logged = self.skipped = 0
+        if self.logged >= self.BURST:
+            self.skipped += 1
+            return
+        self.logged += 1
+        engine_id = _cut(event.engine_id, MAX_REJECTED_KEY)
+        message = _cut(event.message, self.TEXT)
+        if event.by_client:
+            logger.warning("refused engine %r: %s", engine_id, message)
+        else:
+            logger.warning("engine %s refused this client: %s %s", engine_id, event.reason, message)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _Schemaless:
@@ -387,6 +437,7 @@ class Client(CallView[S]):
         "_opened",
         "_orphans",
         "_protocol",
+        "_refusals",
         "_retries",
         "_scopes",
         "_sock",
@@ -462,6 +513,7 @@ class Client(CallView[S]):
         self._tracked = PendingSends()
         self._addresses: list[str] = []
         self._retries = 0
+        self._refusals = _RefusalLog()
         self._scopes: list[anyio.CancelScope] = []
         self._opened = False
         self._sock: AsyncSocket | None = None
@@ -821,15 +873,7 @@ class Client(CallView[S]):
             if event.call is not None:
                 self._ended(event.call)
         elif isinstance(event, EngineRefused):
-            if event.by_client:
-                logger.warning("refused engine %r: %s", event.engine_id, event.message)
-            else:
-                logger.warning(
-                    "engine %s refused this client: %s %s",
-                    event.engine_id,
-                    event.reason,
-                    event.message,
-                )
+            self._refusals.log(event, _monotonic())
             self._notify_engines()
         elif isinstance(event, Ignored):
             logger.warning("dropped a message from %r: %s", event.peer, event.why)
@@ -841,9 +885,10 @@ class Client(CallView[S]):
         for call in event.calls:
             self._ended(call)
         self._observe_engine(engine.engine_id, "lost")
-        none_left = not self._protocol.engines.engines
-        self._wake_all(self._protocol.capacity.lost(engine.engine_id, none_left=none_left))
+        self._wake_all(self._protocol.stranded(engine.engine_id, _monotonic()))
         self._notify_engines()
+        if self._tick is not None:
+            self._tick.set()  # a hello request to its address may be due at once
 
     def _on_joined(self, event: EngineJoined) -> None:
         engine_id = event.engine.engine_id
@@ -937,10 +982,13 @@ class Client(CallView[S]):
         waiters = self._waiters
         assert waiters is not None
         target = options.engine
-        engine = protocol.select(target)
+        engine = self._select(target, woken=False)
         while engine is None:
             self._check_open()
             if not options.wait:
+                live = protocol.engines.engines
+                if (target is None and not live) or (target is not None and target not in live):
+                    protocol.engines.select(target)  # not live (yet): EngineNotFoundError
                 what = f"engine {target!r}" if target else "every engine"
                 raise OverloadedError(
                     f"{what} has {protocol.engines.max_in_flight} calls in flight "
@@ -956,7 +1004,18 @@ class Client(CallView[S]):
                     self._wake_all(protocol.capacity.released(target))
                 raise
             self._check_open()
-            engine = protocol.engines.select(target)
+            engine = self._select(target, woken=True)
+        return engine
+
+    def _select(self, target: str | None, *, woken: bool) -> Engine | None:
+        """`ClientProtocol.select` now, acting on the sessions it found forgotten."""
+        protocol = self._protocol
+        engine = protocol.select(target, _monotonic(), woken=woken)
+        pending = protocol.pending
+        while pending:
+            self._event(pending.popleft())
+        if protocol.outbox:
+            self._flush()
         return engine
 
     async def _start(
@@ -972,7 +1031,7 @@ class Client(CallView[S]):
         if self._orphans:
             self._reap_orphans()
         self._check_open()
-        engine = self._protocol.select(options.engine)
+        engine = self._select(options.engine, woken=False)
         if engine is None:
             engine = await self._acquire(options)
         transfers = self._transfers
@@ -1322,6 +1381,7 @@ class Client(CallView[S]):
             now = _monotonic()
             for lost in protocol.tick(now):
                 self._event(lost)
+            self._wake_all(protocol.expire_rejoins(now))
             self._flush()
             self._reap_orphans()
             if now >= next_sweep:

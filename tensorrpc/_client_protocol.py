@@ -45,7 +45,7 @@ from tensorrpc._engines import (
     ShmCapability,
     check_hello,
 )
-from tensorrpc._exceptions import ClosedError, RemoteProtocolError
+from tensorrpc._exceptions import ClosedError, EngineNotFoundError, RemoteProtocolError
 from tensorrpc._liveness import Backoff, check_heartbeat, ping_interval, to_ms
 from tensorrpc._protocol import (
     PROTOCOL_VERSION,
@@ -157,8 +157,10 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("live", "timer: engine silent past our dead_after", "end the session (calls fail)", "none"),
     (
         "live",
-        "timer or message: we sent nothing for longer than the engine's dead_after_ms",
-        "end the session: the engine forgot us (calls fail: EngineDeadError)",
+        "timer, message or new call: we sent nothing for longer than the engine's dead_after_ms",
+        "end the session: the engine forgot us (calls in flight fail: EngineDeadError; calls "
+        "not yet sent wait up to our dead_after for it to rejoin; a dialled address is "
+        "asked for HELLO at once)",
         "none",
     ),
     ("live", "send fails: peer unreachable", "end the session (calls fail)", "none"),
@@ -345,6 +347,12 @@ class ClientProtocol:
         self.outbox: list[list[bytes]] = []
         #: Events found while handling a message whose own event was already returned.
         self.pending: collections.deque[Event] = collections.deque()
+        #: Engine id -> until when callers wait for it to come back. An engine that
+        #: forgot this client's session (the client stalled) is greeted again at once;
+        #: the calls not yet sent to it wait for that instead of failing. ``None``: the
+        #: wait (our ``dead_after``) starts at the next `expire_rejoins`, since the loop
+        #: that found the loss may still be busy (with the very calls that stalled it).
+        self.rejoining: dict[str, float | None] = {}
         self.closed = False
 
     # -- output ---------------------------------------------------------------------------
@@ -410,11 +418,78 @@ class ClientProtocol:
 
     # -- calls ----------------------------------------------------------------------------
 
-    def select(self, engine_id: str | None) -> Engine | None:
-        """The engine for a new call (see `EngineTable.select`); None: wait."""
-        if self.capacity.queued(engine_id):
+    def select(
+        self, engine_id: str | None, now: float | None = None, *, woken: bool = False
+    ) -> Engine | None:
+        """The engine for a new call (see `EngineTable.select`); None: wait for capacity.
+
+        Args:
+            engine_id: The engine the call targets, or ``None`` to balance.
+            now: The clock. With it, an engine that this client left without a message
+                for longer than the engine's bound (the client's loop stalled, e.g. while
+                it started many calls) has forgotten the session: it is ended here (an
+                `EngineLost` in `pending`) rather than sent a call, and the caller
+                waits for it to rejoin (see `rejoining`).
+            woken: The caller was woken from the capacity queue (it does not queue
+                behind the others again).
+
+        Raises:
+            EngineNotFoundError: As `EngineTable.select`, unless the engine (or, to
+                balance, any engine) is expected back (the caller waits).
+        """
+        if not woken and self.capacity.queued(engine_id):
             return None  # earlier callers wait for this capacity: queue behind them
-        return self.engines.select(engine_id)
+        engines = self.engines
+        while True:
+            try:
+                engine = engines.select(engine_id)
+            except EngineNotFoundError:
+                if self._expected(engine_id, now):
+                    return None
+                raise
+            if engine is None or now is None or not _forgot_us(engine, now):
+                return engine
+            self.pending.append(self._forgotten(engine, now))
+
+    def _expected(self, engine_id: str | None, now: float | None) -> bool:
+        """Whether ``engine_id`` (None: any engine) is expected to rejoin at ``now``."""
+        rejoining = self.rejoining
+        if not rejoining or now is None:
+            return False
+        if engine_id is None:
+            return any(until is None or until > now for until in rejoining.values())
+        if engine_id not in rejoining:
+            return False
+        until = rejoining[engine_id]
+        return until is None or until > now
+
+    def stranded(self, engine_id: str, now: float) -> list[Any]:
+        """The capacity waiters to wake because ``engine_id`` left (they then re-select).
+
+        Its targeted waiters, and every waiter when no engine is left, unless it (or
+        another engine) is expected to rejoin.
+        """
+        if self._expected(engine_id, now):
+            return []
+        none_left = not self.engines.engines and not self._expected(None, now)
+        return self.capacity.lost(engine_id, none_left=none_left)
+
+    def expire_rejoins(self, now: float) -> list[Any]:
+        """Give up waiting for engines that did not rejoin in time: the waiters to wake.
+
+        The shell calls this from its timer task, so a wait starts only once the loop
+        runs timers again (and can send hello requests and read HELLOs).
+        """
+        woken: list[Any] = []
+        rejoining = self.rejoining
+        for engine_id, until in list(rejoining.items()):
+            if until is None:
+                rejoining[engine_id] = now + self.config.heartbeat.dead_after
+            elif until <= now:
+                del rejoining[engine_id]
+                if engine_id not in self.engines.engines:
+                    woken += self.stranded(engine_id, now)
+        return woken
 
     def start_call(
         self, engine: Engine, spec: MethodSpec, waiter: Any, *, stream: bool, now: float
@@ -477,7 +552,7 @@ class ClientProtocol:
         kind = header.kind
         engine = self.engines.by_peer(peer)
         if engine is not None:
-            if engine.info.dead_after_ms and now - engine.sent > engine.dead_after:
+            if _forgot_us(engine, now):
                 self.pending.append(self._forgotten(engine, now))
                 engine = None
             else:
@@ -620,6 +695,7 @@ class ClientProtocol:
         if pending:  # torch_shm once its PROOF verifies (pid -1: waiting for it)
             engine.shm = ShmCapability(pid=-1, to_engine=False, from_engine=False)
         self.engines.add(engine)
+        self.rejoining.pop(info.engine_id, None)
         dial = self._dials.get(peer)
         if dial is not None:
             dial.backoff.reset()
@@ -691,6 +767,7 @@ class ClientProtocol:
         return EngineLost(engine, why, tuple(calls))
 
     def _forgotten(self, engine: Engine, now: float) -> EngineLost:
+        self.rejoining[engine.engine_id] = None
         return self._lose(
             engine,
             f"lost this client's session: nothing was sent to it for {now - engine.sent:.1f} s, "
@@ -747,6 +824,8 @@ class ClientProtocol:
         for alias, dial in self._dials.items():
             if self.engines.by_peer(alias) is None:
                 due = min(due, dial.due)
+        for until in self.rejoining.values():
+            due = min(due, now if until is None else until)
         return max(_MIN_TICK_S, due - now)
 
     def close(self, now: float) -> list[Call]:
@@ -761,6 +840,11 @@ class ClientProtocol:
             self._queue(engine, engine.peer, _BYE, Bye("closed"), 0, now)
         self.closed = True
         return self.calls.fail_all(ClosedError, "the client was closed")
+
+
+def _forgot_us(engine: Engine, now: float) -> bool:
+    """Whether we sent ``engine`` nothing for longer than its bound: it forgot the session."""
+    return bool(engine.info.dead_after_ms) and now - engine.sent > engine.dead_after
 
 
 def _same_session(engine: Engine, hello: Hello) -> bool:

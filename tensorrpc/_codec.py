@@ -29,7 +29,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import numpy as np
 import ormsgpack
@@ -611,40 +611,13 @@ class _Decoder:
             raise DecodeError(
                 f"message has more than max_tensors={self._config.max_tensors} tensors"
             )
-        try:
-            desc = ormsgpack.unpackb(data)
-        except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
-            raise DecodeError(f"malformed tensor descriptor: {exc}") from exc
-        if type(desc) is not list or len(desc) != 4:
-            raise DecodeError("tensor descriptor must be [dtype, shape, loc, ref]")
-        dtype_name, raw_shape, loc, ref = desc
-        if type(dtype_name) is not str:
-            raise DecodeError("tensor dtype must be a string")
         as_numpy = code == _NUMPY
-        entry = (_NUMPY_DECODE if as_numpy else _TORCH_DECODE).get(dtype_name)
-        if entry is None:
-            raise DecodeError(f"tensor dtype {dtype_name!r} is not allowed")
+        dtype_name, entry, shape, numel, loc, ref = self._descriptor(data, as_numpy)
         torch_dtype, np_dtype = entry
-        itemsize = torch_dtype.itemsize
-        shape, numel = _check_shape(raw_shape, itemsize)
-        nbytes = numel * itemsize
-        if nbytes > self._config.max_tensor_bytes:
-            raise DecodeError(
-                f"tensor of shape {list(shape)} has {nbytes} bytes, over "
-                f"max_tensor_bytes={self._config.max_tensor_bytes}"
-            )
-        if type(loc) is not int:
-            raise DecodeError("tensor location must be an int")
         if loc == _HANDLE:
             return self._resolve(ref, torch_dtype, shape, as_numpy)
-        if loc == _INLINE:
-            if type(ref) is not bytes:
-                raise DecodeError("inline tensor data must be bytes")
-            view = memoryview(ref)
-        elif loc == _FRAME:
-            view = self._frame(ref)
-        else:
-            raise DecodeError(f"unknown tensor location {loc}")
+        view = self._data(loc, ref)
+        nbytes = numel * torch_dtype.itemsize
         if view.nbytes != nbytes:
             raise DecodeError(
                 f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
@@ -665,6 +638,47 @@ class _Decoder:
             array = np.frombuffer(bytearray(view), dtype=np_dtype)
         array = array.reshape(shape)
         return array if as_numpy else torch.from_numpy(array)
+
+    def _descriptor(
+        self, data: bytes, as_numpy: bool
+    ) -> tuple[str, tuple[torch.dtype, Any], tuple[int, ...], int, int, object]:
+        """Parse and check a tensor descriptor ``[dtype, shape, loc, ref]``.
+
+        Returns ``(dtype name, (torch dtype, numpy dtype), shape, numel, loc, ref)``.
+        """
+        try:
+            desc = ormsgpack.unpackb(data)
+        except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
+            raise DecodeError(f"malformed tensor descriptor: {exc}") from exc
+        if type(desc) is not list or len(desc) != 4:
+            raise DecodeError("tensor descriptor must be [dtype, shape, loc, ref]")
+        dtype_name, raw_shape, loc, ref = desc
+        if type(dtype_name) is not str:
+            raise DecodeError("tensor dtype must be a string")
+        entry = (_NUMPY_DECODE if as_numpy else _TORCH_DECODE).get(dtype_name)
+        if entry is None:
+            raise DecodeError(f"tensor dtype {dtype_name!r} is not allowed")
+        itemsize = entry[0].itemsize
+        shape, numel = _check_shape(raw_shape, itemsize)
+        nbytes = numel * itemsize
+        if nbytes > self._config.max_tensor_bytes:
+            raise DecodeError(
+                f"tensor of shape {list(shape)} has {nbytes} bytes, over "
+                f"max_tensor_bytes={self._config.max_tensor_bytes}"
+            )
+        if type(loc) is not int:
+            raise DecodeError("tensor location must be an int")
+        return dtype_name, entry, shape, numel, loc, ref
+
+    def _data(self, loc: int, ref: object) -> memoryview:
+        """The bytes of a tensor sent inline or in a frame."""
+        if loc == _INLINE:
+            if type(ref) is not bytes:
+                raise DecodeError("inline tensor data must be bytes")
+            return memoryview(ref)
+        if loc == _FRAME:
+            return self._frame(ref)
+        raise DecodeError(f"unknown tensor location {loc}")
 
     def _frame(self, ref: object) -> memoryview:
         if type(ref) is not int or not 0 <= ref < len(self._buffers):
@@ -732,6 +746,44 @@ def _only_bad_keys(framed: bytes) -> bool:
     return True
 
 
+def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memoryview:
+    """``payload`` as a 1-D byte view, checked against the size and object limits."""
+    try:
+        view = memoryview(payload)
+    except TypeError as exc:
+        raise DecodeError(f"payload of type {type(payload).__qualname__} is not a buffer") from exc
+    if view.nbytes > config.max_payload_bytes:
+        raise DecodeError(
+            f"payload of {view.nbytes} bytes is over max_payload_bytes={config.max_payload_bytes}"
+        )
+    if n_buffers > config.max_tensors:
+        raise DecodeError(
+            f"message has {n_buffers} buffers, more than max_tensors={config.max_tensors}"
+        )
+    if view.ndim != 1 or view.itemsize != 1:
+        view = _byte_view(view)
+    budget = config.max_payload_objects
+    # At most one object per byte: only a payload larger than the budget needs counting.
+    if view.nbytes > budget and count_msgpack_objects(view, budget) > budget:
+        raise DecodeError(
+            f"payload holds more than max_payload_objects={budget} msgpack values "
+            f"({view.nbytes} bytes); refused before decoding"
+        )
+    return view
+
+
+def _raise_decode_failure(exc: ValueError, decoder: _Decoder, framed: bytes) -> NoReturn:
+    """Raise the error for a payload ormsgpack refused (cold path)."""
+    if decoder.error is not None:
+        raise decoder.error from None
+    if _only_bad_keys(framed):
+        raise ValidationError(
+            f"a map in the payload has a key that is not a string ({exc}); maps carry "
+            "str keys only (parameter names, dataclass fields, dict[str, ...])"
+        ) from None
+    raise DecodeError(f"malformed msgpack payload: {exc}") from exc
+
+
 def decode(
     payload: Buffer,
     buffers: Sequence[Buffer] = (),
@@ -764,27 +816,7 @@ def decode(
             value cannot be one a peer may send; an engine answers ``INVALID_ARGUMENT``).
         TensorTransportError: The resolver failed.
     """
-    try:
-        view = memoryview(payload)
-    except TypeError as exc:
-        raise DecodeError(f"payload of type {type(payload).__qualname__} is not a buffer") from exc
-    if view.nbytes > config.max_payload_bytes:
-        raise DecodeError(
-            f"payload of {view.nbytes} bytes is over max_payload_bytes={config.max_payload_bytes}"
-        )
-    if len(buffers) > config.max_tensors:
-        raise DecodeError(
-            f"message has {len(buffers)} buffers, more than max_tensors={config.max_tensors}"
-        )
-    if view.ndim != 1 or view.itemsize != 1:
-        view = _byte_view(view)
-    budget = config.max_payload_objects
-    # At most one object per byte: only a payload larger than the budget needs counting.
-    if view.nbytes > budget and count_msgpack_objects(view, budget) > budget:
-        raise DecodeError(
-            f"payload holds more than max_payload_objects={budget} msgpack values "
-            f"({view.nbytes} bytes); refused before decoding"
-        )
+    view = _payload_view(payload, len(buffers), config)
     decoder = _Decoder(buffers, config, resolver)
     # ormsgpack ignores bytes after the first object; frame the payload as the array
     # [payload, END] so that anything after the object (or a truncated object) fails.
@@ -792,14 +824,7 @@ def decode(
     try:
         framed_value = ormsgpack.unpackb(framed, ext_hook=decoder.ext_hook)
     except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
-        if decoder.error is not None:
-            raise decoder.error from None
-        if _only_bad_keys(framed):
-            raise ValidationError(
-                f"a map in the payload has a key that is not a string ({exc}); maps carry "
-                "str keys only (parameter names, dataclass fields, dict[str, ...])"
-            ) from None
-        raise DecodeError(f"malformed msgpack payload: {exc}") from exc
+        _raise_decode_failure(exc, decoder, framed)
     if decoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
         raise decoder.error
     if framed_value[1] is not _END:

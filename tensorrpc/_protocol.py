@@ -37,7 +37,7 @@ from tensorrpc._exceptions import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -547,52 +547,65 @@ def unpack_header(frame: Buffer) -> Header:
             f"truncated header: {size} bytes, at least {HEADER_SIZE} expected"
         )
     magic, version, kind_value, flags, reserved, call_id, timeout_ms = _unpack_from(view)
-    if magic != MAGIC:
-        raise RemoteProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): not tensorrpc")
-    if version != PROTOCOL_VERSION:
-        raise RemoteProtocolError(
-            f"unsupported protocol version {version} (this peer speaks {PROTOCOL_VERSION})"
-        )
     kind = _KIND_BY_VALUE.get(kind_value)
-    if kind is None:
-        raise RemoteProtocolError(f"unknown message kind {kind_value}")
-    if reserved:
-        raise RemoteProtocolError(f"reserved header field is {reserved}, must be 0")
+    if magic != MAGIC or version != PROTOCOL_VERSION or kind is None or reserved:
+        raise _prefix_error(magic, version, kind_value, reserved)
     if kind is MessageKind.CALL:
-        if flags & ~_KNOWN_FLAGS:
-            raise RemoteProtocolError(f"unknown flag bits 0x{flags & ~_KNOWN_FLAGS:x} in CALL")
-        if call_id == 0:
-            raise RemoteProtocolError("CALL with call_id 0")
-        if flags & _TRACE:
-            size -= TRACE_CONTEXT_BYTES
-            if size < HEADER_SIZE:
-                raise RemoteProtocolError("CALL with the TRACE flag is too short for its context")
-            trace = view[size:].tobytes()
-            if trace[0] != 0:
-                raise RemoteProtocolError(f"unknown trace context version {trace[0]}")
-            return _make_header(
-                kind, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, _method_name(view, size), trace
-            )
-        return _make_header(
-            kind, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, _method_name(view, size)
-        )
-    if size != HEADER_SIZE:
-        raise RemoteProtocolError(
-            f"{kind.name} header is {size} bytes; only CALL carries a method name"
-        )
-    if flags:
-        raise RemoteProtocolError(f"{kind.name} header has flags 0x{flags:x}; only CALL may")
-    if timeout_ms:
-        raise RemoteProtocolError(f"{kind.name} header has a timeout; only CALL may")
-    if call_id:
-        if kind in _CONNECTION_KINDS:
-            raise RemoteProtocolError(f"{kind.name} is connection-level but has call_id {call_id}")
-    elif kind in _CALL_KINDS:
-        raise RemoteProtocolError(f"{kind.name} with call_id 0")
+        return _call_header(view, size, flags, call_id, timeout_ms)
+    if (
+        size != HEADER_SIZE
+        or flags
+        or timeout_ms
+        or (kind in _CONNECTION_KINDS if call_id else kind in _CALL_KINDS)
+    ):
+        raise _reply_fields_error(kind, size, flags, timeout_ms, call_id)
     return _make_header(kind, call_id, _NO_FLAGS, 0, "")
 
 
-def _method_name(view: memoryview, size: int) -> str:
+def _prefix_error(magic: bytes, version: int, kind_value: int, reserved: int) -> Exception:
+    """What is wrong with a header's magic, version, kind or reserved field (cold path)."""
+    if magic != MAGIC:
+        return RemoteProtocolError(f"bad magic {magic!r} (expected {MAGIC!r}): not tensorrpc")
+    if version != PROTOCOL_VERSION:
+        return RemoteProtocolError(
+            f"unsupported protocol version {version} (this peer speaks {PROTOCOL_VERSION})"
+        )
+    if kind_value not in _KIND_BY_VALUE:
+        return RemoteProtocolError(f"unknown message kind {kind_value}")
+    return RemoteProtocolError(f"reserved header field is {reserved}, must be 0")
+
+
+def _reply_fields_error(
+    kind: MessageKind, size: int, flags: int, timeout_ms: int, call_id: int
+) -> Exception:
+    """What is wrong with the fields of a header other than CALL (cold path)."""
+    if size != HEADER_SIZE:
+        return RemoteProtocolError(
+            f"{kind.name} header is {size} bytes; only CALL carries a method name"
+        )
+    if flags:
+        return RemoteProtocolError(f"{kind.name} header has flags 0x{flags:x}; only CALL may")
+    if timeout_ms:
+        return RemoteProtocolError(f"{kind.name} header has a timeout; only CALL may")
+    if call_id:
+        return RemoteProtocolError(f"{kind.name} is connection-level but has call_id {call_id}")
+    return RemoteProtocolError(f"{kind.name} with call_id 0")
+
+
+def _call_header(view: memoryview, size: int, flags: int, call_id: int, timeout_ms: int) -> Header:
+    """The CALL header in ``view`` (``size`` bytes), with its flags, trace and method name."""
+    if flags & ~_KNOWN_FLAGS:
+        raise RemoteProtocolError(f"unknown flag bits 0x{flags & ~_KNOWN_FLAGS:x} in CALL")
+    if call_id == 0:
+        raise RemoteProtocolError("CALL with call_id 0")
+    trace = b""
+    if flags & _TRACE:
+        size -= TRACE_CONTEXT_BYTES
+        if size < HEADER_SIZE:
+            raise RemoteProtocolError("CALL with the TRACE flag is too short for its context")
+        trace = view[size:].tobytes()
+        if trace[0] != 0:
+            raise RemoteProtocolError(f"unknown trace context version {trace[0]}")
     length = size - HEADER_SIZE
     if length == 0:
         raise RemoteProtocolError("CALL without a method name")
@@ -602,15 +615,14 @@ def _method_name(view: memoryview, size: int) -> str:
         )
     raw = view[HEADER_SIZE:size].tobytes()
     name = _method_name_cache.get(raw)
-    if name is not None:
-        return name
-    try:
-        name = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RemoteProtocolError(f"method name {raw!r} is not valid UTF-8") from exc
-    if len(_method_name_cache) < _CACHE_LIMIT:
-        _method_name_cache[raw] = name
-    return name
+    if name is None:
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RemoteProtocolError(f"method name {raw!r} is not valid UTF-8") from exc
+        if len(_method_name_cache) < _CACHE_LIMIT:
+            _method_name_cache[raw] = name
+    return _make_header(MessageKind.CALL, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, name, trace)
 
 
 def split_frames(
@@ -720,7 +732,7 @@ def count_msgpack_objects(data: Buffer, budget: int) -> int:
     view = memoryview(data)
     if view.ndim != 1 or view.itemsize != 1:
         view = view.cast("B")
-    fixed, kids, variable, single = _FIXED, _KIDS, _VARIABLE, _SINGLE_BYTE
+    fixed, kids, variable = _FIXED, _KIDS, _VARIABLE
     end = view.nbytes
     pos = 0
     pending = 1  # objects still to read
@@ -752,35 +764,40 @@ def count_msgpack_objects(data: Buffer, budget: int) -> int:
         pending += length if what == 1 else 2 * length
         if count + pending > budget:
             return budget + 1  # each element still to read is one object at least
-        if what == 2:
-            continue
-        if length >= _RUN_MIN and pos < end:
-            # An array whose elements are all one-byte objects, or all the same
-            # fixed-size scalar (0xcb float64, ...), is counted without a loop.
-            first = view[pos]
-            step = fixed[first]
-            if step == 1 and kids[first] == 0:
-                run = view[pos : pos + length].tobytes()
-                if len(run) == length and not run.translate(None, single):
-                    count += length
-                    if count > budget:
-                        return budget + 1
-                    pending -= length
-                    pos += length
-            elif step > 1 and kids[first] == 0 and first not in _NO_RUN:
-                heads = view[pos : pos + step * length : step].tobytes()
-                if len(heads) == length and heads.count(first) == length:
-                    count += length
-                    if count > budget:
-                        return budget + 1
-                    pending -= length
-                    pos += step * length
+        if what == 1 and length >= _RUN_MIN and pos < end:
+            skip = _run_bytes(view, pos, length)
+            if skip:  # count + pending stays within the budget checked above
+                count += length
+                pending -= length
+                pos += skip
     return count
 
 
 # fixstr headers give a size but a run of them need not share one: only scalars whose
 # size the type byte fixes (ints, floats, fixext) may be counted by stride.
 _NO_RUN: Final = frozenset(range(0xA0, 0xC0))
+
+
+def _run_bytes(view: memoryview, pos: int, length: int) -> int:
+    """The bytes of the ``length`` array elements at ``pos`` when they can be counted in
+    one step, else 0.
+
+    They can when all are one-byte objects, or all the same fixed-size scalar
+    (0xcb float64, ...).
+    """
+    first = view[pos]
+    step = _FIXED[first]
+    if step == 0 or _KIDS[first]:
+        return 0
+    if step == 1:
+        run = view[pos : pos + length].tobytes()
+        same = len(run) == length and not run.translate(None, _SINGLE_BYTE)
+    elif first in _NO_RUN:
+        return 0
+    else:
+        heads = view[pos : pos + step * length : step].tobytes()
+        same = len(heads) == length and heads.count(first) == length
+    return step * length if same else 0
 
 
 # -- control bodies ------------------------------------------------------------------------
@@ -1034,39 +1051,46 @@ _DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {
 }
 
 
-def _check_field(
-    body: str, name: str, ftype: str, limit: int, value: object, error: type[TensorRPCError]
-) -> object:
-    where = f"{body}.{name}"
-    if ftype == "str":
-        if type(value) is not str:
-            raise error(f"{where} must be a string, not {type(value).__name__}")
-        if len(value) > limit:
-            raise error(f"{where} is {len(value)} characters long; the limit is {limit}")
-        return value
-    if ftype == "int":
-        if type(value) is not int and not isinstance(value, IntEnum):
-            raise error(f"{where} must be an integer, not {type(value).__name__}")
-        low = _MIN_INT.get(name, 0)
-        if not low <= value <= limit:
-            raise error(f"{where}={value} is out of range {low}..{limit}")
-        return int(value)
-    if ftype == "bytes":
-        if type(value) is not bytes:
-            raise error(f"{where} must be bytes, not {type(value).__name__}")
-        if len(value) > limit:
-            raise error(f"{where} is {len(value)} bytes long; the limit is {limit}")
-        return value
-    if ftype == "ints":
-        if not isinstance(value, list | tuple):
-            raise error(f"{where} must be a list of integers, not {type(value).__name__}")
-        if not 0 < len(value) <= MAX_LIST_ITEMS:
-            raise error(f"{where} has {len(value)} entries; expected 1..{MAX_LIST_ITEMS}")
-        for i, item in enumerate(value):
-            if type(item) is not int or not 0 < item <= limit:
-                raise error(f"{where}[{i}] must be an integer in 1..{limit}, not {item!r}")
-        return tuple(value)
-    # "strs": a list of short strings
+_ErrorType: TypeAlias = type[TensorRPCError]
+
+
+def _check_str(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    if type(value) is not str:
+        raise error(f"{where} must be a string, not {type(value).__name__}")
+    if len(value) > limit:
+        raise error(f"{where} is {len(value)} characters long; the limit is {limit}")
+    return value
+
+
+def _check_int_field(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    if type(value) is not int and not isinstance(value, IntEnum):
+        raise error(f"{where} must be an integer, not {type(value).__name__}")
+    low = _MIN_INT.get(name, 0)
+    if not low <= value <= limit:
+        raise error(f"{where}={value} is out of range {low}..{limit}")
+    return int(value)
+
+
+def _check_bytes(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    if type(value) is not bytes:
+        raise error(f"{where} must be bytes, not {type(value).__name__}")
+    if len(value) > limit:
+        raise error(f"{where} is {len(value)} bytes long; the limit is {limit}")
+    return value
+
+
+def _check_ints(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    if not isinstance(value, list | tuple):
+        raise error(f"{where} must be a list of integers, not {type(value).__name__}")
+    if not 0 < len(value) <= MAX_LIST_ITEMS:
+        raise error(f"{where} has {len(value)} entries; expected 1..{MAX_LIST_ITEMS}")
+    for i, item in enumerate(value):
+        if type(item) is not int or not 0 < item <= limit:
+            raise error(f"{where}[{i}] must be an integer in 1..{limit}, not {item!r}")
+    return tuple(value)
+
+
+def _check_strs(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
     if not isinstance(value, list | tuple):
         raise error(f"{where} must be a list of strings, not {type(value).__name__}")
     if len(value) > MAX_LIST_ITEMS:
@@ -1077,6 +1101,22 @@ def _check_field(
         if len(item) > limit:
             raise error(f"{where}[{i}] is {len(item)} characters long; the limit is {limit}")
     return tuple(value)
+
+
+#: The check of each field type of the control bodies, by the name ``_FIELDS`` gives it.
+_FIELD_CHECKS: Final[dict[str, Callable[[str, str, int, object, _ErrorType], object]]] = {
+    "str": _check_str,
+    "int": _check_int_field,
+    "bytes": _check_bytes,
+    "ints": _check_ints,
+    "strs": _check_strs,
+}
+
+
+def _check_field(
+    body: str, name: str, ftype: str, limit: int, value: object, error: type[TensorRPCError]
+) -> object:
+    return _FIELD_CHECKS[ftype](f"{body}.{name}", name, limit, value, error)
 
 
 def _truncate(text: str, limit: int) -> str:

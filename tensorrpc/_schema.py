@@ -520,12 +520,8 @@ def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
     return CompiledType(desc, check, from_wire)
 
 
-def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
-    desc = f"dict[str, {val.description}]"
-    vcheck = val.fast_check
-    vfrom = val.fast_from_wire
-    all_exact = _all_exact(val, fast)
-    keys_exact = _all_exact(_STR, fast)
+def _str_keys_check(desc: str, keys_exact: Callable[[Any], bool]) -> Callable[[Any], None]:
+    """The check that every key of a ``dict[str, ...]`` map is a ``str``."""
 
     def _keys_ok(v: dict[Any, Any]) -> None:
         if not keys_exact(v):
@@ -534,6 +530,16 @@ def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
                     raise _Invalid(
                         desc, v, f"expected {desc}, got a key of type {describe_value(k)}"
                     )
+
+    return _keys_ok
+
+
+def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
+    desc = f"dict[str, {val.description}]"
+    vcheck = val.fast_check
+    vfrom = val.fast_from_wire
+    all_exact = _all_exact(val, fast)
+    _keys_ok = _str_keys_check(desc, _all_exact(_STR, fast))
 
     def _apply(conv: Converter, v: dict[Any, Any]) -> dict[Any, Any]:
         _keys_ok(v)
@@ -566,18 +572,35 @@ def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
 
 
 def _union_node(alts: list[CompiledType]) -> CompiledType:
-    none_alt = [a for a in alts if a is _NONE]
     others = [a for a in alts if a is not _NONE]
-    if none_alt and len(others) == 1:
-        desc = f"Optional[{others[0].description}]"
-    else:
-        desc = "Union[" + ", ".join(a.description for a in alts) + "]"
-    # An int must stay an int: try `int` before `float`, which would also accept it.
-    order = sorted(alts, key=lambda a: 0 if a is _INT else 1)
     exact: frozenset[type] | None = frozenset()
     for a in alts:
         exact = exact | a.exact if (exact is not None and a.exact is not None) else None
+    if len(others) == 1 and len(others) < len(alts):
+        return _optional_node(others[0], exact)
+    desc = "Union[" + ", ".join(a.description for a in alts) + "]"
+    # An int must stay an int: try `int` before `float`, which would also accept it.
+    order = sorted(alts, key=lambda a: 0 if a is _INT else 1)
     fast_types = frozenset().union(*(a.exact for a in alts if a.exact is not None))
+    _try = _first_accepted(desc)
+    checks = [a.fast_check for a in order]
+    froms = [a.fast_from_wire for a in order]
+
+    def check(v: Any) -> Any:
+        if type(v) in fast_types:
+            return v
+        return _try(checks, v)
+
+    def from_wire(v: Any) -> Any:
+        if type(v) in fast_types:
+            return v
+        return _try(froms, v)
+
+    return CompiledType(desc, check, from_wire, exact)
+
+
+def _first_accepted(desc: str) -> Callable[[list[Converter], Any], Any]:
+    """What the first of a union's alternatives that accepts a value makes of it."""
 
     def _try(convs: list[Converter], v: Any) -> Any:
         best: _Invalid | None = None
@@ -593,48 +616,38 @@ def _union_node(alts: list[CompiledType]) -> CompiledType:
             raise best
         raise _Invalid(desc, v)
 
-    checks = [a.fast_check for a in order]
-    froms = [a.fast_from_wire for a in order]
+    return _try
 
-    if len(others) == 1 and none_alt:
-        ocheck = others[0].fast_check
-        ofrom = others[0].fast_from_wire
 
-        def opt_check(v: Any) -> Any:
-            if v is None:
-                return None
-            try:
-                return ocheck(v)
-            except _Invalid as exc:
-                if exc.segments:
-                    raise
-                raise _Invalid(desc, v) from None
+def _optional_node(other: CompiledType, exact: frozenset[type] | None) -> CompiledType:
+    """``Optional[T]``: None, or what ``T`` accepts."""
+    desc = f"Optional[{other.description}]"
+    ocheck = other.fast_check
+    ofrom = other.fast_from_wire
 
-        def opt_from_wire(v: Any) -> Any:
-            if v is None:
-                return None
-            try:
-                return ofrom(v)
-            except _Invalid as exc:
-                if exc.segments:
-                    raise
-                raise _Invalid(desc, v) from None
+    def opt_check(v: Any) -> Any:
+        if v is None:
+            return None
+        try:
+            return ocheck(v)
+        except _Invalid as exc:
+            if exc.segments:
+                raise
+            raise _Invalid(desc, v) from None
 
-        inner = others[0].inline
-        inline = None if inner is None else f"({{x}} is None or ({inner}))"
-        return CompiledType(desc, opt_check, opt_from_wire, exact, inline)
+    def opt_from_wire(v: Any) -> Any:
+        if v is None:
+            return None
+        try:
+            return ofrom(v)
+        except _Invalid as exc:
+            if exc.segments:
+                raise
+            raise _Invalid(desc, v) from None
 
-    def check(v: Any) -> Any:
-        if type(v) in fast_types:
-            return v
-        return _try(checks, v)
-
-    def from_wire(v: Any) -> Any:
-        if type(v) in fast_types:
-            return v
-        return _try(froms, v)
-
-    return CompiledType(desc, check, from_wire, exact)
+    inner = other.inline
+    inline = None if inner is None else f"({{x}} is None or ({inner}))"
+    return CompiledType(desc, opt_check, opt_from_wire, exact, inline)
 
 
 _LITERAL_TYPES = (type(None), bool, int, str, bytes)
@@ -758,29 +771,83 @@ def _ctor_rejected(cls: type, desc: str, value: object, exc: Exception) -> _Inva
 
 
 def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
-    where = ctx.where
     placeholder = ctx.in_progress.get(cls)
     if placeholder is not None:
         return placeholder  # recursive reference: the node is filled in below
+    hints = _dataclass_hints(cls, ctx)
+    # Recursive references (compiled below, before the converters exist) call these,
+    # which dispatch to whatever the node ends up with. Nothing calls a converter while
+    # types compile.
+    impl_check: Converter
+    impl_from_wire: Converter
+
+    def entry_check(v: Any) -> Any:
+        return impl_check(v)
+
+    def entry_from_wire(v: Any) -> Any:
+        return impl_from_wire(v)
+
+    # The fields are compiled after the node exists so that recursive references resolve.
+    node = CompiledType(f"dataclass {cls.__name__}", entry_check, entry_from_wire)
+    ctx.in_progress[cls] = node
     try:
-        hints = typing.get_type_hints(
+        fields, parts = _dataclass_fields(cls, hints, ctx)
+    finally:
+        del ctx.in_progress[cls]
+    node.description = desc = f"dataclass {cls.__name__}{{{', '.join(parts)}}}"
+    has_private = any(f.name.startswith("_") for f in fields)
+    impl_check = _dataclass_check(cls, fields, desc, has_private)
+    impl_from_wire = _dataclass_from_wire(cls, fields, desc)
+    if ctx.fast and fields:
+        impl_check, impl_from_wire = _dataclass_codegen(
+            cls, fields, desc, impl_check, impl_from_wire, has_private
+        )
+    node.fast_check = impl_check
+    node.fast_from_wire = impl_from_wire
+    return node
+
+
+def _dataclass_hints(cls: type, ctx: _Ctx) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(
             cls, localns=dict(ctx.localns) if ctx.localns else None, include_extras=True
         )
     except Exception as exc:
         raise ServiceDefinitionError(
-            f"{where}: cannot resolve the field types of dataclass {cls.__name__}: {exc}"
+            f"{ctx.where}: cannot resolve the field types of dataclass {cls.__name__}: {exc}"
         ) from exc
 
-    # Fields are filled after the node exists so that recursive references resolve.
+
+def _dataclass_fields(
+    cls: type, hints: dict[str, Any], ctx: _Ctx
+) -> tuple[list[_Field], list[str]]:
+    """Compile the fields of a dataclass; also return their parts of its description."""
     fields: list[_Field] = []
-    field_names: set[str] = set()
-    desc_ref = [f"dataclass {cls.__name__}"]
-    has_private = False
+    parts: list[str] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            raise ServiceDefinitionError(
+                f"{ctx.where}: dataclass {cls.__name__} field '{f.name}' has init=False; "
+                "such a field cannot be rebuilt on the receiving side"
+            )
+        sub = _compile(hints[f.name], ctx, f"dataclass {cls.__name__} field '{f.name}'")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        fields.append(
+            _Field(
+                f.name, sub.fast_check, sub.fast_from_wire, required, bool(f.kw_only), sub.inline
+            )
+        )
+        parts.append(f"{f.name}: {sub.description}" + ("" if required else " = ..."))
+    return fields, parts
+
+
+def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bool) -> Converter:
+    """The field-by-field ``check`` of a dataclass: the reference the generated code follows."""
 
     def check(v: Any) -> Any:
         if type(v) is not cls:
             if not isinstance(v, cls):
-                raise _Invalid(desc_ref[0], v)
+                raise _Invalid(desc, v)
             subclass = True
         else:
             subclass = False
@@ -803,9 +870,16 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
         # the plain map of declared fields is the same wire form.
         return {f.name: y for f, y in zip(fields, vals, strict=True)}
 
+    return check
+
+
+def _dataclass_from_wire(cls: type, fields: list[_Field], desc: str) -> Converter:
+    """The field-by-field ``from_wire`` of a dataclass: the reference for the generated code."""
+    field_names = {f.name for f in fields}
+
     def from_wire(v: Any) -> Any:
         if type(v) is not dict:
-            raise _Invalid(desc_ref[0], v)
+            raise _Invalid(desc, v)
         kwargs: dict[str, Any] = {}
         seen = 0
         for f in fields:
@@ -818,65 +892,18 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
                     raise
                 seen += 1
             elif f.required:
-                missing = _Invalid(desc_ref[0], v, f"missing field '{name}' of {desc_ref[0]}")
+                missing = _Invalid(desc, v, f"missing field '{name}' of {desc}")
                 missing.segments.append(f".{name}")
                 raise missing
         if seen != len(v):
             unknown = sorted(repr(k) for k in v if k not in field_names)
-            raise _Invalid(
-                desc_ref[0], v, f"unknown field(s) {', '.join(unknown)} for {desc_ref[0]}"
-            )
+            raise _Invalid(desc, v, f"unknown field(s) {', '.join(unknown)} for {desc}")
         try:
             return cls(**kwargs)
         except Exception as exc:
-            raise _ctor_rejected(cls, desc_ref[0], v, exc) from exc
+            raise _ctor_rejected(cls, desc, v, exc) from exc
 
-    # Recursive references (compiled below, before the generated code exists) call these,
-    # which dispatch to whatever the node ends up with.
-    impl_check: Converter = check
-    impl_from_wire: Converter = from_wire
-
-    def entry_check(v: Any) -> Any:
-        return impl_check(v)
-
-    def entry_from_wire(v: Any) -> Any:
-        return impl_from_wire(v)
-
-    node = CompiledType(desc_ref[0], entry_check, entry_from_wire)
-    ctx.in_progress[cls] = node
-    try:
-        parts = []
-        for f in dataclasses.fields(cls):
-            if not f.init:
-                raise ServiceDefinitionError(
-                    f"{where}: dataclass {cls.__name__} field '{f.name}' has init=False; "
-                    "such a field cannot be rebuilt on the receiving side"
-                )
-            sub = _compile(hints[f.name], ctx, f"dataclass {cls.__name__} field '{f.name}'")
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            fields.append(
-                _Field(
-                    f.name,
-                    sub.fast_check,
-                    sub.fast_from_wire,
-                    required,
-                    bool(f.kw_only),
-                    sub.inline,
-                )
-            )
-            field_names.add(f.name)
-            has_private = has_private or f.name.startswith("_")
-            parts.append(f"{f.name}: {sub.description}" + ("" if required else " = ..."))
-    finally:
-        del ctx.in_progress[cls]
-    node.description = desc_ref[0] = f"dataclass {cls.__name__}{{{', '.join(parts)}}}"
-    if ctx.fast and fields:
-        impl_check, impl_from_wire = _dataclass_codegen(
-            cls, fields, desc_ref[0], check, from_wire, has_private
-        )
-    node.fast_check = impl_check
-    node.fast_from_wire = impl_from_wire
-    return node
+    return from_wire
 
 
 def _binds_positionally(cls: type, fields: list[_Field]) -> bool:
@@ -934,7 +961,6 @@ def _dataclass_codegen(
         private: The dataclass has ``_``-prefixed fields; it always travels as a plain map,
             built by ``slow_check``.
     """
-    n = len(fields)
     ns: dict[str, Any] = dict(_INLINE_NAMESPACE)
     ns.update(
         _cls=cls,
@@ -950,43 +976,52 @@ def _dataclass_codegen(
         ns[f"f{i}"] = f.from_wire
         ns[f"k{i}"] = f.name
         ns[f"s{i}"] = f".{f.name}"
-    xs = ", ".join(f"x{i}" for i in range(n))
+    check_src = [] if private else _codegen_check(fields)
+    exec("\n".join(check_src + _codegen_from_wire(cls, fields)) + "\n", ns)
+    return (slow_check if private else ns["check"]), ns["from_wire"]
 
-    def convert(i: int, conv: str, track: bool) -> list[str]:
-        """Lines setting ``x{i}`` to the converted value (``ch`` when it changed)."""
-        body = [
-            "try:",
-            f"    y = {conv}{i}(x{i})",
-            "except _Invalid as e:",
-            f"    e.segments.append(s{i})",
-            "    raise",
-        ]
-        if track:
-            body += [f"if y is not x{i}:", f"    x{i} = y", "    ch = True"]
-        else:
-            body[1] = f"    x{i} = {conv}{i}(x{i})"
-        inline = fields[i].inline
-        if inline is None:
-            return body
-        return [f"if not ({inline.format(x=f'x{i}')}):", *("    " + line for line in body)]
 
-    check_src: list[str] = []
-    if not private:
-        check_src += [
-            "def check(v):",
-            "    if type(v) is not _cls:",
-            "        return _slow_check(v)",
-            "    try:",
-            f"        {xs} = _get(v)",
-            "    except AttributeError:",  # let the slow loop raise it in field order
-            "        return _slow_check(v)",
-            "    ch = False",
-        ]
-        for i in range(n):
-            check_src += ["    " + line for line in convert(i, "c", True)]
-        items = ", ".join(f"k{i}: x{i}" for i in range(n))
-        check_src += ["    if ch:", f"        return {{{items}}}", "    return v"]
+def _codegen_convert(fields: list[_Field], i: int, conv: str, track: bool) -> list[str]:
+    """Lines setting ``x{i}`` to the converted value (``ch`` when it changed)."""
+    body = [
+        "try:",
+        f"    y = {conv}{i}(x{i})",
+        "except _Invalid as e:",
+        f"    e.segments.append(s{i})",
+        "    raise",
+    ]
+    if track:
+        body += [f"if y is not x{i}:", f"    x{i} = y", "    ch = True"]
+    else:
+        body[1] = f"    x{i} = {conv}{i}(x{i})"
+    inline = fields[i].inline
+    if inline is None:
+        return body
+    return [f"if not ({inline.format(x=f'x{i}')}):", *("    " + line for line in body)]
 
+
+def _codegen_check(fields: list[_Field]) -> list[str]:
+    """The source of the generated ``check``."""
+    n = len(fields)
+    src = [
+        "def check(v):",
+        "    if type(v) is not _cls:",
+        "        return _slow_check(v)",
+        "    try:",
+        f"        {', '.join(f'x{i}' for i in range(n))} = _get(v)",
+        "    except AttributeError:",  # let the slow loop raise it in field order
+        "        return _slow_check(v)",
+        "    ch = False",
+    ]
+    for i in range(n):
+        src += ["    " + line for line in _codegen_convert(fields, i, "c", True)]
+    items = ", ".join(f"k{i}: x{i}" for i in range(n))
+    return [*src, "    if ch:", f"        return {{{items}}}", "    return v"]
+
+
+def _codegen_from_wire(cls: type, fields: list[_Field]) -> list[str]:
+    """The source of the generated ``from_wire``."""
+    n = len(fields)
     if _binds_positionally(cls, fields):
         args = [f"x{i}" for i, f in enumerate(fields) if not f.kw_only]
         kws = [f"k{i}: x{i}" for i, f in enumerate(fields) if f.kw_only]
@@ -995,28 +1030,24 @@ def _dataclass_codegen(
         call = f"_cls({', '.join(args)})"
     else:
         call = f"_cls(**{{{', '.join(f'k{i}: x{i}' for i in range(n))}}})"
-    from_src = [
+    src = [
         "def from_wire(v):",
         f"    if type(v) is not dict or len(v) != {n}:",
         "        return _slow_from(v)",
         "    try:",
-        f"        {xs} = _items(v)",
+        f"        {', '.join(f'x{i}' for i in range(n))} = _items(v)",
         "    except KeyError:",
         "        return _slow_from(v)",
     ]
     for i in range(n):
-        from_src += ["    " + line for line in convert(i, "f", False)]
-    from_src += [
+        src += ["    " + line for line in _codegen_convert(fields, i, "f", False)]
+    return [
+        *src,
         "    try:",
         f"        return {call}",
         "    except Exception as exc:",
         "        raise _rejected(v, exc) from exc",
     ]
-    exec("\n".join(check_src + from_src) + "\n", ns)
-    return (slow_check if private else ns["check"]), ns["from_wire"]
-
-
-_UNION_ORIGINS = (typing.Union, types.UnionType)
 
 
 def _type_name(tp: object) -> str:
@@ -1031,54 +1062,93 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
         return scalar
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-
-    def fail(why: str = "") -> ServiceDefinitionError:
-        text = f"{ctx.where}: unsupported type {_type_name(tp)}"
-        if inside:
-            text += f" (in {inside})"
-        if why:
-            text += f": {why}"
-        return ServiceDefinitionError(text)
-
     if origin is typing.Annotated:
         return _compile(args[0], ctx, inside)
     supertype = getattr(tp, "__supertype__", None)
     if supertype is not None:  # typing.NewType
         return _compile(supertype, ctx, inside)
+    by_origin = _BY_ORIGIN.get(origin)
+    if by_origin is not None:
+        return by_origin(tp, args, ctx, inside)
     if tp is typing.Any:
-        raise fail("Any is not supported; annotate the concrete type")
+        raise _unsupported(tp, ctx, inside, "Any is not supported; annotate the concrete type")
     if isinstance(tp, (str, typing.ForwardRef)):
-        raise fail("unresolved forward reference")
-    if origin is list:
-        if len(args) != 1:
-            raise fail("write list[T]")
-        return _list_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
-        if args == ((),):  # typing.Tuple[()] on older Pythons
-            args = ()
-        return _fixed_tuple_node([_compile(a, ctx, _type_name(tp)) for a in args])
-    if origin is dict:
-        if len(args) != 2:
-            raise fail("write dict[str, T]")
-        if args[0] is not str:
-            raise fail("dict keys must be str")
-        return _dict_node(_compile(args[1], ctx, _type_name(tp)), ctx.fast)
-    if origin in _UNION_ORIGINS:
-        return _union_node([_compile(a, ctx, _type_name(tp)) for a in args])
-    if origin is typing.Literal:
-        return _literal_node(args, ctx.where)
-    if origin is np.ndarray:  # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
-        return _NDARRAY
+        raise _unsupported(tp, ctx, inside, "unresolved forward reference")
     if tp in (list, tuple, dict):
-        raise fail("parametrize it (list[int], tuple[int, ...], dict[str, float])")
+        raise _unsupported(
+            tp, ctx, inside, "parametrize it (list[int], tuple[int, ...], dict[str, float])"
+        )
     if isinstance(tp, type):
         if issubclass(tp, enum.Enum):
             return _enum_node(tp, ctx.where)
         if dataclasses.is_dataclass(tp):
             return _dataclass_node(tp, ctx)
-    raise fail(_suggestion(tp, origin, args))
+    raise _unsupported(tp, ctx, inside, _suggestion(tp, origin, args))
+
+
+def _unsupported(
+    tp: object, ctx: _Ctx, inside: str | None, why: str = ""
+) -> ServiceDefinitionError:
+    text = f"{ctx.where}: unsupported type {_type_name(tp)}"
+    if inside:
+        text += f" (in {inside})"
+    if why:
+        text += f": {why}"
+    return ServiceDefinitionError(text)
+
+
+def _compile_list(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
+    if len(args) != 1:
+        raise _unsupported(tp, ctx, inside, "write list[T]")
+    return _list_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
+
+
+def _compile_tuple(
+    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
+) -> CompiledType:
+    if len(args) == 2 and args[1] is Ellipsis:
+        return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
+    if args == ((),):  # typing.Tuple[()] on older Pythons
+        args = ()
+    return _fixed_tuple_node([_compile(a, ctx, _type_name(tp)) for a in args])
+
+
+def _compile_dict(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
+    if len(args) != 2:
+        raise _unsupported(tp, ctx, inside, "write dict[str, T]")
+    if args[0] is not str:
+        raise _unsupported(tp, ctx, inside, "dict keys must be str")
+    return _dict_node(_compile(args[1], ctx, _type_name(tp)), ctx.fast)
+
+
+def _compile_union(
+    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
+) -> CompiledType:
+    return _union_node([_compile(a, ctx, _type_name(tp)) for a in args])
+
+
+def _compile_literal(
+    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
+) -> CompiledType:
+    return _literal_node(args, ctx.where)
+
+
+def _compile_ndarray(
+    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
+) -> CompiledType:
+    return _NDARRAY  # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
+
+
+#: How each generic origin compiles: ``(tp, args, ctx, inside) -> node``.
+_BY_ORIGIN: dict[object, Callable[[object, tuple[Any, ...], _Ctx, str | None], CompiledType]] = {
+    list: _compile_list,
+    tuple: _compile_tuple,
+    dict: _compile_dict,
+    typing.Union: _compile_union,
+    types.UnionType: _compile_union,
+    typing.Literal: _compile_literal,
+    np.ndarray: _compile_ndarray,
+}
 
 
 #: Abstract containers and what to write instead (the runtime builds concrete values).

@@ -180,6 +180,7 @@ class CallQueue:
         "_methods",
         "_service",
         "busy",
+        "parked",
         "queue",
     )
 
@@ -196,6 +197,8 @@ class CallQueue:
         self.queue: deque[ServerCall] = deque()
         #: Calls taken by a worker and not done (parked streams excluded).
         self.busy = 0
+        #: Streams waiting for credit (also those whose session ended meanwhile).
+        self.parked = 0
 
     def admit(
         self,
@@ -291,6 +294,7 @@ class CallQueue:
         session.parked += 1
         call.parked = True
         self.busy -= 1
+        self.parked += 1
         return None
 
     def unpark(self, call: ServerCall) -> None:
@@ -298,3 +302,4 @@ class CallQueue:
         call.parked = False
         call.session.parked -= 1
         self.busy += 1
+        self.parked -= 1

@@ -921,8 +921,7 @@ class ServerProtocol:
                 self.outbox.append((session.key, bye, False))
 
     def in_flight(self) -> int:
-        """Calls queued or running (parked streams included)."""
-        parked = 0
-        for session in self.sessions.values():
-            parked += session.parked
-        return self.busy + len(self.queue) + parked
+        """Calls queued or running (parked streams included, also those of a session
+        that ended while they waited: their workers are not done with them yet)."""
+        calls = self.calls
+        return calls.busy + len(self.queue) + calls.parked

@@ -307,10 +307,47 @@ def _build_method(
     """Compile one method; also return its part of the fingerprint text."""
     where = f"{service_name}.{attr}"
     hints = _resolve_hints(fn, where, ns)
-    sig = inspect.signature(fn)
-    params = list(sig.parameters.values())[1:]
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    result_tp, streams = _result_annotation(fn, where, hints["return"])
+    result = compile_type(result_tp, where=f"{where} return type", localns=ns)
+    p = _compile_params(where, params, hints, ns)
+    signature = f"{attr}({', '.join(p.sig_parts)}) -> " + (
+        f"AsyncIterator[{result.description}]" if streams else result.description
+    )
+    n_posonly = sum(1 for param in params if param.kind is _P.POSITIONAL_ONLY)
+    check_result, decode_result = _result_converters(where, result)
+    request_type, response_type = _message_types(service_name, attr, fn, params, hints, result_tp)
+    method = MethodSpec(
+        service=service_name,
+        name=attr,
+        request_type=request_type,
+        response_type=response_type,
+        params=tuple(p.names),
+        streaming=streams,
+        is_async=inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
+        param_types=tuple(p.types),
+        result_type=result,
+        defaults=MappingProxyType(p.defaults),
+        signature=signature,
+        encode_args=_make_encode(where, p.names, p.types, p.defaults, n_posonly),
+        decode_args=_make_decode(where, p.names, p.types, p.defaults),
+        check_result=check_result,
+        decode_result=decode_result,
+    )
+    part = {
+        "name": attr,
+        "params": [
+            [n, k, t.description, p.default_reprs.get(n)]
+            for n, k, t in zip(p.names, p.kinds, p.types, strict=True)
+        ],
+        "returns": result.description,
+        "streaming": streams,
+    }
+    return method, part
 
-    ret = hints["return"]
+
+def _result_annotation(fn: Callable[..., Any], where: str, ret: object) -> tuple[object, bool]:
+    """The type of a method's result (of each item, for a stream) and whether it streams."""
     while typing.get_origin(ret) is typing.Annotated:
         ret = typing.get_args(ret)[0]
     ret_origin = typing.get_origin(ret)
@@ -325,54 +362,64 @@ def _build_method(
             f"{where}: annotated {_show(ret)} but does not 'yield'; a streaming method "
             "must be an async generator ('async def' with 'yield')"
         )
-    if streams:
-        ret_args = typing.get_args(ret)
-        if not ret_args:
-            raise ServiceDefinitionError(f"{where}: write {_show(ret_origin)}[T], with T")
-        if (
-            ret_origin is AsyncGenerator
-            and len(ret_args) == 2
-            and ret_args[1] not in (None, type(None))
-        ):
-            raise ServiceDefinitionError(
-                f"{where}: a streaming method cannot receive values; use AsyncGenerator[T, None]"
-            )
-        result_tp = ret_args[0]
-    else:
-        result_tp = ret
-    result = compile_type(result_tp, where=f"{where} return type", localns=ns)
+    if not streams:
+        return ret, False
+    ret_args = typing.get_args(ret)
+    if not ret_args:
+        raise ServiceDefinitionError(f"{where}: write {_show(ret_origin)}[T], with T")
+    if (
+        ret_origin is AsyncGenerator
+        and len(ret_args) == 2
+        and ret_args[1] not in (None, type(None))
+    ):
+        raise ServiceDefinitionError(
+            f"{where}: a streaming method cannot receive values; use AsyncGenerator[T, None]"
+        )
+    return ret_args[0], True
 
-    names: list[str] = []
-    kinds: list[str] = []
-    types_: list[CompiledType] = []
-    defaults: dict[str, object] = {}
-    default_reprs: dict[str, str] = {}
-    sig_parts: list[str] = []
+
+@dataclasses.dataclass
+class _Params:
+    """The compiled parameters of one method, in order."""
+
+    names: list[str] = dataclasses.field(default_factory=list)
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    types: list[CompiledType] = dataclasses.field(default_factory=list)
+    defaults: dict[str, object] = dataclasses.field(default_factory=dict)
+    default_reprs: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: ``name: type`` (`` = default``) of each parameter, for the signature text.
+    sig_parts: list[str] = dataclasses.field(default_factory=list)
+
+
+def _compile_params(
+    where: str, params: list[inspect.Parameter], hints: dict[str, Any], ns: dict[str, Any]
+) -> _Params:
+    out = _Params()
     for p in params:
         pwhere = f"{where} parameter '{p.name}'"
         node = compile_type(hints[p.name], where=pwhere, localns=ns)
-        names.append(p.name)
-        kinds.append(p.kind.name)
-        types_.append(node)
+        out.names.append(p.name)
+        out.kinds.append(p.kind.name)
+        out.types.append(node)
         text = f"{p.name}: {node.description}"
         if p.default is not _P.empty:
-            default_reprs[p.name] = _default_repr(p.default, pwhere)
+            out.default_reprs[p.name] = _default_repr(p.default, pwhere)
             try:
-                defaults[p.name] = node.fast_check(p.default)
+                out.defaults[p.name] = node.fast_check(p.default)
             except _Invalid as exc:
                 raise ServiceDefinitionError(
                     f"{pwhere}: default {p.default!r} does not match its type: "
                     f"{exc.message('default')}"
                 ) from None
-            text += f" = {default_reprs[p.name]}"
-        sig_parts.append(text)
-    signature = f"{attr}({', '.join(sig_parts)}) -> " + (
-        f"AsyncIterator[{result.description}]" if streams else result.description
-    )
+            text += f" = {out.default_reprs[p.name]}"
+        out.sig_parts.append(text)
+    return out
 
-    n_posonly = sum(1 for p in params if p.kind is _P.POSITIONAL_ONLY)
-    encode = _make_encode(where, names, types_, defaults, n_posonly)
-    decode = _make_decode(where, names, types_, defaults)
+
+def _result_converters(
+    where: str, result: CompiledType
+) -> tuple[Callable[[object], object], Callable[[object], object]]:
+    """``check_result`` and ``decode_result`` of a method whose result type is ``result``."""
     rcheck = result.fast_check
     rfrom = result.fast_from_wire
 
@@ -392,6 +439,18 @@ def _build_method(
         except RecursionError:
             raise too_deep(where, "result") from None
 
+    return check_result, decode_result
+
+
+def _message_types(
+    service_name: str,
+    attr: str,
+    fn: Callable[..., Any],
+    params: list[inspect.Parameter],
+    hints: dict[str, Any],
+    result_tp: object,
+) -> tuple[type, type]:
+    """The generated request and response dataclasses of a method."""
     qual = f"{service_name}_{attr}"
     request_type = dataclasses.make_dataclass(
         f"{qual}_Request",
@@ -414,33 +473,7 @@ def _build_method(
     for generated in (request_type, response_type):
         generated.__module__ = fn.__module__
         generated.__qualname__ = f"{service_name}.{attr}.{generated.__name__}"
-    method = MethodSpec(
-        service=service_name,
-        name=attr,
-        request_type=request_type,
-        response_type=response_type,
-        params=tuple(names),
-        streaming=streams,
-        is_async=inspect.iscoroutinefunction(fn) or is_asyncgen,
-        param_types=tuple(types_),
-        result_type=result,
-        defaults=MappingProxyType(defaults),
-        signature=signature,
-        encode_args=encode,
-        decode_args=decode,
-        check_result=check_result,
-        decode_result=decode_result,
-    )
-    part = {
-        "name": attr,
-        "params": [
-            [n, k, t.description, default_reprs.get(n)]
-            for n, k, t in zip(names, kinds, types_, strict=True)
-        ],
-        "returns": result.description,
-        "streaming": streams,
-    }
-    return method, part
+    return request_type, response_type
 
 
 def _fingerprint(name: str, parts: list[dict[str, Any]]) -> str:
@@ -523,8 +556,28 @@ def _make_encode(
     n = len(names)
     checks = tuple(t.fast_check for t in types_)
     fast = _fixed_arity(checks)
-    index = {name: i for i, name in enumerate(names)}
-    expected = [t.description for t in types_]
+    bind = _make_bind(where, names, types_, defaults, n_posonly)
+
+    def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        if not kwargs and len(args) == n:
+            try:
+                return fast(args)
+            except _Invalid:
+                raise _locate(where, names, checks, args) from None
+            except RecursionError:
+                raise too_deep(where, "req") from None
+        try:
+            return bind(args, kwargs)
+        except RecursionError:
+            raise too_deep(where, "req") from None
+
+    return encode
+
+
+def _bind_error(
+    where: str, index: dict[str, int], expected: list[str]
+) -> Callable[..., ValidationError]:
+    """The errors of binding arguments, naming the parameter (``param``) when there is one."""
 
     def bind_error(text: str, param: str = "") -> ValidationError:
         i = index.get(param)
@@ -535,17 +588,44 @@ def _make_encode(
             expected=expected[i] if i is not None else "",
         )
 
+    return bind_error
+
+
+def _check_keywords(
+    bind_error: Callable[..., ValidationError],
+    index: dict[str, int],
+    n_posonly: int,
+    n_args: int,
+    kwargs: Mapping[str, Any],
+) -> None:
+    """Refuse keyword arguments that Python would refuse, after ``n_args`` positional ones."""
+    for key in kwargs:
+        i = index.get(key, -1)
+        if i < 0:
+            raise bind_error(f"got an unexpected keyword argument {key!r}")
+        if i < n_posonly:
+            raise bind_error(f"positional-only argument '{key}' passed by keyword", key)
+        if i < n_args:
+            raise bind_error(f"got multiple values for argument '{key}'", key)
+
+
+def _make_bind(
+    where: str,
+    names: list[str],
+    types_: list[CompiledType],
+    defaults: dict[str, object],
+    n_posonly: int,
+) -> Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]]:
+    """The slow path of ``encode_args``: bind keywords and defaults as Python does."""
+    n = len(names)
+    checks = tuple(t.fast_check for t in types_)
+    index = {name: i for i, name in enumerate(names)}
+    bind_error = _bind_error(where, index, [t.description for t in types_])
+
     def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         if len(args) > n:
             raise bind_error(f"takes {n} positional argument(s) but {len(args)} were given")
-        for key in kwargs:
-            i = index.get(key, -1)
-            if i < 0:
-                raise bind_error(f"got an unexpected keyword argument {key!r}")
-            if i < n_posonly:
-                raise bind_error(f"positional-only argument '{key}' passed by keyword", key)
-            if i < len(args):
-                raise bind_error(f"got multiple values for argument '{key}'", key)
+        _check_keywords(bind_error, index, n_posonly, len(args), kwargs)
         values = list(args)
         for i in range(len(args), n):
             name = names[i]
@@ -566,20 +646,7 @@ def _make_encode(
                 raise _locate(where, names[i : i + 1], checks[i : i + 1], [v]) from None
         return out
 
-    def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        if not kwargs and len(args) == n:
-            try:
-                return fast(args)
-            except _Invalid:
-                raise _locate(where, names, checks, args) from None
-            except RecursionError:
-                raise too_deep(where, "req") from None
-        try:
-            return bind(args, kwargs)
-        except RecursionError:
-            raise too_deep(where, "req") from None
-
-    return encode
+    return bind
 
 
 def _make_decode(
@@ -591,26 +658,60 @@ def _make_decode(
     n = len(names)
     froms = tuple(t.fast_from_wire for t in types_)
     fast = _fixed_arity(froms)
+    slow = _make_slow_decode(where, names, types_, defaults)
+
+    def decode(wire: object) -> list[Any]:
+        if type(wire) is list and len(wire) == n:
+            try:
+                return fast(wire)
+            except _Invalid:
+                raise _locate(where, names, froms, wire) from None
+            except RecursionError:
+                raise too_deep(where, "req") from None
+        try:
+            return slow(wire)
+        except RecursionError:
+            raise too_deep(where, "req") from None
+
+    return decode
+
+
+def _check_arg_names(
+    where: str, names: list[str], index: frozenset[str], wire: dict[Any, Any]
+) -> None:
+    """Refuse an argument map with a key that is not one of the parameters."""
+    for key in wire:
+        if type(key) is not str:
+            raise ValidationError(
+                f"{where}: req: argument names must be strings, got a key of type "
+                f"{type(key).__name__}",
+                method=where,
+                path="req",
+                expected="str keys",
+            )
+        if key not in index:
+            raise ValidationError(
+                f"{where}: req: unexpected argument {key!r}; the parameters are "
+                f"{', '.join(names) or '(none)'}",
+                method=where,
+                path=f"req.{key}",
+                expected="",
+            )
+
+
+def _make_slow_decode(
+    where: str,
+    names: list[str],
+    types_: list[CompiledType],
+    defaults: dict[str, object],
+) -> Callable[[object], list[Any]]:
+    """The slow path of ``decode_args``: arguments by name, defaults, and the errors."""
+    n = len(names)
+    froms = tuple(t.fast_from_wire for t in types_)
     index = frozenset(names)
 
     def by_name(wire: dict[Any, Any]) -> list[Any]:
-        for key in wire:
-            if type(key) is not str:
-                raise ValidationError(
-                    f"{where}: req: argument names must be strings, got a key of type "
-                    f"{type(key).__name__}",
-                    method=where,
-                    path="req",
-                    expected="str keys",
-                )
-            if key not in index:
-                raise ValidationError(
-                    f"{where}: req: unexpected argument {key!r}; the parameters are "
-                    f"{', '.join(names) or '(none)'}",
-                    method=where,
-                    path=f"req.{key}",
-                    expected="",
-                )
+        _check_arg_names(where, names, index, wire)
         return slow([wire.get(name, _DEFAULT) for name in names])
 
     def slow(wire: object) -> list[Any]:
@@ -650,20 +751,7 @@ def _make_decode(
                 )
         return out
 
-    def decode(wire: object) -> list[Any]:
-        if type(wire) is list and len(wire) == n:
-            try:
-                return fast(wire)
-            except _Invalid:
-                raise _locate(where, names, froms, wire) from None
-            except RecursionError:
-                raise too_deep(where, "req") from None
-        try:
-            return slow(wire)
-        except RecursionError:
-            raise too_deep(where, "req") from None
-
-    return decode
+    return slow
 
 
 # ------------------------------------------------------------------ schemaless calls
@@ -692,25 +780,12 @@ def _as_is(value: object) -> object:
     return value
 
 
-def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec:
-    """A [`MethodSpec`][tensorrpc.MethodSpec] for calling ``name`` without the service class.
-
-    Used by a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]), which sends its
-    arguments as a map of parameter name -> value (the engine validates them with its own
-    spec) and returns results as the codec decoded them: ``check_result`` and
-    ``decode_result`` pass values through unchanged. ``encode_args`` takes positional
-    arguments only and returns them as the wire list (keywords need the parameter order,
-    which only the engine knows: send those as a map).
-
-    Args:
-        service: The service name (for error messages).
-        name: The method name.
-        streaming: Whether the method streams.
-
-    Returns:
-        The spec; ``params`` is empty and ``signature`` is ``name(...)``.
-    """
-    where = f"{service}.{name}"
+def _schemaless_args(
+    where: str,
+) -> tuple[
+    Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]], Callable[[object], list[Any]]
+]:
+    """``encode_args`` and ``decode_args`` of a schemaless method: positional lists as is."""
 
     def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         if kwargs:
@@ -733,6 +808,28 @@ def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec
             )
         return list(wire)
 
+    return encode, decode
+
+
+def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec:
+    """A [`MethodSpec`][tensorrpc.MethodSpec] for calling ``name`` without the service class.
+
+    Used by a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]), which sends its
+    arguments as a map of parameter name -> value (the engine validates them with its own
+    spec) and returns results as the codec decoded them: ``check_result`` and
+    ``decode_result`` pass values through unchanged. ``encode_args`` takes positional
+    arguments only and returns them as the wire list (keywords need the parameter order,
+    which only the engine knows: send those as a map).
+
+    Args:
+        service: The service name (for error messages).
+        name: The method name.
+        streaming: Whether the method streams.
+
+    Returns:
+        The spec; ``params`` is empty and ``signature`` is ``name(...)``.
+    """
+    encode, decode = _schemaless_args(f"{service}.{name}")
     qual = f"{service}_{name}".replace(".", "_")
     return MethodSpec(
         service=service,

@@ -80,7 +80,15 @@ def _build_parser() -> _Parser:
     parser.add_argument("--version", action="version", version=tensorrpc.__version__)
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
     sub.required = True
+    _add_serve(sub)
+    _add_describe(sub)
+    _add_call(sub)
+    _add_top(sub)
+    _add_runners(sub)
+    return parser
 
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="run an engine serving a @service class",
@@ -129,6 +137,8 @@ def _build_parser() -> _Parser:
     )
     _add_log_level(serve)
 
+
+def _add_describe(sub: Any) -> None:
     describe = sub.add_parser(
         "describe",
         help="print a service's methods, types and fingerprint",
@@ -142,6 +152,8 @@ def _build_parser() -> _Parser:
     describe.add_argument("target", metavar="module:Class", help="the service class or factory")
     describe.add_argument("--json", action="store_true", help="print JSON")
 
+
+def _add_call(sub: Any) -> None:
     call = sub.add_parser(
         "call",
         help="call a method of a running engine",
@@ -167,6 +179,10 @@ def _build_parser() -> _Parser:
         metavar="NAME=VALUE",
         help="arguments, as after httpie: add a=2 b=5 (same values as --arg)",
     )
+    _add_call_options(call)
+
+
+def _add_call_options(call: argparse.ArgumentParser) -> None:
     call.add_argument(
         "--arg",
         dest="args",
@@ -214,8 +230,8 @@ def _build_parser() -> _Parser:
         help=f"tensor elements to print (default {DEFAULT_MAX_VALUES})",
     )
 
-    _add_top(sub)
 
+def _add_runners(sub: Any) -> None:
     for name, module, what in (
         ("bench", "bench", "the benchmark"),
         ("demo", "examples.multi_engine_demo", "the multi-engine demo"),
@@ -231,7 +247,6 @@ def _build_parser() -> _Parser:
         )
         runner.add_argument("extra", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments")
         runner.set_defaults(module=module)
-    return parser
 
 
 def _add_top(sub: Any) -> None:
@@ -754,41 +769,19 @@ async def _call(args: argparse.Namespace, address: str, arguments: dict[str, obj
     where = {"bind": address} if args.bind else {"connect": address}
     deadline = anyio.current_time() + args.timeout
     async with tensorrpc.Client.dynamic(**where) as client:
-        try:
-            engines = await client.wait_for_engines(1, timeout=args.timeout)
-        except tensorrpc.EnginesUnavailableError as exc:
-            verb = "dialled in at" if args.bind else "answered at"
-            text = f"no engine {verb} {address} within {args.timeout:g} s"
-            if exc.rejected:
-                text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in exc.rejected.items())
-            raise CommandError(text) from None
-        if args.engine is not None:
-            if args.engine not in engines:
-                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                    while args.engine not in client.engines:
-                        engines = await client.wait_for_engines(len(client.engines) + 1)
-                if args.engine not in client.engines:
-                    raise CommandError(
-                        f"engine {args.engine!r} is not connected; live engines: "
-                        + ", ".join(sorted(client.engines))
-                    )
-            info = client.engines[args.engine]
-        else:
-            info = engines[sorted(engines)[0]]
+        info = await _pick_engine(client, args, address, deadline)
         if args.list:
             _print_methods(info, as_json=args.json)
             return 0
         method = args.method
-        announced = bool(info.signatures)
         if method not in info.methods:
             raise CommandError(
                 f"unknown method {method!r}; the engine offers: {', '.join(info.methods)}"
             )
         types: dict[str, str] = {}
         streaming = args.stream
-        if announced:
-            signature = info.signatures[info.methods.index(method)]
-            types = split_signature(signature)
+        if info.signatures:  # announced: the engine says the types and which methods stream
+            types = split_signature(info.signatures[info.methods.index(method)])
             streaming = method in info.streaming
         view = client.with_options(
             engine=info.engine_id, timeout=max(0.001, deadline - anyio.current_time())
@@ -803,6 +796,32 @@ async def _call(args: argparse.Namespace, address: str, arguments: dict[str, obj
             result = await view.call_by_name(method, arguments)
             print(render(result, as_json=args.json, max_values=args.max_values))
     return 0
+
+
+async def _pick_engine(
+    client: tensorrpc.Client[Any], args: argparse.Namespace, address: str, deadline: float
+) -> tensorrpc.EngineInfo:
+    """The engine to call: ``--engine`` once it joins (until ``deadline``), else the first."""
+    try:
+        engines = await client.wait_for_engines(1, timeout=args.timeout)
+    except tensorrpc.EnginesUnavailableError as exc:
+        verb = "dialled in at" if args.bind else "answered at"
+        text = f"no engine {verb} {address} within {args.timeout:g} s"
+        if exc.rejected:
+            text += "; refused: " + "; ".join(f"{k}: {v}" for k, v in exc.rejected.items())
+        raise CommandError(text) from None
+    if args.engine is None:
+        return engines[sorted(engines)[0]]
+    if args.engine not in engines:
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            while args.engine not in client.engines:
+                engines = await client.wait_for_engines(len(client.engines) + 1)
+        if args.engine not in client.engines:
+            raise CommandError(
+                f"engine {args.engine!r} is not connected; live engines: "
+                + ", ".join(sorted(client.engines))
+            )
+    return client.engines[args.engine]
 
 
 def _print_methods(info: tensorrpc.EngineInfo, *, as_json: bool) -> None:
@@ -923,6 +942,26 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, parsed; a usage error exits (SystemExit) after one line on stderr."""
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "call" and args.method is None and extra[:1] != ["--"]:
+        # argparse leaves an optional positional after options unparsed:
+        # `tensorrpc call ADDR --timeout 5 add` names the method last.
+        for i, item in enumerate(extra):
+            if not item.startswith("-") and "=" not in item:  # not NAME=VALUE
+                args.method = extra.pop(i)
+                break
+    if args.command == "call" and extra[:1] != ["--"]:
+        # Likewise NAME=VALUE arguments that follow an option: `call ADDR add --json a=1`.
+        args.items += [item for item in extra if not item.startswith("-")]
+        extra = [item for item in extra if item.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tensorrpc`` command.
 
@@ -932,22 +971,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status: 0 on success, 1 when the command failed, 2 for a usage error.
     """
-    parser = _build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-        if args.command == "call" and args.method is None and extra[:1] != ["--"]:
-            # argparse leaves an optional positional after options unparsed:
-            # `tensorrpc call ADDR --timeout 5 add` names the method last.
-            for i, item in enumerate(extra):
-                if not item.startswith("-") and "=" not in item:  # not NAME=VALUE
-                    args.method = extra.pop(i)
-                    break
-        if args.command == "call" and extra[:1] != ["--"]:
-            # Likewise NAME=VALUE arguments that follow an option: `call ADDR add --json a=1`.
-            args.items += [item for item in extra if not item.startswith("-")]
-            extra = [item for item in extra if item.startswith("-")]
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args = _parse(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     level = getattr(args, "log_level", "warning")

@@ -304,164 +304,174 @@ class _Collector:
             targets = list(store.targets.values()) if with_samples else []
         clients = [t.statistics() for t in targets if isinstance(t, Client)]
         engines = [t.statistics() for t in targets if isinstance(t, Server)]
-        me = ["method", "engine"]
-
-        def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, labels=labels)
-
-        def gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=labels)
-
-        def histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
-            return HistogramMetricFamily(name, doc, labels=labels)
-
-        client_series = list(store.client.items()) if with_samples else []
-        engine_series = list(store.engine.items()) if with_samples else []
-
-        # client: calls (hooks)
-        started = counter(
-            "tensorrpc_client_calls_started", "Calls (and streams) a client sent.", me
-        )
-        finished = counter(
-            "tensorrpc_client_calls",
-            "Calls (and streams) that ended, by outcome: ok or the exception's class name.",
-            [*me, "outcome"],
-        )
-        duration = histogram(
-            "tensorrpc_client_call_duration_seconds",
-            "Client-side latency of unary calls and whole streams, sending to result.",
-            me,
-        )
-        items = counter("tensorrpc_client_stream_items", "Stream items taken by callers.", me)
-        for (method, engine), s in client_series:
-            started.add_metric([method, engine], s.started)
-            for outcome, n in list(s.outcomes.items()):
-                finished.add_metric([method, engine, outcome], n)
-            duration.add_metric([method, engine], s.duration.buckets(), s.duration.total)
-            if s.items:
-                items.add_metric([method, engine], s.items)
-        yield from (started, finished, duration, items)
-
-        # client: engines and heartbeats (hooks)
-        events = counter(
-            "tensorrpc_client_engine_events",
-            "Engines that joined, rejoined (seen before) or were lost (dead, BYE, refused).",
-            ["engine", "event"],
-        )
-        if with_samples:
-            for (engine, event), n in list(store.engine_events.items()):
-                events.add_metric([engine, event], n)
-        rtt = histogram(
-            "tensorrpc_client_heartbeat_rtt_seconds", "Heartbeat PING round trips.", ["engine"]
-        )
-        if with_samples:
-            for engine, h in list(store.rtt.items()):
-                rtt.add_metric([engine], h.buckets(), h.total)
-        yield from (events, rtt)
-
-        # client: state (statistics)
-        in_flight = gauge("tensorrpc_client_calls_in_flight", "Calls in flight.", ["engine"])
-        up = gauge(
-            "tensorrpc_client_engine_up", "1 while the engine is live, 0 once lost.", ["engine"]
-        )
-        engines_by_state = gauge(
-            "tensorrpc_client_engines", "Engines seen, by state (live, dead).", ["state"]
-        )
-        waiting = gauge(
-            "tensorrpc_client_calls_waiting", "Callers waiting for an in-flight slot.", []
-        )
-        retries = counter(
-            "tensorrpc_client_overload_retries", "Calls retried after OVERLOADED.", []
-        )
-        nbytes = counter(
-            "tensorrpc_client_bytes",
-            "Bytes sent to and received from engines (all frames).",
-            ["engine", "direction"],
-        )
-        per_engine: dict[str, list[int]] = {}
-        live = dead = wait = retried = 0
-        for stats in clients:
-            wait += stats.waiting_for_capacity
-            retried += stats.overload_retries
-            for engine, e in stats.engines.items():
-                acc = per_engine.setdefault(engine, [0, 0, 0, 0])
-                acc[0] += e.in_flight
-                acc[1] = max(acc[1], int(e.live))
-                acc[2] += e.bytes_sent
-                acc[3] += e.bytes_received
-        for engine, (flying, is_live, sent, received) in sorted(per_engine.items()):
-            in_flight.add_metric([engine], flying)
-            up.add_metric([engine], is_live)
-            nbytes.add_metric([engine, "sent"], sent)
-            nbytes.add_metric([engine, "received"], received)
-            live += is_live
-            dead += 1 - is_live
-        if with_samples:
-            engines_by_state.add_metric(["live"], live)
-            engines_by_state.add_metric(["dead"], dead)
-            waiting.add_metric([], wait)
-            retries.add_metric([], retried)
-        yield from (in_flight, up, engines_by_state, waiting, retries, nbytes)
+        yield from _client_call_families(list(store.client.items()) if with_samples else [])
+        yield from _client_event_families(store, with_samples)
+        yield from _client_state_families(clients, with_samples)
         yield from _transport_families("client", [s.transports for s in clients], with_samples)
-
-        # engine: calls (hooks)
-        e_started = counter("tensorrpc_engine_calls_started", "Calls an engine accepted.", me)
-        e_finished = counter(
-            "tensorrpc_engine_calls",
-            "Calls that ended, by outcome: ok, cancelled, or the ERROR code sent.",
-            [*me, "outcome"],
-        )
-        queue = histogram(
-            "tensorrpc_engine_queue_wait_seconds",
-            "Time from accepting a CALL to its handler starting.",
-            me,
-        )
-        handler = histogram(
-            "tensorrpc_engine_handler_seconds", "Time handlers ran (streams: whole stream).", me
-        )
-        e_items = counter("tensorrpc_engine_stream_items", "Stream items engines sent.", me)
-        for (method, engine), s in engine_series:
-            e_started.add_metric([method, engine], s.started)
-            for outcome, n in list(s.outcomes.items()):
-                e_finished.add_metric([method, engine, outcome], n)
-            assert s.queue is not None
-            assert s.handler is not None
-            queue.add_metric([method, engine], s.queue.buckets(), s.queue.total)
-            handler.add_metric([method, engine], s.handler.buckets(), s.handler.total)
-            if s.items:
-                e_items.add_metric([method, engine], s.items)
-        yield from (e_started, e_finished, queue, handler, e_items)
-
-        # engine: state (statistics)
-        e_in_flight = gauge(
-            "tensorrpc_engine_calls_in_flight", "Calls queued or running.", ["engine"]
-        )
-        e_queued = gauge("tensorrpc_engine_calls_queued", "Calls waiting for a worker.", ["engine"])
-        overloaded = counter(
-            "tensorrpc_engine_overloaded", "Calls refused as OVERLOADED.", ["engine"]
-        )
-        dropped = counter(
-            "tensorrpc_engine_dropped_messages",
-            "Messages dropped: malformed, unexpected or undeliverable.",
-            ["engine"],
-        )
-        e_clients = gauge("tensorrpc_engine_clients", "Clients in session.", ["engine"])
-        e_bytes = counter(
-            "tensorrpc_engine_bytes",
-            "Bytes received from and sent to clients (all frames).",
-            ["engine", "direction"],
-        )
-        for es in engines:
-            eid = es.engine_id
-            e_in_flight.add_metric([eid], es.in_flight)
-            e_queued.add_metric([eid], es.queued)
-            overloaded.add_metric([eid], es.overloaded)
-            dropped.add_metric([eid], es.dropped)
-            e_clients.add_metric([eid], sum(1 for c in es.clients if c.state == "live"))
-            e_bytes.add_metric([eid, "received"], sum(c.bytes_in for c in es.clients))
-            e_bytes.add_metric([eid, "sent"], sum(c.bytes_out for c in es.clients))
-        yield from (e_in_flight, e_queued, overloaded, dropped, e_clients, e_bytes)
+        yield from _engine_call_families(list(store.engine.items()) if with_samples else [])
+        yield from _engine_state_families(engines)
         yield from _transport_families("engine", [s.transports for s in engines], with_samples)
+
+
+_ME: Final = ["method", "engine"]
+
+
+def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=labels)
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, labels=labels)
+
+
+def _client_call_families(series: list[tuple[tuple[str, str], _Series]]) -> Iterator[Metric]:
+    """Client calls, from the hooks."""
+    started = _counter("tensorrpc_client_calls_started", "Calls (and streams) a client sent.", _ME)
+    finished = _counter(
+        "tensorrpc_client_calls",
+        "Calls (and streams) that ended, by outcome: ok or the exception's class name.",
+        [*_ME, "outcome"],
+    )
+    duration = _histogram(
+        "tensorrpc_client_call_duration_seconds",
+        "Client-side latency of unary calls and whole streams, sending to result.",
+        _ME,
+    )
+    items = _counter("tensorrpc_client_stream_items", "Stream items taken by callers.", _ME)
+    for (method, engine), s in series:
+        started.add_metric([method, engine], s.started)
+        for outcome, n in list(s.outcomes.items()):
+            finished.add_metric([method, engine, outcome], n)
+        duration.add_metric([method, engine], s.duration.buckets(), s.duration.total)
+        if s.items:
+            items.add_metric([method, engine], s.items)
+    yield from (started, finished, duration, items)
+
+
+def _client_event_families(store: _Store, with_samples: bool) -> Iterator[Metric]:
+    """Client engine events and heartbeats, from the hooks."""
+    events = _counter(
+        "tensorrpc_client_engine_events",
+        "Engines that joined, rejoined (seen before) or were lost (dead, BYE, refused).",
+        ["engine", "event"],
+    )
+    if with_samples:
+        for (engine, event), n in list(store.engine_events.items()):
+            events.add_metric([engine, event], n)
+    rtt = _histogram(
+        "tensorrpc_client_heartbeat_rtt_seconds", "Heartbeat PING round trips.", ["engine"]
+    )
+    if with_samples:
+        for engine, h in list(store.rtt.items()):
+            rtt.add_metric([engine], h.buckets(), h.total)
+    yield from (events, rtt)
+
+
+def _client_state_families(clients: list[Any], with_samples: bool) -> Iterator[Metric]:
+    """Client state, from ``statistics()``."""
+    in_flight = _gauge("tensorrpc_client_calls_in_flight", "Calls in flight.", ["engine"])
+    up = _gauge(
+        "tensorrpc_client_engine_up", "1 while the engine is live, 0 once lost.", ["engine"]
+    )
+    engines_by_state = _gauge(
+        "tensorrpc_client_engines", "Engines seen, by state (live, dead).", ["state"]
+    )
+    waiting = _gauge("tensorrpc_client_calls_waiting", "Callers waiting for an in-flight slot.", [])
+    retries = _counter("tensorrpc_client_overload_retries", "Calls retried after OVERLOADED.", [])
+    nbytes = _counter(
+        "tensorrpc_client_bytes",
+        "Bytes sent to and received from engines (all frames).",
+        ["engine", "direction"],
+    )
+    live = dead = 0
+    for engine, (flying, is_live, sent, received) in sorted(_per_engine(clients).items()):
+        in_flight.add_metric([engine], flying)
+        up.add_metric([engine], is_live)
+        nbytes.add_metric([engine, "sent"], sent)
+        nbytes.add_metric([engine, "received"], received)
+        live += is_live
+        dead += 1 - is_live
+    if with_samples:
+        engines_by_state.add_metric(["live"], live)
+        engines_by_state.add_metric(["dead"], dead)
+        waiting.add_metric([], sum(stats.waiting_for_capacity for stats in clients))
+        retries.add_metric([], sum(stats.overload_retries for stats in clients))
+    yield from (in_flight, up, engines_by_state, waiting, retries, nbytes)
+
+
+def _per_engine(clients: list[Any]) -> dict[str, list[int]]:
+    """Per engine over every client: ``[in flight, live (0/1), bytes sent, bytes received]``."""
+    per_engine: dict[str, list[int]] = {}
+    for stats in clients:
+        for engine, e in stats.engines.items():
+            acc = per_engine.setdefault(engine, [0, 0, 0, 0])
+            acc[0] += e.in_flight
+            acc[1] = max(acc[1], int(e.live))
+            acc[2] += e.bytes_sent
+            acc[3] += e.bytes_received
+    return per_engine
+
+
+def _engine_call_families(series: list[tuple[tuple[str, str], _Series]]) -> Iterator[Metric]:
+    """Engine calls, from the hooks."""
+    e_started = _counter("tensorrpc_engine_calls_started", "Calls an engine accepted.", _ME)
+    e_finished = _counter(
+        "tensorrpc_engine_calls",
+        "Calls that ended, by outcome: ok, cancelled, or the ERROR code sent.",
+        [*_ME, "outcome"],
+    )
+    queue = _histogram(
+        "tensorrpc_engine_queue_wait_seconds",
+        "Time from accepting a CALL to its handler starting.",
+        _ME,
+    )
+    handler = _histogram(
+        "tensorrpc_engine_handler_seconds", "Time handlers ran (streams: whole stream).", _ME
+    )
+    e_items = _counter("tensorrpc_engine_stream_items", "Stream items engines sent.", _ME)
+    for (method, engine), s in series:
+        e_started.add_metric([method, engine], s.started)
+        for outcome, n in list(s.outcomes.items()):
+            e_finished.add_metric([method, engine, outcome], n)
+        assert s.queue is not None
+        assert s.handler is not None
+        queue.add_metric([method, engine], s.queue.buckets(), s.queue.total)
+        handler.add_metric([method, engine], s.handler.buckets(), s.handler.total)
+        if s.items:
+            e_items.add_metric([method, engine], s.items)
+    yield from (e_started, e_finished, queue, handler, e_items)
+
+
+def _engine_state_families(engines: list[Any]) -> Iterator[Metric]:
+    """Engine state, from ``statistics()``."""
+    e_in_flight = _gauge("tensorrpc_engine_calls_in_flight", "Calls queued or running.", ["engine"])
+    e_queued = _gauge("tensorrpc_engine_calls_queued", "Calls waiting for a worker.", ["engine"])
+    overloaded = _counter("tensorrpc_engine_overloaded", "Calls refused as OVERLOADED.", ["engine"])
+    dropped = _counter(
+        "tensorrpc_engine_dropped_messages",
+        "Messages dropped: malformed, unexpected or undeliverable.",
+        ["engine"],
+    )
+    e_clients = _gauge("tensorrpc_engine_clients", "Clients in session.", ["engine"])
+    e_bytes = _counter(
+        "tensorrpc_engine_bytes",
+        "Bytes received from and sent to clients (all frames).",
+        ["engine", "direction"],
+    )
+    for es in engines:
+        eid = es.engine_id
+        e_in_flight.add_metric([eid], es.in_flight)
+        e_queued.add_metric([eid], es.queued)
+        overloaded.add_metric([eid], es.overloaded)
+        dropped.add_metric([eid], es.dropped)
+        e_clients.add_metric([eid], sum(1 for c in es.clients if c.state == "live"))
+        e_bytes.add_metric([eid, "received"], sum(c.bytes_in for c in es.clients))
+        e_bytes.add_metric([eid, "sent"], sum(c.bytes_out for c in es.clients))
+    yield from (e_in_flight, e_queued, overloaded, dropped, e_clients, e_bytes)
 
 
 def _transport_families(side: str, stats: list[Any], with_samples: bool) -> Iterator[Metric]:

@@ -33,7 +33,15 @@ from mypy.maptype import map_instance_to_supertype
 from mypy.nodes import CallExpr, Decorator, Expression, RefExpr, TypeInfo
 from mypy.plugin import AttributeContext, ClassDefContext, Plugin
 from mypy.typeops import bind_self
-from mypy.types import AnyType, CallableType, Instance, Type, TypeOfAny, get_proper_type
+from mypy.types import (
+    AnyType,
+    CallableType,
+    Instance,
+    ProperType,
+    Type,
+    TypeOfAny,
+    get_proper_type,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -117,8 +125,18 @@ def _stub_attribute(ctx: AttributeContext, *, name: str, blocking: bool = False)
         bound = expand_type_by_instance(bound, map_instance_to_supertype(service, owner))
     else:
         bound = expand_type_by_instance(bound, service)
-    result = get_proper_type(bound.ret_type)
+    returns = _stub_returns(ctx, kind, get_proper_type(bound.ret_type), blocking=blocking)
+    return bound.copy_modified(ret_type=returns)
+
+
+def _stub_returns(ctx: AttributeContext, kind: str, result: ProperType, *, blocking: bool) -> Type:
+    """What the stub method returns for a handler of ``kind`` declared to return ``result``."""
     any_type = AnyType(TypeOfAny.special_form)
+    coroutine = (
+        kind == "async"
+        and isinstance(result, Instance)
+        and result.type.fullname == "typing.Coroutine"
+    )
     if kind == "stream":
         item: Type = any_type
         if isinstance(result, Instance):
@@ -127,25 +145,14 @@ def _stub_attribute(ctx: AttributeContext, *, name: str, blocking: bool = False)
             if mapped.args:
                 item = mapped.args[0]
         stream = _BLOCKING_STREAM if blocking else _CALL_STREAM
-        returns: Type = ctx.api.named_generic_type(stream, [item])
-    elif blocking:
-        returns = result
-        if (
-            kind == "async"
-            and isinstance(result, Instance)
-            and result.type.fullname == "typing.Coroutine"
-            and len(result.args) == 3
-        ):
-            returns = result.args[2]
-    elif (
-        kind == "async"
-        and isinstance(result, Instance)
-        and result.type.fullname == "typing.Coroutine"
-    ):
-        returns = result
-    else:
-        returns = ctx.api.named_generic_type("typing.Coroutine", [any_type, any_type, result])
-    return bound.copy_modified(ret_type=returns)
+        return ctx.api.named_generic_type(stream, [item])
+    if blocking:
+        if coroutine and isinstance(result, Instance) and len(result.args) == 3:
+            return result.args[2]
+        return result
+    if coroutine:
+        return result
+    return ctx.api.named_generic_type("typing.Coroutine", [any_type, any_type, result])
 
 
 class TensorRPCPlugin(Plugin):

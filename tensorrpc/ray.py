@@ -429,17 +429,30 @@ class EngineGroup:
     # -- start ------------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        client = self._client
         spec_curve = self._engine_curves()
         if not self._bind:
-            self._client_address = self._client_address or _reachable_address(client)
+            self._client_address = self._client_address or _reachable_address(self._client)
+        deadline = time.monotonic() + self._timeout
+        await self._place()
+        self._spawn(spec_curve)
+        # Every actor reports where it runs, then every engine joins the client.
+        await self._wait_started(deadline)
+        if self._join_timeout is not None:
+            deadline = time.monotonic() + self._join_timeout
+        if self._bind:
+            for slot in self._slots.values():
+                self._client.connect(slot.address)
+                self._connected.append(slot.address)
+        await self._wait_joined(deadline)
+
+    async def _place(self) -> None:
+        """Create the placement group (one bundle per engine) and wait until it is placed."""
         bundle: dict[str, float] = {"CPU": float(self._num_cpus)}
         if self._num_gpus:
             bundle["GPU"] = float(self._num_gpus)
         self._pg = placement_group(
             [dict(bundle) for _ in range(self._n)], strategy=_STRATEGIES[self._placement]
         )
-        deadline = time.monotonic() + self._timeout
         ready = await anyio.to_thread.run_sync(
             lambda: ray.wait([self._pg.ready()], timeout=self._timeout)[0]
         )
@@ -450,6 +463,9 @@ class EngineGroup:
                 f"{_resources(_ray.cluster_resources())} in all, "
                 f"{_resources(_ray.available_resources())} available"
             )
+
+    def _spawn(self, spec_curve: list[CurveConfig | None]) -> None:
+        """Start one actor per engine in its bundle; each is asked where it runs."""
         rejoin = float(self._serve_options.get("dead_after", 5.0)) * 2 + 5.0
         remote_cls: Any = ray.remote(_EngineActor)
         for index, engine_id in enumerate(self._engine_ids):
@@ -477,7 +493,9 @@ class EngineGroup:
             slot = _Slot(engine_id, actor)
             slot.ref, slot.ref_kind = actor.describe.remote(self._timeout), "describe"
             self._slots[engine_id] = slot
-        # Every actor reports where it runs, then every engine joins the client.
+
+    async def _wait_started(self, deadline: float) -> None:
+        """Wait until every actor has started (or raise when one failed or time is up)."""
         while any(s.phase in ("starting", "restarting") for s in self._slots.values()):
             await self._poll(min(0.5, max(0.0, deadline - time.monotonic())))
             self._raise_if_failed()
@@ -487,12 +505,10 @@ class EngineGroup:
                     f"engines {', '.join(waiting)} did not start within {self._timeout} s",
                     engines=self.engines,
                 )
-        if self._join_timeout is not None:
-            deadline = time.monotonic() + self._join_timeout
-        if self._bind:
-            for slot in self._slots.values():
-                client.connect(slot.address)
-                self._connected.append(slot.address)
+
+    async def _wait_joined(self, deadline: float) -> None:
+        """Wait until every engine is live on the client (or raise)."""
+        client = self._client
         joining = time.monotonic()
         while True:
             missing = [k for k, e in self.engines.items() if e.state != "live"]
@@ -699,6 +715,40 @@ def _reachable_address(client: Client[Any]) -> str:
     )
 
 
+def _check_launch(
+    n: int, placement: str, max_restarts: int, timeout: float, join_timeout: float | None
+) -> None:
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    if placement not in _STRATEGIES:
+        raise ValueError(f"placement must be 'spread' or 'pack', not {placement!r}")
+    if max_restarts < 0:
+        raise ValueError("max_restarts must be at least 0")
+    if timeout <= 0 or (join_timeout is not None and join_timeout <= 0):
+        raise ValueError("timeouts must be positive")
+
+
+def _launch_ids(
+    client: Client[Any], n: int, engine_ids: Sequence[str] | None, bind: bool
+) -> list[str]:
+    """The engines' ids, checked, once the client and Ray can take them."""
+    name = client.service.name
+    ids = list(engine_ids) if engine_ids is not None else [f"{name}-{i}" for i in range(n)]
+    if len(ids) != n or len(set(ids)) != n:
+        raise ValueError(f"engine_ids must be {n} distinct ids, got {ids!r}")
+    taken = sorted(set(ids) & set(client.engines))
+    if taken:
+        raise ValueError(f"engine ids already live on the client: {', '.join(taken)}")
+    if not bind and not any(a.startswith("tcp://") for a in client.addresses):
+        _reachable_address(client)  # raises the explanation
+    if not ray.is_initialized():
+        raise RuntimeError(
+            "Ray is not initialised: call ray.init(address=...) first (or launch from a "
+            "Ray task or actor)"
+        )
+    return ids
+
+
 def launch(
     service_cls: type[Any],
     n: int,
@@ -761,28 +811,8 @@ def launch(
         ValueError: Bad arguments (sizes, ids, CURVE roles, a client not bound to tcp://).
         RuntimeError: Ray is not initialised.
     """
-    if n < 1:
-        raise ValueError("n must be at least 1")
-    if placement not in _STRATEGIES:
-        raise ValueError(f"placement must be 'spread' or 'pack', not {placement!r}")
-    if max_restarts < 0:
-        raise ValueError("max_restarts must be at least 0")
-    if timeout <= 0 or (join_timeout is not None and join_timeout <= 0):
-        raise ValueError("timeouts must be positive")
-    name = client.service.name
-    ids = list(engine_ids) if engine_ids is not None else [f"{name}-{i}" for i in range(n)]
-    if len(ids) != n or len(set(ids)) != n:
-        raise ValueError(f"engine_ids must be {n} distinct ids, got {ids!r}")
-    taken = sorted(set(ids) & set(client.engines))
-    if taken:
-        raise ValueError(f"engine ids already live on the client: {', '.join(taken)}")
-    if not bind and not any(a.startswith("tcp://") for a in client.addresses):
-        _reachable_address(client)  # raises the explanation
-    if not ray.is_initialized():
-        raise RuntimeError(
-            "Ray is not initialised: call ray.init(address=...) first (or launch from a "
-            "Ray task or actor)"
-        )
+    _check_launch(n, placement, max_restarts, timeout, join_timeout)
+    ids = _launch_ids(client, n, engine_ids, bind)
     return EngineGroup(
         service_cls,
         n,

@@ -47,6 +47,7 @@ from tensorrpc._server import serve
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+    from contextlib import AbstractAsyncContextManager
 
 __all__ = [
     "EngineProcess",
@@ -321,24 +322,27 @@ async def serve_engines(
             process exited while starting (the message has its output).
         ValueError: Bad arguments (a factory that is not importable for processes, ...).
     """
-    ids = _engine_ids(count, engine_ids)
-    make: Callable[[], object] = factory if factory is not None else service
-    options = dict(engine_options or {})
-    if isolation not in ("task", "process"):
-        raise ValueError(f"isolation must be 'task' or 'process', not {isolation!r}")
+    engines = _engines(
+        service,
+        _engine_ids(count, engine_ids),
+        factory if factory is not None else service,
+        isolation,
+        dict(engine_options or {}),
+        client_options,
+        address,
+        start_timeout,
+        stop_timeout,
+    )
+    async with _started(engines) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def _started(engines: AbstractAsyncContextManager[Client[S]]) -> AsyncIterator[Client[S]]:
+    """Enter ``engines``, raising a failed start as itself (not in an exception group)."""
     started = False
     try:
-        async with _engines(
-            service,
-            ids,
-            make,
-            isolation,
-            options,
-            client_options,
-            address,
-            start_timeout,
-            stop_timeout,
-        ) as client:
+        async with engines as client:
             started = True
             yield client
     except BaseExceptionGroup as group:
@@ -363,6 +367,8 @@ async def _engines(
     start_timeout: float,
     stop_timeout: float,
 ) -> AsyncIterator[Client[S]]:
+    if isolation not in ("task", "process"):
+        raise ValueError(f"isolation must be 'task' or 'process', not {isolation!r}")
     count = len(ids)
     async with contextlib.AsyncExitStack() as stack:
         client = await stack.enter_async_context(

@@ -25,7 +25,7 @@ from tensorrpc._client import Client
 from tensorrpc._exceptions import TensorRPCError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import AsyncIterator, Iterator, Sequence
 
     from rich.console import Console
     from rich.table import Table
@@ -240,19 +240,10 @@ async def run(
     Raises:
         EnginesUnavailableError: No engine answered within ``wait``.
     """
-    from rich.console import Console
-    from rich.live import Live
-
-    if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=max(console.width, 150))  # a log or a pipe: no truncation
+    console = console if console is not None else _default_console()
     views: dict[str, EngineView] = {}
     title = "tensorrpc top " + " ".join(addresses)
-    try:
-        stdin = sys.stdin.fileno() if sys.stdin is not None else -1
-    except (OSError, ValueError):  # replaced by something without a descriptor
-        stdin = -1
+    stdin = _stdin_fd()
     async with Client.dynamic(connect=list(addresses), curve=curve) as client:
         await client.wait_for_engines(1, timeout=wait)
         with (
@@ -260,44 +251,75 @@ async def run(
             _cbreak(stdin) if stdin >= 0 else contextlib.nullcontext(False) as keys,
         ):
             async with anyio.create_task_group() as tg:
-
-                async def on_signal() -> None:
-                    async for _ in signals:
-                        tg.cancel_scope.cancel()
-                        return
-
-                async def on_key() -> None:
-                    while True:
-                        await anyio.wait_readable(stdin)
-                        data = os.read(stdin, 64)
-                        if not data or b"q" in data.lower():
-                            tg.cancel_scope.cancel()
-                            return
-
-                tg.start_soon(on_signal)
+                tg.start_soon(_cancel_on_signal, signals, tg.cancel_scope)
                 if keys:
-                    tg.start_soon(on_key)
-                live = console.is_terminal
-                refreshes = 0
-                with (
-                    Live(console=console, auto_refresh=False)
-                    if live
-                    else contextlib.nullcontext() as screen
-                ):
-                    while count is None or refreshes < count:
-                        await _poll(client, views, wait)
-                        refreshes += 1
-                        footer = f"refresh {refreshes}, every {interval:g} s" + (
-                            "; q or Ctrl-C quits" if keys else ""
-                        )
-                        shown = table(list(views.values()), title)
-                        shown.caption = footer
-                        if screen is not None:
-                            screen.update(shown, refresh=True)
-                        else:
-                            console.print(shown)
-                        if count is not None and refreshes >= count:
-                            break
-                        await anyio.sleep(interval)
+                    tg.start_soon(_cancel_on_quit_key, stdin, tg.cancel_scope)
+                footer = "; q or Ctrl-C quits" if keys else ""
+                await _refresh(client, views, console, title, footer, interval, wait, count)
                 tg.cancel_scope.cancel()
     return 0
+
+
+def _default_console() -> Console:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 150))  # a log or a pipe: no truncation
+    return console
+
+
+def _stdin_fd() -> int:
+    """Our stdin's descriptor, or -1 when there is none."""
+    try:
+        return sys.stdin.fileno() if sys.stdin is not None else -1
+    except (OSError, ValueError):  # replaced by something without a descriptor
+        return -1
+
+
+async def _cancel_on_signal(signals: AsyncIterator[int], scope: anyio.CancelScope) -> None:
+    async for _ in signals:
+        scope.cancel()
+        return
+
+
+async def _cancel_on_quit_key(stdin: int, scope: anyio.CancelScope) -> None:
+    while True:
+        await anyio.wait_readable(stdin)
+        data = os.read(stdin, 64)
+        if not data or b"q" in data.lower():
+            scope.cancel()
+            return
+
+
+async def _refresh(
+    client: Client[Any],
+    views: dict[str, EngineView],
+    console: Console,
+    title: str,
+    footer: str,
+    interval: float,
+    wait: float,
+    count: int | None,
+) -> None:
+    """Poll and draw every ``interval`` until ``count`` refreshes (or forever)."""
+    from rich.live import Live
+
+    refreshes = 0
+    with (
+        Live(console=console, auto_refresh=False)
+        if console.is_terminal
+        else contextlib.nullcontext() as screen
+    ):
+        while count is None or refreshes < count:
+            await _poll(client, views, wait)
+            refreshes += 1
+            shown = table(list(views.values()), title)
+            shown.caption = f"refresh {refreshes}, every {interval:g} s" + footer
+            if screen is not None:
+                screen.update(shown, refresh=True)
+            else:
+                console.print(shown)
+            if count is not None and refreshes >= count:
+                break
+            await anyio.sleep(interval)

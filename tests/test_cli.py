@@ -161,8 +161,8 @@ def test_describe_accepts_a_factory(
         ("tests.integration.services:Nope", 1, "has no attribute 'Nope'"),
         ("tests.integration.services", 2, "expected module:Class"),
         ("tests.integration.services:WAIT_NOT_THERE", 1, "has no attribute"),
-        ("tests.integration.engine_proc:ROOT", 1, "not a @service class or a factory"),
-        ("tests.integration.engine_proc:EngineProcess", 1, "is not a @service class"),
+        ("tests.engine_proc:ROOT", 1, "not a @service class or a factory"),
+        ("tests.engine_proc:EngineProcess", 1, "is not a @service class"),
     ],
 )
 def test_describe_mistakes_are_one_line(

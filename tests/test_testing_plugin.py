@@ -132,3 +132,12 @@ def test_process_isolation_needs_an_importable_factory() -> None:
         engine_processes(Greeter, "tcp://127.0.0.1:1", 2, engine_ids=["a", "a"]),
     ):
         pass
+
+
+def test_serve_engines_refuses_an_unknown_isolation_before_starting_anything() -> None:
+    async def main() -> None:
+        async with serve_engines(Greeter, isolation="thread"):  # type: ignore[arg-type]
+            raise AssertionError("unreachable")
+
+    with pytest.raises(ValueError, match="isolation must be 'task' or 'process', not 'thread'"):
+        anyio.run(main)

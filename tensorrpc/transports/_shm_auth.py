@@ -230,15 +230,11 @@ def decide(
     link.send = link.receive = False
     if not enabled or not probe or not proof or peer_host != our_host:
         return False
-    if "torch_shm" not in peer_offers:
-        return False
-    handle = ProbeHandle.unpack(probe)
+    handle = ProbeHandle.unpack(probe) if "torch_shm" in peer_offers else None
     if handle is None or handle.pid != peer_pid or handle.pid == our_pid:
         return False
     secret = read_secret(handle)
-    if secret is None:
-        return False
-    if not check_proof(
+    if secret is None or not check_proof(
         secret,
         peer_role,
         prover_pid=handle.pid,

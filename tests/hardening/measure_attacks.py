@@ -32,7 +32,7 @@ from tensorrpc._protocol import (
     split_frames,
 )
 from tensorrpc._zmq import AsyncSocket, create_socket
-from tests.integration.engine_proc import EngineProcess
+from tests.engine_proc import EngineProcess
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.services import Calculator
 

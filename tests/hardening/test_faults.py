@@ -32,7 +32,7 @@ from tensorrpc._exceptions import (
     TensorTransportError,
 )
 from tensorrpc._server import Server
-from tests.integration.engine_proc import ENGINE_DEAD_AFTER, ROOT, EngineProcess
+from tests.engine_proc import ENGINE_DEAD_AFTER, ROOT, EngineProcess
 from tests.integration.services import Calculator
 
 from ._live import fd_count

@@ -38,9 +38,10 @@ from tensorrpc.transports.torch_shm import (
     _pack,
     _unpack,
 )
+from tests.engine_proc import EngineProcess
 from tests.integration.server_peer import Msg, Peer, open_peer
 from tests.integration.server_services import Probe
-from tests.transports._engine import TensorEngine, TensorService
+from tests.transports._engine import TensorService
 
 from ._live import SPEC
 
@@ -311,7 +312,9 @@ def test_item3_sealed_shared_memory_cannot_shrink() -> None:
 async def test_item3_truncating_a_torch_shared_file_during_a_call_cannot_crash_the_engine(
     anyio_backend: str, tmp_path: Path
 ) -> None:
-    with TensorEngine(tmp_path, bind=f"ipc://{tmp_path}/engine.sock") as engine:
+    with EngineProcess(
+        "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/engine.sock", service="tensor"
+    ) as engine:
         async with Client(
             TensorService, connect=engine.address(), heartbeat_interval=0.2
         ) as client:

@@ -25,8 +25,8 @@ from tensorrpc._exceptions import (
     EnginesUnavailableError,
     RemoteError,
 )
+from tests.engine_proc import EXIT_REFUSED, EngineProcess
 
-from .engine_proc import EXIT_REFUSED, EngineProcess
 from .services import Calculator
 
 #: Fast liveness for tests: an engine silent for 1 s is dead.

@@ -1,22 +1,12 @@
-"""A tensor engine program for the transport tests (not a test module).
+"""The service the transport tests call (not a test module).
 
-Run as ``python -m tests.transports._engine --bind ipc://... --address-file F`` (listen) or
-``--connect ADDR`` (dial-in). It is its own program, started with ``subprocess.Popen``:
-it shares nothing with the test process but the socket address.
-:class:`TensorEngine` starts one from a test and always reaps it.
+An engine serving it runs in its own process: ``tests.engine_proc.EngineProcess(...,
+service="tensor")`` (``python -m tests.engine_proc --service tensor``).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import hashlib
-import logging
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,125 +145,3 @@ class TensorService:
             detail.pool_segments,
             detail.tensors_aliased,
         ]
-
-
-class TensorEngine:
-    """The engine program in a subprocess; a context manager that kills and reaps it."""
-
-    def __init__(
-        self,
-        workdir: Path,
-        *,
-        bind: str | None = None,
-        connect: str | None = None,
-        torch_shm: bool = True,
-    ) -> None:
-        self.address_file = workdir / f"engine-{os.urandom(4).hex()}.addr"
-        self.log_path = self.address_file.with_suffix(".log")
-        args = [sys.executable, "-m", "tests.transports._engine"]
-        if bind is not None:
-            args += ["--bind", bind, "--address-file", str(self.address_file)]
-        if connect is not None:
-            args += ["--connect", connect]
-        if not torch_shm:
-            args.append("--no-torch-shm")
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def address(self, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(FileNotFoundError):
-                text = self.address_file.read_text()
-                if text.endswith("\n"):
-                    return text.strip()
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited early:\n{self.output()}")
-            time.sleep(0.02)
-        raise TimeoutError(f"engine did not bind within {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """``kill -9`` and reap."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (graceful drain) and reap; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def __enter__(self) -> TensorEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()
-        self._log.close()
-
-
-async def _serve(args: argparse.Namespace) -> None:
-    global SERVER
-    from tensorrpc._server import Server
-
-    server = Server(
-        TensorService(),
-        engine_id="tensor-engine",
-        connect=args.connect or None,
-        bind=args.bind,
-        heartbeat_interval=0.2,
-        dead_after=2.0,
-        grace_period=1.0,
-        torch_shm=not args.no_torch_shm,
-    )
-    SERVER = server
-    async with anyio.create_task_group() as tg:
-
-        async def stop_on_signal() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(stop_on_signal)
-        async with server:
-            if args.address_file:
-                assert server.endpoint is not None
-                _write_address(args.address_file, server.endpoint)
-            await server.serve_forever()
-        tg.cancel_scope.cancel()
-
-
-def _write_address(path: str, address: str) -> None:
-    tmp = Path(path + ".tmp")
-    tmp.write_text(address + "\n")
-    tmp.rename(path)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--bind")
-    parser.add_argument("--connect")
-    parser.add_argument("--address-file")
-    parser.add_argument("--no-torch-shm", action="store_true")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="[engine] %(name)s %(message)s")
-    anyio.run(_serve, args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """One conformance suite, run over every tensor transport (frames, torch_shm, auto).
 
 A real :class:`~tensorrpc.Client` in the test process calls a real engine program in a
-subprocess (``tests/transports/_engine.py``). Every case runs for each transport, and the
+subprocess (``tests/engine_proc.py --service tensor``). Every case runs for each transport, and the
 client's per-transport statistics show the transport really carried the tensors.
 """
 
@@ -16,7 +16,8 @@ import torch
 
 from tensorrpc._client import Client
 from tensorrpc.transports import TransportStatistics
-from tests.transports._engine import Batch, TensorEngine, TensorService, digest, pattern
+from tests.engine_proc import EngineProcess
+from tests.transports._engine import Batch, TensorService, digest, pattern
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +28,9 @@ BIG = 1 << 17  # bytes; above the auto threshold (64 KiB)
 @pytest.fixture(scope="module")
 def engine_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir: Path = tmp_path_factory.mktemp("conformance")
-    with TensorEngine(workdir, bind=f"ipc://{workdir}/engine.sock") as engine:
+    with EngineProcess(
+        "tensor-engine", workdir=workdir, bind=f"ipc://{workdir}/engine.sock", service="tensor"
+    ) as engine:
         yield engine.address()
 
 

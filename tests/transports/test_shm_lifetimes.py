@@ -1,6 +1,6 @@
 """torch_shm lifetimes through the runtime: nothing leaks, whatever happens to either side.
 
-The engine is its own program (``tests/transports/_engine.py``) started with
+The engine is its own program (``tests/engine_proc.py --service tensor``) started with
 ``subprocess.Popen``; the client is the test process, or another program
 (``_client_proc.py``) when the client is the one killed. Leaks are looked for in both
 processes' ``/proc/<pid>/fd`` and in the ``/dev/shm`` listing. A process's pool segments
@@ -39,7 +39,8 @@ from tensorrpc._protocol import (
     split_frames,
 )
 from tensorrpc.transports.torch_shm import HandleKind, _Handle, _pack
-from tests.transports._engine import ROOT, TensorEngine, TensorService
+from tests.engine_proc import ROOT, EngineProcess
+from tests.transports._engine import TensorService
 
 pytestmark = pytest.mark.anyio
 
@@ -100,7 +101,9 @@ async def eventually(check, what: str, within: float = 30.0) -> None:
 
 @pytest.fixture
 def engine(tmp_path: Path):
-    with TensorEngine(tmp_path, bind=f"ipc://{tmp_path}/engine.sock") as proc:
+    with EngineProcess(
+        "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/engine.sock", service="tensor"
+    ) as proc:
         yield proc
 
 
@@ -122,7 +125,7 @@ async def run_calls(client: Client[TensorService], n: int, concurrency: int) -> 
 
 
 async def test_10000_calls_leave_no_descriptor_or_shm_file(
-    anyio_backend: str, engine: TensorEngine
+    anyio_backend: str, engine: EngineProcess
 ):
     shm_before = dev_shm()
     async with connected(engine.address()) as client:
@@ -150,7 +153,9 @@ async def test_10000_calls_leave_no_descriptor_or_shm_file(
 async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path):
     shm_before = dev_shm()
     own_before = fds()
-    with TensorEngine(tmp_path, bind=f"ipc://{tmp_path}/e.sock") as engine:
+    with EngineProcess(
+        "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/e.sock", service="tensor"
+    ) as engine:
         async with connected(engine.address()) as client:
             stub = client.stub(transport="torch_shm")
             shared = torch.zeros(1 << 16)
@@ -169,7 +174,9 @@ async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path
 async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
     shm_before = dev_shm()
     own_before = fds()
-    with TensorEngine(tmp_path, bind=f"ipc://{tmp_path}/e.sock") as engine:
+    with EngineProcess(
+        "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/e.sock", service="tensor"
+    ) as engine:
         async with connected(engine.address(), dead_after=2.0) as client:
             stub = client.stub(transport="torch_shm")
             failures: list[BaseException] = []
@@ -202,7 +209,7 @@ async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
     assert dev_shm() == shm_before
 
 
-async def test_client_killed_mid_transfer(anyio_backend: str, engine: TensorEngine):
+async def test_client_killed_mid_transfer(anyio_backend: str, engine: EngineProcess):
     shm_before = dev_shm()
     address = engine.address()
     async with connected(address) as client:
@@ -242,7 +249,7 @@ async def test_client_killed_mid_transfer(anyio_backend: str, engine: TensorEngi
 
 @pytest.mark.parametrize("transport", ["torch_shm", "auto", "frames"])
 async def test_independent_processes_alias_shared_tensors(
-    anyio_backend: str, engine: TensorEngine, transport: str
+    anyio_backend: str, engine: EngineProcess, transport: str
 ):
     async with connected(engine.address()) as client:
         stub = client.stub(transport=transport)  # type: ignore[arg-type]
@@ -270,7 +277,7 @@ async def test_independent_processes_alias_shared_tensors(
             assert (await stub.shm_state())[5] >= 1
 
 
-def test_forged_handle_gets_a_clear_error_and_the_engine_keeps_serving(engine: TensorEngine):
+def test_forged_handle_gets_a_clear_error_and_the_engine_keeps_serving(engine: EngineProcess):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -340,7 +347,7 @@ def test_forged_handle_gets_a_clear_error_and_the_engine_keeps_serving(engine: T
 
 
 async def test_unread_results_are_released_without_waiting_for_the_sweep(
-    anyio_backend: str, engine: TensorEngine
+    anyio_backend: str, engine: EngineProcess
 ):
     async with connected(engine.address()) as client:
         view = client.with_options(transport="torch_shm")

@@ -1,7 +1,12 @@
-"""Engine processes for the client integration tests.
+"""Engine processes for the tests: the one launcher of every real engine subprocess.
 
-Run as ``python -m tests.integration.engine_proc --engine-id e1 --connect ADDR`` (or
-``--bind ADDR``); :class:`EngineProcess` starts one from a test, and always reaps it.
+Run as ``python -m tests.engine_proc --engine-id e1 --connect ADDR`` (or ``--bind ADDR
+--address-file F``); `EngineProcess` starts one from a test and always reaps it. It is
+its own program, started with ``subprocess.Popen``: it shares nothing with the test
+process but the socket address. ``--service`` picks what it serves: ``v1``
+(`tests.integration.services.Calculator`), ``v2`` (same name, another fingerprint) or
+``tensor`` (`tests.transports._engine.TensorService`, for the transport tests, with
+``--no-torch-shm`` to offer frames only).
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 #: Exit status of an engine whose serve() raised (e.g. refused by every client).
 EXIT_REFUSED = 3
 
@@ -28,9 +34,12 @@ class EngineProcess:
         engine_id: The engine's id.
         connect: Client addresses to dial (engines-dial-in topology).
         bind: Address to listen on (client-dials-engine topology); with an ephemeral tcp
-            port, read the real one from :meth:`address`.
-        service: ``"v1"`` (``Calculator``) or ``"v2"`` (same name, other fingerprint).
+            port, read the real one from `address`.
+        service: ``"v1"`` (``Calculator``), ``"v2"`` (same name, other fingerprint) or
+            ``"tensor"`` (``TensorService``).
         workdir: Directory for the address file and the log.
+        backend: The engine's anyio backend.
+        torch_shm: Offer ``torch_shm`` (``tensor`` engines).
     """
 
     def __init__(
@@ -42,17 +51,20 @@ class EngineProcess:
         bind: str | None = None,
         service: str = "v1",
         backend: str = "asyncio",
+        torch_shm: bool = True,
     ) -> None:
         self.engine_id = engine_id
         self.workdir = workdir
         self.address_file = workdir / f"{engine_id}-{os.urandom(4).hex()}.addr"
         self.log_path = self.address_file.with_suffix(".log")
-        args = [sys.executable, "-m", "tests.integration.engine_proc", "--engine-id", engine_id]
+        args = [sys.executable, "-m", "tests.engine_proc", "--engine-id", engine_id]
         for address in connect:
             args += ["--connect", address]
         if bind is not None:
             args += ["--bind", bind, "--address-file", str(self.address_file)]
         args += ["--service", service, "--backend", backend]
+        if not torch_shm:
+            args.append("--no-torch-shm")
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
@@ -62,7 +74,7 @@ class EngineProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def address(self, timeout: float = 30.0) -> str:
+    def address(self, timeout: float = 60.0) -> str:
         """The address a ``bind=`` engine listens on (waits until it has bound)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -73,7 +85,9 @@ class EngineProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine {self.engine_id} exited early:\n{self.output()}")
             time.sleep(0.02)
-        raise TimeoutError(f"engine {self.engine_id} did not bind within {timeout} s")
+        raise TimeoutError(
+            f"engine {self.engine_id} did not bind within {timeout} s:\n{self.output()}"
+        )
 
     def output(self) -> str:
         """Everything the engine printed so far."""
@@ -88,17 +102,22 @@ class EngineProcess:
         """``kill -9`` the engine and reap it."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(30)
 
-    def stop(self) -> None:
-        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time; reaped."""
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful drain), then SIGKILL if it does not exit in time; reaped.
+
+        Returns:
+            The exit status (negative: it had to be killed).
+        """
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(5)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
         self._log.close()
+        return self.proc.returncode
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -108,27 +127,47 @@ class EngineProcess:
         self._log.close()
 
 
+#: How long an engine waits before forgetting a silent client. Generous, so that a client
+#: starved of CPU on a loaded 2-core machine is not forgotten mid-test.
 ENGINE_DEAD_AFTER = 3.0
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    import anyio
-
+def _server(args: argparse.Namespace) -> Any:
     from tensorrpc._server import Server
+
+    if args.service == "tensor":
+        from tests.transports import _engine
+
+        server = Server(
+            _engine.TensorService(),
+            engine_id=args.engine_id,
+            connect=args.connect or None,
+            bind=args.bind,
+            heartbeat_interval=0.2,
+            dead_after=2.0,
+            grace_period=1.0,
+            torch_shm=not args.no_torch_shm,
+        )
+        _engine.SERVER = server  # its handlers report the transport statistics
+        return server
     from tests.integration.services import Calculator, CalculatorV2
 
     handler: object = Calculator(args.engine_id) if args.service == "v1" else CalculatorV2()
-    server = Server(
+    return Server(
         handler,
         engine_id=args.engine_id,
         connect=args.connect or None,
         bind=args.bind,
         heartbeat_interval=0.1,
-        # How long the engine waits before forgetting a silent client. Generous, so that a
-        # client starved of CPU on a loaded 2-core machine is not forgotten mid-test.
         dead_after=ENGINE_DEAD_AFTER,
         grace_period=0.5,
     )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import anyio
+
+    server = _server(args)
     async with anyio.create_task_group() as tg:
 
         async def stop_on_signal() -> None:
@@ -158,10 +197,12 @@ def main() -> None:
     parser.add_argument("--connect", action="append", default=[])
     parser.add_argument("--bind")
     parser.add_argument("--address-file")
-    parser.add_argument("--service", choices=("v1", "v2"), default="v1")
+    parser.add_argument("--service", choices=("v1", "v2", "tensor"), default="v1")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument("--no-torch-shm", action="store_true")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format=f"[{args.engine_id}] %(name)s %(message)s")
+    level = logging.WARNING if args.service == "tensor" else logging.INFO
+    logging.basicConfig(level=level, format=f"[{args.engine_id}] %(name)s %(message)s")
     import anyio
 
     try:

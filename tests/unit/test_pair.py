@@ -1,0 +1,727 @@
+"""Client and engine protocol machines talking to each other in memory (`ProtocolPair`).
+
+Behaviour tests of the whole protocol without sockets, sleeps or threads: what one
+machine sends is what the other receives, the clock is a number. Each test names the
+behaviour; over real sockets only what needs I/O is tested again (tests/integration).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tensorrpc._calls import CallState
+from tensorrpc._client_protocol import EngineJoined, EngineLost, EngineRefused, Heartbeat, Pong
+from tensorrpc._exceptions import (
+    CallTimeoutError,
+    DrainingError,
+    EngineDeadError,
+    ErrorCode,
+    MethodNotFoundError,
+    OverloadedError,
+    RemoteError,
+    RemoteProtocolError,
+)
+from tensorrpc._protocol import (
+    PROTOCOL_VERSION,
+    Bye,
+    Credit,
+    Flags,
+    MessageKind,
+    Reject,
+    Welcome,
+    encode_control,
+    pack_call_header,
+)
+from tensorrpc._server_protocol import AllRejected, Session, SessionEnded, SessionState
+
+from ..helpers import SPEC, EngineEnd, ProtocolPair
+
+K = MessageKind
+TOPOLOGIES = [pytest.param(False, id="client-dials"), pytest.param(True, id="engines-dial-in")]
+
+
+def session_of(end: EngineEnd) -> Session:
+    session = end.session
+    assert isinstance(session, Session)
+    return session
+
+
+def state_of(end: EngineEnd) -> SessionState:
+    return session_of(end).state
+
+
+def connected(*engines: str, **kw: Any) -> ProtocolPair:
+    pair = ProtocolPair(engines or ("e1",), **kw)
+    pair.connect()
+    return pair
+
+
+# -- handshake and refusals ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dial_in", TOPOLOGIES)
+def test_handshake_names_both_sessions_and_announces_both_bounds(dial_in: bool) -> None:
+    pair = ProtocolPair(
+        ("e1", "e2"),
+        dial_in=dial_in,
+        heartbeat=Heartbeat(0.5, 3.0),
+        engine_heartbeat=Heartbeat(1.0, 7.0),
+        stream_window=6,
+    )
+    pair.connect()
+    assert [type(e) for e in pair.events] == [EngineJoined, EngineJoined]
+    for engine_id in ("e1", "e2"):
+        engine = pair.client.engines.engines[engine_id]
+        session = pair[engine_id].session
+        assert session.state is SessionState.LIVE
+        # Each side knows the other's session epoch and bound.
+        assert engine.epoch == session.epoch != 0
+        assert session.client_epoch == engine.client_epoch != 0
+        assert engine.info.dead_after_ms == 7000
+        assert session.peer_dead_after_ms == 3000
+        assert session.client_id == "pair-client"
+        assert session.stream_window == 6
+        assert engine.info.methods == tuple(SPEC.methods)
+        assert engine.info.address == (None if dial_in else f"tcp://{engine_id}:7000")
+
+
+@pytest.mark.parametrize("dial_in", TOPOLOGIES)
+@pytest.mark.parametrize(
+    ("hello", "reason"),
+    [
+        ({"fingerprint": "0" * 16}, "fingerprint"),
+        ({"protocol_version": PROTOCOL_VERSION + 1}, "version"),
+        ({"service": "Other"}, "service"),
+    ],
+)
+def test_a_refused_hello_gets_a_reject_and_the_engine_stops(
+    dial_in: bool, hello: dict[str, Any], reason: str
+) -> None:
+    pair = ProtocolPair(("e1",), dial_in=dial_in, engine_settings={"hello": hello})
+    pair.flush()
+    refused = [e for e in pair.events if isinstance(e, EngineRefused)]
+    assert [(e.engine_id, e.reason, e.by_client) for e in refused] == [("e1", reason, True)]
+    assert pair["e1"].kinds() == [K.HELLO]
+    assert pair.client.engines.engines == {}
+    assert pair.client.engines.rejected["e1"].startswith(reason)
+    if dial_in:  # its only client refused it: the engine stops (serve raises)
+        assert [type(e) for e in pair["e1"].events] == [SessionEnded, AllRejected]
+        assert pair["e1"].session.state is SessionState.REJECTED
+        pair.run(10.0)
+        assert pair["e1"].kinds() == []  # it does not try again
+    else:  # a listening engine forgets the refused peer
+        assert pair["e1"].session is None
+
+
+def test_a_malformed_welcome_gets_a_reject_that_ends_the_clients_session() -> None:
+    pair = ProtocolPair(("e1",), dial_in=True)
+    pair.advance(0.0, deliver=False)
+    pair.deliver_to_client()  # HELLO -> the client queues WELCOME
+    end = pair["e1"]
+    assert [w.kind for w in pair.client_sent] == [K.WELCOME]
+    header, payload = end.inbox[0]
+    end.inbox[0] = [header, payload[:-3]]  # truncated on the way
+    pair.flush()
+    assert end.kinds()[-1] is K.REJECT
+    refused = [e for e in pair.events if isinstance(e, EngineRefused)]
+    assert [(e.reason, e.by_client) for e in refused] == [("protocol", False)]
+    assert "malformed WELCOME" in refused[0].message
+    assert pair.client.engines.engines == {}
+    assert isinstance(pair.lost()[0], EngineLost)
+
+
+# -- unary calls ---------------------------------------------------------------------------
+
+
+def test_unary_result_error_and_remote_exception_reach_their_callers() -> None:
+    pair = connected("e1")
+    ok, failed, unknown = pair.call("add", 1, 2), pair.call("add", 3, 4), pair.call("add", 5)
+    pair.flush()
+    end = pair["e1"]
+    first, second, third = end.take_all()
+    assert (first.call_id, second.call_id, third.call_id) == (ok.call_id, failed.call_id, 3)
+    end.reply(first, 3)
+    end.raised(second, ValueError("nope"))
+    end.error(third, ErrorCode.METHOD_NOT_FOUND, "no such method")
+    pair.flush()
+    assert pair.outcome(ok) == 3
+    with pytest.raises(RemoteError, match="nope") as info:
+        pair.outcome(failed)
+    assert info.value.remote_type == "ValueError"
+    with pytest.raises(MethodNotFoundError):
+        pair.outcome(unknown)
+    assert pair.client.calls.get(ok.call_id) is None
+    assert end.proto.in_flight() == 0
+    assert pair.client.engines.engines["e1"].calls == set()
+
+
+def test_an_unknown_method_is_refused_by_the_engines_admission() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    end = pair["e1"]
+    _header, *rest = end.inbox[0]
+    end.inbox[0] = [pack_call_header(call.call_id, "nope"), *rest]
+    pair.flush()
+    with pytest.raises(MethodNotFoundError, match="no method 'nope'"):
+        pair.outcome(call)
+    assert end.proto.in_flight() == 0
+
+
+def test_replies_are_routed_by_engine_and_call_id_and_a_late_one_is_dropped() -> None:
+    pair = connected("e1", "e2")
+    on_e1 = pair.call("add", 1, 1, engine="e1")
+    on_e2 = pair.call("add", 2, 2, engine="e2")
+    pair.flush()
+    assert on_e1.call_id != on_e2.call_id
+    (c1,) = pair["e1"].take_all()
+    (c2,) = pair["e2"].take_all()
+    pair["e2"].reply(c2, 4)
+    pair["e1"].reply(c1, 2)
+    pair.flush()
+    assert (pair.outcome(on_e1), pair.outcome(on_e2)) == (2, 4)
+    # A reply nobody waits for (e2 answering e1's call id again) changes nothing.
+    pair["e2"].proto.outbox.append((pair["e2"].key, encode_control(K.STREAM_END, None, 1), False))
+    pair._collect(pair["e2"])
+    pair.flush()
+    assert on_e1.state is CallState.REPLIED
+    assert pair.outcome(on_e1) == 2
+
+
+# -- streams and credit --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_a_stream_keeps_items_sent_within_window_plus_credit(window: int) -> None:
+    pair = connected("e1", stream_window=window)
+    stream = pair.call("count", 100)
+    pair.flush()
+    end = pair["e1"]
+    (call,) = end.take_all()
+    sent = taken = 0
+    credits = 0
+    for _ in range(40):
+        while end.item(call, sent):
+            sent += 1
+        credits_now = [w for w in pair.client_sent if w.kind is K.CREDIT]
+        credits = sum(w.body().n for w in credits_now)
+        assert sent <= window + credits  # the spec's inequality, at every step
+        pair.flush()
+        got = pair.items(stream)
+        assert got == list(range(taken, taken + len(got)))
+        taken += len(got)
+        pair.flush()
+    assert sent == taken >= 40
+    credit = stream.credit
+    assert credit is not None
+    assert credit.remaining >= 0
+    assert credit.granted == sum(w.body().n for w in pair.client_sent if w.kind is K.CREDIT)
+    end.end_stream(call)
+    pair.flush()
+    assert stream.state is CallState.REPLIED
+    assert stream.reply_kind is K.STREAM_END
+    assert end.proto.in_flight() == 0
+
+
+def test_a_stream_without_credit_parks_and_credit_wakes_it() -> None:
+    pair = connected("e1", stream_window=2)
+    stream = pair.call("count", 10)
+    pair.flush()
+    end = pair["e1"]
+    (call,) = end.take_all()
+    assert end.item(call, 0)
+    assert end.item(call, 1)
+    assert not end.item(call, 2)
+    assert end.proto.park(call) is None  # waits without holding a worker
+    assert end.proto.busy == 0
+    assert end.proto.in_flight() == 1
+    pair.flush()
+    pair.take_item(stream)  # half a window consumed: CREDIT(1) goes back
+    pair.flush()
+    assert call.credits == 1
+    assert call.parked
+    end.proto.unpark(call)
+    assert end.proto.busy == 1
+    assert end.item(call, 2)
+
+
+def test_window_zero_sends_no_item_before_the_first_credit() -> None:
+    pair = connected("e1")
+    stream = pair.call("count", 3)
+    end = pair["e1"]
+    pair.flush()
+    (call,) = end.take_all()
+    call.credits = 0  # as a WELCOME with stream_window 0 (a foreign client) leaves it
+    assert not end.item(call, 0)
+    end.inbox.append(encode_control(K.CREDIT, Credit(1), stream.call_id))
+    pair.flush()
+    assert end.item(call, 0)
+    assert not end.item(call, 1)
+
+
+def test_an_item_beyond_the_credit_fails_the_stream_and_cancels_it() -> None:
+    pair = connected("e1", stream_window=1)
+    stream = pair.call("count", 3)
+    pair.flush()
+    end = pair["e1"]
+    (call,) = end.take_all()
+    assert end.item(call, 0)
+    call.credits = 5  # an engine that breaks the rule
+    assert end.item(call, 1)
+    pair.flush()
+    assert stream.state is CallState.FAILED
+    assert isinstance(stream.error, RemoteProtocolError)
+    assert K.CANCEL in pair.client_kinds()
+    assert call.cancelled
+    assert not end.item(call, 2)
+    assert not end.end_stream(call)
+
+
+def test_closing_a_stream_early_stops_the_engine_and_drops_items_in_flight() -> None:
+    pair = connected("e1", stream_window=4)
+    stream = pair.call("count", 100)
+    pair.flush()
+    end = pair["e1"]
+    (call,) = end.take_all()
+    assert end.item(call, 0)
+    assert end.item(call, 1)
+    pair.flush()
+    assert pair.take_item(stream) == 0
+    assert end.item(call, 2)  # in flight while the consumer closes the stream
+    assert pair.cancel(stream)
+    assert stream.state is CallState.CANCELLED
+    pair.flush()
+    assert call.cancelled
+    assert not end.item(call, 3)
+    assert not end.end_stream(call)  # no final reply either
+    assert pair.client_kinds()[-1] is K.CANCEL
+    assert not pair.cancel(stream)  # one CANCEL only
+    assert pair.client_kinds() == []
+    assert end.proto.in_flight() == 0
+
+
+# -- cancel and deadlines ------------------------------------------------------------------
+
+
+def test_cancel_reaches_the_engine_and_the_handlers_result_is_not_sent() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    (running,) = pair["e1"].take_all()
+    pair.cancel(call)
+    pair.flush()
+    assert running.cancelled
+    assert not pair["e1"].reply(running, 3)
+    assert call.state is CallState.CANCELLED
+    assert K.RESULT not in pair["e1"].kinds()
+    assert pair["e1"].proto.in_flight() == 0
+
+
+def test_a_cancel_that_crosses_the_result_changes_nothing() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    (running,) = pair["e1"].take_all()
+    assert pair["e1"].reply(running, 3)  # on its way
+    pair.cancel(call)
+    pair.flush()  # the RESULT of an ended call is dropped; the CANCEL finds nothing
+    assert call.state is CallState.CANCELLED
+    assert pair["e1"].proto.errors_total == 0
+
+
+def test_a_deadline_travels_with_the_call_and_is_kept_on_the_engines_clock() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2, timeout_ms=1500)
+    pair.advance(0.25)  # delivered a little later
+    (running,) = pair["e1"].take_all()
+    assert running.deadline == pytest.approx(pair.now + 1.5)
+    # The engine's shell cancels the handler at the deadline and says so.
+    pair.advance(1.5)
+    assert pair["e1"].error(running, ErrorCode.DEADLINE_EXCEEDED, "ran past its deadline")
+    pair.flush()
+    with pytest.raises(CallTimeoutError, match="past its deadline"):
+        pair.outcome(call)
+
+
+def test_a_caller_that_times_out_first_cancels_and_the_late_reply_is_dropped() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2, timeout_ms=100)
+    pair.flush()
+    (running,) = pair["e1"].take_all()
+    pair.advance(0.1, deliver=False)
+    pair.cancel(call)  # the caller's own timeout
+    assert pair["e1"].error(running, ErrorCode.DEADLINE_EXCEEDED)  # crosses the CANCEL
+    pair.flush()
+    assert call.state is CallState.CANCELLED
+    assert pair.client.engines.engines["e1"].calls == set()
+
+
+# -- liveness ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dial_in", TOPOLOGIES)
+@pytest.mark.parametrize(
+    ("client", "engine"),
+    [
+        (Heartbeat(1.0, 5.0), Heartbeat(1.0, 5.0)),
+        (Heartbeat(2.0, 10.0), Heartbeat(0.1, 0.5)),  # the engine's bound is short
+        (Heartbeat(0.1, 0.5), Heartbeat(2.0, 10.0)),  # the client's bound is short
+    ],
+)
+def test_each_side_pings_often_enough_for_the_others_bound(
+    dial_in: bool, client: Heartbeat, engine: Heartbeat
+) -> None:
+    pair = ProtocolPair(("e1",), dial_in=dial_in, heartbeat=client, engine_heartbeat=engine)
+    pair.connect()
+    call = pair.call("add", 1, 2)
+    pair.run(30.0, step=0.05)
+    assert pair.lost() == []
+    assert pair["e1"].session.state is SessionState.LIVE
+    assert not call.ended  # a long call survives on heartbeats alone
+    assert [e for e in pair["e1"].events if isinstance(e, SessionEnded)] == []
+
+
+@pytest.mark.parametrize("nonce", [0, 1, 2**32 - 1])
+def test_a_ping_with_any_nonce_gets_a_pong_echoing_it_and_keeps_the_session(nonce: int) -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    end = pair["e1"]
+    pair.advance(1.0)  # (at most one HELLO per heartbeat interval)
+    end.kinds()
+    end.inbox.append(encode_control(K.PING, None, nonce))
+    pair.flush()
+    pongs = [w for w in end.sent if w.kind is K.PONG]
+    assert [w.call_id for w in pongs] == [nonce]
+    if nonce == 0:  # the hello request: the same HELLO again, answered by the same WELCOME
+        assert K.HELLO in end.kinds()
+    assert pair.lost() == []
+    assert not call.ended
+    assert end.session.state is SessionState.LIVE
+    # and the engine answers the client's heartbeat PINGs the same way
+    pair.advance(1.0)
+    assert any(isinstance(e, Pong) for e in pair.events)
+
+
+def test_a_frozen_engine_is_declared_dead_then_rejoins_with_a_new_session() -> None:
+    pair = connected("e1", heartbeat=Heartbeat(0.2, 1.0))
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    end = pair["e1"]
+    end.take_all()
+    end.frozen = True  # SIGSTOP: the connection stays, nothing is read or sent
+    pair.run(1.2, step=0.1)
+    (lost,) = pair.lost()
+    assert call.state is CallState.FAILED
+    assert isinstance(call.error, EngineDeadError)
+    assert lost.calls == (call,)
+    assert "e1" not in pair.client.engines.engines
+    end.frozen = False  # SIGCONT: it reads the backlog and finds its client silent
+    pair.run(6.0, step=0.1)
+    engine = pair.client.engines.engines["e1"]
+    assert engine.epoch == end.session.epoch
+    assert end.session.state is SessionState.LIVE
+    assert [type(e) for e in pair.events].count(EngineJoined) == 2
+
+
+def test_a_stalled_client_loses_its_sessions_and_learns_it_when_it_wakes() -> None:
+    pair = connected("e1", engine_heartbeat=Heartbeat(0.2, 1.0))
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    end = pair["e1"]
+    (running,) = end.take_all()
+    # The client's loop stalls for 3 s: the engine hears nothing and ends the session.
+    for _ in range(30):
+        pair.now += 0.1
+        end.proto.tick(pair.now)
+        pair._collect(end)
+    assert running.cancelled
+    assert end.session is None
+    assert not end.reply(running, 3)  # no reply for a call of a lost session
+    # The client wakes: its first look at the engine says it was forgotten.
+    pair.advance(0.0)
+    assert call.state is CallState.FAILED
+    assert isinstance(call.error, EngineDeadError)
+    assert "lost this client's session" in str(call.error)
+    pair.run(3.0)  # and it joins again
+    assert pair.client.engines.engines["e1"].epoch == session_of(end).epoch
+
+
+@pytest.mark.parametrize("dial_in", TOPOLOGIES)
+def test_a_restart_under_the_same_id_fails_the_old_calls_at_once(dial_in: bool) -> None:
+    pair = connected("e1", dial_in=dial_in, heartbeat=Heartbeat(0.5, 30.0))
+    calls = [pair.call("add", 1, 2), pair.call("count", 3)]
+    pair.flush()
+    old_epoch = pair.client.engines.engines["e1"].epoch
+    pair["e1"].restart()  # kill -9, then a new process with the same id
+    pair.run(1.0, step=0.1)  # far below the client's 30 s bound
+    for call in calls:
+        assert call.state is CallState.FAILED
+        assert isinstance(call.error, EngineDeadError)
+    (lost,) = pair.lost()
+    assert set(lost.calls) == set(calls)
+    engine = pair.client.engines.engines["e1"]
+    assert engine.epoch != old_epoch
+    assert engine.epoch == pair["e1"].session.epoch
+    fresh = pair.call("add", 2, 2)
+    pair.flush()
+    (running,) = pair["e1"].take_all()
+    pair["e1"].reply(running, 4)
+    pair.flush()
+    assert pair.outcome(fresh) == 4
+
+
+def test_a_repeated_hello_of_the_same_session_keeps_the_calls() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    end = pair["e1"]
+    end.proto.outbox.append((end.key, end.session.hello_frames, True))  # a re-sent HELLO
+    pair._collect(end)
+    pair.flush()
+    assert pair.lost() == []
+    assert not call.ended
+    assert [w.kind for w in pair.client_sent].count(K.WELCOME) == 2
+
+
+def test_an_impostor_cannot_displace_a_live_engine() -> None:
+    pair = connected("e1", dial_in=True)
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    pair.add_engine("impostor", "e1")  # claims the live id from another connection
+    pair.flush()
+    refused = [e for e in pair.events if isinstance(e, EngineRefused)]
+    assert [e.reason for e in refused] == ["duplicate_id"]
+    assert not call.ended
+    (running,) = pair["e1"].take_all()
+    pair["e1"].reply(running, 3)
+    pair.flush()
+    assert pair.outcome(call) == 3
+
+
+# -- BYE and drain -------------------------------------------------------------------------
+
+
+def test_an_engines_bye_fails_its_calls_at_once() -> None:
+    pair = connected("e1", "e2")
+    on_e1, on_e2 = pair.call("add", 1, 2, engine="e1"), pair.call("add", 1, 2, engine="e2")
+    pair.flush()
+    pair["e1"].proto.goodbye()
+    pair._collect(pair["e1"])
+    pair.flush()
+    assert on_e1.state is CallState.FAILED
+    assert isinstance(on_e1.error, EngineDeadError)
+    assert "said BYE" in str(on_e1.error)
+    assert not on_e2.ended
+
+
+def test_after_the_clients_bye_a_dial_in_engine_waits_until_it_speaks() -> None:
+    pair = connected("e1", dial_in=True)
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    (running,) = pair["e1"].take_all()
+    (ended,) = pair.client.close(pair.now)
+    assert ended is call
+    pair.flush()
+    end = pair["e1"]
+    assert end.session.state is SessionState.PARTED
+    assert running.cancelled
+    end.kinds()
+    pair.run(3.0)  # below dead_after: no HELLO to a client that said BYE
+    assert K.HELLO not in end.kinds()
+    end.inbox.append(encode_control(K.PING, None, 5))  # it speaks again
+    pair.flush()
+    assert end.kinds()[-1] is K.HELLO
+    assert state_of(end) is SessionState.GREETING
+
+
+def test_drain_answers_new_calls_draining_lets_running_ones_finish_and_says_bye() -> None:
+    pair = connected("e1")
+    running_call = pair.call("add", 1, 2)
+    pair.flush()
+    end = pair["e1"]
+    (running,) = end.take_all()
+    end.proto.start_drain()
+    refused = pair.call("add", 3, 4)
+    pair.flush()
+    with pytest.raises(DrainingError, match="shutting down"):
+        pair.outcome(refused)
+    end.reply(running, 3)  # a running call finishes within the grace period
+    pair.flush()
+    assert pair.outcome(running_call) == 3
+    late = pair.call("add", 5, 6)
+    end.proto.draining = False  # (admitted just before the drain, say)
+    pair.flush()
+    end.proto.start_drain()
+    (stuck,) = end.take_all()
+    end.proto.stop_all()  # the grace period is over
+    pair._collect(end)
+    assert stuck.shutdown
+    assert end.error(stuck, ErrorCode.DRAINING, "shut down before it finished")
+    end.proto.goodbye()
+    pair._collect(end)
+    pair.flush()
+    with pytest.raises(DrainingError):
+        pair.outcome(late)
+    assert "e1" not in pair.client.engines.engines
+    assert "said BYE" in pair.lost()[0].why
+
+
+# -- overload ------------------------------------------------------------------------------
+
+
+def test_a_full_engine_answers_overloaded_and_a_retry_succeeds_once_it_has_room() -> None:
+    pair = connected("e1", engine_settings={"max_concurrency": 1, "max_queued": 1})
+    first, second, third = pair.call("add", 1, 1), pair.call("add", 2, 2), pair.call("add", 3, 3)
+    pair.flush()
+    with pytest.raises(OverloadedError, match="is full"):
+        pair.outcome(third)
+    end = pair["e1"]
+    assert end.proto.overloaded == 1
+    (running,) = [end.next_call()]
+    assert running is not None
+    end.reply(running, 2)
+    retry = pair.call("add", 3, 3)  # the client's retry after its backoff
+    pair.flush()
+    queued, retried = end.take_all()
+    assert (queued.call_id, retried.call_id) == (second.call_id, retry.call_id)
+    end.reply(queued, 4)
+    end.reply(retried, 6)
+    pair.flush()
+    assert [pair.outcome(c) for c in (first, second, retry)] == [2, 4, 6]
+
+
+def test_no_wait_is_refused_while_every_worker_is_busy() -> None:
+    pair = connected("e1", engine_settings={"max_concurrency": 1, "max_queued": 8})
+    pair.call("add", 1, 1)
+    pair.flush()
+    pair["e1"].take_all()
+    waiting, hasty = pair.call("add", 2, 2), pair.call("add", 3, 3, no_wait=True)
+    pair.flush()
+    assert not waiting.ended
+    with pytest.raises(OverloadedError, match="busy"):
+        pair.outcome(hasty)
+
+
+def test_the_client_holds_calls_beyond_its_in_flight_limit() -> None:
+    pair = connected("e1", max_in_flight=2)
+    pair.call("add", 1, 1)
+    pair.call("add", 2, 2)
+    assert pair.client.select("e1") is None  # the shell waits for capacity
+    pair.flush()
+    call = pair["e1"].next_call()
+    assert call is not None
+    pair["e1"].reply(call, 2)
+    pair.flush()
+    assert pair.client.select("e1") is not None
+
+
+# -- protocol errors -----------------------------------------------------------------------
+
+
+def test_a_reused_call_id_gets_one_protocol_error_and_no_result() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    end = pair["e1"]
+    end.inbox.append(list(end.inbox[0]))  # the same CALL twice
+    pair.flush()
+    (original,) = end.take_all()
+    assert original.cancelled
+    assert not end.reply(original, 3)
+    pair.flush()
+    errors = [w for w in end.sent if w.kind is K.ERROR]
+    assert [w.call_id for w in errors] == [call.call_id]
+    with pytest.raises(RemoteProtocolError, match="already in flight"):
+        pair.outcome(call)
+    assert K.RESULT not in [w.kind for w in end.sent]
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda h: h[:4] + b"\x00\x80" + h[6:], id="unknown-flag"),
+        pytest.param(lambda h: h[:6] + b"\x01\x00" + h[8:], id="reserved-bits"),
+        pytest.param(lambda h: h[:2] + bytes([h[2] + 1]) + h[3:], id="wrong-version"),
+    ],
+)
+def test_every_readable_call_id_gets_an_answer(corrupt: Any) -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    end = pair["e1"]
+    header, *rest = end.inbox[0]
+    end.inbox[0] = [corrupt(bytes(header)), *rest]
+    pair.flush()
+    assert call.state is CallState.REPLIED  # answered, not left to its timeout
+    with pytest.raises(RemoteProtocolError):
+        pair.outcome(call)
+    assert end.proto.in_flight() == 0
+
+
+def test_a_call_before_the_handshake_is_answered_with_a_protocol_error() -> None:
+    pair = ProtocolPair(("e1",))
+    end = pair["e1"]
+    end.inbox.clear()  # the hello request is lost
+    end.inbox.append([pack_call_header(9, "add"), b"\x92\x01\x02"])
+    pair.deliver_to_engine("e1")
+    (error,) = end.sent
+    assert (error.kind, error.call_id) == (K.ERROR, 9)
+    assert error.body().code == ErrorCode.PROTOCOL
+
+
+def test_a_reject_from_the_engine_ends_the_session_and_is_remembered() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    pair.flush()
+    end = pair["e1"]
+    end.proto.outbox.append((end.key, encode_control(K.REJECT, Reject("other", "go away")), False))
+    pair._collect(end)
+    pair.flush()
+    assert isinstance(call.error, EngineDeadError)
+    assert pair.client.engines.rejected["e1"].startswith("other")
+
+
+def test_a_new_client_session_cancels_the_engines_calls_of_the_old_one() -> None:
+    pair = connected("e1")
+    pair.call("add", 1, 2)
+    pair.flush()
+    end = pair["e1"]
+    (running,) = end.take_all()
+    end.inbox.append(encode_control(K.WELCOME, Welcome("pair-client", "h", epoch=999)))
+    pair.flush()
+    assert running.cancelled
+    assert end.session.client_epoch == 999
+    assert not end.reply(running, 3)
+
+
+def test_stream_flag_mismatch_is_refused() -> None:
+    pair = connected("e1")
+    call = pair.call("add", 1, 2)
+    end = pair["e1"]
+    _header, *rest = end.inbox[0]
+    end.inbox[0] = [pack_call_header(call.call_id, "add", int(Flags.STREAM)), *rest]
+    pair.flush()
+    with pytest.raises(Exception, match="must be called as a unary call"):
+        pair.outcome(call)
+
+
+@pytest.mark.parametrize("dial_in", TOPOLOGIES)
+def test_a_parked_stream_of_an_ended_session_counts_in_flight_until_its_worker_is_done(
+    dial_in: bool,
+) -> None:
+    pair = connected("e1", dial_in=dial_in, stream_window=1)
+    pair.call("count", 5)
+    pair.flush()
+    end = pair["e1"]
+    (call,) = end.take_all()
+    assert end.item(call, 0)
+    assert not end.item(call, 1)
+    assert end.proto.park(call) is None
+    assert end.proto.in_flight() == 1
+    end.inbox.append(encode_control(K.BYE, Bye("closed")))  # the session ends
+    pair.flush()
+    assert call.cancelled
+    assert end.proto.in_flight() == 1  # its worker still waits on it
+    end.proto.unpark(call)  # woken: cancelled
+    assert not end.end_stream(call)
+    assert end.proto.in_flight() == 0
