@@ -146,7 +146,27 @@ class _Runner:
             self._thread.join(timeout=CLOSE_TIMEOUT)
 
 
-class BlockingStream(Generic[T]):
+class _ClosesOnExit:
+    """``with obj:`` returns ``obj`` and calls ``obj.close()`` on the way out."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class BlockingStream(_ClosesOnExit, Generic[T]):
     """The items of one streaming call as a plain iterator (and context manager).
 
     The call is sent on the first ``next()``. Leave early with ``close()`` or by leaving
@@ -188,16 +208,10 @@ class BlockingStream(Generic[T]):
         if not self._runner.closed:
             self._runner.run(self._stream.aclose)
 
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+def _open_stream(runner: _Runner, make: Callable[[], CallStream[T]]) -> BlockingStream[T]:
+    """Make a stream on the loop's thread (it sends nothing yet) and wrap it."""
+    return BlockingStream(runner, runner.run_sync(make))
 
 
 class BlockingCallView(Generic[S]):
@@ -342,8 +356,7 @@ class BlockingCallView(Generic[S]):
             ClosedError: The client is closed.
         """
         view = self._view
-        stream = self._runner.run_sync(functools.partial(view.stream, method, *args, **kwargs))
-        return BlockingStream(self._runner, stream)
+        return _open_stream(self._runner, functools.partial(view.stream, method, *args, **kwargs))
 
     def broadcast(self, method: str, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call a unary method on every live engine concurrently; ``{engine id: result}``.
@@ -392,8 +405,7 @@ class BlockingCallView(Generic[S]):
             The stream of items, a plain iterator.
         """
         view = self._view
-        stream = self._runner.run_sync(functools.partial(view.stream_by_name, method, arguments))
-        return BlockingStream(self._runner, stream)
+        return _open_stream(self._runner, functools.partial(view.stream_by_name, method, arguments))
 
 
 class BlockingStub(Generic[S]):
@@ -438,8 +450,7 @@ class _BlockingStub(BlockingStub[Any]):
         if method.streaming:
 
             def fn(*args: Any, **kwargs: Any) -> BlockingStream[Any]:
-                stream = runner.run_sync(functools.partial(async_fn, *args, **kwargs))
-                return BlockingStream(runner, stream)
+                return _open_stream(runner, functools.partial(async_fn, *args, **kwargs))
 
         else:
 
@@ -456,7 +467,7 @@ class _BlockingStub(BlockingStub[Any]):
         return f"<blocking {self._async_stub!r}>"
 
 
-class BlockingClient(BlockingCallView[S]):
+class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     """A blocking [`Client`][tensorrpc.Client] for scripts, notebooks and sync code.
 
     It runs an ordinary async client on an event loop in a background thread and waits
@@ -546,17 +557,6 @@ class BlockingClient(BlockingCallView[S]):
     def closed(self) -> bool:
         """True once the client is closed."""
         return self._runner.closed
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- state ------------------------------------------------------------------------------
 

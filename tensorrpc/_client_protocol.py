@@ -42,6 +42,7 @@ from tensorrpc._engines import (
     Engine,
     EngineInfo,
     EngineTable,
+    Rejoins,
     ShmCapability,
     check_hello,
 )
@@ -347,12 +348,9 @@ class ClientProtocol:
         self.outbox: list[list[bytes]] = []
         #: Events found while handling a message whose own event was already returned.
         self.pending: collections.deque[Event] = collections.deque()
-        #: Engine id -> until when callers wait for it to come back. An engine that
-        #: forgot this client's session (the client stalled) is greeted again at once;
-        #: the calls not yet sent to it wait for that instead of failing. ``None``: the
-        #: wait (our ``dead_after``) starts at the next `expire_rejoins`, since the loop
-        #: that found the loss may still be busy (with the very calls that stalled it).
-        self.rejoining: dict[str, float | None] = {}
+        #: Engines that forgot this client's session (the client stalled) and are greeted
+        #: again at once: the calls not yet sent to them wait for that instead of failing.
+        self.rejoining = Rejoins(config.heartbeat.dead_after)
         self.closed = False
 
     # -- output ---------------------------------------------------------------------------
@@ -425,13 +423,11 @@ class ClientProtocol:
 
         Args:
             engine_id: The engine the call targets, or ``None`` to balance.
-            now: The clock. With it, an engine that this client left without a message
-                for longer than the engine's bound (the client's loop stalled, e.g. while
-                it started many calls) has forgotten the session: it is ended here (an
-                `EngineLost` in `pending`) rather than sent a call, and the caller
-                waits for it to rejoin (see `rejoining`).
+            now: The clock. An engine we left silent past its bound (our loop stalled)
+                forgot the session: it is ended here (`EngineLost` in `pending`), not
+                sent a call, and the caller waits for it to rejoin (`rejoining`).
             woken: The caller was woken from the capacity queue (it does not queue
-                behind the others again).
+                again).
 
         Raises:
             EngineNotFoundError: As `EngineTable.select`, unless the engine (or, to
@@ -444,24 +440,12 @@ class ClientProtocol:
             try:
                 engine = engines.select(engine_id)
             except EngineNotFoundError:
-                if self._expected(engine_id, now):
+                if self.rejoining.expected(engine_id, now):
                     return None
                 raise
             if engine is None or now is None or not _forgot_us(engine, now):
                 return engine
             self.pending.append(self._forgotten(engine, now))
-
-    def _expected(self, engine_id: str | None, now: float | None) -> bool:
-        """Whether ``engine_id`` (None: any engine) is expected to rejoin at ``now``."""
-        rejoining = self.rejoining
-        if not rejoining or now is None:
-            return False
-        if engine_id is None:
-            return any(until is None or until > now for until in rejoining.values())
-        if engine_id not in rejoining:
-            return False
-        until = rejoining[engine_id]
-        return until is None or until > now
 
     def stranded(self, engine_id: str, now: float) -> list[Any]:
         """The capacity waiters to wake because ``engine_id`` left (they then re-select).
@@ -469,9 +453,10 @@ class ClientProtocol:
         Its targeted waiters, and every waiter when no engine is left, unless it (or
         another engine) is expected to rejoin.
         """
-        if self._expected(engine_id, now):
+        rejoining = self.rejoining
+        if rejoining.expected(engine_id, now):
             return []
-        none_left = not self.engines.engines and not self._expected(None, now)
+        none_left = not self.engines.engines and not rejoining.expected(None, now)
         return self.capacity.lost(engine_id, none_left=none_left)
 
     def expire_rejoins(self, now: float) -> list[Any]:
@@ -481,14 +466,9 @@ class ClientProtocol:
         runs timers again (and can send hello requests and read HELLOs).
         """
         woken: list[Any] = []
-        rejoining = self.rejoining
-        for engine_id, until in list(rejoining.items()):
-            if until is None:
-                rejoining[engine_id] = now + self.config.heartbeat.dead_after
-            elif until <= now:
-                del rejoining[engine_id]
-                if engine_id not in self.engines.engines:
-                    woken += self.stranded(engine_id, now)
+        for engine_id in self.rejoining.expire(now):
+            if engine_id not in self.engines.engines:
+                woken += self.stranded(engine_id, now)
         return woken
 
     def start_call(
@@ -695,7 +675,7 @@ class ClientProtocol:
         if pending:  # torch_shm once its PROOF verifies (pid -1: waiting for it)
             engine.shm = ShmCapability(pid=-1, to_engine=False, from_engine=False)
         self.engines.add(engine)
-        self.rejoining.pop(info.engine_id, None)
+        self.rejoining.rejoined(info.engine_id)
         dial = self._dials.get(peer)
         if dial is not None:
             dial.backoff.reset()
@@ -767,7 +747,7 @@ class ClientProtocol:
         return EngineLost(engine, why, tuple(calls))
 
     def _forgotten(self, engine: Engine, now: float) -> EngineLost:
-        self.rejoining[engine.engine_id] = None
+        self.rejoining.forgotten(engine.engine_id)
         return self._lose(
             engine,
             f"lost this client's session: nothing was sent to it for {now - engine.sent:.1f} s, "
@@ -824,8 +804,7 @@ class ClientProtocol:
         for alias, dial in self._dials.items():
             if self.engines.by_peer(alias) is None:
                 due = min(due, dial.due)
-        for until in self.rejoining.values():
-            due = min(due, now if until is None else until)
+        due = min(due, self.rejoining.due(now))
         return max(_MIN_TICK_S, due - now)
 
     def close(self, now: float) -> list[Call]:

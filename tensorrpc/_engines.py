@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -39,6 +40,7 @@ __all__ = [
     "EngineInfo",
     "EngineTable",
     "PastEngine",
+    "Rejoins",
     "ShmCapability",
     "check_hello",
     "schema_diff",
@@ -454,6 +456,61 @@ class EngineTable:
             engine = self._engines.get(engine_id)
             return engine is None or len(engine.calls) < self.max_in_flight
         return not self._order or any(len(e.calls) < self.max_in_flight for e in self._order)
+
+
+class Rejoins:
+    """Engines expected back after they forgot this client's session (the client stalled).
+
+    An entry's wait starts at the first `expire` after the loss, since the loop that
+    found the loss may still be busy (with the very calls that stalled it); ``None``
+    marks a wait not started yet.
+
+    Args:
+        wait: Seconds to wait for each engine (the client's ``dead_after``).
+    """
+
+    __slots__ = ("_wait", "until")
+
+    def __init__(self, wait: float) -> None:
+        self._wait = wait
+        #: Engine id -> until when callers wait for it (None: not started).
+        self.until: dict[str, float | None] = {}
+
+    def forgotten(self, engine_id: str) -> None:
+        """``engine_id`` forgot the session: wait for it to rejoin."""
+        self.until[engine_id] = None
+
+    def rejoined(self, engine_id: str) -> None:
+        """``engine_id`` is live again."""
+        self.until.pop(engine_id, None)
+
+    def expected(self, engine_id: str | None, now: float | None) -> bool:
+        """Whether ``engine_id`` (None: any engine) is expected back at ``now``."""
+        until = self.until
+        if not until or now is None:
+            return False
+        if engine_id is None:
+            return any(t is None or t > now for t in until.values())
+        if engine_id not in until:
+            return False
+        t = until[engine_id]
+        return t is None or t > now
+
+    def expire(self, now: float) -> list[str]:
+        """Start the waits not started; end those past due: their engine ids."""
+        until = self.until
+        gone: list[str] = []
+        for engine_id, t in list(until.items()):
+            if t is None:
+                until[engine_id] = now + self._wait
+            elif t <= now:
+                del until[engine_id]
+                gone.append(engine_id)
+        return gone
+
+    def due(self, now: float) -> float:
+        """When `expire` has something to do (``inf``: nothing)."""
+        return min((now if t is None else t for t in self.until.values()), default=math.inf)
 
 
 class CapacityWaiters:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tensorrpc._client import _RefusalLog
+from tensorrpc._client_io import RefusalLog as _RefusalLog
 from tensorrpc._client_protocol import EngineRefused
 
 

@@ -31,10 +31,10 @@ def test_a_new_call_after_a_stall_is_not_sent_to_the_engine_that_forgot_us() -> 
     assert not protocol.engines.engines
     # it has our dead_after (5 s) to come back, counted from the next timer run: the loop
     # that found the loss may be busy for a while yet (with the calls that stalled it)
-    assert protocol.rejoining == {"e1": None}
+    assert protocol.rejoining.until == {"e1": None}
     assert protocol.next_tick(10.0) == pytest.approx(0.0005)
     assert protocol.expire_rejoins(19.0) == []
-    assert protocol.rejoining == {"e1": 24.0}
+    assert protocol.rejoining.until == {"e1": 24.0}
     assert kinds(protocol) == []  # no CALL, and nothing else, to the engine
 
 
@@ -53,7 +53,7 @@ def test_callers_wait_through_the_rejoin_instead_of_failing() -> None:
     assert protocol.next_tick(10.1) <= 5.0
     event = protocol.receive(b"p", hello("e1", epoch=8, dead_after_ms=2000), 11.0)
     assert isinstance(event, EngineJoined)
-    assert protocol.rejoining == {}
+    assert protocol.rejoining.until == {}
     assert protocol.capacity.joined("e1", 8) == ["targeted", "first"]
     assert protocol.select(None, 11.1, woken=True) is event.engine
     assert protocol.expire_rejoins(100.0) == []
@@ -81,7 +81,7 @@ def test_waiters_fail_when_the_engine_does_not_rejoin_in_time() -> None:
     assert protocol.expire_rejoins(10.0) == []  # the wait starts: until 15.0
     assert protocol.expire_rejoins(14.9) == []
     assert sorted(protocol.expire_rejoins(15.0)) == ["any", "targeted"]
-    assert protocol.rejoining == {}
+    assert protocol.rejoining.until == {}
     with pytest.raises(EngineNotFoundError):
         protocol.select(None, 15.0, woken=True)
     with pytest.raises(EngineNotFoundError):

@@ -1,0 +1,473 @@
+"""The client's calls: admission, sending, replies, retries, streams and broadcast.
+
+`CallRunner` runs each call in its caller's task: it waits for an in-flight slot
+(`ClientProtocol.select`, woken one per freed slot), encodes the arguments once an
+engine is chosen, sends the CALL zero-copy, waits for the reply and decodes it; it retries
+an engine's OVERLOADED refusal and falls back from torch_shm to frames. The socket,
+the reader and the wake-ups belong to `tensorrpc._client_io.ClientIO`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from tensorrpc import _codec, _observe
+from tensorrpc._client_protocol import Dropped, reply_error
+from tensorrpc._exceptions import (
+    BroadcastError,
+    CallTimeoutError,
+    ClosedError,
+    EngineDeadError,
+    MethodNotFoundError,
+    OverloadedError,
+    PeerUnreachableError,
+    TensorRPCError,
+    TensorTransportError,
+)
+from tensorrpc._protocol import Flags, MessageKind, pack_call_header
+from tensorrpc._service import schemaless_method
+from tensorrpc._views import CallOptions
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from typing_extensions import Buffer
+
+    from tensorrpc._calls import Call
+    from tensorrpc._client_io import ClientIO
+    from tensorrpc._client_protocol import ClientProtocol
+    from tensorrpc._client_transfers import Transfers
+    from tensorrpc._engines import Engine, EngineInfo
+    from tensorrpc._service import MethodSpec, ServiceSpec
+
+__all__ = ["CallRunner"]
+
+_RESULT = MessageKind.RESULT
+_ERROR = MessageKind.ERROR
+_U32_MAX = 0xFFFF_FFFF
+# Back-off between retries of a call an engine refused as OVERLOADED (wait=True only).
+_RETRY_MIN_S = 0.001
+_RETRY_MAX_S = 0.05
+_STREAM_FLAG = int(Flags.STREAM)
+_NO_WAIT_FLAG = int(Flags.NO_WAIT)
+_monotonic = time.monotonic
+
+
+class CallRunner:
+    """Runs the calls of one client (each in its caller's task).
+
+    Args:
+        io: The client's I/O loop (socket, waiters, wake-ups).
+        spec: The service the client calls.
+        schemaless: The client was made by `Client.dynamic`.
+    """
+
+    __slots__ = ("_io", "_protocol", "_schemaless", "_spec", "_transfers", "retries")
+
+    def __init__(self, io: ClientIO, spec: ServiceSpec, *, schemaless: bool) -> None:
+        self._io = io
+        self._protocol: ClientProtocol = io.protocol
+        self._transfers: Transfers = io.transfers
+        self._spec = spec
+        self._schemaless = schemaless
+        #: Calls retried after an engine's OVERLOADED refusal.
+        self.retries = 0
+
+    def method(self, method: Callable[..., Any], *, streaming: bool) -> MethodSpec:
+        name = getattr(method, "__name__", None)
+        spec = self._spec.methods.get(name) if isinstance(name, str) else None
+        if spec is None:
+            raise TypeError(f"{method!r} is not an rpc method of service {self._spec.name!r}")
+        if spec.streaming != streaming:
+            use = "client.stream()" if spec.streaming else "client.call()"
+            raise TypeError(
+                f"{spec.qualname} is {'a' if spec.streaming else 'not a'} "
+                f"streaming method: use {use}"
+            )
+        return spec
+
+    def by_name(
+        self,
+        name: str,
+        arguments: Mapping[str, Any],
+        options: CallOptions,
+        *,
+        streaming: bool,
+    ) -> tuple[MethodSpec, _codec.Encoded | None]:
+        """The spec for a by-name call, and (schemaless) its pre-encoded argument map."""
+        self._io.check_open()
+        if not self._schemaless:
+            return _typed_by_name(self._spec, name, streaming=streaming), None
+        engines = self._protocol.engines.engines
+        if options.engine is not None:
+            target = engines.get(options.engine)
+            infos = [] if target is None else [target.info]
+        else:
+            infos = [engine.info for engine in engines.values()]
+        spec = _schemaless_by_name(infos, name, streaming=streaming)
+        for key in arguments:
+            if not isinstance(key, str):
+                raise TypeError(f"argument names must be str, got {key!r}")
+        return spec, self._transfers.encode(spec, dict(arguments), None)
+
+    async def _acquire(self, options: CallOptions) -> Engine:
+        """Pick an engine with a free in-flight slot, waiting for one if allowed.
+
+        A waiter is woken once per slot freed for it; one woken that finds the slot
+        taken (by a caller that never queued) queues again.
+        """
+        protocol = self._protocol
+        waiters = self._io.waiters
+        assert waiters is not None
+        target = options.engine
+        engine = self._select(target, woken=False)
+        while engine is None:
+            self._io.check_open()
+            if not options.wait:
+                live = protocol.engines.engines
+                if (target is None and not live) or (target is not None and target not in live):
+                    protocol.engines.select(target)  # not live (yet): EngineNotFoundError
+                what = f"engine {target!r}" if target else "every engine"
+                raise OverloadedError(
+                    f"{what} has {protocol.engines.max_in_flight} calls in flight "
+                    "(max_in_flight) and wait=False"
+                )
+            token = waiters.new()
+            protocol.capacity.add(target, token)
+            try:
+                await waiters.wait(token)
+            except BaseException:
+                protocol.capacity.discard(target, token)
+                if waiters.woken(token):  # given a slot we leave unused: pass it on
+                    self._io.wake_all(protocol.capacity.released(target))
+                raise
+            self._io.check_open()
+            engine = self._select(target, woken=True)
+        return engine
+
+    def _select(self, target: str | None, *, woken: bool) -> Engine | None:
+        """`ClientProtocol.select` now, acting on the sessions it found forgotten."""
+        protocol = self._protocol
+        engine = protocol.select(target, _monotonic(), woken=woken)
+        if protocol.pending or protocol.outbox:
+            self._io.events()
+        return engine
+
+    async def _start(
+        self,
+        spec: MethodSpec,
+        wire: list[Any] | None,
+        encoded: _codec.Encoded | None,
+        options: CallOptions,
+        deadline: float | None,
+        flags: int,
+    ) -> Call:
+        """Pick an engine, enter the call in the table and send the CALL."""
+        if self._io.orphans:
+            self._io.reap_orphans()
+        self._io.check_open()
+        engine = self._select(options.engine, woken=False)
+        if engine is None:
+            engine = await self._acquire(options)
+        transfers = self._transfers
+        placer = None
+        if encoded is not None:
+            # Encoded before an engine was chosen (by name, broadcast): check its limit.
+            transfers.check_sizes(spec, encoded, engine)
+        else:
+            placer = transfers.placer(options, engine)
+            try:
+                encoded = transfers.encode(spec, wire, engine, placer)
+            except BaseException:
+                if placer is not None:
+                    placer.abort()
+                raise
+        assert self._io.waiters is not None
+        self._io.release_held(engine)  # results freed since: the engine may reuse them
+        now = _monotonic()
+        call = self._protocol.start_call(
+            engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now
+        )
+        if placer is not None:
+            call.lease = placer.lease
+            call.placed = (placer.placed, placer.placed_bytes)
+        flags |= transfers.result_flags(options, engine)
+        transfers.policy.sent_frames(encoded.buffers)
+        timeout_ms = 0
+        if deadline is not None:
+            timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
+        header = pack_call_header(call.call_id, spec.name, flags, timeout_ms)
+        if self._io.observer is not None:  # observe: a CALL goes out (may add trace context)
+            nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
+            call.observed, header = _observe.client_call(
+                self._io.observer, header, spec.name, engine.engine_id, engine.info.features,
+                bool(flags & _STREAM_FLAG), nbytes, call.placed[0], len(encoded.buffers),
+            )  # fmt: skip
+        frames = [engine.peer, header, encoded.payload, *encoded.buffers]
+        await self._send_call(call, frames, encoded)
+        return call
+
+    async def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> None:
+        """Send a CALL zero-copy; waits (bounded by the caller's scope) only on a full pipe."""
+        engine = call.engine
+        nbytes = len(frames[1]) + len(frames[2])
+        for buffer in encoded.buffers:
+            nbytes += buffer.nbytes
+        engine.bytes_sent += nbytes
+        sock = self._io.sock
+        track = bool(encoded.buffers)
+        try:
+            if sock is None:
+                raise ClosedError("the client is closed")
+            try:
+                tracker = sock.send_nowait(frames, track=track)
+            except anyio.WouldBlock:
+                tracker = await sock.send(frames, track=track)
+        except PeerUnreachableError as exc:
+            self._io.event(self._protocol.unreachable(engine.peer, _monotonic()))
+            raise (
+                call.error
+                or EngineDeadError(
+                    f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
+                )
+            ) from exc
+        except BaseException as exc:
+            if not call.ended:
+                self._io.abandon(call)
+                engine.errors += 1
+            if call.observed is not None:  # observe: the CALL could not be sent
+                call.observed.finished(_observe.outcome_of(exc), 0)
+            raise
+        if track:
+            self._io.tracked.add(tracker, encoded.keepalive)
+
+    async def _result(self, call: Call) -> Any:
+        """Wait for a unary call's reply and decode it (in the caller's task)."""
+        waiters = self._io.waiters
+        assert waiters is not None
+        try:
+            await waiters.wait(call.waiter)
+        except BaseException:
+            if not call.ended:
+                self._io.abandon(call)
+                call.engine.errors += 1
+            elif call.reply_kind is _RESULT:  # it came, but nobody will decode it
+                self._io.event(Dropped(call.engine, call.reply_payload, call.reply_buffers))
+                self._io.flush()
+            raise
+        if call.error is not None:
+            raise call.error
+        if call.reply_kind is not _RESULT:
+            raise reply_error(call.reply_payload)
+        return self._decode(call, call.reply_payload, call.reply_buffers)
+
+    def _decode(self, call: Call, payload: Buffer, buffers: Sequence[Buffer]) -> Any:
+        """Decode a RESULT or stream item and release the torch_shm leases it carried."""
+        transfers = self._transfers
+        engine = call.engine
+        resolver = transfers.resolver(engine)
+        transfers.policy.received_frames(buffers)
+        try:
+            value = _codec.decode(payload, buffers, transfers.codec_config, resolver=resolver)
+            return call.spec.decode_result(value)
+        except TensorRPCError as exc:
+            if call.items is None:
+                engine.errors += 1
+            if isinstance(exc, TensorTransportError):
+                transfers.shm_failed(engine, sending=False)
+            raise
+        finally:
+            if resolver is not None:
+                self._io.release_held(engine, resolver)
+
+    async def call(
+        self,
+        spec: MethodSpec,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        options: CallOptions,
+        encoded: _codec.Encoded | None = None,
+    ) -> Any:
+        self._io.check_open()
+        wire = None if encoded is not None else spec.encode_args(args, kwargs)
+        flags = 0 if options.wait else _NO_WAIT_FLAG
+        timeout = options.timeout
+        if timeout is None:
+            return await self._attempts(spec, wire, encoded, options, None, flags)
+        deadline = anyio.current_time() + timeout
+        with anyio.move_on_after(timeout):
+            return await self._attempts(spec, wire, encoded, options, deadline, flags)
+        raise CallTimeoutError(
+            f"{spec.qualname} did not complete within {timeout} s"
+            + (f" on engine {options.engine!r}" if options.engine else "")
+        )
+
+    async def _attempts(
+        self,
+        spec: MethodSpec,
+        wire: list[Any] | None,
+        encoded: _codec.Encoded | None,
+        options: CallOptions,
+        deadline: float | None,
+        flags: int,
+    ) -> Any:
+        """Run a unary call; an engine's OVERLOADED refusal is retried when ``wait``."""
+        backoff = _RETRY_MIN_S
+        while True:
+            call = await self._start(spec, wire, encoded, options, deadline, flags)
+            try:
+                if call.observed is not None:  # observe: the unary call ends
+                    return await _observe.observe_result(call.observed, self._result(call), call)
+                return await self._result(call)
+            except TensorTransportError:
+                if call.reply_kind is not _ERROR or not call.placed[0] or wire is None:
+                    raise
+                # The engine could not attach to the arguments' shared memory (it answers
+                # so before running the handler): resend them as frames.
+                call.engine.errors -= 1
+                self._transfers.shm_failed(call.engine, sending=True)
+                if options.transport == "auto":
+                    self._transfers.policy.record_fallback(*call.placed)
+                continue
+            except OverloadedError:
+                if not options.wait or call.reply_kind is not _ERROR:
+                    raise
+                # The engine's own queue is full (other clients may fill it too): wait,
+                # bounded by the caller's deadline, then try again (maybe elsewhere).
+                call.engine.errors -= 1
+                self.retries += 1
+            await anyio.sleep(backoff)
+            backoff = min(backoff * 2, _RETRY_MAX_S)
+
+    async def start_stream(
+        self,
+        spec: MethodSpec,
+        wire: list[Any] | None,
+        options: CallOptions,
+        deadline: float | None,
+        encoded: _codec.Encoded | None = None,
+    ) -> Call:
+        self._io.check_open()
+        flags = _STREAM_FLAG if options.wait else _STREAM_FLAG | _NO_WAIT_FLAG
+        if deadline is None:
+            return await self._start(spec, wire, encoded, options, None, flags)
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            return await self._start(spec, wire, encoded, options, deadline, flags)
+        raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
+
+    async def next_item(self, call: Call, deadline: float | None) -> Any:
+        items = call.items
+        waiters = self._io.waiters
+        assert items is not None
+        assert waiters is not None
+        while not items:
+            if call.ended:
+                if call.error is not None:
+                    raise call.error
+                if call.reply_kind is _ERROR:
+                    raise reply_error(call.reply_payload)
+                raise StopAsyncIteration
+            call.waiter = waiters.new()
+            if deadline is None:
+                await waiters.wait(call.waiter)
+            else:
+                with anyio.move_on_after(deadline - anyio.current_time()):
+                    await waiters.wait(call.waiter)
+                    continue
+                self._io.abandon(call)
+                call.engine.errors += 1
+                raise CallTimeoutError(f"{call.spec.qualname} stream passed its deadline")
+        payload, buffers = self._protocol.take_item(call, _monotonic())
+        if call.observed is not None:  # observe: a stream item is taken
+            call.observed.item()
+        self._io.flush()
+        return self._decode(call, payload, buffers)
+
+    async def broadcast(
+        self,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        options: CallOptions,
+    ) -> dict[str, Any]:
+        self._io.check_open()
+        spec = self._spec.methods.get(name)
+        if spec is None or spec.streaming:
+            raise TypeError(f"{self._spec.name!r} has no unary rpc method {name!r}")
+        wire = spec.encode_args(args, kwargs)
+        engines = self._protocol.engines.live_ids()
+        if not engines:
+            self._protocol.engines.select(None)  # raises EngineNotFoundError
+        encoded = self._transfers.encode(spec, wire, None)
+        results: dict[str, Any] = {}
+
+        async def one(engine_id: str) -> None:
+            opts = CallOptions(
+                engine=engine_id,
+                timeout=options.timeout,
+                wait=options.wait,
+                transport=options.transport,
+            )
+            try:
+                results[engine_id] = await self.call(spec, (), {}, opts, encoded)
+            except TensorRPCError as exc:
+                results[engine_id] = exc
+
+        async with anyio.create_task_group() as tg:
+            for engine_id in engines:
+                tg.start_soon(one, engine_id)
+        return _broadcast_outcome(spec, engines, results)
+
+
+def _typed_by_name(service: ServiceSpec, name: str, *, streaming: bool) -> MethodSpec:
+    spec = service.methods.get(name)
+    if spec is None:
+        raise MethodNotFoundError(
+            f"service {service.name!r} has no method {name!r}; it offers: "
+            + ", ".join(service.methods)
+        )
+    if spec.streaming != streaming:
+        use = "stream_by_name()" if not streaming else "call_by_name()"
+        raise TypeError(
+            f"{spec.qualname} is {'a' if spec.streaming else 'not a'} streaming method: use {use}"
+        )
+    return spec
+
+
+def _schemaless_by_name(infos: list[EngineInfo], name: str, *, streaming: bool) -> MethodSpec:
+    service = infos[0].service if infos else "engine"
+    # With no live engine the call itself raises EngineNotFoundError.
+    builtin = name == _observe.STATISTICS_METHOD
+    if infos and not builtin and not any(name in info.methods for info in infos):
+        offered = sorted({m for info in infos for m in info.methods})
+        raise MethodNotFoundError(
+            f"unknown method {name!r}; the engine offers: {', '.join(offered)}"
+        )
+    use = "stream_by_name()" if not streaming else "call_by_name()"
+    for info in infos:
+        if info.signatures and name in info.methods:
+            if (name in info.streaming) != streaming:
+                raise TypeError(
+                    f"{info.service}.{name} is {'not ' if streaming else ''}a streaming "
+                    f"method: use {use}"
+                )
+            service = info.service
+            break
+    return schemaless_method(service, name, streaming=streaming)
+
+
+def _broadcast_outcome(
+    spec: MethodSpec, engines: Sequence[str], results: dict[str, Any]
+) -> dict[str, Any]:
+    ordered = {k: results[k] for k in engines}
+    failed = [k for k, v in ordered.items() if isinstance(v, BaseException)]
+    if failed:
+        raise BroadcastError(
+            f"broadcast of {spec.qualname} failed on {len(failed)} of {len(engines)} "
+            f"engines: " + "; ".join(f"{k}: {ordered[k]!r}" for k in failed),
+            results=ordered,
+        )
+    return ordered

@@ -1,0 +1,532 @@
+"""The client's I/O loop: one ROUTER socket, a reader, a timer task, one flush, wake-ups.
+
+`ClientIO` feeds every message to `tensorrpc._client_protocol.ClientProtocol`, sends
+the control frames it queues (without waiting), runs its timers (heartbeats, dead
+engines, hello requests, rejoins), acts on the events it reports (engines joined and
+lost, dropped replies, refusals) and wakes the callers whose calls it resolved or who
+wait for capacity. The calls themselves run in `tensorrpc._client_calls.CallRunner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any, Final, cast
+
+import anyio
+import anyio.lowlevel
+import zmq
+
+from tensorrpc._calls import Call, CallState
+from tensorrpc._client_protocol import (
+    ClientProtocol,
+    Dropped,
+    EngineJoined,
+    EngineLost,
+    EngineRefused,
+    Ignored,
+    Pong,
+)
+from tensorrpc._engines import MAX_REJECTED_KEY
+from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
+from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
+    from typing_extensions import Buffer
+
+    from tensorrpc._client_transfers import Transfers
+    from tensorrpc._engines import Engine
+    from tensorrpc._observe import Observer
+    from tensorrpc._security import CurveConfig
+    from tensorrpc.transports.torch_shm import ShmResolver
+
+__all__ = ["ClientIO", "RefusalLog", "Waiters", "current_backend"]
+
+logger = logging.getLogger("tensorrpc.client")
+
+_REPLIED = CallState.REPLIED
+_monotonic = time.monotonic
+
+
+class Waiters:
+    """Backend-specific one-shot wake-ups: an asyncio Future or a trio Event per wait.
+
+    A bare future costs far less than ``anyio.Event`` on the hot path; both are awaited
+    inside anyio cancel scopes, which cancel them like any other await.
+    """
+
+    __slots__ = ("new", "wait", "wake", "woken")
+
+    def __init__(self, backend: str) -> None:
+        self.new: Callable[[], Any]
+        self.wake: Callable[[Any], None]
+        self.wait: Callable[[Any], Awaitable[Any]]
+        self.woken: Callable[[Any], bool]
+        if backend == "asyncio":
+            loop = asyncio.get_running_loop()
+            self.new = loop.create_future
+            self.wake = _wake_future
+            self.wait = _identity
+            self.woken = _future_woken
+        else:
+            import trio
+
+            self.new = trio.Event
+            self.wake = _set_event
+            self.wait = _event_wait
+            self.woken = _event_woken
+
+
+def current_backend() -> str:
+    # anyio runs either on an asyncio loop or on trio; trio runs no asyncio loop.
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return "trio"
+    return "asyncio"
+
+
+def _wake_future(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _future_woken(fut: asyncio.Future[None]) -> bool:
+    return fut.done() and not fut.cancelled()
+
+
+def _identity(fut: Awaitable[Any]) -> Awaitable[Any]:
+    return fut
+
+
+def _set_event(event: Any) -> None:
+    event.set()
+
+
+def _event_woken(event: Any) -> bool:
+    return bool(event.is_set())
+
+
+def _event_wait(event: Any) -> Awaitable[Any]:
+    return cast("Awaitable[Any]", event.wait())
+
+
+class RefusalLog:
+    """Logs handshake refusals at WARNING, bounded: strangers cannot flood the log.
+
+    At most `BURST` refusals are logged one by one per `WINDOW_S` seconds, each with
+    the engine id and text cut short; the rest are counted and summed up in one line.
+    """
+
+    BURST: Final = 16
+    WINDOW_S: Final = 10.0
+    TEXT: Final = 512
+    __slots__ = ("logged", "skipped", "window_end")
+
+    def __init__(self) -> None:
+        self.window_end = 0.0
+        self.logged = 0
+        self.skipped = 0
+
+    def log(self, event: EngineRefused, now: float) -> None:
+        """Log one refusal (or count it when this window's burst is spent)."""
+        if now >= self.window_end:
+            if self.skipped:
+                logger.warning(
+                    "%d more handshake refusals in %g s were not logged one by one "
+                    "(see Client.rejected)",
+                    self.skipped,
+                    self.WINDOW_S,
+                )
+            self.window_end = now + self.WINDOW_S
+            self.logged = self.skipped = 0
+        if self.logged >= self.BURST:
+            self.skipped += 1
+            return
+        self.logged += 1
+        engine_id = _cut(event.engine_id, MAX_REJECTED_KEY)
+        message = _cut(event.message, self.TEXT)
+        if event.by_client:
+            logger.warning("refused engine %r: %s", engine_id, message)
+        else:
+            logger.warning("engine %s refused this client: %s %s", engine_id, event.reason, message)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ClientIO:
+    """The I/O around one `ClientProtocol`: socket, reader, timers, flush, wake-ups.
+
+    Args:
+        protocol: The client's protocol machine.
+        transfers: Tensor transports and limits (its ``sock`` is set while open).
+        bind: Addresses to bind.
+        connect: Addresses of listening engines to dial.
+        socket_options: The ROUTER's ZMQ options.
+        curve: CURVE configuration of the socket (None: plaintext).
+        observer: Told about heartbeats and engine events (None: nobody).
+    """
+
+    __slots__ = (
+        "_bind",
+        "_connect",
+        "_curve",
+        "_refusals",
+        "_scopes",
+        "_socket_options",
+        "addresses",
+        "engines_changed",
+        "observer",
+        "orphans",
+        "protocol",
+        "sock",
+        "tick",
+        "tracked",
+        "transfers",
+        "waiters",
+    )
+
+    def __init__(
+        self,
+        protocol: ClientProtocol,
+        transfers: Transfers,
+        *,
+        bind: list[str],
+        connect: list[str],
+        socket_options: SocketOptions,
+        curve: CurveConfig | None,
+        observer: Observer | None,
+    ) -> None:
+        self.protocol = protocol
+        self.transfers = transfers
+        self.observer = observer
+        self._bind = bind
+        self._connect = connect
+        self._socket_options = socket_options
+        self._curve = curve
+        self._refusals = RefusalLog()
+        self._scopes: list[anyio.CancelScope] = []
+        #: Addresses actually bound (ephemeral ports resolved).
+        self.addresses: list[str] = []
+        #: Calls of streams garbage-collected unclosed: cancelled by the next reader pass.
+        self.orphans: collections.deque[Call] = collections.deque()
+        self.tracked = PendingSends()
+        self.sock: AsyncSocket | None = None
+        self.waiters: Waiters | None = None
+        self.engines_changed: anyio.Event | None = None
+        self.tick: anyio.Event | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open the socket (in the client's event loop)."""
+        self.waiters = Waiters(current_backend())
+        self.engines_changed = anyio.Event()
+        self.tick = anyio.Event()
+        self._open_socket()
+
+    def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """Start the reader and timer tasks in ``tg``."""
+        tg.start_soon(self._background, self._reader, name="tensorrpc client reader")
+        tg.start_soon(self._background, self._housekeeping, name="tensorrpc client housekeeping")
+
+    async def _background(self, fn: Callable[[], Awaitable[None]]) -> None:
+        # Each background task runs in its own scope so that close() can stop them from
+        # any task without cancelling the body of the user's `async with`.
+        if self.protocol.closed:
+            return  # closed before this task first ran
+        with anyio.CancelScope() as scope:
+            self._scopes.append(scope)
+            try:
+                await fn()
+            except ClosedError:
+                if not self.protocol.closed:
+                    raise
+
+    def close(self) -> None:
+        """BYE to every engine, fail the calls in flight, wake everyone, stop the tasks."""
+        protocol = self.protocol
+        for call in protocol.close(_monotonic()):
+            self.ended(call)
+        self.flush()
+        if self.waiters is not None:
+            for token in protocol.capacity.everyone():
+                self.waiters.wake(token)
+        self.notify_engines()
+        for scope in self._scopes:
+            scope.cancel()
+        self._close_socket()
+        self.transfers.policy.close()
+
+    def check_open(self) -> None:
+        """Raise ClosedError unless the client is open."""
+        if self.protocol.closed:
+            raise ClosedError("the client is closed")
+        if self.sock is None:
+            raise ClosedError("the client is not open: use `async with Client(...)`")
+
+    def _open_socket(self) -> None:
+        sock = create_socket(zmq.ROUTER, options=self._socket_options, curve=self._curve)
+        self.sock = self.transfers.sock = sock
+        aliases: list[tuple[bytes, str]] = []
+        try:
+            for address in self._bind:
+                self.addresses.append(sock.bind(address))
+            token = secrets.token_hex(4)
+            for i, address in enumerate(self._connect):
+                alias = f"@{token}/{i}".encode()
+                sock.connect(address, peer_id=alias)
+                aliases.append((alias, address))
+        except BaseException:
+            self._close_socket()
+            raise
+        now = _monotonic()
+        for alias, address in aliases:
+            self.protocol.dial(alias, address, now)
+        self.flush()
+
+    def _close_socket(self) -> None:
+        sock, self.sock = self.sock, None
+        self.transfers.sock = None
+        if sock is not None:
+            sock.close()
+        self.tracked.clear()
+
+    # -- output and events ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Send the control frames the protocol queued, without waiting."""
+        protocol = self.protocol
+        while protocol.has_output:
+            for frames in protocol.frames_to_send():
+                sock = self.sock
+                if sock is None:
+                    return
+                try:
+                    sock.send_nowait(frames)
+                except PeerUnreachableError:
+                    self.event(protocol.unreachable(frames[0], _monotonic()))
+                    if self.tick is not None:
+                        self.tick.set()  # a hello request to retry soon
+                except anyio.WouldBlock:
+                    logger.debug("dropped a message to %r: peer pipe full", frames[0])
+                except TensorRPCError as exc:
+                    logger.debug("could not send to %r: %s", frames[0], exc)
+
+    def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
+        """RELEASE the engine's leases whose result tensors are gone (batched: after a
+        decode, before a CALL, and at each housekeeping tick); ``resolver``: a reply just
+        decoded."""
+        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        if leases:
+            self.protocol.release(engine, leases, _monotonic())
+            self.flush()
+
+    def release_all_held(self) -> None:
+        """RELEASE, to every engine, the leases of result tensors freed since (a tick)."""
+        policy = self.transfers.policy
+        engines = self.protocol.engines
+        for peer in policy.releasable_peers():
+            engine = engines.by_peer(peer) if isinstance(peer, bytes) else None
+            if engine is not None:
+                self.release_held(engine)
+            else:  # gone: nothing to tell it
+                policy.releasable(peer)
+
+    def events(self) -> None:
+        """Act on the events the protocol left in its ``pending`` queue, then flush."""
+        protocol = self.protocol
+        pending = protocol.pending
+        while pending:
+            self.event(pending.popleft())
+        if protocol.outbox:
+            self.flush()
+
+    def event(self, event: object) -> None:
+        """Act on what the protocol reported (other than a resolved call)."""
+        if isinstance(event, EngineLost):
+            self._on_lost(event)
+        elif isinstance(event, Pong):
+            if self.observer is not None:  # observe: heartbeat round trip
+                rtt = (time.monotonic_ns() - event.nonce) / 1e9
+                client_id = self.protocol.config.client_id
+                self.observer.heartbeat(client_id, event.engine.engine_id, rtt)
+        elif isinstance(event, EngineJoined):
+            self._on_joined(event)
+        elif isinstance(event, Dropped):
+            leases = self.transfers.leases(event.engine, event.payload, event.buffers)
+            self.protocol.release(event.engine, leases, _monotonic())
+            if event.call is not None:
+                self.ended(event.call)
+        elif isinstance(event, EngineRefused):
+            self._refusals.log(event, _monotonic())
+            self.notify_engines()
+        elif isinstance(event, Ignored):
+            logger.warning("dropped a message from %r: %s", event.peer, event.why)
+
+    def _on_lost(self, event: EngineLost) -> None:
+        engine = event.engine
+        logger.info("engine %r %s", engine.engine_id, event.why)
+        self.transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
+        for call in event.calls:
+            self.ended(call)
+        self._observe_engine(engine.engine_id, "lost")
+        self.wake_all(self.protocol.stranded(engine.engine_id, _monotonic()))
+        self.notify_engines()
+        if self.tick is not None:
+            self.tick.set()  # a hello request to its address may be due at once
+
+    def _on_joined(self, event: EngineJoined) -> None:
+        engine_id = event.engine.engine_id
+        table = self.protocol.engines
+        self._observe_engine(engine_id, "rejoined" if engine_id in table.past else "joined")
+        self.wake_all(self.protocol.capacity.joined(engine_id, table.max_in_flight))
+        self.notify_engines()
+        if self.tick is not None:
+            self.tick.set()  # its heartbeat may be due sooner than our next tick
+
+    def _observe_engine(self, engine_id: str, event: str) -> None:
+        if self.observer is not None:  # observe: an engine joined, rejoined or was lost
+            self.observer.engine_event(self.protocol.config.client_id, engine_id, event)
+
+    def notify_engines(self) -> None:
+        """Wake `Client.wait_for_engines`: the live engines (or refusals) changed."""
+        if self.engines_changed is not None:
+            self.engines_changed.set()
+            self.engines_changed = anyio.Event()
+
+    def wake_all(self, tokens: Sequence[Any]) -> None:
+        """Wake these capacity waiters."""
+        waiters = self.waiters
+        if waiters is not None:
+            for token in tokens:
+                waiters.wake(token)
+
+    def ended(self, call: Call) -> None:
+        """A call ended: free its argument lease and slot, wake its caller (and one waiter)."""
+        if call.lease is not None:
+            # The engine replied (so it attached to the arguments), or never will.
+            self.transfers.policy.release_one(call.lease)
+            call.lease = None
+        waiters = self.waiters
+        if waiters is None:
+            return
+        for token in self.protocol.capacity.released(call.engine.engine_id):
+            waiters.wake(token)
+        waiters.wake(call.waiter)
+
+    def abandon(self, call: Call) -> None:
+        """The caller gave up (cancelled, timed out, closed a stream): tell the engine."""
+        items = call.items
+        now = _monotonic()
+        protocol = self.protocol
+        while items:  # stream items nobody will read
+            payload, buffers = items.popleft()
+            leases = self.transfers.leases(call.engine, payload, buffers)
+            protocol.release(call.engine, leases, now)
+        if protocol.cancel(call, now):
+            self.ended(call)
+        self.flush()
+
+    def reap_orphans(self) -> None:
+        """Cancel the calls of streams that were garbage-collected unclosed."""
+        orphans = self.orphans
+        while orphans:
+            self.abandon(orphans.popleft())
+
+    # -- background tasks -----------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        sock = self.sock
+        assert sock is not None
+        recv = sock.recv
+        recv_nowait = sock.recv_nowait
+        checkpoint = anyio.lowlevel.checkpoint
+        on_message = self._on_message
+        yield_due = sock.yield_due  # a busy (or flooded) socket must not starve the callers
+        while True:
+            try:
+                frames = recv_nowait()
+                if yield_due():  # after 32 messages or 2 ms of handling them
+                    await checkpoint()
+            except anyio.WouldBlock:
+                # Nothing queued: let the callers we just woke run (and decode) before we
+                # re-arm the wait on the socket, which costs a little.
+                await checkpoint()
+                frames = await recv()
+            try:
+                on_message(frames)
+            except Exception:  # one bad message must never stop the reader
+                logger.exception("tensorrpc client: error handling a message")
+
+    def _drain(self, limit: int = 4096) -> None:
+        """Handle the messages already received (the reader may not have run yet)."""
+        sock = self.sock
+        for _ in range(limit):
+            if sock is None:
+                return
+            try:
+                frames = sock.recv_nowait()
+            except anyio.WouldBlock:
+                return
+            try:
+                self._on_message(frames)
+            except Exception:  # one bad message must never stop the client
+                logger.exception("tensorrpc client: error handling a message")
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            logger.warning("dropped a message of %d frames", len(frames))
+            return
+        protocol = self.protocol
+        event = protocol.receive(frames[0].bytes, cast("list[Buffer]", frames[1:]), _monotonic())
+        if type(event) is Call:
+            call = event
+            if call.state >= _REPLIED:
+                self.ended(call)
+            else:  # a stream item: the engine has attached to the arguments
+                if call.lease is not None:
+                    self.transfers.policy.release_one(call.lease)
+                    call.lease = None
+                assert self.waiters is not None
+                self.waiters.wake(call.waiter)
+        elif event is not None:
+            self.event(event)
+        pending = protocol.pending
+        while pending:
+            self.event(pending.popleft())
+        if protocol.outbox:
+            self.flush()
+        if self.orphans:
+            self.reap_orphans()
+
+    async def _housekeeping(self) -> None:
+        protocol = self.protocol
+        interval = protocol.config.heartbeat.interval
+        next_sweep = _monotonic() + interval
+        while True:
+            with anyio.move_on_after(protocol.next_tick(_monotonic())):
+                assert self.tick is not None
+                await self.tick.wait()
+            self.tick = anyio.Event()
+            if self.sock is not None:
+                self.sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
+            self._drain()  # messages already here prove life: read them before judging
+            now = _monotonic()
+            for lost in protocol.tick(now):
+                self.event(lost)
+            self.wake_all(protocol.expire_rejoins(now))
+            self.flush()
+            self.reap_orphans()
+            self.release_all_held()
+            if now >= next_sweep:
+                next_sweep = now + interval
+                self.tracked.prune()
+                self.transfers.policy.sweep()

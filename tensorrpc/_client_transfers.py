@@ -1,0 +1,158 @@
+"""The client's tensor transports and size limits with each engine (torch_shm, frames).
+
+`Transfers` answers the protocol's handshake hooks (`ClientHooks`: the torch_shm offer
+and proof, whether a peer is reachable) and, per call, where argument tensors go, how
+result tensors come back, which leases a dropped reply carries, and whether the encoded
+arguments fit the receiver's frame limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import anyio
+
+from tensorrpc import _codec
+from tensorrpc._client_protocol import HEARTBEAT_NONCE
+from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
+from tensorrpc._hostinfo import host_id as _host_id
+from tensorrpc._protocol import Flags, Hello, MessageKind, Proof, encode_control
+from tensorrpc.transports._policy import LeaseCollector, PolicyPlacer, TransportPolicy
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from typing_extensions import Buffer
+
+    from tensorrpc._engines import Engine
+    from tensorrpc._service import MethodSpec
+    from tensorrpc._views import CallOptions
+    from tensorrpc._zmq import AsyncSocket
+    from tensorrpc.transports._base import TensorPlacer
+    from tensorrpc.transports.torch_shm import ShmResolver
+
+__all__ = ["Transfers"]
+
+logger = logging.getLogger("tensorrpc.client")
+
+_SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
+_SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
+
+
+class Transfers:
+    """Tensor transports and size limits with each engine (torch_shm, frames)."""
+
+    __slots__ = ("codec_config", "host_id", "maxmsgsize", "policy", "sock")
+
+    def __init__(
+        self, policy: TransportPolicy, codec_config: _codec.CodecConfig, maxmsgsize: int
+    ) -> None:
+        self.policy = policy
+        self.codec_config = codec_config
+        self.maxmsgsize = maxmsgsize
+        self.host_id = _host_id()
+        self.sock: AsyncSocket | None = None
+
+    # -- the protocol's hooks ------------------------------------------------------------
+
+    def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
+        """torch_shm only with an engine that proves its pid in PROOF (protocol §8.1)."""
+        shm = self.policy.welcome_fields((hello.pid, hello.engine_id), hello, our_host=self.host_id)
+        if not shm.challenge:
+            return None
+        return (shm.transports, shm.probe, shm.challenge, shm.proof)
+
+    def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
+        """Check the engine's PROOF (its pid, by possession of its probe's secret)."""
+        key = (engine.info.pid, engine.engine_id)
+        return self.policy.on_proof(key, proof, our_host=self.host_id)
+
+    def reachable(self, peer: bytes) -> bool:
+        """Whether a connection to ``peer`` exists: a PING to it can be queued."""
+        sock = self.sock
+        if sock is None:
+            return False
+        try:
+            sock.send_nowait([peer, *encode_control(MessageKind.PING, None, HEARTBEAT_NONCE)])
+        except PeerUnreachableError:
+            return False
+        except (anyio.WouldBlock, TensorRPCError):
+            return True
+        return True
+
+    # -- per call ------------------------------------------------------------------------
+
+    def placer(self, options: CallOptions, engine: Engine) -> PolicyPlacer | None:
+        """Where large argument tensors go (None: frames only)."""
+        shm = engine.shm
+        return self.policy.placer(
+            options.transport, engine.peer, peer_receives=shm is not None and shm.to_engine
+        )
+
+    def resolver(self, engine: Engine) -> ShmResolver | None:
+        """Resolves tensors that come back by torch_shm handle (None: the engine sends none).
+
+        Kept after torch_shm *from* the engine was switched off: replies that were already
+        in flight may still carry handles, and must fail (or succeed) as transport
+        errors, not as undecodable messages.
+        """
+        shm = engine.shm
+        # Not proven (or lost): handles are refused with a TensorTransportError. Result
+        # tensors are built on the engine's regions, leased to us until they are freed.
+        return self.policy.resolver(shm.pid if shm is not None else 0, hold=engine.peer)
+
+    def result_flags(self, options: CallOptions, engine: Engine) -> int:
+        """The CALL flag bits that tell the engine how to send result tensors."""
+        mode = options.transport
+        shm = engine.shm
+        if mode == "frames" or shm is None or not shm.from_engine:
+            return 0
+        return _SHM_RESULTS_ALL_FLAG if mode == "torch_shm" else _SHM_RESULTS_FLAG
+
+    def leases(self, engine: Engine, payload: Buffer, buffers: Sequence[Buffer]) -> list[int]:
+        """The torch_shm leases a reply nobody will decode carries (to release)."""
+        if engine.shm is None:
+            return []  # the engine sends us no handles
+        collector = LeaseCollector()
+        with contextlib.suppress(TensorRPCError):
+            _codec.decode(payload, buffers, self.codec_config, resolver=collector)
+        return list(dict.fromkeys(collector.leases))
+
+    def shm_failed(self, engine: Engine, *, sending: bool) -> None:
+        """The engine could not attach to our handles (or we to its): stop using torch_shm."""
+        shm = engine.shm
+        if shm is not None:
+            if sending:
+                shm.to_engine = False
+            else:
+                shm.from_engine = False
+            logger.warning(
+                "torch_shm %s engine %r failed; using frames from now on",
+                "to" if sending else "from",
+                engine.engine_id,
+            )
+
+    def encode(
+        self,
+        spec: MethodSpec,
+        wire: object,
+        engine: Engine | None,
+        placer: TensorPlacer | None = None,
+    ) -> _codec.Encoded:
+        """Encode arguments and refuse a frame over our ``maxmsgsize`` or the engine's."""
+        encoded = _codec.encode(wire, self.codec_config, placer=placer)
+        self.check_sizes(spec, encoded, engine)
+        return encoded
+
+    def check_sizes(self, spec: MethodSpec, encoded: _codec.Encoded, engine: Engine | None) -> None:
+        """A frame over the receiver's MAXMSGSIZE makes its ZMQ drop the whole connection
+        without a word, so it is refused here, before sending."""
+        _codec.check_message_size(
+            encoded,
+            self.maxmsgsize,
+            0 if engine is None else engine.info.max_message_bytes,
+            what=f"{spec.qualname}: the arguments",
+            peer="engine" if engine is None else f"engine {engine.engine_id!r}",
+        )
