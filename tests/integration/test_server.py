@@ -21,6 +21,7 @@ import ormsgpack
 import pytest
 import torch
 
+from tensorrpc import _hostinfo as hostinfo
 from tensorrpc._exceptions import ErrorCode, HandshakeRejectedError, PeerUnreachableError
 from tensorrpc._hostinfo import host_id
 from tensorrpc._protocol import (
@@ -568,9 +569,18 @@ async def test_asyncio_task_cancel_drains_serve(tmp_path: Path, anyio_backend: s
 
 
 def test_host_id_is_the_same_in_another_process() -> None:
-    code = "from tensorrpc._hostinfo import host_id; print(host_id())"
+    # _hostinfo uses the standard library only: load it alone (importing the package
+    # would import torch, seconds on a loaded machine, for nothing this test checks).
+    path = Path(hostinfo.__file__ or "")
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('hostinfo', {str(path)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "print(module.host_id())\n"
+    )
     other = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT, check=True
+        [sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=WAIT, check=True
     )
     assert other.stdout.strip() == host_id()
     assert host_id().startswith(socket.gethostname()[:200] + "/")

@@ -7,6 +7,7 @@ behaviour; over real sockets only what needs I/O is tested again (tests/integrat
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -36,7 +37,7 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._server_protocol import AllRejected, Session, SessionEnded, SessionState
 
-from ..helpers import SPEC, EngineEnd, ProtocolPair
+from ..helpers import SPEC, EngineEnd, ProtocolPair, Wire
 
 K = MessageKind
 TOPOLOGIES = [pytest.param(False, id="client-dials"), pytest.param(True, id="engines-dial-in")]
@@ -725,3 +726,19 @@ def test_a_parked_stream_of_an_ended_session_counts_in_flight_until_its_worker_i
     end.proto.unpark(call)  # woken: cancelled
     assert not end.end_stream(call)
     assert end.proto.in_flight() == 0
+
+
+def test_an_engine_refuses_a_welcome_with_another_fingerprint() -> None:
+    pair = ProtocolPair(("e1",), dial_in=True)
+    pair.deliver_to_client()  # HELLO -> the client queues WELCOME
+    end = pair["e1"]
+    welcome = Wire("e1", end.inbox[0]).body()
+    assert isinstance(welcome, Welcome)
+    assert welcome.fingerprint == SPEC.fingerprint  # the client says which schema it has
+    end.inbox[0] = encode_control(K.WELCOME, dataclasses.replace(welcome, fingerprint="f" * 64))
+    pair.flush()
+    refused = [e for e in pair.events if isinstance(e, EngineRefused)]
+    assert [(e.reason, e.by_client) for e in refused] == [("fingerprint", False)]
+    assert "differs from the engine's" in refused[0].message
+    assert state_of(end) is SessionState.REJECTED
+    assert [type(e) for e in end.events][-1] is AllRejected

@@ -506,7 +506,7 @@ def _instance(cls: type, depth: int = 2) -> st.SearchStrategy[Any]:
 
 
 @pytest.mark.parametrize("cls", DATACLASSES, ids=lambda c: c.__name__)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_dataclasses_decide_like_the_reference(cls: type, data: st.DataObject) -> None:
     wire, instance = data.draw(_wire_dict(cls)), data.draw(_instance(cls))
