@@ -643,7 +643,9 @@ async def test_stream_window_zero_sends_nothing_before_the_first_credit(tmp_path
 
 
 async def test_after_a_clients_bye_hello_waits_until_it_speaks_again(tmp_path: Path) -> None:
-    async with engine(tmp_path, heartbeat_interval=0.05, dead_after=1.0) as (server, peer, _):
+    # dead_after is long: a parted client is greeted again after it (a starved test loop
+    # would otherwise see that HELLO inside its 0.4 s window).
+    async with engine(tmp_path, heartbeat_interval=0.05, dead_after=30.0) as (server, peer, _):
         first = peer.hello
         assert first is not None
         peer.control(MessageKind.BYE, Bye("closed"))
