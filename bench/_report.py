@@ -187,8 +187,23 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         r = _ratio(fresh_big, _num(_get(copy, "sizes", big, "median_us")))
         out.append(_target(
             "tx_shm_fresh_64m_copy", "64 MiB, torch_shm (fresh) ÷ in-process copy_", r,
-            "≤ 2 (aim)", None if r is None else r <= 2,
+            "≤ 1.5", None if r is None else r <= 1.5,
             "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh),
+        ))  # fmt: skip
+        mib = str(1 << 20)
+        r = _ratio(_num(_get(fresh, "sizes", mib, "median_us")),
+                   _num(_get(frames, "sizes", mib, "median_us")))  # fmt: skip
+        out.append(_target(
+            "tx_shm_fresh_1m", "1 MiB, torch_shm (fresh) ÷ frames", r, "≤ 1",
+            None if r is None else r <= 1,
+            "" if r is not None else _why_missing(_get(fresh, "sizes", mib), fresh, frames),
+        ))  # fmt: skip
+        shared_big = _num(_get(shared, "sizes", big, "median_us"))
+        extra = None if shared_big is None or small is None else (shared_big - small) / 1000
+        out.append(_target(
+            "tx_shm_shared_64m_ms", "64 MiB, torch_shm (already shared) minus small call",
+            extra, "≤ 0.1", None if extra is None else extra <= 0.1,
+            "" if extra is not None else _why_missing(_get(shared, "sizes", big), shared),
         ))  # fmt: skip
         ray = tx.get("Ray actor (numpy)")
         r = _ratio(fresh_big, _num(_get(ray, "sizes", big, "median_us")))
@@ -386,7 +401,12 @@ def _targets_md(targets: list[dict[str, Any]]) -> list[str]:
     ]
     for t in targets:
         met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
-        value = fmt_ratio(t["value"]) if t["value"] is not None else f"n/a ({_cell(t['note'])})"
+        if t["value"] is None:
+            value = f"n/a ({_cell(t['note'])})"
+        elif t["id"].endswith("_ms"):  # a difference in milliseconds, not a ratio
+            value = f"{t['value']:+.3f} ms"
+        else:
+            value = fmt_ratio(t["value"])
         lines.append(f"| {t['description']} | {value} | {t['goal']} | {met} |")
     return lines
 

@@ -186,6 +186,7 @@ class CallRunner:
                     placer.abort()
                 raise
         assert self._io.waiters is not None
+        self._io.release_held(engine)  # results freed since: the engine may reuse them
         now = _monotonic()
         call = self._protocol.start_call(
             engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now
@@ -279,9 +280,8 @@ class CallRunner:
                 transfers.shm_failed(engine, sending=False)
             raise
         finally:
-            if resolver is not None and resolver.leases:
-                self._protocol.release(engine, resolver.leases, _monotonic())
-                self._io.flush()
+            if resolver is not None:
+                self._io.release_held(engine, resolver)
 
     async def call(
         self,

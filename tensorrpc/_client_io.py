@@ -40,8 +40,10 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from tensorrpc._client_transfers import Transfers
+    from tensorrpc._engines import Engine
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
+    from tensorrpc.transports.torch_shm import ShmResolver
 
 __all__ = ["ClientIO", "RefusalLog", "Waiters", "current_backend"]
 
@@ -318,6 +320,26 @@ class ClientIO:
                 except TensorRPCError as exc:
                     logger.debug("could not send to %r: %s", frames[0], exc)
 
+    def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
+        """RELEASE the engine's leases whose result tensors are gone (batched: after a
+        decode, before a CALL, and at each housekeeping tick); ``resolver``: a reply just
+        decoded."""
+        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        if leases:
+            self.protocol.release(engine, leases, _monotonic())
+            self.flush()
+
+    def release_all_held(self) -> None:
+        """RELEASE, to every engine, the leases of result tensors freed since (a tick)."""
+        policy = self.transfers.policy
+        engines = self.protocol.engines
+        for peer in policy.releasable_peers():
+            engine = engines.by_peer(peer) if isinstance(peer, bytes) else None
+            if engine is not None:
+                self.release_held(engine)
+            else:  # gone: nothing to tell it
+                policy.releasable(peer)
+
     def events(self) -> None:
         """Act on the events the protocol left in its ``pending`` queue, then flush."""
         protocol = self.protocol
@@ -503,6 +525,7 @@ class ClientIO:
             self.wake_all(protocol.expire_rejoins(now))
             self.flush()
             self.reap_orphans()
+            self.release_all_held()
             if now >= next_sweep:
                 next_sweep = now + interval
                 self.tracked.prune()

@@ -99,8 +99,9 @@ class Transfers:
         errors, not as undecodable messages.
         """
         shm = engine.shm
-        # Not proven (or lost): handles are refused with a TensorTransportError.
-        return self.policy.resolver(shm.pid if shm is not None else 0)
+        # Not proven (or lost): handles are refused with a TensorTransportError. Result
+        # tensors are built on the engine's regions, leased to us until they are freed.
+        return self.policy.resolver(shm.pid if shm is not None else 0, hold=engine.peer)
 
     def result_flags(self, options: CallOptions, engine: Engine) -> int:
         """The CALL flag bits that tell the engine how to send result tensors."""

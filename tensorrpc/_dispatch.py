@@ -42,7 +42,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._protocol import Flags, MessageKind, encode_control, pack_reply_header
 from tensorrpc._schema import bad_result_message
-from tensorrpc._server_protocol import MISSING, ServerCall
+from tensorrpc._server_calls import MISSING, ServerCall
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -214,6 +214,7 @@ class Dispatcher:
         return True
 
     def _done(self, call: Call) -> None:
+        self._detach(call)  # a call that ends without a reply (cancelled, client gone)
         self._proto.done(call)
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
@@ -224,6 +225,7 @@ class Dispatcher:
         self, call: Call, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
     ) -> None:
         frames = self._proto.error_reply(call, code, message, type_name, tb)
+        self._detach(call)
         if frames is not None:
             self._send_now(call.key, frames)
             if call.observed is not None:  # observe: an ERROR reply to an observed call
@@ -288,6 +290,7 @@ class Dispatcher:
             call.scope = None
             if finite:
                 scope.deadline = math.inf
+        del args  # argument tensors on the client's regions die here, before the reply
         if not scope.cancel_called:
             await self._reply(call)
 
@@ -356,7 +359,15 @@ class Dispatcher:
         shm = call.session.shm
         if shm is None:
             return None
-        return self._policy.resolver(shm.pid)
+        # Built on the client's regions (one copy in all) until our first reply, which
+        # ends the client's lease: _detach() runs before it.
+        return self._policy.resolver(shm.pid, keep=(call.session, call.call_id))
+
+    def _detach(self, call: Call) -> None:
+        """The client takes its argument regions back with our first reply (or when it
+        gives up): argument tensors still alive get pages of their own first."""
+        if call.session.shm is not None:
+            self._policy.detach((call.session, call.call_id))
 
     def _reply_stopped(self, call: Call) -> None:
         """The call's scope was cancelled: say why, unless the client gave up on it."""
@@ -398,6 +409,7 @@ class Dispatcher:
         )
 
     async def _send_value(self, call: Call, kind: MessageKind, encoded: _codec.Encoded) -> None:
+        self._detach(call)
         frames: list[Buffer] = [pack_reply_header(kind, call.call_id), encoded.payload]
         if encoded.buffers:
             frames.extend(encoded.buffers)
@@ -433,6 +445,7 @@ class Dispatcher:
             self._reply_exception(call, failure)
         elif finished:
             if self._proto.may_reply(call):
+                self._detach(call)
                 self._send_now(call.key, encode_control(MessageKind.STREAM_END, None, call.call_id))
         else:
             self._reply_stopped(call)

@@ -392,8 +392,16 @@ class TransportPolicy:
         threshold = 0 if mode == TRANSPORT_NAME else self.shm_threshold
         return PolicyPlacer(self, inner, threshold, cuda_only=False)
 
-    def resolver(self, peer_pid: int) -> ShmResolver | None:
+    def resolver(
+        self, peer_pid: int, *, hold: Hashable = None, keep: Hashable = None
+    ) -> ShmResolver | None:
         """A resolver for handles from the *proven* process ``peer_pid``.
+
+        With ``hold`` (the peer's key) pool tensors are built on the peer's regions (one
+        copy in all) and their leases go back once the tensors die: RELEASE what
+        `releasable` returns. With ``keep`` (a message's key, a tuple starting with the
+        peer's key) they are built on the regions too, and `detach` must run before the
+        peer may reuse them (an engine: before its first reply to the call).
 
         Returns:
             None when torch_shm is off here; a resolver that refuses every handle (a
@@ -406,9 +414,33 @@ class TransportPolicy:
         if peer_pid <= 0 or peer_pid == os.getpid():
             return shm.refusing_resolver()
         try:
-            return shm.resolver(peer_pid)
+            return shm.resolver(peer_pid, hold=hold, keep=keep)
         except TensorTransportError:
             return shm.refusing_resolver()
+
+    def releasable(self, peer: Hashable, resolver: ShmResolver | None = None) -> tuple[int, ...]:
+        """Lease ids to RELEASE to ``peer`` now (``resolver``: a message just decoded).
+
+        The leases of the tensors of ``peer`` that died since the last call, and those of
+        ``resolver``'s message whose tensors are gone already, each once.
+        """
+        done = resolver.close() if resolver is not None else ()
+        shm = self.shm
+        more = shm.releasable(peer) if shm is not None else ()
+        return tuple(dict.fromkeys(done + more)) if more else done
+
+    def releasable_peers(self) -> list[Hashable]:
+        """Peers (``hold`` keys) with leases to RELEASE: their tensors died since."""
+        return self.shm.releasable_peers() if self.shm is not None else []
+
+    def detach(self, keep: Hashable) -> None:
+        """The peer takes back the regions of message ``keep``: copy what still uses them."""
+        shm = self.shm
+        if shm is not None:
+            try:
+                shm.detach(keep)
+            except TensorTransportError as exc:  # pragma: no cover - out of memory
+                logger.error("torch_shm: %s", exc)
 
     def sent_frames(self, buffers: Sequence[memoryview]) -> None:
         """Count the out-of-band frames of one sent message."""
@@ -453,6 +485,10 @@ class TransportPolicy:
         shm = self.shm
         if shm is not None:
             shm.release_peer(peer)
+            try:
+                shm.forget_holds(peer)
+            except TensorTransportError as exc:  # pragma: no cover - out of memory
+                logger.error("torch_shm: %s", exc)
             if pid > 0:
                 shm.forget_peer(pid)
 

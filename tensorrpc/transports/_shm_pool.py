@@ -33,14 +33,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PAGE_SIZE",
-    "map_shared_owned",
     "REGION_ALIGN",
     "REGION_HEADER",
     "BufferCache",
     "Segment",
     "SegmentPool",
     "map_shared",
+    "map_shared_owned",
     "memfd_device",
+    "privatize",
 ]
 
 #: Memory page size; window mappings start on a page boundary.
@@ -62,6 +63,16 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mremap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_void_p,
+]
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -137,6 +148,28 @@ def map_shared_owned(fd: int, length: int, *, on_unmap: Callable[[int, int], Non
         return False
 
     return _tensor_over(addr, length, recycle)
+
+
+def privatize(addr: int, length: int) -> None:
+    """Give the pages under ``addr .. addr+length`` private copies of their bytes, in place.
+
+    The pages of a shared mapping are replaced by anonymous pages holding the same bytes,
+    in one step for concurrent readers (``mremap`` onto them): tensors viewing them keep
+    their values, and later writes to the shared file no longer show there. Bytes of
+    neighbours in the first and last page are copied too (they keep their values as well).
+
+    Raises:
+        OSError: the kernel refused (out of memory).
+    """
+    start = addr - addr % PAGE_SIZE
+    n = _round_up(addr + length, PAGE_SIZE) - start
+    new = _mmap(-1, n, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    ctypes.memmove(new, start, n)
+    got = _libc.mremap(new, n, n, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
+    if got is None or got == _MAP_FAILED:
+        err = ctypes.get_errno()
+        _libc.munmap(new, n)
+        raise OSError(err, f"mremap failed: {os.strerror(err)}")
 
 
 def memfd_device() -> int:

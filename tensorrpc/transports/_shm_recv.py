@@ -43,12 +43,19 @@ from tensorrpc.transports._shm_handle import (
     fail,
     unpack,
 )
-from tensorrpc.transports._shm_pool import PAGE_SIZE, REGION_HEADER, BufferCache, map_shared
+from tensorrpc.transports._shm_holds import Hold, Holds
+from tensorrpc.transports._shm_pool import (
+    PAGE_SIZE,
+    REGION_HEADER,
+    BufferCache,
+    map_shared,
+    privatize,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Hashable
 
-__all__ = ["Receiver", "SegmentMaps", "ShmResolver", "refuse_all"]
+__all__ = ["Receiver", "SegmentMaps", "ShmReceiving", "ShmResolver", "refuse_all"]
 
 logger = logging.getLogger("tensorrpc.transports")
 
@@ -110,6 +117,11 @@ class SegmentMaps:
         self._bytes[pid] = self._bytes.get(pid, 0) + size
         return True
 
+    def evict(self, key: tuple[int, int, int]) -> None:
+        """Drop one mapping if kept (tensors on it keep it mapped)."""
+        if key in self._maps:
+            self._evict(key)
+
     def _evict(self, key: tuple[int, int, int]) -> None:
         view = self._maps.pop(key)
         left = self._bytes[key[0]] - view.numel()
@@ -151,6 +163,8 @@ class Receiver:
         self.max_segment_bytes = max_segment_bytes
         self.tensors_received = 0
         self.bytes_received = 0
+        #: Leases held by tensors built on peers' pool regions (one-copy receive).
+        self.holds = Holds()
 
     # -- probes ----------------------------------------------------------------------------
 
@@ -182,8 +196,14 @@ class Receiver:
         peer_pid: int | None,
         *,
         count: bool = True,
+        owner: tuple[bool, Hashable] | None = None,
     ) -> torch.Tensor:
-        """Build the tensor a parsed handle describes (see `ShmResolver.resolve`)."""
+        """Build the tensor a parsed handle describes (see `ShmResolver.resolve`).
+
+        ``owner`` asks for one-copy receive of pool tensors (built on the region itself):
+        ``(True, peer)`` holds the lease in `holds` until the tensor's storage is freed;
+        ``(False, message)`` tracks the tensor for `detach`. None copies pool tensors out.
+        """
         if not isinstance(dtype, torch.dtype):
             raise fail(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
         if len(shape) != len(h.strides):
@@ -200,7 +220,7 @@ class Receiver:
         else:
             if peer_pid is not None and h.pid != peer_pid:
                 raise fail("the handle does not name the peer's process")
-            out = self._resolve_kind(h, dtype, shape, nbytes)
+            out = self._resolve_kind(h, dtype, shape, nbytes, owner)
         if count:
             with self._lock:
                 self.tensors_received += 1
@@ -208,11 +228,16 @@ class Receiver:
         return out
 
     def _resolve_kind(
-        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+        self,
+        h: Handle,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        nbytes: int,
+        owner: tuple[bool, Hashable] | None,
     ) -> torch.Tensor:
         start, length = check_bounds(h, dtype.itemsize, shape)
         if h.kind == HandleKind.POOL:
-            return self._resolve_pool(h, dtype, shape, nbytes)
+            return self._resolve_pool(h, dtype, shape, nbytes, owner)
         if h.kind == HandleKind.SHARED:
             return self._resolve_shared(h, dtype, shape, start, length)
         if h.kind == HandleKind.CUDA:
@@ -290,7 +315,12 @@ class Receiver:
             os.close(ofd)
 
     def _resolve_pool(
-        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+        self,
+        h: Handle,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        nbytes: int,
+        owner: tuple[bool, Hashable] | None = None,
     ) -> torch.Tensor:
         if h.tail:
             raise fail("unexpected bytes after a POOL handle")
@@ -304,11 +334,49 @@ class Receiver:
         tag_at = view.data_ptr() + at
         if _read_u64(tag_at) != h.tag:
             raise fail("pool region no longer holds this tensor (lease released or expired)")
+        if owner is not None:
+            return (
+                self._on_region(h, view, tag_at + REGION_HEADER, nbytes, owner)
+                .view(dtype)
+                .view(shape)
+            )
         out = self.buffers.empty(nbytes)
         ctypes.memmove(out.data_ptr(), tag_at + REGION_HEADER, nbytes)
         if _read_u64(tag_at) != h.tag:
             raise fail("pool region was reused while it was read (lease released too early)")
         return out.view(dtype).view(shape)
+
+    def _on_region(
+        self, h: Handle, view: torch.Tensor, addr: int, nbytes: int, owner: tuple[bool, Hashable]
+    ) -> torch.Tensor:
+        """One copy in all: a ``uint8`` tensor on the region itself, leased to us while it
+        lives (``hold``), or until `detach` gives it pages of its own (``keep``)."""
+        hold_mode, key = owner
+        array = (ctypes.c_char * nbytes).from_address(addr)
+        map_key = (h.pid, h.dev, h.ino)
+        if hold_mode:
+            self.holds.add(key, h.lease)
+            tag = Hold(self.holds, key, h.lease, view, (addr, nbytes), map_key)
+        else:
+            tag = Hold(None, key, h.lease, view, (addr, nbytes), map_key)
+            self.holds.keep(key, tag)
+        # The tensor keeps `array` alive and `array` keeps the hold (and the mapping).
+        array._tensorrpc_hold = tag  # type: ignore[attr-defined]
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+    def detach(self, key: Hashable) -> int:
+        """The sender takes back the regions of message ``key``: its tensors still alive
+        get private pages (a copy), so they keep their values. Returns how many.
+
+        Raises:
+            OSError: the kernel refused the private pages (out of memory).
+        """
+        alive = self.holds.detach(key)
+        for hold in alive:
+            privatize(hold.addr, hold.nbytes)
+            with self._lock:
+                self.maps.evict(hold.map_key)  # later handles must see the shared pages
+        return len(alive)
 
     def _resolve_shared(
         self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], start: int, length: int
@@ -381,14 +449,24 @@ class ShmResolver:
 
     Made by `TorchShmTransport.resolver` for one peer; handles that name any other
     process are refused. Records the lease ids it saw, for the runtime to send back.
+    With an ``owner`` (see `Receiver.resolve`), pool tensors are built on the peer's
+    regions (one copy in all) instead of copied out.
     """
 
-    __slots__ = ("_check", "_leases", "_peer_pid", "_receiver")
+    __slots__ = ("_check", "_closed", "_leases", "_owner", "_peer_pid", "_receiver")
 
-    def __init__(self, receiver: Receiver, peer_pid: int | None, check: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        receiver: Receiver,
+        peer_pid: int | None,
+        check: Callable[[], None],
+        owner: tuple[bool, Hashable] | None = None,
+    ) -> None:
         self._receiver = receiver
         self._peer_pid = peer_pid
         self._check = check
+        self._owner = owner
+        self._closed = False
         self._leases: list[int] = []
 
     @property
@@ -402,8 +480,9 @@ class ShmResolver:
         """Build the tensor a handle describes.
 
         Returns:
-            A private copy for pool handles; a tensor aliasing the sender's memory for
-            tensorrpc shared memory and CUDA storages.
+            For pool handles, a private copy, or (one-copy receive) a tensor on the
+            region leased to us; a tensor aliasing the sender's memory for tensorrpc
+            shared memory and CUDA storages.
 
         Raises:
             TensorTransportError: the handle is malformed, does not match ``dtype`` and
@@ -415,9 +494,35 @@ class ShmResolver:
             raise fail(f"cannot resolve a {transport!r} handle")
         self._check()
         h = unpack(handle)
-        tensor = self._receiver.resolve(h, dtype, tuple(shape), self._peer_pid)
+        owner = self._owner
+        if owner is not None and owner[0] and h.lease not in self._leases:
+            # The decode itself holds each lease until close(): a tensor that dies
+            # before its message's last tensor is resolved cannot release it early.
+            self._receiver.holds.add(owner[1], h.lease)
         self._leases.append(h.lease)
-        return tensor
+        return self._receiver.resolve(h, dtype, tuple(shape), self._peer_pid, owner=owner)
+
+    def close(self) -> tuple[int, ...]:
+        """The message is decoded: the lease ids to RELEASE now.
+
+        Without ``hold`` that is every lease seen. With it, a lease whose tensors are
+        still alive is released later, once they are gone
+        (`TorchShmTransport.releasable`);
+        what this returns also includes the peer's earlier leases released since.
+        Idempotent (a second call returns only what was released since).
+        """
+        owner = self._owner
+        if owner is None or not owner[0]:
+            if self._closed:
+                return ()
+            self._closed = True
+            return self.leases
+        holds = self._receiver.holds
+        if not self._closed:
+            self._closed = True
+            for lease in self.leases:
+                holds.drop(owner[1], lease)
+        return holds.take(owner[1])
 
 
 def refuse_all() -> None:
@@ -430,3 +535,94 @@ def refuse_all() -> None:
         "torch_shm is not in use with this peer (its process id was not proven at the "
         "handshake); send tensors as frames"
     )
+
+
+class ShmReceiving:
+    """The receiving half of `TorchShmTransport`: resolvers, the peers' leases held by
+    one-copy tensors, and the peers' mappings.
+
+    A base class: the transport provides ``_receiver`` and ``_checked``.
+    """
+
+    _receiver: Receiver
+
+    def _checked(self) -> None:  # pragma: no cover - the transport overrides it
+        raise NotImplementedError
+
+    def read_peer_secret(self, probe: ProbeHandle) -> bytes | None:
+        """The secret in a peer's probe memfd (None: it cannot be opened or is not one)."""
+        return self._receiver.read_probe_secret(probe)
+
+    def resolver(
+        self, peer_pid: int | None, *, hold: Hashable = None, keep: Hashable = None
+    ) -> ShmResolver:
+        """A resolver that accepts handles from the process ``peer_pid`` only.
+
+        Args:
+            peer_pid: the peer's *proven* pid (see docs/protocol.md §8.1). ``None``
+                accepts any pid; use it only for tests and tools.
+            hold: one-copy receive from a peer that keeps its regions until a RELEASE
+                (any hashable key for that peer): pool tensors are built on the peer's
+                region, which stays leased to us until the tensor's storage is freed;
+                [`ShmResolver.close`][tensorrpc.transports.torch_shm.ShmResolver.close]
+                and `releasable` say which lease ids to RELEASE.
+            keep: one-copy receive of one message (any hashable key; a tuple starting
+                with the peer's key) whose sender takes its regions back by itself (an
+                argument lease ends with the first reply): call `detach` with the key
+                before that point. Without ``hold`` or ``keep``, pool tensors are copied
+                out and every lease may be released once the message is decoded.
+
+        Raises:
+            TensorTransportError: the transport is closed.
+            ValueError: both ``hold`` and ``keep`` given.
+        """
+        self._checked()
+        if hold is not None and keep is not None:
+            raise ValueError("hold and keep are exclusive")
+        owner = (True, hold) if hold is not None else (False, keep) if keep is not None else None
+        return ShmResolver(self._receiver, peer_pid, self._checked, owner)
+
+    def detach(self, keep: Hashable) -> int:
+        """Message ``keep`` ends: its tensors still on the peer's regions get private pages.
+
+        Returns:
+            How many tensors were still alive (and copied); usually none.
+
+        Raises:
+            TensorTransportError: the kernel refused the private pages.
+        """
+        try:
+            return self._receiver.detach(keep)
+        except OSError as exc:
+            raise fail(f"cannot give received tensors pages of their own: {exc.strerror}") from None
+
+    def releasable(self, peer: Hashable) -> tuple[int, ...]:
+        """Lease ids of ``peer`` (a ``hold`` key) whose tensors are all gone, each once."""
+        return self._receiver.holds.take(peer)
+
+    def releasable_peers(self) -> list[Hashable]:
+        """``hold`` keys with releasable leases (for a periodic flush)."""
+        return self._receiver.holds.peers()
+
+    def forget_holds(self, peer: Hashable) -> int:
+        """The peer is gone: release nothing more to it, and give the tensors still on the
+        regions of its messages (``keep`` keys starting with ``peer``) pages of their own.
+
+        Tensors received by ``hold`` stay valid: their mapping keeps the memory alive.
+
+        Returns:
+            How many tensors were copied.
+        """
+        copied = 0
+        for key in self._receiver.holds.forget(peer):
+            copied += self.detach(key)
+        return copied
+
+    def refusing_resolver(self) -> ShmResolver:
+        """A resolver that refuses every handle: for a peer whose pid was not proven."""
+        return ShmResolver(self._receiver, 0, refuse_all)
+
+    def forget_peer(self, peer_pid: int) -> int:
+        """Unmap the peer's segments (it died or left). Returns how many."""
+        with self._receiver._lock:
+            return self._receiver.maps.forget(peer_pid)

@@ -71,7 +71,12 @@ from tensorrpc.transports._shm_pool import (
     SegmentPool,
     memfd_device,
 )
-from tensorrpc.transports._shm_recv import Receiver, SegmentMaps, ShmResolver, refuse_all
+from tensorrpc.transports._shm_recv import (
+    Receiver,
+    SegmentMaps,
+    ShmReceiving,
+    ShmResolver,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -130,6 +135,9 @@ class TorchShmStatistics:
     peer_limited: int = 0
     #: RELEASEs refused: a lease never made, already released, or made for another peer.
     releases_refused: int = 0
+    #: Peers' leases this receiver holds: tensors built on their pool regions (one-copy
+    #: receive) still alive; each is released (RELEASE) once its tensors are freed.
+    leases_held: int = 0
 
 
 @dataclass(slots=True)
@@ -205,7 +213,7 @@ class _Probe:
             self.fd = -1
 
 
-class TorchShmTransport:
+class TorchShmTransport(ShmReceiving):
     """The ``torch_shm`` tensor transport of one process: a memfd pool, leases, mappings.
 
     Args:
@@ -360,10 +368,6 @@ class TorchShmTransport:
         return make_proof(
             probe.secret, role, prover_pid=self._pid, verifier_pid=verifier_pid, challenge=challenge
         )
-
-    def read_peer_secret(self, probe: ProbeHandle) -> bytes | None:
-        """The secret in a peer's probe memfd (None: it cannot be opened or is not one)."""
-        return self._receiver.read_probe_secret(probe)
 
     def _own_probe(self) -> _Probe:
         with self._lock:
@@ -646,30 +650,6 @@ class TorchShmTransport:
         )
         return pack(h)
 
-    # -- receiver side --------------------------------------------------------------------
-
-    def resolver(self, peer_pid: int | None) -> ShmResolver:
-        """A resolver that accepts handles from the process ``peer_pid`` only.
-
-        Args:
-            peer_pid: the peer's *proven* pid (see docs/protocol.md §8.1). ``None``
-                accepts any pid; use it only for tests and tools.
-
-        Raises:
-            TensorTransportError: the transport is closed.
-        """
-        self._checked()
-        return ShmResolver(self._receiver, peer_pid, self._checked)
-
-    def refusing_resolver(self) -> ShmResolver:
-        """A resolver that refuses every handle: for a peer whose pid was not proven."""
-        return ShmResolver(self._receiver, 0, refuse_all)
-
-    def forget_peer(self, peer_pid: int) -> int:
-        """Unmap the peer's segments (it died or left). Returns how many."""
-        with self._receiver._lock:
-            return self._receiver.maps.forget(peer_pid)
-
     def statistics(self) -> TorchShmStatistics:
         """The counters and pool gauges as a frozen snapshot."""
         with self._lock:
@@ -680,6 +660,7 @@ class TorchShmTransport:
                 pool_bytes=self._pool.total_bytes,
                 pool_bytes_in_use=self._pool.used_bytes,
                 mapped_segments=len(recv.maps),
+                leases_held=recv.holds.held(),
                 tensors_received=recv.tensors_received,
                 bytes_received=recv.bytes_received,
                 **self._stats,

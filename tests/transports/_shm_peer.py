@@ -121,7 +121,7 @@ def main() -> None:
                 del t
             reply.update(handles=handles, digests=digests, lease=placer.lease)
         elif op == "resolve":
-            resolver = transport.resolver(cmd.get("peer_pid"))
+            resolver = transport.resolver(cmd.get("peer_pid"), hold=cmd.get("hold"))
             digests = []
             errors: list[str] = []
             for item in cmd["items"]:

@@ -164,7 +164,9 @@ async def test_tensors_in_results_and_streams(
         assert [float(t[0]) for t in items] == [float(i) for i in range(20)]
         assert all(t.shape == (40_000,) for t in items)
         check_carried(client.statistics().transports, transport, big=True, sent=False)
-        # Every result lease was released by the client's RELEASE messages.
+        # Result tensors are built on the engine's regions and hold them while they
+        # live; once they are freed the client RELEASEs them (before its next CALL).
+        del made, items
         leases = (await view.call(TensorService.shm_state))[0]
         assert leases == 0
 
