@@ -42,6 +42,7 @@ class EngineProcess:
         workdir: Directory for the address file and the log.
         backend: The engine's anyio backend.
         torch_shm: Offer ``torch_shm`` (``tensor`` engines).
+        dead_after: Seconds of client silence before the engine forgets it (``v1``/``v2``).
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class EngineProcess:
         service: str = "v1",
         backend: str = "asyncio",
         torch_shm: bool = True,
+        dead_after: float | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.workdir = workdir
@@ -67,6 +69,8 @@ class EngineProcess:
         args += ["--service", service, "--backend", backend]
         if not torch_shm:
             args.append("--no-torch-shm")
+        if dead_after is not None:
+            args += ["--dead-after", str(dead_after)]
         self._log = self.log_path.open("wb")
         # Forked from a pre-imported interpreter (tests/_forkserver.py): its own process,
         # without the seconds of torch's import; Popen's interface.
@@ -163,7 +167,7 @@ def _server(args: argparse.Namespace) -> Any:
         connect=args.connect or None,
         bind=args.bind,
         heartbeat_interval=0.1,
-        dead_after=ENGINE_DEAD_AFTER,
+        dead_after=args.dead_after,
         grace_period=0.5,
     )
 
@@ -204,6 +208,7 @@ def main() -> None:
     parser.add_argument("--service", choices=("v1", "v2", "tensor"), default="v1")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--no-torch-shm", action="store_true")
+    parser.add_argument("--dead-after", type=float, default=ENGINE_DEAD_AFTER)
     args = parser.parse_args()
     level = logging.WARNING if args.service == "tensor" else logging.INFO
     logging.basicConfig(level=level, format=f"[{args.engine_id}] %(name)s %(message)s")
