@@ -426,12 +426,11 @@ class ClientProtocol:
             now: The clock. An engine we left silent past its bound (our loop stalled)
                 forgot the session: it is ended here (`EngineLost` in `pending`), not
                 sent a call, and the caller waits for it to rejoin (`rejoining`).
-            woken: The caller was woken from the capacity queue (it does not queue
-                again).
+            woken: The caller was woken from the capacity queue (it does not requeue).
 
         Raises:
-            EngineNotFoundError: As `EngineTable.select`, unless the engine (or, to
-                balance, any engine) is expected back (the caller waits).
+            EngineNotFoundError: As `EngineTable.select`, unless the engine (or any
+                engine, to balance) is expected back: the caller waits.
         """
         if not woken and self.capacity.queued(engine_id):
             return None  # earlier callers wait for this capacity: queue behind them

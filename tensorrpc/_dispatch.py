@@ -42,7 +42,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._protocol import Flags, MessageKind, encode_control, pack_reply_header
 from tensorrpc._schema import bad_result_message
-from tensorrpc._server_protocol import MISSING, ServerCall
+from tensorrpc._server_calls import MISSING, ServerCall
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable

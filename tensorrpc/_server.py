@@ -1,15 +1,13 @@
 """The engine side: ``serve()`` / ``Server`` run a service instance behind ZMQ.
 
-This module is the I/O shell: every decision is ``_server_protocol.ServerProtocol``'s and
-the worker pool is ``_dispatch``'s. What is left here:
+This module is the I/O shell: every decision is ``_server_protocol.ServerProtocol``'s,
+the worker pool is ``_dispatch``'s and the sockets (their receive loops, every send) are
+``_server_sockets.ServerSockets``'. What is left here:
 
-* **Dial-in** (``connect=``): one DEALER per client address, routing id
-  ``engine_id + "/" + nonce`` (unique per incarnation), with ``ZMQ_IMMEDIATE`` so that a
-  HELLO is only queued on a live connection. **Listen** (``bind=``): one ROUTER bound to
-  every address; a client is keyed by its routing id.
-* One receive loop per socket feeds each message and the time to the protocol, wakes a
-  worker when it returns an accepted call, and flushes what the protocol queued: frames
-  to send, calls to stop or wake, session news (torch_shm negotiation, freed leases).
+* The configuration, the lifecycle (start, drain, close) and the statistics.
+* For each message a receive loop fed to the protocol: wake a worker when it accepted a
+  call, and flush what the protocol queued: frames to send, calls to stop or wake,
+  session news (torch_shm negotiation, freed leases).
 * One housekeeping task runs the protocol's timers and releases the memory of tensors
   ZMQ has finished sending.
 
@@ -17,35 +15,26 @@ Rules this module keeps:
 
 1. Every socket operation happens on the event-loop thread; a receive loop never waits
    on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full).
-2. The memory of every zero-copy send is held (`PendingSends`)
-   until ZMQ's tracker says it is done.
+2. The memory of every zero-copy send is held until ZMQ's tracker says it is done.
 3. Shutdown drains: new CALLs get DRAINING, running calls get ``grace_period`` to finish,
    then are cancelled (and get an ERROR), BYE goes to every client, sockets close.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
 import socket as _socket
 import time
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Final, TypedDict, cast
+from typing import TYPE_CHECKING, Final, TypedDict
 
 import anyio
-import zmq
 
 from tensorrpc import _codec, _observe
 from tensorrpc._dispatch import Call, Dispatcher
-from tensorrpc._exceptions import (
-    ClosedError,
-    ErrorCode,
-    HandshakeRejectedError,
-    PeerUnreachableError,
-    TransportError,
-)
+from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._protocol import (
@@ -71,8 +60,9 @@ from tensorrpc._server_protocol import (
     ShmPeer,
     WelcomedAgain,
 )
+from tensorrpc._server_sockets import ServerSockets
 from tensorrpc._service import describe
-from tensorrpc._zmq import DEFAULT_OPTIONS, AsyncSocket, PendingSends, SocketOptions, create_socket
+from tensorrpc._zmq import DEFAULT_OPTIONS, SocketOptions
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
     TransportPolicy,
@@ -80,12 +70,11 @@ from tensorrpc.transports._policy import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Sequence
+    from collections.abc import Sequence
     from types import TracebackType
     from typing import Self, Unpack
 
     from anyio.abc import TaskStatus
-    from typing_extensions import Buffer
 
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
@@ -96,8 +85,6 @@ __all__ = ["PeerStatistics", "Server", "ServerConfig", "ServerStatistics", "serv
 logger = logging.getLogger("tensorrpc.server")
 
 _NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
-# How long the sockets may keep flushing the last replies and BYEs after close.
-_CLOSE_LINGER_MS: Final = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +297,6 @@ class Server:
         if "/" in engine_id or len(engine_id.encode()) > 200:
             raise ValueError("engine_id must be 1..200 bytes of UTF-8 without '/'")
         self._engine_id = engine_id
-        self._routing_id = f"{engine_id}/{secrets.token_hex(6)}".encode()
         self._addresses = _addresses_of(cfg.connect)
         self._binds = _addresses_of(cfg.bind)
         self._listen = bool(self._binds)
@@ -321,7 +307,16 @@ class Server:
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
         self._proto = ServerProtocol(self._settings(instance))
-        self._pending = PendingSends()
+        self._io = ServerSockets(
+            self._proto,
+            engine_id=engine_id,
+            routing_id=f"{engine_id}/{secrets.token_hex(6)}".encode(),
+            binds=self._binds,
+            addresses=self._addresses,
+            options=self._socket_options,
+            curve=cfg.curve,
+            reply_patience=cfg.dead_after,
+        )
         self._dispatch = Dispatcher(
             self._proto,
             engine_id=engine_id,
@@ -331,13 +326,9 @@ class Server:
             policy=self._policy,
             maxmsgsize=self._socket_options.maxmsgsize,
             grace_period=cfg.grace_period,
-            send_now=self._send_now,
-            send_reply=self._send_reply,
+            send_now=self._io.send_now,
+            send_reply=self._io.send_reply,
         )
-        self._endpoints: list[str] = []
-        self._router: AsyncSocket | None = None
-        self._dealers: dict[str, AsyncSocket] = {}
-        self._sockets: list[AsyncSocket] = []
         self._started = False
         self._closed = False
         self._fatal: BaseException | None = None
@@ -404,12 +395,13 @@ class Server:
     @property
     def endpoint(self) -> str | None:
         """Listen mode: the (first) bound endpoint; a ``tcp://...:0`` bind reads back its port."""
-        return self._endpoints[0] if self._endpoints else None
+        endpoints = self._io.endpoints
+        return endpoints[0] if endpoints else None
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         """Listen mode: every bound endpoint, in the order of ``bind``."""
-        return tuple(self._endpoints)
+        return tuple(self._io.endpoints)
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -449,7 +441,7 @@ class Server:
         self._started = True
         self._stopped = anyio.Event()
         self._poke = anyio.Event()
-        self._open_sockets()
+        self._io.open()
         if self._observer is not None:  # observe: the engine opened
             self._observer.opened(self)
         tg = anyio.create_task_group()
@@ -458,7 +450,7 @@ class Server:
             await tg.start(self._host)
         except BaseException as exc:
             tg.cancel_scope.cancel()
-            self._close_sockets()
+            self._io.close()
             await tg.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         self._outer_tg = tg
@@ -515,7 +507,7 @@ class Server:
             finally:
                 if self._inner_scope is not None:
                     self._inner_scope.cancel()
-                self._close_sockets()
+                self._io.close()
                 self._policy.close()
                 if self._observer is not None:  # observe: the engine closed
                     self._observer.closed(self)
@@ -524,40 +516,6 @@ class Server:
 
     # -- start and stop ---------------------------------------------------------------------
 
-    def _open_sockets(self) -> None:
-        options, curve = self._socket_options, self._config.curve
-        try:
-            if self._listen:
-                sock = self._router = create_socket(zmq.ROUTER, options=options, curve=curve)
-                self._sockets.append(sock)
-                self._endpoints.extend(sock.bind(address) for address in self._binds)
-                logger.info("engine %r listening on %s", self._engine_id, self._endpoints)
-                return
-            now = time.monotonic()
-            for address in self._addresses:
-                sock = create_socket(
-                    zmq.DEALER, options=options, routing_id=self._routing_id, curve=curve
-                )
-                self._dealers[address] = sock
-                self._sockets.append(sock)
-                # Only queue on a live connection: no HELLOs piling up while the client
-                # is down, and sends to a vanished client fail fast.
-                sock.socket.setsockopt(zmq.IMMEDIATE, 1)
-                sock.connect(address)
-                self._proto.add_client(address, now)
-            logger.info("engine %r dialing %s", self._engine_id, ", ".join(self._addresses))
-        except BaseException:
-            self._close_sockets()
-            raise
-
-    def _close_sockets(self) -> None:
-        for sock in self._sockets:
-            if not sock.closed:
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
-                sock.close()
-        self._pending.clear()
-
     async def _host(self, *, task_status: TaskStatus[None]) -> None:
         # The tasks live in a shielded scope: cancelling the code that entered the Server
         # must not cancel running handlers before the drain has given them their grace.
@@ -565,10 +523,7 @@ class Server:
             self._inner_scope = scope
             async with anyio.create_task_group() as tg:
                 self._dispatch.start(tg)
-                if self._router is not None:
-                    tg.start_soon(self._router_loop, self._router)
-                for address, sock in self._dealers.items():
-                    tg.start_soon(self._dealer_loop, address, sock)
+                self._io.start(tg, self._accepted, self._flush)
                 tg.start_soon(self._housekeeping)
                 task_status.started()
 
@@ -590,127 +545,7 @@ class Server:
         self._flush()
         logger.info("engine %r stopped", self._engine_id)
 
-    # -- sending ----------------------------------------------------------------------------
-
-    def _socket_for(self, key: Hashable) -> tuple[AsyncSocket | None, list[Buffer]]:
-        if self._router is not None:
-            return self._router, [cast("bytes", key)]
-        return self._dealers.get(cast("str", key)), []
-
-    def _send_now(self, key: object, frames: list[bytes], *, count: bool = True) -> bool:
-        """Send a small message without waiting; drop it (and count) if ZMQ is full."""
-        sock, prefix = self._socket_for(key)
-        if sock is None:
-            return False
-        try:
-            sock.send_nowait([*prefix, *frames])
-        except (anyio.WouldBlock, PeerUnreachableError, ClosedError) as exc:
-            self._proto.dropped += count
-            logger.debug("dropped a message to %r: %r", key, exc)
-            return False
-        except TransportError as exc:
-            self._proto.dropped += 1
-            logger.warning("cannot send to %r: %s", key, exc)
-            return False
-        session = self._proto.sessions.get(key)
-        if session is not None:
-            session.bytes_out += sum(len(f) for f in frames)
-        return True
-
-    async def _send_reply(
-        self, call: Call, frames: list[Buffer], keepalive: list[object] | None
-    ) -> None:
-        """Send a (possibly large, zero-copy) reply from a worker, waiting a bounded time.
-
-        The wait (ZMQ full, or a DEALER whose client is not connected) ends after
-        ``dead_after``, or when the call is cancelled (CANCEL, its session ended).
-        """
-        sock, prefix = self._socket_for(call.key)
-        if sock is None:
-            return
-        parts = [*prefix, *frames]
-        track = keepalive is not None
-        try:
-            try:
-                tracker = sock.send_nowait(parts, track=track)
-            except anyio.WouldBlock:
-                tracker = await self._send_waiting(call, sock, parts, track)
-        except (anyio.WouldBlock, PeerUnreachableError, ClosedError) as exc:
-            self._proto.dropped += 1
-            logger.debug("dropped a reply to %s: %r", call.session.name, exc)
-            return
-        except TransportError as exc:
-            self._proto.dropped += 1
-            logger.warning("cannot send a reply to %s: %s", call.session.name, exc)
-            return
-        if keepalive is not None:
-            self._pending.add(tracker, keepalive)
-        size = 0
-        for frame in frames:
-            size += memoryview(frame).nbytes
-        call.session.bytes_out += size
-
-    async def _send_waiting(
-        self, call: Call, sock: AsyncSocket, parts: list[Buffer], track: bool
-    ) -> zmq.MessageTracker | None:
-        if call.cancelled:
-            raise anyio.WouldBlock
-        with anyio.move_on_after(self._config.dead_after) as scope:
-            borrowed = call.scope is None  # unary: no scope of its own any more
-            if borrowed:
-                call.scope = scope
-            try:
-                return await sock.send(parts, track=track)
-            finally:
-                if borrowed:
-                    call.scope = None
-        raise anyio.WouldBlock
-
     # -- receiving --------------------------------------------------------------------------
-
-    async def _dealer_loop(self, address: str, sock: AsyncSocket) -> None:
-        recv = sock.recv
-        receive = self._proto.receive
-        monotonic = time.monotonic
-        while True:
-            try:
-                frames = await recv()
-            except ClosedError:
-                return
-            try:
-                size = 0
-                for frame in frames:
-                    size += len(frame)
-                call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
-                if call is not None:
-                    self._accepted(call, size)
-                self._flush()
-            except Exception:  # one bad message must never stop the loop
-                self._proto.dropped += 1
-                logger.exception("error handling a message from %s", address)
-
-    async def _router_loop(self, sock: AsyncSocket) -> None:
-        recv = sock.recv
-        receive = self._proto.receive
-        monotonic = time.monotonic
-        while True:
-            try:
-                frames = await recv()
-            except ClosedError:
-                return
-            try:
-                size = 0
-                for frame in frames:
-                    size += len(frame)
-                route = frames[0].bytes
-                body = cast("list[Buffer]", frames[1:])
-                call = receive(route, body, monotonic(), size - len(route))
-                if call is not None:
-                    self._accepted(call, size)
-                self._flush()
-            except Exception:  # one bad message must never stop the loop
-                self._proto.dropped += 1
-                logger.exception("error handling a message")
 
     def _accepted(self, call: Call, size: int) -> None:
         self._dispatch.wake_one()
@@ -724,7 +559,7 @@ class Server:
         """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
         session, call_id = event.session, event.call_id
         if not _observe.statistics_allowed(self._config.curve):
-            self._send_now(session.key, encode_error(call_id, _STATISTICS_REFUSED))
+            self._io.send_now(session.key, encode_error(call_id, _STATISTICS_REFUSED))
             return
         if self._recorder is None:
             self._recorder = _observe.StatisticsRecorder()
@@ -737,7 +572,7 @@ class Server:
             recorder=self._recorder,
         )
         encoded = _codec.encode(body, self._codec)
-        self._send_now(
+        self._io.send_now(
             session.key, [pack_reply_header(MessageKind.RESULT, call_id), encoded.payload]
         )
 
@@ -747,7 +582,7 @@ class Server:
         if proto.outbox:
             outbox, proto.outbox = proto.outbox, []
             for key, frames, is_hello in outbox:
-                if not self._send_now(key, frames, count=not is_hello) and is_hello:
+                if not self._io.send_now(key, frames, count=not is_hello) and is_hello:
                     # Dial-in: not connected yet; the protocol retries soon.
                     proto.hello_unsent(key, time.monotonic())
                     self._wake_housekeeping()
@@ -793,7 +628,7 @@ class Server:
         )
         session.shm = ShmPeer(pid=pid, peer_receives=send, we_receive=receive)
         if proof is not None:
-            self._send_now(session.key, encode_control(MessageKind.PROOF, proof))
+            self._io.send_now(session.key, encode_control(MessageKind.PROOF, proof))
 
     def _fail(self, error: BaseException) -> None:
         """Stop serving because of ``error`` (raised by serve_forever)."""
@@ -815,12 +650,11 @@ class Server:
             now = time.monotonic()
             self._proto.tick(now)
             self._flush()
-            if now >= next_sweep:
+            sweep = now >= next_sweep
+            if sweep:
                 next_sweep = now + interval
                 self._policy.sweep()
-                for sock in self._sockets:
-                    sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
-            self._pending.prune()
+            self._io.housekeeping(sweep)  # logs failed CURVE handshakes at WARNING
             wait = max(0.005, min(self._proto.wake_at, next_sweep) - time.monotonic())
             self._poke = poke = anyio.Event()
             with anyio.move_on_after(wait):

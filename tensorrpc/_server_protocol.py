@@ -635,7 +635,8 @@ class ServerProtocol:
         try:
             header, payload, buffers = split_frames(frames, max_buffers=self._max_buffers)
         except RemoteProtocolError as exc:
-            self._malformed(session, frames, exc)
+            if self._malformed(key, frames, exc):
+                session.errors += 1
             return None
         session.bytes_in += size if size >= 0 else _bytes_of(frames)
         if session.state is SessionState.LIVE:
@@ -654,10 +655,7 @@ class ServerProtocol:
         try:
             header, _payload, _buffers = split_frames(frames, max_buffers=self._max_buffers)
         except RemoteProtocolError as exc:
-            self.dropped += 1
-            call_id = readable_call_id(frames[0]) if frames else None
-            if call_id is not None:
-                self._error(key, call_id, ErrorCode.PROTOCOL, str(exc))
+            self._malformed(key, frames, exc)
             return
         if header.kind is _PING and not self.draining:
             self._send_hello(self._stranger(key, now), now)
@@ -666,14 +664,18 @@ class ServerProtocol:
         if header.kind is _CALL:
             self._error(key, header.call_id, ErrorCode.PROTOCOL, "no session: send PING first")
 
-    def _malformed(
-        self, session: Session, frames: Sequence[Buffer], exc: RemoteProtocolError
-    ) -> None:
+    def _malformed(self, key: Hashable, frames: Sequence[Buffer], exc: RemoteProtocolError) -> bool:
+        """Drop a malformed message; a CALL whose call id is readable gets ERROR (rule 5).
+
+        Returns:
+            Whether it was answered.
+        """
         self.dropped += 1
         call_id = readable_call_id(frames[0]) if frames else None
-        if call_id is not None:  # rule 5: a readable call id gets an answer
-            session.errors += 1
-            self._error(session.key, call_id, ErrorCode.PROTOCOL, str(exc))
+        if call_id is None:
+            return False
+        self._error(key, call_id, ErrorCode.PROTOCOL, str(exc))
+        return True
 
     def _error(self, key: Hashable, call_id: int, code: ErrorCode, message: str) -> None:
         self.errors_total += 1

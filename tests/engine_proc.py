@@ -2,7 +2,7 @@
 
 Run as ``python -m tests.engine_proc --engine-id e1 --connect ADDR`` (or ``--bind ADDR
 --address-file F``); `EngineProcess` starts one from a test and always reaps it. It is
-its own program, started with ``subprocess.Popen``: it shares nothing with the test
+its own program, forked by ``tests/_forkserver.py``: it shares nothing with the test
 process but the socket address. ``--service`` picks what it serves: ``v1``
 (`tests.integration.services.Calculator`), ``v2`` (same name, another fingerprint) or
 ``tensor`` (`tests.transports._engine.TensorService`, for the transport tests, with
@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests import _forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 #: Exit status of an engine whose serve() raised (e.g. refused by every client).
 EXIT_REFUSED = 3
@@ -40,6 +42,7 @@ class EngineProcess:
         workdir: Directory for the address file and the log.
         backend: The engine's anyio backend.
         torch_shm: Offer ``torch_shm`` (``tensor`` engines).
+        dead_after: Seconds of client silence before the engine forgets it (``v1``/``v2``).
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class EngineProcess:
         service: str = "v1",
         backend: str = "asyncio",
         torch_shm: bool = True,
+        dead_after: float | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.workdir = workdir
@@ -65,8 +69,12 @@ class EngineProcess:
         args += ["--service", service, "--backend", backend]
         if not torch_shm:
             args.append("--no-torch-shm")
+        if dead_after is not None:
+            args += ["--dead-after", str(dead_after)]
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        # Forked from a pre-imported interpreter (tests/_forkserver.py): its own process,
+        # without the seconds of torch's import; Popen's interface.
+        self.proc = _forkserver.popen(
             args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
@@ -159,7 +167,7 @@ def _server(args: argparse.Namespace) -> Any:
         connect=args.connect or None,
         bind=args.bind,
         heartbeat_interval=0.1,
-        dead_after=ENGINE_DEAD_AFTER,
+        dead_after=args.dead_after,
         grace_period=0.5,
     )
 
@@ -200,6 +208,7 @@ def main() -> None:
     parser.add_argument("--service", choices=("v1", "v2", "tensor"), default="v1")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--no-torch-shm", action="store_true")
+    parser.add_argument("--dead-after", type=float, default=ENGINE_DEAD_AFTER)
     args = parser.parse_args()
     level = logging.WARNING if args.service == "tensor" else logging.INFO
     logging.basicConfig(level=level, format=f"[{args.engine_id}] %(name)s %(message)s")

@@ -34,6 +34,7 @@ from .services import Calculator
 HEARTBEAT = 0.1
 DEAD_AFTER = 1.0
 POOL_IDS = ("e1", "e2", "e3")
+POOL_DEAD_AFTER = 30.0
 
 Spawn = Callable[..., EngineProcess]
 
@@ -42,11 +43,26 @@ Spawn = Callable[..., EngineProcess]
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Three engines listening on ipc:// and one on tcp://127.0.0.1 (ephemeral port)."""
     workdir = tmp_path_factory.mktemp("pool")
+    # The pool's engines never need to forget a client: a long bound, so that a test
+    # process starved of CPU on a loaded machine does not lose its session mid-test.
     procs = [
-        EngineProcess(engine_id, workdir=workdir, bind=f"ipc://{workdir}/{engine_id}.sock")
+        EngineProcess(
+            engine_id,
+            workdir=workdir,
+            bind=f"ipc://{workdir}/{engine_id}.sock",
+            dead_after=POOL_DEAD_AFTER,
+        )
         for engine_id in POOL_IDS
     ]
-    procs.append(EngineProcess("t1", workdir=workdir, bind="tcp://127.0.0.1:0", backend="trio"))
+    procs.append(
+        EngineProcess(
+            "t1",
+            workdir=workdir,
+            bind="tcp://127.0.0.1:0",
+            backend="trio",
+            dead_after=POOL_DEAD_AFTER,
+        )
+    )
     try:
         yield {p.engine_id: p.address() for p in procs}
     finally:

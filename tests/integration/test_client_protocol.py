@@ -33,7 +33,10 @@ CALL = MessageKind.CALL
 
 
 def make_client(tmp_path: Path, **kw: object) -> Client[Calculator]:
-    options: dict[str, object] = {"heartbeat_interval": 0.05, "dead_after": 0.6}
+    # The fake engine answers PINGs only while a test reads from it: a short dead_after
+    # would declare it dead whenever the test (or a loaded machine) pauses. Only the
+    # silence test asks for a short one.
+    options: dict[str, object] = {"heartbeat_interval": 0.05, "dead_after": 10.0}
     options.update(kw)
     return Client(Calculator, bind=f"ipc://{tmp_path}/client.sock", **options)  # type: ignore[arg-type]
 
@@ -295,7 +298,7 @@ async def test_abandoned_stream_is_cancelled_after_gc(tmp_path: Path) -> None:
 
 
 async def test_silent_engine_is_declared_dead_and_id_freed(tmp_path: Path) -> None:
-    async with make_client(tmp_path) as client:
+    async with make_client(tmp_path, dead_after=0.6) as client:
         async with FakeEngine(client.addresses[0], "e1") as e1:
             await e1.join()
             e1.answer_pings = False

@@ -304,5 +304,5 @@ class PairMachine(RuleBasedStateMachine):
                 assert call.ended, f"{call!r} outlived its engine"
 
 
-PairMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=35, deadline=None)
+PairMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestPairMachine = PairMachine.TestCase
