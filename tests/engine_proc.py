@@ -2,7 +2,7 @@
 
 Run as ``python -m tests.engine_proc --engine-id e1 --connect ADDR`` (or ``--bind ADDR
 --address-file F``); `EngineProcess` starts one from a test and always reaps it. It is
-its own program, started with ``subprocess.Popen``: it shares nothing with the test
+its own program, forked by ``tests/_forkserver.py``: it shares nothing with the test
 process but the socket address. ``--service`` picks what it serves: ``v1``
 (`tests.integration.services.Calculator`), ``v2`` (same name, another fingerprint) or
 ``tensor`` (`tests.transports._engine.TensorService`, for the transport tests, with
@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tests import _forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Exit status of an engine whose serve() raised (e.g. refused by every client).
@@ -70,7 +72,9 @@ class EngineProcess:
         if dead_after is not None:
             args += ["--dead-after", str(dead_after)]
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
+        # Forked from a pre-imported interpreter (tests/_forkserver.py): its own process,
+        # without the seconds of torch's import; Popen's interface.
+        self.proc = _forkserver.popen(
             args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 

@@ -3,9 +3,12 @@
 Rules for authors (also in docs/index.md, "About these pages"):
 
 * Every fenced block opened with three backticks and ``python`` is a complete program. It
-  runs in a fresh interpreter (this venv's), with a temporary directory as its working
-  directory and as ``TMPDIR``, and must exit 0 within :data:`TIMEOUT_S` seconds, leave no
-  process running and no file behind (ipc:// socket files included).
+  runs as ``python -X dev -W error block.py`` (this venv's), in a process of its own with
+  a temporary directory as its working directory and as ``TMPDIR``, and must exit 0 within
+  :data:`TIMEOUT_S` seconds, leave no process running and no file behind (ipc:// socket
+  files included). The process is forked from an interpreter with the same flags that has
+  already imported torch and tensorrpc (tests/_forkserver.py): the block still has to
+  import what it uses, and it skips the seconds of torch's import.
 * A block that genuinely cannot run on its own (an interface sketch, a snippet that needs
   key files or another host) is preceded by ``<!-- doctest: skip (why) -->`` on the line
   just above its opening fence (blank lines between are allowed). The reason is required.
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import _forkserver
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Pages whose Python blocks are run.
@@ -189,7 +194,7 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     # inherited it, and the leftover-process check below would never see it.
     log_path = tmp_path / "output.txt"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
+        proc = _forkserver.popen(
             [sys.executable, "-X", "dev", "-W", "error", str(script)],
             cwd=work,
             env=env,

@@ -43,6 +43,7 @@ from tensorrpc.transports.torch_shm import (
     _pack,
     _unpack,
 )
+from tests import _forkserver
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
@@ -86,7 +87,7 @@ class Peer:
 
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
+        self.proc = _forkserver.popen(
             [sys.executable, str(PEER)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -304,7 +305,13 @@ def test_handles_from_another_pid_are_refused(pair):
     a.request("release", leases=[placed["lease"]])
 
 
-def test_ten_thousand_transfers_leak_no_fd_and_nothing_in_dev_shm(pair):
+def test_two_thousand_transfers_leak_no_fd_and_nothing_in_dev_shm(pair):
+    """2,000 transfers in 20 identical batches (sizes, shared ones, release at the end).
+
+    Each batch leaves the pool in the state the one before left it, so a leak of one
+    descriptor, segment or lease per transfer or per batch shows (the checks are exact,
+    not thresholds) long before the 20th; 10,000 took 5 times as long for nothing more.
+    """
     a, b = pair
     sizes = [256, 1024, 4096, 16384, 65536]
 
@@ -325,7 +332,7 @@ def test_ten_thousand_transfers_leak_no_fd_and_nothing_in_dev_shm(pair):
     batch(0)  # warm up: the pool's first segment and b's mapping of it
     fds_a, fds_b = a.request("fds")["fds"], b.request("fds")["fds"]
     shm_before = sorted(os.listdir("/dev/shm"))
-    for i in range(1, 100):
+    for i in range(1, 20):
         batch(i)
     assert a.request("fds")["fds"] == fds_a
     assert b.request("fds")["fds"] == fds_b
@@ -336,7 +343,7 @@ def test_ten_thousand_transfers_leak_no_fd_and_nothing_in_dev_shm(pair):
     stats = a.request("stats")["stats"]
     assert stats["leases_active"] == 0
     assert stats["pool_segments"] == 1
-    assert stats["tensors_sent"] >= 10_000
+    assert stats["tensors_sent"] >= 2_000
 
 
 def test_normal_shutdown_returns_every_fd_and_leaves_nothing(spare):
