@@ -29,6 +29,7 @@ from tensorrpc._client_protocol import (
     EngineRefused,
     Ignored,
     Pong,
+    Released,
 )
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
@@ -360,16 +361,32 @@ class ClientIO:
                 self.observer.heartbeat(client_id, event.engine.engine_id, rtt)
         elif isinstance(event, EngineJoined):
             self._on_joined(event)
-        elif isinstance(event, Dropped):
-            leases = self.transfers.leases(event.engine, event.payload, event.buffers)
-            self.protocol.release(event.engine, leases, _monotonic())
-            if event.call is not None:
-                self.ended(event.call)
+        elif isinstance(event, (Dropped, Released)):
+            self._on_returned(event)
         elif isinstance(event, EngineRefused):
             self._refusals.log(event, _monotonic())
             self.notify_engines()
         elif isinstance(event, Ignored):
             logger.warning("dropped a message from %r: %s", event.peer, event.why)
+
+    def _on_returned(self, event: Dropped | Released) -> None:
+        """A reply nobody decodes, a late reply, or the engine's RELEASE of argument
+        leases kept for calls we gave up on."""
+        engine = event.engine
+        policy = self.transfers.policy
+        if isinstance(event, Dropped):
+            leases = self.transfers.leases(engine, event.payload, event.buffers)
+            self.protocol.release(engine, leases, _monotonic())
+            if event.call is not None:
+                self.ended(event.call)
+            elif event.call_id:
+                policy.late_reply(engine.peer, event.call_id)
+        elif event.leases:
+            refused = policy.released_by(engine.peer, event.leases)
+            if refused:
+                logger.debug("engine %r: %d RELEASEd leases refused", engine.engine_id, refused)
+        else:
+            policy.late_reply(engine.peer, event.call_id)
 
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
@@ -432,6 +449,16 @@ class ClientIO:
             leases = self.transfers.leases(call.engine, payload, buffers)
             protocol.release(call.engine, leases, now)
         if protocol.cancel(call, now):
+            engine = call.engine
+            # The engine may still be reading the arguments on our regions: they stay
+            # leased to it until its RELEASE (or a late reply, or its end).
+            if (
+                call.lease is not None
+                and engine.alive
+                and not protocol.closed
+                and self.transfers.policy.hold_cancelled(engine.peer, call.call_id, call.lease)
+            ):
+                call.lease = None
             self.ended(call)
         self.flush()
 

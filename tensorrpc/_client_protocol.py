@@ -86,6 +86,7 @@ __all__ = [
     "Heartbeat",
     "Ignored",
     "Pong",
+    "Released",
 ]
 
 _RESULT: Final = MessageKind.RESULT
@@ -97,6 +98,7 @@ _PONG: Final = MessageKind.PONG
 _HELLO: Final = MessageKind.HELLO
 _BYE: Final = MessageKind.BYE
 _REJECT: Final = MessageKind.REJECT
+_RELEASE: Final = MessageKind.RELEASE
 _FAILED: Final = CallState.FAILED
 _CANCELLED: Final = CallState.CANCELLED
 _ERROR_HEADER: Final = Header(MessageKind.ERROR, 1)
@@ -149,7 +151,15 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     (
         "live",
         "RESULT/ERROR/STREAM_ITEM/STREAM_END",
-        "deliver to the call of that id sent to this engine, else drop",
+        "deliver to the call of that id sent to this engine, else drop (ending the "
+        "argument lease kept for a call of that id we gave up on)",
+        "live",
+    ),
+    (
+        "live",
+        "RELEASE",
+        "end the argument leases it names that were kept for calls we gave up on; "
+        "refuse and count any other id",
         "live",
     ),
     ("live", "BYE", "end the session (its calls fail: EngineDeadError)", "none"),
@@ -281,6 +291,19 @@ class Dropped:
     payload: Buffer
     buffers: Sequence[Buffer]
     call: Call | None = None
+    #: The call id of a reply to no call in flight (a call we gave up on, perhaps).
+    call_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """The engine's RELEASE: it is done with the argument regions under these leases
+    (of calls we gave up on before it answered them). ``call_id`` 0 and ``leases`` empty
+    with a non-zero ``call_id``: a late ERROR or STREAM_END to call ``call_id``."""
+
+    engine: Engine
+    leases: tuple[int, ...]
+    call_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +323,7 @@ class Ignored:
 
 
 #: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
-Event = EngineJoined | EngineLost | EngineRefused | Dropped | Pong | Ignored
+Event = EngineJoined | EngineLost | EngineRefused | Dropped | Released | Pong | Ignored
 
 
 class _Dial:
@@ -316,6 +339,19 @@ class _Dial:
 
 def _random_epoch() -> int:
     return secrets.randbits(64) or 1
+
+
+def _released(engine: Engine, kind: MessageKind, header: Header, payload: Buffer) -> Event:
+    """The engine's RELEASE: it is done with argument regions of calls we gave up on.
+    Any other kind left over here is unexpected."""
+    if kind is not _RELEASE:
+        return Ignored(engine.peer, f"unexpected {kind.name} from engine {engine.engine_id!r}")
+    try:
+        body = decode_control(header, payload)
+    except RemoteProtocolError as exc:
+        return Ignored(engine.peer, f"malformed RELEASE: {exc}")
+    assert isinstance(body, Release)
+    return Released(engine, tuple(body.leases))
 
 
 class ClientProtocol:
@@ -556,12 +592,12 @@ class ClientProtocol:
         call = self.calls.reply(engine, kind, header.call_id, payload, buffers)
         if call is None:
             if kind is _RESULT or kind is _STREAM_ITEM:
-                return Dropped(engine, payload, buffers)
+                return Dropped(engine, payload, buffers, call_id=header.call_id)
             if kind is _ERROR and header.call_id == 0:
                 return Ignored(
                     engine.peer, f"engine {engine.engine_id!r} reported: {reply_error(payload)}"
                 )
-            return None
+            return Released(engine, (), header.call_id)  # a late ERROR or STREAM_END
         if call.state is _FAILED:  # the reply broke the rules: stop the engine's side
             self._queue(engine, engine.peer, MessageKind.CANCEL, None, call.call_id, now)
             if kind is _RESULT or kind is _STREAM_ITEM:
@@ -597,7 +633,7 @@ class ClientProtocol:
             if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
                 return None  # a reply of a session that ended: dropped silently
             return Ignored(peer, f"unexpected {kind.name} from a peer without a session")
-        return Ignored(peer, f"unexpected {kind.name} from engine {engine.engine_id!r}")
+        return _released(engine, kind, header, payload)
 
     # -- handshake ------------------------------------------------------------------------
 

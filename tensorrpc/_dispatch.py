@@ -37,12 +37,14 @@ from tensorrpc._exceptions import (
     DecodeError,
     EncodeError,
     ErrorCode,
+    TensorRPCError,
     TensorTransportError,
     ValidationError,
 )
-from tensorrpc._protocol import Flags, MessageKind, encode_control, pack_reply_header
+from tensorrpc._protocol import Flags, MessageKind, Release, encode_control, pack_reply_header
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
+from tensorrpc.transports._policy import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -65,6 +67,8 @@ _SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
 _ACLOSE_TIMEOUT_S: Final = 1.0
 # A worker yields to the event loop after this many calls in a row without waiting.
 _FAIRNESS_STREAK: Final = 32
+# Lease ids per RELEASE (protocol §4).
+_MAX_RELEASE: Final = 4096
 
 
 #: The calls this pool runs (the protocol's record carries the shell's slots too).
@@ -130,6 +134,9 @@ class Dispatcher:
         self._workers = 0
         self._parked = 0
         self._tg: TaskGroup | None = None
+        # torch_shm: the argument leases of calls not answered yet (the client keeps
+        # them until our first reply, or our RELEASE if it gives up on the call).
+        self._arg_leases: dict[Call, tuple[int, ...]] = {}
         self.done = anyio.Event()
 
     def start(self, tg: TaskGroup) -> None:
@@ -214,7 +221,11 @@ class Dispatcher:
         return True
 
     def _done(self, call: Call) -> None:
-        self._detach(call)  # a call that ends without a reply (cancelled, client gone)
+        if call.session.shm is not None:
+            # A call that ends without a reply (cancelled, client gone): argument tensors
+            # still alive get pages of their own, then the client may reuse the regions.
+            self._policy.detach((call.session, call.call_id))
+            self._release_args(call)
         self._proto.done(call)
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
@@ -225,7 +236,7 @@ class Dispatcher:
         self, call: Call, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
     ) -> None:
         frames = self._proto.error_reply(call, code, message, type_name, tb)
-        self._detach(call)
+        self._detach(call, reply=frames is not None)
         if frames is not None:
             self._send_now(call.key, frames)
             if call.observed is not None:  # observe: an ERROR reply to an observed call
@@ -302,8 +313,9 @@ class Dispatcher:
         call.payload = None
         call.buffers = ()
         self._policy.received_frames(buffers)
+        resolver = self._resolver(call)
         try:
-            wire = _codec.decode(payload, buffers, self._codec, resolver=self._resolver(call))
+            wire = _codec.decode(payload, buffers, self._codec, resolver=resolver)
             return call.spec.decode_args(wire)
         except ValidationError as exc:
             self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc))
@@ -311,6 +323,11 @@ class Dispatcher:
             self._error(call, ErrorCode.DECODE, str(exc))
         except TensorTransportError as exc:
             self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
+        finally:
+            if resolver is not None and not call.answered:
+                leases = resolver.leases
+                if leases:
+                    self._arg_leases[call] = leases
         return None
 
     def _encode(self, call: Call, value: object) -> _codec.Encoded | None:
@@ -363,11 +380,36 @@ class Dispatcher:
         # ends the client's lease: _detach() runs before it.
         return self._policy.resolver(shm.pid, keep=(call.session, call.call_id))
 
-    def _detach(self, call: Call) -> None:
-        """The client takes its argument regions back with our first reply (or when it
-        gives up): argument tensors still alive get pages of their own first."""
+    def _detach(self, call: Call, *, reply: bool = True) -> None:
+        """The client takes its argument regions back with our first reply: argument
+        tensors still alive get pages of their own first (``reply``: one goes now)."""
         if call.session.shm is not None:
             self._policy.detach((call.session, call.call_id))
+            if reply:
+                self._arg_leases.pop(call, None)
+
+    def _release_args(self, call: Call) -> None:
+        """A call the client gave up on ends without a reply: RELEASE its argument leases.
+
+        The client keeps them (its regions stay ours) until this RELEASE; a call whose
+        session ended needs none (the client frees them when it loses the session).
+        """
+        leases = self._arg_leases.pop(call, ())
+        if call.answered or not call.cancelled or call.session.calls.get(call.call_id) is not call:
+            return
+        payload = call.payload
+        if payload is not None:  # never decoded: read its lease ids only
+            collector = LeaseCollector()
+            try:
+                _codec.decode(payload, call.buffers, self._codec, resolver=collector)
+            except TensorRPCError:  # undecodable: it named no lease we could release
+                logger.debug("lease ids of a cancelled call unreadable", exc_info=True)
+            leases = tuple(dict.fromkeys(collector.leases))
+            call.payload = None
+            call.buffers = ()
+        for start in range(0, len(leases), _MAX_RELEASE):
+            chunk = Release(leases[start : start + _MAX_RELEASE])
+            self._send_now(call.key, encode_control(MessageKind.RELEASE, chunk))
 
     def _reply_stopped(self, call: Call) -> None:
         """The call's scope was cancelled: say why, unless the client gave up on it."""

@@ -156,7 +156,13 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("live", "PING nonce 0", "PONG 0 and HELLO (same epoch, rate-limited)", "live"),
     ("live", "CALL", "admit (ADMISSION) or ERROR", "live"),
     ("live", "CALL with an id in flight", "cancel the original; ERROR(id, PROTOCOL)", "live"),
-    ("live", "CANCEL", "cancel the call (no reply)", "live"),
+    (
+        "live",
+        "CANCEL",
+        "cancel the call (no reply; once its handler is done, RELEASE its torch_shm "
+        "argument leases)",
+        "live",
+    ),
     ("live", "CREDIT", "add credit; wake the stream", "live"),
     ("live", "WELCOME, same epoch", "ignore", "live"),
     ("live", "WELCOME, new epoch", "cancel the calls; new session", "live"),

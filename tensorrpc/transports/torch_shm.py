@@ -425,6 +425,16 @@ class TorchShmTransport(ShmReceiving):
             self._free_lease(entry)
             return True
 
+    def refuse_release(self, count: int = 1) -> None:
+        """Count RELEASEs refused elsewhere (an argument lease the peer may not release)."""
+        with self._lock:
+            self._stats["releases_refused"] += count
+
+    def leased(self, lease: int) -> bool:
+        """Whether ``lease`` is still held (not released, not expired)."""
+        with self._lock:
+            return lease in self._leases
+
     def release_peer(self, peer: Hashable) -> int:
         """The peer is gone: release every lease made for it. Returns how many."""
         with self._lock:

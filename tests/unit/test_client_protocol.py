@@ -13,6 +13,7 @@ from tensorrpc._client_protocol import (
     EngineLost,
     EngineRefused,
     Ignored,
+    Released,
 )
 from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT
 from tensorrpc._exceptions import ClosedError, EngineDeadError, RemoteProtocolError
@@ -213,7 +214,11 @@ def test_unary_reply_is_delivered_once_and_late_or_foreign_replies_dropped() -> 
     assert call.reply_kind is K.RESULT
     late = protocol.receive(b"p1", result(call.call_id, 4), 0.2)
     assert isinstance(late, Dropped)  # its torch_shm leases (if any) get released
-    assert protocol.receive(b"p1", error(call.call_id), 0.2) is None
+    late_error = protocol.receive(b"p1", error(call.call_id), 0.2)
+    # dropped; the shell ends an argument lease kept for a call of that id, if any
+    assert isinstance(late_error, Released)
+    assert late_error.leases == ()
+    assert late_error.call_id == call.call_id
     assert e1.in_flight == 0
 
 
