@@ -194,7 +194,7 @@ SCALAR_CASES: list[tuple[object, st.SearchStrategy[Any]]] = [
 
 
 @pytest.mark.parametrize(("elem", "values"), SCALAR_CASES, ids=lambda c: repr(c)[:40])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_containers_of_scalars_decide_like_the_reference(
     elem: object, values: st.SearchStrategy[Any], data: st.DataObject
