@@ -113,10 +113,12 @@ class Holds:
             ``peer``); the caller detaches them.
         """
         with self._lock:
+            # list() first: a tensor dying in a garbage collection here re-enters `drop`,
+            # which must not change a dict we are iterating over.
             self._ready.pop(peer, None)
-            for key in [k for k in self._live if k[0] == peer]:
-                del self._live[key]
-            return [k for k in self._kept if isinstance(k, tuple) and k and k[0] == peer]
+            for key in [k for k in list(self._live) if k[0] == peer]:
+                self._live.pop(key, None)
+            return [k for k in list(self._kept) if isinstance(k, tuple) and k and k[0] == peer]
 
 
 class Hold:
