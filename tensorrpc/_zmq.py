@@ -61,7 +61,7 @@ from tensorrpc._security import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Awaitable, Callable, Iterator, Sequence
     from types import TracebackType
 
     from typing_extensions import Buffer
@@ -930,11 +930,14 @@ class AsyncSocket:
         # for something ``events`` shows, wake it to re-check.
         self._waiter.poke(events)
 
-    async def _wait(self, mask: int, events: int, patience: float | None = None) -> None:
-        """Wait until ``EVENTS & mask`` may be true (see `_FdWaiter.wait`)."""
+    def _wait(self, mask: int, events: int, patience: float | None = None) -> Awaitable[None]:
+        """Wait until ``EVENTS & mask`` may be true (see `_FdWaiter.wait`).
+
+        A plain function returning the waiter's coroutine: no extra coroutine per wait.
+        """
         self._streak = 0
         self._since = _monotonic()
-        await self._waiter.wait(mask, events, patience)
+        return self._waiter.wait(mask, events, patience)
 
     # -- handshake failures -----------------------------------------------------------------
 
