@@ -881,6 +881,10 @@ class AsyncSocket:
             TransportError: Any other ZMQ failure.
         """
         self._check_open()
+        if self.yield_due():
+            # Yield before taking a message, never while holding one: another task that
+            # receives from this socket meanwhile must not get the messages after it first.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
         get = self._get
         while True:
             try:
@@ -896,8 +900,6 @@ class AsyncSocket:
                 raise translate_zmq_error(exc, "recv") from exc
             break
         self._after_op()
-        if self.yield_due():
-            await anyio.lowlevel.cancel_shielded_checkpoint()
         return frames
 
     def yield_due(self) -> bool:
