@@ -478,20 +478,23 @@ class ClientIO:
         checkpoint = anyio.lowlevel.checkpoint
         on_message = self._on_message
         yield_due = sock.yield_due  # a busy (or flooded) socket must not starve the callers
+        # A message taken off the socket is handled before any yield: the housekeeping
+        # tick also handles received messages (`_drain`) and may run at any yield, so a
+        # message held across one would be overtaken by the ones after it.
         while True:
             try:
                 frames = recv_nowait()
-                if yield_due():  # after 32 messages or 2 ms of handling them
-                    await checkpoint()
             except anyio.WouldBlock:
                 # Nothing queued: let the callers we just woke run (and decode) before we
                 # re-arm the wait on the socket, which costs a little.
                 await checkpoint()
-                frames = await recv()
+                frames = await recv()  # yields (if it must) before it takes the message
             try:
                 on_message(frames)
             except Exception:  # one bad message must never stop the reader
                 logger.exception("tensorrpc client: error handling a message")
+            if yield_due():  # after 32 messages or 2 ms of handling them
+                await checkpoint()
 
     def _drain(self, limit: int = 4096) -> None:
         """Handle the messages already received (the reader may not have run yet)."""

@@ -61,7 +61,7 @@ from tensorrpc._security import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Awaitable, Callable, Iterator, Sequence
     from types import TracebackType
 
     from typing_extensions import Buffer
@@ -881,6 +881,10 @@ class AsyncSocket:
             TransportError: Any other ZMQ failure.
         """
         self._check_open()
+        if self.yield_due():
+            # Yield before taking a message, never while holding one: another task that
+            # receives from this socket meanwhile must not get the messages after it first.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
         get = self._get
         while True:
             try:
@@ -896,8 +900,6 @@ class AsyncSocket:
                 raise translate_zmq_error(exc, "recv") from exc
             break
         self._after_op()
-        if self.yield_due():
-            await anyio.lowlevel.cancel_shielded_checkpoint()
         return frames
 
     def yield_due(self) -> bool:
@@ -928,11 +930,14 @@ class AsyncSocket:
         # for something ``events`` shows, wake it to re-check.
         self._waiter.poke(events)
 
-    async def _wait(self, mask: int, events: int, patience: float | None = None) -> None:
-        """Wait until ``EVENTS & mask`` may be true (see `_FdWaiter.wait`)."""
+    def _wait(self, mask: int, events: int, patience: float | None = None) -> Awaitable[None]:
+        """Wait until ``EVENTS & mask`` may be true (see `_FdWaiter.wait`).
+
+        A plain function returning the waiter's coroutine: no extra coroutine per wait.
+        """
         self._streak = 0
         self._since = _monotonic()
-        await self._waiter.wait(mask, events, patience)
+        return self._waiter.wait(mask, events, patience)
 
     # -- handshake failures -----------------------------------------------------------------
 

@@ -286,6 +286,9 @@ def _add_top(sub: Any) -> None:
 
 def _cmd_top(args: argparse.Namespace) -> int:
     try:
+        # top imports rich lazily, when it draws: check for it here, before connecting.
+        import rich  # noqa: F401
+
         from tensorrpc import top
     except ImportError as exc:
         raise CommandError(

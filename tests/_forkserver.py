@@ -343,6 +343,27 @@ def popen(args: Sequence[str], **kwargs: Any) -> Forked:
     return zygote(flags).popen([script[1], *argv_tail], script, **kwargs)
 
 
+def run(
+    args: Sequence[str],
+    *,
+    timeout: float,
+    capture_output: bool = False,
+    stdin: Any = None,
+    **kwargs: Any,
+) -> subprocess.CompletedProcess[Any]:
+    """`subprocess.run` through [`popen`][]: killed (and reaped) past ``timeout``."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = popen(args, stdin=stdin, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(list(args), proc.returncode, out, err)
+
+
 # -- the zygote's side --------------------------------------------------------------------------
 
 

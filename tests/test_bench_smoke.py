@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests import _forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,7 +26,7 @@ def _numbers(tree: Any) -> list[float]:
 
 def test_quick_roundtrip_writes_json_and_markdown(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    proc = subprocess.run(
+    proc = _forkserver.run(
         [
             sys.executable,
             "-m",

@@ -444,3 +444,12 @@ def test_serve_dials_a_client_that_binds(
         assert out == f"{proc.pid}\n"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=PROC_WAIT_S) == 0
+
+
+def test_top_without_rich_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `rich` is an optional extra; without it `top` must say so before connecting anywhere
+    monkeypatch.setitem(sys.modules, "rich", None)
+    code, _, err = run_cli(capsys, "top", "tcp://127.0.0.1:9", "--count", "1")
+    assert_one_line_error(code, err, 1, "needs rich", "tensorrpc[top]")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import _forkserver
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,14 +19,13 @@ def _shm_entries() -> set[str]:
 def test_demo_runs_small_and_leaves_nothing_behind(tmp_path: Path) -> None:
     shm_before = _shm_entries()
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.run(
+    proc = _forkserver.run(
         [sys.executable, "-m", "examples.multi_engine_demo", "--engines", "2", "--requests", "24"],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
-        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -56,7 +57,7 @@ def _children(pid: int) -> list[int]:
 
 def test_demo_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(
+    proc = _forkserver.popen(
         [
             sys.executable,
             "-m",

@@ -8,9 +8,10 @@ change under the client). Here it runs small, as a real program, in its own proc
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import _forkserver
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,14 +22,13 @@ def _shm_entries() -> set[str]:
 
 def test_shared_memory_recipe_runs(tmp_path: Path) -> None:
     shm_before = _shm_entries()
-    proc = subprocess.run(
+    proc = _forkserver.run(
         [sys.executable, "-m", "examples.shared_memory", "--mib", "4", "--calls", "3"],
         cwd=ROOT,
         env=dict(os.environ, TMPDIR=str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=120,
-        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 MiB results born in shared memory" in proc.stdout

@@ -32,6 +32,7 @@ from tensorrpc._exceptions import (
     TensorTransportError,
 )
 from tensorrpc._server import Server
+from tests import _forkserver
 from tests.engine_proc import ENGINE_DEAD_AFTER, ROOT, EngineProcess
 from tests.integration.services import Calculator
 
@@ -99,7 +100,9 @@ async def test_kill_9_mid_transfer_of_large_tensors(
     tmp_path: Path, engines: list[EngineProcess], transport: str
 ) -> None:
     # Warm up what is created once per process (the zmq context and its I/O threads'
-    # epoll/eventfd descriptors), so that the baseline counts only per-connection ones.
+    # epoll/eventfd descriptors; the pipes to the zygote that forks engines, see
+    # tests/_forkserver.py), so that the baseline counts only per-connection ones.
+    _forkserver.zygote()
     async with Server(Calculator("w"), bind=f"ipc://{tmp_path}/w.sock") as warm:
         assert warm.endpoint is not None
         async with _client(connect=warm.endpoint) as client:

@@ -456,6 +456,33 @@ async def test_a_socket_whose_messages_are_costly_to_handle_yields_by_time(
         assert not router.yield_due()  # the budget restarted
 
 
+async def test_recv_never_holds_a_message_across_its_fairness_yield(
+    anyio_backend, make_socket, monkeypatch
+):
+    # Another task may receive from the same socket while recv yields (the client's
+    # housekeeping tick handles the messages already received): recv yields before it
+    # takes a message, so whoever takes one handles it before the next is taken.
+    from tensorrpc import _zmq
+
+    got: list[bytes] = []
+    original = anyio.lowlevel.cancel_shielded_checkpoint
+
+    async def another_reader_runs() -> None:
+        with contextlib.suppress(anyio.WouldBlock):
+            got.append(router.recv_nowait()[1].bytes)
+        await original()
+
+    monkeypatch.setattr(_zmq.AsyncSocket, "yield_due", lambda self: True)
+    monkeypatch.setattr(anyio.lowlevel, "cancel_shielded_checkpoint", another_reader_runs)
+    router, dealer, _ = bound_pair(make_socket, f"inproc://order-{anyio_backend}")
+    with anyio.fail_after(10):
+        for i in range(6):
+            await dealer.send([b"%d" % i])
+        while len(got) < 6:
+            got.append((await router.recv())[1].bytes)
+    assert got == [b"%d" % i for i in range(6)]
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
