@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -92,6 +93,10 @@ def test_demo_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+            # the engines run in their own session: a killed demo cannot stop them
+            for pid in engines:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         if proc.stderr is not None:
             proc.stderr.close()
     for pid in engines:
