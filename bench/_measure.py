@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -158,3 +159,18 @@ async def pipelined(
         "calls_per_s": calls / elapsed,
         "inflight": inflight,
     }
+
+
+def proc_stats(pid: int) -> tuple[int, int, float]:
+    """(current RSS, peak RSS, CPU seconds) of a process, from /proc."""
+    rss = hwm = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return rss, hwm, (int(fields[11]) + int(fields[12])) / ticks

@@ -30,25 +30,12 @@ from pathlib import Path
 
 import anyio
 
+from bench._measure import proc_stats
+
 __all__ = ["main"]
 
 MiB = 1 << 20
 _ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-def proc_stats(pid: int) -> tuple[int, int, float]:
-    """(current RSS, peak RSS, CPU seconds) of a process, from /proc."""
-    rss = hwm = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) * 1024
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return rss, hwm, (int(fields[11]) + int(fields[12])) / ticks
 
 
 def _env() -> dict[str, str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import anyio
 import zmq
 
+from bench._measure import proc_stats
 from tensorrpc._client import Client
 from tensorrpc._protocol import (
     MessageKind,
@@ -47,21 +48,6 @@ def empty_arrays(nbytes: int) -> bytes:
 def bomb_map(nbytes: int) -> bytes:
     """A control body: a one-key map whose value is an array of empty arrays."""
     return b"\x81\xa4junk" + empty_arrays(nbytes - 6)
-
-
-def proc_stats(pid: int) -> tuple[int, int, float]:
-    """(current RSS, peak RSS, CPU seconds) of a process, from /proc."""
-    rss = hwm = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) * 1024
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return rss, hwm, (int(fields[11]) + int(fields[12])) / ticks
 
 
 class Legit:
