@@ -196,7 +196,8 @@ class CallRunner:
             call.lease = placer.lease
             call.placed = (placer.placed, placer.placed_bytes)
         flags |= transfers.result_flags(options, engine)
-        transfers.policy.sent_frames(encoded.buffers)
+        if encoded.buffers:
+            transfers.policy.sent_frames(encoded.buffers)
         timeout_ms = 0
         if deadline is not None:
             timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
@@ -270,7 +271,8 @@ class CallRunner:
         transfers = self._transfers
         engine = call.engine
         resolver = transfers.resolver(engine)
-        transfers.policy.received_frames(buffers)
+        if buffers:
+            transfers.policy.received_frames(buffers)
         try:
             value = _codec.decode(payload, buffers, transfers.codec_config, resolver=resolver)
             return call.spec.decode_result(value)

@@ -269,10 +269,13 @@ class Dispatcher:
         is left in ``call.result``/``call.failure`` and the worker replies once it has left
         the spent scope (see `_reply`).
         """
-        deadline = self._deadline(call)
-        if self._refused(call, deadline):
-            return
+        deadline = call.deadline
         finite = deadline != math.inf
+        if finite:
+            deadline = self._deadline(call)
+        # Only a call that may be refused pays for the checks (the hot path).
+        if (finite or call.cancelled or self._proto.hard_stop) and self._refused(call, deadline):
+            return
         args = self._decode(call)
         if args is None:
             return
@@ -308,7 +311,8 @@ class Dispatcher:
         buffers = call.buffers
         call.payload = None
         call.buffers = ()
-        self._policy.received_frames(buffers)
+        if buffers:
+            self._policy.received_frames(buffers)
         lazy = self._resolver(call)
         try:
             try:
@@ -347,7 +351,8 @@ class Dispatcher:
                 what="the results",
                 peer=f"client {call.session.name!r}",
             )
-            self._policy.sent_frames(encoded.buffers)
+            if encoded.buffers:
+                self._policy.sent_frames(encoded.buffers)
             return encoded
         except (ValidationError, EncodeError) as exc:
             if placer is not None:
@@ -466,7 +471,8 @@ class Dispatcher:
         )
 
     async def _send_value(self, call: Call, kind: MessageKind, encoded: _codec.Encoded) -> None:
-        self._detach(call)
+        if call.keep is not None:
+            self._detach(call)
         frames: list[Buffer] = [pack_reply_header(kind, call.call_id), encoded.payload]
         if encoded.buffers:
             frames.extend(encoded.buffers)
