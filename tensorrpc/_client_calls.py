@@ -123,7 +123,7 @@ class CallRunner:
         waiters = self._io.waiters
         assert waiters is not None
         target = options.engine
-        engine = self._select(target, woken=False)
+        engine = self._select(target, _monotonic(), woken=False)
         while engine is None:
             self._io.check_open()
             if not options.wait:
@@ -145,13 +145,13 @@ class CallRunner:
                     self._io.wake_all(protocol.capacity.released(target))
                 raise
             self._io.check_open()
-            engine = self._select(target, woken=True)
+            engine = self._select(target, _monotonic(), woken=True)
         return engine
 
-    def _select(self, target: str | None, *, woken: bool) -> Engine | None:
-        """`ClientProtocol.select` now, acting on the sessions it found forgotten."""
+    def _select(self, target: str | None, now: float, *, woken: bool) -> Engine | None:
+        """`ClientProtocol.select` at ``now``, acting on the sessions it found forgotten."""
         protocol = self._protocol
-        engine = protocol.select(target, _monotonic(), woken=woken)
+        engine = protocol.select(target, now, woken=woken)
         if protocol.pending or protocol.outbox:
             self._io.events()
         return engine
@@ -169,9 +169,11 @@ class CallRunner:
         if self._io.orphans:
             self._io.reap_orphans()
         self._io.check_open()
-        engine = self._select(options.engine, woken=False)
+        now = _monotonic()
+        engine = self._select(options.engine, now, woken=False)
         if engine is None:
             engine = await self._acquire(options)
+            now = _monotonic()
         transfers = self._transfers
         placer = None
         if encoded is not None:
@@ -186,8 +188,7 @@ class CallRunner:
                     placer.abort()
                 raise
         assert self._io.waiters is not None
-        self._io.release_held(engine)  # results freed since: the engine may reuse them
-        now = _monotonic()
+        self._io.release_held(engine, now=now)  # results freed since: the engine may reuse them
         call = self._protocol.start_call(
             engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now
         )
@@ -280,8 +281,8 @@ class CallRunner:
                 transfers.shm_failed(engine, sending=False)
             raise
         finally:
-            if resolver is not None:
-                self._io.release_held(engine, resolver)
+            if resolver is not None and resolver.inner is not None:
+                self._io.release_held(engine, resolver.inner)
 
     async def call(
         self,

@@ -321,13 +321,15 @@ class ClientIO:
                 except TensorRPCError as exc:
                     logger.debug("could not send to %r: %s", frames[0], exc)
 
-    def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
+    def release_held(
+        self, engine: Engine, resolver: ShmResolver | None = None, now: float | None = None
+    ) -> None:
         """RELEASE the engine's leases whose result tensors are gone (batched: after a
-        decode, before a CALL, and at each housekeeping tick); ``resolver``: a reply just
-        decoded."""
+        decode that resolved handles, before a CALL, and at each housekeeping tick);
+        ``resolver``: a reply just decoded."""
         leases = self.transfers.policy.releasable(engine.peer, resolver)
         if leases:
-            self.protocol.release(engine, leases, _monotonic())
+            self.protocol.release(engine, leases, _monotonic() if now is None else now)
             self.flush()
 
     def release_all_held(self) -> None:

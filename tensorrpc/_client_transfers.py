@@ -19,7 +19,12 @@ from tensorrpc._client_protocol import HEARTBEAT_NONCE
 from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._protocol import Flags, Hello, MessageKind, Proof, encode_control
-from tensorrpc.transports._policy import LeaseCollector, PolicyPlacer, TransportPolicy
+from tensorrpc.transports._policy import (
+    LazyResolver,
+    LeaseCollector,
+    PolicyPlacer,
+    TransportPolicy,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -31,7 +36,6 @@ if TYPE_CHECKING:
     from tensorrpc._views import CallOptions
     from tensorrpc._zmq import AsyncSocket
     from tensorrpc.transports._base import TensorPlacer
-    from tensorrpc.transports.torch_shm import ShmResolver
 
 __all__ = ["Transfers"]
 
@@ -91,8 +95,10 @@ class Transfers:
             options.transport, engine.peer, peer_receives=shm is not None and shm.to_engine
         )
 
-    def resolver(self, engine: Engine) -> ShmResolver | None:
-        """Resolves tensors that come back by torch_shm handle (None: the engine sends none).
+    def resolver(self, engine: Engine) -> LazyResolver | None:
+        """Resolves tensors that come back by torch_shm handle (None: torch_shm is off).
+
+        The torch_shm resolver behind it is made on the reply's first handle only.
 
         Kept after torch_shm *from* the engine was switched off: replies that were already
         in flight may still carry handles, and must fail (or succeed) as transport
@@ -101,7 +107,7 @@ class Transfers:
         shm = engine.shm
         # Not proven (or lost): handles are refused with a TensorTransportError. Result
         # tensors are built on the engine's regions, leased to us until they are freed.
-        return self.policy.resolver(shm.pid if shm is not None else 0, hold=engine.peer)
+        return self.policy.lazy_resolver(shm.pid if shm is not None else 0, hold=engine.peer)
 
     def result_flags(self, options: CallOptions, engine: Engine) -> int:
         """The CALL flag bits that tell the engine how to send result tensors."""

@@ -53,8 +53,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from tensorrpc._server_protocol import ServerProtocol
-    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
-    from tensorrpc.transports.torch_shm import ShmResolver
+    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer, TransportPolicy
 
 __all__ = ["Call", "Dispatcher"]
 
@@ -221,11 +220,8 @@ class Dispatcher:
         return True
 
     def _done(self, call: Call) -> None:
-        if call.session.shm is not None:
-            # A call that ends without a reply (cancelled, client gone): argument tensors
-            # still alive get pages of their own, then the client may reuse the regions.
-            self._policy.detach((call.session, call.call_id))
-            self._release_args(call)
+        if call.keep is not None or call.cancelled:
+            self._end_args(call)
         self._proto.done(call)
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
@@ -313,9 +309,13 @@ class Dispatcher:
         call.payload = None
         call.buffers = ()
         self._policy.received_frames(buffers)
-        resolver = self._resolver(call)
+        lazy = self._resolver(call)
         try:
-            wire = _codec.decode(payload, buffers, self._codec, resolver=resolver)
+            try:
+                wire = _codec.decode(payload, buffers, self._codec, resolver=lazy)
+            finally:
+                if lazy is not None and lazy.inner is not None:
+                    self._kept(call, lazy.inner.leases)
             return call.spec.decode_args(wire)
         except ValidationError as exc:
             self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc))
@@ -323,12 +323,14 @@ class Dispatcher:
             self._error(call, ErrorCode.DECODE, str(exc))
         except TensorTransportError as exc:
             self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
-        finally:
-            if resolver is not None and not call.answered:
-                leases = resolver.leases
-                if leases:
-                    self._arg_leases[call] = leases
         return None
+
+    def _kept(self, call: Call, leases: tuple[int, ...]) -> None:
+        """The arguments resolved handles: their tensors may be on the client's regions
+        (detached before our first reply) under these leases (kept until then)."""
+        call.keep = (call.session, call.call_id)
+        if leases:
+            self._arg_leases[call] = leases
 
     def _encode(self, call: Call, value: object) -> _codec.Encoded | None:
         """Check and encode a result or stream item; on failure reply ERROR, return None."""
@@ -370,23 +372,36 @@ class Dispatcher:
         mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
         return self._policy.placer(mode, call.session, peer_receives=shm.peer_receives)
 
-    def _resolver(self, call: Call) -> ShmResolver | None:
+    def _resolver(self, call: Call) -> LazyResolver | None:
         # Handles the client sent name its own process; a failure to attach is answered
         # with TENSOR_TRANSPORT before the handler runs, and the client resends as frames.
         shm = call.session.shm
         if shm is None:
             return None
         # Built on the client's regions (one copy in all) until our first reply, which
-        # ends the client's lease: _detach() runs before it.
-        return self._policy.resolver(shm.pid, keep=(call.session, call.call_id))
+        # ends the client's lease: _detach() runs before it. Made on the first handle.
+        return self._policy.lazy_resolver(shm.pid, keep=(call.session, call.call_id))
 
     def _detach(self, call: Call, *, reply: bool = True) -> None:
         """The client takes its argument regions back with our first reply: argument
         tensors still alive get pages of their own first (``reply``: one goes now)."""
-        if call.session.shm is not None:
-            self._policy.detach((call.session, call.call_id))
+        keep = call.keep
+        if keep is not None:
+            self._policy.detach(keep)
             if reply:
+                call.keep = None
                 self._arg_leases.pop(call, None)
+
+    def _end_args(self, call: Call) -> None:
+        """A call that ends without a reply (cancelled, client gone): argument tensors
+        still alive get pages of their own, then the client may reuse the regions."""
+        keep, call.keep = call.keep, None
+        if call.session.shm is None:  # the session ended: its regions are forgotten
+            self._arg_leases.pop(call, None)
+            return
+        if keep is not None:
+            self._policy.detach(keep)
+        self._release_args(call)
 
     def _release_args(self, call: Call) -> None:
         """A call the client gave up on ends without a reply: RELEASE its argument leases.

@@ -78,7 +78,7 @@ class Settable(Protocol):
 class ServerCall:
     """One accepted call, from admission until its worker is done with it.
 
-    The last five slots belong to the I/O shell (one object per call, built in one
+    The last six slots belong to the I/O shell (one object per call, built in one
     ``__init__``: the hot path); the protocol never reads them.
     """
 
@@ -92,6 +92,7 @@ class ServerCall:
         "deadline",
         "failure",
         "fn",
+        "keep",
         "key",
         "observed",
         "parked",
@@ -150,6 +151,9 @@ class ServerCall:
         self.failure: BaseException | None = None
         #: Shell: what the engine's observer watches of this call (None: no observer).
         self.observed: CallObservation | None = None
+        #: Shell: the argument tensors' torch_shm key while they may be on the client's
+        #: regions (detach before the first reply); None: no handle was resolved.
+        self.keep: tuple[Session, int] | None = None
 
     def wake(self) -> None:
         """Stop the call if it is cancelled or shut down, and wake its credit wait."""

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_SHM_THRESHOLD",
     "TRANSPORTS",
+    "LazyResolver",
     "LeaseCollector",
     "PolicyPlacer",
     "TransportCounters",
@@ -128,16 +129,36 @@ class PolicyPlacer:
     """The codec's placer for one message: applies the policy, delegates to torch_shm.
 
     Made by `TransportPolicy.placer`; `lease` is the torch_shm lease to
-    release when the peer confirms it attached (None: nothing went by handle).
+    release when the peer confirms it attached (None: nothing went by handle). The
+    torch_shm placer behind it is made on the first tensor that goes by handle, so a
+    message without one costs the transport nothing.
     """
 
-    __slots__ = ("_cuda_only", "_policy", "_shm", "_threshold", "placed", "placed_bytes")
+    __slots__ = (
+        "_cuda_only",
+        "_peer",
+        "_policy",
+        "_shm",
+        "_threshold",
+        "_to_shm",
+        "placed",
+        "placed_bytes",
+    )
 
     def __init__(
-        self, policy: TransportPolicy, shm: ShmPlacer | None, threshold: int, *, cuda_only: bool
+        self,
+        policy: TransportPolicy,
+        peer: Hashable,
+        threshold: int,
+        *,
+        to_shm: bool,
+        cuda_only: bool,
     ) -> None:
         self._policy = policy
-        self._shm = shm
+        self._peer = peer
+        #: Whether tensors may go by torch_shm (False: frames only, the peer cannot attach).
+        self._to_shm = to_shm
+        self._shm: ShmPlacer | None = None
         self._threshold = threshold
         self._cuda_only = cuda_only
         #: Tensors (and their bytes) sent by handle through this placer.
@@ -151,8 +172,7 @@ class PolicyPlacer:
 
     def place(self, tensor: torch.Tensor) -> tuple[str, bytes] | None:
         """Send ``tensor`` by torch_shm handle when the policy says so, else decline."""
-        shm = self._shm
-        if shm is None:
+        if not self._to_shm:
             if not self._cuda_only:
                 self._policy._fallbacks += 1  # torch_shm was asked for, the peer cannot
             return None
@@ -164,6 +184,14 @@ class PolicyPlacer:
                 return None
         else:
             nbytes = tensor.numel() * tensor.element_size()
+        shm = self._shm
+        if shm is None:
+            try:
+                shm = self._shm = self._policy._shm_placer(self._peer)
+            except TensorTransportError:  # closed: frames only, as without a placer
+                self._to_shm = False
+                self._cuda_only = True
+                return None
         try:
             placed = shm.place(tensor)
         except TensorTransportError as exc:  # closed meanwhile: frames still work
@@ -179,6 +207,38 @@ class PolicyPlacer:
         """The message will not be sent: release what was placed."""
         if self._shm is not None:
             self._shm.abort()
+
+
+class LazyResolver:
+    """The codec's resolver for one message: the torch_shm resolver is made on the
+    first handle, so a message without one costs the transport nothing.
+
+    Made by `TransportPolicy.lazy_resolver`; `inner` is the resolver once made (the
+    caller closes, releases or detaches what it resolved only then).
+    """
+
+    __slots__ = ("_hold", "_keep", "_peer_pid", "_policy", "inner")
+
+    def __init__(
+        self, policy: TransportPolicy, peer_pid: int, hold: Hashable, keep: Hashable
+    ) -> None:
+        self._policy = policy
+        self._peer_pid = peer_pid
+        self._hold = hold
+        self._keep = keep
+        #: The resolver made for the first handle (None: no handle so far).
+        self.inner: ShmResolver | None = None
+
+    def resolve(
+        self, transport: str, handle: bytes, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Resolve a handle with the message's resolver (made now if this is the first)."""
+        inner = self.inner
+        if inner is None:
+            made = self._policy.resolver(self._peer_pid, hold=self._hold, keep=self._keep)
+            assert made is not None  # made only while torch_shm is on (it stays on)
+            inner = self.inner = made
+        return inner.resolve(transport, handle, dtype, shape)
 
 
 class LeaseCollector:
@@ -389,13 +449,19 @@ class TransportPolicy:
             return None
         if shm is None or not peer_receives or not self._probe:
             # frames; an explicit torch_shm request counts each tensor as a fallback
-            return PolicyPlacer(self, None, 0, cuda_only=mode != TRANSPORT_NAME)
-        try:
-            inner = shm.placer(peer)
-        except TensorTransportError:
-            return None
+            return PolicyPlacer(self, peer, 0, to_shm=False, cuda_only=mode != TRANSPORT_NAME)
         threshold = 0 if mode == TRANSPORT_NAME else self.shm_threshold
-        return PolicyPlacer(self, inner, threshold, cuda_only=False)
+        return PolicyPlacer(self, peer, threshold, to_shm=True, cuda_only=False)
+
+    def _shm_placer(self, peer: Hashable) -> ShmPlacer:
+        """The torch_shm placer of a `PolicyPlacer` (made on its first tensor).
+
+        Raises:
+            TensorTransportError: the transport is closed.
+        """
+        shm = self.shm
+        assert shm is not None  # a PolicyPlacer with a peer is made only with torch_shm
+        return shm.placer(peer)
 
     def resolver(
         self, peer_pid: int, *, hold: Hashable = None, keep: Hashable = None
@@ -422,6 +488,14 @@ class TransportPolicy:
             return shm.resolver(peer_pid, hold=hold, keep=keep)
         except TensorTransportError:
             return shm.refusing_resolver()
+
+    def lazy_resolver(
+        self, peer_pid: int, *, hold: Hashable = None, keep: Hashable = None
+    ) -> LazyResolver | None:
+        """As `resolver`, made on the message's first handle (None: torch_shm is off)."""
+        if self.shm is None:
+            return None
+        return LazyResolver(self, peer_pid, hold, keep)
 
     def releasable(self, peer: Hashable, resolver: ShmResolver | None = None) -> tuple[int, ...]:
         """Lease ids to RELEASE to ``peer`` now (``resolver``: a message just decoded).

@@ -71,6 +71,8 @@ class Holds:
 
     def take(self, peer: Hashable) -> tuple[int, ...]:
         """The releasable lease ids of ``peer``, each returned once."""
+        if not self._ready:  # the common case, read without the lock: O(1)
+            return ()
         with self._lock:
             ready = self._ready.pop(peer, None)
         return tuple(dict.fromkeys(ready)) if ready else ()

@@ -163,6 +163,8 @@ class Receiver:
         self.max_segment_bytes = max_segment_bytes
         self.tensors_received = 0
         self.bytes_received = 0
+        #: Of those, tensors received by alias (SHARED and CUDA handles).
+        self.tensors_aliased = 0
         #: Leases held by tensors built on peers' pool regions (one-copy receive).
         self.holds = Holds()
 
@@ -225,6 +227,8 @@ class Receiver:
             with self._lock:
                 self.tensors_received += 1
                 self.bytes_received += nbytes
+                if h.kind == HandleKind.SHARED or h.kind == HandleKind.CUDA:
+                    self.tensors_aliased += 1
         return out
 
     def _resolve_kind(

@@ -138,6 +138,9 @@ class TorchShmStatistics:
     #: Peers' leases this receiver holds: tensors built on their pool regions (one-copy
     #: receive) still alive; each is released (RELEASE) once its tensors are freed.
     leases_held: int = 0
+    #: Of ``tensors_received``, those received by alias: the sender's own memory
+    #: (tensorrpc shared memory or CUDA), mapped here with no copy on either side.
+    tensors_received_aliased: int = 0
 
 
 @dataclass(slots=True)
@@ -672,6 +675,7 @@ class TorchShmTransport(ShmReceiving):
                 mapped_segments=len(recv.maps),
                 leases_held=recv.holds.held(),
                 tensors_received=recv.tensors_received,
+                tensors_received_aliased=recv.tensors_aliased,
                 bytes_received=recv.bytes_received,
                 **self._stats,
             )

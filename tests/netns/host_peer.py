@@ -122,8 +122,9 @@ async def client(bind_host: str) -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(long_call)
-            while c.statistics().calls_in_flight < 1:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+            with anyio.fail_after(30):
+                while c.statistics().calls_in_flight < 1:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
             _say(step="in_flight")
             await _hear("cut")
             cut_at = time.monotonic()
