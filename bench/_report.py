@@ -212,6 +212,7 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "< 1 (below Ray by value)", None if r is None else r < 1,
             "" if r is not None else _why_missing(_get(fresh, "sizes", big), fresh, ray),
         ))  # fmt: skip
+        out += _transfer_out_targets(tx, small)
 
     codec = results.get("codec")
     if isinstance(codec, dict) and isinstance(codec.get("cases"), dict):
@@ -223,6 +224,36 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 f"≤ {goal}", None if r is None else r <= goal,
                 "" if r is not None else "not measured",
             ))  # fmt: skip
+    return out
+
+
+def _transfer_out_targets(tx: dict[str, Any], small: float | None) -> list[dict[str, Any]]:
+    """Issue 12's targets for the other direction: a small request, a tensor back."""
+    big, mib = str(64 << 20), str(1 << 20)
+
+    def med(system: str, size: str) -> float | None:
+        return _num(_get(tx.get(system), "sizes_out", size, "median_us"))
+
+    def target(tid: str, desc: str, value: float | None, goal: str, ok: bool, *src: str) -> None:
+        why = "" if value is not None else _why_missing(*(tx.get(s) for s in src))
+        out.append(_target(tid, desc, value, goal, ok if value is not None else None, why))
+
+    out: list[dict[str, Any]] = []
+    fresh, shared = "tensorrpc torch_shm (fresh)", "tensorrpc torch_shm (shared)"
+    copy, frames, ray = "Tensor.copy_ (in-process)", "tensorrpc frames", "Ray actor (numpy)"
+    r = _ratio(med(fresh, big), med(copy, big))
+    target("tx_out_shm_fresh_64m_copy", "tensor out, 64 MiB, torch_shm (fresh) ÷ in-process "
+           "copy_", r, "≤ 1.5", r is not None and r <= 1.5, fresh, copy)  # fmt: skip
+    r = _ratio(med(fresh, mib), med(frames, mib))
+    target("tx_out_shm_fresh_1m", "tensor out, 1 MiB, torch_shm (fresh) ÷ frames", r, "≤ 1",
+           r is not None and r <= 1, fresh, frames)  # fmt: skip
+    shared_big = med(shared, big)
+    extra = None if shared_big is None or small is None else (shared_big - small) / 1000
+    target("tx_out_shm_shared_64m_ms", "tensor out, 64 MiB, torch_shm (already shared) minus "
+           "small call", extra, "≤ 0.1", extra is not None and extra <= 0.1, shared)  # fmt: skip
+    r = _ratio(med(fresh, big), med(ray, big))
+    target("tx_out_shm_fresh_64m_ray", "tensor out, 64 MiB, torch_shm (fresh) ÷ Ray actor "
+           "(numpy)", r, "< 1 (below Ray)", r is not None and r < 1, fresh, ray)  # fmt: skip
     return out
 
 
@@ -339,7 +370,8 @@ def _transfer_out_md(tx: dict[str, Any]) -> list[str]:
         "## Transfer, the other way: a small request, a tensor back",
         "",
         "The server answers a float32 tensor it already holds (made once per size; for "
-        "`torch_shm (shared)` kept in shared memory by the engine), so a call times the "
+        "`torch_shm (shared)` made by the engine in tensorrpc shared memory, "
+        "`tensorrpc.share`), so a call times the "
         f"transfer only. Median latency per call; in brackets ÷ `{TRANSFER_REF}`'s. The "
         "other peers are measured in the first direction only.",
         "",

@@ -252,6 +252,8 @@ def _counters(client: Any) -> dict[str, int | None]:
         "frames_tensors": _path(transports, "frames", "tensors_sent"),
         "shm_tensors": _path(transports, "torch_shm", "tensors_sent"),
         "shm_aliased": _path(transports, "torch_shm_detail", "tensors_aliased"),
+        "shm_received": _path(transports, "torch_shm", "tensors_received"),
+        "shm_received_aliased": _path(transports, "torch_shm_detail", "tensors_received_aliased"),
         "fallbacks": fallbacks,
     }
 
@@ -280,6 +282,10 @@ def _transport_check(
     if key == "shm_shared" and delta.get("shm_aliased", 0) < delta.get("shm_tensors", 0):
         copied = delta.get("shm_tensors", 0) - delta.get("shm_aliased", 0)
         warnings.append(f"{copied} shared tensors were copied, not aliased")
+    received = delta.get("shm_received", 0)
+    if key == "shm_shared" and delta.get("shm_received_aliased", received) < received:
+        copied = received - delta.get("shm_received_aliased", 0)
+        warnings.append(f"{copied} shared result tensors were copied, not aliased")
     if warnings:
         out["warning"] = "; ".join(warnings)
     return out
@@ -318,13 +324,13 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
                     before = _counters(client)
                     sizes = await _sizes_async(cfg, stub.consume, tensor_for)
                     entry: dict[str, Any] = {"small": small, "sizes": sizes}
-                    entry.update(_transport_check(transport, key, before, _counters(client)))
-                    # The other direction: the engine answers a tensor it holds (in shared
-                    # memory already for "shm_shared").
+                    # The other direction: the engine answers a tensor it holds (in
+                    # tensorrpc shared memory for "shm_shared": sent by alias).
                     shared = key == "shm_shared"
                     entry["sizes_out"] = await _sizes_out_async(
                         cfg, functools.partial(_produce, stub, shared=shared)
                     )
+                    entry.update(_transport_check(transport, key, before, _counters(client)))
                 except Exception as exc:
                     entry = unavailable(exc)
                 out[names[key]] = entry

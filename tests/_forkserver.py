@@ -7,7 +7,8 @@ interpreter flags (``-X dev -W error`` stays ``-X dev -W error``), that has alre
 imported torch, numpy, zmq, anyio, trio and tensorrpc, and forks one child per request.
 
 The child is a real, separate process: its own pid (``kill -9`` works on it), its own
-session when asked (``start_new_session=True``), the stdin/stdout/stderr the caller gave
+session when asked (``start_new_session=True``; with ``controlling_terminal=True`` its stdin,
+a terminal, becomes the session's controlling terminal), the stdin/stdout/stderr the caller gave
 (files, pipes, ``/dev/null``; passed over a unix socket), the caller's ``env`` (as
 ``os.environ``), ``cwd`` and ``sys.path`` built as a fresh interpreter builds it (the
 script's directory or the working directory for ``-m``, then ``PYTHONPATH``). It runs the
@@ -200,6 +201,7 @@ class Zygote:
         stdout: Any = None,
         stderr: Any = None,
         start_new_session: bool = False,
+        controlling_terminal: bool = False,
         text: bool = False,
     ) -> Forked:
         """Fork ``script`` (``("path", file)`` or ``("module", name)``) with ``args[1:]``."""
@@ -239,6 +241,7 @@ class Zygote:
             "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
             "env": dict(os.environ if env is None else env),
             "new_session": start_new_session,
+            "controlling_terminal": controlling_terminal,
         }
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -335,7 +338,8 @@ def popen(args: Sequence[str], **kwargs: Any) -> Forked:
 
     Keyword arguments: ``cwd``, ``env``, ``stdin``, ``stdout``, ``stderr`` (None, a file,
     a descriptor, `subprocess.PIPE`, `subprocess.DEVNULL`, `subprocess.STDOUT`),
-    ``start_new_session`` and ``text``.
+    ``start_new_session``, ``controlling_terminal`` (with a new session: stdin, a terminal,
+    becomes its controlling terminal) and ``text``.
     """
     flags, script = parse_args(args)
     argv = list(args)
@@ -452,6 +456,11 @@ def _run(request: dict[str, Any]) -> None:
     """Become the requested program, as ``python [flags] script|-m module args`` would."""
     if request["new_session"]:
         os.setsid()
+        if request["controlling_terminal"]:
+            import fcntl
+            import termios
+
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

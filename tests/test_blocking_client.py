@@ -20,6 +20,7 @@ import pytest
 
 import tensorrpc
 from tensorrpc.testing import engine_processes
+from tests import _forkserver
 from tests.integration.services import Calculator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +39,15 @@ def _loop_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
+#: Run by a fork of the pre-imported interpreter (tests/_forkserver.py), whose own imports
+#: are checked under ``-W error`` by the docs' examples; the script turns warnings into
+#: errors itself, as ``python -W error`` would.
 SCRIPT = """
 from __future__ import annotations
+
+import warnings
+
+warnings.simplefilter("error")
 
 import threading
 
@@ -95,14 +103,14 @@ def test_plain_script(tmp_path: Path) -> None:
     script = tmp_path / "script.py"
     script.write_text(SCRIPT, encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", str(script)],
+    proc = _forkserver.run(
+        [sys.executable, str(script)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
-        check=False,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "done"

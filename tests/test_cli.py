@@ -1,8 +1,10 @@
 """The ``tensorrpc`` command line: help, describe, serve + call end to end, one-line errors.
 
 Most cases run ``main()`` in this process (starting a Python that imports torch costs
-seconds on a loaded machine); the end-to-end test runs ``serve`` and ``call`` as real
-processes.
+seconds on a loaded machine); the end-to-end tests run ``serve`` and ``call`` as real
+processes (``python -m tensorrpc.cli``, forked from the pre-imported interpreter of
+tests/_forkserver.py; the installed ``tensorrpc`` script itself is run by
+tests/test_packaging.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from tensorrpc.cli import (
     to_json,
 )
 
+from . import _forkserver
 from .integration.services import Calculator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,10 +42,8 @@ SERVICE = "tests.integration.services:Calculator"
 PROC_WAIT_S = 90.0
 
 
-def _command() -> list[str]:
-    """The installed console script, or ``python -m tensorrpc.cli`` without it."""
-    script = shutil.which("tensorrpc", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "tensorrpc.cli"]
+#: The command line, as ``python -m tensorrpc.cli`` (what the console script calls).
+COMMAND = [sys.executable, "-m", "tensorrpc.cli"]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -319,12 +319,12 @@ def test_bench_and_demo_say_when_the_checkout_is_missing(
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+def serving(tmp_path: Path, *args: str) -> Iterator[tuple[_forkserver.Forked, Path]]:
     """``tensorrpc serve`` in a child process; always killed and reaped."""
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*_command(), "serve", SERVICE, *args],
+        proc = _forkserver.popen(
+            [*COMMAND, "serve", SERVICE, *args],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -344,16 +344,16 @@ def test_serve_and_call_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         proc,
         log,
     ):
-        call = [*_command(), "call", address, "--timeout", str(PROC_WAIT_S)]
+        call = [*COMMAND, "call", address, "--timeout", str(PROC_WAIT_S)]
         # Two real `tensorrpc call` processes, side by side: unary and streaming.
-        unary = subprocess.Popen(
+        unary = _forkserver.popen(
             [*call, "add", "--arg", "a=1", "--arg", "b=41"],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        stream = subprocess.Popen(
+        stream = _forkserver.popen(
             [*call, "count", "--arg", "n=3", "--json"],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -371,7 +371,9 @@ def test_serve_and_call_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
             for child in (unary, stream):
                 if child.poll() is None:
                     child.kill()
-                child.communicate(timeout=PROC_WAIT_S)  # reaps it and closes its pipes
+                if child.stdout is not None and not child.stdout.closed:
+                    child.communicate(timeout=PROC_WAIT_S)  # closes its pipes
+                child.wait(timeout=PROC_WAIT_S)  # reaps it
 
         # The engine is up: the rest run in this process (fast).
         status, out, err = run_cli(capsys, "call", address, "--list")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+import tensorrpc
 from bench.peers._child import ready, wait_stdin_eof
 from bench.peers._proc import PeerProcess
 from tensorrpc._service import rpc, service
@@ -47,15 +48,18 @@ class BenchService:
     async def produce(self, nbytes: int, shared: bool) -> torch.Tensor:
         """Answer a float32 ``arange`` tensor of ``nbytes`` bytes that the engine holds.
 
-        The tensor is made once per size (and, with ``shared``, moved into shared memory
-        once), so that a call times the transfer, not the tensor's creation.
+        The tensor is made once per size, so that a call times the transfer, not the
+        tensor's creation. With ``shared`` it is made in tensorrpc shared memory
+        (`tensorrpc.share`, a sealed memfd): the zero-copy recipe for results, sent by
+        alias under torch_shm. (torch's own ``share_memory_()`` would not do: its files
+        cannot be sealed, so torch_shm copies such a tensor into its pool like any other.)
         """
         key = (nbytes, shared)
         t = self._tensors.get(key)
         if t is None:
             t = torch.arange(nbytes // 4, dtype=torch.float32)
             if shared:
-                t.share_memory_()  # type: ignore[no-untyped-call]
+                t = tensorrpc.share(t)
             self._tensors[key] = t
         return t
 

@@ -7,7 +7,6 @@ import os
 import select
 import signal
 import struct
-import subprocess
 import sys
 import termios
 import time
@@ -24,6 +23,7 @@ from tensorrpc._client import Client
 from tensorrpc._server import Server
 from tensorrpc.top import EngineView, percentile, run, table
 
+from .. import _forkserver
 from ..integration.services import Calculator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,21 +101,19 @@ async def test_run_draws_engines_it_polls(tmp_path: Path) -> None:
     assert "live" in text
 
 
-def _pty_top(address: str) -> tuple[subprocess.Popen[bytes], int]:
+def _pty_top(address: str) -> tuple[_forkserver.Forked, int]:
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 160, 0, 0))
-
-    def controlling_terminal() -> None:  # runs in the child after setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color", "COLUMNS": "160"}
-    proc = subprocess.Popen(
+    # Forked from a pre-imported interpreter (tests/_forkserver.py): a session of its own
+    # whose controlling terminal is the pty, so Ctrl-C there is a SIGINT to it.
+    proc = _forkserver.popen(
         [sys.executable, "-m", "tensorrpc.cli", "top", address, "--interval", "0.2"],
         stdin=slave,
         stdout=slave,
         stderr=slave,
         start_new_session=True,
-        preexec_fn=controlling_terminal,
+        controlling_terminal=True,
         env=env,
     )
     os.close(slave)

@@ -6,7 +6,6 @@ import dataclasses
 import enum
 import importlib.util
 import inspect
-import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
@@ -21,6 +20,8 @@ from hypothesis import given, settings
 
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
+
+from .. import _forkserver
 
 
 class Mode(enum.Enum):
@@ -684,15 +685,17 @@ def test_fingerprint_matches_between_import_and_main(tmp_path: Path) -> None:
     )
     repo = Path(__file__).resolve().parents[2]
     env_path = f"{tmp_path}{':'}{repo}"
-    as_main = subprocess.run(
+    # Run as __main__ by a program of its own, forked from a pre-imported interpreter
+    # (tests/_forkserver.py: no torch import to wait for).
+    as_main = _forkserver.run(
         [sys.executable, str(module)],
         capture_output=True,
         text=True,
         timeout=120,
         env={"PYTHONPATH": env_path},
-        check=True,
     )
-    # The imported side in this process (a second interpreter would cost a torch import).
+    assert as_main.returncode == 0, as_main.stderr
+    # The imported side in this process.
     spec = importlib.util.spec_from_file_location("fp_service", module)
     assert spec is not None
     assert spec.loader is not None

@@ -1,0 +1,148 @@
+"""Tensors that go by alias under torch_shm, counted on both sides (issue 12 item 3).
+
+Transport level, in one process (it sends and receives through ``/proc/self/fd``): a
+tensor in tensorrpc shared memory is sent with no copy (``tensors_aliased`` on the
+sender) and received as the sender's memory (``tensors_received_aliased`` on the
+receiver); anything else, torch's own ``share_memory_()`` included, is copied once. The
+transfer benchmark's engine answers such a tensor for its ``shared`` results, and the
+benchmark flags a run where the statistics show a copy instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+from bench.peers.tensorrpc_peer import BenchService
+from bench.transfer import _transport_check
+from tensorrpc import _codec
+from tensorrpc.transports._shared import lookup, share
+from tensorrpc.transports._shm_handle import HandleKind
+from tensorrpc.transports._shm_pool import pid as current_pid
+from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+
+pytestmark = pytest.mark.skipif(
+    not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
+)
+
+CONFIG = _codec.CodecConfig()
+
+
+def _run(coro: Coroutine[Any, Any, torch.Tensor]) -> torch.Tensor:
+    """Run a coroutine that never waits (the benchmark's handlers), on no event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        result: torch.Tensor = stop.value
+        return result
+    coro.close()
+    raise AssertionError("the handler waited")
+
+
+def _send(tensor: torch.Tensor) -> tuple[torch.Tensor, TorchShmTransport, TorchShmTransport]:
+    """Encode ``tensor`` with one transport's placer and decode it with another's resolver."""
+    sender, receiver = TorchShmTransport(), TorchShmTransport()
+    placer = sender.placer("client")
+    encoded = _codec.encode(tensor, CONFIG, placer=placer)
+    resolver = receiver.resolver(None, hold="engine")
+    got = _codec.decode(encoded.payload, encoded.buffers, CONFIG, resolver=resolver)
+    assert isinstance(got, torch.Tensor)
+    return got, sender, receiver
+
+
+def test_a_shared_tensor_is_received_as_the_senders_memory() -> None:
+    t = share(torch.arange(1024, dtype=torch.float32))
+    got, sender, receiver = _send(t[8:520])
+    try:
+        assert sender.statistics().tensors_aliased == 1
+        stats = receiver.statistics()
+        assert (stats.tensors_received, stats.tensors_received_aliased) == (1, 1)
+        assert torch.equal(got, t[8:520])
+        got[0] = -1.0  # an alias: a write is seen on the other side
+        assert float(t[8]) == -1.0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_torch_shared_tensor_is_copied_and_received_private() -> None:
+    t = torch.arange(1024, dtype=torch.float32)
+    t.share_memory_()  # type: ignore[no-untyped-call]
+    got, sender, receiver = _send(t)
+    try:
+        assert (sender.statistics().tensors_sent, sender.statistics().tensors_aliased) == (1, 0)
+        stats = receiver.statistics()
+        assert (stats.tensors_received, stats.tensors_received_aliased) == (1, 0)
+        got[0] = -1.0  # built on the sender's pool region leased to us, not on `t`
+        assert float(t[0]) == 0.0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_the_benchmark_engines_shared_result_goes_by_alias() -> None:
+    service = BenchService()
+    result = _run(service.produce(64 << 10, True))
+    assert lookup(result.untyped_storage()) is not None  # in tensorrpc shared memory
+    got, sender, receiver = _send(result)
+    try:
+        assert sender.statistics().tensors_aliased == 1
+        assert receiver.statistics().tensors_received_aliased == 1
+        assert float(got[-1]) == (64 << 10) // 4 - 1
+        got[0] = 42.0  # the engine's own tensor, not a copy
+        assert float(result[0]) == 42.0
+    finally:
+        sender.close()
+        receiver.close()
+    # The fresh result of the same size is a different tensor, copied once.
+    fresh = _run(service.produce(64 << 10, False))
+    assert lookup(fresh.untyped_storage()) is None
+
+
+def test_the_benchmark_flags_shared_results_that_were_copied() -> None:
+    names = ("shm_tensors", "shm_aliased", "shm_received", "shm_received_aliased")
+    before: dict[str, int | None] = dict.fromkeys(names, 0)
+    aliased: dict[str, int | None] = dict(zip(names, (5, 5, 7, 7), strict=True))
+    assert "warning" not in _transport_check("torch_shm", "shm_shared", before, aliased)
+    copied = {**aliased, "shm_received_aliased": 4}
+    warning = _transport_check("torch_shm", "shm_shared", before, copied)["warning"]
+    assert "3 shared result tensors were copied" in warning
+
+
+def test_a_forked_child_sends_nothing_of_its_parent() -> None:
+    """The transport knows its pid without a system call per tensor (``_shm_pool.pid``,
+    refreshed at fork): a child neither sends its parent's shared blocks by alias nor
+    names its parent's pid in handles."""
+    parent_block = share(torch.arange(1024, dtype=torch.float32))
+    with TorchShmTransport() as shm:
+        shm.placer("warm-up")  # the parent has used it
+        rfd, wfd = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                os.close(rfd)
+                placed = shm.placer("x").place(parent_block)
+                h = None if placed is None else _unpack(placed[1])
+                ok = (
+                    current_pid() == os.getpid()
+                    and lookup(parent_block.untyped_storage()) is None
+                    and h is not None
+                    and h.pid == os.getpid()
+                    and h.kind == HandleKind.POOL
+                )
+                os.write(wfd, b"ok" if ok else b"no")
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as r:
+            answer = r.read()
+        _, status = os.waitpid(child, 0)
+    assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)
+    assert current_pid() == os.getpid()
+    assert lookup(parent_block.untyped_storage()) is not None
