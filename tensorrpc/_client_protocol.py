@@ -478,9 +478,8 @@ class ClientProtocol:
                 if self.rejoining.expected(engine_id, now):
                     return None
                 raise
-            # An engine we sent nothing for longer than its bound forgot the session.
             if engine is None or now is None or now - engine.sent <= engine.forgets_after:
-                return engine
+                return engine  # (else we sent it nothing for longer than its bound: forgotten)
             self.pending.append(self._forgotten(engine, now))
 
     def stranded(self, engine_id: str, now: float) -> list[Any]:
