@@ -196,7 +196,8 @@ class CallRunner:
             call.lease = placer.lease
             call.placed = (placer.placed, placer.placed_bytes)
         flags |= transfers.result_flags(options, engine)
-        transfers.policy.sent_frames(encoded.buffers)
+        if encoded.buffers:
+            transfers.policy.sent_frames(encoded.buffers)
         timeout_ms = 0
         if deadline is not None:
             timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
@@ -208,11 +209,13 @@ class CallRunner:
                 bool(flags & _STREAM_FLAG), nbytes, call.placed[0], len(encoded.buffers),
             )  # fmt: skip
         frames = [engine.peer, header, encoded.payload, *encoded.buffers]
-        await self._send_call(call, frames, encoded)
+        if not self._send_call(call, frames, encoded):
+            await self._send_call_waiting(call, frames, encoded)
         return call
 
-    async def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> None:
-        """Send a CALL zero-copy; waits (bounded by the caller's scope) only on a full pipe."""
+    def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> bool:
+        """Send a CALL zero-copy if ZMQ takes it now; False: the pipe is full (then
+        `_send_call_waiting`). A plain function: no coroutine on the hot path."""
         engine = call.engine
         nbytes = len(frames[1]) + len(frames[2])
         for buffer in encoded.buffers:
@@ -223,27 +226,46 @@ class CallRunner:
         try:
             if sock is None:
                 raise ClosedError("the client is closed")
-            try:
-                tracker = sock.send_nowait(frames, track=track)
-            except anyio.WouldBlock:
-                tracker = await sock.send(frames, track=track)
-        except PeerUnreachableError as exc:
-            self._io.event(self._protocol.unreachable(engine.peer, _monotonic()))
-            raise (
-                call.error
-                or EngineDeadError(
-                    f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
-                )
-            ) from exc
+            tracker = sock.send_nowait(frames, track=track)
+        except anyio.WouldBlock:
+            return False
         except BaseException as exc:
-            if not call.ended:
-                self._io.abandon(call)
-                engine.errors += 1
-            if call.observed is not None:  # observe: the CALL could not be sent
-                call.observed.finished(_observe.outcome_of(exc), 0)
-            raise
+            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
         if track:
             self._io.tracked.add(tracker, encoded.keepalive)
+        return True
+
+    async def _send_call_waiting(
+        self, call: Call, frames: list[Any], encoded: _codec.Encoded
+    ) -> None:
+        """Send a CALL zero-copy, waiting (bounded by the caller's scope) for the pipe."""
+        sock = self._io.sock
+        track = bool(encoded.buffers)
+        try:
+            if sock is None:
+                raise ClosedError("the client is closed")
+            tracker = await sock.send(frames, track=track)
+        except BaseException as exc:
+            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
+        if track:
+            self._io.tracked.add(tracker, encoded.keepalive)
+
+    def _send_failed(self, call: Call, exc: BaseException) -> BaseException:
+        """The CALL could not be sent: end the call; the exception to raise."""
+        engine = call.engine
+        if isinstance(exc, PeerUnreachableError):
+            self._io.event(self._protocol.unreachable(engine.peer, _monotonic()))
+            error = call.error or EngineDeadError(
+                f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
+            )
+            error.__cause__ = exc
+            return error
+        if not call.ended:
+            self._io.abandon(call)
+            engine.errors += 1
+        if call.observed is not None:  # observe: the CALL could not be sent
+            call.observed.finished(_observe.outcome_of(exc), 0)
+        return exc
 
     async def _result(self, call: Call) -> Any:
         """Wait for a unary call's reply and decode it (in the caller's task)."""
@@ -270,7 +292,8 @@ class CallRunner:
         transfers = self._transfers
         engine = call.engine
         resolver = transfers.resolver(engine)
-        transfers.policy.received_frames(buffers)
+        if buffers:
+            transfers.policy.received_frames(buffers)
         try:
             value = _codec.decode(payload, buffers, transfers.codec_config, resolver=resolver)
             return call.spec.decode_result(value)

@@ -478,8 +478,8 @@ class ClientProtocol:
                 if self.rejoining.expected(engine_id, now):
                     return None
                 raise
-            if engine is None or now is None or not _forgot_us(engine, now):
-                return engine
+            if engine is None or now is None or now - engine.sent <= engine.forgets_after:
+                return engine  # (else we sent it nothing for longer than its bound: forgotten)
             self.pending.append(self._forgotten(engine, now))
 
     def stranded(self, engine_id: str, now: float) -> list[Any]:
@@ -567,7 +567,7 @@ class ClientProtocol:
         kind = header.kind
         engine = self.engines.by_peer(peer)
         if engine is not None:
-            if _forgot_us(engine, now):
+            if now - engine.sent > engine.forgets_after:  # it forgot the session
                 self.pending.append(self._forgotten(engine, now))
                 engine = None
             else:
@@ -854,11 +854,6 @@ class ClientProtocol:
             self._queue(engine, engine.peer, _BYE, Bye("closed"), 0, now)
         self.closed = True
         return self.calls.fail_all(ClosedError, "the client was closed")
-
-
-def _forgot_us(engine: Engine, now: float) -> bool:
-    """Whether we sent ``engine`` nothing for longer than its bound: it forgot the session."""
-    return bool(engine.info.dead_after_ms) and now - engine.sent > engine.dead_after
 
 
 def _same_session(engine: Engine, hello: Hello) -> bool:

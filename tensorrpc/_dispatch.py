@@ -178,15 +178,21 @@ class Dispatcher:
         """Run calls in one cancel scope until one gets it cancelled; False: exit the pool."""
         stopped: Call | None = None
         streak = 0
+        queue = self._proto.queue
         try:
             with anyio.CancelScope() as scope:
                 while stopped is None:
-                    call = self._proto.next_call()
-                    if call is None:
-                        if not await self._wait_for_work():
+                    if not queue:
+                        if not self._may_park():
                             return False
+                        # Park until a call is queued (inline: one coroutine less per call).
+                        event = anyio.Event()
+                        self._idle.append(event)
+                        await event.wait()
                         streak = 0
                         continue
+                    call = self._proto.next_call()
+                    assert call is not None
                     try:
                         await self._run(call, scope)
                     except Exception:
@@ -210,14 +216,9 @@ class Dispatcher:
                 self._done(stopped)
         return True
 
-    async def _wait_for_work(self) -> bool:
-        """Park until a call is queued; False when this worker should exit instead."""
-        if self._closed or self._workers - self._parked > self._capacity:
-            return False
-        event = anyio.Event()
-        self._idle.append(event)
-        await event.wait()
-        return True
+    def _may_park(self) -> bool:
+        """Whether a worker that found no call waits for one (False: it exits instead)."""
+        return not self._closed and self._workers - self._parked <= self._capacity
 
     def _done(self, call: Call) -> None:
         if call.keep is not None or call.cancelled:
@@ -269,10 +270,13 @@ class Dispatcher:
         is left in ``call.result``/``call.failure`` and the worker replies once it has left
         the spent scope (see `_reply`).
         """
-        deadline = self._deadline(call)
-        if self._refused(call, deadline):
-            return
+        deadline = call.deadline
         finite = deadline != math.inf
+        if finite:
+            deadline = self._deadline(call)
+        # Only a call that may be refused pays for the checks (the hot path).
+        if (finite or call.cancelled or self._proto.hard_stop) and self._refused(call, deadline):
+            return
         args = self._decode(call)
         if args is None:
             return
@@ -308,7 +312,8 @@ class Dispatcher:
         buffers = call.buffers
         call.payload = None
         call.buffers = ()
-        self._policy.received_frames(buffers)
+        if buffers:
+            self._policy.received_frames(buffers)
         lazy = self._resolver(call)
         try:
             try:
@@ -347,7 +352,8 @@ class Dispatcher:
                 what="the results",
                 peer=f"client {call.session.name!r}",
             )
-            self._policy.sent_frames(encoded.buffers)
+            if encoded.buffers:
+                self._policy.sent_frames(encoded.buffers)
             return encoded
         except (ValidationError, EncodeError) as exc:
             if placer is not None:
@@ -466,7 +472,8 @@ class Dispatcher:
         )
 
     async def _send_value(self, call: Call, kind: MessageKind, encoded: _codec.Encoded) -> None:
-        self._detach(call)
+        if call.keep is not None:
+            self._detach(call)
         frames: list[Buffer] = [pack_reply_header(kind, call.call_id), encoded.payload]
         if encoded.buffers:
             frames.extend(encoded.buffers)

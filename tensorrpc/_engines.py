@@ -271,21 +271,23 @@ class Engine:
     alive: bool = True
     #: ``torch_shm`` with this engine, or ``None`` when not usable.
     shm: ShmCapability | None = None
+    #: The engine's id (``info.engine_id``; a field: read on every call).
+    engine_id: str = field(init=False)
+    #: The engine's announced bound in seconds (0: not announced).
+    dead_after: float = field(init=False)
+    #: How long we may send the engine nothing before it forgets the session:
+    #: ``dead_after``, or ``inf`` when it announced no bound.
+    forgets_after: float = field(init=False)
 
-    @property
-    def engine_id(self) -> str:
-        """The engine's id."""
-        return self.info.engine_id
+    def __post_init__(self) -> None:
+        self.engine_id = self.info.engine_id
+        self.dead_after = self.info.dead_after_ms / 1000
+        self.forgets_after = self.dead_after or math.inf
 
     @property
     def in_flight(self) -> int:
         """Number of calls in flight on this engine."""
         return len(self.calls)
-
-    @property
-    def dead_after(self) -> float:
-        """The engine's announced bound in seconds (0: not announced)."""
-        return self.info.dead_after_ms / 1000
 
     def __repr__(self) -> str:
         return f"<Engine {self.engine_id!r} peer={self.peer!r}>"
@@ -598,7 +600,9 @@ class CapacityWaiters:
 
     def queued(self, target: str | None) -> bool:
         """Whether callers already wait for ``target`` (a new caller then queues too)."""
-        return bool(self._any if target is None else self._by_engine.get(target))
+        if target is None:
+            return bool(self._any._live)  # the set itself: no __len__ call (hot path)
+        return target in self._by_engine  # a queue is dropped when it empties
 
     def add(self, target: str | None, token: Hashable) -> None:
         """Queue a waiter for ``target`` (an engine id, or ``None`` for any engine)."""
@@ -642,7 +646,7 @@ class CapacityWaiters:
 
         ``None`` hands a slot of an unknown engine to the first waiter for any engine.
         """
-        if not self._any and engine_id not in self._by_engine:
+        if not self._any._live and engine_id not in self._by_engine:  # the hot path
             return ()
         if engine_id is not None:
             woken = self._take(engine_id, 1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tensorrpc.transports._shm_pool import PAGE_SIZE, map_shared_owned
+from tensorrpc.transports._shm_pool import PAGE_SIZE, map_shared_owned, pid as current_pid
 
 __all__ = ["SharedBlock", "lookup", "share", "shared_empty"]
 
@@ -54,7 +54,7 @@ def lookup(storage: torch.UntypedStorage) -> SharedBlock | None:
     """The shared block a CPU storage lives in, or None for any other storage."""
     with _lock:
         block = _blocks.get(storage.data_ptr())
-    if block is None or block.pid != os.getpid() or storage.nbytes() > block.size:
+    if block is None or block.pid != current_pid() or storage.nbytes() > block.size:
         return None
     return block
 

@@ -41,6 +41,7 @@ __all__ = [
     "map_shared",
     "map_shared_owned",
     "memfd_device",
+    "pid",
     "privatize",
 ]
 
@@ -50,6 +51,23 @@ PAGE_SIZE = mmap.PAGESIZE
 REGION_ALIGN = 64
 #: Bytes in front of each pool region's data: a little-endian u64 tag, then padding.
 REGION_HEADER = 64
+
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def pid() -> int:
+    """This process's id, without a system call (``getpid`` is one on every call, and the
+    transport asks on every tensor whether it was forked; refreshed in a forked child)."""
+    return _pid
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

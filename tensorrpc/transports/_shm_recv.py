@@ -210,8 +210,9 @@ class Receiver:
             raise fail(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
         if len(shape) != len(h.strides):
             raise fail(f"handle has {len(h.strides)} dimensions, descriptor {len(shape)}")
-        if any(not isinstance(n, int) or n < 0 for n in shape):
-            raise fail(f"bad shape {shape!r}")
+        for n in shape:
+            if not isinstance(n, int) or n < 0:
+                raise fail(f"bad shape {shape!r}")
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             if h.kind != HandleKind.EMPTY:
@@ -391,6 +392,11 @@ class Receiver:
             raise fail("shared handle must start at byte 0 of its segment")
         view, at = self._segment(h, SHARED_RE, start, length)
         try:
+            size = dtype.itemsize
+            if at % size == 0 and view.numel() % size == 0:
+                # One view op for the common case (the handle's bytes are inside `view`).
+                typed = view.view(dtype)
+                return typed.as_strided(shape, h.strides, typed.storage_offset() + at // size)
             flat = view[at : at + length].view(dtype)
             return flat.as_strided(shape, h.strides)
         except RuntimeError as exc:

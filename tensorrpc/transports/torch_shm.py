@@ -70,6 +70,7 @@ from tensorrpc.transports._shm_pool import (
     Segment,
     SegmentPool,
     memfd_device,
+    pid as current_pid,
 )
 from tensorrpc.transports._shm_recv import (
     Receiver,
@@ -340,10 +341,10 @@ class TorchShmTransport(ShmReceiving):
     def _check_open(self) -> None:
         if self._closed:
             raise fail("transport is closed")
-        if os.getpid() != self._pid:
+        if current_pid() != self._pid:
             # A forked child must not allocate from (or release into) its parent's pool,
             # nor prove itself with its parent's secret.
-            self._pid = os.getpid()
+            self._pid = current_pid()
             self._pool.abandon()
             self._leases.clear()
             self._peer_bytes.clear()
@@ -352,8 +353,9 @@ class TorchShmTransport(ShmReceiving):
             self._probe = None
 
     def _checked(self) -> None:
-        with self._lock:
-            self._check_open()
+        if self._closed or current_pid() != self._pid:  # (read without the lock: rare)
+            with self._lock:
+                self._check_open()
 
     # -- handshake -------------------------------------------------------------------------
 
@@ -514,7 +516,7 @@ class TorchShmTransport(ShmReceiving):
             if placer._peer in self._disabled or not self._placeable(tensor):
                 self._stats["fallbacks"] += 1
                 return None
-            t = tensor.detach()
+            t = tensor.detach() if tensor.requires_grad else tensor
             nbytes = t.numel() * t.element_size()
             if self._over_limit(placer, nbytes):
                 self._stats["fallbacks"] += 1
@@ -556,9 +558,9 @@ class TorchShmTransport(ShmReceiving):
     def _placeable(self, t: torch.Tensor) -> bool:
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             return False
-        if t.device.type == "cuda":
-            return self._cuda
-        return t.device.type == "cpu"
+        if t.is_cpu:
+            return True
+        return t.is_cuda and self._cuda
 
     def _place_pool(
         self, placer: ShmPlacer, t: torch.Tensor, nbytes: int
@@ -603,7 +605,9 @@ class TorchShmTransport(ShmReceiving):
             return None  # its bits are not its values: copy it (resolving the view)
         storage = t.untyped_storage()
         block = _shared.lookup(storage)
-        if block is None or not non_overlapping(tuple(t.shape), tuple(t.stride())):
+        if block is None or not (
+            t.is_contiguous() or non_overlapping(tuple(t.shape), tuple(t.stride()))
+        ):
             return None  # torch's own shared files cannot be sealed: they go by the pool
         lease = self._new_lease(placer)
         lease.keep.append(storage)
