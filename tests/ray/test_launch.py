@@ -230,7 +230,7 @@ async def test_unreachable_client_address_is_named(ray_cluster: dict[str, str]) 
 async def test_constructor_failure_is_reported(ray_cluster: dict[str, str]) -> None:
     async with tensorrpc.Client(Broken, bind="tcp://127.0.0.1:0") as client:
         with pytest.raises(LaunchError, match="no model weights here"):
-            async with tensorrpc.ray.launch(Broken, 1, client=client, timeout=20):
+            async with tensorrpc.ray.launch(Broken, 1, client=client, timeout=START_S):
                 pytest.fail("launched")
 
 
