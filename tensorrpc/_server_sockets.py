@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import zmq
@@ -228,10 +228,11 @@ class ServerSockets:
         ``reply_patience``, or when the call is cancelled (CANCEL, its session ended).
         """
         sock = self._router  # `_socket_for`, inline (the hot path)
+        key: Any = call.key  # a routing id (ROUTER) or a client address (DEALERs)
         if sock is not None:
-            parts: list[Buffer] = [cast("bytes", call.key), *frames]
+            parts: list[Buffer] = [key, *frames]
         else:
-            sock = self._dealers.get(cast("str", call.key))
+            sock = self._dealers.get(key)
             if sock is None:
                 return
             parts = frames
