@@ -30,8 +30,12 @@ format: $(STAMP)
 check: lint
 	$(BIN)/mypy
 
+# The suite in worker processes (pytest-xdist; tests/_xdist.py groups and orders the
+# tests). `make test WORKERS=0` runs it serially, in this process.
+WORKERS ?= 3
+
 test: check
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(WORKERS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu

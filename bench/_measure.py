@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,3 +175,39 @@ def proc_stats(pid: int) -> tuple[int, int, float]:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return rss, hwm, (int(fields[11]) + int(fields[12])) / ticks
+
+
+#: torch names each shared-memory file after the process that made it:
+#: ``/dev/shm/torch_<pid>_<random>_<counter>`` (both sharing strategies; ``file_descriptor``
+#: unlinks it at once, ``file_system`` keeps it while the memory is shared).
+_TORCH_SHM_FILE = re.compile(r"torch_(?P<pid>\d+)_")
+
+
+def shm_names_of(names: Iterable[str], pids: Iterable[int]) -> set[str]:
+    """Of ``/dev/shm`` entry ``names``, those made by ``pids`` or named by tensorrpc.
+
+    torch's files carry their maker's pid; tensorrpc names nothing in ``/dev/shm`` (its
+    shared memory is memfds), so a name starting ``tensorrpc`` is a bug of ours, whoever
+    made it. Other names belong to other programs and are left out.
+    """
+    wanted = {str(pid) for pid in pids}
+    return {
+        name
+        for name in names
+        if name.startswith("tensorrpc")
+        or ((m := _TORCH_SHM_FILE.match(name)) is not None and m["pid"] in wanted)
+    }
+
+
+def shm_files_of(pids: Iterable[int]) -> set[str]:
+    """The ``/dev/shm`` entries of these processes now (see `shm_names_of`).
+
+    A leak check that compares the whole listing fails when another program (another
+    test worker) makes or removes a file meanwhile; one built on this looks only at the
+    files of its own processes. Empty where there is no ``/dev/shm``.
+    """
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return set()
+    return shm_names_of(names, pids)

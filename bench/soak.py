@@ -13,9 +13,9 @@ issued, is a **duplicate**. The engines count what they handled, and the sum mus
 what the clients issued. Resident memory of the driver and of each engine is sampled
 every 0.25 s; after warm-up (the first 20% of the calls) its peak must not grow by more
 than ``rss_slack_mib`` (64 MiB) over the warm-up peak; the driver's file descriptors and
-``/dev/shm`` entries must not
-grow. Figures are printed and written as JSON (``--out``, default
-``bench/results/soak.json``); the exit status is 1 if any check failed.
+the ``/dev/shm`` entries of the driver and the engines must not grow. Figures are printed
+and written as JSON (``--out``, default ``bench/results/soak.json``); the exit status is 1
+if any check failed.
 
 The engines are ``python -m bench.soak --serve ...`` processes, reaped at the end.
 """
@@ -38,6 +38,7 @@ from typing import IO, Any
 import anyio
 import torch
 
+from bench._measure import shm_files_of
 from tensorrpc._client import Client
 from tensorrpc._exceptions import TensorRPCError
 from tensorrpc._server import Server
@@ -87,11 +88,9 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _shm_entries() -> int:
-    try:
-        return len(os.listdir("/dev/shm"))
-    except OSError:
-        return -1
+def _shm_entries(pids: list[int]) -> int:
+    """Entries of these processes in ``/dev/shm`` (not other programs': see `shm_files_of`)."""
+    return len(shm_files_of(pids))
 
 
 @dataclass
@@ -310,7 +309,7 @@ async def _drive(config: Config, engines: _Engines, figures: Figures) -> None:
 def run(config: Config) -> Figures:
     """Run one soak (engines started and reaped here) and return its figures."""
     figures = Figures(config=asdict(config))
-    figures.shm_before = _shm_entries()
+    figures.shm_before = _shm_entries([os.getpid()])
     with tempfile.TemporaryDirectory(prefix="tensorrpc-soak-") as tmp:
         engines = _Engines(Path(tmp))
         try:
@@ -322,7 +321,7 @@ def run(config: Config) -> Figures:
             t0 = time.monotonic()
             engines.stop()
             figures.config["engine_stop_s"] = round(time.monotonic() - t0, 2)
-    figures.shm_end = _shm_entries()
+    figures.shm_end = _shm_entries([os.getpid(), *(p.pid for p in engines.procs.values())])
     figures.lost = figures.issued - figures.completed - figures.failed
     figures.calls_per_s = round(figures.completed / max(figures.elapsed_s, 1e-9), 1)
     warm_index = int(figures.config.get("warmup_samples", 0))

@@ -112,6 +112,7 @@ async def main(mib: int = 64, calls: int = 5) -> dict[str, float]:
         await shm.call(Renderer.ring, 1024, 3.0)  # the engine writes `first`'s memory
         assert first[0].item() == 3.0, "not aliased: the client holds a copy"
         report["mib"] = float(mib)
+        report["engine_pid"] = float(next(iter(client.engines.values())).pid)
         return report
 
 
@@ -123,7 +124,8 @@ def cli() -> None:
     report = anyio.run(main, args.mib, args.calls)
     print(
         f"{args.mib} MiB results born in shared memory: {report['render_ms']:.2f} ms per call; "
-        f"{args.mib} MiB input buffer reused by alias: {report['total_ms']:.2f} ms per call"
+        f"{args.mib} MiB input buffer reused by alias: {report['total_ms']:.2f} ms per call "
+        f"(engine pid {report['engine_pid']:.0f})"
     )
     sys.exit(0)
 

@@ -5,6 +5,8 @@ that spent seconds of CPU importing torch before doing anything. [`popen`][] sta
 same program as a child of a *zygote*: a long-lived interpreter, started once per set of
 interpreter flags (``-X dev -W error`` stays ``-X dev -W error``), that has already
 imported torch, numpy, zmq, anyio, trio and tensorrpc, and forks one child per request.
+Under pytest-xdist the workers share the controller's zygotes ([`Broker`][], started by
+tests/_xdist.py): one start per flags for the whole run, not one per worker.
 
 The child is a real, separate process: its own pid (``kill -9`` works on it), its own
 session when asked (``start_new_session=True``; with ``controlling_terminal=True`` its stdin,
@@ -287,26 +289,114 @@ def _readline_within(stream: IO[bytes], timeout: float) -> bytes:
     return stream.readline()
 
 
-_ZYGOTES: dict[tuple[str, ...], Zygote] = {}
-_ZYGOTES_LOCK = threading.Lock()
+class SharedZygote(Zygote):
+    """A zygote that another process of this test run started (see [`Broker`][])."""
+
+    def __init__(self, flags: Sequence[str], address: str) -> None:
+        self.flags = tuple(flags)
+        self.address = address
+
+    def close(self) -> None:
+        """Nothing to end: the zygote is its starter's."""
+
+
+#: Set (to a `Broker`'s socket) in the processes that share zygotes: pytest-xdist's
+#: workers ask the controller's broker instead of each starting zygotes of their own.
+BROKER_ENV = "TENSORRPC_TEST_ZYGOTE_BROKER"
+_STARTED: dict[tuple[str, ...], Zygote] = {}  # by this process
+_SHARED: dict[tuple[str, ...], SharedZygote] = {}  # by a broker's process
+_STARTED_LOCK = threading.Lock()
+_SHARED_LOCK = threading.Lock()
 
 
 def zygote(flags: Sequence[str] = ()) -> Zygote:
-    """The session's zygote for these interpreter flags, started on first use."""
+    """The session's zygote for these interpreter flags, started on first use.
+
+    Where [`BROKER_ENV`][] names a broker, the broker's process starts it (once for
+    every process that asks).
+    """
     key = tuple(flags)
-    with _ZYGOTES_LOCK:
-        if key not in _ZYGOTES:
-            if not _ZYGOTES:
+    broker = os.environ.get(BROKER_ENV)
+    if not broker:
+        return _start(key)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = SharedZygote(key, _ask_broker(broker, key))
+        return _SHARED[key]
+
+
+def _start(key: tuple[str, ...]) -> Zygote:
+    with _STARTED_LOCK:
+        if key not in _STARTED:
+            if not _STARTED:
                 atexit.register(close_all)
-            _ZYGOTES[key] = Zygote(key)
-        return _ZYGOTES[key]
+            _STARTED[key] = Zygote(key)
+        return _STARTED[key]
 
 
 def close_all() -> None:
     """End every zygote this process started."""
-    with _ZYGOTES_LOCK:
-        while _ZYGOTES:
-            _ZYGOTES.popitem()[1].close()
+    with _STARTED_LOCK:
+        while _STARTED:
+            _STARTED.popitem()[1].close()
+
+
+class Broker:
+    """Starts zygotes for other processes of a test run, which fork programs from them.
+
+    pytest-xdist's workers each run part of the suite; started by the controller, they
+    find its broker through [`BROKER_ENV`][] and ask it for the zygote of their flags: one
+    zygote per flags for the whole run (each start is seconds of CPU), ended with the
+    controller (`close`).
+    """
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="tensorrpc-broker-")
+        self.address = os.path.join(self._dir, "sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._listener.bind(self.address)
+        self._listener.listen(16)
+        self._thread = threading.Thread(target=self._serve, name="zygote-broker", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                flags = json.loads(conn.recv(_MAX_MESSAGE))
+                reply = {"address": _start(tuple(flags)).address}
+            except Exception as exc:  # the asker raises it; the broker keeps serving
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            with contextlib.suppress(OSError):
+                conn.send(json.dumps(reply).encode())
+
+    def close(self) -> None:
+        """Stop answering and end the zygotes started for the askers."""
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(10)
+        close_all()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address)
+        os.rmdir(self._dir)
+
+
+def _ask_broker(address: str, flags: tuple[str, ...]) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(START_TIMEOUT_S)
+        conn.connect(address)
+        conn.send(json.dumps(list(flags)).encode())
+        reply = json.loads(conn.recv(_MAX_MESSAGE) or b"{}")
+    if "address" not in reply:
+        raise RuntimeError(f"the zygote {flags} did not start: {reply.get('error', 'no answer')}")
+    return str(reply["address"])
 
 
 def parse_args(args: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, str]]:

@@ -5,8 +5,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-# The fixtures of tensorrpc.testing (tensorrpc_client, tensorrpc_engines), for our own tests.
-pytest_plugins = ["tensorrpc.testing"]
+# The fixtures of tensorrpc.testing (tensorrpc_client, tensorrpc_engines), for our own tests;
+# how the suite runs under pytest-xdist (`make test`: -n 3).
+pytest_plugins = ["tensorrpc.testing", "tests._xdist"]
 
 # Property tests must not fail because a 2-core CI machine is busy: no per-example
 # deadline, no "too slow" health check. Under CI the examples are derandomized so that a

@@ -23,6 +23,7 @@ import anyio.to_thread
 import pytest
 import torch
 
+from bench._measure import shm_files_of
 from tensorrpc._client import Client
 from tensorrpc._exceptions import (
     ClosedError,
@@ -111,7 +112,7 @@ async def test_kill_9_mid_transfer_of_large_tensors(
                 await client.stub(transport="frames").scale(torch.ones(1 << 20), 2.0)
     gc.collect()
     baseline = fd_count()
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_files_of([os.getpid()])  # ours only: other tests may run beside this one
     async with _client(bind=f"ipc://{tmp_path}/c.sock") as client:
         victim = EngineProcess("big", workdir=tmp_path, connect=client.addresses)
         engines.append(victim)
@@ -149,7 +150,7 @@ async def test_kill_9_mid_transfer_of_large_tensors(
         assert "big" not in client.engines
     victim.stop()  # closes its log file, which this process holds
     await _fds_back_to(baseline)
-    assert set(os.listdir("/dev/shm")) <= shm_before
+    assert shm_files_of([os.getpid(), victim.pid]) <= shm_before
 
 
 @ONE_BACKEND

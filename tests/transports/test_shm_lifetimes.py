@@ -3,8 +3,8 @@
 The engine is its own program (``tests/engine_proc.py --service tensor``), forked by
 ``tests/_forkserver.py``; the client is the test process, or another program
 (``_client_proc.py``) when the client is the one killed. Leaks are looked for in both
-processes' ``/proc/<pid>/fd`` and in the ``/dev/shm`` listing. A process's pool segments
-are memfds it keeps for reuse: they must be exactly the segments its pool reports.
+processes' ``/proc/<pid>/fd`` and among their files in ``/dev/shm``. A process's pool
+segments are memfds it keeps for reuse: they must be exactly the segments its pool reports.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import zmq
 
 import tensorrpc
+from bench._measure import shm_files_of
 from tensorrpc._client import Client
 from tensorrpc._codec import encode
 from tensorrpc._exceptions import EngineDeadError
@@ -80,8 +81,9 @@ def shm_fds(targets: list[str]) -> list[str]:
     return [t for t in targets if t.startswith(("/memfd:", "/dev/shm/"))]
 
 
-def dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+def dev_shm(*pids: int) -> set[str]:
+    """The ``/dev/shm`` entries of this process and ``pids`` (not of tests running beside)."""
+    return shm_files_of([os.getpid(), *pids])
 
 
 @contextlib.asynccontextmanager
@@ -133,7 +135,7 @@ async def test_2000_calls_leave_no_descriptor_or_shm_file(
     The checks are exact (not thresholds), so a descriptor, lease or segment leaked per
     call fails at once; 10,000 calls took 5 times as long for nothing more.
     """
-    shm_before = dev_shm()
+    shm_before = dev_shm(engine.pid)
     async with connected(engine.address()) as client:
         stub = client.stub()
         await run_calls(client, 500, 32)  # warm up: pools and caches reach their size
@@ -153,7 +155,7 @@ async def test_2000_calls_leave_no_descriptor_or_shm_file(
         assert non_pool(theirs_after) == non_pool(theirs)
         assert pool_fds(own_after) == stats.torch_shm_detail.pool_segments
         assert pool_fds(theirs_after) == state[4]
-    assert dev_shm() == shm_before
+    assert dev_shm(engine.pid) == shm_before
 
 
 async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path):
@@ -174,7 +176,7 @@ async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path
         assert engine.stop() == 0
         del board
     assert shm_fds(fds()) == shm_fds(own_before)
-    assert dev_shm() == shm_before
+    assert dev_shm(engine.pid) == shm_before
 
 
 async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
@@ -212,11 +214,11 @@ async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
             assert detail.leases_active == 0
             assert detail.pool_bytes_in_use == 0  # (the probe is a memfd of its own)
     assert shm_fds(fds()) == shm_fds(own_before)
-    assert dev_shm() == shm_before
+    assert dev_shm(engine.pid) == shm_before
 
 
 async def test_client_killed_mid_transfer(anyio_backend: str, engine: EngineProcess):
-    shm_before = dev_shm()
+    shm_before = dev_shm(engine.pid)
     address = engine.address()
     async with connected(address) as client:
         stub = client.stub()
@@ -250,7 +252,7 @@ async def test_client_killed_mid_transfer(anyio_backend: str, engine: EngineProc
         await eventually(released, "the engine released the dead client's leases")
         state = await stub.shm_state()
         assert pool_fds(fds(engine.pid)) == state[4]
-    assert dev_shm() == shm_before
+    assert dev_shm(engine.pid, proc.pid) == shm_before
 
 
 @pytest.mark.parametrize("transport", ["torch_shm", "auto", "frames"])

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
+from bench._measure import shm_files_of, shm_names_of
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc.transports import TensorPlacer, TensorResolver
 from tensorrpc.transports._shared import share
@@ -185,10 +186,6 @@ def transfer(
     return placed, got
 
 
-def shm_entries(*pids: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if any(f"_{pid}_" in n for pid in pids)]
-
-
 def wait_for(predicate: Any, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -268,9 +265,26 @@ def test_torch_shared_tensor_is_copied_through_the_sealed_pool(pair, strategy):
     assert got["digests"] == placed["digests"]
     a.request("fill", name="x", value=7.0)
     assert b.request("read", name="x")["digest"] == placed["digests"][0]
+    if strategy == "file_system":
+        # torch's file, named after its maker, while the sender keeps the tensor: what the
+        # leak checks look for (shm_files_of) is what torch really makes.
+        assert shm_files_of([a.pid]) != set()
     a.request("release", leases=[placed["lease"]])
     a.request("drop", names=["x"])
     b.request("drop", names=["x"])
+
+
+def test_shm_leak_checks_see_their_own_processes_files_and_ours_only():
+    names = [
+        "torch_1234_99_0",  # torch's, made by process 1234
+        "torch_12345_99_0",  # another process whose pid starts the same
+        "tensorrpc-1",  # tensorrpc names nothing here: a bug, whoever made it
+        "psm_abc",  # another program's
+        "sem.mp-xyz",
+    ]
+    assert shm_names_of(names, [1234]) == {"torch_1234_99_0", "tensorrpc-1"}
+    assert shm_names_of(names, [12345, 7]) == {"torch_12345_99_0", "tensorrpc-1"}
+    assert shm_names_of(names[2:], []) == {"tensorrpc-1"}
 
 
 @pytest.mark.parametrize("shared", [None, "file_descriptor", "tensorrpc"])
@@ -331,15 +345,13 @@ def test_two_thousand_transfers_leak_no_fd_and_nothing_in_dev_shm(pair):
 
     batch(0)  # warm up: the pool's first segment and b's mapping of it
     fds_a, fds_b = a.request("fds")["fds"], b.request("fds")["fds"]
-    shm_before = sorted(os.listdir("/dev/shm"))
     for i in range(1, 20):
         batch(i)
     assert a.request("fds")["fds"] == fds_a
     assert b.request("fds")["fds"] == fds_b
-    assert shm_entries(a.pid, b.pid) == []
-    # Other processes on this host may come and go in /dev/shm; none of ours may appear.
-    new = set(os.listdir("/dev/shm")) - set(shm_before)
-    assert [n for n in new if n.startswith("tensorrpc") or f"_{a.pid}_" in n] == []
+    # Other processes on this host (other test workers) may come and go in /dev/shm;
+    # none of ours may be there.
+    assert shm_files_of([a.pid, b.pid]) == set()
     stats = a.request("stats")["stats"]
     assert stats["leases_active"] == 0
     assert stats["pool_segments"] == 1
@@ -365,7 +377,7 @@ def test_normal_shutdown_returns_every_fd_and_leaves_nothing(spare):
     b.stop()
     assert a.proc.returncode == 0
     assert b.proc.returncode == 0
-    wait_for(lambda: shm_entries(a.pid, b.pid) == [], "torch to clean /dev/shm")
+    wait_for(lambda: shm_files_of([a.pid, b.pid]) == set(), "torch to clean /dev/shm")
 
 
 def test_kill_9_of_the_sender_leaves_receiver_tensors_valid_and_nothing_behind(pair, spare):
@@ -386,7 +398,7 @@ def test_kill_9_of_the_sender_leaves_receiver_tensors_valid_and_nothing_behind(p
     assert b.request("forget_peer", pid=sender.pid)["forgotten"] == 2  # pool + shared
     b.request("drop", names=["k1", "k2", "k3"])
     assert b.request("fds")["fds"] == fds_b
-    wait_for(lambda: shm_entries(sender.pid) == [], "torch to clean the dead sender's files")
+    wait_for(lambda: shm_files_of([sender.pid]) == set(), "torch to clean the dead sender's files")
 
 
 def test_kill_9_of_the_receiver_lets_the_sender_reclaim_everything(pair, spare):
@@ -406,7 +418,7 @@ def test_kill_9_of_the_receiver_lets_the_sender_reclaim_everything(pair, spare):
     assert stats["leases_active"] == stats_before["leases_active"]
     assert stats["pool_bytes_in_use"] == stats_before["pool_bytes_in_use"]
     assert a.request("fds")["fds"] == fds_a
-    assert shm_entries(receiver.pid) == []
+    assert shm_files_of([receiver.pid]) == set()
 
 
 def test_forged_handle_naming_another_processes_file_is_refused(pair, tmp_path):
@@ -785,7 +797,9 @@ def test_forged_handle_to_a_memfd_not_made_by_tensorrpc_is_refused(shm):
 
 
 def test_handles_naming_torch_shared_files_are_refused_whatever_they_name(shm):
-    stem = f"tensorrpc-test-{uuid.uuid4().hex}"
+    # Named like torch's files, after this process (not "tensorrpc...": the leak checks of
+    # tests running beside this one would take it for a file of ours, see shm_files_of).
+    stem = f"torch_{os.getpid()}_forged_{uuid.uuid4().hex}"
     plain = Path("/dev/shm") / stem
     plain.write_bytes(bytes(8192))
     shared = torch.zeros(1024, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]

@@ -161,6 +161,7 @@ INTRUDERS = st.one_of(
 )
 
 
+@functools.cache  # one strategy per base: hypothesis reads a composite's source when made
 def homogeneous(base: st.SearchStrategy[Any]) -> st.SearchStrategy[list[Any]]:
     """Lists of ``base`` values, often with a few intruders at random positions."""
 
@@ -464,9 +465,14 @@ def _some(elem: st.SearchStrategy[Any], most: int) -> st.SearchStrategy[list[Any
     return st.lists(elem, max_size=0 if elem.is_empty else most)
 
 
+#: Made once: a strategy made per draw costs a lookup in hypothesis's strategy cache.
+ONE_IN_20 = st.integers(0, 19)
+UNKNOWN_KEYS = st.text(max_size=3)
+
+
 def _or_junk(draw: st.DrawFn, fitting: st.SearchStrategy[Any]) -> Any:
     """Mostly a fitting value, sometimes anything at all."""
-    if fitting.is_empty or draw(st.integers(0, 19)) == 0:
+    if fitting.is_empty or draw(ONE_IN_20) == 0:
         return draw(FIELD_VALUES)
     return draw(fitting)
 
@@ -479,11 +485,11 @@ def _wire_dict(cls: type, depth: int = 2) -> st.SearchStrategy[dict[str, Any]]:
     def build(draw: st.DrawFn) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if draw(st.integers(0, 19)) == 0:
+            if draw(ONE_IN_20) == 0:
                 continue  # missing
             out[f.name] = _or_junk(draw, _fitting(_hints(cls)[f.name], True, depth))
-        if draw(st.integers(0, 19)) == 0:
-            out[draw(st.text(max_size=3))] = 1
+        if draw(ONE_IN_20) == 0:
+            out[draw(UNKNOWN_KEYS)] = 1
         return out
 
     return build()

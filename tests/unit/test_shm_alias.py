@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from bench.peers.tensorrpc_peer import BenchService
+from bench.shm_handle_cost import Pair, measure
 from bench.transfer import _transport_check
 from tensorrpc import _codec
 from tensorrpc.transports._shared import lookup, share
@@ -146,3 +147,19 @@ def test_a_forked_child_sends_nothing_of_its_parent() -> None:
     assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)
     assert current_pid() == os.getpid()
     assert lookup(parent_block.untyped_storage()) is not None
+
+
+def test_the_handle_cost_bench_runs_both_sides_of_a_call() -> None:
+    pair = Pair()
+    try:
+        shared = share(torch.arange(1024, dtype=torch.float32))
+        assert pair.call("consume", (shared,), shm=True) == (1024, 0.0, 1023.0)
+        assert pair.call("add", (1, 2), shm=False) == 3
+        assert pair.client.statistics().tensors_aliased == 1
+        assert pair.engine.statistics().tensors_received_aliased == 1
+        assert pair.client.statistics().leases_active == 0  # the reply ended the lease
+    finally:
+        pair.close()
+    figures = measure(number=2, rounds=1)
+    assert len(figures) == 5
+    assert all(us > 0 for us in figures.values())
