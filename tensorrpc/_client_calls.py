@@ -65,12 +65,13 @@ class CallRunner:
         schemaless: The client was made by `Client.dynamic`.
     """
 
-    __slots__ = ("_io", "_protocol", "_schemaless", "_spec", "_transfers", "retries")
+    __slots__ = ("_holds", "_io", "_protocol", "_schemaless", "_spec", "_transfers", "retries")
 
     def __init__(self, io: ClientIO, spec: ServiceSpec, *, schemaless: bool) -> None:
         self._io = io
         self._protocol: ClientProtocol = io.protocol
         self._transfers: Transfers = io.transfers
+        self._holds = io.transfers.policy.holds
         self._spec = spec
         self._schemaless = schemaless
         #: Calls retried after an engine's OVERLOADED refusal.
@@ -170,7 +171,10 @@ class CallRunner:
             self._io.reap_orphans()
         self._io.check_open()
         now = _monotonic()
-        engine = self._select(options.engine, now, woken=False)
+        protocol = self._protocol
+        engine = protocol.select(options.engine, now)  # `_select`, inline (the hot path)
+        if protocol.pending or protocol.outbox:
+            self._io.events()
         if engine is None:
             engine = await self._acquire(options)
             now = _monotonic()
@@ -181,14 +185,11 @@ class CallRunner:
             transfers.check_sizes(spec, encoded, engine)
         else:
             placer = transfers.placer(options, engine)
-            try:
-                encoded = transfers.encode(spec, wire, engine, placer)
-            except BaseException:
-                if placer is not None:
-                    placer.abort()
-                raise
+            encoded = transfers.encode(spec, wire, engine, placer)
         assert self._io.waiters is not None
-        self._io.release_held(engine, now=now)  # results freed since: the engine may reuse them
+        holds = self._holds
+        if holds is not None and holds.ready:  # results freed since: the engine may reuse them
+            self._io.release_held(engine, now=now)
         call = self._protocol.start_call(
             engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now
         )
@@ -315,7 +316,7 @@ class CallRunner:
         options: CallOptions,
         encoded: _codec.Encoded | None = None,
     ) -> Any:
-        self._io.check_open()
+        # Open? `_start` checks (after encoding the arguments).
         wire = None if encoded is not None else spec.encode_args(args, kwargs)
         flags = 0 if options.wait else _NO_WAIT_FLAG
         timeout = options.timeout

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from tensorrpc._service import MethodSpec
     from tensorrpc._views import CallOptions
     from tensorrpc._zmq import AsyncSocket
-    from tensorrpc.transports._base import TensorPlacer
 
 __all__ = ["Transfers"]
 
@@ -145,11 +144,17 @@ class Transfers:
         spec: MethodSpec,
         wire: object,
         engine: Engine | None,
-        placer: TensorPlacer | None = None,
+        placer: PolicyPlacer | None = None,
     ) -> _codec.Encoded:
-        """Encode arguments and refuse a frame over our ``maxmsgsize`` or the engine's."""
-        encoded = _codec.encode(wire, self.codec_config, placer=placer)
-        self.check_sizes(spec, encoded, engine)
+        """Encode arguments and refuse a frame over our ``maxmsgsize`` or the engine's
+        (``placer``: released if the arguments are refused)."""
+        try:
+            encoded = _codec.encode(wire, self.codec_config, placer=placer)
+            self.check_sizes(spec, encoded, engine)
+        except BaseException:
+            if placer is not None:
+                placer.abort()
+            raise
         return encoded
 
     def check_sizes(self, spec: MethodSpec, encoded: _codec.Encoded, engine: Engine | None) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
 import zmq
@@ -145,7 +145,7 @@ class ServerSockets:
         Args:
             tg: Where the loops run.
             accepted: Called with each call the protocol accepted and its size in bytes.
-            flush: Called after each message: do what the protocol queued.
+            flush: Called after a message that left something queued: do it.
         """
         if self._router is not None:
             tg.start_soon(self._receive_loop, self._router, None, accepted, flush)
@@ -162,7 +162,8 @@ class ServerSockets:
         """Feed every message of ``sock`` to the protocol: a ROUTER's (``address`` None)
         keyed by its routing id frame, a DEALER's by the client ``address``."""
         recv = sock.recv
-        receive = self._proto.receive
+        proto = self._proto
+        receive = proto.receive
         monotonic = time.monotonic
         while True:
             try:
@@ -181,7 +182,8 @@ class ServerSockets:
                     call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
                 if call is not None:
                     accepted(call, size)
-                flush()
+                if proto.outbox or proto.wakeups or proto.events:  # `pending`, inline
+                    flush()
             except Exception:  # one bad message must never stop the loop
                 self._proto.dropped += 1
                 logger.exception("error handling a message from %s", address or "a peer")
@@ -225,10 +227,15 @@ class ServerSockets:
         The wait (ZMQ full, or a DEALER whose client is not connected) ends after
         ``reply_patience``, or when the call is cancelled (CANCEL, its session ended).
         """
-        sock, prefix = self._socket_for(call.key)
-        if sock is None:
-            return
-        parts = [*prefix, *frames]
+        sock = self._router  # `_socket_for`, inline (the hot path)
+        key: Any = call.key  # a routing id (ROUTER) or a client address (DEALERs)
+        if sock is not None:
+            parts: list[Buffer] = [key, *frames]
+        else:
+            sock = self._dealers.get(key)
+            if sock is None:
+                return
+            parts = frames
         track = keepalive is not None
         try:
             try:

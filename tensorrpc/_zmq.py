@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -629,7 +630,9 @@ class AsyncSocket:
         self._closed = False
         self._waiter = _FdWaiter(self._fd, self._get)
         self._streak = 0
-        self._since = _monotonic()  # when this socket's user last let the loop run
+        # When this socket's user resumed after it last waited or yielded: ``inf`` until
+        # its next operation (the budget restarts when the wait or yield *ends*).
+        self._since = math.inf
         # ipc:// files we bound, with (st_dev, st_ino) to only ever remove our own file.
         self._bound_files: dict[str, tuple[int, int]] = {}
 
@@ -823,7 +826,7 @@ class AsyncSocket:
         self._after_op()
         if self._streak >= _FAIRNESS_STREAK:
             self._streak = 0
-            self._since = _monotonic()
+            self._since = math.inf
             await anyio.lowlevel.cancel_shielded_checkpoint()
         return tracker
 
@@ -906,14 +909,15 @@ class AsyncSocket:
         """Whether the caller should let the event loop run now (and the budget restarts).
 
         True after 32 operations in a row that did not wait, or once 2 ms have passed
-        since the socket last waited or yielded (including the time its user spent
-        handling what it received). A loop that receives with `recv_nowait` calls
-        this after each message and yields when it is true; `recv` does so itself.
+        since the first operation after the socket last waited or yielded (including the
+        time its user spent handling what it received, not the wait or the yield itself:
+        other tasks running meanwhile must not make the next message yield at once). A
+        loop that receives with `recv_nowait` calls this after each message and yields
+        when it is true; `recv` does so itself.
         """
-        now = _monotonic()
-        if self._streak >= _FAIRNESS_STREAK or now - self._since >= _FAIRNESS_S:
+        if self._streak >= _FAIRNESS_STREAK or _monotonic() - self._since >= _FAIRNESS_S:
             self._streak = 0
-            self._since = now
+            self._since = math.inf
             return True
         return False
 
@@ -921,6 +925,8 @@ class AsyncSocket:
 
     def _after_op(self) -> None:
         self._streak += 1
+        if self._since == math.inf:  # the first operation since a wait or a yield
+            self._since = _monotonic()
         waiter = self._waiter
         if waiter.fd_mask or waiter.amask:
             waiter.poke(self._get(_EVENTS))
@@ -936,7 +942,7 @@ class AsyncSocket:
         A plain function returning the waiter's coroutine: no extra coroutine per wait.
         """
         self._streak = 0
-        self._since = _monotonic()
+        self._since = math.inf
         return self._waiter.wait(mask, events, patience)
 
     # -- handshake failures -----------------------------------------------------------------

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
+    from tensorrpc.transports._shm_holds import Holds
+
 __all__ = [
     "DEFAULT_SHM_THRESHOLD",
     "TRANSPORTS",
@@ -280,6 +282,9 @@ class TransportPolicy:
         if torch_shm and TorchShmTransport.available():
             self.shm = TorchShmTransport()
         self.shm_threshold = shm_threshold
+        #: The leases our received tensors hold (``holds.ready``: some are releasable);
+        #: None without torch_shm.
+        self.holds: Holds | None = self.shm.holds if self.shm is not None else None
         self._probe: bytes | None = None
         self._links: dict[Hashable, ShmLink] = {}
         self._frames = [0, 0, 0, 0]

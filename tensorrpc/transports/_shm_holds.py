@@ -45,7 +45,9 @@ class Holds:
         # calls, when a garbage collection happens there.
         self._lock = threading.RLock()
         self._live: dict[tuple[Hashable, int], int] = {}
-        self._ready: dict[Hashable, list[int]] = {}
+        #: Releasable lease ids by peer. Its emptiness may be read without the lock (an
+        #: O(1) check on every call); the dict is never replaced.
+        self.ready: dict[Hashable, list[int]] = {}
         self._kept: dict[Hashable, weakref.WeakSet[Hold]] = {}
 
     # -- hold: released when the tensors die ----------------------------------------------
@@ -67,20 +69,20 @@ class Holds:
                 self._live[key] = left - 1
                 return
             del self._live[key]
-            self._ready.setdefault(peer, []).append(lease)
+            self.ready.setdefault(peer, []).append(lease)
 
     def take(self, peer: Hashable) -> tuple[int, ...]:
         """The releasable lease ids of ``peer``, each returned once."""
-        if not self._ready:  # the common case, read without the lock: O(1)
+        if not self.ready:  # the common case, read without the lock: O(1)
             return ()
         with self._lock:
-            ready = self._ready.pop(peer, None)
+            ready = self.ready.pop(peer, None)
         return tuple(dict.fromkeys(ready)) if ready else ()
 
     def peers(self) -> list[Hashable]:
         """Peers with releasable leases (for a periodic flush)."""
         with self._lock:
-            return list(self._ready)
+            return list(self.ready)
 
     def held(self) -> int:
         """Peers' leases held by live tensors (or open decodes) right now."""
@@ -117,7 +119,7 @@ class Holds:
         with self._lock:
             # list() first: a tensor dying in a garbage collection here re-enters `drop`,
             # which must not change a dict we are iterating over.
-            self._ready.pop(peer, None)
+            self.ready.pop(peer, None)
             for key in [k for k in list(self._live) if k[0] == peer]:
                 self._live.pop(key, None)
             return [k for k in list(self._kept) if isinstance(k, tuple) and k and k[0] == peer]

@@ -559,6 +559,11 @@ class ShmReceiving:
     def _checked(self) -> None:  # pragma: no cover - the transport overrides it
         raise NotImplementedError
 
+    @property
+    def holds(self) -> Holds:
+        """The peers' leases held by our received tensors (``holds.ready``: releasable)."""
+        return self._receiver.holds
+
     def read_peer_secret(self, probe: ProbeHandle) -> bytes | None:
         """The secret in a peer's probe memfd (None: it cannot be opened or is not one)."""
         return self._receiver.read_probe_secret(probe)

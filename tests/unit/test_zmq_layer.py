@@ -456,6 +456,48 @@ async def test_a_socket_whose_messages_are_costly_to_handle_yields_by_time(
         assert not router.yield_due()  # the budget restarted
 
 
+async def test_the_time_budget_restarts_when_a_wait_or_a_yield_ends(
+    anyio_backend, make_socket, monkeypatch
+):
+    # The 2 ms budget counts the socket user's own handling time: a wait for the next
+    # message, or other tasks running while the user yielded, must not make the next
+    # message yield at once (at 64 calls in flight a client's reader then yielded after
+    # nearly every reply: one more event loop iteration each).
+    from tensorrpc import _zmq
+
+    now = [1000.0]
+    monkeypatch.setattr(_zmq, "_monotonic", lambda: now[0])
+    yields = [0]
+    original = anyio.lowlevel.cancel_shielded_checkpoint
+
+    async def counting_checkpoint() -> None:
+        yields[0] += 1
+        await original()
+
+    monkeypatch.setattr(anyio.lowlevel, "cancel_shielded_checkpoint", counting_checkpoint)
+    router, dealer, _ = bound_pair(make_socket, f"inproc://resume-{anyio_backend}")
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router.recv)  # waits: nothing was sent yet
+            await anyio.wait_all_tasks_blocked()
+            now[0] += 0.5  # the wait lasts 0.5 s
+            await dealer.send([b"first"])
+        await dealer.send([b"second"])
+        start = yields[0]
+        await router.recv()  # handled at once after the wait: no yield
+        assert yields[0] == start, "the wait counted against the budget"
+        # the recv_nowait loops (the client's reader): a yield's duration does not count
+        for body in (b"third", b"fourth"):
+            await dealer.send([body])
+            assert router.socket.poll(5000, zmq.POLLIN)  # bounded: it has arrived
+            router.recv_nowait()
+            if body == b"third":
+                now[0] += 0.5  # handling it took 0.5 s
+                assert router.yield_due()
+                now[0] += 0.5  # the other tasks ran 0.5 s while the reader yielded
+        assert not router.yield_due(), "the yield counted against the budget"
+
+
 async def test_recv_never_holds_a_message_across_its_fairness_yield(
     anyio_backend, make_socket, monkeypatch
 ):
