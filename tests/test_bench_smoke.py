@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,28 @@ def test_report_has_the_other_direction_when_measured(tmp_path: Path) -> None:
     assert "unavailable: RuntimeError: ray is not installed" in other
     assert "| pyzmq |" not in other
     assert paths["chart"].stat().st_size > 0
+
+
+def test_call_cpu_reports_client_and_engine_cpu_per_call() -> None:
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench.call_cpu", "--calls", "2000", "--runs", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("2000 calls, 64 in flight")
+    runs = [line for line in lines[1:] if not line.startswith("median")]
+    assert len(runs) == 2
+    for line in [*runs, lines[-1]]:
+        words = line.split()
+        figures = dict(zip(words[-8::2], map(float, words[-7::2]), strict=True))
+        assert set(figures) == {"wall_us", "calls_per_s", "client_cpu_us", "engine_cpu_us"}
+        # a call costs the client and the engine some CPU, and not more than its wall time
+        # times the machine's cores (the figures are per call, summed over all threads)
+        assert figures["wall_us"] > 0
+        assert 0 < figures["client_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
+        assert 0 < figures["engine_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
