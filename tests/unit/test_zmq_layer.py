@@ -415,13 +415,8 @@ async def test_a_busy_socket_still_lets_other_tasks_run(anyio_backend, make_sock
     assert seen_ticks[0] > 0
 
 
-async def test_a_socket_whose_messages_are_costly_to_handle_yields_by_time(
-    anyio_backend, make_socket, monkeypatch
-):
-    # A flood of messages that each take long to handle (a decode bomb before the caps)
-    # must not hold the loop for 32 messages: the socket yields once 2 ms have passed
-    # since it last let others run. The clock is ours, so that the test measures nothing,
-    # and the yields are counted where the socket makes them.
+def _clock_and_yields(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[int]]:
+    """Give the socket layer our clock (``now[0]``) and count the yields it makes."""
     from tensorrpc import _zmq
 
     now = [1000.0]
@@ -434,6 +429,17 @@ async def test_a_socket_whose_messages_are_costly_to_handle_yields_by_time(
         await original()
 
     monkeypatch.setattr(anyio.lowlevel, "cancel_shielded_checkpoint", counting_checkpoint)
+    return now, yields
+
+
+async def test_a_socket_whose_messages_are_costly_to_handle_yields_by_time(
+    anyio_backend, make_socket, monkeypatch
+):
+    # A flood of messages that each take long to handle (a decode bomb before the caps)
+    # must not hold the loop for 32 messages: the socket yields once 2 ms have passed
+    # since it last let others run. The clock is ours, so that the test measures nothing,
+    # and the yields are counted where the socket makes them.
+    now, yields = _clock_and_yields(monkeypatch)
     router, dealer, _ = bound_pair(make_socket, f"inproc://costly-{anyio_backend}")
     with anyio.fail_after(20):
         for i in range(8):
@@ -463,18 +469,7 @@ async def test_the_time_budget_restarts_when_a_wait_or_a_yield_ends(
     # message, or other tasks running while the user yielded, must not make the next
     # message yield at once (at 64 calls in flight a client's reader then yielded after
     # nearly every reply: one more event loop iteration each).
-    from tensorrpc import _zmq
-
-    now = [1000.0]
-    monkeypatch.setattr(_zmq, "_monotonic", lambda: now[0])
-    yields = [0]
-    original = anyio.lowlevel.cancel_shielded_checkpoint
-
-    async def counting_checkpoint() -> None:
-        yields[0] += 1
-        await original()
-
-    monkeypatch.setattr(anyio.lowlevel, "cancel_shielded_checkpoint", counting_checkpoint)
+    now, yields = _clock_and_yields(monkeypatch)
     router, dealer, _ = bound_pair(make_socket, f"inproc://resume-{anyio_backend}")
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
