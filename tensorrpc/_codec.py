@@ -214,13 +214,22 @@ _TORCH_TO_NUMPY: Final = {
 _CASTABLE: Final = frozenset(
     torch_dtype for np_dtype, torch_dtype in _NUMPY_TO_TORCH.items() if np_dtype.kind != "c"
 )
-#: Wire name -> (torch dtype, numpy dtype of the same bytes or None): ``ExtCode.TORCH``.
+#: A decode table's entry: torch dtype, numpy dtype of the same bytes (or None), item
+#: size in bytes, and the alignment a tensor built on received bytes needs.
+_DecodeEntry = tuple[torch.dtype, "np.dtype[Any] | None", int, int]
+
+
+def _entry(dtype: torch.dtype, np_dtype: np.dtype[Any] | None) -> _DecodeEntry:
+    return (dtype, np_dtype, dtype.itemsize, min(dtype.itemsize, 8))
+
+
+#: Wire name -> `_DecodeEntry`: ``ExtCode.TORCH``.
 _TORCH_DECODE: Final = {
-    name: (dtype, _TORCH_TO_NUMPY.get(dtype)) for name, dtype in _TORCH_DTYPES.items()
+    name: _entry(dtype, _TORCH_TO_NUMPY.get(dtype)) for name, dtype in _TORCH_DTYPES.items()
 }
-#: Wire name -> (torch dtype, numpy dtype): ``ExtCode.NUMPY``.
+#: Wire name -> `_DecodeEntry`: ``ExtCode.NUMPY``.
 _NUMPY_DECODE: Final = {
-    name: (_NUMPY_TO_TORCH[dtype], dtype) for name, dtype in _NUMPY_DTYPES.items()
+    name: _entry(_NUMPY_TO_TORCH[dtype], dtype) for name, dtype in _NUMPY_DTYPES.items()
 }
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host to test on
@@ -539,6 +548,10 @@ def encode(
 
 def _check_shape(shape: object, itemsize: int) -> tuple[tuple[int, ...], int]:
     """Validate a shape from the wire; return it as a tuple with its element count."""
+    if type(shape) is list and len(shape) == 1:  # the common case, checked alike
+        dim = shape[0]
+        if type(dim) is int and dim >= 0 and dim * itemsize <= _MAX_EXTENT_BYTES:
+            return (dim,), dim
     if type(shape) is not list or len(shape) > _MAX_RANK:
         raise DecodeError(f"tensor shape must be a list of at most {_MAX_RANK} ints")
     numel = 1
@@ -566,10 +579,12 @@ def _byte_view(buffer: object) -> memoryview:
     return view
 
 
-def _torch_on(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor on ``view``'s writable memory (no copy when it is aligned)."""
+def _torch_on(
+    view: memoryview | bytearray, dtype: torch.dtype, align: int, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """A tensor on ``view``'s writable memory (no copy when it is ``align``-ed)."""
     tensor = torch.frombuffer(view, dtype=dtype)
-    if tensor.data_ptr() % min(dtype.itemsize, 8):
+    if tensor.data_ptr() % align:
         tensor = torch.frombuffer(bytearray(view), dtype=dtype)
     return tensor if len(shape) == 1 else tensor.view(shape)
 
@@ -602,50 +617,19 @@ class _Decoder:
             raise
 
     def _ext(self, code: int, data: bytes) -> object:
-        if code == _END_CODE and data == _END_NONCE:
+        if code == _TORCH:
+            as_numpy = False
+        elif code == _NUMPY:
+            as_numpy = True
+        elif code == _END_CODE and data == _END_NONCE:
             return _END
-        if code != _TORCH and code != _NUMPY:
+        else:
             raise DecodeError(f"unknown msgpack ext code {code}")
         self._count += 1
-        if self._count > self._config.max_tensors:
-            raise DecodeError(
-                f"message has more than max_tensors={self._config.max_tensors} tensors"
-            )
-        as_numpy = code == _NUMPY
-        dtype_name, entry, shape, numel, loc, ref = self._descriptor(data, as_numpy)
-        torch_dtype, np_dtype = entry
-        if loc == _HANDLE:
-            return self._resolve(ref, torch_dtype, shape, as_numpy)
-        view = self._data(loc, ref)
-        nbytes = numel * torch_dtype.itemsize
-        if view.nbytes != nbytes:
-            raise DecodeError(
-                f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
-                f"got {view.nbytes}"
-            )
-        if numel == 0:
-            if as_numpy:
-                return np.empty(shape, dtype=np_dtype)
-            return torch.empty(0, dtype=torch.uint8).view(torch_dtype).reshape(shape)
-        if view.readonly:
-            # torch has no read-only tensors (frombuffer would warn and hand out a tensor
-            # that can write to immutable memory), so copy once; numpy follows suit.
-            view = memoryview(bytearray(view))
-        if np_dtype is None or (not as_numpy and len(shape) == 1):
-            return _torch_on(view, torch_dtype, shape)
-        array: np.ndarray[Any, Any] = np.frombuffer(view, dtype=np_dtype)
-        if not array.flags.aligned:
-            array = np.frombuffer(bytearray(view), dtype=np_dtype)
-        array = array.reshape(shape)
-        return array if as_numpy else torch.from_numpy(array)
-
-    def _descriptor(
-        self, data: bytes, as_numpy: bool
-    ) -> tuple[str, tuple[torch.dtype, Any], tuple[int, ...], int, int, object]:
-        """Parse and check a tensor descriptor ``[dtype, shape, loc, ref]``.
-
-        Returns ``(dtype name, (torch dtype, numpy dtype), shape, numel, loc, ref)``.
-        """
+        config = self._config
+        if self._count > config.max_tensors:
+            raise DecodeError(f"message has more than max_tensors={config.max_tensors} tensors")
+        # The descriptor [dtype, shape, loc, ref], checked before anything is built.
         try:
             desc = ormsgpack.unpackb(data)
         except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
@@ -658,27 +642,72 @@ class _Decoder:
         entry = (_NUMPY_DECODE if as_numpy else _TORCH_DECODE).get(dtype_name)
         if entry is None:
             raise DecodeError(f"tensor dtype {dtype_name!r} is not allowed")
-        itemsize = entry[0].itemsize
+        torch_dtype = entry[0]
+        itemsize = entry[2]
         shape, numel = _check_shape(raw_shape, itemsize)
         nbytes = numel * itemsize
-        if nbytes > self._config.max_tensor_bytes:
+        if nbytes > config.max_tensor_bytes:
             raise DecodeError(
                 f"tensor of shape {list(shape)} has {nbytes} bytes, over "
-                f"max_tensor_bytes={self._config.max_tensor_bytes}"
+                f"max_tensor_bytes={config.max_tensor_bytes}"
             )
         if type(loc) is not int:
             raise DecodeError("tensor location must be an int")
-        return dtype_name, entry, shape, numel, loc, ref
+        if loc == _HANDLE:
+            return self._resolve(ref, torch_dtype, shape, as_numpy)
+        return self._build(dtype_name, entry, shape, numel, loc, ref, as_numpy)
 
-    def _data(self, loc: int, ref: object) -> memoryview:
-        """The bytes of a tensor sent inline or in a frame."""
+    def _build(
+        self,
+        dtype_name: str,
+        entry: _DecodeEntry,
+        shape: tuple[int, ...],
+        numel: int,
+        loc: int,
+        ref: object,
+        as_numpy: bool,
+    ) -> object:
+        """A tensor (or array) on bytes sent inline or in a frame (descriptor checked)."""
+        torch_dtype, np_dtype, itemsize, align = entry
+        nbytes = numel * itemsize
+        inline = b""
+        frame: memoryview | None = None
         if loc == _INLINE:
             if type(ref) is not bytes:
                 raise DecodeError("inline tensor data must be bytes")
-            return memoryview(ref)
-        if loc == _FRAME:
-            return self._frame(ref)
-        raise DecodeError(f"unknown tensor location {loc}")
+            inline = ref
+            got = len(ref)
+        elif loc == _FRAME:
+            frame = self._frame(ref)
+            got = frame.nbytes
+        else:
+            raise DecodeError(f"unknown tensor location {loc}")
+        if got != nbytes:
+            raise DecodeError(
+                f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
+                f"got {got}"
+            )
+        if numel == 0:
+            if as_numpy:
+                return np.empty(shape, dtype=np_dtype)
+            return torch.empty(0, dtype=torch.uint8).view(torch_dtype).reshape(shape)
+        # torch has no read-only tensors (frombuffer would warn and hand out a tensor that
+        # can write to immutable memory), so read-only bytes are copied once; numpy
+        # follows suit. Inline bytes (`bytes`) always are.
+        view: memoryview | bytearray
+        if frame is None:
+            view = bytearray(inline)
+        elif frame.readonly:
+            view = memoryview(bytearray(frame))
+        else:
+            view = frame
+        if np_dtype is None or (not as_numpy and len(shape) == 1):
+            return _torch_on(view, torch_dtype, align, shape)
+        array: np.ndarray[Any, Any] = np.frombuffer(view, dtype=np_dtype)
+        if not array.flags.aligned:
+            array = np.frombuffer(bytearray(view), dtype=np_dtype)
+        array = array.reshape(shape)
+        return array if as_numpy else torch.from_numpy(array)
 
     def _frame(self, ref: object) -> memoryview:
         if type(ref) is not int or not 0 <= ref < len(self._buffers):
@@ -710,11 +739,7 @@ class _Decoder:
                 "was given to decode()"
             )
         tensor = self._resolver.resolve(transport, handle, dtype, shape)
-        if (
-            not isinstance(tensor, torch.Tensor)
-            or tensor.dtype != dtype
-            or tuple(tensor.shape) != shape
-        ):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tensor.shape != shape:
             raise DecodeError(
                 f"transport {transport!r} resolved a handle to the wrong tensor "
                 f"(expected {dtype} {list(shape)})"

@@ -38,6 +38,8 @@ _MAX_HANDLE = 4096
 MAX_FD: Final = 1 << 20  # the kernel's hard ceiling on fs.nr_open
 _MAX_SPAN = 1 << 46
 _MAX_BASE = 1 << 46
+#: The strides' struct for each rank (built once: a format string per call costs more).
+_STRIDES: Final = tuple(struct.Struct(f"<{n}q") for n in range(_MAX_NDIM + 1))
 
 
 class HandleKind(IntEnum):
@@ -106,7 +108,11 @@ def pack(h: Handle) -> bytes:
         h.span,
         h.elem_offset,
     )
-    return head + struct.pack(f"<{len(h.strides)}q", *h.strides) + h.tail
+    return head + _strides_struct(len(h.strides)).pack(*h.strides) + h.tail
+
+
+def _strides_struct(ndim: int) -> struct.Struct:
+    return _STRIDES[ndim] if ndim <= _MAX_NDIM else struct.Struct(f"<{ndim}q")
 
 
 def unpack(handle: bytes) -> Handle:
@@ -137,7 +143,7 @@ def unpack(handle: bytes) -> Handle:
     end = _HEAD.size + 8 * ndim
     if len(data) < end:
         raise fail("handle truncated in its strides")
-    strides = struct.unpack_from(f"<{ndim}q", data, _HEAD.size)
+    strides = _STRIDES[ndim].unpack_from(data, _HEAD.size)
     return Handle(
         _KINDS[kind], pid, fd, dev, ino, lease, tag, base, span, elem_offset, strides, data[end:]
     )

@@ -48,6 +48,8 @@ class Holds:
         #: Releasable lease ids by peer. Its emptiness may be read without the lock (an
         #: O(1) check on every call); the dict is never replaced.
         self.ready: dict[Hashable, list[int]] = {}
+        #: Tensors of messages to detach, by message key. Its emptiness may be read without
+        #: the lock (`detach`); the dict is never replaced.
         self._kept: dict[Hashable, weakref.WeakSet[Hold]] = {}
 
     # -- hold: released when the tensors die ----------------------------------------------
@@ -98,6 +100,10 @@ class Holds:
 
     def detach(self, key: Hashable) -> list[Hold]:
         """Stop tracking message ``key``; return its tensors still alive."""
+        if not self._kept:
+            # The common case (no one-copy tensor tracked), read without the lock: a
+            # message's tensors are tracked by its own decode, which ran before this.
+            return []
         with self._lock:
             kept = self._kept.pop(key, None)
             return list(kept) if kept else []

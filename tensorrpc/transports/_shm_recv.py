@@ -72,8 +72,24 @@ def _read_u64(addr: int) -> int:
     return int(ctypes.c_uint64.from_address(addr).value)
 
 
+class _Mapped:
+    """A kept mapping and its typed views (made on first use, dropped with the mapping)."""
+
+    __slots__ = ("typed", "view")
+
+    def __init__(self, view: torch.Tensor) -> None:
+        self.view = view
+        #: dtype -> (``view`` reinterpreted as that dtype, its storage offset).
+        self.typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+
+
 class SegmentMaps:
     """Mapped segments of peers, LRU, bounded by count (all peers) and bytes (per peer).
+
+    Each kept mapping also caches its views as the dtypes its handles used, so that a
+    handle into a mapped segment costs one view op (``as_strided``), not two. The typed
+    views live and die with their mapping's entry: evicted, replaced or forgotten, they
+    go with it (a new segment under the same key starts with none).
 
     Args:
         max_segments: most segments kept mapped, all peers together.
@@ -83,7 +99,7 @@ class SegmentMaps:
     def __init__(self, *, max_segments: int, max_bytes_per_peer: int) -> None:
         self.max_segments = max_segments
         self.max_bytes_per_peer = max_bytes_per_peer
-        self._maps: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+        self._maps: OrderedDict[tuple[int, int, int], _Mapped] = OrderedDict()
         self._bytes: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -95,10 +111,31 @@ class SegmentMaps:
 
     def get(self, key: tuple[int, int, int]) -> torch.Tensor | None:
         """The mapping of ``(pid, dev, ino)`` (marked most recently used), or None."""
-        view = self._maps.get(key)
-        if view is not None:
-            self._maps.move_to_end(key)
-        return view
+        entry = self._maps.get(key)
+        if entry is None:
+            return None
+        self._maps.move_to_end(key)
+        return entry.view
+
+    def typed(
+        self, key: tuple[int, int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None] | None:
+        """The mapping of ``key`` (marked most recently used) and its cached view as
+        ``dtype`` with that view's storage offset, made now if the mapping's size is a
+        multiple of the item size (else None); None when ``key`` is not mapped."""
+        entry = self._maps.get(key)
+        if entry is None:
+            return None
+        self._maps.move_to_end(key)
+        view = entry.view
+        typed = entry.typed.get(dtype)
+        if typed is None and view.numel() % dtype.itemsize == 0:
+            try:
+                as_dtype = view.view(dtype)
+            except RuntimeError:  # (a mapping at an odd offset: the caller's slow path)
+                return view, None
+            typed = entry.typed[dtype] = (as_dtype, int(as_dtype.storage_offset()))
+        return view, typed
 
     def put(self, key: tuple[int, int, int], view: torch.Tensor) -> bool:
         """Keep a whole-segment mapping; False when it is over the per-peer budget."""
@@ -108,23 +145,23 @@ class SegmentMaps:
             return False
         old = self._maps.pop(key, None)
         if old is not None:
-            self._bytes[pid] -= old.numel()
+            self._bytes[pid] -= old.view.numel()
         while self._bytes.get(pid, 0) + size > self.max_bytes_per_peer:
             self._evict(next(k for k in self._maps if k[0] == pid))
         while len(self._maps) >= self.max_segments:
             self._evict(next(iter(self._maps)))
-        self._maps[key] = view
+        self._maps[key] = _Mapped(view)
         self._bytes[pid] = self._bytes.get(pid, 0) + size
         return True
 
     def evict(self, key: tuple[int, int, int]) -> None:
-        """Drop one mapping if kept (tensors on it keep it mapped)."""
+        """Drop one mapping and its typed views if kept (tensors on it keep it mapped)."""
         if key in self._maps:
             self._evict(key)
 
     def _evict(self, key: tuple[int, int, int]) -> None:
-        view = self._maps.pop(key)
-        left = self._bytes[key[0]] - view.numel()
+        entry = self._maps.pop(key)
+        left = self._bytes[key[0]] - entry.view.numel()
         if left:
             self._bytes[key[0]] = left
         else:
@@ -390,9 +427,26 @@ class Receiver:
             raise fail("unexpected bytes after a SHARED handle")
         if h.base != 0:
             raise fail("shared handle must start at byte 0 of its segment")
+        size = dtype.itemsize
+        if start % size == 0:
+            # The hot path: a kept mapping, and its view as `dtype` made once for all.
+            with self._lock:
+                got = self.maps.typed((h.pid, h.dev, h.ino), dtype)
+            if got is not None:
+                view, cached = got
+                # (as _segment: the handle's whole storage must fit; base is 0)
+                if max(start + length, h.span) > view.numel():
+                    raise fail("the handle reaches past the end of its segment")
+                if cached is not None:
+                    as_dtype, offset = cached
+                    try:
+                        return as_dtype.as_strided(shape, h.strides, offset + start // size)
+                    except RuntimeError as exc:
+                        raise fail(
+                            f"cannot build the tensor on the shared segment: {exc}"
+                        ) from None
         view, at = self._segment(h, SHARED_RE, start, length)
         try:
-            size = dtype.itemsize
             if at % size == 0 and view.numel() % size == 0:
                 # One view op for the common case (the handle's bytes are inside `view`).
                 typed = view.view(dtype)
@@ -477,12 +531,13 @@ class ShmResolver:
         self._check = check
         self._owner = owner
         self._closed = False
-        self._leases: list[int] = []
+        #: Lease ids seen, in order of appearance (a dict: O(1) membership, no repeats).
+        self._leases: dict[int, None] = {}
 
     @property
     def leases(self) -> tuple[int, ...]:
         """Distinct lease ids of the handles resolved so far, in order of appearance."""
-        return tuple(dict.fromkeys(self._leases))
+        return tuple(self._leases)
 
     def resolve(
         self, transport: str, handle: bytes, dtype: torch.dtype, shape: tuple[int, ...]
@@ -509,7 +564,7 @@ class ShmResolver:
             # The decode itself holds each lease until close(): a tensor that dies
             # before its message's last tensor is resolved cannot release it early.
             self._receiver.holds.add(owner[1], h.lease)
-        self._leases.append(h.lease)
+        self._leases[h.lease] = None
         return self._receiver.resolve(h, dtype, tuple(shape), self._peer_pid, owner=owner)
 
     def close(self) -> tuple[int, ...]:
