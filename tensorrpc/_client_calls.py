@@ -188,8 +188,10 @@ class CallRunner:
             encoded = transfers.encode(spec, wire, engine, placer)
         assert self._io.waiters is not None
         holds = self._holds
-        if holds is not None and holds.ready:  # results freed since: the engine may reuse them
-            self._io.release_held(engine, now=now)
+        releases: tuple[int, ...] = ()
+        if engine.releases or (holds is not None and holds.ready):
+            # Results decoded or freed since: the engine may reuse their memory.
+            releases = self._io.take_releases(engine, now)
         call = self._protocol.start_call(
             engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now
         )
@@ -202,7 +204,7 @@ class CallRunner:
         timeout_ms = 0
         if deadline is not None:
             timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
-        header = pack_call_header(call.call_id, spec.name, flags, timeout_ms)
+        header = pack_call_header(call.call_id, spec.name, flags, timeout_ms, releases=releases)
         if self._io.observer is not None:  # observe: a CALL goes out (may add trace context)
             nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
             call.observed, header = _observe.client_call(
@@ -210,13 +212,16 @@ class CallRunner:
                 bool(flags & _STREAM_FLAG), nbytes, call.placed[0], len(encoded.buffers),
             )  # fmt: skip
         frames = [engine.peer, header, encoded.payload, *encoded.buffers]
-        if not self._send_call(call, frames, encoded):
-            await self._send_call_waiting(call, frames, encoded)
+        if not self._send_call(call, frames, encoded, releases):
+            await self._send_call_waiting(call, frames, encoded, releases)
         return call
 
-    def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> bool:
+    def _send_call(
+        self, call: Call, frames: list[Any], encoded: _codec.Encoded, releases: tuple[int, ...]
+    ) -> bool:
         """Send a CALL zero-copy if ZMQ takes it now; False: the pipe is full (then
-        `_send_call_waiting`). A plain function: no coroutine on the hot path."""
+        `_send_call_waiting`). A plain function: no coroutine on the hot path.
+        ``releases``: the lease ids its header carries."""
         engine = call.engine
         nbytes = len(frames[1]) + len(frames[2])
         for buffer in encoded.buffers:
@@ -231,13 +236,13 @@ class CallRunner:
         except anyio.WouldBlock:
             return False
         except BaseException as exc:
-            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
+            raise self._send_failed(call, exc, releases)  # noqa: B904 - it chains what it must
         if track:
             self._io.tracked.add(tracker, encoded.keepalive)
         return True
 
     async def _send_call_waiting(
-        self, call: Call, frames: list[Any], encoded: _codec.Encoded
+        self, call: Call, frames: list[Any], encoded: _codec.Encoded, releases: tuple[int, ...]
     ) -> None:
         """Send a CALL zero-copy, waiting (bounded by the caller's scope) for the pipe."""
         sock = self._io.sock
@@ -247,12 +252,15 @@ class CallRunner:
                 raise ClosedError("the client is closed")
             tracker = await sock.send(frames, track=track)
         except BaseException as exc:
-            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
+            raise self._send_failed(call, exc, releases)  # noqa: B904 - it chains what it must
         if track:
             self._io.tracked.add(tracker, encoded.keepalive)
 
-    def _send_failed(self, call: Call, exc: BaseException) -> BaseException:
-        """The CALL could not be sent: end the call; the exception to raise."""
+    def _send_failed(
+        self, call: Call, exc: BaseException, releases: tuple[int, ...]
+    ) -> BaseException:
+        """The CALL could not be sent: end the call, return the leases its header carried
+        by RELEASE; the exception to raise."""
         engine = call.engine
         if isinstance(exc, PeerUnreachableError):
             self._io.event(self._protocol.unreachable(engine.peer, _monotonic()))
@@ -260,7 +268,9 @@ class CallRunner:
                 f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
             )
             error.__cause__ = exc
-            return error
+            return error  # the engine is lost: it drops our leases itself
+        if releases:
+            self._io.unsent_releases(engine, releases)
         if not call.ended:
             self._io.abandon(call)
             engine.errors += 1
@@ -306,7 +316,7 @@ class CallRunner:
             raise
         finally:
             if resolver is not None and resolver.inner is not None:
-                self._io.release_held(engine, resolver.inner)
+                self._io.release_later(engine, resolver.inner)
 
     async def call(
         self,

@@ -33,6 +33,7 @@ from tensorrpc._client_protocol import (
 )
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
+from tensorrpc._protocol import MAX_CALL_RELEASES
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
 if TYPE_CHECKING:
@@ -61,19 +62,22 @@ class Waiters:
     inside anyio cancel scopes, which cancel them like any other await.
     """
 
-    __slots__ = ("new", "wait", "wake", "woken")
+    __slots__ = ("new", "soon", "wait", "wake", "woken")
 
     def __init__(self, backend: str) -> None:
         self.new: Callable[[], Any]
         self.wake: Callable[[Any], None]
         self.wait: Callable[[Any], Awaitable[Any]]
         self.woken: Callable[[Any], bool]
+        #: Run a plain function once the running task next yields to the event loop.
+        self.soon: Callable[[Callable[[], None]], object]
         if backend == "asyncio":
             loop = asyncio.get_running_loop()
             self.new = loop.create_future
             self.wake = _wake_future
             self.wait = _identity
             self.woken = _future_woken
+            self.soon = loop.call_soon
         else:
             import trio
 
@@ -81,6 +85,7 @@ class Waiters:
             self.wake = _set_event
             self.wait = _event_wait
             self.woken = _event_woken
+            self.soon = trio.lowlevel.current_trio_token().run_sync_soon
 
 
 def current_backend() -> str:
@@ -187,6 +192,7 @@ class ClientIO:
         "observer",
         "orphans",
         "protocol",
+        "releasing",
         "sock",
         "tick",
         "tracked",
@@ -223,6 +229,8 @@ class ClientIO:
         self.waiters: Waiters | None = None
         self.engines_changed: anyio.Event | None = None
         self.tick: anyio.Event | None = None
+        #: Engines with decoded leases to return (`release_later`); a flush is scheduled.
+        self.releasing: list[Engine] = []
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -321,16 +329,77 @@ class ClientIO:
                 except TensorRPCError as exc:
                     logger.debug("could not send to %r: %s", frames[0], exc)
 
+    def _releasable(self, engine: Engine, resolver: ShmResolver | None = None) -> list[int]:
+        """The engine's leases we are done with: decoded earlier and not yet returned
+        (`release_later`), and those whose result tensors died since."""
+        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        pending = engine.releases
+        if not pending:
+            return list(leases)
+        engine.releases = []
+        if leases:
+            pending.extend(leases)
+            return list(dict.fromkeys(pending))
+        return pending
+
     def release_held(
         self, engine: Engine, resolver: ShmResolver | None = None, now: float | None = None
     ) -> None:
-        """RELEASE the engine's leases whose result tensors are gone (batched: after a
-        decode that resolved handles, before a CALL, and at each housekeeping tick);
-        ``resolver``: a reply just decoded."""
-        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        """RELEASE now the engine's leases we are done with (at each housekeeping tick,
+        and before a CALL that cannot carry them); ``resolver``: a reply just decoded."""
+        leases = self._releasable(engine, resolver)
         if leases:
             self.protocol.release(engine, leases, _monotonic() if now is None else now)
             self.flush()
+
+    def release_later(self, engine: Engine, resolver: ShmResolver) -> None:
+        """A reply was decoded: return its finished leases soon, in the header of the next
+        CALL to the engine if the caller makes one before it yields (one message instead
+        of two), else in a RELEASE once it yields (`_release_pending`)."""
+        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        if not leases:
+            return
+        if not engine.releases:
+            if not self.releasing and self.waiters is not None:
+                self.waiters.soon(self._release_pending)  # `releasing` empty: none pending
+            self.releasing.append(engine)
+        engine.releases.extend(leases)
+
+    def take_releases(self, engine: Engine, now: float) -> tuple[int, ...]:
+        """The leases to carry in the header of a CALL to ``engine`` (protocol §3,
+        ``RELEASES``); those it cannot carry (an engine without the feature, too many
+        ids) go now in a RELEASE."""
+        leases = self._releasable(engine)
+        if not leases:
+            return ()
+        if engine.call_releases and len(leases) <= MAX_CALL_RELEASES:
+            return tuple(leases)
+        self.protocol.release(engine, leases, now)
+        self.flush()
+        return ()
+
+    def unsent_releases(self, engine: Engine, leases: Sequence[int]) -> None:
+        """A CALL that carried ``leases`` was not sent: RELEASE them instead."""
+        self.protocol.release(engine, leases, _monotonic())
+        self.flush()
+
+    def _release_pending(self) -> None:
+        """The caller yielded: RELEASE the decoded leases no CALL took (`release_later`).
+
+        Runs as a plain callback of the event loop, so it must not raise.
+        """
+        engines, self.releasing = self.releasing, []
+        if self.sock is None:
+            return  # closed: the engines drop our leases with the session
+        try:
+            now = _monotonic()
+            for engine in engines:
+                leases, engine.releases = engine.releases, []
+                if leases:
+                    self.protocol.release(engine, leases, now)
+            self.flush()
+        except Exception:  # pragma: no cover - flush logs send errors itself
+            logger.exception("could not return torch_shm leases")
 
     def release_all_held(self) -> None:
         """RELEASE, to every engine, the leases of result tensors freed since (a tick)."""
@@ -392,6 +461,7 @@ class ClientIO:
 
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
+        engine.releases = []  # its session is over: it dropped our leases itself
         logger.info("engine %r %s", engine.engine_id, event.why)
         self.transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
         for call in event.calls:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from tensorrpc._exceptions import EngineNotFoundError
-from tensorrpc._protocol import MAX_SIGNATURE_CHARS
+from tensorrpc._protocol import FEATURE_CALL_RELEASES, MAX_SIGNATURE_CHARS
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Mapping, Sequence
@@ -271,6 +271,11 @@ class Engine:
     alive: bool = True
     #: ``torch_shm`` with this engine, or ``None`` when not usable.
     shm: ShmCapability | None = None
+    #: Result leases we are done with and have not returned yet (protocol §4 RELEASE,
+    #: or the ``RELEASES`` bits of our next CALL).
+    releases: list[int] = field(default_factory=list)
+    #: The engine reads lease ids in a CALL header (``"call_releases"`` in HELLO).
+    call_releases: bool = field(init=False)
     #: The engine's id (``info.engine_id``; a field: read on every call).
     engine_id: str = field(init=False)
     #: The engine's announced bound in seconds (0: not announced).
@@ -281,6 +286,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.engine_id = self.info.engine_id
+        self.call_releases = FEATURE_CALL_RELEASES in self.info.features
         self.dead_after = self.info.dead_after_ms / 1000
         self.forgets_after = self.dead_after or math.inf
 

@@ -46,6 +46,7 @@ __all__ = [
     "MAGIC",
     "MAX_BODY_BYTES",
     "MAX_BUFFERS",
+    "MAX_CALL_RELEASES",
     "MAX_CHALLENGE_BYTES",
     "MAX_CONTROL_BYTES",
     "MAX_CONTROL_OBJECTS",
@@ -58,6 +59,7 @@ __all__ = [
     "MAX_TRACEBACK_CHARS",
     "PROTOCOL_VERSION",
     "TRACE_CONTEXT_BYTES",
+    "FEATURE_CALL_RELEASES",
     "Bye",
     "ControlBody",
     "Credit",
@@ -93,6 +95,10 @@ _HEADER = struct.Struct("<2sBBHHQI")
 HEADER_SIZE: Final = _HEADER.size
 #: Longest method name, in UTF-8 bytes, that may follow a CALL header.
 MAX_METHOD_BYTES: Final = 255
+#: Most lease ids one CALL header carries (the ``RELEASES`` flag); more go by RELEASE.
+MAX_CALL_RELEASES: Final = 64
+#: The HELLO ``features`` name of an engine that reads the ``RELEASES`` CALL flag.
+FEATURE_CALL_RELEASES: Final = "call_releases"
 #: Longest identifier-like string in a control body (ids, names, fingerprints, reasons).
 MAX_NAME_CHARS: Final = 1024
 #: Longest free-text string in a control body (``message`` fields).
@@ -200,14 +206,28 @@ class Flags(IntFlag):
     #: (after the method name). Sent only to engines that list ``"trace_context"`` in
     #: HELLO's ``features``.
     TRACE = 16
+    #: Right after the fixed header, before the method name, the frame carries result
+    #: lease ids the client is done with (as a RELEASE would): a count byte ``k``
+    #: (1..`MAX_CALL_RELEASES`) and ``k`` u64 little-endian ids. Sent only to engines
+    #: that list ``"call_releases"`` in HELLO's ``features``.
+    RELEASES = 32
 
 
 _KNOWN_FLAGS: Final = int(
-    Flags.STREAM | Flags.NO_WAIT | Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL | Flags.TRACE
+    Flags.STREAM
+    | Flags.NO_WAIT
+    | Flags.SHM_RESULTS
+    | Flags.SHM_RESULTS_ALL
+    | Flags.TRACE
+    | Flags.RELEASES
 )
 _TRACE: Final = int(Flags.TRACE)
-# The flags a caller of pack_call_header may pass (TRACE follows from its trace argument).
-_CALLER_FLAGS: Final = _KNOWN_FLAGS & ~_TRACE
+_RELEASES: Final = int(Flags.RELEASES)
+# The flags a caller of pack_call_header may pass (TRACE and RELEASES follow from its
+# trace and releases arguments).
+_CALLER_FLAGS: Final = _KNOWN_FLAGS & ~_TRACE & ~_RELEASES
+# One packer per count of lease ids a CALL header carries: the count byte, then the ids.
+_RELEASE_BLOCKS: Final = tuple(struct.Struct(f"<B{k}Q") for k in range(MAX_CALL_RELEASES + 1))
 _NO_FLAGS: Final = Flags(0)
 
 
@@ -270,6 +290,8 @@ class Header:
         method: CALL only: the method name (non-empty).
         trace: CALL with the ``TRACE`` flag only: the binary W3C trace context
             (`TRACE_CONTEXT_BYTES` bytes); empty otherwise.
+        releases: CALL with the ``RELEASES`` flag only: the result lease ids the client
+            is done with (1..`MAX_CALL_RELEASES` of them); empty otherwise.
     """
 
     #: What the message is.
@@ -284,6 +306,8 @@ class Header:
     method: str = ""
     #: Binary W3C trace context, CALL with the ``TRACE`` flag only; empty otherwise.
     trace: bytes = b""
+    #: Result lease ids the client is done with, CALL with ``RELEASES`` only.
+    releases: tuple[int, ...] = ()
 
 
 # -- header packing ------------------------------------------------------------------------
@@ -299,9 +323,9 @@ _FLAGS_BY_VALUE: Final = {int(f): f for f in (Flags(v) for v in range(_KNOWN_FLA
 # Building a frozen dataclass through its __init__ costs ~1 us (object.__setattr__ per
 # field); unpack_header runs once per message, so it fills the slots directly.
 _new_object = object.__new__
-_set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method, _set_trace = (
+_set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method, _set_trace, _set_releases = (
     Header.__dict__[name].__set__
-    for name in ("kind", "call_id", "flags", "timeout_ms", "method", "trace")
+    for name in ("kind", "call_id", "flags", "timeout_ms", "method", "trace", "releases")
 )
 
 
@@ -312,6 +336,7 @@ def _make_header(
     timeout_ms: int,
     method: str,
     trace: bytes = b"",
+    releases: tuple[int, ...] = (),
 ) -> Header:
     header: Header = _new_object(Header)
     _set_kind(header, kind)
@@ -320,6 +345,7 @@ def _make_header(
     _set_timeout_ms(header, timeout_ms)
     _set_method(header, method)
     _set_trace(header, trace)
+    _set_releases(header, releases)
     return header
 
 
@@ -352,28 +378,40 @@ def _check_int(name: str, value: object, maximum: int) -> int:
 
 
 def pack_call_header(
-    call_id: int, method: str, flags: int = 0, timeout_ms: int = 0, trace: bytes = b""
+    call_id: int,
+    method: str,
+    flags: int = 0,
+    timeout_ms: int = 0,
+    trace: bytes = b"",
+    releases: Sequence[int] = (),
 ) -> bytes:
     """Pack the header frame of a CALL (the hot path: no `Header` object).
 
     Args:
         call_id: The call id, 1..2**64-1.
         method: The method name (1..255 UTF-8 bytes).
-        flags: `Flags` bits (``TRACE`` is set from ``trace``, never by the caller).
+        flags: `Flags` bits (``TRACE`` and ``RELEASES`` are set from ``trace`` and
+            ``releases``, never by the caller).
         timeout_ms: Relative deadline in milliseconds (0 = none, at most 2**32-1).
         trace: A binary W3C trace context of `TRACE_CONTEXT_BYTES` bytes to carry
             (sets the ``TRACE`` flag), or empty for none.
+        releases: Result lease ids (each 1..2**63-1, at most `MAX_CALL_RELEASES`) to
+            carry (sets the ``RELEASES`` flag), or empty for none. Only for an engine
+            that lists ``"call_releases"`` in HELLO's ``features``.
 
     Returns:
         The header frame.
 
     Raises:
-        LocalProtocolError: Any field is out of range, the method name is invalid or
-            ``trace`` has the wrong size.
+        LocalProtocolError: Any field is out of range, the method name is invalid,
+            ``trace`` has the wrong size or ``releases`` has too many or bad ids.
     """
     name = _method_bytes(method)
     if flags & ~_CALLER_FLAGS:
         raise LocalProtocolError(f"unknown flag bits 0x{int(flags) & ~_CALLER_FLAGS:x}")
+    if releases:
+        name = _release_block(releases) + name
+        flags |= _RELEASES
     if trace:
         if len(trace) != TRACE_CONTEXT_BYTES:
             raise LocalProtocolError(
@@ -389,6 +427,19 @@ def pack_call_header(
         raise LocalProtocolError(
             f"CALL header out of range (call_id={call_id!r}, timeout_ms={timeout_ms!r})"
         ) from exc
+
+
+def _release_block(releases: Sequence[int]) -> bytes:
+    """The count byte and the lease ids of a CALL header with ``RELEASES``."""
+    count = len(releases)
+    if count > MAX_CALL_RELEASES:
+        raise LocalProtocolError(
+            f"a CALL carries at most {MAX_CALL_RELEASES} lease ids, not {count}"
+        )
+    for lease in releases:
+        if type(lease) is not int or not 0 < lease <= _I64_MAX:
+            raise LocalProtocolError(f"lease id {lease!r} is out of range 1..{_I64_MAX}")
+    return _RELEASE_BLOCKS[count].pack(count, *releases)
 
 
 def with_trace(header: bytes, trace: bytes) -> bytes:
@@ -480,11 +531,13 @@ def pack_header(header: Header) -> bytes:
         _check_int("call_id", header.call_id, _U64_MAX)
         _check_int("flags", header.flags, _U16_MAX)
         _check_int("timeout_ms", header.timeout_ms, _U32_MAX)
-        flags = header.flags & ~_TRACE
+        flags = header.flags & ~_TRACE & ~_RELEASES
         if bool(header.flags & _TRACE) != bool(header.trace):
             raise LocalProtocolError("the TRACE flag is set exactly when a trace is given")
+        if bool(header.flags & _RELEASES) != bool(header.releases):
+            raise LocalProtocolError("the RELEASES flag is set exactly when leases are given")
         return pack_call_header(
-            header.call_id, header.method, flags, header.timeout_ms, header.trace
+            header.call_id, header.method, flags, header.timeout_ms, header.trace, header.releases
         )
     if header.method:
         raise LocalProtocolError(f"{kind!r} carries no method name")
@@ -494,6 +547,8 @@ def pack_header(header: Header) -> bytes:
         raise LocalProtocolError(f"{kind!r} carries no timeout")
     if header.trace:
         raise LocalProtocolError(f"{kind!r} carries no trace context")
+    if header.releases:
+        raise LocalProtocolError(f"{kind!r} carries no lease ids")
     return pack_reply_header(kind, header.call_id)
 
 
@@ -606,14 +661,19 @@ def _call_header(view: memoryview, size: int, flags: int, call_id: int, timeout_
         trace = view[size:].tobytes()
         if trace[0] != 0:
             raise RemoteProtocolError(f"unknown trace context version {trace[0]}")
-    length = size - HEADER_SIZE
-    if length == 0:
+    start = HEADER_SIZE
+    releases: tuple[int, ...] = ()
+    if flags & _RELEASES:
+        releases = _call_releases(view, size)
+        start += 1 + 8 * len(releases)
+    length = size - start
+    if length <= 0:
         raise RemoteProtocolError("CALL without a method name")
     if length > MAX_METHOD_BYTES:
         raise RemoteProtocolError(
             f"method name is {length} bytes long; the limit is {MAX_METHOD_BYTES}"
         )
-    raw = view[HEADER_SIZE:size].tobytes()
+    raw = view[start:size].tobytes()
     name = _method_name_cache.get(raw)
     if name is None:
         try:
@@ -622,7 +682,27 @@ def _call_header(view: memoryview, size: int, flags: int, call_id: int, timeout_
             raise RemoteProtocolError(f"method name {raw!r} is not valid UTF-8") from exc
         if len(_method_name_cache) < _CACHE_LIMIT:
             _method_name_cache[raw] = name
-    return _make_header(MessageKind.CALL, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, name, trace)
+    return _make_header(
+        MessageKind.CALL, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, name, trace, releases
+    )
+
+
+def _call_releases(view: memoryview, size: int) -> tuple[int, ...]:
+    """The lease ids of a CALL header with ``RELEASES`` (``size``: its end, before any
+    trace context)."""
+    if size <= HEADER_SIZE:
+        raise RemoteProtocolError("CALL with the RELEASES flag has no lease count")
+    count = view[HEADER_SIZE]
+    if not 0 < count <= MAX_CALL_RELEASES:
+        raise RemoteProtocolError(f"CALL carries {count} lease ids; 1..{MAX_CALL_RELEASES} allowed")
+    if size < HEADER_SIZE + 1 + 8 * count:
+        raise RemoteProtocolError(f"CALL header too short for its {count} lease ids")
+    block = _RELEASE_BLOCKS[count].unpack_from(view, HEADER_SIZE)
+    releases: tuple[int, ...] = block[1:]
+    for lease in releases:
+        if not 0 < lease <= _I64_MAX:
+            raise RemoteProtocolError(f"lease id {lease} is out of range 1..{_I64_MAX}")
+    return releases
 
 
 def split_frames(

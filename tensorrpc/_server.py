@@ -38,6 +38,7 @@ from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._protocol import (
+    FEATURE_CALL_RELEASES,
     MAX_SIGNATURE_CHARS,
     PROTOCOL_VERSION,
     ErrorInfo,
@@ -359,7 +360,7 @@ class Server:
             signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
             probe=self._policy.probe(),
             max_message_bytes=max(0, self._socket_options.maxmsgsize),
-            features=_observe.FEATURES,
+            features=(*_observe.FEATURES, FEATURE_CALL_RELEASES),
         )
         return ProtocolSettings(
             hello=hello,

@@ -154,7 +154,12 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("hello", "timer: dead_after (listen)", "forget the stranger", "none"),
     ("live", "PING", "PONG (same nonce)", "live"),
     ("live", "PING nonce 0", "PONG 0 and HELLO (same epoch, rate-limited)", "live"),
-    ("live", "CALL", "admit (ADMISSION) or ERROR", "live"),
+    (
+        "live",
+        "CALL",
+        "pass on the result leases it returns (RELEASES); admit (ADMISSION) or ERROR",
+        "live",
+    ),
     ("live", "CALL with an id in flight", "cancel the original; ERROR(id, PROTOCOL)", "live"),
     (
         "live",
@@ -648,6 +653,8 @@ class ServerProtocol:
         if session.state is SessionState.LIVE:
             session.last_heard = now  # rule 2: any well-formed message is life
             if header.kind is _CALL:
+                if header.releases:  # result leases returned with the CALL (as a RELEASE)
+                    self.events.append(Released(session, header.releases))
                 return self._admit(session, header, payload, buffers, now)
             self._live_control(session, header, payload, now)
             return None

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -25,7 +26,9 @@ import zmq
 
 import tensorrpc
 from bench._measure import shm_files_of
+from tensorrpc import _client_calls
 from tensorrpc._client import Client
+from tensorrpc._client_protocol import ClientProtocol
 from tensorrpc._codec import encode
 from tensorrpc._exceptions import EngineDeadError
 from tensorrpc._hostinfo import host_id
@@ -376,3 +379,76 @@ async def test_unread_results_are_released_without_waiting_for_the_sweep(
             return (await stub.shm_state())[0] == 0
 
         await eventually(released, "the engine got RELEASE for every unread result")
+
+
+class _Releases:
+    """Counts the RELEASE messages and the lease ids in CALL headers a client sends."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.messages = 0
+        self.carried = 0
+        release = ClientProtocol.release
+        pack = _client_calls.pack_call_header
+
+        def counting_release(proto: ClientProtocol, engine: Any, leases: Any, now: float):
+            self.messages += 1
+            return release(proto, engine, leases, now)
+
+        def counting_pack(*args: Any, releases: tuple[int, ...] = ()) -> bytes:
+            self.carried += len(releases)
+            return pack(*args, releases=releases)
+
+        monkeypatch.setattr(ClientProtocol, "release", counting_release)
+        monkeypatch.setattr(_client_calls, "pack_call_header", counting_pack)
+
+
+async def test_result_leases_ride_the_next_call_and_none_is_left(
+    anyio_backend: str, engine: EngineProcess, monkeypatch: pytest.MonkeyPatch
+):
+    counts = _Releases(monkeypatch)
+    async with connected(engine.address()) as client:
+        view = client.stub(transport="torch_shm")
+        for _ in range(20):
+            board = await view.shared_board()  # by alias: its lease ends once decoded
+            del board
+        # Each result's lease went back in the header of the next CALL: no RELEASE.
+        assert counts.carried == 19
+        assert counts.messages == 0
+        # ... and the engine ended it before running that call.
+        assert (await view.shm_state())[0] == 0
+        assert counts.carried == 20
+        assert counts.messages == 0
+
+
+async def test_a_decoded_lease_goes_back_by_release_when_no_call_follows(
+    anyio_backend: str, engine: EngineProcess, monkeypatch: pytest.MonkeyPatch
+):
+    counts = _Releases(monkeypatch)
+    async with connected(engine.address()) as client, connected(engine.address()) as watcher:
+        board = await client.stub(transport="torch_shm").shared_board()
+        assert counts.messages == 0  # not yet: a CALL may follow at once
+
+        async def released() -> bool:  # asked by another client: its CALLs carry nothing
+            return (await watcher.stub().shm_state())[0] == 0
+
+        # The caller yields (here, waiting for the watcher): a RELEASE goes instead.
+        await eventually(released, "the engine got the RELEASE")
+        assert counts.messages == 1
+        assert counts.carried == 0
+        del board
+
+
+async def test_an_engine_without_call_releases_gets_release_messages(
+    anyio_backend: str, engine: EngineProcess, monkeypatch: pytest.MonkeyPatch
+):
+    counts = _Releases(monkeypatch)
+    async with connected(engine.address()) as client:
+        for known in client._protocol.engines.engines.values():
+            assert known.call_releases  # the reference engine announces the feature
+            known.call_releases = False  # as an engine that predates it
+        view = client.stub(transport="torch_shm")
+        for _ in range(5):
+            await view.shared_board()
+        assert counts.carried == 0
+        assert counts.messages == 4
+        assert (await view.shm_state())[0] == 0

@@ -16,6 +16,7 @@ from tensorrpc._exceptions import (
 from tensorrpc._protocol import (
     HEADER_SIZE,
     MAGIC,
+    MAX_CALL_RELEASES,
     MAX_CONTROL_BYTES,
     MAX_LIST_ITEMS,
     MAX_METHOD_BYTES,
@@ -262,7 +263,21 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(kind=MessageKind.HELLO, call_id=3), "connection-level"),
         (raw_header(kind=MessageKind.CALL, tail=b""), "without a method name"),
         (raw_header(kind=MessageKind.CALL, call_id=0, tail=b"m"), "CALL with call_id 0"),
-        (raw_header(kind=MessageKind.CALL, flags=32, tail=b"m"), "unknown flag bits 0x20"),
+        (raw_header(kind=MessageKind.CALL, flags=64, tail=b"m"), "unknown flag bits 0x40"),
+        (raw_header(kind=MessageKind.CALL, flags=32, tail=b""), "no lease count"),
+        (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x00m"), "0 lease ids"),
+        (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x41" + bytes(8 * 65) + b"m"), "65"),
+        (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x02" + bytes(15)), "too short"),
+        (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x01" + bytes(8) + b"m"), "lease id 0"),
+        (
+            raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x01" + b"\xff" * 8 + b"m"),
+            "out of range",
+        ),
+        (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x01" + b"\x05" + bytes(7)), "method"),
+        (
+            raw_header(kind=MessageKind.CALL, flags=48, tail=b"\x01\x05" + bytes(7) + bytes(26)),
+            "without a method name",
+        ),
         (raw_header(kind=MessageKind.CALL, flags=16, tail=b"m"), "too short for its context"),
         (
             raw_header(kind=MessageKind.CALL, flags=16, tail=b"m" + b"\x01" + bytes(25)),
@@ -522,6 +537,44 @@ def test_a_trace_context_of_the_wrong_size_or_a_caller_set_trace_flag_is_refused
         pack_header(Header(MessageKind.CALL, 7, Flags.TRACE, 0, "add"))
     with pytest.raises(LocalProtocolError, match="no trace"):
         pack_header(Header(MessageKind.RESULT, 7, trace=bytes(26)))
+
+
+def test_a_call_header_carries_lease_ids_before_the_method():
+    trace = b"\x00" + bytes(range(1, 17)) + bytes(range(20, 28)) + b"\x01"
+    leases = (1, 2**40 + 7, 2**63 - 1)
+    frame = pack_call_header(7, "add", int(Flags.NO_WAIT), 900, trace, leases)
+    assert frame[20] == 3
+    assert frame[21:45] == struct.pack("<3Q", *leases)
+    assert frame[45:] == b"add" + trace
+    header = unpack_header(frame)
+    assert header.releases == leases
+    assert header.method == "add"
+    assert header.trace == trace
+    assert header.flags == Flags.NO_WAIT | Flags.TRACE | Flags.RELEASES
+    assert pack_header(header) == frame
+    full = tuple(range(1, MAX_CALL_RELEASES + 1))
+    assert unpack_header(pack_call_header(8, "m", releases=full)).releases == full
+    plain = unpack_header(pack_call_header(7, "add"))
+    assert plain.releases == ()
+    assert not plain.flags & Flags.RELEASES
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: pack_call_header(7, "m", releases=[0]), "lease id 0"),
+        (lambda: pack_call_header(7, "m", releases=[2**63]), "out of range"),
+        (lambda: pack_call_header(7, "m", releases=[1.0]), "out of range"),  # type: ignore[list-item]
+        (lambda: pack_call_header(7, "m", releases=[1] * 65), "at most 64"),
+        (lambda: pack_call_header(7, "m", int(Flags.RELEASES)), "unknown flag bits 0x20"),
+        (lambda: pack_header(Header(MessageKind.CALL, 7, Flags.RELEASES, 0, "m")), "RELEASES"),
+        (lambda: pack_header(Header(MessageKind.CALL, 7, method="m", releases=(1,))), "RELEASES"),
+        (lambda: pack_header(Header(MessageKind.RESULT, 7, releases=(1,))), "no lease ids"),
+    ],
+)
+def test_bad_lease_ids_for_a_call_header_are_refused(call, match):
+    with pytest.raises(LocalProtocolError, match=match):
+        call()
 
 
 def test_hello_features_are_optional_and_round_trip():

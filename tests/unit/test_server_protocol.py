@@ -484,6 +484,25 @@ def test_release_is_passed_on() -> None:
     assert released[0].leases == (3, 4)
 
 
+def test_lease_ids_in_a_call_header_are_passed_on_whatever_becomes_of_the_call() -> None:
+    engine = Engine.make(max_concurrency=1, max_queued=0)
+    engine.join()
+    header = pack_call_header(1, "add", releases=(5, 6))
+    assert engine.send(b"c1", [header, PAYLOAD]) is not None
+    # Refused (the engine is full): the leases it returns still count.
+    full = pack_call_header(2, "add", int(Flags.NO_WAIT), releases=(7,))
+    assert engine.send(b"c1", [full, PAYLOAD]) is None
+    assert engine.error(2).code == ErrorCode.OVERLOADED
+    released = [e.leases for e in engine.proto.events if isinstance(e, Released)]
+    assert released == [(5, 6), (7,)]
+
+
+def test_lease_ids_in_a_call_outside_a_session_free_nothing() -> None:
+    engine = Engine.make()
+    engine.send(b"stranger", [pack_call_header(1, "add", releases=(5,)), PAYLOAD])
+    assert not [e for e in engine.proto.events if isinstance(e, Released)]
+
+
 # -- drain ----------------------------------------------------------------------------------
 
 
