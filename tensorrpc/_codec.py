@@ -25,6 +25,7 @@ created for each call, never on the module. This module imports no I/O library.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from dataclasses import dataclass, field
@@ -271,6 +272,17 @@ def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     return tensor, flat.view(torch.uint8).numpy().data
 
 
+def _inline_bytes(tensor: torch.Tensor, nbytes: int) -> bytes:
+    """The C-contiguous little-endian bytes of the CPU tensor ``tensor`` (a copy).
+
+    A contiguous tensor of a real dtype without the negative bit is its memory as is:
+    one ``string_at`` (no numpy view); anything else goes through `_host_bytes`.
+    """
+    if nbytes and tensor.dtype in _CASTABLE and tensor.is_contiguous() and not tensor.is_neg():
+        return ctypes.string_at(tensor.data_ptr(), nbytes)
+    return _host_bytes(tensor)[1].tobytes()
+
+
 class _Encoder:
     """Per-call state of `encode`: the ormsgpack ``default=`` hook and what it collects."""
 
@@ -333,6 +345,9 @@ class _Encoder:
                 return ormsgpack.Ext(_TORCH, _handle_descriptor(name, shape, placed))
         if not tensor.is_cpu:
             tensor = self._to_host(tensor)
+        elif nbytes < self._config.inline_threshold:
+            data = _inline_bytes(tensor, nbytes)
+            return ormsgpack.Ext(_TORCH, ormsgpack.packb([name, shape, _INLINE, data]))
         owner, view = _host_bytes(tensor)
         return ormsgpack.Ext(_TORCH, self._descriptor(name, shape, nbytes, owner, view))
 

@@ -497,27 +497,61 @@ def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
     froms = tuple(e.fast_from_wire for e in elems)
     n = len(elems)
 
-    def _apply(convs: tuple[Converter, ...], v: list[Any] | tuple[Any, ...]) -> tuple[Any, ...]:
-        if len(v) != n:
-            raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
-        it = iter(v)
-        try:
-            return tuple(map(operator.call, convs, it))
-        except _Invalid as exc:  # one pass, as in _map_indexed
-            exc.segments.append(f"[{n - operator.length_hint(it) - 1}]")
-            raise
+    apply_checks = _tuple_apply(checks)
+    apply_froms = _tuple_apply(froms)
 
     def check(v: Any) -> Any:
         if not isinstance(v, tuple):
             raise _Invalid(desc, v)
-        return _apply(checks, v)
+        if len(v) != n:
+            raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
+        return apply_checks(v)
 
     def from_wire(v: Any) -> Any:
         if type(v) is not list and type(v) is not tuple:
             raise _Invalid(desc, v)
-        return _apply(froms, v)
+        if len(v) != n:
+            raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
+        return apply_froms(v)
 
     return CompiledType(desc, check, from_wire)
+
+
+def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """Compile ``(convs[0](v[0]), ..., convs[n-1](v[n-1]))`` for a sequence of length n.
+
+    Straight-line code, as ``_service._fixed_arity`` (``map`` over the converters costs
+    about twice as much for the usual two or three elements); an ``_Invalid`` gets the
+    failing element's index, as in `_map_indexed`. The source is built from integers only.
+    """
+    n = len(convs)
+    if n > 32 or n == 0:
+
+        def apply(v: Any) -> tuple[Any, ...]:
+            it = iter(v)
+            try:
+                return tuple(map(operator.call, convs, it))
+            except _Invalid as exc:  # one pass, as in _map_indexed
+                exc.segments.append(f"[{n - operator.length_hint(it) - 1}]")
+                raise
+
+        return apply
+    lines = ["def apply(v):", "    i = 0", "    try:"]
+    for i in range(n):
+        lines.append(f"        a{i} = c{i}(v[{i}])")
+        if i + 1 < n:
+            lines.append(f"        i = {i + 1}")
+    lines += [
+        "    except _Invalid as exc:",
+        '        exc.segments.append(f"[{i}]")',
+        "        raise",
+        f"    return ({''.join(f'a{i}, ' for i in range(n))})",
+    ]
+    namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
+    namespace["_Invalid"] = _Invalid
+    exec("\n".join(lines) + "\n", namespace)
+    fn: Callable[[Any], tuple[Any, ...]] = namespace["apply"]
+    return fn
 
 
 def _str_keys_check(desc: str, keys_exact: Callable[[Any], bool]) -> Callable[[Any], None]:

@@ -178,14 +178,9 @@ class PolicyPlacer:
             if not self._cuda_only:
                 self._policy._fallbacks += 1  # torch_shm was asked for, the peer cannot
             return None
-        if not tensor.is_cuda:
-            if self._cuda_only:
-                return None
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes < self._threshold:
-                return None
-        else:
-            nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
+        if not tensor.is_cuda and (self._cuda_only or nbytes < self._threshold):
+            return None
         shm = self._shm
         if shm is None:
             try:

@@ -21,6 +21,7 @@ __all__ = [
     "HandleKind",
     "fail",
     "pack",
+    "pack_fields",
     "unpack",
 ]
 
@@ -93,11 +94,8 @@ def fail(message: str) -> TensorTransportError:
 
 def pack(h: Handle) -> bytes:
     """The wire form of a handle."""
-    head = _HEAD.pack(
-        _MAGIC,
-        _VERSION,
+    return pack_fields(
         h.kind,
-        len(h.strides),
         h.pid,
         h.fd,
         h.dev,
@@ -107,8 +105,42 @@ def pack(h: Handle) -> bytes:
         h.base,
         h.span,
         h.elem_offset,
+        h.strides,
+        h.tail,
     )
-    return head + _strides_struct(len(h.strides)).pack(*h.strides) + h.tail
+
+
+def pack_fields(
+    kind: HandleKind,
+    pid: int,
+    fd: int,
+    dev: int,
+    ino: int,
+    lease: int,
+    tag: int,
+    base: int,
+    span: int,
+    elem_offset: int,
+    strides: tuple[int, ...],
+    tail: bytes,
+) -> bytes:
+    """The wire form of the handle with these fields (`pack` without building a `Handle`)."""
+    head = _HEAD.pack(
+        _MAGIC,
+        _VERSION,
+        kind,
+        len(strides),
+        pid,
+        fd,
+        dev,
+        ino,
+        lease,
+        tag,
+        base,
+        span,
+        elem_offset,
+    )
+    return head + _strides_struct(len(strides)).pack(*strides) + tail
 
 
 def _strides_struct(ndim: int) -> struct.Struct:

@@ -62,6 +62,7 @@ from tensorrpc.transports._shm_handle import (
     fail,
     non_overlapping,
     pack,
+    pack_fields,
     unpack,
 )
 from tensorrpc.transports._shm_pool import (
@@ -99,6 +100,7 @@ _Handle = Handle
 _pack = pack
 _unpack = unpack
 _contiguous_strides = contiguous_strides
+_SHARED = HandleKind.SHARED
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,12 +519,12 @@ class TorchShmTransport(ShmReceiving):
                 self._stats["fallbacks"] += 1
                 return None
             t = tensor.detach() if tensor.requires_grad else tensor
-            nbytes = t.numel() * t.element_size()
+            nbytes = t.nbytes
             if self._over_limit(placer, nbytes):
                 self._stats["fallbacks"] += 1
                 return None
             handle: bytes | None
-            if t.numel() == 0:
+            if nbytes == 0:
                 lease = self._new_lease(placer)
                 strides = contiguous_strides(tuple(t.shape))
                 handle = pack(
@@ -601,19 +603,21 @@ class TorchShmTransport(ShmReceiving):
         return pack(h), (dst, t)
 
     def _place_shared_cpu(self, placer: ShmPlacer, t: torch.Tensor) -> bytes | None:
-        if t.is_conj() or t.is_neg():
+        if t.is_neg() or t.is_conj():
             return None  # its bits are not its values: copy it (resolving the view)
         storage = t.untyped_storage()
         block = _shared.lookup(storage)
-        if block is None or not (
-            t.is_contiguous() or non_overlapping(tuple(t.shape), tuple(t.stride()))
-        ):
+        if block is None:
             return None  # torch's own shared files cannot be sealed: they go by the pool
+        strides = t.stride()
+        if not (t.is_contiguous() or non_overlapping(tuple(t.shape), strides)):
+            return None
         lease = self._new_lease(placer)
         lease.keep.append(storage)
-        self._charge(lease, storage.nbytes())
-        h = Handle(
-            HandleKind.SHARED,
+        nbytes = storage.nbytes()
+        self._charge(lease, nbytes)
+        return pack_fields(
+            _SHARED,
             self._pid,
             block.fd,
             block.dev,
@@ -621,12 +625,11 @@ class TorchShmTransport(ShmReceiving):
             lease.id,
             0,
             0,
-            storage.nbytes(),
+            nbytes,
             int(t.storage_offset()),
-            tuple(t.stride()),
+            strides,
             b"",
         )
-        return pack(h)
 
     def _place_cuda(self, placer: ShmPlacer, t: torch.Tensor) -> bytes | None:  # pragma: no cover
         if not non_overlapping(tuple(t.shape), tuple(t.stride())):

@@ -385,6 +385,32 @@ def test_conjugate_and_negative_views_are_resolved() -> None:
     assert_same_tensor(got[1], torch._neg_view(base).resolve_neg())
 
 
+def test_inline_tensors_carry_their_values_whatever_their_view() -> None:
+    # Small tensors ride inline; a contiguous real one is copied from its memory as is,
+    # so every view whose memory is not its values must take the other path.
+    real = torch.randn(24)
+    cplx = torch.randn(6, dtype=torch.complex64)
+    tensors = [
+        real,
+        real[3:11],  # an offset into the storage
+        real[::3],  # not contiguous
+        real.view(4, 6).t(),
+        real.view(1, 24, 1)[:, 2:5],
+        torch._neg_view(real),
+        torch._neg_view(real)[1:4],
+        cplx.conj(),
+        torch._neg_view(cplx),
+        real.to(torch.bfloat16),
+        real > 0,
+        torch.arange(10, dtype=torch.int64)[2:],
+    ]
+    encoded = _codec.encode(tensors)
+    assert encoded.buffers == []  # all inline
+    got = _codec.decode(encoded.payload, encoded.buffers)
+    for sent, back in zip(tensors, got, strict=True):
+        assert_same_tensor(back, sent.resolve_conj().resolve_neg().contiguous())
+
+
 # --- plain values ---------------------------------------------------------------------
 
 
