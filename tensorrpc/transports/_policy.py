@@ -37,6 +37,7 @@ import torch
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc._protocol import Hello, Proof, Welcome
 from tensorrpc.transports._shm_auth import CHALLENGE_BYTES, Role, ShmLink, decide, new_challenge
+from tensorrpc.transports._shm_pool import pid as current_pid
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
     ShmPlacer,
@@ -482,7 +483,7 @@ class TransportPolicy:
         shm = self.shm
         if shm is None:
             return None
-        if peer_pid <= 0 or peer_pid == os.getpid():
+        if peer_pid <= 0 or peer_pid == current_pid():  # (cached: no system call per message)
             return shm.refusing_resolver()
         try:
             return shm.resolver(peer_pid, hold=hold, keep=keep)
