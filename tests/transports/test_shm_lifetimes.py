@@ -388,15 +388,15 @@ class _Releases:
         self.messages = 0
         self.carried = 0
         release = ClientProtocol.release
-        pack = _client_calls.pack_call_header
+        pack = pack_call_header
 
         def counting_release(proto: ClientProtocol, engine: Any, leases: Any, now: float):
             self.messages += 1
             return release(proto, engine, leases, now)
 
-        def counting_pack(*args: Any, releases: tuple[int, ...] = ()) -> bytes:
-            self.carried += len(releases)
-            return pack(*args, releases=releases)
+        def counting_pack(*args: Any, **kwargs: Any) -> bytes:
+            self.carried += len(kwargs.get("releases", ()))
+            return pack(*args, **kwargs)
 
         monkeypatch.setattr(ClientProtocol, "release", counting_release)
         monkeypatch.setattr(_client_calls, "pack_call_header", counting_pack)
