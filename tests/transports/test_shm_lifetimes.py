@@ -10,6 +10,7 @@ segments are memfds it keeps for reuse: they must be exactly the segments its po
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -218,6 +219,49 @@ async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
             assert detail.pool_bytes_in_use == 0  # (the probe is a memfd of its own)
     assert shm_fds(fds()) == shm_fds(own_before)
     assert dev_shm(engine.pid) == shm_before
+
+
+async def test_an_engine_killed_is_unmapped_and_the_results_it_sent_stay_valid(
+    anyio_backend: str, tmp_path: Path
+):
+    # The client keeps the engine's segments mapped while the engine lives (no per-call
+    # mapping), drops them when the engine is gone, and the tensors it holds, by alias or
+    # on the engine's pool region, keep their memory: their own mappings outlive the
+    # engine's memfds.
+    with EngineProcess(
+        "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/e.sock", service="tensor"
+    ) as engine:
+        async with connected(engine.address(), dead_after=1.0) as client:
+            stub = client.stub(transport="torch_shm")
+            board = await stub.shared_board()  # by alias
+            made = await stub.make("float32", [1 << 18], 7)  # on the engine's pool region
+            expected = made.clone()
+            await stub.bump_board(2.0)
+            assert float(board[-1]) == 2.0  # an alias sees the engine's later write
+
+            def detail() -> Any:
+                got = client.statistics().transports.torch_shm_detail
+                assert got is not None
+                return got
+
+            assert detail().mapped_segments == 2  # the board's segment and the pool's
+            assert detail().tensors_received_aliased == 1  # the board
+            assert detail().leases_held == 1  # ``made`` holds its region until freed
+            engine.kill()
+
+            async def unmapped() -> bool:
+                return detail().mapped_segments == 0
+
+            await eventually(unmapped, "the client dropped the dead engine's mappings")
+            assert detail().leases_held == 0  # nothing is owed to a dead engine
+            assert torch.equal(made.view(torch.int32), expected.view(torch.int32))  # (NaN bits)
+            assert float(board.sum()) == 2.0 * board.numel()
+            board.fill_(5.0)  # still writable memory of our own mapping
+            assert float(board[0]) == 5.0
+            del board, made
+            gc.collect()
+            assert detail().leases_held == 0
+            assert detail().releases_refused == 0
 
 
 async def test_client_killed_mid_transfer(anyio_backend: str, engine: EngineProcess):
