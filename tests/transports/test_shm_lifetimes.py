@@ -43,7 +43,7 @@ from tensorrpc._protocol import (
     pack_call_header,
     split_frames,
 )
-from tensorrpc.transports.torch_shm import HandleKind, _Handle, _pack
+from tensorrpc.transports.torch_shm import HandleKind, TorchShmStatistics, _Handle, _pack
 from tests import _forkserver
 from tests.engine_proc import ROOT, EngineProcess
 from tests.transports._engine import TensorService
@@ -239,7 +239,7 @@ async def test_an_engine_killed_is_unmapped_and_the_results_it_sent_stay_valid(
             await stub.bump_board(2.0)
             assert float(board[-1]) == 2.0  # an alias sees the engine's later write
 
-            def detail() -> Any:
+            def detail() -> TorchShmStatistics:
                 got = client.statistics().transports.torch_shm_detail
                 assert got is not None
                 return got
