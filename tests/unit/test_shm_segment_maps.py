@@ -15,16 +15,14 @@ import os
 import pytest
 import torch
 
-from tensorrpc import _codec
 from tensorrpc.transports._shared import share
 from tensorrpc.transports._shm_recv import SegmentMaps
 from tensorrpc.transports.torch_shm import TorchShmTransport
+from tests.transports._shm_local import send_local
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
 )
-
-CONFIG = _codec.CodecConfig()
 
 
 def _bytes(n: int) -> torch.Tensor:
@@ -88,17 +86,6 @@ def test_forget_drops_one_peers_mappings_only() -> None:
     assert maps.get((2, 9, 3)) is not None
 
 
-def _send(sender: TorchShmTransport, receiver: TorchShmTransport, t: torch.Tensor) -> torch.Tensor:
-    placer = sender.placer("client")
-    encoded = _codec.encode(t, CONFIG, placer=placer)
-    resolver = receiver.resolver(None, keep=("client", 1))
-    got = _codec.decode(encoded.payload, encoded.buffers, CONFIG, resolver=resolver)
-    assert isinstance(got, torch.Tensor)
-    assert placer.lease is not None
-    sender.release(placer.lease)
-    return got
-
-
 @pytest.mark.parametrize("bound", ["count", "bytes"])
 def test_a_receiver_keeps_at_most_its_bound_of_mappings_and_stays_correct(bound: str) -> None:
     # Five shared tensors: five segments of the same peer (this process), 64 KiB each.
@@ -114,7 +101,7 @@ def test_a_receiver_keeps_at_most_its_bound_of_mappings_and_stays_correct(bound:
         kept = []
         for _ in range(3):
             for i, t in enumerate(tensors):
-                got = _send(sender, receiver, t)
+                got = send_local(sender, receiver, t)
                 assert float(got[0]) == float(got[-1]) == float(i)
                 kept.append(got)
                 assert receiver.statistics().mapped_segments <= (2 if bound == "count" else 3)

@@ -16,6 +16,7 @@ from tensorrpc.transports._shared import share
 from tensorrpc.transports._shm_pool import privatize
 from tensorrpc.transports._shm_recv import SegmentMaps
 from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+from tests.transports._shm_local import send_local
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
@@ -97,14 +98,7 @@ def test_a_handle_resolved_after_its_mapping_was_evicted_sees_the_shared_pages()
         t = share(torch.zeros(4096, dtype=torch.float32))
 
         def send() -> torch.Tensor:
-            placer = sender.placer("client")
-            encoded = _codec.encode(t, CONFIG, placer=placer)
-            resolver = receiver.resolver(None, keep=("client", 1))
-            got = _codec.decode(encoded.payload, encoded.buffers, CONFIG, resolver=resolver)
-            assert isinstance(got, torch.Tensor)
-            assert placer.lease is not None
-            sender.release(placer.lease)
-            return got
+            return send_local(sender, receiver, t)
 
         send()  # maps the segment
         first = send()  # on its typed view
