@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrpc import _codec
 from tensorrpc.transports._shared import share
 from tensorrpc.transports._shm_pool import privatize
 from tensorrpc.transports._shm_recv import SegmentMaps
@@ -22,7 +21,6 @@ pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
 )
 
-CONFIG = _codec.CodecConfig()
 KEY = (1234, 5, 6)
 
 
