@@ -45,13 +45,14 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from tensorrpc.transports import _shared
 from tensorrpc.transports._shm_auth import ProbeHandle, Role, make_proof, new_secret
+from tensorrpc.transports._shm_budget import PeerBudget, StorageKey
 from tensorrpc.transports._shm_handle import (
     CUDA_TAIL,
     TRANSPORT_NAME,
@@ -101,6 +102,8 @@ _pack = pack
 _unpack = unpack
 _contiguous_strides = contiguous_strides
 _SHARED = HandleKind.SHARED
+#: `TorchShmTransport._place_shared_cpu`'s answer for a shared tensor over the peer's cap.
+_LIMITED = b"limited"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +156,10 @@ class _Lease:
     created: float
     regions: list[tuple[Segment, int, int]]
     keep: list[object]
+    #: Bytes of pool regions charged to the peer by this lease.
     nbytes: int = 0
+    #: Shared storages this lease pins (charged to the peer once: see `PeerBudget`).
+    pins: list[StorageKey] = field(default_factory=list)
 
 
 class ShmPlacer:
@@ -276,10 +282,7 @@ class TorchShmTransport(ShmReceiving):
             max_segment_bytes,
         )
         self._leases: dict[int, _Lease] = {}
-        self._peer_bytes: dict[Hashable, int] = {}
-        self._peer_leases: dict[Hashable, int] = {}
-        self._peer_max_bytes = peer_max_bytes
-        self._peer_max_leases = peer_max_leases
+        self._budget = PeerBudget(peer_max_bytes, peer_max_leases)
         self._next_lease = 1
         self._disabled: set[Hashable] = set()
         self._lease_timeout = lease_timeout
@@ -320,8 +323,7 @@ class TorchShmTransport(ShmReceiving):
                 entry.regions.clear()
                 entry.keep.clear()
             self._leases.clear()
-            self._peer_bytes.clear()
-            self._peer_leases.clear()
+            self._budget.clear()
             self._pool.close()
             self._receiver.maps.clear()
             if self._probe is not None:
@@ -349,8 +351,7 @@ class TorchShmTransport(ShmReceiving):
             self._pid = current_pid()
             self._pool.abandon()
             self._leases.clear()
-            self._peer_bytes.clear()
-            self._peer_leases.clear()
+            self._budget.clear()
             self._receiver.maps.clear()
             self._probe = None
 
@@ -475,17 +476,8 @@ class TorchShmTransport(ShmReceiving):
                 self._pool.release(seg, off, n)
         entry.regions.clear()
         entry.keep.clear()
-        peer = entry.peer
-        left = self._peer_bytes.get(peer, 0) - entry.nbytes
-        if left > 0:
-            self._peer_bytes[peer] = left
-        else:
-            self._peer_bytes.pop(peer, None)
-        count = self._peer_leases.get(peer, 0) - 1
-        if count > 0:
-            self._peer_leases[peer] = count
-        else:
-            self._peer_leases.pop(peer, None)
+        self._budget.closed(entry.peer, entry.nbytes, entry.pins)
+        entry.pins.clear()
 
     def _new_lease(self, placer: ShmPlacer) -> _Lease:
         if placer._lease is None or placer._lease.id not in self._leases:
@@ -494,19 +486,16 @@ class TorchShmTransport(ShmReceiving):
             self._next_lease += 1
             placer._lease = _Lease(lid, placer._peer, self._clock(), [], [])
             self._leases[lid] = placer._lease
-            self._peer_leases[placer._peer] = self._peer_leases.get(placer._peer, 0) + 1
+            self._budget.opened(placer._peer)
         return placer._lease
 
     def _charge(self, lease: _Lease, nbytes: int) -> None:
         lease.nbytes += nbytes
-        self._peer_bytes[lease.peer] = self._peer_bytes.get(lease.peer, 0) + nbytes
+        self._budget.charge(lease.peer, nbytes)
 
     def _over_limit(self, placer: ShmPlacer, nbytes: int) -> bool:
-        peer = placer._peer
         new_lease = placer._lease is None or placer._lease.id not in self._leases
-        if self._peer_bytes.get(peer, 0) + nbytes > self._peer_max_bytes or (
-            new_lease and self._peer_leases.get(peer, 0) >= self._peer_max_leases
-        ):
+        if self._budget.over(placer._peer, nbytes, new_lease=new_lease):
             self._stats["peer_limited"] += 1
             return True
         return False
@@ -520,11 +509,13 @@ class TorchShmTransport(ShmReceiving):
                 return None
             t = tensor.detach() if tensor.requires_grad else tensor
             nbytes = t.nbytes
-            if self._over_limit(placer, nbytes):
-                self._stats["fallbacks"] += 1
-                return None
-            handle: bytes | None
-            if nbytes == 0:
+            handle: bytes | None = None
+            aliased = True
+            # The lease count here; the bytes by kind (a shared storage costs its bytes
+            # once per peer, however many messages pin it).
+            if self._over_limit(placer, nbytes if t.is_cuda else 0):
+                pass
+            elif nbytes == 0:
                 lease = self._new_lease(placer)
                 strides = contiguous_strides(tuple(t.shape))
                 handle = pack(
@@ -532,12 +523,13 @@ class TorchShmTransport(ShmReceiving):
                         HandleKind.EMPTY, self._pid, -1, 0, 0, lease.id, 0, 0, 0, 0, strides, b""
                     )
                 )
-                aliased = True
             elif t.is_cuda:
-                handle, aliased = self._place_cuda(placer, t), True
+                handle = self._place_cuda(placer, t)
             else:
-                handle, aliased = self._place_shared_cpu(placer, t), True
-                if handle is None:
+                handle = self._place_shared_cpu(placer, t)
+                if handle is _LIMITED:
+                    handle = None
+                elif handle is None and not self._over_limit(placer, nbytes):
                     got = self._place_pool(placer, t, nbytes)
                     if got is not None:
                         handle, copy = got
@@ -603,6 +595,8 @@ class TorchShmTransport(ShmReceiving):
         return pack(h), (dst, t)
 
     def _place_shared_cpu(self, placer: ShmPlacer, t: torch.Tensor) -> bytes | None:
+        """The SHARED handle of ``t``; None when it is not in tensorrpc shared memory (or
+        cannot be aliased); `_LIMITED` when pinning it would put the peer over its cap."""
         if t.is_neg() or t.is_conj():
             return None  # its bits are not its values: copy it (resolving the view)
         storage = t.untyped_storage()
@@ -612,10 +606,14 @@ class TorchShmTransport(ShmReceiving):
         strides = t.stride()
         if not (t.is_contiguous() or non_overlapping(tuple(t.shape), strides)):
             return None
+        nbytes = storage.nbytes()
+        key = (block.dev, block.ino)
+        if self._over_limit(placer, self._budget.pin_cost(placer._peer, key, nbytes)):
+            return _LIMITED
         lease = self._new_lease(placer)
         lease.keep.append(storage)
-        nbytes = storage.nbytes()
-        self._charge(lease, nbytes)
+        self._budget.pin(lease.peer, key, nbytes)
+        lease.pins.append(key)
         return pack_fields(
             _SHARED,
             self._pid,

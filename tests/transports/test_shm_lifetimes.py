@@ -264,6 +264,42 @@ async def test_an_engine_killed_is_unmapped_and_the_results_it_sent_stay_valid(
             assert detail().releases_refused == 0
 
 
+async def test_one_shared_tensor_in_many_calls_in_flight_goes_by_alias_in_each(
+    anyio_backend: str, engine: EngineProcess
+):
+    # 32 calls in flight carrying the same 64 MiB shared tensor pin 64 MiB of the client,
+    # not 2 GiB (twice the per-peer cap): each goes by alias. Before, the cap counted the
+    # storage once per call and calls 17 to 32 were sent as 64 MiB frames.
+    async with connected(engine.address()) as client:
+        stub = client.stub(transport="torch_shm")
+        x = tensorrpc.shared_empty(16 << 20)
+        x.fill_(1.0)
+        sums: list[float] = []
+
+        def detail() -> TorchShmStatistics:
+            got = client.statistics().transports.torch_shm_detail
+            assert got is not None
+            return got
+
+        async def one() -> None:
+            sums.append(await stub.gated_sum(x))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for _ in range(32):
+                    tg.start_soon(one)
+
+                async def all_sent() -> bool:
+                    return detail().tensors_sent + detail().fallbacks >= 32
+
+                await eventually(all_sent, "32 calls sent before any answer")
+                await stub.wait_gated()
+                await stub.open_gate()
+        assert sums == [float(16 << 20)] * 32
+        assert (detail().fallbacks, detail().peer_limited) == (0, 0)
+        assert detail().tensors_aliased == 32
+
+
 async def test_client_killed_mid_transfer(anyio_backend: str, engine: EngineProcess):
     shm_before = dev_shm(engine.pid)
     address = engine.address()

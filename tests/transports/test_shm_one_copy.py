@@ -143,7 +143,7 @@ def test_a_receiver_that_never_releases_cannot_grow_the_sender_and_gets_frames(s
 def test_the_policy_falls_back_to_frames_and_counts_it_when_the_peer_holds_too_much():
     policy = TransportPolicy(shm_threshold=0)
     assert policy.shm is not None
-    policy.shm._peer_max_bytes = 3 << 20  # room for two 1 MiB regions (and headers)
+    policy.shm._budget.max_bytes = 3 << 20  # room for two 1 MiB regions (and headers)
     try:
         policy.probe()
         kept = []
@@ -158,6 +158,61 @@ def test_the_policy_falls_back_to_frames_and_counts_it_when_the_peer_holds_too_m
         assert stats.torch_shm_detail.peer_limited == 2
     finally:
         policy.close()
+
+
+def test_a_shared_storage_in_many_unreleased_messages_is_charged_once():
+    # 32 calls in flight passing the same 4 MiB shared tensor pin 4 MiB, not 128: each
+    # goes by alias (before: the cap counted it per lease, and past 2 calls here, 16 at
+    # the default cap with 64 MiB, every call fell back to frames: 190x slower).
+    with TorchShmTransport(peer_max_bytes=10 << 20) as sender:
+        board = shared_empty(1 << 20)  # 4 MiB
+        board.fill_(1.0)
+        placers = [sender.placer("client") for _ in range(32)]
+        for placer in placers:
+            assert placer.place(board) is not None
+            assert placer.place(board[8:]) is not None  # another view: the same storage
+        stats = sender.statistics()
+        assert stats.peer_limited == stats.fallbacks == 0
+        assert stats.tensors_aliased == 64
+        # A second storage fits beside it (8 MiB of 10), a third does not.
+        other = shared_empty(1 << 20)
+        third = shared_empty(1 << 20)
+        assert sender.placer("client").place(other) is not None
+        assert sender.placer("client").place(third) is None
+        assert sender.statistics().peer_limited == 1
+        # Another peer has a budget of its own.
+        assert sender.placer("engine-2").place(third) is not None
+        # The storage stays charged until its last lease goes.
+        for placer in placers[:-1]:
+            assert placer.lease is not None
+            assert sender.release(placer.lease, peer="client")
+        assert sender.placer("client").place(third) is None
+        last = placers[-1].lease
+        assert last is not None
+        assert sender.release(last, peer="client")
+        assert sender.placer("client").place(third) is not None
+
+
+def test_a_pinned_storage_is_uncharged_however_its_leases_end(shm):
+    # Released, swept (lease timeout) or dropped with its peer: the charge goes with the
+    # last lease, never before, and never twice.
+    now = [0.0]
+    with TorchShmTransport(peer_max_bytes=6 << 20, lease_timeout=10.0, clock=lambda: now[0]) as s:
+        a, b = shared_empty(1 << 20), shared_empty(1 << 20)  # 4 MiB each
+
+        def fits(t: torch.Tensor) -> bool:
+            return s.placer("peer").place(t) is not None
+
+        assert fits(a)
+        assert fits(a)
+        assert not fits(b)
+        now[0] = 11.0
+        assert s.sweep() == 2
+        assert fits(b)
+        assert not fits(a)
+        assert s.release_peer("peer") == 1  # b's (a refused placement makes no lease)
+        assert fits(a)
+        assert fits(a)
 
 
 # -- RELEASE: only the peer's own leases, once --------------------------------------------
