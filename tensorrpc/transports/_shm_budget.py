@@ -58,11 +58,25 @@ class PeerBudget:
             return True
         return new_lease and self._leases.get(peer, 0) >= self.max_leases
 
-    def pin_cost(self, peer: Hashable, key: StorageKey, nbytes: int) -> int:
-        """Bytes that pinning storage ``key`` (of ``nbytes``) adds for ``peer``: none when
-        one of its leases pins it already."""
+    def try_pin(self, peer: Hashable, key: StorageKey, nbytes: int, *, new_lease: bool) -> bool:
+        """Pin storage ``key`` (of ``nbytes``) for a lease of ``peer`` unless that exceeds
+        the caps; False: nothing pinned. Its bytes count only if no lease of ``peer`` pins
+        it yet; ``new_lease``: the pin needs a lease not yet `opened`."""
         pins = self._pins.get(peer)
-        return 0 if pins is not None and key in pins else nbytes
+        pin = pins.get(key) if pins is not None else None
+        cost = nbytes if pin is None else 0
+        if self._bytes.get(peer, 0) + cost > self.max_bytes or (
+            new_lease and self._leases.get(peer, 0) >= self.max_leases
+        ):
+            return False  # (`over`, inline: this is every shared tensor's path)
+        if pin is not None:
+            pin[0] += 1
+            return True
+        if pins is None:
+            pins = self._pins[peer] = {}
+        pins[key] = [1, nbytes]
+        self._bytes[peer] = self._bytes.get(peer, 0) + nbytes
+        return True
 
     def opened(self, peer: Hashable) -> None:
         """A lease for ``peer`` was made."""
@@ -72,19 +86,9 @@ class PeerBudget:
         """A lease of ``peer`` took a pool region of ``nbytes``."""
         self._bytes[peer] = self._bytes.get(peer, 0) + nbytes
 
-    def pin(self, peer: Hashable, key: StorageKey, nbytes: int) -> None:
-        """A lease of ``peer`` pins storage ``key`` (charged only if none did)."""
-        pins = self._pins.setdefault(peer, {})
-        pin = pins.get(key)
-        if pin is None:
-            pins[key] = [1, nbytes]
-            self._bytes[peer] = self._bytes.get(peer, 0) + nbytes
-        else:
-            pin[0] += 1
-
     def closed(self, peer: Hashable, nbytes: int, pins: Iterable[StorageKey]) -> None:
         """A lease of ``peer`` ended: its pool regions (``nbytes``) and its ``pins``
-        (as many entries as `pin` calls) go back."""
+        (an entry per successful `try_pin`) go back."""
         freed = nbytes
         held = self._pins.get(peer)
         if held is not None:

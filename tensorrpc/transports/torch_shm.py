@@ -102,6 +102,7 @@ _pack = pack
 _unpack = unpack
 _contiguous_strides = contiguous_strides
 _SHARED = HandleKind.SHARED
+_EMPTY_KIND = HandleKind.EMPTY
 #: `TorchShmTransport._place_shared_cpu`'s answer for a shared tensor over the peer's cap.
 _LIMITED = b"limited"
 
@@ -511,20 +512,18 @@ class TorchShmTransport(ShmReceiving):
             nbytes = t.nbytes
             handle: bytes | None = None
             aliased = True
-            # The lease count here; the bytes by kind (a shared storage costs its bytes
-            # once per peer, however many messages pin it).
-            if self._over_limit(placer, nbytes if t.is_cuda else 0):
-                pass
-            elif nbytes == 0:
-                lease = self._new_lease(placer)
-                strides = contiguous_strides(tuple(t.shape))
-                handle = pack(
-                    Handle(
-                        HandleKind.EMPTY, self._pid, -1, 0, 0, lease.id, 0, 0, 0, 0, strides, b""
+            # Each kind checks the peer's caps with what it would pin (a shared storage
+            # costs its bytes once per peer, however many messages pin it).
+            if nbytes == 0:
+                if not self._over_limit(placer, 0):
+                    lease = self._new_lease(placer)
+                    strides = contiguous_strides(tuple(t.shape))
+                    handle = pack_fields(
+                        _EMPTY_KIND, self._pid, -1, 0, 0, lease.id, 0, 0, 0, 0, strides, b""
                     )
-                )
             elif t.is_cuda:
-                handle = self._place_cuda(placer, t)
+                if not self._over_limit(placer, nbytes):
+                    handle = self._place_cuda(placer, t)
             else:
                 handle = self._place_shared_cpu(placer, t)
                 if handle is _LIMITED:
@@ -608,11 +607,13 @@ class TorchShmTransport(ShmReceiving):
             return None
         nbytes = storage.nbytes()
         key = (block.dev, block.ino)
-        if self._over_limit(placer, self._budget.pin_cost(placer._peer, key, nbytes)):
+        lease = placer._lease
+        new_lease = lease is None or lease.id not in self._leases
+        if not self._budget.try_pin(placer._peer, key, nbytes, new_lease=new_lease):
+            self._stats["peer_limited"] += 1
             return _LIMITED
         lease = self._new_lease(placer)
         lease.keep.append(storage)
-        self._budget.pin(lease.peer, key, nbytes)
         lease.pins.append(key)
         return pack_fields(
             _SHARED,
