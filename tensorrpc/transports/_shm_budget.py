@@ -65,10 +65,8 @@ class PeerBudget:
         pins = self._pins.get(peer)
         pin = pins.get(key) if pins is not None else None
         cost = nbytes if pin is None else 0
-        if self._bytes.get(peer, 0) + cost > self.max_bytes or (
-            new_lease and self._leases.get(peer, 0) >= self.max_leases
-        ):
-            return False  # (`over`, inline: this is every shared tensor's path)
+        if self.over(peer, cost, new_lease=new_lease):
+            return False
         if pin is not None:
             pin[0] += 1
             return True

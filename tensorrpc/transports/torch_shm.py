@@ -480,14 +480,19 @@ class TorchShmTransport(ShmReceiving):
         self._budget.closed(entry.peer, entry.nbytes, entry.pins)
         entry.pins.clear()
 
+    def _needs_lease(self, placer: ShmPlacer) -> bool:
+        """Whether ``placer``'s next tensor opens a lease (none yet, or its lease ended)."""
+        return placer._lease is None or placer._lease.id not in self._leases
+
     def _new_lease(self, placer: ShmPlacer) -> _Lease:
-        if placer._lease is None or placer._lease.id not in self._leases:
+        if self._needs_lease(placer):
             # (A placer used again after its lease was released gets a fresh lease.)
             lid = self._next_lease
             self._next_lease += 1
             placer._lease = _Lease(lid, placer._peer, self._clock(), [], [])
             self._leases[lid] = placer._lease
             self._budget.opened(placer._peer)
+        assert placer._lease is not None  # (made above, or open: `_needs_lease`)
         return placer._lease
 
     def _charge(self, lease: _Lease, nbytes: int) -> None:
@@ -495,8 +500,7 @@ class TorchShmTransport(ShmReceiving):
         self._budget.charge(lease.peer, nbytes)
 
     def _over_limit(self, placer: ShmPlacer, nbytes: int) -> bool:
-        new_lease = placer._lease is None or placer._lease.id not in self._leases
-        if self._budget.over(placer._peer, nbytes, new_lease=new_lease):
+        if self._budget.over(placer._peer, nbytes, new_lease=self._needs_lease(placer)):
             self._stats["peer_limited"] += 1
             return True
         return False
@@ -607,9 +611,7 @@ class TorchShmTransport(ShmReceiving):
             return None
         nbytes = storage.nbytes()
         key = (block.dev, block.ino)
-        lease = placer._lease
-        new_lease = lease is None or lease.id not in self._leases
-        if not self._budget.try_pin(placer._peer, key, nbytes, new_lease=new_lease):
+        if not self._budget.try_pin(placer._peer, key, nbytes, new_lease=self._needs_lease(placer)):
             self._stats["peer_limited"] += 1
             return _LIMITED
         lease = self._new_lease(placer)

@@ -193,7 +193,7 @@ def test_a_shared_storage_in_many_unreleased_messages_is_charged_once():
         assert sender.placer("client").place(third) is not None
 
 
-def test_a_pinned_storage_is_uncharged_however_its_leases_end(shm):
+def test_a_pinned_storage_is_uncharged_however_its_leases_end():
     # Released, swept (lease timeout) or dropped with its peer: the charge goes with the
     # last lease, never before, and never twice.
     now = [0.0]
