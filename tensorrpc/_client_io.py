@@ -33,6 +33,7 @@ from tensorrpc._client_protocol import (
 )
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
+from tensorrpc._logonce import Said
 from tensorrpc._protocol import MAX_CALL_RELEASES
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
@@ -132,15 +133,21 @@ class RefusalLog:
     BURST: Final = 16
     WINDOW_S: Final = 10.0
     TEXT: Final = 512
-    __slots__ = ("logged", "skipped", "window_end")
+    __slots__ = ("logged", "said", "skipped", "window_end")
 
     def __init__(self) -> None:
         self.window_end = 0.0
         self.logged = 0
         self.skipped = 0
+        #: Refusals already logged: an engine refused again for the same reason (its
+        #: HELLO is retried every second) is logged once, the repeats at DEBUG.
+        self.said = Said()
 
     def log(self, event: EngineRefused, now: float) -> None:
         """Log one refusal (or count it when this window's burst is spent)."""
+        if not self.said.first((event.engine_id, event.by_client, event.reason, event.message)):
+            logger.debug("engine %r refused again (%s)", _cut(event.engine_id, 64), event.reason)
+            return
         if now >= self.window_end:
             if self.skipped:
                 logger.warning(
@@ -160,7 +167,7 @@ class RefusalLog:
         if event.by_client:
             logger.warning("refused engine %r: %s", engine_id, message)
         else:
-            logger.warning("engine %s refused this client: %s %s", engine_id, event.reason, message)
+            logger.warning("engine %r refused this client: %s %s", engine_id, event.reason, message)
 
 
 def _cut(text: str, limit: int) -> str:
