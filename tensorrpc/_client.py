@@ -294,9 +294,20 @@ class Client(CallView[S]):
         if self._opened:
             raise RuntimeError("a Client can be opened only once")
         self._opened = True
-        self._io.open()
-        if self._io.observer is not None:  # observe: the client opened
-            self._io.observer.opened(self)
+        observer = self._io.observer
+        if observer is not None:  # observe: the client opened
+            # Before binding: a metrics_port in use fails before any socket is bound.
+            try:
+                observer.opened(self)
+            except BaseException:
+                observer.closed(self)
+                raise
+        try:
+            self._io.open()
+        except BaseException:
+            if observer is not None:
+                observer.closed(self)
+            raise
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg

@@ -444,9 +444,19 @@ class Server:
         self._started = True
         self._stopped = anyio.Event()
         self._poke = anyio.Event()
-        self._io.open()
         if self._observer is not None:  # observe: the engine opened
-            self._observer.opened(self)
+            # Before binding: a metrics_port in use fails before any socket is bound.
+            try:
+                self._observer.opened(self)
+            except BaseException:
+                self._observer.closed(self)
+                raise
+        try:
+            self._io.open()
+        except BaseException:
+            if self._observer is not None:
+                self._observer.closed(self)
+            raise
         tg = anyio.create_task_group()
         await tg.__aenter__()
         try:
