@@ -63,7 +63,7 @@ from tensorrpc._server_protocol import (
 )
 from tensorrpc._server_sockets import ServerSockets
 from tensorrpc._service import describe
-from tensorrpc._text import peer_text
+from tensorrpc._text import CONTROL, peer_text
 from tensorrpc._zmq import DEFAULT_OPTIONS, SocketOptions
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
@@ -298,8 +298,10 @@ class Server:
         self._config = cfg = _config(config, dict(options))
         self._spec: ServiceSpec = describe(instance)
         engine_id = cfg.engine_id or f"{_socket.gethostname()}-{os.getpid()}"
-        if "/" in engine_id or len(engine_id.encode()) > 200:
-            raise ValueError("engine_id must be 1..200 bytes of UTF-8 without '/'")
+        if "/" in engine_id or len(engine_id.encode()) > 200 or CONTROL.search(engine_id):
+            raise ValueError(
+                "engine_id must be 1..200 bytes of UTF-8 without '/' or control characters"
+            )
         self._engine_id = engine_id
         self._addresses = _addresses_of(cfg.connect)
         self._binds = _addresses_of(cfg.bind)

@@ -167,11 +167,13 @@ async def test_a_hostile_welcome_is_refused_and_logged_escaped(
         msg = await peer.expect(MessageKind.HELLO)
         peer.route = msg.route
         header = struct.pack("<2sBBHHQI", b"TR", 1, int(MessageKind.WELCOME), 0, 0, 0, 0)
-        body = {"client_id": HOSTILE, "host_id": "h", "transports": ["frames"]}
+        welcome = encode_control(MessageKind.WELCOME, Welcome(client_id="c1", host_id="h"))
+        body = {**ormsgpack.unpackb(bytes(welcome[1])), "client_id": HOSTILE}
         peer.send([header, ormsgpack.packb(body)])
         reject = (await peer.expect(MessageKind.REJECT)).body()
         assert isinstance(reject, Reject)
         assert reject.reason == "protocol"
+        assert "client_id has a control character" in reject.message
         assert not [c for c in server.statistics().clients if c.state == "live"]
     records = [r.getMessage() for r in caplog.records if r.name.startswith("tensorrpc")]
     assert all(_clean(line) for line in records), records
