@@ -38,6 +38,7 @@ from typing import Any, NoReturn, TypeVar
 import anyio
 
 import tensorrpc
+from tensorrpc._text import peer_text
 
 __all__ = ["main"]
 
@@ -715,7 +716,7 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
 
 def _render(value: object, *, as_json: bool, max_values: int) -> str:
     if isinstance(value, str) and not as_json:
-        return value
+        return peer_text(value, None, lines=True)  # the engine's text: no escape sequences
     return json.dumps(to_json(value, max_values))
 
 
