@@ -37,5 +37,5 @@ def test_refusals_by_the_engine_are_logged_with_the_reason(
     with caplog.at_level(logging.WARNING, logger="tensorrpc.client"):
         _RefusalLog().log(EngineRefused("e1", "not_allowed", "no", by_client=False), 0.0)
     assert [r.getMessage() for r in caplog.records] == [
-        "engine 'e1' refused this client: not_allowed no"
+        "engine e1 refused this client: not_allowed no"
     ]
