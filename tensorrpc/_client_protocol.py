@@ -453,7 +453,12 @@ class ClientProtocol:
     # -- calls ----------------------------------------------------------------------------
 
     def select(
-        self, engine_id: str | None, now: float | None = None, *, woken: bool = False
+        self,
+        engine_id: str | None,
+        now: float | None = None,
+        *,
+        woken: bool = False,
+        wait_for_ready: bool = False,
     ) -> Engine | None:
         """The engine for a new call (see `EngineTable.select`); None: wait for capacity.
 
@@ -463,10 +468,14 @@ class ClientProtocol:
                 forgot the session: it is ended here (`EngineLost` in `pending`), not
                 sent a call, and the caller waits for it to rejoin (`rejoining`).
             woken: The caller was woken from the capacity queue (it does not requeue).
+            wait_for_ready: gRPC's wait-for-ready: with no live engine for the call, the
+                caller waits (an engine that joins wakes it) instead of failing; its
+                deadline bounds the wait, and `absence` then says why none came.
 
         Raises:
             EngineNotFoundError: As `EngineTable.select`, unless the engine (or any
-                engine, to balance) is expected back: the caller waits.
+                engine, to balance) is expected back or ``wait_for_ready``: the caller
+                waits.
         """
         if not woken and self.capacity.queued(engine_id):
             return None  # earlier callers wait for this capacity: queue behind them
@@ -475,12 +484,26 @@ class ClientProtocol:
             try:
                 engine = engines.select(engine_id)
             except EngineNotFoundError:
-                if self.rejoining.expected(engine_id, now):
+                if wait_for_ready or self.rejoining.expected(engine_id, now):
                     return None
                 raise
             if engine is None or now is None or now - engine.sent <= engine.forgets_after:
                 return engine  # (else we sent it nothing for longer than its bound: forgotten)
             self.pending.append(self._forgotten(engine, now))
+
+    def absence(self, engine_id: str | None, now: float) -> str | None:
+        """Why no engine can take a call for ``engine_id`` now (None: one is live).
+
+        What `EngineTable.absence` says, or that the engine forgot this client's session
+        (our loop stalled) and has not rejoined yet.
+        """
+        why = self.engines.absence(engine_id)
+        if why is not None and self.rejoining.expected(engine_id, now):
+            return (
+                "the engine forgot this client's session (our loop stalled) and has not "
+                "rejoined yet"
+            )
+        return why
 
     def stranded(self, engine_id: str, now: float) -> list[Any]:
         """The capacity waiters to wake because ``engine_id`` left (they then re-select).

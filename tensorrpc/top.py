@@ -292,9 +292,9 @@ async def _poll(client: Client[Any], views: dict[str, EngineView], patience: flo
             view.p50 = view.p99 = None
             continue
         try:
-            stats = await client.with_options(engine=engine_id, timeout=patience).call_by_name(
-                _observe.STATISTICS_METHOD
-            )
+            # An engine that just left is shown as such, not waited for.
+            view_of = client.with_options(engine=engine_id, timeout=patience, wait_for_ready=False)
+            stats = await view_of.call_by_name(_observe.STATISTICS_METHOD)
         except TensorRPCError as exc:
             view.note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:60]}"
             continue
