@@ -152,6 +152,10 @@ class TorchShmStatistics:
     #: Of ``tensors_received``, those received by alias: the sender's own memory
     #: (tensorrpc shared memory or CUDA), mapped here with no copy on either side.
     tensors_received_aliased: int = 0
+    #: Peers' segments unmapped because the sender had freed them (a trimmed pool
+    #: segment, a `tensorrpc.share` tensor gone): found before each new mapping of that
+    #: peer and at each `sweep`.
+    mappings_pruned: int = 0
 
 
 @dataclass(slots=True)
@@ -464,11 +468,17 @@ class TorchShmTransport(ShmReceiving):
             return len(dead)
 
     def sweep(self) -> int:
-        """Release leases older than ``lease_timeout``. Returns how many.
+        """Release leases older than ``lease_timeout``, and unmap the peers' segments
+        that their senders have freed. Returns how many leases.
 
         A receiver that attaches after its lease expired gets a clear error for pool
         handles (the region's tag no longer matches), never another message's bytes.
+        The runtime sweeps once per heartbeat interval (1 s by default): that bounds how
+        long a freed segment stays mapped here (tensors built on it keep it, as they
+        must).
         """
+        if not self._closed:
+            self._receiver.prune()
         with self._lock:
             limit = self._clock() - self._lease_timeout
             old = [lid for lid, e in self._leases.items() if e.created <= limit]
@@ -700,6 +710,7 @@ class TorchShmTransport(ShmReceiving):
                 leases_held=recv.holds.held(),
                 tensors_received=recv.tensors_received,
                 tensors_received_aliased=recv.tensors_aliased,
+                mappings_pruned=recv.pruned,
                 bytes_received=recv.bytes_received,
                 **self._stats,
             )
