@@ -11,6 +11,7 @@ pickled.
 
 from __future__ import annotations
 
+from tensorrpc._batching import Batching, Continuous
 from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream, BlockingStub
 from tensorrpc._client import (
     CallOptions,
@@ -65,9 +66,10 @@ from tensorrpc._security import (
     save_keypair,
 )
 from tensorrpc._server import PeerStatistics, Server, ServerConfig, ServerStatistics, serve
-from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
+from tensorrpc._service import BatchSpec, MethodSpec, ServiceSpec, describe, rpc, service
 from tensorrpc._stub import Stub
 from tensorrpc._zmq import SocketOptions
+from tensorrpc.batching import BatchContext, BatchItem, current_batch
 from tensorrpc.transports import (
     TorchShmStatistics,
     TransportCounters,
@@ -92,6 +94,10 @@ del _value
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BatchContext",
+    "BatchItem",
+    "BatchSpec",
+    "Batching",
     "BlockingCallView",
     "BlockingClient",
     "BlockingStream",
@@ -108,6 +114,7 @@ __all__ = [
     "ClosedError",
     "CodecConfig",
     "ConnectError",
+    "Continuous",
     "CurveClientConfig",
     "CurveConfig",
     "CurveKeyPair",
@@ -149,6 +156,7 @@ __all__ = [
     "TransportName",
     "TransportStatistics",
     "ValidationError",
+    "current_batch",
     "describe",
     "generate_keypair",
     "load_keypair",

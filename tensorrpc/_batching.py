@@ -32,9 +32,9 @@ import math
 from collections import deque
 from typing import Final, Generic, TypeVar
 
-from tensorrpc._exceptions import ServiceDefinitionError
+from tensorrpc._exceptions import ErrorCode, ServiceDefinitionError, TensorRPCError
 
-__all__ = ["Batcher", "Batching", "Continuous", "Poll"]
+__all__ = ["Batcher", "Batching", "Continuous", "ItemRefused", "Poll"]
 
 T = TypeVar("T")
 _INF: Final = math.inf
@@ -133,6 +133,15 @@ def _check_common(cfg: Batching | Continuous, where: str) -> None:
         raise ServiceDefinitionError(
             f"{where}: {kind}.max_delay must be a finite number of seconds >= 0, got {delay!r}"
         )
+
+
+class ItemRefused(TensorRPCError):
+    """The engine's batcher ends one item with this error code (queue full, deadline,
+    a result count that does not match); the engine answers it with ``code``."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Entry(Generic[T]):
