@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from tensorrpc._exceptions import EngineNotFoundError
 from tensorrpc._protocol import FEATURE_CALL_RELEASES, MAX_SIGNATURE_CHARS
+from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Mapping, Sequence
@@ -58,10 +59,6 @@ MAX_PAST: Final = 1024
 #: Longest engine id kept as a key of the refusals, and longest refusal text, in chars.
 MAX_REJECTED_KEY: Final = 128
 MAX_REJECTED_TEXT: Final = 2048
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,10 +358,10 @@ class EngineTable:
 
     def refuse(self, engine_id: str, reason: str, message: str) -> None:
         """Remember a refusal (bounded: the oldest is forgotten first)."""
-        key = _cut(engine_id, MAX_REJECTED_KEY)
+        key = peer_text(engine_id, MAX_REJECTED_KEY)
         rejected = self.rejected
         rejected.pop(key, None)
-        rejected[key] = _cut(f"{reason}: {message}", MAX_REJECTED_TEXT)
+        rejected[key] = peer_text(f"{reason}: {message}", MAX_REJECTED_TEXT)
         while len(rejected) > MAX_REJECTED:
             rejected.popitem(last=False)
         self.rejected_total += 1

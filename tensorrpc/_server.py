@@ -64,6 +64,7 @@ from tensorrpc._server_protocol import (
 )
 from tensorrpc._server_sockets import ServerSockets
 from tensorrpc._service import describe
+from tensorrpc._text import CONTROL, peer_text
 from tensorrpc._zmq import DEFAULT_OPTIONS, SocketOptions
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
@@ -87,6 +88,8 @@ __all__ = ["PeerStatistics", "Server", "ServerConfig", "ServerStatistics", "serv
 logger = logging.getLogger("tensorrpc.server")
 
 _NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
+#: Longest peer-written reason shown in a log line or an exception.
+_WHY_CHARS: Final = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,8 +299,10 @@ class Server:
         self._config = cfg = _config(config, dict(options))
         self._spec: ServiceSpec = describe(instance)
         engine_id = cfg.engine_id or f"{_socket.gethostname()}-{os.getpid()}"
-        if "/" in engine_id or len(engine_id.encode()) > 200:
-            raise ValueError("engine_id must be 1..200 bytes of UTF-8 without '/'")
+        if "/" in engine_id or len(engine_id.encode()) > 200 or CONTROL.search(engine_id):
+            raise ValueError(
+                "engine_id must be 1..200 bytes of UTF-8 without '/' or control characters"
+            )
         self._engine_id = engine_id
         self._addresses = _addresses_of(cfg.connect)
         self._binds = _addresses_of(cfg.bind)
@@ -616,19 +621,22 @@ class Server:
             self._policy.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
             self._negotiate_shm(event.session, event.welcome)
-            logger.info("engine %r joined client %s", self._engine_id, event.session.name)
+            logger.info(
+                "engine %r joined client %s", self._engine_id, peer_text(event.session.name)
+            )
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
             shm, event.session.shm = event.session.shm, None
             self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
             log = logger.warning if event.warn else logger.info
-            log("client %s %s", event.session.name, event.why)
+            log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
         elif isinstance(event, WelcomedAgain):
             self._negotiate_shm(event.session, event.welcome)
         elif isinstance(event, AllRejected):
             self._fail(
                 HandshakeRejectedError(
-                    f"every client refused engine {self._engine_id!r}: {event.message}",
+                    f"every client refused engine {self._engine_id!r}: "
+                    + peer_text(event.message, _WHY_CHARS),
                     reason=event.reason,
                     engine_id=self._engine_id,
                 )

@@ -38,6 +38,7 @@ from typing import Any, NoReturn, TypeVar
 import anyio
 
 import tensorrpc
+from tensorrpc._text import peer_text
 
 __all__ = ["main"]
 
@@ -667,14 +668,15 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
     the first ``max_values`` elements (flattened); bytes become ``{"bytes": base64}``;
     dataclasses and mappings become objects; Enums their value.
     """
-    import numpy as np
-    import torch
-
     if value is None or isinstance(value, (bool, int, float, str)):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, enum.Enum):
         return to_json(value.value, max_values)
-    if isinstance(value, torch.Tensor):
+    # A value is a tensor (an array) only if torch (numpy) is imported: a result without
+    # one does not import them (seconds of start-up).
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
         flat = value.detach().reshape(-1)[:max_values]
         if flat.dtype in (torch.bfloat16, torch.float16) or flat.dtype.is_floating_point:
             flat = flat.to(torch.float64)
@@ -690,7 +692,7 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
                 "values": values,
             }
         }
-    if isinstance(value, np.ndarray):
+    if np is not None and isinstance(value, np.ndarray):
         return {
             "tensor": {
                 "dtype": str(value.dtype),
@@ -714,7 +716,7 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
 
 def _render(value: object, *, as_json: bool, max_values: int) -> str:
     if isinstance(value, str) and not as_json:
-        return value
+        return peer_text(value, None, lines=True)  # the engine's text: no escape sequences
     return json.dumps(to_json(value, max_values))
 
 
@@ -749,6 +751,8 @@ def split_signature(signature: str) -> dict[str, str]:
 
 def _tensors_for(arguments: dict[str, object], types: Mapping[str, str]) -> dict[str, object]:
     """Arrays loaded from .npy files become torch tensors unless the parameter is an ndarray."""
+    if "numpy" not in sys.modules:  # no argument came from a .npy file
+        return arguments
     import numpy as np
     import torch
 

@@ -26,10 +26,14 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-import torch
+from tensorrpc._lazy import LazyModule
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "PAGE_SIZE",

@@ -28,8 +28,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Final
 
-import torch
-
+from tensorrpc._lazy import LazyModule
 from tensorrpc.transports._shm_auth import SECRET_BYTES, ProbeHandle
 from tensorrpc.transports._shm_handle import (
     CUDA_TAIL,
@@ -54,6 +53,10 @@ from tensorrpc.transports._shm_pool import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
+
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = ["Receiver", "SegmentMaps", "ShmReceiving", "ShmResolver", "refuse_all"]
 

@@ -48,8 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
+from tensorrpc._lazy import LazyModule
 from tensorrpc.transports import _shared
 from tensorrpc.transports._shm_auth import ProbeHandle, Role, make_proof, new_secret
 from tensorrpc.transports._shm_budget import PeerBudget, StorageKey
@@ -84,6 +83,10 @@ from tensorrpc.transports._shm_recv import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
     from types import TracebackType
+
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "TRANSPORT_NAME",
