@@ -29,7 +29,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -906,6 +905,8 @@ def _cmd_run_module(args: argparse.Namespace) -> int:
     extra = list(args.extra)
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    import subprocess
+
     proc = subprocess.Popen([sys.executable, "-m", module, *extra], cwd=root)
     try:
         return proc.wait()

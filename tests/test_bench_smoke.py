@@ -159,3 +159,24 @@ def test_call_cpu_reports_client_and_engine_cpu_per_call() -> None:
         assert figures["wall_us"] > 0
         assert 0 < figures["client_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
         assert 0 < figures["engine_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
+
+
+def test_startup_measures_the_commands_and_none_imports_torch() -> None:
+    # Start-up time is measured by bench.startup, never asserted here; what a test can
+    # hold is that it runs and that none of the commands imports torch.
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.startup", "--runs", "1", "--no-torch-line"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("1 runs each")
+    names = ["--version", "call (live engine)", "call (nobody, --timeout 1)"]
+    assert [line[:28].rstrip() for line in lines[1:]] == names
+    for line in lines[1:]:
+        assert "imports torch: no" in line, line
