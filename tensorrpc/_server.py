@@ -28,11 +28,12 @@ import secrets
 import socket as _socket
 import time
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Final, TypedDict
+from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 import anyio
 
 from tensorrpc import _codec, _observe
+from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._hostinfo import host_id as _host_id
@@ -73,7 +74,7 @@ from tensorrpc.transports._policy import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from types import TracebackType
     from typing import Self, Unpack
 
@@ -313,6 +314,7 @@ class Server:
         sock_options = cfg.socket_options or DEFAULT_OPTIONS
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
+        self._batches = BatchRunners(self._spec, instance)
         self._proto = ServerProtocol(self._settings(instance))
         self._io = ServerSockets(
             self._proto,
@@ -371,7 +373,10 @@ class Server:
         )
         return ProtocolSettings(
             hello=hello,
-            methods={name: (m, getattr(instance, name)) for name, m in spec.methods.items()},
+            methods={
+                name: (m, self._batches.entry(name, getattr(instance, name)))
+                for name, m in spec.methods.items()
+            },
             listen=self._listen,
             max_concurrency=cfg.max_concurrency,
             max_queued=cfg.max_queued,
@@ -442,6 +447,13 @@ class Server:
             transports=self._policy.statistics(),
             strangers_evicted=proto.strangers_evicted,
         )
+
+    def batch_statistics(self) -> Mapping[str, dict[str, Any]]:
+        """Per batched method (``@rpc(batch=...)``): ``batches``, ``items``, ``queued``,
+        ``running`` and the histograms ``sizes`` (items per batch or step -> count),
+        ``queue_wait`` and ``run_time`` (latency bucket -> count, see docs/observability.md).
+        """
+        return self._batches.statistics()
 
     async def __aenter__(self) -> Self:
         if self._started:
@@ -541,6 +553,7 @@ class Server:
             self._inner_scope = scope
             async with anyio.create_task_group() as tg:
                 self._dispatch.start(tg)
+                self._batches.start(tg)
                 self._io.start(tg, self._accepted, self._flush)
                 tg.start_soon(self._housekeeping)
                 task_status.started()

@@ -34,7 +34,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -1012,6 +1011,8 @@ def _cmd_run_module(args: argparse.Namespace) -> int:
     extra = list(args.extra)
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    import subprocess
+
     proc = subprocess.Popen([sys.executable, "-m", module, *extra], cwd=root)
     try:
         return proc.wait()
