@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
@@ -220,48 +220,98 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def table(views: Sequence[EngineView], title: str) -> Table:
-    """The rich table of one refresh."""
-    from rich import box
-    from rich.table import Table
+#: The columns, most important first: at a narrow width the last ones are dropped until
+#: the table fits (80 columns keeps engine to wire/s).
+_COLUMNS: Final = (
+    ("engine", "left"),
+    ("state", "left"),
+    ("calls/s", "right"),
+    ("err/s", "right"),
+    ("p50", "right"),
+    ("p99", "right"),
+    ("in flight", "right"),
+    ("queued", "right"),
+    ("wire/s", "right"),
+    ("shm/s", "right"),
+    ("errors", "right"),
+    ("calls", "right"),
+    ("frames/s", "right"),
+)
+#: Columns always shown, however narrow the terminal (the rest are dropped in order).
+_ALWAYS: Final = 4
+#: Widest engine id and state drawn (longer ones end in an ellipsis).
+_ENGINE_WIDTH: Final = 16
+_STATE_WIDTH: Final = 24
+
+
+def _cells(v: EngineView) -> list[Any]:
     from rich.text import Text
 
-    t = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
-    for name, justify in (
-        ("engine", "left"),
-        ("state", "left"),
-        ("calls/s", "right"),
-        ("err/s", "right"),
-        ("in flight", "right"),
-        ("queued", "right"),
-        ("p50", "right"),
-        ("p99", "right"),
-        ("wire/s", "right"),
-        ("frames/s", "right"),
-        ("shm/s", "right"),
-        ("calls", "right"),
-        ("errors", "right"),
-    ):
-        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for v in views:
-        s = v.current or {}
-        r = v.rates
-        state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
-        t.add_row(  # an engine's strings: escaped, and Text (never markup)
-            Text(peer_text(v.engine_id, _SHOWN_CHARS)),
-            Text(peer_text(state, _SHOWN_CHARS + 12)),
-            _rate(r.get("calls")),
-            _rate(r.get("errors")),
-            str(s.get("in_flight", "-")),
-            str(s.get("queued", "-")),
-            _seconds(v.p50),
-            _seconds(v.p99),
-            _bytes_per_s(r.get("bytes")),
-            _bytes_per_s(r.get("frames")),
-            _bytes_per_s(r.get("torch_shm")),
-            str(s.get("calls", "-")),
-            str(s.get("errors", "-")),
+    s = v.current or {}
+    r = v.rates
+    state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
+    return [  # an engine's strings: escaped, and Text (never markup)
+        Text(peer_text(v.engine_id, _SHOWN_CHARS)),
+        Text(peer_text(state, _SHOWN_CHARS + 12)),
+        _rate(r.get("calls")),
+        _rate(r.get("errors")),
+        _seconds(v.p50),
+        _seconds(v.p99),
+        str(s.get("in_flight", "-")),
+        str(s.get("queued", "-")),
+        _bytes_per_s(r.get("bytes")),
+        _bytes_per_s(r.get("torch_shm")),
+        str(s.get("errors", "-")),
+        str(s.get("calls", "-")),
+        _bytes_per_s(r.get("frames")),
+    ]
+
+
+def _build(rows: list[list[Any]], title: str, shown: int) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(
+        title=title,
+        title_justify="left",
+        expand=False,
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    for i, (name, justify) in enumerate(_COLUMNS[:shown]):
+        cap = {0: _ENGINE_WIDTH, 1: _STATE_WIDTH}.get(i)
+        t.add_column(
+            name,
+            justify=justify,  # type: ignore[arg-type]
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=cap,
         )
+    for row in rows:
+        t.add_row(*row[:shown])
+    return t
+
+
+def table(views: Sequence[EngineView], title: str, width: int | None = None) -> Table:
+    """The rich table of one refresh, fitted to ``width`` columns (None: every column).
+
+    Columns are dropped from the least important (totals, frames/s, shm/s...) until the
+    table fits; the caption names those dropped.
+    """
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    rows = [_cells(v) for v in views]
+    shown = len(_COLUMNS)
+    t = _build(rows, title, shown)
+    if width is not None:
+        measure = Console(width=10_000)
+        while shown > _ALWAYS and Measurement.get(measure, measure.options, t).maximum > width:
+            shown -= 1
+            t = _build(rows, title, shown)
+    if shown < len(_COLUMNS):
+        t.caption = "not shown at this width: " + ", ".join(n for n, _ in _COLUMNS[shown:])
     return t
 
 
@@ -400,8 +450,9 @@ async def _refresh(
         while count is None or refreshes < count:
             await _poll(client, views, wait)
             refreshes += 1
-            shown = table(list(views.values()), title)
-            shown.caption = f"refresh {refreshes}, every {interval:g} s" + footer
+            shown = table(list(views.values()), title, console.width)
+            dropped = f"\n{shown.caption}" if shown.caption else ""
+            shown.caption = f"refresh {refreshes}, every {interval:g} s" + footer + dropped
             if screen is not None:
                 screen.update(shown, refresh=True)
             else:
