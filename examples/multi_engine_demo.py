@@ -53,11 +53,10 @@ def announce(args: argparse.Namespace) -> None:
     )
 
 
+_ARGS: argparse.Namespace | None = None
 if __name__ == "__main__":
-    _ARGS: argparse.Namespace | None = build_parser().parse_args()
+    _ARGS = build_parser().parse_args()
     announce(_ARGS)
-else:
-    _ARGS = None
 
 # The heavy imports come after the first line on purpose (torch alone takes seconds).
 import os  # noqa: E402

@@ -266,8 +266,9 @@ def test_absence_says_why_no_engine_can_take_a_call() -> None:
         "every engine that tried to join was refused: old: fingerprint: engine 'old' has a "
         "different schema: engine lacks: x"
     )
-    assert table.absence("old") is not None
-    assert table.absence("old").startswith("it was refused: fingerprint: ")
+    refused = table.absence("old")
+    assert refused is not None
+    assert refused.startswith("it was refused: fingerprint: ")
 
     e1 = admit(table, "e1", b"p1")
     assert table.absence(None) is None
