@@ -267,7 +267,7 @@ def _cells(v: EngineView) -> list[Any]:
     ]
 
 
-def _build(rows: list[list[Any]], title: str, shown: int) -> Table:
+def _build(rows: list[list[Any]], title: str, shown: int, caps: dict[int, int]) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -280,13 +280,12 @@ def _build(rows: list[list[Any]], title: str, shown: int) -> Table:
         pad_edge=False,
     )
     for i, (name, justify) in enumerate(_COLUMNS[:shown]):
-        cap = {0: _ENGINE_WIDTH, 1: _STATE_WIDTH}.get(i)
         t.add_column(
             name,
             justify=justify,  # type: ignore[arg-type]
             no_wrap=True,
             overflow="ellipsis",
-            max_width=cap,
+            max_width=caps.get(i),
         )
     for row in rows:
         t.add_row(*row[:shown])
@@ -296,20 +295,32 @@ def _build(rows: list[list[Any]], title: str, shown: int) -> Table:
 def table(views: Sequence[EngineView], title: str, width: int | None = None) -> Table:
     """The rich table of one refresh, fitted to ``width`` columns (None: every column).
 
-    Columns are dropped from the least important (totals, frames/s, shm/s...) until the
-    table fits; the caption names those dropped.
+    To fit, in this order: a long state (an error note) is cut short; columns are dropped
+    from the least important (frames/s, the totals, shm/s...) down to the first four; a
+    long engine id is cut short. The caption names the columns not shown.
     """
     from rich.console import Console
     from rich.measure import Measurement
 
     rows = [_cells(v) for v in views]
     shown = len(_COLUMNS)
-    t = _build(rows, title, shown)
+    caps: dict[int, int] = {}
+    t = _build(rows, title, shown, caps)
     if width is not None:
         measure = Console(width=10_000)
-        while shown > _ALWAYS and Measurement.get(measure, measure.options, t).maximum > width:
+
+        def too_wide() -> bool:
+            return Measurement.get(measure, measure.options, t).maximum > width
+
+        if too_wide():
+            caps[1] = _STATE_WIDTH
+            t = _build(rows, title, shown, caps)
+        while shown > _ALWAYS and too_wide():
             shown -= 1
-            t = _build(rows, title, shown)
+            t = _build(rows, title, shown, caps)
+        if too_wide():
+            caps[0] = _ENGINE_WIDTH
+            t = _build(rows, title, shown, caps)
     if shown < len(_COLUMNS):
         t.caption = "not shown at this width: " + ", ".join(n for n, _ in _COLUMNS[shown:])
     return t
