@@ -73,13 +73,13 @@ if TYPE_CHECKING:
     from tensorrpc._service import BatchSpec, MethodSpec, ServiceSpec, describe, rpc, service
     from tensorrpc._stub import Stub
     from tensorrpc._zmq import SocketOptions
+    from tensorrpc.batching import BatchContext, BatchItem, current_batch
     from tensorrpc.transports import (
         TorchShmStatistics,
         TransportCounters,
         TransportName,
         TransportStatistics,
     )
-    from tensorrpc.batching import BatchContext, BatchItem, current_batch
     from tensorrpc.transports._shared import share, shared_empty
 
 __version__ = "0.1.0"
