@@ -30,6 +30,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from tensorrpc import _observe
@@ -217,7 +218,10 @@ class _Runner:
         item = _Item(args, now)
         if self._tg is None:
             raise ItemRefused(ErrorCode.DRAINING, f"{self._spec.qualname}: the engine is stopping")
-        if not self.batcher.offer(item, now, anyio.current_effective_deadline()):
+        # No deadline for the batcher: the worker's cancel scope ends a late item (it
+        # leaves the queue in _abandon), and reading the scope's deadline costs more than
+        # the rest of the item's way through here.
+        if not self.batcher.offer(item, now):
             raise ItemRefused(
                 ErrorCode.OVERLOADED,
                 f"{self._spec.qualname}: {self.batcher.config.max_queue} items are waiting "
@@ -238,7 +242,7 @@ class _Runner:
     async def _unary(self, args: tuple[Any, ...]) -> Any:
         item = self._offer(args)
         try:
-            while not item.settled:
+            if not item.settled:  # settled once: one event
                 item.event = anyio.Event()
                 await item.event.wait()
         finally:
@@ -416,6 +420,7 @@ class _Runner:
         max_size = self.batcher.config.max_size
         try:
             while True:
+                await anyio.lowlevel.checkpoint()  # a handler that never waits starves no one
                 # Step boundary: the gone and the ended leave, the queue joins.
                 run.items = [it for it in run.items if not it.gone and not it.settled]
                 room = max_size - len(run.items)

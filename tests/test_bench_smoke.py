@@ -159,3 +159,28 @@ def test_call_cpu_reports_client_and_engine_cpu_per_call() -> None:
         assert figures["wall_us"] > 0
         assert 0 < figures["client_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
         assert 0 < figures["engine_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
+
+
+def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "batching", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    bt = results["batching"]
+    assert "unavailable" not in bt, bt
+    for case in ("unbatched", "tensorrpc", "asyncio batcher"):
+        assert bt[case]["n"] > 0
+        assert 0 < bt[case]["median_ms"] <= bt[case]["p99_ms"]
+    for case in ("streams one at a time", "streams continuous"):
+        assert bt[case]["n"] == bt["streams"] * bt["tokens"]  # every token, each its own
+    assert bt["late_ttft_ms"] > 0
+    ids = {t["id"] for t in results["targets"]}
+    assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms"} <= ids
+    assert "## Batching" in (out / "bench.md").read_text(encoding="utf-8")
