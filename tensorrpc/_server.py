@@ -38,6 +38,7 @@ from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
+from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
     FEATURE_CALL_RELEASES,
     MAX_SIGNATURE_CHARS,
@@ -350,6 +351,7 @@ class Server:
         self._outer_tg: anyio.abc.TaskGroup | None = None
         self._inner_scope: anyio.CancelScope | None = None
         self._observer = _observe.resolve(cfg.observer, cfg.metrics_port)
+        self._said = Said()  # refusals already logged at WARNING
         # Per-method counters for the built-in statistics method, from its first use on.
         self._recorder: _observe.StatisticsRecorder | None = None
         self._started_at = time.time()
@@ -463,9 +465,19 @@ class Server:
         self._started = True
         self._stopped = anyio.Event()
         self._poke = anyio.Event()
-        self._io.open()
         if self._observer is not None:  # observe: the engine opened
-            self._observer.opened(self)
+            # Before binding: a metrics_port in use fails before any socket is bound.
+            try:
+                self._observer.opened(self)
+            except BaseException:
+                self._observer.closed(self)
+                raise
+        try:
+            self._io.open()
+        except BaseException:
+            if self._observer is not None:
+                self._observer.closed(self)
+            raise
         tg = anyio.create_task_group()
         await tg.__aenter__()
         try:
@@ -633,6 +645,10 @@ class Server:
             shm, event.session.shm = event.session.shm, None
             self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
             log = logger.warning if event.warn else logger.info
+            if event.why.startswith("refused") and not self._said.first(
+                (event.session.name, event.why)
+            ):
+                log = logger.debug  # the same refusal again (a HELLO retried every second)
             log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
         elif isinstance(event, WelcomedAgain):
             self._negotiate_shm(event.session, event.welcome)
