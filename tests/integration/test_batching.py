@@ -319,3 +319,38 @@ async def test_items_that_leave_a_continuous_batch_early_free_their_place(tmp_pa
                 assert await stream.__anext__() == 0
                 await stream.aclose()
             assert [v async for v in c.stub().count(7, 3)] == [7, 8, 9]
+
+
+async def test_a_client_that_leaves_has_its_queued_items_dropped(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    svc.gate = anyio.Event()
+    svc.entered = anyio.Event()
+    async with (
+        Server(svc, bind=address, engine_id="e1") as server,
+        Client(Batched, connect=address) as stays,
+    ):
+        with anyio.fail_after(20):
+            await stays.wait_for_engines(1)
+            results: list[int] = []
+
+            async def one(v: int) -> None:
+                results.append(await stays.stub().gated(v))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, 1)
+                await svc.entered.wait()  # batch [1] holds the only slot
+                async with Client(Batched, connect=address) as leaves:
+                    await leaves.wait_for_engines(1)
+                    async with anyio.create_task_group() as doomed:
+                        doomed.start_soon(leaves.stub().gated, 50)
+                        doomed.start_soon(leaves.stub().gated, 51)
+                        while server.batch_statistics()["gated"]["queued"] < 2:  # noqa: ASYNC110
+                            await anyio.sleep(0.01)
+                        doomed.cancel_scope.cancel()
+                # The client is gone: the engine drops what it had queued.
+                while server.batch_statistics()["gated"]["queued"]:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+                svc.gate.set()
+            assert await stays.stub().gated(2) == 2
+    assert results == [1]
+    assert svc.batches == [[1], [2]]
