@@ -299,14 +299,15 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
         f"{bt.get('callers')} concurrent callers; `max_delay` {bt.get('max_delay_ms')} ms. "
         f"Peer: {bt.get('peer')}.",
         "",
-        "| case | calls/s | median | p99 |",
-        "|---|---:|---:|---:|",
+        "| case | calls/s | median | p99 | mean batch |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name in ("unbatched", "tensorrpc", "asyncio batcher"):
         e = bt.get(name) or {}
+        mean = _num(e.get("mean_batch"))
         lines.append(
             f"| {name} | {fmt_rate(_num(e.get('per_s')))} | {_ms(e.get('median_ms'))} "
-            f"| {_ms(e.get('p99_ms'))} |"
+            f"| {_ms(e.get('p99_ms'))} | {'' if mean is None else f'{mean:.1f}'} |"
         )
     lines += [
         "",

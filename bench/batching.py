@@ -18,8 +18,9 @@ device do not). The client (this process) measures:
   stream at a time (a plain streaming method, one step per token); and the time to first
   token of a stream that arrives while a batch is running.
 
-Each case reports calls (tokens) per second and the median and p99 latency per call
-(time to first token for streams). Every engine process is started and reaped here, and
+Each case is warmed up (a quarter of its budget, not recorded), then reports calls
+(tokens) per second and the median and p99 latency per call (time to first token for
+streams). Every engine process is started and reaped here, and
 every loop is bounded by a time budget.
 """
 
@@ -101,6 +102,7 @@ class Model:
 
     def __init__(self) -> None:
         self._device = asyncio.Lock()
+        self._counts = [0, 0]  # batches and items of `batched`
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
 
     async def _step(self, seconds: float) -> None:
@@ -114,8 +116,14 @@ class Model:
 
     @rpc(batch=Batching(max_size=CALLERS, max_delay=MAX_DELAY_S))
     async def batched(self, x: list[int]) -> list[int]:
+        self._counts[0] += 1
+        self._counts[1] += len(x)
         await self._step(STEP_S)
         return [v + 1 for v in x]
+
+    @rpc
+    async def counts(self) -> tuple[int, int]:
+        return self._counts[0], self._counts[1]
 
     async def _peer_batch(self, xs: list[int]) -> list[int]:
         await self._step(STEP_S)
@@ -238,6 +246,11 @@ async def _late_ttft(stub: Any) -> float:
     return late
 
 
+async def _batches(client: tensorrpc.Client[Model]) -> tuple[int, int]:
+    """The engine's batches and items of ``batched`` so far."""
+    return await client.stub().counts()
+
+
 async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, Any]:
     async with tensorrpc.Client(Model, bind=address) as client:
         await client.wait_for_engines(1, timeout=cfg.ready_timeout)
@@ -249,8 +262,15 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             ("asyncio batcher", "peer"),
         ):
             progress(f"batching: {name}")
+            await _unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
+            before = await _batches(client)
             out[name] = await _unary(stub, method, cfg.seconds)
+            if method == "batched":
+                after = await _batches(client)
+                runs = after[0] - before[0]
+                out[name]["mean_batch"] = (after[1] - before[1]) / runs if runs else None
         progress("batching: streams")
+        await _streams(stub, "generate_batched", STREAMS)  # warm-up, not recorded
         out["streams one at a time"] = await _streams(stub, "generate", 1)
         out["streams continuous"] = await _streams(stub, "generate_batched", STREAMS)
         out["late_ttft_ms"] = await _late_ttft(stub) * 1e3
