@@ -11,7 +11,12 @@ binds one client socket they dial into, and sends a mixed load through it:
   the same engine (targeted);
 * calls that time out on purpose (a deadline shorter than the work), calls cancelled by
   the caller, and streams the caller leaves early;
-* broadcasts: ``reset`` before the run and ``stats`` after it.
+* broadcasts: ``reset`` before the run and ``stats`` after it;
+* then continuous batching: ``--streams`` generation requests sent at once to one engine,
+  served one stream at a time (``generate``) and then with continuous batching
+  (``generate_batched``: one batched forward pass per step, new streams join at the next
+  step); it shows tokens/s and time to first token of both, and checks that both gave
+  every stream the same tokens.
 
 It says what it is about to do at once (before the seconds of importing torch), then
 draws with ``rich`` (the ``demo`` extra): a progress bar with live tokens/s while it
@@ -40,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engines", type=int, default=3, help="engine processes (default 3)")
     parser.add_argument("--requests", type=int, default=120, help="requests (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="the load's random seed")
+    parser.add_argument(
+        "--streams", type=int, default=32, help="streams of the continuous batching comparison"
+    )
     return parser
 
 
@@ -112,7 +120,8 @@ LEGEND = (
     "(768 KiB tensors) over torch_shm or frames, then generation on the same engine; and, "
     "on purpose, calls whose deadline is shorter than their work (they time out: the "
     "'timeouts' column), calls the caller cancels, and streams it leaves early. Those are "
-    "planned outcomes, not failures: the last line says whether every request ended as "
+    "planned outcomes, not failures. Then the same streams on one engine, one at a time "
+    "and with continuous batching. The last line says whether every request ended as "
     "planned."
 )
 
@@ -340,6 +349,11 @@ async def main_async(args: argparse.Namespace) -> int:
                 elapsed = time.perf_counter() - started
                 engine_stats: dict[str, EngineStats] = await client.broadcast("stats")
                 summary(screen, client, tally, engine_stats, elapsed)
+                await batching_comparison(screen, client, args.streams, tally)
+                if tally.unexpected:
+                    screen.out.print("Unexpected:", *tally.unexpected, sep="\n  ")
+                # The last line: the verdict over the load and the comparison.
+                screen.out.print(verdict(tally, batched=args.streams > 0), soft_wrap=True)
         return 1 if tally.unexpected else 0
 
 
@@ -396,12 +410,9 @@ def summary(
         screen.out.print(table)
     screen.out.print()
     screen.out.print(f"{tally.done} requests in {elapsed:.1f} s")
-    if tally.unexpected:
-        screen.out.print("Unexpected:", *tally.unexpected, sep="\n  ")
-    screen.out.print(verdict(tally), soft_wrap=True)  # one line, for grep
 
 
-def verdict(tally: Tally) -> str:
+def verdict(tally: Tally, *, batched: bool) -> str:
     """The last line: PASS when every request ended as planned, else FAIL and how many."""
     planned = (
         f"{tally.outcomes['timed out (on purpose)']} timed out, "
@@ -410,12 +421,13 @@ def verdict(tally: Tally) -> str:
     )
     if tally.unexpected:
         return (
-            f"verdict: FAIL: {len(tally.unexpected)} of {tally.done + len(tally.unexpected)} "
-            "requests ended unexpectedly (listed above); exit status 1"
+            f"verdict: FAIL: {len(tally.unexpected)} unexpected outcomes (listed above); "
+            "exit status 1"
         )
+    same = "; continuous batching gave every stream the tokens of one at a time" if batched else ""
     return (
         f"verdict: PASS: all {tally.done} requests ended as planned ({planned}); "
-        f"{sum(tally.tokens.values())} tokens streamed; exit status 0"
+        f"{sum(tally.tokens.values())} tokens streamed{same}; exit status 0"
     )
 
 
@@ -457,6 +469,84 @@ def bucket_labels() -> list[str]:
     return [f"{lo}-{hi}" for lo, hi in zip(lower, BUCKETS_MS, strict=False)] + [
         f"≥{BUCKETS_MS[-1]}"
     ]
+
+
+COMPARE_TOKENS = 16  # tokens per stream in the batching comparison
+
+
+async def _streams_at_once(
+    client: tensorrpc.Client[LMEngine], engine: str, prompts: list[list[int]], batched: bool
+) -> tuple[float, list[float], list[list[int]]]:
+    """Send every prompt at once; return tokens/s, each stream's time to first token
+    (from the moment all were sent) and each stream's tokens."""
+    stub = client.stub(engine=engine)
+    started = time.perf_counter()
+    ttft = [0.0] * len(prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    one_at_a_time = anyio.Lock()
+
+    async def stream(k: int) -> None:
+        if batched:
+            items = stub.generate_batched(prompts[k], COMPARE_TOKENS)
+        else:
+            items = stub.generate(prompts[k], COMPARE_TOKENS)
+        async with items:
+            async for token in items:
+                if not tokens[k]:
+                    ttft[k] = time.perf_counter() - started
+                tokens[k].append(token)
+
+    async def one(k: int) -> None:
+        if batched:
+            await stream(k)
+        else:
+            async with one_at_a_time:  # the engine serves these one stream at a time
+                await stream(k)
+
+    async with anyio.create_task_group() as tg:
+        for k in range(len(prompts)):
+            tg.start_soon(one, k)
+    elapsed = time.perf_counter() - started
+    return sum(len(t) for t in tokens) / elapsed, ttft, tokens
+
+
+async def batching_comparison(
+    screen: Screen, client: tensorrpc.Client[LMEngine], streams: int, tally: Tally
+) -> None:
+    """One engine, ``streams`` requests at once: one stream at a time, then continuous
+    batching; a table of tokens/s and time to first token."""
+    if streams <= 0:
+        return
+    engine = sorted(client.engines)[0]
+    rng = random.Random(streams)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(4, 32))] for _ in range(streams)]
+    screen.err.print(f"batching: {streams} streams at once on {engine}")
+    rows = []
+    outputs = []
+    for name, batched in (("one stream at a time", False), ("continuous batching", True)):
+        rate, ttft, tokens = await _streams_at_once(client, engine, prompts, batched)
+        rows.append((name, rate, ttft))
+        outputs.append(tokens)
+    if outputs[0] != outputs[1]:
+        tally.unexpected.append("continuous batching generated other tokens than one at a time")
+    table = screen.table(
+        f"Continuous batching: {streams} streams of {COMPARE_TOKENS} tokens sent at once to "
+        f"{engine} (time to first token from the moment all were sent)",
+        "",
+        "tokens/s",
+        "first token p50 ms",
+        "first token p99 ms",
+    )
+    for name, rate, ttft in rows:
+        table.add_row(
+            name,
+            f"{rate:,.0f}",
+            f"{percentile(ttft, 0.5) * 1e3:.1f}",
+            f"{percentile(ttft, 0.99) * 1e3:.1f}",
+        )
+    screen.out.print()
+    screen.out.print(table)
+    screen.out.print(f"continuous batching: {rows[1][1] / rows[0][1]:.1f}x the tokens/s")
 
 
 def main() -> None:
