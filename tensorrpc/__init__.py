@@ -53,6 +53,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._protocol import PROTOCOL_VERSION
+from tensorrpc._release import release_later, set_release_threshold
 from tensorrpc._security import (
     CurveClientConfig,
     CurveConfig,
@@ -154,10 +155,12 @@ __all__ = [
     "load_keypair",
     "load_public_key",
     "load_public_keys",
+    "release_later",
     "rpc",
     "save_keypair",
     "serve",
     "service",
+    "set_release_threshold",
     "share",
     "shared_empty",
 ]
