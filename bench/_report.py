@@ -494,6 +494,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [*_codec_md(results["codec"]), ""]
     if "scale" in results:
         lines += [*_scale_md(results["scale"]), ""]
+    if "mixed" in results:
+        from bench.mixed import report
+
+        lines += [*report(results["mixed"]), ""]
     targets = results.get("targets", [])
     if targets:
         lines += [*_targets_md(targets), ""]
