@@ -14,11 +14,13 @@ and ``"torch_shm"``, each in both topologies (the engine dials in to the client'
 vLLM's shape; the client dials the engine's bind); raw pyzmq (a ROUTER server, a DEALER
 client with one reader task and a future per call id, tensors as zero-copy frames) doing
 the same mix. The client drops each large result through `tensorrpc.release_later`, as
-docs/performance.md recommends (a plain ``del`` where tensorrpc has none).
+docs/transports.md recommends (a plain ``del`` where tensorrpc has none).
 
 A small call's latency is from just before the call to its result. Its wake-up lag
 (how late the steady-rate task woke for it, a stalled client event loop shows there) is
-reported on its own. Every loop is bounded by a count and a time budget.
+reported on its own. Then, per size, a small call made right after each large call with
+nothing else in flight (the case of issue 26: what freeing the large call's buffers costs
+the next call). Every loop is bounded by a count and a time budget.
 
 Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]``.
 """
@@ -31,6 +33,7 @@ import functools
 import itertools
 import json
 import os
+import statistics
 import struct
 import sys
 import tempfile
@@ -57,6 +60,7 @@ class Config:
     rate: float  # small calls per second
     max_small: int  # small calls per case, at most
     max_large: int  # large calls per case, at most
+    max_after: int  # large calls each followed by one small call, at most
     case_timeout: float
     ready_timeout: float
 
@@ -64,8 +68,8 @@ class Config:
 def config(quick: bool, seconds: float | None = None) -> Config:
     """The full or the reduced (``--quick``) budgets."""
     if quick:
-        return Config(QUICK_SIZES, seconds or 0.4, 500.0, 1_000, 50, 120.0, 60.0)
-    return Config(SIZES, seconds or 2.0, 500.0, 5_000, 400, 240.0, 60.0)
+        return Config(QUICK_SIZES, seconds or 0.4, 500.0, 1_000, 50, 12, 120.0, 60.0)
+    return Config(SIZES, seconds or 2.0, 500.0, 5_000, 400, 60, 240.0, 60.0)
 
 
 def _percentile(sorted_s: list[float], q: float) -> float:
@@ -169,8 +173,33 @@ async def measure(
             "p99_vs_alone": under["p99_us"] / alone_p99 if alone_p99 else None,
             "large": large,
             "first_call_ms": first,
+            "after_large": await after_large(small, ops, cfg),
         }
     return result
+
+
+async def after_large(
+    small: Callable[[], Awaitable[Any]],
+    ops: dict[str, Callable[[], Awaitable[Any]]],
+    cfg: Config,
+) -> dict[str, Any]:
+    """A small call made right after each large call (one at a time, nothing concurrent):
+    what freeing the large call's buffers costs the next call, per direction (µs)."""
+    lat: dict[str, list[float]] = {direction: [] for direction in ops}
+    stop_at = time.perf_counter() + cfg.seconds
+    for n, direction in enumerate(itertools.cycle(ops)):
+        if n >= cfg.max_after or time.perf_counter() >= stop_at:
+            break
+        await ops[direction]()
+        start = time.perf_counter()
+        if await small() != 3:
+            raise RuntimeError("wrong reply to add(1, 2)")
+        lat[direction].append(time.perf_counter() - start)
+    return {
+        d: {"n": len(v), "p50_us": statistics.median(v) * 1e6, "max_us": max(v) * 1e6}
+        for d, v in lat.items()
+        if v
+    }
 
 
 # -- tensorrpc ----------------------------------------------------------------------------
@@ -406,6 +435,25 @@ def report(mixed: dict[str, Any]) -> list[str]:
                 f"| {name} | {int(size) >> 20} MiB | {s['p50_us']:.0f} µs | {s['p99_us']:.0f} µs "
                 f"| {s['p999_us']:.0f} µs | {ratio:.1f} | {s['lag_p99_us']:.0f} µs | "
                 + " | ".join("-" if r is None else f"{r:.0f}" for r in rates)
+                + " |"
+            )
+    lines += [
+        "",
+        "A small call made right after a large one (nothing else in flight): its median "
+        "latency per direction of the large call, beside the small call alone.",
+        "",
+        "| system | size | alone p50 | after in | after out | after echo |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, entry in mixed.get("systems", {}).items():
+        if "unavailable" in entry:
+            continue
+        for size, cell in entry["sizes"].items():
+            after = cell.get("after_large", {})
+            figures = [after.get(d, {}).get("p50_us") for d in DIRECTIONS]
+            lines.append(
+                f"| {name} | {int(size) >> 20} MiB | {entry['alone']['p50_us']:.0f} µs | "
+                + " | ".join("-" if f is None else f"{f:.0f} µs" for f in figures)
                 + " |"
             )
     return lines

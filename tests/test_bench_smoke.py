@@ -271,6 +271,8 @@ def test_quick_mixed_load_reports_tails_and_throughput(tmp_path: Path) -> None:
                 assert direction["calls"] > 0
                 assert direction["mib_per_s"] > 0
             assert set(cell["first_call_ms"]) == {"in", "out", "echo"}
+            for direction in cell["after_large"].values():
+                assert 0 < direction["p50_us"] <= direction["max_us"]
         assert all(math.isfinite(x) and x >= 0 for x in _numbers(entry))
     md = (out / "bench.md").read_text(encoding="utf-8")
     assert "## Small calls under a mixed load" in md

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -126,3 +127,37 @@ def test_threshold_is_tunable(settings: None) -> None:
 def test_nbytes_sums_buffers() -> None:
     assert _release.nbytes([b"abc", bytearray(5), memoryview(b"xy")]) == 10
     assert _release.nbytes(()) == 0
+
+
+def test_an_evicted_mapping_is_unmapped_on_the_release_thread() -> None:
+    import torch
+
+    from tensorrpc.transports._shm_recv import SegmentMaps
+
+    big = _release.threshold()
+    maps = SegmentMaps(max_segments=1, max_bytes_per_peer=4 * big)
+    view = torch.zeros(big, dtype=torch.uint8)
+    done, names = died_in(view)
+    assert maps.put((1, 9, 1), view)
+    del view
+    assert maps.put((2, 9, 2), torch.zeros(16, dtype=torch.uint8))  # evicts the first
+    assert done.wait(WAIT)
+    assert names == ["tensorrpc-release"]
+    small = torch.zeros(16, dtype=torch.uint8)
+    small_done, small_names = died_in(small)
+    assert maps.put((2, 9, 2), small)  # replaces the 16-byte entry (small: freed inline)
+    del small
+    maps.clear()
+    assert small_done.wait(WAIT)
+    assert small_names == ["tensorrpc-release"]  # clear hands the whole table over
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs memfd_create")
+def test_a_closed_pool_segment_is_unmapped_on_the_release_thread() -> None:
+    from tensorrpc.transports._shm_pool import Segment
+
+    seg = Segment("tensorrpc-test-release", _release.threshold())
+    done, names = died_in(seg.view)
+    seg.close()
+    assert done.wait(WAIT)
+    assert names == ["tensorrpc-release"]
