@@ -43,7 +43,7 @@ from tensorrpc._exceptions import (
     ValidationError,
 )
 from tensorrpc._protocol import Flags, MessageKind, Release, encode_control, pack_reply_header
-from tensorrpc._release import later_if_large, nbytes
+from tensorrpc._release import held_nbytes, later_if_large, nbytes
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
 from tensorrpc.transports._policy import LeaseCollector
@@ -489,6 +489,8 @@ class Dispatcher:
             await self._send_reply(call, frames, encoded.keepalive)
         else:
             await self._send_reply(call, frames, None)
+            if encoded.keepalive:  # torch_shm: tensors already copied into the pool
+                later_if_large(encoded.keepalive, held_nbytes(encoded.keepalive))
 
     # -- streams ----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_THRESHOLD",
+    "held_nbytes",
     "later",
     "later_if_large",
     "max_queued",
@@ -107,6 +108,16 @@ def nbytes(buffers: Iterable[object]) -> int:
     total = 0
     for buffer in buffers:
         total += memoryview(buffer).nbytes  # type: ignore[arg-type]
+    return total
+
+
+def held_nbytes(objects: Iterable[object]) -> int:
+    """Total ``nbytes`` of ``objects`` (tensors, arrays, memoryviews; others count 0)."""
+    total = 0
+    for obj in objects:
+        size = getattr(obj, "nbytes", 0)
+        if type(size) is int:
+            total += size
     return total
 
 

@@ -161,3 +161,10 @@ def test_a_closed_pool_segment_is_unmapped_on_the_release_thread() -> None:
     seg.close()
     assert done.wait(WAIT)
     assert names == ["tensorrpc-release"]
+
+
+def test_held_nbytes_counts_what_has_a_size() -> None:
+    import torch
+
+    held = [torch.zeros(10, dtype=torch.float32), memoryview(b"abc"), object(), "text"]
+    assert _release.held_nbytes(held) == 43
