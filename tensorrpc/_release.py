@@ -89,18 +89,19 @@ def set_release_threshold(nbytes: int, *, max_queued: int | None = None) -> None
     Raises:
         ValueError: A negative size, or ``max_queued`` below 1.
     """
-    global _threshold, _max_queued, _queue
+    global _threshold, _max_queued
     if nbytes < 0:
         raise ValueError(f"the release threshold must be >= 0 bytes, not {nbytes}")
     if max_queued is not None and max_queued < 1:
         raise ValueError(f"max_queued must be >= 1, not {max_queued}")
     with _lock:
         _threshold = nbytes
-        if max_queued is not None and max_queued != _max_queued:
+        if max_queued is not None:
             _max_queued = max_queued
-            old, _queue = _queue, None  # the next hand-over starts a queue of the new size
-            if old is not None:
-                old.put(_STOP)  # the old thread drains what it has, then ends
+            q = _queue
+            if q is not None:
+                with q.mutex:  # `Queue.put_nowait` reads `maxsize` under this lock
+                    q.maxsize = max_queued
 
 
 def nbytes(buffers: Iterable[object]) -> int:
@@ -121,21 +122,12 @@ def held_nbytes(objects: Iterable[object]) -> int:
     return total
 
 
-class _Stop:
-    """Tells a release thread to end once it reaches this item."""
-
-
-_STOP: Final = _Stop()
-
-
 def _run(q: queue.Queue[object]) -> None:
     get = q.get
     getrefcount = sys.getrefcount
     sleep = time.sleep
     while True:
         item = get()
-        if item is _STOP:
-            return
         # Our reference and getrefcount's argument: 2 once the caller dropped its own.
         for wait in _WAITS:
             if getrefcount(item) <= 2:
