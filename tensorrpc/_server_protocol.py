@@ -92,6 +92,7 @@ __all__ = [
     "TRANSITIONS",
     "AllRejected",
     "BuiltinCall",
+    "CallExpired",
     "Cancellable",
     "ProtocolSettings",
     "ServerCall",
@@ -362,7 +363,23 @@ class Released:
     leases: tuple[int, ...]
 
 
-Event = SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall | WelcomedAgain
+@dataclass(frozen=True, slots=True)
+class CallExpired:
+    """A queued call's deadline passed before a worker took it: it was answered
+    DEADLINE_EXCEEDED and left the queue (the shell ends its observation)."""
+
+    call: ServerCall
+
+
+Event = (
+    SessionStarted
+    | SessionEnded
+    | AllRejected
+    | Released
+    | BuiltinCall
+    | WelcomedAgain
+    | CallExpired
+)
 Outgoing = tuple["Hashable", list[bytes], bool]
 
 
@@ -858,7 +875,8 @@ class ServerProtocol:
     # -- timers -----------------------------------------------------------------------------
 
     def tick(self, now: float) -> float:
-        """Run the timers: silent clients, PINGs, HELLO re-sends, stale strangers.
+        """Run the timers: silent clients, PINGs, HELLO re-sends, stale strangers, and
+        queued calls whose deadline passed (answered DEADLINE_EXCEEDED now).
 
         Returns:
             The time at which `tick` next has something to do (also kept in
@@ -891,8 +909,23 @@ class ServerProtocol:
                 self._send_hello(session, now)
         if self._listen:
             wake = min(wake, self._strangers.purge(now))
+        wake = min(wake, self._expire_queued(now))
         self.wake_at = wake
         return wake
+
+    def _expire_queued(self, now: float) -> float:
+        """Answer DEADLINE_EXCEEDED to the queued calls whose deadline passed (when it
+        passes, not when a worker frees up); the time the next one may pass."""
+        for call in self.calls.expire(now):
+            frames = self.error_reply(
+                call,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{call.spec.qualname} waited in the queue past its deadline",
+            )
+            if frames is not None:
+                self.outbox.append((call.session.key, frames, False))
+            self.events.append(CallExpired(call))
+        return self.calls.expiry
 
     def _ping(self, session: Session, now: float) -> None:
         self._ping_nonce = self._ping_nonce % _U32 + 1
