@@ -306,3 +306,16 @@ def error_from_wire(code: int, remote_type: str, message: str, traceback: str) -
             return RemoteProtocolError(message)
         case _:
             return RemoteError(remote_type or "InternalError", message, traceback)
+
+
+# Tracebacks and reprs name the public path (tensorrpc.ValidationError), not this private
+# module. Only exceptions and ErrorCode: other classes keep their module, where
+# typing.get_type_hints() looks up their string annotations.
+for _value in list(globals().values()):
+    if (
+        isinstance(_value, type)
+        and issubclass(_value, BaseException | ErrorCode)
+        and _value.__module__ == __name__
+    ):
+        _value.__module__ = "tensorrpc"
+del _value
