@@ -152,6 +152,12 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("hello", "WELCOME with another fingerprint", "REJECT fingerprint", "none"),
     ("hello", "CALL", "ERROR(id, PROTOCOL)", "hello"),
     ("hello", "REJECT", "stop trying (dial-in) or forget (listen)", "rejected"),
+    (
+        "hello",
+        "REJECT duplicate_id (dial-in)",
+        "HELLO again after a growing delay (heartbeat, doubled, at most dead_after)",
+        "hello",
+    ),
     ("hello", "timer: dead_after (listen)", "forget the stranger", "none"),
     ("live", "PING", "PONG (same nonce)", "live"),
     ("live", "PING nonce 0", "PONG 0 and HELLO (same epoch, rate-limited)", "live"),
@@ -238,6 +244,7 @@ class Session:
         "client_epoch",
         "client_id",
         "created",
+        "duplicate_backoff",
         "epoch",
         "errors",
         "hello_backoff",
@@ -269,6 +276,8 @@ class Session:
         self.next_hello = now
         self.next_ping = now + heartbeat
         self.hello_backoff = Backoff(min(HELLO_RETRY_MIN_S, heartbeat), heartbeat)
+        #: Dial-in: the delay before the next HELLO after a ``duplicate_id`` refusal.
+        self.duplicate_backoff: Backoff | None = None
         self.hello_frames: list[bytes] = []
         #: ``torch_shm``: the fresh challenge of this session's HELLO (empty: not offered).
         self.challenge = b""
@@ -310,6 +319,7 @@ class Session:
         self.last_heard = now
         self.next_ping = next_ping
         self.hello_backoff.reset()
+        self.duplicate_backoff = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -869,10 +879,30 @@ class ServerProtocol:
         except RemoteProtocolError as exc:
             body = Reject(RejectReason.OTHER, f"malformed REJECT: {exc}")
         assert isinstance(body, Reject)
-        session.reject = body
         why = f"refused engine {self._hello.engine_id!r}: {body.reason}: {body.message}"
+        if body.reason == RejectReason.DUPLICATE_ID and not self._listen:
+            self._duplicate(session, why, now)
+            return
+        session.reject = body
         self._end(session, why, now, SessionState.REJECTED, warn=True)
         self._check_all_rejected()
+
+    def _duplicate(self, session: Session, why: str, now: float) -> None:
+        """Dial-in: another engine holds our id at this client (first come, without
+        CURVE keys bound to ids). Not final: HELLO again after a growing delay (up to
+        ``dead_after``), so we take the id once its holder is gone."""
+        backoff = session.duplicate_backoff
+        if backoff is None:
+            heartbeat = self._heartbeat
+            backoff = Backoff(heartbeat, max(heartbeat, self._dead_after))
+        delay = backoff.failed()
+        self._end(
+            session, f"{why}; HELLO again in {delay:g} s", now, SessionState.REJECTED, warn=True
+        )
+        self._greet(session, now)
+        session.duplicate_backoff = backoff
+        session.next_hello = now + delay
+        self.wake_at = min(self.wake_at, session.next_hello)
 
     # -- timers -----------------------------------------------------------------------------
 

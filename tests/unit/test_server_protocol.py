@@ -608,3 +608,44 @@ def test_a_cancelled_queued_call_is_left_to_its_worker() -> None:
     assert engine.take() == []  # no reply to a cancelled call
     assert list(proto.queue) == [queued]  # its worker ends it (and releases its leases)
     assert proto.wake_at > engine.now  # no timer spinning on it
+
+
+# -- duplicate ids (issue 21 item 5) ----------------------------------------------------------
+
+
+def test_a_duplicate_id_refusal_is_retried_with_backoff_not_final() -> None:
+    engine = Engine.make(listen=False, heartbeat_interval=0.5, dead_after=2.0)
+    proto = engine.proto
+    proto.add_client("addr", engine.now)
+    engine.advance(0)
+    assert engine.kinds() == [HELLO]
+    delays = []
+    for _ in range(4):
+        start = engine.now
+        engine.control("addr", MessageKind.REJECT, Reject(RejectReason.DUPLICATE_ID, "held"))
+        ended = [e for e in proto.events if isinstance(e, SessionEnded)]
+        assert ended[-1].warn
+        assert "duplicate_id: held; HELLO again in" in ended[-1].why
+        assert not any(isinstance(e, AllRejected) for e in proto.events)
+        assert proto.sessions["addr"].state is SessionState.GREETING
+        proto.events.clear()
+        delay = proto.sessions["addr"].next_hello - start
+        assert proto.wake_at <= start + delay
+        delays.append(delay)
+        engine.advance(delay - 0.01)
+        assert HELLO not in engine.kinds()
+        engine.advance(0.02)
+        assert engine.kinds() == [HELLO]
+    assert delays == pytest.approx([0.5, 1.0, 2.0, 2.0])  # doubling, capped at dead_after
+    engine.welcome("addr")  # the holder is gone: the client takes us
+    assert proto.sessions["addr"].state is SessionState.LIVE
+    assert proto.sessions["addr"].duplicate_backoff is None
+
+
+def test_other_refusals_stay_final() -> None:
+    engine = Engine.make(listen=False)
+    engine.proto.add_client("addr", engine.now)
+    engine.advance(0)
+    engine.take()
+    engine.control("addr", MessageKind.REJECT, Reject(RejectReason.FINGERPRINT, "no"))
+    assert any(isinstance(e, AllRejected) for e in engine.proto.events)
