@@ -587,7 +587,7 @@ def test_a_non_loopback_address_without_curve_gets_one_warning(
 ):
     # Checked before a bind, without binding: tests use loopback only.
     caplog.set_level(logging.WARNING, logger="tensorrpc.security")
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     with context.socket(zmq.ROUTER) as plain, context.socket(zmq.ROUTER) as curve:
         assert warn_if_exposed("tcp://192.0.2.7:5555", plain)
         assert warn_if_exposed("tcp://host.example:5555", plain)
