@@ -66,6 +66,7 @@ __all__ = [
     "auth_statistics",
     "describe_handshake_failure",
     "generate_keypair",
+    "check_public_key",
     "is_all_interfaces",
     "is_loopback",
     "load_keypair",
@@ -84,6 +85,16 @@ _Z85_KEY_LEN: Final = 40
 _SECRET_SUFFIX: Final = ".key_secret"
 _PUBLIC_SUFFIX: Final = ".key"
 _STOP_TIMEOUT_S: Final = 5.0
+
+
+def check_public_key(key: bytes, what: str) -> bytes:
+    """``key`` if it is a z85 CURVE key (40 characters); ``what`` names it in errors.
+
+    Raises:
+        TypeError: It is not bytes.
+        ValueError: It is not 40 characters of valid z85.
+    """
+    return _check_key(key, what)
 
 
 def _check_key(key: bytes, what: str) -> bytes:

@@ -2,7 +2,8 @@
 
 Without CURVE, ids are first come: the client refuses the real engine as ``duplicate_id``
 while the impostor is there. The real engine does not give up: it logs why, says HELLO
-again with a growing delay, and takes its id once the impostor is gone.
+again with a growing delay, and takes its id once the impostor is gone. With CURVE and
+``engine_keys=``, an id is taken only with the key bound to it: the squat is refused.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import pytest
 
 from tensorrpc import Observer
 from tensorrpc._client import Client
+from tensorrpc._exceptions import HandshakeRejectedError
 from tensorrpc._protocol import Welcome
-from tensorrpc._server import Server
+from tensorrpc._security import CurveClientConfig, CurveServerConfig, generate_keypair
+from tensorrpc._server import Server, serve
 
 from .fake_engine import FakeEngine
 from .services import Calculator
@@ -80,3 +83,41 @@ async def _squat(address: str, watch: _Rejoined, refusals: _Refused) -> None:
             with anyio.fail_after(30):
                 await watch.rejoined.wait()
                 assert await client.stub().whoami() == "real"
+
+
+async def test_with_engine_keys_a_squat_is_refused_and_the_real_engine_joins() -> None:
+    client_keys, real_keys, impostor_keys = (generate_keypair() for _ in range(3))
+    curve = CurveServerConfig(
+        client_keys, allowed_clients=[real_keys.public_key, impostor_keys.public_key]
+    )
+    async with Client(
+        Calculator,
+        bind="tcp://127.0.0.1:0",
+        curve=curve,
+        engine_keys={"e1": real_keys.public_key},
+    ) as client:
+        (address,) = client.addresses
+        with anyio.fail_after(30):
+            # An allowed engine that claims another's id is refused, and stops (final).
+            impostor = CurveClientConfig(impostor_keys, client_keys.public_key)
+            with pytest.raises(HandshakeRejectedError, match="bound to another CURVE key"):
+                await serve(Calculator("impostor"), connect=address, engine_id="e1", curve=impostor)
+            with pytest.raises(HandshakeRejectedError, match="not bound to a key"):
+                await serve(Calculator("other"), connect=address, engine_id="e2", curve=impostor)
+            real = CurveClientConfig(real_keys, client_keys.public_key)
+            async with Server(Calculator("real"), connect=address, engine_id="e1", curve=real):
+                await client.wait_for_engines(1)
+                assert await client.stub().whoami() == "real"
+
+
+def test_engine_keys_need_a_curve_server() -> None:
+    with pytest.raises(ValueError, match="engine_keys= needs curve=CurveServerConfig"):
+        Client(Calculator, bind="ipc:///tmp/x", engine_keys={"e1": generate_keypair().public_key})
+    keys = generate_keypair()
+    with pytest.raises(ValueError, match=r"engine_keys\['e1'\] must be 40 z85 characters"):
+        Client(
+            Calculator,
+            bind="ipc:///tmp/x",
+            curve=CurveServerConfig(keys, allowed_clients=None),
+            engine_keys={"e1": "short"},
+        )
