@@ -219,6 +219,10 @@ class ClientHooks(Protocol):
         """Whether a connection to ``peer`` still exists (a PING to it can be queued)."""
         ...
 
+    def peer_key(self, peer: bytes) -> str | None:
+        """The z85 CURVE public key the message being handled came with (None: none)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
@@ -238,6 +242,9 @@ class ClientConfig:
         schemaless: Admit any service and fingerprint (protocol version still checked).
         signatures: Our methods (name → signature), so that a fingerprint refusal names
             the methods that differ.
+        engine_keys: Engine id → the z85 CURVE public key its HELLO must come with; a
+            HELLO with an id not listed, or from another key, is refused (None: ids are
+            first come).
     """
 
     service: str
@@ -252,6 +259,7 @@ class ClientConfig:
     max_in_flight: int = 1024
     schemaless: bool = False
     signatures: Mapping[str, str] | None = None
+    engine_keys: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -682,7 +690,7 @@ class ClientProtocol:
             )
             self.pending.append(self._lose(previous, why))
         info = _engine_info(hello, self.address_of(peer))
-        refusal = self._check(info)
+        refusal = self._check(info) or self._check_key(info.engine_id, peer)
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
             if current is not None:
@@ -703,6 +711,18 @@ class ClientProtocol:
             self._queue(None, peer, _REJECT, Reject(reason, message), 0, now)
             return EngineRefused(info.engine_id, reason, message, by_client=True)
         return self._admit(peer, info, hello, now)
+
+    def _check_key(self, engine_id: str, peer: bytes) -> tuple[str, str] | None:
+        """With ``engine_keys``: an id is taken only with the CURVE key bound to it."""
+        keys = self.config.engine_keys
+        if keys is None:
+            return None
+        bound = keys.get(engine_id)
+        if bound is None:
+            return ("other", f"engine id {engine_id!r} is not bound to a key at this client")
+        if self._hooks.peer_key(peer) != bound:
+            return ("other", f"engine id {engine_id!r} is bound to another CURVE key")
+        return None
 
     def _check(self, info: EngineInfo) -> tuple[str, str] | None:
         config = self.config
