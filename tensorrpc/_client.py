@@ -37,7 +37,7 @@ from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
 from tensorrpc._client_transfers import Transfers
 from tensorrpc._engines import EngineInfo, unavailable_message
-from tensorrpc._exceptions import EnginesUnavailableError, TensorRPCError
+from tensorrpc._exceptions import ClosedError, EnginesUnavailableError, TensorRPCError
 from tensorrpc._service import ServiceSpec, describe
 from tensorrpc._views import (
     _DEFAULT_OPTIONS,
@@ -52,7 +52,7 @@ from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports._policy import DEFAULT_SHM_THRESHOLD, TransportPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
     from typing import Self
 
     from tensorrpc._engines import Balancing
@@ -148,6 +148,7 @@ class Client(CallView[S]):
     __slots__ = (
         "_abandon",
         "_broadcast",
+        "_built_keys",
         "_by_name",
         "_call",
         "_curve",
@@ -158,6 +159,7 @@ class Client(CallView[S]):
         "_orphans",
         "_protocol",
         "_runner",
+        "_runtime_keys",
         "_spec",
         "_start_stream",
         "_tg",
@@ -207,6 +209,8 @@ class Client(CallView[S]):
         if engine_keys is not None:
             config = replace(config, engine_keys=_engine_keys(engine_keys, curve))
         self._protocol = ClientProtocol(config, self._transfers)
+        self._built_keys = config.engine_keys
+        self._runtime_keys: dict[str, str] = {}
         self._curve = curve
         self._opened = False
         self._tg: anyio.abc.TaskGroup | None = None
@@ -531,6 +535,67 @@ class Client(CallView[S]):
         lost = self._protocol.declare_dead(engine_id, pid=pid, reason=reason)
         self._io.event(lost)
         return lost is not None
+
+    @property
+    def engine_keys(self) -> Mapping[str, str] | None:
+        """Engine id → the z85 CURVE public key it must join with (``None``: ids are first
+        come): ``engine_keys=`` and what `bind_engine_keys` added."""
+        return self._protocol.config.engine_keys
+
+    def bind_engine_keys(self, keys: Mapping[str, bytes | str]) -> None:
+        """Bind more engine ids to CURVE keys while the client runs, and let the keys in.
+
+        The run-time form of ``engine_keys=``, for launchers that make one keypair per
+        engine (``tensorrpc.ray.launch``): each id is then taken only by the engine holding
+        its key, and each key joins the allow-list of the client's CURVE server until
+        `unbind_engine_keys`. A client built with ``engine_keys=None`` (ids first come)
+        admits only bound ids while any are bound.
+
+        Args:
+            keys: Engine id → z85 public key.
+
+        Raises:
+            ValueError: The client is not a CURVE server (``curve=CurveServerConfig``), a
+                key is malformed, or an id is already bound to another key.
+            ClosedError: The client is not open.
+        """
+        from tensorrpc._security import allow_clients
+
+        checked = dict(_engine_keys(keys, self._curve))
+        current = dict(self._protocol.config.engine_keys or {})
+        clash = sorted(k for k, v in checked.items() if current.get(k, v) != v)
+        if clash:
+            raise ValueError(f"engine ids already bound to another key: {', '.join(clash)}")
+        sock = self._io.sock
+        if sock is None:
+            raise ClosedError("the client is not open")
+        new = {k: v for k, v in checked.items() if k not in current}
+        allow_clients(sock.socket, [v.encode("ascii") for v in new.values()])
+        self._runtime_keys.update(new)
+        self._set_engine_keys()
+
+    def unbind_engine_keys(self, engine_ids: Iterable[str]) -> None:
+        """Undo `bind_engine_keys` for ``engine_ids``: their keys leave the allow-list
+        (live engines stay; a new handshake with those keys is refused). Ids bound by
+        ``engine_keys=`` and unknown ids are left alone."""
+        from tensorrpc._security import disallow_clients
+
+        gone = {k: self._runtime_keys.pop(k) for k in engine_ids if k in self._runtime_keys}
+        if not gone:
+            return
+        self._set_engine_keys()
+        sock = self._io.sock
+        if sock is not None:
+            still = set(self._runtime_keys.values()) | set((self._built_keys or {}).values())
+            disallow_clients(
+                sock.socket, [v.encode("ascii") for v in gone.values() if v not in still]
+            )
+
+    def _set_engine_keys(self) -> None:
+        keys: Mapping[str, str] | None = None
+        if self._built_keys is not None or self._runtime_keys:
+            keys = MappingProxyType({**(self._built_keys or {}), **self._runtime_keys})
+        self._protocol.config = replace(self._protocol.config, engine_keys=keys)
 
 
 def _codec_argument(

@@ -62,9 +62,11 @@ __all__ = [
     "CurveServerConfig",
     "ZAP_ENDPOINT",
     "ZapAuthenticator",
+    "allow_clients",
     "apply_curve",
     "auth_statistics",
     "describe_handshake_failure",
+    "disallow_clients",
     "generate_keypair",
     "check_public_key",
     "is_all_interfaces",
@@ -371,6 +373,7 @@ class _Domain:
     allowed: frozenset[bytes] | None  # raw 32-byte keys; None = any client
     accepted: int = 0
     denied: int = 0
+    added: frozenset[bytes] = frozenset()  # keys allowed at run time (`allow`)
 
 
 class ZapAuthenticator:
@@ -528,6 +531,35 @@ class ZapAuthenticator:
         self._domains[domain] = _Domain(allowed)
         return domain
 
+    def allow(self, domain: str, keys: Collection[bytes]) -> None:
+        """Add client keys to ``domain``'s allow-list at run time (until `disallow`).
+
+        A domain that accepts any client is left as it is. The allow-list is swapped as a
+        whole, so the handler thread sees the old list or the new one, never half of it.
+
+        Raises:
+            KeyError: ``domain`` is not registered.
+            ValueError: A key is malformed.
+        """
+        entry = self._domains[domain]
+        raw = frozenset(z85.decode(_check_key(k, "client key")) for k in keys)
+        if entry.allowed is None:
+            return
+        new = raw - entry.allowed
+        entry.added |= new
+        entry.allowed = entry.allowed | new
+
+    def disallow(self, domain: str, keys: Collection[bytes]) -> None:
+        """Take keys that `allow` added off ``domain``'s allow-list; later handshakes
+        with them are refused (established connections stay). Keys the domain was
+        registered with are kept."""
+        entry = self._domains.get(domain)
+        if entry is None or entry.allowed is None:
+            return
+        gone = frozenset(z85.decode(_check_key(k, "client key")) for k in keys) & entry.added
+        entry.added -= gone
+        entry.allowed = entry.allowed - gone
+
     def unregister(self, domain: str) -> None:
         """Forget ``domain``; later handshakes for it are denied."""
         self._domains.pop(domain, None)
@@ -584,6 +616,38 @@ class ZapAuthenticator:
             return [_ZAP_VERSION, request_id, b"400", b"unknown key", b"", b""]
         entry.accepted += 1
         return [_ZAP_VERSION, request_id, b"200", b"OK", z85.encode(key), b""]
+
+
+def _server_domain(sock: zmq.Socket[bytes]) -> tuple[ZapAuthenticator, str]:
+    domain = sock.getsockopt_string(zmq.ZAP_DOMAIN)
+    auth = ZapAuthenticator.for_context(sock.context)
+    if auth is None or not domain or domain not in auth._domains:
+        raise ValueError("the socket is not a tensorrpc CURVE server")
+    return auth, domain
+
+
+def allow_clients(sock: zmq.Socket[bytes], keys: Collection[bytes]) -> None:
+    """Let more client keys through a CURVE-server socket's allow-list, at run time.
+
+    Args:
+        sock: A socket configured with a [`CurveServerConfig`][tensorrpc.CurveServerConfig].
+        keys: z85 client public keys.
+
+    Raises:
+        ValueError: The socket is not a tensorrpc CURVE server, or a key is malformed.
+    """
+    auth, domain = _server_domain(sock)
+    auth.allow(domain, keys)
+
+
+def disallow_clients(sock: zmq.Socket[bytes], keys: Collection[bytes]) -> None:
+    """Take keys that `allow_clients` added off a CURVE-server socket's allow-list.
+
+    Raises:
+        ValueError: The socket is not a tensorrpc CURVE server, or a key is malformed.
+    """
+    auth, domain = _server_domain(sock)
+    auth.disallow(domain, keys)
 
 
 def auth_statistics(sock: zmq.Socket[bytes]) -> AuthStatistics:

@@ -1,7 +1,8 @@
 """Launch tensorrpc engines as Ray actors, placed over a Ray cluster, and join them to a client.
 
 ```python
-async with tensorrpc.Client(LM, bind="tcp://0.0.0.0:0", curve=...) as client:
+curve = tensorrpc.ray.client_curve()  # CURVE server, allow-list grown by each launch
+async with tensorrpc.Client(LM, bind="tcp://0.0.0.0:0", curve=curve) as client:
     async with tensorrpc.ray.launch(LM, 4, client=client, placement="spread") as group:
         await client.wait_for_engines(4, timeout=60)
         print(group.engines)  # engine id -> RayEngine(node_id, pid, address, state, ...)
@@ -14,6 +15,13 @@ address (``bind=False``, the default: the client binds) or listening on its node
 with a Ray placement group (``"spread"``: one bundle per node where possible, ``"pack"``:
 as few nodes as possible). Leaving the ``async with`` drains every engine (its calls
 finish, it says BYE), then kills the actors and removes the placement group.
+
+Engines on other hosts are secured by default. With a client whose ``curve`` is a
+``CurveServerConfig`` (as [`client_curve`][tensorrpc.ray.client_curve] makes), the launcher
+makes one CURVE keypair per engine, hands each actor its own secret key through Ray's task
+arguments, binds each engine id to its public key on the client and lets only those keys
+in. A client without CURVE is refused (`LaunchError`) when engines may run on another host
+or a socket of the launch listens beyond loopback, unless ``allow_plaintext=True``.
 
 Deaths are seen twice: by the client's heartbeats, and by Ray, whose report takes the
 engine out of the client at once (``Client.declare_dead``) so that its calls fail with
@@ -45,6 +53,7 @@ from tensorrpc._security import (
     CurveKeyPair,
     CurveServerConfig,
     generate_keypair,
+    is_loopback,
 )
 from tensorrpc._server import Server
 
@@ -71,7 +80,15 @@ if TYPE_CHECKING:
 # Ray's own functions are partly untyped: call them through this alias.
 _ray: Any = ray
 
-__all__ = ["EngineGroup", "EngineState", "LaunchError", "Placement", "RayEngine", "launch"]
+__all__ = [
+    "EngineGroup",
+    "EngineState",
+    "LaunchError",
+    "Placement",
+    "RayEngine",
+    "client_curve",
+    "launch",
+]
 
 #: How the actors are placed: ``"spread"`` over as many nodes as possible, ``"pack"`` on as
 #: few as possible (Ray's SPREAD and PACK placement group strategies).
@@ -350,6 +367,7 @@ class EngineGroup:
         self._stopped = False
         self._entered = False
         self._connected: list[str] = []
+        self._keys: dict[str, bytes] = {}
 
     # -- public -----------------------------------------------------------------------------
 
@@ -452,6 +470,8 @@ class EngineGroup:
 
     async def _start(self) -> None:
         spec_curve = self._engine_curves()
+        if self._keys:
+            self._client.bind_engine_keys(self._keys)
         if not self._bind:
             self._client_address = self._client_address or _reachable_address(self._client)
         deadline = time.monotonic() + self._timeout
@@ -550,6 +570,9 @@ class EngineGroup:
             await self._poll(0)
 
     def _engine_curves(self) -> list[CurveConfig | None]:
+        """Each engine's CURVE configuration; dial-in: one fresh keypair per engine, its
+        public key bound to the engine's id (``self._keys``, bound on the client in
+        `_start`) and its secret key handed to the actor in its Ray arguments."""
         curve = self._client.curve
         if curve is None:
             if self._engine_keys is not None:
@@ -559,18 +582,20 @@ class EngineGroup:
             if not isinstance(curve, CurveServerConfig):
                 raise ValueError(
                     "engines dial in: the client must be the CURVE server "
-                    "(Client(curve=CurveServerConfig(...)))"
+                    "(Client(curve=tensorrpc.ray.client_curve()))"
                 )
-            if self._engine_keys is None and curve.allowed_clients is not None:
+            if self._engine_keys is not None:
                 raise ValueError(
-                    "the client's CURVE allow-list is set: pass engine_keys= with a keypair "
-                    "whose public key is on it"
+                    "engines dial in: the launcher makes one keypair per engine; "
+                    "engine_keys= is for bind=True"
                 )
+            pairs = [generate_keypair() for _ in range(self._n)]
+            self._keys = {
+                engine_id: pair.public_key
+                for engine_id, pair in zip(self._engine_ids, pairs, strict=True)
+            }
             server_key = curve.keypair.public_key
-            return [
-                CurveClientConfig(self._engine_keys or generate_keypair(), server_key)
-                for _ in range(self._n)
-            ]
+            return [CurveClientConfig(pair, server_key) for pair in pairs]
         if not isinstance(curve, CurveClientConfig):
             raise ValueError(
                 "engines bind: the client must be a CURVE client "
@@ -697,6 +722,8 @@ class EngineGroup:
             with contextlib.suppress(TensorRPCError):
                 self._client.disconnect(address)
         self._connected.clear()
+        with contextlib.suppress(TensorRPCError, ValueError):
+            self._client.unbind_engine_keys(self._keys)
         for slot in slots:
             with contextlib.suppress(Exception):
                 ray.kill(slot.actor, no_restart=True)
@@ -739,6 +766,98 @@ def _reachable_address(client: Client[Any]) -> str:
         "engines on Ray nodes dial the client over tcp://: bind the client to a tcp:// "
         f"address (tcp://0.0.0.0:0 with CURVE, or the node's address); it is bound to "
         f"{list(client.addresses) or 'nothing'}"
+    )
+
+
+def client_curve() -> CurveServerConfig:
+    """The CURVE configuration of a client that launched engines dial into.
+
+    A fresh keypair and an allow-list that starts empty: nobody can join until
+    [`launch`][tensorrpc.ray.launch] adds its engines' keys (one keypair per engine, made
+    by the launcher, the secret handed to each actor through Ray), and each key leaves the
+    list when its group stops::
+
+        Client(LM, bind="tcp://0.0.0.0:0", curve=tensorrpc.ray.client_curve())
+
+    Returns:
+        A ``CurveServerConfig`` for ``Client(curve=...)``.
+    """
+    return CurveServerConfig(generate_keypair(), frozenset())
+
+
+def _node_addresses() -> list[str]:
+    """The addresses of the cluster's alive nodes, as Ray knows them."""
+    return [str(n.get("NodeManagerAddress", "")) for n in _ray.nodes() if n.get("Alive")]
+
+
+def _exposure(
+    *,
+    bind: bool,
+    client_binds: Sequence[str],
+    client_address: str | None,
+    node_addresses: Sequence[str],
+    here: str,
+) -> str:
+    """Why the engines' link to the client may cross hosts or reach the network (``""``:
+    every socket of the launch stays on this host). The launcher needs CURVE when it is
+    not ``""``.
+
+    Args:
+        bind: The launch's ``bind=``.
+        client_binds: The addresses the client is bound to.
+        client_address: The launch's ``client_address=``.
+        node_addresses: The alive Ray nodes' addresses.
+        here: This process's node address (``ray.util.get_node_ip_address()``).
+    """
+    others = sorted({a for a in node_addresses if a and a != here and not _loopback_host(a)})
+    if others:
+        return f"the Ray cluster has nodes on other hosts ({', '.join(others)})"
+    if bind:
+        hosts = sorted({a for a in [*node_addresses, here] if a and not _loopback_host(a)})
+        if hosts:
+            return f"the engines listen on their node's address ({', '.join(hosts)})"
+        return ""
+    if client_address is not None and not is_loopback(client_address):
+        return f"the engines dial the client at {client_address}"
+    exposed = [a for a in client_binds if not is_loopback(a)]
+    if exposed:
+        return f"the client listens on {', '.join(exposed)}"
+    return ""
+
+
+def _loopback_host(host: str) -> bool:
+    return is_loopback(_tcp(host, 0))
+
+
+def _check_exposure(
+    client: Client[Any], bind: bool, client_address: str | None, allow_plaintext: bool
+) -> None:
+    if client.curve is not None or allow_plaintext:
+        return
+    why = _exposure(
+        bind=bind,
+        client_binds=client.addresses,
+        client_address=client_address,
+        node_addresses=_node_addresses(),
+        here=str(_ray.util.get_node_ip_address()),
+    )
+    if not why:
+        return
+    if bind:
+        how = (
+            "give the client curve=CurveClientConfig(client_keys, engine_keys.public_key) "
+            "and launch(..., engine_keys=engine_keys)"
+        )
+    else:
+        how = (
+            'build the client with Client(Service, bind="tcp://0.0.0.0:0", '
+            "curve=tensorrpc.ray.client_curve()): the launcher then makes one key per "
+            "engine, hands it to the actor through Ray and lets only those keys in"
+        )
+    raise LaunchError(
+        f"refusing to launch without CURVE: {why}, so anyone who can reach those sockets "
+        f"could join as an engine or call it in plaintext. To secure it, {how}. On a "
+        "network you trust, pass allow_plaintext=True."
     )
 
 
@@ -791,6 +910,7 @@ def launch(
     bind: bool = False,
     client_address: str | None = None,
     engine_keys: CurveKeyPair | None = None,
+    allow_plaintext: bool = False,
     serve_options: Mapping[str, Any] | None = None,
     ray_options: Mapping[str, Any] | None = None,
     timeout: float = 60.0,
@@ -821,9 +941,16 @@ def launch(
         client_address: The address engines dial, when the automatic one (the client's
             port on this node's Ray address) is not reachable from the nodes (NAT, a
             Kubernetes service).
-        engine_keys: CURVE keypair of the engines. Dial-in: a key on the client's
-            allow-list (fresh keys are made when the client has no allow-list). Bind:
-            the keypair whose public key the client's ``CurveClientConfig`` names.
+        engine_keys: ``bind=True`` with CURVE: the engines' keypair, whose public key the
+            client's ``CurveClientConfig`` names. Dial-in takes none: with a client whose
+            ``curve`` is a ``CurveServerConfig`` (see
+            [`client_curve`][tensorrpc.ray.client_curve]) the launcher makes one keypair
+            per engine, hands each actor its own through Ray's task arguments, binds the
+            engine ids to the public keys (``Client.bind_engine_keys``) and lets only
+            those keys through the client's allow-list until the group stops.
+        allow_plaintext: Launch without CURVE even when engines may run on other hosts or
+            a socket of the launch listens beyond loopback (a network you trust);
+            otherwise such a launch raises `LaunchError`.
         serve_options: Other keyword arguments of [`serve`][tensorrpc.serve]
             (``grace_period``, ``heartbeat_interval``, ``max_concurrency``, ...).
         ray_options: Other options of the actors (``runtime_env``, ``resources``, ...).
@@ -837,9 +964,14 @@ def launch(
     Raises:
         ValueError: Bad arguments (sizes, ids, CURVE roles, a client not bound to tcp://).
         RuntimeError: Ray is not initialised.
+        LaunchError: The client has no CURVE and engines may run on other hosts (a Ray
+            node on another host), or a socket of the launch listens beyond loopback (the
+            client's address, ``client_address``, or with ``bind=True`` the nodes'
+            addresses); see ``allow_plaintext``.
     """
     _check_launch(n, placement, max_restarts, timeout, join_timeout)
     ids = _launch_ids(client, n, engine_ids, bind)
+    _check_exposure(client, bind, client_address, allow_plaintext)
     return EngineGroup(
         service_cls,
         n,
