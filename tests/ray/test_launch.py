@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 import tensorrpc
 import tensorrpc.ray
 from bench._measure import shm_files_of
+from tensorrpc._security import auth_statistics
 from tensorrpc.ray import LaunchError
 
 from .services import Broken, Where
@@ -62,12 +63,31 @@ async def _until(check, what: str, within: float = 30.0) -> None:
             await anyio.sleep(0.05)
 
 
+async def _stranger_refused(client: tensorrpc.Client[Where], address: str, engine_id: str) -> None:
+    """An engine with a key the launcher did not make is refused by the allow-list."""
+    assert client.curve is not None
+    stranger = tensorrpc.CurveClientConfig(
+        tensorrpc.generate_keypair(), client.curve.keypair.public_key
+    )
+    sock = client._io.sock
+    assert sock is not None
+    before = auth_statistics(sock.socket).denied
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            lambda: tensorrpc.serve(
+                Where("x"), connect=address, engine_id=engine_id, curve=stranger
+            )
+        )
+        await _until(lambda: auth_statistics(sock.socket).denied > before, "ZAP refuses it")
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_spread_calls_broadcast_and_clean_shutdown(ray_cluster: dict[str, str]) -> None:
-    keys = tensorrpc.generate_keypair()
     shm_before = _shm()
+    # The allow-list starts empty: the launcher makes each engine's key and lets it in.
     async with tensorrpc.Client(
-        Where, bind="tcp://0.0.0.0:0", curve=tensorrpc.CurveServerConfig(keys, None)
+        Where, bind="tcp://0.0.0.0:0", curve=tensorrpc.ray.client_curve()
     ) as client:
         started = time.monotonic()
         async with tensorrpc.ray.launch(
@@ -90,6 +110,13 @@ async def test_spread_calls_broadcast_and_clean_shutdown(ray_cluster: dict[str, 
             assert {e.state for e in engines.values()} == {"live"}
             assert len({e.node_id for e in engines.values()}) == 3  # spread over all nodes
             assert set(client.engines) == set(engines)
+            # one key per engine, each id bound to its own
+            bound = dict(client.engine_keys or {})
+            assert set(bound) == set(engines)
+            assert len(set(bound.values())) == 4
+            # a stranger with a key of its own is refused, even under a live engine's id
+            await _stranger_refused(client, group.address or "", "Where-0")
+            assert client.engines["Where-0"].pid == engines["Where-0"].pid
 
             # targeted: each engine answers from the node and process Ray reports
             for engine_id, engine in engines.items():
@@ -111,6 +138,7 @@ async def test_spread_calls_broadcast_and_clean_shutdown(ray_cluster: dict[str, 
             actor_ids = {group.actor(k)._actor_id.hex() for k in engines}
         # leaving: drained (BYE), actors killed, processes gone, placement group removed
         assert client.engines == {}
+        assert client.engine_keys is None  # the keys left the allow-list too
         assert {e.state for e in group.engines.values()} == {"stopped"}
     await _until(lambda: not any(_alive(e.pid) for e in engines.values()), "actors exit")
     await _until(
@@ -262,7 +290,20 @@ async def test_bad_arguments(ray_cluster: dict[str, str]) -> None:
             tensorrpc.ray.launch(Where, 2, client=client, engine_ids=["x", "x"])
         with pytest.raises(ValueError, match="placement"):
             tensorrpc.ray.launch(Where, 2, client=client, placement="diagonal")  # type: ignore[arg-type]
+        # Without CURVE, a launch whose sockets reach beyond loopback is refused at once.
+        with pytest.raises(LaunchError, match=r"without CURVE: the engines dial .*10\.9\.9\.9"):
+            tensorrpc.ray.launch(Where, 1, client=client, client_address="tcp://10.9.9.9:5555")
+        tensorrpc.ray.launch(  # not entered: nothing starts
+            Where, 1, client=client, client_address="tcp://10.9.9.9:5555", allow_plaintext=True
+        )
         with pytest.raises(ValueError, match="does not use CURVE"):
+            async with tensorrpc.ray.launch(
+                Where, 1, client=client, engine_keys=tensorrpc.generate_keypair()
+            ):
+                pytest.fail("launched")
+    curve = tensorrpc.ray.client_curve()
+    async with tensorrpc.Client(Where, bind="tcp://127.0.0.1:0", curve=curve) as client:
+        with pytest.raises(ValueError, match="one keypair per engine"):
             async with tensorrpc.ray.launch(
                 Where, 1, client=client, engine_keys=tensorrpc.generate_keypair()
             ):
