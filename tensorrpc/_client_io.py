@@ -33,6 +33,7 @@ from tensorrpc._client_protocol import (
 )
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
+from tensorrpc._logonce import Said
 from tensorrpc._protocol import MAX_CALL_RELEASES
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
@@ -133,15 +134,25 @@ class RefusalLog:
     BURST: Final = 16
     WINDOW_S: Final = 10.0
     TEXT: Final = 512
-    __slots__ = ("logged", "skipped", "window_end")
+    __slots__ = ("logged", "said", "skipped", "window_end")
 
     def __init__(self) -> None:
         self.window_end = 0.0
         self.logged = 0
         self.skipped = 0
+        #: Refusals already logged: an engine refused again for the same reason (its
+        #: HELLO is retried every second) is logged once, the repeats at DEBUG.
+        self.said = Said()
 
     def log(self, event: EngineRefused, now: float) -> None:
         """Log one refusal (or count it when this window's burst is spent)."""
+        if not self.said.first((event.engine_id, event.by_client, event.reason, event.message)):
+            logger.debug(
+                "engine '%s' refused again (%s)",
+                peer_text(event.engine_id, 64),
+                peer_text(event.reason),
+            )
+            return
         if now >= self.window_end:
             if self.skipped:
                 logger.warning(

@@ -129,7 +129,8 @@ def check_hello(
     Returns:
         ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
         is a REJECT code (``"version"``, ``"service"``, ``"fingerprint"``) and ``message``
-        says what differs (``"engine 'e1' has schema fingerprint X, client expects Y"``).
+        says what differs (``"engine 'e1' has a different schema: engine lacks: ...
+        (fingerprint 408b7dc5edbb, client expects 5d6db7120570)"``).
     """
     if info.protocol_version != protocol_version:
         return (
@@ -144,14 +145,22 @@ def check_hello(
         )
     if info.fingerprint != fingerprint:
         diff = schema_diff(signatures, info) if signatures is not None else ""
+        # The readable diff first; the hashes (64 hex) only shortened, for grepping.
         return (
             "fingerprint",
-            f"engine {info.engine_id!r} has schema fingerprint {info.fingerprint}, "
-            f"client expects {fingerprint} ("
+            f"engine {info.engine_id!r} has a different schema: "
             + (diff or "the service's method signatures differ")
-            + ")",
+            + f" (fingerprint {_short(info.fingerprint)}, client expects {_short(fingerprint)})",
         )
     return None
+
+
+#: Hex digits of a fingerprint shown in messages (enough to tell two schemas apart).
+SHORT_FINGERPRINT = 12
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint[:SHORT_FINGERPRINT] if len(fingerprint) > SHORT_FINGERPRINT else fingerprint
 
 
 #: Most methods named per category in a `schema_diff` (the rest are counted).

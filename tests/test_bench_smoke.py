@@ -205,3 +205,24 @@ def test_dataloader_batches_are_shared_new_each_call_and_of_the_size_asked() -> 
         assert len(set(seen[:3])) == 3
     finally:
         batches.close()
+
+
+def test_startup_measures_the_commands_and_none_imports_torch() -> None:
+    # Start-up time is measured by bench.startup, never asserted here; what a test can
+    # hold is that it runs and that none of the commands imports torch.
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.startup", "--runs", "1", "--no-torch-line"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("1 runs each")
+    names = ["--version", "call (live engine)", "call (nobody, --timeout 1)"]
+    assert [line[:28].rstrip() for line in lines[1:]] == names
+    for line in lines[1:]:
+        assert "imports torch: no" in line, line
