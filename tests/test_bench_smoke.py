@@ -226,3 +226,21 @@ def test_startup_measures_the_commands_and_none_imports_torch() -> None:
     assert [line[:28].rstrip() for line in lines[1:]] == names
     for line in lines[1:]:
         assert "imports torch: no" in line, line
+
+
+def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench.shm_held", "--count", "12", "--mib", "1", "--wait", "30"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "12 share() tensors of 1 MiB sent and freed; aliased 12 of 12", lines
+    # Each new mapping first drops those the client freed: never more than one held.
+    assert lines[2] == "engine, most during the run: 1 mappings, 1 MiB", lines
+    # The engine's periodic sweep (once per heartbeat interval) drops the last one.
+    assert lines[4] == "engine after its sweep (waited up to 30 s): 0 mappings, 0 MiB", lines
