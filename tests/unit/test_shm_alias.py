@@ -108,10 +108,16 @@ def test_the_benchmark_flags_shared_results_that_were_copied() -> None:
     names = ("shm_tensors", "shm_aliased", "shm_received", "shm_received_aliased")
     before: dict[str, int | None] = dict.fromkeys(names, 0)
     aliased: dict[str, int | None] = dict(zip(names, (5, 5, 7, 7), strict=True))
-    assert "warning" not in _transport_check("torch_shm", "shm_shared", before, aliased)
+    assert "warning" not in _transport_check("torch_shm", "share", before, aliased)
     copied = {**aliased, "shm_received_aliased": 4}
-    warning = _transport_check("torch_shm", "shm_shared", before, copied)["warning"]
+    warning = _transport_check("torch_shm", "share", before, copied)["warning"]
     assert "3 shared result tensors were copied" in warning
+    # torch's shared memory (share_memory_(), DataLoader batches) is flagged alike
+    batches: dict[str, int | None] = dict(zip(names, (5, 0, 0, 0), strict=True))
+    for kind in ("torch_shared", "loader"):
+        got = _transport_check("torch_shm", kind, before, batches)["warning"]
+        assert "5 shared tensors were copied, not aliased" in got
+    assert "warning" not in _transport_check("torch_shm", "new", before, batches)
 
 
 def test_a_forked_child_sends_nothing_of_its_parent() -> None:
