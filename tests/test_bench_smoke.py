@@ -228,6 +228,31 @@ def test_startup_measures_the_commands_and_none_imports_torch() -> None:
         assert "imports torch: no" in line, line
 
 
+def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "batching", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    bt = results["batching"]
+    assert "unavailable" not in bt, bt
+    for case in ("unbatched", "tensorrpc", "asyncio batcher"):
+        assert bt[case]["n"] > 0
+        assert 0 < bt[case]["median_ms"] <= bt[case]["p99_ms"]
+    for case in ("streams one at a time", "streams continuous"):
+        assert bt[case]["n"] == bt["streams"] * bt["tokens"]  # every token, each its own
+    assert bt["late_ttft_ms"] > 0
+    ids = {t["id"] for t in results["targets"]}
+    assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms"} <= ids
+    assert "## Batching" in (out / "bench.md").read_text(encoding="utf-8")
+
+
 def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
     proc = _forkserver.run(
         [sys.executable, "-m", "bench.shm_held", "--count", "12", "--mib", "1", "--wait", "30"],
