@@ -637,6 +637,11 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [*_scale_md(results["scale"]), ""]
     if "batching" in results:
         lines += [*_batching_md(results["batching"]), ""]
+
+    if "mixed" in results:
+        from bench.mixed import report
+
+        lines += [*report(results["mixed"]), ""]
     targets = results.get("targets", [])
     if targets:
         lines += [*_targets_md(targets), ""]

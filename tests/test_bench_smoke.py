@@ -269,3 +269,63 @@ def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
     assert lines[2] == "engine, most during the run: 1 mappings, 1 MiB", lines
     # The engine's periodic sweep (once per heartbeat interval) drops the last one.
     assert lines[4] == "engine after its sweep (waited up to 30 s): 0 mappings, 0 MiB", lines
+
+
+def test_quick_mixed_load_reports_tails_and_throughput(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    tensorrpc_frames = "tensorrpc frames (engine dials in)"
+    proc = _forkserver.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--only",
+            "mixed",
+            "--system",
+            "pyzmq",
+            "--system",
+            tensorrpc_frames,
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    mixed = json.loads((out / "bench.json").read_text(encoding="utf-8"))["mixed"]
+    assert set(mixed["systems"]) == {"pyzmq", tensorrpc_frames}
+    for entry in mixed["systems"].values():
+        assert "unavailable" not in entry, entry
+        alone = entry["alone"]
+        assert alone["n"] > 0
+        assert 0 < alone["p50_us"] <= alone["p99_us"] <= alone["p999_us"] <= alone["max_us"]
+        assert set(entry["sizes"]) == {str(n) for n in mixed["sizes"]}
+        for cell in entry["sizes"].values():
+            small = cell["small"]
+            assert 0 < small["p50_us"] <= small["p99_us"] <= small["p999_us"]
+            assert cell["p99_vs_alone"] > 0
+            assert set(cell["large"]) == {"in", "out", "echo"}
+            for direction in cell["large"].values():
+                assert direction["calls"] > 0
+                assert direction["mib_per_s"] > 0
+            assert set(cell["first_call_ms"]) == {"in", "out", "echo"}
+            for direction in cell["after_large"].values():
+                assert 0 < direction["p50_us"] <= direction["max_us"]
+        assert all(math.isfinite(x) and x >= 0 for x in _numbers(entry))
+    md = (out / "bench.md").read_text(encoding="utf-8")
+    assert "## Small calls under a mixed load" in md
+    assert f"| {tensorrpc_frames} | 16 MiB |" in md
+
+
+def test_mixed_report_renders_unavailable_systems() -> None:
+    from bench import mixed
+
+    lines = mixed.report(
+        {"rate_per_s": 500.0, "systems": {"pyzmq": {"unavailable": "RuntimeError: boom"}}}
+    )
+    assert "| pyzmq | RuntimeError: boom |||||||||" in lines
