@@ -265,8 +265,10 @@ def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0] == "12 share() tensors of 1 MiB sent and freed; aliased 12 of 12", lines
-    # Each new mapping first drops those the client freed: never more than one held.
-    assert lines[2] == "engine, most during the run: 1 mappings, 1 MiB", lines
+    # Each new mapping first drops those the client freed: the one just received, and at
+    # most one on its way out (unmapped by the engine's release thread, off its loop).
+    peak = lines[2].removeprefix("engine, most during the run: ")
+    assert peak in ("1 mappings, 1 MiB", "2 mappings, 2 MiB"), lines
     # The engine's periodic sweep (once per heartbeat interval) drops the last one.
     assert lines[4] == "engine after its sweep (waited up to 30 s): 0 mappings, 0 MiB", lines
 
