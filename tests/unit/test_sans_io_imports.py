@@ -19,7 +19,6 @@ SANS_IO_FILES = (
     "_server_protocol.py",
     "_server_calls.py",
     "transports/_base.py",
-    "transports/_shm_auth.py",
 )
 REQUIRED = ("_exceptions.py", "_protocol.py")
 FORBIDDEN = frozenset(
