@@ -33,9 +33,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
-import torch
-
 from tensorrpc._exceptions import TensorTransportError
+from tensorrpc._lazy import LazyModule
 from tensorrpc.transports._peer import ALIAS_SETTINGS, AliasSetting, KernelPeer, alias_gate
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
@@ -49,9 +48,12 @@ from tensorrpc.transports.torch_shm import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Sequence
 
+    import torch
     from typing_extensions import Buffer
 
     from tensorrpc.transports._shm_holds import Holds
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "DEFAULT_SHM_THRESHOLD",
