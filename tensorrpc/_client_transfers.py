@@ -48,7 +48,7 @@ _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
 class Transfers:
     """Tensor transports and size limits with each engine (torch_shm, frames)."""
 
-    __slots__ = ("codec_config", "host_id", "maxmsgsize", "policy", "sock")
+    __slots__ = ("codec_config", "host_id", "maxmsgsize", "message_key", "policy", "sock")
 
     def __init__(
         self, policy: TransportPolicy, codec_config: _codec.CodecConfig, maxmsgsize: int
@@ -58,6 +58,8 @@ class Transfers:
         self.maxmsgsize = maxmsgsize
         self.host_id = _host_id()
         self.sock: AsyncSocket | None = None
+        #: With ``engine_keys``: the CURVE key (z85) of the message being handled.
+        self.message_key: str | None = None
 
     # -- the protocol's hooks ------------------------------------------------------------
 
@@ -76,6 +78,10 @@ class Transfers:
         if not (send or receive):
             return None
         return (self.policy.offered(), pid, send, receive)
+
+    def peer_key(self, peer: bytes) -> str | None:
+        """The CURVE key (z85) of the message being handled (set by the reader)."""
+        return self.message_key
 
     def reachable(self, peer: bytes) -> bool:
         """Whether a connection to ``peer`` exists: a PING to it can be queued."""
