@@ -65,12 +65,6 @@ def test_the_engine_reads_every_batch_and_nothing_is_left_behind(run: Run) -> No
     assert shm_files_of(run.pids) == set(), "the example left /dev/shm files behind"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.multiprocessing shared memory (DataLoader batches) goes by alias only "
-    "once the receiver's kernel-identity gate lands (issue 20 item 2); until then torch_shm "
-    "copies such tensors through its sealed pool",
-)
 def test_every_batch_goes_by_alias(run: Run) -> None:
     assert f"{BATCHES} of {BATCHES} image batches went by alias" in run.out, run.out
     assert run.returncode == 0, run.out

@@ -72,8 +72,12 @@ def fds(pid: int | str = "self") -> list[str]:
     return sorted(out)
 
 
+PIDFD = "anon_inode:[pidfd]"
+
+
 def non_pool(targets: list[str]) -> list[str]:
-    return [t for t in targets if not t.startswith(POOL_FD)]
+    """Descriptors but pool segments and pidfds (one per attested session, counted apart)."""
+    return [t for t in targets if not t.startswith(POOL_FD) and t != PIDFD]
 
 
 def pool_fds(targets: list[str]) -> int:
@@ -337,6 +341,8 @@ async def test_client_killed_mid_transfer(anyio_backend: str, engine: EngineProc
         await eventually(released, "the engine released the dead client's leases")
         state = await stub.shm_state()
         assert pool_fds(fds(engine.pid)) == state[4]
+        # The dead client's pidfd is closed with its session: ours is the one left.
+        assert fds(engine.pid).count(PIDFD) == 1
     assert dev_shm(engine.pid, proc.pid) == shm_before
 
 
