@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 # that ``import tensorrpc`` (and ``tensorrpc --version``) costs milliseconds, not the
 # seconds of torch's import; type checkers and the API reference read the imports here.
 if TYPE_CHECKING:
+    from tensorrpc._batching import Batching, Continuous
     from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream, BlockingStub
     from tensorrpc._client import (
         CallOptions,
@@ -69,9 +70,10 @@ if TYPE_CHECKING:
         save_keypair,
     )
     from tensorrpc._server import PeerStatistics, Server, ServerConfig, ServerStatistics, serve
-    from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
+    from tensorrpc._service import BatchSpec, MethodSpec, ServiceSpec, describe, rpc, service
     from tensorrpc._stub import Stub
     from tensorrpc._zmq import SocketOptions
+    from tensorrpc.batching import BatchContext, BatchItem, current_batch
     from tensorrpc.transports import (
         TorchShmStatistics,
         TransportCounters,
@@ -84,6 +86,8 @@ __version__ = "0.1.0"
 
 #: Where each public name is defined.
 _EXPORTS: dict[str, str] = {
+    "Batching": "tensorrpc._batching",
+    "Continuous": "tensorrpc._batching",
     "BlockingCallView": "tensorrpc._blocking",
     "BlockingClient": "tensorrpc._blocking",
     "BlockingStream": "tensorrpc._blocking",
@@ -140,6 +144,7 @@ _EXPORTS: dict[str, str] = {
     "ServerConfig": "tensorrpc._server",
     "ServerStatistics": "tensorrpc._server",
     "serve": "tensorrpc._server",
+    "BatchSpec": "tensorrpc._service",
     "MethodSpec": "tensorrpc._service",
     "ServiceSpec": "tensorrpc._service",
     "describe": "tensorrpc._service",
@@ -151,6 +156,9 @@ _EXPORTS: dict[str, str] = {
     "TransportCounters": "tensorrpc.transports",
     "TransportName": "tensorrpc.transports",
     "TransportStatistics": "tensorrpc.transports",
+    "BatchContext": "tensorrpc.batching",
+    "BatchItem": "tensorrpc.batching",
+    "current_batch": "tensorrpc.batching",
     "share": "tensorrpc.transports._shared",
     "shared_empty": "tensorrpc.transports._shared",
 }
@@ -173,6 +181,10 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "BatchContext",
+    "BatchItem",
+    "BatchSpec",
+    "Batching",
     "BlockingCallView",
     "BlockingClient",
     "BlockingStream",
@@ -189,6 +201,7 @@ __all__ = [
     "ClosedError",
     "CodecConfig",
     "ConnectError",
+    "Continuous",
     "CurveClientConfig",
     "CurveConfig",
     "CurveKeyPair",
@@ -230,6 +243,7 @@ __all__ = [
     "TransportName",
     "TransportStatistics",
     "ValidationError",
+    "current_batch",
     "describe",
     "generate_keypair",
     "load_keypair",
