@@ -224,7 +224,7 @@ def test_installed_wheel_imports_runs_and_type_checks(
         [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], tmp_path
     )
     project = _user_project(tmp_path / "app")
-    # One interpreter (each imports torch: seconds): import the package, then run the
+    # One interpreter: import the package, then run the
     # console script pip wrote (its code, as `tensorrpc --help` runs it).
     script = tmp_path / "venv" / "bin" / "tensorrpc"
     code = (
@@ -238,9 +238,9 @@ def test_installed_wheel_imports_runs_and_type_checks(
     assert Path(where).is_relative_to(tmp_path / "venv")
     assert script.read_text().startswith(f"#!{python}")
     assert "serve" in cli
-    where = _importable(python, project)
-    assert Path(where.pop("tensorrpc")).is_relative_to(tmp_path / "venv")
-    assert where == dict.fromkeys(NOT_INSTALLED, "-")
+    found = _importable(python, project)
+    assert Path(found.pop("tensorrpc")).is_relative_to(tmp_path / "venv")
+    assert found == dict.fromkeys(NOT_INSTALLED, "-")
     assert "Success: no issues found in 1 source file" in _mypy(python, project)
 
 
