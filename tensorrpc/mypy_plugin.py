@@ -1,9 +1,11 @@
 """mypy plugin: exact types for client stubs (``client.stub().method``).
 
-Enable it in the mypy configuration of the code that calls tensorrpc services::
+Enable it in the mypy configuration of the code that calls tensorrpc services:
 
-    [tool.mypy]
-    plugins = ["tensorrpc.mypy_plugin"]
+```toml
+[tool.mypy]
+plugins = ["tensorrpc.mypy_plugin"]
+```
 
 What it does:
 

@@ -13,23 +13,25 @@ receiver: [`ShmResolver.resolve`][tensorrpc.transports.torch_shm.ShmResolver.res
   transport owns and reuses, and the receiver copies it out into memory of its own. The
   caller's tensor is only read; process-wide torch settings are never touched.
 
-Runtime integration (one `TorchShmTransport` per process or endpoint)::
+Runtime integration (one `TorchShmTransport` per process or endpoint):
 
-    shm = TorchShmTransport()                      # close() (or `with`) at shutdown
-    # handshake (docs/protocol.md §8.1): send shm.probe_handle() and a challenge; answer
-    # the peer's challenge with shm.prove(...); check its answer with
-    # _shm_auth.decide(..., read_secret=shm.read_peer_secret). Only a proven peer gets
-    # handles or a resolver.
-    placer = shm.placer(peer=engine_id)            # one per outgoing message
-    enc = encode(value, placer=placer)             # codec calls placer.place(t)
-    lease = placer.lease                           # None: nothing went by handle
-    # when the peer confirms it attached: shm.release(lease, peer=engine_id)
-    # if the message is never sent: placer.abort()
-    resolver = shm.resolver(proven_peer_pid)       # per incoming message (or per peer)
-    value = decode(payload, buffers, resolver=resolver)
-    resolver.leases                                # lease ids to send back in RELEASE
-    # peer died: shm.release_peer(peer); shm.forget_peer(peer_pid)
-    # every few seconds: shm.sweep() (leases older than lease_timeout are dropped)
+```python
+shm = TorchShmTransport()                      # close() (or `with`) at shutdown
+# handshake (docs/protocol.md §8.1): send shm.probe_handle() and a challenge; answer
+# the peer's challenge with shm.prove(...); check its answer with
+# _shm_auth.decide(..., read_secret=shm.read_peer_secret). Only a proven peer gets
+# handles or a resolver.
+placer = shm.placer(peer=engine_id)            # one per outgoing message
+enc = encode(value, placer=placer)             # codec calls placer.place(t)
+lease = placer.lease                           # None: nothing went by handle
+# when the peer confirms it attached: shm.release(lease, peer=engine_id)
+# if the message is never sent: placer.abort()
+resolver = shm.resolver(proven_peer_pid)       # per incoming message (or per peer)
+value = decode(payload, buffers, resolver=resolver)
+resolver.leases                                # lease ids to send back in RELEASE
+# peer died: shm.release_peer(peer); shm.forget_peer(peer_pid)
+# every few seconds: shm.sweep() (leases older than lease_timeout are dropped)
+```
 
 Why ``/proc/<pid>/fd`` rather than ``SCM_RIGHTS``: the handle rides inside the normal
 message over any ZMQ transport with no side channel. Opening ``/proc/<pid>/fd/<n>`` needs
