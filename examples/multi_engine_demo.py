@@ -11,7 +11,12 @@ binds one client socket they dial into, and sends a mixed load through it:
   the same engine (targeted);
 * calls that time out on purpose (a deadline shorter than the work), calls cancelled by
   the caller, and streams the caller leaves early;
-* broadcasts: ``reset`` before the run and ``stats`` after it.
+* broadcasts: ``reset`` before the run and ``stats`` after it;
+* then continuous batching: ``--streams`` generation requests sent at once to one engine,
+  served one stream at a time (``generate``) and then with continuous batching
+  (``generate_batched``: one batched forward pass per step, new streams join at the next
+  step); it shows tokens/s and time to first token of both, and checks that both gave
+  every stream the same tokens.
 
 It draws with ``rich`` (the ``demo`` extra): a progress bar with live tokens/s while it
 works, then per-engine, outcome and per-transport tables and a latency histogram per
@@ -289,6 +294,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 elapsed = time.perf_counter() - started
                 engine_stats: dict[str, EngineStats] = await client.broadcast("stats")
                 summary(screen, client, tally, engine_stats, elapsed)
+                await batching_comparison(screen, client, args.streams, tally)
         return 1 if tally.unexpected else 0
 
 
@@ -384,6 +390,84 @@ def bucket_labels() -> list[str]:
     ]
 
 
+COMPARE_TOKENS = 16  # tokens per stream in the batching comparison
+
+
+async def _streams_at_once(
+    client: tensorrpc.Client[LMEngine], engine: str, prompts: list[list[int]], batched: bool
+) -> tuple[float, list[float], list[list[int]]]:
+    """Send every prompt at once; return tokens/s, each stream's time to first token
+    (from the moment all were sent) and each stream's tokens."""
+    stub = client.stub(engine=engine)
+    started = time.perf_counter()
+    ttft = [0.0] * len(prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    one_at_a_time = anyio.Lock()
+
+    async def stream(k: int) -> None:
+        if batched:
+            items = stub.generate_batched(prompts[k], COMPARE_TOKENS)
+        else:
+            items = stub.generate(prompts[k], COMPARE_TOKENS)
+        async with items:
+            async for token in items:
+                if not tokens[k]:
+                    ttft[k] = time.perf_counter() - started
+                tokens[k].append(token)
+
+    async def one(k: int) -> None:
+        if batched:
+            await stream(k)
+        else:
+            async with one_at_a_time:  # the engine serves these one stream at a time
+                await stream(k)
+
+    async with anyio.create_task_group() as tg:
+        for k in range(len(prompts)):
+            tg.start_soon(one, k)
+    elapsed = time.perf_counter() - started
+    return sum(len(t) for t in tokens) / elapsed, ttft, tokens
+
+
+async def batching_comparison(
+    screen: Screen, client: tensorrpc.Client[LMEngine], streams: int, tally: Tally
+) -> None:
+    """One engine, ``streams`` requests at once: one stream at a time, then continuous
+    batching; a table of tokens/s and time to first token."""
+    if streams <= 0:
+        return
+    engine = sorted(client.engines)[0]
+    rng = random.Random(streams)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(4, 32))] for _ in range(streams)]
+    screen.err.print(f"batching: {streams} streams at once on {engine}")
+    rows = []
+    outputs = []
+    for name, batched in (("one stream at a time", False), ("continuous batching", True)):
+        rate, ttft, tokens = await _streams_at_once(client, engine, prompts, batched)
+        rows.append((name, rate, ttft))
+        outputs.append(tokens)
+    if outputs[0] != outputs[1]:
+        tally.unexpected.append("continuous batching generated other tokens than one at a time")
+    table = screen.table(
+        f"Continuous batching: {streams} streams of {COMPARE_TOKENS} tokens sent at once to "
+        f"{engine} (time to first token from the moment all were sent)",
+        "",
+        "tokens/s",
+        "first token p50 ms",
+        "first token p99 ms",
+    )
+    for name, rate, ttft in rows:
+        table.add_row(
+            name,
+            f"{rate:,.0f}",
+            f"{percentile(ttft, 0.5) * 1e3:.1f}",
+            f"{percentile(ttft, 0.99) * 1e3:.1f}",
+        )
+    screen.out.print()
+    screen.out.print(table)
+    screen.out.print(f"continuous batching: {rows[1][1] / rows[0][1]:.1f}x the tokens/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -391,6 +475,9 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=3)
     parser.add_argument("--requests", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--streams", type=int, default=32, help="streams of the continuous batching comparison"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     try:

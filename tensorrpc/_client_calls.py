@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from tensorrpc import _codec, _observe
+from tensorrpc import _codec, _observe, _release
 from tensorrpc._client_protocol import Dropped, reply_error
 from tensorrpc._exceptions import (
     BroadcastError,
@@ -238,7 +238,7 @@ class CallRunner:
         except BaseException as exc:
             raise self._send_failed(call, exc, releases)  # noqa: B904 - it chains what it must
         if track:
-            self._io.tracked.add(tracker, encoded.keepalive)
+            self._io.tracked.add(tracker, encoded.keepalive, nbytes)
         return True
 
     async def _send_call_waiting(
@@ -254,7 +254,7 @@ class CallRunner:
         except BaseException as exc:
             raise self._send_failed(call, exc, releases)  # noqa: B904 - it chains what it must
         if track:
-            self._io.tracked.add(tracker, encoded.keepalive)
+            self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
 
     def _send_failed(
         self, call: Call, exc: BaseException, releases: tuple[int, ...]

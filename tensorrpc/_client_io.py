@@ -35,6 +35,7 @@ from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import MAX_CALL_RELEASES
+from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
@@ -574,6 +575,9 @@ class ClientIO:
                 on_message(frames)
             except Exception:  # one bad message must never stop the reader
                 logger.exception("tensorrpc client: error handling a message")
+            if len(frames) > 3:  # out-of-band buffers: a large message is freed off the loop
+                later_if_large(frames, nbytes(frames))
+            del frames  # not held until the next message arrives
             if yield_due():  # after 32 messages or 2 ms of handling them
                 await checkpoint()
 
@@ -591,6 +595,9 @@ class ClientIO:
                 self._on_message(frames)
             except Exception:  # one bad message must never stop the client
                 logger.exception("tensorrpc client: error handling a message")
+            if len(frames) > 3:
+                later_if_large(frames, nbytes(frames))
+            del frames
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:

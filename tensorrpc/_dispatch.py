@@ -43,6 +43,7 @@ from tensorrpc._exceptions import (
     ValidationError,
 )
 from tensorrpc._protocol import Flags, MessageKind, Release, encode_control, pack_reply_header
+from tensorrpc._release import held_nbytes, later_if_large, nbytes
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
 from tensorrpc.transports._policy import LeaseCollector
@@ -278,6 +279,7 @@ class Dispatcher:
         # Only a call that may be refused pays for the checks (the hot path).
         if (finite or call.cancelled or self._proto.hard_stop) and self._refused(call, deadline):
             return
+        size = nbytes(call.buffers) if call.buffers else 0
         args = self._decode(call)
         if args is None:
             return
@@ -285,6 +287,7 @@ class Dispatcher:
             call.observed.started()
         if call.spec.streaming:
             await self._run_stream(call, args, deadline)
+            later_if_large(args, size)
             return
         call.scope = scope
         if finite:
@@ -302,6 +305,7 @@ class Dispatcher:
             call.scope = None
             if finite:
                 scope.deadline = math.inf
+        later_if_large(args, size)  # a large CALL's frames are freed off the loop
         del args  # argument tensors on the client's regions die here, before the reply
         if not scope.cancel_called:
             await self._reply(call)
@@ -460,6 +464,7 @@ class Dispatcher:
             self._reply_stopped(call)
             return
         encoded = self._encode(call, call.result)
+        call.result = None  # the send keeps what it needs; a large result dies with it
         if encoded is not None and self._proto.may_reply(call):
             await self._send_value(call, _RESULT, encoded)
 
@@ -484,6 +489,8 @@ class Dispatcher:
             await self._send_reply(call, frames, encoded.keepalive)
         else:
             await self._send_reply(call, frames, None)
+            if encoded.keepalive:  # torch_shm: tensors already copied into the pool
+                later_if_large(encoded.keepalive, held_nbytes(encoded.keepalive))
 
     # -- streams ----------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tensorrpc.metrics needs prometheus_client: pip install 'tensorrpc[metrics]'"
     ) from exc
 
+from tensorrpc import _observe
 from tensorrpc._client import Client
 from tensorrpc._exceptions import ConnectError
 from tensorrpc._observe import CallObservation, Observer
@@ -54,7 +55,14 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["DEFAULT_BUCKETS", "RTT_BUCKETS", "PrometheusObserver", "bound_port", "exporter"]
+__all__ = [
+    "BATCH_SIZE_BUCKETS",
+    "DEFAULT_BUCKETS",
+    "RTT_BUCKETS",
+    "PrometheusObserver",
+    "bound_port",
+    "exporter",
+]
 
 #: Latency histogram buckets (seconds): RPC round trips start at tens of microseconds.
 DEFAULT_BUCKETS: Final = (
@@ -323,6 +331,7 @@ class _Collector:
             engines = [t.statistics() for t in targets if isinstance(t, Server)]
             yield from _engine_call_families(list(store.engine.items()) if with_samples else [])
             yield from _engine_state_families(engines)
+            yield from _batch_families(engines)
             yield from _transport_families("engine", [s.transports for s in engines], with_samples)
 
 
@@ -485,6 +494,58 @@ def _engine_state_families(engines: list[Any]) -> Iterator[Metric]:
         e_bytes.add_metric([eid, "received"], sum(c.bytes_in for c in es.clients))
         e_bytes.add_metric([eid, "sent"], sum(c.bytes_out for c in es.clients))
     yield from (e_in_flight, e_queued, overloaded, dropped, e_clients, e_bytes)
+
+
+#: Batch size histogram buckets (items per batch, or per step of a continuous batch).
+BATCH_SIZE_BUCKETS: Final = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+
+
+def _rebin(pairs: Sequence[Sequence[float]], bounds: tuple[float, ...], upper: Any) -> list[Any]:
+    """Cumulative Prometheus buckets from sparse ``[index, count]`` pairs, each counted
+    under the first bound at or above ``upper(index)``."""
+    counts = [0] * (len(bounds) + 1)
+    for index, n in pairs:
+        counts[bisect_left(bounds, upper(index))] += int(n)
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip(bounds, counts, strict=False):
+        running += n
+        out.append((_float_text(bound), running))
+    out.append(("+Inf", running + counts[-1]))
+    return out
+
+
+def _batch_families(engines: list[Any]) -> Iterator[Metric]:
+    """Batched methods, from ``statistics()``: sizes, queue wait and run time."""
+    sizes = _histogram(
+        "tensorrpc_engine_batch_size", "Items per batch (continuous: per step).", _ME
+    )
+    wait = _histogram(
+        "tensorrpc_engine_batch_queue_wait_seconds",
+        "Time a batched call waited for its batch (bucketed by the statistics method's "
+        "latency buckets: within a quarter octave).",
+        _ME,
+    )
+    run = _histogram(
+        "tensorrpc_engine_batch_run_seconds",
+        "Time a batch handler (continuous: one step) ran.",
+        _ME,
+    )
+    queued = _gauge("tensorrpc_engine_batch_queued", "Batched calls waiting for a batch.", _ME)
+    for es in engines:
+        for method, b in es.batching.items():
+            labels = [method, es.engine_id]
+            total = sum(k * n for k, n in b["sizes"])
+            sizes.add_metric(labels, _rebin(b["sizes"], BATCH_SIZE_BUCKETS, float), total)
+            upper = _observe.bucket_upper_seconds
+            wait.add_metric(
+                labels, _rebin(b["queue_wait"], DEFAULT_BUCKETS, upper), b["queue_wait_sum_s"]
+            )
+            run.add_metric(
+                labels, _rebin(b["run_time"], DEFAULT_BUCKETS, upper), b["run_time_sum_s"]
+            )
+            queued.add_metric(labels, b["queued"])
+    yield from (sizes, wait, run, queued)
 
 
 def _transport_families(side: str, stats: list[Any], with_samples: bool) -> Iterator[Metric]:

@@ -4,8 +4,10 @@ It connects like any client (``Client.dynamic``) to the engines at the given add
 asks each for the built-in ``_tensorrpc.statistics`` method every interval (no extra port;
 docs/protocol.md §10) and draws, per engine: liveness, calls/s, errors/s, in-flight and
 queued calls, latency p50/p99 over the last interval (the engine's: accepting the CALL to
-the end of its handler), bytes/s on the wire and by tensor transport. ``q`` or Ctrl-C
-quits. Without a terminal it prints one plain table per refresh.
+the end of its handler), for batched methods the mean batch size and the median wait
+for a batch over the interval (column ``batch``: ``size/wait``), bytes/s on the wire and
+by tensor transport. ``q`` or Ctrl-C quits. Without a terminal it prints one plain table
+per refresh.
 
 What an engine sends is drawn as plain text: ids and notes are escaped
 (`tensorrpc._text.peer_text`) and shown as ``rich.text.Text``, never as markup, and a
@@ -109,7 +111,26 @@ def check_statistics(body: object) -> dict[str, Any]:
         raise ValueError("methods is not a map of at most 4096 entries")
     for method in methods.values():
         _check_latency(method.get("latency") if isinstance(method, dict) else None, per_octave)
+    _check_batching(body.get("batching", {}), per_octave)
     return body
+
+
+def _check_batching(batching: object, per_octave: int) -> None:
+    """The optional ``batching`` map: per method, ``sizes`` and ``queue_wait`` pairs."""
+    if not isinstance(batching, dict) or len(batching) > _MAX_METHODS:
+        raise ValueError("batching is not a map of at most 4096 entries")
+    for b in batching.values():
+        if not isinstance(b, dict):
+            raise ValueError("a batching entry is not a map")
+        sizes = b.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) > _MAX_BUCKETS:
+            raise ValueError("batching sizes is not a list of at most 4096 pairs")
+        for pair in sizes:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError("a batching size is not a [size, count] pair")
+            _count("a batch size", pair[0])
+            _count("a batch count", pair[1])
+        _check_latency(b.get("queue_wait"), per_octave)
 
 
 def percentile(counts: dict[int, int], q: float, per_octave: int) -> float | None:
@@ -147,6 +168,10 @@ class EngineView:
     rates: dict[str, float] = field(default_factory=dict)
     p50: float | None = None
     p99: float | None = None
+    #: Batched methods over the last interval: mean items per batch (step), and the
+    #: median wait of an item for its batch.
+    batch_size: float | None = None
+    batch_wait: float | None = None
 
     def update(self, stats: object) -> None:
         """Take a new statistics answer; compute the rates since the previous one.
@@ -194,6 +219,26 @@ class EngineView:
         )
         self.p50 = percentile(window, 0.50, per_octave)
         self.p99 = percentile(window, 0.99, per_octave)
+        self._batching(stats.get("batching", {}), prev.get("batching", {}), per_octave)
+
+    def _batching(self, new: dict[str, Any], old: dict[str, Any], per_octave: int) -> None:
+        batches = items = 0
+        wait: dict[int, int] = {}
+        for method, b in new.items():
+            before = old.get(method, {})
+            sizes_before = {int(k): int(n) for k, n in before.get("sizes", [])}
+            for k, n in b["sizes"]:
+                d = int(n) - sizes_before.get(int(k), 0)
+                if d > 0:
+                    batches += d
+                    items += d * int(k)
+            wait_before = {int(i): int(n) for i, n in before.get("queue_wait", [])}
+            for i, n in b["queue_wait"]:
+                d = int(n) - wait_before.get(int(i), 0)
+                if d > 0:
+                    wait[int(i)] = wait.get(int(i), 0) + d
+        self.batch_size = items / batches if batches else None
+        self.batch_wait = percentile(wait, 0.50, per_octave)
 
 
 def _seconds(value: float | None) -> str:
@@ -227,6 +272,8 @@ def table(views: Sequence[EngineView], title: str) -> Table:
     from rich.text import Text
 
     t = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
+    # The batch column only when an engine serves batched methods.
+    batched = any((v.current or {}).get("batching") for v in views)
     for name, justify in (
         ("engine", "left"),
         ("state", "left"),
@@ -236,17 +283,19 @@ def table(views: Sequence[EngineView], title: str) -> Table:
         ("queued", "right"),
         ("p50", "right"),
         ("p99", "right"),
+        *((("batch", "right"),) if batched else ()),
         ("wire/s", "right"),
         ("frames/s", "right"),
         ("shm/s", "right"),
         ("calls", "right"),
         ("errors", "right"),
     ):
-        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type,unused-ignore]
     for v in views:
         s = v.current or {}
         r = v.rates
         state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
+        batch = "-" if v.batch_size is None else f"{v.batch_size:.1f}/{_seconds(v.batch_wait)}"
         t.add_row(  # an engine's strings: escaped, and Text (never markup)
             Text(peer_text(v.engine_id, _SHOWN_CHARS)),
             Text(peer_text(state, _SHOWN_CHARS + 12)),
@@ -256,6 +305,7 @@ def table(views: Sequence[EngineView], title: str) -> Table:
             str(s.get("queued", "-")),
             _seconds(v.p50),
             _seconds(v.p99),
+            *((batch,) if batched else ()),
             _bytes_per_s(r.get("bytes")),
             _bytes_per_s(r.get("frames")),
             _bytes_per_s(r.get("torch_shm")),
