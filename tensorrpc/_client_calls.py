@@ -21,6 +21,7 @@ from tensorrpc._exceptions import (
     CallTimeoutError,
     ClosedError,
     EngineDeadError,
+    EngineNotFoundError,
     MethodNotFoundError,
     OverloadedError,
     PeerUnreachableError,
@@ -114,20 +115,21 @@ class CallRunner:
                 raise TypeError(f"argument names must be str, got {key!r}")
         return spec, self._transfers.encode(spec, dict(arguments), None)
 
-    async def _acquire(self, options: CallOptions) -> Engine:
+    async def _acquire(self, options: CallOptions, ready: bool) -> Engine:
         """Pick an engine with a free in-flight slot, waiting for one if allowed.
 
         A waiter is woken once per slot freed for it; one woken that finds the slot
-        taken (by a caller that never queued) queues again.
+        taken (by a caller that never queued) queues again. With ``ready``
+        (wait-for-ready), a caller also waits while no engine for it is live.
         """
         protocol = self._protocol
         waiters = self._io.waiters
         assert waiters is not None
         target = options.engine
-        engine = self._select(target, _monotonic(), woken=False)
+        engine = self._select(target, _monotonic(), woken=False, ready=ready)
         while engine is None:
             self._io.check_open()
-            if not options.wait:
+            if not options.wait and not (ready and protocol.absence(target, _monotonic())):
                 live = protocol.engines.engines
                 if (target is None and not live) or (target is not None and target not in live):
                     protocol.engines.select(target)  # not live (yet): EngineNotFoundError
@@ -146,13 +148,13 @@ class CallRunner:
                     self._io.wake_all(protocol.capacity.released(target))
                 raise
             self._io.check_open()
-            engine = self._select(target, _monotonic(), woken=True)
+            engine = self._select(target, _monotonic(), woken=True, ready=ready)
         return engine
 
-    def _select(self, target: str | None, now: float, *, woken: bool) -> Engine | None:
+    def _select(self, target: str | None, now: float, *, woken: bool, ready: bool) -> Engine | None:
         """`ClientProtocol.select` at ``now``, acting on the sessions it found forgotten."""
         protocol = self._protocol
-        engine = protocol.select(target, now, woken=woken)
+        engine = protocol.select(target, now, woken=woken, wait_for_ready=ready)
         if protocol.pending or protocol.outbox:
             self._io.events()
         return engine
@@ -172,11 +174,16 @@ class CallRunner:
         self._io.check_open()
         now = _monotonic()
         protocol = self._protocol
-        engine = protocol.select(options.engine, now)  # `_select`, inline (the hot path)
+        # Wait-for-ready: by default a call with a deadline waits for a live engine.
+        ready = options.wait_for_ready
+        if ready is None:
+            ready = deadline is not None
+        # `_select`, inline (the hot path)
+        engine = protocol.select(options.engine, now, wait_for_ready=ready)
         if protocol.pending or protocol.outbox:
             self._io.events()
         if engine is None:
-            engine = await self._acquire(options)
+            engine = await self._acquire(options, ready)
             now = _monotonic()
         transfers = self._transfers
         placer = None
@@ -335,10 +342,24 @@ class CallRunner:
         deadline = anyio.current_time() + timeout
         with anyio.move_on_after(timeout):
             return await self._attempts(spec, wire, encoded, options, deadline, flags)
+        self._raise_absent(spec, options, timeout)
         raise CallTimeoutError(
             f"{spec.qualname} did not complete within {timeout} s"
             + (f" on engine {options.engine!r}" if options.engine else "")
         )
+
+    def _raise_absent(self, spec: MethodSpec, options: CallOptions, timeout: float) -> None:
+        """A call that waited for an engine until its deadline: say why none came."""
+        if options.wait_for_ready is False:
+            return
+        target = options.engine
+        why = self._protocol.absence(target, _monotonic())
+        if why is not None:
+            what = f"engine {target!r}" if target is not None else "live engine"
+            raise EngineNotFoundError(
+                f"{spec.qualname}: no {what} within {timeout} s: {why}",
+                live=self._protocol.engines.live_ids(),
+            )
 
     async def _attempts(
         self,
@@ -391,6 +412,7 @@ class CallRunner:
             return await self._start(spec, wire, encoded, options, None, flags)
         with anyio.move_on_after(deadline - anyio.current_time()):
             return await self._start(spec, wire, encoded, options, deadline, flags)
+        self._raise_absent(spec, options, options.timeout or 0.0)
         raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
 
     async def next_item(self, call: Call, deadline: float | None) -> Any:

@@ -125,6 +125,14 @@ def _event_wait(event: Any) -> Awaitable[Any]:
     return cast("Awaitable[Any]", event.wait())
 
 
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP User-Id (the peer's z85 CURVE public key) of a received frame."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, TypeError, ValueError):  # no CURVE on this connection
+        return None
+
+
 class RefusalLog:
     """Logs handshake refusals at WARNING, bounded: strangers cannot flood the log.
 
@@ -604,6 +612,8 @@ class ClientIO:
             logger.warning("dropped a message of %d frames", len(frames))
             return
         protocol = self.protocol
+        if protocol.config.engine_keys is not None:  # who the engine is comes from its key
+            self.transfers.message_key = _user_id(frames[1])
         event = protocol.receive(frames[0].bytes, cast("list[Buffer]", frames[1:]), _monotonic())
         if type(event) is Call:
             call = event

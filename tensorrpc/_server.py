@@ -54,6 +54,7 @@ from tensorrpc._protocol import (
 from tensorrpc._server_protocol import (
     AllRejected,
     BuiltinCall,
+    CallExpired,
     ProtocolSettings,
     Released,
     ServerProtocol,
@@ -584,6 +585,10 @@ class Server:
 
     def _accepted(self, call: Call, size: int) -> None:
         self._dispatch.wake_one()
+        proto = self._proto
+        if call.deadline < proto.wake_at:  # the timer that refuses it if it waits too long
+            proto.wake_at = call.deadline
+            self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
             call.observed = self._observer.engine_call(
                 call.spec.name, self._engine_id, call.session.name, call.spec.streaming,
@@ -652,6 +657,11 @@ class Server:
             log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
         elif isinstance(event, WelcomedAgain):
             self._negotiate_shm(event.session, event.welcome)
+        elif isinstance(event, CallExpired):
+            observed = event.call.observed
+            if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
+                observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
+                observed.finished("ok", 0)
         elif isinstance(event, AllRejected):
             self._fail(
                 HandshakeRejectedError(

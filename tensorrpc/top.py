@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
@@ -265,52 +265,117 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def table(views: Sequence[EngineView], title: str) -> Table:
-    """The rich table of one refresh."""
-    from rich import box
-    from rich.table import Table
+#: The columns, most important first: at a narrow width the last ones are dropped until
+#: the table fits (80 columns keeps engine to wire/s).
+_COLUMNS: Final = (
+    ("engine", "left"),
+    ("state", "left"),
+    ("calls/s", "right"),
+    ("err/s", "right"),
+    ("p50", "right"),
+    ("p99", "right"),
+    ("batch", "right"),  # only when an engine serves batched methods
+    ("in flight", "right"),
+    ("queued", "right"),
+    ("wire/s", "right"),
+    ("shm/s", "right"),
+    ("errors", "right"),
+    ("calls", "right"),
+    ("frames/s", "right"),
+)
+#: Columns always shown, however narrow the terminal (the rest are dropped in order).
+_ALWAYS: Final = 4
+#: Widest engine id and state drawn (longer ones end in an ellipsis).
+_ENGINE_WIDTH: Final = 16
+_STATE_WIDTH: Final = 24
+
+
+def _cells(v: EngineView) -> list[Any]:
     from rich.text import Text
 
-    t = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
+    s = v.current or {}
+    r = v.rates
+    state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
+    return [  # an engine's strings: escaped, and Text (never markup)
+        Text(peer_text(v.engine_id, _SHOWN_CHARS)),
+        Text(peer_text(state, _SHOWN_CHARS + 12)),
+        _rate(r.get("calls")),
+        _rate(r.get("errors")),
+        _seconds(v.p50),
+        _seconds(v.p99),
+        "-" if v.batch_size is None else f"{v.batch_size:.1f}/{_seconds(v.batch_wait)}",
+        str(s.get("in_flight", "-")),
+        str(s.get("queued", "-")),
+        _bytes_per_s(r.get("bytes")),
+        _bytes_per_s(r.get("torch_shm")),
+        str(s.get("errors", "-")),
+        str(s.get("calls", "-")),
+        _bytes_per_s(r.get("frames")),
+    ]
+
+
+def _build(rows: list[list[Any]], title: str, columns: list[int], caps: dict[int, int]) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(
+        title=title,
+        title_justify="left",
+        expand=False,
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    for i in columns:
+        name, justify = _COLUMNS[i]
+        t.add_column(
+            name,
+            justify=justify,  # type: ignore[arg-type,unused-ignore]
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=caps.get(i),
+        )
+    for row in rows:
+        t.add_row(*(row[i] for i in columns))
+    return t
+
+
+def table(views: Sequence[EngineView], title: str, width: int | None = None) -> Table:
+    """The rich table of one refresh, fitted to ``width`` columns (None: every column).
+
+    To fit, in this order: a long state (an error note) is cut short; columns are dropped
+    from the least important (frames/s, the totals, shm/s...) down to the first four; a
+    long engine id is cut short. The caption names the columns not shown.
+    """
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    rows = [_cells(v) for v in views]
     # The batch column only when an engine serves batched methods.
     batched = any((v.current or {}).get("batching") for v in views)
-    for name, justify in (
-        ("engine", "left"),
-        ("state", "left"),
-        ("calls/s", "right"),
-        ("err/s", "right"),
-        ("in flight", "right"),
-        ("queued", "right"),
-        ("p50", "right"),
-        ("p99", "right"),
-        *((("batch", "right"),) if batched else ()),
-        ("wire/s", "right"),
-        ("frames/s", "right"),
-        ("shm/s", "right"),
-        ("calls", "right"),
-        ("errors", "right"),
-    ):
-        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type,unused-ignore]
-    for v in views:
-        s = v.current or {}
-        r = v.rates
-        state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
-        batch = "-" if v.batch_size is None else f"{v.batch_size:.1f}/{_seconds(v.batch_wait)}"
-        t.add_row(  # an engine's strings: escaped, and Text (never markup)
-            Text(peer_text(v.engine_id, _SHOWN_CHARS)),
-            Text(peer_text(state, _SHOWN_CHARS + 12)),
-            _rate(r.get("calls")),
-            _rate(r.get("errors")),
-            str(s.get("in_flight", "-")),
-            str(s.get("queued", "-")),
-            _seconds(v.p50),
-            _seconds(v.p99),
-            *((batch,) if batched else ()),
-            _bytes_per_s(r.get("bytes")),
-            _bytes_per_s(r.get("frames")),
-            _bytes_per_s(r.get("torch_shm")),
-            str(s.get("calls", "-")),
-            str(s.get("errors", "-")),
+    columns = [i for i, (name, _) in enumerate(_COLUMNS) if batched or name != "batch"]
+    every = len(columns)
+    caps: dict[int, int] = {}
+    t = _build(rows, title, columns, caps)
+    if width is not None:
+        measure = Console(width=10_000)
+
+        def too_wide() -> bool:
+            return Measurement.get(measure, measure.options, t).maximum > width
+
+        if too_wide():
+            caps[1] = _STATE_WIDTH
+            t = _build(rows, title, columns, caps)
+        while len(columns) > _ALWAYS and too_wide():
+            columns.pop()
+            t = _build(rows, title, columns, caps)
+        if too_wide():
+            caps[0] = _ENGINE_WIDTH
+            t = _build(rows, title, columns, caps)
+    if len(columns) < every:
+        hidden = [n for i, (n, _) in enumerate(_COLUMNS) if i > columns[-1]]
+        t.caption = "not shown at this width: " + ", ".join(
+            n for n in hidden if batched or n != "batch"
         )
     return t
 
@@ -342,9 +407,9 @@ async def _poll(client: Client[Any], views: dict[str, EngineView], patience: flo
             view.p50 = view.p99 = None
             continue
         try:
-            stats = await client.with_options(engine=engine_id, timeout=patience).call_by_name(
-                _observe.STATISTICS_METHOD
-            )
+            # An engine that just left is shown as such, not waited for.
+            view_of = client.with_options(engine=engine_id, timeout=patience, wait_for_ready=False)
+            stats = await view_of.call_by_name(_observe.STATISTICS_METHOD)
         except TensorRPCError as exc:
             view.note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:60]}"
             continue
@@ -450,8 +515,9 @@ async def _refresh(
         while count is None or refreshes < count:
             await _poll(client, views, wait)
             refreshes += 1
-            shown = table(list(views.values()), title)
-            shown.caption = f"refresh {refreshes}, every {interval:g} s" + footer
+            shown = table(list(views.values()), title, console.width)
+            dropped = f"\n{shown.caption}" if shown.caption else ""
+            shown.caption = f"refresh {refreshes}, every {interval:g} s" + footer + dropped
             if screen is not None:
                 screen.update(shown, refresh=True)
             else:

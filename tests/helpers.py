@@ -151,6 +151,9 @@ class PairHooks:
         end = self.pair.end_by_peer(peer)
         return end is not None and end.up
 
+    def peer_key(self, peer: bytes) -> str | None:
+        return None  # no CURVE between the pair's ends
+
 
 class EngineEnd:
     """One engine process of the pair: its ServerProtocol and its place on the wire.

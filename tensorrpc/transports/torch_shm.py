@@ -30,7 +30,7 @@ resolver = shm.resolver(proven_peer_pid)       # per incoming message (or per pe
 value = decode(payload, buffers, resolver=resolver)
 resolver.leases                                # lease ids to send back in RELEASE
 # peer died: shm.release_peer(peer); shm.forget_peer(peer_pid)
-# every few seconds: shm.sweep() (leases older than lease_timeout are dropped)
+# every few seconds: shm.sweep() (old leases dropped, freed peer segments unmapped)
 ```
 
 Why ``/proc/<pid>/fd`` rather than ``SCM_RIGHTS``: the handle rides inside the normal

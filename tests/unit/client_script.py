@@ -50,6 +50,8 @@ class Hooks:
 
     gone: set[bytes] = field(default_factory=set)
     asked: list[bytes] = field(default_factory=list)
+    #: Peer -> the CURVE key (z85) its messages come with.
+    keys: dict[bytes, str] = field(default_factory=dict)
 
     def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
         return None
@@ -60,6 +62,9 @@ class Hooks:
     def reachable(self, peer: bytes) -> bool:
         self.asked.append(peer)
         return peer not in self.gone
+
+    def peer_key(self, peer: bytes) -> str | None:
+        return self.keys.get(peer)
 
 
 def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:
