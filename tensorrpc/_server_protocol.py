@@ -77,7 +77,6 @@ from tensorrpc._server_calls import (
     ServerCall,
     Settable,
 )
-from tensorrpc.transports._shm_auth import new_challenge
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
@@ -101,7 +100,6 @@ __all__ = [
     "Strangers",
     "SessionEnded",
     "SessionStarted",
-    "WelcomedAgain",
     "SessionState",
     "Settable",
     "ShmPeer",
@@ -196,7 +194,7 @@ class ShmPeer:
     pid: int = 0
     #: The client attaches to our handles (result tensors may go by handle).
     peer_receives: bool = False
-    #: We attach to the client's handles (its probe opened here).
+    #: We attach to the client's handles (the kernel attested its process).
     we_receive: bool = False
 
 
@@ -240,7 +238,6 @@ class Session:
         "bytes_out",
         "calls",
         "calls_total",
-        "challenge",
         "client_epoch",
         "client_id",
         "created",
@@ -279,8 +276,6 @@ class Session:
         #: Dial-in: the delay before the next HELLO after a ``duplicate_id`` refusal.
         self.duplicate_backoff: Backoff | None = None
         self.hello_frames: list[bytes] = []
-        #: ``torch_shm``: the fresh challenge of this session's HELLO (empty: not offered).
-        self.challenge = b""
         self.calls: dict[int, ServerCall] = {}
         self.parked = 0
         self.calls_total = 0
@@ -300,7 +295,6 @@ class Session:
         """Enter GREETING for the new session ``hello`` announces: HELLO is due now."""
         self.state = SessionState.GREETING
         self.epoch = hello.epoch
-        self.challenge = hello.challenge
         self.hello_frames = encode_control(MessageKind.HELLO, hello)
         self.client_epoch = 0
         self.client_id = ""
@@ -324,19 +318,14 @@ class Session:
 
 @dataclass(frozen=True, slots=True)
 class SessionStarted:
-    """A client's WELCOME was accepted: the shell decides ``session.shm`` now."""
+    """A client's WELCOME was accepted: the shell decides ``session.shm`` now, from what
+    the kernel says about the connection ``frame`` (the WELCOME's payload) came on."""
 
     session: Session
     welcome: Welcome
-
-
-@dataclass(frozen=True, slots=True)
-class WelcomedAgain:
-    """A repeated WELCOME of a live session that carries a ``torch_shm`` challenge: the
-    shell answers it again (PROOF), since the client waits for that answer."""
-
-    session: Session
-    welcome: Welcome
+    #: The WELCOME's payload frame (opaque here; the shell reads its connection's
+    #: credentials).
+    frame: Buffer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,15 +371,7 @@ class CallExpired:
     call: ServerCall
 
 
-Event = (
-    SessionStarted
-    | SessionEnded
-    | AllRejected
-    | Released
-    | BuiltinCall
-    | WelcomedAgain
-    | CallExpired
-)
+Event = SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall | CallExpired
 Outgoing = tuple["Hashable", list[bytes], bool]
 
 
@@ -587,9 +568,7 @@ class ServerProtocol:
     def _greet(self, session: Session, now: float) -> None:
         """Enter GREETING with a new epoch (a new session): HELLO is due now."""
         epoch = self._new_epoch() & _U64 or 1
-        # torch_shm: a fresh challenge per session, answered in WELCOME (protocol §8.1).
-        challenge = new_challenge() if self._hello.probe else b""
-        session.greet(replace(self._hello, epoch=epoch, challenge=challenge), now)
+        session.greet(replace(self._hello, epoch=epoch), now)
 
     def _send_hello(self, session: Session, now: float) -> None:
         if now < session.next_hello:
@@ -610,11 +589,11 @@ class ServerProtocol:
         self._strangers.add(session)
         return session
 
-    def _start(self, session: Session, welcome: Welcome, now: float) -> None:
+    def _start(self, session: Session, welcome: Welcome, now: float, frame: Buffer) -> None:
         session.start(welcome, now, now + ping_interval(self._heartbeat, welcome.dead_after_ms))
         self._strangers.pop(session.key)
         self.wake_at = min(self.wake_at, session.next_ping)
-        self.events.append(SessionStarted(session, welcome))
+        self.events.append(SessionStarted(session, welcome, frame))
 
     def _end(
         self, session: Session, why: str, now: float, then: SessionState, *, warn: bool = False
@@ -862,8 +841,6 @@ class ServerProtocol:
             return
         if session.state is SessionState.LIVE:
             if not welcome.epoch or welcome.epoch == session.client_epoch:
-                if welcome.challenge:  # it waits for the PROOF of its torch_shm challenge
-                    self.events.append(WelcomedAgain(session, welcome))
                 return  # a repeated WELCOME of this session
             # The client started a new session (it lost the old one): the old calls go,
             # without replies; our epoch stays, since the client welcomed it.
@@ -871,7 +848,7 @@ class ServerProtocol:
             for call in calls.values():
                 self._cancel(call)
             self.events.append(SessionEnded(session, "started a new session"))
-        self._start(session, welcome, now)
+        self._start(session, welcome, now, payload)
 
     def _on_reject(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
         try:

@@ -36,6 +36,8 @@ from collections.abc import AsyncIterator, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import Buffer
+
 from tensorrpc import _codec
 from tensorrpc._calls import Call
 from tensorrpc._client_protocol import (
@@ -47,7 +49,6 @@ from tensorrpc._client_protocol import (
     reply_error,
 )
 from tensorrpc._dispatch import type_name
-from tensorrpc._engines import Engine
 from tensorrpc._exceptions import ErrorCode
 from tensorrpc._liveness import to_ms
 from tensorrpc._protocol import (
@@ -56,7 +57,6 @@ from tensorrpc._protocol import (
     Header,
     Hello,
     MessageKind,
-    Proof,
     decode_control,
     encode_control,
     pack_call_header,
@@ -141,11 +141,10 @@ class PairHooks:
 
     pair: ProtocolPair
 
-    def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
+    def shm_offer(
+        self, peer: bytes, hello: Hello, frame: Buffer
+    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
         return None
-
-    def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
-        return (0, False, False)
 
     def reachable(self, peer: bytes) -> bool:
         end = self.pair.end_by_peer(peer)
