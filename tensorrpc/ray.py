@@ -775,9 +775,11 @@ def client_curve() -> CurveServerConfig:
     A fresh keypair and an allow-list that starts empty: nobody can join until
     [`launch`][tensorrpc.ray.launch] adds its engines' keys (one keypair per engine, made
     by the launcher, the secret handed to each actor through Ray), and each key leaves the
-    list when its group stops::
+    list when its group stops:
 
-        Client(LM, bind="tcp://0.0.0.0:0", curve=tensorrpc.ray.client_curve())
+    ```python
+    Client(LM, bind="tcp://0.0.0.0:0", curve=tensorrpc.ray.client_curve())
+    ```
 
     Returns:
         A ``CurveServerConfig`` for ``Client(curve=...)``.
