@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 import anyio
 
 from tensorrpc import _codec
-from tensorrpc._client_protocol import HEARTBEAT_NONCE
 from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
-from tensorrpc._protocol import Flags, Hello, MessageKind, Proof, encode_control
+from tensorrpc._protocol import Flags, Hello, Proof
 from tensorrpc.transports._policy import (
     LazyResolver,
     LeaseCollector,
@@ -72,13 +71,13 @@ class Transfers:
         key = (engine.info.pid, engine.engine_id)
         return self.policy.on_proof(key, proof, our_host=self.host_id)
 
-    def reachable(self, peer: bytes) -> bool:
-        """Whether a connection to ``peer`` exists: a PING to it can be queued."""
+    def reachable(self, peer: bytes, ping: list[bytes]) -> bool:
+        """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
         sock = self.sock
         if sock is None:
             return False
         try:
-            sock.send_nowait([peer, *encode_control(MessageKind.PING, None, HEARTBEAT_NONCE)])
+            sock.send_nowait([peer, *ping])
         except PeerUnreachableError:
             return False
         except (anyio.WouldBlock, TensorRPCError):
@@ -124,20 +123,6 @@ class Transfers:
         with contextlib.suppress(TensorRPCError):
             _codec.decode(payload, buffers, self.codec_config, resolver=collector)
         return list(dict.fromkeys(collector.leases))
-
-    def shm_failed(self, engine: Engine, *, sending: bool) -> None:
-        """The engine could not attach to our handles (or we to its): stop using torch_shm."""
-        shm = engine.shm
-        if shm is not None:
-            if sending:
-                shm.to_engine = False
-            else:
-                shm.from_engine = False
-            logger.warning(
-                "torch_shm %s engine %r failed; using frames from now on",
-                "to" if sending else "from",
-                engine.engine_id,
-            )
 
     def encode(
         self,

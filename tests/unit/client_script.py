@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tensorrpc import _codec
@@ -46,20 +46,13 @@ COUNT: MethodSpec = SPEC.methods["count"]
 
 @dataclass
 class Hooks:
-    """The shell's answers: torch_shm never usable; peers reachable unless listed."""
-
-    gone: set[bytes] = field(default_factory=set)
-    asked: list[bytes] = field(default_factory=list)
+    """The shell's answers: torch_shm never usable."""
 
     def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
         return None
 
     def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
         return (0, False, False)
-
-    def reachable(self, peer: bytes) -> bool:
-        self.asked.append(peer)
-        return peer not in self.gone
 
 
 def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:
@@ -130,8 +123,8 @@ class Sent:
 def sent(protocol: ClientProtocol) -> list[Sent]:
     """Drain and decode what the protocol queued."""
     out = []
-    for frames in protocol.frames_to_send():
-        header, payload, _ = split_frames(frames[1:])
+    for peer, frames in protocol.frames_to_send():
+        header, payload, _ = split_frames(frames)
         body = None
         if header.kind in (
             MessageKind.WELCOME,
@@ -141,7 +134,7 @@ def sent(protocol: ClientProtocol) -> list[Sent]:
             MessageKind.RELEASE,
         ):
             body = decode_control(header, payload)
-        out.append(Sent(frames[0], header.kind, header.call_id, body))
+        out.append(Sent(peer, header.kind, header.call_id, body))
     return out
 
 
@@ -167,4 +160,5 @@ def join(
 def start(
     protocol: ClientProtocol, engine: Engine, *, stream: bool = False, now: float = 0.0
 ) -> Call:
-    return protocol.start_call(engine, COUNT if stream else ADD, object(), stream=stream, now=now)
+    spec = COUNT if stream else ADD
+    return protocol.start_call(engine, spec, object(), stream=stream, now=now)[0]
