@@ -117,6 +117,28 @@ def time_sync_each(
     return samples
 
 
+async def time_async_each(
+    prepare: Callable[[], Any], fn: Callable[[Any], Awaitable[object]], budget: Budget
+) -> list[int]:
+    """Async twin of :func:`time_sync_each`: ``prepare()`` runs untimed before each call.
+
+    Whatever ``prepare`` hands out should be held by the caller past the timing (a list of
+    pre-made inputs, cycled), so that freeing an input never lands in a timed call.
+    """
+    for _ in range(budget.warmup):
+        await fn(prepare())
+    samples: list[int] = []
+    started = time.perf_counter()
+    clock = time.perf_counter_ns
+    while _keep_going(len(samples), started, budget):
+        arg = prepare()
+        t0 = clock()
+        await fn(arg)
+        samples.append(clock() - t0)
+        del arg
+    return samples
+
+
 async def pipelined(
     fn: Callable[[], Awaitable[object]],
     *,

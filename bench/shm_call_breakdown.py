@@ -4,7 +4,7 @@ Run: ``python -m bench.shm_call_breakdown [N] [--trace]``. Starts the transfer b
 engine (``bench.peers.tensorrpc_peer``) in its own process and a client here, sends a
 fresh 64 MiB ``float32`` tensor N times with ``transport="torch_shm"`` (a small result
 back), alternating with a small call, and prints the medians of the call, of the client's
-one copy into its pool (``_copy_into``, timed in place) and of the small call. With
+one copy into its pool (``_Fill.run``, timed in place) and of the small call. With
 ``--trace`` it also counts, on the engine, page faults (``perf stat``) and the system
 calls that a per-call mapping or a privatized argument would make (``strace -c``: mmap,
 munmap, mremap, openat); both slow the engine down, so the times are then not comparable.
@@ -28,12 +28,12 @@ from bench.peers._proc import PeerProcess
 from bench.peers.tensorrpc_peer import ENGINE_ID, BenchService, runtime, wait_engine
 
 _copies: list[float] = []
-_copy_into = torch_shm._copy_into
+_fill = torch_shm._Fill.run
 
 
-def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def _timed_copy(job: torch_shm._Fill, warmer: Any) -> None:
     t0 = time.perf_counter()
-    _copy_into(dst, src)
+    _fill(job, warmer)
     _copies.append(time.perf_counter() - t0)
 
 
@@ -91,7 +91,7 @@ def main() -> None:
     """Entry point."""
     args = [a for a in sys.argv[1:] if a != "--trace"]
     n = int(args[0]) if args else 40
-    torch_shm._copy_into = _timed_copy
+    torch_shm._Fill.run = _timed_copy  # type: ignore[method-assign,assignment]
     with tempfile.TemporaryDirectory(prefix="trpc-shm-") as tmp:
         addr = f"ipc://{tmp}/engine.sock"
         with PeerProcess("bench.peers.tensorrpc_peer", [addr], ready_timeout=60) as peer:

@@ -15,10 +15,18 @@ Systems (each one's peer module says how it is set up):
   the physical floor; ``Tensor.clone (in-process)``: allocate and copy, what any fresh
   buffer costs;
 * ``pyzmq``: raw DEALER → ROUTER, the tensor as one zero-copy frame;
-* ``tensorrpc frames`` / ``tensorrpc torch_shm (fresh)`` / ``tensorrpc torch_shm
-  (shared)``: the tensor as an out-of-band frame; copied into tensorrpc's shared memory;
-  already in tensorrpc shared memory (``tensorrpc.share()`` of the benchmark's tensor);
-  ``tensorrpc auto (default)``: what a call gets without choosing;
+* ``tensorrpc frames``: the same tensor each call as an out-of-band frame;
+  ``tensorrpc auto (default)``: what a call gets without choosing, a new tensor each call;
+* the ``tensorrpc torch_shm (...)`` lines, one per kind of source (`TORCH_SHM_LINES`):
+  a **new tensor each call** (pre-made tensors, more bytes of them than the pool keeps,
+  cycled, every one held until the line ends: the caller's own allocation and free stay
+  out of the timing); the **same tensor** each call; a tensor in torch's shared memory
+  (``share_memory_()``); a **``DataLoader`` batch** (one worker; each call sends a batch
+  not sent before, fetched untimed between calls, the worker idle while calls are
+  timed); a ``tensorrpc.share()`` tensor; and the **first call of a new size** (64 MiB
+  column only: each sample a size the pool has no segment for). Each line also times,
+  in the same run and the same process, one ``Tensor.copy_`` of the very sources it
+  sends into a preallocated tensor (one thread), and the report divides by it;
 * ``mp.Queue (shared)`` / ``mp.Queue (fresh)``: torch.multiprocessing queues;
 * ``grpc.aio``: the tensor's bytes through a generic bytes handler;
 * ``torch.distributed.rpc``: TensorPipe on CPU;
@@ -37,15 +45,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.data
 
 from bench._common import Progress, guarded, run_async, unavailable
-from bench._measure import Budget, summarize, time_async, time_sync, time_sync_each
+from bench._measure import (
+    Budget,
+    summarize,
+    time_async,
+    time_async_each,
+    time_sync,
+    time_sync_each,
+)
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -263,7 +280,7 @@ def _counters(client: Any) -> dict[str, int | None]:
 
 
 def _transport_check(
-    transport: str, key: str, before: dict[str, int | None], after: dict[str, int | None]
+    transport: str, kind: str, before: dict[str, int | None], after: dict[str, int | None]
 ) -> dict[str, Any]:
     """What the client's statistics say happened during one transport's run.
 
@@ -283,16 +300,187 @@ def _transport_check(
         warnings.append(f"{delta['shm_tensors']} tensors went by torch_shm")
     if transport == "torch_shm" and delta.get("frames_tensors"):
         warnings.append(f"{delta['frames_tensors']} tensors went as frames")
-    if key == "shm_shared" and delta.get("shm_aliased", 0) < delta.get("shm_tensors", 0):
+    aliased = transport == "torch_shm" and kind in ALIASED_KINDS
+    if aliased and delta.get("shm_aliased", 0) < delta.get("shm_tensors", 0):
         copied = delta.get("shm_tensors", 0) - delta.get("shm_aliased", 0)
         warnings.append(f"{copied} shared tensors were copied, not aliased")
     received = delta.get("shm_received", 0)
-    if key == "shm_shared" and delta.get("shm_received_aliased", received) < received:
+    if aliased and delta.get("shm_received_aliased", received) < received:
         copied = received - delta.get("shm_received_aliased", 0)
         warnings.append(f"{copied} shared result tensors were copied, not aliased")
     if warnings:
         out["warning"] = "; ".join(warnings)
     return out
+
+
+#: The tensorrpc lines: key, name in the tables, transport, source of the tensors sent.
+TORCH_SHM_LINES: tuple[tuple[str, str, str, str], ...] = (
+    ("frames", "tensorrpc frames", "frames", "same"),
+    ("shm_new", "tensorrpc torch_shm (new tensor each call)", "torch_shm", "new"),
+    ("shm_same", "tensorrpc torch_shm (same tensor each call)", "torch_shm", "same"),
+    ("shm_torch", "tensorrpc torch_shm (share_memory_)", "torch_shm", "torch_shared"),
+    ("shm_loader", "tensorrpc torch_shm (DataLoader batch)", "torch_shm", "loader"),
+    ("shm_shared", "tensorrpc torch_shm (tensorrpc.share)", "torch_shm", "share"),
+    ("shm_first", "tensorrpc torch_shm (first call of a new size)", "torch_shm", "first"),
+    ("auto", "tensorrpc auto (default)", "auto", "new"),
+)
+#: Bytes of distinct pre-made tensors a "new tensor each call" line cycles through: more
+#: than the sender's pool keeps idle (``pool_keep_bytes``, 512 MiB).
+NEW_TENSOR_BYTES = 640 * MIB
+#: Lines whose source is already in shared memory: sent by alias, or flagged.
+ALIASED_KINDS = ("share", "torch_shared", "loader")
+
+
+class _SizedArange(torch.utils.data.Dataset[torch.Tensor]):
+    """A dataset whose item ``size`` is `make_tensor`'s tensor of ``size`` bytes."""
+
+    def __getitem__(self, size: int) -> torch.Tensor:
+        return make_tensor(size)
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+
+class _Sizes(torch.utils.data.Sampler[int]):
+    """The loader's sampler (it runs in this process): the indices of the next epoch."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+
+    def __iter__(self) -> Any:
+        return iter(list(self.indices))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class Batches:
+    """Batches of a ``DataLoader`` with one worker, fetched a window at a time.
+
+    Each window is one epoch of ``window`` items, so that once it is fetched the worker
+    is idle (nothing prefetched) while the calls are timed; the batches arrive the way a
+    training loop gets them, in torch's shared memory. `close` shuts the worker down.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._sampler = _Sizes()
+        self._loader = torch.utils.data.DataLoader(
+            _SizedArange(),
+            batch_size=None,
+            sampler=self._sampler,
+            num_workers=1,
+            persistent_workers=True,
+            prefetch_factor=1,
+            multiprocessing_context="spawn",
+        )
+        self._ready: list[torch.Tensor] = []
+        self._sent: list[torch.Tensor] = []
+
+    def take(self, size: int) -> torch.Tensor:
+        """The next batch of ``size`` bytes, never handed out before (fetched untimed
+        when the window is used up; the batches of the last window are freed then)."""
+        if self._ready and self._ready[0].nbytes != size:
+            self._ready.clear()  # the last window was of another size
+        if not self._ready:
+            self._sent.clear()
+            self._sampler.indices = [size] * self.window
+            self._ready = list(self._loader)
+            if not self._ready[0].is_shared():  # type: ignore[no-untyped-call]
+                raise RuntimeError("a DataLoader batch is not in shared memory")
+        batch = self._ready.pop()
+        self._sent.append(batch)  # held past its call: its free is never timed
+        return batch
+
+    def close(self) -> None:
+        """Free the batches and stop the worker."""
+        self._ready.clear()
+        self._sent.clear()
+        iterator = getattr(self._loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+        del self._loader
+
+
+def _first_sizes(size: int, count: int) -> list[int]:
+    """``count`` sizes just above ``size``, each needing a pool segment of its own."""
+    return [size + (k + 1) * (2 * MIB) for k in range(count)]
+
+
+def _copy_ref(sources: list[torch.Tensor], budget: Budget) -> dict[str, Any]:
+    """One ``Tensor.copy_`` of the line's own sources (cycled) into a preallocated tensor,
+    on one thread (see `_in_process`)."""
+    dst = torch.empty_like(sources[0])
+    it = iter(range(1 << 62))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return summarize(time_sync(lambda: dst.copy_(sources[next(it) % len(sources)]), budget))
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _line(
+    cfg: Config,
+    send: Callable[[torch.Tensor], Any],
+    kind: str,
+    batches: Batches | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Time one tensorrpc line at every size; return its cells and its ``copy_`` cells."""
+    import tensorrpc
+
+    out: dict[str, Any] = {}
+    ref: dict[str, Any] = {}
+    for size, budget in cfg.sizes.items():
+        sources: list[torch.Tensor] = []
+        try:
+            if kind == "first":
+                if size < 64 * MIB:
+                    continue
+                count = max(budget.min_count, 2)
+                sources = [make_tensor(n) for n in _first_sizes(size, count)]
+                samples = []
+                for t in sources:  # each a size the pool has no segment for yet
+                    t0 = time.perf_counter_ns()
+                    reply = await send(t)
+                    samples.append(time.perf_counter_ns() - t0)
+                    # (past 2**24 a float32 arange rounds: compare with its own last)
+                    if tuple(reply) != (t.numel(), 0.0, float(t[-1])):
+                        raise RuntimeError(f"wrong reply {reply!r} for {t.nbytes} bytes")
+                out[str(size)] = summarize(samples)
+                ref[str(size)] = _copy_ref(sources[:1], budget)
+                continue
+            if kind == "new":
+                n = min(-(-NEW_TENSOR_BYTES // size), budget.warmup + budget.count + 1)
+                sources = [make_tensor(size) for _ in range(max(n, 2))]
+            elif kind == "loader":
+                assert batches is not None
+                sources = [batches.take(size)]
+            elif kind == "share":
+                sources = [tensorrpc.share(make_tensor(size))]
+            elif kind == "torch_shared":
+                sources = [_shared_tensor(size)]
+            else:
+                sources = [make_tensor(size)]
+            check(await send(sources[0]), size)
+            if kind == "loader":
+                assert batches is not None
+                prepare: Callable[[], torch.Tensor] = functools.partial(batches.take, size)
+            else:
+                it = iter(range(1 << 62))
+                pool = sources
+
+                def prepare(pool: list[torch.Tensor] = pool, it: Any = it) -> torch.Tensor:
+                    i: int = next(it)
+                    return pool[i % len(pool)]
+
+            out[str(size)] = summarize(await time_async_each(prepare, send, budget))
+            ref[str(size)] = _copy_ref(sources, budget)
+        except Exception as exc:
+            out[str(size)] = unavailable(exc)
+        finally:
+            del sources
+    return out, ref
 
 
 def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
@@ -301,14 +489,8 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
 
     client_cls, _ = runtime()
     addr = f"ipc://{workdir}/tensorrpc-tx.sock"
-    names = {
-        "frames": "tensorrpc frames",
-        "shm_fresh": "tensorrpc torch_shm (fresh)",
-        "shm_shared": "tensorrpc torch_shm (shared)",
-        "auto": "tensorrpc auto (default)",
-    }
 
-    async def case(peer: PeerProcess) -> dict[str, Any]:
+    async def case(peer: PeerProcess, batches: Batches) -> dict[str, Any]:
         out: dict[str, Any] = {}
         async with client_cls(BenchService, bind=addr) as client:
             await wait_engine(client, peer, cfg.ready_timeout)
@@ -316,36 +498,37 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
             if await plain.add(1, 2) != 3:
                 raise RuntimeError("wrong reply")
             small = summarize(await time_async(lambda: plain.add(1, 2), cfg.small))
-            runs = [
-                ("frames", "frames", make_tensor),
-                ("shm_fresh", "torch_shm", make_tensor),
-                ("shm_shared", "torch_shm", _tensorrpc_shared_tensor),
-                ("auto", "auto", make_tensor),
-            ]
-            for key, transport, tensor_for in runs:
+            for key, name, transport, kind in TORCH_SHM_LINES:
                 try:
                     stub = client.stub(engine=ENGINE_ID, transport=transport)
                     before = _counters(client)
-                    sizes = await _sizes_async(cfg, stub.consume, tensor_for)
-                    entry: dict[str, Any] = {"small": small, "sizes": sizes}
-                    # The other direction: the engine answers a tensor it holds (in
-                    # tensorrpc shared memory for "shm_shared": sent by alias).
-                    shared = key == "shm_shared"
-                    entry["sizes_out"] = await _sizes_out_async(
-                        cfg, functools.partial(_produce, stub, shared=shared)
-                    )
-                    entry.update(_transport_check(transport, key, before, _counters(client)))
+                    sizes, ref = await _line(cfg, stub.consume, kind, batches)
+                    entry: dict[str, Any] = {"small": small, "sizes": sizes, "copy_": ref}
+                    if key in ("frames", "shm_same", "shm_shared"):
+                        # The other direction: the engine answers a tensor it holds (in
+                        # tensorrpc shared memory for "shm_shared": sent by alias).
+                        shared = key == "shm_shared"
+                        entry["sizes_out"] = await _sizes_out_async(
+                            cfg, functools.partial(_produce, stub, shared=shared)
+                        )
+                    entry.update(_transport_check(transport, kind, before, _counters(client)))
                 except Exception as exc:
                     entry = unavailable(exc)
-                out[names[key]] = entry
+                out[name] = entry
             stats = _stats(client)
         if not peer.alive():
             raise RuntimeError(peer.failure())
-        out[names["frames"]]["statistics"] = stats
+        out["tensorrpc frames"]["statistics"] = stats
         return out
 
-    with PeerProcess("bench.peers.tensorrpc_peer", [addr], ready_timeout=cfg.ready_timeout) as peer:
-        result: dict[str, Any] = run_async(lambda: case(peer), cfg.case_timeout)
+    batches = Batches(window=4)
+    try:
+        with PeerProcess(
+            "bench.peers.tensorrpc_peer", [addr], ready_timeout=cfg.ready_timeout
+        ) as peer:
+            result: dict[str, Any] = run_async(lambda: case(peer, batches), cfg.case_timeout)
+    finally:
+        batches.close()
     return result
 
 
@@ -446,15 +629,7 @@ def _ray(cfg: Config, workdir: Path) -> dict[str, Any]:
 #: case → the systems it fills, in table order
 CASES: dict[str, tuple[Callable[[Config, Path], dict[str, Any]], tuple[str, ...]]] = {
     "in-process": (_in_process, ("Tensor.copy_ (in-process)", "Tensor.clone (in-process)")),
-    "tensorrpc": (
-        _tensorrpc,
-        (
-            "tensorrpc frames",
-            "tensorrpc torch_shm (fresh)",
-            "tensorrpc torch_shm (shared)",
-            "tensorrpc auto (default)",
-        ),
-    ),
+    "tensorrpc": (_tensorrpc, tuple(name for _, name, _, _ in TORCH_SHM_LINES)),
     "pyzmq": (_pyzmq, ("pyzmq",)),
     "mp.Queue": (_mpqueue, ("mp.Queue (shared)", "mp.Queue (fresh)")),
     "grpc.aio": (_grpc, ("grpc.aio",)),
@@ -466,10 +641,19 @@ CASES: dict[str, tuple[Callable[[Config, Path], dict[str, Any]], tuple[str, ...]
 NOTES = {
     "Tensor.copy_ (in-process)": "one copy into a preallocated tensor, one thread: the floor",
     "Tensor.clone (in-process)": "allocate + copy in one process, one thread",
-    "tensorrpc frames": "out-of-band zero-copy ZMQ frame, ipc://",
-    "tensorrpc torch_shm (fresh)": "copied into tensorrpc's shared memory; handle travels",
-    "tensorrpc torch_shm (shared)": "tensorrpc.share() tensor: only the handle travels",
-    "tensorrpc auto (default)": "the default policy, same (non-shared) tensor as frames",
+    "tensorrpc frames": "the same tensor each call, an out-of-band zero-copy ZMQ frame, ipc://",
+    "tensorrpc torch_shm (new tensor each call)": "a tensor not sent before (pre-made, 640 MiB "
+    "of them or one per call, cycled, all held): copied into tensorrpc's pool",
+    "tensorrpc torch_shm (same tensor each call)": "one tensor sent again and again: copied "
+    "into tensorrpc's pool each call",
+    "tensorrpc torch_shm (share_memory_)": "a share_memory_() tensor (torch's shared memory), "
+    "the same each call: by alias where the receiver's gate allows, else copied",
+    "tensorrpc torch_shm (DataLoader batch)": "a batch from a DataLoader with one worker, a "
+    "new batch each call (fetched untimed): by alias where the gate allows, else copied",
+    "tensorrpc torch_shm (tensorrpc.share)": "a tensorrpc.share() tensor: only the handle travels",
+    "tensorrpc torch_shm (first call of a new size)": "64 MiB + 2k MiB, each sample a size "
+    "the pool has no segment for: a new segment made and filled",
+    "tensorrpc auto (default)": "the default policy, a new tensor each call (as above)",
     "pyzmq": "raw DEALER → ROUTER, one copy=False frame, ipc://",
     "mp.Queue (shared)": "torch.multiprocessing Queue, tensor already share_memory_()",
     "mp.Queue (fresh)": "torch.multiprocessing Queue, a new tensor per call (moved to shm)",
@@ -508,4 +692,15 @@ def run(
     return {"config": conf, "sizes": list(SIZES), "notes": dict(NOTES), "systems": out}
 
 
-__all__ = ["CASES", "SIZES", "Config", "check", "check_tensor", "config", "make_tensor", "run"]
+__all__ = [
+    "CASES",
+    "SIZES",
+    "TORCH_SHM_LINES",
+    "Batches",
+    "Config",
+    "check",
+    "check_tensor",
+    "config",
+    "make_tensor",
+    "run",
+]

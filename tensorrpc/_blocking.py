@@ -603,7 +603,8 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
 
         Args:
             count: How many live engines to wait for.
-            timeout: Seconds to wait at most; ``None`` waits without bound.
+            timeout: Seconds to wait at most; ``None`` waits without bound, but not for
+                refused engines (see `Client.wait_for_engines`).
 
         Returns:
             The live engines (as [`engines`][tensorrpc.BlockingClient.engines]).

@@ -294,9 +294,20 @@ class Client(CallView[S]):
         if self._opened:
             raise RuntimeError("a Client can be opened only once")
         self._opened = True
-        self._io.open()
-        if self._io.observer is not None:  # observe: the client opened
-            self._io.observer.opened(self)
+        observer = self._io.observer
+        if observer is not None:  # observe: the client opened
+            # Before binding: a metrics_port in use fails before any socket is bound.
+            try:
+                observer.opened(self)
+            except BaseException:
+                observer.closed(self)
+                raise
+        try:
+            self._io.open()
+        except BaseException:
+            if observer is not None:
+                observer.closed(self)
+            raise
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -402,12 +413,14 @@ class Client(CallView[S]):
 
         Args:
             count: How many live engines to wait for.
-            timeout: Seconds to wait at most. With a timeout, a wait in which every
-                engine that tried to join was refused (wrong schema, service or
-                version, duplicate id, or the engine refused this client) and none is
-                live fails after a short grace (0.5 s) instead of waiting out the
-                timeout. ``None`` waits forever, however many engines are refused;
-                each refusal is logged at WARNING on the ``tensorrpc.client`` logger.
+            timeout: Seconds to wait at most; ``None`` (the default) waits as long as
+                engines take to start (loading a model can take minutes), but never
+                for an engine that was refused: a wait in which every engine that
+                tried to join was refused (wrong schema, service or version,
+                duplicate id, or the engine refused this client) and none is live
+                fails after a short grace (0.5 s), with or without a timeout, since
+                waiting does not fix a mismatch. Each refusal is logged once per
+                engine and reason at WARNING on the ``tensorrpc.client`` logger.
 
         Returns:
             The live engines (as `engines`).
@@ -427,7 +440,7 @@ class Client(CallView[S]):
             while len(table.engines) < count:
                 changed = self._io.engines_changed
                 assert changed is not None
-                if timeout is not None and table.rejected and not table.engines:
+                if table.rejected and not table.engines:
                     # Every engine that tried to join was refused and none is live: give
                     # one still on its way a short grace, then say why.
                     with anyio.move_on_after(_REFUSAL_GRACE_S):

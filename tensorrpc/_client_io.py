@@ -35,6 +35,8 @@ from tensorrpc._client_protocol import (
 )
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
+from tensorrpc._logonce import Said
+from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
 if TYPE_CHECKING:
@@ -133,15 +135,25 @@ class RefusalLog:
     BURST: Final = 16
     WINDOW_S: Final = 10.0
     TEXT: Final = 512
-    __slots__ = ("logged", "skipped", "window_end")
+    __slots__ = ("logged", "said", "skipped", "window_end")
 
     def __init__(self) -> None:
         self.window_end = 0.0
         self.logged = 0
         self.skipped = 0
+        #: Refusals already logged: an engine refused again for the same reason (its
+        #: HELLO is retried every second) is logged once, the repeats at DEBUG.
+        self.said = Said()
 
     def log(self, event: EngineRefused, now: float) -> None:
         """Log one refusal (or count it when this window's burst is spent)."""
+        if not self.said.first((event.engine_id, event.by_client, event.reason, event.message)):
+            logger.debug(
+                "engine '%s' refused again (%s)",
+                peer_text(event.engine_id, 64),
+                peer_text(event.reason),
+            )
+            return
         if now >= self.window_end:
             if self.skipped:
                 logger.warning(
@@ -156,16 +168,13 @@ class RefusalLog:
             self.skipped += 1
             return
         self.logged += 1
-        engine_id = _cut(event.engine_id, MAX_REJECTED_KEY)
-        message = _cut(event.message, self.TEXT)
+        engine_id = peer_text(event.engine_id, MAX_REJECTED_KEY)
+        message = peer_text(event.message, self.TEXT)
         if event.by_client:
-            logger.warning("refused engine %r: %s", engine_id, message)
+            logger.warning("refused engine '%s': %s", engine_id, message)
         else:
-            logger.warning("engine %s refused this client: %s %s", engine_id, event.reason, message)
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+            reason = peer_text(event.reason)
+            logger.warning("engine %s refused this client: %s %s", engine_id, reason, message)
 
 
 class ClientIO:
@@ -397,7 +406,7 @@ class ClientIO:
             self._refusals.log(event, _monotonic())
             self.notify_engines()
         elif isinstance(event, Ignored):
-            logger.warning("dropped a message from %r: %s", event.peer, event.why)
+            logger.warning("dropped a message from %r: %s", event.peer, peer_text(event.why, 512))
 
     def _on_dropped(self, event: Dropped) -> None:
         """A RESULT or stream item nobody decodes: its torch_shm leases go back now."""
@@ -409,7 +418,7 @@ class ClientIO:
 
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
-        logger.info("engine %r %s", engine.engine_id, event.why)
+        logger.info("engine %r %s", engine.engine_id, peer_text(event.why, 512))
         self.transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
         for call in event.calls:
             self.ended(call)

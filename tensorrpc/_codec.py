@@ -32,19 +32,23 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-import numpy as np
 import ormsgpack
-import torch
 
 from tensorrpc._exceptions import DecodeError, EncodeError, ValidationError
+from tensorrpc._lazy import LazyModule
 from tensorrpc._protocol import count_msgpack_objects
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    import numpy as np
+    import torch
     from typing_extensions import Buffer
 
     from tensorrpc.transports._base import TensorPlacer, TensorResolver
+else:
+    np = LazyModule("numpy", globals(), "np")
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "DEFAULT",
@@ -142,101 +146,110 @@ _FRAME: Final = int(Location.FRAME)
 _HANDLE: Final = int(Location.HANDLE)
 
 
-def _build_torch_table() -> dict[str, torch.dtype]:
-    names = [
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex32",
-        "complex64",
-        "complex128",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-        "bits8",
-        "bits16",
-        "bits1x8",
-        "bits2x4",
-        "bits4x2",
-    ]
-    table: dict[str, torch.dtype] = {}
-    for name in names:
-        dtype = getattr(torch, name, None)
-        if isinstance(dtype, torch.dtype):
-            table[name] = dtype
-    return table
-
-
-#: Wire name -> torch dtype: the decode allowlist for ``ExtCode.TORCH``.
-_TORCH_DTYPES: Final = _build_torch_table()
-_TORCH_NAMES: Final = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
-
-#: Wire name -> numpy dtype (native = little-endian; checked at import): ``ExtCode.NUMPY``.
-_NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {
-    name: np.dtype(name)
-    for name in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
-}
-_NUMPY_NAMES: Final = {dtype: name for name, dtype in _NUMPY_DTYPES.items()}
-#: numpy dtype -> torch dtype of the same bytes (all numeric numpy dtypes exist in torch).
-_NUMPY_TO_TORCH: Final = {dtype: _TORCH_DTYPES[name] for name, dtype in _NUMPY_DTYPES.items()}
-#: torch dtype -> the numpy dtype of the same bytes, where numpy has one.
-_TORCH_TO_NUMPY: Final = {
-    torch_dtype: np_dtype for np_dtype, torch_dtype in _NUMPY_TO_TORCH.items()
-}
-#: torch dtypes whose ``.numpy()`` buffer can be recast to bytes (single-char formats).
-_CASTABLE: Final = frozenset(
-    torch_dtype for np_dtype, torch_dtype in _NUMPY_TO_TORCH.items() if np_dtype.kind != "c"
+_TORCH_DTYPE_NAMES: Final = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
 )
+_NUMPY_DTYPE_NAMES: Final = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+)
+
+# The dtype tables need torch and numpy, which a process that never sees a tensor does
+# not import (seconds of start-up): `_load_arrays` imports both and fills these in when
+# the first tensor or array is encoded or decoded.
+#: Wire name -> torch dtype: the decode allowlist for ``ExtCode.TORCH``.
+_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {}
+_TORCH_NAMES: Final[dict[torch.dtype, str]] = {}
+#: Wire name -> numpy dtype (native = little-endian; checked at import): ``ExtCode.NUMPY``.
+_NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {}
+_NUMPY_NAMES: Final[dict[np.dtype[Any], str]] = {}
+#: numpy dtype -> torch dtype of the same bytes (all numeric numpy dtypes exist in torch).
+_NUMPY_TO_TORCH: Final[dict[np.dtype[Any], torch.dtype]] = {}
+#: torch dtype -> the numpy dtype of the same bytes, where numpy has one.
+_TORCH_TO_NUMPY: Final[dict[torch.dtype, np.dtype[Any]]] = {}
+#: torch dtypes whose ``.numpy()`` buffer can be recast to bytes (single-char formats).
+_CASTABLE: Final[set[torch.dtype]] = set()
 #: A decode table's entry: torch dtype, numpy dtype of the same bytes (or None), item
 #: size in bytes, and the alignment a tensor built on received bytes needs.
-_DecodeEntry = tuple[torch.dtype, "np.dtype[Any] | None", int, int]
+_DecodeEntry = tuple["torch.dtype", "np.dtype[Any] | None", int, int]
+#: Wire name -> `_DecodeEntry`: ``ExtCode.TORCH``.
+_TORCH_DECODE: Final[dict[str, _DecodeEntry]] = {}
+#: Wire name -> `_DecodeEntry`: ``ExtCode.NUMPY``.
+_NUMPY_DECODE: Final[dict[str, _DecodeEntry]] = {}
+_STRIDED: torch.layout
+_arrays_loaded = False
 
 
 def _entry(dtype: torch.dtype, np_dtype: np.dtype[Any] | None) -> _DecodeEntry:
     return (dtype, np_dtype, dtype.itemsize, min(dtype.itemsize, 8))
 
 
-#: Wire name -> `_DecodeEntry`: ``ExtCode.TORCH``.
-_TORCH_DECODE: Final = {
-    name: _entry(dtype, _TORCH_TO_NUMPY.get(dtype)) for name, dtype in _TORCH_DTYPES.items()
-}
-#: Wire name -> `_DecodeEntry`: ``ExtCode.NUMPY``.
-_NUMPY_DECODE: Final = {
-    name: _entry(_NUMPY_TO_TORCH[dtype], dtype) for name, dtype in _NUMPY_DTYPES.items()
-}
+def _load_arrays() -> None:
+    """Import torch and numpy (module globals from then on) and fill in the dtype tables."""
+    global _STRIDED, _arrays_loaded
+    for name in _TORCH_DTYPE_NAMES:
+        dtype = getattr(torch, name, None)
+        if isinstance(dtype, torch.dtype):
+            _TORCH_DTYPES[name] = dtype
+            _TORCH_NAMES[dtype] = name
+    for name in _NUMPY_DTYPE_NAMES:
+        np_dtype = np.dtype(name)
+        torch_dtype = _TORCH_DTYPES[name]
+        _NUMPY_DTYPES[name] = np_dtype
+        _NUMPY_NAMES[np_dtype] = name
+        _NUMPY_TO_TORCH[np_dtype] = torch_dtype
+        _TORCH_TO_NUMPY[torch_dtype] = np_dtype
+        if np_dtype.kind != "c":
+            _CASTABLE.add(torch_dtype)
+    for name, dtype in _TORCH_DTYPES.items():
+        _TORCH_DECODE[name] = _entry(dtype, _TORCH_TO_NUMPY.get(dtype))
+    for name, np_dtype in _NUMPY_DTYPES.items():
+        _NUMPY_DECODE[name] = _entry(_NUMPY_TO_TORCH[np_dtype], np_dtype)
+    _STRIDED = torch.strided
+    _arrays_loaded = True
+
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian host to test on
     raise ImportError("tensorrpc's codec needs a little-endian host")
 
-_STRIDED: Final = torch.strided
 _PACK_OPTIONS: Final = ormsgpack.OPT_PASSTHROUGH_DATETIME | ormsgpack.OPT_PASSTHROUGH_UUID
 
 
@@ -299,6 +312,11 @@ class _Encoder:
 
     def default(self, obj: object) -> ormsgpack.Ext:
         try:
+            if not _arrays_loaded:
+                # No value is a tensor or an array before torch or numpy is imported.
+                if "torch" not in sys.modules and "numpy" not in sys.modules:
+                    raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
+                _load_arrays()
             if isinstance(obj, torch.Tensor):
                 return self._tensor(obj)
             if isinstance(obj, np.ndarray):
@@ -594,6 +612,16 @@ def _byte_view(buffer: object) -> memoryview:
     return view
 
 
+def _entry_once_loaded(dtype_name: str, as_numpy: bool) -> _DecodeEntry:
+    """The decode entry of a dtype not in the tables: they may not be filled in yet."""
+    if not _arrays_loaded:
+        _load_arrays()
+        entry = (_NUMPY_DECODE if as_numpy else _TORCH_DECODE).get(dtype_name)
+        if entry is not None:
+            return entry
+    raise DecodeError(f"tensor dtype {dtype_name!r} is not allowed")
+
+
 def _torch_on(
     view: memoryview | bytearray, dtype: torch.dtype, align: int, shape: tuple[int, ...]
 ) -> torch.Tensor:
@@ -656,7 +684,7 @@ class _Decoder:
             raise DecodeError("tensor dtype must be a string")
         entry = (_NUMPY_DECODE if as_numpy else _TORCH_DECODE).get(dtype_name)
         if entry is None:
-            raise DecodeError(f"tensor dtype {dtype_name!r} is not allowed")
+            entry = _entry_once_loaded(dtype_name, as_numpy)
         torch_dtype = entry[0]
         itemsize = entry[2]
         shape, numel = _check_shape(raw_shape, itemsize)

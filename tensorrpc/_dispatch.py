@@ -34,6 +34,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from tensorrpc import _codec
+from tensorrpc._batching import ItemRefused
 from tensorrpc._exceptions import (
     DecodeError,
     EncodeError,
@@ -442,6 +443,9 @@ class Dispatcher:
         await self._send_reply(call, frames, encoded.keepalive if encoded.buffers else None)
 
     def _reply_exception(self, call: Call, exc: BaseException) -> None:
+        if isinstance(exc, ItemRefused):  # batching: the batcher ended the item
+            self._error(call, exc.code, str(exc))
+            return
         self._error(
             call,
             ErrorCode.REMOTE,

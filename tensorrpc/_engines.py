@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from tensorrpc._exceptions import EngineNotFoundError
 from tensorrpc._protocol import FEATURE_CALL_RELEASES, MAX_SIGNATURE_CHARS
+from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Mapping, Sequence
@@ -58,10 +59,6 @@ MAX_PAST: Final = 1024
 #: Longest engine id kept as a key of the refusals, and longest refusal text, in chars.
 MAX_REJECTED_KEY: Final = 128
 MAX_REJECTED_TEXT: Final = 2048
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +129,8 @@ def check_hello(
     Returns:
         ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
         is a REJECT code (``"version"``, ``"service"``, ``"fingerprint"``) and ``message``
-        says what differs (``"engine 'e1' has schema fingerprint X, client expects Y"``).
+        says what differs (``"engine 'e1' has a different schema: engine lacks: ...
+        (fingerprint 408b7dc5edbb, client expects 5d6db7120570)"``).
     """
     if info.protocol_version != protocol_version:
         return (
@@ -147,14 +145,22 @@ def check_hello(
         )
     if info.fingerprint != fingerprint:
         diff = schema_diff(signatures, info) if signatures is not None else ""
+        # The readable diff first; the hashes (64 hex) only shortened, for grepping.
         return (
             "fingerprint",
-            f"engine {info.engine_id!r} has schema fingerprint {info.fingerprint}, "
-            f"client expects {fingerprint} ("
+            f"engine {info.engine_id!r} has a different schema: "
             + (diff or "the service's method signatures differ")
-            + ")",
+            + f" (fingerprint {_short(info.fingerprint)}, client expects {_short(fingerprint)})",
         )
     return None
+
+
+#: Hex digits of a fingerprint shown in messages (enough to tell two schemas apart).
+SHORT_FINGERPRINT = 12
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint[:SHORT_FINGERPRINT] if len(fingerprint) > SHORT_FINGERPRINT else fingerprint
 
 
 #: Most methods named per category in a `schema_diff` (the rest are counted).
@@ -361,10 +367,10 @@ class EngineTable:
 
     def refuse(self, engine_id: str, reason: str, message: str) -> None:
         """Remember a refusal (bounded: the oldest is forgotten first)."""
-        key = _cut(engine_id, MAX_REJECTED_KEY)
+        key = peer_text(engine_id, MAX_REJECTED_KEY)
         rejected = self.rejected
         rejected.pop(key, None)
-        rejected[key] = _cut(f"{reason}: {message}", MAX_REJECTED_TEXT)
+        rejected[key] = peer_text(f"{reason}: {message}", MAX_REJECTED_TEXT)
         while len(rejected) > MAX_REJECTED:
             rejected.popitem(last=False)
         self.rejected_total += 1

@@ -40,6 +40,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+from tensorrpc._text import peer_text
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -273,7 +275,14 @@ class ErrorCode(IntEnum):
 
 
 def error_from_wire(code: int, remote_type: str, message: str, traceback: str) -> TensorRPCError:
-    """Rebuild the local exception for an ERROR message received from an engine."""
+    """Rebuild the local exception for an ERROR message received from an engine.
+
+    The engine's texts are escaped here (`_text.peer_text`, lines kept): whoever prints
+    or logs the exception shows no control character the engine chose.
+    """
+    remote_type = peer_text(remote_type, None)
+    message = peer_text(message, None, lines=True)
+    traceback = peer_text(traceback, None, lines=True)
     match code:
         case ErrorCode.REMOTE:
             return RemoteError(remote_type, message, traceback)
@@ -297,3 +306,16 @@ def error_from_wire(code: int, remote_type: str, message: str, traceback: str) -
             return RemoteProtocolError(message)
         case _:
             return RemoteError(remote_type or "InternalError", message, traceback)
+
+
+# Tracebacks and reprs name the public path (tensorrpc.ValidationError), not this private
+# module. Only exceptions and ErrorCode: other classes keep their module, where
+# typing.get_type_hints() looks up their string annotations.
+for _value in list(globals().values()):
+    if (
+        isinstance(_value, type)
+        and issubclass(_value, BaseException | ErrorCode)
+        and _value.__module__ == __name__
+    ):
+        _value.__module__ = "tensorrpc"
+del _value

@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass, field, fields
 from enum import IntEnum, IntFlag
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
 
 import ormsgpack
 
@@ -35,6 +35,7 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     error_from_wire,
 )
+from tensorrpc._text import CONTROL
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -1044,33 +1045,35 @@ class ErrorInfo:
 #: Any control-message body.
 ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release | Proof
 
-# Field schema per body class: (name, kind, limit). kind: "str" | "int" | "strs".
+# Field schema per body class: (name, kind, limit). kind: "str" | "name" | "int" | "strs" |
+# "names" | "bytes" | "ints". A "name" is a "str" without control characters (_text.CONTROL):
+# ids, reasons and type names are refused with one, so no log line or terminal gets it raw.
 _Field: TypeAlias = tuple[str, str, int]
 _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
     Hello: (
-        ("engine_id", "str", MAX_NAME_CHARS),
-        ("service", "str", MAX_NAME_CHARS),
-        ("fingerprint", "str", MAX_NAME_CHARS),
+        ("engine_id", "name", MAX_NAME_CHARS),
+        ("service", "name", MAX_NAME_CHARS),
+        ("fingerprint", "name", MAX_NAME_CHARS),
         ("protocol_version", "int", 255),
-        ("host_id", "str", MAX_NAME_CHARS),
+        ("host_id", "name", MAX_NAME_CHARS),
         ("pid", "int", _I64_MAX),
-        ("transports", "strs", MAX_NAME_CHARS),
+        ("transports", "names", MAX_NAME_CHARS),
         ("concurrency", "int", _U32_MAX),
         ("heartbeat_ms", "int", _U32_MAX),
-        ("methods", "strs", MAX_METHOD_BYTES),
+        ("methods", "names", MAX_METHOD_BYTES),
         ("probe", "bytes", MAX_PROBE_BYTES),
-        ("streaming", "strs", MAX_METHOD_BYTES),
-        ("signatures", "strs", MAX_SIGNATURE_CHARS),
+        ("streaming", "names", MAX_METHOD_BYTES),
+        ("signatures", "names", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
-        ("features", "strs", MAX_NAME_CHARS),
+        ("features", "names", MAX_NAME_CHARS),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("challenge", "bytes", MAX_CHALLENGE_BYTES),
     ),
     Welcome: (
-        ("client_id", "str", MAX_NAME_CHARS),
-        ("host_id", "str", MAX_NAME_CHARS),
-        ("transports", "strs", MAX_NAME_CHARS),
+        ("client_id", "name", MAX_NAME_CHARS),
+        ("host_id", "name", MAX_NAME_CHARS),
+        ("transports", "names", MAX_NAME_CHARS),
         ("heartbeat_ms", "int", _U32_MAX),
         ("stream_window", "int", _U32_MAX),
         ("pid", "int", _I64_MAX),
@@ -1078,18 +1081,18 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("max_message_bytes", "int", _I64_MAX),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
-        ("fingerprint", "str", MAX_NAME_CHARS),
+        ("fingerprint", "name", MAX_NAME_CHARS),
         ("challenge", "bytes", MAX_CHALLENGE_BYTES),
         ("proof", "bytes", MAX_CHALLENGE_BYTES),
     ),
-    Reject: (("reason", "str", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
-    Bye: (("reason", "str", MAX_NAME_CHARS),),
+    Reject: (("reason", "name", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
+    Bye: (("reason", "name", MAX_NAME_CHARS),),
     Credit: (("n", "int", _U32_MAX),),
     Release: (("leases", "ints", _I64_MAX),),
     Proof: (("proof", "bytes", MAX_CHALLENGE_BYTES),),
     ErrorInfo: (
         ("code", "int", _U16_MAX),
-        ("type", "str", MAX_NAME_CHARS),
+        ("type", "name", MAX_NAME_CHARS),
         ("message", "str", MAX_TEXT_CHARS),
         ("traceback", "str", MAX_TRACEBACK_CHARS),
     ),
@@ -1142,6 +1145,14 @@ def _check_str(where: str, name: str, limit: int, value: object, error: _ErrorTy
     return value
 
 
+def _check_name(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    _check_str(where, name, limit, value, error)
+    bad = CONTROL.search(str(value))
+    if bad is not None:
+        raise error(f"{where} has a control character (U+{ord(bad.group()):04X}) at {bad.start()}")
+    return value
+
+
 def _check_int_field(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
     if type(value) is not int and not isinstance(value, IntEnum):
         raise error(f"{where} must be an integer, not {type(value).__name__}")
@@ -1183,13 +1194,22 @@ def _check_strs(where: str, name: str, limit: int, value: object, error: _ErrorT
     return tuple(value)
 
 
+def _check_names(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    items = _check_strs(where, name, limit, value, error)
+    for i, item in enumerate(cast("tuple[str, ...]", items)):
+        _check_name(f"{where}[{i}]", name, limit, item, error)
+    return items
+
+
 #: The check of each field type of the control bodies, by the name ``_FIELDS`` gives it.
 _FIELD_CHECKS: Final[dict[str, Callable[[str, str, int, object, _ErrorType], object]]] = {
     "str": _check_str,
+    "name": _check_name,
     "int": _check_int_field,
     "bytes": _check_bytes,
     "ints": _check_ints,
     "strs": _check_strs,
+    "names": _check_names,
 }
 
 

@@ -42,15 +42,21 @@ import enum
 import inspect
 import operator
 import reprlib
+import sys
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, Protocol
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
+from tensorrpc._lazy import LazyModule
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+else:
+    np = LazyModule("numpy", globals(), "np")
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "CompiledType",
@@ -111,9 +117,10 @@ def describe_value(value: object) -> str:
     """
     if value is None:
         return "None"
-    if isinstance(value, torch.Tensor):
+    # A value can be a tensor (an array) only once torch (numpy) has been imported.
+    if "torch" in sys.modules and isinstance(value, torch.Tensor):
         return f"Tensor(dtype={value.dtype}, shape={tuple(value.shape)})"
-    if isinstance(value, np.ndarray):
+    if "numpy" in sys.modules and isinstance(value, np.ndarray):
         return f"ndarray(dtype={value.dtype}, shape={value.shape})"
     return f"{type(value).__name__} ({_repr.repr(value)})"
 
@@ -308,7 +315,7 @@ def _ndarray_conv(v: Any) -> Any:
 # value itself. For ``int`` that includes the 64-bit range check of ``_int_check``.
 _INT_INLINE = f"(type({{x}}) is int and {_I64_MIN} <= {{x}} < {_U64_END})"
 #: The only non-builtin names an inline test may use.
-_INLINE_NAMESPACE: dict[str, object] = {"_Tensor": torch.Tensor, "_ndarray": np.ndarray}
+_INLINE_NAMESPACE: dict[str, object] = {}
 
 _NONE = CompiledType("None", _none_conv, _none_conv, frozenset({_NoneType}), "{x} is None")
 _BOOL = CompiledType(
@@ -324,23 +331,6 @@ _STR = CompiledType("str", _str_check, _str_from_wire, frozenset({str}), "type({
 _BYTES = CompiledType(
     "bytes", _bytes_check, _bytes_from_wire, frozenset({bytes}), "type({x}) is bytes"
 )
-# A plain Tensor/ndarray passes unchanged like any subclass; ``exact`` lets containers of
-# them take the one-pass check too (a subclass still goes element by element).
-_TENSOR = CompiledType(
-    "Tensor",
-    _tensor_conv,
-    _tensor_conv,
-    frozenset({torch.Tensor}),
-    "isinstance({x}, _Tensor)",
-)
-_NDARRAY = CompiledType(
-    "ndarray",
-    _ndarray_conv,
-    _ndarray_conv,
-    frozenset({np.ndarray}),
-    "isinstance({x}, _ndarray)",
-)
-
 #: How an inline test names an exact element type (builtins or ``_INLINE_NAMESPACE``).
 _INLINE_TYPE_NAMES: dict[object, str] = {
     bool: "bool",
@@ -348,8 +338,6 @@ _INLINE_TYPE_NAMES: dict[object, str] = {
     float: "float",
     str: "str",
     bytes: "bytes",
-    torch.Tensor: "_Tensor",
-    np.ndarray: "_ndarray",
 }
 
 _SCALARS: dict[object, CompiledType] = {
@@ -360,9 +348,41 @@ _SCALARS: dict[object, CompiledType] = {
     float: _FLOAT,
     str: _STR,
     bytes: _BYTES,
-    torch.Tensor: _TENSOR,
-    np.ndarray: _NDARRAY,
 }
+
+# torch.Tensor and numpy.ndarray join the tables above when an annotation may name them:
+# once torch or numpy has been imported (`compile_type` checks), not before, so that
+# importing tensorrpc does not import them (seconds of start-up).
+_TENSOR: CompiledType
+_NDARRAY: CompiledType
+_arrays_registered = False
+
+
+def _register_arrays() -> None:
+    """Import torch and numpy and add ``torch.Tensor`` and ``numpy.ndarray`` to the tables."""
+    global _TENSOR, _NDARRAY, _arrays_registered
+    # A plain Tensor/ndarray passes unchanged like any subclass; ``exact`` lets containers of
+    # them take the one-pass check too (a subclass still goes element by element).
+    _TENSOR = CompiledType(
+        "Tensor",
+        _tensor_conv,
+        _tensor_conv,
+        frozenset({torch.Tensor}),
+        "isinstance({x}, _Tensor)",
+    )
+    _NDARRAY = CompiledType(
+        "ndarray",
+        _ndarray_conv,
+        _ndarray_conv,
+        frozenset({np.ndarray}),
+        "isinstance({x}, _ndarray)",
+    )
+    _INLINE_NAMESPACE.update(_Tensor=torch.Tensor, _ndarray=np.ndarray)
+    _INLINE_TYPE_NAMES.update({torch.Tensor: "_Tensor", np.ndarray: "_ndarray"})
+    _SCALARS.update({torch.Tensor: _TENSOR, np.ndarray: _NDARRAY})
+    _BY_ORIGIN[np.ndarray] = _compile_ndarray
+    _arrays_registered = True
+
 
 # ------------------------------------------------------------------------ containers
 
@@ -1181,7 +1201,6 @@ _BY_ORIGIN: dict[object, Callable[[object, tuple[Any, ...], _Ctx, str | None], C
     typing.Union: _compile_union,
     types.UnionType: _compile_union,
     typing.Literal: _compile_literal,
-    np.ndarray: _compile_ndarray,
 }
 
 
@@ -1268,4 +1287,6 @@ def compile_type(
         ServiceDefinitionError: ``tp`` (or a type nested in it) is not supported; the
             message names ``where`` and the type.
     """
+    if not _arrays_registered and ("torch" in sys.modules or "numpy" in sys.modules):
+        _register_arrays()
     return _compile(tp, _Ctx(where, localns))

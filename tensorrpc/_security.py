@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final, TypeAlias
 
 import zmq
-import zmq.auth
 from zmq.utils import z85
 
 from tensorrpc._exceptions import ConnectError
@@ -297,6 +296,8 @@ def load_keypair(path: str | os.PathLike[str], *, check_permissions: bool = True
                 " run chmod 600 on it",
                 os.fspath(path),
             )
+    import zmq.auth  # only here: its import (glob, fnmatch) is start-up time of every client
+
     public, secret = zmq.auth.load_certificate(path)
     if secret is None:
         raise ValueError(f"{os.fspath(path)} holds no secret key (is it a public certificate?)")
@@ -316,6 +317,8 @@ def load_public_key(path: str | os.PathLike[str]) -> bytes:
         ValueError: The file holds no valid public key.
         OSError: The file cannot be read.
     """
+    import zmq.auth
+
     public, _ = zmq.auth.load_certificate(path)
     return _check_key(public, f"public key in {os.fspath(path)}")
 

@@ -28,15 +28,17 @@ import secrets
 import socket as _socket
 import time
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Final, TypedDict
+from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 import anyio
 
 from tensorrpc import _codec, _observe
+from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
+from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
     FEATURE_CALL_RELEASES,
     MAX_SIGNATURE_CHARS,
@@ -62,6 +64,7 @@ from tensorrpc._server_protocol import (
 )
 from tensorrpc._server_sockets import ServerSockets
 from tensorrpc._service import describe
+from tensorrpc._text import CONTROL, peer_text
 from tensorrpc._zmq import DEFAULT_OPTIONS, SocketOptions
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
@@ -70,7 +73,7 @@ from tensorrpc.transports._policy import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from types import TracebackType
     from typing import Self, Unpack
 
@@ -85,6 +88,8 @@ __all__ = ["PeerStatistics", "Server", "ServerConfig", "ServerStatistics", "serv
 logger = logging.getLogger("tensorrpc.server")
 
 _NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
+#: Longest peer-written reason shown in a log line or an exception.
+_WHY_CHARS: Final = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,8 +299,10 @@ class Server:
         self._config = cfg = _config(config, dict(options))
         self._spec: ServiceSpec = describe(instance)
         engine_id = cfg.engine_id or f"{_socket.gethostname()}-{os.getpid()}"
-        if "/" in engine_id or len(engine_id.encode()) > 200:
-            raise ValueError("engine_id must be 1..200 bytes of UTF-8 without '/'")
+        if "/" in engine_id or len(engine_id.encode()) > 200 or CONTROL.search(engine_id):
+            raise ValueError(
+                "engine_id must be 1..200 bytes of UTF-8 without '/' or control characters"
+            )
         self._engine_id = engine_id
         self._addresses = _addresses_of(cfg.connect)
         self._binds = _addresses_of(cfg.bind)
@@ -306,6 +313,7 @@ class Server:
         sock_options = cfg.socket_options or DEFAULT_OPTIONS
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
+        self._batches = BatchRunners(self._spec, instance)
         self._proto = ServerProtocol(self._settings(instance))
         self._io = ServerSockets(
             self._proto,
@@ -337,6 +345,7 @@ class Server:
         self._outer_tg: anyio.abc.TaskGroup | None = None
         self._inner_scope: anyio.CancelScope | None = None
         self._observer = _observe.resolve(cfg.observer, cfg.metrics_port)
+        self._said = Said()  # refusals already logged at WARNING
         # Per-method counters for the built-in statistics method, from its first use on.
         self._recorder: _observe.StatisticsRecorder | None = None
         self._started_at = time.time()
@@ -363,7 +372,10 @@ class Server:
         )
         return ProtocolSettings(
             hello=hello,
-            methods={name: (m, getattr(instance, name)) for name, m in spec.methods.items()},
+            methods={
+                name: (m, self._batches.entry(name, getattr(instance, name)))
+                for name, m in spec.methods.items()
+            },
             listen=self._listen,
             max_concurrency=cfg.max_concurrency,
             max_queued=cfg.max_queued,
@@ -435,15 +447,32 @@ class Server:
             strangers_evicted=proto.strangers_evicted,
         )
 
+    def batch_statistics(self) -> Mapping[str, dict[str, Any]]:
+        """Per batched method (``@rpc(batch=...)``): ``batches``, ``items``, ``queued``,
+        ``running`` and the histograms ``sizes`` (items per batch or step -> count),
+        ``queue_wait`` and ``run_time`` (latency bucket -> count, see docs/observability.md).
+        """
+        return self._batches.statistics()
+
     async def __aenter__(self) -> Self:
         if self._started:
             raise RuntimeError("a Server can be entered only once")
         self._started = True
         self._stopped = anyio.Event()
         self._poke = anyio.Event()
-        self._io.open()
         if self._observer is not None:  # observe: the engine opened
-            self._observer.opened(self)
+            # Before binding: a metrics_port in use fails before any socket is bound.
+            try:
+                self._observer.opened(self)
+            except BaseException:
+                self._observer.closed(self)
+                raise
+        try:
+            self._io.open()
+        except BaseException:
+            if self._observer is not None:
+                self._observer.closed(self)
+            raise
         tg = anyio.create_task_group()
         await tg.__aenter__()
         try:
@@ -523,6 +552,7 @@ class Server:
             self._inner_scope = scope
             async with anyio.create_task_group() as tg:
                 self._dispatch.start(tg)
+                self._batches.start(tg)
                 self._io.start(tg, self._accepted, self._flush)
                 tg.start_soon(self._housekeeping)
                 task_status.started()
@@ -596,19 +626,26 @@ class Server:
             self._policy.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
             self._negotiate_shm(event.session, event.welcome)
-            logger.info("engine %r joined client %s", self._engine_id, event.session.name)
+            logger.info(
+                "engine %r joined client %s", self._engine_id, peer_text(event.session.name)
+            )
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
             shm = event.shm
             self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
             log = logger.warning if event.warn else logger.info
-            log("client %s %s", event.session.name, event.why)
+            if event.why.startswith("refused") and not self._said.first(
+                (event.session.name, event.why)
+            ):
+                log = logger.debug  # the same refusal again (a HELLO retried every second)
+            log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
         elif isinstance(event, WelcomedAgain):
             self._negotiate_shm(event.session, event.welcome)
         elif isinstance(event, AllRejected):
             self._fail(
                 HandshakeRejectedError(
-                    f"every client refused engine {self._engine_id!r}: {event.message}",
+                    f"every client refused engine {self._engine_id!r}: "
+                    + peer_text(event.message, _WHY_CHARS),
                     reason=event.reason,
                     engine_id=self._engine_id,
                 )

@@ -292,8 +292,9 @@ class Session:
 
     @property
     def name(self) -> str:
-        """The client's id once known, else its key."""
-        return self.client_id or str(self.key)
+        """The client's id once known, else its key (a routing id in hex)."""
+        key = self.key
+        return self.client_id or (key.hex() if isinstance(key, bytes) else str(key))
 
     def greet(self, hello: Hello, now: float) -> None:
         """Enter GREETING for the new session ``hello`` announces: HELLO is due now."""
@@ -861,7 +862,8 @@ class ServerProtocol(Machine[Hashable, Event]):
             self._refuse_session(
                 session,
                 RejectReason.FINGERPRINT,
-                f"client schema fingerprint {welcome.fingerprint} differs from the engine's {ours}",
+                f"client has a different schema (fingerprint {welcome.fingerprint[:12]}, "
+                f"engine's {ours[:12]})",
                 now,
             )
             return

@@ -27,6 +27,7 @@ import anyio
 import zmq
 
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TransportError
+from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
 if TYPE_CHECKING:
@@ -238,11 +239,11 @@ class ServerSockets:
                 tracker = await self._send_waiting(call, sock, parts, track)
         except (anyio.WouldBlock, PeerUnreachableError, ClosedError) as exc:
             self._proto.send_failed(key, frames, time.monotonic())
-            logger.debug("dropped a reply to %s: %r", call.session.name, exc)
+            logger.debug("dropped a reply to %s: %r", peer_text(call.session.name), exc)
             return
         except TransportError as exc:
             self._proto.send_failed(key, frames, time.monotonic())
-            logger.warning("cannot send a reply to %s: %s", call.session.name, exc)
+            logger.warning("cannot send a reply to %s: %s", peer_text(call.session.name), exc)
             return
         if keepalive is not None:
             self._pending.add(tracker, keepalive)

@@ -47,6 +47,7 @@ from collections.abc import (
 from types import MappingProxyType
 from typing import Any, TypeVar, overload
 
+from tensorrpc._batching import Batching, Continuous
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 from tensorrpc._schema import (
     CompiledType,
@@ -57,18 +58,38 @@ from tensorrpc._schema import (
     too_deep,
 )
 
-__all__ = ["MethodSpec", "ServiceSpec", "describe", "rpc", "service"]
+__all__ = ["BatchSpec", "MethodSpec", "ServiceSpec", "describe", "rpc", "service"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 _RPC_MARK = "_tensorrpc_rpc"
+_BATCH_ATTR = "_tensorrpc_batch"
 _SPEC_ATTR = "_tensorrpc_spec"
 #: Bumped whenever the text hashed into fingerprints changes meaning.
 _FINGERPRINT_VERSION = "tensorrpc-schema-1"
 
 _P = inspect.Parameter
 _STREAM_ORIGINS = (AsyncIterator, AsyncIterable, AsyncGenerator)
+_BATCH_ORIGINS = (list, Sequence)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchSpec:
+    """How a batched method's handler runs (``@rpc(batch=...)``); see docs/batching.md."""
+
+    #: The [`Batching`][tensorrpc.Batching] or [`Continuous`][tensorrpc.Continuous] settings.
+    config: Batching | Continuous
+    #: The handler's own signature, one list per parameter, e.g.
+    #: ``embed(text: list[str]) -> list[Tensor]``.
+    signature: str
+    #: True for an ``async def`` handler; a sync one runs each batch (or step) in a thread.
+    is_async: bool
+
+    @property
+    def continuous(self) -> bool:
+        """True for continuous batching of a stream (one handler call per step)."""
+        return isinstance(self.config, Continuous)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -95,6 +116,7 @@ class MethodSpec:
     #: True for an async generator declared ``-> AsyncIterator[T]``.
     streaming: bool
     #: True for ``async def`` (coroutine or async generator); False for a sync ``def``.
+    #: A batched method's per-item entry point is always async (see ``batch.is_async``).
     is_async: bool
     #: Compiled type of each parameter, in order.
     param_types: tuple[TypeSpec, ...]
@@ -120,6 +142,9 @@ class MethodSpec:
     check_result: Callable[[object], object] = dataclasses.field(repr=False)
     #: Client side: ``decode_result(wire) -> typed value`` for a result or stream item.
     decode_result: Callable[[object], object] = dataclasses.field(repr=False)
+    #: ``@rpc(batch=...)``: how the handler runs; None for a method called once per call.
+    #: The other fields describe one item (what a caller sends and gets).
+    batch: BatchSpec | None = None
 
     @property
     def qualname(self) -> str:
@@ -142,16 +167,36 @@ class ServiceSpec:
 # ----------------------------------------------------------------------------- @rpc
 
 
-def rpc(fn: F, /) -> F:
+@overload
+def rpc(fn: F, /) -> F: ...
+@overload
+def rpc(*, batch: Batching | Continuous | None = None) -> Callable[[F], F]: ...
+def rpc(
+    fn: F | None = None, /, *, batch: Batching | Continuous | None = None
+) -> F | Callable[[F], F]:
     """Mark a method of a ``@service`` class as callable remotely.
 
-    The function is returned unchanged (so type checkers keep its signature); ``@service``
-    compiles it. Checks that need no type resolution happen here.
+    ``@rpc`` and ``@rpc(batch=...)`` both work. The function is returned unchanged (so
+    type checkers keep its signature); ``@service`` compiles it. Checks that need no type
+    resolution happen here.
+
+    With ``batch=Batching(...)`` the handler receives a batch of calls: one ``list[T]``
+    per parameter, returning ``list[R]`` with one result per item; callers see the
+    per-item method ``(T, ...) -> R``. With ``batch=Continuous(...)`` the handler is one
+    step of a stream batch (same lists, one output per active item) and callers see a
+    streaming method ``(T, ...) -> AsyncIterator[R]``. See docs/batching.md.
 
     Raises:
         ServiceDefinitionError: ``fn`` is not a plain function, is a sync generator, takes
-            ``*args``/``**kwargs``/keyword-only parameters, or lacks an annotation.
+            ``*args``/``**kwargs``/keyword-only parameters, or lacks an annotation; or
+            the ``batch`` settings are invalid.
     """
+    if fn is None:
+        return lambda f: _mark(f, batch)
+    return _mark(fn, batch)
+
+
+def _mark(fn: F, batch: Batching | Continuous | None) -> F:
     if not inspect.isfunction(fn):
         raise ServiceDefinitionError(
             f"@rpc must decorate a plain function (put it directly above 'def'), got {fn!r}"
@@ -184,6 +229,13 @@ def rpc(fn: F, /) -> F:
         raise ServiceDefinitionError(
             f"{where}: missing return annotation (write '-> None' if it returns nothing)"
         )
+    if batch is not None:
+        if not isinstance(batch, (Batching, Continuous)):
+            raise ServiceDefinitionError(
+                f"{where}: batch= takes Batching(...) or Continuous(...), got {batch!r}"
+            )
+        batch.check(where)
+        setattr(fn, _BATCH_ATTR, batch)
     setattr(fn, _RPC_MARK, True)
     return fn
 
@@ -308,7 +360,13 @@ def _build_method(
     where = f"{service_name}.{attr}"
     hints = _resolve_hints(fn, where, ns)
     params = list(inspect.signature(fn).parameters.values())[1:]
-    result_tp, streams = _result_annotation(fn, where, hints["return"])
+    batch: BatchSpec | None = None
+    config = getattr(fn, _BATCH_ATTR, None)
+    if config is not None:
+        batch, hints = _batch_hints(where, attr, fn, params, hints, config)
+        result_tp, streams = hints["return"], batch.continuous
+    else:
+        result_tp, streams = _result_annotation(fn, where, hints["return"])
     result = compile_type(result_tp, where=f"{where} return type", localns=ns)
     p = _compile_params(where, params, hints, ns)
     signature = f"{attr}({', '.join(p.sig_parts)}) -> " + (
@@ -324,7 +382,9 @@ def _build_method(
         response_type=response_type,
         params=tuple(p.names),
         streaming=streams,
-        is_async=inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn),
+        is_async=batch is not None
+        or inspect.iscoroutinefunction(fn)
+        or inspect.isasyncgenfunction(fn),
         param_types=tuple(p.types),
         result_type=result,
         defaults=MappingProxyType(p.defaults),
@@ -333,6 +393,7 @@ def _build_method(
         decode_args=_make_decode(where, p.names, p.types, p.defaults),
         check_result=check_result,
         decode_result=decode_result,
+        batch=batch,
     )
     part = {
         "name": attr,
@@ -344,6 +405,52 @@ def _build_method(
         "streaming": streams,
     }
     return method, part
+
+
+def _batch_item(where: str, what: str, tp: object, config: Batching | Continuous) -> object:
+    """``T`` of a batched handler's ``list[T]`` / ``Sequence[T]`` annotation."""
+    bare = tp
+    while typing.get_origin(bare) is typing.Annotated:
+        bare = typing.get_args(bare)[0]
+    args = typing.get_args(bare)
+    if typing.get_origin(bare) not in _BATCH_ORIGINS or len(args) != 1:
+        kind = type(config).__name__
+        raise ServiceDefinitionError(
+            f"{where}: {what} of a {kind} handler must be annotated list[T] (one entry per "
+            f"item; callers pass T), got {_show(tp)}"
+        )
+    return args[0]
+
+
+def _batch_hints(
+    where: str,
+    attr: str,
+    fn: Callable[..., Any],
+    params: list[inspect.Parameter],
+    hints: dict[str, Any],
+    config: Batching | Continuous,
+) -> tuple[BatchSpec, dict[str, Any]]:
+    """A batched handler's spec, and the per-item hints that callers see."""
+    if inspect.isasyncgenfunction(fn):
+        raise ServiceDefinitionError(
+            f"{where}: a batched handler returns one list per batch (or step); it cannot "
+            "'yield' (use Continuous(...) for a stream: each step returns one output per item)"
+        )
+    if not params:
+        raise ServiceDefinitionError(f"{where}: a batched method needs at least one parameter")
+    item_hints: dict[str, Any] = {}
+    for p in params:
+        if p.default is not _P.empty:
+            raise ServiceDefinitionError(
+                f"{where}: parameter '{p.name}' of a batched method cannot have a default "
+                "(every caller passes every argument)"
+            )
+        item_hints[p.name] = _batch_item(where, f"parameter '{p.name}'", hints[p.name], config)
+    item_hints["return"] = _batch_item(where, "the return type", hints["return"], config)
+    parts = [f"{p.name}: {_show(hints[p.name])}" for p in params]
+    signature = f"{attr}({', '.join(parts)}) -> {_show(hints['return'])}"
+    spec = BatchSpec(config=config, signature=signature, is_async=inspect.iscoroutinefunction(fn))
+    return spec, item_hints
 
 
 def _result_annotation(fn: Callable[..., Any], where: str, ret: object) -> tuple[object, bool]:

@@ -7,6 +7,11 @@ Subcommands (``tensorrpc SUBCOMMAND --help`` for each):
 * ``describe module:Class``: print the service (methods, signatures, types, fingerprint).
 * ``call ADDR method k=v ...`` (or ``--arg k=v``, ``-d JSON``): call a method of a running
   engine without its class.
+* ``health ADDR``: exit 0 when an engine at ADDR completes a handshake in time (a probe).
+
+``serve`` takes ``--metrics-port``, ``--tracing`` and CURVE flags, each also from a
+``TENSORRPC_*`` environment variable (see ``tensorrpc._cli_ops``); ``call``, ``describe
+ADDR``, ``health`` and ``top`` take the CURVE flags.
 * ``bench`` / ``demo``: run the benchmark / the multi-engine demo of a repository checkout.
 
 User mistakes (a bad address, an unknown method or class, a malformed ``--arg``, an engine
@@ -29,7 +34,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +42,8 @@ from typing import Any, NoReturn, TypeVar
 import anyio
 
 import tensorrpc
+from tensorrpc import _cli_ops
+from tensorrpc._text import peer_text
 
 __all__ = ["main"]
 
@@ -83,6 +89,7 @@ def _build_parser() -> _Parser:
     _add_serve(sub)
     _add_describe(sub)
     _add_call(sub)
+    _add_health(sub)
     _add_top(sub)
     _add_runners(sub)
     return parser
@@ -135,6 +142,8 @@ def _add_serve(sub: Any) -> None:
         metavar="S",
         help="seconds running calls may take to finish at shutdown",
     )
+    _cli_ops.add_serve_flags(serve)
+    _cli_ops.add_curve_flags(serve, listens=True, dials=True)
     _add_log_level(serve)
 
 
@@ -146,11 +155,25 @@ def _add_describe(sub: Any) -> None:
             "Print a @service class: its name, schema fingerprint and, per method, the "
             "signature, request and response types, whether it streams and whether its "
             "handler is sync or async. Nothing is instantiated for module:Class; a "
-            "module:factory is called to get an instance."
+            "module:factory is called to get an instance. Given an address "
+            "(tcp://HOST:PORT or ipc://PATH) instead, print what the running engine "
+            "there announces (as 'call ADDR --list')."
         ),
     )
-    describe.add_argument("target", metavar="module:Class", help="the service class or factory")
+    describe.add_argument(
+        "target",
+        metavar="module:Class|ADDR",
+        help="the service class or factory, or a running engine's tcp:// or ipc:// address",
+    )
     describe.add_argument("--json", action="store_true", help="print JSON")
+    describe.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="ADDR: seconds for the engine to answer (default 10)",
+    )
+    _cli_ops.add_curve_flags(describe, listens=False, dials=True)
 
 
 def _add_call(sub: Any) -> None:
@@ -213,6 +236,7 @@ def _add_call_options(call: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bind ADDR and wait for an engine to dial in, instead of dialling ADDR",
     )
+    _cli_ops.add_curve_flags(call, listens=True, dials=True)
     call.add_argument(
         "--list", action="store_true", help="list the engine's methods instead of calling"
     )
@@ -273,15 +297,35 @@ def _add_top(sub: Any) -> None:
         help="seconds to wait for an engine and for each answer (default 10)",
     )
     top.add_argument("--count", type=_positive_int, metavar="N", help="stop after N refreshes")
-    top.add_argument(
-        "--curve-keypair",
-        metavar="FILE",
-        help="CURVE: our secret key file (with --curve-server-key)",
-    )
-    top.add_argument(
-        "--curve-server-key", metavar="FILE", help="CURVE: the engines' public key file"
-    )
+    _cli_ops.add_curve_flags(top, listens=False, dials=True)
     _add_log_level(top)
+
+
+def _add_health(sub: Any) -> None:
+    health = sub.add_parser(
+        "health",
+        help="check that an engine answers (exit 0) or not (exit 1)",
+        description=(
+            "A probe for orchestrators: dial ADDR (or, with --bind, wait for an engine to "
+            "dial in) and exit 0 once an engine completes the handshake, printing its id, "
+            "service and pid; exit 1 with the reason when none does within --timeout "
+            "(refused engines are named)."
+        ),
+    )
+    health.add_argument("address", metavar="ADDR", help="the engine's address")
+    health.add_argument("--engine", metavar="ID", help="require this engine id")
+    health.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="seconds for an engine to answer (default 5)",
+    )
+    health.add_argument(
+        "--bind", action="store_true", help="bind ADDR and wait for an engine to dial in"
+    )
+    health.add_argument("--json", action="store_true", help="print the engine as JSON")
+    _cli_ops.add_curve_flags(health, listens=True, dials=True)
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
@@ -294,14 +338,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
         raise CommandError(
             f"tensorrpc top needs rich: pip install 'tensorrpc[top]' ({exc})"
         ) from None
-    curve = None
-    if bool(args.curve_keypair) != bool(args.curve_server_key):
-        raise UsageError("give both --curve-keypair and --curve-server-key, or neither")
-    if args.curve_keypair:
-        curve = tensorrpc.CurveClientConfig(
-            tensorrpc.load_keypair(args.curve_keypair),
-            tensorrpc.load_public_key(args.curve_server_key),
-        )
+    curve = _curve(args, listening=False)
     addresses = [normalize_address(a) for a in args.addresses]
     try:
         return _run(
@@ -507,6 +544,9 @@ def describe_text(spec: tensorrpc.ServiceSpec) -> str:
 
 
 def _cmd_describe(args: argparse.Namespace) -> int:
+    if args.target.startswith(_SCHEMES):  # a running engine: what its HELLO says
+        args.list, args.method, args.engine, args.bind = True, None, None, False
+        return _call_command(args, normalize_address(args.target), {})
     spec, _ = service_of(args.target, instantiate=False)
     if args.json:
         print(json.dumps(describe_dict(spec), indent=2))
@@ -521,7 +561,14 @@ def _cmd_describe(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     connect = [normalize_address(a) for a in args.connect] if args.connect else None
     bind = normalize_address(args.bind) if args.bind else None
+    curve = _curve(args, listening=bind is not None)
     spec, instance = service_of(args.target, instantiate=True)
+    provider = None
+    if args.tracing:
+        try:
+            provider = _cli_ops.configure_tracing(spec.name)
+        except _cli_ops.OptionError as exc:
+            raise CommandError(str(exc)) from None
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
@@ -531,6 +578,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 connect,
                 bind,
                 args,
+                curve,
             )
             where = (
                 f"listening on {server.endpoint}"
@@ -544,6 +592,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 len(spec.methods),
                 where,
             )
+            if args.metrics_port is not None:
+                from tensorrpc import metrics
+
+                logger.info("metrics on http://127.0.0.1:%s/metrics", metrics.bound_port(server))
+            if provider is not None:
+                logger.info("tracing calls (OTEL_TRACES_EXPORTER, default otlp)")
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
                     logger.info("%s: draining", signal.Signals(signum).name)
@@ -554,6 +608,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _run(run)
     except tensorrpc.ConnectError as exc:
         raise CommandError(f"cannot serve: {_one_line(exc)}") from exc
+    except ImportError as exc:  # --metrics-port without prometheus_client
+        raise CommandError(f"cannot serve: {_one_line(exc)}") from exc
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flush the spans still batched
     logger.info("stopped")
     return 0
 
@@ -563,6 +622,7 @@ async def _serve(
     connect: list[str] | None,
     bind: str | None,
     args: argparse.Namespace,
+    curve: tensorrpc.CurveConfig | None,
     *,
     task_status: anyio.abc.TaskStatus[tensorrpc.Server] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -574,6 +634,8 @@ async def _serve(
         max_concurrency=args.workers,
         sync_workers=args.sync_workers,
         grace_period=args.grace_period,
+        curve=curve,
+        metrics_port=args.metrics_port,
         task_status=task_status,
     )
 
@@ -667,14 +729,15 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
     the first ``max_values`` elements (flattened); bytes become ``{"bytes": base64}``;
     dataclasses and mappings become objects; Enums their value.
     """
-    import numpy as np
-    import torch
-
     if value is None or isinstance(value, (bool, int, float, str)):
         return value.value if isinstance(value, enum.Enum) else value
     if isinstance(value, enum.Enum):
         return to_json(value.value, max_values)
-    if isinstance(value, torch.Tensor):
+    # A value is a tensor (an array) only if torch (numpy) is imported: a result without
+    # one does not import them (seconds of start-up).
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    if torch is not None and isinstance(value, torch.Tensor):
         flat = value.detach().reshape(-1)[:max_values]
         if flat.dtype in (torch.bfloat16, torch.float16) or flat.dtype.is_floating_point:
             flat = flat.to(torch.float64)
@@ -690,7 +753,7 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
                 "values": values,
             }
         }
-    if isinstance(value, np.ndarray):
+    if np is not None and isinstance(value, np.ndarray):
         return {
             "tensor": {
                 "dtype": str(value.dtype),
@@ -714,7 +777,7 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
 
 def _render(value: object, *, as_json: bool, max_values: int) -> str:
     if isinstance(value, str) and not as_json:
-        return value
+        return peer_text(value, None, lines=True)  # the engine's text: no escape sequences
     return json.dumps(to_json(value, max_values))
 
 
@@ -749,6 +812,8 @@ def split_signature(signature: str) -> dict[str, str]:
 
 def _tensors_for(arguments: dict[str, object], types: Mapping[str, str]) -> dict[str, object]:
     """Arrays loaded from .npy files become torch tensors unless the parameter is an ndarray."""
+    if "numpy" not in sys.modules:  # no argument came from a .npy file
+        return arguments
     import numpy as np
     import torch
 
@@ -771,8 +836,14 @@ def _engine_text(info: tensorrpc.EngineInfo) -> str:
 async def _call(args: argparse.Namespace, address: str, arguments: dict[str, object]) -> int:
     where = {"bind": address} if args.bind else {"connect": address}
     deadline = anyio.current_time() + args.timeout
-    async with tensorrpc.Client.dynamic(**where) as client:
+    async with tensorrpc.Client.dynamic(**where, curve=args.curve) as client:
         info = await _pick_engine(client, args, address, deadline)
+        if args.health:
+            if args.json:
+                print(json.dumps(_engine_json(info), indent=2))
+            else:
+                print(f"ok: {_engine_text(info)}")
+            return 0
         if args.list:
             _print_methods(info, as_json=args.json)
             return 0
@@ -827,6 +898,16 @@ async def _pick_engine(
     return client.engines[args.engine]
 
 
+def _engine_json(info: tensorrpc.EngineInfo) -> dict[str, Any]:
+    return {
+        "engine_id": info.engine_id,
+        "service": info.service,
+        "fingerprint": info.fingerprint,
+        "pid": info.pid,
+        "protocol_version": info.protocol_version,
+    }
+
+
 def _print_methods(info: tensorrpc.EngineInfo, *, as_json: bool) -> None:
     signatures = info.signatures or tuple(f"{m}(...)" for m in info.methods)
     if as_json:
@@ -862,6 +943,33 @@ def _cmd_call(args: argparse.Namespace) -> int:
     if args.list and (args.args or args.items or args.data is not None):
         raise UsageError("--list takes no arguments")
     arguments = parse_args([*args.items, *args.args], args.data)
+    return _call_command(args, address, arguments)
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    args.health = True
+    return _call_command(args, normalize_address(args.address), {})
+
+
+def _curve(args: argparse.Namespace, *, listening: bool) -> tensorrpc.CurveConfig | None:
+    """The CURVE flags as a configuration; key files that cannot be used: one line."""
+    try:
+        return _cli_ops.curve_config(args, listening=listening)
+    except _cli_ops.OptionError as exc:
+        raise UsageError(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"cannot use the CURVE keys: {_one_line(exc)}") from exc
+
+
+def _call_command(args: argparse.Namespace, address: str, arguments: dict[str, object]) -> int:
+    """Run `_call` (call, health, describe ADDR) and turn its errors into one line."""
+    for name, default in (("health", False), ("list", False), ("stream", False)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    for name in ("max_values", "method"):
+        if not hasattr(args, name):
+            setattr(args, name, DEFAULT_MAX_VALUES if name == "max_values" else None)
+    args.curve = _curve(args, listening=args.bind)
     try:
         return _run(_call, args, address, arguments)
     except tensorrpc.ConnectError as exc:
@@ -903,6 +1011,8 @@ def _cmd_run_module(args: argparse.Namespace) -> int:
     extra = list(args.extra)
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    import subprocess
+
     proc = subprocess.Popen([sys.executable, "-m", module, *extra], cwd=root)
     try:
         return proc.wait()
@@ -939,6 +1049,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": _cmd_serve,
     "describe": _cmd_describe,
     "call": _cmd_call,
+    "health": _cmd_health,
     "top": _cmd_top,
     "bench": _cmd_run_module,
     "demo": _cmd_run_module,
@@ -978,6 +1089,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parse(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
+    try:
+        _cli_ops.apply_environment(args)
+    except _cli_ops.OptionError as exc:
+        print(f"tensorrpc {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     level = getattr(args, "log_level", "warning")
     logging.basicConfig(
         level=level.upper(),

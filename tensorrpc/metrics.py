@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from tensorrpc._client import Client
+from tensorrpc._exceptions import ConnectError
 from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._server import Server
 
@@ -192,6 +193,10 @@ class _Store:
         self.rtt: dict[str, _Histogram] = {}
         self.targets: dict[int, Any] = {}
         self.lock = threading.Lock()  # only for targets (changed from the loop, read by scrapes)
+        #: The sides this process has been ("client", "engine"): only their families are
+        #: exported, so an engine's /metrics has no client families (an alert on "a
+        #: client has no live engines" must not fire on every engine) and vice versa.
+        self.sides: set[str] = set()
 
 
 class PrometheusObserver(Observer):
@@ -232,6 +237,7 @@ class PrometheusObserver(Observer):
         store = self._store
         with store.lock:
             store.targets[id(target)] = target
+            store.sides.add("engine" if isinstance(target, Server) else "client")
         if self._port is not None:
             _http.acquire(target, self._port)
 
@@ -252,6 +258,7 @@ class PrometheusObserver(Observer):
         series = store.client.get(key)
         if series is None:
             series = store.client[key] = _Series(store.buckets, False)
+            store.sides.add("client")
         series.started += 1
         return _ClientCall(series)
 
@@ -263,6 +270,7 @@ class PrometheusObserver(Observer):
         series = store.engine.get(key)
         if series is None:
             series = store.engine[key] = _Series(store.buckets, True)
+            store.sides.add("engine")
         series.started += 1
         return _EngineCall(series)
 
@@ -302,15 +310,20 @@ class _Collector:
         store = self._store
         with store.lock:
             targets = list(store.targets.values()) if with_samples else []
-        clients = [t.statistics() for t in targets if isinstance(t, Client)]
-        engines = [t.statistics() for t in targets if isinstance(t, Server)]
-        yield from _client_call_families(list(store.client.items()) if with_samples else [])
-        yield from _client_event_families(store, with_samples)
-        yield from _client_state_families(clients, with_samples)
-        yield from _transport_families("client", [s.transports for s in clients], with_samples)
-        yield from _engine_call_families(list(store.engine.items()) if with_samples else [])
-        yield from _engine_state_families(engines)
-        yield from _transport_families("engine", [s.transports for s in engines], with_samples)
+            # describe() (registration) names every family; a scrape only those of the
+            # sides this process has been.
+            sides = set(store.sides) if with_samples else {"client", "engine"}
+        if "client" in sides:
+            clients = [t.statistics() for t in targets if isinstance(t, Client)]
+            yield from _client_call_families(list(store.client.items()) if with_samples else [])
+            yield from _client_event_families(store, with_samples)
+            yield from _client_state_families(clients, with_samples)
+            yield from _transport_families("client", [s.transports for s in clients], with_samples)
+        if "engine" in sides:
+            engines = [t.statistics() for t in targets if isinstance(t, Server)]
+            yield from _engine_call_families(list(store.engine.items()) if with_samples else [])
+            yield from _engine_state_families(engines)
+            yield from _transport_families("engine", [s.transports for s in engines], with_samples)
 
 
 _ME: Final = ["method", "engine"]
@@ -518,7 +531,16 @@ class _HttpServers:
         with self._lock:
             entry = self._by_port.get(port) if port else None
             if entry is None:
-                server, thread = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+                try:
+                    server, thread = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+                except OSError as exc:
+                    raise ConnectError(
+                        f"metrics_port={port}: cannot export metrics on 127.0.0.1:{port}: "
+                        f"{exc.strerror or exc}. Another process (another engine on this "
+                        "host?) has that port: give each process its own metrics_port "
+                        "(tensorrpc serve --metrics-port, TENSORRPC_METRICS_PORT), or 0 "
+                        "for a free one"
+                    ) from exc
                 entry = (server, thread, set())
                 self._by_port[port or server.server_port] = entry
             entry[2].add(id(target))
@@ -582,6 +604,10 @@ def exporter(port: int) -> Observer:
 
     Raises:
         ValueError: ``port`` is out of range.
+
+    The exporter starts when the client or engine opens, which raises
+    [`ConnectError`][tensorrpc.ConnectError] naming ``metrics_port`` when another
+    process holds the port (one port per process: see docs/observability.md).
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"metrics_port must be 0..65535, not {port}")

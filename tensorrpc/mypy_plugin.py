@@ -15,6 +15,11 @@ What it does:
   as the stub's call is awaited either way) and [`CallStream[T]`][tensorrpc.CallStream]
   for a streaming method. A name that is not an ``@rpc`` method is an error, as it is at
   run time.
+* Batched methods (``@rpc(batch=Batching(...))`` / ``@rpc(batch=Continuous(...))``,
+  written inline in the decorator): callers see one item, so ``list[T]`` parameters
+  become ``T`` and the ``list[R]`` result becomes ``R`` (a ``CallStream[R]`` for
+  ``Continuous``). The same per-item signature types ``Service.method`` read from the
+  class, which is what ``client.call(Service.method, ...)`` and ``client.stream`` take.
 * [`BlockingStub[S]`][tensorrpc.BlockingStub] attributes (a
   [`BlockingClient`][tensorrpc.BlockingClient]'s stub): the same signatures, returning
   the result ``R`` itself for a unary method and
@@ -63,9 +68,27 @@ def _decorator_name(expr: Expression) -> str | None:
     return expr.fullname if isinstance(expr, RefExpr) else None
 
 
-def _rpc_kind(node: Decorator) -> str | None:
-    if not any(_decorator_name(d) in _RPC_DECORATORS for d in node.original_decorators):
+def _batch_kind(decorator: Expression) -> str | None:
+    """``"batch"`` / ``"continuous"`` for ``@rpc(batch=Batching(...) / Continuous(...))``."""
+    if not isinstance(decorator, CallExpr):
         return None
+    for name, arg in zip(decorator.arg_names, decorator.args, strict=False):
+        if name == "batch" and isinstance(arg, CallExpr) and isinstance(arg.callee, RefExpr):
+            callee = arg.callee.fullname or ""
+            if callee.endswith(".Continuous"):
+                return "continuous"
+            if callee.endswith(".Batching"):
+                return "batch"
+    return None
+
+
+def _rpc_kind(node: Decorator) -> str | None:
+    found = [d for d in node.original_decorators if _decorator_name(d) in _RPC_DECORATORS]
+    if not found:
+        return None
+    batch = _batch_kind(found[0])
+    if batch is not None:
+        return f"{batch}-async" if node.func.is_coroutine else f"{batch}-sync"
     if node.func.is_async_generator:
         return "stream"
     return "async" if node.func.is_coroutine else "sync"
@@ -120,6 +143,9 @@ def _stub_attribute(ctx: AttributeContext, *, name: str, blocking: bool = False)
     if not isinstance(declared, CallableType):
         return ctx.default_attr_type  # unannotated: @service refuses it at run time anyway
     owner = sym.node.func.info
+    if kind.startswith(("batch", "continuous")):
+        declared = _per_item(ctx, declared, kind)
+        kind = "stream" if kind.startswith("continuous") else kind.rpartition("-")[2]
     bound = bind_self(declared, service)
     if owner is not None and owner is not service.type:
         bound = expand_type_by_instance(bound, map_instance_to_supertype(service, owner))
@@ -155,6 +181,42 @@ def _stub_returns(ctx: AttributeContext, kind: str, result: ProperType, *, block
     return ctx.api.named_generic_type("typing.Coroutine", [any_type, any_type, result])
 
 
+_LISTS = frozenset({"builtins.list", "typing.Sequence", "collections.abc.Sequence"})
+
+
+def _list_item(tp: Type) -> Type:
+    """``T`` of ``list[T]`` / ``Sequence[T]`` (Any for anything else: @service refuses it)."""
+    proper = get_proper_type(tp)
+    if isinstance(proper, Instance) and proper.type.fullname in _LISTS and proper.args:
+        return proper.args[0]
+    return AnyType(TypeOfAny.from_error)
+
+
+def _per_item(ctx: AttributeContext, declared: CallableType, kind: str) -> CallableType:
+    """A batched handler's signature as one caller sees it (``self`` kept): each
+    ``list[T]`` parameter becomes ``T``; the result ``list[R]`` becomes ``R`` (in a
+    coroutine for an async handler), or ``AsyncIterator[R]`` for continuous batching."""
+    args = [declared.arg_types[0], *(_list_item(t) for t in declared.arg_types[1:])]
+    ret = get_proper_type(declared.ret_type)
+    if isinstance(ret, Instance) and ret.type.fullname == "typing.Coroutine" and len(ret.args) == 3:
+        ret = get_proper_type(ret.args[2])
+    item = _list_item(ret)
+    any_type = AnyType(TypeOfAny.special_form)
+    if kind.startswith("continuous"):
+        item = ctx.api.named_generic_type("typing.AsyncIterator", [item])
+    elif kind.endswith("-async"):
+        item = ctx.api.named_generic_type("typing.Coroutine", [any_type, any_type, item])
+    return declared.copy_modified(arg_types=args, ret_type=item)
+
+
+def _class_attribute(ctx: AttributeContext, *, kind: str) -> Type:
+    """``Service.method`` of a batched method: the per-item signature (see `_per_item`)."""
+    declared = get_proper_type(ctx.default_attr_type)
+    if not isinstance(declared, CallableType) or not declared.arg_types:
+        return ctx.default_attr_type
+    return _per_item(ctx, declared, kind)
+
+
 class TensorRPCPlugin(Plugin):
     """Types ``Stub[S]`` and ``BlockingStub[S]`` attributes from the ``@rpc`` methods of ``S``."""
 
@@ -168,6 +230,16 @@ class TensorRPCPlugin(Plugin):
         if owner == _BLOCKING_STUB:
             return partial(_stub_attribute, name=name, blocking=True)
         return None
+
+    def get_class_attribute_hook(self, fullname: str) -> Callable[[AttributeContext], Type] | None:
+        owner, _, name = fullname.rpartition(".")
+        sym = self.lookup_fully_qualified(owner) if owner else None
+        if sym is None or not isinstance(sym.node, TypeInfo):
+            return None
+        kind = (_rpc_methods(sym.node) or {}).get(name)
+        if kind is None or not kind.startswith(("batch", "continuous")):
+            return None
+        return partial(_class_attribute, kind=kind)
 
 
 def plugin(version: str) -> type[Plugin]:

@@ -6,6 +6,11 @@ docs/protocol.md §10) and draws, per engine: liveness, calls/s, errors/s, in-fl
 queued calls, latency p50/p99 over the last interval (the engine's: accepting the CALL to
 the end of its handler), bytes/s on the wire and by tensor transport. ``q`` or Ctrl-C
 quits. Without a terminal it prints one plain table per refresh.
+
+What an engine sends is drawn as plain text: ids and notes are escaped
+(`tensorrpc._text.peer_text`) and shown as ``rich.text.Text``, never as markup, and a
+statistics answer is checked (`check_statistics`) before it is used; a bad one becomes
+that engine's note and top goes on.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import anyio
 from tensorrpc import _observe
 from tensorrpc._client import Client
 from tensorrpc._exceptions import TensorRPCError
+from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator, Sequence
@@ -32,7 +38,78 @@ if TYPE_CHECKING:
 
     from tensorrpc._security import CurveConfig
 
-__all__ = ["EngineView", "percentile", "run", "table"]
+__all__ = ["EngineView", "check_statistics", "percentile", "run", "table"]
+
+#: Longest engine id or note drawn (characters, escapes included).
+_SHOWN_CHARS = 64
+#: Most latency buckets one method of a statistics answer may list.
+_MAX_BUCKETS = 4096
+#: Most methods a statistics answer may list.
+_MAX_METHODS = 4096
+_COUNTERS = ("calls", "errors", "bytes_in", "bytes_out")
+_TRANSPORT_COUNTERS = ("bytes_sent", "bytes_received")
+
+
+def _count(where: str, value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{where} is not a count")
+    return value
+
+
+def _check_latency(latency: object, per_octave: int) -> None:
+    if not isinstance(latency, list) or len(latency) > _MAX_BUCKETS:
+        raise ValueError("a method's latency is not a list of at most 4096 buckets")
+    for pair in latency:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise ValueError("a latency bucket is not a [bucket, count] pair")
+        if type(pair[0]) is not int or abs(pair[0]) > 64 * per_octave:  # 2**64 µs at most
+            raise ValueError("a latency bucket index is out of range")
+        _count("a latency count", pair[1])
+
+
+def check_statistics(body: object) -> dict[str, Any]:
+    """``body`` (an engine's statistics answer) if top can use it.
+
+    Checks what top reads: a finite ``time``; counts (non-negative integers) for calls,
+    errors, bytes, in-flight and queued calls and the transports' bytes; a
+    ``latency_buckets_per_octave`` of 1..64; methods mapping names to ``latency`` lists
+    of ``[bucket, count]`` integer pairs (bounded in number).
+
+    Args:
+        body: The decoded answer.
+
+    Returns:
+        ``body``, unchanged.
+
+    Raises:
+        ValueError: The answer is not what the statistics method documents (the
+            message names the first field at fault; it holds no engine-written text).
+    """
+    if not isinstance(body, dict):
+        raise ValueError("the answer is not a map")
+    t = body.get("time")
+    if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
+        raise ValueError("time is not a finite number")
+    for name in (*_COUNTERS, "in_flight", "queued"):
+        _count(name, body.get(name))
+    per_octave = body.get("latency_buckets_per_octave", _observe.LATENCY_BUCKETS_PER_OCTAVE)
+    if type(per_octave) is not int or not 1 <= per_octave <= 64:
+        raise ValueError("latency_buckets_per_octave is not in 1..64")
+    transports = body.get("transports")
+    if not isinstance(transports, dict):
+        raise ValueError("transports is not a map")
+    for name in ("frames", "torch_shm"):
+        counters = transports.get(name)
+        if not isinstance(counters, dict):
+            raise ValueError(f"transports.{name} is not a map")
+        for counter in _TRANSPORT_COUNTERS:
+            _count(f"transports.{name}.{counter}", counters.get(counter))
+    methods = body.get("methods")
+    if not isinstance(methods, dict) or len(methods) > _MAX_METHODS:
+        raise ValueError("methods is not a map of at most 4096 entries")
+    for method in methods.values():
+        _check_latency(method.get("latency") if isinstance(method, dict) else None, per_octave)
+    return body
 
 
 def percentile(counts: dict[int, int], q: float, per_octave: int) -> float | None:
@@ -71,8 +148,16 @@ class EngineView:
     p50: float | None = None
     p99: float | None = None
 
-    def update(self, stats: dict[str, Any]) -> None:
-        """Take a new statistics answer; compute the rates since the previous one."""
+    def update(self, stats: object) -> None:
+        """Take a new statistics answer; compute the rates since the previous one.
+
+        An answer `check_statistics` refuses is not taken: the reason becomes the note.
+        """
+        try:
+            stats = check_statistics(stats)
+        except ValueError as exc:
+            self.note = f"bad statistics: {exc}"
+            return
         self.previous, self.current = self.current, stats
         self.note = ""
         prev = self.previous
@@ -139,6 +224,7 @@ def table(views: Sequence[EngineView], title: str) -> Table:
     """The rich table of one refresh."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
     for name, justify in (
@@ -161,9 +247,9 @@ def table(views: Sequence[EngineView], title: str) -> Table:
         s = v.current or {}
         r = v.rates
         state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
-        t.add_row(
-            v.engine_id,
-            state,
+        t.add_row(  # an engine's strings: escaped, and Text (never markup)
+            Text(peer_text(v.engine_id, _SHOWN_CHARS)),
+            Text(peer_text(state, _SHOWN_CHARS + 12)),
             _rate(r.get("calls")),
             _rate(r.get("errors")),
             str(s.get("in_flight", "-")),
@@ -210,7 +296,7 @@ async def _poll(client: Client[Any], views: dict[str, EngineView], patience: flo
                 _observe.STATISTICS_METHOD
             )
         except TensorRPCError as exc:
-            view.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+            view.note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:60]}"
             continue
         view.update(stats)
 

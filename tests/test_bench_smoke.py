@@ -159,3 +159,70 @@ def test_call_cpu_reports_client_and_engine_cpu_per_call() -> None:
         assert figures["wall_us"] > 0
         assert 0 < figures["client_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
         assert 0 < figures["engine_cpu_us"] <= figures["wall_us"] * (os.cpu_count() or 1)
+
+
+def test_report_divides_each_tensorrpc_line_by_a_copy_of_its_own_sources(tmp_path: Path) -> None:
+    from bench import _report
+
+    results: dict[str, Any] = {
+        "quick": True,
+        "duration_s": 1.0,
+        "machine": {"cpus_usable": 2},
+        "transfer": {
+            "sizes": [4096, 64 << 20],
+            "notes": {},
+            "systems": {
+                _report.NEW: {
+                    "small": {"median_us": 100.0},
+                    "sizes": {"4096": {"median_us": 300.0}, str(64 << 20): {"median_us": 6000.0}},
+                    "copy_": {"4096": {"median_us": 2.0}, str(64 << 20): {"median_us": 5000.0}},
+                },
+            },
+        },
+    }
+    paths = _report.write(results, tmp_path)
+    md = paths["markdown"].read_text(encoding="utf-8")
+    table = md.split("## Transfer ÷ one copy_ of the same source")[1]
+    assert f"| {_report.NEW} | 150.00{_report.TIMES} (2 µs) | 1.20{_report.TIMES} (5 ms) |" in table
+    data = json.loads(paths["json"].read_text(encoding="utf-8"))
+    target = next(t for t in data["targets"] if t["id"] == "tx_shm_new_64m_copy")
+    assert (target["value"], target["met"]) == (1.2, True)
+
+
+def test_dataloader_batches_are_shared_new_each_call_and_of_the_size_asked() -> None:
+    from bench.transfer import Batches
+
+    batches = Batches(window=3)
+    try:
+        seen = []
+        for size in (4096, 4096, 4096, 4096, 8192, 4096):
+            b = batches.take(size)
+            assert b.nbytes == size
+            assert b.is_shared()  # type: ignore[no-untyped-call]
+            assert float(b[-1]) == size // 4 - 1
+            seen.append(b.untyped_storage().data_ptr())
+        # every batch handed out is a new one (windows are held until the next window)
+        assert len(set(seen[:3])) == 3
+    finally:
+        batches.close()
+
+
+def test_startup_measures_the_commands_and_none_imports_torch() -> None:
+    # Start-up time is measured by bench.startup, never asserted here; what a test can
+    # hold is that it runs and that none of the commands imports torch.
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.startup", "--runs", "1", "--no-torch-line"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("1 runs each")
+    names = ["--version", "call (live engine)", "call (nobody, --timeout 1)"]
+    assert [line[:28].rstrip() for line in lines[1:]] == names
+    for line in lines[1:]:
+        assert "imports torch: no" in line, line

@@ -47,8 +47,11 @@ def _names_bound_in_init() -> set[str]:
     """Every name ``tensorrpc/__init__.py`` binds at module level (imports and assignments)."""
     tree = ast.parse(INIT.read_text(encoding="utf-8"))
     names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom | ast.Import):
+    body = list(tree.body)
+    for node in body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            body.extend(node.body)  # the imports type checkers read (see _EXPORTS)
+        elif isinstance(node, ast.ImportFrom | ast.Import):
             for alias in node.names:
                 names.add((alias.asname or alias.name).split(".")[0])
         elif isinstance(node, ast.Assign):
@@ -94,9 +97,24 @@ def test_every_public_name_defined_in_init_is_in_all() -> None:
     public = {
         name
         for name in _names_bound_in_init()
-        if not name.startswith("_") and name not in {"annotations"}
+        if not name.startswith("_") and name not in {"annotations", "TYPE_CHECKING"}
     }
     assert sorted(public - set(tensorrpc.__all__)) == []
+
+
+def test_the_lazy_exports_are_the_imports_type_checkers_read() -> None:
+    # `import tensorrpc` imports nothing; each name is imported from its module on first
+    # use (_EXPORTS), and type checkers read the TYPE_CHECKING imports: both must agree.
+    tree = ast.parse(INIT.read_text(encoding="utf-8"))
+    (block,) = (n for n in tree.body if isinstance(n, ast.If))
+    imported = {
+        alias.asname or alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported == tensorrpc._EXPORTS
+    assert set(imported) == set(tensorrpc.__all__)
 
 
 def test_every_public_attribute_of_the_package_is_exported() -> None:
@@ -107,7 +125,7 @@ def test_every_public_attribute_of_the_package_is_exported() -> None:
         for name, value in vars(tensorrpc).items()
         if not name.startswith("_")
         and not inspect.ismodule(value)
-        and name not in {"annotations"}
+        and name not in {"annotations", "TYPE_CHECKING"}
         and name not in tensorrpc.__all__
     ]
     assert stray == []
@@ -180,3 +198,26 @@ def test_import_tensorrpc_never_imports_the_optional_integrations() -> None:
     assert found["optional imported"] == []
     # ...and the integration modules do load them (so the check above can fail)
     assert found["tensorrpc.metrics imports prometheus_client"] is True
+
+
+def test_import_tensorrpc_imports_no_module_of_its_own() -> None:
+    # Each name is imported on first use (tensorrpc/__init__.py); torch's import is seconds.
+    assert report()["import tensorrpc loads"] == ["tensorrpc"]
+
+
+def test_the_version_command_imports_neither_torch_nor_numpy() -> None:
+    assert report()["tensorrpc --version imports"] == []
+
+
+def test_a_call_of_plain_values_imports_neither_torch_nor_numpy() -> None:
+    found = report()
+    assert found["plain call"] == 7  # an engine and a client in one process, one call
+    assert found["a plain call imports"] == []
+
+
+def test_tensors_work_when_torch_is_imported_after_tensorrpc() -> None:
+    # The same process, after the plain call: the codec's dtype tables and the validators'
+    # Tensor type are filled in on first use.
+    found = report()
+    assert found["tensor call"] == [[0, 2, 4], [1.0, 1.0]]
+    assert found["tensor refused"] == "Tensors.double: req.x: expected Tensor, got list ([1])"

@@ -32,9 +32,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
-import torch
-
 from tensorrpc._exceptions import TensorTransportError
+from tensorrpc._lazy import LazyModule
 from tensorrpc._protocol import Hello, Proof, Welcome
 from tensorrpc.transports._shm_auth import CHALLENGE_BYTES, Role, ShmLink, decide, new_challenge
 from tensorrpc.transports._shm_pool import pid as current_pid
@@ -50,9 +49,12 @@ from tensorrpc.transports.torch_shm import (
 if TYPE_CHECKING:
     from collections.abc import Hashable, Sequence
 
+    import torch
     from typing_extensions import Buffer
 
     from tensorrpc.transports._shm_holds import Holds
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "DEFAULT_SHM_THRESHOLD",

@@ -20,10 +20,15 @@ import math
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from tensorrpc._lazy import LazyModule
 from tensorrpc.transports._shm_pool import PAGE_SIZE, map_shared_owned, pid as current_pid
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = ["SharedBlock", "lookup", "share", "shared_empty"]
 
@@ -67,7 +72,7 @@ def _forget(addr: int, fd: int) -> None:
 
 
 def shared_empty(
-    *size: int | tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype = torch.float32
+    *size: int | tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """An uninitialised CPU tensor in tensorrpc shared memory.
 
@@ -78,7 +83,8 @@ def shared_empty(
 
     Args:
         *size: The shape, as integers or one sequence (like ``torch.empty``).
-        dtype: The element type.
+        dtype: The element type; None (the default) is torch's default dtype
+            (``torch.get_default_dtype()``, float32 unless changed), as for ``torch.empty``.
 
     Returns:
         A C-contiguous tensor (its bytes are zero on creation).
@@ -93,6 +99,8 @@ def shared_empty(
         shape = tuple(int(n) for n in size)  # type: ignore[arg-type]
     if any(n < 0 for n in shape):
         raise ValueError(f"negative dimension in {shape}")
+    if dtype is None:
+        dtype = torch.get_default_dtype()
     nbytes = math.prod(shape) * dtype.itemsize
     length = max(PAGE_SIZE, -(-nbytes // PAGE_SIZE) * PAGE_SIZE)
     pid = os.getpid()

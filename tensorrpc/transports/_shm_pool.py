@@ -11,6 +11,14 @@ Three pieces, none of which knows about handles or the wire:
   ``/dev/shm``, so nothing can be left there, even after ``kill -9``) and hands out
   64-byte aligned regions of them with a first-fit free list. Segments are kept and reused:
   creating and faulting in a fresh segment per transfer costs several times the copy.
+  **Each segment belongs to one peer** (its *owner*): a receiver maps whole segments, so
+  a segment that ever held one peer's region is never given to another; a peer's mapping
+  reaches its own regions only, never those leased to other peers.
+* `fill` copies into a region. Pages the segment has never had are written with
+  ``pwrite(2)``: the kernel allocates them already filled (a page fault per 4 KiB page
+  instead zeroes each page, then copies; about twice the cost for 64 MiB). A background
+  thread then maps those pages into our own mapping (``MADV_POPULATE_WRITE``), off the
+  caller's path, so the next copy into them is a plain ``memmove`` with no fault.
 * `BufferCache` recycles the receiver's private destination buffers for large
   tensors: when the user drops a received tensor its pages go back to a free list instead
   of to the kernel, so the next copy-out writes to pages that are already faulted in.
@@ -26,10 +34,14 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-import torch
+from tensorrpc._lazy import LazyModule
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Hashable
+
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "PAGE_SIZE",
@@ -38,7 +50,11 @@ __all__ = [
     "BufferCache",
     "Segment",
     "SegmentPool",
+    "Warmer",
     "map_shared",
+    "cold",
+    "fill",
+    "mark_warm",
     "map_shared_owned",
     "memfd_device",
     "pid",
@@ -81,6 +97,8 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mremap.restype = ctypes.c_void_p
 _libc.mremap.argtypes = [
     ctypes.c_void_p,
@@ -94,6 +112,10 @@ _MREMAP_FIXED = 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): fault pages in writable, in one call.
+_MADV_POPULATE_WRITE = 23
+#: Granule of a segment's record of which pages our mapping has faulted in.
+WARM_CHUNK = 2 << 20
 
 
 def _mmap(fd: int, length: int, offset: int, flags: int) -> int:
@@ -204,11 +226,17 @@ def _round_up(n: int, to: int) -> int:
 
 
 class Segment:
-    """One sealed memfd, mapped once, carved into regions by a first-fit free list."""
+    """One sealed memfd, mapped once, carved into regions by a first-fit free list.
 
-    __slots__ = ("dev", "fd", "free", "ino", "name", "size", "used", "view")
+    Args:
+        name: the memfd's name.
+        size: its size in bytes (sealed: it never changes).
+        owner: the one peer whose regions it holds (see `SegmentPool`).
+    """
 
-    def __init__(self, name: str, size: int) -> None:
+    __slots__ = ("dev", "fd", "free", "ino", "name", "owner", "size", "used", "view", "warm")
+
+    def __init__(self, name: str, size: int, owner: Hashable = None) -> None:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
@@ -233,6 +261,10 @@ class Segment:
         #: Free ranges as ``[offset, size]`` pairs, sorted by offset, never adjacent.
         self.free: list[list[int]] = [[0, size]]
         self.used = 0
+        self.owner = owner
+        #: Per `WARM_CHUNK` of the segment: 1 once our mapping has its pages (a ``memmove``
+        #: into it faults nothing); 0 while they may be absent (`fill` uses ``pwrite``).
+        self.warm = bytearray(-(-size // WARM_CHUNK))
 
     def alloc(self, n: int) -> int | None:
         """Take ``n`` bytes (a multiple of `REGION_ALIGN`); return the offset or None."""
@@ -271,23 +303,49 @@ class Segment:
         self.view = torch.empty(0, dtype=torch.uint8)
 
 
+class _Retired:
+    """The owner of segments whose peer is gone: closed as soon as they empty."""
+
+    __slots__ = ()
+
+
 class SegmentPool:
     """Sender-side pool of reusable memfd segments (not thread-safe: the caller locks).
 
+    Every segment has one owner (the peer its regions are leased to): a region for a peer
+    is carved only from that peer's segments, because a receiver maps whole segments and
+    would otherwise reach regions leased to other peers. A peer's first segment is small
+    (``min_segment_bytes``); each new one doubles what the peer has, up to
+    ``segment_bytes``. Pages are only allocated where regions were written, so a large,
+    sparsely used segment costs little memory.
+
     Args:
         prefix: memfd name prefix; segments are named ``<prefix><pid>-<n>``.
-        segment_bytes: size of an ordinary segment; larger requests get a segment of their
+        segment_bytes: largest ordinary segment; a larger request gets a segment of its
             own, rounded up to 2 MiB.
         max_bytes: the pool never holds more than this in segments (busy or idle).
-        keep_bytes: idle segments beyond this total are closed as soon as they empty.
+        keep_bytes: idle segments beyond this total are closed as soon as they empty,
+            except each peer's last ordinary segment (closed under ``max_bytes`` pressure
+            or by `close_owner`).
+        min_segment_bytes: size of a peer's first ordinary segment.
     """
 
-    def __init__(self, prefix: str, *, segment_bytes: int, max_bytes: int, keep_bytes: int) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        *,
+        segment_bytes: int,
+        max_bytes: int,
+        keep_bytes: int,
+        min_segment_bytes: int = 1 << 20,
+    ) -> None:
         self.prefix = prefix
         self.segment_bytes = segment_bytes
         self.max_bytes = max_bytes
         self.keep_bytes = keep_bytes
+        self.min_segment_bytes = min(min_segment_bytes, segment_bytes)
         self.segments: list[Segment] = []
+        self._owned: dict[Hashable, list[Segment]] = {}
         self._seq = 0
 
     @property
@@ -300,8 +358,12 @@ class SegmentPool:
         """Bytes in regions currently handed out."""
         return sum(s.used for s in self.segments)
 
-    def allocate(self, nbytes: int) -> tuple[Segment, int, int] | None:
-        """A region with room for a header and ``nbytes`` of data.
+    def owned(self, owner: Hashable) -> list[Segment]:
+        """The segments of ``owner`` (a copy)."""
+        return list(self._owned.get(owner, ()))
+
+    def allocate(self, nbytes: int, owner: Hashable = None) -> tuple[Segment, int, int] | None:
+        """A region of one of ``owner``'s segments with room for a header and ``nbytes``.
 
         Returns:
             ``(segment, region offset, region size)``, or None when the pool is at
@@ -311,47 +373,187 @@ class SegmentPool:
             OSError: creating a segment failed (out of memory, descriptor limit).
         """
         n = REGION_HEADER + _round_up(max(nbytes, 1), REGION_ALIGN)
-        for seg in self.segments:
-            off = seg.alloc(n)
-            if off is not None:
-                return seg, off, n
-        size = self.segment_bytes if n <= self.segment_bytes else _round_up(n, 2 << 20)
+        mine = self._owned.get(owner)
+        if mine:
+            for seg in mine:
+                off = seg.alloc(n)
+                if off is not None:
+                    return seg, off, n
+        size = self._new_size(n, sum(s.size for s in mine) if mine else 0)
         if self.total_bytes + size > self.max_bytes:
-            self._trim(0)
+            self._trim(0, spare=False)
             if self.total_bytes + size > self.max_bytes:
                 return None
         self._seq += 1
-        seg = Segment(f"{self.prefix}{os.getpid()}-{self._seq}", size)
+        seg = Segment(f"{self.prefix}{os.getpid()}-{self._seq}", size, owner)
         self.segments.append(seg)
+        self._owned.setdefault(owner, []).append(seg)
         off = seg.alloc(n)
         assert off is not None
         return seg, off, n
 
+    def _new_size(self, n: int, have: int) -> int:
+        if n > self.segment_bytes:
+            return _round_up(n, 2 << 20)
+        want = max(self.min_segment_bytes, have, 1 << (n - 1).bit_length())
+        return _round_up(min(self.segment_bytes, want), PAGE_SIZE)
+
     def release(self, seg: Segment, off: int, n: int) -> None:
         """Return a region; close idle segments beyond ``keep_bytes``."""
         seg.release(off, n)
-        if seg.used == 0 and self.total_bytes > self.keep_bytes:
-            self._trim(self.keep_bytes)
+        if seg.used == 0:
+            if isinstance(seg.owner, _Retired):
+                self._close(seg)
+            elif self.total_bytes > self.keep_bytes:
+                self._trim(self.keep_bytes, spare=True)
 
-    def _trim(self, keep: int) -> None:
+    def close_owner(self, owner: Hashable) -> int:
+        """``owner`` is gone: close its idle segments now, and its busy ones as soon as
+        they empty; none of them is handed out again. Returns how many were closed now."""
+        mine = self._owned.pop(owner, [])
+        retired = _Retired()
+        closed = 0
+        for seg in mine:
+            if seg.used == 0:
+                self._close(seg)
+                closed += 1
+            else:
+                seg.owner = retired
+        return closed
+
+    def _close(self, seg: Segment) -> None:
+        if seg in self.segments:
+            self.segments.remove(seg)
+        mine = self._owned.get(seg.owner)
+        if mine is not None and seg in mine:
+            mine.remove(seg)
+            if not mine:
+                del self._owned[seg.owner]
+        seg.close()
+
+    def _trim(self, keep: int, *, spare: bool) -> None:
         total = self.total_bytes
         for seg in list(self.segments):
             if total <= keep:
                 break
-            if seg.used == 0 and seg in self.segments:
-                self.segments.remove(seg)
-                total -= seg.size
-                seg.close()
+            if seg.used or seg not in self.segments:
+                continue
+            if spare and seg.size <= self.segment_bytes:
+                mine = self._owned.get(seg.owner)
+                if mine is not None and len(mine) == 1:
+                    continue  # the peer's warm segment: its next call needs no new one
+            total -= seg.size
+            self._close(seg)
 
     def close(self) -> None:
         """Close every segment (views still held elsewhere keep their mapping)."""
         for seg in self.segments:
             seg.close()
         self.segments.clear()
+        self._owned.clear()
 
     def abandon(self) -> None:
         """After ``fork()``: the child must not allocate from its parent's segments."""
         self.close()
+
+
+class Warmer:
+    """Faults written pages into segments' mappings on a background thread.
+
+    `fill` writes a region's cold pages with ``pwrite`` (our own mapping of them stays
+    empty) and hands the range here; the thread maps those pages in
+    (``MADV_POPULATE_WRITE``) and marks the segment's chunks warm, so the next copy into
+    them is a ``memmove`` that faults nothing. The thread lives while there is work and
+    is joined by `close`. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: list[tuple[Segment, torch.Tensor, int, int]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, seg: Segment, start: int, end: int) -> None:
+        """Fault in ``start .. end`` of ``seg``'s mapping (chunk multiples) soon."""
+        with self._lock:
+            if self._closed:
+                return
+            self._jobs.append((seg, seg.view, start, end))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="tensorrpc-shm-warmer", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs or self._closed:
+                    self._jobs.clear()
+                    self._thread = None
+                    return
+                seg, view, start, end = self._jobs.pop(0)
+            if view.numel() >= end:  # (a closed segment's view is empty: nothing to do)
+                # The job holds `view`, so the mapping outlives this call. A failure
+                # (a kernel without MADV_POPULATE_WRITE) leaves the pages to fault in on
+                # the next memmove, as they would without this thread.
+                _libc.madvise(view.data_ptr() + start, end - start, _MADV_POPULATE_WRITE)
+            mark_warm(seg, start, end - start)
+
+    def idle(self, timeout: float) -> bool:
+        """Wait (bounded) until no job is pending; whether that happened (for tests)."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Drop pending jobs and join the thread (bounded)."""
+        with self._lock:
+            self._closed = True
+            self._jobs.clear()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+
+def fill(
+    seg: Segment, view: torch.Tensor, off: int, src: torch.Tensor, fd: int, warmer: Warmer
+) -> None:
+    """Copy the contiguous ``src`` into ``seg`` at byte ``off``.
+
+    ``view`` is the segment's mapping and ``fd`` a descriptor of it, both taken by the
+    caller while it held the pool's lock (a concurrent close can neither unmap the one nor
+    redirect the other); ``fd`` is -1 where every chunk was warm then.
+
+    Where the segment's chunks are warm (our mapping has the pages): one ``memmove``.
+    Otherwise ``pwrite`` through ``fd``, which allocates the pages already filled instead
+    of zeroing each in a fault before the copy, and ``warmer`` maps them in afterwards.
+    """
+    nbytes = src.numel() * src.element_size()
+    first, last = off // WARM_CHUNK, (off + nbytes - 1) // WARM_CHUNK
+    if fd < 0 or all(seg.warm[first : last + 1]):
+        ctypes.memmove(view.data_ptr() + off, src.data_ptr(), nbytes)
+        return
+    data = memoryview((ctypes.c_char * nbytes).from_address(src.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        done += os.pwrite(fd, data[done:], off + done)
+    warmer.submit(seg, first * WARM_CHUNK, min(seg.size, (last + 1) * WARM_CHUNK))
+
+
+def cold(seg: Segment, off: int, nbytes: int) -> bool:
+    """Whether some page of ``seg``'s bytes ``off .. off+nbytes`` may be missing from our
+    mapping (a copy there would fault)."""
+    return not all(seg.warm[off // WARM_CHUNK : (off + max(nbytes, 1) - 1) // WARM_CHUNK + 1])
+
+
+def mark_warm(seg: Segment, off: int, nbytes: int) -> None:
+    """Record that our mapping now has the pages of ``off .. off+nbytes``."""
+    first, last = off // WARM_CHUNK, (off + max(nbytes, 1) - 1) // WARM_CHUNK
+    seg.warm[first : last + 1] = b"\x01" * (last + 1 - first)
 
 
 def _size_class(n: int) -> int:

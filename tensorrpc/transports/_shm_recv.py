@@ -13,6 +13,13 @@ Mappings are lazy (no ``MAP_POPULATE``: a sparse segment costs nothing but the p
 tensor really reads) and kept in a per-peer LRU keyed by ``(pid, dev, ino)``, bounded by
 count and by bytes per peer; a segment bigger than the per-peer budget is mapped only
 over the page-aligned range the handle needs, and not kept.
+
+A kept mapping must not outlive the sender's use of the file: the sender closes a pool
+segment it trims and the memfd of a `tensorrpc.share` tensor it frees, and our mapping
+would then be all that keeps that memory. `Receiver.prune` drops every kept mapping
+whose file the sender no longer has open (``/proc/<pid>/fd/<n>`` is gone or is another
+file); it runs before each new mapping of that peer and at each sweep of the transport
+(once per heartbeat interval). Tensors built on a mapping keep it, as they must.
 """
 
 from __future__ import annotations
@@ -28,8 +35,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Final
 
-import torch
-
+from tensorrpc._lazy import LazyModule
 from tensorrpc.transports._shm_auth import SECRET_BYTES, ProbeHandle
 from tensorrpc.transports._shm_handle import (
     CUDA_TAIL,
@@ -55,6 +61,10 @@ from tensorrpc.transports._shm_pool import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
+    import torch
+else:
+    torch = LazyModule("torch", globals())
+
 __all__ = ["Receiver", "SegmentMaps", "ShmReceiving", "ShmResolver", "refuse_all"]
 
 logger = logging.getLogger("tensorrpc.transports")
@@ -73,6 +83,18 @@ _CUDA: Final = HandleKind.CUDA
 _NO_ATTACH = "cannot attach to the handle (not a live tensorrpc segment of the peer)"
 
 
+def _still_open(key: tuple[int, int, int], fd: int) -> bool:
+    """Whether the process ``key[0]`` still has file ``(key[1], key[2])`` open as ``fd``."""
+    pid, dev, ino = key
+    if fd < 0:
+        return True  # (not known: kept until evicted)
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return False
+    return st.st_dev == dev and st.st_ino == ino
+
+
 def _read_u64(addr: int) -> int:
     return int(ctypes.c_uint64.from_address(addr).value)
 
@@ -80,10 +102,12 @@ def _read_u64(addr: int) -> int:
 class _Mapped:
     """A kept mapping and its typed views (made on first use, dropped with the mapping)."""
 
-    __slots__ = ("typed", "view")
+    __slots__ = ("fd", "typed", "view")
 
-    def __init__(self, view: torch.Tensor) -> None:
+    def __init__(self, view: torch.Tensor, fd: int) -> None:
         self.view = view
+        #: The descriptor number in the sender that names the file (for `Receiver.prune`).
+        self.fd = fd
         #: dtype -> (``view`` reinterpreted as that dtype, its storage offset).
         self.typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
 
@@ -142,8 +166,9 @@ class SegmentMaps:
             typed = entry.typed[dtype] = (as_dtype, int(as_dtype.storage_offset()))
         return view, typed
 
-    def put(self, key: tuple[int, int, int], view: torch.Tensor) -> bool:
-        """Keep a whole-segment mapping; False when it is over the per-peer budget."""
+    def put(self, key: tuple[int, int, int], view: torch.Tensor, fd: int = -1) -> bool:
+        """Keep a whole-segment mapping of the sender's descriptor ``fd``; False when it
+        is over the per-peer budget."""
         size = view.numel()
         pid = key[0]
         if size > self.max_bytes_per_peer or self.max_segments <= 0:
@@ -155,9 +180,13 @@ class SegmentMaps:
             self._evict(next(k for k in self._maps if k[0] == pid))
         while len(self._maps) >= self.max_segments:
             self._evict(next(iter(self._maps)))
-        self._maps[key] = _Mapped(view)
+        self._maps[key] = _Mapped(view, fd)
         self._bytes[pid] = self._bytes.get(pid, 0) + size
         return True
+
+    def kept(self, pid: int | None = None) -> list[tuple[tuple[int, int, int], int]]:
+        """``(key, sender's fd)`` of every kept mapping (of ``pid`` only, if given)."""
+        return [(k, m.fd) for k, m in self._maps.items() if pid is None or k[0] == pid]
 
     def evict(self, key: tuple[int, int, int]) -> None:
         """Drop one mapping and its typed views if kept (tensors on it keep it mapped)."""
@@ -207,8 +236,29 @@ class Receiver:
         self.bytes_received = 0
         #: Of those, tensors received by alias (SHARED and CUDA handles).
         self.tensors_aliased = 0
+        #: Kept mappings dropped because the sender had closed their file (`prune`).
+        self.pruned = 0
         #: Leases held by tensors built on peers' pool regions (one-copy receive).
         self.holds = Holds()
+
+    # -- mappings the sender freed ---------------------------------------------------------
+
+    def prune(self, pid: int | None = None) -> int:
+        """Drop the kept mappings (of ``pid``, or of every peer) whose file the sender no
+        longer holds open. Returns how many.
+
+        ``/proc/<pid>/fd/<n>`` is stat-ed (one system call per kept segment): gone, or
+        another file (the number was reused, or the process), means the sender closed it.
+        """
+        with self._lock:
+            kept = self.maps.kept(pid)
+        dead = [key for key, fd in kept if not _still_open(key, fd)]
+        if dead:
+            with self._lock:
+                for key in dead:
+                    self.maps.evict(key)
+                self.pruned += len(dead)
+        return len(dead)
 
     # -- probes ----------------------------------------------------------------------------
 
@@ -350,9 +400,11 @@ class Receiver:
             if end > size:
                 raise fail("the handle reaches past the end of its segment")
             if size <= self.maps.max_bytes_per_peer:
+                # Before keeping one more of this peer's segments, drop those it freed.
+                self.prune(h.pid)
                 view = map_shared(ofd, size)
                 with self._lock:
-                    self.maps.put(key, view)
+                    self.maps.put(key, view, h.fd)
                 return view, first
             window = first - first % PAGE_SIZE
             return map_shared(ofd, first - window + length, window), first - window

@@ -48,8 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
+from tensorrpc._lazy import LazyModule
 from tensorrpc.transports import _shared
 from tensorrpc.transports._shm_auth import ProbeHandle, Role, make_proof, new_secret
 from tensorrpc.transports._shm_budget import PeerBudget, StorageKey
@@ -71,6 +70,10 @@ from tensorrpc.transports._shm_pool import (
     BufferCache,
     Segment,
     SegmentPool,
+    Warmer,
+    cold,
+    fill,
+    mark_warm,
     memfd_device,
     pid as current_pid,
 )
@@ -84,6 +87,10 @@ from tensorrpc.transports._shm_recv import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
     from types import TracebackType
+
+    import torch
+else:
+    torch = LazyModule("torch", globals())
 
 __all__ = [
     "TRANSPORT_NAME",
@@ -148,6 +155,10 @@ class TorchShmStatistics:
     #: Of ``tensors_received``, those received by alias: the sender's own memory
     #: (tensorrpc shared memory or CUDA), mapped here with no copy on either side.
     tensors_received_aliased: int = 0
+    #: Peers' segments unmapped because the sender had freed them (a trimmed pool
+    #: segment, a `tensorrpc.share` tensor gone): found before each new mapping of that
+    #: peer and at each `sweep`.
+    mappings_pruned: int = 0
 
 
 @dataclass(slots=True)
@@ -282,6 +293,7 @@ class TorchShmTransport(ShmReceiving):
             BufferCache(max_idle_bytes=recv_cache_bytes, min_bytes=recv_cache_min_bytes),
             max_segment_bytes,
         )
+        self._warmer = Warmer()
         self._leases: dict[int, _Lease] = {}
         self._budget = PeerBudget(peer_max_bytes, peer_max_leases)
         self._next_lease = 1
@@ -330,6 +342,7 @@ class TorchShmTransport(ShmReceiving):
             if self._probe is not None:
                 self._probe.close()
                 self._probe = None
+        self._warmer.close()
         self._receiver.buffers.close()
 
     def __enter__(self) -> TorchShmTransport:
@@ -445,21 +458,30 @@ class TorchShmTransport(ShmReceiving):
             return lease in self._leases
 
     def release_peer(self, peer: Hashable) -> int:
-        """The peer is gone: release every lease made for it. Returns how many."""
+        """The peer is gone: release every lease made for it and close its pool segments
+        (none is handed to anyone else, nor to a new peer under the same id). Returns
+        how many leases."""
         with self._lock:
             dead = [lid for lid, e in self._leases.items() if e.peer == peer]
             for lid in dead:
                 self._free_lease(self._leases.pop(lid))
+            self._pool.close_owner(peer)
             self._stats["leases_expired"] += len(dead)
             self._disabled.discard(peer)
             return len(dead)
 
     def sweep(self) -> int:
-        """Release leases older than ``lease_timeout``. Returns how many.
+        """Release leases older than ``lease_timeout``, and unmap the peers' segments
+        that their senders have freed. Returns how many leases.
 
         A receiver that attaches after its lease expired gets a clear error for pool
         handles (the region's tag no longer matches), never another message's bytes.
+        The runtime sweeps once per heartbeat interval (1 s by default): that bounds how
+        long a freed segment stays mapped here (tensors built on it keep it, as they
+        must).
         """
+        if not self._closed:
+            self._receiver.prune()
         with self._lock:
             limit = self._clock() - self._lease_timeout
             old = [lid for lid, e in self._leases.items() if e.created <= limit]
@@ -506,7 +528,7 @@ class TorchShmTransport(ShmReceiving):
         return False
 
     def _place(self, placer: ShmPlacer, tensor: torch.Tensor) -> tuple[str, bytes] | None:
-        copy: tuple[torch.Tensor, torch.Tensor] | None = None
+        copy: _Fill | None = None
         with self._lock:
             self._check_open()
             if placer._peer in self._disabled or not self._placeable(tensor):
@@ -543,7 +565,7 @@ class TorchShmTransport(ShmReceiving):
             self._count_sent(nbytes, aliased=aliased)
         if copy is not None:
             # The region is ours until the lease is released: copy without the lock.
-            _copy_into(*copy)
+            copy.run(self._warmer)
         return TRANSPORT_NAME, handle
 
     def _count_sent(self, nbytes: int, *, aliased: bool) -> None:
@@ -561,9 +583,10 @@ class TorchShmTransport(ShmReceiving):
 
     def _place_pool(
         self, placer: ShmPlacer, t: torch.Tensor, nbytes: int
-    ) -> tuple[bytes, tuple[torch.Tensor, torch.Tensor]] | None:
+    ) -> tuple[bytes, _Fill] | None:
         try:
-            got = self._pool.allocate(nbytes)
+            # A region in a segment of this peer's own: the peer maps whole segments.
+            got = self._pool.allocate(nbytes, placer._peer)
         except OSError:
             return None
         if got is None:
@@ -579,7 +602,13 @@ class TorchShmTransport(ShmReceiving):
             t = t.resolve_conj()
         if t.is_neg():
             t = t.resolve_neg()
-        dst = seg.view[data : data + nbytes].view(t.dtype).view(t.shape)
+        fd = -1
+        if t.is_contiguous() and cold(seg, data, nbytes):
+            try:  # (our own descriptor: a concurrent close cannot redirect the pwrite)
+                fd = os.dup(seg.fd)
+            except OSError:
+                fd = -1
+        job = _Fill(seg, seg.view, data, nbytes, t, fd)
         strides = contiguous_strides(tuple(t.shape))
         h = Handle(
             HandleKind.POOL,
@@ -595,7 +624,7 @@ class TorchShmTransport(ShmReceiving):
             strides,
             b"",
         )
-        return pack(h), (dst, t)
+        return pack(h), job
 
     def _place_shared_cpu(self, placer: ShmPlacer, t: torch.Tensor) -> bytes | None:
         """The SHARED handle of ``t``; None when it is not in tensorrpc shared memory (or
@@ -684,23 +713,50 @@ class TorchShmTransport(ShmReceiving):
                 leases_held=recv.holds.held(),
                 tensors_received=recv.tensors_received,
                 tensors_received_aliased=recv.tensors_aliased,
+                mappings_pruned=recv.pruned,
                 bytes_received=recv.bytes_received,
                 **self._stats,
             )
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into the contiguous ``dst`` of the same shape and dtype.
+class _Fill:
+    """One copy into a pool region, taken under the transport's lock and run outside it.
 
-    Contiguous sources go through one ``memmove`` (GIL released, no thread pool):
-    ``Tensor.copy_`` hands a copy to the OpenMP pool, whose wake-up costs milliseconds on a
-    busy host even for 1 MiB.
+    Holds the segment's mapping (``view``) and, for cold pages, a descriptor of its own
+    (``fd``), so that nothing a concurrent close does can move the copy elsewhere.
     """
-    if src.is_contiguous():
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-    else:
-        with torch.no_grad():
-            dst.copy_(src)
+
+    __slots__ = ("fd", "nbytes", "off", "seg", "src", "view")
+
+    def __init__(
+        self, seg: Segment, view: torch.Tensor, off: int, nbytes: int, src: torch.Tensor, fd: int
+    ) -> None:
+        self.seg = seg
+        self.view = view
+        self.off = off
+        self.nbytes = nbytes
+        self.src = src
+        self.fd = fd
+
+    def run(self, warmer: Warmer) -> None:
+        """Copy ``src`` into the region.
+
+        Contiguous sources go through one ``memmove`` or ``pwrite`` (GIL released, no
+        thread pool: ``Tensor.copy_`` hands a copy to the OpenMP pool, whose wake-up costs
+        milliseconds on a busy host even for 1 MiB); see `fill`.
+        """
+        src = self.src
+        try:
+            if src.is_contiguous():
+                fill(self.seg, self.view, self.off, src, self.fd, warmer)
+            else:
+                dst = self.view[self.off : self.off + self.nbytes].view(src.dtype)
+                with torch.no_grad():
+                    dst.view(src.shape).copy_(src)
+                mark_warm(self.seg, self.off, self.nbytes)
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
 
 
 def _write_u64(addr: int, value: int) -> None:

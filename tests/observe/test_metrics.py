@@ -202,3 +202,42 @@ async def test_client_metrics_port_serves_the_default_registry(tmp_path: Path) -
     assert _value(s, "tensorrpc_client_calls_total", method="add", engine=eid, outcome="ok") == 1
     with pytest.raises(ValueError, match="metrics_port"):
         Client(Calculator, connect=address, metrics_port=70000)
+
+
+async def test_each_side_exports_only_its_own_families(tmp_path: Path) -> None:
+    # Issue 24 item 4: an engine's /metrics had tensorrpc_client_engines{state="live"} 0.
+    engine_registry, client_registry = CollectorRegistry(), CollectorRegistry()
+    engine_metrics = PrometheusObserver(engine_registry)
+    client_metrics = PrometheusObserver(client_registry)
+    address = f"ipc://{tmp_path}/e.sock"
+    async with (
+        Server(Calculator("e"), bind=address, engine_id="e", observer=engine_metrics),
+        Client(Calculator, connect=address, observer=client_metrics) as client,
+    ):
+        with anyio.fail_after(20):
+            await client.wait_for_engines(1)
+            assert await client.stub().add(1) == 2
+        engine_text = generate_latest(engine_registry).decode()
+        client_text = generate_latest(client_registry).decode()
+    assert "tensorrpc_engine_calls_total" in engine_text
+    assert "tensorrpc_client_" not in engine_text
+    assert "tensorrpc_client_engines" in client_text
+    assert "tensorrpc_engine_" not in client_text
+
+
+async def test_a_metrics_port_in_use_names_the_option(tmp_path: Path) -> None:
+    import socket
+
+    from tensorrpc._exceptions import ConnectError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        address = f"ipc://{tmp_path}/e.sock"
+        with pytest.raises(ConnectError, match=f"metrics_port={port}: .*own metrics_port"):
+            async with Server(Calculator("e"), bind=address, metrics_port=port):
+                pass
+        # Nothing was bound: the address is free for the next engine.
+        async with Server(Calculator("e"), bind=address) as server:
+            assert server.endpoint == address

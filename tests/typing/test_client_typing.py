@@ -13,6 +13,8 @@ from typing import Any, assert_type
 import pytest
 import torch
 
+from tensorrpc import BlockingClient, BlockingStream
+from tensorrpc._batching import Batching, Continuous
 from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
 from tensorrpc._exceptions import ClosedError
 from tensorrpc._service import rpc, service
@@ -87,3 +89,39 @@ async def test_unopened_client_refuses_calls(anyio_backend: str) -> None:
         await client.call(Calc.count, 1)
     with pytest.raises(TypeError, match="not a streaming"):
         client.stream(Calc.add, 1)  # type: ignore[arg-type]
+
+
+@service
+class Batched:
+    @rpc(batch=Batching(max_size=8, max_delay=0.001))
+    async def embed(self, text: list[str], scale: list[float]) -> list[torch.Tensor]:
+        return [torch.ones(2) * s for s in scale]
+
+    @rpc(batch=Batching(max_size=8))
+    def tag(self, x: list[int]) -> list[str]:
+        return [str(v) for v in x]
+
+    @rpc(batch=Continuous(max_size=8))
+    async def generate(self, prompt: list[str]) -> list[int]:
+        return [len(p) for p in prompt]
+
+
+async def batched_calls(client: Client[Batched]) -> None:
+    """Never run: callers see one item of a batched method (typed by the plugin)."""
+    stub = client.stub()
+    assert_type(await stub.embed("a", 1.0), torch.Tensor)
+    assert_type(await stub.tag(3), str)
+    assert_type(stub.generate("hi"), CallStream[int])
+    assert_type(await client.call(Batched.embed, "a", 2.0), torch.Tensor)
+    assert_type(await client.call(Batched.tag, 1), str)
+    assert_type(client.stream(Batched.generate, "hi"), CallStream[int])
+    await stub.embed(["a"], [1.0])  # type: ignore[arg-type]
+    await client.call(Batched.tag, [1])  # type: ignore[call-overload]
+
+
+def batched_blocking(client: BlockingClient[Batched]) -> None:
+    """Never run: the blocking stub sees one item too."""
+    stub = client.stub()
+    assert_type(stub.embed("a", 1.0), torch.Tensor)
+    assert_type(stub.tag(3), str)
+    assert_type(stub.generate("hi"), BlockingStream[int])

@@ -9,6 +9,8 @@ import torch
 
 from tensorrpc import _codec
 
+# The codec fills in its dtype tables on its first tensor; these lists are read before.
+_codec._load_arrays()
 #: Every torch dtype the codec supports, by wire name (what this torch build has).
 TORCH_DTYPE_NAMES: list[str] = sorted(_codec._TORCH_DTYPES)
 #: Every numpy dtype the codec supports, by wire name.

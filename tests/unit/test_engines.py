@@ -39,7 +39,8 @@ def admit(table: EngineTable, engine_id: str, peer: bytes, now: float = 0.0) -> 
         (
             {"fingerprint": "abc"},
             "fingerprint",
-            "engine 'e1' has schema fingerprint abc, client expects ffffffff",
+            "engine 'e1' has a different schema: the service's method signatures differ "
+            "(fingerprint abc, client expects ffffffff)",
         ),
         ({"service": "Other"}, "service", "serves 'Other', client expects 'Calc'"),
         ({"protocol_version": 9}, "version", "speaks protocol version 9, client speaks 1"),

@@ -19,6 +19,7 @@ SANS_IO_FILES = (
     "_client_protocol.py",
     "_server_protocol.py",
     "_server_calls.py",
+    "_batching.py",
     "transports/_base.py",
     "transports/_shm_auth.py",
 )

@@ -1,0 +1,471 @@
+"""The engine's batch runners: the I/O shell around `tensorrpc._batching.Batcher`.
+
+Each batched method gets a runner, and the engine's method table gets the runner's
+per-item entry point instead of the handler. The worker pool runs that entry point like
+any handler, so a batched item is a call like any other: validated before it gets here,
+bounded by its deadline, cancelled with its caller, answered by the worker (RESULT,
+ERROR, or stream items with the stream's own credit). What the entry point adds:
+
+* unary (``Batching``): queue the item, wait for its result. A runner task closes
+  batches when the batcher says so and runs each in a task of its own; results go back
+  to the waiting items.
+* stream (``Continuous``): an async generator per item. A step loop per running batch
+  calls the handler once per step with the active items; each output waits in the
+  item's one-slot buffer until its worker takes it. An item whose slot is full (its
+  stream has no credit) sits out the steps until its reader catches up: a stalled reader
+  never stalls the others, and costs one buffered output and its place in the batch.
+
+Each queued or running item holds one of the engine's ``max_concurrency`` workers while
+it waits (a stream waiting for credit parks its worker, as every stream does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.to_thread
+
+from tensorrpc._batching import Batcher, Continuous, ItemRefused
+from tensorrpc._exceptions import ErrorCode
+from tensorrpc._observe import latency_bucket
+from tensorrpc.batching import _CURRENT, BatchContext, BatchItem
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Mapping
+
+    from anyio.abc import TaskGroup
+
+    from tensorrpc._service import MethodSpec, ServiceSpec
+
+__all__ = ["BatchRunners", "BatchStatistics"]
+
+logger = logging.getLogger("tensorrpc.server")
+
+_INF: Final = math.inf
+
+
+class BatchStatistics:
+    """Histograms of one batched method (sparse: bucket -> count).
+
+    ``sizes`` counts batches (continuous: steps) by their number of items; ``queue_wait``
+    and ``run_time`` are latency buckets (`tensorrpc._observe.latency_bucket`) of each
+    item's wait for a batch and of each batch's (step's) handler run.
+    """
+
+    __slots__ = ("batches", "items", "queue_wait", "run_time", "sizes")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.items = 0
+        self.sizes: dict[int, int] = {}
+        self.queue_wait: dict[int, int] = {}
+        self.run_time: dict[int, int] = {}
+
+    def ran(self, size: int, seconds: float) -> None:
+        self.batches += 1
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        b = latency_bucket(seconds)
+        self.run_time[b] = self.run_time.get(b, 0) + 1
+
+    def waited(self, seconds: float) -> None:
+        self.items += 1
+        b = latency_bucket(seconds)
+        self.queue_wait[b] = self.queue_wait.get(b, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy, as the statistics method sends it."""
+        return {
+            "batches": self.batches,
+            "items": self.items,
+            "sizes": dict(self.sizes),
+            "queue_wait": dict(self.queue_wait),
+            "run_time": dict(self.run_time),
+        }
+
+
+class _Item:
+    """One queued or running item (a call the worker pool handed us)."""
+
+    __slots__ = (
+        "args",
+        "ended",
+        "error",
+        "event",
+        "gone",
+        "handle",
+        "outputs",
+        "owner",
+        "queued_at",
+        "result",
+        "settled",
+    )
+
+    def __init__(self, args: tuple[Any, ...], now: float) -> None:
+        self.args = args
+        self.queued_at = now
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.settled = False  # unary: result or error is set; stream: no more outputs
+        self.ended = False  # stream: ends after its buffered outputs
+        self.gone = False  # the caller cancelled, its deadline passed, or it is done
+        self.event: anyio.Event | None = None
+        self.handle = BatchItem()
+        self.outputs: deque[Any] = deque()
+        self.owner: _Run | None = None
+
+    def wake(self) -> None:
+        event = self.event
+        if event is not None:
+            event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.settled = True
+        self.wake()
+
+
+class _Run:
+    """A running batch: its items, the scope its handler runs in, what wakes its loop."""
+
+    __slots__ = ("ctx", "items", "scope", "step", "wake")
+
+    def __init__(self, items: list[_Item]) -> None:
+        self.items = items
+        #: The items of the running handler call, in the order of its lists.
+        self.step: list[_Item] = []
+        self.scope: anyio.CancelScope | None = None
+        self.ctx: BatchContext | None = None
+        self.wake: anyio.Event | None = None
+
+    def poke(self) -> None:
+        if self.wake is not None:
+            self.wake.set()
+
+    def left(self, item: _Item) -> None:
+        """An item's caller is gone: tell the handler, and stop it if nobody is left."""
+        ctx = self.ctx
+        if ctx is not None:
+            with contextlib.suppress(ValueError):  # not in the running step
+                ctx._cancelled.add(self.step.index(item))
+        if self.scope is not None and all(it.gone for it in self.step):
+            self.scope.cancel()
+        self.poke()
+
+
+class _Runner:
+    """The batcher, runner task and batch runs of one batched method."""
+
+    def __init__(self, spec: MethodSpec, handler: Callable[..., Any]) -> None:
+        batch = spec.batch
+        assert batch is not None
+        self._spec = spec
+        self._batch = batch
+        self._handler = handler
+        self.batcher: Batcher[_Item] = Batcher(batch.config)
+        self._continuous = isinstance(batch.config, Continuous)
+        self._tg: TaskGroup | None = None
+        self._wake: anyio.Event | None = None
+        self._runs: list[_Run] = []
+        self.stats = BatchStatistics()
+
+    # -- the entry points the worker pool calls ---------------------------------------
+
+    def entry(self) -> Callable[..., Any]:
+        """The per-item callable that replaces the handler in the method table."""
+        if self._continuous:
+
+            def stream(*args: Any) -> AsyncIterator[Any]:
+                return self._stream(args)
+
+            return stream
+
+        async def unary(*args: Any) -> Any:
+            return await self._unary(args)
+
+        return unary
+
+    def _offer(self, args: tuple[Any, ...]) -> _Item:
+        now = anyio.current_time()
+        item = _Item(args, now)
+        if self._tg is None:
+            raise ItemRefused(ErrorCode.DRAINING, f"{self._spec.qualname}: the engine is stopping")
+        if not self.batcher.offer(item, now, anyio.current_effective_deadline()):
+            raise ItemRefused(
+                ErrorCode.OVERLOADED,
+                f"{self._spec.qualname}: {self.batcher.config.max_queue} items are waiting "
+                "for a batch (Batching.max_queue)",
+            )
+        self._kick()
+        return item
+
+    def _abandon(self, item: _Item) -> None:
+        """The item's caller cancelled or its deadline passed (or a stream ended)."""
+        item.gone = True
+        if self.batcher.remove(item):
+            return  # still queued: it never enters a batch
+        run = item.owner
+        if run is not None:
+            run.left(item)
+
+    async def _unary(self, args: tuple[Any, ...]) -> Any:
+        item = self._offer(args)
+        try:
+            while not item.settled:
+                item.event = anyio.Event()
+                await item.event.wait()
+        finally:
+            item.event = None
+            if not item.settled:
+                self._abandon(item)
+            item.gone = True
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    async def _stream(self, args: tuple[Any, ...]) -> AsyncIterator[Any]:
+        item = self._offer(args)
+        try:
+            while True:
+                if item.outputs:
+                    out = item.outputs.popleft()
+                    if item.owner is not None:
+                        item.owner.poke()  # its slot is free: it takes part again
+                    yield out
+                    continue
+                if item.settled:
+                    if item.error is not None:
+                        raise item.error
+                    return
+                item.event = anyio.Event()
+                await item.event.wait()
+                item.event = None
+        finally:
+            item.event = None
+            self._abandon(item)
+
+    # -- the runner task -----------------------------------------------------------------
+
+    def start(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        tg.start_soon(self._loop)
+
+    def _kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+        for run in self._runs:
+            run.poke()
+
+    async def _loop(self) -> None:
+        batcher = self.batcher
+        while True:
+            now = anyio.current_time()
+            if self._continuous and any(len(r.items) < batcher.config.max_size for r in self._runs):
+                # A running batch with room takes the queue at its next step.
+                poll = batcher.join(0, now)
+            else:
+                poll = batcher.poll(now)
+            self._expire(poll.expired)
+            if poll.batch:
+                assert self._tg is not None
+                run = _Run(poll.batch)
+                self._runs.append(run)
+                self._tg.start_soon(self._run_steps if self._continuous else self._run_once, run)
+                continue
+            self._wake = anyio.Event()
+            with anyio.move_on_after(max(0.0, poll.wake_at - now)):
+                await self._wake.wait()
+            self._wake = None
+
+    def _expire(self, items: list[_Item]) -> None:
+        for item in items:
+            item.fail(
+                ItemRefused(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"{self._spec.qualname} passed its deadline while waiting for a batch",
+                )
+            )
+
+    def _started(self, items: list[_Item], run: _Run) -> None:
+        now = anyio.current_time()
+        for item in items:
+            item.owner = run
+            self.stats.waited(now - item.queued_at)
+
+    async def _call(self, run: _Run, items: list[_Item]) -> Any:
+        """One handler call over ``items`` (a batch, or a step); the outcome is checked by
+        the caller. Returns the list the handler returned."""
+        columns = [list(col) for col in zip(*(it.args for it in items), strict=True)]
+        ctx = BatchContext([it.handle for it in items], continuous=self._continuous)
+        ctx._cancelled.update(i for i, it in enumerate(items) if it.gone)
+        run.ctx = ctx
+        run.step = items
+        token = _CURRENT.set(ctx)
+        start = time.perf_counter()
+        try:
+            if self._batch.is_async:
+                return await self._handler(*columns)
+            context = contextvars.copy_context()
+            return await anyio.to_thread.run_sync(
+                context.run, self._handler, *columns, abandon_on_cancel=True
+            )
+        finally:
+            self.stats.ran(len(items), time.perf_counter() - start)
+            _CURRENT.reset(token)
+
+    def _mismatch(self, results: object, n: int) -> ItemRefused | None:
+        if isinstance(results, (list, tuple)) and len(results) == n:
+            return None
+        got = (
+            f"{len(results)} results" if isinstance(results, (list, tuple)) else repr(type(results))
+        )
+        return ItemRefused(
+            ErrorCode.BAD_RESULT,
+            f"{self._spec.qualname}: the batch handler returned {got} for a batch of {n} "
+            "items (it must return a list with one result per item)",
+        )
+
+    async def _run_once(self, run: _Run) -> None:
+        items = run.items
+        self._started(items, run)
+        try:
+            with anyio.CancelScope() as scope:
+                run.scope = scope
+                if all(it.gone for it in items):
+                    scope.cancel()
+                try:
+                    results = await self._call(run, items)
+                except Exception as exc:
+                    for it in items:
+                        it.fail(exc)
+                    return
+            if scope.cancelled_caught:
+                return  # every caller is gone
+            bad = self._mismatch(results, len(items))
+            if bad is not None:
+                logger.error("%s", bad)
+                for it in items:
+                    it.fail(bad)
+                return
+            assert run.ctx is not None
+            failed = run.ctx._failed
+            for i, it in enumerate(items):
+                if i in failed:
+                    it.fail(failed[i])
+                else:
+                    it.result = results[i]
+                    it.settled = True
+                    it.wake()
+        finally:
+            for it in items:
+                if not it.settled:
+                    it.fail(ItemRefused(ErrorCode.INTERNAL, f"{self._spec.qualname}: batch lost"))
+            self._finished(run)
+
+    def _finished(self, run: _Run) -> None:
+        self._runs.remove(run)
+        self.batcher.finished()
+        self._kick()
+
+    # -- continuous batching -------------------------------------------------------------
+
+    async def _run_steps(self, run: _Run) -> None:
+        self._started(run.items, run)
+        max_size = self.batcher.config.max_size
+        try:
+            while True:
+                # Step boundary: the gone and the ended leave, the queue joins.
+                run.items = [it for it in run.items if not it.gone and not it.settled]
+                room = max_size - len(run.items)
+                if room > 0 and self._tg is not None:
+                    joined = self.batcher.join(room, anyio.current_time())
+                    self._expire(joined.expired)
+                    self._started(joined.batch, run)
+                    run.items.extend(joined.batch)
+                if not run.items:
+                    return
+                ready = [it for it in run.items if not it.outputs]
+                if not ready:  # every reader is behind: wait for one to take its output
+                    run.wake = anyio.Event()
+                    await run.wake.wait()
+                    run.wake = None
+                    continue
+                await self._step(run, ready)
+        finally:
+            for it in run.items:
+                if not it.settled:
+                    it.fail(ItemRefused(ErrorCode.INTERNAL, f"{self._spec.qualname}: batch lost"))
+            self._finished(run)
+
+    async def _step(self, run: _Run, items: list[_Item]) -> None:
+        with anyio.CancelScope() as scope:
+            run.scope = scope
+            try:
+                outputs = await self._call(run, items)
+            except Exception as exc:
+                for it in run.items:
+                    it.fail(exc)
+                return
+            finally:
+                run.scope = None
+        if scope.cancelled_caught:
+            return
+        bad = self._mismatch(outputs, len(items))
+        if bad is not None:
+            logger.error("%s", bad)
+            for it in run.items:
+                it.fail(bad)
+            return
+        assert run.ctx is not None
+        failed = run.ctx._failed
+        ended = run.ctx._ended
+        for i, it in enumerate(items):
+            if i in failed:
+                it.fail(failed[i])
+                continue
+            send = ended.get(i, True)
+            if send and not it.gone:
+                it.outputs.append(outputs[i])
+            it.handle.steps += 1
+            if i in ended:
+                it.settled = True
+            it.wake()
+
+
+class BatchRunners:
+    """The runners of a service's batched methods (none: nothing to do)."""
+
+    def __init__(self, spec: ServiceSpec, instance: object) -> None:
+        self._runners: dict[str, _Runner] = {
+            name: _Runner(m, getattr(instance, name))
+            for name, m in spec.methods.items()
+            if m.batch is not None
+        }
+
+    def __bool__(self) -> bool:
+        return bool(self._runners)
+
+    def entry(self, name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+        """What the method table calls for ``name``: the runner's entry point, or
+        ``handler`` for a method that is not batched."""
+        runner = self._runners.get(name)
+        return handler if runner is None else runner.entry()
+
+    def start(self, tg: TaskGroup) -> None:
+        """Start every runner's task in ``tg``."""
+        for runner in self._runners.values():
+            runner.start(tg)
+
+    def statistics(self) -> Mapping[str, dict[str, Any]]:
+        """Per batched method: its histograms (see `BatchStatistics`), the items queued
+        and the batches running now."""
+        return {
+            name: {**r.stats.snapshot(), "queued": len(r.batcher), "running": r.batcher.running}
+            for name, r in self._runners.items()
+        }

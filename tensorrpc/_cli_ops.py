@@ -1,0 +1,282 @@
+"""What the ``tensorrpc`` command needs to run engines in production: flags and
+``TENSORRPC_*`` environment variables for metrics, tracing and CURVE.
+
+Each option has a flag and an environment variable (for containers); the flag wins. The
+CURVE role follows the socket: the side that listens (``serve --bind``, ``call --bind``)
+is the CURVE server and names the clients it allows; the side that dials is the CURVE
+client and names the server's public key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Callable, Mapping
+
+    from tensorrpc._security import CurveConfig, CurveServerConfig
+
+T = TypeVar("T")
+
+#: Flag destination -> the environment variable that sets it when the flag is absent.
+ENVIRONMENT: Mapping[str, str] = {
+    "metrics_port": "TENSORRPC_METRICS_PORT",
+    "tracing": "TENSORRPC_TRACING",
+    "curve_keypair": "TENSORRPC_CURVE_KEYPAIR",
+    "curve_server_key": "TENSORRPC_CURVE_SERVER_KEY",
+    "curve_allow": "TENSORRPC_CURVE_ALLOW",
+    "curve_allow_any": "TENSORRPC_CURVE_ALLOW_ANY",
+}
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+class OptionError(ValueError):
+    """A flag or environment variable has a bad value (the CLI's usage error)."""
+
+
+def add_curve_flags(parser: argparse.ArgumentParser, *, listens: bool, dials: bool) -> None:
+    """The CURVE flags: our keypair, and the server's key (dialling) or the allow-list."""
+    parser.add_argument(
+        "--curve-keypair",
+        metavar="FILE",
+        help="CURVE: our secret key file, NAME.key_secret (env TENSORRPC_CURVE_KEYPAIR)",
+    )
+    if dials:
+        parser.add_argument(
+            "--curve-server-key",
+            metavar="FILE",
+            help=(
+                "CURVE, when dialling: the public key file of the side that listens "
+                "(env TENSORRPC_CURVE_SERVER_KEY)"
+            ),
+        )
+    if listens:
+        parser.add_argument(
+            "--curve-allow",
+            metavar="PATH",
+            action="append",
+            help=(
+                "CURVE, when listening: a client's public key file, or a directory of "
+                "*.key files, allowed to connect (repeat; env TENSORRPC_CURVE_ALLOW, "
+                "paths separated by ':')"
+            ),
+        )
+        parser.add_argument(
+            "--curve-allow-any",
+            action="store_true",
+            default=None,
+            help=(
+                "CURVE, when listening: accept any client that knows our public key "
+                "(env TENSORRPC_CURVE_ALLOW_ANY=1)"
+            ),
+        )
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s metrics and tracing flags (CURVE: `add_curve_flags`)."""
+    parser.add_argument(
+        "--metrics-port",
+        metavar="PORT",
+        help=(
+            "export Prometheus metrics on http://127.0.0.1:PORT/metrics (0: a free port; "
+            "one port per engine process; env TENSORRPC_METRICS_PORT; needs the "
+            "'metrics' extra)"
+        ),
+    )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        default=None,
+        help=(
+            "trace calls with OpenTelemetry; the standard OTEL_* variables configure the "
+            "SDK (OTEL_TRACES_EXPORTER, default otlp; OTEL_EXPORTER_OTLP_ENDPOINT; "
+            "OTEL_SERVICE_NAME, default the service's name; OTEL_TRACES_SAMPLER) "
+            "(env TENSORRPC_TRACING=1; needs opentelemetry-sdk)"
+        ),
+    )
+
+
+def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:
+    """Fill each flag the command line left out from its ``TENSORRPC_*`` variable.
+
+    Raises:
+        OptionError: A value (from a flag or a variable) is malformed.
+    """
+    env = os.environ if environ is None else environ
+    for dest, name in ENVIRONMENT.items():
+        if not hasattr(args, dest) or getattr(args, dest) is not None:
+            continue
+        text = env.get(name)
+        if text is None:
+            continue
+        if dest in ("tracing", "curve_allow_any"):
+            setattr(args, dest, _flag(name, text))
+        elif dest == "curve_allow":
+            setattr(args, dest, [p for p in text.split(os.pathsep) if p] or None)
+        else:
+            setattr(args, dest, f"{text}" if text else None)
+            if text:
+                setattr(args, f"{dest}_from", name)
+    if getattr(args, "metrics_port", None) is not None:
+        args.metrics_port = _check(
+            _port, args.metrics_port, getattr(args, "metrics_port_from", "--metrics-port")
+        )
+
+
+def _flag(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise OptionError(f"{name}={text!r}: expected 1 or 0 (true/false)")
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(text)
+    return port
+
+
+def _check(parse: Callable[[str], T], text: str, where: str) -> T:
+    try:
+        return parse(text)
+    except ValueError:
+        raise OptionError(f"{where} {text!r}: expected a TCP port (0..65535)") from None
+
+
+def curve_config(args: argparse.Namespace, *, listening: bool) -> CurveConfig | None:
+    """The CURVE configuration the flags ask for (``None``: plaintext).
+
+    Args:
+        args: Parsed flags, after `apply_environment`.
+        listening: Our socket binds (we are the CURVE server) rather than dials.
+
+    Raises:
+        OptionError: A CURVE flag without a keypair, or a keypair without what the role
+            needs (the allow-list when listening, the server's key when dialling).
+        OSError, ValueError: A key file cannot be read or holds no valid key (the
+            caller reports it in one line).
+    """
+    from tensorrpc._security import CurveClientConfig, load_keypair, load_public_key
+
+    keypair_path = getattr(args, "curve_keypair", None)
+    server_key = getattr(args, "curve_server_key", None)
+    allow: list[str] = getattr(args, "curve_allow", None) or []
+    allow_any = bool(getattr(args, "curve_allow_any", None))
+    if keypair_path is None:
+        if server_key or allow or allow_any:
+            raise OptionError("CURVE needs our keypair too: give --curve-keypair FILE")
+        return None
+    if listening:
+        if server_key:
+            raise OptionError(
+                "--curve-server-key is for the side that dials; this side listens, so it "
+                "is the CURVE server: give --curve-allow PATH or --curve-allow-any"
+            )
+        if not allow and not allow_any:
+            raise OptionError(
+                "this side listens, so it is the CURVE server: give --curve-allow PATH "
+                "(the clients' public keys) or --curve-allow-any"
+            )
+        return _server_config(keypair_path, allow, allow_any)
+    if allow or allow_any:
+        raise OptionError(
+            "--curve-allow is for the side that listens; this side dials, so it is the "
+            "CURVE client: give --curve-server-key FILE"
+        )
+    if not server_key:
+        raise OptionError(
+            "this side dials, so it is the CURVE client: give --curve-server-key FILE "
+            "(the public key of the side that listens)"
+        )
+    return CurveClientConfig(load_keypair(keypair_path), load_public_key(server_key))
+
+
+def _server_config(keypair_path: str, allow: list[str], allow_any: bool) -> CurveServerConfig:
+    from tensorrpc._security import (
+        CurveServerConfig,
+        load_keypair,
+        load_public_key,
+        load_public_keys,
+    )
+
+    if allow and allow_any:
+        raise OptionError("give --curve-allow or --curve-allow-any, not both")
+    keypair = load_keypair(keypair_path)
+    if allow_any:
+        return CurveServerConfig(keypair, allowed_clients=None)
+    keys: set[bytes] = set()
+    for path in allow:
+        if os.path.isdir(path):
+            found = load_public_keys(path)
+            if not found:
+                raise OptionError(f"--curve-allow {path!r}: no *.key files in it")
+            keys |= found
+        else:
+            keys.add(load_public_key(path))
+    return CurveServerConfig(keypair, allowed_clients=keys)
+
+
+def configure_tracing(service_name: str) -> Any:
+    """Configure the OpenTelemetry SDK from the ``OTEL_*`` variables and trace every call.
+
+    Like OpenTelemetry's own tools: ``OTEL_SDK_DISABLED=true`` turns it off;
+    ``OTEL_TRACES_EXPORTER`` (comma-separated, default ``otlp``; ``none`` for none)
+    names exporters registered under the ``opentelemetry_traces_exporter`` entry
+    point (``console`` ships with the SDK, ``otlp`` with opentelemetry-exporter-otlp),
+    which read their own variables (``OTEL_EXPORTER_OTLP_ENDPOINT``...); the resource
+    comes from ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, the service name
+    defaulting to ``service_name``; the sampler from ``OTEL_TRACES_SAMPLER``.
+
+    Returns:
+        The tracer provider (call its ``shutdown()`` at exit to flush), or None when
+        ``OTEL_SDK_DISABLED`` is true.
+
+    Raises:
+        OptionError: The SDK is not installed, or an exporter name is unknown.
+    """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    try:
+        from importlib.metadata import entry_points
+
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        import tensorrpc.tracing
+    except ImportError as exc:
+        raise OptionError(
+            f"--tracing needs the OpenTelemetry SDK: pip install 'tensorrpc[otel]' "
+            f"opentelemetry-sdk ({exc})"
+        ) from None
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")]
+    names = [n for n in names if n and n != "none"]
+    exporters = []
+    for name in names:
+        found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+        if not found:
+            hint = " (pip install opentelemetry-exporter-otlp)" if name == "otlp" else ""
+            raise OptionError(
+                f"OTEL_TRACES_EXPORTER={name!r}: no such span exporter is installed{hint}; "
+                "'console' ships with the SDK, 'none' exports nothing"
+            )
+        exporters.append(found[0].load()())
+    attributes = {}
+    if "OTEL_SERVICE_NAME" not in os.environ and "service.name=" not in os.environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    ):
+        attributes["service.name"] = service_name
+    provider = TracerProvider(resource=Resource.create(attributes))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    tensorrpc.tracing.instrument(provider)
+    return provider

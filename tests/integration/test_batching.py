@@ -1,0 +1,321 @@
+"""Batched methods end to end: a stub per item, batches on the engine (docs/batching.md)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tensorrpc import (
+    Batching,
+    CallTimeoutError,
+    Client,
+    Continuous,
+    InvalidArgumentError,
+    OverloadedError,
+    RemoteError,
+    Server,
+    current_batch,
+    describe,
+    rpc,
+    service,
+)
+
+
+@service
+class Batched:
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate: anyio.Event | None = None
+        self.entered: anyio.Event | None = None
+        self.seen_cancelled: list[frozenset[int]] = []
+        self.threads: set[str] = set()
+
+    @rpc(batch=Batching(max_size=8, max_delay=0.02))
+    async def square(self, x: list[int], tag: list[str]) -> list[str]:
+        self.batches.append(list(x))
+        return [f"{t}:{v * v}" for v, t in zip(x, tag, strict=True)]
+
+    @rpc(batch=Batching(max_size=4, max_delay=0.0))
+    async def picky(self, x: list[int]) -> list[int]:
+        batch = current_batch()
+        for i, v in enumerate(x):
+            if v < 0:
+                batch.fail(i, ValueError(f"negative: {v}"))
+        if 13 in x:
+            raise RuntimeError("unlucky batch")
+        return [v + 1 for v in x]
+
+    @rpc(batch=Batching(max_size=4, max_delay=0.0))
+    async def miscount(self, x: list[int]) -> list[int]:
+        return x[:-1] if len(x) > 1 or x[0] == 0 else x
+
+    @rpc(batch=Batching(max_size=2, max_delay=0.0, max_queue=2))
+    async def gated(self, x: list[int]) -> list[int]:
+        self.batches.append(list(x))
+        if self.entered is not None:
+            self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        self.seen_cancelled.append(current_batch().cancelled())
+        return x
+
+    @rpc(batch=Batching(max_size=2, max_delay=30.0))
+    async def watch(self, x: list[int]) -> list[int]:
+        batch = current_batch()
+        while not batch.cancelled():  # noqa: ASYNC110 - the feature under test is a poll
+            await anyio.sleep(0.01)  # the test's deadline bounds this
+        self.seen_cancelled.append(batch.cancelled())
+        return x
+
+    @rpc(batch=Batching(max_size=8, max_delay=0.01))
+    def sync_double(self, x: list[float]) -> list[float]:
+        self.threads.add(threading.current_thread().name)
+        assert current_batch().size == len(x)
+        return [2 * v for v in x]
+
+    @rpc(batch=Continuous(max_size=4, max_delay=0.0))
+    async def count(self, start: list[int], n: list[int]) -> list[int]:
+        batch = current_batch()
+        out = []
+        for i, item in enumerate(batch.items):
+            if item.first:
+                item.state = start[i]
+            out.append(item.state)
+            item.state += 1
+            if item.steps + 1 >= n[i]:
+                batch.end(i)
+        await anyio.lowlevel.checkpoint()
+        return out
+
+
+async def _serve(tmp_path: Path) -> tuple[Batched, str]:
+    return Batched(), f"ipc://{tmp_path}/b.sock"
+
+
+async def test_describe_shows_the_item_and_the_batch_signature() -> None:
+    spec = describe(Batched).methods
+    assert spec["square"].signature == "square(x: int, tag: str) -> str"
+    assert spec["square"].batch is not None
+    assert spec["square"].batch.signature == "square(x: list[int], tag: list[str]) -> list[str]"
+    assert spec["count"].streaming
+    assert spec["count"].signature == "count(start: int, n: int) -> AsyncIterator[int]"
+
+
+async def test_concurrent_callers_share_batches_and_each_gets_its_own_result(
+    tmp_path: Path,
+) -> None:
+    svc, address = await _serve(tmp_path)
+    results: dict[tuple[int, int], str] = {}
+    async with (
+        Server(svc, bind=address, engine_id="e1", max_concurrency=128),
+        Client(Batched, connect=address) as c1,
+        Client(Batched, connect=address) as c2,
+    ):
+        with anyio.fail_after(30):
+            await c1.wait_for_engines(1)
+            await c2.wait_for_engines(1)
+
+            async def one(k: int, client: Client[Batched], i: int) -> None:
+                results[(k, i)] = await client.stub().square(i, f"c{k}-{i}")
+
+            async with anyio.create_task_group() as tg:
+                for i in range(100):
+                    tg.start_soon(one, 1, c1, i)
+                    tg.start_soon(one, 2, c2, i)
+            assert await c1.call(Batched.square, 3, "t") == "t:9"
+    assert len(results) == 200
+    for (k, i), value in results.items():
+        assert value == f"c{k}-{i}:{i * i}", "a caller got another caller's result"
+    assert max(len(b) for b in svc.batches) > 1
+    assert all(len(b) <= 8 for b in svc.batches)
+    assert sum(len(b) for b in svc.batches) == 201
+
+
+async def test_bad_item_is_refused_alone_and_failures_are_per_item(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    async with (
+        Server(svc, bind=address, engine_id="e1"),
+        Client(Batched, connect=address) as c,
+        Client.dynamic(connect=address) as tool,
+    ):
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            await tool.wait_for_engines(1)
+            stub = c.stub()
+            with pytest.raises(InvalidArgumentError, match=r"req\.x"):
+                await tool.call_by_name("picky", {"x": "nope"})
+            outcomes: dict[int, object] = {}
+
+            async def one(v: int) -> None:
+                try:
+                    outcomes[v] = await stub.picky(v)
+                except RemoteError as exc:
+                    outcomes[v] = exc
+
+            async with anyio.create_task_group() as tg:
+                for v in (1, -2, 3):
+                    tg.start_soon(one, v)
+            assert outcomes[1] == 2
+            assert outcomes[3] == 4
+            err = outcomes[-2]
+            assert isinstance(err, RemoteError)
+            assert err.remote_type == "ValueError"
+            assert "negative: -2" in str(err)
+            assert "ValueError" in err.remote_traceback
+            with pytest.raises(RemoteError, match="unlucky batch") as info:
+                await stub.picky(13)
+            assert info.value.remote_type == "RuntimeError"
+
+
+async def test_a_result_count_mismatch_fails_every_item_and_the_engine_serves_on(
+    tmp_path: Path,
+) -> None:
+    svc, address = await _serve(tmp_path)
+    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            with pytest.raises(RemoteError, match=r"returned 0 results for a batch of 1"):
+                await c.stub().miscount(0)
+            assert await c.stub().miscount(5) == 5
+            assert await c.stub().square(2, "a") == "a:4"
+
+
+async def test_sync_handlers_run_each_batch_in_a_worker_thread(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            got: list[float] = []
+
+            async def one(v: float) -> None:
+                got.append(await c.stub().sync_double(v))
+
+            async with anyio.create_task_group() as tg:
+                for v in range(10):
+                    tg.start_soon(one, float(v))
+    assert sorted(got) == [2.0 * v for v in range(10)]
+    assert svc.threads
+    assert threading.main_thread().name not in svc.threads
+
+
+async def test_full_queue_is_overloaded_and_queued_timeouts_never_run(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    svc.gate = anyio.Event()
+    svc.entered = anyio.Event()
+    async with (
+        Server(svc, bind=address, engine_id="e1") as server,
+        Client(Batched, connect=address) as c,
+    ):
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            stub = c.stub()
+            results: list[int] = []
+
+            async def one(v: int) -> None:
+                results.append(await stub.gated(v))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, 1)
+                await svc.entered.wait()  # batch [1] runs and holds the only slot
+                with pytest.raises(CallTimeoutError):
+                    await c.stub(timeout=0.2).gated(99)  # queued, then late
+                tg.start_soon(one, 2)
+                tg.start_soon(one, 3)
+                while server.batch_statistics()["gated"]["queued"] < 2:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)  # bounded by fail_after: the two are queued
+                with pytest.raises(OverloadedError, match="max_queue"):
+                    await c.stub(wait=False).gated(4)
+                svc.gate.set()
+    assert sorted(results) == [1, 2, 3]
+    assert svc.batches[0] == [1]
+    assert sorted(svc.batches[1]) == [2, 3]  # trio starts tasks in any order
+    assert 99 not in [v for b in svc.batches for v in b]
+
+
+async def test_a_running_batch_learns_which_callers_cancelled(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            got: list[int] = []
+
+            async def stays() -> None:
+                got.append(await c.stub().watch(1))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stays)
+                with pytest.raises(CallTimeoutError):
+                    await c.stub(timeout=0.5).watch(2)
+    assert got == [1]
+    assert len(svc.seen_cancelled) == 1
+    assert len(svc.seen_cancelled[0]) == 1  # the item of the caller that gave up
+
+
+async def test_a_batch_whose_callers_all_left_is_stopped(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    svc.gate = anyio.Event()
+    svc.entered = anyio.Event()
+    async with (
+        Server(svc, bind=address, engine_id="e1") as server,
+        Client(Batched, connect=address) as c,
+    ):
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            with pytest.raises(CallTimeoutError):
+                await c.stub(timeout=0.3).gated(7)
+            assert svc.batches == [[7]]
+            while server.batch_statistics()["gated"]["running"]:  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # bounded by fail_after: the batch is stopped
+            svc.gate.set()
+            assert await c.stub().gated(8) == 8
+    assert svc.batches == [[7], [8]]
+    assert svc.seen_cancelled == [frozenset()]  # the first batch's handler was cancelled
+
+
+async def test_continuous_streams_join_at_step_boundaries(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            got: dict[int, list[int]] = {}
+
+            async def run(start: int, n: int) -> None:
+                got[start] = [v async for v in c.stub().count(start, n)]
+
+            async with anyio.create_task_group() as tg:
+                for k in range(6):
+                    tg.start_soon(run, 1000 * k, 20 + k)
+            assert await c.call(Batched.square, 2, "x") == "x:4"
+    assert got == {1000 * k: list(range(1000 * k, 1000 * k + 20 + k)) for k in range(6)}
+
+
+async def test_a_stalled_reader_does_not_stall_the_other_streams(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    async with (
+        Server(svc, bind=address, engine_id="e1"),
+        Client(Batched, connect=address, stream_window=2) as c,
+    ):
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            stalled = c.stub().count(0, 100)
+            first = await stalled.__anext__()  # started, then nobody reads
+            assert first == 0
+            fast = [v async for v in c.stub().count(500, 200)]
+            assert fast == list(range(500, 700))
+            rest = [v async for v in stalled]
+            assert rest == list(range(1, 100))
+
+
+async def test_items_that_leave_a_continuous_batch_early_free_their_place(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            for _ in range(6):  # more than max_size streams, each closed early
+                stream = c.stub().count(0, 10_000)
+                assert await stream.__anext__() == 0
+                await stream.aclose()
+            assert [v async for v in c.stub().count(7, 3)] == [7, 8, 9]

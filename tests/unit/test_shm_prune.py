@@ -1,0 +1,93 @@
+"""Segments the sender freed are unmapped by the receiver (issue 20, item 4).
+
+A receiver keeps peers' segments mapped so that a repeated handle costs no mapping; but
+once the sender has freed a segment (a `tensorrpc.share` tensor gone, a pool segment
+trimmed) that mapping is all that keeps the memory. The bound: a freed segment is dropped
+before the receiver maps another of that peer's segments, and at its next sweep (once
+per heartbeat interval through the runtime). Driven here without clocks or sockets: two
+transports of this process, the sweep called by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrpc.transports._shared import share
+from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+
+pytestmark = pytest.mark.skipif(
+    not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
+)
+
+
+def _mapped_inodes() -> set[int]:
+    """Inodes of the memfds this process has mapped now."""
+    out = set()
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/memfd:tensorrpc"):
+                out.add(int(fields[4]))
+    return out
+
+
+def test_freed_shared_tensors_are_unmapped_at_the_next_mapping_and_the_sweep() -> None:
+    sent: set[int] = set()
+    with TorchShmTransport() as client, TorchShmTransport() as engine:
+        resolver = engine.resolver(None)
+        for i in range(100):
+            t = share(torch.full((1024,), float(i)))
+            placer = client.placer("engine")
+            placed = placer.place(t)
+            assert placed is not None
+            sent.add(_unpack(placed[1]).ino)
+            got = resolver.resolve(*placed, torch.float32, (1024,))
+            assert float(got[0]) == i
+            assert placer.lease is not None
+            assert client.release(placer.lease)
+            del got, t, placer, placed  # the client frees it: its memfd is closed
+            # At most the segment just received stays mapped: each new mapping first
+            # dropped those the client had freed.
+            assert engine.statistics().mapped_segments <= 1
+        assert sent & _mapped_inodes()  # the last one, until the sweep
+        engine.sweep()
+        stats = engine.statistics()
+        assert stats.mapped_segments == 0
+        assert stats.mappings_pruned == 100
+        assert not sent & _mapped_inodes()
+
+
+def test_a_trimmed_pool_segment_is_unmapped_at_the_sweep() -> None:
+    with TorchShmTransport(pool_keep_bytes=0) as client, TorchShmTransport() as engine:
+        big = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: a segment of its own
+        placer = client.placer("engine")
+        placed = placer.place(big)
+        assert placed is not None
+        ino = _unpack(placed[1]).ino
+        got = engine.resolver(None).resolve(*placed, torch.float32, tuple(big.shape))
+        assert torch.equal(got, big)
+        assert placer.lease is not None
+        client.release(placer.lease)  # idle beyond keep_bytes: the client closes it
+        assert client.statistics().pool_segments == 0
+        assert ino in _mapped_inodes()  # the engine still maps it, until the sweep
+        engine.sweep()
+        assert engine.statistics().mapped_segments == 0
+        assert ino not in _mapped_inodes()
+
+
+def test_a_live_sender_segment_stays_mapped_and_tensors_keep_theirs() -> None:
+    with TorchShmTransport() as client, TorchShmTransport() as engine:
+        t = share(torch.arange(4096, dtype=torch.float32))
+        placer = client.placer("engine")
+        placed = placer.place(t)
+        assert placed is not None
+        got = engine.resolver(None).resolve(*placed, torch.float32, (4096,))
+        engine.sweep()
+        assert engine.statistics().mapped_segments == 1  # still open in the client
+        assert placer.lease is not None
+        client.release(placer.lease)
+        del t, placer
+        engine.sweep()
+        assert engine.statistics().mapped_segments == 0
+        assert torch.equal(got, torch.arange(4096, dtype=torch.float32))  # still valid
