@@ -736,6 +736,8 @@ def test_an_engine_refuses_a_welcome_with_another_fingerprint() -> None:
     pair.flush()
     refused = [e for e in pair.events if isinstance(e, EngineRefused)]
     assert [(e.reason, e.by_client) for e in refused] == [("fingerprint", False)]
-    assert "differs from the engine's" in refused[0].message
+    assert refused[0].message == (
+        f"client has a different schema (fingerprint {'f' * 12}, engine's {SPEC.fingerprint[:12]})"
+    )
     assert state_of(end) is SessionState.REJECTED
     assert [type(e) for e in end.events][-1] is AllRejected

@@ -131,7 +131,7 @@ def test_a_welcome_with_another_fingerprint_is_refused() -> None:
     reject = engine.only(MessageKind.REJECT).body
     assert isinstance(reject, Reject)
     assert reject.reason == RejectReason.FINGERPRINT
-    assert SPEC.fingerprint in reject.message
+    assert f"fingerprint {'0' * 12}, engine's {SPEC.fingerprint[:12]})" in reject.message
     engine.control(b"c2", PING, None, 1)
     engine.take()
     engine.welcome(b"c2", fingerprint=SPEC.fingerprint)

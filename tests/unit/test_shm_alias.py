@@ -108,9 +108,9 @@ def test_the_benchmark_flags_shared_results_that_were_copied() -> None:
     names = ("shm_tensors", "shm_aliased", "shm_received", "shm_received_aliased")
     before: dict[str, int | None] = dict.fromkeys(names, 0)
     aliased: dict[str, int | None] = dict(zip(names, (5, 5, 7, 7), strict=True))
-    assert "warning" not in _transport_check("torch_shm", "shm_shared", before, aliased)
+    assert "warning" not in _transport_check("torch_shm", "share", before, aliased)
     copied = {**aliased, "shm_received_aliased": 4}
-    warning = _transport_check("torch_shm", "shm_shared", before, copied)["warning"]
+    warning = _transport_check("torch_shm", "share", before, copied)["warning"]
     assert "3 shared result tensors were copied" in warning
 
 
