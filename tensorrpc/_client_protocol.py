@@ -577,7 +577,9 @@ class ClientProtocol(Machine[bytes, Event]):
                 releases = call.releases = unique
             else:
                 self._release_now(engine, unique, now)
-        header = pack_call_header(call.call_id, spec.name, flags, timeout_ms, trace, releases)
+        header = pack_call_header(
+            call.call_id, spec.name, flags, timeout_ms, trace=trace, releases=releases
+        )
         size = len(header) + memoryview(payload).nbytes
         for buffer in buffers:
             size += memoryview(buffer).nbytes
