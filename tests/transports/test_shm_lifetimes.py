@@ -32,6 +32,7 @@ from tensorrpc._client import Client
 from tensorrpc._codec import encode
 from tensorrpc._exceptions import EngineDeadError
 from tensorrpc._hostinfo import host_id
+from tensorrpc._machine import release_frames
 from tensorrpc._protocol import (
     ErrorInfo,
     Header,
@@ -467,7 +468,7 @@ class _Releases:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.messages = 0
         self.carried = 0
-        frames = _client_protocol.release_frames
+        frames = release_frames
         pack = pack_call_header
 
         def counting_frames(leases: Any) -> list[list[bytes]]:
