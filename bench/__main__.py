@@ -2,7 +2,10 @@
 
 Sections (all by default, in one run): ``roundtrip`` (small call, 64 in flight),
 ``transfer`` (tensors of 4 KiB, 1 MiB, 64 MiB), ``codec`` (``bench.codec_bench``),
-``scale`` (one client with 1, 8 and 64 engines, ``bench.scale``).
+``scale`` (one client with 1, 8 and 64 engines, ``bench.scale``), ``batching`` (batched
+against unbatched calls and continuous batching of streams, ``bench.batching``), ``mixed``
+(small calls' tail latency while large tensors go through the same client and engine,
+``bench.mixed``).
 Every server runs in its own process, is started and reaped by this run, and every
 loop is bounded by a count and a time budget; the whole run is also bounded, and a case
 that would start past that bound is recorded as skipped. Results go to ``--out``
@@ -30,7 +33,7 @@ from typing import Any
 
 from bench import _common, _report
 
-SECTIONS = ("roundtrip", "transfer", "codec", "scale")
+SECTIONS = ("roundtrip", "transfer", "codec", "scale", "batching", "mixed")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: the whole run must finish within 10 minutes on 2 cores; cases past this are skipped
 RUN_BUDGET_S = 540.0
@@ -161,6 +164,17 @@ def main(argv: list[str] | None = None) -> int:
             from bench import scale
 
             results["scale"] = scale.run(args.quick, workdir=workdir, progress=_progress)
+        if "batching" in sections:
+            from bench import batching
+
+            results["batching"] = batching.run(args.quick, workdir=workdir, progress=_progress)
+
+        if "mixed" in sections:
+            from bench import mixed
+
+            results["mixed"] = mixed.run(
+                args.quick, workdir=workdir, progress=_progress, systems=args.system
+            )
         if "codec" in sections:
             results["codec"] = _common.guarded(_progress, "codec", lambda: _codec(args.quick))
     results["machine"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

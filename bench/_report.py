@@ -233,6 +233,10 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ))  # fmt: skip
         out += _transfer_out_targets(tx, small)
 
+    bt = results.get("batching")
+    if isinstance(bt, dict) and "unavailable" not in bt:
+        out += _batching_targets(bt)
+
     codec = results.get("codec")
     if isinstance(codec, dict) and isinstance(codec.get("cases"), dict):
         goal = codec.get("target_ratio", 1.5)
@@ -244,6 +248,89 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "" if r is not None else "not measured",
             ))  # fmt: skip
     return out
+
+
+def _batching_targets(bt: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of issue 22 (batching), from the ``batching`` section."""
+    out: list[dict[str, Any]] = []
+    ours, plain, peer = bt.get("tensorrpc"), bt.get("unbatched"), bt.get("asyncio batcher")
+    one, cont = bt.get("streams one at a time"), bt.get("streams continuous")
+
+    def target(tid: str, desc: str, value: float | None, goal: str, ok: bool | None) -> None:
+        out.append(_target(tid, desc, value, goal, ok, "" if value is not None else "not measured"))
+
+    r = _ratio(_num(_get(ours, "per_s")), _num(_get(plain, "per_s")))
+    target("batch_speedup", f"{bt.get('callers')} callers, batched ÷ unbatched calls/s", r,
+           "≥ 10", None if r is None else r >= 10)  # fmt: skip
+    median = _num(_get(ours, "median_ms"))
+    bound = _num(bt.get("max_delay_ms", 0)) or 0.0
+    bound += (_num(bt.get("step_ms", 0)) or 0.0) + 1.0
+    extra = None if median is None else median - bound
+    target("batch_median_ms", "batched median minus (max_delay + one step + 1 ms)", extra, "≤ 0",
+           None if extra is None else extra <= 0)  # fmt: skip
+    for key, goal_text in (("per_s", "> 1"), ("median_ms", "< 1"), ("p99_ms", "< 1")):
+        r = _ratio(_num(_get(ours, key)), _num(_get(peer, key)))
+        better = None if r is None else (r > 1 if key == "per_s" else r < 1)
+        name = key.removesuffix("_ms")
+        desc = f"batched {name} ÷ asyncio batcher (Ray Serve's design)"
+        target(f"batch_peer_{name}", desc, r, goal_text, better)
+    r = _ratio(_num(_get(cont, "per_s")), _num(_get(one, "per_s")))
+    target("batch_tokens", f"{bt.get('streams')} streams, continuous ÷ one at a time tokens/s",
+           r, "≥ 5", None if r is None else r >= 5)  # fmt: skip
+    late = _num(bt.get("late_ttft_ms"))
+    # It waits for the running step to end, then runs in the next one: two steps at most.
+    extra = None if late is None else late - 2 * (_num(bt.get("token_step_ms", 0)) or 0.0) - 1.0
+    desc = "first token of a stream joining a running batch minus (two steps + 1 ms)"
+    ok = None if extra is None else extra <= 0
+    target("batch_late_ttft_ms", desc, extra, "≤ 0 (max_delay 0)", ok)
+    return out
+
+
+def _batching_md(bt: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Batching",
+        "",
+    ]
+    if "unavailable" in bt:
+        return [*lines, f"unavailable: {_cell(bt['unavailable'])}"]
+    lines += [
+        f"One engine process; a handler whose cost is flat in the batch size (one "
+        f"{bt.get('step_ms')} ms step on one device per call or per batch); "
+        f"{bt.get('callers')} concurrent callers; `max_delay` {bt.get('max_delay_ms')} ms. "
+        f"Peer: {bt.get('peer')}.",
+        "",
+        "| case | calls/s | median | p99 | mean batch |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in ("unbatched", "tensorrpc", "asyncio batcher"):
+        e = bt.get(name) or {}
+        mean = _num(e.get("mean_batch"))
+        lines.append(
+            f"| {name} | {fmt_rate(_num(e.get('per_s')))} | {_ms(e.get('median_ms'))} "
+            f"| {_ms(e.get('p99_ms'))} | {'' if mean is None else f'{mean:.1f}'} |"
+        )
+    lines += [
+        "",
+        f"{bt.get('streams')} streams of {bt.get('tokens')} tokens, one "
+        f"{bt.get('token_step_ms')} ms step per token (for every active stream at once when "
+        f"batched); a stream joining a running batch got its first token after "
+        f"{_ms(bt.get('late_ttft_ms'))}.",
+        "",
+        "| case | tokens/s | time to first token, median | p99 |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in ("streams one at a time", "streams continuous"):
+        e = bt.get(name) or {}
+        lines.append(
+            f"| {name} | {fmt_rate(_num(e.get('per_s')))} | {_ms(e.get('ttft_median_ms'))} "
+            f"| {_ms(e.get('ttft_p99_ms'))} |"
+        )
+    return lines
+
+
+def _ms(value: Any) -> str:
+    v = _num(value)
+    return "n/a" if v is None else f"{v:.2f} ms"
 
 
 def _transfer_out_targets(tx: dict[str, Any], small: float | None) -> list[dict[str, Any]]:
@@ -548,6 +635,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [*_codec_md(results["codec"]), ""]
     if "scale" in results:
         lines += [*_scale_md(results["scale"]), ""]
+    if "batching" in results:
+        lines += [*_batching_md(results["batching"]), ""]
+
+    if "mixed" in results:
+        from bench.mixed import report
+
+        lines += [*report(results["mixed"]), ""]
     targets = results.get("targets", [])
     if targets:
         lines += [*_targets_md(targets), ""]

@@ -11,7 +11,7 @@ import anyio
 import torch
 
 from examples.tiny_lm import DIM, TinyLM
-from tensorrpc import rpc, service
+from tensorrpc import Continuous, current_batch, rpc, service
 
 PATCH = 32
 
@@ -62,6 +62,36 @@ class LMEngine:
                 return
             self.tokens += 1
             yield token
+
+    @rpc(batch=Continuous(max_size=32, max_delay=0.0))
+    def generate_batched(self, prompt: list[list[int]], max_tokens: list[int]) -> list[int]:
+        """The tokens of ``generate`` (no prompt embeddings), with continuous batching.
+
+        One step: a sequence that just joined reads its prompt (its first token); every
+        other active sequence gets its next token from one batched forward pass.
+        """
+        start = time.perf_counter()
+        batch = current_batch()
+        out = [0] * batch.size
+        decoding = []
+        for i, item in enumerate(batch.items):
+            if max_tokens[i] <= 0:  # nothing to generate: end without a token
+                batch.end(i, send=False)
+                continue
+            if item.first:
+                self.requests += 1
+                out[i], item.state = self.model.prefill(prompt[i], max_tokens[i])
+            else:
+                decoding.append(i)
+            if item.steps + 1 >= max_tokens[i]:
+                batch.end(i)
+        if decoding:
+            tokens = self.model.decode([batch.items[i].state for i in decoding])
+            for i, token in zip(decoding, tokens, strict=True):
+                out[i] = token
+        self.tokens += batch.size
+        self.busy += time.perf_counter() - start
+        return out
 
     @rpc
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:

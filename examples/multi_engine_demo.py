@@ -11,37 +11,80 @@ binds one client socket they dial into, and sends a mixed load through it:
   the same engine (targeted);
 * calls that time out on purpose (a deadline shorter than the work), calls cancelled by
   the caller, and streams the caller leaves early;
-* broadcasts: ``reset`` before the run and ``stats`` after it.
+* broadcasts: ``reset`` before the run and ``stats`` after it;
+* then continuous batching: ``--streams`` generation requests sent at once to one engine,
+  served one stream at a time (``generate``) and then with continuous batching
+  (``generate_batched``: one batched forward pass per step, new streams join at the next
+  step); it shows tokens/s and time to first token of both, and checks that both gave
+  every stream the same tokens.
 
-It draws with ``rich`` (the ``demo`` extra): a progress bar with live tokens/s while it
+It says what it is about to do at once (before the seconds of importing torch), then
+draws with ``rich`` (the ``demo`` extra): a progress bar with live tokens/s while it
 works, then per-engine, outcome and per-transport tables and a latency histogram per
 engine. When stdout is not a terminal everything is plain text (no colours, no live
-redraw, tables without borders). It exits 0 when every outcome was the expected one, and
-leaves no process, socket file or /dev/shm segment behind (Ctrl-C included).
+redraw, tables without borders). The last line is the verdict: ``verdict: PASS`` and exit
+status 0 when every request ended as planned (the timeouts, cancellations and early exits
+included: they are on purpose), ``verdict: FAIL`` and exit status 1 otherwise. It leaves
+no process, socket file or /dev/shm segment behind (Ctrl-C included). docs/quickstart.md
+reads its output line by line.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import random
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from collections import Counter, defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import anyio
-import torch
-from rich import box
-from rich.bar import Bar
-from rich.console import Console
-from rich.progress import (
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (only argparse: ``--help`` answers before torch is imported)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.multi_engine_demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--engines", type=int, default=3, help="engine processes (default 3)")
+    parser.add_argument("--requests", type=int, default=120, help="requests (default 120)")
+    parser.add_argument("--seed", type=int, default=0, help="the load's random seed")
+    parser.add_argument(
+        "--streams", type=int, default=32, help="streams of the continuous batching comparison"
+    )
+    return parser
+
+
+def announce(args: argparse.Namespace) -> None:
+    """The first line, at once: importing torch and starting engines takes seconds."""
+    print(
+        f"tensorrpc multi-engine demo: {args.engines} engine processes, one client, "
+        f"{args.requests} requests; starting (takes a few seconds)...",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+_ARGS: argparse.Namespace | None = None
+if __name__ == "__main__":
+    _ARGS = build_parser().parse_args()
+    announce(_ARGS)
+
+# The heavy imports come after the first line on purpose (torch alone takes seconds).
+import os  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import Counter, defaultdict  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import anyio  # noqa: E402
+import torch  # noqa: E402
+from rich import box  # noqa: E402
+from rich.bar import Bar  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import (  # noqa: E402
     BarColumn,
     MofNCompleteColumn,
     Progress,
@@ -49,10 +92,10 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
+from rich.table import Table  # noqa: E402
 
-import tensorrpc
-from examples.lm_service import EngineStats, LMEngine
+import tensorrpc  # noqa: E402
+from examples.lm_service import EngineStats, LMEngine  # noqa: E402
 
 ENGINE_START_TIMEOUT = 60.0
 CONCURRENCY = 8  # requests in flight at once
@@ -70,6 +113,17 @@ class Tally:
     unexpected: list[str] = field(default_factory=list)
     done: int = 0
 
+
+#: What the load is made of, printed before it starts.
+LEGEND = (
+    "what it sends: text prompts balanced over the engines (tokens streamed back); images "
+    "(768 KiB tensors) over torch_shm or frames, then generation on the same engine; and, "
+    "on purpose, calls whose deadline is shorter than their work (they time out: the "
+    "'timeouts' column), calls the caller cancels, and streams it leaves early. Those are "
+    "planned outcomes, not failures. Then the same streams on one engine, one at a time "
+    "and with continuous batching. The last line says whether every request ended as "
+    "planned."
+)
 
 #: Upper bounds (ms) of the latency histogram's buckets; the last one is open.
 BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
@@ -257,7 +311,12 @@ async def run_load(
         for i, kind in pending:
             await one(i, kind)
 
-    progress.console.print(f"load: {requests} requests, {CONCURRENCY} in flight")
+    planned = Counter(plan)
+    progress.console.print(
+        f"load: {requests} requests, {CONCURRENCY} in flight: {planned['text']} text, "
+        f"{planned['image']} image, and on purpose {planned['deadline']} that time out, "
+        f"{planned['cancel']} cancelled, {planned['early_break']} streams left early"
+    )
     async with anyio.create_task_group() as tg:
         for _ in range(CONCURRENCY):
             tg.start_soon(worker)
@@ -280,6 +339,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 screen.err.print(
                     f"{len(client.engines)} engines up: {', '.join(sorted(client.engines))}"
                 )
+                screen.err.print(LEGEND)
                 await client.broadcast("reset")
                 tally = Tally()
                 started = time.perf_counter()
@@ -289,6 +349,11 @@ async def main_async(args: argparse.Namespace) -> int:
                 elapsed = time.perf_counter() - started
                 engine_stats: dict[str, EngineStats] = await client.broadcast("stats")
                 summary(screen, client, tally, engine_stats, elapsed)
+                await batching_comparison(screen, client, args.streams, tally)
+                if tally.unexpected:
+                    screen.out.print("Unexpected:", *tally.unexpected, sep="\n  ")
+                # The last line: the verdict over the load and the comparison.
+                screen.out.print(verdict(tally, batched=args.streams > 0), soft_wrap=True)
         return 1 if tally.unexpected else 0
 
 
@@ -300,7 +365,12 @@ def summary(
     elapsed: float,
 ) -> None:
     engines = screen.table("Per engine", "engine", "pid", "requests", "tokens", "p50 ms", "p99 ms")
-    engines.add_column("errors", justify="right")
+    engines.add_column("timeouts", justify="right")
+    engines.caption = (
+        "timeouts: the calls that timed out on purpose (a 50 ms deadline on 2 s of work); "
+        "any other error is listed under Unexpected"
+    )
+    engines.caption_justify = "left"
     for engine in sorted(client.engines):
         lat = tally.latencies.get(engine, [])
         engines.add_row(
@@ -340,8 +410,25 @@ def summary(
         screen.out.print(table)
     screen.out.print()
     screen.out.print(f"{tally.done} requests in {elapsed:.1f} s")
+
+
+def verdict(tally: Tally, *, batched: bool) -> str:
+    """The last line: PASS when every request ended as planned, else FAIL and how many."""
+    planned = (
+        f"{tally.outcomes['timed out (on purpose)']} timed out, "
+        f"{tally.outcomes['cancelled (on purpose)']} cancelled and "
+        f"{tally.outcomes['stream left early']} streams left early, all on purpose"
+    )
     if tally.unexpected:
-        screen.out.print("Unexpected:", *tally.unexpected, sep="\n  ")
+        return (
+            f"verdict: FAIL: {len(tally.unexpected)} unexpected outcomes (listed above); "
+            "exit status 1"
+        )
+    same = "; continuous batching gave every stream the tokens of one at a time" if batched else ""
+    return (
+        f"verdict: PASS: all {tally.done} requests ended as planned ({planned}); "
+        f"{sum(tally.tokens.values())} tokens streamed{same}; exit status 0"
+    )
 
 
 def histograms(screen: Screen, tally: Tally) -> list[Table]:
@@ -384,14 +471,86 @@ def bucket_labels() -> list[str]:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+COMPARE_TOKENS = 16  # tokens per stream in the batching comparison
+
+
+async def _streams_at_once(
+    client: tensorrpc.Client[LMEngine], engine: str, prompts: list[list[int]], batched: bool
+) -> tuple[float, list[float], list[list[int]]]:
+    """Send every prompt at once; return tokens/s, each stream's time to first token
+    (from the moment all were sent) and each stream's tokens."""
+    stub = client.stub(engine=engine)
+    started = time.perf_counter()
+    ttft = [0.0] * len(prompts)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    one_at_a_time = anyio.Lock()
+
+    async def stream(k: int) -> None:
+        if batched:
+            items = stub.generate_batched(prompts[k], COMPARE_TOKENS)
+        else:
+            items = stub.generate(prompts[k], COMPARE_TOKENS)
+        async with items:
+            async for token in items:
+                if not tokens[k]:
+                    ttft[k] = time.perf_counter() - started
+                tokens[k].append(token)
+
+    async def one(k: int) -> None:
+        if batched:
+            await stream(k)
+        else:
+            async with one_at_a_time:  # the engine serves these one stream at a time
+                await stream(k)
+
+    async with anyio.create_task_group() as tg:
+        for k in range(len(prompts)):
+            tg.start_soon(one, k)
+    elapsed = time.perf_counter() - started
+    return sum(len(t) for t in tokens) / elapsed, ttft, tokens
+
+
+async def batching_comparison(
+    screen: Screen, client: tensorrpc.Client[LMEngine], streams: int, tally: Tally
+) -> None:
+    """One engine, ``streams`` requests at once: one stream at a time, then continuous
+    batching; a table of tokens/s and time to first token."""
+    if streams <= 0:
+        return
+    engine = sorted(client.engines)[0]
+    rng = random.Random(streams)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randrange(4, 32))] for _ in range(streams)]
+    screen.err.print(f"batching: {streams} streams at once on {engine}")
+    rows = []
+    outputs = []
+    for name, batched in (("one stream at a time", False), ("continuous batching", True)):
+        rate, ttft, tokens = await _streams_at_once(client, engine, prompts, batched)
+        rows.append((name, rate, ttft))
+        outputs.append(tokens)
+    if outputs[0] != outputs[1]:
+        tally.unexpected.append("continuous batching generated other tokens than one at a time")
+    table = screen.table(
+        f"Continuous batching: {streams} streams of {COMPARE_TOKENS} tokens sent at once to "
+        f"{engine} (time to first token from the moment all were sent)",
+        "",
+        "tokens/s",
+        "first token p50 ms",
+        "first token p99 ms",
     )
-    parser.add_argument("--engines", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=120)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    for name, rate, ttft in rows:
+        table.add_row(
+            name,
+            f"{rate:,.0f}",
+            f"{percentile(ttft, 0.5) * 1e3:.1f}",
+            f"{percentile(ttft, 0.99) * 1e3:.1f}",
+        )
+    screen.out.print()
+    screen.out.print(table)
+    screen.out.print(f"continuous batching: {rows[1][1] / rows[0][1]:.1f}x the tokens/s")
+
+
+def main() -> None:
+    args = _ARGS if _ARGS is not None else build_parser().parse_args()
     torch.set_num_threads(1)
     try:
         code = anyio.run(main_async, args)

@@ -44,6 +44,34 @@ class Block(nn.Module):
         x = x + self.mlp(self.norm2(x))
         return x, (k, v)
 
+    def decode(
+        self, x: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One new token for each of ``b`` sequences whose caches differ in length.
+
+        The caches are padded to the longest and masked: one attention call for the batch.
+        """
+        b = x.shape[0]
+        q, k, v = self.qkv(self.norm1(x)).split(DIM, dim=-1)
+        q, k, v = (z.view(b, 1, HEADS, DIM // HEADS).transpose(1, 2) for z in (q, k, v))
+        new = [
+            (torch.cat([ck, k[i : i + 1]], dim=2), torch.cat([cv, v[i : i + 1]], dim=2))
+            for i, (ck, cv) in enumerate(caches)
+        ]
+        longest = max(ck.shape[2] for ck, _ in new)
+        keys = q.new_zeros(b, HEADS, longest, DIM // HEADS)
+        values = torch.zeros_like(keys)
+        mask = torch.zeros(b, 1, 1, longest, dtype=torch.bool)
+        for i, (ck, cv) in enumerate(new):
+            n = ck.shape[2]
+            keys[i, :, :n] = ck[0]
+            values[i, :, :n] = cv[0]
+            mask[i, ..., :n] = True
+        attn = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, 1, DIM))
+        x = x + self.mlp(self.norm2(x))
+        return x, new
+
 
 class TinyLM(nn.Module):
     """Token ids (and optional prompt embeddings) in, greedy tokens out."""
@@ -70,13 +98,7 @@ class TinyLM(nn.Module):
         ``prompt_embeds`` (shape ``[n, DIM]``) is prepended to the embedded prompt tokens,
         the way vLLM accepts prompt embeddings.
         """
-        x = self.embed(torch.tensor([prompt], dtype=torch.long)) if prompt else None
-        if prompt_embeds is not None:
-            pe = prompt_embeds.to(torch.float32).reshape(1, -1, DIM)
-            x = pe if x is None else torch.cat([pe, x], dim=1)
-        if x is None:
-            raise ValueError("need a prompt or prompt embeddings")
-        x = x[:, -(MAX_LEN - max_tokens) :]
+        x = self._prompt(prompt, max_tokens, prompt_embeds)
         caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * LAYERS
         pos = 0
         for _ in range(max_tokens):
@@ -88,3 +110,57 @@ class TinyLM(nn.Module):
             yield token
             pos += t
             x = self.embed(torch.tensor([[token]]))
+
+    def _prompt(
+        self, prompt: list[int], max_tokens: int, prompt_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = self.embed(torch.tensor([prompt], dtype=torch.long)) if prompt else None
+        if prompt_embeds is not None:
+            pe = prompt_embeds.to(torch.float32).reshape(1, -1, DIM)
+            x = pe if x is None else torch.cat([pe, x], dim=1)
+        if x is None:
+            raise ValueError("need a prompt or prompt embeddings")
+        kept: torch.Tensor = x[:, -(MAX_LEN - max_tokens) :]
+        return kept
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], max_tokens: int) -> tuple[int, Sequence]:
+        """Read a prompt: its first greedy token, and the sequence's state for `decode`."""
+        x = self._prompt(prompt, max_tokens, None)
+        t = x.shape[1]
+        h = x + self.pos(torch.arange(t)).unsqueeze(0)
+        caches = []
+        for block in self.blocks:
+            h, cache = block(h, None)
+            caches.append(cache)
+        token = int(self.head(self.norm(h[:, -1])).argmax(-1))
+        return token, Sequence(caches, t, token)
+
+    @torch.inference_mode()
+    def decode(self, sequences: list[Sequence]) -> list[int]:
+        """One greedy token for each sequence, in one batched forward pass (continuous
+        batching: the sequences may have started at different steps)."""
+        tokens = torch.tensor([[s.last] for s in sequences])
+        positions = torch.tensor([[s.length] for s in sequences])
+        h = self.embed(tokens) + self.pos(positions)
+        for layer, block in enumerate(self.blocks):
+            assert isinstance(block, Block)
+            h, new = block.decode(h, [s.caches[layer] for s in sequences])
+            for s, cache in zip(sequences, new, strict=True):
+                s.caches[layer] = cache
+        out = self.head(self.norm(h[:, -1])).argmax(-1).tolist()
+        for s, token in zip(sequences, out, strict=True):
+            s.length += 1
+            s.last = int(token)
+        return [int(t) for t in out]
+
+
+class Sequence:
+    """One sequence being decoded: its KV caches, its length and its last token."""
+
+    __slots__ = ("caches", "last", "length")
+
+    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], length: int, last: int):
+        self.caches = caches
+        self.length = length
+        self.last = last

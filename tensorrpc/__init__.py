@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     )
     from tensorrpc._observe import CallObservation, Observer
     from tensorrpc._protocol import PROTOCOL_VERSION
+    from tensorrpc._release import release_later, set_release_threshold
     from tensorrpc._security import (
         CurveClientConfig,
         CurveConfig,
@@ -130,6 +131,8 @@ _EXPORTS: dict[str, str] = {
     "CallObservation": "tensorrpc._observe",
     "Observer": "tensorrpc._observe",
     "PROTOCOL_VERSION": "tensorrpc._protocol",
+    "release_later": "tensorrpc._release",
+    "set_release_threshold": "tensorrpc._release",
     "CurveClientConfig": "tensorrpc._security",
     "CurveConfig": "tensorrpc._security",
     "CurveKeyPair": "tensorrpc._security",
@@ -249,10 +252,12 @@ __all__ = [
     "load_keypair",
     "load_public_key",
     "load_public_keys",
+    "release_later",
     "rpc",
     "save_keypair",
     "serve",
     "service",
+    "set_release_threshold",
     "share",
     "shared_empty",
 ]

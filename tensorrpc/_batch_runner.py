@@ -30,11 +30,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
+from tensorrpc import _observe
 from tensorrpc._batching import Batcher, Continuous, ItemRefused
 from tensorrpc._exceptions import ErrorCode
-from tensorrpc._observe import latency_bucket
+from tensorrpc._observe import LATENCY_BUCKETS, latency_bucket
 from tensorrpc.batching import _CURRENT, BatchContext, BatchItem
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskGroup
 
+    from tensorrpc._observe import Observer
     from tensorrpc._service import MethodSpec, ServiceSpec
 
 __all__ = ["BatchRunners", "BatchStatistics"]
@@ -52,41 +55,51 @@ _INF: Final = math.inf
 
 
 class BatchStatistics:
-    """Histograms of one batched method (sparse: bucket -> count).
+    """Counters and histograms of one batched method (see `BatchStatistics.snapshot`)."""
 
-    ``sizes`` counts batches (continuous: steps) by their number of items; ``queue_wait``
-    and ``run_time`` are latency buckets (`tensorrpc._observe.latency_bucket`) of each
-    item's wait for a batch and of each batch's (step's) handler run.
-    """
-
-    __slots__ = ("batches", "items", "queue_wait", "run_time", "sizes")
+    __slots__ = (
+        "batches",
+        "items",
+        "queue_wait",
+        "queue_wait_sum",
+        "run_time",
+        "run_time_sum",
+        "sizes",
+    )
 
     def __init__(self) -> None:
         self.batches = 0
         self.items = 0
         self.sizes: dict[int, int] = {}
-        self.queue_wait: dict[int, int] = {}
-        self.run_time: dict[int, int] = {}
+        self.queue_wait = [0] * LATENCY_BUCKETS
+        self.queue_wait_sum = 0.0
+        self.run_time = [0] * LATENCY_BUCKETS
+        self.run_time_sum = 0.0
 
     def ran(self, size: int, seconds: float) -> None:
         self.batches += 1
         self.sizes[size] = self.sizes.get(size, 0) + 1
-        b = latency_bucket(seconds)
-        self.run_time[b] = self.run_time.get(b, 0) + 1
+        self.run_time[latency_bucket(seconds)] += 1
+        self.run_time_sum += seconds
 
     def waited(self, seconds: float) -> None:
         self.items += 1
-        b = latency_bucket(seconds)
-        self.queue_wait[b] = self.queue_wait.get(b, 0) + 1
+        self.queue_wait[latency_bucket(seconds)] += 1
+        self.queue_wait_sum += seconds
 
     def snapshot(self) -> dict[str, Any]:
-        """A copy, as the statistics method sends it."""
+        """``batches`` (continuous: steps) and ``items`` run; ``sizes``: ``[items, batches]``
+        pairs; ``queue_wait`` (each item's wait for its batch) and ``run_time`` (each
+        handler call): sparse ``[bucket, count]`` latency histograms (the statistics
+        method's buckets) with their sums in seconds (``*_sum_s``)."""
         return {
             "batches": self.batches,
             "items": self.items,
-            "sizes": dict(self.sizes),
-            "queue_wait": dict(self.queue_wait),
-            "run_time": dict(self.run_time),
+            "sizes": [[k, n] for k, n in sorted(self.sizes.items())],
+            "queue_wait": [[i, n] for i, n in enumerate(self.queue_wait) if n],
+            "queue_wait_sum_s": self.queue_wait_sum,
+            "run_time": [[i, n] for i, n in enumerate(self.run_time) if n],
+            "run_time_sum_s": self.run_time_sum,
         }
 
 
@@ -95,7 +108,6 @@ class _Item:
 
     __slots__ = (
         "args",
-        "ended",
         "error",
         "event",
         "gone",
@@ -105,6 +117,7 @@ class _Item:
         "queued_at",
         "result",
         "settled",
+        "trace",
     )
 
     def __init__(self, args: tuple[Any, ...], now: float) -> None:
@@ -113,12 +126,13 @@ class _Item:
         self.result: Any = None
         self.error: BaseException | None = None
         self.settled = False  # unary: result or error is set; stream: no more outputs
-        self.ended = False  # stream: ends after its buffered outputs
         self.gone = False  # the caller cancelled, its deadline passed, or it is done
         self.event: anyio.Event | None = None
         self.handle = BatchItem()
         self.outputs: deque[Any] = deque()
         self.owner: _Run | None = None
+        #: The trace context of the item's call span (``b""``: not traced).
+        self.trace = _observe.current_trace()
 
     def wake(self) -> None:
         event = self.event
@@ -162,12 +176,20 @@ class _Run:
 class _Runner:
     """The batcher, runner task and batch runs of one batched method."""
 
-    def __init__(self, spec: MethodSpec, handler: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        spec: MethodSpec,
+        handler: Callable[..., Any],
+        engine_id: str,
+        observer: Callable[[], Observer | None],
+    ) -> None:
         batch = spec.batch
         assert batch is not None
         self._spec = spec
         self._batch = batch
         self._handler = handler
+        self._engine_id = engine_id
+        self._observer = observer
         self.batcher: Batcher[_Item] = Batcher(batch.config)
         self._continuous = isinstance(batch.config, Continuous)
         self._tg: TaskGroup | None = None
@@ -196,7 +218,10 @@ class _Runner:
         item = _Item(args, now)
         if self._tg is None:
             raise ItemRefused(ErrorCode.DRAINING, f"{self._spec.qualname}: the engine is stopping")
-        if not self.batcher.offer(item, now, anyio.current_effective_deadline()):
+        # No deadline for the batcher: the worker's cancel scope ends a late item (it
+        # leaves the queue in _abandon), and reading the scope's deadline costs more than
+        # the rest of the item's way through here.
+        if not self.batcher.offer(item, now):
             raise ItemRefused(
                 ErrorCode.OVERLOADED,
                 f"{self._spec.qualname}: {self.batcher.config.max_queue} items are waiting "
@@ -217,7 +242,7 @@ class _Runner:
     async def _unary(self, args: tuple[Any, ...]) -> Any:
         item = self._offer(args)
         try:
-            while not item.settled:
+            if not item.settled:  # settled once: one event
                 item.event = anyio.Event()
                 await item.event.wait()
         finally:
@@ -306,18 +331,33 @@ class _Runner:
         ctx._cancelled.update(i for i, it in enumerate(items) if it.gone)
         run.ctx = ctx
         run.step = items
+        observer = self._observer()
+        observed = None
+        if observer is not None:  # observe: a batch (step) starts
+            observed = observer.engine_batch(
+                self._spec.name, self._engine_id, len(items), [it.trace for it in items]
+            )
         token = _CURRENT.set(ctx)
         start = time.perf_counter()
+        outcome = "cancelled"
         try:
             if self._batch.is_async:
-                return await self._handler(*columns)
-            context = contextvars.copy_context()
-            return await anyio.to_thread.run_sync(
-                context.run, self._handler, *columns, abandon_on_cancel=True
-            )
+                result = await self._handler(*columns)
+            else:
+                context = contextvars.copy_context()
+                result = await anyio.to_thread.run_sync(
+                    context.run, self._handler, *columns, abandon_on_cancel=True
+                )
+            outcome = "ok"
+            return result
+        except Exception as exc:
+            outcome = type(exc).__name__
+            raise
         finally:
             self.stats.ran(len(items), time.perf_counter() - start)
             _CURRENT.reset(token)
+            if observed is not None:
+                observed.finished(outcome, 0)
 
     def _mismatch(self, results: object, n: int) -> ItemRefused | None:
         if isinstance(results, (list, tuple)) and len(results) == n:
@@ -380,6 +420,7 @@ class _Runner:
         max_size = self.batcher.config.max_size
         try:
             while True:
+                await anyio.lowlevel.checkpoint()  # a handler that never waits starves no one
                 # Step boundary: the gone and the ended leave, the queue joins.
                 run.items = [it for it in run.items if not it.gone and not it.settled]
                 room = max_size - len(run.items)
@@ -441,9 +482,15 @@ class _Runner:
 class BatchRunners:
     """The runners of a service's batched methods (none: nothing to do)."""
 
-    def __init__(self, spec: ServiceSpec, instance: object) -> None:
+    def __init__(
+        self,
+        spec: ServiceSpec,
+        instance: object,
+        engine_id: str,
+        observer: Callable[[], Observer | None],
+    ) -> None:
         self._runners: dict[str, _Runner] = {
-            name: _Runner(m, getattr(instance, name))
+            name: _Runner(m, getattr(instance, name), engine_id, observer)
             for name, m in spec.methods.items()
             if m.batch is not None
         }

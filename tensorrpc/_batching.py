@@ -178,7 +178,7 @@ class Batcher(Generic[T]):
             [`Continuous`][tensorrpc.Continuous] settings.
     """
 
-    __slots__ = ("_entries", "_index", "_max_delay", "_preferred", "config", "running")
+    __slots__ = ("_entries", "_finite", "_index", "_max_delay", "_preferred", "config", "running")
 
     def __init__(self, config: Batching | Continuous) -> None:
         self.config = config
@@ -186,6 +186,8 @@ class Batcher(Generic[T]):
         self._preferred = tuple(sorted(set(config.preferred_sizes)))
         self._entries: deque[_Entry[T]] = deque()
         self._index: dict[int, _Entry[T]] = {}
+        # Queued items with a finite deadline (none: no scan for late items).
+        self._finite = 0
         #: Batches closed and not finished.
         self.running = 0
 
@@ -198,6 +200,8 @@ class Batcher(Generic[T]):
         if len(self._index) >= self.config.max_queue:
             return False
         entry = _Entry(item, now, deadline)
+        if deadline != _INF:
+            self._finite += 1
         self._entries.append(entry)
         self._index[id(item)] = entry
         return True
@@ -207,9 +211,14 @@ class Batcher(Generic[T]):
         entry = self._index.pop(id(item), None)
         if entry is None:
             return False
-        entry.queued = False
+        self._dequeued(entry)
         self._compact()
         return True
+
+    def _dequeued(self, entry: _Entry[T]) -> None:
+        entry.queued = False
+        if entry.deadline != _INF:
+            self._finite -= 1
 
     def queued(self, item: T) -> bool:
         """Whether ``item`` is still waiting for a batch."""
@@ -228,14 +237,14 @@ class Batcher(Generic[T]):
 
     def _expire(self, now: float) -> list[T]:
         expired: list[T] = []
-        if not self._index:
+        if not self._finite:
             return expired
         keep: deque[_Entry[T]] = deque()
         for entry in self._entries:
             if not entry.queued:
                 continue
             if entry.deadline <= now:
-                entry.queued = False
+                self._dequeued(entry)
                 del self._index[id(entry.item)]
                 expired.append(entry.item)
             else:
@@ -244,6 +253,8 @@ class Batcher(Generic[T]):
         return expired
 
     def _next_deadline(self) -> float:
+        if not self._finite:
+            return _INF
         return min((e.deadline for e in self._entries if e.queued), default=_INF)
 
     def _take(self, count: int) -> list[T]:
@@ -252,7 +263,7 @@ class Batcher(Generic[T]):
         while len(out) < count and entries:
             entry = entries.popleft()
             if entry.queued:
-                entry.queued = False
+                self._dequeued(entry)
                 del self._index[id(entry.item)]
                 out.append(entry.item)
         self._compact()
@@ -311,4 +322,5 @@ class Batcher(Generic[T]):
         out = [e.item for e in self._entries if e.queued]
         self._entries.clear()
         self._index.clear()
+        self._finite = 0
         return out

@@ -235,6 +235,7 @@ class BlockingCallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: TransportName = "auto",
+        wait_for_ready: bool | None = None,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -243,12 +244,18 @@ class BlockingCallView(Generic[S]):
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
+            wait_for_ready: With no live engine, wait for one within ``timeout``
+                (``None``: only when a timeout is given; see `CallOptions`).
 
         Returns:
             The new view.
         """
         view = self._view.with_options(
-            engine=engine, timeout=timeout, wait=wait, transport=transport
+            engine=engine,
+            timeout=timeout,
+            wait=wait,
+            transport=transport,
+            wait_for_ready=wait_for_ready,
         )
         return BlockingCallView(self._runner, view)
 
@@ -259,6 +266,7 @@ class BlockingCallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: TransportName = "auto",
+        wait_for_ready: bool | None = None,
     ) -> BlockingStub[S]:
         """A [`BlockingStub`][tensorrpc.BlockingStub]: methods that call the engines and wait.
 
@@ -275,12 +283,18 @@ class BlockingCallView(Generic[S]):
             timeout: Per-call deadline in seconds, or ``None``.
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
+            wait_for_ready: With no live engine, wait for one within ``timeout``
+                (``None``: only when a timeout is given; see `CallOptions`).
 
         Returns:
             The stub, typed as the service class.
         """
         view = self._view.with_options(
-            engine=engine, timeout=timeout, wait=wait, transport=transport
+            engine=engine,
+            timeout=timeout,
+            wait=wait,
+            transport=transport,
+            wait_for_ready=wait_for_ready,
         )
         return _BlockingStub(self._runner, view, self._runner.client.service)
 

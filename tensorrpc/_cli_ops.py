@@ -107,6 +107,7 @@ def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] | Non
         OptionError: A value (from a flag or a variable) is malformed.
     """
     env = os.environ if environ is None else environ
+    where = "--metrics-port"  # or the variable that gave it
     for dest, name in ENVIRONMENT.items():
         if not hasattr(args, dest) or getattr(args, dest) is not None:
             continue
@@ -117,14 +118,12 @@ def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] | Non
             setattr(args, dest, _flag(name, text))
         elif dest == "curve_allow":
             setattr(args, dest, [p for p in text.split(os.pathsep) if p] or None)
-        else:
-            setattr(args, dest, f"{text}" if text else None)
-            if text:
-                setattr(args, f"{dest}_from", name)
+        elif text:
+            setattr(args, dest, text)
+            if dest == "metrics_port":
+                where = name
     if getattr(args, "metrics_port", None) is not None:
-        args.metrics_port = _check(
-            _port, args.metrics_port, getattr(args, "metrics_port_from", "--metrics-port")
-        )
+        args.metrics_port = _check(_port, args.metrics_port, where)
 
 
 def _flag(name: str, text: str) -> bool:

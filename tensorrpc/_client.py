@@ -24,6 +24,7 @@ import os
 import secrets
 import time
 import warnings
+from dataclasses import replace
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -125,6 +126,10 @@ class Client(CallView[S]):
             public key when the client dials listening engines, or a
             ``CurveServerConfig`` with an allow-list of engine keys when engines dial in.
             None: plaintext.
+        engine_keys: Engine id → the z85 CURVE public key that engine dials in with
+            (needs a ``CurveServerConfig``): an id is taken only by the engine holding
+            its key, and a HELLO with an id not listed is refused. None: ids are first
+            come (docs/security.md).
         socket_options: ZMQ socket options (``maxmsgsize`` is the largest frame this
             client sends or accepts: a bigger argument tensor is an ``EncodeError``
             before anything is sent). Default: the safe defaults with
@@ -175,6 +180,7 @@ class Client(CallView[S]):
         client_id: str | None = None,
         high_water_mark: int = 100_000,
         curve: CurveConfig | None = None,
+        engine_keys: Mapping[str, bytes | str] | None = None,
         socket_options: SocketOptions | None = None,
         torch_shm: bool = True,
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
@@ -198,6 +204,8 @@ class Client(CallView[S]):
             balancing=balancing,
             max_in_flight=max_in_flight,
         )
+        if engine_keys is not None:
+            config = replace(config, engine_keys=_engine_keys(engine_keys, curve))
         self._protocol = ClientProtocol(config, self._transfers)
         self._curve = curve
         self._opened = False
@@ -539,3 +547,24 @@ def _codec_argument(
     if codec is not None and codec is not codec_config:
         raise ValueError("give codec= only (codec_config= is its deprecated alias)")
     return codec_config
+
+
+def _engine_keys(
+    keys: Mapping[str, bytes | str], curve: CurveConfig | None
+) -> MappingProxyType[str, str]:
+    """``engine_keys=`` checked: z85 keys (as text), for a client that is a CURVE server."""
+    from tensorrpc._security import CurveServerConfig, check_public_key
+
+    if not isinstance(curve, CurveServerConfig):
+        raise ValueError(
+            "engine_keys= needs curve=CurveServerConfig(...): the keys engines dial in with "
+            "are known only to a binding client that is a CURVE server"
+        )
+    return MappingProxyType(
+        {
+            str(engine_id): check_public_key(
+                key.encode() if isinstance(key, str) else key, f"engine_keys[{engine_id!r}]"
+            ).decode("ascii")
+            for engine_id, key in keys.items()
+        }
+    )

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from tensorrpc import _codec, _observe
+from tensorrpc import _codec, _observe, _release
 from tensorrpc._client_protocol import Dropped, reply_error
 from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
     ClosedError,
     EngineDeadError,
+    EngineNotFoundError,
     MethodNotFoundError,
     OverloadedError,
     PeerUnreachableError,
@@ -117,20 +118,21 @@ class CallRunner:
                 raise TypeError(f"argument names must be str, got {key!r}")
         return spec, self._transfers.encode(spec, dict(arguments), None)
 
-    async def _acquire(self, options: CallOptions) -> Engine:
+    async def _acquire(self, options: CallOptions, ready: bool) -> Engine:
         """Pick an engine with a free in-flight slot, waiting for one if allowed.
 
         A waiter is woken once per slot freed for it; one woken that finds the slot
-        taken (by a caller that never queued) queues again.
+        taken (by a caller that never queued) queues again. With ``ready``
+        (wait-for-ready), a caller also waits while no engine for it is live.
         """
         protocol = self._protocol
         waiters = self._io.waiters
         assert waiters is not None
         target = options.engine
-        engine = self._select(target, _monotonic(), woken=False)
+        engine = self._select(target, _monotonic(), woken=False, ready=ready)
         while engine is None:
             self._io.check_open()
-            if not options.wait:
+            if not options.wait and not (ready and protocol.absence(target, _monotonic())):
                 live = protocol.engines.engines
                 if (target is None and not live) or (target is not None and target not in live):
                     protocol.engines.select(target)  # not live (yet): EngineNotFoundError
@@ -149,13 +151,13 @@ class CallRunner:
                     self._io.wake_all(protocol.capacity.released(target))
                 raise
             self._io.check_open()
-            engine = self._select(target, _monotonic(), woken=True)
+            engine = self._select(target, _monotonic(), woken=True, ready=ready)
         return engine
 
-    def _select(self, target: str | None, now: float, *, woken: bool) -> Engine | None:
+    def _select(self, target: str | None, now: float, *, woken: bool, ready: bool) -> Engine | None:
         """`ClientProtocol.select` at ``now``, acting on the sessions it found forgotten."""
         protocol = self._protocol
-        engine = protocol.select(target, now, woken=woken)
+        engine = protocol.select(target, now, woken=woken, wait_for_ready=ready)
         if protocol.pending:
             self._io.flush()
         return engine
@@ -175,11 +177,16 @@ class CallRunner:
         self._io.check_open()
         now = _monotonic()
         protocol = self._protocol
-        engine = protocol.select(options.engine, now)  # `_select`, inline (the hot path)
+        # Wait-for-ready: by default a call with a deadline waits for a live engine.
+        ready = options.wait_for_ready
+        if ready is None:
+            ready = deadline is not None
+        # `_select`, inline (the hot path)
+        engine = protocol.select(options.engine, now, wait_for_ready=ready)
         if protocol.pending:
             self._io.flush()
         if engine is None:
-            engine = await self._acquire(options)
+            engine = await self._acquire(options, ready)
             now = _monotonic()
         transfers = self._transfers
         placer = None
@@ -236,7 +243,7 @@ class CallRunner:
         except BaseException as exc:
             raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
         if track:
-            self._io.tracked.add(tracker, encoded.keepalive)
+            self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
         return True
 
     async def _send_call_waiting(
@@ -252,7 +259,7 @@ class CallRunner:
         except BaseException as exc:
             raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
         if track:
-            self._io.tracked.add(tracker, encoded.keepalive)
+            self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
 
     def _send_failed(self, call: Call, exc: BaseException) -> BaseException:
         """The CALL could not be sent: end the call, return the leases its header carried
@@ -329,10 +336,24 @@ class CallRunner:
         deadline = anyio.current_time() + timeout
         with anyio.move_on_after(timeout):
             return await self._attempts(spec, wire, encoded, options, deadline, flags)
+        self._raise_absent(spec, options, timeout)
         raise CallTimeoutError(
             f"{spec.qualname} did not complete within {timeout} s"
             + (f" on engine {options.engine!r}" if options.engine else "")
         )
+
+    def _raise_absent(self, spec: MethodSpec, options: CallOptions, timeout: float) -> None:
+        """A call that waited for an engine until its deadline: say why none came."""
+        if options.wait_for_ready is False:
+            return
+        target = options.engine
+        why = self._protocol.absence(target, _monotonic())
+        if why is not None:
+            what = f"engine {target!r}" if target is not None else "live engine"
+            raise EngineNotFoundError(
+                f"{spec.qualname}: no {what} within {timeout} s: {why}",
+                live=self._protocol.engines.live_ids(),
+            )
 
     async def _attempts(
         self,
@@ -385,6 +406,7 @@ class CallRunner:
             return await self._start(spec, wire, encoded, options, None, flags)
         with anyio.move_on_after(deadline - anyio.current_time()):
             return await self._start(spec, wire, encoded, options, deadline, flags)
+        self._raise_absent(spec, options, options.timeout or 0.0)
         raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
 
     async def next_item(self, call: Call, deadline: float | None) -> Any:

@@ -36,6 +36,7 @@ from tensorrpc._client_protocol import (
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
 from tensorrpc._logonce import Said
+from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
@@ -123,6 +124,14 @@ def _event_woken(event: Any) -> bool:
 
 def _event_wait(event: Any) -> Awaitable[Any]:
     return cast("Awaitable[Any]", event.wait())
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP User-Id (the peer's z85 CURVE public key) of a received frame."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, TypeError, ValueError):  # no CURVE on this connection
+        return None
 
 
 class RefusalLog:
@@ -513,6 +522,9 @@ class ClientIO:
                 on_message(frames)
             except Exception:  # one bad message must never stop the reader
                 logger.exception("tensorrpc client: error handling a message")
+            if len(frames) > 3:  # out-of-band buffers: a large message is freed off the loop
+                later_if_large(frames, nbytes(frames))
+            del frames  # not held until the next message arrives
             if yield_due():  # after 32 messages or 2 ms of handling them
                 await checkpoint()
 
@@ -530,12 +542,17 @@ class ClientIO:
                 self._on_message(frames)
             except Exception:  # one bad message must never stop the client
                 logger.exception("tensorrpc client: error handling a message")
+            if len(frames) > 3:
+                later_if_large(frames, nbytes(frames))
+            del frames
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
             logger.warning("dropped a message of %d frames", len(frames))
             return
         protocol = self.protocol
+        if protocol.config.engine_keys is not None:  # who the engine is comes from its key
+            self.transfers.message_key = _user_id(frames[1])
         event = protocol.receive(frames[0].bytes, cast("list[Buffer]", frames[1:]), _monotonic())
         if type(event) is Call:
             call = event

@@ -227,6 +227,10 @@ class ClientHooks(Protocol):
         """The engine's PROOF: ``(proven pid or 0, send handles, resolve handles)``."""
         ...
 
+    def peer_key(self, peer: bytes) -> str | None:
+        """The z85 CURVE public key the message being handled came with (None: none)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
@@ -246,6 +250,9 @@ class ClientConfig:
         schemaless: Admit any service and fingerprint (protocol version still checked).
         signatures: Our methods (name → signature), so that a fingerprint refusal names
             the methods that differ.
+        engine_keys: Engine id → the z85 CURVE public key its HELLO must come with; a
+            HELLO with an id not listed, or from another key, is refused (None: ids are
+            first come).
     """
 
     service: str
@@ -260,6 +267,7 @@ class ClientConfig:
     max_in_flight: int = 1024
     schemaless: bool = False
     signatures: Mapping[str, str] | None = None
+    engine_keys: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,7 +476,12 @@ class ClientProtocol(Machine[bytes, Event]):
     # -- calls ----------------------------------------------------------------------------
 
     def select(
-        self, engine_id: str | None, now: float | None = None, *, woken: bool = False
+        self,
+        engine_id: str | None,
+        now: float | None = None,
+        *,
+        woken: bool = False,
+        wait_for_ready: bool = False,
     ) -> Engine | None:
         """The engine for a new call (see `EngineTable.select`); None: wait for capacity.
 
@@ -478,10 +491,14 @@ class ClientProtocol(Machine[bytes, Event]):
                 forgot the session: it is ended here (`EngineLost` in `next_events`), not
                 sent a call, and the caller waits for it to rejoin (`rejoining`).
             woken: The caller was woken from the capacity queue (it does not requeue).
+            wait_for_ready: gRPC's wait-for-ready: with no live engine for the call, the
+                caller waits (an engine that joins wakes it) instead of failing; its
+                deadline bounds the wait, and `absence` then says why none came.
 
         Raises:
             EngineNotFoundError: As `EngineTable.select`, unless the engine (or any
-                engine, to balance) is expected back: the caller waits.
+                engine, to balance) is expected back or ``wait_for_ready``: the caller
+                waits.
         """
         if not woken and self.capacity.queued(engine_id):
             return None  # earlier callers wait for this capacity: queue behind them
@@ -490,12 +507,26 @@ class ClientProtocol(Machine[bytes, Event]):
             try:
                 engine = engines.select(engine_id)
             except EngineNotFoundError:
-                if self.rejoining.expected(engine_id, now):
+                if wait_for_ready or self.rejoining.expected(engine_id, now):
                     return None
                 raise
             if engine is None or now is None or now - engine.sent <= engine.forgets_after:
                 return engine  # (else we sent it nothing for longer than its bound: forgotten)
             self._events.append(self._forgotten(engine, now))
+
+    def absence(self, engine_id: str | None, now: float) -> str | None:
+        """Why no engine can take a call for ``engine_id`` now (None: one is live).
+
+        What `EngineTable.absence` says, or that the engine forgot this client's session
+        (our loop stalled) and has not rejoined yet.
+        """
+        why = self.engines.absence(engine_id)
+        if why is not None and self.rejoining.expected(engine_id, now):
+            return (
+                "the engine forgot this client's session (our loop stalled) and has not "
+                "rejoined yet"
+            )
+        return why
 
     def stranded(self, engine_id: str, now: float) -> list[Any]:
         """The capacity waiters to wake because ``engine_id`` left (they then re-select).
@@ -856,7 +887,7 @@ class ClientProtocol(Machine[bytes, Event]):
             )
             self._events.append(self._lose(previous, why))
         info = _engine_info(hello, self.address_of(peer))
-        refusal = self._check(info)
+        refusal = self._check(info) or self._check_key(info.engine_id, peer)
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
             if current is not None:  # the shell answers whether it is reachable
@@ -909,6 +940,18 @@ class ClientProtocol(Machine[bytes, Event]):
             self._queue(None, peer, _REJECT, Reject(reason, message), 0, now)
             return EngineRefused(info.engine_id, reason, message, by_client=True)
         return self._admit(peer, info, hello, now)
+
+    def _check_key(self, engine_id: str, peer: bytes) -> tuple[str, str] | None:
+        """With ``engine_keys``: an id is taken only with the CURVE key bound to it."""
+        keys = self.config.engine_keys
+        if keys is None:
+            return None
+        bound = keys.get(engine_id)
+        if bound is None:
+            return ("other", f"engine id {engine_id!r} is not bound to a key at this client")
+        if self._hooks.peer_key(peer) != bound:
+            return ("other", f"engine id {engine_id!r} is bound to another CURVE key")
+        return None
 
     def _check(self, info: EngineInfo) -> tuple[str, str] | None:
         config = self.config

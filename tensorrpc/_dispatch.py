@@ -44,6 +44,7 @@ from tensorrpc._exceptions import (
     ValidationError,
 )
 from tensorrpc._protocol import Flags
+from tensorrpc._release import held_nbytes, later_if_large, nbytes
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
 from tensorrpc.transports._policy import LeaseCollector
@@ -272,6 +273,7 @@ class Dispatcher:
         # Only a call that may be refused pays for the checks (the hot path).
         if (finite or call.cancelled or self._proto.hard_stop) and self._refused(call, deadline):
             return
+        size = nbytes(call.buffers) if call.buffers else 0
         args = self._decode(call)
         if args is None:
             return
@@ -279,6 +281,7 @@ class Dispatcher:
             call.observed.started()
         if call.spec.streaming:
             await self._run_stream(call, args, deadline)
+            later_if_large(args, size)
             return
         call.scope = scope
         if finite:
@@ -296,6 +299,7 @@ class Dispatcher:
             call.scope = None
             if finite:
                 scope.deadline = math.inf
+        later_if_large(args, size)  # a large CALL's frames are freed off the loop
         del args  # argument tensors on the client's regions die here, before the reply
         if not scope.cancel_called:
             await self._reply(call)
@@ -431,6 +435,7 @@ class Dispatcher:
             self._reply_stopped(call)
             return
         done = self._encode(call, call.result)
+        call.result = None  # the send keeps what it needs; a large result dies with it
         if done is None:
             return
         encoded, placer = done
@@ -440,7 +445,7 @@ class Dispatcher:
             if placer is not None:
                 placer.abort()
             return
-        await self._send_reply(call, frames, encoded.keepalive if encoded.buffers else None)
+        await self._send_encoded(call, frames, encoded)
 
     def _reply_exception(self, call: Call, exc: BaseException) -> None:
         if isinstance(exc, ItemRefused):  # batching: the batcher ended the item
@@ -453,6 +458,17 @@ class Dispatcher:
             type_name(exc),
             "".join(traceback.format_exception(exc)),
         )
+
+    async def _send_encoded(
+        self, call: Call, frames: list[Buffer], encoded: _codec.Encoded
+    ) -> None:
+        """Send the reply frames the protocol built for ``encoded``."""
+        if encoded.buffers:
+            await self._send_reply(call, frames, encoded.keepalive)
+        else:
+            await self._send_reply(call, frames, None)
+            if encoded.keepalive:  # torch_shm: tensors already copied into the pool
+                later_if_large(encoded.keepalive, held_nbytes(encoded.keepalive))
 
     # -- streams ----------------------------------------------------------------------------
 
@@ -509,7 +525,7 @@ class Dispatcher:
                 if placer is not None:
                     placer.abort()
                 return False
-            await self._send_reply(call, frames, encoded.keepalive if encoded.buffers else None)
+            await self._send_encoded(call, frames, encoded)
             if call.observed is not None:  # observe: a stream item went out
                 call.observed.item()
 

@@ -433,15 +433,15 @@ class EngineTable:
             if engine is None:
                 live = self.live_ids()
                 raise EngineNotFoundError(
-                    f"engine {engine_id!r} is not live; live engines: "
-                    f"{', '.join(live) if live else '(none)'}",
+                    f"engine {engine_id!r} is not live ({self.absence(engine_id)}); live "
+                    f"engines: {', '.join(live) if live else '(none)'}",
                     live=live,
                 )
             return engine if len(engine.calls) < self.max_in_flight else None
         order = self._order
         count = len(order)
         if count == 0:
-            raise EngineNotFoundError("no live engines", live=())
+            raise EngineNotFoundError(f"no live engines: {self.absence(None)}", live=())
         limit = self.max_in_flight
         start = self._cursor % count
         self._cursor = start + 1
@@ -465,12 +465,53 @@ class EngineTable:
                     break
         return best
 
+    def absence(self, engine_id: str | None) -> str | None:
+        """Why no engine can take a call for ``engine_id`` (``None``: any engine).
+
+        Returns:
+            ``None`` when one is live, else what the table knows: the engine (or every
+            engine) left and has not rejoined, which is what a restart looks like; it
+            was refused, with the refusal; or it never joined.
+        """
+        if engine_id is not None:
+            if engine_id in self._engines:
+                return None
+            if engine_id in self.rejected:
+                return f"it was refused: {self.rejected[engine_id]}"
+            if engine_id in self.past:
+                return "it left (died or stopped) and has not rejoined yet: restarting?"
+            return "it never joined"
+        if self._engines:
+            return None
+        reasons: list[str] = []
+        if self.past:
+            gone = list(self.past)[-_ABSENT_NAMES:]
+            reasons.append(
+                f"{_count(len(self.past), 'engine')} left (died or stopped) and none has "
+                f"rejoined yet: restarting? ({', '.join(map(repr, gone))})"
+            )
+        if self.rejected:
+            refused = list(self.rejected.items())[-_ABSENT_NAMES:]
+            reasons.append(
+                "every engine that tried to join was refused: "
+                + "; ".join(f"{k}: {v}" for k, v in refused)
+            )
+        return "; ".join(reasons) or "no engine has joined yet"
+
     def has_capacity(self, engine_id: str | None) -> bool:
         """Whether a call (targeted or balanced) could start now, without side effects."""
         if engine_id is not None:
             engine = self._engines.get(engine_id)
             return engine is None or len(engine.calls) < self.max_in_flight
         return not self._order or any(len(e.calls) < self.max_in_flight for e in self._order)
+
+
+#: Engines named in an `EngineTable.absence` text (the latest; the rest are counted).
+_ABSENT_NAMES: Final = 3
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 class Rejoins:

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from tensorrpc._security import CurveConfig
 
@@ -153,6 +153,23 @@ class Observer:
         """
         return None
 
+    def engine_batch(
+        self, method: str, engine: str, size: int, items: Sequence[bytes]
+    ) -> CallObservation | None:
+        """An engine starts a batch (or a continuous batch's step) of a batched method.
+
+        Args:
+            method: The method name.
+            engine: This engine's id.
+            size: Items in the batch (step).
+            items: Each item's trace context (binary W3C, ``b""`` when it has none), as
+                the engine's span of that item's call saw it.
+
+        Returns:
+            An observation of the batch (``finished`` when it is done), or None.
+        """
+        return None
+
     def engine_event(self, client: str, engine: str, event: str) -> None:
         """A client's engine ``"joined"``, ``"rejoined"`` (seen before) or was ``"lost"``."""
 
@@ -230,6 +247,11 @@ class _Fanout(Observer):
             [o.engine_call(method, engine, client, stream, trace, nbytes) for o in self.observers]
         )
 
+    def engine_batch(
+        self, method: str, engine: str, size: int, items: Sequence[bytes]
+    ) -> CallObservation | None:
+        return _fanout([o.engine_batch(method, engine, size, items) for o in self.observers])
+
     def engine_event(self, client: str, engine: str, event: str) -> None:
         for o in self.observers:
             o.engine_event(client, engine, event)
@@ -251,6 +273,13 @@ def combine(*observers: Observer | None) -> Observer | None:
     if not flat:
         return None
     return flat[0] if len(flat) == 1 else _Fanout(flat)
+
+
+# -- the trace context of the running call ------------------------------------------------
+
+#: Set by ``tensorrpc.tracing`` when imported: the binary trace context of the span that
+#: is current in the calling task (an engine's call span, inside a worker), or ``b""``.
+current_trace: Callable[[], bytes] = bytes
 
 
 # -- process-wide observers ---------------------------------------------------------------
@@ -533,4 +562,5 @@ def statistics_body(
         "latency_buckets_per_octave": LATENCY_BUCKETS_PER_OCTAVE,
         "methods_since": recorder.since,
         "methods": recorder.snapshot(),
+        "batching": {name: dict(b) for name, b in stats.batching.items()},
     }

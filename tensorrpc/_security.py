@@ -66,7 +66,9 @@ __all__ = [
     "auth_statistics",
     "describe_handshake_failure",
     "generate_keypair",
+    "check_public_key",
     "is_all_interfaces",
+    "is_loopback",
     "load_keypair",
     "load_public_key",
     "load_public_keys",
@@ -83,6 +85,16 @@ _Z85_KEY_LEN: Final = 40
 _SECRET_SUFFIX: Final = ".key_secret"
 _PUBLIC_SUFFIX: Final = ".key"
 _STOP_TIMEOUT_S: Final = 5.0
+
+
+def check_public_key(key: bytes, what: str) -> bytes:
+    """``key`` if it is a z85 CURVE key (40 characters); ``what`` names it in errors.
+
+    Raises:
+        TypeError: It is not bytes.
+        ValueError: It is not 40 characters of valid z85.
+    """
+    return _check_key(key, what)
 
 
 def _check_key(key: bytes, what: str) -> bytes:
@@ -710,6 +722,37 @@ def apply_curve(
 # -- exposure warning ------------------------------------------------------------------------
 
 
+def _bound_host(endpoint: str) -> str | None:
+    """The host part a TCP (or WebSocket) ``endpoint`` binds, None for other transports."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme.lower() not in {"tcp", "ws", "wss"}:
+        return None
+    host = rest.split("/", 1)[0]
+    host = host.rpartition(";")[2]  # a "source;destination" form names the bound side last
+    host = host.rsplit(":", 1)[0] if ":" in host else host
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether ``endpoint`` is reachable from this host only.
+
+    True for ``ipc://``, ``inproc://`` and TCP on a loopback address (``127.0.0.0/8``,
+    ``::1``, ``localhost``, the ``lo`` interface); false for every other TCP host (an
+    address, a host name, an interface name, every interface).
+    """
+    host = _bound_host(endpoint)
+    if host is None:
+        return endpoint.partition("://")[0].lower() in {"ipc", "inproc"}
+    if host.lower() in {"localhost", "lo"}:
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def is_all_interfaces(endpoint: str) -> bool:
     """Whether binding ``endpoint`` listens on every network interface.
 
@@ -717,14 +760,9 @@ def is_all_interfaces(endpoint: str) -> bool:
     spellings of the unspecified address; false for a specific address, an interface
     name, and non-TCP transports.
     """
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme.lower() not in {"tcp", "ws", "wss"}:
+    host = _bound_host(endpoint)
+    if host is None:
         return False
-    host = rest.split("/", 1)[0]
-    host = host.rpartition(";")[2]  # a "source;destination" form names the bound side last
-    host = host.rsplit(":", 1)[0] if ":" in host else host
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
     if host in {"*", ""}:
         return True
     try:
@@ -734,7 +772,7 @@ def is_all_interfaces(endpoint: str) -> bool:
 
 
 def warn_if_exposed(endpoint: str, sock: zmq.Socket[bytes]) -> bool:
-    """Log a warning if ``sock`` is about to bind every interface without CURVE.
+    """Log one warning if ``sock`` is about to bind a non-loopback interface without CURVE.
 
     Args:
         endpoint: The endpoint about to be bound.
@@ -743,8 +781,19 @@ def warn_if_exposed(endpoint: str, sock: zmq.Socket[bytes]) -> bool:
     Returns:
         Whether the warning was logged.
     """
-    if not is_all_interfaces(endpoint) or sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:
+    if _bound_host(endpoint) is None or is_loopback(endpoint):
         return False
+    if sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:
+        return False
+    if not is_all_interfaces(endpoint):
+        logger.warning(
+            "binding %s without CURVE: anyone who can reach this address can connect, send"
+            " calls and read replies, all in plaintext (and, at a binding client, join as"
+            " an engine under any free id). Enable CURVE for sockets other hosts reach"
+            " (see docs/security.md).",
+            endpoint,
+        )
+        return True
     logger.warning(
         "binding %s without CURVE: this socket listens on every network interface, and"
         " anyone who can reach the port can connect, send calls and read replies, all in"

@@ -27,7 +27,7 @@ import os
 import secrets
 import socket as _socket
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 import anyio
@@ -52,6 +52,7 @@ from tensorrpc._protocol import (
 from tensorrpc._server_protocol import (
     AllRejected,
     BuiltinCall,
+    CallExpired,
     ProtocolSettings,
     Released,
     ServerCall,
@@ -240,6 +241,11 @@ class ServerStatistics:
     transports: TransportStatistics = _NO_TRANSPORT_STATISTICS
     #: Listen mode: peers without a session forgotten because the table was full.
     strangers_evicted: int = 0
+    #: Per batched method (``@rpc(batch=...)``): ``batches``, ``items``, ``queued``,
+    #: ``running``, and the histograms ``sizes`` (``[items, batches]`` pairs),
+    #: ``queue_wait`` and ``run_time`` (``[bucket, count]`` pairs in the statistics
+    #: method's latency buckets, sums in ``queue_wait_sum_s`` / ``run_time_sum_s``).
+    batching: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _hello_signature(spec: MethodSpec) -> str:
@@ -313,7 +319,7 @@ class Server:
         sock_options = cfg.socket_options or DEFAULT_OPTIONS
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
         self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
-        self._batches = BatchRunners(self._spec, instance)
+        self._batches = BatchRunners(self._spec, instance, engine_id, lambda: self._observer)
         self._proto = ServerProtocol(self._settings(instance))
         self._io = ServerSockets(
             self._proto,
@@ -445,13 +451,12 @@ class Server:
             ),
             transports=self._policy.statistics(),
             strangers_evicted=proto.strangers_evicted,
+            batching=self._batches.statistics(),
         )
 
     def batch_statistics(self) -> Mapping[str, dict[str, Any]]:
         """Per batched method (``@rpc(batch=...)``): ``batches``, ``items``, ``queued``,
-        ``running`` and the histograms ``sizes`` (items per batch or step -> count),
-        ``queue_wait`` and ``run_time`` (latency bucket -> count, see docs/observability.md).
-        """
+        ``running`` and the histograms of `ServerStatistics.batching`."""
         return self._batches.statistics()
 
     async def __aenter__(self) -> Self:
@@ -579,6 +584,10 @@ class Server:
 
     def _accepted(self, call: Call, size: int) -> None:
         self._dispatch.wake_one()
+        proto = self._proto
+        if call.deadline < proto.wake_at:  # the timer that refuses it if it waits too long
+            proto.wake_at = call.deadline
+            self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
             call.observed = self._observer.engine_call(
                 call.spec.name, self._engine_id, call.session.name, call.spec.streaming,
@@ -641,6 +650,11 @@ class Server:
             log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
         elif isinstance(event, WelcomedAgain):
             self._negotiate_shm(event.session, event.welcome)
+        elif isinstance(event, CallExpired):
+            observed = event.call.observed
+            if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
+                observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
+                observed.finished("ok", 0)
         elif isinstance(event, AllRejected):
             self._fail(
                 HandshakeRejectedError(

@@ -193,6 +193,7 @@ class CallQueue:
         "_methods",
         "_service",
         "busy",
+        "expiry",
         "parked",
         "queue",
     )
@@ -212,6 +213,8 @@ class CallQueue:
         self.busy = 0
         #: Streams waiting for credit (also those whose session ended meanwhile).
         self.parked = 0
+        #: No queued call's deadline is earlier than this (``inf``: none has one).
+        self.expiry = _INF
 
     def admit(
         self,
@@ -249,7 +252,33 @@ class CallQueue:
             header.trace,
         )  # fmt: skip
         self.queue.append(call)
+        if deadline < self.expiry:
+            self.expiry = deadline
         return call
+
+    def expire(self, now: float) -> list[ServerCall]:
+        """Take the calls whose deadline passed while they waited out of the queue.
+
+        They leave their sessions' tables and were never busy; the caller answers them
+        DEADLINE_EXCEEDED. A cancelled call stays for its worker, which ends it quietly.
+
+        Returns:
+            The expired calls, oldest first.
+        """
+        if now < self.expiry:
+            return []
+        queue = self.queue
+        late = [c for c in queue if c.deadline <= now and not c.cancelled]
+        if late:
+            kept = [c for c in queue if c.deadline > now or c.cancelled]
+            queue.clear()
+            queue.extend(kept)
+            for call in late:
+                calls = call.session.calls
+                if calls.get(call.call_id) is call:
+                    del calls[call.call_id]
+        self.expiry = min((c.deadline for c in queue if not c.cancelled), default=_INF)
+        return late
 
     def _full_message(self, flags: int) -> str:
         engine = self._engine

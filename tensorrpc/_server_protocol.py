@@ -99,6 +99,7 @@ __all__ = [
     "TRANSITIONS",
     "AllRejected",
     "BuiltinCall",
+    "CallExpired",
     "Cancellable",
     "ProtocolSettings",
     "ServerCall",
@@ -161,6 +162,12 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("hello", "WELCOME with another fingerprint", "REJECT fingerprint", "none"),
     ("hello", "CALL", "ERROR(id, PROTOCOL)", "hello"),
     ("hello", "REJECT", "stop trying (dial-in) or forget (listen)", "rejected"),
+    (
+        "hello",
+        "REJECT duplicate_id (dial-in)",
+        "HELLO again after a growing delay (heartbeat, doubled, at most dead_after)",
+        "hello",
+    ),
     ("hello", "timer: dead_after (listen)", "forget the stranger", "none"),
     ("live", "PING", "PONG (same nonce)", "live"),
     ("live", "PING nonce 0", "PONG 0 and HELLO (same epoch, rate-limited)", "live"),
@@ -247,6 +254,7 @@ class Session:
         "client_epoch",
         "client_id",
         "created",
+        "duplicate_backoff",
         "epoch",
         "errors",
         "hello_backoff",
@@ -278,6 +286,8 @@ class Session:
         self.next_hello = now
         self.next_ping = now + heartbeat
         self.hello_backoff = Backoff(min(HELLO_RETRY_MIN_S, heartbeat), heartbeat)
+        #: Dial-in: the delay before the next HELLO after a ``duplicate_id`` refusal.
+        self.duplicate_backoff: Backoff | None = None
         self.hello_frames: list[bytes] = []
         #: ``torch_shm``: the fresh challenge of this session's HELLO (empty: not offered).
         self.challenge = b""
@@ -319,6 +329,7 @@ class Session:
         self.last_heard = now
         self.next_ping = next_ping
         self.hello_backoff.reset()
+        self.duplicate_backoff = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +386,14 @@ class Released:
     leases: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class CallExpired:
+    """A queued call's deadline passed before a worker took it: it was answered
+    DEADLINE_EXCEEDED and left the queue (the shell ends its observation)."""
+
+    call: ServerCall
+
+
 #: What `ServerProtocol.next_events` gives; a `ServerCall` there is a call to wake
 #: (`ServerCall.wake`): it was cancelled, stopped or given credit.
 Event = (
@@ -384,6 +403,7 @@ Event = (
     | Released
     | BuiltinCall
     | WelcomedAgain
+    | CallExpired
     | ServerCall
 )
 
@@ -887,15 +907,36 @@ class ServerProtocol(Machine[Hashable, Event]):
         except RemoteProtocolError as exc:
             body = Reject(RejectReason.OTHER, f"malformed REJECT: {exc}")
         assert isinstance(body, Reject)
-        session.reject = body
         why = f"refused engine {self._hello.engine_id!r}: {body.reason}: {body.message}"
+        if body.reason == RejectReason.DUPLICATE_ID and not self._listen:
+            self._duplicate(session, why, now)
+            return
+        session.reject = body
         self._end(session, why, now, SessionState.REJECTED, warn=True)
         self._check_all_rejected()
+
+    def _duplicate(self, session: Session, why: str, now: float) -> None:
+        """Dial-in: another engine holds our id at this client (first come, without
+        CURVE keys bound to ids). Not final: HELLO again after a growing delay (up to
+        ``dead_after``), so we take the id once its holder is gone."""
+        backoff = session.duplicate_backoff
+        if backoff is None:
+            heartbeat = self._heartbeat
+            backoff = Backoff(heartbeat, max(heartbeat, self._dead_after))
+        delay = backoff.failed()
+        self._end(
+            session, f"{why}; HELLO again in {delay:g} s", now, SessionState.REJECTED, warn=True
+        )
+        self._greet(session, now)
+        session.duplicate_backoff = backoff
+        session.next_hello = now + delay
+        self.wake_at = min(self.wake_at, session.next_hello)
 
     # -- timers -----------------------------------------------------------------------------
 
     def tick(self, now: float) -> float:
-        """Run the timers: silent clients, PINGs, HELLO re-sends, stale strangers.
+        """Run the timers: silent clients, PINGs, HELLO re-sends, stale strangers, and
+        queued calls whose deadline passed (answered DEADLINE_EXCEEDED now).
 
         Returns:
             The time at which `tick` next has something to do (also kept in
@@ -928,8 +969,21 @@ class ServerProtocol(Machine[Hashable, Event]):
                 self._send_hello(session, now)
         if self._listen:
             wake = min(wake, self._strangers.purge(now))
+        wake = min(wake, self._expire_queued(now))
         self.wake_at = wake
         return wake
+
+    def _expire_queued(self, now: float) -> float:
+        """Answer DEADLINE_EXCEEDED to the queued calls whose deadline passed (when it
+        passes, not when a worker frees up); the time the next one may pass."""
+        for call in self.calls.expire(now):
+            self.error_reply(
+                call,
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"{call.spec.qualname} waited in the queue past its deadline",
+            )
+            self._events.append(CallExpired(call))
+        return self.calls.expiry
 
     def _ping(self, session: Session, now: float) -> None:
         self._ping_nonce = self._ping_nonce % _U32 + 1

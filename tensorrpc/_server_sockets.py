@@ -27,6 +27,7 @@ import anyio
 import zmq
 
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TransportError
+from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
@@ -172,22 +173,25 @@ class ServerSockets:
             except ClosedError:
                 return
             try:
-                size = 0
-                for frame in frames:
-                    size += len(frame)
+                size = sum(map(len, frames))  # no loop variable left holding a frame
                 if address is None:
                     route = frames[0].bytes
                     body = cast("list[Buffer]", frames[1:])
                     call = receive(route, body, monotonic(), size - len(route))
+                    del body
                 else:
                     call = receive(address, cast("list[Buffer]", frames), monotonic(), size)
                 if call is not None:
                     accepted(call, size)
+                    del call
                 if proto.pending:
                     flush()
             except Exception:  # one bad message must never stop the loop
                 proto.unhandled(address)
                 logger.exception("error handling a message from %s", address or "a peer")
+            # Not held until the next message arrives: a large one is freed off the loop.
+            later_if_large(frames, size)
+            del frames
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -246,7 +250,7 @@ class ServerSockets:
             logger.warning("cannot send a reply to %s: %s", peer_text(call.session.name), exc)
             return
         if keepalive is not None:
-            self._pending.add(tracker, keepalive)
+            self._pending.add(tracker, keepalive, nbytes(frames))
 
     async def _send_waiting(
         self, call: Call, sock: AsyncSocket, parts: list[Buffer], track: bool

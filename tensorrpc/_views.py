@@ -73,12 +73,22 @@ class CallOptions:
             is on this host and can attach to our shared memory, frames otherwise),
             ``"frames"`` or ``"torch_shm"`` (every out-of-band tensor by shared memory
             when possible, else frames, counted as a fallback). See docs/transports.md.
+        wait_for_ready: When no engine for the call is live (none joined yet, the engine
+            is restarting, every engine was refused), wait for one instead of failing,
+            as gRPC's wait-for-ready. ``None`` (default): wait only when the call has a
+            ``timeout``, within it: a deadline says how long the caller accepts to
+            wait, so a call with ``timeout=30`` rides out a 2 s engine restart, while
+            a call without one fails at once rather than hang on an engine that may
+            never come. ``True`` waits even without a timeout; ``False`` never waits
+            (gRPC's default). A call that gives up raises
+            `tensorrpc.EngineNotFoundError` saying why there was no engine.
     """
 
     engine: str | None = None
     timeout: float | None = None
     wait: bool = True
     transport: Transport = "auto"
+    wait_for_ready: bool | None = None
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
@@ -172,6 +182,7 @@ class CallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: Transport = "auto",
+        wait_for_ready: bool | None = None,
     ) -> CallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -181,11 +192,19 @@ class CallView(Generic[S]):
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
                 `CallOptions`).
+            wait_for_ready: With no live engine, wait for one within ``timeout``
+                (``None``: only when a timeout is given; see `CallOptions`).
 
         Returns:
             The new view.
         """
-        options = CallOptions(engine=engine, timeout=timeout, wait=wait, transport=transport)
+        options = CallOptions(
+            engine=engine,
+            timeout=timeout,
+            wait=wait,
+            transport=transport,
+            wait_for_ready=wait_for_ready,
+        )
         return CallView(self._client, options)
 
     def stub(
@@ -195,6 +214,7 @@ class CallView(Generic[S]):
         timeout: float | None = None,
         wait: bool = True,
         transport: Transport = "auto",
+        wait_for_ready: bool | None = None,
     ) -> Stub[S]:
         """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
@@ -210,11 +230,19 @@ class CallView(Generic[S]):
             wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
                 `CallOptions`).
+            wait_for_ready: With no live engine, wait for one within ``timeout``
+                (``None``: only when a timeout is given; see `CallOptions`).
 
         Returns:
             The stub.
         """
-        options = CallOptions(engine=engine, timeout=timeout, wait=wait, transport=transport)
+        options = CallOptions(
+            engine=engine,
+            timeout=timeout,
+            wait=wait,
+            transport=transport,
+            wait_for_ready=wait_for_ready,
+        )
         return _Stub(self._client, options)
 
     @overload

@@ -47,6 +47,7 @@ import anyio.lowlevel
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from tensorrpc import _release
 from tensorrpc._exceptions import (
     ClosedError,
     ConnectError,
@@ -1023,7 +1024,9 @@ class PendingSends:
     The pattern of vLLM's ``add_pending_message``: after ``send(..., track=True)``, call
     `add` with the tracker and the objects owning the sent buffers (tensors,
     contiguous temporaries). Done entries are dropped cheaply on every `add`, so the
-    list stays as short as the number of messages ZMQ still holds.
+    list stays as short as the number of messages ZMQ still holds. The owners of a large
+    send (``nbytes`` at least `tensorrpc._release.threshold`) are dropped by the release
+    thread, not on the event loop.
 
     Args:
         max_scan: Scan the whole list for done entries once it grows past this many
@@ -1034,20 +1037,25 @@ class PendingSends:
     __slots__ = ("_items", "_next_scan", "_scan")
 
     def __init__(self, *, max_scan: int = 64) -> None:
-        self._items: deque[tuple[zmq.MessageTracker, object]] = deque()
+        self._items: deque[tuple[zmq.MessageTracker, object, bool]] = deque()
         self._scan = max_scan
         self._next_scan = max_scan
 
-    def add(self, tracker: zmq.MessageTracker | None, keepalive: object) -> None:
+    def add(self, tracker: zmq.MessageTracker | None, keepalive: object, nbytes: int = 0) -> None:
         """Hold ``keepalive`` until ``tracker`` is done (nothing to do if it already is).
 
         Args:
             tracker: What `AsyncSocket.send` returned with ``track=True``.
             keepalive: The objects owning the sent buffers (any object; a list is fine).
+            nbytes: The size of the sent buffers (a large send's owners are released
+                off the event loop).
         """
         self.prune()
+        large = nbytes >= _release.threshold()
         if tracker is not None and not tracker.done:
-            self._items.append((tracker, keepalive))
+            self._items.append((tracker, keepalive, large))
+        elif large:
+            _release.later(keepalive)
 
     def prune(self) -> int:
         """Drop the entries whose tracker is done.
@@ -1057,9 +1065,17 @@ class PendingSends:
         """
         items = self._items
         while items and items[0][0].done:
-            items.popleft()
+            _, keepalive, large = items.popleft()
+            if large:
+                _release.later(keepalive)
         if len(items) > self._next_scan:
-            self._items = items = deque(item for item in items if not item[0].done)
+            kept: deque[tuple[zmq.MessageTracker, object, bool]] = deque()
+            for item in items:
+                if not item[0].done:
+                    kept.append(item)
+                elif item[2]:
+                    _release.later(item[1])
+            self._items = items = kept
             self._next_scan = len(items) + self._scan
         return len(items)
 
@@ -1068,4 +1084,7 @@ class PendingSends:
 
     def clear(self) -> None:
         """Forget every entry (only once the socket is closed and ZMQ holds nothing)."""
-        self._items.clear()
+        items, self._items = self._items, deque()
+        for _, keepalive, large in items:
+            if large:
+                _release.later(keepalive)

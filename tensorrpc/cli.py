@@ -237,6 +237,7 @@ def _add_call_options(call: argparse.ArgumentParser) -> None:
         help="bind ADDR and wait for an engine to dial in, instead of dialling ADDR",
     )
     _cli_ops.add_curve_flags(call, listens=True, dials=True)
+    call.set_defaults(health=False)
     call.add_argument(
         "--list", action="store_true", help="list the engine's methods instead of calling"
     )
@@ -326,6 +327,8 @@ def _add_health(sub: Any) -> None:
     )
     health.add_argument("--json", action="store_true", help="print the engine as JSON")
     _cli_ops.add_curve_flags(health, listens=True, dials=True)
+    # What `_call` reads of a `call` command line, for a handshake only.
+    health.set_defaults(health=True, list=False, stream=False, method=None)
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
@@ -546,6 +549,7 @@ def describe_text(spec: tensorrpc.ServiceSpec) -> str:
 def _cmd_describe(args: argparse.Namespace) -> int:
     if args.target.startswith(_SCHEMES):  # a running engine: what its HELLO says
         args.list, args.method, args.engine, args.bind = True, None, None, False
+        args.health = args.stream = False
         return _call_command(args, normalize_address(args.target), {})
     spec, _ = service_of(args.target, instantiate=False)
     if args.json:
@@ -947,7 +951,6 @@ def _cmd_call(args: argparse.Namespace) -> int:
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
-    args.health = True
     return _call_command(args, normalize_address(args.address), {})
 
 
@@ -963,12 +966,6 @@ def _curve(args: argparse.Namespace, *, listening: bool) -> tensorrpc.CurveConfi
 
 def _call_command(args: argparse.Namespace, address: str, arguments: dict[str, object]) -> int:
     """Run `_call` (call, health, describe ADDR) and turn its errors into one line."""
-    for name, default in (("health", False), ("list", False), ("stream", False)):
-        if not hasattr(args, name):
-            setattr(args, name, default)
-    for name in ("max_values", "method"):
-        if not hasattr(args, name):
-            setattr(args, name, DEFAULT_MAX_VALUES if name == "max_values" else None)
     args.curve = _curve(args, listening=args.bind)
     try:
         return _run(_call, args, address, arguments)

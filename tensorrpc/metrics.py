@@ -16,7 +16,12 @@ Or let tensorrpc serve them: ``Client(..., metrics_port=9464)`` /
 ``serve(..., metrics_port=9464)`` export the default registry over HTTP on 127.0.0.1.
 The names, units and labels are listed in docs/observability.md. Labels are bounded:
 ``method`` and ``engine`` (ids), plus the small fixed sets ``outcome``, ``transport``,
-``direction``, ``event`` and ``state``; never call ids or arguments.
+``direction``, ``event`` and ``state``; never call ids or arguments. Engine ids come from
+peers, so at most `MAX_ENGINE_LABELS` of them have series of their own (escaped and cut):
+an engine seen when every slot is held by a live one is counted under
+``engine="other"``, and the series of an engine gone for `FORGET_AFTER_S`, or gone the
+longest when a slot is needed, are removed. Method labels are the names of the service
+definition the call used, at most `MAX_METHOD_LABELS` of them (then ``"other"``).
 
 Cost: the hot path only adds to Python ints and one bucket of a histogram (no locks, no
 prometheus_client objects per call); everything else is read from the clients' and
@@ -28,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_left
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Final
 
 try:
@@ -42,19 +48,43 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tensorrpc.metrics needs prometheus_client: pip install 'tensorrpc[metrics]'"
     ) from exc
 
+from tensorrpc import _observe
 from tensorrpc._client import Client
 from tensorrpc._exceptions import ConnectError
 from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._server import Server
+from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Callable, Iterator, Sequence
     from wsgiref.simple_server import WSGIServer
 
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["DEFAULT_BUCKETS", "RTT_BUCKETS", "PrometheusObserver", "bound_port", "exporter"]
+__all__ = [
+    "BATCH_SIZE_BUCKETS",
+    "DEFAULT_BUCKETS",
+    "FORGET_AFTER_S",
+    "MAX_ENGINE_LABELS",
+    "MAX_METHOD_LABELS",
+    "OTHER",
+    "RTT_BUCKETS",
+    "PrometheusObserver",
+    "bound_port",
+    "exporter",
+]
+
+#: Most engine ids with series of their own in one observer; others count as `OTHER`.
+MAX_ENGINE_LABELS: Final = 128
+#: Most method names with series of their own in one observer; others count as `OTHER`.
+MAX_METHOD_LABELS: Final = 256
+#: Seconds after an engine is lost before its series are removed.
+FORGET_AFTER_S: Final = 600.0
+#: The label value of engines (and methods) beyond the bounds.
+OTHER: Final = "other"
+#: Longest engine label value (characters, escapes included).
+_ENGINE_LABEL_CHARS: Final = 64
 
 #: Latency histogram buckets (seconds): RPC round trips start at tens of microseconds.
 DEFAULT_BUCKETS: Final = (
@@ -183,7 +213,12 @@ class _EngineCall(CallObservation):
 
 
 class _Store:
-    """What all views of one observer share: the series and the watched targets."""
+    """What all views of one observer share: the series and the watched targets.
+
+    The client-side series are keyed by engine id; `engine_key` decides which ids get
+    keys of their own (see the module docstring) and removes the series of the ids it
+    lets go. Hooks run on the event loop; scrapes only read.
+    """
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
@@ -193,10 +228,68 @@ class _Store:
         self.rtt: dict[str, _Histogram] = {}
         self.targets: dict[int, Any] = {}
         self.lock = threading.Lock()  # only for targets (changed from the loop, read by scrapes)
+        #: Engine id -> its label value, for the ids with series of their own.
+        self.engines: dict[str, str] = {}
+        #: Ids among `engines` that were lost -> when (oldest first).
+        self.gone: OrderedDict[str, float] = OrderedDict()
+        self.methods: set[str] = set()
         #: The sides this process has been ("client", "engine"): only their families are
         #: exported, so an engine's /metrics has no client families (an alert on "a
         #: client has no live engines" must not fire on every engine) and vice versa.
         self.sides: set[str] = set()
+
+    def engine_key(self, engine: str) -> str:
+        """``engine`` if it has (or now gets) series of its own, else `OTHER`."""
+        if engine in self.engines:
+            return engine
+        if engine == OTHER:
+            return OTHER
+        if len(self.engines) >= MAX_ENGINE_LABELS:
+            if not self.gone:
+                return OTHER
+            self.forget(next(iter(self.gone)))
+        self.engines[engine] = peer_text(engine, _ENGINE_LABEL_CHARS)
+        return engine
+
+    def method_key(self, method: str) -> str:
+        """``method`` while fewer than `MAX_METHOD_LABELS` have series, else `OTHER`."""
+        methods = self.methods
+        if method in methods:
+            return method
+        if len(methods) >= MAX_METHOD_LABELS:
+            return OTHER
+        methods.add(method)
+        return method
+
+    def label(self, engine: str) -> str:
+        """The label value of a series key (`OTHER` for ids without series)."""
+        return self.engines.get(engine, OTHER)
+
+    def lost(self, engine: str, now: float) -> None:
+        """``engine`` left: its series go `FORGET_AFTER_S` from now (or when needed)."""
+        if engine in self.engines:
+            self.gone.pop(engine, None)
+            self.gone[engine] = now
+        gone = self.gone
+        while gone:
+            oldest, when = next(iter(gone.items()))
+            if now - when < FORGET_AFTER_S:
+                break
+            self.forget(oldest)
+
+    def back(self, engine: str) -> None:
+        """``engine`` (re)joined: its series stay."""
+        self.gone.pop(engine, None)
+
+    def forget(self, engine: str) -> None:
+        """Remove every series of ``engine`` and free its slot."""
+        self.gone.pop(engine, None)
+        self.engines.pop(engine, None)
+        self.rtt.pop(engine, None)
+        for key in [k for k in self.client if k[1] == engine]:
+            del self.client[key]
+        for key in [k for k in self.engine_events if k[0] == engine]:
+            del self.engine_events[key]
 
 
 class PrometheusObserver(Observer):
@@ -254,11 +347,13 @@ class PrometheusObserver(Observer):
         self, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         store = self._store
-        key = (method, engine)
-        series = store.client.get(key)
+        series = store.client.get((method, engine))
         if series is None:
-            series = store.client[key] = _Series(store.buckets, False)
-            store.sides.add("client")
+            key = (store.method_key(method), store.engine_key(engine))
+            series = store.client.get(key)
+            if series is None:
+                series = store.client[key] = _Series(store.buckets, False)
+                store.sides.add("client")
         series.started += 1
         return _ClientCall(series)
 
@@ -275,15 +370,27 @@ class PrometheusObserver(Observer):
         return _EngineCall(series)
 
     def engine_event(self, client: str, engine: str, event: str) -> None:
-        events = self._store.engine_events
-        key = (engine, event)
+        store = self._store
+        if event == "lost":  # a lost engine never takes a slot
+            key = (engine if engine in store.engines else OTHER, event)
+        else:
+            key = (store.engine_key(engine), event)
+        events = store.engine_events
         events[key] = events.get(key, 0) + 1
+        store.sides.add("client")
+        if event == "lost":
+            store.lost(engine, time.monotonic())
+        else:
+            store.back(engine)
 
     def heartbeat(self, client: str, engine: str, rtt: float) -> None:
         store = self._store
         histogram = store.rtt.get(engine)
         if histogram is None:
-            histogram = store.rtt[engine] = _Histogram(RTT_BUCKETS)
+            key = store.engine_key(engine)
+            histogram = store.rtt.get(key)
+            if histogram is None:
+                histogram = store.rtt[key] = _Histogram(RTT_BUCKETS)
         histogram.observe(rtt)
 
 
@@ -315,14 +422,19 @@ class _Collector:
             sides = set(store.sides) if with_samples else {"client", "engine"}
         if "client" in sides:
             clients = [t.statistics() for t in targets if isinstance(t, Client)]
-            yield from _client_call_families(list(store.client.items()) if with_samples else [])
+            yield from _client_call_families(
+                [((m, store.label(e)), s) for (m, e), s in list(store.client.items())]
+                if with_samples
+                else []
+            )
             yield from _client_event_families(store, with_samples)
-            yield from _client_state_families(clients, with_samples)
+            yield from _client_state_families(clients, with_samples, store.label)
             yield from _transport_families("client", [s.transports for s in clients], with_samples)
         if "engine" in sides:
             engines = [t.statistics() for t in targets if isinstance(t, Server)]
             yield from _engine_call_families(list(store.engine.items()) if with_samples else [])
             yield from _engine_state_families(engines)
+            yield from _batch_families(engines)
             yield from _transport_families("engine", [s.transports for s in engines], with_samples)
 
 
@@ -374,18 +486,20 @@ def _client_event_families(store: _Store, with_samples: bool) -> Iterator[Metric
     )
     if with_samples:
         for (engine, event), n in list(store.engine_events.items()):
-            events.add_metric([engine, event], n)
+            events.add_metric([store.label(engine), event], n)
     rtt = _histogram(
         "tensorrpc_client_heartbeat_rtt_seconds", "Heartbeat PING round trips.", ["engine"]
     )
     if with_samples:
         for engine, h in list(store.rtt.items()):
-            rtt.add_metric([engine], h.buckets(), h.total)
+            rtt.add_metric([store.label(engine)], h.buckets(), h.total)
     yield from (events, rtt)
 
 
-def _client_state_families(clients: list[Any], with_samples: bool) -> Iterator[Metric]:
-    """Client state, from ``statistics()``."""
+def _client_state_families(
+    clients: list[Any], with_samples: bool, label: Callable[[str], str]
+) -> Iterator[Metric]:
+    """Client state, from ``statistics()``; ``label``: an engine id's label value."""
     in_flight = _gauge("tensorrpc_client_calls_in_flight", "Calls in flight.", ["engine"])
     up = _gauge(
         "tensorrpc_client_engine_up", "1 while the engine is live, 0 once lost.", ["engine"]
@@ -400,14 +514,21 @@ def _client_state_families(clients: list[Any], with_samples: bool) -> Iterator[M
         "Bytes sent to and received from engines (all frames).",
         ["engine", "direction"],
     )
-    live = dead = 0
-    for engine, (flying, is_live, sent, received) in sorted(_per_engine(clients).items()):
+    per_engine = _per_engine(clients)
+    live = sum(acc[1] for acc in per_engine.values())
+    dead = len(per_engine) - live
+    shown: dict[str, list[int]] = {}  # engines without a label value of their own add up
+    for engine, (flying, is_live, sent, received) in per_engine.items():
+        acc = shown.setdefault(label(engine), [0, 0, 0, 0])
+        acc[0] += flying
+        acc[1] = max(acc[1], is_live)
+        acc[2] += sent
+        acc[3] += received
+    for engine, (flying, is_live, sent, received) in sorted(shown.items()):
         in_flight.add_metric([engine], flying)
         up.add_metric([engine], is_live)
         nbytes.add_metric([engine, "sent"], sent)
         nbytes.add_metric([engine, "received"], received)
-        live += is_live
-        dead += 1 - is_live
     if with_samples:
         engines_by_state.add_metric(["live"], live)
         engines_by_state.add_metric(["dead"], dead)
@@ -485,6 +606,58 @@ def _engine_state_families(engines: list[Any]) -> Iterator[Metric]:
         e_bytes.add_metric([eid, "received"], sum(c.bytes_in for c in es.clients))
         e_bytes.add_metric([eid, "sent"], sum(c.bytes_out for c in es.clients))
     yield from (e_in_flight, e_queued, overloaded, dropped, e_clients, e_bytes)
+
+
+#: Batch size histogram buckets (items per batch, or per step of a continuous batch).
+BATCH_SIZE_BUCKETS: Final = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+
+
+def _rebin(pairs: Sequence[Sequence[float]], bounds: tuple[float, ...], upper: Any) -> list[Any]:
+    """Cumulative Prometheus buckets from sparse ``[index, count]`` pairs, each counted
+    under the first bound at or above ``upper(index)``."""
+    counts = [0] * (len(bounds) + 1)
+    for index, n in pairs:
+        counts[bisect_left(bounds, upper(index))] += int(n)
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip(bounds, counts, strict=False):
+        running += n
+        out.append((_float_text(bound), running))
+    out.append(("+Inf", running + counts[-1]))
+    return out
+
+
+def _batch_families(engines: list[Any]) -> Iterator[Metric]:
+    """Batched methods, from ``statistics()``: sizes, queue wait and run time."""
+    sizes = _histogram(
+        "tensorrpc_engine_batch_size", "Items per batch (continuous: per step).", _ME
+    )
+    wait = _histogram(
+        "tensorrpc_engine_batch_queue_wait_seconds",
+        "Time a batched call waited for its batch (bucketed by the statistics method's "
+        "latency buckets: within a quarter octave).",
+        _ME,
+    )
+    run = _histogram(
+        "tensorrpc_engine_batch_run_seconds",
+        "Time a batch handler (continuous: one step) ran.",
+        _ME,
+    )
+    queued = _gauge("tensorrpc_engine_batch_queued", "Batched calls waiting for a batch.", _ME)
+    for es in engines:
+        for method, b in es.batching.items():
+            labels = [method, es.engine_id]
+            total = sum(k * n for k, n in b["sizes"])
+            sizes.add_metric(labels, _rebin(b["sizes"], BATCH_SIZE_BUCKETS, float), total)
+            upper = _observe.bucket_upper_seconds
+            wait.add_metric(
+                labels, _rebin(b["queue_wait"], DEFAULT_BUCKETS, upper), b["queue_wait_sum_s"]
+            )
+            run.add_metric(
+                labels, _rebin(b["run_time"], DEFAULT_BUCKETS, upper), b["run_time_sum_s"]
+            )
+            queued.add_metric(labels, b["queued"])
+    yield from (sizes, wait, run, queued)
 
 
 def _transport_families(side: str, stats: list[Any], with_samples: bool) -> Iterator[Metric]:

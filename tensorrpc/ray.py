@@ -52,7 +52,11 @@ try:
     import ray
     import ray.exceptions
     import ray.util
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import (
+        placement_group,
+        placement_group_table,
+        remove_placement_group,
+    )
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
@@ -87,6 +91,8 @@ EngineState: TypeAlias = Literal[
 ]
 
 _STRATEGIES: Mapping[str, str] = {"spread": "SPREAD", "pack": "PACK"}
+#: How often the wait for a placement asks Ray whether it found it infeasible (seconds).
+_INFEASIBLE_POLL_S = 0.5
 
 
 class LaunchError(TensorRPCError, RuntimeError):
@@ -250,6 +256,22 @@ class _Slot:
     error: str = ""
     ref: Any = None
     ref_kind: Literal["describe", "wait", ""] = ""
+
+
+def _wait_placed(pg: Any, timeout: float) -> bool | str:
+    """Blocking: True once ``pg`` is placed; False after ``timeout``; ``"infeasible"`` as
+    soon as Ray finds that no node can ever hold a bundle (busy nodes only make it wait)."""
+    ready = pg.ready()
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if ray.wait([ready], timeout=min(left, _INFEASIBLE_POLL_S))[0]:
+            return True
+        with contextlib.suppress(Exception):  # the table is informative only
+            if placement_group_table(pg)["stats"]["scheduling_state"] == "INFEASIBLE":
+                return "infeasible"
 
 
 def _wait_any(refs: list[Any], timeout: float) -> list[tuple[Any, Any, BaseException | None]]:
@@ -453,10 +475,15 @@ class EngineGroup:
         self._pg = placement_group(
             [dict(bundle) for _ in range(self._n)], strategy=_STRATEGIES[self._placement]
         )
-        ready = await anyio.to_thread.run_sync(
-            lambda: ray.wait([self._pg.ready()], timeout=self._timeout)[0]
-        )
-        if not ready:
+        placed = await anyio.to_thread.run_sync(_wait_placed, self._pg, self._timeout)
+        if placed == "infeasible":
+            raise LaunchError(
+                f"Ray could not place {self._n} engines of {bundle} each "
+                f"({_STRATEGIES[self._placement]}): no node of the cluster can ever hold one "
+                f"(Ray found the placement infeasible); the cluster has "
+                f"{_resources(_ray.cluster_resources())} in all"
+            )
+        if not placed:
             raise LaunchError(
                 f"Ray could not place {self._n} engines of {bundle} each "
                 f"({_STRATEGIES[self._placement]}) within {self._timeout} s: the cluster has "

@@ -4,8 +4,10 @@ It connects like any client (``Client.dynamic``) to the engines at the given add
 asks each for the built-in ``_tensorrpc.statistics`` method every interval (no extra port;
 docs/protocol.md §10) and draws, per engine: liveness, calls/s, errors/s, in-flight and
 queued calls, latency p50/p99 over the last interval (the engine's: accepting the CALL to
-the end of its handler), bytes/s on the wire and by tensor transport. ``q`` or Ctrl-C
-quits. Without a terminal it prints one plain table per refresh.
+the end of its handler), for batched methods the mean batch size and the median wait
+for a batch over the interval (column ``batch``: ``size/wait``), bytes/s on the wire and
+by tensor transport. ``q`` or Ctrl-C quits. Without a terminal it prints one plain table
+per refresh.
 
 What an engine sends is drawn as plain text: ids and notes are escaped
 (`tensorrpc._text.peer_text`) and shown as ``rich.text.Text``, never as markup, and a
@@ -21,7 +23,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
@@ -109,7 +111,26 @@ def check_statistics(body: object) -> dict[str, Any]:
         raise ValueError("methods is not a map of at most 4096 entries")
     for method in methods.values():
         _check_latency(method.get("latency") if isinstance(method, dict) else None, per_octave)
+    _check_batching(body.get("batching", {}), per_octave)
     return body
+
+
+def _check_batching(batching: object, per_octave: int) -> None:
+    """The optional ``batching`` map: per method, ``sizes`` and ``queue_wait`` pairs."""
+    if not isinstance(batching, dict) or len(batching) > _MAX_METHODS:
+        raise ValueError("batching is not a map of at most 4096 entries")
+    for b in batching.values():
+        if not isinstance(b, dict):
+            raise ValueError("a batching entry is not a map")
+        sizes = b.get("sizes")
+        if not isinstance(sizes, list) or len(sizes) > _MAX_BUCKETS:
+            raise ValueError("batching sizes is not a list of at most 4096 pairs")
+        for pair in sizes:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError("a batching size is not a [size, count] pair")
+            _count("a batch size", pair[0])
+            _count("a batch count", pair[1])
+        _check_latency(b.get("queue_wait"), per_octave)
 
 
 def percentile(counts: dict[int, int], q: float, per_octave: int) -> float | None:
@@ -147,6 +168,10 @@ class EngineView:
     rates: dict[str, float] = field(default_factory=dict)
     p50: float | None = None
     p99: float | None = None
+    #: Batched methods over the last interval: mean items per batch (step), and the
+    #: median wait of an item for its batch.
+    batch_size: float | None = None
+    batch_wait: float | None = None
 
     def update(self, stats: object) -> None:
         """Take a new statistics answer; compute the rates since the previous one.
@@ -194,6 +219,26 @@ class EngineView:
         )
         self.p50 = percentile(window, 0.50, per_octave)
         self.p99 = percentile(window, 0.99, per_octave)
+        self._batching(stats.get("batching", {}), prev.get("batching", {}), per_octave)
+
+    def _batching(self, new: dict[str, Any], old: dict[str, Any], per_octave: int) -> None:
+        batches = items = 0
+        wait: dict[int, int] = {}
+        for method, b in new.items():
+            before = old.get(method, {})
+            sizes_before = {int(k): int(n) for k, n in before.get("sizes", [])}
+            for k, n in b["sizes"]:
+                d = int(n) - sizes_before.get(int(k), 0)
+                if d > 0:
+                    batches += d
+                    items += d * int(k)
+            wait_before = {int(i): int(n) for i, n in before.get("queue_wait", [])}
+            for i, n in b["queue_wait"]:
+                d = int(n) - wait_before.get(int(i), 0)
+                if d > 0:
+                    wait[int(i)] = wait.get(int(i), 0) + d
+        self.batch_size = items / batches if batches else None
+        self.batch_wait = percentile(wait, 0.50, per_octave)
 
 
 def _seconds(value: float | None) -> str:
@@ -220,47 +265,117 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-def table(views: Sequence[EngineView], title: str) -> Table:
-    """The rich table of one refresh."""
-    from rich import box
-    from rich.table import Table
+#: The columns, most important first: at a narrow width the last ones are dropped until
+#: the table fits (80 columns keeps engine to wire/s).
+_COLUMNS: Final = (
+    ("engine", "left"),
+    ("state", "left"),
+    ("calls/s", "right"),
+    ("err/s", "right"),
+    ("p50", "right"),
+    ("p99", "right"),
+    ("batch", "right"),  # only when an engine serves batched methods
+    ("in flight", "right"),
+    ("queued", "right"),
+    ("wire/s", "right"),
+    ("shm/s", "right"),
+    ("errors", "right"),
+    ("calls", "right"),
+    ("frames/s", "right"),
+)
+#: Columns always shown, however narrow the terminal (the rest are dropped in order).
+_ALWAYS: Final = 4
+#: Widest engine id and state drawn (longer ones end in an ellipsis).
+_ENGINE_WIDTH: Final = 16
+_STATE_WIDTH: Final = 24
+
+
+def _cells(v: EngineView) -> list[Any]:
     from rich.text import Text
 
-    t = Table(title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD)
-    for name, justify in (
-        ("engine", "left"),
-        ("state", "left"),
-        ("calls/s", "right"),
-        ("err/s", "right"),
-        ("in flight", "right"),
-        ("queued", "right"),
-        ("p50", "right"),
-        ("p99", "right"),
-        ("wire/s", "right"),
-        ("frames/s", "right"),
-        ("shm/s", "right"),
-        ("calls", "right"),
-        ("errors", "right"),
-    ):
-        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for v in views:
-        s = v.current or {}
-        r = v.rates
-        state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
-        t.add_row(  # an engine's strings: escaped, and Text (never markup)
-            Text(peer_text(v.engine_id, _SHOWN_CHARS)),
-            Text(peer_text(state, _SHOWN_CHARS + 12)),
-            _rate(r.get("calls")),
-            _rate(r.get("errors")),
-            str(s.get("in_flight", "-")),
-            str(s.get("queued", "-")),
-            _seconds(v.p50),
-            _seconds(v.p99),
-            _bytes_per_s(r.get("bytes")),
-            _bytes_per_s(r.get("frames")),
-            _bytes_per_s(r.get("torch_shm")),
-            str(s.get("calls", "-")),
-            str(s.get("errors", "-")),
+    s = v.current or {}
+    r = v.rates
+    state = ("live" if v.live else "dead") + (f" ({v.note})" if v.note else "")
+    return [  # an engine's strings: escaped, and Text (never markup)
+        Text(peer_text(v.engine_id, _SHOWN_CHARS)),
+        Text(peer_text(state, _SHOWN_CHARS + 12)),
+        _rate(r.get("calls")),
+        _rate(r.get("errors")),
+        _seconds(v.p50),
+        _seconds(v.p99),
+        "-" if v.batch_size is None else f"{v.batch_size:.1f}/{_seconds(v.batch_wait)}",
+        str(s.get("in_flight", "-")),
+        str(s.get("queued", "-")),
+        _bytes_per_s(r.get("bytes")),
+        _bytes_per_s(r.get("torch_shm")),
+        str(s.get("errors", "-")),
+        str(s.get("calls", "-")),
+        _bytes_per_s(r.get("frames")),
+    ]
+
+
+def _build(rows: list[list[Any]], title: str, columns: list[int], caps: dict[int, int]) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(
+        title=title,
+        title_justify="left",
+        expand=False,
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    for i in columns:
+        name, justify = _COLUMNS[i]
+        t.add_column(
+            name,
+            justify=justify,  # type: ignore[arg-type,unused-ignore]
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=caps.get(i),
+        )
+    for row in rows:
+        t.add_row(*(row[i] for i in columns))
+    return t
+
+
+def table(views: Sequence[EngineView], title: str, width: int | None = None) -> Table:
+    """The rich table of one refresh, fitted to ``width`` columns (None: every column).
+
+    To fit, in this order: a long state (an error note) is cut short; columns are dropped
+    from the least important (frames/s, the totals, shm/s...) down to the first four; a
+    long engine id is cut short. The caption names the columns not shown.
+    """
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    rows = [_cells(v) for v in views]
+    # The batch column only when an engine serves batched methods.
+    batched = any((v.current or {}).get("batching") for v in views)
+    columns = [i for i, (name, _) in enumerate(_COLUMNS) if batched or name != "batch"]
+    every = len(columns)
+    caps: dict[int, int] = {}
+    t = _build(rows, title, columns, caps)
+    if width is not None:
+        measure = Console(width=10_000)
+
+        def too_wide() -> bool:
+            return Measurement.get(measure, measure.options, t).maximum > width
+
+        if too_wide():
+            caps[1] = _STATE_WIDTH
+            t = _build(rows, title, columns, caps)
+        while len(columns) > _ALWAYS and too_wide():
+            columns.pop()
+            t = _build(rows, title, columns, caps)
+        if too_wide():
+            caps[0] = _ENGINE_WIDTH
+            t = _build(rows, title, columns, caps)
+    if len(columns) < every:
+        hidden = [n for i, (n, _) in enumerate(_COLUMNS) if i > columns[-1]]
+        t.caption = "not shown at this width: " + ", ".join(
+            n for n in hidden if batched or n != "batch"
         )
     return t
 
@@ -292,9 +407,9 @@ async def _poll(client: Client[Any], views: dict[str, EngineView], patience: flo
             view.p50 = view.p99 = None
             continue
         try:
-            stats = await client.with_options(engine=engine_id, timeout=patience).call_by_name(
-                _observe.STATISTICS_METHOD
-            )
+            # An engine that just left is shown as such, not waited for.
+            view_of = client.with_options(engine=engine_id, timeout=patience, wait_for_ready=False)
+            stats = await view_of.call_by_name(_observe.STATISTICS_METHOD)
         except TensorRPCError as exc:
             view.note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:60]}"
             continue
@@ -400,8 +515,9 @@ async def _refresh(
         while count is None or refreshes < count:
             await _poll(client, views, wait)
             refreshes += 1
-            shown = table(list(views.values()), title)
-            shown.caption = f"refresh {refreshes}, every {interval:g} s" + footer
+            shown = table(list(views.values()), title, console.width)
+            dropped = f"\n{shown.caption}" if shown.caption else ""
+            shown.caption = f"refresh {refreshes}, every {interval:g} s" + footer + dropped
             if screen is not None:
                 screen.update(shown, refresh=True)
             else:

@@ -25,6 +25,10 @@ arguments' tensors travelled: ``torch_shm``, ``frames`` or ``inline``),
 name on the client, an ERROR code name on the engine, or ``cancelled``); the status is
 ERROR for any outcome but ``ok`` and ``cancelled``. Engine spans start when the CALL is
 accepted and carry a ``handler.start`` event when a worker takes it.
+
+Batched methods (docs/batching.md): each batch (each step of a continuous batch) the
+engine runs is an INTERNAL span ``<method> batch`` with ``tensorrpc.batch_size``, linked
+to the engine span of every item's call in it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 try:
     from opentelemetry import context as otel_context, trace
     from opentelemetry.trace import (
+        Link,
         NonRecordingSpan,
         ProxyTracerProvider,
         SpanContext,
@@ -51,6 +56,8 @@ from tensorrpc import _observe
 from tensorrpc._observe import CallObservation, Observer
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
 __all__ = [
@@ -145,6 +152,22 @@ class _EngineSpan(CallObservation):
         _end(self._span, self._code or outcome)
 
 
+class _BatchSpan(CallObservation):
+    __slots__ = ("_span",)
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        _end(self._span, outcome)
+
+
+def _current_trace() -> bytes:
+    """The binary trace context of the current span (``b""`` for none)."""
+    context = trace.get_current_span().get_span_context()
+    return encode_trace_context(context) if context.is_valid else b""
+
+
 class TracingObserver(Observer):
     """An [`Observer`][tensorrpc.Observer] that makes OpenTelemetry spans of calls.
 
@@ -209,6 +232,30 @@ class TracingObserver(Observer):
         )
         return _EngineSpan(span)
 
+    def engine_batch(
+        self, method: str, engine: str, size: int, items: Sequence[bytes]
+    ) -> CallObservation | None:
+        if self._idle():
+            return None
+        links = []
+        for data in items:
+            context = decode_trace_context(data) if data else None
+            if context is not None:
+                links.append(Link(context))
+        span = self._tracer.start_span(
+            f"{method} batch",
+            context=otel_context.Context(),
+            kind=SpanKind.INTERNAL,
+            links=links,
+            attributes={
+                "rpc.system": "tensorrpc",
+                "rpc.method": method,
+                "tensorrpc.engine_id": engine,
+                "tensorrpc.batch_size": size,
+            },
+        )
+        return _BatchSpan(span)
+
 
 _instrumented: TracingObserver | None = None
 
@@ -236,3 +283,7 @@ def uninstrument() -> None:
     if _instrumented is not None:
         _observe.uninstall(_instrumented)
         _instrumented = None
+
+
+# Batched methods read the current call's span context through this (see _observe).
+_observe.current_trace = _current_trace

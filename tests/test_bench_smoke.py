@@ -226,3 +226,88 @@ def test_startup_measures_the_commands_and_none_imports_torch() -> None:
     assert [line[:28].rstrip() for line in lines[1:]] == names
     for line in lines[1:]:
         assert "imports torch: no" in line, line
+
+
+def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "batching", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    bt = results["batching"]
+    assert "unavailable" not in bt, bt
+    for case in ("unbatched", "tensorrpc", "asyncio batcher"):
+        assert bt[case]["n"] > 0
+        assert 0 < bt[case]["median_ms"] <= bt[case]["p99_ms"]
+    for case in ("streams one at a time", "streams continuous"):
+        assert bt[case]["n"] == bt["streams"] * bt["tokens"]  # every token, each its own
+    assert bt["late_ttft_ms"] > 0
+    ids = {t["id"] for t in results["targets"]}
+    assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms"} <= ids
+    assert "## Batching" in (out / "bench.md").read_text(encoding="utf-8")
+
+
+def test_quick_mixed_load_reports_tails_and_throughput(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    tensorrpc_frames = "tensorrpc frames (engine dials in)"
+    proc = _forkserver.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--only",
+            "mixed",
+            "--system",
+            "pyzmq",
+            "--system",
+            tensorrpc_frames,
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    mixed = json.loads((out / "bench.json").read_text(encoding="utf-8"))["mixed"]
+    assert set(mixed["systems"]) == {"pyzmq", tensorrpc_frames}
+    for entry in mixed["systems"].values():
+        assert "unavailable" not in entry, entry
+        alone = entry["alone"]
+        assert alone["n"] > 0
+        assert 0 < alone["p50_us"] <= alone["p99_us"] <= alone["p999_us"] <= alone["max_us"]
+        assert set(entry["sizes"]) == {str(n) for n in mixed["sizes"]}
+        for cell in entry["sizes"].values():
+            small = cell["small"]
+            assert 0 < small["p50_us"] <= small["p99_us"] <= small["p999_us"]
+            assert cell["p99_vs_alone"] > 0
+            assert set(cell["large"]) == {"in", "out", "echo"}
+            for direction in cell["large"].values():
+                assert direction["calls"] > 0
+                assert direction["mib_per_s"] > 0
+            assert set(cell["first_call_ms"]) == {"in", "out", "echo"}
+            for direction in cell["after_large"].values():
+                assert 0 < direction["p50_us"] <= direction["max_us"]
+        assert all(math.isfinite(x) and x >= 0 for x in _numbers(entry))
+    md = (out / "bench.md").read_text(encoding="utf-8")
+    assert "## Small calls under a mixed load" in md
+    assert f"| {tensorrpc_frames} | 16 MiB |" in md
+
+
+def test_mixed_report_renders_unavailable_systems() -> None:
+    from bench import mixed
+
+    lines = mixed.report(
+        {"rate_per_s": 500.0, "systems": {"pyzmq": {"unavailable": "RuntimeError: boom"}}}
+    )
+    assert "| pyzmq | RuntimeError: boom |||||||||" in lines

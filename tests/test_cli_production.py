@@ -229,3 +229,14 @@ def test_sigterm_drains_a_running_call(tmp_path: Path) -> None:
         assert (slow.returncode, out) == (0, "t\n"), err
         assert proc.wait(timeout=PROC_WAIT_S) == 0
         assert "SIGTERM: draining" in log.read_text()
+
+
+def test_health_has_help_and_serve_lists_the_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "health", "--help")
+    assert status == 0
+    assert out.startswith("usage: tensorrpc health")
+    status, out, _ = run_cli(capsys, "serve", "--help")
+    assert status == 0
+    for name in ("TENSORRPC_METRICS_PORT", "TENSORRPC_TRACING", "TENSORRPC_CURVE_KEYPAIR",
+                 "TENSORRPC_CURVE_ALLOW", "OTEL_TRACES_EXPORTER"):  # fmt: skip
+        assert name in " ".join(out.split())

@@ -46,6 +46,32 @@ def test_demo_runs_small_and_leaves_nothing_behind(tmp_path: Path) -> None:
         calls = next(int(r[2]) for r in rows if r[0] == engine)
         assert sum(int(n) for _, n in buckets) == calls
     assert "24/24" in err  # the progress bar, drawn once at the end
+    # Issue 24 item 12: what it will do first, a legend, and the verdict last.
+    assert err.splitlines()[0].startswith("tensorrpc multi-engine demo: 2 engine processes")
+    assert "'timeouts' column" in err
+    assert re.search(r"^load: 24 requests, 8 in flight: \d+ text", err, flags=re.MULTILINE)
+    assert "timeouts: the calls that timed out on purpose" in out
+    planned = int(re.search(r"timed out \(on purpose\)\s+(\d+)", out)[1])  # type: ignore[index]
+    timeouts = [int(line.split()[-1]) for line in out.splitlines() if line.startswith("engine-")]
+    assert sum(timeouts) == planned  # the column is the planned timeouts
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("verdict: PASS: all 24 requests ended as planned (")
+    assert last.endswith(
+        "continuous batching gave every stream the tokens of one at a time; exit status 0"
+    )
+    # Continuous batching beside one stream at a time (the demo exits 1 if their tokens
+    # differ); tokens/s and first-token latency of both.
+    comparison = out.split("Continuous batching: 32 streams of 16 tokens")[1]
+    figures = dict(
+        re.findall(
+            r"^\s*(one stream at a time|continuous batching)\s+([\d,]+)\s+[\d.]+\s+[\d.]+",
+            comparison,
+            flags=re.MULTILINE,
+        )
+    )
+    assert set(figures) == {"one stream at a time", "continuous batching"}
+    assert all(int(v.replace(",", "")) > 0 for v in figures.values())
+    assert re.search(r"continuous batching: [\d.]+x the tokens/s", comparison)
     for _engine, pid, _requests, _tokens in rows:
         assert not Path(f"/proc/{pid}").exists(), f"engine process {pid} left running"
     assert list(tmp_path.iterdir()) == [], "the demo left files (socket files) behind"
@@ -109,3 +135,44 @@ def test_demo_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     for pid in engines:
         assert not Path(f"/proc/{pid}").exists(), f"engine process {pid} left running"
     assert list(tmp_path.iterdir()) == [], "the demo left files (socket files) behind"
+
+
+def test_demo_says_what_it_does_before_importing_torch() -> None:
+    # A fresh interpreter in which importing torch fails: the first line must already be
+    # out (the demo used to start with 5.4 s of silence, most of it torch's import).
+    code = (
+        "import runpy, sys\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            raise ImportError('torch imported here')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "sys.argv = ['demo', '--engines', '2', '--requests', '5']\n"
+        "runpy.run_module('examples.multi_engine_demo', run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("tensorrpc multi-engine demo: 2 engine processes"), done.stderr
+    assert "torch imported here" in done.stderr
+
+
+def test_tiny_lm_batched_decode_gives_the_tokens_of_one_sequence_at_a_time() -> None:
+    from examples.tiny_lm import Sequence, TinyLM
+
+    model = TinyLM(0)
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [42] * 20, [7]]
+    expected = [list(model.generate(p, 10)) for p in prompts]
+    got: list[list[int]] = [[] for _ in prompts]
+    states: dict[int, Sequence] = {}
+    for step in range(30):  # sequences join at steps 0..3, as in continuous batching
+        decoding = [i for i in states if len(got[i]) < 10]
+        if step < len(prompts):
+            token, states[step] = model.prefill(prompts[step], 10)
+            got[step].append(token)
+        if decoding:
+            for i, token in zip(decoding, model.decode([states[i] for i in decoding]), strict=True):
+                got[i].append(token)
+    assert got == expected

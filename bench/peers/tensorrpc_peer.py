@@ -45,6 +45,11 @@ class BenchService:
         return (t.numel(), float(t[0]), float(t[-1]))
 
     @rpc
+    async def echo(self, t: torch.Tensor) -> torch.Tensor:
+        """Send the received tensor back (in and out in one call)."""
+        return t
+
+    @rpc
     async def produce(self, nbytes: int, shared: bool) -> torch.Tensor:
         """Answer a float32 ``arange`` tensor of ``nbytes`` bytes that the engine holds.
 
@@ -90,10 +95,11 @@ async def wait_engine(client: Any, peer: PeerProcess, within: float) -> None:
                 raise
 
 
-async def serve_main(addr: str) -> None:
-    """Serve one engine dialling in to ``addr`` until stdin closes."""
+async def serve_main(addr: str, *, listen: bool = False) -> None:
+    """Serve one engine dialling in to ``addr`` (``listen``: bound on it) until stdin closes."""
     _, serve = runtime()
-    engine = asyncio.create_task(serve(BenchService(), connect=addr, engine_id=ENGINE_ID))
+    where = {"bind": addr} if listen else {"connect": addr}
+    engine = asyncio.create_task(serve(BenchService(), engine_id=ENGINE_ID, **where))
     ready(addr)
     stop = asyncio.create_task(wait_stdin_eof())
     try:
@@ -108,11 +114,12 @@ async def serve_main(addr: str) -> None:
 
 
 def main() -> None:
-    """Engine entry point: ``python -m bench.peers.tensorrpc_peer ADDR``."""
+    """Engine entry point: ``python -m bench.peers.tensorrpc_peer ADDR [--listen]``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("addr")
+    parser.add_argument("--listen", action="store_true", help="bind ADDR (clients dial in)")
     args = parser.parse_args()
-    asyncio.run(serve_main(args.addr))
+    asyncio.run(serve_main(args.addr, listen=args.listen))
 
 
 if __name__ == "__main__":

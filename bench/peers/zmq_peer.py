@@ -38,6 +38,8 @@ from bench.peers._child import ready, wait_stdin_eof
 
 OP_ADD = b"a"
 OP_TENSOR = b"t"
+OP_ECHO = b"e"  # the tensor frame goes back as it came (zero-copy both ways)
+OP_PRODUCE = b"p"  # a tensor of the asked size, held by the server, sent zero-copy
 _ID = struct.Struct("<Q")
 
 
@@ -52,12 +54,24 @@ async def _serve_zero_copy(sock: zmq.asyncio.Socket) -> None:
     import torch
 
     dtypes = {"float32": torch.float32, "uint8": torch.uint8}
+    produced: dict[int, torch.Tensor] = {}
     while True:
         frames = await sock.recv_multipart(copy=False)
         ident, cid, op = frames[0].bytes, frames[1].bytes, frames[2].bytes
         if op == OP_ADD:
             a, b = ormsgpack.unpackb(frames[3].bytes)
             reply = ormsgpack.packb(a + b)
+        elif op == OP_ECHO:
+            await sock.send_multipart([ident, cid, frames[3], frames[4]], copy=False)
+            del frames
+            continue
+        elif op == OP_PRODUCE:
+            nbytes = ormsgpack.unpackb(frames[3].bytes)
+            t = produced.get(nbytes)
+            if t is None:
+                t = produced[nbytes] = torch.arange(nbytes // 4, dtype=torch.float32)
+            await sock.send_multipart([ident, cid, *_tensor_frames(t)[1:]], copy=False)
+            continue
         else:
             dtype, shape = ormsgpack.unpackb(frames[3].bytes)
             t = torch.frombuffer(frames[4].buffer, dtype=dtypes[dtype]).reshape(shape)

@@ -35,6 +35,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from tensorrpc._lazy import LazyModule
+from tensorrpc._release import later_if_large
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
@@ -300,7 +301,8 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.view = torch.empty(0, dtype=torch.uint8)
+        view, self.view = self.view, torch.empty(0, dtype=torch.uint8)
+        later_if_large(view, self.size)  # unmapped off the event loop
 
 
 class _Retired:

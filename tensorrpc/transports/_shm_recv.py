@@ -36,6 +36,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Final
 
 from tensorrpc._lazy import LazyModule
+from tensorrpc._release import later, later_if_large
 from tensorrpc.transports._shm_auth import SECRET_BYTES, ProbeHandle
 from tensorrpc.transports._shm_handle import (
     CUDA_TAIL,
@@ -176,6 +177,7 @@ class SegmentMaps:
         old = self._maps.pop(key, None)
         if old is not None:
             self._bytes[pid] -= old.view.numel()
+            later_if_large(old, old.view.numel())
         while self._bytes.get(pid, 0) + size > self.max_bytes_per_peer:
             self._evict(next(k for k in self._maps if k[0] == pid))
         while len(self._maps) >= self.max_segments:
@@ -195,6 +197,7 @@ class SegmentMaps:
 
     def _evict(self, key: tuple[int, int, int]) -> None:
         entry = self._maps.pop(key)
+        later_if_large(entry, entry.view.numel())  # unmapped off the event loop
         left = self._bytes[key[0]] - entry.view.numel()
         if left:
             self._bytes[key[0]] = left
@@ -210,7 +213,9 @@ class SegmentMaps:
 
     def clear(self) -> None:
         """Drop every mapping."""
-        self._maps.clear()
+        maps, self._maps = self._maps, OrderedDict()
+        if maps:
+            later(maps)  # unmapped off the event loop
         self._bytes.clear()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tensorrpc import (
     CallTimeoutError,
     Client,
     Continuous,
+    EngineDeadError,
     InvalidArgumentError,
     OverloadedError,
     RemoteError,
@@ -22,6 +24,8 @@ from tensorrpc import (
     rpc,
     service,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @service
@@ -319,3 +323,79 @@ async def test_items_that_leave_a_continuous_batch_early_free_their_place(tmp_pa
                 assert await stream.__anext__() == 0
                 await stream.aclose()
             assert [v async for v in c.stub().count(7, 3)] == [7, 8, 9]
+
+
+async def test_a_client_that_leaves_has_its_queued_items_dropped(tmp_path: Path) -> None:
+    svc, address = await _serve(tmp_path)
+    svc.gate = anyio.Event()
+    svc.entered = anyio.Event()
+    async with (
+        Server(svc, bind=address, engine_id="e1") as server,
+        Client(Batched, connect=address) as stays,
+    ):
+        with anyio.fail_after(20):
+            await stays.wait_for_engines(1)
+            results: list[int] = []
+
+            async def one(v: int) -> None:
+                results.append(await stays.stub().gated(v))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, 1)
+                await svc.entered.wait()  # batch [1] holds the only slot
+                async with Client(Batched, connect=address) as leaves:
+                    await leaves.wait_for_engines(1)
+                    async with anyio.create_task_group() as doomed:
+                        doomed.start_soon(leaves.stub().gated, 50)
+                        doomed.start_soon(leaves.stub().gated, 51)
+                        while server.batch_statistics()["gated"]["queued"] < 2:  # noqa: ASYNC110
+                            await anyio.sleep(0.01)
+                        doomed.cancel_scope.cancel()
+                # The client is gone: the engine drops what it had queued.
+                while server.batch_statistics()["gated"]["queued"]:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+                svc.gate.set()
+            assert await stays.stub().gated(2) == 2
+    assert results == [1]
+    assert svc.batches == [[1], [2]]
+
+
+async def test_an_engine_killed_mid_batch_fails_every_item_of_it(tmp_path: Path) -> None:
+    from tests import _forkserver
+
+    from .batch_engine import Hang
+
+    address = f"ipc://{tmp_path}/c.sock"
+    async with Client(Hang, bind=address, heartbeat_interval=0.1, dead_after=1.0) as client:
+        proc = _forkserver.popen(
+            [sys.executable, "-m", "tests.integration.batch_engine", address],
+            cwd=ROOT,
+        )
+        try:
+            with anyio.fail_after(30):
+                await client.wait_for_engines(1)
+            failed: list[EngineDeadError] = []
+            all_failed = anyio.Event()
+
+            async def one(v: int) -> None:
+                try:
+                    await client.stub().hang(v)
+                except EngineDeadError as exc:
+                    failed.append(exc)
+                    if len(failed) == 3:
+                        all_failed.set()
+
+            async with anyio.create_task_group() as tg:
+                for v in range(3):
+                    tg.start_soon(one, v)
+                with anyio.fail_after(10):
+                    while await client.stub().batch_size() < 3:  # noqa: ASYNC110 - other process
+                        await anyio.sleep(0.02)
+                proc.kill()
+                with anyio.fail_after(1.0 + 2.5):  # dead_after, and room for a loaded machine
+                    await all_failed.wait()
+        finally:
+            proc.kill()
+            proc.wait()
+    assert len(failed) == 3
+    assert all(e.engine_id == "hang" for e in failed)

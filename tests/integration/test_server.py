@@ -287,12 +287,24 @@ async def test_call_already_late_is_refused(tmp_path: Path) -> None:
         with anyio.fail_after(WAIT):
             await probe.started("busy").wait()
         late = peer.call("block", "late", timeout_ms=1)
-        await anyio.sleep(0.02)  # let the 1 ms deadline pass while the call is queued
+        assert "past its deadline" in await error_of(peer, late, ErrorCode.DEADLINE_EXCEEDED)
         probe.gate("busy").set()
         assert await peer.result(busy) == "busy"
-        assert "already past its deadline" in await error_of(
-            peer, late, ErrorCode.DEADLINE_EXCEEDED
-        )
+        assert "late" not in probe.events
+
+
+async def test_a_queued_call_is_refused_when_its_deadline_passes(tmp_path: Path) -> None:
+    async with engine(tmp_path, max_concurrency=1) as (server, peer, probe):
+        busy = peer.call("block", "busy")
+        with anyio.fail_after(WAIT):
+            await probe.started("busy").wait()
+        late = peer.call("block", "late", timeout_ms=100)
+        # Answered while the only worker is still busy (it was: when the worker freed up).
+        message = await error_of(peer, late, ErrorCode.DEADLINE_EXCEEDED)
+        assert "waited in the queue past its deadline" in message
+        assert server.statistics().queued == 0
+        probe.gate("busy").set()
+        assert await peer.result(busy) == "busy"
         assert "late" not in probe.events
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import select
 import signal
 import struct
@@ -101,10 +102,11 @@ async def test_run_draws_engines_it_polls(tmp_path: Path) -> None:
     assert "live" in text
 
 
-def _pty_top(address: str) -> tuple[_forkserver.Forked, int]:
+def _pty_top(address: str, columns: int = 160) -> tuple[_forkserver.Forked, int]:
     master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 160, 0, 0))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color", "COLUMNS": "160"}
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, columns, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color"}
+    env.pop("COLUMNS", None)  # the terminal's own size decides
     # Forked from a pre-imported interpreter (tests/_forkserver.py): a session of its own
     # whose controlling terminal is the pty, so Ctrl-C there is a SIGINT to it.
     proc = _forkserver.popen(
@@ -171,3 +173,70 @@ async def test_top_in_a_pseudo_terminal_refreshes_and_quits(
     assert "e1" in text
     assert "live" in text
     assert "q or Ctrl-C quits" in text
+
+
+def _plain(raw: bytes) -> str:
+    """What a terminal shows of ``raw``: escape sequences removed."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r", "", raw.decode(errors="replace"))
+
+
+def test_the_table_fits_80_columns_by_dropping_the_least_important() -> None:
+    view = EngineView("engine-7")
+    view.update(_stats(100.0, 10, 0, 1000, [[40, 10]]))
+    view.update(_stats(101.0, 30, 1, 3000, [[40, 20], [60, 10]]))
+    for width, dropped in ((80, "shm/s"), (200, None)):
+        console = Console(record=True, width=width, force_terminal=False)
+        console.print(table([view], "tensorrpc top ipc:///tmp/e.sock", width))
+        text = console.export_text()
+        assert max(len(line.rstrip()) for line in text.splitlines()) <= width
+        assert "…" not in text  # no cell cut to "en…"
+        header = next(line for line in text.splitlines() if "engine" in line)
+        for name in ("engine", "state", "calls/s", "err/s", "p50", "p99", "in flight"):
+            assert name in header
+        if dropped is None:
+            assert "not shown" not in text
+        else:
+            assert f"not shown at this width: {dropped}" in text
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the engine side; top runs its own loop
+async def test_top_in_an_80_column_terminal_is_readable(tmp_path: Path) -> None:
+    # Issue 24 item 5: at 80 columns every column was cut to "en…", "s…".
+    address = f"ipc://{tmp_path}/e.sock"
+    async with (
+        Server(Calculator("e1"), bind=address, engine_id="e1"),
+        Client(Calculator, connect=address) as client,
+    ):
+        with anyio.fail_after(30):
+            await client.wait_for_engines(1)
+        proc, master = _pty_top(address, columns=80)
+        seen = bytearray()
+        try:
+            with anyio.fail_after(120):
+                for i in range(5):
+                    await client.stub().add(i)
+                got = await anyio.to_thread.run_sync(_read_until, master, b"refresh 2,", seen, 90.0)
+                assert got, seen.decode(errors="replace")[-2000:]
+                os.write(master, b"q")
+                rc = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30))
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+            os.close(master)
+    assert rc == 0
+    text = _plain(bytes(seen))
+    assert "…" not in text, text[-2000:]
+    header = next(line for line in text.splitlines() if "calls/s" in line)
+    for name in ("engine", "state", "calls/s", "err/s", "p50", "p99", "in flight"):
+        assert name in header
+    assert "not shown at this width:" in text
+
+
+def test_the_docs_capture_fits_80_columns() -> None:
+    # At 1280 px the docs' code blocks show about 90 columns; the old capture had 125.
+    page = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    start = page.index("```\ntensorrpc top ipc://")
+    block = page[start + 4 : page.index("```", start + 4)]
+    assert "calls/s" in block
+    assert max(len(line) for line in block.splitlines()) <= 80

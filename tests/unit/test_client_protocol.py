@@ -611,3 +611,28 @@ def test_a_release_is_split_at_the_protocol_limit_and_names_each_lease_once() ->
     first, second = sent(protocol)
     assert first.body.leases == tuple(range(1, MAX_RELEASE_LEASES + 1))
     assert second.body.leases == tuple(range(MAX_RELEASE_LEASES + 1, MAX_RELEASE_LEASES + 10))
+
+
+# -- wait-for-ready ----------------------------------------------------------------------------
+
+
+def test_wait_for_ready_waits_where_fail_fast_raises_and_absence_says_why() -> None:
+    from tensorrpc._exceptions import EngineNotFoundError
+
+    protocol, _ = make_protocol()
+    with pytest.raises(EngineNotFoundError, match="no engine has joined yet"):
+        protocol.select(None, 0.0)
+    assert protocol.select(None, 0.0, wait_for_ready=True) is None  # the caller waits
+    assert protocol.select("e1", 0.0, wait_for_ready=True) is None
+    assert protocol.absence(None, 0.0) == "no engine has joined yet"
+
+    engine = join(protocol, "e1", b"p")
+    assert protocol.select(None, 1.0, wait_for_ready=True) is engine
+    assert protocol.absence(None, 1.0) is None
+    event = protocol.receive(b"p", bye(), 2.0)  # the engine stops: a restart looks like this
+    assert isinstance(event, EngineLost)
+    assert protocol.select("e1", 2.0, wait_for_ready=True) is None
+    why = protocol.absence(None, 2.0)
+    assert why is not None
+    assert "left (died or stopped) and none has rejoined yet: restarting? ('e1')" in why
+    assert join(protocol, "e1", b"p2", now=3.0) is protocol.select("e1", 3.0, wait_for_ready=True)

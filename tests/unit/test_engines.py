@@ -251,3 +251,36 @@ def test_join_wakes_up_to_its_slots_and_loss_wakes_its_targeted_waiters() -> Non
     waiters.add("e9", "x")
     waiters.add(None, "y")
     assert sorted(waiters.everyone()) == ["x", "y"]
+
+
+def test_absence_says_why_no_engine_can_take_a_call() -> None:
+    # Issue 24 item 2: "no live engines" said nothing of why.
+    table = EngineTable(max_in_flight=4)
+    assert table.absence(None) == "no engine has joined yet"
+    assert table.absence("e1") == "it never joined"
+    with pytest.raises(EngineNotFoundError, match="no live engines: no engine has joined yet"):
+        table.select(None)
+
+    table.refuse("old", "fingerprint", "engine 'old' has a different schema: engine lacks: x")
+    assert table.absence(None) == (
+        "every engine that tried to join was refused: old: fingerprint: engine 'old' has a "
+        "different schema: engine lacks: x"
+    )
+    refused = table.absence("old")
+    assert refused is not None
+    assert refused.startswith("it was refused: fingerprint: ")
+
+    e1 = admit(table, "e1", b"p1")
+    assert table.absence(None) is None
+    assert table.absence("e1") is None
+    table.remove(e1)  # died, said BYE, or restarting
+    why = table.absence(None)
+    assert why is not None
+    assert why.startswith("1 engine left (died or stopped) and none has rejoined yet: restarting?")
+    assert "('e1')" in why
+    assert "refused: old: fingerprint" in why  # both facts are said
+    assert table.absence("e1") == "it left (died or stopped) and has not rejoined yet: restarting?"
+    with pytest.raises(EngineNotFoundError, match="'e1' is not live \\(it left"):
+        table.select("e1")
+    admit(table, "e1", b"p2")  # it rejoined
+    assert table.absence("e1") is None

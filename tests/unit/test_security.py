@@ -25,10 +25,12 @@ from tensorrpc._security import (
     auth_statistics,
     generate_keypair,
     is_all_interfaces,
+    is_loopback,
     load_keypair,
     load_public_key,
     load_public_keys,
     save_keypair,
+    warn_if_exposed,
 )
 from tensorrpc._zmq import AsyncSocket, create_socket
 
@@ -557,6 +559,46 @@ def test_binding_all_interfaces_without_curve_warns(make_socket, caplog: pytest.
     (message,) = security_warnings(caplog)
     assert "tcp://0.0.0.0:0 without CURVE" in message
     assert "CVE-2025-30202" in message
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "loopback"),
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.0.0.2:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://lo:5555", True),
+        ("ipc:///tmp/sock", True),
+        ("inproc://x", True),
+        ("tcp://192.168.1.10:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://host.example:5555", False),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+    ],
+)
+def test_loopback_endpoints_are_recognised(endpoint: str, loopback: bool):
+    assert is_loopback(endpoint) is loopback
+
+
+def test_a_non_loopback_address_without_curve_gets_one_warning(
+    caplog: pytest.LogCaptureFixture,
+):
+    # Checked before a bind, without binding: tests use loopback only.
+    caplog.set_level(logging.WARNING, logger="tensorrpc.security")
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    with context.socket(zmq.ROUTER) as plain, context.socket(zmq.ROUTER) as curve:
+        assert warn_if_exposed("tcp://192.0.2.7:5555", plain)
+        assert warn_if_exposed("tcp://host.example:5555", plain)
+        assert not warn_if_exposed("tcp://127.0.0.1:5555", plain)
+        assert not warn_if_exposed("ipc:///tmp/x", plain)
+        curve.curve_server = True
+        curve.curve_secretkey = generate_keypair().secret_key
+        assert not warn_if_exposed("tcp://192.0.2.7:5555", curve)
+    first, second = security_warnings(caplog)
+    assert "tcp://192.0.2.7:5555 without CURVE" in first
+    assert "tcp://host.example:5555 without CURVE" in second
 
 
 def test_binding_all_interfaces_with_curve_does_not_warn(

@@ -26,6 +26,7 @@ from tensorrpc._server_protocol import (
     ADMISSION,
     TRANSITIONS,
     AllRejected,
+    CallExpired,
     Released,
     ServerCall,
     SessionEnded,
@@ -659,3 +660,91 @@ def test_reply_frames_are_built_and_counted_by_the_protocol() -> None:
     assert not engine.proto.stream_end(call)  # once
     engine.proto.send_failed(b"c1", item, engine.now)  # it could not go after all
     assert engine.proto.dropped == 1
+
+
+# -- queued deadlines (issue 21 item 4) -------------------------------------------------------
+
+
+def test_a_queued_call_is_answered_when_its_deadline_passes_not_when_taken() -> None:
+    engine = Engine.make(max_concurrency=1)
+    engine.join()
+    proto = engine.proto
+    busy = engine.call(b"c1", 1)
+    assert proto.next_call() is busy  # the only worker is busy from now on
+    start = engine.now
+    early = engine.call(b"c1", 2, timeout_ms=100)
+    later = engine.call(b"c1", 3, timeout_ms=500)
+    untimed = engine.call(b"c1", 4)
+    assert proto.tick(engine.now) == pytest.approx(start + 0.1)  # its timer
+    engine.advance(0.099)
+    assert engine.take() == []
+    engine.advance(0.001)
+    info = engine.error(2)
+    assert info.code == ErrorCode.DEADLINE_EXCEEDED
+    assert "waited in the queue past its deadline" in info.message
+    assert [e.call for e in engine.events if isinstance(e, CallExpired)] == [early]
+    assert list(proto.queue) == [later, untimed]
+    assert 2 not in proto.sessions[b"c1"].calls
+    assert proto.in_flight() == 3
+    assert proto.wake_at == pytest.approx(start + 0.5)
+    engine.advance(0.4)
+    assert engine.error(3).code == ErrorCode.DEADLINE_EXCEEDED
+    assert list(proto.queue) == [untimed]
+    assert proto.calls.expiry == float("inf")
+
+
+def test_a_cancelled_queued_call_is_left_to_its_worker() -> None:
+    engine = Engine.make(max_concurrency=1)
+    engine.join()
+    proto = engine.proto
+    busy = engine.call(b"c1", 1)
+    assert proto.next_call() is busy
+    queued = engine.call(b"c1", 2, timeout_ms=100)
+    assert queued is not None
+    engine.control(b"c1", MessageKind.CANCEL, None, 2)
+    assert queued.cancelled
+    engine.advance(0.2)
+    assert engine.take() == []  # no reply to a cancelled call
+    assert list(proto.queue) == [queued]  # its worker ends it (and releases its leases)
+    assert proto.wake_at > engine.now  # no timer spinning on it
+
+
+# -- duplicate ids (issue 21 item 5) ----------------------------------------------------------
+
+
+def test_a_duplicate_id_refusal_is_retried_with_backoff_not_final() -> None:
+    engine = Engine.make(listen=False, heartbeat_interval=0.5, dead_after=2.0)
+    proto = engine.proto
+    proto.add_client("addr", engine.now)
+    engine.advance(0)
+    assert engine.kinds() == [HELLO]
+    delays = []
+    for _ in range(4):
+        start = engine.now
+        engine.control("addr", MessageKind.REJECT, Reject(RejectReason.DUPLICATE_ID, "held"))
+        ended = [e for e in engine.events if isinstance(e, SessionEnded)]
+        assert ended[-1].warn
+        assert "duplicate_id: held; HELLO again in" in ended[-1].why
+        assert not any(isinstance(e, AllRejected) for e in engine.events)
+        assert proto.sessions["addr"].state is SessionState.GREETING
+        engine.events.clear()
+        delay = proto.sessions["addr"].next_hello - start
+        assert proto.wake_at <= start + delay
+        delays.append(delay)
+        engine.advance(delay - 0.01)
+        assert HELLO not in engine.kinds()
+        engine.advance(0.02)
+        assert engine.kinds() == [HELLO]
+    assert delays == pytest.approx([0.5, 1.0, 2.0, 2.0])  # doubling, capped at dead_after
+    engine.welcome("addr")  # the holder is gone: the client takes us
+    assert proto.sessions["addr"].state is SessionState.LIVE
+    assert proto.sessions["addr"].duplicate_backoff is None
+
+
+def test_other_refusals_stay_final() -> None:
+    engine = Engine.make(listen=False)
+    engine.proto.add_client("addr", engine.now)
+    engine.advance(0)
+    engine.take()
+    engine.control("addr", MessageKind.REJECT, Reject(RejectReason.FINGERPRINT, "no"))
+    assert any(isinstance(e, AllRejected) for e in engine.events)

@@ -1,0 +1,333 @@
+"""Batching (``python -m bench --only batching``): batched calls beside unbatched ones.
+
+One engine process serves a handler whose cost is flat in the batch size: a fixed step
+(``STEP_S``, 5 ms) on one "accelerator" (a lock: steps never overlap, as kernels on one
+device do not). The client (this process) measures:
+
+* ``unbatched``: 64 concurrent callers of a plain method, one step per call;
+* ``tensorrpc``: the same callers on ``@rpc(batch=Batching(max_size=64,
+  max_delay=MAX_DELAY_S))``, one step per batch;
+* ``asyncio batcher``: the peer. Ray Serve's ``@serve.batch`` is not installed here (the
+  ``ray`` package is, without the ``serve`` extra's dependencies), so its place is taken by
+  a plain asyncio batcher written the way Ray Serve's documentation describes
+  ``@serve.batch`` (a queue; a task takes the first item, then waits up to
+  ``batch_wait_timeout_s`` for up to ``max_batch_size`` items and resolves one future per
+  item), inside a plain tensorrpc method: what a user writes without built-in batching;
+* ``continuous``: 32 concurrent streams of ``TOKENS`` tokens, one step (``TOKEN_STEP_S``)
+  per token for every active stream, ``@rpc(batch=Continuous(max_size=32))``, against one
+  stream at a time (a plain streaming method, one step per token); and the time to first
+  token of a stream that arrives while a batch is running.
+
+Each case is warmed up (a quarter of its budget, not recorded), then reports calls
+(tokens) per second and the median and p99 latency per call (time to first token for
+streams). Every engine process is started and reaped here, and
+every loop is bounded by a time budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import tensorrpc
+from bench._common import Progress, guarded
+from tensorrpc import Batching, Continuous, current_batch, rpc, service
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_S = 0.005
+TOKEN_STEP_S = 0.002
+MAX_DELAY_S = 0.002
+CALLERS = 64
+STREAMS = 32
+TOKENS = 32
+
+
+class _ServeBatch:
+    """A batcher as Ray Serve's docs describe ``@serve.batch`` (the peer)."""
+
+    def __init__(
+        self, fn: Callable[[list[int]], Awaitable[list[int]]], max_batch_size: int, wait_s: float
+    ) -> None:
+        self._fn = fn
+        self._max = max_batch_size
+        self._wait = wait_s
+        self._queue: asyncio.Queue[tuple[int, asyncio.Future[int]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __call__(self, item: int) -> int:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        await self._queue.put((item, future))
+        return await future
+
+    async def _loop(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            deadline = time.monotonic() + self._wait
+            while len(batch) < self._max:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except TimeoutError:
+                    break
+            try:
+                results = await self._fn([x for x, _ in batch])
+            except Exception as exc:
+                for _, f in batch:
+                    if not f.done():
+                        f.set_exception(exc)
+                continue
+            for (_, f), r in zip(batch, results, strict=True):
+                if not f.done():
+                    f.set_result(r)
+
+
+@service
+class Model:
+    """The engine of this section."""
+
+    def __init__(self) -> None:
+        self._device = asyncio.Lock()
+        self._counts = [0, 0]  # batches and items of `batched`
+        self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
+
+    async def _step(self, seconds: float) -> None:
+        async with self._device:
+            await asyncio.sleep(seconds)
+
+    @rpc
+    async def one(self, x: int) -> int:
+        await self._step(STEP_S)
+        return x + 1
+
+    @rpc(batch=Batching(max_size=CALLERS, max_delay=MAX_DELAY_S))
+    async def batched(self, x: list[int]) -> list[int]:
+        self._counts[0] += 1
+        self._counts[1] += len(x)
+        await self._step(STEP_S)
+        return [v + 1 for v in x]
+
+    @rpc
+    async def counts(self) -> tuple[int, int]:
+        return self._counts[0], self._counts[1]
+
+    async def _peer_batch(self, xs: list[int]) -> list[int]:
+        await self._step(STEP_S)
+        return [v + 1 for v in xs]
+
+    @rpc
+    async def peer(self, x: int) -> int:
+        return await self._peer(x)
+
+    @rpc
+    async def generate(self, seed: int, n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            await self._step(TOKEN_STEP_S)
+            yield seed + i
+
+    @rpc(batch=Continuous(max_size=STREAMS, max_delay=0.0))
+    async def generate_batched(self, seed: list[int], n: list[int]) -> list[int]:
+        batch = current_batch()
+        out = []
+        for i, item in enumerate(batch.items):
+            out.append(seed[i] + item.steps)
+            if item.steps + 1 >= n[i]:
+                batch.end(i)
+        await self._step(TOKEN_STEP_S)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    seconds: float
+    ready_timeout: float
+
+
+def config(quick: bool) -> Config:
+    """The full or the reduced (``--quick``) budgets."""
+    return Config(1.0 if quick else 4.0, 60.0)
+
+
+def _summary(latencies: list[float], elapsed: float, count: int) -> dict[str, Any]:
+    ordered = sorted(latencies)
+    return {
+        "n": count,
+        "per_s": count / elapsed if elapsed > 0 else None,
+        "median_ms": statistics.median(ordered) * 1e3 if ordered else None,
+        "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
+        if ordered
+        else None,
+    }
+
+
+async def _unary(stub: Any, method: str, seconds: float) -> dict[str, Any]:
+    latencies: list[float] = []
+    stop = time.perf_counter() + seconds
+    fn = getattr(stub, method)
+
+    async def caller(k: int) -> None:
+        i = 0
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            result = await fn(k * 1_000_000 + i)
+            latencies.append(time.perf_counter() - t0)
+            if result != k * 1_000_000 + i + 1:
+                raise AssertionError(f"{method}: caller {k} got another caller's result")
+            i += 1
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for k in range(CALLERS):
+            tg.start_soon(caller, k)
+    return _summary(latencies, time.perf_counter() - start, len(latencies))
+
+
+async def _streams(stub: Any, method: str, concurrent: int) -> dict[str, Any]:
+    """``STREAMS`` streams of ``TOKENS`` tokens, ``concurrent`` at a time."""
+    ttft: list[float] = []
+    tokens = 0
+    limit = anyio.Semaphore(concurrent)
+
+    async def stream(k: int) -> None:
+        nonlocal tokens
+        async with limit:
+            t0 = time.perf_counter()
+            got: list[int] = []
+            async for v in getattr(stub, method)(k * 1000, TOKENS):
+                if not got:
+                    ttft.append(time.perf_counter() - t0)
+                got.append(v)
+            if got != list(range(k * 1000, k * 1000 + TOKENS)):
+                raise AssertionError(f"{method}: stream {k} got another stream's tokens")
+            tokens += len(got)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for k in range(STREAMS):
+            tg.start_soon(stream, k)
+    out = _summary(ttft, time.perf_counter() - start, tokens)
+    out["ttft_median_ms"] = out.pop("median_ms")
+    out["ttft_p99_ms"] = out.pop("p99_ms")
+    return out
+
+
+async def _late_ttft(stub: Any) -> float:
+    """Time to first token of a stream that arrives while a batch of streams runs."""
+    async with anyio.create_task_group() as tg:
+        started = anyio.Event()
+
+        async def running(k: int) -> None:
+            async for v in stub.generate_batched(k * 1000, TOKENS * 4):
+                if v == k * 1000:
+                    started.set()
+
+        for k in range(STREAMS // 2):
+            tg.start_soon(running, k)
+        await started.wait()
+        t0 = time.perf_counter()
+        stream = stub.generate_batched(999_000, 2)
+        await stream.__anext__()
+        late = time.perf_counter() - t0
+        await stream.aclose()
+    return late
+
+
+async def _batches(client: tensorrpc.Client[Model]) -> tuple[int, int]:
+    """The engine's batches and items of ``batched`` so far."""
+    return await client.stub().counts()
+
+
+async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, Any]:
+    async with tensorrpc.Client(Model, bind=address) as client:
+        await client.wait_for_engines(1, timeout=cfg.ready_timeout)
+        stub = client.stub()
+        out: dict[str, Any] = {}
+        for name, method in (
+            ("unbatched", "one"),
+            ("tensorrpc", "batched"),
+            ("asyncio batcher", "peer"),
+        ):
+            progress(f"batching: {name}")
+            await _unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
+            before = await _batches(client)
+            out[name] = await _unary(stub, method, cfg.seconds)
+            if method == "batched":
+                after = await _batches(client)
+                runs = after[0] - before[0]
+                out[name]["mean_batch"] = (after[1] - before[1]) / runs if runs else None
+        progress("batching: streams")
+        await _streams(stub, "generate_batched", STREAMS)  # warm-up, not recorded
+        out["streams one at a time"] = await _streams(stub, "generate", 1)
+        out["streams continuous"] = await _streams(stub, "generate_batched", STREAMS)
+        out["late_ttft_ms"] = await _late_ttft(stub) * 1e3
+        return out
+
+
+def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
+    """The section's figures (or why they are unavailable)."""
+    cfg = config(quick)
+    address = f"ipc://{workdir}/batching.sock"
+
+    def case() -> dict[str, Any]:
+        path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.batching", "--engine", address],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": path},
+            stdin=subprocess.DEVNULL,
+        )
+
+        async def bounded() -> dict[str, Any]:
+            with anyio.fail_after(cfg.ready_timeout + 20 * cfg.seconds + 60):
+                return await _measure(cfg, address, progress)
+
+        try:
+            result: dict[str, Any] = anyio.run(bounded)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        return result
+
+    result = guarded(progress, "batching", case)
+    result.update(
+        {
+            "step_ms": STEP_S * 1e3,
+            "token_step_ms": TOKEN_STEP_S * 1e3,
+            "max_delay_ms": MAX_DELAY_S * 1e3,
+            "callers": CALLERS,
+            "streams": STREAMS,
+            "tokens": TOKENS,
+            "peer": "asyncio batcher (Ray Serve's @serve.batch as its docs describe it; "
+            "ray[serve] is not installed)",
+        }
+    )
+    return result
+
+
+def _engine_main(address: str) -> None:
+    async def main() -> None:
+        await tensorrpc.serve(Model(), connect=address, engine_id="batching", max_concurrency=256)
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", metavar="ADDRESS")
+    args = parser.parse_args()
+    if args.engine:
+        _engine_main(args.engine)

@@ -1,0 +1,489 @@
+"""Small calls under a mixed load (``python -m bench --only mixed``, or ``python -m bench.mixed``).
+
+A service that moves large tensors also answers small control calls (vLLM's shape:
+prompts and embeddings beside aborts and utility calls). Each case here makes small calls
+(``add(1, 2)``) at a steady rate from one task while another task of the same client
+moves large tensors through the same client and engine, one call at a time, cycling
+through the directions ``in`` (the client sends the tensor), ``out`` (the engine sends
+one it holds) and ``echo`` (both ways). It reports the small calls' p50/p99/p999 under
+that load beside the same small calls alone, and the large calls' throughput per
+direction.
+
+Systems (one engine process each, ``ipc://``): tensorrpc with ``transport="frames"``
+and ``"torch_shm"``, each in both topologies (the engine dials in to the client's bind,
+vLLM's shape; the client dials the engine's bind); raw pyzmq (a ROUTER server, a DEALER
+client with one reader task and a future per call id, tensors as zero-copy frames) doing
+the same mix. The client drops each large result through `tensorrpc.release_later`, as
+docs/transports.md recommends (a plain ``del`` where tensorrpc has none).
+
+A small call's latency is from just before the call to its result. Its wake-up lag
+(how late the steady-rate task woke for it, a stalled client event loop shows there) is
+reported on its own. Then, per size, a small call made right after each large call with
+nothing else in flight (the case of issue 26: what freeing the large call's buffers costs
+the next call). Every loop is bounded by a count and a time budget.
+
+Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import json
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench._common import Progress, guarded, run_async
+
+SIZES = (1 << 20, 16 << 20, 64 << 20)
+QUICK_SIZES = (1 << 20, 16 << 20)
+DIRECTIONS = ("in", "out", "echo")
+TOPOLOGIES = ("engine dials in", "client dials")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Budgets of the mixed-load section."""
+
+    sizes: tuple[int, ...]
+    seconds: float  # per case: small calls alone, and each size under load
+    rate: float  # small calls per second
+    max_small: int  # small calls per case, at most
+    max_large: int  # large calls per case, at most
+    max_after: int  # large calls each followed by one small call, at most
+    case_timeout: float
+    ready_timeout: float
+
+
+def config(quick: bool, seconds: float | None = None) -> Config:
+    """The full or the reduced (``--quick``) budgets."""
+    if quick:
+        return Config(QUICK_SIZES, seconds or 0.4, 500.0, 1_000, 50, 12, 120.0, 60.0)
+    return Config(SIZES, seconds or 2.0, 500.0, 5_000, 400, 60, 240.0, 60.0)
+
+
+def _percentile(sorted_s: list[float], q: float) -> float:
+    return sorted_s[min(len(sorted_s) - 1, int(q * len(sorted_s)))] * 1e6
+
+
+def small_summary(lat: list[float], lag: list[float]) -> dict[str, Any]:
+    """p50/p99/p999 of the small calls (µs), and their wake-up lag's p99."""
+    if not lat:
+        raise RuntimeError("no small call completed")
+    s = sorted(lat)
+    return {
+        "n": len(s),
+        "p50_us": _percentile(s, 0.5),
+        "p99_us": _percentile(s, 0.99),
+        "p999_us": _percentile(s, 0.999),
+        "max_us": s[-1] * 1e6,
+        "lag_p99_us": _percentile(sorted(lag), 0.99) if lag else 0.0,
+    }
+
+
+async def small_loop(
+    call: Callable[[], Awaitable[Any]], cfg: Config, stop: asyncio.Event
+) -> dict[str, Any]:
+    """Small calls every ``1/rate`` s until ``stop`` (or the budgets) ends them."""
+    interval = 1.0 / cfg.rate
+    lat: list[float] = []
+    lag: list[float] = []
+    end_at = time.perf_counter() + cfg.seconds + 30.0  # a hard stop if `stop` never comes
+    next_at = time.perf_counter()
+    while not stop.is_set() and len(lat) < cfg.max_small and time.perf_counter() < end_at:
+        now = time.perf_counter()
+        if next_at > now:
+            await asyncio.sleep(next_at - now)
+        start = time.perf_counter()
+        if await call() != 3:
+            raise RuntimeError("wrong reply to add(1, 2)")
+        done = time.perf_counter()
+        lat.append(done - start)
+        lag.append(max(0.0, start - next_at))
+        next_at = max(next_at + interval, done)
+    return small_summary(lat, lag)
+
+
+async def large_loop(
+    ops: dict[str, Callable[[], Awaitable[Any]]], size: int, cfg: Config
+) -> dict[str, Any]:
+    """Large calls one at a time, cycling through ``ops``, for ``cfg.seconds``."""
+    spent = dict.fromkeys(ops, 0.0)
+    calls = dict.fromkeys(ops, 0)
+    stop_at = time.perf_counter() + cfg.seconds
+    for n, direction in enumerate(itertools.cycle(ops)):
+        if n >= cfg.max_large or time.perf_counter() >= stop_at:
+            break
+        start = time.perf_counter()
+        await ops[direction]()
+        spent[direction] += time.perf_counter() - start
+        calls[direction] += 1
+    out: dict[str, Any] = {}
+    for direction in ops:
+        moved = size * calls[direction] * (2 if direction == "echo" else 1)
+        secs = spent[direction]
+        out[direction] = {
+            "calls": calls[direction],
+            "ms_per_call": secs / calls[direction] * 1e3 if calls[direction] else None,
+            "mib_per_s": moved / secs / (1 << 20) if secs > 0 else None,
+        }
+    return out
+
+
+async def measure(
+    small: Callable[[], Awaitable[Any]],
+    large_ops: Callable[[int], dict[str, Callable[[], Awaitable[Any]]]],
+    cfg: Config,
+) -> dict[str, Any]:
+    """Small calls alone, then under each size's large load; one system, one setup."""
+    for _ in range(200):  # warm-up
+        await small()
+    stop = asyncio.Event()
+    alone_task = asyncio.ensure_future(small_loop(small, cfg, stop))
+    await asyncio.sleep(cfg.seconds)
+    stop.set()
+    result: dict[str, Any] = {"alone": await alone_task, "sizes": {}}
+    for size in cfg.sizes:
+        ops = large_ops(size)
+        first: dict[str, float] = {}
+        for direction, op in ops.items():  # the first call of a size: pool growth, faults
+            start = time.perf_counter()
+            await op()
+            first[direction] = (time.perf_counter() - start) * 1e3
+        stop = asyncio.Event()
+        small_task = asyncio.ensure_future(small_loop(small, cfg, stop))
+        try:
+            large = await large_loop(ops, size, cfg)
+        finally:
+            stop.set()
+            under = await small_task
+        alone_p99 = result["alone"]["p99_us"]
+        result["sizes"][str(size)] = {
+            "small": under,
+            "p99_vs_alone": under["p99_us"] / alone_p99 if alone_p99 else None,
+            "large": large,
+            "first_call_ms": first,
+            "after_large": await after_large(small, ops, cfg),
+        }
+    return result
+
+
+async def after_large(
+    small: Callable[[], Awaitable[Any]],
+    ops: dict[str, Callable[[], Awaitable[Any]]],
+    cfg: Config,
+) -> dict[str, Any]:
+    """A small call made right after each large call (one at a time, nothing concurrent):
+    what freeing the large call's buffers costs the next call, per direction (µs)."""
+    lat: dict[str, list[float]] = {direction: [] for direction in ops}
+    stop_at = time.perf_counter() + cfg.seconds
+    for n, direction in enumerate(itertools.cycle(ops)):
+        if n >= cfg.max_after or time.perf_counter() >= stop_at:
+            break
+        await ops[direction]()
+        start = time.perf_counter()
+        if await small() != 3:
+            raise RuntimeError("wrong reply to add(1, 2)")
+        lat[direction].append(time.perf_counter() - start)
+    return {
+        d: {"n": len(v), "p50_us": statistics.median(v) * 1e6, "max_us": max(v) * 1e6}
+        for d, v in lat.items()
+        if v
+    }
+
+
+# -- tensorrpc ----------------------------------------------------------------------------
+
+
+def _drop_later() -> Callable[[Any], None]:
+    import tensorrpc
+
+    release = getattr(tensorrpc, "release_later", None)
+
+    def drop(value: Any) -> None:
+        if release is not None:
+            release(value)
+
+    return drop
+
+
+def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dict[str, Any]:
+    import torch
+
+    from bench.peers._proc import PeerProcess
+    from bench.peers.tensorrpc_peer import ENGINE_ID, BenchService, runtime, wait_engine
+
+    client_cls, _ = runtime()
+    listen = topology == "client dials"
+    addr = f"ipc://{workdir}/mixed-{transport}-{'listen' if listen else 'dialin'}.sock"
+    drop = _drop_later()
+
+    async def case(peer: PeerProcess) -> dict[str, Any]:
+        where = {"connect": addr} if listen else {"bind": addr}
+        async with client_cls(BenchService, **where) as client:
+            await wait_engine(client, peer, cfg.ready_timeout)
+            plain = client.stub(engine=ENGINE_ID)
+            stub = client.stub(engine=ENGINE_ID, transport=transport)
+
+            def large_ops(size: int) -> dict[str, Callable[[], Awaitable[Any]]]:
+                t = torch.ones(size // 4, dtype=torch.float32)
+
+                async def send_in() -> None:
+                    if (await stub.consume(t))[0] != t.numel():
+                        raise RuntimeError("wrong reply to consume")
+
+                async def get_out() -> None:
+                    r = await stub.produce(size, False)
+                    if r.numel() != size // 4:
+                        raise RuntimeError("wrong tensor from produce")
+                    drop(r)
+
+                async def echo() -> None:
+                    r = await stub.echo(t)
+                    if r.numel() != t.numel():
+                        raise RuntimeError("wrong tensor from echo")
+                    drop(r)
+
+                return {"in": send_in, "out": get_out, "echo": echo}
+
+            return await measure(lambda: plain.add(1, 2), large_ops, cfg)
+
+    args = [addr, "--listen"] if listen else [addr]
+    with PeerProcess("bench.peers.tensorrpc_peer", args, ready_timeout=cfg.ready_timeout) as peer:
+        result: dict[str, Any] = run_async(lambda: case(peer), cfg.case_timeout)
+    return result
+
+
+# -- raw pyzmq ----------------------------------------------------------------------------
+
+_ID = struct.Struct("<Q")
+
+
+class _ZmqMux:
+    """A DEALER shared by several tasks: one reader, a future per call id."""
+
+    def __init__(self, addr: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+        self._ids = itertools.count(1)
+        self._pending: dict[bytes, asyncio.Future[list[Any]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _ZmqMux:
+        self._reader = asyncio.ensure_future(self._read())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            fut = self._pending.pop(frames[0].bytes, None)
+            if fut is not None and not fut.done():
+                fut.set_result(frames[1:])
+            del frames, fut
+
+    async def call(self, *parts: Any) -> list[Any]:
+        """Send ``[call id, *parts]`` zero-copy; the reply's frames after the call id."""
+        cid = _ID.pack(next(self._ids))
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[cid] = fut
+        await self.sock.send_multipart([cid, *parts], copy=False)
+        frames: list[Any] = await fut
+        return frames
+
+
+def _pyzmq(cfg: Config, workdir: Path) -> dict[str, Any]:
+    import ormsgpack
+    import torch
+
+    from bench.peers._proc import PeerProcess
+    from bench.peers.zmq_peer import OP_ADD, OP_ECHO, OP_PRODUCE, _tensor_frames
+
+    addr = f"ipc://{workdir}/mixed-pyzmq.sock"
+    add_payload = ormsgpack.packb([1, 2])
+
+    async def case() -> dict[str, Any]:
+        async with _ZmqMux(addr) as mux:
+
+            async def small() -> int:
+                (reply,) = await mux.call(OP_ADD, add_payload)
+                return int(ormsgpack.unpackb(reply.bytes))
+
+            def large_ops(size: int) -> dict[str, Callable[[], Awaitable[Any]]]:
+                t = torch.ones(size // 4, dtype=torch.float32)
+                frames = _tensor_frames(t)
+
+                async def send_in() -> None:
+                    (reply,) = await mux.call(*frames)
+                    if ormsgpack.unpackb(reply.bytes)[0] != t.numel():
+                        raise RuntimeError("wrong reply to consume")
+
+                async def get_out() -> None:
+                    _, data = await mux.call(OP_PRODUCE, ormsgpack.packb(size))
+                    if len(data) != size:
+                        raise RuntimeError("wrong tensor from produce")
+
+                async def echo() -> None:
+                    _, data = await mux.call(OP_ECHO, *frames[1:])
+                    if len(data) != size:
+                        raise RuntimeError("wrong tensor from echo")
+
+                return {"in": send_in, "out": get_out, "echo": echo}
+
+            return await measure(small, large_ops, cfg)
+
+    with PeerProcess(
+        "bench.peers.zmq_peer", [addr, "--zero-copy"], ready_timeout=cfg.ready_timeout
+    ):
+        result: dict[str, Any] = run_async(case, cfg.case_timeout)
+    return result
+
+
+# -- the section --------------------------------------------------------------------------
+
+
+def system_names() -> list[str]:
+    """Every system this section measures, as named in its results."""
+    names = [f"tensorrpc {tr} ({topo})" for tr in ("frames", "torch_shm") for topo in TOPOLOGIES]
+    return [*names, "pyzmq"]
+
+
+def _case(name: str, cfg: Config, workdir: Path) -> dict[str, Any]:
+    if name == "pyzmq":
+        return _pyzmq(cfg, workdir)
+    transport = name.split()[1]
+    topology = name.split(" (")[1].rstrip(")")
+    return _tensorrpc(cfg, workdir, transport, topology)
+
+
+def run(
+    quick: bool,
+    *,
+    workdir: Path,
+    progress: Progress,
+    systems: list[str] | None = None,
+    seconds: float | None = None,
+) -> dict[str, Any]:
+    """Measure every system (or those named in ``systems``); failures become entries."""
+    cfg = config(quick, seconds)
+    results: dict[str, Any] = {
+        "sizes": list(cfg.sizes),
+        "seconds": cfg.seconds,
+        "rate_per_s": cfg.rate,
+        "systems": {},
+    }
+    for name in system_names():
+        if systems and name not in systems and name.split(" (")[0] not in systems:
+            continue
+        results["systems"][name] = guarded(
+            progress, f"mixed: {name}", functools.partial(_case, name, cfg, workdir)
+        )
+    return results
+
+
+def report(mixed: dict[str, Any]) -> list[str]:
+    """The markdown of this section."""
+    rate = mixed.get("rate_per_s", "?")
+    lines = [
+        "## Small calls under a mixed load",
+        "",
+        f"`add(1, 2)` at {rate}/s from one task while another task of the same client moves "
+        "large tensors one call at a time (cycling in, out, echo). Small-call latency under "
+        "load beside the same calls alone; large throughput in MiB/s per direction (echo "
+        "counts both ways).",
+        "",
+        "| system | size | small p50 | p99 | p999 | p99 / alone | wake lag p99 "
+        "| in MiB/s | out MiB/s | echo MiB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, entry in mixed.get("systems", {}).items():
+        if "unavailable" in entry:
+            lines.append(f"| {name} | {entry['unavailable']} |||||||||")
+            continue
+        a = entry["alone"]
+        lines.append(
+            f"| {name} | alone | {a['p50_us']:.0f} µs | {a['p99_us']:.0f} µs "
+            f"| {a['p999_us']:.0f} µs | 1.0 | {a['lag_p99_us']:.0f} µs ||||"
+        )
+        for size, cell in entry["sizes"].items():
+            s = cell["small"]
+            large = cell["large"]
+            rates = [large.get(d, {}).get("mib_per_s") for d in DIRECTIONS]
+            ratio = cell["p99_vs_alone"]
+            lines.append(
+                f"| {name} | {int(size) >> 20} MiB | {s['p50_us']:.0f} µs | {s['p99_us']:.0f} µs "
+                f"| {s['p999_us']:.0f} µs | {ratio:.1f} | {s['lag_p99_us']:.0f} µs | "
+                + " | ".join("-" if r is None else f"{r:.0f}" for r in rates)
+                + " |"
+            )
+    lines += [
+        "",
+        "A small call made right after a large one (nothing else in flight): its median "
+        "latency per direction of the large call, beside the small call alone.",
+        "",
+        "| system | size | alone p50 | after in | after out | after echo |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, entry in mixed.get("systems", {}).items():
+        if "unavailable" in entry:
+            continue
+        for size, cell in entry["sizes"].items():
+            after = cell.get("after_large", {})
+            figures = [after.get(d, {}).get("p50_us") for d in DIRECTIONS]
+            lines.append(
+                f"| {name} | {int(size) >> 20} MiB | {entry['alone']['p50_us']:.0f} µs | "
+                + " | ".join("-" if f is None else f"{f:.0f} µs" for f in figures)
+                + " |"
+            )
+    return lines
+
+
+def main() -> None:
+    """Run the section alone; print its markdown (and ``--json`` the raw results)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seconds", type=float, default=None, help="per case (default 2)")
+    parser.add_argument("--system", action="append", help="only this system (repeatable)")
+    parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
+    args = parser.parse_args()
+
+    def progress(msg: str) -> None:
+        print(f"[mixed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="trpc-mixed-") as tmp:
+        results = run(
+            args.quick,
+            workdir=Path(tmp),
+            progress=progress,
+            systems=args.system,
+            seconds=args.seconds,
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
+    print("\n".join(report(results)))
+    print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

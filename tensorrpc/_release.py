@@ -1,0 +1,207 @@
+"""Large buffers die off the event loop: one release thread, fed through a bounded queue.
+
+Freeing a large buffer is not free: the last reference to a 64 MiB ZMQ frame, tensor or
+mapping unmaps it page by page (5-60 ms on a busy host). When that reference drops on
+the event loop, every message behind it waits, and a small call made right after a large
+one pays for it. The places where tensorrpc itself holds the last reference of a large
+buffer (a received message once it is handled, a worker's decoded arguments once the
+handler returned, the objects behind a zero-copy send once ZMQ is done with them, a
+pool segment or a cached mapping it drops) hand that reference to `later` instead, and
+a daemon thread drops it. The unmapping itself runs without the GIL (``zmq_msg_close``
+and ctypes' ``munmap`` release it), so the loop keeps running meanwhile.
+
+Rules:
+
+1. Only objects of at least `threshold` bytes are handed over; smaller ones keep dying
+   inline (a queue put and a thread wake-up cost more than their free).
+2. The caller hands over a reference **it owns** (a container of its own, or the object
+   itself) and drops its own reference right after. The thread waits (bounded) until its
+   reference is the only one left before it drops it, so a caller preempted between the
+   hand-over and its own ``del`` does not end up freeing on the loop after all.
+3. The queue is bounded (`max_queued`): when the thread falls that far behind, `later`
+   refuses and the caller's reference dies inline, as before (memory stays bounded).
+4. After ``fork()`` the child starts a thread of its own on first use.
+
+Backend-neutral: nothing here knows about asyncio or trio.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "held_nbytes",
+    "later",
+    "later_if_large",
+    "max_queued",
+    "nbytes",
+    "release_later",
+    "set_release_threshold",
+    "threshold",
+]
+
+#: Buffers of at least this many bytes are released by the thread (1 MiB).
+DEFAULT_THRESHOLD: Final = 1 << 20
+_DEFAULT_MAX_QUEUED: Final = 256
+# The thread's waits for the caller to drop its own reference (rule 2), in seconds:
+# about 0.25 s in all, spent in the thread, never on the loop.
+_WAITS: Final = (0.0, 0.0, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.05, 0.1)
+_THREAD_NAME: Final = "tensorrpc-release"
+
+_threshold = DEFAULT_THRESHOLD
+_max_queued = _DEFAULT_MAX_QUEUED
+_lock = threading.Lock()
+_queue: queue.Queue[object] | None = None
+_thread: threading.Thread | None = None
+
+
+def threshold() -> int:
+    """The current size (bytes) from which tensorrpc releases buffers off the loop."""
+    return _threshold
+
+
+def max_queued() -> int:
+    """How many hand-overs may wait for the release thread before `later` refuses."""
+    return _max_queued
+
+
+def set_release_threshold(nbytes: int, *, max_queued: int | None = None) -> None:
+    """Tune which buffers tensorrpc frees on its release thread instead of the event loop.
+
+    Args:
+        nbytes: Buffers of at least this many bytes (received messages, decoded
+            arguments, sent tensors once ZMQ is done with them, dropped shared-memory
+            segments and mappings) are released by the thread; smaller ones die where
+            their last reference drops. ``0`` hands over every such buffer; a very
+            large value (``sys.maxsize``) turns the thread off.
+        max_queued: Hand-overs that may wait for the thread (default 256); beyond this
+            a buffer is freed inline again, so memory stays bounded.
+
+    Raises:
+        ValueError: A negative size, or ``max_queued`` below 1.
+    """
+    global _threshold, _max_queued
+    if nbytes < 0:
+        raise ValueError(f"the release threshold must be >= 0 bytes, not {nbytes}")
+    if max_queued is not None and max_queued < 1:
+        raise ValueError(f"max_queued must be >= 1, not {max_queued}")
+    with _lock:
+        _threshold = nbytes
+        if max_queued is not None:
+            _max_queued = max_queued
+            q = _queue
+            if q is not None:
+                with q.mutex:  # `Queue.put_nowait` reads `maxsize` under this lock
+                    q.maxsize = max_queued
+
+
+def nbytes(buffers: Iterable[object]) -> int:
+    """Total size of ``buffers`` (anything with the buffer protocol)."""
+    total = 0
+    for buffer in buffers:
+        total += memoryview(buffer).nbytes  # type: ignore[arg-type]
+    return total
+
+
+def held_nbytes(objects: Iterable[object]) -> int:
+    """Total ``nbytes`` of ``objects`` (tensors, arrays, memoryviews; others count 0)."""
+    total = 0
+    for obj in objects:
+        size = getattr(obj, "nbytes", 0)
+        if type(size) is int:
+            total += size
+    return total
+
+
+def _run(q: queue.Queue[object]) -> None:
+    get = q.get
+    getrefcount = sys.getrefcount
+    sleep = time.sleep
+    while True:
+        item = get()
+        # Our reference and getrefcount's argument: 2 once the caller dropped its own.
+        for wait in _WAITS:
+            if getrefcount(item) <= 2:
+                break
+            sleep(wait)
+        del item  # the free (unmapping) happens here, off the event loop
+
+
+def _start() -> queue.Queue[object]:
+    global _queue, _thread
+    with _lock:
+        q = _queue
+        if q is None:
+            q = _queue = queue.Queue(_max_queued)
+            _thread = threading.Thread(target=_run, args=(q,), name=_THREAD_NAME, daemon=True)
+            _thread.start()
+        return q
+
+
+def later(obj: object) -> bool:
+    """Hand ``obj`` to the release thread (rule 2: drop your own reference right after).
+
+    Returns:
+        True when the thread took it; False when its queue is full (then ``obj`` dies
+        wherever its last reference drops, as if this had not been called).
+    """
+    q = _queue
+    if q is None:
+        q = _start()
+    try:
+        q.put_nowait(obj)
+    except queue.Full:
+        return False
+    return True
+
+
+def later_if_large(obj: object, size: int) -> bool:
+    """`later` when ``size`` (the bytes ``obj`` keeps alive) reaches the threshold."""
+    if size >= _threshold:
+        return later(obj)
+    return False
+
+
+def release_later(obj: object) -> bool:
+    """Drop ``obj`` on tensorrpc's release thread instead of the caller's thread.
+
+    A large tensor (or array, or buffer) freed on an event loop stalls every task on it
+    while its pages are unmapped (milliseconds for tens of MiB). Hand it over instead
+    and drop your own references right after::
+
+        result = await stub.embed(batch)
+        use(result)
+        tensorrpc.release_later(result)
+        del result
+
+    The thread drops its reference once it holds the only one (it waits up to about
+    0.25 s for yours to go). Any size is taken; the threshold of
+    `set_release_threshold` only applies to tensorrpc's own buffers.
+
+    Args:
+        obj: Any object; a list of several is fine.
+
+    Returns:
+        True when the thread took it; False when its queue was full (then ``obj`` dies
+        where its last reference drops).
+    """
+    return later(obj)
+
+
+def _after_fork_in_child() -> None:
+    global _queue, _thread, _lock
+    _lock = threading.Lock()  # the parent's may have been held by a thread gone here
+    _queue = None  # the parent's thread does not exist here
+    _thread = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,211 @@
+"""Large buffers that tensorrpc drops are freed by its release thread, not on the event loop.
+
+A weak-reference finalizer runs in the thread that drops an object's last reference, so
+each test hangs one on the buffers it cares about (every large ZMQ frame received, on
+either side, or the tensors handed to a call) and records the thread it ran in. No test
+here times anything: the thread's identity is the evidence.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+import zmq
+
+import tensorrpc
+from tensorrpc import _codec, _zmq
+from tensorrpc._client import Client
+from tensorrpc._server import Server
+from tensorrpc._service import rpc, service
+from tensorrpc.transports import TransportName
+
+LARGE = 4 << 20  # above the release threshold (1 MiB)
+SMALL = 64 << 10  # out of band (above the inline threshold), below the release threshold
+WAIT = 20.0
+HEARTBEAT = 0.05  # both sides prune finished zero-copy sends on their housekeeping tick
+
+
+class Freed:
+    """Where the watched objects died: ``(what, nbytes, thread ident, thread name)``."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, int, int, str]] = []
+        self._cond = threading.Condition()
+
+    def watch(self, obj: object, what: str, nbytes: int) -> None:
+        weakref.finalize(obj, self._died, what, nbytes)
+
+    def _died(self, what: str, nbytes: int) -> None:
+        thread = threading.current_thread()
+        with self._cond:
+            self.records.append((what, nbytes, threading.get_ident(), thread.name))
+            self._cond.notify_all()
+
+    def _wait(self, what: str, n: int) -> list[tuple[str, int, int, str]]:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.of(what)) >= n, timeout=WAIT)
+            return self.of(what)
+
+    def of(self, what: str) -> list[tuple[str, int, int, str]]:
+        return [r for r in self.records if r[0] == what]
+
+    async def wait(self, what: str, n: int = 1) -> list[tuple[str, int, int, str]]:
+        """The records of ``what`` once there are ``n`` (bounded: fails after WAIT)."""
+        got = await anyio.to_thread.run_sync(self._wait, what, n)
+        assert len(got) >= n, f"only {len(got)} of {n} {what!r} buffers were freed"
+        return got
+
+
+@pytest.fixture
+def freed(monkeypatch: pytest.MonkeyPatch) -> Freed:
+    """Watch every frame of at least `SMALL` bytes that a socket receives (both sides)."""
+    watcher = Freed()
+    recv_frames = _zmq.AsyncSocket._recv_frames
+
+    def watching(self: _zmq.AsyncSocket) -> list[zmq.Frame]:
+        frames = recv_frames(self)
+        for frame in frames:
+            if len(frame) >= SMALL:
+                watcher.watch(frame, "frame", len(frame))
+        return frames
+
+    monkeypatch.setattr(_zmq.AsyncSocket, "_recv_frames", watching)
+    return watcher
+
+
+@service(name="Sink")
+class Sink:
+    """Takes, returns and makes tensors; ``made`` tensors are watched."""
+
+    def __init__(self) -> None:
+        self.freed: Freed | None = None
+
+    @rpc
+    async def consume(self, t: torch.Tensor) -> int:
+        """Take a tensor."""
+        return t.numel()
+
+    @rpc
+    async def echo(self, t: torch.Tensor) -> torch.Tensor:
+        """Send the received tensor back."""
+        return t
+
+    @rpc
+    async def make(self, nbytes: int) -> torch.Tensor:
+        """A fresh tensor of ``nbytes``, watched until it dies."""
+        t = torch.ones(nbytes, dtype=torch.uint8)
+        assert self.freed is not None
+        self.freed.watch(t, "made", nbytes)
+        return t
+
+
+@asynccontextmanager
+async def pair(
+    tmp_path: Path, topology: str, freed: Freed, transport: TransportName = "frames"
+) -> AsyncIterator[tuple[Client[Sink], tensorrpc.Stub[Sink]]]:
+    sink = Sink()
+    sink.freed = freed
+    address = f"ipc://{tmp_path}/s.sock"
+    if topology == "dialin":
+        client = Client(Sink, bind=address, heartbeat_interval=HEARTBEAT)
+        server = Server(sink, engine_id="e1", connect=address, heartbeat_interval=HEARTBEAT)
+    else:
+        server = Server(sink, engine_id="e1", bind=address, heartbeat_interval=HEARTBEAT)
+        client = Client(Sink, connect=address, heartbeat_interval=HEARTBEAT)
+    first, second = (client, server) if topology == "dialin" else (server, client)
+    async with first, second:
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+        yield client, client.stub(engine="e1", transport=transport)
+
+
+TOPOLOGIES = ["dialin", "listen"]
+
+
+def off_loop(records: list[tuple[str, int, int, str]], loop: int) -> None:
+    for what, nbytes, ident, name in records:
+        assert ident != loop, f"a {nbytes}-byte {what} was freed on the event loop"
+        assert name == "tensorrpc-release", (what, nbytes, name)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_engine_frees_a_large_call_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed
+) -> None:
+    loop = threading.get_ident()
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        t = torch.ones(LARGE, dtype=torch.uint8)
+        assert await stub.consume(t) == LARGE
+        off_loop(await freed.wait("frame"), loop)
+        # The next call (small) finds nothing of the large one left to free.
+        assert await stub.consume(torch.ones(16, dtype=torch.uint8)) == 16
+        assert [r[1] for r in freed.of("frame")] == [LARGE]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_small_frames_are_still_freed_inline(
+    tmp_path: Path, topology: str, freed: Freed
+) -> None:
+    loop = threading.get_ident()
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        assert await stub.consume(torch.ones(SMALL, dtype=torch.uint8)) == SMALL
+        [(_, nbytes, ident, _)] = await freed.wait("frame")
+        assert nbytes == SMALL
+        assert ident == loop  # below the threshold: no hand-over to the thread
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_echo_frees_both_frames_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed
+) -> None:
+    loop = threading.get_ident()
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        back = await stub.echo(torch.ones(LARGE, dtype=torch.uint8))
+        assert back.numel() == LARGE
+        # The engine's frame (its reply held it until ZMQ was done with it) ...
+        off_loop(await freed.wait("frame"), loop)
+        # ... and the client's, which the caller hands to the release thread as well.
+        assert tensorrpc.release_later(back)
+        del back
+        off_loop(await freed.wait("frame", 2), loop)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_engine_frees_a_large_result_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed
+) -> None:
+    loop = threading.get_ident()
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        got = await stub.make(LARGE)
+        assert got.numel() == LARGE
+        off_loop(await freed.wait("made"), loop)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_client_frees_its_contiguous_copy_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A strided argument is sent from a contiguous copy that only the client holds
+    # (until ZMQ has sent it): that copy is the client's own large buffer.
+    host_bytes = _codec._host_bytes
+
+    def watching(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
+        out, view = host_bytes(tensor)
+        if out is not tensor:
+            freed.watch(out, "copy", out.nbytes)
+        return out, view
+
+    monkeypatch.setattr(_codec, "_host_bytes", watching)
+    loop = threading.get_ident()
+    src = torch.ones(2, LARGE, dtype=torch.uint8)
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        assert await stub.consume(src[:, ::2]) == LARGE
+        off_loop(await freed.wait("copy"), loop)

@@ -1,0 +1,132 @@
+"""Metrics labels stay bounded when peers choose the engine ids (issue 21 item 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tensorrpc._client import Client
+from tensorrpc._observe import Observer
+from tensorrpc._protocol import Welcome
+from tensorrpc._server import Server
+from tensorrpc.metrics import MAX_ENGINE_LABELS, MAX_METHOD_LABELS, OTHER, PrometheusObserver
+
+from ..integration.fake_engine import FakeEngine
+from ..integration.services import Calculator
+
+#: 3,000 fake engines that joined and left leave a scrape under this many bytes (it was
+#: 2.1 MB before the bound; an idle client scrapes about 6 KB; each engine label value
+#: has its ~6 samples of ~130 bytes).
+SCRAPE_BOUND = 128 * 1024
+FAKES = 3000
+WORKERS = 15
+
+
+def _engine_labels(text: str) -> set[str]:
+    return {
+        s.labels["engine"]
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if "engine" in s.labels and family.name.startswith("tensorrpc_client")
+    }
+
+
+class _CountingObserver(PrometheusObserver):
+    """Sets `all_lost` once `expected` engines were lost."""
+
+    def __init__(self, registry: CollectorRegistry, expected: int) -> None:
+        super().__init__(registry)
+        self.lost = 0
+        self.expected = expected
+        self.all_lost = anyio.Event()
+
+    def engine_event(self, client: str, engine: str, event: str) -> None:
+        super().engine_event(client, engine, event)
+        if event == "lost":
+            self.lost += 1
+            if self.lost >= self.expected:
+                self.all_lost.set()
+
+
+async def _fake_engines(address: str, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        async with FakeEngine(address, f"fake-{i}-" + "x" * 200) as fake:
+            assert isinstance(await fake.join(), Welcome)
+            await fake.bye()
+
+
+async def test_3000_fake_engines_leave_a_bounded_scrape(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    metrics = _CountingObserver(registry, FAKES)
+    address = f"ipc://{tmp_path}/c.sock"
+    async with Client(Calculator, bind=address, observer=metrics) as client:
+        stub = client.stub()
+        async with Server(Calculator("real"), connect=address, engine_id="real"):
+            with anyio.fail_after(30):
+                await client.wait_for_engines(1)
+                assert await stub.add(1) == 2
+            with anyio.fail_after(600):
+                async with anyio.create_task_group() as tg:
+                    per = FAKES // WORKERS
+                    assert per * WORKERS == FAKES
+                    for w in range(WORKERS):
+                        tg.start_soon(_fake_engines, address, w * per, per)
+                await metrics.all_lost.wait()
+            with anyio.fail_after(30):
+                assert await stub.add(2) == 3
+            scrape = generate_latest(registry)
+    assert len(scrape) < SCRAPE_BOUND, len(scrape)
+    labels = _engine_labels(scrape.decode())
+    assert "real" in labels  # a live engine keeps its series
+    assert OTHER in labels or len(labels) <= MAX_ENGINE_LABELS
+    assert len(labels) <= MAX_ENGINE_LABELS + 1
+
+
+def test_hostile_engine_ids_become_escaped_labels_and_fold_into_other() -> None:
+    registry = CollectorRegistry()
+    observer: Observer = PrometheusObserver(registry)
+    hostile = "e\n# HELP fake\x1b[2J"
+    observer.engine_event("c", hostile, "joined")
+    for i in range(MAX_ENGINE_LABELS + 10):  # live engines: none can be let go
+        observer.engine_event("c", f"live-{i}", "joined")
+    text = generate_latest(registry).decode()
+    labels = _engine_labels(text)
+    assert "e\\n# HELP fake\\x1b[2J" in labels
+    assert OTHER in labels
+    assert len(labels) == MAX_ENGINE_LABELS + 1
+    assert "\x1b" not in text
+
+
+def test_series_of_lost_engines_make_room_for_new_ones() -> None:
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    for i in range(MAX_ENGINE_LABELS):
+        observer.engine_event("c", f"old-{i}", "joined")
+        observer.engine_event("c", f"old-{i}", "lost")
+    observer.engine_event("c", "new", "joined")
+    labels = _engine_labels(generate_latest(registry).decode())
+    assert "new" in labels
+    assert "old-0" not in labels  # gone the longest: its series were removed
+    assert f"old-{MAX_ENGINE_LABELS - 1}" in labels
+    assert OTHER not in labels
+
+
+def test_method_labels_are_bounded() -> None:
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    for i in range(MAX_METHOD_LABELS + 50):
+        observation = observer.client_call(f"m{i}", "e1", False, 0, "inline")
+        assert observation is not None
+        observation.finished("ok", 0)
+    text = generate_latest(registry).decode()
+    methods = {
+        s.labels["method"]
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if family.name == "tensorrpc_client_calls_started"
+    }
+    assert len(methods) == MAX_METHOD_LABELS + 1
+    assert OTHER in methods
