@@ -551,9 +551,11 @@ class ClientIO:
             logger.warning("dropped a message of %d frames", len(frames))
             return
         protocol = self.protocol
+        peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
         if protocol.config.engine_keys is not None:  # who the engine is comes from its key
-            self.transfers.message_key = _user_id(frames[1])
-        event = protocol.receive(frames[0].bytes, cast("list[Buffer]", frames[1:]), _monotonic())
+            event = protocol.receive(peer, body, _monotonic(), _user_id(frames[1]))
+        else:
+            event = protocol.receive(peer, body, _monotonic())
         if type(event) is Call:
             call = event
             if call.state >= _REPLIED:

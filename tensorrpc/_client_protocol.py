@@ -227,10 +227,6 @@ class ClientHooks(Protocol):
         """The engine's PROOF: ``(proven pid or 0, send handles, resolve handles)``."""
         ...
 
-    def peer_key(self, peer: bytes) -> str | None:
-        """The z85 CURVE public key the message being handled came with (None: none)."""
-        ...
-
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
@@ -774,8 +770,17 @@ class ClientProtocol(Machine[bytes, Event]):
 
     # -- receiving ------------------------------------------------------------------------
 
-    def receive(self, peer: bytes, frames: Sequence[Buffer], now: float) -> Call | Event | None:
+    def receive(
+        self, peer: bytes, frames: Sequence[Buffer], now: float, key: str | None = None
+    ) -> Call | Event | None:
         """Handle one message from ``peer`` (its frames after the routing id).
+
+        Args:
+            peer: The routing id it came from.
+            frames: Its frames after the routing id.
+            now: The clock.
+            key: The z85 CURVE public key it came with (with ``engine_keys``: the shell
+                reads it from the message; None: none).
 
         Returns:
             The `Call` a reply concerns (its state says what happened), an event,
@@ -799,7 +804,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 engine.bytes_received += size
                 if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
                     return self._reply(engine, kind, header, payload, buffers, now)
-        return self._control(peer, engine, kind, header, payload, now)
+        return self._control(peer, engine, kind, header, payload, now, key)
 
     def _reply(
         self,
@@ -838,6 +843,7 @@ class ClientProtocol(Machine[bytes, Event]):
         header: Header,
         payload: Buffer,
         now: float,
+        key: str | None = None,
     ) -> Event | None:
         if kind is _PING:
             if engine is not None:
@@ -848,7 +854,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 return Pong(engine, header.call_id)
             return None
         if kind is _HELLO:
-            return self._on_hello(peer, header, payload, now)
+            return self._on_hello(peer, header, payload, now, key)
         if kind is _BYE:
             return None if engine is None else self._lose(engine, "said BYE")
         if kind is _REJECT:
@@ -865,7 +871,9 @@ class ClientProtocol(Machine[bytes, Event]):
 
     # -- handshake ------------------------------------------------------------------------
 
-    def _on_hello(self, peer: bytes, header: Header, payload: Buffer, now: float) -> Event | None:
+    def _on_hello(
+        self, peer: bytes, header: Header, payload: Buffer, now: float, key: str | None
+    ) -> Event | None:
         try:
             hello = decode_control(header, payload)
         except RemoteProtocolError as exc:
@@ -887,7 +895,7 @@ class ClientProtocol(Machine[bytes, Event]):
             )
             self._events.append(self._lose(previous, why))
         info = _engine_info(hello, self.address_of(peer))
-        refusal = self._check(info) or self._check_key(info.engine_id, peer)
+        refusal = self._check(info) or self._check_key(info.engine_id, key)
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
             if current is not None:  # the shell answers whether it is reachable
@@ -941,7 +949,7 @@ class ClientProtocol(Machine[bytes, Event]):
             return EngineRefused(info.engine_id, reason, message, by_client=True)
         return self._admit(peer, info, hello, now)
 
-    def _check_key(self, engine_id: str, peer: bytes) -> tuple[str, str] | None:
+    def _check_key(self, engine_id: str, key: str | None) -> tuple[str, str] | None:
         """With ``engine_keys``: an id is taken only with the CURVE key bound to it."""
         keys = self.config.engine_keys
         if keys is None:
@@ -949,7 +957,7 @@ class ClientProtocol(Machine[bytes, Event]):
         bound = keys.get(engine_id)
         if bound is None:
             return ("other", f"engine id {engine_id!r} is not bound to a key at this client")
-        if self._hooks.peer_key(peer) != bound:
+        if key != bound:
             return ("other", f"engine id {engine_id!r} is bound to another CURVE key")
         return None
 

@@ -46,7 +46,7 @@ _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
 class Transfers:
     """Tensor transports and size limits with each engine (torch_shm, frames)."""
 
-    __slots__ = ("codec_config", "host_id", "maxmsgsize", "message_key", "policy", "sock")
+    __slots__ = ("codec_config", "host_id", "maxmsgsize", "policy", "sock")
 
     def __init__(
         self, policy: TransportPolicy, codec_config: _codec.CodecConfig, maxmsgsize: int
@@ -57,7 +57,6 @@ class Transfers:
         self.host_id = _host_id()
         self.sock: AsyncSocket | None = None
         #: With ``engine_keys``: the CURVE key (z85) of the message being handled.
-        self.message_key: str | None = None
 
     # -- the protocol's hooks ------------------------------------------------------------
 
@@ -72,10 +71,6 @@ class Transfers:
         """Check the engine's PROOF (its pid, by possession of its probe's secret)."""
         key = (engine.info.pid, engine.engine_id)
         return self.policy.on_proof(key, proof, our_host=self.host_id)
-
-    def peer_key(self, peer: bytes) -> str | None:
-        """The CURVE key (z85) of the message being handled (set by the reader)."""
-        return self.message_key
 
     def reachable(self, peer: bytes, ping: list[bytes]) -> bool:
         """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""

@@ -67,9 +67,6 @@ class NoShm:  # the client shell's torch_shm answers: never usable
     def shm_proof(self, engine: Any, proof: Any) -> tuple[int, bool, bool]:
         return (0, False, False)
 
-    def peer_key(self, peer: bytes) -> str | None:
-        return None  # no CURVE between the pair's ends
-
 
 @service
 class Pair:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tensorrpc import _codec
@@ -46,19 +46,13 @@ COUNT: MethodSpec = SPEC.methods["count"]
 
 @dataclass
 class Hooks:
-    """The shell's answers: torch_shm never usable; each peer's CURVE key."""
-
-    #: Peer -> the CURVE key (z85) its messages come with.
-    keys: dict[bytes, str] = field(default_factory=dict)
+    """The shell's answers: torch_shm never usable."""
 
     def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
         return None
 
     def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
         return (0, False, False)
-
-    def peer_key(self, peer: bytes) -> str | None:
-        return self.keys.get(peer)
 
 
 def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:

@@ -636,3 +636,13 @@ def test_wait_for_ready_waits_where_fail_fast_raises_and_absence_says_why() -> N
     assert why is not None
     assert "left (died or stopped) and none has rejoined yet: restarting? ('e1')" in why
     assert join(protocol, "e1", b"p2", now=3.0) is protocol.select("e1", 3.0, wait_for_ready=True)
+
+
+def test_with_engine_keys_the_key_the_shell_read_decides_the_id() -> None:
+    key, other = "k" * 40, "o" * 40
+    protocol, _ = make_protocol(engine_keys={"e1": key})
+    refused = protocol.receive(b"squat", hello("e1"), 0.0, other)
+    assert isinstance(refused, EngineRefused)
+    assert "bound to another CURVE key" in refused.message
+    assert isinstance(protocol.receive(b"squat", hello("e1"), 0.0), EngineRefused)  # no key
+    assert isinstance(protocol.receive(b"real", hello("e1"), 0.0, key), EngineJoined)
