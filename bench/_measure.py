@@ -118,20 +118,21 @@ def time_sync_each(
 
 
 async def time_async_each(
-    prepare: Callable[[], Any], fn: Callable[[Any], Awaitable[object]], budget: Budget
+    prepare: Callable[[], Awaitable[Any]], fn: Callable[[Any], Awaitable[object]], budget: Budget
 ) -> list[int]:
-    """Async twin of :func:`time_sync_each`: ``prepare()`` runs untimed before each call.
+    """Async twin of :func:`time_sync_each`: ``await prepare()`` runs untimed before each
+    call (it may hand blocking work to a thread, so that the event loop keeps serving).
 
     Whatever ``prepare`` hands out should be held by the caller past the timing (a list of
     pre-made inputs, cycled), so that freeing an input never lands in a timed call.
     """
     for _ in range(budget.warmup):
-        await fn(prepare())
+        await fn(await prepare())
     samples: list[int] = []
     started = time.perf_counter()
     clock = time.perf_counter_ns
     while _keep_going(len(samples), started, budget):
-        arg = prepare()
+        arg = await prepare()
         t0 = clock()
         await fn(arg)
         samples.append(clock() - t0)

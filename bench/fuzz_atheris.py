@@ -149,7 +149,6 @@ def seeds() -> list[bytes]:
                 4,
                 1000,
                 ("add", "count"),
-                probe=b"\x01" * 16,
                 streaming=("count",),
                 signatures=("add(a: int) -> int", "count(n: int) -> int"),
                 max_message_bytes=1 << 20,
@@ -158,7 +157,7 @@ def seeds() -> list[bytes]:
         ),
         (
             kinds.WELCOME,
-            _protocol.Welcome("c", "host", ("frames",), 500, 16, 7, b"", 1 << 32),
+            _protocol.Welcome("c", "host", ("frames",), 500, 16, 7, 1 << 32),
             0,
         ),
         (kinds.REJECT, _protocol.Reject("fingerprint", "differs"), 0),

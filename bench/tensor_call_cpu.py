@@ -45,7 +45,12 @@ class _SelfPolicy(TransportPolicy):
     """A policy that resolves handles of its own process (both ends live here)."""
 
     def resolver(
-        self, peer_pid: int, *, hold: Hashable = None, keep: Hashable = None
+        self,
+        peer: Hashable,
+        *,
+        frame: object = None,
+        hold: Hashable = None,
+        keep: Hashable = None,
     ) -> ShmResolver | None:
         assert self.shm is not None
         return self.shm.resolver(None, hold=hold, keep=keep)
@@ -67,8 +72,8 @@ class Pair:
     def __init__(self) -> None:
         self.client = _SelfPolicy()
         self.engine = _SelfPolicy()
-        assert self.client.probe(), "torch_shm is not available"
-        assert self.engine.probe(), "torch_shm is not available"
+        assert self.client.shm is not None, "torch_shm is not available"
+        assert self.engine.shm is not None, "torch_shm is not available"
         self.methods = describe(BenchService).methods
         self.service = BenchService()
         self._ids = itertools.count()
@@ -92,7 +97,7 @@ class Pair:
         t1 = clock()
         # engine: decode, run, detach, encode the result
         key = ("client", next(self._ids))
-        lazy = self.engine.lazy_resolver(1, keep=key)
+        lazy = self.engine.lazy_resolver("client", keep=key)
         wire = _codec.decode(encoded.payload, encoded.buffers, CONFIG, resolver=lazy)
         if lazy is not None and lazy.inner is not None:
             _ = lazy.inner.leases
@@ -112,7 +117,7 @@ class Pair:
         # client: the reply ends the argument lease; decode the result
         if placer is not None and placer.lease is not None:
             self.client.release([placer.lease], "engine")
-        rlazy = self.client.lazy_resolver(1, hold="engine")
+        rlazy = self.client.lazy_resolver("engine", hold="engine")
         out = spec.decode_result(
             _codec.decode(reply.payload, reply.buffers, CONFIG, resolver=rlazy)
         )

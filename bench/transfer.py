@@ -420,25 +420,56 @@ def _copy_ref(sources: list[torch.Tensor], budget: Budget) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+def _sources(kind: str, size: int, budget: Budget) -> list[torch.Tensor]:
+    """The tensors a line sends at ``size`` (see `TORCH_SHM_LINES`; not "loader")."""
+    import tensorrpc
+
+    if kind == "first":
+        return [make_tensor(n) for n in _first_sizes(size, max(budget.min_count, 2))]
+    if kind == "new":
+        n = min(-(-NEW_TENSOR_BYTES // size), budget.warmup + budget.count + 1)
+        return [make_tensor(size) for _ in range(max(n, 2))]
+    if kind == "share":
+        return [tensorrpc.share(make_tensor(size))]
+    if kind == "torch_shared":
+        return [_shared_tensor(size)]
+    return [make_tensor(size)]
+
+
+async def _next_batch(batches: Batches, size: int) -> torch.Tensor:
+    return await asyncio.to_thread(batches.take, size)
+
+
+async def _next_source(sources: list[torch.Tensor], it: Any) -> torch.Tensor:
+    i: int = next(it)
+    return sources[i % len(sources)]
+
+
 async def _line(
     cfg: Config,
     send: Callable[[torch.Tensor], Any],
     kind: str,
     batches: Batches | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Time one tensorrpc line at every size; return its cells and its ``copy_`` cells."""
-    import tensorrpc
+    """Time one tensorrpc line at every size; return its cells and its ``copy_`` cells.
 
+    Everything that blocks (making the sources, fetching batches, timing the ``copy_``)
+    runs in a thread, so that the client's event loop keeps answering the engine's
+    heartbeats meanwhile.
+    """
     out: dict[str, Any] = {}
     ref: dict[str, Any] = {}
     for size, budget in cfg.sizes.items():
+        if kind == "first" and size < 64 * MIB:
+            continue
         sources: list[torch.Tensor] = []
         try:
+            if kind == "loader":
+                assert batches is not None
+                sources = [await asyncio.to_thread(batches.take, size)]
+            else:
+                sources = await asyncio.to_thread(_sources, kind, size, budget)
             if kind == "first":
-                if size < 64 * MIB:
-                    continue
-                count = max(budget.min_count, 2)
-                sources = [make_tensor(n) for n in _first_sizes(size, count)]
                 samples = []
                 for t in sources:  # each a size the pool has no segment for yet
                     t0 = time.perf_counter_ns()
@@ -448,34 +479,16 @@ async def _line(
                     if tuple(reply) != (t.numel(), 0.0, float(t[-1])):
                         raise RuntimeError(f"wrong reply {reply!r} for {t.nbytes} bytes")
                 out[str(size)] = summarize(samples)
-                ref[str(size)] = _copy_ref(sources[:1], budget)
+                ref[str(size)] = await asyncio.to_thread(_copy_ref, sources[:1], budget)
                 continue
-            if kind == "new":
-                n = min(-(-NEW_TENSOR_BYTES // size), budget.warmup + budget.count + 1)
-                sources = [make_tensor(size) for _ in range(max(n, 2))]
-            elif kind == "loader":
-                assert batches is not None
-                sources = [batches.take(size)]
-            elif kind == "share":
-                sources = [tensorrpc.share(make_tensor(size))]
-            elif kind == "torch_shared":
-                sources = [_shared_tensor(size)]
-            else:
-                sources = [make_tensor(size)]
             check(await send(sources[0]), size)
-            if kind == "loader":
-                assert batches is not None
-                prepare: Callable[[], torch.Tensor] = functools.partial(batches.take, size)
-            else:
-                it = iter(range(1 << 62))
-                pool = sources
-
-                def prepare(pool: list[torch.Tensor] = pool, it: Any = it) -> torch.Tensor:
-                    i: int = next(it)
-                    return pool[i % len(pool)]
-
+            prepare = (
+                functools.partial(_next_batch, batches, size)
+                if kind == "loader" and batches is not None
+                else functools.partial(_next_source, sources, iter(range(1 << 62)))
+            )
             out[str(size)] = summarize(await time_async_each(prepare, send, budget))
-            ref[str(size)] = _copy_ref(sources, budget)
+            ref[str(size)] = await asyncio.to_thread(_copy_ref, sources, budget)
         except Exception as exc:
             out[str(size)] = unavailable(exc)
         finally:

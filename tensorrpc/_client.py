@@ -48,7 +48,7 @@ from tensorrpc._views import (
     EngineStatistics,
     Transport,
 )
-from tensorrpc._zmq import SocketOptions
+from tensorrpc._zmq import SocketOptions, message_peer_address
 from tensorrpc.transports._policy import DEFAULT_SHM_THRESHOLD, TransportPolicy
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from tensorrpc._engines import Balancing
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
+    from tensorrpc.transports._peer import AliasSetting
 
 __all__ = [
     "CallOptions",
@@ -121,6 +122,15 @@ class Client(CallView[S]):
             host (Linux; checked at handshake). ``False``: frames only.
         shm_threshold: With ``transport="auto"``, CPU tensors of at least this many
             bytes go by ``torch_shm`` (CUDA tensors always do when it is usable).
+        shm_alias_unsealed: ``"same-user"`` (default): tensors in torch's own shared
+            memory (``share_memory_()``, torch.multiprocessing, a ``DataLoader`` batch)
+            go by alias to and from an engine the kernel says is our user, in our pid
+            and user namespaces, with no privilege we lack (docs/security.md);
+            ``"never"``: they are copied through the sealed pool. Either side's
+            ``"never"`` wins.
+        shm_trust_unattested: Use ``torch_shm`` with engines the kernel cannot attest
+            (tcp://, loopback too), taking the pid they claim on trust; the engine
+            must set it too. Off by default: see docs/security.md.
         curve: CURVE encryption and authentication for the client's ROUTER (see
             docs/security.md): usually a ``CurveClientConfig`` holding the engines'
             public key when the client dials listening engines, or a
@@ -184,6 +194,8 @@ class Client(CallView[S]):
         socket_options: SocketOptions | None = None,
         torch_shm: bool = True,
         shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        shm_alias_unsealed: AliasSetting = "same-user",
+        shm_trust_unattested: bool = False,
         observer: Observer | Sequence[Observer] | None = None,
         metrics_port: int | None = None,
     ) -> None:
@@ -194,7 +206,13 @@ class Client(CallView[S]):
         if not binds and not connects:
             raise ValueError("give bind= (engines dial in) and/or connect= (engine addresses)")
         options = socket_options or SocketOptions(sndhwm=high_water_mark, rcvhwm=high_water_mark)
-        policy = TransportPolicy(torch_shm=torch_shm, shm_threshold=shm_threshold)
+        policy = TransportPolicy(
+            torch_shm=torch_shm,
+            shm_threshold=shm_threshold,
+            alias_unsealed=shm_alias_unsealed,
+            trust_unattested=shm_trust_unattested,
+            message_address=message_peer_address,
+        )
         codec = _codec_argument(codec, codec_config)
         self._transfers = Transfers(policy, codec or _codec.DEFAULT, options.maxmsgsize)
         config = self._config(

@@ -304,7 +304,7 @@ class CallRunner:
         """Decode a RESULT or stream item and release the torch_shm leases it carried."""
         transfers = self._transfers
         engine = call.engine
-        resolver = transfers.resolver(engine)
+        resolver = transfers.resolver(engine, payload)
         if buffers:
             transfers.policy.received_frames(buffers)
         try:

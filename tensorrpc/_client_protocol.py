@@ -65,7 +65,6 @@ from tensorrpc._protocol import (
     Header,
     Hello,
     MessageKind,
-    Proof,
     Reject,
     Release,
     Welcome,
@@ -214,17 +213,16 @@ _DEFAULT_HEARTBEAT: Final = Heartbeat()
 class ClientHooks(Protocol):
     """What the protocol asks of the I/O shell during a handshake."""
 
-    def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
-        """Can we try ``torch_shm`` with this engine (docs/protocol.md §8.1)?
+    def shm_offer(
+        self, peer: bytes, hello: Hello, frame: Buffer
+    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
+        """Can we use ``torch_shm`` with this engine? Decided from what the kernel says
+        about the connection ``frame`` (the HELLO's payload) came on (docs/security.md).
 
         Returns:
-            ``(transports, probe, challenge, proof)`` for our WELCOME when it can, else
-            ``None``. With a challenge, the engine is announced once its PROOF came.
+            ``(transports for our WELCOME, the engine's attested pid, send handles,
+            resolve handles)`` when it can, else ``None``.
         """
-        ...
-
-    def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
-        """The engine's PROOF: ``(proven pid or 0, send handles, resolve handles)``."""
         ...
 
 
@@ -334,6 +332,8 @@ class CheckReachable:
     hello: Hello
     info: EngineInfo
     current: Engine
+    #: The HELLO's payload frame (the shell's torch_shm offer reads its connection).
+    frame: Buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -859,8 +859,6 @@ class ClientProtocol(Machine[bytes, Event]):
             return None if engine is None else self._lose(engine, "said BYE")
         if kind is _REJECT:
             return self._on_reject(peer, engine, header, payload)
-        if kind is MessageKind.PROOF:
-            return self._on_proof(engine, header, payload)
         if engine is None:
             if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
                 return None  # a reply of a session that ended: dropped silently
@@ -885,8 +883,7 @@ class ClientProtocol(Machine[bytes, Event]):
         if previous is not None:
             if _same_session(previous, hello):
                 # A repeat: the engine may have missed our WELCOME; say the same again.
-                offer = self._hooks.shm_offer(hello) if previous.shm is not None else None
-                self._welcome(previous, now, offer)
+                self._welcome(previous, now, previous.welcome_transports)
                 return None
             why = (
                 "was replaced by a new session at its address (its calls are lost)"
@@ -899,14 +896,14 @@ class ClientProtocol(Machine[bytes, Event]):
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
             if current is not None:  # the shell answers whether it is reachable
-                return self._check_reachable(peer, hello, info, current)
-        return self._decided(peer, info, hello, refusal, now)
+                return self._check_reachable(peer, hello, info, current, payload)
+        return self._decided(peer, info, hello, refusal, now, payload)
 
     def _check_reachable(
-        self, peer: bytes, hello: Hello, info: EngineInfo, current: Engine
+        self, peer: bytes, hello: Hello, info: EngineInfo, current: Engine, frame: Buffer
     ) -> CheckReachable:
         ping = encode_control(_PING, None, HEARTBEAT_NONCE)
-        return CheckReachable(current.peer, ping, peer, hello, info, current)
+        return CheckReachable(current.peer, ping, peer, hello, info, current, frame)
 
     def reachable(self, check: CheckReachable, reachable: bool, now: float) -> None:
         """The shell's answer to `CheckReachable`: the HELLO is refused as
@@ -918,7 +915,8 @@ class ClientProtocol(Machine[bytes, Event]):
         current = self.engines.engines.get(info.engine_id)
         refusal = None
         if current is not None and current is not check.current:  # changed meanwhile
-            self._events.append(self._check_reachable(check.hello_peer, check.hello, info, current))
+            again = self._check_reachable(check.hello_peer, check.hello, info, current, check.frame)
+            self._events.append(again)
             return
         if current is not None:
             if reachable:
@@ -930,7 +928,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 )
             else:
                 self._events.append(self._lose(current, "is unreachable (its connection closed)"))
-        event = self._decided(check.hello_peer, info, check.hello, refusal, now)
+        event = self._decided(check.hello_peer, info, check.hello, refusal, now, check.frame)
         if event is not None:
             self._events.append(event)
 
@@ -941,13 +939,14 @@ class ClientProtocol(Machine[bytes, Event]):
         hello: Hello,
         refusal: tuple[str, str] | None,
         now: float,
+        frame: Buffer,
     ) -> Event | None:
         if refusal is not None:
             reason, message = refusal
             self.engines.refuse(info.engine_id, reason, message)
             self._queue(None, peer, _REJECT, Reject(reason, message), 0, now)
             return EngineRefused(info.engine_id, reason, message, by_client=True)
-        return self._admit(peer, info, hello, now)
+        return self._admit(peer, info, hello, now, frame)
 
     def _check_key(self, engine_id: str, key: str | None) -> tuple[str, str] | None:
         """With ``engine_keys``: an id is taken only with the CURVE key bound to it."""
@@ -972,8 +971,8 @@ class ClientProtocol(Machine[bytes, Event]):
         )
 
     def _admit(
-        self, peer: bytes, info: EngineInfo, hello: Hello, now: float
-    ) -> EngineJoined | None:
+        self, peer: bytes, info: EngineInfo, hello: Hello, now: float, frame: Buffer
+    ) -> EngineJoined:
         heartbeat = self.config.heartbeat
         engine = Engine(
             info=info,
@@ -985,41 +984,20 @@ class ClientProtocol(Machine[bytes, Event]):
             ping_every=ping_interval(heartbeat.interval, info.dead_after_ms),
         )
         engine.next_ping = now + engine.ping_every
-        offer = self._hooks.shm_offer(hello)
-        pending = offer is not None and bool(offer[2])
-        if pending:  # torch_shm once its PROOF verifies (pid -1: waiting for it)
-            engine.shm = ShmCapability(pid=-1, to_engine=False, from_engine=False)
+        offer = self._hooks.shm_offer(peer, hello, frame)
+        if offer is not None:
+            engine.welcome_transports, pid, send, receive = offer
+            engine.shm = ShmCapability(pid=pid, to_engine=send, from_engine=receive)
         self.engines.add(engine)
         self.rejoining.rejoined(info.engine_id)
         dial = self._dials.get(peer)
         if dial is not None:
             dial.backoff.reset()
-        self._welcome(engine, now, offer)
-        return None if pending else EngineJoined(engine)
-
-    def _on_proof(self, engine: Engine | None, header: Header, payload: Buffer) -> Event | None:
-        shm = engine.shm if engine is not None else None
-        if engine is None or shm is None or shm.pid != -1:
-            return None  # not waiting for one
-        try:
-            body = decode_control(header, payload)
-        except RemoteProtocolError:
-            body = Proof(b"")
-        assert isinstance(body, Proof)
-        pid, send, receive = self._hooks.shm_proof(engine, body)
-        engine.shm = ShmCapability(pid=pid, to_engine=send, from_engine=receive)
+        self._welcome(engine, now, engine.welcome_transports)
         return EngineJoined(engine)
 
-    def _welcome(
-        self,
-        engine: Engine,
-        now: float,
-        offer: tuple[tuple[str, ...], bytes, bytes, bytes] | None,
-    ) -> None:
+    def _welcome(self, engine: Engine, now: float, transports: tuple[str, ...]) -> None:
         config = self.config
-        transports, probe, challenge, proof = (
-            offer if offer is not None else (("frames",), b"", b"", b"")
-        )
         welcome = Welcome(
             client_id=config.client_id,
             host_id=config.host_id,
@@ -1027,13 +1005,10 @@ class ClientProtocol(Machine[bytes, Event]):
             heartbeat_ms=to_ms(config.heartbeat.interval),
             stream_window=config.stream_window,
             pid=config.pid,
-            probe=probe,
             max_message_bytes=config.max_message_bytes,
             epoch=engine.client_epoch,
             dead_after_ms=to_ms(config.heartbeat.dead_after),
             fingerprint="" if config.schemaless else config.fingerprint,
-            challenge=challenge,
-            proof=proof,
         )
         self._queue(engine, engine.peer, MessageKind.WELCOME, welcome, 0, now)
 

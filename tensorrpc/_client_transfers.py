@@ -17,7 +17,8 @@ import anyio
 from tensorrpc import _codec
 from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
-from tensorrpc._protocol import Flags, Hello, Proof
+from tensorrpc._protocol import Flags, Hello
+from tensorrpc._zmq import peer_credentials
 from tensorrpc.transports._policy import (
     LazyResolver,
     LeaseCollector,
@@ -60,17 +61,21 @@ class Transfers:
 
     # -- the protocol's hooks ------------------------------------------------------------
 
-    def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
-        """torch_shm only with an engine that proves its pid in PROOF (protocol §8.1)."""
-        shm = self.policy.welcome_fields((hello.pid, hello.engine_id), hello, our_host=self.host_id)
-        if not shm.challenge:
+    def shm_offer(
+        self, peer: bytes, hello: Hello, frame: Buffer
+    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
+        """torch_shm only with the process the kernel says sent the HELLO (on ipc://),
+        or, configured to trust unattested peers, the one it claims (docs/security.md)."""
+        pid, send, receive = self.policy.attest(
+            peer,
+            peer_credentials(frame),
+            offers=hello.transports,
+            claimed_pid=hello.pid,
+            same_host=hello.host_id == self.host_id,
+        )
+        if not (send or receive):
             return None
-        return (shm.transports, shm.probe, shm.challenge, shm.proof)
-
-    def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
-        """Check the engine's PROOF (its pid, by possession of its probe's secret)."""
-        key = (engine.info.pid, engine.engine_id)
-        return self.policy.on_proof(key, proof, our_host=self.host_id)
+        return (self.policy.offered(), pid, send, receive)
 
     def reachable(self, peer: bytes, ping: list[bytes]) -> bool:
         """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
@@ -94,7 +99,7 @@ class Transfers:
             options.transport, engine.peer, peer_receives=shm is not None and shm.to_engine
         )
 
-    def resolver(self, engine: Engine) -> LazyResolver | None:
+    def resolver(self, engine: Engine, frame: object = None) -> LazyResolver | None:
         """Resolves tensors that come back by torch_shm handle (None: torch_shm is off).
 
         The torch_shm resolver behind it is made on the reply's first handle only.
@@ -103,10 +108,10 @@ class Transfers:
         in flight may still carry handles, and must fail (or succeed) as transport
         errors, not as undecodable messages.
         """
-        shm = engine.shm
-        # Not proven (or lost): handles are refused with a TensorTransportError. Result
-        # tensors are built on the engine's regions, leased to us until they are freed.
-        return self.policy.lazy_resolver(shm.pid if shm is not None else 0, hold=engine.peer)
+        # Not attested (or lost), or ``frame`` (a frame of the reply) came on another
+        # connection: handles are refused with a TensorTransportError. Result tensors
+        # are built on the engine's regions, leased to us until they are freed.
+        return self.policy.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
 
     def result_flags(self, options: CallOptions, engine: Engine) -> int:
         """The CALL flag bits that tell the engine how to send result tensors."""

@@ -309,7 +309,7 @@ class Dispatcher:
         payload, buffers = call.take_args()
         if buffers:
             self._policy.received_frames(buffers)
-        lazy = self._resolver(call)
+        lazy = self._resolver(call, payload)
         try:
             try:
                 wire = _codec.decode(payload, buffers, self._codec, resolver=lazy)
@@ -370,15 +370,19 @@ class Dispatcher:
         mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
         return self._policy.placer(mode, call.session, peer_receives=shm.peer_receives)
 
-    def _resolver(self, call: Call) -> LazyResolver | None:
-        # Handles the client sent name its own process; a failure to attach is answered
-        # with TENSOR_TRANSPORT before the handler runs, and the client resends as frames.
+    def _resolver(self, call: Call, payload: object) -> LazyResolver | None:
+        # Handles are resolved against the process the kernel attested for the session,
+        # and only from a message on that connection (``payload``'s); a failure to attach
+        # is answered with TENSOR_TRANSPORT before the handler runs, and the client
+        # resends as frames.
         shm = call.session.shm
         if shm is None:
             return None
         # Built on the client's regions (one copy in all) until our first reply, which
         # ends the client's lease: _detach() runs before it. Made on the first handle.
-        return self._policy.lazy_resolver(shm.pid, keep=(call.session, call.call_id))
+        return self._policy.lazy_resolver(
+            call.session, frame=payload, keep=(call.session, call.call_id)
+        )
 
     def _detach(self, call: Call) -> None:
         """The client takes its argument regions back with our first reply (the protocol

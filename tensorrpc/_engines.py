@@ -228,10 +228,11 @@ def _names(names: list[str], signatures: Mapping[str, str]) -> str:
 
 @dataclass(slots=True)
 class ShmCapability:
-    """``torch_shm`` with one engine, as proven at handshake (its probe opened here).
+    """``torch_shm`` with one engine, as decided at handshake from the kernel's
+    credentials of its connection.
 
     Attributes:
-        pid: The engine process whose handles we resolve.
+        pid: The engine process whose handles we resolve (as the kernel attested it).
         to_engine: We may send argument tensors by handle (cleared when the engine fails
             to attach to one).
         from_engine: The engine may send result tensors by handle (cleared when we fail
@@ -277,6 +278,8 @@ class Engine:
     alive: bool = True
     #: ``torch_shm`` with this engine, or ``None`` when not usable.
     shm: ShmCapability | None = None
+    #: The transports our WELCOME to this engine lists (said again on a repeated HELLO).
+    welcome_transports: tuple[str, ...] = ("frames",)
     #: Result leases we are done with and have not returned yet (protocol §4 RELEASE,
     #: or the ``RELEASES`` bits of our next CALL).
     releases: list[int] = field(default_factory=list)

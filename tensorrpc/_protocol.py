@@ -48,13 +48,11 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_BUFFERS",
     "MAX_CALL_RELEASES",
-    "MAX_CHALLENGE_BYTES",
     "MAX_CONTROL_BYTES",
     "MAX_CONTROL_OBJECTS",
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
     "MAX_NAME_CHARS",
-    "MAX_PROBE_BYTES",
     "MAX_SIGNATURE_CHARS",
     "MAX_TEXT_CHARS",
     "MAX_TRACEBACK_CHARS",
@@ -69,7 +67,6 @@ __all__ = [
     "Header",
     "Hello",
     "MessageKind",
-    "Proof",
     "Reject",
     "RejectReason",
     "Release",
@@ -117,10 +114,6 @@ MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
 MAX_CONTROL_OBJECTS: Final = 32 * 1024
 #: Default bound on the buffer frames after the payload of a value-carrying message.
 MAX_BUFFERS: Final = 1024
-#: Longest ``probe`` handle in HELLO / WELCOME, in bytes.
-MAX_PROBE_BYTES: Final = 4096
-#: Longest ``challenge`` (HELLO, WELCOME) and ``proof`` (WELCOME, PROOF), in bytes.
-MAX_CHALLENGE_BYTES: Final = 64
 #: Longest entry of HELLO's ``signatures`` list, in characters.
 MAX_SIGNATURE_CHARS: Final = 4096
 #: Size of the binary W3C trace context a CALL with the ``TRACE`` flag carries at the end of
@@ -165,9 +158,6 @@ class MessageKind(IntEnum):
     #: client → engine: the client attached to the shared-memory tensors of these result
     #: leases (``torch_shm``); the engine may reuse their memory. `Release` body.
     RELEASE = 14
-    #: engine → client, once after a WELCOME that carried a ``challenge``: the engine's
-    #: answer to it (``torch_shm`` proof of its process id); `Proof` body.
-    PROOF = 15
 
 
 #: Largest payload accepted per control kind, in bytes, checked before decoding. The
@@ -185,7 +175,6 @@ MAX_BODY_BYTES: Final[Mapping[MessageKind, int]] = MappingProxyType(
         MessageKind.CREDIT: 1024,
         MessageKind.RELEASE: 64 * 1024,
         MessageKind.ERROR: MAX_CONTROL_BYTES,
-        MessageKind.PROOF: 1024,
     }
 )
 
@@ -261,7 +250,6 @@ _CONNECTION_KINDS: Final = frozenset(
         MessageKind.REJECT,
         MessageKind.BYE,
         MessageKind.RELEASE,
-        MessageKind.PROOF,
     }
 )
 _CALL_KINDS: Final = frozenset(
@@ -896,9 +884,10 @@ class Hello:
     fingerprint: str
     #: Protocol version the engine speaks.
     protocol_version: int
-    #: Identifies the host, to decide whether shared memory can be used.
+    #: Identifies the host (a hint for logs and tools; torch_shm goes by what the kernel
+    #: says about the connection, not by this).
     host_id: str
-    #: The engine's process id.
+    #: The engine's process id, as it claims (a hint; see ``host_id``).
     pid: int
     #: Tensor transports the engine can receive, by name.
     transports: tuple[str, ...] = ()
@@ -908,9 +897,6 @@ class Hello:
     heartbeat_ms: int = 1000
     #: The service's method names.
     methods: tuple[str, ...] = ()
-    #: ``torch_shm`` probe handle (optional; empty when not offered): the client opens it
-    #: to learn whether it can attach to this engine's shared memory.
-    probe: bytes = b""
     #: The names of the methods that stream (optional). Only meaningful when
     #: ``signatures`` is announced: an engine that predates these fields sends neither.
     streaming: tuple[str, ...] = ()
@@ -934,9 +920,6 @@ class Hello:
     #: before it declares the client dead (optional; 0 when not announced). The client
     #: PINGs often enough for it.
     dead_after_ms: int = 0
-    #: ``torch_shm``: a fresh random challenge (optional; empty when ``torch_shm`` is not
-    #: offered). The client proves its process id by answering it in WELCOME's ``proof``.
-    challenge: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -953,11 +936,9 @@ class Welcome:
     heartbeat_ms: int = 1000
     #: Stream items an engine may send per stream before it needs CREDIT.
     stream_window: int = 16
-    #: The client's process id (optional; 0 when unknown): ``torch_shm`` handles the
-    #: client sends must name this process.
+    #: The client's process id, as it claims (optional; 0 when unknown): a hint, used
+    #: only by an engine configured to trust unattested peers over tcp.
     pid: int = 0
-    #: ``torch_shm`` probe handle of the client (optional; empty when not offered).
-    probe: bytes = b""
     #: The largest message frame the client accepts, in bytes (its ``maxmsgsize``);
     #: optional, 0 when it has no limit or does not announce one. An engine refuses to
     #: send a result frame over it (``BAD_RESULT``) rather than have it dropped.
@@ -973,12 +954,6 @@ class Welcome:
     #: The client's schema fingerprint (optional; "" when not announced or schema-less),
     #: so that an engine can refuse a mismatch too.
     fingerprint: str = ""
-    #: ``torch_shm``: the client's fresh random challenge for the engine (optional; empty
-    #: when ``torch_shm`` is not offered); the engine answers it in a PROOF message.
-    challenge: bytes = b""
-    #: ``torch_shm``: the client's answer to HELLO's ``challenge`` (optional; empty when
-    #: not offered): HMAC-SHA256 keyed by the secret in the client's probe memfd.
-    proof: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1016,15 +991,6 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
-class Proof:
-    """PROOF body: the engine's answer to the ``challenge`` of the client's WELCOME."""
-
-    #: HMAC-SHA256 keyed by the secret in the engine's probe memfd; empty when the engine
-    #: does not use ``torch_shm`` with this client (the client's proof did not verify).
-    proof: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
 class ErrorInfo:
     """ERROR body: why a call (or, with call_id 0, the connection) failed."""
 
@@ -1043,7 +1009,7 @@ class ErrorInfo:
 
 
 #: Any control-message body.
-ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release | Proof
+ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release
 
 # Field schema per body class: (name, kind, limit). kind: "str" | "name" | "int" | "strs" |
 # "names" | "bytes" | "ints". A "name" is a "str" without control characters (_text.CONTROL):
@@ -1061,14 +1027,12 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("concurrency", "int", _U32_MAX),
         ("heartbeat_ms", "int", _U32_MAX),
         ("methods", "names", MAX_METHOD_BYTES),
-        ("probe", "bytes", MAX_PROBE_BYTES),
         ("streaming", "names", MAX_METHOD_BYTES),
         ("signatures", "names", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
         ("features", "names", MAX_NAME_CHARS),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
-        ("challenge", "bytes", MAX_CHALLENGE_BYTES),
     ),
     Welcome: (
         ("client_id", "name", MAX_NAME_CHARS),
@@ -1077,19 +1041,15 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("heartbeat_ms", "int", _U32_MAX),
         ("stream_window", "int", _U32_MAX),
         ("pid", "int", _I64_MAX),
-        ("probe", "bytes", MAX_PROBE_BYTES),
         ("max_message_bytes", "int", _I64_MAX),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("fingerprint", "name", MAX_NAME_CHARS),
-        ("challenge", "bytes", MAX_CHALLENGE_BYTES),
-        ("proof", "bytes", MAX_CHALLENGE_BYTES),
     ),
     Reject: (("reason", "name", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "name", MAX_NAME_CHARS),),
     Credit: (("n", "int", _U32_MAX),),
     Release: (("leases", "ints", _I64_MAX),),
-    Proof: (("proof", "bytes", MAX_CHALLENGE_BYTES),),
     ErrorInfo: (
         ("code", "int", _U16_MAX),
         ("type", "name", MAX_NAME_CHARS),
@@ -1105,28 +1065,22 @@ _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
     MessageKind.CREDIT: Credit,
     MessageKind.ERROR: ErrorInfo,
     MessageKind.RELEASE: Release,
-    MessageKind.PROOF: Proof,
 }
 _MIN_INT: Final = {"n": 1}  # CREDIT of 0 items means nothing and is refused
 # Fields added after version 1 shipped: a peer that omits them gets the default.
 _OPTIONAL: Final = frozenset(
     {
-        (Hello, "probe"),
         (Hello, "streaming"),
         (Hello, "signatures"),
         (Hello, "max_message_bytes"),
         (Hello, "features"),
         (Welcome, "pid"),
-        (Welcome, "probe"),
         (Welcome, "max_message_bytes"),
         (Hello, "epoch"),
         (Hello, "dead_after_ms"),
         (Welcome, "epoch"),
         (Welcome, "dead_after_ms"),
         (Welcome, "fingerprint"),
-        (Hello, "challenge"),
-        (Welcome, "challenge"),
-        (Welcome, "proof"),
     }
 )
 _DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {

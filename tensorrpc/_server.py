@@ -45,9 +45,7 @@ from tensorrpc._protocol import (
     PROTOCOL_VERSION,
     ErrorInfo,
     Hello,
-    MessageKind,
     Welcome,
-    encode_control,
 )
 from tensorrpc._server_protocol import (
     AllRejected,
@@ -61,12 +59,12 @@ from tensorrpc._server_protocol import (
     SessionEnded,
     SessionStarted,
     ShmPeer,
-    WelcomedAgain,
 )
 from tensorrpc._server_sockets import ServerSockets
 from tensorrpc._service import describe
 from tensorrpc._text import CONTROL, peer_text
-from tensorrpc._zmq import DEFAULT_OPTIONS, SocketOptions
+from tensorrpc._zmq import DEFAULT_OPTIONS, SocketOptions, message_peer_address, peer_credentials
+from tensorrpc.transports._peer import ALIAS_SETTINGS, AliasSetting
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
     TransportPolicy,
@@ -138,6 +136,16 @@ class ServerConfig:
     #: For calls whose transport is ``auto``, CPU result tensors of at least this many
     #: bytes go by ``torch_shm``.
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
+    #: ``"same-user"``: tensors in torch's own shared memory (``share_memory_()``,
+    #: torch.multiprocessing) go by alias to and from a client the kernel says is our user
+    #: with no privilege we lack (docs/security.md); ``"never"``: they are copied through
+    #: the sealed pool. One setting on both ends: either side's ``"never"`` wins.
+    shm_alias_unsealed: AliasSetting = "same-user"
+    #: Use ``torch_shm`` with clients the kernel cannot attest (tcp://, loopback too),
+    #: taking the pid they claim on trust; the client must set it too. Read
+    #: docs/security.md first: any peer that can connect may then make this engine open
+    #: any descriptor of any process it may open.
+    shm_trust_unattested: bool = False
     #: Listen mode: most peers without a session remembered at once (oldest evicted).
     max_strangers: int = 1024
     #: Most streams of one client waiting for credit at once; more end with OVERLOADED.
@@ -159,6 +167,8 @@ class ServerConfig:
             raise ValueError("grace_period must not be negative")
         if self.max_strangers < 1 or self.max_parked_streams < 1:
             raise ValueError("max_strangers and max_parked_streams must be >= 1")
+        if self.shm_alias_unsealed not in ALIAS_SETTINGS:
+            raise ValueError(f"shm_alias_unsealed must be one of {sorted(ALIAS_SETTINGS)}")
 
 
 class ServerOptions(TypedDict, total=False):
@@ -179,6 +189,8 @@ class ServerOptions(TypedDict, total=False):
     curve: CurveConfig | None
     torch_shm: bool
     shm_threshold: int
+    shm_alias_unsealed: AliasSetting
+    shm_trust_unattested: bool
     max_strangers: int
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
@@ -318,7 +330,13 @@ class Server:
         # it at its header instead, and HELLO announces the limit (clients check it).
         sock_options = cfg.socket_options or DEFAULT_OPTIONS
         self._socket_options = sock_options.capped(_codec.frame_limit(self._codec))
-        self._policy = TransportPolicy(torch_shm=cfg.torch_shm, shm_threshold=cfg.shm_threshold)
+        self._policy = TransportPolicy(
+            torch_shm=cfg.torch_shm,
+            shm_threshold=cfg.shm_threshold,
+            alias_unsealed=cfg.shm_alias_unsealed,
+            trust_unattested=cfg.shm_trust_unattested,
+            message_address=message_peer_address,
+        )
         self._batches = BatchRunners(self._spec, instance, engine_id, lambda: self._observer)
         self._proto = ServerProtocol(self._settings(instance))
         self._io = ServerSockets(
@@ -372,7 +390,6 @@ class Server:
             methods=tuple(spec.methods),
             streaming=tuple(m.name for m in spec.methods.values() if m.streaming),
             signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
-            probe=self._policy.probe(),
             max_message_bytes=max(0, self._socket_options.maxmsgsize),
             features=(*_observe.FEATURES, FEATURE_CALL_RELEASES),
         )
@@ -634,7 +651,7 @@ class Server:
         elif isinstance(event, Released):
             self._policy.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
-            self._negotiate_shm(event.session, event.welcome)
+            self._negotiate_shm(event.session, event.welcome, event.frame)
             logger.info(
                 "engine %r joined client %s", self._engine_id, peer_text(event.session.name)
             )
@@ -648,8 +665,6 @@ class Server:
             ):
                 log = logger.debug  # the same refusal again (a HELLO retried every second)
             log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
-        elif isinstance(event, WelcomedAgain):
-            self._negotiate_shm(event.session, event.welcome)
         elif isinstance(event, CallExpired):
             observed = event.call.observed
             if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
@@ -665,15 +680,17 @@ class Server:
                 )
             )
 
-    def _negotiate_shm(self, session: Session, welcome: Welcome) -> None:
-        # torch_shm only with a client that proved its pid (docs/protocol.md §8.1): the
-        # policy checks its answer to our HELLO's challenge; our PROOF answers its own.
-        (pid, send, receive), proof = self._policy.on_welcome(
-            session, welcome, our_host=_host_id(), challenge=session.challenge
+    def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
+        # torch_shm only with the process the kernel says is at the other end of the
+        # connection the WELCOME came on (docs/security.md); its claims are hints.
+        pid, send, receive = self._policy.attest(
+            session,
+            peer_credentials(frame),
+            offers=welcome.transports,
+            claimed_pid=welcome.pid,
+            same_host=welcome.host_id == _host_id(),
         )
         self._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
-        if proof is not None:
-            self._io.send_now(session.key, encode_control(MessageKind.PROOF, proof))
 
     def _fail(self, error: BaseException) -> None:
         """Stop serving because of ``error`` (raised by serve_forever)."""

@@ -84,7 +84,6 @@ from tensorrpc._server_calls import (
     ServerCall,
     Settable,
 )
-from tensorrpc.transports._shm_auth import new_challenge
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Mapping, Sequence
@@ -108,7 +107,6 @@ __all__ = [
     "Strangers",
     "SessionEnded",
     "SessionStarted",
-    "WelcomedAgain",
     "SessionState",
     "Settable",
     "ShmPeer",
@@ -206,7 +204,7 @@ class ShmPeer:
     pid: int = 0
     #: The client attaches to our handles (result tensors may go by handle).
     peer_receives: bool = False
-    #: We attach to the client's handles (its probe opened here).
+    #: We attach to the client's handles (the kernel attested its process).
     we_receive: bool = False
 
 
@@ -250,7 +248,6 @@ class Session:
         "bytes_out",
         "calls",
         "calls_total",
-        "challenge",
         "client_epoch",
         "client_id",
         "created",
@@ -289,8 +286,6 @@ class Session:
         #: Dial-in: the delay before the next HELLO after a ``duplicate_id`` refusal.
         self.duplicate_backoff: Backoff | None = None
         self.hello_frames: list[bytes] = []
-        #: ``torch_shm``: the fresh challenge of this session's HELLO (empty: not offered).
-        self.challenge = b""
         self.calls: dict[int, ServerCall] = {}
         self.parked = 0
         self.calls_total = 0
@@ -310,7 +305,6 @@ class Session:
         """Enter GREETING for the new session ``hello`` announces: HELLO is due now."""
         self.state = SessionState.GREETING
         self.epoch = hello.epoch
-        self.challenge = hello.challenge
         self.hello_frames = encode_control(MessageKind.HELLO, hello)
         self.client_epoch = 0
         self.client_id = ""
@@ -334,19 +328,14 @@ class Session:
 
 @dataclass(frozen=True, slots=True)
 class SessionStarted:
-    """A client's WELCOME was accepted: the shell decides ``session.shm`` now."""
+    """A client's WELCOME was accepted: the shell decides ``session.shm`` now, from what
+    the kernel says about the connection ``frame`` (the WELCOME's payload) came on."""
 
     session: Session
     welcome: Welcome
-
-
-@dataclass(frozen=True, slots=True)
-class WelcomedAgain:
-    """A repeated WELCOME of a live session that carries a ``torch_shm`` challenge: the
-    shell answers it again (PROOF), since the client waits for that answer."""
-
-    session: Session
-    welcome: Welcome
+    #: The WELCOME's payload frame (opaque here; the shell reads its connection's
+    #: credentials).
+    frame: Buffer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,14 +386,7 @@ class CallExpired:
 #: What `ServerProtocol.next_events` gives; a `ServerCall` there is a call to wake
 #: (`ServerCall.wake`): it was cancelled, stopped or given credit.
 Event = (
-    SessionStarted
-    | SessionEnded
-    | AllRejected
-    | Released
-    | BuiltinCall
-    | WelcomedAgain
-    | CallExpired
-    | ServerCall
+    SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall | CallExpired | ServerCall
 )
 
 
@@ -594,9 +576,7 @@ class ServerProtocol(Machine[Hashable, Event]):
     def _greet(self, session: Session, now: float) -> None:
         """Enter GREETING with a new epoch (a new session): HELLO is due now."""
         epoch = self._new_epoch() & _U64 or 1
-        # torch_shm: a fresh challenge per session, answered in WELCOME (protocol §8.1).
-        challenge = new_challenge() if self._hello.probe else b""
-        session.greet(replace(self._hello, epoch=epoch, challenge=challenge), now)
+        session.greet(replace(self._hello, epoch=epoch), now)
 
     def _send_hello(self, session: Session, now: float) -> None:
         if now < session.next_hello:
@@ -636,11 +616,11 @@ class ServerProtocol(Machine[Hashable, Event]):
         self._strangers.add(session)
         return session
 
-    def _start(self, session: Session, welcome: Welcome, now: float) -> None:
+    def _start(self, session: Session, welcome: Welcome, now: float, frame: Buffer) -> None:
         session.start(welcome, now, now + ping_interval(self._heartbeat, welcome.dead_after_ms))
         self._strangers.pop(session.key)
         self.wake_at = min(self.wake_at, session.next_ping)
-        self._events.append(SessionStarted(session, welcome))
+        self._events.append(SessionStarted(session, welcome, frame))
 
     def _end(
         self, session: Session, why: str, now: float, then: SessionState, *, warn: bool = False
@@ -889,8 +869,6 @@ class ServerProtocol(Machine[Hashable, Event]):
             return
         if session.state is SessionState.LIVE:
             if not welcome.epoch or welcome.epoch == session.client_epoch:
-                if welcome.challenge:  # it waits for the PROOF of its torch_shm challenge
-                    self._events.append(WelcomedAgain(session, welcome))
                 return  # a repeated WELCOME of this session
             # The client started a new session (it lost the old one): the old calls go,
             # without replies; our epoch stays, since the client welcomed it.
@@ -899,7 +877,7 @@ class ServerProtocol(Machine[Hashable, Event]):
                 self._cancel(call)
             shm, session.shm = session.shm, None
             self._events.append(SessionEnded(session, "started a new session", shm=shm))
-        self._start(session, welcome, now)
+        self._start(session, welcome, now, payload)
 
     def _on_reject(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
         try:

@@ -37,6 +37,7 @@ import errno
 import logging
 import math
 import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from tensorrpc._security import (
     describe_handshake_failure,
     warn_if_exposed,
 )
+from tensorrpc.transports._peer import KernelPeer, parse_peer_address
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -77,6 +79,8 @@ __all__ = [
     "SocketOptions",
     "create_socket",
     "map_zmq_errors",
+    "message_peer_address",
+    "peer_credentials",
     "translate_zmq_error",
 ]
 
@@ -1016,6 +1020,73 @@ class AsyncSocket:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"fd={self._fd}"
         return f"<AsyncSocket {state}>"
+
+
+#: ``SO_PEERPIDFD`` (Linux 6.5): a pidfd of the process at the other end of a unix socket.
+_SO_PEERPIDFD: Final = 77
+_SRCFD: Final = int(zmq.SRCFD)
+
+
+def message_peer_address(frame: object) -> str:
+    """The ``Peer-Address`` libzmq attached to a received frame ("" when none).
+
+    On ``ipc://`` it carries the kernel's credentials of the connection the message came
+    on (``"<host>:<uid>:<gid>:<pid>"``, read by libzmq with ``SO_PEERCRED`` when the
+    connection was made); it cannot refer to another connection.
+    """
+    get = getattr(frame, "get", None)
+    if get is None:
+        return ""
+    try:
+        value = get("Peer-Address")
+    except (zmq.ZMQError, TypeError, ValueError):
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+def peer_credentials(frame: object) -> KernelPeer | None:
+    """The kernel's identity of the process that sent ``frame``, pinned by a pidfd.
+
+    ``ipc://`` only: the message's ``Peer-Address`` names the connection's peer
+    (pid, uid, gid); the connection's descriptor (``ZMQ_SRCFD``, deprecated in libzmq
+    but present in 4.3) gives a pidfd of that very process (``SO_PEERPIDFD``; on older
+    kernels ``pidfd_open`` of the pid the address names). `KernelPeer.pinned`
+    refuses a pidfd of another process (the descriptor number reused meanwhile).
+
+    Returns:
+        None when the kernel cannot attest the peer (tcp, inproc, no credentials).
+    """
+    address = message_peer_address(frame)
+    creds = parse_peer_address(address)
+    if creds is None:
+        return None
+    try:
+        fd = cast("zmq.Frame", frame).get(_SRCFD)
+    except (zmq.ZMQError, TypeError, ValueError):
+        return None
+    if not isinstance(fd, int) or fd < 0:
+        return None
+    pidfd = -1
+    try:
+        # A dup of the connection's socket; closed below (the connection is libzmq's).
+        sock = socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        if sock.family != socket.AF_UNIX:
+            return None
+        try:
+            pidfd = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+        except OSError:
+            pidfd = -1
+        if pidfd < 0:
+            try:
+                pidfd = os.pidfd_open(creds[0])
+            except OSError:
+                return None
+    finally:
+        sock.close()
+    return KernelPeer.pinned(address, pidfd)
 
 
 class PendingSends:

@@ -48,6 +48,8 @@ GROUPS: tuple[tuple[str, str], ...] = (
     # The tests of the built site share one `mkdocs build` (module fixture).
     ("tests/test_docs.py::test_mkdocs_build_is_strict_clean", "mkdocs"),
     ("tests/test_docs.py::test_rendered_pages_have_no_sphinx_roles", "mkdocs"),
+    # The data pipeline example runs once (module fixture) for both of its tests.
+    ("tests/test_example_data_pipeline.py", "data-pipeline"),
     # The optional-import checks read one fresh interpreter's answers, once per process
     # (tests/_fresh_imports.py).
     ("tests/unit/test_ray_optional.py", "fresh-interpreter"),

@@ -60,12 +60,9 @@ CLIENT_ADDRESS = "tcp://client:5555"  # the client's address, to an engine diall
 DEFAULT_HEARTBEAT = Heartbeat(1.0, 5.0)
 
 
-class NoShm:  # the client shell's torch_shm answers: never usable
-    def shm_offer(self, hello: Hello) -> None:
+class NoShm:  # the client shell's torch_shm answer: never usable
+    def shm_offer(self, peer: bytes, hello: Hello, frame: Any) -> None:
         return None
-
-    def shm_proof(self, engine: Any, proof: Any) -> tuple[int, bool, bool]:
-        return (0, False, False)
 
 
 @service

@@ -253,6 +253,26 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     assert "## Batching" in (out / "bench.md").read_text(encoding="utf-8")
 
 
+def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench.shm_held", "--count", "12", "--mib", "1", "--wait", "30"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "12 share() tensors of 1 MiB sent and freed; aliased 12 of 12", lines
+    # Each new mapping first drops those the client freed: the one just received, and at
+    # most one on its way out (unmapped by the engine's release thread, off its loop).
+    peak = lines[2].removeprefix("engine, most during the run: ")
+    assert peak in ("1 mappings, 1 MiB", "2 mappings, 2 MiB"), lines
+    # The engine's periodic sweep (once per heartbeat interval) drops the last one.
+    assert lines[4] == "engine after its sweep (waited up to 30 s): 0 mappings, 0 MiB", lines
+
+
 def test_quick_mixed_load_reports_tails_and_throughput(tmp_path: Path) -> None:
     out = tmp_path / "results"
     tensorrpc_frames = "tensorrpc frames (engine dials in)"

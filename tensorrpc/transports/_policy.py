@@ -14,14 +14,15 @@ go:
   should have taken but could not (pool full, unsupported layout) counts as a fallback;
   a large tensor to a peer on another host is not a fallback, frames are the plan there.
 
-Whether the peer "can take it" is decided at handshake, from what the peer *proved*, not
-what it claimed (docs/protocol.md §8.1): same host id, the peer offers ``torch_shm``, and
-it answered our fresh challenge with an HMAC keyed by the secret in its probe memfd, which
-we read through ``/proc/<its pid>/fd``. Only a proven peer gets tensors by handle or a
-resolver; any other peer's handles are refused without a word about files or descriptors.
-The handshake methods here (`TransportPolicy.challenge`,
-`TransportPolicy.welcome_fields`, `TransportPolicy.on_welcome`,
-`TransportPolicy.on_proof`) are the calls the client and engine make.
+Whether the peer "can take it" is decided at the handshake from what the *kernel* says
+about the connection, never from what a message claims (docs/security.md): the shell
+passes the `KernelPeer` of the handshake message (``ipc://``: the connection's
+credentials, pinned by a pidfd) to `TransportPolicy.attest`. Only an attested peer gets
+tensors by handle or a resolver, and a message's handles are resolved only when the
+message came on the attested connection (its ``Peer-Address``); any other handle is
+refused without a word about files or descriptors. Over tcp (loopback too) the kernel
+attests nothing: torch_shm is off unless ``trust_unattested`` is set here (and on the
+peer), which takes the peer's claimed pid on trust.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc._lazy import LazyModule
-from tensorrpc._protocol import Hello, Proof, Welcome
-from tensorrpc.transports._shm_auth import CHALLENGE_BYTES, Role, ShmLink, decide, new_challenge
-from tensorrpc.transports._shm_pool import pid as current_pid
+from tensorrpc.transports._peer import ALIAS_SETTINGS, AliasSetting, KernelPeer, alias_gate
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
     ShmPlacer,
@@ -47,7 +46,7 @@ from tensorrpc.transports.torch_shm import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Sequence
+    from collections.abc import Callable, Hashable, Sequence
 
     import torch
     from typing_extensions import Buffer
@@ -59,6 +58,7 @@ else:
 __all__ = [
     "DEFAULT_SHM_THRESHOLD",
     "TRANSPORTS",
+    "UNSEALED_OFFER",
     "LazyResolver",
     "LeaseCollector",
     "PolicyPlacer",
@@ -81,24 +81,24 @@ DEFAULT_SHM_THRESHOLD: Final = 64 << 10
 MAX_LINKS: Final = 4096
 #: ``(pid, we send handles, we resolve handles)`` for a peer that may not use torch_shm.
 NO_SHM: Final = (0, False, False)
+#: In a HELLO's or WELCOME's ``transports``: "I map torch's unsealed shared files from
+#: you when my gate holds for you" (``shm_alias_unsealed="same-user"``). A hint only: the
+#: receiver checks its own gate.
+UNSEALED_OFFER: Final = "torch_shm_unsealed"
 
 
-class WelcomeShm:
-    """The torch_shm fields of a WELCOME (see `TransportPolicy.welcome_fields`)."""
+class _Link:
+    """torch_shm with one attested peer: who the kernel says it is, what we map of it."""
 
-    __slots__ = ("challenge", "probe", "proof", "transports")
+    __slots__ = ("kernel", "unsealed")
 
-    def __init__(
-        self, transports: tuple[str, ...], probe: bytes, challenge: bytes, proof: bytes
-    ) -> None:
-        #: Transports the client offers.
-        self.transports = transports
-        #: The client's probe handle.
-        self.probe = probe
-        #: The client's challenge for the engine (empty: expect no PROOF).
-        self.challenge = challenge
-        #: The client's answer to the HELLO's challenge.
-        self.proof = proof
+    def __init__(self, kernel: KernelPeer, unsealed: bool) -> None:
+        self.kernel = kernel
+        self.unsealed = unsealed
+
+
+def _no_address(_frame: object) -> str:
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,13 +221,14 @@ class LazyResolver:
     caller closes, releases or detaches what it resolved only then).
     """
 
-    __slots__ = ("_hold", "_keep", "_peer_pid", "_policy", "inner")
+    __slots__ = ("_frame", "_hold", "_keep", "_peer", "_policy", "inner")
 
     def __init__(
-        self, policy: TransportPolicy, peer_pid: int, hold: Hashable, keep: Hashable
+        self, policy: TransportPolicy, peer: Hashable, frame: object, hold: Hashable, keep: Hashable
     ) -> None:
         self._policy = policy
-        self._peer_pid = peer_pid
+        self._peer = peer
+        self._frame = frame
         self._hold = hold
         self._keep = keep
         #: The resolver made for the first handle (None: no handle so far).
@@ -239,7 +240,9 @@ class LazyResolver:
         """Resolve a handle with the message's resolver (made now if this is the first)."""
         inner = self.inner
         if inner is None:
-            made = self._policy.resolver(self._peer_pid, hold=self._hold, keep=self._keep)
+            made = self._policy.resolver(
+                self._peer, frame=self._frame, hold=self._hold, keep=self._keep
+            )
             assert made is not None  # made only while torch_shm is on (it stays on)
             inner = self.inner = made
         return inner.resolve(transport, handle, dtype, shape)
@@ -275,11 +278,32 @@ class TransportPolicy:
     Args:
         torch_shm: Enable the torch_shm transport (ignored where the platform lacks it).
         shm_threshold: ``auto`` sends CPU tensors of at least this many bytes by torch_shm.
+        alias_unsealed: ``"same-user"``: tensors in torch's own shared memory go by alias
+            to and from a peer that passes the unsealed-alias gate (`alias_gate`);
+            ``"never"``: they are always copied through the sealed pool.
+        trust_unattested: Use torch_shm with peers the kernel cannot attest (tcp://,
+            loopback included), taking the pid they claim on trust. Off by default; see
+            docs/security.md before turning it on.
+        message_address: Reads a received frame's ``Peer-Address`` (the shell's; "" when
+            none). Handles are resolved only from messages on the attested connection.
     """
 
-    def __init__(self, *, torch_shm: bool = True, shm_threshold: int = DEFAULT_SHM_THRESHOLD):
+    def __init__(
+        self,
+        *,
+        torch_shm: bool = True,
+        shm_threshold: int = DEFAULT_SHM_THRESHOLD,
+        alias_unsealed: AliasSetting = "same-user",
+        trust_unattested: bool = False,
+        message_address: Callable[[object], str] | None = None,
+    ):
         if shm_threshold < 0:
             raise ValueError("shm_threshold must not be negative")
+        if alias_unsealed not in ALIAS_SETTINGS:
+            raise ValueError(f"shm_alias_unsealed must be one of {sorted(ALIAS_SETTINGS)}")
+        self.alias_unsealed: AliasSetting = alias_unsealed
+        self.trust_unattested = trust_unattested
+        self._message_address = message_address or _no_address
         self.shm: TorchShmTransport | None = None
         if torch_shm and TorchShmTransport.available():
             self.shm = TorchShmTransport()
@@ -287,8 +311,7 @@ class TransportPolicy:
         #: The leases our received tensors hold (``holds.ready``: some are releasable);
         #: None without torch_shm.
         self.holds: Holds | None = self.shm.holds if self.shm is not None else None
-        self._probe: bytes | None = None
-        self._links: dict[Hashable, ShmLink] = {}
+        self._links: dict[Hashable, _Link] = {}
         self._frames = [0, 0, 0, 0]
         self._fallbacks = 0
 
@@ -296,145 +319,70 @@ class TransportPolicy:
 
     def offered(self) -> tuple[str, ...]:
         """Transports this endpoint can receive (for HELLO / WELCOME)."""
-        return ("frames", TRANSPORT_NAME) if self.probe() else ("frames",)
+        if self.shm is None:
+            return ("frames",)
+        if self.alias_unsealed == "never":
+            return ("frames", TRANSPORT_NAME)
+        return ("frames", TRANSPORT_NAME, UNSEALED_OFFER)
 
-    def probe(self) -> bytes:
-        """Our torch_shm probe handle, or ``b""`` when torch_shm is off or failed."""
-        if self._probe is None:
-            self._probe = b""
-            if self.shm is not None:
-                try:
-                    self._probe = self.shm.probe_handle()
-                except TensorTransportError as exc:
-                    logger.warning("torch_shm disabled: %s", exc)
-        return self._probe
-
-    def _link(self, peer: Hashable) -> ShmLink:
-        links = self._links
-        link = links.get(peer)
-        if link is None:
-            while len(links) >= MAX_LINKS:
-                del links[next(iter(links))]  # the oldest handshake state goes first
-            link = links[peer] = ShmLink(new_challenge())
-        return link
-
-    def _enabled(self) -> bool:
-        return self.shm is not None and bool(self.probe())
-
-    def _decide(
+    def attest(
         self,
-        link: ShmLink,
+        peer: Hashable,
+        kernel: KernelPeer | None,
         *,
-        our_host: str,
-        claim: tuple[int, str, tuple[str, ...], bytes],
-        proof: bytes,
-        role: Role,
+        offers: Sequence[str],
+        claimed_pid: int = 0,
+        same_host: bool = False,
     ) -> tuple[int, bool, bool]:
-        shm = self.shm
-        pid, host, offers, probe = claim
-        decide(
-            link,
-            enabled=shm is not None and self._enabled(),
-            our_pid=os.getpid(),
-            our_host=our_host,
-            peer_pid=pid,
-            peer_host=host,
-            peer_offers=offers,
-            probe=probe,
-            proof=proof,
-            peer_role=role,
-            read_secret=shm.read_peer_secret if shm is not None else lambda _h: None,
-        )
-        return (link.pid, link.send, link.receive)
+        """Decide torch_shm with ``peer`` from its handshake message (HELLO or WELCOME).
 
-    def challenge(self, peer: Hashable) -> bytes:
-        """Engine: the challenge for this client's HELLO (kept until the peer is gone)."""
-        if not self._enabled():
-            return b""
-        return self._link(peer).challenge
-
-    def welcome_fields(self, peer: Hashable, hello: Hello, *, our_host: str) -> WelcomeShm:
-        """Client: the torch_shm fields of the WELCOME answering ``hello``.
-
-        The proof is only computed for an engine on the same host that offers torch_shm
-        with a challenge of the right size and a pid other than ours. Until
-        `on_proof` the engine gets no handle and its handles are refused.
-        """
-        none = WelcomeShm(("frames",), b"", b"", b"")
-        shm = self.shm
-        if shm is None or not self._enabled():
-            return none
-        if (
-            hello.host_id != our_host
-            or TRANSPORT_NAME not in hello.transports
-            or len(hello.challenge) != CHALLENGE_BYTES
-            or not hello.probe
-            or hello.pid in (0, os.getpid())
-        ):
-            return none
-        link = self._links.get(peer)
-        if link is None or link.peer_challenge != hello.challenge:
-            self._links.pop(peer, None)
-            link = self._link(peer)
-            link.peer_challenge = hello.challenge
-            link.claim = (hello.pid, hello.host_id, tuple(hello.transports), hello.probe)
-        try:
-            proof = shm.prove(Role.CLIENT, verifier_pid=hello.pid, challenge=hello.challenge)
-        except TensorTransportError:
-            return none
-        return WelcomeShm(self.offered(), self.probe(), link.challenge, proof)
-
-    def settled(self, peer: Hashable) -> tuple[int, bool, bool] | None:
-        """Client: the engine's torch_shm state once its PROOF came, None while pending."""
-        link = self._links.get(peer)
-        if link is None or not link.settled:
-            return None
-        return (link.pid, link.send, link.receive)
-
-    def on_welcome(
-        self, peer: Hashable, welcome: Welcome, *, our_host: str, challenge: bytes | None = None
-    ) -> tuple[tuple[int, bool, bool], Proof | None]:
-        """Engine: decide torch_shm with a client from its WELCOME.
-
-        ``challenge`` is the one our HELLO to this client carried (default: the one
-        `challenge` made for ``peer``).
+        Args:
+            peer: The runtime's key for the connection.
+            kernel: What the kernel says sent the message (None: it cannot say: tcp). The
+                policy owns it from here on and closes its pidfd when the peer goes.
+            offers: The transports the peer's message lists (a hint: ``torch_shm`` or
+                the unsealed offer only ever turn things off).
+            claimed_pid: The pid the message claims; used only with ``trust_unattested``
+                for a peer the kernel cannot attest.
+            same_host: The message's host id equals ours (also only for that case).
 
         Returns:
-            ``((pid, send, receive), proof)``: the client's proven pid (0: not proven)
-            and whether we send it handles and resolve its handles; the PROOF to send
-            back (None when the WELCOME carried no challenge). The PROOF is empty unless
-            the client's own proof verified.
+            ``(pid, we send handles, we resolve handles)``: the peer's pid as the kernel
+            says (or, trusted, as it claims); `NO_SHM` when torch_shm is off with it.
         """
-        link = self._link(peer)
-        if challenge is not None:
-            link.challenge = challenge
-        claim = (welcome.pid, welcome.host_id, tuple(welcome.transports), welcome.probe)
-        state = self._decide(
-            link, our_host=our_host, claim=claim, proof=welcome.proof, role=Role.CLIENT
-        )
-        if not welcome.challenge:
-            return state, None
-        proof = b""
+        self._drop_link(peer)
         shm = self.shm
-        if link.proven and shm is not None and len(welcome.challenge) == CHALLENGE_BYTES:
-            try:
-                proof = shm.prove(Role.ENGINE, verifier_pid=link.pid, challenge=welcome.challenge)
-            except TensorTransportError:
-                proof = b""
-        if not proof:
-            link.pid = 0
-            link.send = link.receive = False
-            state = NO_SHM
-        return state, Proof(proof)
-
-    def on_proof(self, peer: Hashable, body: Proof, *, our_host: str) -> tuple[int, bool, bool]:
-        """Client: decide torch_shm with an engine from its PROOF (answer to our WELCOME)."""
-        link = self._links.get(peer)
-        if link is None or link.claim is None or link.settled:
-            return NO_SHM if link is None else (link.pid, link.send, link.receive)
-        return self._decide(
-            link, our_host=our_host, claim=link.claim, proof=body.proof, role=Role.ENGINE
+        if shm is None or TRANSPORT_NAME not in offers:
+            if kernel is not None:
+                kernel.close()
+            return NO_SHM
+        if kernel is None:
+            if not self.trust_unattested or not same_host or claimed_pid <= 0:
+                return NO_SHM
+            kernel = KernelPeer(claimed_pid, -1, -1, "")
+        if kernel.pid == os.getpid():
+            kernel.close()
+            return NO_SHM
+        we_map, they_map = (
+            alias_gate(kernel) if self.alias_unsealed == "same-user" else (False, False)
         )
+        links = self._links
+        while len(links) >= MAX_LINKS:
+            self._drop_link(next(iter(links)))  # the oldest handshake state goes first
+        if not any(link.kernel.key == kernel.key for link in links.values()):
+            # A process new to us under this pid: mappings kept for an earlier process
+            # with the same pid must not serve its handles.
+            shm.forget_peer(kernel.pid)
+        links[peer] = _Link(kernel, we_map)
+        shm.set_peer(peer, process=kernel.key, alias_unsealed=they_map and UNSEALED_OFFER in offers)
+        # We send handles only to a peer that can open our descriptors: our uid or root.
+        send = not kernel.attested or kernel.uid in (0, os.geteuid())
+        return (kernel.pid, send, True)
+
+    def _drop_link(self, peer: Hashable) -> None:
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.kernel.close()
 
     # -- per message -----------------------------------------------------------------------
 
@@ -449,7 +397,7 @@ class TransportPolicy:
         shm = self.shm
         if mode == "frames" or (mode == "auto" and shm is None):
             return None
-        if shm is None or not peer_receives or not self._probe:
+        if shm is None or not peer_receives:
             # frames; an explicit torch_shm request counts each tensor as a fallback
             return PolicyPlacer(self, peer, 0, to_shm=False, cuda_only=mode != TRANSPORT_NAME)
         threshold = 0 if mode == TRANSPORT_NAME else self.shm_threshold
@@ -466,9 +414,19 @@ class TransportPolicy:
         return shm.placer(peer)
 
     def resolver(
-        self, peer_pid: int, *, hold: Hashable = None, keep: Hashable = None
+        self,
+        peer: Hashable,
+        *,
+        frame: object = None,
+        hold: Hashable = None,
+        keep: Hashable = None,
     ) -> ShmResolver | None:
-        """A resolver for handles from the *proven* process ``peer_pid``.
+        """A resolver for handles in a message from ``peer``, resolved against the
+        process the kernel attested for it at the handshake.
+
+        ``frame`` is a frame of the message: unless the peer was trusted unattested, its
+        ``Peer-Address`` must be the attested connection's (a connection that took over
+        the peer's routing id does not inherit the attestation).
 
         With ``hold`` (the peer's key) pool tensors are built on the peer's regions (one
         copy in all) and their leases go back once the tensors die: RELEASE what
@@ -478,26 +436,36 @@ class TransportPolicy:
 
         Returns:
             None when torch_shm is off here; a resolver that refuses every handle (a
-            ``TensorTransportError`` naming no file) when ``peer_pid`` is 0 (not proven)
-            or our own pid.
+            ``TensorTransportError`` naming no file) when the peer is not attested or
+            the message came on another connection.
         """
         shm = self.shm
         if shm is None:
             return None
-        if peer_pid <= 0 or peer_pid == current_pid():  # (cached: no system call per message)
+        link = self._links.get(peer)
+        if link is None:
+            return shm.refusing_resolver()
+        kernel = link.kernel
+        if kernel.attested and self._message_address(frame) != kernel.address:
             return shm.refusing_resolver()
         try:
-            return shm.resolver(peer_pid, hold=hold, keep=keep)
+            return shm.resolver(
+                kernel.pid,
+                hold=hold,
+                keep=keep,
+                peer=kernel if kernel.attested else None,
+                unsealed=link.unsealed,
+            )
         except TensorTransportError:
             return shm.refusing_resolver()
 
     def lazy_resolver(
-        self, peer_pid: int, *, hold: Hashable = None, keep: Hashable = None
+        self, peer: Hashable, *, frame: object = None, hold: Hashable = None, keep: Hashable = None
     ) -> LazyResolver | None:
         """As `resolver`, made on the message's first handle (None: torch_shm is off)."""
         if self.shm is None:
             return None
-        return LazyResolver(self, peer_pid, hold, keep)
+        return LazyResolver(self, peer, frame, hold, keep)
 
     def releasable(self, peer: Hashable, resolver: ShmResolver | None = None) -> tuple[int, ...]:
         """Lease ids to RELEASE to ``peer`` now (``resolver``: a message just decoded).
@@ -565,9 +533,13 @@ class TransportPolicy:
         if self.shm is not None:
             self.shm.refuse_release(count)
 
-    def peer_gone(self, peer: Hashable, pid: int) -> None:
-        """The peer died or left: drop its leases and unmap its segments."""
-        self._links.pop(peer, None)
+    def peer_gone(self, peer: Hashable, pid: int = 0) -> None:
+        """The peer died or left: drop its leases and unmap its segments (``pid``: the
+        pid it had; default: the attested one)."""
+        link = self._links.get(peer)
+        if link is not None and pid <= 0:
+            pid = link.kernel.pid
+        self._drop_link(peer)
         shm = self.shm
         if shm is not None:
             shm.release_peer(peer)
@@ -608,5 +580,7 @@ class TransportPolicy:
 
     def close(self) -> None:
         """Close the torch_shm transport (received tensors stay valid). Idempotent."""
+        for peer in list(self._links):
+            self._drop_link(peer)
         if self.shm is not None:
             self.shm.close()

@@ -1,13 +1,19 @@
 """The receiving side of ``torch_shm``: check a handle's file, map it, build the tensor.
 
 Every handle from the wire is untrusted. Before any memory is touched the receiver checks
-the handle's format and bounds (`._shm_handle`), that it names the peer's own proven
-pid, and that ``/proc/<pid>/fd/<n>`` is a tensorrpc memfd of the right kind (by its name),
-on the memfd device, with the handle's inode, **sealed against shrinking and growing**
-(so no ``ftruncate`` can ever turn an access into ``SIGBUS``), and at most
-``max_segment_bytes`` long, with the handle's bytes inside it. The path is only
-``stat``-ed before the checks pass, and the opened file must be the same inode. Errors
-say what is wrong with the *handle*, never which files or descriptors a process has.
+the handle's format and bounds (`._shm_handle`), that it names the process the kernel
+says sent it (`._peer.KernelPeer`: the connection's credentials, pinned by a pidfd), and
+that ``/proc/<pid>/fd/<n>`` is a tensorrpc memfd of the right kind (by its name), on the
+memfd device, with the handle's inode, **sealed against shrinking and growing** (so no
+``ftruncate`` can ever turn an access into ``SIGBUS``), and at most ``max_segment_bytes``
+long, with the handle's bytes inside it. The path is only ``stat``-ed before the checks
+pass, the opened file must be the same inode, and it is used only if the pidfd then says
+the attested process is still alive (a reused pid fails). Errors say what is wrong with
+the *handle*, never which files or descriptors a process has.
+
+torch's own shared files (``share_memory_()``: kinds ``TORCH_FD`` and ``TORCH_FILE``)
+cannot be sealed; a resolver maps them only when it was made with ``unsealed=True``, which
+the policy grants only when `._peer.alias_gate` holds for the peer.
 
 Mappings are lazy (no ``MAP_POPULATE``: a sparse segment costs nothing but the pages the
 tensor really reads) and kept in a per-peer LRU keyed by ``(pid, dev, ino)``, bounded by
@@ -37,7 +43,6 @@ from typing import TYPE_CHECKING, Final
 
 from tensorrpc._lazy import LazyModule
 from tensorrpc._release import later, later_if_large
-from tensorrpc.transports._shm_auth import SECRET_BYTES, ProbeHandle
 from tensorrpc.transports._shm_handle import (
     CUDA_TAIL,
     MAX_FD,
@@ -63,6 +68,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
     import torch
+
+    from tensorrpc.transports._peer import KernelPeer
 else:
     torch = LazyModule("torch", globals())
 
@@ -72,16 +79,32 @@ logger = logging.getLogger("tensorrpc.transports")
 
 POOL_RE: Final = re.compile(r"/memfd:tensorrpc-[0-9]+-[0-9]+ \(deleted\)")
 SHARED_RE: Final = re.compile(r"/memfd:tensorrpc-shared-[0-9]+-[0-9]+ \(deleted\)")
-PROBE_RE: Final = re.compile(r"/memfd:tensorrpc-probe-[0-9]+ \(deleted\)")
+#: torch's shared files (both sharing strategies): ``/dev/shm/torch_<pid>_<n>_<n>``,
+#: unlinked already (``file_descriptor``) or not (``file_system``).
+TORCH_RE: Final = re.compile(r"/dev/shm/torch_[0-9]+_[0-9]+_[0-9]+( \(deleted\))?")
 _SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-_PROBE_SEALED = _SEALED | fcntl.F_SEAL_WRITE
 _TORCH_NAME_RE = re.compile(r"/torch_[0-9]+_[0-9]+_[0-9]+")
 # (module constants: an enum member read from its class costs ~0.1 µs, per handle)
 _EMPTY: Final = HandleKind.EMPTY
 _POOL: Final = HandleKind.POOL
 _SHARED: Final = HandleKind.SHARED
 _CUDA: Final = HandleKind.CUDA
+_TORCH_FD: Final = HandleKind.TORCH_FD
+_TORCH_FILE: Final = HandleKind.TORCH_FILE
+_UNSEALED_REFUSED = (
+    "torch shared-memory files are not accepted from this peer (shm_alias_unsealed is "
+    '"never", or the peer is not our user with no privilege we lack); they go through '
+    "the sealed pool"
+)
 _NO_ATTACH = "cannot attach to the handle (not a live tensorrpc segment of the peer)"
+
+
+def _shm_device() -> int:
+    """``st_dev`` of ``/dev/shm`` (where torch puts its shared files); -1 without it."""
+    try:
+        return os.stat("/dev/shm").st_dev
+    except OSError:
+        return -1
 
 
 def _still_open(key: tuple[int, int, int], fd: int) -> bool:
@@ -234,6 +257,7 @@ class Receiver:
     ) -> None:
         self._lock = threading.Lock()
         self._memfd_dev = memfd_dev
+        self._shm_dev = _shm_device()
         self.maps = maps
         self.buffers = buffers
         self.max_segment_bytes = max_segment_bytes
@@ -265,26 +289,6 @@ class Receiver:
                 self.pruned += len(dead)
         return len(dead)
 
-    # -- probes ----------------------------------------------------------------------------
-
-    def read_probe_secret(self, probe: ProbeHandle) -> bytes | None:
-        """The secret in a peer's probe memfd, or None when it cannot be read or is wrong."""
-        try:
-            ofd, _st = self._open(probe.pid, probe.fd, probe.dev, probe.ino, PROBE_RE, os.O_RDONLY)
-        except Exception:  # any failure: not proven
-            return None
-        try:
-            if os.fstat(ofd).st_size != SECRET_BYTES:
-                return None
-            if fcntl.fcntl(ofd, fcntl.F_GET_SEALS) & _PROBE_SEALED != _PROBE_SEALED:
-                return None
-            data = os.pread(ofd, SECRET_BYTES, 0)
-        except OSError:
-            return None
-        finally:
-            os.close(ofd)
-        return data if len(data) == SECRET_BYTES else None
-
     # -- handles ---------------------------------------------------------------------------
 
     def resolve(
@@ -296,12 +300,16 @@ class Receiver:
         *,
         count: bool = True,
         owner: tuple[bool, Hashable] | None = None,
+        peer: KernelPeer | None = None,
+        unsealed: bool = False,
     ) -> torch.Tensor:
         """Build the tensor a parsed handle describes (see `ShmResolver.resolve`).
 
         ``owner`` asks for one-copy receive of pool tensors (built on the region itself):
         ``(True, peer)`` holds the lease in `holds` until the tensor's storage is freed;
         ``(False, message)`` tracks the tensor for `detach`. None copies pool tensors out.
+        ``peer``: the attested sender; a file opened through ``/proc`` is used only if
+        it is still alive afterwards. ``unsealed``: torch's shared files may be mapped.
         """
         if not isinstance(dtype, torch.dtype):
             raise fail(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
@@ -319,13 +327,13 @@ class Receiver:
             raise fail("EMPTY handle for a tensor with elements")
         else:
             if peer_pid is not None and h.pid != peer_pid:
-                raise fail("the handle does not name the peer's process")
-            out = self._resolve_kind(h, dtype, shape, nbytes, owner)
+                raise fail(_NO_ATTACH)  # (the same words as any file it may not open)
+            out = self._resolve_kind(h, dtype, shape, nbytes, owner, peer, unsealed)
         if count:
             with self._lock:
                 self.tensors_received += 1
                 self.bytes_received += nbytes
-                if h.kind == _SHARED or h.kind == _CUDA:
+                if h.kind != _POOL and h.kind != _EMPTY:
                     self.tensors_aliased += 1
         return out
 
@@ -336,45 +344,60 @@ class Receiver:
         shape: tuple[int, ...],
         nbytes: int,
         owner: tuple[bool, Hashable] | None,
+        peer: KernelPeer | None = None,
+        unsealed: bool = False,
     ) -> torch.Tensor:
         start, length = check_bounds(h, dtype.itemsize, shape)
         if h.kind == _POOL:
-            return self._resolve_pool(h, dtype, shape, nbytes, owner)
+            return self._resolve_pool(h, dtype, shape, nbytes, owner, peer)
         if h.kind == _SHARED:
-            return self._resolve_shared(h, dtype, shape, start, length)
+            return self._resolve_shared(h, dtype, shape, start, length, peer, SHARED_RE)
         if h.kind == _CUDA:
             return self._resolve_cuda(h, dtype, shape)
-        raise fail(
-            "torch shared-memory files are not accepted (they can shrink while mapped); "
-            "send the tensor from the pool or from tensorrpc.shared_empty"
-        )
+        if not unsealed:
+            raise fail(_UNSEALED_REFUSED)
+        return self._resolve_shared(h, dtype, shape, start, length, peer, TORCH_RE)
 
     def _open(
-        self, pid: int, fd: int, dev: int, ino: int, pattern: re.Pattern[str], flags: int
+        self,
+        pid: int,
+        fd: int,
+        dev: int,
+        ino: int,
+        pattern: re.Pattern[str],
+        flags: int,
+        peer: KernelPeer | None = None,
     ) -> tuple[int, os.stat_result]:
-        """Open ``/proc/<pid>/fd/<fd>`` if it is the memfd described; generic errors only."""
+        """Open ``/proc/<pid>/fd/<fd>`` if it is the file described; generic errors only.
+
+        With ``peer``, the file is kept only if ``peer``'s pidfd says the process is still
+        alive after the open: the pid cannot have been reused by another process then.
+        """
         if not 0 <= fd < MAX_FD or pid <= 0:
             raise fail(_NO_ATTACH)
         path = f"/proc/{pid}/fd/{fd}"
+        device = self._shm_dev if pattern is TORCH_RE else self._memfd_dev
         try:
             target = os.readlink(path)
             if not pattern.fullmatch(target):
                 raise fail(_NO_ATTACH)
             # stat() follows the magic link without opening anything: check before open().
-            self._check_file(os.stat(path), dev, ino)
+            self._check_file(os.stat(path), dev, ino, device)
             ofd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
         except OSError:
             raise fail(_NO_ATTACH) from None
         try:
+            if peer is not None and not peer.alive():
+                raise fail(_NO_ATTACH)
             st = os.fstat(ofd)
-            self._check_file(st, dev, ino)
+            self._check_file(st, dev, ino, device)
         except BaseException:
             os.close(ofd)
             raise
         return ofd, st
 
-    def _check_file(self, st: os.stat_result, dev: int, ino: int) -> None:
-        if not stat.S_ISREG(st.st_mode) or st.st_dev != self._memfd_dev:
+    def _check_file(self, st: os.stat_result, dev: int, ino: int, device: int) -> None:
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != device:
             raise fail(_NO_ATTACH)
         if st.st_dev != dev or st.st_ino != ino:
             raise fail(_NO_ATTACH)
@@ -382,7 +405,12 @@ class Receiver:
             raise fail(f"segment larger than this receiver's limit ({self.max_segment_bytes} B)")
 
     def _segment(
-        self, h: Handle, pattern: re.Pattern[str], first: int, length: int
+        self,
+        h: Handle,
+        pattern: re.Pattern[str],
+        first: int,
+        length: int,
+        peer: KernelPeer | None = None,
     ) -> tuple[torch.Tensor, int]:
         """A mapping covering bytes ``first .. first+length`` of the handle's segment.
 
@@ -397,9 +425,10 @@ class Receiver:
             if end > view.numel():
                 raise fail("the handle reaches past the end of its segment")
             return view, first
-        ofd, st = self._open(h.pid, h.fd, h.dev, h.ino, pattern, os.O_RDWR)
+        ofd, st = self._open(h.pid, h.fd, h.dev, h.ino, pattern, os.O_RDWR, peer)
         try:
-            if fcntl.fcntl(ofd, fcntl.F_GET_SEALS) & _SEALED != _SEALED:
+            sealed = pattern is not TORCH_RE  # (torch's files: the caller's gate held)
+            if sealed and fcntl.fcntl(ofd, fcntl.F_GET_SEALS) & _SEALED != _SEALED:
                 raise fail("the segment is not sealed against shrinking and growing")
             size = st.st_size
             if end > size:
@@ -425,6 +454,7 @@ class Receiver:
         shape: tuple[int, ...],
         nbytes: int,
         owner: tuple[bool, Hashable] | None = None,
+        peer: KernelPeer | None = None,
     ) -> torch.Tensor:
         if h.tail:
             raise fail("unexpected bytes after a POOL handle")
@@ -434,7 +464,7 @@ class Receiver:
             raise fail(f"pool region at byte {h.base} is misaligned")
         if h.tag == 0:
             raise fail("pool handle without a tag")
-        view, at = self._segment(h, POOL_RE, h.base - REGION_HEADER, REGION_HEADER + nbytes)
+        view, at = self._segment(h, POOL_RE, h.base - REGION_HEADER, REGION_HEADER + nbytes, peer)
         tag_at = view.data_ptr() + at
         if _read_u64(tag_at) != h.tag:
             raise fail("pool region no longer holds this tensor (lease released or expired)")
@@ -483,12 +513,22 @@ class Receiver:
         return len(alive)
 
     def _resolve_shared(
-        self, h: Handle, dtype: torch.dtype, shape: tuple[int, ...], start: int, length: int
+        self,
+        h: Handle,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        start: int,
+        length: int,
+        peer: KernelPeer | None,
+        pattern: re.Pattern[str],
     ) -> torch.Tensor:
+        """A tensor on a whole file the sender shares: ``SHARED`` (sealed) or torch's."""
         if h.tail:
             raise fail("unexpected bytes after a SHARED handle")
-        if h.base != 0:
+        if h.base != 0 and (pattern is not TORCH_RE or h.base % 64):
+            # (torch's file_system files keep a 64-byte reference count before the data)
             raise fail("shared handle must start at byte 0 of its segment")
+        start += h.base
         size = dtype.itemsize
         if start % size == 0:
             # The hot path: a kept mapping, and its view as `dtype` made once for all.
@@ -496,8 +536,8 @@ class Receiver:
                 got = self.maps.typed((h.pid, h.dev, h.ino), dtype)
             if got is not None:
                 view, cached = got
-                # (as _segment: the handle's whole storage must fit; base is 0)
-                if max(start + length, h.span) > view.numel():
+                # (as _segment: the handle's whole storage must fit)
+                if max(start + length, h.base + h.span) > view.numel():
                     raise fail("the handle reaches past the end of its segment")
                 if cached is not None:
                     as_dtype, offset = cached
@@ -510,7 +550,7 @@ class Receiver:
                         raise fail(
                             f"cannot build the tensor on the shared segment: {exc}"
                         ) from None
-        view, at = self._segment(h, SHARED_RE, start, length)
+        view, at = self._segment(h, pattern, start, length, peer)
         try:
             if at % size == 0 and view.numel() % size == 0:
                 # One view op for the common case (the handle's bytes are inside `view`).
@@ -582,7 +622,16 @@ class ShmResolver:
     regions (one copy in all) instead of copied out.
     """
 
-    __slots__ = ("_check", "_closed", "_leases", "_owner", "_peer_pid", "_receiver")
+    __slots__ = (
+        "_check",
+        "_closed",
+        "_leases",
+        "_owner",
+        "_peer",
+        "_peer_pid",
+        "_receiver",
+        "_unsealed",
+    )
 
     def __init__(
         self,
@@ -590,11 +639,15 @@ class ShmResolver:
         peer_pid: int | None,
         check: Callable[[], None],
         owner: tuple[bool, Hashable] | None = None,
+        peer: KernelPeer | None = None,
+        unsealed: bool = False,
     ) -> None:
         self._receiver = receiver
         self._peer_pid = peer_pid
         self._check = check
         self._owner = owner
+        self._peer = peer
+        self._unsealed = unsealed
         self._closed = False
         #: Lease ids seen, in order of appearance (a dict: O(1) membership, no repeats).
         self._leases: dict[int, None] = {}
@@ -624,13 +677,19 @@ class ShmResolver:
             raise fail(f"cannot resolve a {transport!r} handle")
         self._check()
         h = unpack(handle)
+        peer = self._peer
+        if peer is not None and not self._leases and not peer.alive():
+            # (once per message: the process that sent it exited, its pid may be reused)
+            raise fail(_NO_ATTACH)
         owner = self._owner
         if owner is not None and owner[0] and h.lease not in self._leases:
             # The decode itself holds each lease until close(): a tensor that dies
             # before its message's last tensor is resolved cannot release it early.
             self._receiver.holds.add(owner[1], h.lease)
         self._leases[h.lease] = None
-        return self._receiver.resolve(h, dtype, tuple(shape), self._peer_pid, owner=owner)
+        return self._receiver.resolve(
+            h, dtype, tuple(shape), self._peer_pid, owner=owner, peer=peer, unsealed=self._unsealed
+        )
 
     def close(self) -> tuple[int, ...]:
         """The message is decoded: the lease ids to RELEASE now.
@@ -662,8 +721,8 @@ def refuse_all() -> None:
         TensorTransportError: always; the message says nothing about files or descriptors.
     """
     raise fail(
-        "torch_shm is not in use with this peer (its process id was not proven at the "
-        "handshake); send tensors as frames"
+        "torch_shm is not in use with this peer (the kernel did not attest its process "
+        "on this connection); send tensors as frames"
     )
 
 
@@ -684,18 +743,21 @@ class ShmReceiving:
         """The peers' leases held by our received tensors (``holds.ready``: releasable)."""
         return self._receiver.holds
 
-    def read_peer_secret(self, probe: ProbeHandle) -> bytes | None:
-        """The secret in a peer's probe memfd (None: it cannot be opened or is not one)."""
-        return self._receiver.read_probe_secret(probe)
-
     def resolver(
-        self, peer_pid: int | None, *, hold: Hashable = None, keep: Hashable = None
+        self,
+        peer_pid: int | None,
+        *,
+        hold: Hashable = None,
+        keep: Hashable = None,
+        peer: KernelPeer | None = None,
+        unsealed: bool = False,
     ) -> ShmResolver:
         """A resolver that accepts handles from the process ``peer_pid`` only.
 
         Args:
-            peer_pid: the peer's *proven* pid (see docs/protocol.md §8.1). ``None``
-                accepts any pid; use it only for tests and tools.
+            peer_pid: the pid the kernel attested for the connection (see
+                docs/security.md). ``None`` accepts any pid; use it only for tests and
+                tools.
             hold: one-copy receive from a peer that keeps its regions until a RELEASE
                 (any hashable key for that peer): pool tensors are built on the peer's
                 region, which stays leased to us until the tensor's storage is freed;
@@ -706,6 +768,8 @@ class ShmReceiving:
                 argument lease ends with the first reply): call `detach` with the key
                 before that point. Without ``hold`` or ``keep``, pool tensors are copied
                 out and every lease may be released once the message is decoded.
+            peer: the attested process (its pidfd): files are used only while it lives.
+            unsealed: map torch's own shared files (its ``alias_gate`` held).
 
         Raises:
             TensorTransportError: the transport is closed.
@@ -715,7 +779,7 @@ class ShmReceiving:
         if hold is not None and keep is not None:
             raise ValueError("hold and keep are exclusive")
         owner = (True, hold) if hold is not None else (False, keep) if keep is not None else None
-        return ShmResolver(self._receiver, peer_pid, self._checked, owner)
+        return ShmResolver(self._receiver, peer_pid, self._checked, owner, peer, unsealed)
 
     def detach(self, keep: Hashable) -> int:
         """Message ``keep`` ends: its tensors still on the peer's regions get private pages.
@@ -754,7 +818,7 @@ class ShmReceiving:
         return copied
 
     def refusing_resolver(self) -> ShmResolver:
-        """A resolver that refuses every handle: for a peer whose pid was not proven."""
+        """A resolver that refuses every handle: for a peer the kernel did not attest."""
         return ShmResolver(self._receiver, 0, refuse_all)
 
     def forget_peer(self, peer_pid: int) -> int:

@@ -8,28 +8,33 @@ receiver: [`ShmResolver.resolve`][tensorrpc.transports.torch_shm.ShmResolver.res
   No byte is copied and the received tensor **aliases the sender's memory**: writes on
   either side are seen by the other. CUDA tensors go through torch's CUDA IPC and alias
   too.
-* **Anything else** (including tensors in torch's own shared memory, whose files cannot
-  be sealed) is copied once into a region of a sealed ``memfd`` segment that the sender's
-  transport owns and reuses, and the receiver copies it out into memory of its own. The
-  caller's tensor is only read; process-wide torch settings are never touched.
+* **In torch's own shared memory** (``share_memory_()``, torch.multiprocessing, either
+  sharing strategy) and sent to a peer that passed the unsealed-alias gate
+  (`set_peer` with ``alias_unsealed=True``; see docs/security.md): the handle names
+  torch's file and the receiver maps it, by alias like the above. torch's files cannot
+  be sealed, so this is only done where a truncation costs the receiver nothing new.
+* **Anything else** (including torch's shared files to any other peer) is copied once
+  into a region of a sealed ``memfd`` segment that the sender's transport owns and
+  reuses, and the receiver copies it out into memory of its own. The caller's tensor is
+  only read; process-wide torch settings are never touched.
 
 Runtime integration (one `TorchShmTransport` per process or endpoint)::
 
     shm = TorchShmTransport()                      # close() (or `with`) at shutdown
-    # handshake (docs/protocol.md §8.1): send shm.probe_handle() and a challenge; answer
-    # the peer's challenge with shm.prove(...); check its answer with
-    # _shm_auth.decide(..., read_secret=shm.read_peer_secret). Only a proven peer gets
-    # handles or a resolver.
+    # handshake: the shell takes the peer's identity from the kernel (_peer.KernelPeer);
+    # only an attested peer gets handles or a resolver. shm.set_peer(peer, process=...,
+    # alias_unsealed=...) says which process it is (budgets) and whether torch's shared
+    # files may go to it by alias.
     placer = shm.placer(peer=engine_id)            # one per outgoing message
     enc = encode(value, placer=placer)             # codec calls placer.place(t)
     lease = placer.lease                           # None: nothing went by handle
     # when the peer confirms it attached: shm.release(lease, peer=engine_id)
     # if the message is never sent: placer.abort()
-    resolver = shm.resolver(proven_peer_pid)       # per incoming message (or per peer)
+    resolver = shm.resolver(attested_pid, peer=kernel_peer)  # per incoming message
     value = decode(payload, buffers, resolver=resolver)
     resolver.leases                                # lease ids to send back in RELEASE
     # peer died: shm.release_peer(peer); shm.forget_peer(peer_pid)
-    # every few seconds: shm.sweep() (leases older than lease_timeout are dropped)
+    # every few seconds: shm.sweep() (old leases dropped, freed peer segments unmapped)
 
 Why ``/proc/<pid>/fd`` rather than ``SCM_RIGHTS``: the handle rides inside the normal
 message over any ZMQ transport with no side channel. Opening ``/proc/<pid>/fd/<n>`` needs
@@ -39,8 +44,8 @@ shows it. The checks a receiver makes are in `tensorrpc.transports._shm_recv`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import fcntl
 import os
 import secrets
 import threading
@@ -50,7 +55,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from tensorrpc._lazy import LazyModule
 from tensorrpc.transports import _shared
-from tensorrpc.transports._shm_auth import ProbeHandle, Role, make_proof, new_secret
 from tensorrpc.transports._shm_budget import PeerBudget, StorageKey
 from tensorrpc.transports._shm_handle import (
     CUDA_TAIL,
@@ -102,13 +106,14 @@ __all__ = [
 ]
 
 _MEMFD_PREFIX = "tensorrpc-"
-_PROBE_PREFIX = "tensorrpc-probe-"
 # Kept for tools and tests that build handles by hand.
 _Handle = Handle
 _pack = pack
 _unpack = unpack
 _contiguous_strides = contiguous_strides
 _SHARED = HandleKind.SHARED
+_TORCH_FD = HandleKind.TORCH_FD
+_TORCH_FILE = HandleKind.TORCH_FILE
 _EMPTY_KIND = HandleKind.EMPTY
 #: `TorchShmTransport._place_shared_cpu`'s answer for a shared tensor over the peer's cap.
 _LIMITED = b"limited"
@@ -172,6 +177,8 @@ class _Lease:
     nbytes: int = 0
     #: Shared storages this lease pins (charged to the peer once: see `PeerBudget`).
     pins: list[StorageKey] = field(default_factory=list)
+    #: Whose budget the lease counts against: the peer's process (see `set_peer`).
+    account: Hashable = None
 
 
 class ShmPlacer:
@@ -209,32 +216,6 @@ class ShmPlacer:
         """The message will not be sent: release what was placed at once."""
         if self._lease is not None:
             self._transport.release(self._lease.id)
-
-
-class _Probe:
-    """Our probe: a sealed memfd holding a random secret that never leaves the process."""
-
-    __slots__ = ("fd", "handle", "secret")
-
-    def __init__(self, pid: int) -> None:
-        secret = new_secret()
-        fd = os.memfd_create(f"{_PROBE_PREFIX}{pid}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.write(fd, secret)
-            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-            st = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd = fd
-        self.secret = secret
-        self.handle = ProbeHandle(pid, fd, st.st_dev, st.st_ino).pack()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class TorchShmTransport(ShmReceiving):
@@ -298,11 +279,14 @@ class TorchShmTransport(ShmReceiving):
         self._budget = PeerBudget(peer_max_bytes, peer_max_leases)
         self._next_lease = 1
         self._disabled: set[Hashable] = set()
+        #: peer -> its process (the budget's key); peers absent count as their own.
+        self._accounts: dict[Hashable, Hashable] = {}
+        #: Peers that may get torch's unsealed shared files by alias.
+        self._alias: set[Hashable] = set()
         self._lease_timeout = lease_timeout
         self._cuda = cuda
         self._clock = clock
         self._closed = False
-        self._probe: _Probe | None = None
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "tensors_sent",
@@ -339,9 +323,8 @@ class TorchShmTransport(ShmReceiving):
             self._budget.clear()
             self._pool.close()
             self._receiver.maps.clear()
-            if self._probe is not None:
-                self._probe.close()
-                self._probe = None
+            self._accounts.clear()
+            self._alias.clear()
         self._warmer.close()
         self._receiver.buffers.close()
 
@@ -360,46 +343,42 @@ class TorchShmTransport(ShmReceiving):
         if self._closed:
             raise fail("transport is closed")
         if current_pid() != self._pid:
-            # A forked child must not allocate from (or release into) its parent's pool,
-            # nor prove itself with its parent's secret.
+            # A forked child must not allocate from (or release into) its parent's pool.
             self._pid = current_pid()
             self._pool.abandon()
             self._leases.clear()
             self._budget.clear()
             self._receiver.maps.clear()
-            self._probe = None
+            self._accounts.clear()
+            self._alias.clear()
 
     def _checked(self) -> None:
         if self._closed or current_pid() != self._pid:  # (read without the lock: rare)
             with self._lock:
                 self._check_open()
 
-    # -- handshake -------------------------------------------------------------------------
+    # -- peers ---------------------------------------------------------------------------
 
-    def probe_handle(self) -> bytes:
-        """Our probe handle for HELLO / WELCOME: names a sealed memfd holding our secret.
+    def set_peer(self, peer: Hashable, *, process: Hashable, alias_unsealed: bool) -> None:
+        """What the handshake learned about ``peer`` from the kernel.
 
-        Raises:
-            TensorTransportError: the transport is closed or the memfd could not be made.
+        Args:
+            peer: The runtime's id for the connection (as given to `placer`).
+            process: The peer's process (`KernelPeer.key`): every connection of one
+                process shares one budget (``peer_max_bytes``, ``peer_max_leases``).
+            alias_unsealed: Tensors in torch's own shared memory may go to ``peer`` by
+                alias (the unsealed-alias gate held on both ends); else they are copied
+                through the sealed pool.
         """
-        return self._own_probe().handle
-
-    def prove(self, role: Role, *, verifier_pid: int, challenge: bytes) -> bytes:
-        """Our answer to a peer's challenge (docs/protocol.md §8.1)."""
-        probe = self._own_probe()
-        return make_proof(
-            probe.secret, role, prover_pid=self._pid, verifier_pid=verifier_pid, challenge=challenge
-        )
-
-    def _own_probe(self) -> _Probe:
         with self._lock:
-            self._check_open()
-            if self._probe is None:
-                try:
-                    self._probe = _Probe(self._pid)
-                except OSError as exc:
-                    raise fail(f"could not create the probe memfd: {exc.strerror}") from None
-            return self._probe
+            self._accounts[peer] = process
+            if alias_unsealed:
+                self._alias.add(peer)
+            else:
+                self._alias.discard(peer)
+
+    def _account(self, peer: Hashable) -> Hashable:
+        return self._accounts.get(peer, peer)
 
     # -- sender side ----------------------------------------------------------------------
 
@@ -468,6 +447,8 @@ class TorchShmTransport(ShmReceiving):
             self._pool.close_owner(peer)
             self._stats["leases_expired"] += len(dead)
             self._disabled.discard(peer)
+            self._accounts.pop(peer, None)
+            self._alias.discard(peer)
             return len(dead)
 
     def sweep(self) -> int:
@@ -499,7 +480,7 @@ class TorchShmTransport(ShmReceiving):
                 self._pool.release(seg, off, n)
         entry.regions.clear()
         entry.keep.clear()
-        self._budget.closed(entry.peer, entry.nbytes, entry.pins)
+        self._budget.closed(entry.account, entry.nbytes, entry.pins)
         entry.pins.clear()
 
     def _needs_lease(self, placer: ShmPlacer) -> bool:
@@ -511,18 +492,20 @@ class TorchShmTransport(ShmReceiving):
             # (A placer used again after its lease was released gets a fresh lease.)
             lid = self._next_lease
             self._next_lease += 1
-            placer._lease = _Lease(lid, placer._peer, self._clock(), [], [])
+            account = self._account(placer._peer)
+            placer._lease = _Lease(lid, placer._peer, self._clock(), [], [], account=account)
             self._leases[lid] = placer._lease
-            self._budget.opened(placer._peer)
+            self._budget.opened(account)
         assert placer._lease is not None  # (made above, or open: `_needs_lease`)
         return placer._lease
 
     def _charge(self, lease: _Lease, nbytes: int) -> None:
         lease.nbytes += nbytes
-        self._budget.charge(lease.peer, nbytes)
+        self._budget.charge(lease.account, nbytes)
 
     def _over_limit(self, placer: ShmPlacer, nbytes: int) -> bool:
-        if self._budget.over(placer._peer, nbytes, new_lease=self._needs_lease(placer)):
+        account = self._account(placer._peer)
+        if self._budget.over(account, nbytes, new_lease=self._needs_lease(placer)):
             self._stats["peer_limited"] += 1
             return True
         return False
@@ -633,14 +616,17 @@ class TorchShmTransport(ShmReceiving):
             return None  # its bits are not its values: copy it (resolving the view)
         storage = t.untyped_storage()
         block = _shared.lookup(storage)
-        if block is None:
-            return None  # torch's own shared files cannot be sealed: they go by the pool
         strides = t.stride()
+        if block is None:
+            if placer._peer not in self._alias:
+                return None  # torch's own shared files cannot be sealed: they go by the pool
+            return self._place_torch(placer, t, storage, strides)
         if not (t.is_contiguous() or non_overlapping(tuple(t.shape), strides)):
             return None
         nbytes = storage.nbytes()
         key = (block.dev, block.ino)
-        if not self._budget.try_pin(placer._peer, key, nbytes, new_lease=self._needs_lease(placer)):
+        account = self._account(placer._peer)
+        if not self._budget.try_pin(account, key, nbytes, new_lease=self._needs_lease(placer)):
             self._stats["peer_limited"] += 1
             return _LIMITED
         lease = self._new_lease(placer)
@@ -655,6 +641,67 @@ class TorchShmTransport(ShmReceiving):
             lease.id,
             0,
             0,
+            nbytes,
+            int(t.storage_offset()),
+            strides,
+            b"",
+        )
+
+    def _place_torch(
+        self,
+        placer: ShmPlacer,
+        t: torch.Tensor,
+        storage: torch.UntypedStorage,
+        strides: tuple[int, ...],
+    ) -> bytes | None:
+        """The handle of a tensor in torch's own shared memory, to a peer past the gate.
+
+        Never moves the caller's storage: ``_share_filename_cpu_`` is only asked of a
+        storage that is shared and not by descriptor (torch's ``file_system`` files),
+        where it returns the existing name.
+        """
+        if not storage.is_shared():
+            return None  # private memory: the pool
+        if not (t.is_contiguous() or non_overlapping(tuple(t.shape), strides)):
+            return None
+        owned: _OwnedFd | None = None
+        try:
+            try:
+                fd = storage._get_shared_fd()  # type: ignore[attr-defined]
+                kind = _TORCH_FD
+            except RuntimeError:  # file_system: open its file, held by the lease
+                _manager, name, _size = storage._share_filename_cpu_()
+                path = "/dev/shm/" + bytes(name).decode("ascii").lstrip("/")
+                owned = _OwnedFd(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
+                fd = owned.fd
+                kind = _TORCH_FILE
+            st = os.fstat(fd)
+        except (OSError, RuntimeError, UnicodeDecodeError, ValueError, TypeError):
+            return None  # not one of torch's shared files after all: the pool
+        nbytes = storage.nbytes()
+        # torch's file_system files start with a 64-byte reference count; the data follows.
+        base = st.st_size - nbytes if kind == _TORCH_FILE else 0
+        if base not in (0, 64) or st.st_size < nbytes:
+            return None
+        key = (st.st_dev, st.st_ino)
+        account = self._account(placer._peer)
+        if not self._budget.try_pin(account, key, nbytes, new_lease=self._needs_lease(placer)):
+            self._stats["peer_limited"] += 1
+            return _LIMITED
+        lease = self._new_lease(placer)
+        lease.keep.append(storage)
+        if owned is not None:
+            lease.keep.append(owned)
+        lease.pins.append(key)
+        return pack_fields(
+            kind,
+            self._pid,
+            fd,
+            st.st_dev,
+            st.st_ino,
+            lease.id,
+            0,
+            base,
             nbytes,
             int(t.storage_offset()),
             strides,
@@ -717,6 +764,22 @@ class TorchShmTransport(ShmReceiving):
                 bytes_received=recv.bytes_received,
                 **self._stats,
             )
+
+
+class _OwnedFd:
+    """A descriptor a lease holds open (a torch ``file_system`` file named in a handle);
+    closed when the lease lets go of it."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class _Fill:

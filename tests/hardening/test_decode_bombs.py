@@ -100,7 +100,6 @@ _CONTROL_KINDS = [
     (MessageKind.CREDIT, 1),
     (MessageKind.RELEASE, 0),
     (MessageKind.ERROR, 1),
-    (MessageKind.PROOF, 0),
 ]
 
 
@@ -126,7 +125,6 @@ def test_control_body_bomb_is_refused_before_decoding(
     ("kind", "call_id", "cap"),
     [
         (MessageKind.CREDIT, 1, 1024),
-        (MessageKind.PROOF, 0, 1024),
         (MessageKind.BYE, 0, 8 * 1024),
         (MessageKind.WELCOME, 0, 64 * 1024),
         (MessageKind.RELEASE, 0, 64 * 1024),

@@ -4,8 +4,8 @@ Each host is a network namespace with its own address in 198.18.0.0/15 (the benc
 test range; the addresses exist only inside these namespaces), joined to a bridge by a veth
 pair. Engines also run in their own PID and mount namespaces (``unshare``), so they share
 nothing with the client but the network. Over tcp:// with CURVE: calls, a stream and a
-tensor work; ``auto`` sends the tensor as frames because the torch_shm probe cannot open
-across hosts; deleting a host's link fails its call with EngineDeadError within
+tensor work; ``auto`` sends the tensor as frames because torch_shm needs a peer the kernel
+attests (ipc://); deleting a host's link fails its call with EngineDeadError within
 dead_after while the other host keeps serving; restoring the link brings the engine back.
 Needs Linux, root, ``ip`` and ``unshare``; skipped elsewhere with the reason.
 """
@@ -152,8 +152,8 @@ def test_engines_on_other_hosts_over_tcp_with_curve(net: Net) -> None:
         assert calls["who"] == {"a": "a", "b": "b"}
         assert calls["tensor_ok"]
         assert calls["stream"] == [0, 1, 2, 3, 4]
-        # torch_shm was offered (same kernel, same host id), but the probe handle cannot be
-        # opened from another PID/mount namespace: the 1 MiB tensor went as frames
+        # torch_shm was offered, but over tcp the kernel attests no peer (and nobody here
+        # trusts unattested peers): the 1 MiB tensor went as frames
         assert "torch_shm" in calls["offered"]["a"]
         assert calls["frames_sent"] >= 1
         assert calls["shm_sent"] == 0

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +27,6 @@ from bench._measure import shm_files_of, shm_names_of
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc.transports import TensorPlacer, TensorResolver
 from tensorrpc.transports._shared import share
-from tensorrpc.transports._shm_auth import (
-    SECRET_BYTES,
-    ProbeHandle,
-    Role,
-    check_proof,
-    new_challenge,
-)
 from tensorrpc.transports._shm_pool import Segment
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
@@ -315,7 +307,8 @@ def test_handles_from_another_pid_are_refused(pair):
     item = {"handle": placed["handles"][0], "dtype": "float32", "shape": [1024]}
     got = b.request("resolve", items=[item], peer_pid=a.pid + 100_000)
     assert got["digests"] == [None]
-    assert "peer's process" in got["errors"][0]
+    # The one fixed error of a handle its connection's process does not own.
+    assert NO_ATTACH in got["errors"][0]
     a.request("release", leases=[placed["lease"]])
 
 
@@ -676,42 +669,6 @@ def test_tensors_it_cannot_place_fall_back_and_are_counted():
         stats = shm.statistics()
         assert stats.fallbacks == 6
         assert stats.tensors_sent == 0
-
-
-def test_probe_secret_is_read_only_through_a_genuine_sealed_probe_memfd(shm):
-    with TorchShmTransport() as other:
-        probe = ProbeHandle.unpack(other.probe_handle())
-        assert probe is not None
-        assert probe.pid == os.getpid()
-        assert other.probe_handle() == other.probe_handle()
-        secret = shm.read_peer_secret(probe)
-        assert secret is not None
-        assert len(secret) == SECRET_BYTES
-        challenge = new_challenge()
-        proof = other.prove(Role.ENGINE, verifier_pid=1234, challenge=challenge)
-        assert check_proof(
-            secret,
-            Role.ENGINE,
-            prover_pid=os.getpid(),
-            verifier_pid=1234,
-            challenge=challenge,
-            proof=proof,
-        )
-        assert not check_proof(
-            secret,
-            Role.CLIENT,
-            prover_pid=os.getpid(),
-            verifier_pid=1234,
-            challenge=challenge,
-            proof=proof,
-        )
-        assert shm.read_peer_secret(replace(probe, pid=os.getpid() + 100_000)) is None
-        assert shm.read_peer_secret(replace(probe, ino=probe.ino + 1)) is None
-        assert other.statistics().leases_active == 0
-        # A pool segment or any other file is not a probe, even with the right identity.
-        handle, _ = _valid_pool_handle(other)
-        h = _unpack(handle)
-        assert shm.read_peer_secret(ProbeHandle(h.pid, h.fd, h.dev, h.ino)) is None
 
 
 def test_closed_transport_refuses_work():

@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from typing_extensions import Buffer
+
 from tensorrpc import _codec
 from tensorrpc._calls import Call
 from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
@@ -16,7 +18,6 @@ from tensorrpc._protocol import (
     ErrorInfo,
     Hello,
     MessageKind,
-    Proof,
     Reject,
     decode_control,
     encode_control,
@@ -48,11 +49,10 @@ COUNT: MethodSpec = SPEC.methods["count"]
 class Hooks:
     """The shell's answers: torch_shm never usable."""
 
-    def shm_offer(self, hello: Hello) -> tuple[tuple[str, ...], bytes, bytes, bytes] | None:
+    def shm_offer(
+        self, peer: bytes, hello: Hello, frame: Buffer
+    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
         return None
-
-    def shm_proof(self, engine: Engine, proof: Proof) -> tuple[int, bool, bool]:
-        return (0, False, False)
 
 
 def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:

@@ -1,4 +1,4 @@
-"""Wire additions for the torch_shm transport: RELEASE, SHM_* flags, probe and pid fields."""
+"""Wire additions for the torch_shm transport: RELEASE, SHM_* flags, the pid hint; no PROOF."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from tensorrpc._protocol import (
     Flags,
     Hello,
     MessageKind,
-    Proof,
     Release,
     Welcome,
     decode_control,
@@ -47,8 +46,8 @@ def test_shm_result_flags_are_known_call_flags():
     assert unpack_header(frame).flags == Flags.SHM_RESULTS_ALL
 
 
-def test_probe_and_pid_are_optional_for_older_peers():
-    hello = Hello("e", "S", "f", 1, "h", 5, ("frames",), 1, 1000, ("m",), probe=b"\x01" * 80)
+def test_pid_is_optional_and_nothing_carries_a_probe_challenge_or_proof():
+    hello = Hello("e", "S", "f", 1, "h", 5, ("frames",), 1, 1000, ("m",))
     frames = encode_control(MessageKind.HELLO, hello)
     assert decode_control(unpack_header(frames[0]), frames[1]) == hello
     old = ormsgpack.packb(
@@ -62,53 +61,10 @@ def test_probe_and_pid_are_optional_for_older_peers():
     )
     header = unpack_header(encode_control(MessageKind.WELCOME, Welcome("c", "h"))[0])
     welcome = decode_control(header, old)
-    assert welcome == Welcome("c", "h", ("frames",), 1000, 16, pid=0, probe=b"")
-
-
-def test_probe_must_be_bytes():
-    header = unpack_header(encode_control(MessageKind.WELCOME, Welcome("c", "h"))[0])
-    body = {
-        "client_id": "c",
-        "host_id": "h",
-        "transports": [],
-        "heartbeat_ms": 1,
-        "stream_window": 1,
-        "pid": 1,
-        "probe": "not bytes",
-    }
-    with pytest.raises(RemoteProtocolError, match="probe"):
-        decode_control(header, ormsgpack.packb(body))
-
-
-def test_challenge_and_proof_fields_round_trip_and_default_to_empty():
-    hello = Hello("e", "S", "f", 1, "h", 5, challenge=b"\x02" * 32)
-    frames = encode_control(MessageKind.HELLO, hello)
-    assert decode_control(unpack_header(frames[0]), frames[1]) == hello
-    welcome = Welcome("c", "h", pid=9, challenge=b"\x03" * 32, proof=b"\x04" * 32)
-    frames = encode_control(MessageKind.WELCOME, welcome)
-    assert decode_control(unpack_header(frames[0]), frames[1]) == welcome
-    assert Hello("e", "S", "f", 1, "h", 5).challenge == b""
-    assert Welcome("c", "h").proof == Welcome("c", "h").challenge == b""
-
-
-def test_proof_is_a_connection_level_message():
-    frames = encode_control(MessageKind.PROOF, Proof(b"\x05" * 32))
-    header, payload, _buffers = split_frames(frames)
-    assert header.kind is MessageKind.PROOF
-    assert header.call_id == 0
-    assert decode_control(header, payload) == Proof(b"\x05" * 32)
-    assert decode_control(header, ormsgpack.packb({"proof": b""})) == Proof(b"")
-    with pytest.raises(RemoteProtocolError, match="missing"):
-        decode_control(header, ormsgpack.packb({}))
-
-
-@pytest.mark.parametrize("value", ["text", b"\x00" * 65, 7])
-def test_oversized_or_mistyped_challenge_and_proof_are_refused(value):
-    frames = encode_control(MessageKind.PROOF, Proof(b""))
-    with pytest.raises(RemoteProtocolError, match="proof"):
-        decode_control(unpack_header(frames[0]), ormsgpack.packb({"proof": value}))
-    frames = encode_control(MessageKind.HELLO, Hello("e", "S", "f", 1, "h", 5))
-    body = ormsgpack.unpackb(frames[1])
-    body["challenge"] = value
-    with pytest.raises(RemoteProtocolError, match="challenge"):
-        decode_control(unpack_header(frames[0]), ormsgpack.packb(body))
+    assert welcome == Welcome("c", "h", ("frames",), 1000, 16, pid=0)
+    # Identity comes from the kernel: no field of a handshake claims to prove it.
+    for body in (Hello, Welcome):
+        assert not {"probe", "challenge", "proof"} & set(body.__dataclass_fields__)
+    assert "PROOF" not in MessageKind.__members__
+    with pytest.raises(ValueError, match="15"):
+        MessageKind(15)  # the kind PROOF had is unused

@@ -21,7 +21,6 @@ SANS_IO_FILES = (
     "_server_calls.py",
     "_batching.py",
     "transports/_base.py",
-    "transports/_shm_auth.py",
 )
 REQUIRED = ("_exceptions.py", "_protocol.py")
 FORBIDDEN = frozenset(

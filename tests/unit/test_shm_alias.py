@@ -112,6 +112,12 @@ def test_the_benchmark_flags_shared_results_that_were_copied() -> None:
     copied = {**aliased, "shm_received_aliased": 4}
     warning = _transport_check("torch_shm", "share", before, copied)["warning"]
     assert "3 shared result tensors were copied" in warning
+    # torch's shared memory (share_memory_(), DataLoader batches) is flagged alike
+    batches: dict[str, int | None] = dict(zip(names, (5, 0, 0, 0), strict=True))
+    for kind in ("torch_shared", "loader"):
+        got = _transport_check("torch_shm", kind, before, batches)["warning"]
+        assert "5 shared tensors were copied, not aliased" in got
+    assert "warning" not in _transport_check("torch_shm", "new", before, batches)
 
 
 def test_a_forked_child_sends_nothing_of_its_parent() -> None:

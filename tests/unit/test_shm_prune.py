@@ -10,15 +10,29 @@ transports of this process, the sweep called by hand.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from tensorrpc import _release
 from tensorrpc.transports._shared import share
 from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
 )
+
+
+@pytest.fixture(autouse=True)
+def inline_release() -> Iterator[None]:
+    """Mappings die where they are dropped (not on the release thread, a moment later),
+    so that this process's maps show the receiver's decisions at once."""
+    threshold, queued = _release.threshold(), _release.max_queued()
+    _release.set_release_threshold(sys.maxsize)
+    yield
+    _release.set_release_threshold(threshold, max_queued=queued)
 
 
 def _mapped_inodes() -> set[int]:

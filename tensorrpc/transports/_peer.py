@@ -1,0 +1,189 @@
+"""Who the peer of a connection is, as the kernel says, and what we may map of it.
+
+``torch_shm`` never trusts a pid, host id or proof carried in a message. On ``ipc://`` the
+kernel knows the peer of every connection: libzmq reads ``SO_PEERCRED`` when the
+connection is made and attaches it to each message of that connection as the
+``Peer-Address`` property (``"<host>:<uid>:<gid>:<pid>"``); the shell takes a pidfd of the
+very process at the handshake (`tensorrpc._zmq.peer_credentials`). A `KernelPeer`
+holds both. Handles from the peer are resolved against its pid only, and every
+descriptor opened through ``/proc/<pid>/fd`` is used only after the pidfd says that
+process is still alive, so a reused pid can never stand in for it.
+
+`alias_gate` decides whether torch's own shared files (``share_memory_()``, both
+sharing strategies), which cannot be sealed, may be mapped between us and the peer (see
+docs/security.md, "The unsealed-alias gate").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+from dataclasses import dataclass
+from typing import Final, Literal
+
+__all__ = ["ALIAS_SETTINGS", "AliasSetting", "KernelPeer", "alias_gate", "parse_peer_address"]
+
+#: ``shm_alias_unsealed`` values.
+AliasSetting = Literal["same-user", "never"]
+#: The accepted values of `AliasSetting`.
+ALIAS_SETTINGS: Final = frozenset({"same-user", "never"})
+
+
+def parse_peer_address(address: str | None) -> tuple[int, int, int] | None:
+    """``(pid, uid, gid)`` from libzmq's ``Peer-Address`` of an ``ipc://`` connection.
+
+    None for any other form (tcp: an IP address; no ``SO_PEERCRED``: no numbers).
+    """
+    if not address:
+        return None
+    parts = address.rsplit(":", 3)
+    if len(parts) != 4:
+        return None
+    try:
+        uid, gid, pid = int(parts[1]), int(parts[2]), int(parts[3])
+    except ValueError:
+        return None
+    if pid <= 0 or uid < 0 or gid < 0:
+        return None
+    return pid, uid, gid
+
+
+def _pidfd_pid(pidfd: int) -> int:
+    """The pid a pidfd refers to, in our pid namespace (-1: it exited; 0: not visible)."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
+@dataclass(eq=False, slots=True)
+class KernelPeer:
+    """The process at the other end of one connection, pinned by a pidfd.
+
+    ``address`` is the connection's ``Peer-Address`` (the kernel's credentials, bound
+    to that connection): a later message must carry the same one to use this identity.
+    ``pidfd`` is -1 for a peer trusted without attestation (``shm_trust_unattested``
+    over tcp), whose pid is only what it claimed.
+    """
+
+    #: The peer's pid (in our pid namespace).
+    pid: int
+    #: Its uid and gid when it connected (``SO_PEERCRED``); -1 when not attested.
+    uid: int
+    gid: int
+    #: The connection's ``Peer-Address``; "" when not attested.
+    address: str
+    #: A pidfd of the process; -1 when not attested.
+    pidfd: int = -1
+    #: The pidfd's inode (unique per process while it lives, on pidfs); -1: unknown.
+    ino: int = -1
+
+    @property
+    def attested(self) -> bool:
+        """Whether the kernel attested this peer (else it is trusted by configuration)."""
+        return self.pidfd >= 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Identifies the process while it lives: ``(pid, pidfd inode)``.
+
+        Two connections of one process have equal keys (per-process budgets)."""
+        return (self.pid, self.ino)
+
+    def alive(self) -> bool:
+        """Whether the pinned process still runs (its pid cannot have been reused then).
+
+        A peer without a pidfd (not attested) counts as alive: nothing pins it.
+        """
+        fd = self.pidfd
+        if fd < 0:
+            return True
+        try:
+            ready, _, _ = select.select([fd], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not ready  # a pidfd polls readable once its process has exited
+
+    def close(self) -> None:
+        """Close the pidfd (the session ended). Idempotent."""
+        fd, self.pidfd = self.pidfd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    @classmethod
+    def pinned(cls, address: str, pidfd: int) -> KernelPeer | None:
+        """The peer ``address`` names, pinned by ``pidfd`` (taken from the same connection).
+
+        The pidfd must refer to the pid the address names: the connection's descriptor
+        number could have been reused by another connection between the message and the
+        pidfd, and then they disagree. Closes ``pidfd`` and returns None on any mismatch.
+        """
+        creds = parse_peer_address(address)
+        if creds is None or _pidfd_pid(pidfd) != creds[0]:
+            with contextlib.suppress(OSError):
+                os.close(pidfd)
+            return None
+        try:
+            ino = os.fstat(pidfd).st_ino
+        except OSError:
+            ino = -1
+        peer = cls(creds[0], creds[1], creds[2], address, pidfd, ino)
+        if not peer.alive():
+            peer.close()
+            return None
+        return peer
+
+
+def _status(pid: int | str) -> dict[str, str]:
+    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+def _uids(status: dict[str, str]) -> tuple[int, ...]:
+    return tuple(int(x) for x in status["Uid"].split())
+
+
+def _same_namespaces(pid: int) -> bool:
+    for ns in ("pid", "user"):
+        if os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"):
+            return False
+    return True
+
+
+def alias_gate(peer: KernelPeer) -> tuple[bool, bool]:
+    """Whether torch's unsealed shared files may be mapped between us and ``peer``.
+
+    Both sides need: the kernel attested the peer; the peer's real, effective, saved and
+    filesystem uids all equal ours, and ours are equal to each other (no setuid on
+    either side); the peer shares our pid and user namespaces. Then the peer may already
+    kill us and open our descriptors, so a truncation (SIGBUS) costs nothing new,
+    provided the receiver holds no capability the sender lacks.
+
+    Returns:
+        ``(we map theirs, they map ours)``: the first also needs our effective
+        capabilities to be a subset of the peer's, the second the peer's a subset of ours.
+        ``(False, False)`` on any doubt (unreadable ``/proc``, the peer exited).
+    """
+    if not peer.attested:
+        return (False, False)
+    try:
+        ours = _status("self")
+        theirs = _status(peer.pid)
+        our_uids, their_uids = _uids(ours), _uids(theirs)
+        if len(set(our_uids)) != 1 or set(their_uids) != set(our_uids):
+            return (False, False)
+        if not _same_namespaces(peer.pid):
+            return (False, False)
+        our_caps = int(ours["CapEff"], 16)
+        their_caps = int(theirs["CapEff"], 16)
+    except (OSError, KeyError, ValueError):
+        return (False, False)
+    if not peer.alive():  # what we read may be another process's, under a reused pid
+        return (False, False)
+    return (our_caps & ~their_caps == 0, their_caps & ~our_caps == 0)
