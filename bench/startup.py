@@ -67,7 +67,8 @@ def _imports_torch(argv: list[str]) -> bool:
         timeout=120,
         check=False,
     )
-    return any(line.rstrip().endswith("| torch") for line in done.stderr.splitlines())
+    # "import time: self | cumulative | <indent>torch", indented by its depth
+    return any(line.split("|")[-1].strip() == "torch" for line in done.stderr.splitlines())
 
 
 def measure(name: str, argv: list[str], runs: int, expect_status: int = 0) -> dict[str, object]:

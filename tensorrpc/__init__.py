@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from tensorrpc._server import PeerStatistics, Server, ServerConfig, ServerStatistics, serve
     from tensorrpc._service import BatchSpec, MethodSpec, ServiceSpec, describe, rpc, service
     from tensorrpc._stub import Stub
+    from tensorrpc._typed_stub import StreamingMethod, TypedStub, UnaryMethod, streaming, unary
     from tensorrpc._zmq import SocketOptions
     from tensorrpc.batching import BatchContext, BatchItem, current_batch
     from tensorrpc.transports import (
@@ -154,6 +155,11 @@ _EXPORTS: dict[str, str] = {
     "rpc": "tensorrpc._service",
     "service": "tensorrpc._service",
     "Stub": "tensorrpc._stub",
+    "StreamingMethod": "tensorrpc._typed_stub",
+    "TypedStub": "tensorrpc._typed_stub",
+    "UnaryMethod": "tensorrpc._typed_stub",
+    "streaming": "tensorrpc._typed_stub",
+    "unary": "tensorrpc._typed_stub",
     "SocketOptions": "tensorrpc._zmq",
     "TorchShmStatistics": "tensorrpc.transports",
     "TransportCounters": "tensorrpc.transports",
@@ -237,6 +243,7 @@ __all__ = [
     "ServiceDefinitionError",
     "ServiceSpec",
     "SocketOptions",
+    "StreamingMethod",
     "Stub",
     "TensorRPCError",
     "TensorTransportError",
@@ -245,6 +252,8 @@ __all__ = [
     "TransportError",
     "TransportName",
     "TransportStatistics",
+    "TypedStub",
+    "UnaryMethod",
     "ValidationError",
     "current_batch",
     "describe",
@@ -260,4 +269,6 @@ __all__ = [
     "set_release_threshold",
     "share",
     "shared_empty",
+    "streaming",
+    "unary",
 ]

@@ -89,11 +89,13 @@ _SCHEMALESS_SPEC = ServiceSpec(name="(schemaless)", methods=MappingProxyType({})
 class Client(CallView[S]):
     """A client of one service over any number of engines, through one ROUTER socket.
 
-    Use it as an async context manager::
+    Use it as an async context manager:
 
-        async with Client(Calculator, bind="ipc:///tmp/calc.sock") as client:
-            await client.wait_for_engines(2, timeout=30)
-            print(await client.stub().add(1, 2))
+    ```python
+    async with Client(Calculator, bind="ipc:///tmp/calc.sock") as client:
+        await client.wait_for_engines(2, timeout=30)
+        print(await client.stub().add(1, 2))
+    ```
 
     Engines join and leave at any time. A balanced call fails at once with
     `tensorrpc.EngineNotFoundError` when no engine is live (use

@@ -2,12 +2,14 @@
 
 torch takes seconds to import (numpy a fifth of one), and a process that never sees a
 tensor (the command line, a client of plain values) never needs either. A module that
-uses torch only inside functions binds the name to a `LazyModule`::
+uses torch only inside functions binds the name to a `LazyModule`:
 
-    if TYPE_CHECKING:
-        import torch
-    else:
-        torch = LazyModule("torch", globals())
+```python
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = LazyModule("torch", globals())
+```
 
 The first attribute read (``torch.Tensor``) imports torch and rebinds the module's global
 ``torch`` to torch itself, so later reads cost what they did with a top-level import.

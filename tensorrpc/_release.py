@@ -176,12 +176,14 @@ def release_later(obj: object) -> bool:
 
     A large tensor (or array, or buffer) freed on an event loop stalls every task on it
     while its pages are unmapped (milliseconds for tens of MiB). Hand it over instead
-    and drop your own references right after::
+    and drop your own references right after:
 
-        result = await stub.embed(batch)
-        use(result)
-        tensorrpc.release_later(result)
-        del result
+    ```python
+    result = await stub.embed(batch)
+    use(result)
+    tensorrpc.release_later(result)
+    del result
+    ```
 
     The thread drops its reference once it holds the only one (it waits up to about
     0.25 s for yours to go). Any size is taken; the threshold of

@@ -115,7 +115,7 @@ class ServerSockets:
                 sock.socket.setsockopt(zmq.IMMEDIATE, 1)
                 sock.connect(address)
                 self._proto.add_client(address, now)
-            logger.info("engine %r dialing %s", self._engine_id, ", ".join(self._addresses))
+            logger.info("engine %r dialling %s", self._engine_id, ", ".join(self._addresses))
         except BaseException:
             self.close()
             raise

@@ -201,7 +201,8 @@ def _mark(fn: F, batch: Batching | Continuous | None) -> F:
         raise ServiceDefinitionError(
             f"@rpc must decorate a plain function (put it directly above 'def'), got {fn!r}"
         )
-    where = fn.__qualname__
+    # "Class.method", as the service's own errors name it: not "f.<locals>.Class.method".
+    where = ".".join(fn.__qualname__.split(".")[-2:])
     if inspect.isgeneratorfunction(fn):
         raise ServiceDefinitionError(
             f"{where}: sync generators cannot stream; write 'async def' with 'yield' and "

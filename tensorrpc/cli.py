@@ -696,24 +696,26 @@ def parse_data(data: str) -> dict[str, object]:
         UsageError: The file cannot be read, the text is not JSON, or not an object whose
             keys are parameter names.
     """
+    # How errors name the argument: "-d", "-d from stdin" or "-d from 'args.json'".
     source = "-d"
     if data.startswith("@"):
         path = data[1:]
-        source = "stdin" if path == "-" else repr(path)
+        where = "stdin" if path == "-" else repr(path)
+        source = f"-d from {where}"
         try:
             data = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read -d {source}: {_one_line(exc)}") from exc
+            raise UsageError(f"cannot read -d {where}: {_one_line(exc)}") from exc
     try:
         value = json.loads(data)
     except ValueError as exc:
-        raise UsageError(f"-d from {source} is not JSON: {_one_line(exc)}") from None
+        raise UsageError(f"{source} is not JSON: {_one_line(exc)}") from None
     if not isinstance(value, dict):
         kind = type(value).__name__ if value is not None else "null"
-        raise UsageError(f"-d from {source} must be a JSON object of arguments, not {kind}")
+        raise UsageError(f"{source} must be a JSON object of arguments, not {kind}")
     for name in value:
         if not _ARG_NAME.match(name):
-            raise UsageError(f"-d from {source}: {name!r} is not a parameter name")
+            raise UsageError(f"{source}: {name!r} is not a parameter name")
     return value
 
 

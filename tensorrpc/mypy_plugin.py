@@ -1,9 +1,11 @@
 """mypy plugin: exact types for client stubs (``client.stub().method``).
 
-Enable it in the mypy configuration of the code that calls tensorrpc services::
+Enable it in the mypy configuration of the code that calls tensorrpc services:
 
-    [tool.mypy]
-    plugins = ["tensorrpc.mypy_plugin"]
+```toml
+[tool.mypy]
+plugins = ["tensorrpc.mypy_plugin"]
+```
 
 What it does:
 
@@ -24,6 +26,12 @@ What it does:
   [`BlockingClient`][tensorrpc.BlockingClient]'s stub): the same signatures, returning
   the result ``R`` itself for a unary method and
   [`BlockingStream[T]`][tensorrpc.BlockingStream] for a streaming one.
+* ``client.call(Service.method, ...)`` (and a blocking client's): the arguments are
+  checked against ``Service.method``'s own parameters and the call returns its result
+  type, so that mypy names what is wrong (an argument's type, a missing or unknown
+  argument, a result assigned to the wrong type, a streaming method passed to ``call``)
+  instead of ``No overload variant of "call"`` (the overloads, which other type checkers
+  read, infer the result type from the assignment's context and then blame the arguments).
 
 This module imports mypy; ``import tensorrpc`` never imports it.
 """
@@ -35,12 +43,29 @@ from typing import TYPE_CHECKING
 
 from mypy.expandtype import expand_type_by_instance
 from mypy.maptype import map_instance_to_supertype
-from mypy.nodes import CallExpr, Decorator, Expression, RefExpr, TypeInfo
-from mypy.plugin import AttributeContext, ClassDefContext, Plugin
+from mypy.nodes import (
+    ARG_POS,
+    ARG_STAR,
+    ARG_STAR2,
+    ArgKind,
+    CallExpr,
+    Decorator,
+    Expression,
+    RefExpr,
+    TypeInfo,
+)
+from mypy.plugin import (
+    AttributeContext,
+    ClassDefContext,
+    MethodContext,
+    MethodSigContext,
+    Plugin,
+)
 from mypy.typeops import bind_self
 from mypy.types import (
     AnyType,
     CallableType,
+    FunctionLike,
     Instance,
     ProperType,
     Type,
@@ -60,6 +85,8 @@ _SERVICE_DECORATORS = frozenset({"tensorrpc._service.service", "tensorrpc.servic
 _RPC_DECORATORS = frozenset({"tensorrpc._service.rpc", "tensorrpc.rpc"})
 _META = "tensorrpc"
 _CALL_STREAM = "tensorrpc.CallStream"
+#: Classes whose ``call`` takes its signature from the method passed (True: blocking).
+_CALLS = {"tensorrpc._views.CallView": False, "tensorrpc._blocking.BlockingCallView": True}
 
 
 def _decorator_name(expr: Expression) -> str | None:
@@ -217,6 +244,96 @@ def _class_attribute(ctx: AttributeContext, *, kind: str) -> Type:
     return _per_item(ctx, declared, kind)
 
 
+def _supertype_arg(ctx: MethodSigContext | MethodContext, tp: Type, fullname: str) -> Type | None:
+    """``X`` when ``tp`` is an ``fullname[X]`` (``typing.Awaitable``, ...), else None."""
+    proper = get_proper_type(tp)
+    if not isinstance(proper, Instance):
+        return None
+    info = ctx.api.named_generic_type(fullname, [AnyType(TypeOfAny.special_form)]).type
+    if not proper.type.has_base(info.fullname):
+        return None
+    mapped = map_instance_to_supertype(proper, info)
+    return mapped.args[0] if mapped.args else None
+
+
+def _called_method(ctx: MethodSigContext | MethodContext) -> CallableType | None:
+    """The type of ``Service.method`` passed to ``call``, if it is a plain method."""
+    if not ctx.args or not ctx.args[0]:
+        return None
+    method = get_proper_type(ctx.api.get_expression_type(ctx.args[0][0]))
+    if not isinstance(method, CallableType) or not method.arg_types or method.is_type_obj():
+        return None
+    return method
+
+
+def _is_stream(ctx: MethodSigContext | MethodContext, method: CallableType) -> bool:
+    return _supertype_arg(ctx, method.ret_type, "typing.AsyncIterator") is not None
+
+
+def _call_signature(ctx: MethodSigContext, *, blocking: bool) -> FunctionLike:
+    """``view.call(Service.method, ...)``: any arguments (`_check_call` checks them against
+    ``method``), returning ``method``'s result.
+
+    The declared overloads would infer their result type ``R`` from the context (the
+    type of the variable assigned to), then fail to match the method and report
+    ``No overload variant``: with the result fixed here, a wrong assignment is reported
+    as such, and the arguments are checked against the method alone.
+    """
+    signature = ctx.default_signature
+    method = _called_method(ctx)
+    if method is None:
+        return signature  # not a plain method: the declared overloads decide
+    any_type = AnyType(TypeOfAny.special_form)
+    result: Type = any_type
+    if not _is_stream(ctx, method):
+        result = _supertype_arg(ctx, method.ret_type, "typing.Awaitable") or method.ret_type
+    ret_type = (
+        result
+        if blocking
+        else ctx.api.named_generic_type("typing.Coroutine", [any_type, any_type, result])
+    )
+    return signature.copy_modified(
+        arg_types=[method, any_type, any_type],
+        arg_kinds=[ARG_POS, ARG_STAR, ARG_STAR2],
+        arg_names=[None, "args", "kwargs"],
+        ret_type=ret_type,
+        variables=[],
+    )
+
+
+def _check_call(ctx: MethodContext) -> Type:
+    """Check ``view.call(Service.method, *args, **kwargs)``'s arguments against ``method``."""
+    method = _called_method(ctx)
+    if method is None:
+        return ctx.default_return_type
+    name = method.name or "method"
+    if _is_stream(ctx, method):
+        shown = '" of "'.join(name.split(" of ", 1))
+        ctx.api.fail(
+            f'"{shown}" is a streaming method: iterate client.stream(...), not client.call(...)',
+            ctx.context,
+        )
+        return ctx.default_return_type
+    args: list[Expression] = []
+    kinds: list[ArgKind] = []
+    names: list[str | None] = []
+    for group in range(1, len(ctx.args)):
+        args.extend(ctx.args[group])
+        kinds.extend(ctx.arg_kinds[group])
+        names.extend(ctx.arg_names[group])
+    # The method as the engine runs it: without ``self`` (errors name "add" of "Calc").
+    unbound = method.copy_modified(
+        arg_types=method.arg_types[1:],
+        arg_kinds=method.arg_kinds[1:],
+        arg_names=method.arg_names[1:],
+    )
+    checker = ctx.api.expr_checker  # type: ignore[attr-defined]
+    checker.check_call(
+        callee=unbound, args=args, arg_kinds=kinds, arg_names=names, context=ctx.context
+    )
+    return ctx.default_return_type
+
+
 class TensorRPCPlugin(Plugin):
     """Types ``Stub[S]`` and ``BlockingStub[S]`` attributes from the ``@rpc`` methods of ``S``."""
 
@@ -230,6 +347,28 @@ class TensorRPCPlugin(Plugin):
         if owner == _BLOCKING_STUB:
             return partial(_stub_attribute, name=name, blocking=True)
         return None
+
+    def _view_call(self, fullname: str) -> bool | None:
+        """For ``X.call`` of a call view: whether the view is blocking; else None."""
+        owner, _, name = fullname.rpartition(".")
+        if name != "call":
+            return None
+        sym = self.lookup_fully_qualified(owner)
+        if sym is None or not isinstance(sym.node, TypeInfo):
+            return None
+        for view, blocking in _CALLS.items():
+            if sym.node.has_base(view):
+                return blocking
+        return None
+
+    def get_method_signature_hook(
+        self, fullname: str
+    ) -> Callable[[MethodSigContext], FunctionLike] | None:
+        blocking = self._view_call(fullname)
+        return None if blocking is None else partial(_call_signature, blocking=blocking)
+
+    def get_method_hook(self, fullname: str) -> Callable[[MethodContext], Type] | None:
+        return None if self._view_call(fullname) is None else _check_call
 
     def get_class_attribute_hook(self, fullname: str) -> Callable[[AttributeContext], Type] | None:
         owner, _, name = fullname.rpartition(".")

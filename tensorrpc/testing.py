@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
 __all__ = [
+    "ASYNCIO_ON_TRIO",
     "EngineProcess",
     "EngineStartError",
     "Isolation",
@@ -439,6 +440,34 @@ class EnginesFactory(Protocol):
         start_timeout: float = START_TIMEOUT,
         stop_timeout: float = STOP_TIMEOUT,
     ) -> Client[S]: ...
+
+
+#: Part of trio's error when a coroutine awaits something only asyncio understands.
+_TRIO_FOREIGN_AWAIT = "unrecognized yield message"
+#: What the plugin adds to a failure that has trio's error in it.
+ASYNCIO_ON_TRIO = (
+    "trio's 'unrecognized yield message' means that code running on the trio backend "
+    "awaited an asyncio-only API (asyncio.sleep, asyncio.Queue, asyncio.wait_for, an "
+    "asyncio Future, a library built on asyncio). With isolation='task' (the default), "
+    "engines run on the test's own event loop, so their handlers do too. Either write the "
+    "handlers with anyio (anyio.sleep, anyio.create_memory_object_stream, "
+    "anyio.fail_after), which runs on both backends; or run these tests on asyncio only "
+    "(a fixture named anyio_backend that returns 'asyncio'); or start the engines with "
+    "isolation='process' (each in a process of its own, on asyncio)."
+)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Say what to do when a test failed on trio because of asyncio-only code."""
+    report = yield
+    if report.failed and _TRIO_FOREIGN_AWAIT in str(report.longrepr):
+        longrepr = report.longrepr
+        if hasattr(longrepr, "addsection"):
+            longrepr.addsection("tensorrpc: asyncio code on the trio backend", ASYNCIO_ON_TRIO)
+        else:
+            report.sections.append(("tensorrpc: asyncio code on trio", ASYNCIO_ON_TRIO))
+    return report
 
 
 @pytest.fixture

@@ -207,8 +207,11 @@ def test_data_is_a_json_object_merged_with_the_items(
         parse_args(["a=1"], '{"a": 2}')
     with pytest.raises(UsageError, match="not JSON"):
         parse_args([], "{a: 2}")
-    with pytest.raises(UsageError, match="must be a JSON object of arguments, not list"):
-        parse_args([], "[1, 2]")
+    with pytest.raises(UsageError, match=r"^-d must be a JSON object of arguments, not list$"):
+        parse_args([], "[1, 2]")  # not "-d from -d must be ..."
+    path.write_text("[1]", encoding="utf-8")
+    with pytest.raises(UsageError, match=r"^-d from '.*args.json' must be a JSON object"):
+        parse_args([], f"@{path}")
     with pytest.raises(UsageError, match="not null"):
         parse_args([], "null")
     with pytest.raises(UsageError, match="'1x' is not a parameter name"):

@@ -20,6 +20,7 @@ Rules for authors (also in docs/index.md, "About these pages"):
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import html
 import importlib.util
@@ -464,3 +465,38 @@ def test_long_code_lines_are_found() -> None:
     assert long_code_lines(text) == [(3, 101)]
     capture = "```\n" + "w" * 130 + "\n```\n```console\n" + "v" * 101 + "\n```\n"
     assert long_code_lines(capture) == [(5, 101)]
+
+
+def test_docstrings_have_no_rst_literal_markers() -> None:
+    # The reference renders docstrings as Markdown: an RST "text::" + indented block shows
+    # the "::" and a bare indented block; write a fenced block instead.
+    found = []
+    for path in sorted((ROOT / "tensorrpc").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            doc = (
+                ast.get_docstring(node, clean=False)
+                if isinstance(
+                    node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+                )
+                else None
+            )
+            for line in (doc or "").splitlines():
+                if line.rstrip().endswith("::"):
+                    found.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+    assert found == []
+
+
+def test_messages_spell_dialling_one_way() -> None:
+    # Logs and errors say "dialling" (as the docs do); "dialing" is only a state's name.
+    found = []
+    for path in sorted((ROOT / "tensorrpc").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and "dialing" in node.value
+                and node.value != "dialing"
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert found == []

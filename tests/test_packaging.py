@@ -6,9 +6,11 @@ venv's). Each install goes into a fresh virtual environment that reaches this ve
 packages (torch, pyzmq, mypy, pip) through a ``.pth`` line, so nothing is downloaded:
 ``pip install --no-deps --no-index``. mypy then checks a small user project outside the
 repository, configured as the docs tell users to (strict, the ``tensorrpc.mypy_plugin``
-plugin), once against the installed wheel and once against an editable install
-(``pip install -e``), which must be a plain ``.pth`` path that mypy can follow, not an
-import hook.
+plugin), once against the installed wheel and once against an editable install made for
+type checkers (``pip install -e --config-settings editable_mode=strict``: a tree of links
+to the package, which mypy follows; the default editable install is an import hook that
+it cannot follow). Neither install makes anything but ``tensorrpc`` importable: the
+repository's ``tests``, ``bench`` and ``examples`` must not shadow a user's own.
 
 mypy shares the project's ``.mypy_cache`` (same options as pyproject.toml), so torch's
 analysis from the ``make check`` run that precedes the tests is reused.
@@ -118,6 +120,10 @@ def _fresh_venv(path: Path) -> Path:
     return python
 
 
+#: Top-level packages of the repository that are not part of the distribution.
+NOT_INSTALLED = ("tests", "bench", "examples")
+
+
 def _source_copy(dest: Path) -> Path:
     dest.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
@@ -125,7 +131,25 @@ def _source_copy(dest: Path) -> Path:
     shutil.copytree(
         ROOT / "tensorrpc", dest / "tensorrpc", ignore=shutil.ignore_patterns("__pycache__")
     )
+    for name in NOT_INSTALLED:  # beside the package, as in the repository
+        (dest / name).mkdir()
+        (dest / name / "__init__.py").write_text("")
     return dest
+
+
+#: Prints where each top-level name imports from ("-" when it does not import).
+WHERE_FROM = f"""
+import importlib.util
+for name in ("tensorrpc", *{NOT_INSTALLED!r}):
+    spec = importlib.util.find_spec(name)
+    print(name, spec.origin if spec else "-")
+"""
+
+
+def _importable(python: Path, cwd: Path) -> dict[str, str]:
+    """Where ``tensorrpc`` and the repository's other packages import from, seen from ``cwd``."""
+    out = _run([str(python), "-c", WHERE_FROM], cwd).stdout
+    return dict(line.split(" ", 1) for line in out.splitlines())
 
 
 def _user_project(dest: Path) -> Path:
@@ -179,6 +203,7 @@ def test_wheel_metadata_and_files(built: tuple[Path, Path, Path]) -> None:
         (metadata_name,) = (n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = email.parser.Parser().parsestr(zf.read(metadata_name).decode())
     assert _package_files() <= names
+    assert {n.split("/")[0] for n in names} == {"tensorrpc", "tensorrpc-0.1.0.dist-info"}
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "Apache-2.0"
     assert metadata["Requires-Python"] == ">=3.11"
@@ -199,7 +224,7 @@ def test_installed_wheel_imports_runs_and_type_checks(
         [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], tmp_path
     )
     project = _user_project(tmp_path / "app")
-    # One interpreter (each imports torch: seconds): import the package, then run the
+    # One interpreter: import the package, then run the
     # console script pip wrote (its code, as `tensorrpc --help` runs it).
     script = tmp_path / "venv" / "bin" / "tensorrpc"
     code = (
@@ -213,43 +238,78 @@ def test_installed_wheel_imports_runs_and_type_checks(
     assert Path(where).is_relative_to(tmp_path / "venv")
     assert script.read_text().startswith(f"#!{python}")
     assert "serve" in cli
+    found = _importable(python, project)
+    assert Path(found.pop("tensorrpc")).is_relative_to(tmp_path / "venv")
+    assert found == dict.fromkeys(NOT_INSTALLED, "-")
     assert "Success: no issues found in 1 source file" in _mypy(python, project)
 
 
-def test_editable_install_is_a_path_that_mypy_follows(
+def _editable_install(src: Path, venv_dir: Path, *options: str) -> Path:
+    """A fresh venv with ``pip install -e src`` (plus ``options``); returns its python."""
+    python = _fresh_venv(venv_dir)
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
+    _run([*pip, "--no-build-isolation", *options, "-e", str(src)], venv_dir)
+    return python
+
+
+def test_editable_install_imports_the_package_and_nothing_beside_it(
     built: tuple[Path, Path, Path], tmp_path: Path
 ) -> None:
-    src, _, _ = built
-    python = _fresh_venv(tmp_path / "venv")
-    _run(
-        [
-            str(python),
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-index",
-            "--no-build-isolation",
-            "-e",
-            str(src),
-        ],
-        tmp_path,
-    )
-    purelib = Path(
-        _run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            tmp_path,
-        ).stdout.strip()
-    )
-    # setuptools' "static pth" strategy: the source root on a line, no import hook.
-    (pth,) = purelib.glob("__editable__*tensorrpc*.pth")
-    assert pth.read_text().strip() == str(src)
-    assert list(purelib.glob("__editable__*finder*")) == []
+    # A copy of its own: the install writes nothing into `built`'s sources.
+    src = shutil.copytree(built[0], tmp_path / "src")
+    python = _editable_install(src, tmp_path / "venv")
     project = _user_project(tmp_path / "app")
-    # Where `import tensorrpc` finds the package, without importing it (and torch): the
-    # wheel's test imports and runs the same sources.
-    code = "import importlib.util; print(importlib.util.find_spec('tensorrpc').origin)"
-    where = _run([str(python), "-c", code], project)
-    assert Path(where.stdout.strip()) == src / "tensorrpc" / "__init__.py"
+    # The sources themselves (edits take effect), found without importing them.
+    assert _importable(python, project) == {
+        "tensorrpc": str(src / "tensorrpc" / "__init__.py"),
+        **dict.fromkeys(NOT_INSTALLED, "-"),
+    }
+    # A module added after the install is found too (the hook maps the package directory).
+    (src / "tensorrpc" / "_added_later.py").write_text("")
+    code = "import importlib.util; print(importlib.util.find_spec('tensorrpc._added_later'))"
+    assert "_added_later.py" in _run([str(python), "-c", code], project).stdout
+
+
+def test_editable_install_for_type_checkers_is_followed_by_mypy(
+    built: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    src = shutil.copytree(built[0], tmp_path / "src")
+    python = _editable_install(src, tmp_path / "venv", "--config-settings", "editable_mode=strict")
+    project = _user_project(tmp_path / "app")
+    where = _importable(python, project)
+    # A tree of links to the package's files: edits show through, and mypy follows it.
+    assert Path(where.pop("tensorrpc")).resolve() == src / "tensorrpc" / "__init__.py"
+    assert where == dict.fromkeys(NOT_INSTALLED, "-")
     assert "Success: no issues found in 1 source file" in _mypy(python, project)
+
+
+def test_extras_install_from_the_wheel_as_the_readme_shows(
+    built: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    _, wheel, _ = built
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install 'dist/tensorrpc-0.1.0-py3-none-any.whl[metrics,top]'" in readme
+    assert wheel.name == "tensorrpc-0.1.0-py3-none-any.whl"
+    python = _fresh_venv(tmp_path / "venv")
+    # pip resolves the extras' requirements (found in this venv's packages, no index).
+    out = _run(
+        [str(python), "-m", "pip", "install", "--dry-run", "--no-index", f"{wheel}[metrics,top]"],
+        tmp_path,
+    ).stdout
+    assert "Would install tensorrpc-0.1.0" in out
+    assert "prometheus_client" in out.replace("-", "_")
+    assert "rich" in out
+
+
+def test_make_dist_builds_with_the_build_tools_only(tmp_path: Path) -> None:
+    # `make -n` prints the commands the target would run, without running them.
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    out = _run([make, "-n", "-C", str(ROOT), "dist", "DIST_VENV=" + str(tmp_path / "v")], ROOT)
+    commands = out.stdout
+    assert "pip install" in commands
+    assert "build 'setuptools>=77'" in commands
+    assert "-m build --no-isolation --outdir dist" in commands
+    assert "[dev" not in commands  # not the development environment
+    assert ".venv/bin" not in commands

@@ -6,7 +6,10 @@ Async tests run on asyncio and trio (tests/conftest.py's ``anyio_backend``).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -14,12 +17,15 @@ import pytest
 import tensorrpc
 from tensorrpc import rpc, service
 from tensorrpc.testing import (
+    ASYNCIO_ON_TRIO,
     EnginesFactory,
     EngineStartError,
     engine_processes,
     import_path,
     serve_engines,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @service
@@ -141,3 +147,59 @@ def test_serve_engines_refuses_an_unknown_isolation_before_starting_anything() -
 
     with pytest.raises(ValueError, match="isolation must be 'task' or 'process', not 'thread'"):
         anyio.run(main)
+
+
+ASYNCIO_HANDLER_MODULE = """
+import asyncio
+
+import pytest
+
+from tensorrpc import rpc, service
+
+
+@service
+class Napper:
+    @rpc
+    async def nap(self) -> str:
+        await asyncio.sleep(0)  # asyncio only: trio cannot run it
+        return "rested"
+
+
+@pytest.fixture
+def tensorrpc_service():
+    return Napper
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.mark.anyio
+async def test_nap(tensorrpc_client):
+    assert await tensorrpc_client.stub().nap() == "rested"
+"""
+
+
+def test_asyncio_handler_on_trio_fails_with_what_to_do(tmp_path: Path) -> None:
+    # A user's test module, run by pytest with the plugin: the handler works on asyncio,
+    # and on trio the failure says why and what to do.
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_napper.py").write_text(ASYNCIO_HANDLER_MODULE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tensorrpc.testing", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    assert "1 failed, 1 passed" in out
+    assert "FAILED test_napper.py::test_nap[trio]" in out
+    assert "unrecognized yield message" in out
+    assert "tensorrpc: asyncio code on the trio backend" in out
+    assert " ".join(ASYNCIO_ON_TRIO.split()) in " ".join(out.split())

@@ -18,23 +18,25 @@ receiver: [`ShmResolver.resolve`][tensorrpc.transports.torch_shm.ShmResolver.res
   reuses, and the receiver copies it out into memory of its own. The caller's tensor is
   only read; process-wide torch settings are never touched.
 
-Runtime integration (one `TorchShmTransport` per process or endpoint)::
+Runtime integration (one `TorchShmTransport` per process or endpoint):
 
-    shm = TorchShmTransport()                      # close() (or `with`) at shutdown
-    # handshake: the shell takes the peer's identity from the kernel (_peer.KernelPeer);
-    # only an attested peer gets handles or a resolver. shm.set_peer(peer, process=...,
-    # alias_unsealed=...) says which process it is (budgets) and whether torch's shared
-    # files may go to it by alias.
-    placer = shm.placer(peer=engine_id)            # one per outgoing message
-    enc = encode(value, placer=placer)             # codec calls placer.place(t)
-    lease = placer.lease                           # None: nothing went by handle
-    # when the peer confirms it attached: shm.release(lease, peer=engine_id)
-    # if the message is never sent: placer.abort()
-    resolver = shm.resolver(attested_pid, peer=kernel_peer)  # per incoming message
-    value = decode(payload, buffers, resolver=resolver)
-    resolver.leases                                # lease ids to send back in RELEASE
-    # peer died: shm.release_peer(peer); shm.forget_peer(peer_pid)
-    # every few seconds: shm.sweep() (old leases dropped, freed peer segments unmapped)
+```python
+shm = TorchShmTransport()                      # close() (or `with`) at shutdown
+# handshake: the shell takes the peer's identity from the kernel (_peer.KernelPeer);
+# only an attested peer gets handles or a resolver. shm.set_peer(peer, process=...,
+# alias_unsealed=...) says which process it is (budgets) and whether torch's shared
+# files may go to it by alias.
+placer = shm.placer(peer=engine_id)            # one per outgoing message
+enc = encode(value, placer=placer)             # codec calls placer.place(t)
+lease = placer.lease                           # None: nothing went by handle
+# when the peer confirms it attached: shm.release(lease, peer=engine_id)
+# if the message is never sent: placer.abort()
+resolver = shm.resolver(attested_pid, peer=kernel_peer)  # per incoming message
+value = decode(payload, buffers, resolver=resolver)
+resolver.leases                                # lease ids to send back in RELEASE
+# peer died: shm.release_peer(peer); shm.forget_peer(peer_pid)
+# every few seconds: shm.sweep() (old leases dropped, freed peer segments unmapped)
+```
 
 Why ``/proc/<pid>/fd`` rather than ``SCM_RIGHTS``: the handle rides inside the normal
 message over any ZMQ transport with no side channel. Opening ``/proc/<pid>/fd/<n>`` needs

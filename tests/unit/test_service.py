@@ -753,3 +753,26 @@ def test_encode_args_binds_exactly_like_inspect(
     expected = list(bound.arguments.values())[1:]
     assert spec.encode_args(args, kwargs) == expected
     assert spec.decode_args(expected) == expected
+
+
+def test_definition_errors_name_a_local_class_as_class_dot_method() -> None:
+    # A class defined in a function: "C.gen", as for a module-level class ("S.f"), never
+    # its qualified name ("test_...<locals>.C.gen").
+    with pytest.raises(ServiceDefinitionError) as caught:
+
+        @service
+        class C:
+            @rpc
+            def gen(self) -> AsyncIterator[int]:  # type: ignore[misc]
+                yield 1
+
+    assert str(caught.value).startswith("C.gen: sync generators cannot stream")
+    with pytest.raises(ServiceDefinitionError) as caught:
+
+        @service
+        class D:
+            @rpc
+            async def f(self) -> set[int]:
+                return set()
+
+    assert str(caught.value).startswith("D.f return type")

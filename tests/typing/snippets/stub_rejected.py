@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from tensorrpc import Client, rpc, service
+from tensorrpc import BlockingClient, Client, rpc, service
 
 
 @service
@@ -60,6 +60,23 @@ async def stream_awaited_or_unary_iterated(client: Client[Calc]) -> None:
     await calc.count(3)  # E: Incompatible types in "await"
     async for x in calc.add(1):  # E: "Coroutine[Any, Any, int]" has no attribute "__aiter__"
         print(x)
+
+
+async def call_mistakes(client: Client[Calc]) -> None:
+    # client.call names the mistake, as the stub does (not "No overload variant of call").
+    s: str = await client.call(Calc.add, 1)  # E: Incompatible types in assignment (expression
+    await client.call(Calc.add, "x")  # E: Argument 1 to "add" of "Calc" has incompatible type
+    await client.call(Calc.add, 1, c=2)  # E: Unexpected keyword argument "c" for "add" of "Calc"
+    await client.call(Calc.scale, torch.ones(2))  # E: Missing positional argument "factor"
+    await client.call(Calc.scale, x=1, factor=2.0)  # E: Argument 1 to "scale" of "Calc" has
+    await client.call(Calc.count, 3)  # E: "count" of "Calc" is a streaming method: iterate
+    print(s)
+
+
+def blocking_call_mistakes(client: BlockingClient[Calc]) -> None:
+    s: str = client.call(Calc.add, 1)  # E: Incompatible types in assignment (expression has
+    client.call(Calc.add, "x")  # E: Argument 1 to "add" of "Calc" has incompatible type "str"
+    print(s)
 
 
 async def not_a_service(client: Client[Plain]) -> None:
