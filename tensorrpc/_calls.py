@@ -115,9 +115,10 @@ class StreamCredit:
 class Call:
     """One call: where it went, its state, and what came back.
 
-    The I/O shell owns ``waiter`` (what wakes the caller), ``lease`` and ``placed`` (the
-    argument tensors that went by shared memory) and ``observed``; the table only carries
-    them.
+    The I/O shell owns ``waiter`` (what wakes the caller) and ``observed``; the table
+    only carries them. ``lease`` (the argument tensors' torch_shm lease while the engine
+    may read them), ``placed`` (tensors and bytes that went by shared memory) and
+    ``releases`` (result lease ids its CALL header carried) are the protocol's.
     """
 
     __slots__ = (
@@ -129,6 +130,7 @@ class Call:
         "lease",
         "observed",
         "placed",
+        "releases",
         "reply_buffers",
         "reply_kind",
         "reply_payload",
@@ -154,6 +156,7 @@ class Call:
         self.credit: StreamCredit | None = None
         self.lease: int | None = None
         self.placed = (0, 0)
+        self.releases: tuple[int, ...] = ()
         #: What the client's observer watches of this call (None: no observer).
         self.observed: Any = None
 

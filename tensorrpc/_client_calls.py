@@ -9,6 +9,7 @@ the reader and the wake-ups belong to `tensorrpc._client_io.ClientIO`.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TensorTransportError,
 )
-from tensorrpc._protocol import Flags, MessageKind, pack_call_header
+from tensorrpc._protocol import Flags, MessageKind
 from tensorrpc._service import schemaless_method
 from tensorrpc._views import CallOptions
 
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from tensorrpc._service import MethodSpec, ServiceSpec
 
 __all__ = ["CallRunner"]
+
+logger = logging.getLogger("tensorrpc.client")
 
 _RESULT = MessageKind.RESULT
 _ERROR = MessageKind.ERROR
@@ -155,8 +158,8 @@ class CallRunner:
         """`ClientProtocol.select` at ``now``, acting on the sessions it found forgotten."""
         protocol = self._protocol
         engine = protocol.select(target, now, woken=woken, wait_for_ready=ready)
-        if protocol.pending or protocol.outbox:
-            self._io.events()
+        if protocol.pending:
+            self._io.flush()
         return engine
 
     async def _start(
@@ -180,8 +183,8 @@ class CallRunner:
             ready = deadline is not None
         # `_select`, inline (the hot path)
         engine = protocol.select(options.engine, now, wait_for_ready=ready)
-        if protocol.pending or protocol.outbox:
-            self._io.events()
+        if protocol.pending:
+            self._io.flush()
         if engine is None:
             engine = await self._acquire(options, ready)
             now = _monotonic()
@@ -195,45 +198,40 @@ class CallRunner:
             encoded = transfers.encode(spec, wire, engine, placer)
         assert self._io.waiters is not None
         holds = self._holds
-        releases: tuple[int, ...] = ()
-        if engine.releases or (holds is not None and holds.ready):
-            # Results decoded or freed since: the engine may reuse their memory.
-            releases = self._io.take_releases(engine, now)
-        call = self._protocol.start_call(
-            engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now
-        )
-        if placer is not None:
-            call.lease = placer.lease
-            call.placed = (placer.placed, placer.placed_bytes)
+        returns: tuple[int, ...] = ()
+        if holds is not None and holds.ready:
+            # Results freed since: the engine may reuse their memory (the CALL says so).
+            returns = transfers.policy.releasable(engine.peer)
+        lease, placed = (None, (0, 0)) if placer is None else placer.outcome()
         flags |= transfers.result_flags(options, engine)
         if encoded.buffers:
             transfers.policy.sent_frames(encoded.buffers)
         timeout_ms = 0
         if deadline is not None:
             timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
-        header = pack_call_header(call.call_id, spec.name, flags, timeout_ms, releases=releases)
-        if self._io.observer is not None:  # observe: a CALL goes out (may add trace context)
+        observed, trace = None, b""
+        if self._io.observer is not None:  # observe: a CALL goes out (may carry trace context)
             nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
-            call.observed, header = _observe.client_call(
-                self._io.observer, header, spec.name, engine.engine_id, engine.info.features,
-                bool(flags & _STREAM_FLAG), nbytes, call.placed[0], len(encoded.buffers),
+            observed, trace = _observe.client_call(
+                self._io.observer, spec.name, engine.engine_id, engine.info.features,
+                bool(flags & _STREAM_FLAG), nbytes, placed[0], len(encoded.buffers),
             )  # fmt: skip
-        frames = [engine.peer, header, encoded.payload, *encoded.buffers]
-        if not self._send_call(call, frames, encoded, releases):
-            await self._send_call_waiting(call, frames, encoded, releases)
+        protocol = self._protocol
+        call, frames = protocol.start_call(
+            engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now,
+            payload=encoded.payload, buffers=encoded.buffers, flags=flags,
+            timeout_ms=timeout_ms, trace=trace, lease=lease, placed=placed, returns=returns,
+        )  # fmt: skip
+        call.observed = observed
+        if protocol.pending:  # a RELEASE its header could not carry goes first
+            self._io.flush()
+        if not self._send_call(call, frames, encoded):
+            await self._send_call_waiting(call, frames, encoded)
         return call
 
-    def _send_call(
-        self, call: Call, frames: list[Any], encoded: _codec.Encoded, releases: tuple[int, ...]
-    ) -> bool:
+    def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> bool:
         """Send a CALL zero-copy if ZMQ takes it now; False: the pipe is full (then
-        `_send_call_waiting`). A plain function: no coroutine on the hot path.
-        ``releases``: the lease ids its header carries."""
-        engine = call.engine
-        nbytes = len(frames[1]) + len(frames[2])
-        for buffer in encoded.buffers:
-            nbytes += buffer.nbytes
-        engine.bytes_sent += nbytes
+        `_send_call_waiting`). A plain function: no coroutine on the hot path."""
         sock = self._io.sock
         track = bool(encoded.buffers)
         try:
@@ -243,13 +241,13 @@ class CallRunner:
         except anyio.WouldBlock:
             return False
         except BaseException as exc:
-            raise self._send_failed(call, exc, releases)  # noqa: B904 - it chains what it must
+            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
         if track:
-            self._io.tracked.add(tracker, encoded.keepalive, nbytes)
+            self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
         return True
 
     async def _send_call_waiting(
-        self, call: Call, frames: list[Any], encoded: _codec.Encoded, releases: tuple[int, ...]
+        self, call: Call, frames: list[Any], encoded: _codec.Encoded
     ) -> None:
         """Send a CALL zero-copy, waiting (bounded by the caller's scope) for the pipe."""
         sock = self._io.sock
@@ -259,28 +257,26 @@ class CallRunner:
                 raise ClosedError("the client is closed")
             tracker = await sock.send(frames, track=track)
         except BaseException as exc:
-            raise self._send_failed(call, exc, releases)  # noqa: B904 - it chains what it must
+            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
         if track:
             self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
 
-    def _send_failed(
-        self, call: Call, exc: BaseException, releases: tuple[int, ...]
-    ) -> BaseException:
+    def _send_failed(self, call: Call, exc: BaseException) -> BaseException:
         """The CALL could not be sent: end the call, return the leases its header carried
         by RELEASE; the exception to raise."""
         engine = call.engine
         if isinstance(exc, PeerUnreachableError):
-            self._io.event(self._protocol.unreachable(engine.peer, _monotonic()))
+            self._io.event(self._protocol.send_failed(engine.peer, _monotonic()))
             error = call.error or EngineDeadError(
                 f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
             )
             error.__cause__ = exc
             return error  # the engine is lost: it drops our leases itself
-        if releases:
-            self._io.unsent_releases(engine, releases)
+        self._protocol.call_unsent(call, _monotonic())
         if not call.ended:
-            self._io.abandon(call)
-            engine.errors += 1
+            self._io.abandon(call, error=True)
+        else:
+            self._io.flush()
         if call.observed is not None:  # observe: the CALL could not be sent
             call.observed.finished(_observe.outcome_of(exc), 0)
         return exc
@@ -293,8 +289,7 @@ class CallRunner:
             await waiters.wait(call.waiter)
         except BaseException:
             if not call.ended:
-                self._io.abandon(call)
-                call.engine.errors += 1
+                self._io.abandon(call, error=True)
             elif call.reply_kind is _RESULT:  # it came, but nobody will decode it
                 self._io.event(Dropped(call.engine, call.reply_payload, call.reply_buffers))
                 self._io.flush()
@@ -316,10 +311,9 @@ class CallRunner:
             value = _codec.decode(payload, buffers, transfers.codec_config, resolver=resolver)
             return call.spec.decode_result(value)
         except TensorRPCError as exc:
-            if call.items is None:
-                engine.errors += 1
+            self._protocol.undecodable(call)
             if isinstance(exc, TensorTransportError):
-                transfers.shm_failed(engine, sending=False)
+                self._shm_failed(engine, sending=False)
             raise
         finally:
             if resolver is not None and resolver.inner is not None:
@@ -383,8 +377,8 @@ class CallRunner:
                     raise
                 # The engine could not attach to the arguments' shared memory (it answers
                 # so before running the handler): resend them as frames.
-                call.engine.errors -= 1
-                self._transfers.shm_failed(call.engine, sending=True)
+                self._protocol.retrying(call)
+                self._shm_failed(call.engine, sending=True)
                 if options.transport == "auto":
                     self._transfers.policy.record_fallback(*call.placed)
                 continue
@@ -393,7 +387,7 @@ class CallRunner:
                     raise
                 # The engine's own queue is full (other clients may fill it too): wait,
                 # bounded by the caller's deadline, then try again (maybe elsewhere).
-                call.engine.errors -= 1
+                self._protocol.retrying(call)
                 self.retries += 1
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, _RETRY_MAX_S)
@@ -434,14 +428,22 @@ class CallRunner:
                 with anyio.move_on_after(deadline - anyio.current_time()):
                     await waiters.wait(call.waiter)
                     continue
-                self._io.abandon(call)
-                call.engine.errors += 1
+                self._io.abandon(call, error=True)
                 raise CallTimeoutError(f"{call.spec.qualname} stream passed its deadline")
         payload, buffers = self._protocol.take_item(call, _monotonic())
         if call.observed is not None:  # observe: a stream item is taken
             call.observed.item()
         self._io.flush()
         return self._decode(call, payload, buffers)
+
+    def _shm_failed(self, engine: Engine, *, sending: bool) -> None:
+        """The engine could not attach to our handles (or we to its): frames from now on."""
+        if self._protocol.shm_failed(engine, sending=sending):
+            logger.warning(
+                "torch_shm %s engine %r failed; using frames from now on",
+                "to" if sending else "from",
+                engine.engine_id,
+            )
 
     async def broadcast(
         self,

@@ -1,10 +1,11 @@
 """The client's I/O loop: one ROUTER socket, a reader, a timer task, one flush, wake-ups.
 
 `ClientIO` feeds every message to `tensorrpc._client_protocol.ClientProtocol`, sends
-the control frames it queues (without waiting), runs its timers (heartbeats, dead
-engines, hello requests, rejoins), acts on the events it reports (engines joined and
-lost, dropped replies, refusals) and wakes the callers whose calls it resolved or who
-wait for capacity. The calls themselves run in `tensorrpc._client_calls.CallRunner`.
+the frames it hands out (without waiting), runs its timers (heartbeats, dead engines,
+hello requests, rejoins), acts on the events it reports (engines joined and lost,
+dropped replies, refusals, reachability questions) and wakes the callers whose calls
+it resolved or who wait for capacity. The calls themselves run in
+`tensorrpc._client_calls.CallRunner`.
 """
 
 from __future__ import annotations
@@ -22,19 +23,19 @@ import zmq
 
 from tensorrpc._calls import Call, CallState
 from tensorrpc._client_protocol import (
+    CheckReachable,
     ClientProtocol,
     Dropped,
     EngineJoined,
     EngineLost,
     EngineRefused,
     Ignored,
+    LeasesFreed,
     Pong,
-    Released,
 )
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
 from tensorrpc._logonce import Said
-from tensorrpc._protocol import MAX_CALL_RELEASES
 from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
@@ -210,7 +211,6 @@ class ClientIO:
         "observer",
         "orphans",
         "protocol",
-        "releasing",
         "sock",
         "tick",
         "tracked",
@@ -247,8 +247,6 @@ class ClientIO:
         self.waiters: Waiters | None = None
         self.engines_changed: anyio.Event | None = None
         self.tick: anyio.Event | None = None
-        #: Engines with decoded leases to return (`release_later`); a flush is scheduled.
-        self.releasing: list[Engine] = []
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -329,93 +327,51 @@ class ClientIO:
     # -- output and events ----------------------------------------------------------------
 
     def flush(self) -> None:
-        """Send the control frames the protocol queued, without waiting."""
+        """Do what the protocol handed out: act on its events, send its frames (without
+        waiting); until it has nothing more."""
         protocol = self.protocol
-        while protocol.has_output:
-            for frames in protocol.frames_to_send():
+        while protocol.pending:
+            for event in protocol.next_events():
+                self.event(event)
+            for peer, frames in protocol.frames_to_send():
                 sock = self.sock
                 if sock is None:
                     return
                 try:
-                    sock.send_nowait(frames)
+                    sock.send_nowait([peer, *frames])
                 except PeerUnreachableError:
-                    self.event(protocol.unreachable(frames[0], _monotonic()))
+                    self.event(protocol.send_failed(peer, _monotonic()))
                     if self.tick is not None:
                         self.tick.set()  # a hello request to retry soon
                 except anyio.WouldBlock:
-                    logger.debug("dropped a message to %r: peer pipe full", frames[0])
+                    logger.debug("dropped a message to %r: peer pipe full", peer)
                 except TensorRPCError as exc:
-                    logger.debug("could not send to %r: %s", frames[0], exc)
+                    logger.debug("could not send to %r: %s", peer, exc)
 
-    def _releasable(self, engine: Engine, resolver: ShmResolver | None = None) -> list[int]:
-        """The engine's leases we are done with: decoded earlier and not yet returned
-        (`release_later`), and those whose result tensors died since."""
+    def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
+        """RELEASE now the engine's result leases we are done with: those waiting for a
+        CALL and those whose tensors died since (``resolver``: a reply just decoded)."""
         leases = self.transfers.policy.releasable(engine.peer, resolver)
-        pending = engine.releases
-        if not pending:
-            return list(leases)
-        engine.releases = []
-        if leases:
-            pending.extend(leases)
-            return list(dict.fromkeys(pending))
-        return pending
-
-    def release_held(
-        self, engine: Engine, resolver: ShmResolver | None = None, now: float | None = None
-    ) -> None:
-        """RELEASE now the engine's leases we are done with (at each housekeeping tick,
-        and before a CALL that cannot carry them); ``resolver``: a reply just decoded."""
-        leases = self._releasable(engine, resolver)
-        if leases:
-            self.protocol.release(engine, leases, _monotonic() if now is None else now)
-            self.flush()
-
-    def release_later(self, engine: Engine, resolver: ShmResolver) -> None:
-        """A reply was decoded: return its finished leases soon, in the header of the next
-        CALL to the engine if the caller makes one before it yields (one message instead
-        of two), else in a RELEASE once it yields (`_release_pending`)."""
-        leases = self.transfers.policy.releasable(engine.peer, resolver)
-        if not leases:
-            return
-        if not engine.releases:
-            if not self.releasing and self.waiters is not None:
-                self.waiters.soon(self._release_pending)  # `releasing` empty: none pending
-            self.releasing.append(engine)
-        engine.releases.extend(leases)
-
-    def take_releases(self, engine: Engine, now: float) -> tuple[int, ...]:
-        """The leases to carry in the header of a CALL to ``engine`` (protocol §3,
-        ``RELEASES``); those it cannot carry (an engine without the feature, too many
-        ids) go now in a RELEASE."""
-        leases = self._releasable(engine)
-        if not leases:
-            return ()
-        if engine.call_releases and len(leases) <= MAX_CALL_RELEASES:
-            return tuple(leases)
-        self.protocol.release(engine, leases, now)
-        self.flush()
-        return ()
-
-    def unsent_releases(self, engine: Engine, leases: Sequence[int]) -> None:
-        """A CALL that carried ``leases`` was not sent: RELEASE them instead."""
         self.protocol.release(engine, leases, _monotonic())
         self.flush()
+
+    def release_later(self, engine: Engine, resolver: ShmResolver) -> None:
+        """A reply was decoded: the protocol returns its finished leases in the header of
+        the next CALL to the engine if the caller makes one before it yields (one message
+        instead of two), else in a RELEASE once it yields (`_release_pending`)."""
+        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        if self.protocol.return_leases(engine, leases) and self.waiters is not None:
+            self.waiters.soon(self._release_pending)
 
     def _release_pending(self) -> None:
         """The caller yielded: RELEASE the decoded leases no CALL took (`release_later`).
 
         Runs as a plain callback of the event loop, so it must not raise.
         """
-        engines, self.releasing = self.releasing, []
-        if self.sock is None:
-            return  # closed: the engines drop our leases with the session
         try:
-            now = _monotonic()
-            for engine in engines:
-                leases, engine.releases = engine.releases, []
-                if leases:
-                    self.protocol.release(engine, leases, now)
-            self.flush()
+            self.protocol.release_pending(_monotonic())
+            if self.sock is not None:  # (closed: the engines drop our leases themselves)
+                self.flush()
         except Exception:  # pragma: no cover - flush logs send errors itself
             logger.exception("could not return torch_shm leases")
 
@@ -430,15 +386,6 @@ class ClientIO:
             else:  # gone: nothing to tell it
                 policy.releasable(peer)
 
-    def events(self) -> None:
-        """Act on the events the protocol left in its ``pending`` queue, then flush."""
-        protocol = self.protocol
-        pending = protocol.pending
-        while pending:
-            self.event(pending.popleft())
-        if protocol.outbox:
-            self.flush()
-
     def event(self, event: object) -> None:
         """Act on what the protocol reported (other than a resolved call)."""
         if isinstance(event, EngineLost):
@@ -450,36 +397,36 @@ class ClientIO:
                 self.observer.heartbeat(client_id, event.engine.engine_id, rtt)
         elif isinstance(event, EngineJoined):
             self._on_joined(event)
-        elif isinstance(event, (Dropped, Released)):
-            self._on_returned(event)
+        elif isinstance(event, CheckReachable):
+            reachable = self.transfers.reachable(event.peer, event.frames)
+            self.protocol.reachable(event, reachable, _monotonic())
+        elif isinstance(event, Dropped):
+            self._on_dropped(event)
+        elif isinstance(event, LeasesFreed):
+            policy = self.transfers.policy
+            for lease in event.leases:
+                policy.release_one(lease)
+            if event.refused:
+                policy.refuse_release(event.refused)
+                logger.debug(
+                    "engine %r: %d RELEASEd leases refused", event.engine.engine_id, event.refused
+                )
         elif isinstance(event, EngineRefused):
             self._refusals.log(event, _monotonic())
             self.notify_engines()
         elif isinstance(event, Ignored):
             logger.warning("dropped a message from %r: %s", event.peer, peer_text(event.why, 512))
 
-    def _on_returned(self, event: Dropped | Released) -> None:
-        """A reply nobody decodes, a late reply, or the engine's RELEASE of argument
-        leases kept for calls we gave up on."""
+    def _on_dropped(self, event: Dropped) -> None:
+        """A RESULT or stream item nobody decodes: its torch_shm leases go back now."""
         engine = event.engine
-        policy = self.transfers.policy
-        if isinstance(event, Dropped):
-            leases = self.transfers.leases(engine, event.payload, event.buffers)
-            self.protocol.release(engine, leases, _monotonic())
-            if event.call is not None:
-                self.ended(event.call)
-            elif event.call_id:
-                policy.late_reply(engine.peer, event.call_id)
-        elif event.leases:
-            refused = policy.released_by(engine.peer, event.leases)
-            if refused:
-                logger.debug("engine %r: %d RELEASEd leases refused", engine.engine_id, refused)
-        else:
-            policy.late_reply(engine.peer, event.call_id)
+        leases = self.transfers.leases(engine, event.payload, event.buffers)
+        self.protocol.release(engine, leases, _monotonic())
+        if event.call is not None:
+            self.ended(event.call)
 
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
-        engine.releases = []  # its session is over: it dropped our leases itself
         logger.info("engine %r %s", engine.engine_id, peer_text(event.why, 512))
         self.transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
         for call in event.calls:
@@ -520,8 +467,7 @@ class ClientIO:
         """A call ended: free its argument lease and slot, wake its caller (and one waiter)."""
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
-            self.transfers.policy.release_one(call.lease)
-            call.lease = None
+            self.transfers.policy.release_one(self.protocol.take_lease(call))
         waiters = self.waiters
         if waiters is None:
             return
@@ -529,8 +475,9 @@ class ClientIO:
             waiters.wake(token)
         waiters.wake(call.waiter)
 
-    def abandon(self, call: Call) -> None:
-        """The caller gave up (cancelled, timed out, closed a stream): tell the engine."""
+    def abandon(self, call: Call, *, error: bool = False) -> None:
+        """The caller gave up (cancelled, timed out, closed a stream): tell the engine
+        (``error``: count it as one of the engine's errors)."""
         items = call.items
         now = _monotonic()
         protocol = self.protocol
@@ -538,17 +485,9 @@ class ClientIO:
             payload, buffers = items.popleft()
             leases = self.transfers.leases(call.engine, payload, buffers)
             protocol.release(call.engine, leases, now)
-        if protocol.cancel(call, now):
-            engine = call.engine
-            # The engine may still be reading the arguments on our regions: they stay
-            # leased to it until its RELEASE (or a late reply, or its end).
-            if (
-                call.lease is not None
-                and engine.alive
-                and not protocol.closed
-                and self.transfers.policy.hold_cancelled(engine.peer, call.call_id, call.lease)
-            ):
-                call.lease = None
+        # The engine may still be reading the arguments on our regions: the protocol keeps
+        # their lease until its RELEASE (or a late reply, or its end).
+        if protocol.cancel(call, now, error=error):
             self.ended(call)
         self.flush()
 
@@ -612,25 +551,23 @@ class ClientIO:
             logger.warning("dropped a message of %d frames", len(frames))
             return
         protocol = self.protocol
+        peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
         if protocol.config.engine_keys is not None:  # who the engine is comes from its key
-            self.transfers.message_key = _user_id(frames[1])
-        event = protocol.receive(frames[0].bytes, cast("list[Buffer]", frames[1:]), _monotonic())
+            event = protocol.receive(peer, body, _monotonic(), _user_id(frames[1]))
+        else:
+            event = protocol.receive(peer, body, _monotonic())
         if type(event) is Call:
             call = event
             if call.state >= _REPLIED:
                 self.ended(call)
             else:  # a stream item: the engine has attached to the arguments
                 if call.lease is not None:
-                    self.transfers.policy.release_one(call.lease)
-                    call.lease = None
+                    self.transfers.policy.release_one(protocol.take_lease(call))
                 assert self.waiters is not None
                 self.waiters.wake(call.waiter)
         elif event is not None:
             self.event(event)
-        pending = protocol.pending
-        while pending:
-            self.event(pending.popleft())
-        if protocol.outbox:
+        if protocol.pending:
             self.flush()
         if self.orphans:
             self.reap_orphans()

@@ -1,9 +1,10 @@
 """The client's side of the protocol as a state machine, sans-I/O.
 
-`ClientProtocol` takes frames and the current time in, and gives back what
-happened (the `tensorrpc._calls.Call` a reply resolved, or an event) and the
-frames to send (`ClientProtocol.frames_to_send`). It never touches a socket, a
-clock or an event loop; `tensorrpc.Client` is the I/O shell around it. The
+`ClientProtocol` takes frames, the shell's answers to its events and the current time
+in, and gives back what happened (the `tensorrpc._calls.Call` a reply resolved, or an
+event) and the frames to send, in the output convention both machines share
+(`tensorrpc._machine.Machine`). It never touches a socket, a clock or an event loop,
+and never calls back into the shell; `tensorrpc.Client` is the I/O shell around it. The
 transition table (`TRANSITIONS`) is also the one in docs/protocol.md §13; a test
 keeps the two equal.
 
@@ -26,11 +27,17 @@ Rules the machine keeps (with those of `tensorrpc._calls` and
    an engine there says HELLO: every heartbeat interval while the connection is up, and
    with a capped backoff while the send fails because the connection is not up yet.
 5. Nothing is sent for a call after it ended, except its one CANCEL.
+6. ``torch_shm`` leases (the lease table): a call's argument lease ends with its first
+   reply (the engine attached) or its end; a call we gave up on keeps it (the engine may
+   still read the arguments) until the engine's RELEASE naming it, a late reply to the
+   call, or the engine's end. Result leases we are done with ride in the header of the
+   next CALL to their engine (``RELEASES``, at most `MAX_CALL_RELEASES`, for an engine
+   that reads them), else go in RELEASE messages of at most `MAX_RELEASE_LEASES` ids.
+   A RELEASE naming anything else is refused and counted; an engine's end drops all.
 """
 
 from __future__ import annotations
 
-import collections
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -48,7 +55,9 @@ from tensorrpc._engines import (
 )
 from tensorrpc._exceptions import ClosedError, EngineNotFoundError, RemoteProtocolError
 from tensorrpc._liveness import Backoff, check_heartbeat, ping_interval, to_ms
+from tensorrpc._machine import MAX_RELEASE_LEASES, Machine, release_frames
 from tensorrpc._protocol import (
+    MAX_CALL_RELEASES,
     PROTOCOL_VERSION,
     Bye,
     Credit,
@@ -61,6 +70,7 @@ from tensorrpc._protocol import (
     Welcome,
     decode_control,
     encode_control,
+    pack_call_header,
     split_frames,
 )
 
@@ -77,6 +87,7 @@ __all__ = [
     "ClientConfig",
     "ClientHooks",
     "ClientProtocol",
+    "CheckReachable",
     "Dropped",
     "EngineJoined",
     "EngineLost",
@@ -84,8 +95,9 @@ __all__ = [
     "Event",
     "Heartbeat",
     "Ignored",
+    "LeasesFreed",
+    "MAX_RELEASE_LEASES",
     "Pong",
-    "Released",
 ]
 
 _RESULT: Final = MessageKind.RESULT
@@ -213,14 +225,6 @@ class ClientHooks(Protocol):
         """
         ...
 
-    def reachable(self, peer: bytes) -> bool:
-        """Whether a connection to ``peer`` still exists (a PING to it can be queued)."""
-        ...
-
-    def peer_key(self, peer: bytes) -> str | None:
-        """The z85 CURVE public key the message being handled came with (None: none)."""
-        ...
-
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
@@ -302,14 +306,34 @@ class Dropped:
 
 
 @dataclass(frozen=True, slots=True)
-class Released:
-    """The engine's RELEASE: it is done with the argument regions under these leases
-    (of calls we gave up on before it answered them). ``call_id`` 0 and ``leases`` empty
-    with a non-zero ``call_id``: a late ERROR or STREAM_END to call ``call_id``."""
+class LeasesFreed:
+    """Argument leases of calls we gave up on that the engine is done with (its RELEASE,
+    or a late reply): the shell frees their memory. ``refused`` counts the ids of a
+    RELEASE that named no lease kept for this engine (nothing freed for them)."""
 
     engine: Engine
     leases: tuple[int, ...]
-    call_id: int = 0
+    refused: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReachable:
+    """A HELLO names an engine id live on another peer: is that peer still reachable?
+
+    The shell tries to send ``frames`` (a PING) to ``peer`` without waiting and answers
+    `ClientProtocol.reachable`: a live engine keeps its id (the HELLO is refused as
+    ``duplicate_id``), a gone one is replaced.
+    """
+
+    peer: bytes
+    frames: list[bytes]
+    #: The peer whose HELLO waits for the answer, and what it said.
+    hello_peer: bytes
+    hello: Hello
+    info: EngineInfo
+    current: Engine
+    #: The HELLO's payload frame (the shell's torch_shm offer reads its connection).
+    frame: Buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +353,16 @@ class Ignored:
 
 
 #: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
-Event = EngineJoined | EngineLost | EngineRefused | Dropped | Released | Pong | Ignored
+Event = (
+    EngineJoined
+    | EngineLost
+    | EngineRefused
+    | CheckReachable
+    | Dropped
+    | LeasesFreed
+    | Pong
+    | Ignored
+)
 
 
 class _Dial:
@@ -347,20 +380,7 @@ def _random_epoch() -> int:
     return secrets.randbits(64) or 1
 
 
-def _released(engine: Engine, kind: MessageKind, header: Header, payload: Buffer) -> Event:
-    """The engine's RELEASE: it is done with argument regions of calls we gave up on.
-    Any other kind left over here is unexpected."""
-    if kind is not _RELEASE:
-        return Ignored(engine.peer, f"unexpected {kind.name} from engine {engine.engine_id!r}")
-    try:
-        body = decode_control(header, payload)
-    except RemoteProtocolError as exc:
-        return Ignored(engine.peer, f"malformed RELEASE: {exc}")
-    assert isinstance(body, Release)
-    return Released(engine, tuple(body.leases))
-
-
-class ClientProtocol:
+class ClientProtocol(Machine[bytes, Event]):
     """The client's protocol state: engines, calls, liveness, frames to send.
 
     Args:
@@ -378,6 +398,7 @@ class ClientProtocol:
     ) -> None:
         if config.stream_window < 1:
             raise ValueError("stream_window must be at least 1")
+        super().__init__()
         self.config = config
         self._hooks = hooks
         self._epochs = epochs
@@ -386,26 +407,18 @@ class ClientProtocol:
         self.capacity = CapacityWaiters()
         self._dials: dict[bytes, _Dial] = {}
         self._dial_count = 0
-        #: Control messages queued to send (``[peer, header, payload]``), oldest first.
-        self.outbox: list[list[bytes]] = []
-        #: Events found while handling a message whose own event was already returned.
-        self.pending: collections.deque[Event] = collections.deque()
         #: Engines that forgot this client's session (the client stalled) and are greeted
         #: again at once: the calls not yet sent to them wait for that instead of failing.
         self.rejoining = Rejoins(config.heartbeat.dead_after)
         self.closed = False
+        # The lease table (rule 6): argument leases kept for calls we gave up on, by
+        # (engine peer, call id) and back; engines with result leases to return.
+        self._held: dict[tuple[bytes, int], int] = {}
+        self._held_by_lease: dict[int, tuple[bytes, int]] = {}
+        self._returning: list[Engine] = []
+        self._release_due = False
 
     # -- output ---------------------------------------------------------------------------
-
-    @property
-    def has_output(self) -> bool:
-        """Whether control frames wait in `frames_to_send`."""
-        return bool(self.outbox)
-
-    def frames_to_send(self) -> list[list[bytes]]:
-        """Take the control messages to send, each ``[peer, header, payload]``, in order."""
-        out, self.outbox = self.outbox, []
-        return out
 
     def _queue(
         self,
@@ -417,7 +430,7 @@ class ClientProtocol:
         now: float,
     ) -> None:
         frames = encode_control(kind, body, call_id)
-        self.outbox.append([peer, *frames])
+        self._sends.append((peer, frames))
         if engine is not None:
             engine.sent = now
             engine.bytes_sent += len(frames[0]) + len(frames[1])
@@ -471,7 +484,7 @@ class ClientProtocol:
         Args:
             engine_id: The engine the call targets, or ``None`` to balance.
             now: The clock. An engine we left silent past its bound (our loop stalled)
-                forgot the session: it is ended here (`EngineLost` in `pending`), not
+                forgot the session: it is ended here (`EngineLost` in `next_events`), not
                 sent a call, and the caller waits for it to rejoin (`rejoining`).
             woken: The caller was woken from the capacity queue (it does not requeue).
             wait_for_ready: gRPC's wait-for-ready: with no live engine for the call, the
@@ -495,7 +508,7 @@ class ClientProtocol:
                 raise
             if engine is None or now is None or now - engine.sent <= engine.forgets_after:
                 return engine  # (else we sent it nothing for longer than its bound: forgotten)
-            self.pending.append(self._forgotten(engine, now))
+            self._events.append(self._forgotten(engine, now))
 
     def absence(self, engine_id: str | None, now: float) -> str | None:
         """Why no engine can take a call for ``engine_id`` now (None: one is live).
@@ -536,18 +549,85 @@ class ClientProtocol:
         return woken
 
     def start_call(
-        self, engine: Engine, spec: MethodSpec, waiter: Any, *, stream: bool, now: float
-    ) -> Call:
-        """Enter a call to ``engine`` in the table; the shell then sends its CALL."""
+        self,
+        engine: Engine,
+        spec: MethodSpec,
+        waiter: Any,
+        *,
+        stream: bool,
+        now: float,
+        payload: Buffer = b"",
+        buffers: Sequence[Buffer] = (),
+        flags: int = 0,
+        timeout_ms: int = 0,
+        trace: bytes = b"",
+        lease: int | None = None,
+        placed: tuple[int, int] = (0, 0),
+        returns: Sequence[int] = (),
+    ) -> tuple[Call, list[Any]]:
+        """Enter a call to ``engine`` in the table and build its CALL.
+
+        Args:
+            engine: Where it goes (`select`).
+            spec: The method.
+            waiter: The shell's wake-up for the caller (carried, never read).
+            stream: A streaming call.
+            now: The clock.
+            payload: The encoded arguments.
+            buffers: Their out-of-band tensor frames.
+            flags: CALL flag bits (STREAM, NO_WAIT, SHM_RESULTS...).
+            timeout_ms: The relative deadline (0: none).
+            trace: A trace context to carry (empty: none).
+            lease: The argument tensors' torch_shm lease (None: none went by handle).
+            placed: Tensors and bytes that went by handle.
+            returns: More result leases of this engine we are done with (as
+                `return_leases`), returned with this CALL.
+
+        Returns:
+            The call and the CALL message ``[peer, header, payload, *buffers]``; the shell
+            sends it after what `frames_to_send` holds (a RELEASE may have to go first),
+            and tells `call_unsent` if it cannot.
+        """
         if self.closed:
             raise ClosedError("the client is closed")
         engine.sent = now
-        return self.calls.open(
+        call = self.calls.open(
             engine, spec, waiter, stream=stream, window=self.config.stream_window
         )
+        call.lease = lease
+        call.placed = placed
+        releases: tuple[int, ...] = ()
+        if engine.releases or returns:  # result leases we are done with: header, or RELEASE
+            pending, engine.releases = engine.releases, []
+            unique = tuple(dict.fromkeys([*pending, *returns]))
+            if engine.call_releases and len(unique) <= MAX_CALL_RELEASES:
+                releases = call.releases = unique
+            else:
+                self._release_now(engine, unique, now)
+        header = pack_call_header(
+            call.call_id, spec.name, flags, timeout_ms, trace=trace, releases=releases
+        )
+        size = len(header) + memoryview(payload).nbytes
+        for buffer in buffers:
+            size += memoryview(buffer).nbytes
+        engine.bytes_sent += size
+        return call, [engine.peer, header, payload, *buffers]
 
-    def cancel(self, call: Call, now: float) -> bool:
+    def call_unsent(self, call: Call, now: float) -> None:
+        """The CALL of ``call`` could not be sent: the result leases its header carried
+        go in a RELEASE instead."""
+        releases, call.releases = call.releases, ()
+        if releases:
+            self._release_now(call.engine, releases, now)
+
+    def cancel(self, call: Call, now: float, *, error: bool = False) -> bool:
         """The caller gave up on ``call``: end it and tell the engine (CANCEL).
+
+        The engine may still be reading the arguments on our regions: their lease stays
+        held (rule 6) until its RELEASE, a late reply, or its end.
+
+        Args:
+            error: Count it as one of the engine's errors (a timeout, a failed send).
 
         Returns:
             True when the call ended here (False: it had already ended).
@@ -555,9 +635,112 @@ class ClientProtocol:
         if not self.calls.end(call, _CANCELLED):
             return False
         engine = call.engine
+        if error:
+            engine.errors += 1
         if engine.alive and not self.closed:
             self._queue(engine, engine.peer, MessageKind.CANCEL, None, call.call_id, now)
+            lease = call.lease
+            if lease is not None:
+                call.lease = None
+                key = (engine.peer, call.call_id)
+                self._held[key] = lease
+                self._held_by_lease[lease] = key
         return True
+
+    def undecodable(self, call: Call) -> None:
+        """The reply of unary ``call`` could not be decoded: one more engine error."""
+        if call.items is None:
+            call.engine.errors += 1
+
+    def retrying(self, call: Call) -> None:
+        """The caller retries ``call`` after its ERROR (OVERLOADED, or torch_shm arguments
+        the engine could not attach to): that reply counts as no error of the engine."""
+        call.engine.errors -= 1
+
+    def shm_failed(self, engine: Engine, *, sending: bool) -> bool:
+        """The engine could not attach to our handles (``sending``) or we to its: use
+        frames that way from now on. Returns whether torch_shm was in use that way."""
+        shm = engine.shm
+        if shm is None:
+            return False
+        if sending:
+            used, shm.to_engine = shm.to_engine, False
+        else:
+            used, shm.from_engine = shm.from_engine, False
+        return used
+
+    def take_lease(self, call: Call) -> int | None:
+        """The argument lease to free now that ``call`` ended or got its first stream
+        item (the engine attached to its arguments, or never will); None: none."""
+        lease, call.lease = call.lease, None
+        return lease
+
+    @property
+    def held_leases(self) -> int:
+        """Argument leases kept for calls we gave up on (awaiting the engine's RELEASE)."""
+        return len(self._held)
+
+    def _free_held(self, engine: Engine, call_id: int) -> LeasesFreed | None:
+        """A late reply to call ``call_id``: the engine is done with its arguments."""
+        lease = self._held.pop((engine.peer, call_id), None)
+        if lease is None:
+            return None
+        del self._held_by_lease[lease]
+        return LeasesFreed(engine, (lease,))
+
+    def _on_release(self, engine: Engine, header: Header, payload: Buffer) -> Event | None:
+        """The engine's RELEASE of argument leases kept for calls we gave up on; any other
+        id (never made, already ended, another engine's, a running call's) is refused."""
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            return Ignored(engine.peer, f"malformed RELEASE: {exc}")
+        assert isinstance(body, Release)
+        freed: list[int] = []
+        refused = 0
+        held, by_lease = self._held, self._held_by_lease
+        for lease in body.leases:
+            key = by_lease.get(lease)
+            if key is None or key[0] != engine.peer:
+                refused += 1
+                continue
+            del by_lease[lease]
+            del held[key]
+            freed.append(lease)
+        return LeasesFreed(engine, tuple(freed), refused)
+
+    def return_leases(self, engine: Engine, leases: Sequence[int]) -> bool:
+        """We are done with the engine's result tensors under ``leases``: return them in
+        the next CALL to it, or in a RELEASE at `release_pending`.
+
+        Returns:
+            True when nothing was waiting before: the shell calls `release_pending` once
+            its caller yields (a CALL made before then carries them instead).
+        """
+        if not leases or not engine.alive or self.closed:
+            return False
+        if not engine.releases:
+            self._returning.append(engine)
+        engine.releases.extend(leases)
+        first = not self._release_due
+        self._release_due = True
+        return first
+
+    def release_pending(self, now: float) -> None:
+        """RELEASE the result leases `return_leases` took that no CALL carried."""
+        engines, self._returning = self._returning, []
+        self._release_due = False
+        for engine in engines:
+            if engine.releases:
+                pending, engine.releases = engine.releases, []
+                if engine.alive and not self.closed:
+                    self._release_now(engine, pending, now)
+
+    def _release_now(self, engine: Engine, leases: Sequence[int], now: float) -> None:
+        for frames in release_frames(leases):
+            self._sends.append((engine.peer, frames))
+            engine.sent = now
+            engine.bytes_sent += len(frames[0]) + len(frames[1])
 
     def take_item(self, call: Call, now: float) -> tuple[Buffer, Sequence[Buffer]]:
         """The consumer takes the next stream item; credit goes back to the engine."""
@@ -576,18 +759,32 @@ class ClientProtocol:
         return item
 
     def release(self, engine: Engine, leases: Sequence[int], now: float) -> None:
-        """Tell ``engine`` we attached to its result tensors under these leases."""
-        if engine.alive and leases:
-            self._queue(engine, engine.peer, MessageKind.RELEASE, Release(tuple(leases)), 0, now)
+        """RELEASE now, to ``engine``, these result leases and those waiting for a CALL."""
+        if not engine.alive or self.closed:
+            return
+        if engine.releases:
+            leases = [*engine.releases, *leases]
+            engine.releases = []
+        if leases:
+            self._release_now(engine, leases, now)
 
     # -- receiving ------------------------------------------------------------------------
 
-    def receive(self, peer: bytes, frames: Sequence[Buffer], now: float) -> Call | Event | None:
+    def receive(
+        self, peer: bytes, frames: Sequence[Buffer], now: float, key: str | None = None
+    ) -> Call | Event | None:
         """Handle one message from ``peer`` (its frames after the routing id).
+
+        Args:
+            peer: The routing id it came from.
+            frames: Its frames after the routing id.
+            now: The clock.
+            key: The z85 CURVE public key it came with (with ``engine_keys``: the shell
+                reads it from the message; None: none).
 
         Returns:
             The `Call` a reply concerns (its state says what happened), an event,
-            or ``None``. Further events, if any, are left in `pending`.
+            or ``None``. Further events, if any, wait in `next_events`.
         """
         try:
             header, payload, buffers = split_frames(frames)
@@ -597,7 +794,7 @@ class ClientProtocol:
         engine = self.engines.by_peer(peer)
         if engine is not None:
             if now - engine.sent > engine.forgets_after:  # it forgot the session
-                self.pending.append(self._forgotten(engine, now))
+                self._events.append(self._forgotten(engine, now))
                 engine = None
             else:
                 engine.heard = now
@@ -607,7 +804,7 @@ class ClientProtocol:
                 engine.bytes_received += size
                 if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
                     return self._reply(engine, kind, header, payload, buffers, now)
-        return self._control(peer, engine, kind, header, payload, now)
+        return self._control(peer, engine, kind, header, payload, now, key)
 
     def _reply(
         self,
@@ -620,13 +817,18 @@ class ClientProtocol:
     ) -> Call | Event | None:
         call = self.calls.reply(engine, kind, header.call_id, payload, buffers)
         if call is None:
-            if kind is _RESULT or kind is _STREAM_ITEM:
-                return Dropped(engine, payload, buffers, call_id=header.call_id)
             if kind is _ERROR and header.call_id == 0:
                 return Ignored(
                     engine.peer, f"engine {engine.engine_id!r} reported: {reply_error(payload)}"
                 )
-            return Released(engine, (), header.call_id)  # a late ERROR or STREAM_END
+            # A late reply (to a call we gave up on, perhaps): the engine is done with its
+            # arguments; a RESULT's or item's own leases go back (the shell reads them).
+            freed = self._free_held(engine, header.call_id) if self._held else None
+            if kind is _RESULT or kind is _STREAM_ITEM:
+                if freed is not None:
+                    self._events.append(freed)
+                return Dropped(engine, payload, buffers, call_id=header.call_id)
+            return freed
         if call.state is _FAILED:  # the reply broke the rules: stop the engine's side
             self._queue(engine, engine.peer, MessageKind.CANCEL, None, call.call_id, now)
             if kind is _RESULT or kind is _STREAM_ITEM:
@@ -641,6 +843,7 @@ class ClientProtocol:
         header: Header,
         payload: Buffer,
         now: float,
+        key: str | None = None,
     ) -> Event | None:
         if kind is _PING:
             if engine is not None:
@@ -651,7 +854,7 @@ class ClientProtocol:
                 return Pong(engine, header.call_id)
             return None
         if kind is _HELLO:
-            return self._on_hello(peer, header, payload, now)
+            return self._on_hello(peer, header, payload, now, key)
         if kind is _BYE:
             return None if engine is None else self._lose(engine, "said BYE")
         if kind is _REJECT:
@@ -660,11 +863,15 @@ class ClientProtocol:
             if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
                 return None  # a reply of a session that ended: dropped silently
             return Ignored(peer, f"unexpected {kind.name} from a peer without a session")
-        return _released(engine, kind, header, payload)
+        if kind is _RELEASE:
+            return self._on_release(engine, header, payload)
+        return Ignored(engine.peer, f"unexpected {kind.name} from engine {engine.engine_id!r}")
 
     # -- handshake ------------------------------------------------------------------------
 
-    def _on_hello(self, peer: bytes, header: Header, payload: Buffer, now: float) -> Event | None:
+    def _on_hello(
+        self, peer: bytes, header: Header, payload: Buffer, now: float, key: str | None
+    ) -> Event | None:
         try:
             hello = decode_control(header, payload)
         except RemoteProtocolError as exc:
@@ -683,31 +890,65 @@ class ClientProtocol:
                 if previous.engine_id == hello.engine_id
                 else f"was replaced by engine {hello.engine_id!r} at its address"
             )
-            self.pending.append(self._lose(previous, why))
+            self._events.append(self._lose(previous, why))
         info = _engine_info(hello, self.address_of(peer))
-        refusal = self._check(info) or self._check_key(info.engine_id, peer)
+        refusal = self._check(info) or self._check_key(info.engine_id, key)
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
-            if current is not None:
-                if self._hooks.reachable(current.peer):
-                    refusal = (
-                        "duplicate_id",
-                        f"engine id {info.engine_id!r} is already served by a live engine "
-                        f"(pid {current.info.pid}); a restart may reuse it once that one is "
-                        "dead or gone",
-                    )
-                else:
-                    self.pending.append(
-                        self._lose(current, "is unreachable (its connection closed)")
-                    )
+            if current is not None:  # the shell answers whether it is reachable
+                return self._check_reachable(peer, hello, info, current, payload)
+        return self._decided(peer, info, hello, refusal, now, payload)
+
+    def _check_reachable(
+        self, peer: bytes, hello: Hello, info: EngineInfo, current: Engine, frame: Buffer
+    ) -> CheckReachable:
+        ping = encode_control(_PING, None, HEARTBEAT_NONCE)
+        return CheckReachable(current.peer, ping, peer, hello, info, current, frame)
+
+    def reachable(self, check: CheckReachable, reachable: bool, now: float) -> None:
+        """The shell's answer to `CheckReachable`: the HELLO is refused as
+        ``duplicate_id`` while the live engine is reachable, else that engine is lost and
+        the new one admitted (the events follow in `next_events`)."""
+        if self.closed or self.engines.by_peer(check.hello_peer) is not None:
+            return
+        info = check.info
+        current = self.engines.engines.get(info.engine_id)
+        refusal = None
+        if current is not None and current is not check.current:  # changed meanwhile
+            again = self._check_reachable(check.hello_peer, check.hello, info, current, check.frame)
+            self._events.append(again)
+            return
+        if current is not None:
+            if reachable:
+                refusal = (
+                    "duplicate_id",
+                    f"engine id {info.engine_id!r} is already served by a live engine "
+                    f"(pid {current.info.pid}); a restart may reuse it once that one is "
+                    "dead or gone",
+                )
+            else:
+                self._events.append(self._lose(current, "is unreachable (its connection closed)"))
+        event = self._decided(check.hello_peer, info, check.hello, refusal, now, check.frame)
+        if event is not None:
+            self._events.append(event)
+
+    def _decided(
+        self,
+        peer: bytes,
+        info: EngineInfo,
+        hello: Hello,
+        refusal: tuple[str, str] | None,
+        now: float,
+        frame: Buffer,
+    ) -> Event | None:
         if refusal is not None:
             reason, message = refusal
             self.engines.refuse(info.engine_id, reason, message)
             self._queue(None, peer, _REJECT, Reject(reason, message), 0, now)
             return EngineRefused(info.engine_id, reason, message, by_client=True)
-        return self._admit(peer, info, hello, now, payload)
+        return self._admit(peer, info, hello, now, frame)
 
-    def _check_key(self, engine_id: str, peer: bytes) -> tuple[str, str] | None:
+    def _check_key(self, engine_id: str, key: str | None) -> tuple[str, str] | None:
         """With ``engine_keys``: an id is taken only with the CURVE key bound to it."""
         keys = self.config.engine_keys
         if keys is None:
@@ -715,7 +956,7 @@ class ClientProtocol:
         bound = keys.get(engine_id)
         if bound is None:
             return ("other", f"engine id {engine_id!r} is not bound to a key at this client")
-        if self._hooks.peer_key(peer) != bound:
+        if key != bound:
             return ("other", f"engine id {engine_id!r} is bound to another CURVE key")
         return None
 
@@ -782,12 +1023,16 @@ class ClientProtocol:
         who = engine.engine_id if engine is not None else self.address_of(peer) or repr(peer)
         self.engines.refuse(who, body.reason, body.message)
         if engine is not None:
-            self.pending.append(self._lose(engine, f"refused this client ({body.reason})"))
+            self._events.append(self._lose(engine, f"refused this client ({body.reason})"))
         return EngineRefused(who, body.reason, body.message, by_client=False)
 
     # -- endings --------------------------------------------------------------------------
 
     def _lose(self, engine: Engine, why: str) -> EngineLost:
+        engine.releases = []  # its session is over: it dropped our leases itself
+        if self._held:  # ours it kept end with it (the shell frees the peer's leases)
+            for key in [k for k in self._held if k[0] == engine.peer]:
+                del self._held_by_lease[self._held.pop(key)]
         calls = self.calls.fail_engine(engine, why)
         self.engines.remove(engine)  # after the calls: its counters include their errors
         dial = self._dials.get(engine.peer)
@@ -814,7 +1059,7 @@ class ClientProtocol:
             return None
         return self._lose(engine, reason)
 
-    def unreachable(self, peer: bytes, now: float) -> EngineLost | None:
+    def send_failed(self, peer: bytes, now: float) -> EngineLost | None:
         """A send to ``peer`` failed because no connection to it exists (yet)."""
         engine = self.engines.by_peer(peer)
         if engine is not None:
@@ -866,6 +1111,8 @@ class ClientProtocol:
             return []
         for engine in list(self.engines.engines.values()):
             self._queue(engine, engine.peer, _BYE, Bye("closed"), 0, now)
+        self._held.clear()
+        self._held_by_lease.clear()
         self.closed = True
         return self.calls.fail_all(ClosedError, "the client was closed")
 

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 import anyio
 
 from tensorrpc import _codec
-from tensorrpc._client_protocol import HEARTBEAT_NONCE
 from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
-from tensorrpc._protocol import Flags, Hello, MessageKind, encode_control
+from tensorrpc._protocol import Flags, Hello
 from tensorrpc._zmq import peer_credentials
 from tensorrpc.transports._policy import (
     LazyResolver,
@@ -48,7 +47,7 @@ _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
 class Transfers:
     """Tensor transports and size limits with each engine (torch_shm, frames)."""
 
-    __slots__ = ("codec_config", "host_id", "maxmsgsize", "message_key", "policy", "sock")
+    __slots__ = ("codec_config", "host_id", "maxmsgsize", "policy", "sock")
 
     def __init__(
         self, policy: TransportPolicy, codec_config: _codec.CodecConfig, maxmsgsize: int
@@ -59,7 +58,6 @@ class Transfers:
         self.host_id = _host_id()
         self.sock: AsyncSocket | None = None
         #: With ``engine_keys``: the CURVE key (z85) of the message being handled.
-        self.message_key: str | None = None
 
     # -- the protocol's hooks ------------------------------------------------------------
 
@@ -79,17 +77,13 @@ class Transfers:
             return None
         return (self.policy.offered(), pid, send, receive)
 
-    def peer_key(self, peer: bytes) -> str | None:
-        """The CURVE key (z85) of the message being handled (set by the reader)."""
-        return self.message_key
-
-    def reachable(self, peer: bytes) -> bool:
-        """Whether a connection to ``peer`` exists: a PING to it can be queued."""
+    def reachable(self, peer: bytes, ping: list[bytes]) -> bool:
+        """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
         sock = self.sock
         if sock is None:
             return False
         try:
-            sock.send_nowait([peer, *encode_control(MessageKind.PING, None, HEARTBEAT_NONCE)])
+            sock.send_nowait([peer, *ping])
         except PeerUnreachableError:
             return False
         except (anyio.WouldBlock, TensorRPCError):
@@ -135,20 +129,6 @@ class Transfers:
         with contextlib.suppress(TensorRPCError):
             _codec.decode(payload, buffers, self.codec_config, resolver=collector)
         return list(dict.fromkeys(collector.leases))
-
-    def shm_failed(self, engine: Engine, *, sending: bool) -> None:
-        """The engine could not attach to our handles (or we to its): stop using torch_shm."""
-        shm = engine.shm
-        if shm is not None:
-            if sending:
-                shm.to_engine = False
-            else:
-                shm.from_engine = False
-            logger.warning(
-                "torch_shm %s engine %r failed; using frames from now on",
-                "to" if sending else "from",
-                engine.engine_id,
-            )
 
     def encode(
         self,

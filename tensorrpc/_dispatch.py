@@ -11,9 +11,10 @@ Rules:
 
 1. A worker runs its calls inside one cancel scope, replaced only after a call got it
    cancelled (CANCEL, deadline, shutdown): a new scope per call costs ~5 us on asyncio.
-2. The protocol decides whether a reply may go (`ServerProtocol.may_reply`,
-   `error_reply`, `may_send_item`); this
-   module only produces it.
+2. The protocol decides whether a reply may go and builds its frames
+   (`ServerProtocol.result`, `stream_item`, `stream_end`, `error_reply`), and which
+   argument leases a call that ends without a reply owes the client
+   (`ServerProtocol.args_done`); this module encodes values and sends.
 3. A stream that waits for credit does not hold a worker: it parks (the protocol stops
    counting it busy) and, if the pool would otherwise shrink, a replacement worker
    starts; a worker beyond the pool's size exits once its call is done.
@@ -42,7 +43,7 @@ from tensorrpc._exceptions import (
     TensorTransportError,
     ValidationError,
 )
-from tensorrpc._protocol import Flags, MessageKind, Release, encode_control, pack_reply_header
+from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
@@ -61,15 +62,11 @@ __all__ = ["Call", "Dispatcher"]
 
 logger = logging.getLogger("tensorrpc.server")
 
-_RESULT: Final = MessageKind.RESULT
-_STREAM_ITEM: Final = MessageKind.STREAM_ITEM
 _SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
 # How long a cancelled async generator may take to run its ``finally`` blocks.
 _ACLOSE_TIMEOUT_S: Final = 1.0
 # A worker yields to the event loop after this many calls in a row without waiting.
 _FAIRNESS_STREAK: Final = 32
-# Lease ids per RELEASE (protocol §4).
-_MAX_RELEASE: Final = 4096
 
 
 #: The calls this pool runs (the protocol's record carries the shell's slots too).
@@ -102,7 +99,7 @@ class Dispatcher:
         policy: The tensor transport policy (placers, resolvers, statistics).
         maxmsgsize: Our largest frame (0: none), for the result size check.
         grace_period: For the DRAINING message.
-        send_now: Send small frames to a client without waiting.
+        flush: Send what the protocol queued (ERROR, STREAM_END, RELEASE), no waiting.
         send_reply: Send a reply, waiting a bounded time; ``(call, frames, keepalive)``.
     """
 
@@ -117,7 +114,7 @@ class Dispatcher:
         policy: TransportPolicy,
         maxmsgsize: int,
         grace_period: float,
-        send_now: Callable[[object, list[bytes]], bool],
+        flush: Callable[[], None],
         send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
     ) -> None:
         self._proto = proto
@@ -128,16 +125,13 @@ class Dispatcher:
         self._policy = policy
         self._maxmsgsize = maxmsgsize
         self._grace_period = grace_period
-        self._send_now = send_now
+        self._flush = flush
         self._send_reply = send_reply
         self._idle: list[anyio.Event] = []
         self._closed = False
         self._workers = 0
         self._parked = 0
         self._tg: TaskGroup | None = None
-        # torch_shm: the argument leases of calls not answered yet (the client keeps
-        # them until our first reply, or our RELEASE if it gives up on the call).
-        self._arg_leases: dict[Call, tuple[int, ...]] = {}
         self.done = anyio.Event()
 
     def start(self, tg: TaskGroup) -> None:
@@ -225,6 +219,7 @@ class Dispatcher:
     def _done(self, call: Call) -> None:
         if call.keep is not None or call.cancelled:
             self._end_args(call)
+            self._flush()
         self._proto.done(call)
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
@@ -234,10 +229,9 @@ class Dispatcher:
     def _error(
         self, call: Call, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
     ) -> None:
-        frames = self._proto.error_reply(call, code, message, type_name, tb)
-        self._detach(call, reply=frames is not None)
-        if frames is not None:
-            self._send_now(call.key, frames)
+        self._detach(call)
+        if self._proto.error_reply(call, code, message, type_name, tb):
+            self._flush()
             if call.observed is not None:  # observe: an ERROR reply to an observed call
                 call.observed.error(code.name)
 
@@ -253,7 +247,7 @@ class Dispatcher:
         if call.cancelled:
             return True
         if self._proto.hard_stop:
-            call.shutdown = True
+            self._proto.stop(call)
             self._reply_stopped(call)
             return True
         if deadline != math.inf and anyio.current_time() >= deadline:
@@ -312,11 +306,7 @@ class Dispatcher:
 
     def _decode(self, call: Call) -> list[Any] | None:
         """Decode and validate the arguments; on failure reply with an ERROR and return None."""
-        payload = call.payload
-        assert payload is not None
-        buffers = call.buffers
-        call.payload = None
-        call.buffers = ()
+        payload, buffers = call.take_args()
         if buffers:
             self._policy.received_frames(buffers)
         lazy = self._resolver(call, payload)
@@ -325,7 +315,8 @@ class Dispatcher:
                 wire = _codec.decode(payload, buffers, self._codec, resolver=lazy)
             finally:
                 if lazy is not None and lazy.inner is not None:
-                    self._kept(call, lazy.inner.leases)
+                    # Tensors may sit on the client's regions under these leases.
+                    self._proto.args_resolved(call, lazy.inner.leases)
             return call.spec.decode_args(wire)
         except ValidationError as exc:
             self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc))
@@ -335,15 +326,11 @@ class Dispatcher:
             self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
         return None
 
-    def _kept(self, call: Call, leases: tuple[int, ...]) -> None:
-        """The arguments resolved handles: their tensors may be on the client's regions
-        (detached before our first reply) under these leases (kept until then)."""
-        call.keep = (call.session, call.call_id)
-        if leases:
-            self._arg_leases[call] = leases
-
-    def _encode(self, call: Call, value: object) -> _codec.Encoded | None:
-        """Check and encode a result or stream item; on failure reply ERROR, return None."""
+    def _encode(
+        self, call: Call, value: object
+    ) -> tuple[_codec.Encoded, PolicyPlacer | None] | None:
+        """Check and encode a result or stream item (and its placer, to abort if it does
+        not go); on failure reply ERROR, return None."""
         placer = self._placer(call)
         try:
             wire = call.spec.check_result(value)
@@ -359,7 +346,7 @@ class Dispatcher:
             )
             if encoded.buffers:
                 self._policy.sent_frames(encoded.buffers)
-            return encoded
+            return encoded, placer
         except (ValidationError, EncodeError) as exc:
             if placer is not None:
                 placer.abort()
@@ -397,49 +384,33 @@ class Dispatcher:
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
-    def _detach(self, call: Call, *, reply: bool = True) -> None:
-        """The client takes its argument regions back with our first reply: argument
-        tensors still alive get pages of their own first (``reply``: one goes now)."""
+    def _detach(self, call: Call) -> None:
+        """The client takes its argument regions back with our first reply (the protocol
+        ends its leases when it builds that reply): argument tensors still alive get
+        pages of their own first."""
         keep = call.keep
         if keep is not None:
             self._policy.detach(keep)
-            if reply:
-                call.keep = None
-                self._arg_leases.pop(call, None)
 
     def _end_args(self, call: Call) -> None:
         """A call that ends without a reply (cancelled, client gone): argument tensors
-        still alive get pages of their own, then the client may reuse the regions."""
-        keep, call.keep = call.keep, None
+        still alive get pages of their own, then the protocol RELEASEs the argument
+        leases the call owes the client (`ServerProtocol.args_done`)."""
         if call.session.shm is None:  # the session ended: its regions are forgotten
-            self._arg_leases.pop(call, None)
+            self._proto.args_done(call)
             return
+        keep = call.keep
         if keep is not None:
             self._policy.detach(keep)
-        self._release_args(call)
-
-    def _release_args(self, call: Call) -> None:
-        """A call the client gave up on ends without a reply: RELEASE its argument leases.
-
-        The client keeps them (its regions stay ours) until this RELEASE; a call whose
-        session ended needs none (the client frees them when it loses the session).
-        """
-        leases = self._arg_leases.pop(call, ())
-        if call.answered or not call.cancelled or call.session.calls.get(call.call_id) is not call:
-            return
-        payload = call.payload
-        if payload is not None:  # never decoded: read its lease ids only
+        unread: tuple[int, ...] = ()
+        if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
             collector = LeaseCollector()
             try:
-                _codec.decode(payload, call.buffers, self._codec, resolver=collector)
+                _codec.decode(call.payload, call.buffers, self._codec, resolver=collector)
             except TensorRPCError:  # undecodable: it named no lease we could release
                 logger.debug("lease ids of a cancelled call unreadable", exc_info=True)
-            leases = tuple(dict.fromkeys(collector.leases))
-            call.payload = None
-            call.buffers = ()
-        for start in range(0, len(leases), _MAX_RELEASE):
-            chunk = Release(leases[start : start + _MAX_RELEASE])
-            self._send_now(call.key, encode_control(MessageKind.RELEASE, chunk))
+            unread = tuple(collector.leases)
+        self._proto.args_done(call, unread)
 
     def _reply_stopped(self, call: Call) -> None:
         """The call's scope was cancelled: say why, unless the client gave up on it."""
@@ -467,10 +438,18 @@ class Dispatcher:
         if call.result is MISSING:
             self._reply_stopped(call)
             return
-        encoded = self._encode(call, call.result)
+        done = self._encode(call, call.result)
         call.result = None  # the send keeps what it needs; a large result dies with it
-        if encoded is not None and self._proto.may_reply(call):
-            await self._send_value(call, _RESULT, encoded)
+        if done is None:
+            return
+        encoded, placer = done
+        self._detach(call)
+        frames = self._proto.result(call, encoded.payload, encoded.buffers)
+        if frames is None:  # cancelled meanwhile: no reply
+            if placer is not None:
+                placer.abort()
+            return
+        await self._send_encoded(call, frames, encoded)
 
     def _reply_exception(self, call: Call, exc: BaseException) -> None:
         if isinstance(exc, ItemRefused):  # batching: the batcher ended the item
@@ -484,12 +463,11 @@ class Dispatcher:
             "".join(traceback.format_exception(exc)),
         )
 
-    async def _send_value(self, call: Call, kind: MessageKind, encoded: _codec.Encoded) -> None:
-        if call.keep is not None:
-            self._detach(call)
-        frames: list[Buffer] = [pack_reply_header(kind, call.call_id), encoded.payload]
+    async def _send_encoded(
+        self, call: Call, frames: list[Buffer], encoded: _codec.Encoded
+    ) -> None:
+        """Send the reply frames the protocol built for ``encoded``."""
         if encoded.buffers:
-            frames.extend(encoded.buffers)
             await self._send_reply(call, frames, encoded.keepalive)
         else:
             await self._send_reply(call, frames, None)
@@ -523,9 +501,9 @@ class Dispatcher:
         if failure is not None:
             self._reply_exception(call, failure)
         elif finished:
-            if self._proto.may_reply(call):
-                self._detach(call)
-                self._send_now(call.key, encode_control(MessageKind.STREAM_END, None, call.call_id))
+            self._detach(call)
+            if self._proto.stream_end(call):
+                self._flush()
         else:
             self._reply_stopped(call)
 
@@ -541,11 +519,17 @@ class Dispatcher:
                 item = await gen.__anext__()
             except StopAsyncIteration:
                 return True
-            encoded = self._encode(call, item)
-            if encoded is None:
+            done = self._encode(call, item)
+            if done is None:
                 return False  # the ERROR is sent: nothing more
-            proto.item_sent(call)
-            await self._send_value(call, _STREAM_ITEM, encoded)
+            encoded, placer = done
+            self._detach(call)
+            frames = proto.stream_item(call, encoded.payload, encoded.buffers)
+            if frames is None:  # cancelled while the generator ran: nothing more
+                if placer is not None:
+                    placer.abort()
+                return False
+            await self._send_encoded(call, frames, encoded)
             if call.observed is not None:  # observe: a stream item went out
                 call.observed.item()
 

@@ -393,7 +393,6 @@ def stream_finished(call: _Observed | None, exc: BaseException | None) -> None:
 
 def client_call(
     observer: Observer,
-    header: bytes,
     method: str,
     engine: str,
     features: Sequence[str],
@@ -402,11 +401,10 @@ def client_call(
     shm_tensors: int,
     frames: int,
 ) -> tuple[CallObservation | None, bytes]:
-    """Client call site: observe a CALL about to be sent; add its trace context if any.
+    """Client call site: observe a CALL about to be sent; its trace context if any.
 
     Args:
         observer: The client's observer.
-        header: The CALL's header frame.
         method: The method name.
         engine: The engine id.
         features: The engine's HELLO ``features``.
@@ -416,18 +414,14 @@ def client_call(
         frames: Argument tensor frames.
 
     Returns:
-        The observation (or None) and the header frame to send (with the ``TRACE`` flag
-        and context when the observation has one and the engine reads it).
+        The observation (or None) and the trace context the CALL carries (``TRACE``):
+        the observation's, when it has one and the engine reads it; else ``b""``.
     """
     transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
     observation = observer.client_call(method, engine, stream, nbytes, transport)
     if observation is not None and "trace_context" in features:
-        trace = observation.trace_context()
-        if trace:
-            from tensorrpc._protocol import with_trace
-
-            header = with_trace(header, trace)
-    return observation, header
+        return observation, observation.trace_context()
+    return observation, b""
 
 
 def statistics_allowed(curve: CurveConfig | None) -> bool:

@@ -6,8 +6,8 @@ the worker pool is ``_dispatch``'s and the sockets (their receive loops, every s
 
 * The configuration, the lifecycle (start, drain, close) and the statistics.
 * For each message a receive loop fed to the protocol: wake a worker when it accepted a
-  call, and flush what the protocol queued: frames to send, calls to stop or wake,
-  session news (torch_shm negotiation, freed leases).
+  call, and flush what the protocol handed out: frames to send, then its events (calls
+  to stop or wake, session news: torch_shm negotiation, freed leases).
 * One housekeeping task runs the protocol's timers and releases the memory of tensors
   ZMQ has finished sending.
 
@@ -45,10 +45,7 @@ from tensorrpc._protocol import (
     PROTOCOL_VERSION,
     ErrorInfo,
     Hello,
-    MessageKind,
     Welcome,
-    encode_error,
-    pack_reply_header,
 )
 from tensorrpc._server_protocol import (
     AllRejected,
@@ -56,6 +53,7 @@ from tensorrpc._server_protocol import (
     CallExpired,
     ProtocolSettings,
     Released,
+    ServerCall,
     ServerProtocol,
     Session,
     SessionEnded,
@@ -360,7 +358,7 @@ class Server:
             policy=self._policy,
             maxmsgsize=self._socket_options.maxmsgsize,
             grace_period=cfg.grace_period,
-            send_now=self._io.send_now,
+            flush=self._flush,
             send_reply=self._io.send_reply,
         )
         self._started = False
@@ -615,9 +613,8 @@ class Server:
 
     def _answer_statistics(self, event: BuiltinCall) -> None:
         """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
-        session, call_id = event.session, event.call_id
         if not _observe.statistics_allowed(self._config.curve):
-            self._io.send_now(session.key, encode_error(call_id, _STATISTICS_REFUSED))
+            self._proto.builtin_refused(event, _STATISTICS_REFUSED)
             return
         if self._recorder is None:
             self._recorder = _observe.StatisticsRecorder()
@@ -629,29 +626,24 @@ class Server:
             started=self._started_at,
             recorder=self._recorder,
         )
-        encoded = _codec.encode(body, self._codec)
-        self._io.send_now(
-            session.key, [pack_reply_header(MessageKind.RESULT, call_id), encoded.payload]
-        )
+        self._proto.builtin_reply(event, _codec.encode(body, self._codec).payload)
 
     def _flush(self) -> None:
-        """Do what the protocol queued: send frames, stop or wake calls, handle news."""
+        """Do what the protocol handed out: send its frames, then act on its events (wake
+        or stop calls, session news); until it has nothing more."""
         proto = self._proto
-        if proto.outbox:
-            outbox, proto.outbox = proto.outbox, []
-            for key, frames, is_hello in outbox:
-                if not self._io.send_now(key, frames, count=not is_hello) and is_hello:
-                    # Dial-in: not connected yet; the protocol retries soon.
-                    proto.hello_unsent(key, time.monotonic())
+        send_now = self._io.send_now
+        while proto.pending:
+            for key, frames in proto.frames_to_send():
+                if not send_now(key, frames):
+                    # Counted as dropped; a dial-in HELLO is retried soon.
+                    proto.send_failed(key, frames, time.monotonic())
                     self._wake_housekeeping()
-        if proto.wakeups:
-            wakeups, proto.wakeups = proto.wakeups, []
-            for call in wakeups:
-                call.wake()
-        if proto.events:
-            events, proto.events = proto.events, []
-            for event in events:
-                self._on_event(event)
+            for event in proto.next_events():
+                if isinstance(event, ServerCall):
+                    event.wake()
+                else:
+                    self._on_event(event)
 
     def _on_event(self, event: object) -> None:
         if isinstance(event, BuiltinCall):
@@ -665,7 +657,7 @@ class Server:
             )
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
-            shm, event.session.shm = event.session.shm, None
+            shm = event.shm
             self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
             log = logger.warning if event.warn else logger.info
             if event.why.startswith("refused") and not self._said.first(
@@ -698,7 +690,7 @@ class Server:
             claimed_pid=welcome.pid,
             same_host=welcome.host_id == _host_id(),
         )
-        session.shm = ShmPeer(pid=pid, peer_receives=send, we_receive=receive)
+        self._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
 
     def _fail(self, error: BaseException) -> None:
         """Stop serving because of ``error`` (raised by serve_forever)."""

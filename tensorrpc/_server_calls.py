@@ -155,6 +155,15 @@ class ServerCall:
         #: regions (detach before the first reply); None: no handle was resolved.
         self.keep: tuple[Session, int] | None = None
 
+    def take_args(self) -> tuple[Buffer, Sequence[Buffer]]:
+        """The CALL's payload and buffers, handed to the worker that decodes them (once)."""
+        payload = self.payload
+        assert payload is not None
+        buffers = self.buffers
+        self.payload = None
+        self.buffers = ()
+        return payload, buffers
+
     def wake(self) -> None:
         """Stop the call if it is cancelled or shut down, and wake its credit wait."""
         if self.cancelled or self.shutdown:

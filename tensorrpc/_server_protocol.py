@@ -3,9 +3,13 @@
 `ServerProtocol` holds every decision an engine makes about its clients: sessions
 and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
 dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
-I/O shell (`_server`) feeds it messages and the time, sends the frames it
-queues in `ServerProtocol.outbox`, runs the calls it returns and wakes the calls
-it lists in `ServerProtocol.wakeups`. Nothing here imports zmq, anyio, asyncio,
+I/O shell (`_server`) feeds it messages, its workers' results and the time, sends the
+frames it hands out (`frames_to_send`, and the reply frames `result` and `stream_item`
+return to a worker), runs the calls `receive` returns and acts on `next_events` (the
+calls to wake among them): the output convention both machines share
+(`tensorrpc._machine.Machine`). It builds every frame it sends, counts every byte and
+drop, and owns the ``torch_shm`` argument leases of its calls (what a call that ends
+without a reply owes the client: RELEASE). Nothing here imports zmq, anyio, asyncio,
 trio, threading or ``time``.
 
 The call side (admission by method and capacity, the queue of accepted calls, the busy
@@ -45,12 +49,14 @@ from __future__ import annotations
 
 import secrets
 import struct
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
+from tensorrpc._machine import Machine, release_frames
 from tensorrpc._protocol import (
     HEADER_SIZE,
     MAGIC,
@@ -67,6 +73,7 @@ from tensorrpc._protocol import (
     decode_control,
     encode_control,
     encode_error,
+    pack_reply_header,
     split_frames,
 )
 from tensorrpc._server_calls import (
@@ -79,7 +86,7 @@ from tensorrpc._server_calls import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+    from collections.abc import Callable, Collection, Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -115,6 +122,9 @@ _WELCOME: Final = MessageKind.WELCOME
 _REJECT: Final = MessageKind.REJECT
 _BYE: Final = MessageKind.BYE
 _RELEASE: Final = MessageKind.RELEASE
+_RESULT: Final = MessageKind.RESULT
+_STREAM_ITEM: Final = MessageKind.STREAM_ITEM
+_STREAM_END: Final = MessageKind.STREAM_END
 _HEADER: Final = struct.Struct("<2sBBHHQI")
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
@@ -336,6 +346,8 @@ class SessionEnded:
     why: str
     #: Worth a warning (silence, a refusal), not just an info line (BYE).
     warn: bool = False
+    #: What the session could do with ``torch_shm`` (its leases and mappings go now).
+    shm: ShmPeer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,8 +383,11 @@ class CallExpired:
     call: ServerCall
 
 
-Event = SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall | CallExpired
-Outgoing = tuple["Hashable", list[bytes], bool]
+#: What `ServerProtocol.next_events` gives; a `ServerCall` there is a call to wake
+#: (`ServerCall.wake`): it was cancelled, stopped or given credit.
+Event = (
+    SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall | CallExpired | ServerCall
+)
 
 
 def readable_call_id(frame: Buffer) -> int | None:
@@ -468,7 +483,7 @@ class Strangers:
         return _INF
 
 
-class ServerProtocol:
+class ServerProtocol(Machine[Hashable, Event]):
     """Every decision of an engine about its clients; see the module docstring.
 
     Args:
@@ -476,10 +491,9 @@ class ServerProtocol:
         call_factory: Builds accepted calls (the shell's `ServerCall` subclass).
         new_epoch: Draws a session epoch (non-zero u64); tests pass a counter.
 
-    The shell reads what to do from three lists after each input, and empties them:
-    `outbox` (``(key, frames, is_hello)`` to send), `wakeups` (calls whose
-    cancellation or credit its waiters must see) and `events` (session-level
-    news). `pending` is True when any of them has entries.
+    After each input the shell takes `frames_to_send` (``(key, frames)``) and
+    `next_events` (session news, and calls whose cancellation or credit their workers
+    must see); `pending` is True while either holds anything.
     """
 
     def __init__(
@@ -489,6 +503,7 @@ class ServerProtocol:
         call_factory: Callable[..., ServerCall] = ServerCall,
         new_epoch: Callable[[], int] = _new_epoch,
     ) -> None:
+        super().__init__()
         self.settings = settings
         self._hello = replace(settings.hello, dead_after_ms=to_ms(settings.dead_after))
         self._listen = settings.listen
@@ -513,12 +528,10 @@ class ServerProtocol:
         self.item_sent = calls.item_sent
         self.park = calls.park
         self.unpark = calls.unpark
-        #: ``(key, frames, is_hello)`` to send, in order.
-        self.outbox: list[Outgoing] = []
-        #: Calls cancelled, stopped or given credit since the shell last looked.
-        self.wakeups: list[ServerCall] = []
-        #: Session-level news since the shell last looked.
-        self.events: list[Event] = []
+        #: torch_shm: the argument leases of calls whose arguments resolved handles and
+        #: that have no reply yet (the client keeps them until our first reply, or our
+        #: RELEASE if it gave the call up).
+        self._arg_leases: dict[ServerCall, tuple[int, ...]] = {}
         #: New CALLs are refused with DRAINING.
         self.draining = False
         #: Shutdown cancelled the running calls.
@@ -540,11 +553,6 @@ class ServerProtocol:
     def strangers_evicted(self) -> int:
         """Listening engine: peers without a session forgotten because the table was full."""
         return self._strangers.evicted
-
-    @property
-    def pending(self) -> bool:
-        """Whether the outbox, wakeups or events hold anything."""
-        return bool(self.outbox or self.wakeups or self.events)
 
     @property
     def hello(self) -> Hello:
@@ -574,14 +582,33 @@ class ServerProtocol:
         if now < session.next_hello:
             return  # at most one HELLO per heartbeat (rule 3)
         session.next_hello = now + self._heartbeat
-        self.outbox.append((session.key, session.hello_frames, True))
+        self._send(session.key, session.hello_frames)
 
-    def hello_unsent(self, key: Hashable, now: float) -> None:
-        """Dial-in: a HELLO could not go (not connected yet): retry soon, backing off."""
+    def _send(self, key: Hashable, frames: list[Any]) -> None:
+        self._sends.append((key, frames))
         session = self.sessions.get(key)
-        if session is not None and session.state is SessionState.GREETING:
-            session.next_hello = now + session.hello_backoff.failed()
-            self.wake_at = min(self.wake_at, session.next_hello)
+        if session is not None:
+            session.bytes_out += _bytes_of(frames)
+
+    def send_failed(self, key: Hashable, frames: Sequence[Buffer], now: float) -> None:
+        """The shell could not send ``frames`` to ``key`` (ZMQ full, no connection).
+
+        The message counts as dropped, not as sent; a HELLO of a dial-in engine not
+        connected yet is tried again soon, backing off.
+        """
+        session = self.sessions.get(key)
+        if session is not None:
+            session.bytes_out -= _bytes_of(frames)
+            if frames is session.hello_frames:
+                if session.state is SessionState.GREETING:
+                    session.next_hello = now + session.hello_backoff.failed()
+                    self.wake_at = min(self.wake_at, session.next_hello)
+                return
+        self.dropped += 1
+
+    def unhandled(self, key: Hashable) -> None:
+        """A message from ``key`` could not be handled (an error in the shell): dropped."""
+        self.dropped += 1
 
     def _stranger(self, key: Hashable, now: float) -> Session:
         session = Session(key, now, self._heartbeat)
@@ -593,7 +620,7 @@ class ServerProtocol:
         session.start(welcome, now, now + ping_interval(self._heartbeat, welcome.dead_after_ms))
         self._strangers.pop(session.key)
         self.wake_at = min(self.wake_at, session.next_ping)
-        self.events.append(SessionStarted(session, welcome, frame))
+        self._events.append(SessionStarted(session, welcome, frame))
 
     def _end(
         self, session: Session, why: str, now: float, then: SessionState, *, warn: bool = False
@@ -602,8 +629,9 @@ class ServerProtocol:
         calls, session.calls = session.calls, {}
         for call in calls.values():
             self._cancel(call)
+        shm, session.shm = session.shm, None
         if session.state is SessionState.LIVE or warn:
-            self.events.append(SessionEnded(session, why, warn))
+            self._events.append(SessionEnded(session, why, warn, shm))
         if self._listen:
             self.sessions.pop(session.key, None)
             self._strangers.pop(session.key)
@@ -618,7 +646,7 @@ class ServerProtocol:
 
     def _refuse_session(self, session: Session, reason: str, message: str, now: float) -> None:
         """Answer a bad WELCOME with REJECT; we then forget the client (or stop trying)."""
-        self.outbox.append((session.key, encode_control(_REJECT, Reject(reason, message)), False))
+        self._send(session.key, encode_control(_REJECT, Reject(reason, message)))
         session.reject = Reject(reason, message)
         self._end(session, f"refused: {message}", now, SessionState.REJECTED, warn=True)
         self._check_all_rejected()
@@ -627,7 +655,7 @@ class ServerProtocol:
         if not self._listen:
             event = _all_rejected(self.sessions.values())
             if event is not None:
-                self.events.append(event)
+                self._events.append(event)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -661,7 +689,7 @@ class ServerProtocol:
             session.last_heard = now  # rule 2: any well-formed message is life
             if header.kind is _CALL:
                 if header.releases:  # result leases returned with the CALL (as a RELEASE)
-                    self.events.append(Released(session, header.releases))
+                    self._events.append(Released(session, header.releases))
                 return self._admit(session, header, payload, buffers, now)
             self._live_control(session, header, payload, now)
             return None
@@ -699,7 +727,7 @@ class ServerProtocol:
 
     def _error(self, key: Hashable, call_id: int, code: ErrorCode, message: str) -> None:
         self.errors_total += 1
-        self.outbox.append((key, encode_error(call_id, ErrorInfo(int(code), "", message)), False))
+        self._send(key, encode_error(call_id, ErrorInfo(int(code), "", message)))
 
     def _refuse(self, session: Session, call_id: int, code: ErrorCode, message: str) -> None:
         session.errors += 1
@@ -730,7 +758,7 @@ class ServerProtocol:
             return None
         verdict = self.calls.admit(session, header, payload, buffers, now)
         if verdict is None:
-            self.events.append(BuiltinCall(session, call_id, header.method))
+            self._events.append(BuiltinCall(session, call_id, header.method))
             return None
         if isinstance(verdict, tuple):
             self._refuse(session, call_id, *verdict)
@@ -743,7 +771,7 @@ class ServerProtocol:
     def _cancel(self, call: ServerCall) -> None:
         if not call.cancelled:
             call.cancelled = True
-            self.wakeups.append(call)
+            self._events.append(call)
 
     def _live_control(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
         kind = header.kind
@@ -755,7 +783,7 @@ class ServerProtocol:
         elif kind is _CREDIT:
             self._on_credit(session, header, payload)
         elif kind is _PING:
-            self.outbox.append((session.key, encode_control(_PONG, None, call_id), False))
+            self._send(session.key, encode_control(_PONG, None, call_id))
             if call_id == 0 and self._listen:
                 self._send_hello(session, now)  # the hello request (rule 3)
         elif kind is _PONG:
@@ -769,7 +797,7 @@ class ServerProtocol:
         elif kind is _RELEASE:
             body = self._body(session, header, payload)
             if isinstance(body, Release):
-                self.events.append(Released(session, body.leases))
+                self._events.append(Released(session, body.leases))
         else:
             self.dropped += 1
 
@@ -789,7 +817,7 @@ class ServerProtocol:
             return  # the stream already ended
         call.credits += body.n
         if call.parked:
-            self.wakeups.append(call)
+            self._events.append(call)
 
     def _not_live(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
         state = session.state
@@ -847,7 +875,8 @@ class ServerProtocol:
             calls, session.calls = session.calls, {}
             for call in calls.values():
                 self._cancel(call)
-            self.events.append(SessionEnded(session, "started a new session"))
+            shm, session.shm = session.shm, None
+            self._events.append(SessionEnded(session, "started a new session", shm=shm))
         self._start(session, welcome, now, payload)
 
     def _on_reject(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
@@ -926,32 +955,133 @@ class ServerProtocol:
         """Answer DEADLINE_EXCEEDED to the queued calls whose deadline passed (when it
         passes, not when a worker frees up); the time the next one may pass."""
         for call in self.calls.expire(now):
-            frames = self.error_reply(
+            self.error_reply(
                 call,
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"{call.spec.qualname} waited in the queue past its deadline",
             )
-            if frames is not None:
-                self.outbox.append((call.session.key, frames, False))
-            self.events.append(CallExpired(call))
+            self._events.append(CallExpired(call))
         return self.calls.expiry
 
     def _ping(self, session: Session, now: float) -> None:
         self._ping_nonce = self._ping_nonce % _U32 + 1
-        self.outbox.append((session.key, encode_control(_PING, None, self._ping_nonce), False))
+        self._send(session.key, encode_control(_PING, None, self._ping_nonce))
         session.next_ping = now + ping_interval(self._heartbeat, session.peer_dead_after_ms)
 
     # -- replies, for the workers -------------------------------------------------------------
+    #
+    # A worker encodes a result and asks for its frames: RESULT and STREAM_ITEM come back to
+    # it (it sends them itself, zero-copy, waiting a bounded time); ERROR and STREAM_END
+    # are queued in `frames_to_send`. The first reply ends the client's argument leases:
+    # the shell detaches argument tensors still on the client's regions before asking.
+
+    def result(
+        self, call: ServerCall, payload: Buffer, buffers: Sequence[Buffer]
+    ) -> list[Buffer] | None:
+        """The RESULT frames that end ``call``, or None when it must get no reply."""
+        if call.cancelled or call.answered:  # `may_reply`, inline (the hot path)
+            return None
+        call.answered = True
+        return self._reply_frames(call, _RESULT, payload, buffers)
+
+    def stream_item(
+        self, call: ServerCall, payload: Buffer, buffers: Sequence[Buffer]
+    ) -> list[Buffer] | None:
+        """The STREAM_ITEM frames of a stream's next item, counted against its credit;
+        None when the stream may not send it (no credit, cancelled, ended)."""
+        if call.credits <= 0 or call.cancelled or call.answered:
+            return None
+        call.credits -= 1
+        return self._reply_frames(call, _STREAM_ITEM, payload, buffers)
+
+    def _reply_frames(
+        self, call: ServerCall, kind: MessageKind, payload: Buffer, buffers: Sequence[Buffer]
+    ) -> list[Buffer]:
+        if call.keep is not None:
+            self._replied(call)
+        frames: list[Buffer] = [pack_reply_header(kind, call.call_id), payload, *buffers]
+        size = HEADER_SIZE + memoryview(payload).nbytes
+        for buffer in buffers:
+            size += memoryview(buffer).nbytes
+        call.session.bytes_out += size
+        return frames
+
+    def _replied(self, call: ServerCall) -> None:
+        """The call's first reply goes: the client takes its argument regions back."""
+        call.keep = None
+        self._arg_leases.pop(call, None)
+
+    def stream_end(self, call: ServerCall) -> bool:
+        """Queue the STREAM_END that ends a stream; False when it must get no reply."""
+        if not self.may_reply(call):
+            return False
+        if call.keep is not None:
+            self._replied(call)
+        self._send(call.key, encode_control(_STREAM_END, None, call.call_id))
+        return True
 
     def error_reply(
         self, call: ServerCall, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
-    ) -> list[bytes] | None:
-        """The ERROR frames that end ``call``, or None when it must get no reply."""
+    ) -> bool:
+        """Queue the ERROR that ends ``call``; False when it must get no reply."""
         if not self.may_reply(call):
-            return None
+            return False
+        if call.keep is not None:
+            self._replied(call)
         call.session.errors += 1
         self.errors_total += 1
-        return encode_error(call.call_id, ErrorInfo(int(code), type_name, message, tb))
+        info = ErrorInfo(int(code), type_name, message, tb)
+        self._send(call.key, encode_error(call.call_id, info))
+        return True
+
+    def builtin_reply(self, event: BuiltinCall, payload: Buffer) -> None:
+        """Queue the RESULT of a method the shell answers itself."""
+        self._send(event.session.key, [pack_reply_header(_RESULT, event.call_id), payload])
+
+    def builtin_refused(self, event: BuiltinCall, info: ErrorInfo) -> None:
+        """Queue the ERROR refusing a method the shell answers itself."""
+        self._send(event.session.key, encode_error(event.call_id, info))
+
+    def stop(self, call: ServerCall) -> None:
+        """Shutdown stopped ``call`` before it ran (its reply is DRAINING)."""
+        call.shutdown = True
+
+    # -- torch_shm argument leases ------------------------------------------------------------
+
+    def shm_decided(self, session: Session, shm: ShmPeer) -> None:
+        """What a session may do with ``torch_shm`` (the shell's answer to its handshake)."""
+        session.shm = shm
+
+    def args_resolved(self, call: ServerCall, leases: tuple[int, ...]) -> None:
+        """The call's arguments resolved handles under these leases: their tensors may sit
+        on the client's regions (``call.keep``: detach them before the first reply), and
+        the client keeps the leases until that reply."""
+        call.keep = (call.session, call.call_id)
+        if leases:
+            self._arg_leases[call] = leases
+
+    def args_done(self, call: ServerCall, unread: Sequence[int] = ()) -> None:
+        """A worker is done with a call that may still hold argument leases (one that
+        resolved handles, or was cancelled); the shell detached what used the regions.
+
+        A call the client gave up on that ends without a reply owes it a RELEASE of its
+        argument leases (queued here), since the client keeps them until then; ``unread``
+        are the lease ids of arguments never decoded. A call whose session ended owes
+        nothing: the client frees them when it loses the session.
+        """
+        call.keep = None
+        leases = self._arg_leases.pop(call, ())
+        session = call.session
+        if session.shm is None or call.answered or not call.cancelled:
+            return
+        if session.calls.get(call.call_id) is not call:
+            return
+        if call.payload is not None:  # never decoded: the ids its handles name
+            leases = tuple(unread)
+            call.payload = None
+            call.buffers = ()
+        for frames in release_frames(leases):
+            self._send(session.key, frames)
 
     # -- drain ------------------------------------------------------------------------------
 
@@ -966,14 +1096,14 @@ class ServerProtocol:
             for call in session.calls.values():
                 if not call.shutdown:
                     call.shutdown = True
-                    self.wakeups.append(call)
+                    self._events.append(call)
 
     def goodbye(self) -> None:
         """Queue BYE to every client that has or may get a session (not refused, parted)."""
         bye = encode_control(_BYE, Bye("shutdown"))
         for session in self.sessions.values():
             if session.state not in (SessionState.REJECTED, SessionState.PARTED):
-                self.outbox.append((session.key, bye, False))
+                self._send(session.key, bye)
 
     def in_flight(self) -> int:
         """Calls queued or running (parked streams included, also those of a session

@@ -27,7 +27,7 @@ import anyio
 import zmq
 
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TransportError
-from tensorrpc._release import later_if_large
+from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
 
@@ -184,10 +184,10 @@ class ServerSockets:
                 if call is not None:
                     accepted(call, size)
                     del call
-                if proto.outbox or proto.wakeups or proto.events:  # `pending`, inline
+                if proto.pending:
                     flush()
             except Exception:  # one bad message must never stop the loop
-                self._proto.dropped += 1
+                proto.unhandled(address)
                 logger.exception("error handling a message from %s", address or "a peer")
             # Not held until the next message arrives: a large one is freed off the loop.
             later_if_large(frames, size)
@@ -200,28 +200,20 @@ class ServerSockets:
             return self._router, [cast("bytes", key)]
         return self._dealers.get(cast("str", key)), []
 
-    def send_now(self, key: object, frames: list[bytes], *, count: bool = True) -> bool:
-        """Send a small message without waiting; drop it (and count) if ZMQ is full.
-
-        Returns:
-            Whether the message went.
-        """
+    def send_now(self, key: object, frames: list[bytes]) -> bool:
+        """Send a small message without waiting; False when it could not go (ZMQ full,
+        no connection): the caller tells the protocol (``send_failed``)."""
         sock, prefix = self._socket_for(key)
         if sock is None:
             return False
         try:
             sock.send_nowait([*prefix, *frames])
         except (anyio.WouldBlock, PeerUnreachableError, ClosedError) as exc:
-            self._proto.dropped += count
             logger.debug("dropped a message to %r: %r", key, exc)
             return False
         except TransportError as exc:
-            self._proto.dropped += 1
             logger.warning("cannot send to %r: %s", key, exc)
             return False
-        session = self._proto.sessions.get(key)
-        if session is not None:
-            session.bytes_out += sum(len(f) for f in frames)
         return True
 
     async def send_reply(
@@ -230,7 +222,8 @@ class ServerSockets:
         """Send a (possibly large, zero-copy) reply from a worker, waiting a bounded time.
 
         The wait (ZMQ full, or a DEALER whose client is not connected) ends after
-        ``reply_patience``, or when the call is cancelled (CANCEL, its session ended).
+        ``reply_patience``, or when the call is cancelled (CANCEL, its session ended);
+        a reply that could not go is counted by the protocol (``send_failed``).
         """
         sock = self._router  # `_socket_for`, inline (the hot path)
         key: Any = call.key  # a routing id (ROUTER) or a client address (DEALERs)
@@ -239,6 +232,7 @@ class ServerSockets:
         else:
             sock = self._dealers.get(key)
             if sock is None:
+                self._proto.send_failed(key, frames, time.monotonic())
                 return
             parts = frames
         track = keepalive is not None
@@ -248,19 +242,15 @@ class ServerSockets:
             except anyio.WouldBlock:
                 tracker = await self._send_waiting(call, sock, parts, track)
         except (anyio.WouldBlock, PeerUnreachableError, ClosedError) as exc:
-            self._proto.dropped += 1
+            self._proto.send_failed(key, frames, time.monotonic())
             logger.debug("dropped a reply to %s: %r", peer_text(call.session.name), exc)
             return
         except TransportError as exc:
-            self._proto.dropped += 1
+            self._proto.send_failed(key, frames, time.monotonic())
             logger.warning("cannot send a reply to %s: %s", peer_text(call.session.name), exc)
             return
-        size = 0
-        for frame in frames:
-            size += memoryview(frame).nbytes
         if keepalive is not None:
-            self._pending.add(tracker, keepalive, size)
-        call.session.bytes_out += size
+            self._pending.add(tracker, keepalive, nbytes(frames))
 
     async def _send_waiting(
         self, call: Call, sock: AsyncSocket, parts: list[Buffer], track: bool

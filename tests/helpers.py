@@ -1,50 +1,35 @@
 """`ProtocolPair`: one ClientProtocol and its engines' ServerProtocols, wired in memory.
 
 In the style of h11's ``tests/helpers.py`` ``ConnectionPair``: both ends are the real
-sans-I/O machines (`tensorrpc._client_protocol.ClientProtocol`,
-`tensorrpc._server_protocol.ServerProtocol`); the pair only moves the frames each queues
-to the other, adding the routing identities the ROUTER/DEALER sockets would (the client's
-alias or the engine's routing id on one side, the client's routing id or the dialled
-address on the other), and keeps a fake clock (``now``). No sockets, no sleeps, no
-threads: a test decides when messages are delivered, when time passes, and what the
-engine's handlers answer.
+sans-I/O machines, and every frame on the wire is one a machine built
+(`ClientProtocol.start_call`, ``frames_to_send``; `ServerProtocol.result`,
+``stream_item``, ``stream_end``, ``error_reply``). The pair only moves messages, adds the
+routing identities the sockets would, answers the machines' questions as a shell would
+(a peer is reachable while its process is up; torch_shm is never negotiated) and keeps a
+fake clock (``now``). A test decides when messages are delivered, when time passes and
+what an engine's handlers answer; no sockets, sleeps or threads.
 
-What the I/O shells do around the machines is done here with the same functions they
-use: a CALL is entered with `ClientProtocol.start_call` and framed with
-``pack_call_header`` and the codec as `tensorrpc.Client` does; an engine's worker takes
-calls with `ServerProtocol.next_call` and answers through `ServerProtocol.may_reply`,
-`ServerProtocol.error_reply`, `ServerProtocol.may_send_item` / ``item_sent`` and
-`ServerProtocol.done` as the dispatcher does; a reply is decoded with the codec and
-`reply_error` as the client does.
-
-Two topologies, as in production:
-
-- ``dial_in=False`` (default): the client dials listening engines. The client names an
-  engine by the alias it connected under (``b"@pair/<engine id>"``, kept across restarts,
-  as ZMQ reconnects to the same address); the engine names the client by its ROUTER's
-  routing id (`CLIENT_ID`).
-- ``dial_in=True``: engines dial the client. The client names an engine by the routing
-  id of its DEALER (``b"<engine id>/<incarnation>"``, fresh per process); the engine names
-  the client by the address it dials (`CLIENT_ADDRESS`).
+Topologies as in production: ``dial_in=False`` (default), the client dials listening
+engines under the alias ``b"@pair/<name>"`` (kept across restarts) and they name it
+`CLIENT_ID`; ``dial_in=True``, engines dial the client from ``b"<name>/<incarnation>"``
+and name it `CLIENT_ADDRESS`.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import AsyncIterator, Hashable, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
-
-from typing_extensions import Buffer
 
 from tensorrpc import _codec
 from tensorrpc._calls import Call
 from tensorrpc._client_protocol import (
+    CheckReachable,
     ClientConfig,
     ClientProtocol,
     EngineLost,
-    Event,
     Heartbeat,
     reply_error,
 )
@@ -54,47 +39,35 @@ from tensorrpc._liveness import to_ms
 from tensorrpc._protocol import (
     PROTOCOL_VERSION,
     Flags,
-    Header,
     Hello,
     MessageKind,
     decode_control,
-    encode_control,
-    pack_call_header,
-    pack_reply_header,
     split_frames,
 )
 from tensorrpc._server_protocol import (
-    Event as ServerEvent,
     ProtocolSettings,
     ServerCall,
     ServerProtocol,
     SessionStarted,
     ShmPeer,
 )
-from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
+from tensorrpc._service import ServiceSpec, describe, rpc, service
 
-__all__ = [
-    "CLIENT_ADDRESS",
-    "CLIENT_ID",
-    "SPEC",
-    "EngineEnd",
-    "Pair",
-    "PairHooks",
-    "ProtocolPair",
-    "Wire",
-]
+__all__ = ["CLIENT_ADDRESS", "CLIENT_ID", "SPEC", "EngineEnd", "Pair", "ProtocolPair", "Wire"]
 
-#: The client's ROUTER routing id, as a listening engine sees it.
-CLIENT_ID = b"client-routing-id"
-#: The client's address, as a dialling-in engine names it.
-CLIENT_ADDRESS = "tcp://client:5555"
-#: Both sides' heartbeat unless a test says otherwise.
+CLIENT_ID = b"client-routing-id"  # the client's ROUTER routing id, to a listening engine
+CLIENT_ADDRESS = "tcp://client:5555"  # the client's address, to an engine dialling in
 DEFAULT_HEARTBEAT = Heartbeat(1.0, 5.0)
+
+
+class NoShm:  # the client shell's torch_shm answer: never usable
+    def shm_offer(self, peer: bytes, hello: Hello, frame: Any) -> None:
+        return None
 
 
 @service
 class Pair:
-    """The service both ends of a `ProtocolPair` speak (handlers never run here)."""
+    """The service both ends speak (handlers never run here)."""
 
     @rpc
     async def add(self, a: int, b: int = 1) -> int:
@@ -111,271 +84,131 @@ SPEC: ServiceSpec = describe(Pair)
 
 @dataclass(frozen=True, slots=True)
 class Wire:
-    """One message on the wire: who sent it, to whom, and its frames (no routing id)."""
+    """One message on the wire: the engine end it came from or goes to, its frames."""
 
-    #: The engine end's name (`EngineEnd.name`) that sent it or is to receive it.
     end: str
     frames: list[Any]
-
-    @property
-    def header(self) -> Header:
-        return split_frames(self.frames)[0]
-
-    @property
-    def kind(self) -> MessageKind:
-        return self.header.kind
-
-    @property
-    def call_id(self) -> int:
-        return int(self.header.call_id)
+    header = property(lambda self: split_frames(self.frames)[0])
+    kind = property(lambda self: self.header.kind)
+    call_id = property(lambda self: int(self.header.call_id))
 
     def body(self) -> Any:
         header, payload, _ = split_frames(self.frames)
         return decode_control(header, payload)
 
 
-@dataclass
-class PairHooks:
-    """The client shell's answers: torch_shm never offered; a peer is reachable while
-    its engine process is up (a ZMQ connection exists)."""
-
-    pair: ProtocolPair
-
-    def shm_offer(
-        self, peer: bytes, hello: Hello, frame: Buffer
-    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
-        return None
-
-    def reachable(self, peer: bytes) -> bool:
-        end = self.pair.end_by_peer(peer)
-        return end is not None and end.up
-
-    def peer_key(self, peer: bytes) -> str | None:
-        return None  # no CURVE between the pair's ends
-
-
 class EngineEnd:
-    """One engine process of the pair: its ServerProtocol and its place on the wire.
+    """One engine process: its ServerProtocol and its place on the wire (``up``: alive;
+    ``frozen``: SIGSTOPped, messages to it wait). Its worker methods answer as the
+    dispatcher does, with the frames the machine builds."""
 
-    ``up`` is False while the process is dead (sends to it fail: the client's ROUTER has
-    no connection); ``frozen`` holds messages to it undelivered while its connection
-    stays up (a stopped process: SIGSTOP).
-    """
-
-    def __init__(
-        self, pair: ProtocolPair, name: str, engine_id: str | None = None, **settings: Any
-    ) -> None:
-        self.pair = pair
-        #: The pair's name for this process (its key in `ProtocolPair.engines`).
-        self.name = name
-        #: The id it announces (another end's id: an impostor, or a second incarnation).
-        self.engine_id = engine_id or name
-        self.settings = settings
-        self.incarnation = 0
-        self.up = False
-        self.frozen = False
-        #: Client -> engine messages not yet delivered (frames after the routing id).
-        self.inbox: collections.deque[list[Any]] = collections.deque()
-        #: Everything this engine sent, for assertions (cleared by tests at will).
-        self.sent: list[Wire] = []
-        #: ServerProtocol events, in order.
-        self.events: list[ServerEvent] = []
-        #: Calls a worker has taken and not finished (`done`), in order.
-        self.running: list[ServerCall] = []
-        self.proto: ServerProtocol = self._start()
+    def __init__(self, pair: ProtocolPair, name: str, engine_id: str | None, **settings: Any):
+        self.pair, self.name, self.engine_id = pair, name, engine_id or name
+        self.settings, self.incarnation = settings, 0
+        self.proto = self._start()
 
     def _start(self) -> ServerProtocol:
         self.incarnation += 1
-        self.up = True
-        self.frozen = False
-        self.inbox.clear()
-        self.running = []
-        pair = self.pair
-        options: dict[str, Any] = {
-            "heartbeat_interval": pair.engine_heartbeat.interval,
-            "dead_after": pair.engine_heartbeat.dead_after,
-        }
-        options.update(self.settings)
-        instance = Pair()
-        methods = {name: (m, getattr(instance, name)) for name, m in SPEC.methods.items()}
+        self.up, self.frozen = True, False
+        self.inbox: collections.deque[list[Any]] = collections.deque()  # client -> engine
+        self.sent: list[Wire] = []  # everything it sent (tests clear it at will)
+        self.events: list[Any] = []  # its session news
+        self.running: list[ServerCall] = []  # calls a worker took and has not finished
+        hb, opts = self.pair.engine_heartbeat, dict(self.settings)
         hello = Hello(
-            engine_id=self.engine_id,
-            service=SPEC.name,
-            fingerprint=SPEC.fingerprint,
-            protocol_version=PROTOCOL_VERSION,
-            host_id="pair-host",
-            pid=1000 + self.incarnation,
-            concurrency=options.get("max_concurrency", 64),
-            heartbeat_ms=to_ms(options["heartbeat_interval"]),
-            methods=tuple(SPEC.methods),
+            self.engine_id, SPEC.name, SPEC.fingerprint, PROTOCOL_VERSION, "pair-host",
+            1000 + self.incarnation, concurrency=opts.get("max_concurrency", 64),
+            heartbeat_ms=to_ms(hb.interval), methods=tuple(SPEC.methods),
             streaming=tuple(m.name for m in SPEC.methods.values() if m.streaming),
             signatures=tuple(m.signature for m in SPEC.methods.values()),
-        )
-        hello_overrides = options.pop("hello", {})
-        if hello_overrides:
-            fields = {f: getattr(hello, f) for f in hello.__dataclass_fields__}
-            fields.update(hello_overrides)
-            hello = Hello(**fields)
-        # Distinct epochs per incarnation, so that a restart is a new session.
-        epochs = itertools.count(self.incarnation * 1_000_000 + 1)
+        )  # fmt: skip
+        hello = replace(hello, **opts.pop("hello", {}))
+        methods = {name: (m, getattr(Pair(), name)) for name, m in SPEC.methods.items()}
+        epochs = itertools.count(self.incarnation * 1_000_000 + 1)  # a restart: new epochs
+        settings = {"heartbeat_interval": hb.interval, "dead_after": hb.dead_after, **opts}
         proto = ServerProtocol(
-            ProtocolSettings(hello=hello, methods=methods, listen=not pair.dial_in, **options),
+            ProtocolSettings(hello, methods, listen=not self.pair.dial_in, **settings),
             new_epoch=lambda: next(epochs),
         )
-        if pair.dial_in:
-            proto.add_client(CLIENT_ADDRESS, pair.now)
+        if self.pair.dial_in:
+            proto.add_client(CLIENT_ADDRESS, self.pair.now)
         return proto
 
-    # -- naming -----------------------------------------------------------------------------
-
     @property
-    def peer(self) -> bytes:
-        """How the client's ROUTER names this engine (its first frame)."""
-        if self.pair.dial_in:
-            return f"{self.name}/{self.incarnation}".encode()
-        return f"@pair/{self.name}".encode()
-
-    @property
-    def key(self) -> Hashable:
-        """How this engine names the client."""
-        return CLIENT_ADDRESS if self.pair.dial_in else CLIENT_ID
-
-    @property
-    def session(self) -> Any:
-        """This engine's session with the client (None: it has none)."""
-        return self.proto.sessions.get(self.key)
-
-    # -- life -------------------------------------------------------------------------------
-
-    def kill(self) -> None:
-        """The process dies: its connection closes, messages to it are lost."""
-        self.up = False
-        self.inbox.clear()
-        self.pair.to_client = collections.deque(
-            m for m in self.pair.to_client if m.end != self.name
+    def peer(self) -> bytes:  # how the client's ROUTER names it
+        return (
+            f"{self.name}/{self.incarnation}".encode()
+            if self.pair.dial_in
+            else b"@pair/" + self.name.encode()
         )
 
+    key = property(lambda s: CLIENT_ADDRESS if s.pair.dial_in else CLIENT_ID)  # its client
+    session = property(lambda s: s.proto.sessions.get(s.key))  # None: no session
+
+    def kill(self) -> None:
+        """The process dies: its connection closes, messages to and from it are lost."""
+        self.up = False
+        self.inbox.clear()
+        pair = self.pair
+        pair.to_client = collections.deque(w for w in pair.to_client if w.end != self.name)
+
     def restart(self) -> None:
-        """A new process under the same engine id (and, listening, the same address)."""
+        """A new process under the same engine id (listening: at the same address)."""
         self.kill()
         self.proto = self._start()
         self.pair._started(self)
 
-    # -- the worker side --------------------------------------------------------------------
-
     def next_call(self) -> ServerCall | None:
-        """A worker takes the oldest queued call (as the dispatcher's pool does)."""
-        call = self.proto.next_call()
-        if call is not None:
+        if (call := self.proto.next_call()) is not None:
             self.running.append(call)
         return call
 
     def take_all(self) -> list[ServerCall]:
-        """Workers take every queued call."""
-        calls = []
-        while (call := self.next_call()) is not None:
-            calls.append(call)
-        return calls
+        return list(iter(self.next_call, None))
 
     def done(self, call: ServerCall) -> None:
-        """The worker is finished with ``call`` (`ServerProtocol.done`)."""
         self.running.remove(call)
         self.proto.done(call)
 
-    def _send(self, frames: list[Any]) -> None:
-        self.proto.outbox.append((self.key, frames, False))
+    def _out(self, frames: Any, call: ServerCall | None = None, done: bool = False) -> bool:
+        if isinstance(frames, list):  # RESULT / STREAM_ITEM: the worker sends them
+            self.pair.inject(self, frames)
         self.pair._collect(self)
+        if done and call is not None:
+            self.done(call)
+        return frames is not None and frames is not False
 
-    def _encode(self, call: ServerCall, value: object) -> _codec.Encoded:
-        return _codec.encode(call.spec.check_result(value))
+    def _value(self, call: ServerCall, value: object) -> tuple[Any, Any]:
+        encoded = _codec.encode(call.spec.check_result(value))
+        return encoded.payload, encoded.buffers
 
     def reply(self, call: ServerCall, value: object, *, done: bool = True) -> bool:
-        """The handler returned ``value``: RESULT, unless the call must get no reply."""
-        sent = False
-        if not call.cancelled:
-            encoded = self._encode(call, value)
-            if self.proto.may_reply(call):
-                self._send(
-                    [
-                        pack_reply_header(MessageKind.RESULT, call.call_id),
-                        encoded.payload,
-                        *list(encoded.buffers),
-                    ]
-                )
-                sent = True
-        if done:
-            self.done(call)
-        return sent
-
-    def error(
-        self,
-        call: ServerCall,
-        code: ErrorCode,
-        message: str = "",
-        *,
-        done: bool = True,
-        exc: BaseException | None = None,
-    ) -> bool:
-        """Answer ERROR (a raised ``exc`` is sent as REMOTE with its type's name)."""
-        if exc is not None:
-            frames = self.proto.error_reply(call, ErrorCode.REMOTE, str(exc), type_name(exc))
-        else:
-            frames = self.proto.error_reply(call, code, message or code.name)
-        if frames is not None:
-            self._send(frames)
-        if done:
-            self.done(call)
-        return frames is not None
-
-    def raised(self, call: ServerCall, exc: BaseException, *, done: bool = True) -> bool:
-        """The handler raised ``exc``: ERROR(REMOTE) naming its type."""
-        return self.error(call, ErrorCode.REMOTE, done=done, exc=exc)
+        return self._out(self.proto.result(call, *self._value(call, value)), call, done)
 
     def item(self, call: ServerCall, value: object) -> bool:
-        """The generator yielded ``value``: STREAM_ITEM if the credit allows (False: not)."""
-        if not self.proto.may_send_item(call):
-            return False
-        encoded = self._encode(call, value)
-        self.proto.item_sent(call)
-        self._send(
-            [
-                pack_reply_header(MessageKind.STREAM_ITEM, call.call_id),
-                encoded.payload,
-                *list(encoded.buffers),
-            ]
-        )
-        return True
+        return self._out(self.proto.stream_item(call, *self._value(call, value)))
 
     def end_stream(self, call: ServerCall, *, done: bool = True) -> bool:
-        """The generator finished: STREAM_END, unless the call must get no reply."""
-        sent = False
-        if not call.cancelled and not call.answered and self.proto.may_reply(call):
-            self._send(encode_control(MessageKind.STREAM_END, None, call.call_id))
-            sent = True
-        if done:
-            self.done(call)
-        return sent
+        return self._out(self.proto.stream_end(call), call, done)
 
-    # -- observing --------------------------------------------------------------------------
+    def error(
+        self, call: ServerCall, code: ErrorCode, message: str = "", *, done: bool = True
+    ) -> bool:
+        return self._out(self.proto.error_reply(call, code, message or code.name), call, done)
+
+    def raised(self, call: ServerCall, exc: BaseException, *, done: bool = True) -> bool:
+        sent = self.proto.error_reply(call, ErrorCode.REMOTE, str(exc), type_name(exc))
+        return self._out(sent, call, done)
 
     def kinds(self) -> list[MessageKind]:
-        """Kinds of what this engine sent since the last look (and forget them)."""
+        """Kinds of what it sent since the last look (forgotten)."""
         sent, self.sent = self.sent, []
         return [m.kind for m in sent]
 
 
 class ProtocolPair:
-    """A `ClientProtocol` and engines' `ServerProtocol`s, frames moved in memory.
-
-    Args:
-        engine_ids: The engines, started at once (each is an `EngineEnd`).
-        dial_in: Engines dial the client (else the client dials listening engines).
-        heartbeat: The client's heartbeat interval and dead-after bound.
-        engine_heartbeat: The engines' (``heartbeat_interval``/``dead_after``).
-        now: The fake clock's start.
-        engine_settings: More `ProtocolSettings` fields for every engine.
-        **client: More `ClientConfig` fields (``stream_window``, ``max_in_flight``...).
-    """
+    """A `ClientProtocol` and engines' `ServerProtocol`s (`EngineEnd`); ``**client``:
+    more `ClientConfig` fields; ``engine_settings``: more `ProtocolSettings` fields."""
 
     def __init__(
         self,
@@ -388,142 +221,101 @@ class ProtocolPair:
         engine_settings: dict[str, Any] | None = None,
         **client: Any,
     ) -> None:
-        self.now = now
-        self.dial_in = dial_in
-        self._closed = False
+        self.now, self.dial_in, self._closed = now, dial_in, False
         self.engine_heartbeat = engine_heartbeat
-        options: dict[str, Any] = {
-            "service": SPEC.name,
-            "fingerprint": SPEC.fingerprint,
-            "client_id": "pair-client",
-            "host_id": "pair-host",
-            "pid": 7,
-            "heartbeat": heartbeat,
-            "stream_window": 4,
-            "signatures": {name: m.signature for name, m in SPEC.methods.items()},
-        }
-        options.update(client)
-        self.hooks = PairHooks(self)
-        client_epochs = itertools.count(1)
-        self.client = ClientProtocol(
-            ClientConfig(**options), self.hooks, epochs=lambda: next(client_epochs)
-        )
-        #: Engine -> client messages not yet delivered, oldest first.
-        self.to_client: collections.deque[Wire] = collections.deque()
-        #: Everything the client sent (frames after the routing id), by engine id.
-        self.client_sent: list[Wire] = []
-        #: Client events (`EngineJoined`, `EngineLost`, ...), in order.
-        self.events: list[Event] = []
-        #: Calls a reply concerned, in the order the client saw them.
-        self.resolved: list[Call] = []
+        signatures = {name: m.signature for name, m in SPEC.methods.items()}
+        config = ClientConfig(**{
+            "service": SPEC.name, "fingerprint": SPEC.fingerprint, "client_id": "pair-client",
+            "host_id": "pair-host", "pid": 7, "heartbeat": heartbeat, "stream_window": 4,
+            "signatures": signatures, **client,
+        })  # fmt: skip
+        epochs = itertools.count(1)
+        self.client = ClientProtocol(config, NoShm(), epochs=lambda: next(epochs))
+        self.to_client: collections.deque[Wire] = collections.deque()  # engine -> client
+        self.client_sent: list[Wire] = []  # everything the client sent
+        self.events: list[Any] = []  # the client's events
         self.engines: dict[str, EngineEnd] = {}
         for engine_id in engine_ids:
             self.add_engine(engine_id, **(engine_settings or {}))
 
-    # -- topology ---------------------------------------------------------------------------
-
     def add_engine(self, name: str, engine_id: str | None = None, **settings: Any) -> EngineEnd:
-        """Start one more engine (announcing ``engine_id``, default ``name``); listening,
-        the client dials it now."""
-        end = EngineEnd(self, name, engine_id, **settings)
-        self.engines[name] = end
+        """Start an engine (announcing ``engine_id``); listening, the client dials it."""
+        end = self.engines[name] = EngineEnd(self, name, engine_id, **settings)
         if not self.dial_in:
             self.client.dial(end.peer, f"tcp://{name}:7000", self.now)
         self._started(end)
         return end
 
-    def _started(self, end: EngineEnd) -> None:
-        """A process started: its shell runs its timers once (a dial-in engine says HELLO)."""
+    def _started(self, end: EngineEnd) -> None:  # its shell runs the timers once
         end.proto.tick(self.now)
         self._collect(end)
         self._collect_client()
 
     def end_by_peer(self, peer: bytes) -> EngineEnd | None:
-        for end in self.engines.values():
-            if end.peer == peer:
-                return end
-        return None
+        return next((e for e in self.engines.values() if e.peer == peer), None)
 
-    def __getitem__(self, engine_id: str) -> EngineEnd:
-        return self.engines[engine_id]
-
-    # -- moving frames ----------------------------------------------------------------------
+    def __getitem__(self, name: str) -> EngineEnd:
+        return self.engines[name]
 
     def _collect_client(self) -> None:
-        client = self.client
-        while client.pending:
-            self._event(client.pending.popleft())
-        for frames in client.frames_to_send():
-            self._route(frames)
-        if client.closed:
-            self._closed = True  # the shell closes its socket after the BYEs
+        while self.client.pending:
+            for event in self.client.next_events():
+                self._event(event)
+            for peer, frames in self.client.frames_to_send():
+                self._route(peer, frames)
+        self._closed = self._closed or self.client.closed  # its socket closes after BYE
 
-    def _route(self, frames: list[Any]) -> None:
-        """A frame list from the client's ROUTER: ``[peer, *message]``."""
-        peer, message = frames[0], frames[1:]
+    def _route(self, peer: bytes, message: list[Any]) -> None:
         end = self.end_by_peer(peer)
-        if end is None or not end.up:
-            # ROUTER_MANDATORY: no connection to that routing id; the send fails.
-            self._event(self.client.unreachable(peer, self.now))
-            self._collect_client()
-            return
-        self.client_sent.append(Wire(end.name, message))
-        end.inbox.append(message)
+        if end is None or not end.up:  # ROUTER_MANDATORY: no connection, the send fails
+            self._event(self.client.send_failed(peer, self.now))
+        else:
+            self.client_sent.append(Wire(end.name, message))
+            end.inbox.append(message)
+
+    def inject(self, end: EngineEnd, frames: list[Any]) -> None:
+        """Engine ``end`` sends ``frames``."""
+        end.sent.append(wire := Wire(end.name, list(frames)))
+        if end.up:
+            self.to_client.append(wire)
 
     def _collect(self, end: EngineEnd) -> None:
-        proto = end.proto
-        outbox, proto.outbox = proto.outbox, []
-        for key, frames, _is_hello in outbox:
-            assert key == end.key, (key, end.key)
-            wire = Wire(end.name, list(frames))
-            end.sent.append(wire)
-            if end.up:
-                self.to_client.append(wire)
-        # The shell wakes cancelled / credited calls (nothing waits here) and handles
-        # session news: torch_shm is never negotiated, so a session sends frames only.
-        proto.wakeups.clear()
-        events, proto.events = proto.events, []
-        for event in events:
+        for _key, frames in end.proto.frames_to_send():
+            self.inject(end, frames)
+        for event in end.proto.next_events():  # calls to wake: nothing waits here
             if isinstance(event, SessionStarted):
-                event.session.shm = ShmPeer()
-            end.events.append(event)
+                end.proto.shm_decided(event.session, ShmPeer())
+            if not isinstance(event, ServerCall):
+                end.events.append(event)
 
-    def _event(self, event: Event | Call | None) -> None:
-        if event is None:
-            return
-        if isinstance(event, Call):
-            self.resolved.append(event)
-        else:
+    def _event(self, event: Any) -> None:
+        if isinstance(event, CheckReachable):  # a PING to that peer goes if it is up
+            end = self.end_by_peer(event.peer)
+            self.client.reachable(event, end is not None and end.up, self.now)
+        elif event is not None and not isinstance(event, Call):
             self.events.append(event)
-        client = self.client
-        while client.pending:
-            self._event(client.pending.popleft())
+        self._collect_client()
 
     def deliver_to_engine(self, name: str) -> bool:
-        """Deliver the oldest message waiting for engine ``name``; False if none could go."""
+        """Deliver the oldest message for engine ``name``; False if none could go."""
         end = self.engines[name]
         if not end.inbox or not end.up or end.frozen:
             return False
-        message = end.inbox.popleft()
-        end.proto.receive(end.key, message, self.now)
+        end.proto.receive(end.key, end.inbox.popleft(), self.now)
         self._collect(end)
         return True
 
     def deliver_to_client(self) -> bool:
-        """Deliver the oldest message waiting for the client; False if none."""
-        if not self.to_client:
-            return False
-        if self._closed:
-            self.to_client.clear()  # the client's socket is closed
+        """Deliver the oldest message for the client; False if none."""
+        if not self.to_client or self._closed:
+            self.to_client.clear()
             return False
         wire = self.to_client.popleft()
-        end = self.engines[wire.end]
-        self._event(self.client.receive(end.peer, wire.frames, self.now))
-        self._collect_client()
+        self._event(self.client.receive(self.engines[wire.end].peer, wire.frames, self.now))
         return True
 
     def flush(self) -> None:
-        """Deliver everything, both ways, until nothing moves (frozen engines hold theirs)."""
+        """Deliver everything both ways until nothing moves (frozen engines hold theirs)."""
         self._collect_client()
         moved = True
         while moved:
@@ -535,12 +327,11 @@ class ProtocolPair:
                 moved = True
 
     def advance(self, seconds: float, *, deliver: bool = True) -> None:
-        """Time passes: both sides' timers run (then, by default, everything is delivered)."""
+        """Time passes: every timer runs (then, by default, everything is delivered)."""
         self.now += seconds
         if not self._closed:
             for lost in self.client.tick(self.now):
                 self._event(lost)
-            self._collect_client()
         for end in self.engines.values():
             if end.up and not end.frozen:
                 end.proto.tick(self.now)
@@ -549,87 +340,64 @@ class ProtocolPair:
             self.flush()
 
     def run(self, seconds: float, step: float = 0.1) -> None:
-        """Let ``seconds`` pass in steps, delivering everything after each."""
         end = self.now + seconds
         while self.now + step <= end + 1e-9:
             self.advance(step)
 
     def connect(self) -> None:
-        """Deliver until every engine that is up is welcomed (the handshake)."""
-        self.flush()
-        for _ in range(3):
-            if all(
-                self.client.engines.engines.get(e) is not None
-                for e, end in self.engines.items()
-                if end.up
-            ):
+        """Deliver until every engine that is up is welcomed."""
+        for _ in range(4):
+            self.flush()
+            if all(n in self.client.engines.engines for n, e in self.engines.items() if e.up):
                 return
             self.advance(self.engine_heartbeat.interval)
         raise AssertionError(f"handshake did not complete: {self.events}")
 
-    # -- the caller side --------------------------------------------------------------------
-
     def call(
-        self,
-        method: str = "add",
-        *args: Any,
-        engine: str | None = None,
-        timeout_ms: int = 0,
-        no_wait: bool = False,
-        **kwargs: Any,
-    ) -> Call:
+        self, method: str = "add", *args: Any, engine: str | None = None, timeout_ms: int = 0,
+        no_wait: bool = False, lease: int | None = None, **kwargs: Any,
+    ) -> Call:  # fmt: skip
         """Start a call as `tensorrpc.Client` does and put its CALL on the wire."""
-        spec: MethodSpec = SPEC.methods[method]
+        spec = SPEC.methods[method]
         target = self.client.select(engine)
         assert target is not None, f"no engine can take a call now ({engine!r})"
-        wire = spec.encode_args(args, kwargs)
-        encoded = _codec.encode(wire)
-        call = self.client.start_call(target, spec, None, stream=spec.streaming, now=self.now)
-        flags = int(Flags.STREAM) if spec.streaming else 0
-        if no_wait:
-            flags |= int(Flags.NO_WAIT)
-        header = pack_call_header(call.call_id, spec.name, flags, timeout_ms)
+        encoded = _codec.encode(spec.encode_args(args, kwargs))
+        flags = (int(Flags.STREAM) if spec.streaming else 0) | (int(Flags.NO_WAIT) * no_wait)
+        call, frames = self.client.start_call(
+            target, spec, None, stream=spec.streaming, now=self.now, payload=encoded.payload,
+            buffers=encoded.buffers, flags=flags, timeout_ms=timeout_ms, lease=lease,
+        )  # fmt: skip
         self._collect_client()  # what the protocol queued goes first
-        self._route([target.peer, header, encoded.payload, *encoded.buffers])
+        self._route(frames[0], frames[1:])
         return call
 
     def cancel(self, call: Call) -> bool:
-        """The caller gives up (cancelled, timed out, closed the stream)."""
         ended = self.client.cancel(call, self.now)
         self._collect_client()
         return ended
 
     def outcome(self, call: Call) -> Any:
-        """The value of a call that ended with a RESULT, else raise what the caller sees."""
+        """A RESULT's value, else raise what the caller sees."""
         assert call.ended, f"{call!r} has not ended"
         if call.error is not None:
             raise call.error
         if call.reply_kind is not MessageKind.RESULT:
             raise reply_error(call.reply_payload)
-        value = _codec.decode(call.reply_payload, call.reply_buffers)
-        return call.spec.decode_result(value)
+        return call.spec.decode_result(_codec.decode(call.reply_payload, call.reply_buffers))
 
     def take_item(self, call: Call) -> Any:
-        """The consumer takes the next stream item (credit goes back as the client decides)."""
         payload, buffers = self.client.take_item(call, self.now)
         self._collect_client()
         return call.spec.decode_result(_codec.decode(payload, buffers))
 
     def items(self, call: Call) -> list[Any]:
-        """Take every stream item that has arrived."""
-        out = []
-        while call.items:
-            out.append(self.take_item(call))
-        return out
-
-    # -- observing --------------------------------------------------------------------------
+        return [self.take_item(call) for _ in range(len(call.items or ()))]
 
     def lost(self) -> list[EngineLost]:
-        """The `EngineLost` events so far."""
         return [e for e in self.events if isinstance(e, EngineLost)]
 
     def client_kinds(self, name: str | None = None) -> list[MessageKind]:
-        """Kinds the client sent (to engine ``name``) since the last look (and forget them)."""
-        taken = [w for w in self.client_sent if name is None or w.end == name]
-        self.client_sent = [w for w in self.client_sent if all(w is not t for t in taken)]
+        """Kinds the client sent (to ``name``) since the last look (forgotten)."""
+        taken = [w for w in self.client_sent if name in (None, w.end)]
+        self.client_sent = [w for w in self.client_sent if name not in (None, w.end)]
         return [w.kind for w in taken]

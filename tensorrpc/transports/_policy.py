@@ -175,6 +175,10 @@ class PolicyPlacer:
         """The torch_shm lease of this message, or None when nothing went by handle."""
         return None if self._shm is None else self._shm.lease
 
+    def outcome(self) -> tuple[int | None, tuple[int, int]]:
+        """``(lease, (tensors, bytes))`` that went by handle through this placer."""
+        return self.lease, (self.placed, self.placed_bytes)
+
     def place(self, tensor: torch.Tensor) -> tuple[str, bytes] | None:
         """Send ``tensor`` by torch_shm handle when the policy says so, else decline."""
         if not self._to_shm:
@@ -310,11 +314,6 @@ class TransportPolicy:
         self._links: dict[Hashable, _Link] = {}
         self._frames = [0, 0, 0, 0]
         self._fallbacks = 0
-        # Argument leases of calls the caller gave up on, kept until the engine says it
-        # is done with them (RELEASE), replies after all, or is gone: (peer, call id) and
-        # the lease, both ways.
-        self._cancelled: dict[tuple[Hashable, int], int] = {}
-        self._cancelled_leases: dict[int, tuple[Hashable, int]] = {}
 
     # -- handshake -------------------------------------------------------------------------
 
@@ -525,60 +524,14 @@ class TransportPolicy:
                 shm.release(lease, peer=peer)
 
     def release_one(self, lease: int | None) -> None:
-        """Release one of our own leases (an argument lease, on the reply)."""
+        """Release one of our own leases (an argument lease the protocol says is done)."""
         if lease is not None and self.shm is not None:
             self.shm.release(lease)
 
-    def hold_cancelled(self, peer: Hashable, call_id: int, lease: int | None) -> bool:
-        """The caller gave up on call ``call_id`` to ``peer``: keep its argument lease.
-
-        The peer may still be reading the call's arguments on our regions; the lease ends
-        with its RELEASE naming it (`released_by`), with a reply to the call after all
-        (`late_reply`), or when the peer is gone (`peer_gone`). Until then it counts
-        against the peer's limits like any lease. Returns whether it is kept.
-        """
-        if lease is None or self.shm is None or not self.shm.leased(lease):
-            return False
-        key = (peer, call_id)
-        old = self._cancelled.pop(key, None)
-        if old is not None:  # pragma: no cover - call ids are never reused
-            # Never freed early: the old lease ends with the peer or the sweep.
-            self._cancelled_leases.pop(old, None)
-        self._cancelled[key] = lease
-        self._cancelled_leases[lease] = key
-        return True
-
-    def late_reply(self, peer: Hashable, call_id: int) -> None:
-        """A reply to a call we gave up on came after all: the peer is done with its
-        arguments (it privatized them before replying), so its lease ends."""
-        lease = self._cancelled.pop((peer, call_id), None)
-        if lease is not None:
-            del self._cancelled_leases[lease]
-            self.release_one(lease)
-
-    def released_by(self, peer: Hashable, leases: Sequence[int]) -> int:
-        """RELEASE from ``peer`` of argument leases of calls we gave up on.
-
-        Only a lease kept by `hold_cancelled` for this very peer ends; any other id
-        (never made, already ended, another peer's, a running call's) is refused,
-        counted in ``releases_refused``, and frees nothing. Returns how many were refused.
-        """
-        refused = 0
-        for lease in leases:
-            key = self._cancelled_leases.get(lease)
-            if key is None or key[0] != peer:
-                refused += 1
-                continue
-            del self._cancelled_leases[lease]
-            del self._cancelled[key]
-            self.release_one(lease)
-        if refused and self.shm is not None:
-            self.shm.refuse_release(refused)
-        return refused
-
-    def cancelled_held(self) -> int:
-        """Argument leases kept for calls we gave up on (awaiting the peer's RELEASE)."""
-        return len(self._cancelled)
+    def refuse_release(self, count: int) -> None:
+        """Count lease ids of a peer's RELEASE the protocol refused (``releases_refused``)."""
+        if self.shm is not None:
+            self.shm.refuse_release(count)
 
     def peer_gone(self, peer: Hashable, pid: int = 0) -> None:
         """The peer died or left: drop its leases and unmap its segments (``pid``: the
@@ -587,8 +540,6 @@ class TransportPolicy:
         if link is not None and pid <= 0:
             pid = link.kernel.pid
         self._drop_link(peer)
-        for key in [k for k in self._cancelled if k[0] == peer]:
-            del self._cancelled_leases[self._cancelled.pop(key)]
         shm = self.shm
         if shm is not None:
             shm.release_peer(peer)
@@ -609,8 +560,6 @@ class TransportPolicy:
         shm = self.shm
         if shm is not None:
             shm.sweep()
-            for lease in [x for x in self._cancelled_leases if not shm.leased(x)]:
-                del self._cancelled[self._cancelled_leases.pop(lease)]
 
     def statistics(self) -> TransportStatistics:
         """A snapshot of the per-transport counters."""

@@ -22,7 +22,7 @@ import torch
 
 from tensorrpc import _codec
 from tensorrpc._client_io import ClientIO
-from tensorrpc._client_protocol import Dropped, Released
+from tensorrpc._client_protocol import Dropped, LeasesFreed
 from tensorrpc._client_transfers import Transfers
 from tensorrpc._dispatch import Dispatcher
 from tensorrpc._protocol import (
@@ -54,7 +54,7 @@ class _PairSocket:
         self.pair = pair
 
     def send_nowait(self, frames: list[Any]) -> None:
-        self.pair._route(list(frames))
+        self.pair._route(frames[0], list(frames[1:]))
 
 
 class _Client:
@@ -95,8 +95,7 @@ class _Client:
         assert placer is not None
         placed = placer.place(value)
         assert placed is not None
-        call = self.pair.call("add", 1, engine=engine)
-        call.lease = placer.lease
+        call = self.pair.call("add", 1, engine=engine, lease=placer.lease)
         return call, placed
 
     def from_engine(self, frames: list[Any], engine: str = "e1") -> Any:
@@ -104,7 +103,13 @@ class _Client:
         event = self.pair.client.receive(self.engine(engine).peer, frames, self.pair.now)
         if event is not None:
             self.io.event(event)
+        self.io.flush()
         return event
+
+    @property
+    def held(self) -> int:
+        """Argument leases the client's protocol keeps for calls it gave up on."""
+        return self.pair.client.held_leases
 
     def close(self) -> None:
         self.policy.close()
@@ -131,7 +136,7 @@ def test_a_cancelled_calls_region_is_not_reused_until_the_engine_releases_it(cli
     client.io.abandon(call)  # the caller gives up: CANCEL goes, the handler still runs
     assert call.ended
     assert client.shm.leased(lease)
-    assert client.policy.cancelled_held() == 1
+    assert client.held == 1
     # The next call's tensor must not land where the cancelled handler still reads.
     for _ in range(3):
         nxt, _placed = client.send(torch.full((N,), -1.0))
@@ -139,9 +144,10 @@ def test_a_cancelled_calls_region_is_not_reused_until_the_engine_releases_it(cli
         client.io.ended(nxt)
     # The engine is done: its RELEASE names the lease, which ends now.
     event = client.from_engine(encode_control(MessageKind.RELEASE, Release((lease,))))
-    assert isinstance(event, Released)
+    assert isinstance(event, LeasesFreed)
+    assert event.leases == (lease,)
     assert not client.shm.leased(lease)
-    assert client.policy.cancelled_held() == 0
+    assert client.held == 0
     assert client.shm.statistics().releases_refused == 0
 
 
@@ -182,11 +188,13 @@ def test_a_late_reply_to_a_cancelled_call_ends_its_kept_lease(client):
     assert not client.shm.leased(lease)
     # ...and for a late ERROR or STREAM_END too.
     other, _ = client.send(torch.ones(N))
+    other_lease = other.lease
+    assert other_lease is not None
     client.io.abandon(other)
     end = encode_control(MessageKind.STREAM_END, None, other.call_id)
-    assert isinstance(client.from_engine(end), Released)
-    assert not client.shm.leased(other.lease or 0)
-    assert client.policy.cancelled_held() == 0
+    assert isinstance(client.from_engine(end), LeasesFreed)
+    assert not client.shm.leased(other_lease)
+    assert client.held == 0
 
 
 def test_kept_leases_end_with_the_engine_and_count_against_its_limit():
@@ -201,8 +209,8 @@ def test_kept_leases_end_with_the_engine_and_count_against_its_limit():
         assert placer is not None
         assert placer.place(torch.ones(N)) is None  # the engine's share is used up: frames
         assert c.shm.statistics().peer_limited >= 1
-        c.io.event(c.pair.client.unreachable(peer, c.pair.now))  # the engine is gone
-        assert c.policy.cancelled_held() == 0
+        c.io.event(c.pair.client.send_failed(peer, c.pair.now))  # the engine is gone
+        assert c.held == 0
         assert c.shm.statistics().leases_held == 0
     finally:
         c.close()
@@ -217,12 +225,11 @@ class _Engine:
     def __init__(self, client: _Client) -> None:
         self.client = client
         self.end = client.pair["e1"]
-        self.end.session.shm = ShmPeer(os.getpid() + 1, True, True)
+        self.end.proto.shm_decided(self.end.session, ShmPeer(os.getpid() + 1, True, True))
         self.sent: list[list[Any]] = []
 
-        def send_now(_key: object, frames: list[bytes]) -> bool:
-            self.sent.append(frames)
-            return True
+        def flush() -> None:
+            self.sent += [frames for _key, frames in self.end.proto.frames_to_send()]
 
         async def send_reply(_call: Any, _frames: Any, _keep: Any) -> None:
             raise AssertionError("no reply expected")
@@ -236,23 +243,22 @@ class _Engine:
             policy=TransportPolicy(torch_shm=False),
             maxmsgsize=0,
             grace_period=1.0,
-            send_now=send_now,
+            flush=flush,
             send_reply=send_reply,
         )
 
     def take(self, value: torch.Tensor) -> tuple[Any, Any]:
         """The client sends a call carrying ``value`` by region; a worker takes it."""
-        call = self.client.pair.call("add", 1)
-        self.client.pair.deliver_to_engine("e1")
-        server_call = self.end.next_call()
-        assert server_call is not None
         # The pair encodes without a placer: carry the handle as the real client does.
         placer = self.client.policy.placer(
             "torch_shm", self.client.engine().peer, peer_receives=True
         )
         assert placer is not None
         encoded = _codec.encode([value, 1], placer=placer)
-        call.lease = placer.lease
+        call = self.client.pair.call("add", 1, lease=placer.lease)
+        self.client.pair.deliver_to_engine("e1")
+        server_call = self.end.next_call()
+        assert server_call is not None
         server_call.payload, server_call.buffers = encoded.payload, encoded.buffers
         return call, server_call
 

@@ -27,12 +27,12 @@ import zmq
 
 import tensorrpc
 from bench._measure import shm_files_of
-from tensorrpc import _client_calls
+from tensorrpc import _client_protocol
 from tensorrpc._client import Client
-from tensorrpc._client_protocol import ClientProtocol
 from tensorrpc._codec import encode
 from tensorrpc._exceptions import EngineDeadError
 from tensorrpc._hostinfo import host_id
+from tensorrpc._machine import release_frames
 from tensorrpc._protocol import (
     ErrorInfo,
     Header,
@@ -470,24 +470,26 @@ async def test_unread_results_are_released_without_waiting_for_the_sweep(
 
 
 class _Releases:
-    """Counts the RELEASE messages and the lease ids in CALL headers a client sends."""
+    """Counts the RELEASE messages and the lease ids in CALL headers a client's protocol
+    machine builds."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.messages = 0
         self.carried = 0
-        release = ClientProtocol.release
+        frames = release_frames
         pack = pack_call_header
 
-        def counting_release(proto: ClientProtocol, engine: Any, leases: Any, now: float):
-            self.messages += 1
-            return release(proto, engine, leases, now)
+        def counting_frames(leases: Any) -> list[list[bytes]]:
+            out = frames(leases)
+            self.messages += len(out)
+            return out
 
         def counting_pack(*args: Any, **kwargs: Any) -> bytes:
             self.carried += len(kwargs.get("releases", ()))
             return pack(*args, **kwargs)
 
-        monkeypatch.setattr(ClientProtocol, "release", counting_release)
-        monkeypatch.setattr(_client_calls, "pack_call_header", counting_pack)
+        monkeypatch.setattr(_client_protocol, "release_frames", counting_frames)
+        monkeypatch.setattr(_client_protocol, "pack_call_header", counting_pack)
 
 
 async def test_result_leases_ride_the_next_call_and_none_is_left(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from typing_extensions import Buffer
@@ -47,24 +47,12 @@ COUNT: MethodSpec = SPEC.methods["count"]
 
 @dataclass
 class Hooks:
-    """The shell's answers: torch_shm never usable; peers reachable unless listed."""
-
-    gone: set[bytes] = field(default_factory=set)
-    asked: list[bytes] = field(default_factory=list)
-    #: Peer -> the CURVE key (z85) its messages come with.
-    keys: dict[bytes, str] = field(default_factory=dict)
+    """The shell's answers: torch_shm never usable."""
 
     def shm_offer(
         self, peer: bytes, hello: Hello, frame: Buffer
     ) -> tuple[tuple[str, ...], int, bool, bool] | None:
         return None
-
-    def reachable(self, peer: bytes) -> bool:
-        self.asked.append(peer)
-        return peer not in self.gone
-
-    def peer_key(self, peer: bytes) -> str | None:
-        return self.keys.get(peer)
 
 
 def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:
@@ -135,8 +123,8 @@ class Sent:
 def sent(protocol: ClientProtocol) -> list[Sent]:
     """Drain and decode what the protocol queued."""
     out = []
-    for frames in protocol.frames_to_send():
-        header, payload, _ = split_frames(frames[1:])
+    for peer, frames in protocol.frames_to_send():
+        header, payload, _ = split_frames(frames)
         body = None
         if header.kind in (
             MessageKind.WELCOME,
@@ -146,7 +134,7 @@ def sent(protocol: ClientProtocol) -> list[Sent]:
             MessageKind.RELEASE,
         ):
             body = decode_control(header, payload)
-        out.append(Sent(frames[0], header.kind, header.call_id, body))
+        out.append(Sent(peer, header.kind, header.call_id, body))
     return out
 
 
@@ -172,4 +160,5 @@ def join(
 def start(
     protocol: ClientProtocol, engine: Engine, *, stream: bool = False, now: float = 0.0
 ) -> Call:
-    return protocol.start_call(engine, COUNT if stream else ADD, object(), stream=stream, now=now)
+    spec = COUNT if stream else ADD
+    return protocol.start_call(engine, spec, object(), stream=stream, now=now)[0]

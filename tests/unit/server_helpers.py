@@ -75,6 +75,8 @@ class Engine:
     proto: ServerProtocol
     now: float = 100.0
     sent: list[Sent] = field(default_factory=list)
+    #: Everything `ServerProtocol.next_events` gave (calls to wake included), in order.
+    events: list[Any] = field(default_factory=list)
 
     @classmethod
     def make(cls, *, listen: bool = True, **settings: Any) -> Engine:
@@ -129,13 +131,13 @@ class Engine:
 
     def collect(self) -> None:
         proto = self.proto
-        for key, frames, is_hello in proto.outbox:
+        for key, frames in proto.frames_to_send():
             header, payload, _ = split_frames(frames)
             body = None
             if header.kind not in (MessageKind.RESULT, MessageKind.STREAM_ITEM):
                 body = decode_control(header, payload)
-            self.sent.append(Sent(key, header, body, is_hello))
-        proto.outbox.clear()
+            self.sent.append(Sent(key, header, body, header.kind is MessageKind.HELLO))
+        self.events += proto.next_events()
 
     def take(self) -> list[Sent]:
         sent, self.sent = self.sent, []

@@ -8,18 +8,31 @@ from tensorrpc._calls import Call, CallState
 from tensorrpc._client_protocol import (
     DIAL_RETRY_MIN_S,
     HELLO_REQUEST,
+    CheckReachable,
+    ClientProtocol,
     Dropped,
     EngineJoined,
     EngineLost,
     EngineRefused,
     Ignored,
-    Released,
+    LeasesFreed,
 )
-from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT
+from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT, Engine
 from tensorrpc._exceptions import ClosedError, EngineDeadError, RemoteProtocolError
-from tensorrpc._protocol import Credit, MessageKind, Reject, Welcome
+from tensorrpc._machine import MAX_RELEASE_LEASES
+from tensorrpc._protocol import (
+    FEATURE_CALL_RELEASES,
+    MAX_CALL_RELEASES,
+    Credit,
+    MessageKind,
+    Reject,
+    Release,
+    Welcome,
+    split_frames,
+)
 
 from .client_script import (
+    ADD,
     SPEC,
     bye,
     control,
@@ -121,7 +134,7 @@ def test_new_epoch_from_a_known_engine_fails_its_calls_at_once() -> None:
     calls = [start(protocol, engine) for _ in range(3)]
     event = protocol.receive(b"p", hello("e1", epoch=8), 1.0)
     assert isinstance(event, EngineJoined)
-    [lost] = protocol.pending
+    [lost] = protocol.next_events()
     assert isinstance(lost, EngineLost)
     assert set(lost.calls) == set(calls)
     for call in calls:
@@ -145,13 +158,18 @@ def test_restart_of_an_engine_without_epochs_is_seen_by_its_pid() -> None:
 
 
 def test_impostor_with_a_live_id_is_refused_and_steals_nothing() -> None:
-    protocol, hooks = make_protocol()
+    protocol, _ = make_protocol()
     engine = join(protocol, "e1", b"e1/real")
     call = start(protocol, engine)
-    event = protocol.receive(b"e1/fake", hello("e1", epoch=99), 1.0)
+    check = protocol.receive(b"e1/fake", hello("e1", epoch=99), 1.0)
+    assert isinstance(check, CheckReachable)  # the shell is asked: is the live one reachable?
+    assert check.peer == b"e1/real"
+    assert split_frames(check.frames)[0].kind is K.PING
+    assert sent(protocol) == []  # nothing decided before the answer
+    protocol.reachable(check, True, 1.0)
+    [event] = protocol.next_events()
     assert isinstance(event, EngineRefused)
     assert event.reason == "duplicate_id"
-    assert hooks.asked == [b"e1/real"]
     [out] = sent(protocol)
     assert (out.peer, out.kind, out.body.reason) == (b"e1/fake", K.REJECT, "duplicate_id")
     assert protocol.engines.engines["e1"] is engine
@@ -163,11 +181,15 @@ def test_impostor_with_a_live_id_is_refused_and_steals_nothing() -> None:
 
 
 def test_restarted_engine_replaces_a_session_whose_peer_is_gone() -> None:
-    protocol, hooks = make_protocol()
+    protocol, _ = make_protocol()
     engine = join(protocol, "e1", b"e1/old")
     call = start(protocol, engine)
-    hooks.gone.add(b"e1/old")
-    event = protocol.receive(b"e1/new", hello("e1", epoch=9), 1.0)
+    check = protocol.receive(b"e1/new", hello("e1", epoch=9), 1.0)
+    assert isinstance(check, CheckReachable)
+    protocol.reachable(check, False, 1.0)
+    lost, event = protocol.next_events()
+    assert isinstance(lost, EngineLost)
+    assert lost.engine is engine
     assert isinstance(event, EngineJoined)
     assert isinstance(call.error, EngineDeadError)
     assert "unreachable" in str(call.error)
@@ -194,7 +216,8 @@ def test_reject_from_an_engine_ends_its_session_and_is_remembered() -> None:
     event = protocol.receive(b"p", reject("fingerprint"), 1.0)
     assert isinstance(event, EngineRefused)
     assert not event.by_client
-    assert isinstance(protocol.pending.popleft(), EngineLost)
+    [lost] = protocol.next_events()
+    assert isinstance(lost, EngineLost)
     assert isinstance(call.error, EngineDeadError)
     assert protocol.engines.rejected["e1"] == "fingerprint: no"
 
@@ -214,11 +237,8 @@ def test_unary_reply_is_delivered_once_and_late_or_foreign_replies_dropped() -> 
     assert call.reply_kind is K.RESULT
     late = protocol.receive(b"p1", result(call.call_id, 4), 0.2)
     assert isinstance(late, Dropped)  # its torch_shm leases (if any) get released
-    late_error = protocol.receive(b"p1", error(call.call_id), 0.2)
-    # dropped; the shell ends an argument lease kept for a call of that id, if any
-    assert isinstance(late_error, Released)
-    assert late_error.leases == ()
-    assert late_error.call_id == call.call_id
+    # dropped (it would end an argument lease kept for a call of that id: none here)
+    assert protocol.receive(b"p1", error(call.call_id), 0.2) is None
     assert e1.in_flight == 0
 
 
@@ -372,7 +392,7 @@ def test_a_stalled_client_ends_calls_of_engines_that_forgot_it() -> None:
     # the loop stalls for 10 s: no ticks, no sends; then the engine's new HELLO arrives
     event = protocol.receive(b"p", hello("e1", epoch=7, dead_after_ms=2000), 10.0)
     assert isinstance(event, EngineJoined)  # even a repeated epoch starts a new session
-    [lost] = protocol.pending
+    [lost] = protocol.next_events()
     assert isinstance(lost, EngineLost)
     assert lost.calls == (call,)
     assert isinstance(call.error, EngineDeadError)
@@ -409,7 +429,7 @@ def test_dialled_address_gets_hello_requests_retried_until_connected() -> None:
     now = 0.0
     delays = []
     for _ in range(4):  # ROUTER_MANDATORY: the send failed, not connected yet
-        assert protocol.unreachable(b"@a/0", now) is None
+        assert protocol.send_failed(b"@a/0", now) is None
         delay = protocol.next_tick(now)
         delays.append(delay)
         now += delay
@@ -476,6 +496,123 @@ def test_close_says_bye_and_fails_every_call() -> None:
     assert kinds(protocol) == []
 
 
+# -- the torch_shm lease table ----------------------------------------------------------------
+
+
+def leased(protocol: ClientProtocol, engine: Engine, lease: int) -> Call:
+    call, _frames = protocol.start_call(engine, ADD, object(), stream=False, now=0.0, lease=lease)
+    return call
+
+
+def test_a_cancelled_calls_argument_lease_is_kept_until_the_engines_release() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = leased(protocol, engine, 5)
+    assert protocol.cancel(call, 1.0)
+    assert kinds(protocol) == [K.CANCEL]
+    assert protocol.take_lease(call) is None  # not freed: the engine may still read it
+    assert protocol.held_leases == 1
+    freed = protocol.receive(b"p", control(K.RELEASE, Release((5, 99))), 1.0)
+    assert freed == LeasesFreed(engine, (5,), refused=1)  # 99 was never kept: refused
+    assert protocol.held_leases == 0
+    again = protocol.receive(b"p", control(K.RELEASE, Release((5,))), 1.0)
+    assert again == LeasesFreed(engine, (), refused=1)  # twice: refused
+
+
+def test_a_release_from_another_engine_or_for_a_running_call_frees_nothing() -> None:
+    protocol, _ = make_protocol()
+    e1 = join(protocol, "e1", b"p1")
+    join(protocol, "e2", b"p2")
+    running = leased(protocol, e1, 7)
+    cancelled = leased(protocol, e1, 8)
+    protocol.cancel(cancelled, 1.0)
+    freed = protocol.receive(b"p2", control(K.RELEASE, Release((8,))), 1.0)
+    assert isinstance(freed, LeasesFreed)
+    assert (freed.leases, freed.refused) == ((), 1)
+    freed = protocol.receive(b"p1", control(K.RELEASE, Release((7,))), 1.0)
+    assert isinstance(freed, LeasesFreed)
+    assert (freed.leases, freed.refused) == ((), 1)
+    assert running.lease == 7
+    assert protocol.held_leases == 1
+
+
+@pytest.mark.parametrize("late", ["result", "error", "end"])
+def test_a_late_reply_to_a_cancelled_call_ends_its_kept_lease(late: str) -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    call = leased(protocol, engine, 9)
+    protocol.cancel(call, 1.0)
+    cid = call.call_id
+    frames = {"result": result(cid, 3), "error": error(cid), "end": end(cid)}[late]
+    event = protocol.receive(b"p", frames, 1.0)
+    if late == "result":  # nobody decodes it: its own leases go back too
+        assert isinstance(event, Dropped)
+        assert event.call_id == cid
+        [event] = protocol.next_events()
+    assert event == LeasesFreed(engine, (9,))
+    assert protocol.held_leases == 0
+
+
+def test_an_engines_end_drops_the_leases_kept_for_it_and_those_to_return() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    protocol.cancel(leased(protocol, engine, 3), 1.0)
+    assert protocol.return_leases(engine, [40, 41])
+    protocol.receive(b"p", bye(), 1.0)
+    assert protocol.held_leases == 0
+    assert engine.releases == []
+    sent(protocol)
+    protocol.release_pending(2.0)
+    assert kinds(protocol) == []  # it dropped our leases itself
+
+
+def test_result_leases_ride_in_the_next_call_of_an_engine_that_reads_them() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", features=(FEATURE_CALL_RELEASES,))
+    assert protocol.return_leases(engine, [4, 5])
+    assert not protocol.return_leases(engine, [5, 6])  # already due: no second flush
+    call, frames = protocol.start_call(
+        engine, ADD, object(), stream=False, now=1.0, payload=b"\x90", returns=(7,)
+    )
+    header = split_frames(frames[1:])[0]
+    assert header.releases == (4, 5, 6, 7)  # each once
+    assert call.releases == (4, 5, 6, 7)
+    assert kinds(protocol) == []
+    protocol.release_pending(1.0)
+    assert kinds(protocol) == []  # the CALL took them
+    # Not sent after all: they go in a RELEASE instead.
+    protocol.call_unsent(call, 1.0)
+    [release] = sent(protocol)
+    assert (release.kind, release.body) == (K.RELEASE, Release((4, 5, 6, 7)))
+
+
+@pytest.mark.parametrize(
+    ("features", "count"), [((), 3), ((FEATURE_CALL_RELEASES,), MAX_CALL_RELEASES + 1)]
+)
+def test_result_leases_a_call_cannot_carry_go_in_a_release_first(
+    features: tuple[str, ...], count: int
+) -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p", features=features)
+    protocol.return_leases(engine, range(1, count + 1))
+    _call, frames = protocol.start_call(
+        engine, ADD, object(), stream=False, now=1.0, payload=b"\x90"
+    )
+    assert split_frames(frames[1:])[0].releases == ()
+    [release] = sent(protocol)
+    assert release.body == Release(tuple(range(1, count + 1)))
+
+
+def test_a_release_is_split_at_the_protocol_limit_and_names_each_lease_once() -> None:
+    protocol, _ = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    protocol.return_leases(engine, [1, 1, 2])
+    protocol.release(engine, range(2, MAX_RELEASE_LEASES + 10), 1.0)
+    first, second = sent(protocol)
+    assert first.body.leases == tuple(range(1, MAX_RELEASE_LEASES + 1))
+    assert second.body.leases == tuple(range(MAX_RELEASE_LEASES + 1, MAX_RELEASE_LEASES + 10))
+
+
 # -- wait-for-ready ----------------------------------------------------------------------------
 
 
@@ -499,3 +636,13 @@ def test_wait_for_ready_waits_where_fail_fast_raises_and_absence_says_why() -> N
     assert why is not None
     assert "left (died or stopped) and none has rejoined yet: restarting? ('e1')" in why
     assert join(protocol, "e1", b"p2", now=3.0) is protocol.select("e1", 3.0, wait_for_ready=True)
+
+
+def test_with_engine_keys_the_key_the_shell_read_decides_the_id() -> None:
+    key, other = "k" * 40, "o" * 40
+    protocol, _ = make_protocol(engine_keys={"e1": key})
+    refused = protocol.receive(b"squat", hello("e1"), 0.0, other)
+    assert isinstance(refused, EngineRefused)
+    assert "bound to another CURVE key" in refused.message
+    assert isinstance(protocol.receive(b"squat", hello("e1"), 0.0), EngineRefused)  # no key
+    assert isinstance(protocol.receive(b"real", hello("e1"), 0.0, key), EngineJoined)

@@ -39,15 +39,14 @@ class ClientMachine(RuleBasedStateMachine):
         return f"{engine_id}/{self.epochs[engine_id]}".encode()
 
     def observe(self, event: Any) -> None:
-        events = [event, *self.protocol.pending]
-        self.protocol.pending.clear()
+        events = [event, *self.protocol.next_events()]
         for ev in events:
             if isinstance(ev, EngineLost):
                 self.dead_engines_seen.append(ev)
         self.check_sent()
 
     def check_sent(self) -> None:
-        for frames in self.protocol.frames_to_send():
+        for _peer, frames in self.protocol.frames_to_send():
             out = sent_one(frames)
             if out is None:
                 continue
@@ -79,7 +78,7 @@ class ClientMachine(RuleBasedStateMachine):
             return
         from .client_script import ADD, COUNT
 
-        call = self.protocol.start_call(
+        call, _frames = self.protocol.start_call(
             engine, COUNT if stream else ADD, None, stream=stream, now=self.now
         )
         self.calls.append(call)
@@ -191,7 +190,7 @@ class ClientMachine(RuleBasedStateMachine):
 def sent_one(frames: list[bytes]) -> tuple[MessageKind, int] | None:
     from tensorrpc._protocol import split_frames
 
-    header, _, _ = split_frames(frames[1:])
+    header, _, _ = split_frames(frames)
     if header.kind in (K.CREDIT, K.CANCEL):
         return header.kind, header.call_id
     return None

@@ -24,7 +24,7 @@ def test_a_new_call_after_a_stall_is_not_sent_to_the_engine_that_forgot_us() -> 
     engine = join(protocol, "e1", b"p", dead_after_ms=2000)
     # the loop stalls 10 s before the first of many calls runs
     assert protocol.select(None, 10.0) is None  # not the engine: it forgot the session
-    [lost] = protocol.pending
+    [lost] = protocol.next_events()
     assert isinstance(lost, EngineLost)
     assert lost.engine is engine
     assert lost.calls == ()
@@ -42,7 +42,7 @@ def test_callers_wait_through_the_rejoin_instead_of_failing() -> None:
     protocol, _ = make_protocol()
     join(protocol, "e1", b"p", dead_after_ms=2000)
     assert protocol.select(None, 10.0) is None
-    protocol.pending.clear()
+    protocol.next_events()
     protocol.capacity.add(None, "first")
     protocol.capacity.add("e1", "targeted")
     # the loss strands nobody: the engine is expected back
@@ -75,7 +75,7 @@ def test_waiters_fail_when_the_engine_does_not_rejoin_in_time() -> None:
     protocol, _ = make_protocol()
     join(protocol, "e1", b"p", dead_after_ms=2000)
     assert protocol.select("e1", 10.0) is None
-    protocol.pending.clear()
+    protocol.next_events()
     protocol.capacity.add(None, "any")
     protocol.capacity.add("e1", "targeted")
     assert protocol.expire_rejoins(10.0) == []  # the wait starts: until 15.0
@@ -93,7 +93,7 @@ def test_calls_in_flight_at_the_stall_still_fail_at_once() -> None:
     engine = join(protocol, "e1", b"p", dead_after_ms=2000)
     call = start(protocol, engine, now=0.0)
     assert protocol.select(None, 10.0) is None
-    [lost] = protocol.pending
+    [lost] = protocol.next_events()
     assert isinstance(lost, EngineLost)
     assert lost.calls == (call,)
     assert isinstance(call.error, EngineDeadError)

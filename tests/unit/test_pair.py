@@ -183,8 +183,7 @@ def test_replies_are_routed_by_engine_and_call_id_and_a_late_one_is_dropped() ->
     pair.flush()
     assert (pair.outcome(on_e1), pair.outcome(on_e2)) == (2, 4)
     # A reply nobody waits for (e2 answering e1's call id again) changes nothing.
-    pair["e2"].proto.outbox.append((pair["e2"].key, encode_control(K.STREAM_END, None, 1), False))
-    pair._collect(pair["e2"])
+    pair.inject(pair["e2"], encode_control(K.STREAM_END, None, 1))
     pair.flush()
     assert on_e1.state is CallState.REPLIED
     assert pair.outcome(on_e1) == 2
@@ -478,8 +477,7 @@ def test_a_repeated_hello_of_the_same_session_keeps_the_calls() -> None:
     call = pair.call("add", 1, 2)
     pair.flush()
     end = pair["e1"]
-    end.proto.outbox.append((end.key, end.session.hello_frames, True))  # a re-sent HELLO
-    pair._collect(end)
+    pair.inject(end, end.session.hello_frames)  # a re-sent HELLO
     pair.flush()
     assert pair.lost() == []
     assert not call.ended
@@ -675,8 +673,7 @@ def test_a_reject_from_the_engine_ends_the_session_and_is_remembered() -> None:
     call = pair.call("add", 1, 2)
     pair.flush()
     end = pair["e1"]
-    end.proto.outbox.append((end.key, encode_control(K.REJECT, Reject("other", "go away")), False))
-    pair._collect(end)
+    pair.inject(end, encode_control(K.REJECT, Reject("other", "go away")))
     pair.flush()
     assert isinstance(call.error, EngineDeadError)
     assert pair.client.engines.rejected["e1"].startswith("other")

@@ -10,6 +10,7 @@ from typing import cast
 import pytest
 
 from tensorrpc._exceptions import ErrorCode
+from tensorrpc._machine import MAX_RELEASE_LEASES
 from tensorrpc._protocol import (
     Bye,
     Flags,
@@ -19,6 +20,7 @@ from tensorrpc._protocol import (
     RejectReason,
     Release,
     pack_call_header,
+    split_frames,
 )
 from tensorrpc._server_protocol import (
     ADMISSION,
@@ -30,6 +32,7 @@ from tensorrpc._server_protocol import (
     SessionEnded,
     SessionStarted,
     SessionState,
+    ShmPeer,
     readable_call_id,
 )
 
@@ -101,7 +104,7 @@ def test_welcome_starts_the_session_and_announces_it() -> None:
         3,
         900,
     )
-    assert [type(e) for e in engine.proto.events] == [SessionStarted]
+    assert [type(e) for e in engine.events] == [SessionStarted]
 
 
 def test_malformed_welcome_is_refused_with_the_reason() -> None:
@@ -143,12 +146,15 @@ def test_a_repeated_welcome_is_harmless_and_a_new_epoch_starts_a_new_session() -
     assert call is not None
     engine.welcome(b"c1", epoch=5)
     assert not cancelled(call)
-    engine.proto.events.clear()
+    engine.events.clear()
     engine.welcome(b"c1", epoch=6)
     assert cancelled(call)
-    assert call in engine.proto.wakeups
+    assert call in engine.events
     assert not engine.proto.may_reply(call)
-    assert [type(e) for e in engine.proto.events] == [SessionEnded, SessionStarted]
+    assert [type(e) for e in engine.events if not isinstance(e, ServerCall)] == [
+        SessionEnded,
+        SessionStarted,
+    ]
     assert engine.proto.sessions[b"c1"].client_epoch == 6
     assert engine.take() == []  # no HELLO: the client already has our epoch
 
@@ -201,7 +207,7 @@ def test_a_silent_client_loses_its_session_and_calls_and_gets_a_new_epoch() -> N
     assert call.cancelled
     assert not engine.proto.may_reply(call)
     assert b"c1" not in engine.proto.sessions
-    ended = [e for e in engine.proto.events if isinstance(e, SessionEnded)]
+    ended = [e for e in engine.events if isinstance(e, SessionEnded)]
     assert ended
     assert ended[0].warn
     engine.take()
@@ -242,12 +248,14 @@ def test_dial_in_hello_backs_off_while_not_connected() -> None:
     engine.proto.add_client("addr", engine.now)
     engine.advance(0)
     assert engine.take()[0].hello
-    engine.proto.hello_unsent("addr", engine.now)
+    hello = engine.proto.sessions["addr"].hello_frames
+    engine.proto.send_failed("addr", hello, engine.now)
     assert engine.proto.wake_at == pytest.approx(engine.now + 0.05)
     engine.advance(0.05)
     assert engine.kinds() == [HELLO]
-    engine.proto.hello_unsent("addr", engine.now)
+    engine.proto.send_failed("addr", hello, engine.now)
     assert engine.proto.wake_at == pytest.approx(engine.now + 0.1)
+    assert engine.proto.dropped == 0  # a HELLO that could not go yet is no drop
 
 
 # -- BYE and REJECT -------------------------------------------------------------------------
@@ -288,9 +296,9 @@ def test_every_client_refusing_a_dial_in_engine_is_fatal() -> None:
     engine.advance(0)
     engine.take()
     engine.control("a", MessageKind.REJECT, Reject("fingerprint", "x != y"))
-    assert not [e for e in engine.proto.events if isinstance(e, AllRejected)]
+    assert not [e for e in engine.events if isinstance(e, AllRejected)]
     engine.control("b", MessageKind.REJECT, Reject("service", "s != t"))
-    fatal = [e for e in engine.proto.events if isinstance(e, AllRejected)]
+    fatal = [e for e in engine.events if isinstance(e, AllRejected)]
     assert len(fatal) == 1
     assert "x != y" in fatal[0].message
     assert "s != t" in fatal[0].message
@@ -344,9 +352,9 @@ def test_a_reused_call_id_cancels_the_original_and_gets_one_protocol_error() -> 
     assert error.code == ErrorCode.PROTOCOL
     assert "already in flight" in error.message
     assert original.cancelled
-    assert original in engine.proto.wakeups
+    assert original in engine.events
     assert not engine.proto.may_reply(original)
-    assert engine.proto.error_reply(original, ErrorCode.REMOTE, "late") is None
+    assert not engine.proto.error_reply(original, ErrorCode.REMOTE, "late")
 
 
 def test_the_admission_table_names_every_refusal_in_order() -> None:
@@ -429,7 +437,7 @@ def test_a_final_reply_is_handed_out_once_and_never_after_cancel() -> None:
     assert not engine.proto.may_reply(call)
     engine.control(b"c1", MessageKind.CANCEL, None, 2)
     assert other.cancelled
-    assert engine.proto.error_reply(other, ErrorCode.REMOTE, "x") is None
+    assert not engine.proto.error_reply(other, ErrorCode.REMOTE, "x")
 
 
 # -- streams --------------------------------------------------------------------------------
@@ -471,7 +479,7 @@ def test_credit_wakes_a_parked_stream_and_parked_streams_are_capped_per_client()
     assert reason is not None
     assert "waiting for credit" in reason
     engine.credit(b"c1", 1, 2)
-    assert first in proto.wakeups
+    assert first in engine.events
     proto.unpark(first)
     assert proto.busy == 2
     assert proto.may_send_item(first)
@@ -481,7 +489,7 @@ def test_release_is_passed_on() -> None:
     engine = Engine.make()
     engine.join()
     engine.control(b"c1", MessageKind.RELEASE, Release((3, 4)))
-    released = [e for e in engine.proto.events if isinstance(e, Released)]
+    released = [e for e in engine.events if isinstance(e, Released)]
     assert released[0].leases == (3, 4)
 
 
@@ -494,14 +502,14 @@ def test_lease_ids_in_a_call_header_are_passed_on_whatever_becomes_of_the_call()
     full = pack_call_header(2, "add", int(Flags.NO_WAIT), releases=(7,))
     assert engine.send(b"c1", [full, PAYLOAD]) is None
     assert engine.error(2).code == ErrorCode.OVERLOADED
-    released = [e.leases for e in engine.proto.events if isinstance(e, Released)]
+    released = [e.leases for e in engine.events if isinstance(e, Released)]
     assert released == [(5, 6), (7,)]
 
 
 def test_lease_ids_in_a_call_outside_a_session_free_nothing() -> None:
     engine = Engine.make()
     engine.send(b"stranger", [pack_call_header(1, "add", releases=(5,)), PAYLOAD])
-    assert not [e for e in engine.proto.events if isinstance(e, Released)]
+    assert not [e for e in engine.events if isinstance(e, Released)]
 
 
 # -- drain ----------------------------------------------------------------------------------
@@ -516,8 +524,9 @@ def test_drain_stops_calls_and_says_bye_to_every_session_not_refused() -> None:
     assert call is not None
     engine.proto.start_drain()
     engine.proto.stop_all()
+    engine.collect()
     assert call.shutdown
-    assert call in engine.proto.wakeups
+    assert call in engine.events
     engine.proto.goodbye()
     engine.collect()
     assert sorted(cast("bytes", s.key) for s in engine.take() if s.kind is MessageKind.BYE) == [
@@ -563,6 +572,96 @@ def test_pack_call_header_round_trips_through_readable_call_id() -> None:
     assert readable_call_id(b"short") is None
 
 
+# -- torch_shm argument leases ----------------------------------------------------------------
+
+
+def shm_call(engine: Engine, call_id: int, leases: tuple[int, ...]) -> ServerCall:
+    """A live session with torch_shm; a call a worker took whose arguments resolved."""
+    if b"c1" not in engine.proto.sessions:
+        engine.join()
+        engine.proto.shm_decided(engine.proto.sessions[b"c1"], ShmPeer(9, True, True))
+    call = engine.call(b"c1", call_id)
+    assert call is not None
+    assert engine.proto.next_call() is call
+    call.take_args()
+    engine.proto.args_resolved(call, leases)
+    assert call.keep is not None  # detach before the first reply
+    return call
+
+
+def releases(engine: Engine) -> list[tuple[int, ...]]:
+    engine.collect()
+    return [s.body.leases for s in engine.take() if s.kind is MessageKind.RELEASE]
+
+
+def test_a_cancelled_call_that_ends_without_a_reply_releases_its_argument_leases() -> None:
+    engine = Engine.make()
+    call = shm_call(engine, 1, (3, 4))
+    engine.control(b"c1", MessageKind.CANCEL, None, 1)
+    assert cancelled(call)
+    engine.proto.args_done(call)
+    assert call.keep is None
+    assert releases(engine) == [(3, 4)]
+    engine.proto.done(call)
+
+
+def test_a_reply_ends_the_argument_leases_and_owes_no_release() -> None:
+    engine = Engine.make()
+    call = shm_call(engine, 1, (3,))
+    frames = engine.proto.result(call, b"\x01", ())
+    assert frames is not None
+    assert call.keep is None
+    call.cancelled = True  # a CANCEL that crossed the RESULT
+    engine.proto.args_done(call)
+    assert releases(engine) == []
+
+
+def test_a_call_of_an_ended_session_owes_no_release() -> None:
+    engine = Engine.make()
+    call = shm_call(engine, 1, (3,))
+    engine.control(b"c1", MessageKind.BYE, Bye("closed"))
+    ended = [e for e in engine.events if isinstance(e, SessionEnded)]
+    assert ended[-1].shm == ShmPeer(9, True, True)  # for the shell to free what it shared
+    engine.proto.args_done(call)
+    assert releases(engine) == []
+
+
+def test_the_leases_of_arguments_never_decoded_are_released_in_protocol_sized_chunks() -> None:
+    engine = Engine.make()
+    engine.join()
+    engine.proto.shm_decided(engine.proto.sessions[b"c1"], ShmPeer(9, True, True))
+    call = engine.call(b"c1", 1)
+    assert call is not None
+    engine.control(b"c1", MessageKind.CANCEL, None, 1)
+    unread = tuple(range(1, MAX_RELEASE_LEASES + 3))
+    engine.proto.args_done(call, unread)
+    assert call.payload is None
+    assert releases(engine) == [unread[:MAX_RELEASE_LEASES], unread[MAX_RELEASE_LEASES:]]
+
+
+def test_reply_frames_are_built_and_counted_by_the_protocol() -> None:
+    engine = Engine.make()
+    engine.join()
+    call = engine.call(b"c1", 1, "count", int(Flags.STREAM))
+    assert call is not None
+    session = engine.proto.sessions[b"c1"]
+    before = session.bytes_out
+    item = engine.proto.stream_item(call, b"\x01", [b"abcd"])
+    assert item is not None
+    header = split_frames(item)[0]
+    assert (header.kind, header.call_id) == (MessageKind.STREAM_ITEM, 1)
+    assert session.bytes_out == before + 20 + 1 + 4
+    call.credits = 0
+    assert engine.proto.stream_item(call, b"\x01", ()) is None  # no credit: nothing
+    assert engine.proto.stream_end(call)
+    assert engine.kinds() == []
+    engine.collect()
+    assert engine.kinds() == [MessageKind.STREAM_END]
+    assert not engine.proto.stream_end(call)  # once
+    engine.proto.send_failed(b"c1", item, engine.now)  # it could not go after all
+    assert engine.proto.dropped == 1
+
+
 # -- queued deadlines (issue 21 item 4) -------------------------------------------------------
 
 
@@ -583,7 +682,7 @@ def test_a_queued_call_is_answered_when_its_deadline_passes_not_when_taken() -> 
     info = engine.error(2)
     assert info.code == ErrorCode.DEADLINE_EXCEEDED
     assert "waited in the queue past its deadline" in info.message
-    assert [e.call for e in proto.events if isinstance(e, CallExpired)] == [early]
+    assert [e.call for e in engine.events if isinstance(e, CallExpired)] == [early]
     assert list(proto.queue) == [later, untimed]
     assert 2 not in proto.sessions[b"c1"].calls
     assert proto.in_flight() == 3
@@ -623,12 +722,12 @@ def test_a_duplicate_id_refusal_is_retried_with_backoff_not_final() -> None:
     for _ in range(4):
         start = engine.now
         engine.control("addr", MessageKind.REJECT, Reject(RejectReason.DUPLICATE_ID, "held"))
-        ended = [e for e in proto.events if isinstance(e, SessionEnded)]
+        ended = [e for e in engine.events if isinstance(e, SessionEnded)]
         assert ended[-1].warn
         assert "duplicate_id: held; HELLO again in" in ended[-1].why
-        assert not any(isinstance(e, AllRejected) for e in proto.events)
+        assert not any(isinstance(e, AllRejected) for e in engine.events)
         assert proto.sessions["addr"].state is SessionState.GREETING
-        proto.events.clear()
+        engine.events.clear()
         delay = proto.sessions["addr"].next_hello - start
         assert proto.wake_at <= start + delay
         delays.append(delay)
@@ -648,4 +747,4 @@ def test_other_refusals_stay_final() -> None:
     engine.advance(0)
     engine.take()
     engine.control("addr", MessageKind.REJECT, Reject(RejectReason.FINGERPRINT, "no"))
-    assert any(isinstance(e, AllRejected) for e in engine.proto.events)
+    assert any(isinstance(e, AllRejected) for e in engine.events)

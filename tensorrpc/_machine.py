@@ -1,0 +1,72 @@
+"""The output convention both protocol machines share (h11's shape), sans-I/O.
+
+`tensorrpc._client_protocol.ClientProtocol` and
+`tensorrpc._server_protocol.ServerProtocol` take inputs (a message from a peer, the
+shell's answer to one of their events, a worker's result) and ``now``, and hand back
+what to do in one way:
+
+- ``receive`` returns the call a message concerns, when there is one (the hot path:
+  no queue), or None (the client's also returns its first event);
+- `Machine.frames_to_send` gives every frame to send, as ``(peer, frames)`` in order;
+- `Machine.next_events` gives everything else that happened, in order (the engine's
+  includes the calls whose workers must look at them again: cancelled, credited);
+- `Machine.pending` says whether either holds anything.
+
+A send that fails is fed back (`send_failed` on each machine). The machines build every
+frame they hand out, never call back into the shell, and the shell writes none of
+their fields or counters: it encodes payloads, asks the machine, sends, wakes.
+Payloads and tensor buffers stay opaque, so zero copy is kept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+
+from tensorrpc._protocol import MessageKind, Release, encode_control
+
+if TYPE_CHECKING:
+    from collections.abc import Hashable, Sequence
+
+__all__ = ["MAX_RELEASE_LEASES", "Machine", "Send", "release_frames"]
+
+#: Lease ids per RELEASE message (docs/protocol.md §4, Release): longer lists are split.
+MAX_RELEASE_LEASES: Final = 4096
+
+P = TypeVar("P", bound="Hashable")
+E = TypeVar("E")
+
+#: One message to send: the peer (routing id or key) and its frames after the routing id.
+Send = tuple[P, list[Any]]
+
+
+class Machine(Generic[P, E]):
+    """Frames to send (to peers named by a ``P``) and events (``E``), queued by a
+    protocol machine for its shell."""
+
+    def __init__(self) -> None:
+        self._sends: list[Send[P]] = []
+        self._events: list[E] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether frames or events wait for the shell."""
+        return bool(self._sends or self._events)
+
+    def frames_to_send(self) -> list[Send[P]]:
+        """Take the messages to send, each ``(peer, frames)``, oldest first."""
+        out, self._sends = self._sends, []
+        return out
+
+    def next_events(self) -> list[E]:
+        """Take the events since the shell last looked, oldest first."""
+        out, self._events = self._events, []
+        return out
+
+
+def release_frames(leases: Sequence[int]) -> list[list[bytes]]:
+    """RELEASE messages naming ``leases`` (each id once), split at `MAX_RELEASE_LEASES`."""
+    unique = tuple(dict.fromkeys(leases))
+    return [
+        encode_control(MessageKind.RELEASE, Release(unique[i : i + MAX_RELEASE_LEASES]))
+        for i in range(0, len(unique), MAX_RELEASE_LEASES)
+    ]
