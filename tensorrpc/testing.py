@@ -288,17 +288,21 @@ async def serve_engines(
     engine_ids: Sequence[str] | None = None,
     engine_options: Mapping[str, Any] | None = None,
     client_options: Mapping[str, Any] | None = None,
-    address: str = "tcp://127.0.0.1:0",
+    address: str | None = None,
     start_timeout: float = START_TIMEOUT,
     stop_timeout: float = STOP_TIMEOUT,
 ) -> AsyncIterator[Client[S]]:
     """Start ``count`` engines of ``service`` and yield a client connected to all of them.
 
-    The client binds ``address`` (an ephemeral loopback port by default) and the engines
-    dial in. With ``isolation="task"`` each engine is a task of the current event loop
-    (fast; the handlers share the test's process), with ``"process"`` a subprocess running
-    ``tensorrpc serve`` (real isolation: its own memory, torch shared memory across
-    processes, kill -9 possible through the yielded client's ``engines[id].pid``).
+    The client binds ``address`` and the engines dial in. By default that is an ``ipc://``
+    socket in a temporary directory of its own (removed afterwards) with
+    ``isolation="process"``, so that torch_shm works between the processes (the kernel
+    attests an ``ipc://`` peer; over tcp torch_shm is off), and an ephemeral loopback tcp
+    port with ``isolation="task"``. With ``isolation="task"`` each engine is a task of the
+    current event loop (fast; the handlers share the test's process), with ``"process"`` a
+    subprocess running ``tensorrpc serve`` (real isolation: its own memory, torch shared
+    memory across processes, kill -9 possible through the yielded client's
+    ``engines[id].pid``).
 
     Args:
         service: The ``@service`` class.
@@ -311,7 +315,7 @@ async def serve_engines(
         engine_options: Keyword arguments of [`serve`][tensorrpc.serve]
             (``"process"``: only ``grace_period``, ``max_concurrency``, ``sync_workers``).
         client_options: Keyword arguments of [`Client`][tensorrpc.Client].
-        address: The address the client binds.
+        address: The address the client binds (default: see above).
         start_timeout: Seconds to wait for the engines to be live.
         stop_timeout: Seconds each engine process gets to stop before it is killed.
 
@@ -356,6 +360,14 @@ async def _started(engines: AbstractAsyncContextManager[Client[S]]) -> AsyncIter
         raise leaf from None
 
 
+def _default_address(isolation: Isolation, stack: contextlib.AsyncExitStack) -> str:
+    """An ipc:// socket in a private temporary directory for processes, else loopback tcp."""
+    if isolation != "process" or sys.platform == "win32":
+        return "tcp://127.0.0.1:0"
+    workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tensorrpc-engines-"))
+    return f"ipc://{workdir}/client.sock"
+
+
 @contextlib.asynccontextmanager
 async def _engines(
     service: type[S],
@@ -364,7 +376,7 @@ async def _engines(
     isolation: Isolation,
     options: dict[str, Any],
     client_options: Mapping[str, Any] | None,
-    address: str,
+    address: str | None,
     start_timeout: float,
     stop_timeout: float,
 ) -> AsyncIterator[Client[S]]:
@@ -372,6 +384,8 @@ async def _engines(
         raise ValueError(f"isolation must be 'task' or 'process', not {isolation!r}")
     count = len(ids)
     async with contextlib.AsyncExitStack() as stack:
+        if address is None:
+            address = _default_address(isolation, stack)
         client = await stack.enter_async_context(
             Client(service, bind=address, **dict(client_options or {}))
         )
@@ -436,7 +450,7 @@ class EnginesFactory(Protocol):
         engine_ids: Sequence[str] | None = None,
         engine_options: Mapping[str, Any] | None = None,
         client_options: Mapping[str, Any] | None = None,
-        address: str = "tcp://127.0.0.1:0",
+        address: str | None = None,
         start_timeout: float = START_TIMEOUT,
         stop_timeout: float = STOP_TIMEOUT,
     ) -> Client[S]: ...
