@@ -128,6 +128,9 @@ def _run(q: queue.Queue[object]) -> None:
     sleep = time.sleep
     while True:
         item = get()
+        if type(item) is _Drained:
+            item.set()
+            continue
         # Our reference and getrefcount's argument: 2 once the caller dropped its own.
         for wait in _WAITS:
             if getrefcount(item) <= 2:
@@ -145,6 +148,27 @@ def _start() -> queue.Queue[object]:
             _thread = threading.Thread(target=_run, args=(q,), name=_THREAD_NAME, daemon=True)
             _thread.start()
         return q
+
+
+class _Drained(threading.Event):
+    """A marker: set by the thread once everything queued before it was dropped."""
+
+
+def drained(timeout: float) -> bool:
+    """Wait (at most ``timeout`` seconds) until everything handed over so far was dropped.
+
+    One thread takes the queue in order, so once a marker put now comes out, all that was
+    queued before it is gone (tests and shutdown checks use it). Returns False on timeout.
+    """
+    q = _queue
+    if q is None:
+        return True
+    marker = _Drained()
+    try:
+        q.put(marker, timeout=timeout)
+    except queue.Full:
+        return False
+    return marker.wait(timeout)
 
 
 def later(obj: object) -> bool:

@@ -27,7 +27,7 @@ import zmq
 
 import tensorrpc
 from bench._measure import shm_files_of
-from tensorrpc import _client_protocol
+from tensorrpc import _client_protocol, _release
 from tensorrpc._client import Client
 from tensorrpc._codec import encode
 from tensorrpc._exceptions import EngineDeadError
@@ -183,6 +183,8 @@ async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path
             del shared
         assert engine.stop() == 0
         del board
+    # Mappings and the descriptors behind them are dropped on tensorrpc's release thread.
+    assert _release.drained(10.0)
     assert shm_fds(fds()) == shm_fds(own_before)
     assert dev_shm(engine.pid) == shm_before
 
@@ -220,7 +222,8 @@ async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
             detail = client.statistics().transports.torch_shm_detail
             assert detail is not None
             assert detail.leases_active == 0
-            assert detail.pool_bytes_in_use == 0  # (the probe is a memfd of its own)
+            assert detail.pool_bytes_in_use == 0
+    assert _release.drained(10.0)  # segments are closed on the release thread
     assert shm_fds(fds()) == shm_fds(own_before)
     assert dev_shm(engine.pid) == shm_before
 
