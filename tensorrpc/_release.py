@@ -52,9 +52,11 @@ __all__ = [
 #: Buffers of at least this many bytes are released by the thread (1 MiB).
 DEFAULT_THRESHOLD: Final = 1 << 20
 _DEFAULT_MAX_QUEUED: Final = 256
-# The thread's waits for the caller to drop its own reference (rule 2), in seconds:
-# about 0.25 s in all, spent in the thread, never on the loop.
-_WAITS: Final = (0.0, 0.0, 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.05, 0.1)
+# How long the thread keeps an object whose caller still holds a reference (rule 2), and
+# how often it looks again meanwhile, in seconds. Held objects wait beside each other, so
+# one caller that keeps its reference delays no other release.
+_PATIENCE: Final = 5.0
+_POLL: Final = 0.002
 _THREAD_NAME: Final = "tensorrpc-release"
 
 _threshold = DEFAULT_THRESHOLD
@@ -125,18 +127,35 @@ def held_nbytes(objects: Iterable[object]) -> int:
 def _run(q: queue.Queue[object]) -> None:
     get = q.get
     getrefcount = sys.getrefcount
-    sleep = time.sleep
+    monotonic = time.monotonic
+    held: list[list[object]] = []  # [give-up time, object], in no order
+    markers: list[_Drained] = []
     while True:
-        item = get()
-        if type(item) is _Drained:
-            item.set()
-            continue
-        # Our reference and getrefcount's argument: 2 once the caller dropped its own.
-        for wait in _WAITS:
-            if getrefcount(item) <= 2:
-                break
-            sleep(wait)
-        del item  # the free (unmapping) happens here, off the event loop
+        try:
+            item = get(timeout=_POLL) if held else get()
+        except queue.Empty:
+            pass
+        else:
+            if type(item) is _Drained:
+                markers.append(item)
+            else:
+                held.append([monotonic() + _PATIENCE, item])
+            del item
+        now = monotonic()
+        i = 0
+        while i < len(held):
+            entry = held[i]
+            # The list slot and getrefcount's argument: 2 once the caller dropped its own.
+            if getrefcount(entry[1]) <= 2 or entry[0] <= now:  # type: ignore[operator]
+                held[i] = held[-1]
+                held.pop()
+                entry[1] = None  # the free (unmapping) happens here, off the event loop
+            else:
+                i += 1
+        if markers and not held:
+            for marker in markers:
+                marker.set()
+            markers.clear()
 
 
 def _start() -> queue.Queue[object]:
@@ -157,8 +176,9 @@ class _Drained(threading.Event):
 def drained(timeout: float) -> bool:
     """Wait (at most ``timeout`` seconds) until everything handed over so far was dropped.
 
-    One thread takes the queue in order, so once a marker put now comes out, all that was
-    queued before it is gone (tests and shutdown checks use it). Returns False on timeout.
+    The thread sets a marker put now once it has taken everything queued before it and
+    holds nothing back for a caller's reference (tests and shutdown checks use it).
+    Returns False on timeout.
     """
     q = _queue
     if q is None:
@@ -209,8 +229,8 @@ def release_later(obj: object) -> bool:
     del result
     ```
 
-    The thread drops its reference once it holds the only one (it waits up to about
-    0.25 s for yours to go). Any size is taken; the threshold of
+    The thread drops its reference once it holds the only one (it waits up to
+    5 s for yours to go). Any size is taken; the threshold of
     `set_release_threshold` only applies to tensorrpc's own buffers.
 
     Args:
