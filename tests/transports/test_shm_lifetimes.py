@@ -110,6 +110,12 @@ async def eventually(check, what: str, within: float = 30.0) -> None:
     raise AssertionError(f"never happened within {within} s: {what}")
 
 
+def settle() -> None:
+    """Let earlier releases finish before a descriptor baseline is taken."""
+    gc.collect()
+    assert _release.drained(10.0)
+
+
 @pytest.fixture
 def engine(tmp_path: Path):
     with EngineProcess(
@@ -167,6 +173,7 @@ async def test_2000_calls_leave_no_descriptor_or_shm_file(
 
 
 async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path):
+    settle()  # what earlier tests in this process left to the release thread or to gc
     shm_before = dev_shm()
     own_before = fds()
     with EngineProcess(
@@ -191,6 +198,7 @@ async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path
 
 
 async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
+    settle()  # what earlier tests in this process left to the release thread or to gc
     shm_before = dev_shm()
     own_before = fds()
     with EngineProcess(
