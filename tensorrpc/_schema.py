@@ -23,8 +23,9 @@ inside a container, which the codec's encoder refuses instead (a top-level ``int
 range-checked here). Dataclasses get generated straight-line code, like the ``__init__``
 dataclasses writes, that tests scalar fields in place. Nothing is ever validated twice:
 a rejection deep inside a recursive value costs one pass, not one per level. The
-field-by-field loops and the set-of-types pass remain as the reference (``_Ctx(fast=False)``)
-that the tests hold the fast form to.
+rare cases the generated code does not handle itself (a subclass instance, a map with
+missing or unknown keys) go to field-by-field loops. The tests hold all of it to an
+independent reference validator (``tests/unit/schema_oracle.py``).
 
 Supported annotations: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
 ``list[T]``, ``tuple[T, ...]``, ``tuple[A, B]``, ``tuple[()]``, ``dict[str, T]``,
@@ -138,13 +139,21 @@ class _Invalid(Exception):
         self.expected = expected
         self.value = value
         self.reason = reason
-        #: Path segments, innermost first (".x", "[3]").
-        self.segments: list[str] = []
+        #: Path segments, innermost first: a field name (``str``), a list or tuple index
+        #: (``int``) or a map key (a 1-tuple ``(key,)``).
+        self.segments: list[str | int | tuple[object]] = []
         #: An exception raised by user code (a dataclass ``__post_init__``), if any.
         self.cause: BaseException | None = None
 
     def path(self, root: str) -> str:
-        return root + "".join(reversed(self.segments))
+        return root + "".join(map(_render_segment, reversed(self.segments)))
+
+    def field_path(self, root: str) -> list[str | int]:
+        """The path as data: ``root``'s dotted names, then field names, indices and keys."""
+        head: list[str | int] = [*root.split(".")] if root else []
+        for seg in reversed(self.segments):
+            head.append(seg[0] if isinstance(seg, tuple) else seg)  # type: ignore[arg-type]
+        return head
 
     def message(self, root: str) -> str:
         reason = self.reason or f"expected {self.expected}, got {describe_value(self.value)}"
@@ -155,7 +164,21 @@ class _Invalid(Exception):
         text = self.message(root)
         if method:
             text = f"{method}: {text}"
-        return ValidationError(text, method=method, path=self.path(root), expected=self.expected)
+        return ValidationError(
+            text,
+            method=method,
+            path=self.path(root),
+            expected=self.expected,
+            field_path=self.field_path(root),
+        )
+
+
+def _render_segment(seg: str | int | tuple[object]) -> str:
+    if isinstance(seg, str):
+        return f".{seg}"
+    if isinstance(seg, int):
+        return f"[{seg}]"
+    return f"[{seg[0]!r}]"
 
 
 def too_deep(method: str, root: str) -> ValidationError:
@@ -163,7 +186,13 @@ def too_deep(method: str, root: str) -> ValidationError:
     text = f"{root}: value is nested too deeply to validate"
     if method:
         text = f"{method}: {text}"
-    return ValidationError(text, method=method, path=root, expected="a less deeply nested value")
+    return ValidationError(
+        text,
+        method=method,
+        path=root,
+        expected="a less deeply nested value",
+        field_path=root.split(".") if root else [],
+    )
 
 
 class CompiledType:
@@ -395,20 +424,17 @@ def _never(values: Collection[Any]) -> bool:
     return False
 
 
-def _all_exact(elem: CompiledType, fast: bool = True) -> AllExact:
+def _all_exact(elem: CompiledType) -> AllExact:
     """The one-pass element check of a container of ``elem``.
 
     ``map(type, values)`` collected into a list, then ``list.count`` of each allowed type:
     both loops run in C, and ``count`` meets the same type object again and again, which it
     matches by identity before any comparison. That is about half the cost of collecting
-    the types into a set (hashing every one), which the reference mode (``fast=False``,
-    for tests) still does.
+    the types into a set (hashing every one).
     """
     exact = elem.exact
     if exact is None:
         return _never
-    if not fast:
-        return lambda values: set(map(type, values)) <= exact
     if len(exact) == 1:
         (only,) = exact
 
@@ -424,11 +450,11 @@ def _all_exact(elem: CompiledType, fast: bool = True) -> AllExact:
     return all_of
 
 
-def _list_node(elem: CompiledType, fast: bool = True) -> CompiledType:
+def _list_node(elem: CompiledType) -> CompiledType:
     desc = f"list[{elem.description}]"
     echeck = elem.fast_check
     efrom = elem.fast_from_wire
-    all_exact = _all_exact(elem, fast)
+    all_exact = _all_exact(elem)
 
     def check(v: Any) -> Any:
         if type(v) is not list:
@@ -445,7 +471,7 @@ def _list_node(elem: CompiledType, fast: bool = True) -> CompiledType:
                 if out is not None:
                     out.append(y)
         except _Invalid as exc:
-            exc.segments.append(f"[{i}]")
+            exc.segments.append(i)
             raise
         return v if out is None else out
 
@@ -482,15 +508,15 @@ def _map_indexed(conv: Converter, values: list[Any] | tuple[Any, ...]) -> list[A
     try:
         return list(map(conv, it))
     except _Invalid as exc:
-        exc.segments.append(f"[{len(values) - operator.length_hint(it) - 1}]")
+        exc.segments.append(len(values) - operator.length_hint(it) - 1)
         raise
 
 
-def _var_tuple_node(elem: CompiledType, fast: bool = True) -> CompiledType:
+def _var_tuple_node(elem: CompiledType) -> CompiledType:
     desc = f"tuple[{elem.description}, ...]"
     echeck = elem.fast_check
     efrom = elem.fast_from_wire
-    all_exact = _all_exact(elem, fast)
+    all_exact = _all_exact(elem)
 
     def check(v: Any) -> Any:
         if type(v) is not tuple:
@@ -552,7 +578,7 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
             try:
                 return tuple(map(operator.call, convs, it))
             except _Invalid as exc:  # one pass, as in _map_indexed
-                exc.segments.append(f"[{n - operator.length_hint(it) - 1}]")
+                exc.segments.append(n - operator.length_hint(it) - 1)
                 raise
 
         return apply
@@ -563,7 +589,7 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
             lines.append(f"        i = {i + 1}")
     lines += [
         "    except _Invalid as exc:",
-        '        exc.segments.append(f"[{i}]")',
+        "        exc.segments.append(i)",
         "        raise",
         f"    return ({''.join(f'a{i}, ' for i in range(n))})",
     ]
@@ -588,12 +614,12 @@ def _str_keys_check(desc: str, keys_exact: Callable[[Any], bool]) -> Callable[[A
     return _keys_ok
 
 
-def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
+def _dict_node(val: CompiledType) -> CompiledType:
     desc = f"dict[str, {val.description}]"
     vcheck = val.fast_check
     vfrom = val.fast_from_wire
-    all_exact = _all_exact(val, fast)
-    _keys_ok = _str_keys_check(desc, _all_exact(_STR, fast))
+    all_exact = _all_exact(val)
+    _keys_ok = _str_keys_check(desc, _all_exact(_STR))
 
     def _apply(conv: Converter, v: dict[Any, Any]) -> dict[Any, Any]:
         _keys_ok(v)
@@ -608,7 +634,7 @@ def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
                 changed = changed or y is not x
                 out[key] = y
         except _Invalid as exc:
-            exc.segments.append(f"[{key!r}]")
+            exc.segments.append((key,))
             raise
         return out if changed else v
 
@@ -790,19 +816,13 @@ def _enum_node(cls: type[enum.Enum], where: str) -> CompiledType:
 
 
 class _Ctx:
-    """State of one `compile_type` call: where, localns, dataclasses in progress.
+    """State of one `compile_type` call: where, localns, dataclasses in progress."""
 
-    ``fast=False`` compiles the reference form, for tests: containers check their elements
-    with the plain set-of-types pass and dataclasses with the field-by-field loops, no
-    generated code. It must accept, reject and return exactly what the fast form does.
-    """
+    __slots__ = ("in_progress", "localns", "where")
 
-    __slots__ = ("fast", "in_progress", "localns", "where")
-
-    def __init__(self, where: str, localns: Mapping[str, Any] | None, *, fast: bool = True) -> None:
+    def __init__(self, where: str, localns: Mapping[str, Any] | None) -> None:
         self.where = where
         self.localns = localns
-        self.fast = fast
         self.in_progress: dict[type, CompiledType] = {}
 
 
@@ -852,7 +872,7 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
     has_private = any(f.name.startswith("_") for f in fields)
     impl_check = _dataclass_check(cls, fields, desc, has_private)
     impl_from_wire = _dataclass_from_wire(cls, fields, desc)
-    if ctx.fast and fields:
+    if fields:
         impl_check, impl_from_wire = _dataclass_codegen(
             cls, fields, desc, impl_check, impl_from_wire, has_private
         )
@@ -916,7 +936,7 @@ def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bo
                 changed = changed or y is not x
                 vals.append(y)
         except _Invalid as exc:
-            exc.segments.append(f".{name}")
+            exc.segments.append(name)
             raise
         if not changed:
             return v
@@ -942,12 +962,12 @@ def _dataclass_from_wire(cls: type, fields: list[_Field], desc: str) -> Converte
                 try:
                     kwargs[name] = f.from_wire(v[name])
                 except _Invalid as exc:
-                    exc.segments.append(f".{name}")
+                    exc.segments.append(name)
                     raise
                 seen += 1
             elif f.required:
                 missing = _Invalid(desc, v, f"missing field '{name}' of {desc}")
-                missing.segments.append(f".{name}")
+                missing.segments.append(name)
                 raise missing
         if seen != len(v):
             unknown = sorted(repr(k) for k in v if k not in field_names)
@@ -1029,7 +1049,7 @@ def _dataclass_codegen(
         ns[f"c{i}"] = f.check
         ns[f"f{i}"] = f.from_wire
         ns[f"k{i}"] = f.name
-        ns[f"s{i}"] = f".{f.name}"
+        ns[f"s{i}"] = f.name
     check_src = [] if private else _codegen_check(fields)
     exec("\n".join(check_src + _codegen_from_wire(cls, fields)) + "\n", ns)
     return (slow_check if private else ns["check"]), ns["from_wire"]
@@ -1154,14 +1174,14 @@ def _unsupported(
 def _compile_list(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
     if len(args) != 1:
         raise _unsupported(tp, ctx, inside, "write list[T]")
-    return _list_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
+    return _list_node(_compile(args[0], ctx, _type_name(tp)))
 
 
 def _compile_tuple(
     tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
 ) -> CompiledType:
     if len(args) == 2 and args[1] is Ellipsis:
-        return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
+        return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)))
     if args == ((),):  # typing.Tuple[()] on older Pythons
         args = ()
     return _fixed_tuple_node([_compile(a, ctx, _type_name(tp)) for a in args])
@@ -1172,7 +1192,7 @@ def _compile_dict(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | No
         raise _unsupported(tp, ctx, inside, "write dict[str, T]")
     if args[0] is not str:
         raise _unsupported(tp, ctx, inside, "dict keys must be str")
-    return _dict_node(_compile(args[1], ctx, _type_name(tp)), ctx.fast)
+    return _dict_node(_compile(args[1], ctx, _type_name(tp)))
 
 
 def _compile_union(

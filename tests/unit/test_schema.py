@@ -236,6 +236,21 @@ def test_from_wire_errors_name_the_path_too() -> None:
         node.from_wire([good, {"name": "t", "points": [{"x": 1.0}, {"x": "no"}]}], "result")
     assert info.value.path == "result[1].points[1].x"
     assert "expected float, got str ('no')" in str(info.value)
+    assert info.value.field_path == ["result", 1, "points", 1, "x"]
+
+
+def test_field_paths_are_data_that_keys_and_indices_keep_their_types() -> None:
+    node = compile_type(dict[str, list[Shape]], where="w")
+    bad = {"a.b": [{"name": "s", "points": [{"x": 1.0, "y": None}]}]}
+    sent = {"a.b": [Shape("s", [Point(1.0, None)])]}  # type: ignore[arg-type]
+    for fn, value in ((node.check, sent), (node.from_wire, bad)):
+        with pytest.raises(ValidationError) as info:
+            fn(value, "req.shapes")
+        assert info.value.path == "req.shapes['a.b'][0].points[0].y"
+        assert info.value.field_path == ["req", "shapes", "a.b", 0, "points", 0, "y"]
+    with pytest.raises(ValidationError) as info:
+        compile_type(Shape, where="w").from_wire({"points": []}, "req.s")
+    assert info.value.field_path == ["req", "s", "name"]
 
 
 def test_dataclass_from_wire_fills_defaults_and_rejects_unknown_or_missing_keys() -> None:
