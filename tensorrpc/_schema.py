@@ -29,8 +29,10 @@ independent reference validator (``tests/unit/schema_oracle.py``).
 
 Supported annotations: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
 ``list[T]``, ``tuple[T, ...]``, ``tuple[A, B]``, ``tuple[()]``, ``dict[str, T]``,
-``Optional``/``Union`` (also ``X | Y``), ``Literal``, ``Enum`` subclasses (by value),
-dataclasses (nested and recursive, by field name), ``torch.Tensor``, ``numpy.ndarray``
+``dict[int, T]``, ``Optional``/``Union`` (also ``X | Y``), ``Literal``, ``Enum`` subclasses
+(by value), records (nested and recursive): dataclasses, ``TypedDict`` classes, msgspec
+``Struct`` classes and pydantic models as maps of their field names, ``NamedTuple``
+classes as arrays of their fields; ``torch.Tensor``, ``numpy.ndarray``
 (also ``numpy.typing.NDArray[...]``, checked as any ndarray), and ``Annotated``/``NewType``
 wrappers of these. ``Any``, bare ``list``/``dict``/``tuple`` and everything else are
 refused with [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
@@ -600,26 +602,31 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
     return fn
 
 
-def _str_keys_check(desc: str, keys_exact: Callable[[Any], bool]) -> Callable[[Any], None]:
-    """The check that every key of a ``dict[str, ...]`` map is a ``str``."""
+def _keys_check(desc: str, key: type) -> Callable[[Any], None]:
+    """The check that every key of a ``dict[str, ...]`` (``dict[int, ...]``) map is exactly
+    a ``str`` (an ``int`` in the 64-bit range msgpack carries)."""
+    keys_exact = _all_exact(_SCALARS[key])
 
     def _keys_ok(v: dict[Any, Any]) -> None:
         if not keys_exact(v):
             for k in v:
-                if type(k) is not str:
+                if type(k) is not key:
                     raise _Invalid(
                         desc, v, f"expected {desc}, got a key of type {describe_value(k)}"
                     )
+        if key is int and v and (min(v) < _I64_MIN or max(v) >= _U64_END):
+            k = min(v) if min(v) < _I64_MIN else max(v)
+            raise _Invalid(desc, v, f"key {_int_range_reason(k)}")
 
     return _keys_ok
 
 
-def _dict_node(val: CompiledType) -> CompiledType:
-    desc = f"dict[str, {val.description}]"
+def _dict_node(val: CompiledType, key: type = str) -> CompiledType:
+    desc = f"dict[{key.__name__}, {val.description}]"
     vcheck = val.fast_check
     vfrom = val.fast_from_wire
     all_exact = _all_exact(val)
-    _keys_ok = _str_keys_check(desc, _all_exact(_STR))
+    _keys_ok = _keys_check(desc, key)
 
     def _apply(conv: Converter, v: dict[Any, Any]) -> dict[Any, Any]:
         _keys_ok(v)
@@ -844,11 +851,18 @@ def _ctor_rejected(cls: type, desc: str, value: object, exc: Exception) -> _Inva
     return err
 
 
-def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
+#: One declared field of a record type: name, annotation, required, keyword-only.
+_Decl = tuple[str, Any, bool, bool]
+
+
+def _record_node(cls: type, ctx: _Ctx, kind: str) -> CompiledType:
+    """A type whose values are named fields: a dataclass, a msgspec ``Struct``, a pydantic
+    model or a ``TypedDict`` (``kind``), a map of its field names on the wire; or a
+    ``NamedTuple``, an array of its fields in order."""
     placeholder = ctx.in_progress.get(cls)
     if placeholder is not None:
         return placeholder  # recursive reference: the node is filled in below
-    hints = _dataclass_hints(cls, ctx)
+    decls = _DECLARED[kind](cls, _record_hints(cls, ctx, kind), ctx)
     # Recursive references (compiled below, before the converters exist) call these,
     # which dispatch to whatever the node ends up with. Nothing calls a converter while
     # types compile.
@@ -862,57 +876,202 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
         return impl_from_wire(v)
 
     # The fields are compiled after the node exists so that recursive references resolve.
-    node = CompiledType(f"dataclass {cls.__name__}", entry_check, entry_from_wire)
+    node = CompiledType(f"{kind} {cls.__name__}", entry_check, entry_from_wire)
     ctx.in_progress[cls] = node
     try:
-        fields, parts = _dataclass_fields(cls, hints, ctx)
+        fields, parts = _compile_fields(cls, kind, decls, ctx)
     finally:
         del ctx.in_progress[cls]
-    node.description = desc = f"dataclass {cls.__name__}{{{', '.join(parts)}}}"
-    has_private = any(f.name.startswith("_") for f in fields)
-    impl_check = _dataclass_check(cls, fields, desc, has_private)
-    impl_from_wire = _dataclass_from_wire(cls, fields, desc)
-    if fields:
-        impl_check, impl_from_wire = _dataclass_codegen(
-            cls, fields, desc, impl_check, impl_from_wire, has_private
-        )
+    node.description = desc = f"{kind} {cls.__name__}{{{', '.join(parts)}}}"
+    if kind == "namedtuple":
+        impl_check, impl_from_wire = _namedtuple_converters(cls, fields, desc)
+    elif kind == "typeddict":
+        impl_check = _typeddict_converter(fields, desc, send=True)
+        impl_from_wire = _typeddict_converter(fields, desc, send=False)
+    else:
+        # Only a dataclass instance is a map to ormsgpack, and then only without
+        # "_"-prefixed fields: anything else travels as the plain map of its fields.
+        as_map = kind != "dataclass" or any(f.name.startswith("_") for f in fields)
+        impl_check = _dataclass_check(cls, fields, desc, as_map)
+        impl_from_wire = _dataclass_from_wire(cls, fields, desc)
+        if fields:
+            impl_check, impl_from_wire = _dataclass_codegen(
+                cls, fields, desc, impl_check, impl_from_wire, as_map
+            )
     node.fast_check = impl_check
     node.fast_from_wire = impl_from_wire
     return node
 
 
-def _dataclass_hints(cls: type, ctx: _Ctx) -> dict[str, Any]:
+def _record_hints(cls: type, ctx: _Ctx, kind: str) -> dict[str, Any]:
     try:
         return typing.get_type_hints(
             cls, localns=dict(ctx.localns) if ctx.localns else None, include_extras=True
         )
     except Exception as exc:
         raise ServiceDefinitionError(
-            f"{ctx.where}: cannot resolve the field types of dataclass {cls.__name__}: {exc}"
+            f"{ctx.where}: cannot resolve the field types of {kind} {cls.__name__}: {exc}"
         ) from exc
 
 
-def _dataclass_fields(
-    cls: type, hints: dict[str, Any], ctx: _Ctx
-) -> tuple[list[_Field], list[str]]:
-    """Compile the fields of a dataclass; also return their parts of its description."""
-    fields: list[_Field] = []
-    parts: list[str] = []
+def _dataclass_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    out: list[_Decl] = []
     for f in dataclasses.fields(cls):
         if not f.init:
             raise ServiceDefinitionError(
                 f"{ctx.where}: dataclass {cls.__name__} field '{f.name}' has init=False; "
                 "such a field cannot be rebuilt on the receiving side"
             )
-        sub = _compile(hints[f.name], ctx, f"dataclass {cls.__name__} field '{f.name}'")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        fields.append(
-            _Field(
-                f.name, sub.fast_check, sub.fast_from_wire, required, bool(f.kw_only), sub.inline
+        out.append((f.name, hints[f.name], required, bool(f.kw_only)))
+    return out
+
+
+def _struct_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    msgspec = sys.modules["msgspec"]
+    return [(f.name, f.type, f.required, True) for f in msgspec.structs.fields(cls)]
+
+
+def _pydantic_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    fields = cls.model_fields  # type: ignore[attr-defined]
+    for name, f in fields.items():
+        if f.alias not in (None, name):
+            raise ServiceDefinitionError(
+                f"{ctx.where}: model {cls.__name__} field '{name}' has the alias "
+                f"{f.alias!r}; a model travels by field name, so aliases are not supported"
             )
+    return [(name, hints[name], f.is_required(), True) for name, f in fields.items()]
+
+
+def _typeddict_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    required_keys = cls.__required_keys__  # type: ignore[attr-defined]
+    out: list[_Decl] = []
+    for name, tp in hints.items():
+        # ``Required[...]``/``NotRequired[...]`` decide; the class's own sets cannot see
+        # them in string annotations (``from __future__ import annotations``).
+        required = name in required_keys
+        qualifiers = _qualifiers()
+        while (origin := typing.get_origin(tp)) in qualifiers:
+            says = qualifiers[origin]
+            required = required if says is None else says
+            tp = typing.get_args(tp)[0]
+        out.append((name, tp, required, True))
+    return out
+
+
+def _qualifiers() -> dict[object, bool | None]:
+    """``Required``/``NotRequired`` (typing's and typing_extensions') → required."""
+    out: dict[object, bool | None] = {typing.Required: True, typing.NotRequired: False}
+    extensions = sys.modules.get("typing_extensions")
+    if extensions is not None:
+        out[extensions.Required] = True
+        out[extensions.NotRequired] = False
+        out[extensions.ReadOnly] = None  # keeps what the class says
+    return out
+
+
+def _namedtuple_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    names: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
+    missing = [n for n in names if n not in hints]
+    if missing:
+        raise ServiceDefinitionError(
+            f"{ctx.where}: namedtuple {cls.__name__} has no types for its fields "
+            f"{', '.join(missing)}; declare it as a typing.NamedTuple class with annotations"
         )
-        parts.append(f"{f.name}: {sub.description}" + ("" if required else " = ..."))
+    return [(name, hints[name], True, False) for name in names]
+
+
+#: How each kind of record lists its declared fields.
+_DECLARED: dict[str, Callable[[type, dict[str, Any], _Ctx], list[_Decl]]] = {
+    "dataclass": _dataclass_decls,
+    "struct": _struct_decls,
+    "model": _pydantic_decls,
+    "typeddict": _typeddict_decls,
+    "namedtuple": _namedtuple_decls,
+}
+
+
+def _compile_fields(
+    cls: type, kind: str, decls: list[_Decl], ctx: _Ctx
+) -> tuple[list[_Field], list[str]]:
+    """Compile the fields of a record; also return their parts of its description."""
+    fields: list[_Field] = []
+    parts: list[str] = []
+    for name, hint, required, kw_only in decls:
+        sub = _compile(hint, ctx, f"{kind} {cls.__name__} field '{name}'")
+        fields.append(
+            _Field(name, sub.fast_check, sub.fast_from_wire, required, kw_only, sub.inline)
+        )
+        parts.append(f"{name}: {sub.description}" + ("" if required else " = ..."))
     return fields, parts
+
+
+def _typeddict_converter(fields: list[_Field], desc: str, *, send: bool) -> Converter:
+    """``check`` (``send``) or ``from_wire`` of a ``TypedDict``: a map, returned as a dict."""
+    names = {f.name for f in fields}
+
+    def convert(v: Any) -> Any:
+        if type(v) is not dict and not (send and isinstance(v, dict)):
+            raise _Invalid(desc, v)
+        out: dict[str, Any] = {}
+        changed = type(v) is not dict
+        for f in fields:
+            if f.name in v:
+                x = v[f.name]
+                try:
+                    y = f.check(x) if send else f.from_wire(x)
+                except _Invalid as exc:
+                    exc.segments.append(f.name)
+                    raise
+                changed = changed or y is not x
+                out[f.name] = y
+            elif f.required:
+                missing = _Invalid(desc, v, f"missing field '{f.name}' of {desc}")
+                missing.segments.append(f.name)
+                raise missing
+        if len(out) != len(v):
+            unknown = sorted(repr(k) for k in v if k not in names)
+            raise _Invalid(desc, v, f"unknown field(s) {', '.join(unknown)} for {desc}")
+        return out if changed else v
+
+    return convert
+
+
+def _namedtuple_converters(
+    cls: type, fields: list[_Field], desc: str
+) -> tuple[Converter, Converter]:
+    """A ``NamedTuple`` travels as the array of its fields; it is rebuilt on receipt."""
+    n = len(fields)
+
+    def each(v: Any, send: bool) -> list[Any]:
+        out = []
+        name = ""
+        try:
+            for f, x in zip(fields, v, strict=True):
+                name = f.name
+                out.append(f.check(x) if send else f.from_wire(x))
+        except _Invalid as exc:
+            exc.segments.append(name)
+            raise
+        return out
+
+    def check(v: Any) -> Any:
+        if not isinstance(v, cls):
+            raise _Invalid(desc, v)
+        return tuple(each(v, True))  # ormsgpack encodes plain tuples only
+
+    def from_wire(v: Any) -> Any:
+        if type(v) is not list and type(v) is not tuple:
+            raise _Invalid(desc, v)
+        if len(v) != n:
+            raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
+        values = each(v, False)
+        try:
+            return cls(*values)
+        except Exception as exc:
+            raise _ctor_rejected(cls, desc, v, exc) from exc
+
+    return check, from_wire
 
 
 def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bool) -> Converter:
@@ -1155,9 +1314,31 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
     if isinstance(tp, type):
         if issubclass(tp, enum.Enum):
             return _enum_node(tp, ctx.where)
-        if dataclasses.is_dataclass(tp):
-            return _dataclass_node(tp, ctx)
+        kind = _record_kind(tp)
+        if kind is not None:
+            return _record_node(tp, ctx, kind)
     raise _unsupported(tp, ctx, inside, _suggestion(tp, origin, args))
+
+
+def _record_kind(tp: type) -> str | None:
+    """Which kind of record ``tp`` is (a key of `_DECLARED`), if it is one.
+
+    msgspec and pydantic are never imported here: a class derived from theirs exists only
+    once its module has been.
+    """
+    if dataclasses.is_dataclass(tp):
+        return "dataclass"
+    if issubclass(tp, tuple) and hasattr(tp, "_fields"):
+        return "namedtuple"
+    if issubclass(tp, dict) and hasattr(tp, "__required_keys__"):
+        return "typeddict"
+    msgspec = sys.modules.get("msgspec")
+    if msgspec is not None and issubclass(tp, msgspec.Struct):
+        return "struct"
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and issubclass(tp, pydantic.BaseModel):
+        return "model"
+    return None
 
 
 def _unsupported(
@@ -1189,10 +1370,15 @@ def _compile_tuple(
 
 def _compile_dict(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
     if len(args) != 2:
-        raise _unsupported(tp, ctx, inside, "write dict[str, T]")
-    if args[0] is not str:
-        raise _unsupported(tp, ctx, inside, "dict keys must be str")
-    return _dict_node(_compile(args[1], ctx, _type_name(tp)))
+        raise _unsupported(tp, ctx, inside, "write dict[str, T] or dict[int, T]")
+    if args[0] is not str and args[0] is not int:
+        raise _unsupported(
+            tp,
+            ctx,
+            inside,
+            "map keys are str or int on the wire: write dict[str, T] or dict[int, T]",
+        )
+    return _dict_node(_compile(args[1], ctx, _type_name(tp)), args[0])
 
 
 def _compile_union(
@@ -1232,8 +1418,8 @@ _CONCRETE = {
     "Collection": "list",
     "Set": "list",
     "MutableSet": "list",
-    "Mapping": "dict[str, ...]",
-    "MutableMapping": "dict[str, ...]",
+    "Mapping": "dict",
+    "MutableMapping": "dict",
 }
 
 
@@ -1247,13 +1433,14 @@ def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
         concrete = _CONCRETE[name]
         if concrete == "list":
             return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
-        return "annotate a concrete container: dict[str, T]"
+        return "annotate a concrete container: dict[str, T] or dict[int, T]"
     if tp is object:
         return "annotate the concrete type"
     if isinstance(tp, type) and tp.__module__ not in ("builtins", "typing", "collections.abc"):
         return (
-            f"a plain class does not travel; make {tp.__name__} a @dataclass whose fields "
-            "have supported types, or pass its fields as parameters"
+            f"a plain class does not travel; make {tp.__name__} a @dataclass (or a "
+            "NamedTuple, TypedDict, msgspec Struct or pydantic model) whose fields have "
+            "supported types, or pass its fields as parameters"
         )
     return "see docs/services.md for the supported types"
 

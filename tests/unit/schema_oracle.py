@@ -37,8 +37,15 @@ import types
 import typing
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
+import typing_extensions
+
+try:
+    import pydantic
+except ImportError:  # pragma: no cover - the dev extra installs it
+    pydantic = None  # type: ignore[assignment]
 
 from tensorrpc._schema import CompiledType, _compile, _Ctx, _Invalid, describe_value, too_deep
 
@@ -227,13 +234,17 @@ def _fixed_tuple(tp: object, elems: tuple[Any, ...], v: Any, send: bool, inside:
     return tuple(out)
 
 
-def _dict(tp: object, val: object, v: Any, send: bool, inside: In) -> Any:
+def _dict(tp: object, key: type, val: object, v: Any, send: bool, inside: In) -> Any:
     desc = _desc(tp, inside)
     if (send and not isinstance(v, dict)) or (not send and type(v) is not dict):
         raise _Invalid(desc, v)
     for k in v:
-        if type(k) is not str:
+        if type(k) is not key:
             raise _Invalid(desc, v, f"expected {desc}, got a key of type {describe_value(k)}")
+    out_of_range = [k for k in v if key is int and not _fits_int(k)]
+    if out_of_range:  # the lowest key if it is too low, else the highest
+        k = min(v) if min(out_of_range) < _I64_MIN else max(v)
+        raise _Invalid(desc, v, f"key int {k} is outside the 64-bit range msgpack can carry")
     if not v or _all_plain(val, v.values()):
         return v
     out = {}
@@ -301,48 +312,112 @@ def _enum(cls: type[enum.Enum], v: Any, send: bool, inside: In) -> Any:
     raise _Invalid(_desc(cls, inside), v)
 
 
-def _dataclass(cls: type, v: Any, send: bool, inside: In) -> Any:
+def _kind(cls: type) -> str | None:
+    if dataclasses.is_dataclass(cls):
+        return "dataclass"
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return "namedtuple"
+    if typing.is_typeddict(cls) or (issubclass(cls, dict) and hasattr(cls, "__required_keys__")):
+        return "typeddict"
+    if issubclass(cls, msgspec.Struct):
+        return "struct"
+    if pydantic is not None and issubclass(cls, pydantic.BaseModel):
+        return "model"
+    return None
+
+
+def _fields(cls: type, kind: str) -> list[tuple[str, object, bool]]:
+    """(name, annotation, required) of each field, in order."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    if kind == "dataclass":
+        return [
+            (f.name, hints[f.name], f.default is f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)
+        ]
+    if kind == "namedtuple":
+        return [(name, hints[name], True) for name in cls._fields]  # type: ignore[attr-defined]
+    if kind == "typeddict":
+        out = []
+        for name, tp in hints.items():
+            required = name in cls.__required_keys__  # type: ignore[attr-defined]
+            origin = typing.get_origin(tp)
+            if origin in (typing.Required, typing_extensions.Required):
+                required, tp = True, typing.get_args(tp)[0]
+            elif origin in (typing.NotRequired, typing_extensions.NotRequired):
+                required, tp = False, typing.get_args(tp)[0]
+            out.append((name, tp, required))
+        return out
+    if kind == "struct":
+        return [(f.name, f.type, f.required) for f in msgspec.structs.fields(cls)]
+    return [(n, hints[n], f.is_required()) for n, f in cls.model_fields.items()]  # type: ignore[attr-defined]
+
+
+def _field(name: str, tp: object, x: Any, send: bool, inside: In) -> Any:
+    try:
+        return _conv(tp, x, send, inside)
+    except _Invalid as exc:
+        exc.segments.append(name)
+        raise
+
+
+def _record(cls: type, kind: str, v: Any, send: bool, inside: In) -> Any:
     if cls in inside:  # a recursive reference: the node compiled where it first occurred
         inside = inside[: inside.index(cls)]
     desc = _desc(cls, inside)
     inside = (*inside, cls)
-    hints = typing.get_type_hints(cls, include_extras=True)
-    fields = dataclasses.fields(cls)
+    fields = _fields(cls, kind)
+    if kind == "namedtuple":
+        return _namedtuple(cls, fields, desc, v, send, inside)
+    if send and kind != "typeddict":
+        if not isinstance(v, cls):
+            raise _Invalid(desc, v)
+        out = {name: _field(name, tp, getattr(v, name), send, inside) for name, tp, _ in fields}
+        # Only a dataclass instance of exactly this class, without "_" fields and with no
+        # field changed, travels as itself; anything else as the map of its fields.
+        as_is = (
+            kind == "dataclass"
+            and type(v) is cls
+            and not any(name.startswith("_") for name in out)
+            and all(out[name] is getattr(v, name) for name in out)
+        )
+        return v if as_is else out
+    if type(v) is not dict and not (send and isinstance(v, dict)):
+        raise _Invalid(desc, v)
+    kwargs = {}
+    for name, tp, required in fields:
+        if name in v:
+            kwargs[name] = _field(name, tp, v[name], send, inside)
+        elif required:
+            missing = _Invalid(desc, v, f"missing field '{name}' of {desc}")
+            missing.segments.append(name)
+            raise missing
+    unknown = sorted(repr(k) for k in v if k not in {name for name, _, _ in fields})
+    if unknown:
+        raise _Invalid(desc, v, f"unknown field(s) {', '.join(unknown)} for {desc}")
+    if kind == "typeddict":
+        same = type(v) is dict and all(kwargs[k] is v[k] for k in kwargs)
+        return v if same else kwargs
+    return _construct(cls, desc, v, lambda: cls(**kwargs))
+
+
+def _namedtuple(
+    cls: type, fields: list[tuple[str, object, bool]], desc: str, v: Any, send: bool, inside: In
+) -> Any:
     if send:
         if not isinstance(v, cls):
             raise _Invalid(desc, v)
-        changed = type(v) is not cls or any(f.name.startswith("_") for f in fields)
-        out = {}
-        for f in fields:
-            x = getattr(v, f.name)
-            try:
-                y = _conv(hints[f.name], x, send, inside)
-            except _Invalid as exc:
-                exc.segments.append(f.name)
-                raise
-            changed = changed or y is not x
-            out[f.name] = y
-        return out if changed else v
-    if type(v) is not dict:
+        return tuple(_field(n, tp, getattr(v, n), send, inside) for n, tp, _ in fields)
+    if type(v) is not list and type(v) is not tuple:
         raise _Invalid(desc, v)
-    kwargs = {}
-    for f in fields:
-        if f.name in v:
-            try:
-                kwargs[f.name] = _conv(hints[f.name], v[f.name], send, inside)
-            except _Invalid as exc:
-                exc.segments.append(f.name)
-                raise
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            missing = _Invalid(desc, v, f"missing field '{f.name}' of {desc}")
-            missing.segments.append(f.name)
-            raise missing
-    names = {f.name for f in fields}
-    unknown = sorted(repr(k) for k in v if k not in names)
-    if unknown:
-        raise _Invalid(desc, v, f"unknown field(s) {', '.join(unknown)} for {desc}")
+    if len(v) != len(fields):
+        raise _Invalid(desc, v, f"expected {desc} of length {len(fields)}, got length {len(v)}")
+    values = [_field(n, tp, x, send, inside) for (n, tp, _), x in zip(fields, v, strict=True)]
+    return _construct(cls, desc, v, lambda: cls(*values))
+
+
+def _construct(cls: type, desc: str, v: Any, make: Any) -> Any:
     try:
-        return cls(**kwargs)
+        return make()
     except Exception as exc:
         err = _Invalid(desc, v, f"{cls.__name__}(...) rejected the value: {exc!r}")
         err.cause = exc
@@ -362,15 +437,17 @@ def _conv(tp: object, v: Any, send: bool, inside: In) -> Any:
             return _var_tuple(tp, args[0], v, send, inside)
         return _fixed_tuple(tp, args, v, send, inside)
     if origin is dict:
-        return _dict(tp, args[1], v, send, inside)
+        return _dict(tp, args[0], args[1], v, send, inside)
     if origin is typing.Literal:
         return _literal(tp, v, send, inside)
     if origin is np.ndarray or tp is np.ndarray:
         return _scalar(np.ndarray, v, send)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum(tp, v, send, inside)
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _dataclass(tp, v, send, inside)
+    kind = _kind(tp) if isinstance(tp, type) else None
+    if kind is not None:
+        assert isinstance(tp, type)
+        return _record(tp, kind, v, send, inside)
     return _scalar(tp, v, send)
 
 

@@ -397,7 +397,7 @@ class ObjEnum(enum.Enum):
         (set[int], "unsupported type set[int]"),
         (frozenset[int], "unsupported type frozenset[int]"),
         (list, "unsupported type list: parametrize it"),
-        (dict[int, str], "dict keys must be str"),
+        (dict[float, str], "map keys are str or int on the wire"),
         (list[Any], "unsupported type Any (in list[Any])"),
         (Optional[set[int]], "unsupported type set[int]"),
         (typing.Callable[[int], int], "unsupported type"),
