@@ -40,6 +40,7 @@ refused with [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 import inspect
@@ -48,6 +49,7 @@ import reprlib
 import sys
 import types
 import typing
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,6 +69,7 @@ __all__ = [
     "bad_result_message",
     "compile_type",
     "describe_value",
+    "json_schemas",
     "too_deep",
 ]
 
@@ -903,11 +906,20 @@ def _record_node(cls: type, ctx: _Ctx, kind: str) -> CompiledType:
     return node
 
 
+#: The resolved field types of each record compiled so far (its string annotations may
+#: need the namespace of the service that named it; `json_schemas` has none).
+_RESOLVED: weakref.WeakKeyDictionary[type, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
 def _record_hints(cls: type, ctx: _Ctx, kind: str) -> dict[str, Any]:
+    hints = _RESOLVED.get(cls)
+    if hints is not None:
+        return hints
     try:
-        return typing.get_type_hints(
+        _RESOLVED[cls] = hints = typing.get_type_hints(
             cls, localns=dict(ctx.localns) if ctx.localns else None, include_extras=True
         )
+        return hints
     except Exception as exc:
         raise ServiceDefinitionError(
             f"{ctx.where}: cannot resolve the field types of {kind} {cls.__name__}: {exc}"
@@ -1497,3 +1509,108 @@ def compile_type(
     if not _arrays_registered and ("torch" in sys.modules or "numpy" in sys.modules):
         _register_arrays()
     return _compile(tp, _Ctx(where, localns))
+
+
+# ----------------------------------------------------------------------- JSON Schema
+
+_JSON_SCALARS: dict[object, dict[str, Any]] = {
+    None: {"type": "null"},
+    _NoneType: {"type": "null"},
+    bool: {"type": "boolean"},
+    int: {"type": "integer", "minimum": _I64_MIN, "maximum": _U64_END - 1},
+    float: {"type": "number"},
+    str: {"type": "string"},
+    # As `tensorrpc call --json` prints them (tensorrpc.cli.to_json).
+    bytes: {
+        "type": "object",
+        "properties": {"bytes": {"type": "string", "contentEncoding": "base64"}},
+        "required": ["bytes"],
+    },
+}
+_JSON_TENSOR = {"type": "object", "required": ["tensor"], "x-tensorrpc": "tensor"}
+
+
+def json_schemas(annotations: list[object]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """JSON Schemas (draft 2020-12) of the values of supported annotations.
+
+    Returns one schema per annotation and the ``$defs`` they share: records are defined
+    there by class name (another class of the same name gets a suffix) and referenced as
+    ``{"$ref": "#/$defs/Name"}``, recursive ones included. A tensor or array is an object
+    marked ``"x-tensorrpc": "tensor"``; bytes are ``{"bytes": base64}`` (as ``tensorrpc
+    call --json`` prints them); an int-keyed map is an object whose property names are
+    decimal integers.
+    """
+    defs: dict[str, Any] = {}
+    names: dict[type, str] = {}
+    return [_json(tp, defs, names) for tp in annotations], defs
+
+
+def _json(tp: object, defs: dict[str, Any], names: dict[type, str]) -> dict[str, Any]:
+    if _hashable(tp) and tp in _JSON_SCALARS:
+        return dict(_JSON_SCALARS[tp])
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _json(args[0], defs, names)
+    if hasattr(tp, "__supertype__"):
+        return _json(tp.__supertype__, defs, names)
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_json(a, defs, names) for a in args]}
+    if origin is typing.Literal:
+        values = [v.value if isinstance(v, enum.Enum) else v for v in args]
+        return {"enum": [_json_value(v) for v in values]}
+    if origin in (list, tuple, dict):
+        return _json_container(origin, args, defs, names)
+    if not isinstance(tp, type):
+        return dict(_JSON_TENSOR)  # numpy.typing.NDArray[...]
+    if issubclass(tp, enum.Enum):
+        return {"title": tp.__name__, "enum": [_json_value(m.value) for m in tp]}
+    kind = _record_kind(tp)
+    if kind is None:
+        return dict(_JSON_TENSOR)  # torch.Tensor, numpy.ndarray
+    return {"$ref": f"#/$defs/{_json_record(tp, kind, defs, names)}"}
+
+
+def _json_container(
+    origin: object, args: tuple[Any, ...], defs: dict[str, Any], names: dict[type, str]
+) -> dict[str, Any]:
+    if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+        return {"type": "array", "items": _json(args[0], defs, names)}
+    if origin is tuple:
+        items = [_json(a, defs, names) for a in args if a != ()]
+        return {"type": "array", "prefixItems": items, "minItems": len(items)} | {
+            "maxItems": len(items)
+        }
+    out = {"type": "object", "additionalProperties": _json(args[1], defs, names)}
+    if args[0] is int:
+        out["propertyNames"] = {"pattern": "^-?[0-9]+$"}
+    return out
+
+
+def _json_record(cls: type, kind: str, defs: dict[str, Any], names: dict[type, str]) -> str:
+    """Define ``cls`` in ``defs`` (once) and return its name there."""
+    name = names.get(cls)
+    if name is not None:
+        return name
+    name, n = cls.__name__, 1
+    while name in defs:
+        n += 1
+        name = f"{cls.__name__}_{n}"
+    names[cls] = name
+    defs[name] = {}  # reserved: recursive references resolve to it
+    ctx = _Ctx("describe", None)
+    decls = _DECLARED[kind](cls, _record_hints(cls, ctx, kind), ctx)
+    props = {field: _json(hint, defs, names) for field, hint, _, _ in decls}
+    schema: dict[str, Any] = {"title": cls.__name__, "x-tensorrpc": kind}
+    if kind == "namedtuple":
+        items = list(props.values())
+        schema |= {"type": "array", "prefixItems": items, "minItems": len(items)}
+        schema["maxItems"] = len(items)
+    else:
+        schema |= {"type": "object", "properties": props, "additionalProperties": False}
+        schema["required"] = [field for field, _, required, _ in decls if required]
+    defs[name] = schema
+    return name
+
+
+def _json_value(value: object) -> object:
+    return {"bytes": base64.b64encode(value).decode()} if isinstance(value, bytes) else value
