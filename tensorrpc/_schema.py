@@ -889,8 +889,8 @@ def _record_node(cls: type, ctx: _Ctx, kind: str) -> CompiledType:
     if kind == "namedtuple":
         impl_check, impl_from_wire = _namedtuple_converters(cls, fields, desc)
     elif kind == "typeddict":
-        impl_check = _typeddict_converter(fields, desc, send=True)
-        impl_from_wire = _typeddict_converter(fields, desc, send=False)
+        impl_check = _map_converter(fields, desc, send=True)
+        impl_from_wire = _map_converter(fields, desc, send=False)
     else:
         # Only a dataclass instance is a map to ormsgpack, and then only without
         # "_"-prefixed fields: anything else travels as the plain map of its fields.
@@ -1018,8 +1018,9 @@ def _compile_fields(
     return fields, parts
 
 
-def _typeddict_converter(fields: list[_Field], desc: str, *, send: bool) -> Converter:
-    """``check`` (``send``) or ``from_wire`` of a ``TypedDict``: a map, returned as a dict."""
+def _map_converter(fields: list[_Field], desc: str, *, send: bool) -> Converter:
+    """``check`` (``send``) or ``from_wire`` of a map of named fields (a ``TypedDict``, and
+    what a record is built from): a dict, the value itself when nothing changed."""
     names = {f.name for f in fields}
 
     def convert(v: Any) -> Any:
@@ -1119,30 +1120,12 @@ def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bo
 
 
 def _dataclass_from_wire(cls: type, fields: list[_Field], desc: str) -> Converter:
-    """The field-by-field ``from_wire`` of a dataclass: the reference for the generated code."""
-    field_names = {f.name for f in fields}
+    """The field-by-field ``from_wire`` of a record built from keywords (the generated
+    code's slow path): the map of its fields, then the constructor."""
+    fields_of = _map_converter(fields, desc, send=False)
 
     def from_wire(v: Any) -> Any:
-        if type(v) is not dict:
-            raise _Invalid(desc, v)
-        kwargs: dict[str, Any] = {}
-        seen = 0
-        for f in fields:
-            name = f.name
-            if name in v:
-                try:
-                    kwargs[name] = f.from_wire(v[name])
-                except _Invalid as exc:
-                    exc.segments.append(name)
-                    raise
-                seen += 1
-            elif f.required:
-                missing = _Invalid(desc, v, f"missing field '{name}' of {desc}")
-                missing.segments.append(name)
-                raise missing
-        if seen != len(v):
-            unknown = sorted(repr(k) for k in v if k not in field_names)
-            raise _Invalid(desc, v, f"unknown field(s) {', '.join(unknown)} for {desc}")
+        kwargs = fields_of(v)
         try:
             return cls(**kwargs)
         except Exception as exc:
