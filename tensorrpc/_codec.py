@@ -627,16 +627,21 @@ def _encode_int_keys(value: object, encoder: _Encoder) -> bytes:
 def _bad_key(value: object) -> tuple[object] | None:
     """``(key,)`` for the first map key that is neither a str nor an int (a bool is
     neither), or None; looks into maps, lists and tuples (not into dataclasses, whose
-    maps the schema checks)."""
+    maps the schema checks). A container met twice (a cycle, which ormsgpack refuses
+    anyway) is looked into once."""
     stack = [value]
+    seen: set[int] = set()
     while stack:
         item = stack.pop()
+        if not isinstance(item, (dict, list, tuple)) or id(item) in seen:
+            continue
+        seen.add(id(item))
         if isinstance(item, dict):
             for key in item:
                 if type(key) is not str and type(key) is not int:
                     return (key,)
             stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
+        else:
             stack.extend(item)
     return None
 

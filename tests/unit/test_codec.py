@@ -946,3 +946,10 @@ def test_int_keyed_maps_travel_and_tensors_before_them_are_placed_once() -> None
 def test_map_keys_other_than_str_and_int_are_refused(payload: bytes, kind: str) -> None:
     with pytest.raises(tensorrpc.ValidationError, match=f"a key of type {kind}; map keys are"):
         decode(payload)
+
+
+def test_a_cycle_with_an_int_keyed_map_is_an_encode_error_not_a_hang() -> None:
+    cycle: list[object] = [{1: "a"}]
+    cycle.append(cycle)
+    with pytest.raises(EncodeError):
+        encode(cycle)
