@@ -291,6 +291,7 @@ UntypedPair = collections.namedtuple("UntypedPair", "a b")
         (Plain, "a plain class does not travel; make Plain a @dataclass (or a NamedTuple"),
         (complex, "see docs/services.md for the supported types"),
         (Literal[1.5], "unsupported Literal value 1.5"),
+        (Literal[Tupled.A], "Literal member <Tupled.A: (1, 2)> has a value of unsupported type"),
         (Bare, "Enum Bare has no members"),
         (Tupled, "Enum Tupled.A has a value of type tuple"),
         (NoInit, "field 'b' has init=False; such a field cannot be rebuilt"),
