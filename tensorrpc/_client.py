@@ -2,19 +2,19 @@
 
 Every decision (handshake, sessions, the call table, reply legality, credit, liveness,
 capacity) is made by `tensorrpc._client_protocol.ClientProtocol`; `Client` is the public
-surface and hands the work to three collaborators:
+surface of a shell split by job in two more modules:
 
-* `tensorrpc._client_io.ClientIO`: one ROUTER socket for both topologies (engines dial
-  in with ``bind=``; the client dials engines with ``connect=``), one reader task that
-  feeds every message to the protocol and wakes the caller whose call it resolved, one
-  timer task (heartbeats, dead engines, hello requests, rejoins, stream orphans, sent
-  tensor memory), one flush of the control frames the protocol queues, and the wake-ups
-  of callers waiting for an in-flight slot (one per freed slot).
+* `tensorrpc._client_io.ClientIO`: the protocol, its one clock and the tensor transport
+  policy; one ROUTER socket for both topologies (engines dial in with ``bind=``; the
+  client dials engines with ``connect=``), one reader task that feeds every message to
+  the protocol and wakes the caller whose call it resolved, one timer task (heartbeats,
+  dead engines, hello requests, rejoins, stream orphans, sent tensor memory), one flush
+  of the control frames the protocol queues, and the wake-ups of callers waiting for an
+  in-flight slot (one per freed slot).
 * `tensorrpc._client_calls.CallRunner`: each call in its caller's task: admission,
-  encoding, the zero-copy CALL, the reply (decoded by the caller, so the reader stays
-  lean), retries, streams and broadcast.
-* `tensorrpc._client_transfers.Transfers`: tensor transports and frame limits with each
-  engine (torch_shm, frames).
+  encoding (torch_shm or frames, the engine's frame limit), the zero-copy CALL, the
+  reply (decoded by the caller, so the reader stays lean), retries, streams and
+  broadcast.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import time
 import warnings
 from dataclasses import replace
 from types import MappingProxyType, TracebackType
@@ -34,10 +33,10 @@ import anyio.lowlevel
 from tensorrpc import _codec, _observe
 from tensorrpc._client_calls import CallRunner
 from tensorrpc._client_io import ClientIO
-from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
-from tensorrpc._client_transfers import Transfers
+from tensorrpc._client_protocol import ClientConfig, Heartbeat
 from tensorrpc._engines import EngineInfo, unavailable_message
 from tensorrpc._exceptions import ClosedError, EnginesUnavailableError, TensorRPCError
+from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._service import ServiceSpec, describe
 from tensorrpc._views import (
     _DEFAULT_OPTIONS,
@@ -55,6 +54,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
     from typing import Self
 
+    from tensorrpc._client_protocol import ClientProtocol
     from tensorrpc._engines import Balancing
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
@@ -75,7 +75,6 @@ S = TypeVar("S")
 
 # wait_for_engines: how long to wait for another engine once every one that tried was refused.
 _REFUSAL_GRACE_S = 0.5
-_monotonic = time.monotonic
 
 
 class _Schemaless:
@@ -175,7 +174,6 @@ class Client(CallView[S]):
         "_spec",
         "_start_stream",
         "_tg",
-        "_transfers",
     )
 
     def __init__(
@@ -218,32 +216,35 @@ class Client(CallView[S]):
             message_address=message_peer_address,
         )
         codec = _codec_argument(codec, codec_config)
-        self._transfers = Transfers(policy, codec or _codec.DEFAULT, options.maxmsgsize)
         config = self._config(
             client_id or f"client-{secrets.token_hex(6)}",
             Heartbeat(heartbeat_interval, dead_after),
             stream_window=stream_window,
             balancing=balancing,
             max_in_flight=max_in_flight,
+            maxmsgsize=options.maxmsgsize,
         )
         if engine_keys is not None:
             config = replace(config, engine_keys=_engine_keys(engine_keys, curve))
-        self._protocol = ClientProtocol(config, self._transfers)
         self._built_keys = config.engine_keys
         self._runtime_keys: dict[str, str] = {}
         self._curve = curve
         self._opened = False
         self._tg: anyio.abc.TaskGroup | None = None
         io = self._io = ClientIO(
-            self._protocol,
-            self._transfers,
+            config,
+            policy,
+            codec or _codec.DEFAULT,
             bind=binds,
             connect=connects,
             socket_options=options,
             curve=curve,
             observer=_observe.resolve(observer, metrics_port),
         )
-        self._runner = CallRunner(io, self._spec, schemaless=self.schemaless)
+        self._protocol: ClientProtocol = io.protocol
+        self._runner = CallRunner(
+            io, self._spec, schemaless=self.schemaless, maxmsgsize=options.maxmsgsize
+        )
         self._entry_points(self._runner, io)
 
     def _entry_points(self, runner: CallRunner, io: ClientIO) -> None:
@@ -265,17 +266,18 @@ class Client(CallView[S]):
         stream_window: int,
         balancing: Balancing,
         max_in_flight: int,
+        maxmsgsize: int,
     ) -> ClientConfig:
         spec = self._spec
         return ClientConfig(
             service=spec.name,
             fingerprint=spec.fingerprint,
             client_id=client_id,
-            host_id=self._transfers.host_id,
+            host_id=_host_id(),
             pid=os.getpid(),
             heartbeat=heartbeat,
             stream_window=stream_window,
-            max_message_bytes=max(0, self._transfers.maxmsgsize),
+            max_message_bytes=max(0, maxmsgsize),
             balancing=balancing,
             max_in_flight=max_in_flight,
             schemaless=spec is _SCHEMALESS_SPEC,
@@ -431,7 +433,7 @@ class Client(CallView[S]):
             waiting_for_capacity=len(self._protocol.capacity),
             rejected=MappingProxyType(dict(table.rejected)),
             overload_retries=self._runner.retries,
-            transports=self._transfers.policy.statistics(),
+            transports=self._io.policy.statistics(),
             rejected_total=table.rejected_total,
         )
 
@@ -516,7 +518,7 @@ class Client(CallView[S]):
         assert sock is not None
         alias = f"@{secrets.token_hex(4)}/{self._protocol.dial_count}".encode()
         sock.connect(address, peer_id=alias)
-        self._protocol.dial(alias, address, _monotonic())
+        self._protocol.dial(alias, address, self._io.now())
         self._io.flush()
 
     def disconnect(self, address: str) -> None:

@@ -223,10 +223,10 @@ def test_codec_is_spelled_as_on_the_server_and_the_old_name_warns(tmp_path: Path
 
     codec = CodecConfig(max_tensors=7)
     client = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock", codec=codec)
-    assert client._transfers.codec_config is codec
+    assert client._io.codec is codec
     with pytest.warns(DeprecationWarning, match="codec="):
         old = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock", codec_config=codec)
-    assert old._transfers.codec_config is codec
+    assert old._io.codec is codec
     with (
         pytest.warns(DeprecationWarning, match="codec="),
         pytest.raises(ValueError, match="codec= only"),
