@@ -35,7 +35,7 @@ import os
 import secrets
 import socket as _socket
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
 
 import anyio
@@ -120,12 +120,13 @@ _CLOSE_LINGER_MS: Final = 1000
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """Everything an engine is configured with; shared by [`Server`][tensorrpc.Server]
-    and [`serve`][tensorrpc.serve]. Exactly one of ``connect`` and ``bind`` is given.
+    """An engine's options, checked: each field is a keyword of
+    [`Server`][tensorrpc.Server] and [`serve`][tensorrpc.serve] (as the client's options
+    are keywords of [`Client`][tensorrpc.Client]), read back as ``Server.config``.
+    Exactly one of ``connect`` and ``bind`` is given.
 
     Example:
-        ``Server(Calculator(), ServerConfig(bind="tcp://127.0.0.1:0"), max_queued=16)``:
-        keyword options override the config's fields.
+        ``Server(Calculator(), bind="tcp://127.0.0.1:0", max_queued=16)``
     """
 
     #: Dial-in mode: the address (or addresses) of the clients' bound ROUTERs.
@@ -178,11 +179,9 @@ class ServerConfig:
     #: Most streams of one client waiting for credit at once; more end with OVERLOADED.
     max_parked_streams: int = 256
     #: An ``Observer`` (or several) told about every call this engine runs (see
-    #: docs/observability.md).
+    #: docs/observability.md); ``tensorrpc.metrics.exporter(port)`` exports Prometheus
+    #: metrics over HTTP.
     observer: Observer | Sequence[Observer] | None = None
-    #: Export Prometheus metrics of this engine (the default registry) over HTTP on this
-    #: port (needs the ``metrics`` extra; 0 picks a free port).
-    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -221,19 +220,16 @@ class ServerOptions(TypedDict, total=False):
     max_strangers: int
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
-    metrics_port: int | None
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
 
 
-def _config(config: ServerConfig | None, options: dict[str, object]) -> ServerConfig:
+def _config(options: dict[str, object]) -> ServerConfig:
     unknown = set(options) - _CONFIG_FIELDS
     if unknown:
         raise TypeError(f"unknown server option(s): {', '.join(sorted(unknown))}")
-    if config is None:
-        return ServerConfig(**options)  # type: ignore[arg-type]
-    return replace(config, **options)  # type: ignore[arg-type]
+    return ServerConfig(**options)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,10 +402,9 @@ class Server:
 
     Args:
         instance: An instance of a ``@service`` class.
-        config: The engine's configuration (see [`ServerConfig`][tensorrpc.ServerConfig]
-            for every option); None: the defaults.
-        **options: Fields of ``ServerConfig`` to set or override (``bind=``,
-            ``connect=``, ``max_concurrency=`` ...).
+        **options: The engine's options (``bind=``, ``connect=``, ``max_concurrency=``
+            ...), each a field of [`ServerConfig`][tensorrpc.ServerConfig], where every
+            option is described.
 
     Raises:
         ValueError: Bad options (both or neither of connect/bind, bad numbers).
@@ -417,14 +412,8 @@ class Server:
         ServiceDefinitionError: ``instance`` is not an instance of a ``@service`` class.
     """
 
-    def __init__(
-        self,
-        instance: object,
-        config: ServerConfig | None = None,
-        /,
-        **options: Unpack[ServerOptions],
-    ) -> None:
-        self._config = cfg = _config(config, dict(options))
+    def __init__(self, instance: object, /, **options: Unpack[ServerOptions]) -> None:
+        self._config = cfg = _config(dict(options))
         self._spec: ServiceSpec = describe(instance)
         self._engine_id = engine_id = _engine_id(cfg.engine_id)
         self._addresses = _addresses_of(cfg.connect)
@@ -473,7 +462,7 @@ class Server:
         self._poke: anyio.Event | None = None
         self._outer_tg: anyio.abc.TaskGroup | None = None
         self._inner_scope: anyio.CancelScope | None = None
-        self._observer = _observe.resolve(cfg.observer, cfg.metrics_port)
+        self._observer = _observe.resolve(cfg.observer)
         self._said = Said()  # refusals already logged at WARNING
         # Per-method counters for the built-in statistics method, from its first use on.
         self._recorder: _observe.StatisticsRecorder | None = None
@@ -516,11 +505,6 @@ class Server:
         """Return a snapshot of the engine's counters, with one entry per known client."""
         return _statistics(self._engine_id, self._proto, self._policy, self._batches)
 
-    def batch_statistics(self) -> Mapping[str, dict[str, Any]]:
-        """Per batched method (``@rpc(batch=...)``): ``batches``, ``items``, ``queued``,
-        ``running`` and the histograms of `ServerStatistics.batching`."""
-        return self._batches.statistics()
-
     async def __aenter__(self) -> Self:
         if self._started:
             raise RuntimeError("a Server can be entered only once")
@@ -528,14 +512,10 @@ class Server:
         self._stopped = anyio.Event()
         self._poke = anyio.Event()
         self._now = loop_clock()
-        if self._observer is not None:  # observe: the engine opened
-            # Before binding: a metrics_port in use fails before any socket is bound.
-            try:
-                self._observer.opened(self)
-            except BaseException:
-                self._observer.closed(self)
-                raise
         try:
+            if self._observer is not None:  # observe: the engine opened
+                # Before binding: an exporter's port in use fails before any socket is bound.
+                self._observer.opened(self)
             self._open()
         except BaseException:
             if self._observer is not None:
@@ -862,15 +842,15 @@ class Server:
             if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
                 observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
                 observed.finished("ok", 0)
-        elif isinstance(event, AllRejected):
-            self._fail(
-                HandshakeRejectedError(
-                    f"every client refused engine {self._engine_id!r}: "
-                    + peer_text(event.message, _WHY_CHARS),
-                    reason=event.reason,
-                    engine_id=self._engine_id,
-                )
+        elif isinstance(event, AllRejected):  # stop serving: serve_forever raises it
+            self._fatal = self._fatal or HandshakeRejectedError(
+                f"every client refused engine {self._engine_id!r}: "
+                + peer_text(event.message, _WHY_CHARS),
+                reason=event.reason,
+                engine_id=self._engine_id,
             )
+            if self._stopped is not None:
+                self._stopped.set()
 
     def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
         # torch_shm only with the process the kernel says is at the other end of the
@@ -883,13 +863,6 @@ class Server:
             same_host=welcome.host_id == _host_id(),
         )
         self._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
-
-    def _fail(self, error: BaseException) -> None:
-        """Stop serving because of ``error`` (raised by serve_forever)."""
-        if self._fatal is None:
-            self._fatal = error
-        if self._stopped is not None:
-            self._stopped.set()
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -919,7 +892,6 @@ class Server:
 
 async def serve(
     instance: object,
-    config: ServerConfig | None = None,
     /,
     *,
     task_status: TaskStatus[Server] = anyio.TASK_STATUS_IGNORED,
@@ -936,6 +908,6 @@ async def serve(
         ConnectError: ``bind`` or ``connect`` is malformed or the address is in use.
         ValueError: Bad options.
     """
-    async with Server(instance, config, **options) as server:
+    async with Server(instance, **options) as server:
         task_status.started(server)
         await server.serve_forever()
