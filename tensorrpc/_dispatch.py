@@ -19,6 +19,12 @@ Rules:
    counting it busy) and, if the pool would otherwise shrink, a replacement worker
    starts; a worker beyond the pool's size exits once its call is done.
 4. The memory of every zero-copy reply is held until ZMQ's tracker says it is sent.
+5. A batched unary call (``@rpc(batch=Batching(...))``) does not hold a worker while it
+   waits for its batch: its task parks as a stream waiting for credit does (the protocol
+   stops counting it busy, `ServerProtocol.batch_wait`), and a replacement worker starts
+   when a call is queued and no worker is free. Its deadline goes to the batcher
+   (`tensorrpc._batch_runner`), not to the worker's scope: the batcher ends it at its
+   deadline, queued or running.
 """
 
 from __future__ import annotations
@@ -145,9 +151,12 @@ class Dispatcher:
         self._tg.start_soon(self._worker)
 
     def wake_one(self) -> None:
-        """A call was queued: wake one parked worker, if any."""
+        """A call was queued: wake one idle worker, or start one if parked calls left the
+        pool short (rule 5)."""
         if self._idle:
             self._idle.pop().set()
+        elif self._parked and not self._closed and self._workers - self._parked < self._capacity:
+            self._spawn()
 
     def close(self) -> None:
         """Workers finish what is queued, then exit (`done` is set when all have)."""
@@ -274,10 +283,13 @@ class Dispatcher:
             later_if_large(args, size)
             return
         call.scope = scope
-        if finite:
+        batched = call.spec.batch is not None
+        if finite and not batched:
             scope.deadline = deadline
         try:
-            if call.spec.is_async:
+            if batched:
+                call.result = await self._batched(call, args, deadline)
+            elif call.spec.is_async:
                 call.result = await call.fn(*args)  # type: ignore[misc]
             else:
                 call.result = await anyio.to_thread.run_sync(
@@ -293,6 +305,19 @@ class Dispatcher:
         del args  # argument tensors on the client's regions die here, before the reply
         if not scope.cancel_called:
             await self._reply(call)
+
+    async def _batched(self, call: Call, args: list[Any], deadline: float) -> Any:
+        """Hand a batched item to its runner and wait for its result, parked (rule 5)."""
+        self._proto.batch_wait(call)
+        self._parked += 1
+        short = self._workers - self._parked < self._capacity
+        if short and self._proto.queue and not self._idle and not self._closed:
+            self._spawn()
+        try:
+            return await call.fn(deadline, *args)  # type: ignore[misc]
+        finally:
+            self._parked -= 1
+            self._proto.batch_back(call)
 
     def _decode(self, call: Call) -> list[Any] | None:
         """Decode and validate the arguments; on failure reply with an ERROR and return None."""

@@ -109,6 +109,46 @@ def test_expired_items_never_enter_a_batch() -> None:
     assert b.poll(1.0).batch == [ok]
 
 
+def test_running_items_are_handed_back_late_at_their_deadline() -> None:
+    b: Batcher[Item] = Batcher(Batching(max_size=4, max_delay=0.0))
+    x, done, forever = Item(0), Item(1), Item(2)
+    b.offer(x, 0.0, deadline=1.0)
+    b.offer(done, 0.0, deadline=0.5)
+    b.offer(forever, 0.0)
+    assert b.poll(0.0).batch == [x, done, forever]
+    b.settled(done)  # its outcome is in: its deadline no longer matters
+    p = b.poll(0.6)
+    assert p.late == []
+    assert p.wake_at == 1.0  # the running item's deadline wakes the shell
+    p = b.poll(1.0)
+    assert p.late == [x]
+    assert p.wake_at == math.inf
+    assert b.poll(2.0).late == []  # handed back once
+
+
+def test_join_hands_back_late_running_items() -> None:
+    b: Batcher[Item] = Batcher(Continuous(max_size=4, max_delay=0.0))
+    x, y = Item(0), Item(1)
+    b.offer(x, 0.0, deadline=1.0)
+    assert b.poll(0.0).batch == [x]
+    b.offer(y, 0.5, deadline=3.0)
+    p = b.join(3, 1.2)
+    assert p.late == [x]
+    assert p.batch == [y]
+    assert p.wake_at == 3.0
+
+
+def test_settled_items_do_not_pile_up() -> None:
+    b: Batcher[Item] = Batcher(Batching(max_size=1, max_delay=0.0, max_batches=1))
+    for n in range(1000):
+        x = Item(n)
+        b.offer(x, float(n), deadline=1e9)
+        assert b.poll(float(n)).batch == [x]
+        b.settled(x)
+        b.finished()
+    assert len(b._watch) <= 64 + 1
+
+
 def test_cancelled_items_never_enter_a_batch() -> None:
     b: Batcher[Item] = Batcher(Batching(max_size=2, max_delay=1.0))
     xs = items(3)
@@ -181,6 +221,7 @@ class BatcherMachine(RuleBasedStateMachine):
         self.seen: set[int] = set()  # items that left the queue (batch, expiry, cancel)
         self.cancelled: set[int] = set()
         self.expired: set[int] = set()
+        self.running: dict[int, tuple[Item, float]] = {}  # model: in a batch, finite deadline
 
     @rule(deadline=st.one_of(st.none(), st.floats(0.0, 3.0)))
     def offer(self, deadline: float | None) -> None:
@@ -200,6 +241,12 @@ class BatcherMachine(RuleBasedStateMachine):
         assert self.b.remove(x)
         self.cancelled.add(n)
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def settle(self, data: st.DataObject) -> None:
+        n = data.draw(st.sampled_from(sorted(self.running)))
+        self.b.settled(self.running.pop(n)[0])
+
     @rule(dt=st.floats(0.0, 1.5))
     def advance(self, dt: float) -> None:
         self.now += dt
@@ -214,6 +261,11 @@ class BatcherMachine(RuleBasedStateMachine):
             assert before[x.n][2] <= self.now
             self.queued.pop(x.n)
             self.expired.add(x.n)
+        for x in p.late:
+            assert x.n in self.running, "only running, unsettled items are late, once"
+            assert self.running.pop(x.n)[1] <= self.now
+        for n, (_, dl) in self.running.items():
+            assert dl > self.now, f"item {n} is late in its batch and was not handed back"
         live = dict(self.queued.items())
         if p.batch:
             assert running < self.cfg.max_batches
@@ -224,7 +276,9 @@ class BatcherMachine(RuleBasedStateMachine):
                 assert x.n not in self.cancelled
                 assert x.n not in self.expired
                 assert live[x.n][2] > self.now, "no expired item enters a batch"
-                self.queued.pop(x.n)
+                dl = self.queued.pop(x.n)[2]
+                if dl != math.inf:
+                    self.running[x.n] = (x, dl)
             oldest_wait = self.now - live[order[0]][1]
             closed_by_size = len(live) >= self.cfg.max_size or len(live) >= 3
             assert closed_by_size or oldest_wait >= self.cfg.max_delay
@@ -240,6 +294,8 @@ class BatcherMachine(RuleBasedStateMachine):
                 assert p.wake_at <= oldest + self.cfg.max_delay
         for n, (_, _, dl) in self.queued.items():
             assert dl > self.now, f"item {n} is late and still queued"
+        deadlines = [v[2] for v in self.queued.values()] + [v[1] for v in self.running.values()]
+        assert p.wake_at <= min(deadlines, default=math.inf), "a deadline wakes the shell"
 
     @precondition(lambda self: self.b.running > 0)
     @rule()
