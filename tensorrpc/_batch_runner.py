@@ -41,6 +41,7 @@ from tensorrpc import _observe
 from tensorrpc._batching import Batcher, Continuous, ItemRefused
 from tensorrpc._exceptions import ErrorCode
 from tensorrpc._observe import LATENCY_BUCKETS, latency_bucket
+from tensorrpc._zmq import loop_clock
 from tensorrpc.batching import _CURRENT, BatchContext, BatchItem
 
 if TYPE_CHECKING:
@@ -202,6 +203,10 @@ class _Runner:
         self._wake: anyio.Event | None = None
         self._runs: list[_Run] = []
         self.stats = BatchStatistics()
+        # Set in `start` (inside the event loop): its clock, and its Event class (an
+        # ``anyio.Event()`` looks the backend up on every call, once per item here).
+        self._clock: Callable[[], float] = time.monotonic
+        self._event: Callable[[], anyio.Event] = anyio.Event
 
     # -- the entry points the worker pool calls ---------------------------------------
 
@@ -221,7 +226,7 @@ class _Runner:
         return unary
 
     def _offer(self, args: tuple[Any, ...], deadline: float) -> _Item:
-        now = anyio.current_time()
+        now = self._clock()
         item = _Item(args, now, deadline)
         if self._tg is None:
             raise ItemRefused(ErrorCode.DRAINING, f"{self._spec.qualname}: the engine is stopping")
@@ -231,7 +236,10 @@ class _Runner:
                 f"{self._spec.qualname}: {self.batcher.config.max_queue} items are waiting "
                 "for a batch (Batching.max_queue)",
             )
-        self._kick()
+        if self._continuous:
+            self._kick()  # running batches take it at their next step
+        elif self.batcher.poll_sooner and self._wake is not None:
+            self._wake.set()  # else the loop's timer covers it (one wake per batch)
         return item
 
     def _abandon(self, item: _Item) -> None:
@@ -247,7 +255,7 @@ class _Runner:
         item = self._offer(args, deadline)
         try:
             if not item.settled:  # settled once: one event
-                item.event = anyio.Event()
+                item.event = self._event()
                 await item.event.wait()
         finally:
             item.event = None
@@ -275,7 +283,7 @@ class _Runner:
                     if item.error is not None:
                         raise item.error
                     return
-                item.event = anyio.Event()
+                item.event = self._event()
                 await item.event.wait()
                 item.event = None
         finally:
@@ -288,6 +296,8 @@ class _Runner:
 
     def start(self, tg: TaskGroup) -> None:
         self._tg = tg
+        self._clock = loop_clock()
+        self._event = type(anyio.Event())
         tg.start_soon(self._loop)
 
     def _kick(self) -> None:
@@ -299,7 +309,7 @@ class _Runner:
     async def _loop(self) -> None:
         batcher = self.batcher
         while True:
-            now = anyio.current_time()
+            now = self._clock()
             if self._continuous and any(len(r.items) < batcher.config.max_size for r in self._runs):
                 # A running batch with room takes the queue at its next step.
                 poll = batcher.join(0, now)
@@ -312,7 +322,7 @@ class _Runner:
                 self._runs.append(run)
                 self._tg.start_soon(self._run_steps if self._continuous else self._run_once, run)
                 continue
-            self._wake = anyio.Event()
+            self._wake = self._event()
             with anyio.move_on_after(max(0.0, poll.wake_at - now)):
                 await self._wake.wait()
             self._wake = None
@@ -341,7 +351,7 @@ class _Runner:
                 item.owner.left(item)
 
     def _started(self, items: list[_Item], run: _Run) -> None:
-        now = anyio.current_time()
+        now = self._clock()
         for item in items:
             item.owner = run
             self.stats.waited(now - item.queued_at)
@@ -455,7 +465,7 @@ class _Runner:
                 run.items = [it for it in run.items if not it.gone and not it.settled]
                 room = max_size - len(run.items)
                 if room > 0 and self._tg is not None:
-                    joined = self.batcher.join(room, anyio.current_time())
+                    joined = self.batcher.join(room, self._clock())
                     self._expire(joined.expired, joined.late)
                     self._started(joined.batch, run)
                     run.items.extend(joined.batch)
@@ -463,7 +473,7 @@ class _Runner:
                     return
                 ready = [it for it in run.items if not it.outputs]
                 if not ready:  # every reader is behind: wait for one to take its output
-                    run.wake = anyio.Event()
+                    run.wake = self._event()
                     await run.wake.wait()
                     run.wake = None
                     continue

@@ -193,10 +193,12 @@ class Batcher(Generic[T]):
         "_index",
         "_max_delay",
         "_preferred",
+        "_reported",
         "_running",
         "_seq",
         "_watch",
         "config",
+        "poll_sooner",
         "running",
     )
 
@@ -215,6 +217,12 @@ class Batcher(Generic[T]):
         self._watch: list[tuple[float, int, _Entry[T]]] = []
         self._running: dict[int, _Entry[T]] = {}
         self._seq = 0
+        # The wake_at of the last Poll handed out (the shell sleeps until then).
+        self._reported = _INF
+        #: Set by `offer`: the shell must poll before the last ``wake_at`` it was given
+        #: (a batch can close now, or the new item's delay or deadline ends sooner).
+        #: False: the item changes nothing the shell's timer does not already cover.
+        self.poll_sooner = True
 
     def __len__(self) -> int:
         """Items queued (cancelled ones excluded)."""
@@ -222,13 +230,23 @@ class Batcher(Generic[T]):
 
     def offer(self, item: T, now: float, deadline: float = _INF) -> bool:
         """Queue ``item`` (validated already); False when the queue is full (rule 3)."""
-        if len(self._index) >= self.config.max_queue:
+        index = self._index
+        if len(index) >= self.config.max_queue:
+            self.poll_sooner = False
             return False
         entry = _Entry(item, now, deadline)
         if deadline != _INF:
             self._finite += 1
         self._entries.append(entry)
-        self._index[id(item)] = entry
+        index[id(item)] = entry
+        n = len(index)
+        preferred = self._preferred
+        self.poll_sooner = (
+            n >= self.config.max_size
+            or (bool(preferred) and n == preferred[-1])
+            or (n == 1 and now + self._max_delay < self._reported)
+            or deadline < self._reported
+        )
         return True
 
     def remove(self, item: T) -> bool:
@@ -358,13 +376,19 @@ class Batcher(Generic[T]):
         expired = self._expire(now)
         late = self._late(now)
         if self.running >= self.config.max_batches:
-            return Poll([], expired, self._wake(), late)
-        size, due = self._size_now(now)
-        if not size:
-            return Poll([], expired, min(self._wake(), due), late)
-        self.running += 1
-        batch = self._take(size)
-        return Poll(batch, expired, self._wake(), late)
+            wake = self._wake()
+            batch: list[T] = []
+        else:
+            size, due = self._size_now(now)
+            if size:
+                self.running += 1
+                batch = self._take(size)
+                wake = self._wake()
+            else:
+                wake = min(self._wake(), due)
+                batch = []
+        self._reported = wake
+        return Poll(batch, expired, wake, late)
 
     def join(self, room: int, now: float) -> Poll[T]:
         """At a running batch's step boundary: up to ``room`` queued items join it (rule 5).
@@ -375,7 +399,8 @@ class Batcher(Generic[T]):
         expired = self._expire(now)
         late = self._late(now)
         batch = self._take(room) if room > 0 else []
-        return Poll(batch, expired, self._wake(), late)
+        self._reported = wake = self._wake()
+        return Poll(batch, expired, wake, late)
 
     def drain(self) -> list[T]:
         """Take every queued item out (the engine stops): the shell fails them."""

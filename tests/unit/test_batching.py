@@ -149,6 +149,39 @@ def test_settled_items_do_not_pile_up() -> None:
     assert len(b._watch) <= 64 + 1
 
 
+def sooner(b: Batcher[Item]) -> bool:
+    # A call, not the attribute: mypy would keep an assert's narrowing across offers.
+    return b.poll_sooner
+
+
+def test_offer_says_when_the_shell_must_poll_sooner() -> None:
+    b: Batcher[Item] = Batcher(Batching(max_size=3, max_delay=1.0))
+    xs = items(5)
+    assert b.offer(xs[0], 0.0)
+    assert sooner(b)  # the first item: its delay starts a timer
+    assert b.poll(0.0).wake_at == 1.0
+    assert b.offer(xs[1], 0.2)
+    assert not sooner(b)  # the oldest item's delay still decides
+    assert b.offer(xs[2], 0.3, deadline=0.8)
+    assert sooner(b)  # batch full (max_size)
+    assert b.poll(0.3).batch == xs[:3]
+    assert b.poll(0.3).wake_at == 0.8  # the running item's deadline
+    assert b.offer(xs[3], 0.4)
+    assert not sooner(b)  # its delay ends at 1.4: the timer at 0.8 comes first
+    b.finished()
+    assert b.poll(0.4).wake_at == 0.8
+    assert b.offer(xs[4], 0.5, deadline=0.6)
+    assert sooner(b)  # a deadline before the shell's timer
+    b.remove(xs[3])
+    b.remove(xs[4])
+    assert b.poll(0.5).wake_at == 0.8
+    assert b.offer(Item(9), 0.6)
+    assert not sooner(b)  # the queue was empty, but its delay ends after 0.8
+    assert b.poll(0.8).late == [xs[2]]
+    assert b.offer(Item(10), 0.9)
+    assert not sooner(b)  # the oldest item (9) decides: 1.6, the shell's timer
+
+
 def test_cancelled_items_never_enter_a_batch() -> None:
     b: Batcher[Item] = Batcher(Batching(max_size=2, max_delay=1.0))
     xs = items(3)
@@ -222,14 +255,31 @@ class BatcherMachine(RuleBasedStateMachine):
         self.cancelled: set[int] = set()
         self.expired: set[int] = set()
         self.running: dict[int, tuple[Item, float]] = {}  # model: in a batch, finite deadline
+        self.wake_at = math.inf  # the last wake_at the shell got (it sleeps until then)
+        self.kicked = False  # told to poll sooner since it last polled
 
     @rule(deadline=st.one_of(st.none(), st.floats(0.0, 3.0)))
     def offer(self, deadline: float | None) -> None:
         x = Item(self.n)
         self.n += 1
         dl = math.inf if deadline is None else self.now + deadline
+        before = self.wake_at
         ok = self.b.offer(x, self.now, dl)
         assert ok == (len(self.queued) < self.cfg.max_queue)
+        if self.b.poll_sooner:
+            self.kicked = True  # the shell polls at once
+        elif ok and not self.kicked:
+            # The shell sleeps until `before`: nothing may be due earlier.
+            b = self.b
+            assert len(b) < self.cfg.max_size
+            assert len(b) != 3  # the largest preferred size closes a batch at once
+            assert dl >= before
+            assert (
+                b.running >= self.cfg.max_batches
+                or min(v[1] for v in [*self.queued.values(), (x, self.now, dl)])
+                + self.cfg.max_delay
+                >= before
+            )
         if ok:
             self.queued[x.n] = (x, self.now, dl)
 
@@ -256,6 +306,8 @@ class BatcherMachine(RuleBasedStateMachine):
         running = self.b.running
         before = dict(self.queued)
         p = self.b.poll(self.now)
+        self.wake_at = p.wake_at
+        self.kicked = bool(p.batch)  # a batch closed: the shell polls again at once
         for x in p.expired:
             assert x.n in before, "only queued items expire"
             assert before[x.n][2] <= self.now
@@ -301,6 +353,7 @@ class BatcherMachine(RuleBasedStateMachine):
     @rule()
     def finish(self) -> None:
         self.b.finished()
+        self.kicked = True  # the shell polls when a batch is done
 
     @invariant()
     def counts_match(self) -> None:
