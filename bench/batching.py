@@ -103,7 +103,7 @@ class Model:
 
     def __init__(self) -> None:
         self._device = asyncio.Lock()
-        self._counts = [0, 0]  # batches and items of `batched`
+        self._counts = [0, 0, 0, 0]  # batches and items of `batched`, then of `peer`
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
         self.server: tensorrpc.Server | None = None
 
@@ -124,8 +124,8 @@ class Model:
         return [v + 1 for v in x]
 
     @rpc
-    async def counts(self) -> tuple[int, int]:
-        return self._counts[0], self._counts[1]
+    async def counts(self, peer: bool = False) -> tuple[int, int]:
+        return (self._counts[2], self._counts[3]) if peer else (self._counts[0], self._counts[1])
 
     @rpc
     async def batch_stats(self) -> dict[str, float]:
@@ -137,6 +137,8 @@ class Model:
         return {k: float(stats[k]) for k in keys}
 
     async def _peer_batch(self, xs: list[int]) -> list[int]:
+        self._counts[2] += 1
+        self._counts[3] += len(xs)
         await self._step(STEP_S)
         return [v + 1 for v in xs]
 
@@ -265,9 +267,9 @@ async def _late_ttft(stub: Any) -> tuple[float, float]:
     return late, statistics.median(gaps) if gaps else math.nan
 
 
-async def _batches(client: tensorrpc.Client[Model]) -> tuple[int, int]:
-    """The engine's batches and items of ``batched`` so far."""
-    return await client.stub().counts()
+async def _batches(client: tensorrpc.Client[Model], peer: bool = False) -> tuple[int, int]:
+    """The engine's batches and items of ``batched`` (``peer``: of the peer) so far."""
+    return await client.stub().counts(peer)
 
 
 async def _engine_batching(client: tensorrpc.Client[Model]) -> dict[str, Any]:
@@ -304,13 +306,15 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
         ):
             progress(f"batching: {name}")
             await _unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
-            before = await _batches(client)
+            peer = method == "peer"
+            before = await _batches(client, peer)
             engine_before = await _engine_batching(client)
             out[name] = await _unary(stub, method, cfg.seconds)
-            if method == "batched":
-                after = await _batches(client)
+            if method != "one":
+                after = await _batches(client, peer)
                 runs = after[0] - before[0]
                 out[name]["mean_batch"] = (after[1] - before[1]) / runs if runs else None
+            if method == "batched":
                 out[name].update(_engine_split(engine_before, await _engine_batching(client)))
         progress("batching: streams")
         await _streams(stub, "generate_batched", STREAMS)  # warm-up, not recorded
