@@ -450,7 +450,7 @@ class _Runner:
 
     def _finished(self, run: _Run) -> None:
         self._runs.remove(run)
-        self.batcher.finished(self._clock())
+        self.batcher.finished()
         self._kick()
 
     # -- continuous batching -------------------------------------------------------------

@@ -10,11 +10,8 @@ Rules (docs/batching.md, "Semantics"):
 1. A batch closes at once when ``max_size`` items are queued (it takes the oldest
    ``max_size``), or when the largest of ``preferred_sizes`` is queued (it takes that many);
    otherwise when its oldest item has waited ``max_delay`` seconds (``0``: take what is
-   queued now), counted from when a slot freed for items that waited for one (as Ray
-   Serve's ``@serve.batch`` does: callers whose results just came back rejoin the next
-   batch instead of splitting the callers into two batches that wait for each other).
-   A batch closed by the delay takes the largest preferred size that is queued, or every
-   queued item (up to ``max_size``) when none is.
+   queued now). A batch closed by the delay takes the largest preferred size that is
+   queued, or every queued item (up to ``max_size``) when none is.
 2. At most ``max_batches`` batches run at once; a batch that could close waits for a free
    slot (its items keep waiting, bounded by their deadlines).
 3. The queue holds at most ``max_queue`` items: `offer` refuses the next one (the shell
@@ -193,7 +190,6 @@ class Batcher(Generic[T]):
     __slots__ = (
         "_entries",
         "_finite",
-        "_freed",
         "_index",
         "_max_delay",
         "_preferred",
@@ -223,8 +219,6 @@ class Batcher(Generic[T]):
         self._seq = 0
         # The wake_at of the last Poll handed out (the shell sleeps until then).
         self._reported = _INF
-        # When a slot last freed: the delay of items that waited for it counts from here.
-        self._freed = -_INF
         #: Set by `offer`: the shell must poll before the last ``wake_at`` it was given
         #: (a batch can close now, or the new item's delay or deadline ends sooner).
         #: False: the item changes nothing the shell's timer does not already cover.
@@ -302,12 +296,11 @@ class Batcher(Generic[T]):
             heapq.heappop(watch)
         return min(wake, watch[0][0]) if watch else wake
 
-    def finished(self, now: float = -_INF) -> None:
-        """A batch the shell ran is done at ``now``: its slot is free (rules 1, 2)."""
+    def finished(self) -> None:
+        """A batch the shell ran is done: its slot is free (rule 2)."""
         if self.running <= 0:
             raise RuntimeError("Batcher.finished() without a running batch")
         self.running -= 1
-        self._freed = now
 
     def _compact(self) -> None:
         entries = self._entries
@@ -366,7 +359,7 @@ class Batcher(Generic[T]):
         if preferred and queued >= preferred[-1]:
             return preferred[-1], _INF
         self._compact()
-        due = max(self._entries[0].since, self._freed) + self._max_delay
+        due = self._entries[0].since + self._max_delay
         if now < due:
             return 0, due
         for size in reversed(preferred):

@@ -193,21 +193,6 @@ def test_cancelled_items_never_enter_a_batch() -> None:
     assert b.poll(0.0).batch == xs[1:]
 
 
-def test_delay_counts_from_a_freed_slot_for_items_that_waited_for_it() -> None:
-    b: Batcher[Item] = Batcher(Batching(max_size=8, max_delay=1.0, max_batches=1))
-    first, waited, rejoins = Item(0), Item(1), Item(2)
-    b.offer(first, 0.0)
-    assert b.poll(1.0).batch == [first]
-    b.offer(waited, 1.5)
-    assert b.poll(3.0).batch == []  # the slot is busy
-    b.finished(4.0)
-    p = b.poll(4.0)
-    assert p.batch == []  # waited 2.5 s, but for the slot: its delay starts now
-    assert p.wake_at == 5.0
-    b.offer(rejoins, 4.2)
-    assert b.poll(5.0).batch == [waited, rejoins]
-
-
 def test_delay_counts_from_the_oldest_remaining_item() -> None:
     b: Batcher[Item] = Batcher(Batching(max_size=8, max_delay=1.0))
     first, second = Item(0), Item(1)
@@ -272,7 +257,6 @@ class BatcherMachine(RuleBasedStateMachine):
         self.running: dict[int, tuple[Item, float]] = {}  # model: in a batch, finite deadline
         self.wake_at = math.inf  # the last wake_at the shell got (it sleeps until then)
         self.kicked = False  # told to poll sooner since it last polled
-        self.freed = -math.inf  # when a slot last freed
 
     @rule(deadline=st.one_of(st.none(), st.floats(0.0, 3.0)))
     def offer(self, deadline: float | None) -> None:
@@ -292,7 +276,7 @@ class BatcherMachine(RuleBasedStateMachine):
             assert dl >= before
             assert (
                 b.running >= self.cfg.max_batches
-                or max(min(v[1] for v in [*self.queued.values(), (x, self.now, dl)]), self.freed)
+                or min(v[1] for v in [*self.queued.values(), (x, self.now, dl)])
                 + self.cfg.max_delay
                 >= before
             )
@@ -347,7 +331,7 @@ class BatcherMachine(RuleBasedStateMachine):
                 dl = self.queued.pop(x.n)[2]
                 if dl != math.inf:
                     self.running[x.n] = (x, dl)
-            oldest_wait = self.now - max(live[order[0]][1], self.freed)
+            oldest_wait = self.now - live[order[0]][1]
             closed_by_size = len(live) >= self.cfg.max_size or len(live) >= 3
             assert closed_by_size or oldest_wait >= self.cfg.max_delay
             if not closed_by_size:
@@ -356,7 +340,7 @@ class BatcherMachine(RuleBasedStateMachine):
         else:
             # Nothing closed: either no slot, or no rule says close.
             if running < self.cfg.max_batches and live:
-                oldest = max(min(v[1] for v in live.values()), self.freed)
+                oldest = min(v[1] for v in live.values())
                 assert len(live) < 3
                 assert self.now - oldest < self.cfg.max_delay
                 assert p.wake_at <= oldest + self.cfg.max_delay
@@ -368,8 +352,7 @@ class BatcherMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.b.running > 0)
     @rule()
     def finish(self) -> None:
-        self.b.finished(self.now)
-        self.freed = self.now
+        self.b.finished()
         self.kicked = True  # the shell polls when a batch is done
 
     @invariant()
