@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from tensorrpc._client_transfers import Transfers
     from tensorrpc._engines import Engine, EngineInfo
     from tensorrpc._service import MethodSpec, ServiceSpec
+    from tensorrpc.transports._policy import PolicyPlacer
 
 __all__ = ["CallRunner"]
 
@@ -189,13 +190,9 @@ class CallRunner:
             engine = await self._acquire(options, ready)
             now = _monotonic()
         transfers = self._transfers
-        placer = None
-        if encoded is not None:
-            # Encoded before an engine was chosen (by name, broadcast): check its limit.
-            transfers.check_sizes(spec, encoded, engine)
-        else:
-            placer = transfers.placer(options, engine)
-            encoded = transfers.encode(spec, wire, engine, placer)
+        encoded, placer = self._encode(spec, wire, encoded, options, engine)
+        if placer is not None and placer.pending_bytes:
+            now = await transfers.fill(placer, engine)
         assert self._io.waiters is not None
         holds = self._holds
         returns: tuple[int, ...] = ()
@@ -228,6 +225,23 @@ class CallRunner:
         if not self._send_call(call, frames, encoded):
             await self._send_call_waiting(call, frames, encoded)
         return call
+
+    def _encode(
+        self,
+        spec: MethodSpec,
+        wire: object,
+        encoded: _codec.Encoded | None,
+        options: CallOptions,
+        engine: Engine,
+    ) -> tuple[_codec.Encoded, PolicyPlacer | None]:
+        """The arguments, encoded for ``engine``, and their placer (None: none placed)."""
+        transfers = self._transfers
+        if encoded is not None:
+            # Encoded before an engine was chosen (by name, broadcast): check its limit.
+            transfers.check_sizes(spec, encoded, engine)
+            return encoded, None
+        placer = transfers.placer(options, engine)
+        return transfers.encode(spec, wire, engine, placer), placer
 
     def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> bool:
         """Send a CALL zero-copy if ZMQ takes it now; False: the pipe is full (then

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import anyio
 
 from tensorrpc import _codec
-from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
+from tensorrpc._exceptions import (
+    EngineDeadError,
+    PeerUnreachableError,
+    TensorRPCError,
+    TensorTransportError,
+)
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._protocol import Flags, Hello
 from tensorrpc._zmq import peer_credentials
@@ -147,6 +153,37 @@ class Transfers:
                 placer.abort()
             raise
         return encoded
+
+    async def fill(self, placer: PolicyPlacer, engine: Engine) -> float:
+        """Copy the large argument tensors placed by handle into the pool, on a worker
+        thread (the copies release the GIL: the loop keeps serving meanwhile); on any
+        failure or cancellation ``placer`` is released.
+
+        Returns:
+            The clock (``time.monotonic``) once the copies are done.
+
+        Raises:
+            TensorTransportError: the kernel refused the copy's pages.
+            EngineDeadError: ``engine`` died meanwhile (nothing was sent to it).
+        """
+        try:
+            # Not abandoned on cancellation: the region must not be released mid-copy.
+            await anyio.to_thread.run_sync(placer.fill)
+        except OSError as exc:
+            placer.abort()
+            raise TensorTransportError(
+                f"cannot copy the arguments into shared memory: {exc.strerror}"
+            ) from None
+        except BaseException:
+            placer.abort()
+            raise
+        if not engine.alive:  # it died during the copy: nothing to send it
+            placer.abort()
+            raise EngineDeadError(
+                f"engine {engine.engine_id!r} died before the call was sent",
+                engine_id=engine.engine_id,
+            )
+        return time.monotonic()
 
     def check_sizes(self, spec: MethodSpec, encoded: _codec.Encoded, engine: Engine | None) -> None:
         """A frame over the receiver's MAXMSGSIZE makes its ZMQ drop the whole connection

@@ -44,7 +44,7 @@ from tensorrpc._exceptions import (
     ValidationError,
 )
 from tensorrpc._protocol import Flags
-from tensorrpc._release import held_nbytes, later_if_large, nbytes
+from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as release_threshold
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
 from tensorrpc.transports._policy import LeaseCollector
@@ -392,6 +392,41 @@ class Dispatcher:
         if keep is not None:
             self._policy.detach(keep)
 
+    async def _copy_off_loop(self, call: Call, placer: PolicyPlacer | None) -> bool:
+        """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`):
+        on a worker thread when either copies a large buffer (they release the GIL), so
+        the loop keeps serving small calls meanwhile. False: it failed, ERROR sent."""
+        keep = call.keep
+        pending = 0 if placer is None else placer.pending_bytes
+        if not pending and (keep is None or self._policy.detach_bytes(keep) < release_threshold()):
+            self._detach(call)
+            return True
+        policy = self._policy
+
+        def copy() -> None:
+            if keep is not None:
+                policy.detach(keep)
+            if placer is not None:
+                placer.fill()
+
+        try:
+            # Not abandoned on cancellation: the region must not be released mid-copy.
+            await anyio.to_thread.run_sync(copy)
+        except OSError as exc:
+            if placer is not None:
+                placer.abort()
+            self._error(
+                call,
+                ErrorCode.TENSOR_TRANSPORT,
+                f"cannot copy {call.spec.qualname}'s result into shared memory: {exc.strerror}",
+            )
+            return False
+        except BaseException:
+            if placer is not None:
+                placer.abort()
+            raise
+        return True
+
     def _end_args(self, call: Call) -> None:
         """A call that ends without a reply (cancelled, client gone): argument tensors
         still alive get pages of their own, then the protocol RELEASEs the argument
@@ -443,7 +478,8 @@ class Dispatcher:
         if done is None:
             return
         encoded, placer = done
-        self._detach(call)
+        if not await self._copy_off_loop(call, placer):
+            return
         frames = self._proto.result(call, encoded.payload, encoded.buffers)
         if frames is None:  # cancelled meanwhile: no reply
             if placer is not None:
@@ -523,7 +559,8 @@ class Dispatcher:
             if done is None:
                 return False  # the ERROR is sent: nothing more
             encoded, placer = done
-            self._detach(call)
+            if not await self._copy_off_loop(call, placer):
+                return False  # the ERROR is sent: nothing more
             frames = proto.stream_item(call, encoded.payload, encoded.buffers)
             if frames is None:  # cancelled while the generator ran: nothing more
                 if placer is not None:

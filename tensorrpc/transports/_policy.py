@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc._lazy import LazyModule
+from tensorrpc._release import threshold as release_threshold
 from tensorrpc.transports._peer import ALIAS_SETTINGS, AliasSetting, KernelPeer, alias_gate
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
@@ -206,6 +207,17 @@ class PolicyPlacer:
             self.placed += 1
             self.placed_bytes += nbytes
         return placed
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes placed by handle whose copy into the pool waits for `fill` (0: none)."""
+        return 0 if self._shm is None else self._shm.pending_bytes
+
+    def fill(self) -> None:
+        """Copy the large tensors placed by handle into the pool (a shell runs this off its
+        event loop, before it sends the message; the copies release the GIL)."""
+        if self._shm is not None:
+            self._shm.fill()
 
     def abort(self) -> None:
         """The message will not be sent: release what was placed."""
@@ -411,7 +423,9 @@ class TransportPolicy:
         """
         shm = self.shm
         assert shm is not None  # a PolicyPlacer with a peer is made only with torch_shm
-        return shm.placer(peer)
+        # Copies as large as what the release thread frees wait for `PolicyPlacer.fill`,
+        # which the shells run on a worker thread: the same bytes would stall the loop.
+        return shm.placer(peer, defer_bytes=release_threshold())
 
     def resolver(
         self,
@@ -481,6 +495,11 @@ class TransportPolicy:
     def releasable_peers(self) -> list[Hashable]:
         """Peers (``hold`` keys) with leases to RELEASE: their tensors died since."""
         return self.shm.releasable_peers() if self.shm is not None else []
+
+    def detach_bytes(self, keep: Hashable) -> int:
+        """Bytes that `detach` of message ``keep`` would copy now (0: nothing alive)."""
+        holds = self.holds
+        return 0 if holds is None else holds.kept_bytes(keep)
 
     def detach(self, keep: Hashable) -> None:
         """The peer takes back the regions of message ``keep``: copy what still uses them."""
