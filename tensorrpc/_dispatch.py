@@ -392,15 +392,22 @@ class Dispatcher:
         if keep is not None:
             self._policy.detach(keep)
 
-    async def _copy_off_loop(self, call: Call, placer: PolicyPlacer | None) -> bool:
-        """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`):
-        on a worker thread when either copies a large buffer (they release the GIL), so
-        the loop keeps serving small calls meanwhile. False: it failed, ERROR sent."""
+    def _copied_inline(self, call: Call, placer: PolicyPlacer | None) -> bool:
+        """`_detach` here when neither it nor the reply's pool copies move a large buffer
+        (the common case: no coroutine); False: `_copy_off_loop` has it to do."""
         keep = call.keep
-        pending = 0 if placer is None else placer.pending_bytes
-        if not pending and (keep is None or self._policy.detach_bytes(keep) < release_threshold()):
-            self._detach(call)
-            return True
+        if (placer is not None and placer.pending_bytes) or (
+            keep is not None and self._policy.detach_bytes(keep) >= release_threshold()
+        ):
+            return False
+        self._detach(call)
+        return True
+
+    async def _copy_off_loop(self, call: Call, placer: PolicyPlacer | None) -> bool:
+        """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`),
+        on a worker thread (the copies release the GIL), so the loop keeps serving small
+        calls meanwhile. False: it failed, ERROR sent."""
+        keep = call.keep
         policy = self._policy
 
         def copy() -> None:
@@ -478,7 +485,7 @@ class Dispatcher:
         if done is None:
             return
         encoded, placer = done
-        if not await self._copy_off_loop(call, placer):
+        if not self._copied_inline(call, placer) and not await self._copy_off_loop(call, placer):
             return
         frames = self._proto.result(call, encoded.payload, encoded.buffers)
         if frames is None:  # cancelled meanwhile: no reply
@@ -559,7 +566,9 @@ class Dispatcher:
             if done is None:
                 return False  # the ERROR is sent: nothing more
             encoded, placer = done
-            if not await self._copy_off_loop(call, placer):
+            if not self._copied_inline(call, placer) and not await self._copy_off_loop(
+                call, placer
+            ):
                 return False  # the ERROR is sent: nothing more
             frames = proto.stream_item(call, encoded.payload, encoded.buffers)
             if frames is None:  # cancelled while the generator ran: nothing more
