@@ -84,7 +84,10 @@ def set_release_threshold(nbytes: int, *, max_queued: int | None = None) -> None
             arguments, sent tensors once ZMQ is done with them, dropped shared-memory
             segments and mappings) are released by the thread; smaller ones die where
             their last reference drops. ``0`` hands over every such buffer; a very
-            large value (``sys.maxsize``) turns the thread off.
+            large value (``sys.maxsize``) turns the thread off. The same size decides
+            which torch_shm copies (into the sender's pool, and the private pages of an
+            argument an engine still holds when it replies) run on a worker thread
+            rather than on the event loop.
         max_queued: Hand-overs that may wait for the thread (default 256); beyond this
             a buffer is freed inline again, so memory stays bounded.
 
