@@ -14,7 +14,7 @@ and ``"torch_shm"``, each in both topologies (the engine dials in to the client'
 vLLM's shape; the client dials the engine's bind); raw pyzmq (a ROUTER server, a DEALER
 client with one reader task and a future per call id, tensors as zero-copy frames) doing
 the same mix, once on one connection and once with the large calls on a second DEALER of
-their own (``pyzmq (bulk socket)``: what a bulk connection gives, measured raw); Ray
+their own (``pyzmq bulk socket``: what a bulk connection gives, measured raw); Ray
 actors (an async actor, numpy arrays through Ray's shared-memory object store, on
 loopback: `bench.peers.ray_mixed`) doing the same mix. The client drops each large
 result through `tensorrpc.release_later`, as docs/transports.md recommends (a plain
@@ -389,7 +389,7 @@ def _ray(cfg: Config, workdir: Path) -> dict[str, Any]:
 def system_names() -> list[str]:
     """Every system this section measures, as named in its results."""
     names = [f"tensorrpc {tr} ({topo})" for tr in ("frames", "torch_shm") for topo in TOPOLOGIES]
-    return [*names, "pyzmq", "pyzmq (bulk socket)", "ray"]
+    return [*names, "pyzmq", "pyzmq bulk socket", "ray"]
 
 
 def _case(name: str, cfg: Config, workdir: Path) -> dict[str, Any]:
