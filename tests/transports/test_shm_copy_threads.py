@@ -96,6 +96,58 @@ async def test_a_large_argument_is_copied_off_the_loop(
     assert threads.of("fill") == [(LARGE, False), (SMALL, True)]
 
 
+async def test_a_call_cancelled_during_its_copy_lets_it_end_then_releases_it(
+    engine: EngineProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started, go = threading.Event(), threading.Event()
+    order: list[str] = []
+    run = torch_shm._Fill.run
+
+    def held(job: Any, warmer: Any) -> None:
+        started.set()
+        go.wait(WAIT)  # (bounded: a copy on the loop would block it until then, and fail)
+        run(job, warmer)
+        order.append("copied")
+
+    monkeypatch.setattr(torch_shm._Fill, "run", held)
+    with anyio.fail_after(WAIT):
+        async with Client(TensorService, connect=engine.address()) as client:
+            await client.wait_for_engines(1)
+            stub = client.stub(transport="torch_shm")
+            shm = client._transfers.policy.shm
+            assert shm is not None
+            release = shm.release
+
+            def released(lease: int, **kw: Any) -> bool:
+                order.append("released")
+                return release(lease, **kw)
+
+            monkeypatch.setattr(shm, "release", released)
+            scope = anyio.CancelScope()
+
+            async def call() -> None:
+                with scope:
+                    await stub.digest(torch.ones(LARGE, dtype=torch.uint8))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await anyio.to_thread.run_sync(started.wait, WAIT)
+                scope.cancel()
+                go.set()
+            assert scope.cancelled_caught
+            # The cancellation took effect once the copy had ended (the thread is not
+            # abandoned), and the call's lease is given back as for any cancelled call.
+            while (  # noqa: ASYNC110 - bounded by fail_after; the engine answers the CANCEL
+                client.statistics().transports.torch_shm_detail.leases_active  # type: ignore[union-attr]
+            ):
+                await anyio.sleep(0.01)
+            assert order[0] == "copied"
+            assert "released" in order
+            monkeypatch.setattr(torch_shm._Fill, "run", run)
+            x = torch.arange(LARGE, dtype=torch.uint8)
+            assert await stub.digest(x) == digest(x)  # the client goes on as before
+
+
 # -- the engine's copies (the client is a subprocess) ---------------------------------------
 
 
