@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import anyio
 import anyio.lowlevel
 
-from tensorrpc import _codec, _observe
+from tensorrpc import _codec
 from tensorrpc._client_calls import CallRunner
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
 from tensorrpc._client_transfers import Transfers
 from tensorrpc._engines import EngineInfo, unavailable_message
 from tensorrpc._exceptions import ClosedError, EnginesUnavailableError, TensorRPCError
+from tensorrpc._observers import resolve
 from tensorrpc._service import ServiceSpec, describe
 from tensorrpc._views import (
     _DEFAULT_OPTIONS,
@@ -241,7 +242,7 @@ class Client(CallView[S]):
             connect=connects,
             socket_options=options,
             curve=curve,
-            observer=_observe.resolve(observer, metrics_port),
+            observer=resolve(observer, metrics_port),
         )
         self._runner = CallRunner(io, self._spec, schemaless=self.schemaless)
         self._entry_points(self._runner, io)

@@ -39,6 +39,7 @@ from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
+from tensorrpc._observers import resolve
 from tensorrpc._protocol import (
     FEATURE_CALL_RELEASES,
     MAX_SIGNATURE_CHARS,
@@ -368,7 +369,7 @@ class Server:
         self._poke: anyio.Event | None = None
         self._outer_tg: anyio.abc.TaskGroup | None = None
         self._inner_scope: anyio.CancelScope | None = None
-        self._observer = _observe.resolve(cfg.observer, cfg.metrics_port)
+        self._observer = resolve(cfg.observer, cfg.metrics_port)
         self._said = Said()  # refusals already logged at WARNING
         # Per-method counters for the built-in statistics method, from its first use on.
         self._recorder: _observe.StatisticsRecorder | None = None

@@ -49,11 +49,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from tensorrpc import _observe
-from tensorrpc._client import Client
 from tensorrpc._exceptions import ConnectError
 from tensorrpc._observe import CallObservation, Observer
-from tensorrpc._server import Server
 from tensorrpc._text import peer_text
+from tensorrpc._views import ClientStatistics
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -61,6 +60,9 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
+
+    from tensorrpc._client import Client
+    from tensorrpc._server import Server
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
@@ -328,9 +330,12 @@ class PrometheusObserver(Observer):
 
     def opened(self, target: Any) -> None:
         store = self._store
+        # A client's or an engine's statistics tell which it is (this module imports
+        # neither shell: they import it, through `_observers.resolve`).
+        side = "client" if isinstance(target.statistics(), ClientStatistics) else "engine"
         with store.lock:
             store.targets[id(target)] = target
-            store.sides.add("engine" if isinstance(target, Server) else "client")
+            store.sides.add(side)
         if self._port is not None:
             _http.acquire(target, self._port)
 
@@ -420,8 +425,10 @@ class _Collector:
             # describe() (registration) names every family; a scrape only those of the
             # sides this process has been.
             sides = set(store.sides) if with_samples else {"client", "engine"}
+        snapshots = [t.statistics() for t in targets]
+        clients = [s for s in snapshots if isinstance(s, ClientStatistics)]
+        engines = [s for s in snapshots if not isinstance(s, ClientStatistics)]
         if "client" in sides:
-            clients = [t.statistics() for t in targets if isinstance(t, Client)]
             yield from _client_call_families(
                 [((m, store.label(e)), s) for (m, e), s in list(store.client.items())]
                 if with_samples
@@ -431,7 +438,6 @@ class _Collector:
             yield from _client_state_families(clients, with_samples, store.label)
             yield from _transport_families("client", [s.transports for s in clients], with_samples)
         if "engine" in sides:
-            engines = [t.statistics() for t in targets if isinstance(t, Server)]
             yield from _engine_call_families(list(store.engine.items()) if with_samples else [])
             yield from _engine_state_families(engines)
             yield from _batch_families(engines)

@@ -185,6 +185,7 @@ def test_trace_context_bytes_round_trip() -> None:
 
 def test_instrument_installs_one_observer_for_peers_made_afterwards() -> None:
     from tensorrpc import _observe
+    from tensorrpc._observers import resolve
     from tensorrpc.tracing import instrument, uninstrument
 
     provider = TracerProvider()
@@ -192,7 +193,7 @@ def test_instrument_installs_one_observer_for_peers_made_afterwards() -> None:
     try:
         assert instrument() is first
         assert first in _observe.installed()
-        assert _observe.resolve(None, None) is first
+        assert resolve(None, None) is first
     finally:
         uninstrument()
     assert first not in _observe.installed()
