@@ -36,7 +36,7 @@ import anyio.to_thread
 from tensorrpc import _observe
 from tensorrpc._batching import Batcher, Continuous, ItemRefused
 from tensorrpc._exceptions import ErrorCode
-from tensorrpc._observe import LATENCY_BUCKETS, latency_bucket
+from tensorrpc._statistics import LATENCY_BUCKETS, latency_bucket
 from tensorrpc.batching import _CURRENT, BatchContext, BatchItem
 
 if TYPE_CHECKING:

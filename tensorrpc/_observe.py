@@ -17,16 +17,18 @@ engine
     ``error`` when an ERROR reply goes out for it; ``finished`` when its worker lets go of
     it (same task as ``started``).
 
-Everything else (Prometheus in ``tensorrpc.metrics``, OpenTelemetry in
-``tensorrpc.tracing``, the built-in statistics method that ``tensorrpc top`` reads) builds
-on these hooks. This module imports nothing outside the standard library and tensorrpc.
+Tracing (``tensorrpc.tracing``) builds on these hooks, and so do the client's Prometheus
+call counters; the counters of an engine are its own statistics (`tensorrpc._statistics`),
+which Prometheus, the built-in statistics method and ``tensorrpc top`` read. This module
+imports nothing outside the standard library and tensorrpc.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+
+from tensorrpc._statistics import LATENCY_BUCKETS_PER_OCTAVE
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -38,7 +40,6 @@ __all__ = [
     "STATISTICS_METHOD",
     "CallObservation",
     "Observer",
-    "StatisticsRecorder",
     "install",
     "installed",
     "outcome_of",
@@ -52,10 +53,6 @@ T = TypeVar("T")
 STATISTICS_METHOD: Final = "_tensorrpc.statistics"
 #: What an engine announces in HELLO's ``features``.
 FEATURES: Final = ("trace_context", "statistics")
-#: Latency histogram of the statistics method: bucket ``i`` holds durations up to
-#: ``2 ** (i / LATENCY_BUCKETS_PER_OCTAVE)`` microseconds.
-LATENCY_BUCKETS_PER_OCTAVE: Final = 4
-LATENCY_BUCKETS: Final = 128
 
 
 class CallObservation:
@@ -405,83 +402,7 @@ def statistics_allowed(curve: CurveConfig | None) -> bool:
     return allowed is not None
 
 
-# -- the recorder behind the built-in statistics method -----------------------------------
-
-
-def latency_bucket(seconds: float) -> int:
-    """The statistics histogram bucket of a duration (see ``LATENCY_BUCKETS_PER_OCTAVE``)."""
-    us = seconds * 1e6
-    if us <= 1.0:
-        return 0
-    return min(LATENCY_BUCKETS - 1, math.ceil(math.log2(us) * LATENCY_BUCKETS_PER_OCTAVE))
-
-
-def bucket_upper_seconds(index: int) -> float:
-    """The upper bound, in seconds, of statistics histogram bucket ``index``."""
-    return float(2.0 ** (index / LATENCY_BUCKETS_PER_OCTAVE) / 1e6)
-
-
-class _MethodCounters:
-    __slots__ = ("calls", "errors", "latency")
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.errors = 0
-        self.latency = [0] * LATENCY_BUCKETS
-
-
-class _RecordedCall(CallObservation):
-    __slots__ = ("_counters", "_failed", "_start")
-
-    def __init__(self, counters: _MethodCounters) -> None:
-        self._counters = counters
-        self._start = time.perf_counter()
-        self._failed = False
-
-    def error(self, code: str) -> None:
-        self._failed = True
-
-    def finished(self, outcome: str, nbytes: int) -> None:
-        c = self._counters
-        c.calls += 1
-        if self._failed:
-            c.errors += 1
-        c.latency[latency_bucket(time.perf_counter() - self._start)] += 1
-
-
-class StatisticsRecorder(Observer):
-    """Per-method calls, errors and latency of one engine, for the statistics method.
-
-    An engine starts one the first time a peer asks for its statistics, so engines that
-    nobody watches pay nothing. Latency is the engine's: from accepting the CALL to
-    letting go of it (queue wait and handler).
-    """
-
-    __slots__ = ("_methods", "since")
-
-    def __init__(self) -> None:
-        self._methods: dict[str, _MethodCounters] = {}
-        #: ``time.time()`` when recording started.
-        self.since = time.time()
-
-    def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
-    ) -> CallObservation | None:
-        counters = self._methods.get(method)
-        if counters is None:
-            counters = self._methods[method] = _MethodCounters()
-        return _RecordedCall(counters)
-
-    def snapshot(self) -> dict[str, Any]:
-        """Per method: ``calls``, ``errors`` and the sparse ``latency`` histogram."""
-        return {
-            name: {
-                "calls": c.calls,
-                "errors": c.errors,
-                "latency": [[i, n] for i, n in enumerate(c.latency) if n],
-            }
-            for name, c in sorted(self._methods.items())
-        }
+# -- the built-in statistics method -------------------------------------------------------
 
 
 def _counters(c: Any) -> dict[str, int]:
@@ -494,9 +415,7 @@ def _counters(c: Any) -> dict[str, int]:
     }
 
 
-def statistics_body(
-    stats: Any, *, service: str, pid: int, started: float, recorder: StatisticsRecorder
-) -> dict[str, Any]:
+def statistics_body(stats: Any, *, service: str, pid: int, started: float) -> dict[str, Any]:
     """The map the statistics method answers with (documented in docs/protocol.md).
 
     Args:
@@ -504,7 +423,6 @@ def statistics_body(
         service: Its service name.
         pid: Its process id.
         started: ``time.time()`` when it started.
-        recorder: Its per-method recorder.
     """
     clients = stats.clients
     return {
@@ -527,7 +445,10 @@ def statistics_body(
             "torch_shm": _counters(stats.transports.torch_shm),
         },
         "latency_buckets_per_octave": LATENCY_BUCKETS_PER_OCTAVE,
-        "methods_since": recorder.since,
-        "methods": recorder.snapshot(),
+        "methods": {
+            name: {"calls": m["calls"], "errors": m["errors"], "latency": m["latency"]}
+            for name, m in sorted(stats.methods.items())
+            if m["calls"]
+        },
         "batching": {name: dict(b) for name, b in stats.batching.items()},
     }

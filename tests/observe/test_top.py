@@ -19,7 +19,7 @@ import anyio.to_thread
 import pytest
 from rich.console import Console
 
-from tensorrpc import _observe
+from tensorrpc import _statistics
 from tensorrpc._client import Client
 from tensorrpc._server import Server
 from tensorrpc.top import EngineView, percentile, run, table
@@ -67,8 +67,8 @@ def test_rates_and_windowed_percentiles_come_from_two_answers() -> None:
     assert view.rates["bytes"] == pytest.approx(4000.0)
     assert view.rates["frames"] == pytest.approx(2000.0)
     assert view.rates["torch_shm"] == 0
-    assert view.p50 == pytest.approx(_observe.bucket_upper_seconds(40))
-    assert view.p99 == pytest.approx(_observe.bucket_upper_seconds(60))
+    assert view.p50 == pytest.approx(_statistics.bucket_upper_seconds(40))
+    assert view.p99 == pytest.approx(_statistics.bucket_upper_seconds(60))
     console = Console(record=True, width=160)
     console.print(table([view, EngineView("e2", live=False)], "top"))
     text = console.export_text()
