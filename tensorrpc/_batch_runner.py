@@ -335,7 +335,11 @@ class _Runner:
         observed = None
         if observer is not None:  # observe: a batch (step) starts
             observed = observer.engine_batch(
-                self._spec.name, self._engine_id, len(items), [it.trace for it in items]
+                self._spec.service,
+                self._spec.name,
+                self._engine_id,
+                len(items),
+                [it.trace for it in items],
             )
         token = _CURRENT.set(ctx)
         start = time.perf_counter()
@@ -350,8 +354,8 @@ class _Runner:
                 )
             outcome = "ok"
             return result
-        except Exception as exc:
-            outcome = type(exc).__name__
+        except Exception:
+            outcome = "REMOTE"  # each item is answered ERROR REMOTE
             raise
         finally:
             self.stats.ran(len(items), time.perf_counter() - start)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
+from tensorrpc import _exceptions as _e
 from tensorrpc._statistics import LATENCY_BUCKETS_PER_OCTAVE
 
 if TYPE_CHECKING:
@@ -86,10 +87,10 @@ class CallObservation:
         """The call is over.
 
         Args:
-            outcome: ``"ok"``; on the client the exception's class name
-                (``"RemoteError"``, ``"CallTimeoutError"``, ``"cancelled"`` for a caller
-                that gave up); on the engine the ERROR code name (``"REMOTE"``,
-                ``"DEADLINE_EXCEEDED"``, ...) or ``"cancelled"`` (the client cancelled).
+            outcome: ``"ok"``, ``"cancelled"`` (the caller or the client gave up) or the
+                ERROR code's name (``"REMOTE"``, ``"DEADLINE_EXCEEDED"``, ...; on the
+                client, the code of the error the call ended with, see `outcome_of`,
+                and ``"UNAVAILABLE"`` when no engine could answer).
             nbytes: Client side: bytes of the reply (0 when none); engine side: 0.
         """
 
@@ -113,11 +114,12 @@ class Observer:
         """A client or engine that was ``opened`` closed."""
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         """A client sent a CALL (in the caller's task: its context is the caller's).
 
         Args:
+            service: The service name (of the engine's HELLO).
             method: The method name.
             engine: The engine id it went to.
             stream: Whether it is a streaming call.
@@ -132,11 +134,19 @@ class Observer:
         return None
 
     def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+        self,
+        service: str,
+        method: str,
+        engine: str,
+        client: str,
+        stream: bool,
+        trace: bytes,
+        nbytes: int,
     ) -> CallObservation | None:
         """An engine accepted a CALL (queued for a worker).
 
         Args:
+            service: The service name.
             method: The method name.
             engine: This engine's id.
             client: The calling client's id.
@@ -150,11 +160,12 @@ class Observer:
         return None
 
     def engine_batch(
-        self, method: str, engine: str, size: int, items: Sequence[bytes]
+        self, service: str, method: str, engine: str, size: int, items: Sequence[bytes]
     ) -> CallObservation | None:
         """An engine starts a batch (or a continuous batch's step) of a batched method.
 
         Args:
+            service: The service name.
             method: The method name.
             engine: This engine's id.
             size: Items in the batch (step).
@@ -230,23 +241,38 @@ class _Fanout(Observer):
             o.closed(target)
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         return _fanout(
-            [o.client_call(method, engine, stream, nbytes, transport) for o in self.observers]
+            [
+                o.client_call(service, method, engine, stream, nbytes, transport)
+                for o in self.observers
+            ]
         )
 
     def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+        self,
+        service: str,
+        method: str,
+        engine: str,
+        client: str,
+        stream: bool,
+        trace: bytes,
+        nbytes: int,
     ) -> CallObservation | None:
         return _fanout(
-            [o.engine_call(method, engine, client, stream, trace, nbytes) for o in self.observers]
+            [
+                o.engine_call(service, method, engine, client, stream, trace, nbytes)
+                for o in self.observers
+            ]
         )
 
     def engine_batch(
-        self, method: str, engine: str, size: int, items: Sequence[bytes]
+        self, service: str, method: str, engine: str, size: int, items: Sequence[bytes]
     ) -> CallObservation | None:
-        return _fanout([o.engine_batch(method, engine, size, items) for o in self.observers])
+        return _fanout(
+            [o.engine_batch(service, method, engine, size, items) for o in self.observers]
+        )
 
     def engine_event(self, client: str, engine: str, event: str) -> None:
         for o in self.observers:
@@ -303,13 +329,44 @@ def installed() -> tuple[Observer, ...]:
 # -- helpers for the call sites -----------------------------------------------------------
 
 
+#: A client call's outcome by the exception it ended with (the first class of its MRO
+#: listed): the name of the ERROR code an engine answers for it, so that a client and an
+#: engine label one call alike; ``UNAVAILABLE`` when no engine could answer.
+_OUTCOMES: Final[dict[type[BaseException], str]] = {
+    _e.MethodNotFoundError: "METHOD_NOT_FOUND",
+    _e.InvalidArgumentError: "INVALID_ARGUMENT",
+    _e.ValidationError: "INVALID_ARGUMENT",
+    _e.EncodeError: "INVALID_ARGUMENT",
+    _e.DecodeError: "DECODE",
+    _e.CallTimeoutError: "DEADLINE_EXCEEDED",
+    _e.OverloadedError: "OVERLOADED",
+    _e.DrainingError: "DRAINING",
+    _e.TensorTransportError: "TENSOR_TRANSPORT",
+    _e.ProtocolError: "PROTOCOL",
+    _e.TransportError: "UNAVAILABLE",
+    _e.EngineNotFoundError: "UNAVAILABLE",
+    _e.ClosedError: "cancelled",
+}
+
+
 def outcome_of(exc: BaseException | None) -> str:
-    """The client-side outcome label of a call that ended with ``exc`` (None: ``"ok"``)."""
+    """The outcome label of a client call that ended with ``exc`` (None: ``"ok"``).
+
+    ``"ok"``, ``"cancelled"`` (the caller gave up, or closed the client), or an ERROR
+    code's name as the engine labels the same call (``"REMOTE"``, ``"DEADLINE_EXCEEDED"``,
+    ...), ``"UNAVAILABLE"`` when no engine could answer, ``"INTERNAL"`` for anything else.
+    """
     if exc is None:
         return "ok"
-    if isinstance(exc, Exception):
-        return type(exc).__name__
-    return "cancelled"  # the caller's task was cancelled (or the process is exiting)
+    if not isinstance(exc, Exception):
+        return "cancelled"  # the caller's task was cancelled (or the process is exiting)
+    if isinstance(exc, _e.RemoteError):
+        return exc.code.name
+    for cls in type(exc).__mro__:
+        outcome = _OUTCOMES.get(cls)
+        if outcome is not None:
+            return outcome
+    return "INTERNAL"
 
 
 class _Reply(Protocol):
@@ -357,6 +414,7 @@ def stream_finished(call: _Observed | None, exc: BaseException | None) -> None:
 
 def client_call(
     observer: Observer,
+    service: str,
     method: str,
     engine: str,
     features: Sequence[str],
@@ -369,6 +427,7 @@ def client_call(
 
     Args:
         observer: The client's observer.
+        service: The service name.
         method: The method name.
         engine: The engine id.
         features: The engine's HELLO ``features``.
@@ -382,7 +441,7 @@ def client_call(
         the observation's, when it has one and the engine reads it; else ``b""``.
     """
     transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
-    observation = observer.client_call(method, engine, stream, nbytes, transport)
+    observation = observer.client_call(service, method, engine, stream, nbytes, transport)
     if observation is not None and "trace_context" in features:
         return observation, observation.trace_context()
     return observation, b""

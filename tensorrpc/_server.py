@@ -611,8 +611,8 @@ class Server:
             self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
             call.observed = self._observer.engine_call(
-                call.spec.name, self._engine_id, call.session.name, call.spec.streaming,
-                call.trace, size,
+                call.spec.service, call.spec.name, self._engine_id, call.session.name,
+                call.spec.streaming, call.trace, size,
             )  # fmt: skip
 
     def _answer_statistics(self, event: BuiltinCall) -> None:

@@ -307,7 +307,7 @@ class PrometheusObserver(Observer):
     # -- calls ------------------------------------------------------------------------------
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         store = self._store
         series = store.client.get((method, engine))

@@ -69,8 +69,7 @@ async def test_engine_metrics_over_http_and_client_metrics_on_a_registry(tmp_pat
     assert _value(c, "tensorrpc_client_calls_started_total", method="add", engine=eid) == 3
     assert _value(c, "tensorrpc_client_calls_total", method="add", engine=eid, outcome="ok") == 3
     assert (
-        _value(c, "tensorrpc_client_calls_total", method="fail", engine=eid, outcome="RemoteError")
-        == 1
+        _value(c, "tensorrpc_client_calls_total", method="fail", engine=eid, outcome="REMOTE") == 1
     )
     assert _value(c, "tensorrpc_client_call_duration_seconds_count", method="add", engine=eid) == 3
     assert _value(c, "tensorrpc_client_call_duration_seconds_sum", method="add", engine=eid) > 0
