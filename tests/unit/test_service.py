@@ -5,12 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import importlib.util
 import inspect
-import sys
 import textwrap
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
