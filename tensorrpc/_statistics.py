@@ -8,7 +8,7 @@ up to ``2 ** (i / LATENCY_BUCKETS_PER_OCTAVE)`` microseconds.
 
 from __future__ import annotations
 
-import math
+from bisect import bisect_left
 from typing import Any, Final
 
 __all__ = [
@@ -24,17 +24,18 @@ LATENCY_BUCKETS_PER_OCTAVE: Final = 4
 LATENCY_BUCKETS: Final = 128
 
 
-def latency_bucket(seconds: float) -> int:
-    """The histogram bucket of a duration (see ``LATENCY_BUCKETS_PER_OCTAVE``)."""
-    us = seconds * 1e6
-    if us <= 1.0:
-        return 0
-    return min(LATENCY_BUCKETS - 1, math.ceil(math.log2(us) * LATENCY_BUCKETS_PER_OCTAVE))
-
-
 def bucket_upper_seconds(index: int) -> float:
     """The upper bound, in seconds, of histogram bucket ``index``."""
     return float(2.0 ** (index / LATENCY_BUCKETS_PER_OCTAVE) / 1e6)
+
+
+#: The upper bounds of every bucket but the last (which holds everything longer).
+_BOUNDS: Final = tuple(bucket_upper_seconds(i) for i in range(LATENCY_BUCKETS - 1))
+
+
+def latency_bucket(seconds: float) -> int:
+    """The histogram bucket of a duration (see ``LATENCY_BUCKETS_PER_OCTAVE``)."""
+    return bisect_left(_BOUNDS, seconds)  # one C call per duration: the engine's hot path
 
 
 class LatencyHistogram:

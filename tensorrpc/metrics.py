@@ -23,9 +23,10 @@ an engine seen when every slot is held by a live one is counted under
 longest when a slot is needed, are removed. Method labels are the names of the service
 definition the call used, at most `MAX_METHOD_LABELS` of them (then ``"other"``).
 
-Cost: the hot path only adds to Python ints and one bucket of a histogram (no locks, no
-prometheus_client objects per call); everything else is read from the clients' and
-engines' ``statistics()`` when Prometheus scrapes.
+Cost: a client's hot path only adds to Python ints and one bucket of a histogram (no
+locks, no prometheus_client objects per call); everything else, every engine family
+included (an engine counts its own calls, `tensorrpc._statistics`), is read from the
+clients' and engines' ``statistics()`` when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -353,7 +354,8 @@ def _add(family: Any, labels: list[str], value: float) -> None:
 
 
 class _Collector:
-    """Builds every family at scrape time from the hook counters and ``statistics()``."""
+    """Builds every family at scrape time from the client hooks' counters and the
+    targets' ``statistics()``."""
 
     def __init__(self, store: _Store) -> None:
         self._store = store
