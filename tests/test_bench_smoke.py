@@ -284,3 +284,11 @@ def test_mixed_report_renders_unavailable_systems() -> None:
         {"rate_per_s": 500.0, "systems": {"pyzmq": {"unavailable": "RuntimeError: boom"}}}
     )
     assert "| pyzmq | RuntimeError: boom |||||||||" in lines
+
+
+def test_the_tensor_call_cpu_bench_runs_every_kind() -> None:
+    from bench.tensor_call_cpu import measure
+
+    got = measure(number=3, rounds=1)
+    assert sorted(got) == ["add", "in", "out", "tiny_in"]
+    assert all(cli > 0 and eng > 0 for cli, eng in got.values())
