@@ -44,6 +44,7 @@ __all__ = [
     "install",
     "installed",
     "outcome_of",
+    "resolve",
     "uninstall",
 ]
 
@@ -324,6 +325,29 @@ def uninstall(observer: Observer) -> None:
 def installed() -> tuple[Observer, ...]:
     """The observers installed process-wide."""
     return tuple(_installed)
+
+
+def resolve(observer: Observer | Sequence[Observer] | None) -> Observer | None:
+    """The observer a new client or engine uses: its own and the installed ones.
+
+    Args:
+        observer: What the user passed as ``observer=``.
+
+    Returns:
+        The combined observer, or None when there is nothing to observe.
+
+    Raises:
+        TypeError: ``observer`` is not an Observer (or a sequence of them).
+    """
+    own: list[Observer] = []
+    if isinstance(observer, Observer):
+        own.append(observer)
+    elif observer is not None:
+        for o in observer:
+            if not isinstance(o, Observer):
+                raise TypeError(f"observer must be a tensorrpc Observer, not {type(o).__name__}")
+            own.append(o)
+    return combine(*_installed, *own)
 
 
 # -- helpers for the call sites -----------------------------------------------------------

@@ -194,7 +194,6 @@ def test_trace_context_bytes_round_trip() -> None:
 
 def test_instrument_installs_one_observer_for_peers_made_afterwards() -> None:
     from tensorrpc import _observe
-    from tensorrpc._observers import resolve
     from tensorrpc.tracing import instrument, uninstrument
 
     provider = TracerProvider()
@@ -202,7 +201,7 @@ def test_instrument_installs_one_observer_for_peers_made_afterwards() -> None:
     try:
         assert instrument() is first
         assert first in _observe.installed()
-        assert resolve(None, None) is first
+        assert _observe.resolve(None) is first
     finally:
         uninstrument()
     assert first not in _observe.installed()
