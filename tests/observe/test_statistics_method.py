@@ -80,3 +80,25 @@ async def test_a_curve_engine_that_accepts_any_key_refuses_statistics(tmp_path: 
 
 def test_statistics_are_allowed_without_curve() -> None:
     assert _observe.statistics_allowed(None)
+
+
+async def test_per_method_times_are_measured_on_one_clock(tmp_path: Path) -> None:
+    # Accepted, started and ended are read on the shell's one clock: a 50 ms handler shows
+    # at least 50 ms of run time and of latency, and its wait in the queue is no longer.
+    address = f"ipc://{tmp_path}/e.sock"
+    async with (
+        Server(Calculator("e1"), bind=address, engine_id="e1") as server,
+        Client(Calculator, connect=address) as client,
+    ):
+        with anyio.fail_after(10):
+            await client.wait_for_engines(1)
+            assert await client.stub().sleep(0.05, "t") == "t"
+            await client.stub().add(1)  # a call after it: the sleep's worker is done
+        sleep = server.statistics().methods["sleep"]
+    assert sleep["calls"] == 1
+    assert sleep["outcomes"] == {"ok": 1}
+    assert 0.05 <= sleep["run_time_sum_s"] < 10
+    assert 0 <= sleep["queue_wait_sum_s"] < sleep["run_time_sum_s"]
+    ((bucket, n),) = sleep["latency"]
+    assert n == 1
+    assert _statistics.bucket_upper_seconds(bucket) >= 0.05
