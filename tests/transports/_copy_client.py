@@ -19,7 +19,7 @@ async def main(address: str, nbytes: int) -> None:
     with anyio.fail_after(60):
         async with Client(TensorService, connect=address) as client:
             await client.wait_for_engines(1, timeout=30)
-            stub = client.stub(transport="torch_shm")
+            stub = client.with_options(transport="torch_shm").stub()
             made = await stub.make("uint8", [nbytes], 7)
             if digest(made) != digest(pattern("uint8", [nbytes], 7)):
                 raise SystemExit("make: wrong bytes")

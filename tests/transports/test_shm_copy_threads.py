@@ -86,7 +86,7 @@ async def test_a_large_argument_is_copied_off_the_loop(
     with anyio.fail_after(WAIT):
         async with Client(TensorService, connect=engine.address()) as client:
             await client.wait_for_engines(1)
-            stub = client.stub(transport="torch_shm")
+            stub = client.with_options(transport="torch_shm").stub()
             x = torch.arange(LARGE, dtype=torch.uint8)
             assert await stub.digest(x) == digest(x)
             assert threads.of("fill") == [(LARGE, False)]
@@ -113,8 +113,8 @@ async def test_a_call_cancelled_during_its_copy_lets_it_end_then_releases_it(
     with anyio.fail_after(WAIT):
         async with Client(TensorService, connect=engine.address()) as client:
             await client.wait_for_engines(1)
-            stub = client.stub(transport="torch_shm")
-            shm = client._transfers.policy.shm
+            stub = client.with_options(transport="torch_shm").stub()
+            shm = client._io.policy.shm
             assert shm is not None
             release = shm.release
 
