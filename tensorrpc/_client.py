@@ -228,7 +228,7 @@ class Client(CallView[S]):
         )
         if engine_keys is not None:
             config = replace(config, engine_keys=_engine_keys(engine_keys, curve))
-        self._protocol = ClientProtocol(config, self._transfers)
+        self._protocol = ClientProtocol(config)
         self._built_keys = config.engine_keys
         self._runtime_keys: dict[str, str] = {}
         self._curve = curve
@@ -280,6 +280,8 @@ class Client(CallView[S]):
             max_in_flight=max_in_flight,
             schemaless=spec is _SCHEMALESS_SPEC,
             signatures={n: m.signature for n, m in spec.methods.items()},
+            shm_transports=self._transfers.policy.offered(),
+            shm_trust_unattested=self._transfers.policy.trust_unattested,
         )
 
     @classmethod

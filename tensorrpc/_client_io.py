@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from tensorrpc._engines import Engine
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
+    from tensorrpc.transports._peer import PeerFacts
     from tensorrpc.transports.torch_shm import ShmResolver
 
 __all__ = ["ClientIO", "RefusalLog", "Waiters", "current_backend"]
@@ -438,6 +439,7 @@ class ClientIO:
             self.tick.set()  # a hello request to its address may be due at once
 
     def _on_joined(self, event: EngineJoined) -> None:
+        self.transfers.policy.link(event.engine.peer, event.shm)
         engine_id = event.engine.engine_id
         table = self.protocol.engines
         self._observe_engine(engine_id, "rejoined" if engine_id in table.past else "joined")
@@ -550,12 +552,25 @@ class ClientIO:
         if len(frames) < 2:
             logger.warning("dropped a message of %d frames", len(frames))
             return
-        protocol = self.protocol
         peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
+        # A HELLO's torch_shm input: what the kernel says about its connection.
+        facts = self.transfers.hello_facts(body)
+        if facts is None:
+            self._handle(peer, body, frames, None)
+            return
+        try:
+            self._handle(peer, body, frames, facts)
+        finally:
+            self.transfers.policy.settle(peer, facts)
+
+    def _handle(
+        self, peer: bytes, body: list[Buffer], frames: list[zmq.Frame], facts: PeerFacts | None
+    ) -> None:
+        protocol = self.protocol
         if protocol.config.engine_keys is not None:  # who the engine is comes from its key
-            event = protocol.receive(peer, body, _monotonic(), _user_id(frames[1]))
+            event = protocol.receive(peer, body, _monotonic(), _user_id(frames[1]), facts)
         else:
-            event = protocol.receive(peer, body, _monotonic())
+            event = protocol.receive(peer, body, _monotonic(), facts=facts)
         if type(event) is Call:
             call = event
             if call.state >= _REPLIED:

@@ -1,9 +1,9 @@
 """The client's tensor transports and size limits with each engine (torch_shm, frames).
 
-`Transfers` answers the protocol's handshake hooks (`ClientHooks`: the torch_shm offer
-and proof, whether a peer is reachable) and, per call, where argument tensors go, how
-result tensors come back, which leases a dropped reply carries, and whether the encoded
-arguments fit the receiver's frame limit.
+`Transfers` gathers what the protocol's handshake takes as input (a HELLO's kernel
+facts, for torch_shm), answers whether a peer is reachable, and, per call, where argument
+tensors go, how result tensors come back, which leases a dropped reply carries, and
+whether the encoded arguments fit the receiver's frame limit.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import anyio
 from tensorrpc import _codec
 from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
-from tensorrpc._protocol import Flags, Hello
+from tensorrpc._protocol import Flags, MessageKind
 from tensorrpc._zmq import peer_credentials
 from tensorrpc.transports._policy import (
     LazyResolver,
@@ -35,11 +35,16 @@ if TYPE_CHECKING:
     from tensorrpc._service import MethodSpec
     from tensorrpc._views import CallOptions
     from tensorrpc._zmq import AsyncSocket
+    from tensorrpc.transports._peer import PeerFacts
 
 __all__ = ["Transfers"]
 
 logger = logging.getLogger("tensorrpc.client")
 
+_HELLO = int(MessageKind.HELLO)
+#: Where a header frame keeps its kind byte (after the magic and the version).
+_KIND_AT = 3
+_KIND_END = _KIND_AT + 1
 _SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
 _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
 
@@ -61,21 +66,17 @@ class Transfers:
 
     # -- the protocol's hooks ------------------------------------------------------------
 
-    def shm_offer(
-        self, peer: bytes, hello: Hello, frame: Buffer
-    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
-        """torch_shm only with the process the kernel says sent the HELLO (on ipc://),
-        or, configured to trust unattested peers, the one it claims (docs/security.md)."""
-        pid, send, receive = self.policy.attest(
-            peer,
-            peer_credentials(frame),
-            offers=hello.transports,
-            claimed_pid=hello.pid,
-            same_host=hello.host_id == self.host_id,
-        )
-        if not (send or receive):
+    def hello_facts(self, frames: Sequence[Buffer]) -> PeerFacts | None:
+        """For a HELLO only: what the kernel says about the connection it came on (on
+        ipc://) and what our gate says of that process, as the machine's input; None for
+        any other message, or when torch_shm is off here. `TransportPolicy.settle` must
+        follow once the message is handled."""
+        if len(frames) < 2:
             return None
-        return (self.policy.offered(), pid, send, receive)
+        header = memoryview(frames[0])  # its kind byte only: the machine checks the rest
+        if header.nbytes < _KIND_END or header[_KIND_AT] != _HELLO:
+            return None
+        return self.policy.facts(peer_credentials(frames[1]))
 
     def reachable(self, peer: bytes, ping: list[bytes]) -> bool:
         """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""

@@ -35,7 +35,16 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc._lazy import LazyModule
-from tensorrpc.transports._peer import ALIAS_SETTINGS, AliasSetting, KernelPeer, alias_gate
+from tensorrpc.transports._peer import (
+    ALIAS_SETTINGS,
+    UNSEALED_OFFER,
+    AliasSetting,
+    KernelPeer,
+    PeerFacts,
+    ShmTerms,
+    alias_gate,
+    shm_terms,
+)
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
     ShmPlacer,
@@ -81,10 +90,6 @@ DEFAULT_SHM_THRESHOLD: Final = 64 << 10
 MAX_LINKS: Final = 4096
 #: ``(pid, we send handles, we resolve handles)`` for a peer that may not use torch_shm.
 NO_SHM: Final = (0, False, False)
-#: In a HELLO's or WELCOME's ``transports``: "I map torch's unsealed shared files from
-#: you when my gate holds for you" (``shm_alias_unsealed="same-user"``). A hint only: the
-#: receiver checks its own gate.
-UNSEALED_OFFER: Final = "torch_shm_unsealed"
 
 
 class _Link:
@@ -325,6 +330,54 @@ class TransportPolicy:
             return ("frames", TRANSPORT_NAME)
         return ("frames", TRANSPORT_NAME, UNSEALED_OFFER)
 
+    def facts(self, kernel: KernelPeer | None) -> PeerFacts | None:
+        """What we know of the sender of a handshake message, for `shm_terms`: the shell
+        passes what the kernel says sent it (``peer_credentials``; None: it cannot say,
+        tcp); this reads the unsealed-alias gate from ``/proc``.
+
+        The pidfd in ``kernel`` is ours from here on: `link` keeps it, `settle` closes it
+        when no link took it.
+
+        Returns:
+            None when torch_shm is off here, or the message came from ourselves.
+        """
+        if self.shm is None or (kernel is not None and kernel.pid == os.getpid()):
+            if kernel is not None:
+                kernel.close()
+            return None
+        if kernel is None:
+            return PeerFacts(None, os.getpid())
+        gate = alias_gate(kernel) if self.alias_unsealed == "same-user" else (False, False)
+        return PeerFacts(kernel, os.getpid(), gate, kernel.uid in (0, os.geteuid()))
+
+    def link(self, peer: Hashable, terms: ShmTerms | None) -> None:
+        """torch_shm with ``peer`` is what its handshake decided (None: off): its handles
+        resolve against ``terms.kernel`` from now on, and only from messages on that
+        connection."""
+        self._drop_link(peer)
+        shm = self.shm
+        if shm is None or terms is None:
+            return
+        kernel = terms.kernel
+        links = self._links
+        while len(links) >= MAX_LINKS:
+            self._drop_link(next(iter(links)))  # the oldest handshake state goes first
+        if not any(link.kernel.key == kernel.key for link in links.values()):
+            # A process new to us under this pid: mappings kept for an earlier process
+            # with the same pid must not serve its handles.
+            shm.forget_peer(kernel.pid)
+        links[peer] = _Link(kernel, terms.unsealed_in)
+        shm.set_peer(peer, process=kernel.key, alias_unsealed=terms.unsealed_out)
+
+    def settle(self, peer: Hashable, facts: PeerFacts | None) -> None:
+        """The handshake message ``facts`` came with is handled: close its pidfd unless
+        ``peer``'s link took it."""
+        kernel = facts.kernel if facts is not None else None
+        if kernel is not None:
+            link = self._links.get(peer)
+            if link is None or link.kernel is not kernel:
+                kernel.close()
+
     def attest(
         self,
         peer: Hashable,
@@ -334,50 +387,21 @@ class TransportPolicy:
         claimed_pid: int = 0,
         same_host: bool = False,
     ) -> tuple[int, bool, bool]:
-        """Decide torch_shm with ``peer`` from its handshake message (HELLO or WELCOME).
-
-        Args:
-            peer: The runtime's key for the connection.
-            kernel: What the kernel says sent the message (None: it cannot say: tcp). The
-                policy owns it from here on and closes its pidfd when the peer goes.
-            offers: The transports the peer's message lists (a hint: ``torch_shm`` or
-                the unsealed offer only ever turn things off).
-            claimed_pid: The pid the message claims; used only with ``trust_unattested``
-                for a peer the kernel cannot attest.
-            same_host: The message's host id equals ours (also only for that case).
+        """Decide torch_shm with ``peer`` from its handshake message and link it (`facts`,
+        `shm_terms`, `link`, `settle` in one; for a shell whose machine asks after the
+        handshake: the engine's).
 
         Returns:
             ``(pid, we send handles, we resolve handles)``: the peer's pid as the kernel
             says (or, trusted, as it claims); `NO_SHM` when torch_shm is off with it.
         """
-        self._drop_link(peer)
-        shm = self.shm
-        if shm is None or TRANSPORT_NAME not in offers:
-            if kernel is not None:
-                kernel.close()
-            return NO_SHM
-        if kernel is None:
-            if not self.trust_unattested or not same_host or claimed_pid <= 0:
-                return NO_SHM
-            kernel = KernelPeer(claimed_pid, -1, -1, "")
-        if kernel.pid == os.getpid():
-            kernel.close()
-            return NO_SHM
-        we_map, they_map = (
-            alias_gate(kernel) if self.alias_unsealed == "same-user" else (False, False)
+        facts = self.facts(kernel)
+        terms = shm_terms(
+            facts, offers, claimed_pid, same_host, trust_unattested=self.trust_unattested
         )
-        links = self._links
-        while len(links) >= MAX_LINKS:
-            self._drop_link(next(iter(links)))  # the oldest handshake state goes first
-        if not any(link.kernel.key == kernel.key for link in links.values()):
-            # A process new to us under this pid: mappings kept for an earlier process
-            # with the same pid must not serve its handles.
-            shm.forget_peer(kernel.pid)
-        links[peer] = _Link(kernel, we_map)
-        shm.set_peer(peer, process=kernel.key, alias_unsealed=they_map and UNSEALED_OFFER in offers)
-        # We send handles only to a peer that can open our descriptors: our uid or root.
-        send = not kernel.attested or kernel.uid in (0, os.geteuid())
-        return (kernel.pid, send, True)
+        self.link(peer, terms)
+        self.settle(peer, facts)
+        return NO_SHM if terms is None else (terms.pid, terms.send, True)
 
     def _drop_link(self, peer: Hashable) -> None:
         link = self._links.pop(peer, None)
