@@ -281,7 +281,7 @@ class Client(CallView[S]):
             schemaless=spec is _SCHEMALESS_SPEC,
             signatures={n: m.signature for n, m in spec.methods.items()},
             shm_transports=self._transfers.policy.offered(),
-            shm_trust_unattested=self._transfers.policy.trust_unattested,
+            shm_trust_unattested=self._transfers.policy.peers.trust_unattested,
         )
 
     @classmethod

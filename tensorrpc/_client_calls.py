@@ -75,7 +75,7 @@ class CallRunner:
         self._io = io
         self._protocol: ClientProtocol = io.protocol
         self._transfers: Transfers = io.transfers
-        self._holds = io.transfers.policy.holds
+        self._holds = io.transfers.policy.memory.holds
         self._spec = spec
         self._schemaless = schemaless
         #: Calls retried after an engine's OVERLOADED refusal.
@@ -201,7 +201,7 @@ class CallRunner:
         returns: tuple[int, ...] = ()
         if holds is not None and holds.ready:
             # Results freed since: the engine may reuse their memory (the CALL says so).
-            returns = transfers.policy.releasable(engine.peer)
+            returns = transfers.policy.memory.releasable(engine.peer)
         lease, placed = (None, (0, 0)) if placer is None else placer.outcome()
         flags |= transfers.result_flags(options, engine)
         if encoded.buffers:

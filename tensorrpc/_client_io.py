@@ -352,7 +352,7 @@ class ClientIO:
     def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
         """RELEASE now the engine's result leases we are done with: those waiting for a
         CALL and those whose tensors died since (``resolver``: a reply just decoded)."""
-        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        leases = self.transfers.policy.memory.releasable(engine.peer, resolver)
         self.protocol.release(engine, leases, _monotonic())
         self.flush()
 
@@ -360,7 +360,7 @@ class ClientIO:
         """A reply was decoded: the protocol returns its finished leases in the header of
         the next CALL to the engine if the caller makes one before it yields (one message
         instead of two), else in a RELEASE once it yields (`_release_pending`)."""
-        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        leases = self.transfers.policy.memory.releasable(engine.peer, resolver)
         if self.protocol.return_leases(engine, leases) and self.waiters is not None:
             self.waiters.soon(self._release_pending)
 
@@ -380,12 +380,12 @@ class ClientIO:
         """RELEASE, to every engine, the leases of result tensors freed since (a tick)."""
         policy = self.transfers.policy
         engines = self.protocol.engines
-        for peer in policy.releasable_peers():
+        for peer in policy.memory.releasable_peers():
             engine = engines.by_peer(peer) if isinstance(peer, bytes) else None
             if engine is not None:
                 self.release_held(engine)
             else:  # gone: nothing to tell it
-                policy.releasable(peer)
+                policy.memory.releasable(peer)
 
     def event(self, event: object) -> None:
         """Act on what the protocol reported (other than a resolved call)."""
@@ -406,9 +406,9 @@ class ClientIO:
         elif isinstance(event, LeasesFreed):
             policy = self.transfers.policy
             for lease in event.leases:
-                policy.release_one(lease)
+                policy.memory.release_one(lease)
             if event.refused:
-                policy.refuse_release(event.refused)
+                policy.memory.refuse_release(event.refused)
                 logger.debug(
                     "engine %r: %d RELEASEd leases refused", event.engine.engine_id, event.refused
                 )
@@ -429,7 +429,8 @@ class ClientIO:
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
         logger.info("engine %r %s", engine.engine_id, peer_text(event.why, 512))
-        self.transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
+        policy = self.transfers.policy
+        policy.memory.peer_gone(engine.peer, policy.peers.drop(engine.peer))
         for call in event.calls:
             self.ended(call)
         self._observe_engine(engine.engine_id, "lost")
@@ -439,7 +440,7 @@ class ClientIO:
             self.tick.set()  # a hello request to its address may be due at once
 
     def _on_joined(self, event: EngineJoined) -> None:
-        self.transfers.policy.link(event.engine.peer, event.shm)
+        self.transfers.policy.peers.link(event.engine.peer, event.shm)
         engine_id = event.engine.engine_id
         table = self.protocol.engines
         self._observe_engine(engine_id, "rejoined" if engine_id in table.past else "joined")
@@ -469,7 +470,7 @@ class ClientIO:
         """A call ended: free its argument lease and slot, wake its caller (and one waiter)."""
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
-            self.transfers.policy.release_one(self.protocol.take_lease(call))
+            self.transfers.policy.memory.release_one(self.protocol.take_lease(call))
         waiters = self.waiters
         if waiters is None:
             return
@@ -561,7 +562,7 @@ class ClientIO:
         try:
             self._handle(peer, body, frames, facts)
         finally:
-            self.transfers.policy.settle(peer, facts)
+            self.transfers.policy.peers.settle(peer, facts)
 
     def _handle(
         self, peer: bytes, body: list[Buffer], frames: list[zmq.Frame], facts: PeerFacts | None
@@ -577,7 +578,7 @@ class ClientIO:
                 self.ended(call)
             else:  # a stream item: the engine has attached to the arguments
                 if call.lease is not None:
-                    self.transfers.policy.release_one(protocol.take_lease(call))
+                    self.transfers.policy.memory.release_one(protocol.take_lease(call))
                 assert self.waiters is not None
                 self.waiters.wake(call.waiter)
         elif event is not None:
@@ -609,4 +610,4 @@ class ClientIO:
             if now >= next_sweep:
                 next_sweep = now + interval
                 self.tracked.prune()
-                self.transfers.policy.sweep()
+                self.transfers.policy.memory.sweep()

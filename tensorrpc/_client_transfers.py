@@ -19,12 +19,7 @@ from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._protocol import Flags, MessageKind
 from tensorrpc._zmq import peer_credentials
-from tensorrpc.transports._policy import (
-    LazyResolver,
-    LeaseCollector,
-    PolicyPlacer,
-    TransportPolicy,
-)
+from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -35,7 +30,9 @@ if TYPE_CHECKING:
     from tensorrpc._service import MethodSpec
     from tensorrpc._views import CallOptions
     from tensorrpc._zmq import AsyncSocket
+    from tensorrpc.transports._links import LazyResolver
     from tensorrpc.transports._peer import PeerFacts
+    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
 
 __all__ = ["Transfers"]
 
@@ -76,7 +73,7 @@ class Transfers:
         header = memoryview(frames[0])  # its kind byte only: the machine checks the rest
         if header.nbytes < _KIND_END or header[_KIND_AT] != _HELLO:
             return None
-        return self.policy.facts(peer_credentials(frames[1]))
+        return self.policy.peers.facts(peer_credentials(frames[1]))
 
     def reachable(self, peer: bytes, ping: list[bytes]) -> bool:
         """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
@@ -112,7 +109,7 @@ class Transfers:
         # Not attested (or lost), or ``frame`` (a frame of the reply) came on another
         # connection: handles are refused with a TensorTransportError. Result tensors
         # are built on the engine's regions, leased to us until they are freed.
-        return self.policy.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
+        return self.policy.peers.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
 
     def result_flags(self, options: CallOptions, engine: Engine) -> int:
         """The CALL flag bits that tell the engine how to send result tensors."""
