@@ -172,6 +172,18 @@ async def test_2000_calls_leave_no_descriptor_or_shm_file(
     assert dev_shm(engine.pid) == shm_before
 
 
+async def test_a_client_holds_one_pidfd_per_engine_and_none_after_close(
+    anyio_backend: str, engine: EngineProcess
+):
+    """The client's shell gathers a HELLO's kernel facts (a pidfd) for the machine; the
+    engine's link keeps that one pidfd, and it is closed with the client."""
+    before = fds().count(PIDFD)
+    async with connected(engine.address()) as client:
+        assert await client.stub().shm_state() != [-1] * 7
+        assert fds().count(PIDFD) == before + 1
+    assert fds().count(PIDFD) == before
+
+
 async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path):
     settle()  # what earlier tests in this process left to the release thread or to gc
     shm_before = dev_shm()
