@@ -36,6 +36,8 @@ from tensorrpc._client_protocol import (
     EngineJoined,
     EngineLost,
     EngineRefused,
+    Event,
+    FactsNeeded,
     Ignored,
     LeasesFreed,
     Pong,
@@ -43,7 +45,6 @@ from tensorrpc._client_protocol import (
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
 from tensorrpc._logonce import Said
-from tensorrpc._protocol import MessageKind
 from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import (
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
     from tensorrpc._engines import Engine
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
-    from tensorrpc.transports._peer import PeerFacts
     from tensorrpc.transports._policy import TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
 
@@ -73,10 +73,6 @@ __all__ = ["ClientIO", "RefusalLog", "Waiters", "current_backend"]
 logger = logging.getLogger("tensorrpc.client")
 
 _REPLIED = CallState.REPLIED
-_HELLO_KIND = int(MessageKind.HELLO)
-#: Where a header frame keeps its kind byte (after the magic and the version).
-_KIND_AT = 3
-_KIND_END = _KIND_AT + 1
 
 
 class Waiters:
@@ -527,18 +523,6 @@ class ClientIO:
 
     # -- tensor transports -----------------------------------------------------------------
 
-    def _hello_facts(self, frames: list[Buffer]) -> PeerFacts | None:
-        """For a HELLO only: what the kernel says about the connection it came on (on
-        ipc://) and what our gate says of that process, as the machine's input; None for
-        any other message, or when torch_shm is off here. `PeerLinks.settle` follows
-        once the message is handled."""
-        if len(frames) < 2:
-            return None
-        header = memoryview(frames[0])  # its kind byte only: the machine checks the rest
-        if header.nbytes < _KIND_END or header[_KIND_AT] != _HELLO_KIND:
-            return None
-        return self.policy.peers.facts(peer_credentials(frames[1]))
-
     def _reachable(self, peer: bytes, ping: list[bytes]) -> bool:
         """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
         sock = self.sock
@@ -614,25 +598,23 @@ class ClientIO:
         if len(frames) < 2:
             logger.warning("dropped a message of %d frames", len(frames))
             return
-        peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
-        # A HELLO's torch_shm input: what the kernel says about its connection.
-        facts = self._hello_facts(body)
-        if facts is None:
-            self._handle(peer, body, frames, None)
-            return
-        try:
-            self._handle(peer, body, frames, facts)
-        finally:
-            self.policy.peers.settle(peer, facts)
-
-    def _handle(
-        self, peer: bytes, body: list[Buffer], frames: list[zmq.Frame], facts: PeerFacts | None
-    ) -> None:
         protocol = self.protocol
-        if protocol.config.engine_keys is not None:  # who the engine is comes from its key
-            event = protocol.receive(peer, body, self.now(), _user_id(frames[1]), facts)
-        else:
-            event = protocol.receive(peer, body, self.now(), facts=facts)
+        peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
+        # Who the engine is comes from its CURVE key (with engine_keys).
+        key = _user_id(frames[1]) if protocol.config.engine_keys is not None else None
+        event = protocol.receive(peer, body, self.now(), key)
+        if type(event) is FactsNeeded:
+            # A HELLO: torch_shm is decided from what the kernel says about its connection.
+            facts = self.policy.peers.facts(peer_credentials(body[1]))
+            try:
+                self._handle(protocol.receive(peer, body, self.now(), key, facts))
+            finally:
+                self.policy.peers.settle(peer, facts)
+            return
+        self._handle(event)
+
+    def _handle(self, event: Call | Event | None) -> None:
+        protocol = self.protocol
         if type(event) is Call:
             call = event
             if call.state >= _REPLIED:

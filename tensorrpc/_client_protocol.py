@@ -74,6 +74,7 @@ from tensorrpc._protocol import (
     split_frames,
 )
 from tensorrpc.transports._peer import shm_terms
+from tensorrpc.transports._shm_handle import TRANSPORT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -94,6 +95,7 @@ __all__ = [
     "EngineLost",
     "EngineRefused",
     "Event",
+    "FactsNeeded",
     "Heartbeat",
     "Ignored",
     "LeasesFreed",
@@ -338,6 +340,15 @@ class Pong:
 
 
 @dataclass(frozen=True, slots=True)
+class FactsNeeded:
+    """A HELLO came while torch_shm is on here and ``receive`` was given no facts: the
+    shell gathers what the kernel says about the connection it came on and gives the
+    same message to ``receive`` again with them (nothing was done with it yet)."""
+
+    peer: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Ignored:
     """A message that was dropped; ``why`` is for the log."""
 
@@ -355,6 +366,7 @@ Event = (
     | LeasesFreed
     | Pong
     | Ignored
+    | FactsNeeded
 )
 
 
@@ -777,7 +789,8 @@ class ClientProtocol(Machine[bytes, Event]):
             key: The z85 CURVE public key it came with (with ``engine_keys``: the shell
                 reads it from the message; None: none).
             facts: For a HELLO: what the kernel says about the connection it came on
-                (the shell gathers them; None: torch_shm is off with its sender).
+                (the shell gathers them when told so by `FactsNeeded`: the hot path
+                never pays for them).
 
         Returns:
             The `Call` a reply concerns (its state says what happened), an event,
@@ -788,6 +801,8 @@ class ClientProtocol(Machine[bytes, Event]):
         except RemoteProtocolError as exc:
             return Ignored(peer, f"malformed message: {exc}")
         kind = header.kind
+        if kind is _HELLO and facts is None and TRANSPORT_NAME in self.config.shm_transports:
+            return FactsNeeded(peer)  # the shell gathers them for HELLOs only
         engine = self.engines.by_peer(peer)
         if engine is not None:
             if now - engine.sent > engine.forgets_after:  # it forgot the session

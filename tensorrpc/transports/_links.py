@@ -78,7 +78,7 @@ class PeerLinks:
         self._message_address = message_address or _no_address
         self._links: dict[Hashable, _Link] = {}
 
-    def facts(self, kernel: KernelPeer | None) -> PeerFacts | None:
+    def facts(self, kernel: KernelPeer | None) -> PeerFacts:
         """What we know of the sender of a handshake message, for `shm_terms`: the shell
         passes what the kernel says sent it (``peer_credentials``; None: it cannot say,
         tcp); this reads the unsealed-alias gate from ``/proc``.
@@ -87,12 +87,13 @@ class PeerLinks:
         when no link took it.
 
         Returns:
-            None when torch_shm is off here, or the message came from ourselves.
+            Facts that are not ``usable`` when torch_shm is off here, or the message came
+            from ourselves.
         """
         if self.shm is None or (kernel is not None and kernel.pid == os.getpid()):
             if kernel is not None:
                 kernel.close()
-            return None
+            return PeerFacts(None, os.getpid(), usable=False)
         if kernel is None:
             return PeerFacts(None, os.getpid())
         gate = alias_gate(kernel) if self.alias_unsealed == "same-user" else (False, False)

@@ -232,6 +232,9 @@ class PeerFacts:
     unsealed: tuple[bool, bool] = (False, False)
     #: The peer can open our descriptors through ``/proc``: our uid, or root.
     opens_ours: bool = False
+    #: False: no torch_shm with this sender whatever it says (it is ourselves, or
+    #: torch_shm is off here).
+    usable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,8 +268,8 @@ def shm_terms(
     """Decide torch_shm with the sender of a handshake message (HELLO or WELCOME); pure.
 
     Args:
-        facts: What the shell gathered about the message's connection; None when
-            torch_shm is off at our end.
+        facts: What the shell gathered about the message's connection; None (not
+            gathered) or not ``usable``: torch_shm is off with it.
         offers: The transports the message lists (a hint: it only ever turns things off).
         claimed_pid: The pid the message claims; used only with ``trust_unattested``, for
             a peer the kernel cannot attest.
@@ -277,7 +280,7 @@ def shm_terms(
         None when torch_shm is off with this peer. A peer the kernel attested is taken
         for what the kernel says, whatever it claims.
     """
-    if facts is None or TRANSPORT_NAME not in offers:
+    if facts is None or not facts.usable or TRANSPORT_NAME not in offers:
         return None
     kernel = facts.kernel
     if kernel is None:

@@ -1,5 +1,6 @@
 """torch_shm terms from kernel facts, sans-I/O: `shm_terms`, and the client machine taking
-a HELLO's facts as an input of ``receive`` (no shell is called back).
+a HELLO's facts as an input of ``receive`` (it asks with `FactsNeeded`; no shell is
+called back, and no other message costs the shell anything).
 
 The facts are data: a `KernelPeer` here carries numbers the kernel would have given
 (its pidfd is never touched by the machine), so no process or socket is involved.
@@ -7,7 +8,7 @@ The facts are data: a `KernelPeer` here carries numbers the kernel would have gi
 
 from __future__ import annotations
 
-from tensorrpc._client_protocol import EngineJoined
+from tensorrpc._client_protocol import EngineJoined, FactsNeeded
 from tensorrpc._protocol import MessageKind
 from tensorrpc.transports._peer import UNSEALED_OFFER, KernelPeer, PeerFacts, shm_terms
 from tensorrpc.transports.torch_shm import TRANSPORT_NAME
@@ -83,11 +84,25 @@ def test_the_client_machine_takes_a_hellos_facts_as_input() -> None:
     assert tuple(welcome.body.transports) == SHM_TRANSPORTS
 
 
-def test_a_hello_without_facts_gets_frames_only() -> None:
+def test_a_hello_without_facts_asks_for_them_and_does_nothing_else() -> None:
     protocol = make_protocol(shm_transports=SHM_TRANSPORTS)
     event = protocol.receive(b"e1/x", hello(transports=OFFERS), 0.0)
+    assert event == FactsNeeded(b"e1/x")
+    assert not protocol.pending
+    assert not protocol.engines.engines
+
+
+def test_a_hello_whose_facts_are_not_usable_gets_frames_only() -> None:
+    protocol = make_protocol(shm_transports=SHM_TRANSPORTS)
+    unusable = PeerFacts(None, OURS, usable=False)
+    event = protocol.receive(b"e1/x", hello(transports=OFFERS), 0.0, facts=unusable)
     assert isinstance(event, EngineJoined)
     assert event.shm is None
     assert event.engine.shm is None
     (welcome,) = [s for s in sent(protocol) if s.kind is MessageKind.WELCOME]
     assert tuple(welcome.body.transports) == ("frames",)
+
+
+def test_with_torch_shm_off_here_no_facts_are_asked_for() -> None:
+    protocol = make_protocol()  # shm_transports: frames only
+    assert isinstance(protocol.receive(b"e1/x", hello(transports=OFFERS), 0.0), EngineJoined)
