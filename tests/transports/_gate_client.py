@@ -24,7 +24,7 @@ N = 1 << 16
 async def main(address: str) -> None:
     async with Client(TensorService, connect=address, heartbeat_interval=0.2) as client:
         await client.wait_for_engines(1, timeout=60)
-        stub = client.stub(transport="torch_shm")
+        stub = client.with_options(transport="torch_shm").stub()
         sums, untouched = [], []
         for strategy in ("file_descriptor", "file_system"):
             tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
