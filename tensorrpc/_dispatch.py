@@ -46,7 +46,7 @@ from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as release_threshold
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
-from tensorrpc.transports._policy import LeaseCollector
+from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from tensorrpc._server_protocol import ServerProtocol
-    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer, TransportPolicy
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
 
 __all__ = ["Call", "Dispatcher"]
 
@@ -371,7 +372,7 @@ class Dispatcher:
             return None
         # Built on the client's regions (one copy in all) until our first reply, which
         # ends the client's lease: _detach() runs before it. Made on the first handle.
-        return self._policy.lazy_resolver(
+        return self._policy.peers.lazy_resolver(
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
@@ -381,14 +382,14 @@ class Dispatcher:
         pages of their own first."""
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
 
     def _copied_inline(self, call: Call, placer: PolicyPlacer | None) -> bool:
         """`_detach` here when neither it nor the reply's pool copies move a large buffer
         (the common case: no coroutine); False: `_copy_off_loop` has it to do."""
         keep = call.keep
         if (placer is not None and placer.pending_bytes) or (
-            keep is not None and self._policy.detach_bytes(keep) >= release_threshold()
+            keep is not None and self._policy.memory.detach_bytes(keep) >= release_threshold()
         ):
             return False
         self._detach(call)
@@ -399,11 +400,11 @@ class Dispatcher:
         on a worker thread (the copies release the GIL), so the loop keeps serving small
         calls meanwhile. False: it failed, ERROR sent."""
         keep = call.keep
-        policy = self._policy
+        memory = self._policy.memory
 
         def copy() -> None:
             if keep is not None:
-                policy.detach(keep)
+                memory.detach(keep)
             if placer is not None:
                 placer.fill()
 
@@ -434,7 +435,7 @@ class Dispatcher:
             return
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
         unread: tuple[int, ...] = ()
         if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
             collector = LeaseCollector()
