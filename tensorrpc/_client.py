@@ -38,6 +38,7 @@ from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
 from tensorrpc._client_transfers import Transfers
 from tensorrpc._engines import EngineInfo, unavailable_message
 from tensorrpc._exceptions import ClosedError, EnginesUnavailableError, TensorRPCError
+from tensorrpc._interceptors import ClientInterception, check_interceptors
 from tensorrpc._service import ServiceSpec, describe
 from tensorrpc._views import (
     _DEFAULT_OPTIONS,
@@ -52,10 +53,12 @@ from tensorrpc._zmq import SocketOptions, message_peer_address
 from tensorrpc.transports._policy import DEFAULT_SHM_THRESHOLD, TransportPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
     from typing import Self
 
+    from tensorrpc._calls import Call
     from tensorrpc._engines import Balancing
+    from tensorrpc._interceptors import ClientInterceptor
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc.transports._peer import AliasSetting
@@ -151,6 +154,9 @@ class Client(CallView[S]):
             ``tensorrpc.metrics.PrometheusObserver`` or ``tensorrpc.tracing.TracingObserver``.
         metrics_port: Export Prometheus metrics of this client (the default registry) over
             HTTP on this port (needs the ``metrics`` extra; 0 picks a free port).
+        interceptors: Async interceptors around every call and stream (broadcasts
+            excepted), the first outermost: ``async def icpt(call, proceed)`` (see
+            docs/interceptors.md).
 
     Raises:
         ConnectError: From ``async with``: an address is malformed or already in use.
@@ -167,6 +173,7 @@ class Client(CallView[S]):
         "_io",
         "_method",
         "_next_item",
+        "_open_stream",
         "_opened",
         "_orphans",
         "_protocol",
@@ -202,6 +209,7 @@ class Client(CallView[S]):
         shm_trust_unattested: bool = False,
         observer: Observer | Sequence[Observer] | None = None,
         metrics_port: int | None = None,
+        interceptors: Sequence[ClientInterceptor] = (),
     ) -> None:
         super().__init__(self, _DEFAULT_OPTIONS)
         self._spec: ServiceSpec = _SCHEMALESS_SPEC if service is _Schemaless else describe(service)
@@ -245,6 +253,15 @@ class Client(CallView[S]):
         )
         self._runner = CallRunner(io, self._spec, schemaless=self.schemaless)
         self._entry_points(self._runner, io)
+        self._open_stream: Callable[..., Awaitable[tuple[Call | None, Any]]] | None = None
+        if interceptors:
+            chain = ClientInterception(
+                self._runner,
+                io.abandon,
+                self._spec.name,
+                check_interceptors(interceptors, "client"),
+            )
+            self._call, self._open_stream = chain.call, chain.open_stream
 
     def _entry_points(self, runner: CallRunner, io: ClientIO) -> None:
         # What CallView, stubs and CallStream call, bound once (no extra frame per call).

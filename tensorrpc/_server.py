@@ -37,6 +37,7 @@ from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._hostinfo import host_id as _host_id
+from tensorrpc._interceptors import check_interceptors
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskStatus
 
+    from tensorrpc._interceptors import ServerInterceptor
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec, ServiceSpec
@@ -156,6 +158,9 @@ class ServerConfig:
     #: Export Prometheus metrics of this engine (the default registry) over HTTP on this
     #: port (needs the ``metrics`` extra; 0 picks a free port).
     metrics_port: int | None = None
+    #: Async interceptors around every call's handler, the first outermost (see
+    #: docs/interceptors.md): ``async def icpt(context, proceed)``.
+    interceptors: Sequence[ServerInterceptor] = ()
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -195,6 +200,7 @@ class ServerOptions(TypedDict, total=False):
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
     metrics_port: int | None
+    interceptors: Sequence[ServerInterceptor]
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
@@ -360,6 +366,7 @@ class Server:
             grace_period=cfg.grace_period,
             flush=self._flush,
             send_reply=self._io.send_reply,
+            interceptors=check_interceptors(cfg.interceptors, "engine"),
         )
         self._started = False
         self._closed = False

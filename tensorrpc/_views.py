@@ -7,7 +7,8 @@ the statistics classes are frozen snapshots. Nothing here touches a socket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -23,6 +24,7 @@ from typing import (
 import anyio
 
 from tensorrpc import _observe
+from tensorrpc._metadata import EMPTY, check_metadata, encode_block
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
@@ -82,6 +84,9 @@ class CallOptions:
             never come. ``True`` waits even without a timeout; ``False`` never waits
             (gRPC's default). A call that gives up raises
             `tensorrpc.EngineNotFoundError` saying why there was no engine.
+        metadata: Request metadata sent with each call (key → value; keys lowercase
+            ``[a-z0-9._-]``, values ``str`` without control characters, bounded: see
+            docs/context.md). Checked here: `tensorrpc.MetadataError`.
     """
 
     engine: str | None = None
@@ -89,8 +94,15 @@ class CallOptions:
     wait: bool = True
     transport: Transport = "auto"
     wait_for_ready: bool | None = None
+    metadata: Mapping[str, str] | None = field(default=None, hash=False)
+    # The metadata's header block, encoded once here (b"": none).
+    _block: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.metadata is not None:
+            checked = check_metadata(self.metadata, "request metadata")
+            object.__setattr__(self, "metadata", MappingProxyType(checked))
+            object.__setattr__(self, "_block", encode_block(checked))
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout!r}")
         if self.transport not in _TRANSPORTS:
@@ -183,6 +195,7 @@ class CallView(Generic[S]):
         wait: bool = True,
         transport: Transport = "auto",
         wait_for_ready: bool | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> CallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -194,9 +207,13 @@ class CallView(Generic[S]):
                 `CallOptions`).
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The new view.
+
+        Raises:
+            MetadataError: ``metadata`` breaks a rule or a bound.
         """
         options = CallOptions(
             engine=engine,
@@ -204,6 +221,7 @@ class CallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
         )
         return CallView(self._client, options)
 
@@ -215,6 +233,7 @@ class CallView(Generic[S]):
         wait: bool = True,
         transport: Transport = "auto",
         wait_for_ready: bool | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> Stub[S]:
         """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
@@ -232,6 +251,7 @@ class CallView(Generic[S]):
                 `CallOptions`).
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The stub.
@@ -242,6 +262,7 @@ class CallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
         )
         return _Stub(self._client, options)
 
@@ -479,6 +500,8 @@ class CallStream(Generic[T]):
             None if encoded is not None else spec.encode_args(args, dict(kwargs))
         )
         self._call: Call | None = None
+        # With client interceptors: the items they returned (None: read the call's).
+        self._items: AsyncIterator[Any] | None = None
         self._deadline: float | None = None
         self._finished = False
         # Kept by the finalizer without the client, so that GC never touches the socket.
@@ -489,6 +512,15 @@ class CallStream(Generic[T]):
         """The id of the engine serving this stream (``None`` until the first item)."""
         return None if self._call is None else self._call.engine.engine_id
 
+    @property
+    def response_metadata(self) -> Mapping[str, str]:
+        """The response metadata the engine sent with the stream's end (empty until the
+        stream ended, or when it sent none)."""
+        call = self._call
+        if call is None or call.reply_metadata is None:
+            return EMPTY
+        return call.reply_metadata
+
     def __aiter__(self) -> Self:
         return self
 
@@ -497,16 +529,21 @@ class CallStream(Generic[T]):
             raise StopAsyncIteration
         client = self._client
         try:
-            if self._call is None:
+            if self._call is None and self._items is None:
                 wire, self._wire = self._wire, None
                 encoded, self._encoded = self._encoded, None
                 if wire is None and encoded is None:
                     raise StopAsyncIteration
                 if self._options.timeout is not None:
                     self._deadline = anyio.current_time() + self._options.timeout
-                self._call = await client._start_stream(
-                    self._spec, wire, self._options, self._deadline, encoded
-                )
+                args = (self._spec, wire, self._options, self._deadline, encoded)
+                if client._open_stream is None:
+                    self._call = await client._start_stream(*args)
+                else:  # through the client's interceptors
+                    self._call, self._items = await client._open_stream(*args)
+            if self._items is not None:
+                return cast("T", await self._items.__anext__())
+            assert self._call is not None
             return cast("T", await client._next_item(self._call, self._deadline))
         except StopAsyncIteration:
             self._finished = True
@@ -527,6 +564,10 @@ class CallStream(Generic[T]):
         if self._call is not None:
             self._client._abandon(self._call)
             _observe.stream_finished(self._call, None)  # observe: closed by the consumer
+        items, self._items = self._items, None
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:  # the interceptors' iterators run their finally blocks
+            await aclose()
 
     async def __aenter__(self) -> Self:
         return self

@@ -20,6 +20,7 @@ SANS_IO_FILES = (
     "_server_protocol.py",
     "_server_calls.py",
     "_batching.py",
+    "_metadata.py",
     "transports/_base.py",
 )
 REQUIRED = ("_exceptions.py", "_protocol.py")
