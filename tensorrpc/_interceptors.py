@@ -79,7 +79,7 @@ class ClientCall:
         self.service = service
         self.streaming = spec.streaming
         self.timeout = options.timeout
-        self.metadata: dict[str, str] = dict(options.metadata or {})
+        self.metadata: dict[str, str] = dict(options.metadata) if options.metadata else {}
         self._call: Call | None = None
 
     @property
@@ -98,6 +98,8 @@ class ClientCall:
 
     def block(self) -> bytes:
         """The metadata block for the CALL (checked now)."""
+        if not self.metadata:
+            return b""
         return encode_block(check_metadata(self.metadata, "request metadata"))
 
     def sent(self, call: Call) -> None:
@@ -192,11 +194,9 @@ class ClientInterception:
     ) -> Any:
         """A unary call through the interceptors (as `CallRunner.call`)."""
         details = ClientCall(spec, self._service, options)
-        runner = self._runner
-
-        async def proceed() -> Any:
-            return await runner.call(spec, args, kwargs, options, encoded, details)
-
+        proceed = functools.partial(
+            self._runner.call, spec, args, kwargs, options, encoded, details
+        )
         return await intercept(self._interceptors, details, proceed)
 
     async def open_stream(
