@@ -236,6 +236,7 @@ class BlockingCallView(Generic[S]):
         wait: bool = True,
         transport: TransportName = "auto",
         wait_for_ready: bool | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -246,6 +247,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The new view.
@@ -256,6 +258,7 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
         )
         return BlockingCallView(self._runner, view)
 
@@ -267,6 +270,7 @@ class BlockingCallView(Generic[S]):
         wait: bool = True,
         transport: TransportName = "auto",
         wait_for_ready: bool | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> BlockingStub[S]:
         """A [`BlockingStub`][tensorrpc.BlockingStub]: methods that call the engines and wait.
 
@@ -285,6 +289,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The stub, typed as the service class.
@@ -295,6 +300,7 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
         )
         return _BlockingStub(self._runner, view, self._runner.client.service)
 
@@ -452,6 +458,8 @@ class _BlockingStub(BlockingStub[Any]):
             timeout=options.timeout,
             wait=options.wait,
             transport=options.transport,
+            wait_for_ready=options.wait_for_ready,
+            metadata=options.metadata,
         )
 
     def __getattr__(self, name: str) -> Callable[..., Any]:

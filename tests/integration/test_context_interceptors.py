@@ -415,3 +415,17 @@ def test_interceptors_must_be_callable() -> None:
     with pytest.raises(TypeError, match="async callables"):
         Client(Ctx, connect="ipc:///nonexistent", interceptors=[42])  # type: ignore[list-item]
     logging.getLogger(__name__).debug("constructed nothing")
+
+
+def test_the_blocking_client_takes_metadata_and_interceptors() -> None:
+    async def noop(call: ClientCall, proceed: Callable[[], Awaitable[Any]]) -> Any:
+        return await proceed()
+
+    with tensorrpc.BlockingClient(Ctx, bind="tcp://127.0.0.1:0", interceptors=[noop]) as client:
+        view = client.with_options(metadata={"k": "v"})
+        assert view._view.options.metadata == {"k": "v"}
+        stub: Any = client.stub(metadata={"k": "w"}, wait_for_ready=True)
+        assert stub._async_stub._options.metadata == {"k": "w"}
+        assert stub._async_stub._options.wait_for_ready is True
+        with pytest.raises(MetadataError):
+            client.with_options(metadata={"K": "v"})
