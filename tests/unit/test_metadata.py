@@ -6,9 +6,11 @@ from __future__ import annotations
 import struct
 
 import pytest
+from hypothesis import given, strategies as st
 
 from tensorrpc._exceptions import MetadataError, RemoteProtocolError
 from tensorrpc._metadata import (
+    KEY_PATTERN,
     MAX_KEY_CHARS,
     MAX_METADATA_BYTES,
     MAX_METADATA_ENTRIES,
@@ -255,3 +257,43 @@ def test_a_hostile_call_metadata_block_is_answered_protocol_error_and_runs_nothi
     with pytest.raises(RemoteProtocolError, match="control character") as info:
         pair.outcome(call)
     assert "\x1b" not in str(info.value)
+
+
+# -- properties ---------------------------------------------------------------------------
+
+_KEYS = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,20}", fullmatch=True).filter(
+    lambda k: not k.startswith("tensorrpc-")
+)
+_VALUES = st.text(st.characters(blacklist_categories=("Cc", "Cs")), max_size=40).filter(
+    lambda v: CONTROL.search(v) is None
+)
+
+
+@given(st.dictionaries(_KEYS, _VALUES, max_size=20))
+def test_any_valid_metadata_round_trips(metadata: dict[str, str]) -> None:
+    raw = encode_block(check_metadata(metadata))
+    if not metadata:
+        assert raw == b""
+        return
+    header = unpack_header(pack_call_header(1, "m", metadata=raw))
+    assert dict(header.metadata) == metadata
+    assert header.method == "m"
+
+
+@given(st.binary(max_size=300))
+def test_any_bytes_as_a_block_decode_or_fail_as_a_protocol_error(raw: bytes) -> None:
+    try:
+        metadata, end = decode_block(memoryview(raw), 0, len(raw))
+    except RemoteProtocolError as exc:
+        error = str(exc)
+    else:
+        error = ""
+        assert end <= len(raw)
+    assert CONTROL.search(error) is None
+    if error:
+        return
+    assert all(key_ok(k) and CONTROL.search(v) is None for k, v in metadata.items())
+
+
+def key_ok(key: str) -> bool:
+    return KEY_PATTERN.fullmatch(key) is not None and len(key) <= MAX_KEY_CHARS
