@@ -191,9 +191,12 @@ class ClientInterception:
         kwargs: Mapping[str, Any],
         options: CallOptions,
         encoded: Encoded | None = None,
+        details: ClientCall | None = None,
     ) -> Any:
-        """A unary call through the interceptors (as `CallRunner.call`)."""
-        details = ClientCall(spec, self._service, options)
+        """A unary call through the interceptors (as `CallRunner.call`; ``details``: the
+        call as they see it, made here when not given)."""
+        if details is None:
+            details = ClientCall(spec, self._service, options)
         proceed = functools.partial(
             self._runner.call, spec, args, kwargs, options, encoded, details
         )

@@ -24,6 +24,7 @@ from typing import (
 import anyio
 
 from tensorrpc import _observe
+from tensorrpc._interceptors import ClientCall
 from tensorrpc._metadata import EMPTY, check_metadata, encode_block
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
@@ -325,6 +326,64 @@ class CallView(Generic[S]):
         """
         spec = self._client._method(method, streaming=False)
         return await self._client._call(spec, args, kwargs, self._options)
+
+    @overload
+    async def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[R, Mapping[str, str]]: ...
+
+    @overload
+    async def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], AsyncIterator[Any]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> NoReturn: ...
+
+    @overload
+    async def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], R],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[R, Mapping[str, str]]: ...
+
+    async def call_with_metadata(
+        self,
+        method: Callable[..., Any],
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """`call`, also returning the response metadata the engine sent with the result.
+
+        ``value, metadata = await client.call_with_metadata(Greeter.hello, "ada")``; the
+        metadata is empty when the engine sent none (docs/context.md).
+
+        Args:
+            method: The method, taken from the service class.
+            *args: Positional arguments.
+            **kwargs: Keyword arguments.
+
+        Returns:
+            ``(result, response metadata)``.
+
+        Raises:
+            TypeError: ``method`` is not a unary method of this client's service.
+            MetadataError: A client interceptor added metadata that breaks a rule.
+            CallError: As `call` (and every other error `call` raises).
+        """
+        client = self._client
+        spec = client._method(method, streaming=False)
+        details = ClientCall(spec, client._spec.name, self._options)
+        result = await client._call(spec, args, kwargs, self._options, None, details)
+        return result, details.response_metadata
 
     def stream(
         self,

@@ -429,3 +429,28 @@ def test_the_blocking_client_takes_metadata_and_interceptors() -> None:
         assert stub._async_stub._options.wait_for_ready is True
         with pytest.raises(MetadataError):
             client.with_options(metadata={"K": "v"})
+
+
+async def test_call_with_metadata_returns_the_response_metadata(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    async def tag(call: ClientCall, proceed: Callable[[], Awaitable[Any]]) -> Any:
+        call.metadata["from-interceptor"] = "1"
+        return await proceed()
+
+    (tmp_path / "b").mkdir()
+    async with (
+        running(tmp_path) as plain,
+        running(tmp_path / "b", client_interceptors=(tag,)) as icpt,
+    ):
+        with anyio.fail_after(WAIT):
+            info, metadata = await plain.with_options(metadata={"k": "v"}).call_with_metadata(
+                Ctx.whoami
+            )
+            assert info["md:k"] == "v"
+            assert dict(metadata) == {"served-by": "e1"}
+            info, metadata = await icpt.call_with_metadata(Ctx.whoami_sync)
+            assert info["md:from-interceptor"] == "1"
+            assert dict(metadata) == {"thread": "yes"}
+            with pytest.raises(TypeError, match="streaming method"):
+                await plain.call_with_metadata(Ctx.count, 1)
