@@ -125,7 +125,6 @@ async def _micro(calls: int, rounds: int) -> dict[str, list[float]]:
     service = BenchService()
     handler_call = SimpleNamespace(spec=spec, fn=service.add)
     dispatcher = Dispatcher.__new__(Dispatcher)  # only _handler runs: no pool, no sockets
-    context = object()
 
     async def client_plain() -> None:
         for _ in range(calls):
@@ -143,13 +142,14 @@ async def _micro(calls: int, rounds: int) -> dict[str, list[float]]:
     async def engine_context() -> None:  # what every call pays, interceptors or not
         fn = handler_call.fn
         for _ in range(calls):
-            _ctx, token = _context.enter(handler_call, "e")  # type: ignore[arg-type]
+            token = _context.enter(handler_call, "e")  # type: ignore[arg-type]
             await fn(1, 2)
             _context.leave(token)
 
     async def engine_intercepted() -> None:
         for _ in range(calls):
             step = functools.partial(dispatcher._handler, handler_call, [1, 2])  # type: ignore[arg-type]
+            context = _context.CallContext(handler_call, "e")  # type: ignore[arg-type]
             await intercept((passthrough,), context, step)
 
     cases = {

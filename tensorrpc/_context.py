@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CallContext", "call_context", "current_or_none", "enter", "leave"]
 
-_CURRENT: Final[contextvars.ContextVar[CallContext]] = contextvars.ContextVar("tensorrpc_call")
+# The current call and its engine's id: a tuple is cheaper to make per call than a
+# CallContext, which call_context() builds when asked.
+_CURRENT: Final[contextvars.ContextVar[tuple[ServerCall, str]]] = contextvars.ContextVar(
+    "tensorrpc_call"
+)
 _monotonic = time.monotonic
 
 
@@ -37,7 +41,8 @@ class CallContext:
     """The call a handler runs, as the engine sees it; from `call_context`.
 
     A view on the live call: `cancelled` and `time_remaining` change as the call goes
-    on. Use it only while the call runs (in its handler, its interceptors, its stream).
+    on. Use it only while the call runs (in its handler, its interceptors, its stream);
+    each `call_context` returns a new view of the same call.
     """
 
     __slots__ = ("_call", "_engine_id")
@@ -128,25 +133,26 @@ def call_context() -> CallContext:
             several calls: it reads ``current_batch().items[i].context``).
     """
     try:
-        return _CURRENT.get()
+        call, engine_id = _CURRENT.get()
     except LookupError:
         raise NoCallContextError(
             "call_context() is only available while a handler runs a call (in a batched "
             "handler, read current_batch().items[i].context)"
         ) from None
+    return CallContext(call, engine_id)
 
 
 def current_or_none() -> CallContext | None:
     """The current call's context, or None outside a call."""
-    return _CURRENT.get(None)
+    current = _CURRENT.get(None)
+    return None if current is None else CallContext(*current)
 
 
-def enter(call: ServerCall, engine_id: str) -> tuple[CallContext, contextvars.Token[CallContext]]:
+def enter(call: ServerCall, engine_id: str) -> contextvars.Token[tuple[ServerCall, str]]:
     """Make ``call`` the current call (the engine's worker, before the handler)."""
-    context = CallContext(call, engine_id)
-    return context, _CURRENT.set(context)
+    return _CURRENT.set((call, engine_id))
 
 
-def leave(token: contextvars.Token[CallContext]) -> None:
+def leave(token: contextvars.Token[tuple[ServerCall, str]]) -> None:
     """Undo `enter` (the worker, after the handler)."""
     _CURRENT.reset(token)

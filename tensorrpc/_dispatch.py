@@ -286,9 +286,9 @@ class Dispatcher:
             return
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
-        context, token = _context.enter(call, self._engine_id)  # call_context() sees it
+        token = _context.enter(call, self._engine_id)  # call_context() sees it
         if call.spec.streaming:
-            await self._run_stream(call, args, deadline, context, token)
+            await self._run_stream(call, args, deadline, token)
             later_if_large(args, size)
             return
         call.scope = scope
@@ -299,6 +299,7 @@ class Dispatcher:
                 call.result = await call.fn(*args)  # type: ignore[misc]
             else:  # a sync handler (in a thread), or interceptors around the handler
                 handler = functools.partial(self._handler, call, args)
+                context = _context.CallContext(call, self._engine_id)
                 call.result = await intercept(self._interceptors, context, handler)
         except Exception as exc:
             call.failure = exc
@@ -500,18 +501,15 @@ class Dispatcher:
         call: Call,
         args: list[Any],
         deadline: float,
-        context: _context.CallContext,
-        token: Token[_context.CallContext],
+        token: Token[tuple[Call, str]],
     ) -> None:
         """Run a stream and end it (``token``: undo the call's context when done)."""
         try:
-            await self._stream(call, args, deadline, context)
+            await self._stream(call, args, deadline)
         finally:
             _context.leave(token)
 
-    async def _stream(
-        self, call: Call, args: list[Any], deadline: float, context: _context.CallContext
-    ) -> None:
+    async def _stream(self, call: Call, args: list[Any], deadline: float) -> None:
         gen: AsyncGenerator[Any, None] | None = None
         failure: BaseException | None = None
         finished = False
@@ -526,6 +524,7 @@ class Dispatcher:
             call.scope = scope
             try:
                 if self._interceptors:
+                    context = _context.CallContext(call, self._engine_id)
                     await intercept(self._interceptors, context, run)
                 else:
                     await run()
