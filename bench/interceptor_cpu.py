@@ -41,6 +41,7 @@ from tensorrpc._dispatch import Dispatcher
 from tensorrpc._interceptors import ClientCall, ClientInterception, intercept
 from tensorrpc._views import CallOptions
 
+#: Calls through each pair before the rounds start.
 WARMUP = 2_000
 
 
@@ -68,7 +69,9 @@ async def _cpu_per_call_us(stub: Any, calls: int, inflight: int) -> float:
     return (time.process_time() - start) / calls * 1e6
 
 
-async def measure(calls: int, inflight: int, rounds: int) -> dict[str, list[float]]:
+async def measure(
+    calls: int, inflight: int, rounds: int, warmup: int = WARMUP
+) -> dict[str, list[float]]:
     """CPU µs per call, per round, for ``"plain"`` and ``"intercepted"``."""
     out: dict[str, list[float]] = {"plain": [], "intercepted": []}
     with tempfile.TemporaryDirectory(prefix="trpc-icpt-") as tmp:
@@ -87,7 +90,7 @@ async def measure(calls: int, inflight: int, rounds: int) -> dict[str, list[floa
             await icpt_client.wait_for_engines(1, timeout=30)
             stubs = {"plain": plain_client.stub(), "intercepted": icpt_client.stub()}
             for stub in stubs.values():
-                await _calls(stub, WARMUP, inflight)
+                await _calls(stub, warmup, inflight)
             for i in range(rounds):
                 order = ["plain", "intercepted"] if i % 2 == 0 else ["intercepted", "plain"]
                 for name in order:
