@@ -30,10 +30,20 @@ from tensorrpc import (
     service,
 )
 from tensorrpc._exceptions import ErrorCode
-from tensorrpc._protocol import HEADER_SIZE, Flags, pack_call_header
+from tensorrpc._metadata import encode_block
+from tensorrpc._protocol import (
+    HEADER_SIZE,
+    Flags,
+    MessageKind,
+    pack_call_header,
+    pack_metadata_reply_header,
+    pack_reply_header,
+)
 from tensorrpc._text import CONTROL
 from tensorrpc.batching import current_batch
 
+from .fake_engine import FakeEngine
+from .services import Calculator
 from .test_server import engine, error_of
 
 WAIT = 20.0
@@ -454,3 +464,39 @@ async def test_call_with_metadata_returns_the_response_metadata(
             assert dict(metadata) == {"thread": "yes"}
             with pytest.raises(TypeError, match="streaming method"):
                 await plain.call_with_metadata(Ctx.count, 1)
+
+
+async def test_the_client_sends_metadata_and_drops_a_reply_with_a_hostile_block(
+    anyio_backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="tensorrpc")
+    hostile = "\x1b[2J\u202eforged\nline".encode()
+    entry = b"\x01k" + struct.pack("<H", len(hostile)) + hostile
+    async with (
+        Client(Calculator, bind=f"ipc://{tmp_path}/c.sock", heartbeat_interval=0.05) as client,
+        FakeEngine(client.addresses[0], "e1") as engine,
+    ):
+        await engine.join()
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+            async with anyio.create_task_group() as tg:
+                outcome: list[Any] = []
+
+                async def call() -> None:
+                    view = client.with_options(metadata={"authorization": "Bearer t"})
+                    outcome.append(await view.call_with_metadata(Calculator.add, 1, 2))
+
+                tg.start_soon(call)
+                msg = await engine.next(MessageKind.CALL)
+                assert dict(msg.header.metadata) == {"authorization": "Bearer t"}
+                bad = bytearray(pack_reply_header(MessageKind.RESULT, msg.call_id))
+                bad[4:6] = int(Flags.METADATA).to_bytes(2, "little")
+                payload = _codec.encode(3).payload
+                await engine.send([bytes(bad) + struct.pack("<H", len(entry)) + entry, payload])
+                good = encode_block({"served-by": "fake"})
+                header = pack_metadata_reply_header(MessageKind.RESULT, msg.call_id, good)
+                await engine.send([header, payload])
+        assert outcome == [(3, {"served-by": "fake"})]
+    assert any("control character" in r.getMessage() for r in caplog.records)
+    for record in caplog.records:
+        assert CONTROL.search(record.getMessage()) is None, record.getMessage()
