@@ -476,6 +476,7 @@ class CallRunner:
                 timeout=options.timeout,
                 wait=options.wait,
                 transport=options.transport,
+                metadata=options.metadata,
             )
             try:
                 results[engine_id] = await self.call(spec, (), {}, opts, encoded)

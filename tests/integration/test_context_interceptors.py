@@ -182,6 +182,9 @@ async def test_a_sync_handler_sees_its_call_in_the_worker_thread(
         assert info["method"] == "whoami_sync"
         assert info["md:k"] == "v"
         assert info["deadline"] == "set"
+        with anyio.fail_after(WAIT):
+            everyone = await client.with_options(metadata={"k": "b"}).broadcast("whoami_sync")
+        assert everyone["e1"]["md:k"] == "b"
 
 
 async def test_the_remaining_deadline_is_what_the_caller_gave(
