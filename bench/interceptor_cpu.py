@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import math
 import os
 import statistics
 import tempfile
@@ -126,7 +127,7 @@ async def _micro(calls: int, rounds: int) -> dict[str, list[float]]:
     runner = _InstantRunner()
     chain = ClientInterception(runner, lambda call: None, "BenchService", (passthrough,))  # type: ignore[arg-type]
     service = BenchService()
-    handler_call = SimpleNamespace(spec=spec, fn=service.add)
+    handler_call = SimpleNamespace(spec=spec, fn=service.add, deadline=math.inf)
     dispatcher = Dispatcher.__new__(Dispatcher)  # only _handler runs: no pool, no sockets
 
     async def client_plain() -> None:
@@ -152,7 +153,7 @@ async def _micro(calls: int, rounds: int) -> dict[str, list[float]]:
     async def engine_intercepted() -> None:
         for _ in range(calls):
             step = functools.partial(dispatcher._handler, handler_call, [1, 2])  # type: ignore[arg-type]
-            context = _context.CallContext(handler_call, "e")  # type: ignore[arg-type]
+            context = _context.CallContext(handler_call, "e", math.inf)  # type: ignore[arg-type]
             await intercept((passthrough,), context, step)
 
     cases = {

@@ -19,6 +19,8 @@ import time
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final
 
+import anyio
+
 from tensorrpc._exceptions import NoCallContextError
 from tensorrpc._metadata import EMPTY, merge_metadata
 
@@ -29,11 +31,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CallContext", "call_context", "current_or_none", "enter", "leave"]
 
-# The current call and its engine's id: a tuple is cheaper to make per call than a
-# CallContext, which call_context() builds when asked.
-_CURRENT: Final[contextvars.ContextVar[tuple[ServerCall, str]]] = contextvars.ContextVar(
-    "tensorrpc_call"
-)
+# The current call, its engine's id and its deadline on time.monotonic()'s clock (the
+# call's own is on the event loop's, which a sync handler's thread cannot read): a tuple
+# is cheaper to make per call than a CallContext, which call_context() builds when asked.
+_Current = tuple["ServerCall", str, float]
+_CURRENT: Final[contextvars.ContextVar[_Current]] = contextvars.ContextVar("tensorrpc_call")
 _monotonic = time.monotonic
 
 
@@ -45,11 +47,12 @@ class CallContext:
     each `call_context` returns a new view of the same call.
     """
 
-    __slots__ = ("_call", "_engine_id")
+    __slots__ = ("_call", "_deadline", "_engine_id")
 
-    def __init__(self, call: ServerCall, engine_id: str) -> None:
+    def __init__(self, call: ServerCall, engine_id: str, deadline: float = math.inf) -> None:
         self._call = call
         self._engine_id = engine_id
+        self._deadline = deadline
 
     @property
     def method(self) -> str:
@@ -82,12 +85,12 @@ class CallContext:
     @property
     def deadline(self) -> float | None:
         """The call's deadline on ``time.monotonic()``'s clock (None: no deadline)."""
-        deadline = self._call.deadline
+        deadline = self._deadline
         return None if deadline == math.inf else deadline
 
     def time_remaining(self) -> float | None:
         """Seconds left before the deadline (0.0 once it passed; None: no deadline)."""
-        deadline = self._call.deadline
+        deadline = self._deadline
         if deadline == math.inf:
             return None
         return max(0.0, deadline - _monotonic())
@@ -133,13 +136,13 @@ def call_context() -> CallContext:
             several calls: it reads ``current_batch().items[i].context``).
     """
     try:
-        call, engine_id = _CURRENT.get()
+        current = _CURRENT.get()
     except LookupError:
         raise NoCallContextError(
             "call_context() is only available while a handler runs a call (in a batched "
             "handler, read current_batch().items[i].context)"
         ) from None
-    return CallContext(call, engine_id)
+    return CallContext(*current)
 
 
 def current_or_none() -> CallContext | None:
@@ -148,11 +151,14 @@ def current_or_none() -> CallContext | None:
     return None if current is None else CallContext(*current)
 
 
-def enter(call: ServerCall, engine_id: str) -> contextvars.Token[tuple[ServerCall, str]]:
+def enter(call: ServerCall, engine_id: str) -> contextvars.Token[_Current]:
     """Make ``call`` the current call (the engine's worker, before the handler)."""
-    return _CURRENT.set((call, engine_id))
+    deadline = call.deadline
+    if deadline != math.inf:  # the event loop's clock -> time.monotonic()'s
+        deadline = _monotonic() + (deadline - anyio.current_time())
+    return _CURRENT.set((call, engine_id, deadline))
 
 
-def leave(token: contextvars.Token[tuple[ServerCall, str]]) -> None:
+def leave(token: contextvars.Token[_Current]) -> None:
     """Undo `enter` (the worker, after the handler)."""
     _CURRENT.reset(token)

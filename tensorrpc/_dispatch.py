@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
 import traceback
 from typing import TYPE_CHECKING, Any, Final
 
@@ -242,13 +241,6 @@ class Dispatcher:
             if call.observed is not None:  # observe: an ERROR reply to an observed call
                 call.observed.error(code.name)
 
-    def _deadline(self, call: Call) -> float:
-        """The call's deadline on anyio's clock (the protocol's is ``time.monotonic``)."""
-        deadline = call.deadline
-        if deadline == math.inf:
-            return deadline
-        return anyio.current_time() + (deadline - time.monotonic())
-
     def _refused(self, call: Call, deadline: float) -> bool:
         """Whether a call a worker took must not run (cancelled, shutdown, already late)."""
         if call.cancelled:
@@ -273,10 +265,8 @@ class Dispatcher:
         is left in ``call.result``/``call.failure`` and the worker replies once it has left
         the spent scope (see `_reply`).
         """
-        deadline = call.deadline
+        deadline = call.deadline  # on the event loop's clock, as the shell fed the protocol
         finite = deadline != math.inf
-        if finite:
-            deadline = self._deadline(call)
         # Only a call that may be refused pays for the checks (the hot path).
         if (finite or call.cancelled or self._proto.hard_stop) and self._refused(call, deadline):
             return
@@ -299,8 +289,7 @@ class Dispatcher:
                 call.result = await call.fn(*args)  # type: ignore[misc]
             else:  # a sync handler (in a thread), or interceptors around the handler
                 handler = functools.partial(self._handler, call, args)
-                context = _context.CallContext(call, self._engine_id)
-                call.result = await intercept(self._interceptors, context, handler)
+                call.result = await intercept(self._interceptors, _context.call_context(), handler)
         except Exception as exc:
             call.failure = exc
         finally:
@@ -501,7 +490,7 @@ class Dispatcher:
         call: Call,
         args: list[Any],
         deadline: float,
-        token: Token[tuple[Call, str]],
+        token: Token[tuple[Call, str, float]],
     ) -> None:
         """Run a stream and end it (``token``: undo the call's context when done)."""
         try:
@@ -524,8 +513,7 @@ class Dispatcher:
             call.scope = scope
             try:
                 if self._interceptors:
-                    context = _context.CallContext(call, self._engine_id)
-                    await intercept(self._interceptors, context, run)
+                    await intercept(self._interceptors, _context.call_context(), run)
                 else:
                     await run()
             except Exception as exc:
