@@ -232,8 +232,8 @@ def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dic
         where = {"connect": addr} if listen else {"bind": addr}
         async with client_cls(BenchService, **where) as client:
             await wait_engine(client, peer, cfg.ready_timeout)
-            plain = client.stub(engine=ENGINE_ID)
-            stub = client.stub(engine=ENGINE_ID, transport=transport)
+            plain = client.with_options(engine=ENGINE_ID).stub()
+            stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
 
             def large_ops(size: int) -> dict[str, Callable[[], Awaitable[Any]]]:
                 t = torch.ones(size // 4, dtype=torch.float32)

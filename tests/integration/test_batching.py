@@ -225,13 +225,13 @@ async def test_full_queue_is_overloaded_and_queued_timeouts_never_run(tmp_path: 
                 tg.start_soon(one, 1)
                 await svc.entered.wait()  # batch [1] runs and holds the only slot
                 with pytest.raises(CallTimeoutError):
-                    await c.stub(timeout=0.2).gated(99)  # queued, then late
+                    await c.with_options(timeout=0.2).stub().gated(99)  # queued, then late
                 tg.start_soon(one, 2)
                 tg.start_soon(one, 3)
                 while server.statistics().batching["gated"]["queued"] < 2:  # noqa: ASYNC110
                     await anyio.sleep(0.01)  # bounded by fail_after: the two are queued
                 with pytest.raises(OverloadedError, match="max_queue"):
-                    await c.stub(wait=False).gated(4)
+                    await c.with_options(wait=False).stub().gated(4)
                 svc.gate.set()
     assert sorted(results) == [1, 2, 3]
     assert svc.batches[0] == [1]
@@ -252,7 +252,7 @@ async def test_a_running_batch_learns_which_callers_cancelled(tmp_path: Path) ->
             async with anyio.create_task_group() as tg:
                 tg.start_soon(stays)
                 with pytest.raises(CallTimeoutError):
-                    await c.stub(timeout=0.5).watch(2)
+                    await c.with_options(timeout=0.5).stub().watch(2)
     assert got == [1]
     assert len(svc.seen_cancelled) == 1
     assert len(svc.seen_cancelled[0]) == 1  # the item of the caller that gave up
@@ -269,7 +269,7 @@ async def test_a_batch_whose_callers_all_left_is_stopped(tmp_path: Path) -> None
         with anyio.fail_after(20):
             await c.wait_for_engines(1)
             with pytest.raises(CallTimeoutError):
-                await c.stub(timeout=0.3).gated(7)
+                await c.with_options(timeout=0.3).stub().gated(7)
             assert svc.batches == [[7]]
             while server.statistics().batching["gated"]["running"]:  # noqa: ASYNC110
                 await anyio.sleep(0.01)  # bounded by fail_after: the batch is stopped

@@ -157,7 +157,7 @@ async def test_an_async_handler_sees_its_call_and_returns_response_metadata(
         return await proceed()
 
     async with running(tmp_path, client_interceptors=(keep,)) as client:
-        stub = client.stub(metadata={"authorization": "Bearer t", "x-trace": "é"})
+        stub = client.with_options(metadata={"authorization": "Bearer t", "x-trace": "é"}).stub()
         with anyio.fail_after(WAIT):
             info = await stub.whoami()
         assert info == {
@@ -192,7 +192,7 @@ async def test_the_remaining_deadline_is_what_the_caller_gave(
 ) -> None:
     async with running(tmp_path) as client:
         with anyio.fail_after(WAIT):
-            left = await client.stub(timeout=10).remaining()
+            left = await client.with_options(timeout=10).stub().remaining()
         assert 0 < left <= 10
 
 
@@ -201,7 +201,7 @@ async def test_a_stream_reads_its_metadata_and_ends_with_response_metadata(
 ) -> None:
     async with running(tmp_path) as client:
         with anyio.fail_after(WAIT):
-            stream = client.stub(metadata={"tag": "t"}).count(3)
+            stream = client.with_options(metadata={"tag": "t"}).stub().count(3)
             assert stream.response_metadata == {}
             assert [item async for item in stream] == ["0:t", "1:t", "2:t"]
         assert dict(stream.response_metadata) == {"items": "3"}
@@ -220,7 +220,7 @@ async def test_each_batched_item_has_its_own_call_context(
         results: dict[int, str] = {}
 
         async def one(i: int) -> None:
-            results[i] = await client.stub(metadata={"tag": f"t{i}"}).tag(i)
+            results[i] = await client.with_options(metadata={"tag": f"t{i}"}).stub().tag(i)
 
         with anyio.fail_after(WAIT):
             async with anyio.create_task_group() as tg:
@@ -288,10 +288,10 @@ async def test_engine_interceptors_run_in_order_and_can_refuse_with_a_typed_erro
     async with running(tmp_path, engine_interceptors=(outer, auth)) as client:
         with anyio.fail_after(WAIT):
             with pytest.raises(PermissionDeniedError, match="whoami: bad or missing token"):
-                await client.stub(metadata={"authorization": "Bearer bad"}).whoami()
+                await client.with_options(metadata={"authorization": "Bearer bad"}).stub().whoami()
             assert order == ["outer whoami", "auth"]
             order.clear()
-            good = client.stub(metadata={"authorization": "Bearer good"})
+            good = client.with_options(metadata={"authorization": "Bearer good"}).stub()
             assert (await good.whoami())["method"] == "whoami"
             assert order == ["outer whoami", "auth", "outer done"]
             assert [i async for i in good.count(2)] == ["0:", "1:"]
@@ -372,7 +372,9 @@ async def test_client_interceptors_add_metadata_time_and_refuse(
             assert info["md:authorization"] == "Bearer from-interceptor"
             with pytest.raises(PermissionDeniedError, match="not from this client"):
                 await client.stub().whoami_sync()
-            assert [i async for i in client.stub(metadata={"tag": "x"}).count(2)] == ["0:x", "1:x"]
+            assert [
+                i async for i in client.with_options(metadata={"tag": "x"}).stub().count(2)
+            ] == ["0:x", "1:x"]
             async with client.stub().count(5) as early:
                 async for _ in early:
                     break
@@ -437,7 +439,7 @@ def test_the_blocking_client_takes_metadata_and_interceptors() -> None:
     with tensorrpc.BlockingClient(Ctx, bind="tcp://127.0.0.1:0", interceptors=[noop]) as client:
         view = client.with_options(metadata={"k": "v"})
         assert view._view.options.metadata == {"k": "v"}
-        stub: Any = client.stub(metadata={"k": "w"}, wait_for_ready=True)
+        stub: Any = client.with_options(metadata={"k": "w"}, wait_for_ready=True).stub()
         assert stub._async_stub._options.metadata == {"k": "w"}
         assert stub._async_stub._options.wait_for_ready is True
         with pytest.raises(MetadataError):

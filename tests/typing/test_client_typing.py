@@ -41,7 +41,7 @@ async def typed_calls(client: Client[Calc]) -> None:
     """Never run: only type-checked."""
     calc = client.stub()
     assert_type(calc, Stub[Calc])
-    assert_type(client.stub(engine="e1", timeout=0.5), Stub[Calc])
+    assert_type(client.with_options(engine="e1", timeout=0.5).stub(), Stub[Calc])
     # The stub's methods (typed by tensorrpc.mypy_plugin): every unary call is awaited,
     # sync handlers included; a streaming method gives a CallStream.
     assert_type(await assert_type(calc.add(1, 2), Coroutine[Any, Any, int]), int)
@@ -67,14 +67,14 @@ async def typed_calls(client: Client[Calc]) -> None:
         tuple[torch.Tensor, Mapping[str, str]],
     )
     await client.call_with_metadata(Calc.add, "x")  # type: ignore[call-overload]
-    client.stub(metadata={"k": 1})  # type: ignore[dict-item]
+    client.with_options(metadata={"k": 1}).stub()  # type: ignore[dict-item]
     assert_type(await client.broadcast("add", 1, 2), dict[str, Any])
     assert_type(client.engines["e1"], EngineInfo)
     assert_type(client.statistics(), ClientStatistics)
     await client.call(Calc.add, "x")  # type: ignore[arg-type]
     await client.call(Calc.add, 1, c=3)  # type: ignore[call-arg]
     client.stream(Calc.add, 1)  # type: ignore[arg-type]
-    client.stub(transport="pigeon")  # type: ignore[arg-type]
+    client.with_options(transport="pigeon").stub()  # type: ignore[arg-type]
 
 
 async def streaming_method_through_call_is_an_error(client: Client[Calc]) -> None:
