@@ -13,8 +13,12 @@ Systems (one engine process each, ``ipc://``): tensorrpc with ``transport="frame
 and ``"torch_shm"``, each in both topologies (the engine dials in to the client's bind,
 vLLM's shape; the client dials the engine's bind); raw pyzmq (a ROUTER server, a DEALER
 client with one reader task and a future per call id, tensors as zero-copy frames) doing
-the same mix. The client drops each large result through `tensorrpc.release_later`, as
-docs/transports.md recommends (a plain ``del`` where tensorrpc has none).
+the same mix, once on one connection and once with the large calls on a second DEALER of
+their own (``pyzmq bulk socket``: what a bulk connection gives, measured raw); Ray
+actors (an async actor, numpy arrays through Ray's shared-memory object store, on
+loopback: `bench.peers.ray_mixed`) doing the same mix. The client drops each large
+result through `tensorrpc.release_later`, as docs/transports.md recommends (a plain
+``del`` where tensorrpc has none).
 
 A small call's latency is from just before the call to its result. Its wake-up lag
 (how late the steady-rate task woke for it, a stalled client event loop shows there) is
@@ -29,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import itertools
 import json
 import os
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -232,8 +236,8 @@ def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dic
         where = {"connect": addr} if listen else {"bind": addr}
         async with client_cls(BenchService, **where) as client:
             await wait_engine(client, peer, cfg.ready_timeout)
-            plain = client.stub(engine=ENGINE_ID)
-            stub = client.stub(engine=ENGINE_ID, transport=transport)
+            plain = client.with_options(engine=ENGINE_ID).stub()
+            stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
 
             def large_ops(size: int) -> dict[str, Callable[[], Awaitable[Any]]]:
                 t = torch.ones(size // 4, dtype=torch.float32)
@@ -266,68 +270,34 @@ def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dic
 
 # -- raw pyzmq ----------------------------------------------------------------------------
 
-_ID = struct.Struct("<Q")
 
-
-class _ZmqMux:
-    """A DEALER shared by several tasks: one reader, a future per call id."""
-
-    def __init__(self, addr: str) -> None:
-        import zmq
-        import zmq.asyncio
-
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
-        self._ids = itertools.count(1)
-        self._pending: dict[bytes, asyncio.Future[list[Any]]] = {}
-        self._reader: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> _ZmqMux:
-        self._reader = asyncio.ensure_future(self._read())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-    async def _read(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            fut = self._pending.pop(frames[0].bytes, None)
-            if fut is not None and not fut.done():
-                fut.set_result(frames[1:])
-            del frames, fut
-
-    async def call(self, *parts: Any) -> list[Any]:
-        """Send ``[call id, *parts]`` zero-copy; the reply's frames after the call id."""
-        cid = _ID.pack(next(self._ids))
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[cid] = fut
-        await self.sock.send_multipart([cid, *parts], copy=False)
-        frames: list[Any] = await fut
-        return frames
-
-
-def _pyzmq(cfg: Config, workdir: Path) -> dict[str, Any]:
+def _pyzmq(cfg: Config, workdir: Path, *, bulk: bool = False) -> dict[str, Any]:
     import ormsgpack
     import torch
 
     from bench.peers._proc import PeerProcess
-    from bench.peers.zmq_peer import OP_ADD, OP_ECHO, OP_PRODUCE, _tensor_frames
+    from bench.peers.zmq_peer import (
+        OP_ADD,
+        OP_ECHO,
+        OP_PRODUCE,
+        ZmqFutureClient,
+        _tensor_frames,
+    )
 
-    addr = f"ipc://{workdir}/mixed-pyzmq.sock"
+    addr = f"ipc://{workdir}/mixed-pyzmq{'-bulk' if bulk else ''}.sock"
     add_payload = ormsgpack.packb([1, 2])
 
     async def case() -> dict[str, Any]:
-        async with _ZmqMux(addr) as mux:
+        async with (
+            ZmqFutureClient(addr, copy=False) as small_mux,
+            ZmqFutureClient(addr, copy=False) as bulk_mux,
+        ):
+            # bulk: large calls on a connection of their own, small calls never queue
+            # behind their bytes (the design of issue 26's bulk path, measured raw)
+            mux = bulk_mux if bulk else small_mux
 
             async def small() -> int:
-                (reply,) = await mux.call(OP_ADD, add_payload)
+                (reply,) = await small_mux.call(OP_ADD, add_payload)
                 return int(ormsgpack.unpackb(reply.bytes))
 
             def large_ops(size: int) -> dict[str, Callable[[], Awaitable[Any]]]:
@@ -360,18 +330,35 @@ def _pyzmq(cfg: Config, workdir: Path) -> dict[str, Any]:
     return result
 
 
+# -- Ray actors -----------------------------------------------------------------------------
+
+
+def _ray(cfg: Config, workdir: Path) -> dict[str, Any]:
+    import importlib.util
+
+    from bench.peers._suite import run_json_child
+
+    if importlib.util.find_spec("ray") is None:
+        raise RuntimeError("ray is not installed (optional: pip install 'tensorrpc[bench-ray]')")
+    args = ["--config", json.dumps(dataclasses.asdict(cfg)), "--temp-dir", str(workdir / "ray")]
+    # Ray's own start-up (a local instance, an actor process) comes on top of the case.
+    return run_json_child("bench.peers.ray_mixed", args, timeout=cfg.case_timeout + 120.0)
+
+
 # -- the section --------------------------------------------------------------------------
 
 
 def system_names() -> list[str]:
     """Every system this section measures, as named in its results."""
     names = [f"tensorrpc {tr} ({topo})" for tr in ("frames", "torch_shm") for topo in TOPOLOGIES]
-    return [*names, "pyzmq"]
+    return [*names, "pyzmq", "pyzmq bulk socket", "ray"]
 
 
 def _case(name: str, cfg: Config, workdir: Path) -> dict[str, Any]:
-    if name == "pyzmq":
-        return _pyzmq(cfg, workdir)
+    if name.startswith("pyzmq"):
+        return _pyzmq(cfg, workdir, bulk=name != "pyzmq")
+    if name == "ray":
+        return _ray(cfg, workdir)
     transport = name.split()[1]
     topology = name.split(" (")[1].rstrip(")")
     return _tensorrpc(cfg, workdir, transport, topology)

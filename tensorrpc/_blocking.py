@@ -39,6 +39,7 @@ from anyio.from_thread import BlockingPortal
 
 from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
 from tensorrpc._exceptions import ClosedError
+from tensorrpc._views import KEEP, Keep
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -231,13 +232,16 @@ class BlockingCallView(Generic[S]):
     def with_options(
         self,
         *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: TransportName = "auto",
-        wait_for_ready: bool | None = None,
+        engine: str | Keep | None = KEEP,
+        timeout: float | Keep | None = KEEP,
+        wait: bool | Keep = KEEP,
+        transport: TransportName | Keep = KEEP,
+        wait_for_ready: bool | Keep | None = KEEP,
+        metadata: Mapping[str, str] | Keep | None = KEEP,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
+
+        An option not given keeps this view's value (views chain); ``None`` clears one.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -246,6 +250,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The new view.
@@ -256,18 +261,11 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
         )
         return BlockingCallView(self._runner, view)
 
-    def stub(
-        self,
-        *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: TransportName = "auto",
-        wait_for_ready: bool | None = None,
-    ) -> BlockingStub[S]:
+    def stub(self) -> BlockingStub[S]:
         """A [`BlockingStub`][tensorrpc.BlockingStub]: methods that call the engines and wait.
 
         ``stub.add(1, 2)`` returns the result, whether the handler is ``async def`` or a
@@ -278,25 +276,12 @@ class BlockingCallView(Generic[S]):
         [`call`][tensorrpc.BlockingCallView.call] and
         [`stream`][tensorrpc.BlockingCallView.stream] are exact under any checker.
 
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
+        Its calls use this view's options: ``client.with_options(timeout=5).stub()``.
 
         Returns:
             The stub, typed as the service class.
         """
-        view = self._view.with_options(
-            engine=engine,
-            timeout=timeout,
-            wait=wait,
-            transport=transport,
-            wait_for_ready=wait_for_ready,
-        )
-        return _BlockingStub(self._runner, view, self._runner.client.service)
+        return _BlockingStub(self._runner, self._view, self._runner.client.service)
 
     @overload
     def call(
@@ -444,15 +429,9 @@ class _BlockingStub(BlockingStub[Any]):
     __slots__ = ("__dict__", "_async_stub", "_runner", "_spec")
 
     def __init__(self, runner: _Runner, view: CallView[Any], spec: ServiceSpec) -> None:
-        options = view.options
         self._runner = runner
         self._spec = spec
-        self._async_stub: Any = view.stub(
-            engine=options.engine,
-            timeout=options.timeout,
-            wait=options.wait,
-            transport=options.transport,
-        )
+        self._async_stub: Any = view.stub()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = self._spec.methods.get(name)

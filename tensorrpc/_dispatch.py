@@ -29,6 +29,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import traceback
@@ -38,30 +39,34 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from tensorrpc import _codec
+from tensorrpc import _codec, _context
 from tensorrpc._batching import ItemRefused
 from tensorrpc._exceptions import (
     DecodeError,
     EncodeError,
     ErrorCode,
+    PermissionDeniedError,
     TensorRPCError,
     TensorTransportError,
     ValidationError,
 )
+from tensorrpc._interceptors import intercept
 from tensorrpc._protocol import Flags
-from tensorrpc._release import held_nbytes, later_if_large, nbytes
+from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as release_threshold
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
-from tensorrpc.transports._policy import LeaseCollector
+from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
+    from contextvars import Token
 
     from anyio.abc import TaskGroup
     from typing_extensions import Buffer
 
     from tensorrpc._server_protocol import ServerProtocol
-    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer, TransportPolicy
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
 
 __all__ = ["Call", "Dispatcher"]
 
@@ -106,6 +111,7 @@ class Dispatcher:
         grace_period: For the DRAINING message.
         flush: Send what the protocol queued (ERROR, STREAM_END, RELEASE), no waiting.
         send_reply: Send a reply, waiting a bounded time; ``(call, frames, keepalive)``.
+        interceptors: The engine's interceptors, outermost first (`tensorrpc._interceptors`).
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class Dispatcher:
         grace_period: float,
         flush: Callable[[], None],
         send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
+        interceptors: tuple[Any, ...] = (),
     ) -> None:
         self._proto = proto
         self._engine_id = engine_id
@@ -132,6 +139,7 @@ class Dispatcher:
         self._grace_period = grace_period
         self._flush = flush
         self._send_reply = send_reply
+        self._interceptors = interceptors
         self._idle: list[anyio.Event] = []
         self._closed = False
         self._workers = 0
@@ -228,7 +236,7 @@ class Dispatcher:
         if call.keep is not None or call.cancelled:
             self._end_args(call)
             self._flush()
-        self._proto.done(call)
+        self._proto.done(call, anyio.current_time())
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
 
@@ -276,10 +284,12 @@ class Dispatcher:
         args = self._decode(call)
         if args is None:
             return
+        self._proto.started(call, anyio.current_time())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
+        token = _context.enter(call, self._engine_id)  # call_context() sees it
         if call.spec.streaming:
-            await self._run_stream(call, args, deadline)
+            await self._run_stream(call, args, deadline, token)
             later_if_large(args, size)
             return
         call.scope = scope
@@ -287,17 +297,15 @@ class Dispatcher:
         if finite and not batched:
             scope.deadline = deadline
         try:
-            if batched:
-                call.result = await self._batched(call, args, deadline)
-            elif call.spec.is_async:
+            if call.spec.is_async and not self._interceptors and not batched:  # the hot path
                 call.result = await call.fn(*args)  # type: ignore[misc]
-            else:
-                call.result = await anyio.to_thread.run_sync(
-                    call.fn, *args, limiter=self._limiter, abandon_on_cancel=True
-                )
+            else:  # sync, batched, or interceptors around the handler
+                handler = functools.partial(self._handler, call, args, deadline)
+                call.result = await intercept(self._interceptors, _context.call_context(), handler)
         except Exception as exc:
             call.failure = exc
         finally:
+            _context.leave(token)
             call.scope = None
             if finite:
                 scope.deadline = math.inf
@@ -318,6 +326,16 @@ class Dispatcher:
         finally:
             self._parked -= 1
             self._proto.batch_back(call)
+
+    async def _handler(self, call: Call, args: list[Any], deadline: float) -> Any:
+        """Run a unary handler (the innermost ``proceed`` of the interceptors)."""
+        if call.spec.batch is not None:
+            return await self._batched(call, args, deadline)
+        if call.spec.is_async:
+            return await call.fn(*args)  # type: ignore[misc]
+        return await anyio.to_thread.run_sync(
+            call.fn, *args, limiter=self._limiter, abandon_on_cancel=True
+        )
 
     def _decode(self, call: Call) -> list[Any] | None:
         """Decode and validate the arguments; on failure reply with an ERROR and return None."""
@@ -395,7 +413,7 @@ class Dispatcher:
             return None
         # Built on the client's regions (one copy in all) until our first reply, which
         # ends the client's lease: _detach() runs before it. Made on the first handle.
-        return self._policy.lazy_resolver(
+        return self._policy.peers.lazy_resolver(
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
@@ -405,7 +423,49 @@ class Dispatcher:
         pages of their own first."""
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
+
+    def _copied_inline(self, call: Call, placer: PolicyPlacer | None) -> bool:
+        """`_detach` here when neither it nor the reply's pool copies move a large buffer
+        (the common case: no coroutine); False: `_copy_off_loop` has it to do."""
+        keep = call.keep
+        if (placer is not None and placer.pending_bytes) or (
+            keep is not None and self._policy.memory.detach_bytes(keep) >= release_threshold()
+        ):
+            return False
+        self._detach(call)
+        return True
+
+    async def _copy_off_loop(self, call: Call, placer: PolicyPlacer | None) -> bool:
+        """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`),
+        on a worker thread (the copies release the GIL), so the loop keeps serving small
+        calls meanwhile. False: it failed, ERROR sent."""
+        keep = call.keep
+        memory = self._policy.memory
+
+        def copy() -> None:
+            if keep is not None:
+                memory.detach(keep)
+            if placer is not None:
+                placer.fill()
+
+        try:
+            # Not abandoned on cancellation: the region must not be released mid-copy.
+            await anyio.to_thread.run_sync(copy)
+        except OSError as exc:
+            if placer is not None:
+                placer.abort()
+            self._error(
+                call,
+                ErrorCode.TENSOR_TRANSPORT,
+                f"cannot copy {call.spec.qualname}'s result into shared memory: {exc.strerror}",
+            )
+            return False
+        except BaseException:
+            if placer is not None:
+                placer.abort()
+            raise
+        return True
 
     def _end_args(self, call: Call) -> None:
         """A call that ends without a reply (cancelled, client gone): argument tensors
@@ -416,7 +476,7 @@ class Dispatcher:
             return
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
         unread: tuple[int, ...] = ()
         if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
             collector = LeaseCollector()
@@ -458,7 +518,8 @@ class Dispatcher:
         if done is None:
             return
         encoded, placer = done
-        self._detach(call)
+        if not self._copied_inline(call, placer) and not await self._copy_off_loop(call, placer):
+            return
         frames = self._proto.result(call, encoded.payload, encoded.buffers)
         if frames is None:  # cancelled meanwhile: no reply
             if placer is not None:
@@ -469,6 +530,9 @@ class Dispatcher:
     def _reply_exception(self, call: Call, exc: BaseException) -> None:
         if isinstance(exc, ItemRefused):  # batching: the batcher ended the item
             self._error(call, exc.code, str(exc))
+            return
+        if isinstance(exc, PermissionDeniedError):  # an interceptor or the handler refused
+            self._error(call, ErrorCode.PERMISSION_DENIED, str(exc), type_name(exc))
             return
         self._error(
             call,
@@ -491,16 +555,37 @@ class Dispatcher:
 
     # -- streams ----------------------------------------------------------------------------
 
-    async def _run_stream(self, call: Call, args: list[Any], deadline: float) -> None:
+    async def _run_stream(
+        self,
+        call: Call,
+        args: list[Any],
+        deadline: float,
+        token: Token[tuple[Call, str, float]],
+    ) -> None:
+        """Run a stream and end it (``token``: undo the call's context when done)."""
+        try:
+            await self._stream(call, args, deadline)
+        finally:
+            _context.leave(token)
+
+    async def _stream(self, call: Call, args: list[Any], deadline: float) -> None:
         gen: AsyncGenerator[Any, None] | None = None
         failure: BaseException | None = None
         finished = False
+
+        async def run() -> None:  # the innermost ``proceed`` of the interceptors
+            nonlocal gen, finished
+            gen = call.fn(*args)  # type: ignore[assignment]
+            assert gen is not None
+            finished = await self._pump(call, gen)
+
         with anyio.CancelScope(deadline=deadline) as scope:
             call.scope = scope
             try:
-                gen = call.fn(*args)  # type: ignore[assignment]
-                assert gen is not None
-                finished = await self._pump(call, gen)
+                if self._interceptors:
+                    await intercept(self._interceptors, _context.call_context(), run)
+                else:
+                    await run()
             except Exception as exc:
                 failure = exc
             finally:
@@ -538,7 +623,10 @@ class Dispatcher:
             if done is None:
                 return False  # the ERROR is sent: nothing more
             encoded, placer = done
-            self._detach(call)
+            if not self._copied_inline(call, placer) and not await self._copy_off_loop(
+                call, placer
+            ):
+                return False  # the ERROR is sent: nothing more
             frames = proto.stream_item(call, encoded.payload, encoded.buffers)
             if frames is None:  # cancelled while the generator ran: nothing more
                 if placer is not None:

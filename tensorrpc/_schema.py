@@ -293,7 +293,10 @@ def _float_check(v: Any) -> Any:
     if type(v) is float:
         return v
     if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:
+            raise _Invalid("float", v, f"int {v} is too large for a float") from None
     raise _Invalid("float", v)
 
 

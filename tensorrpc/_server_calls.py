@@ -14,10 +14,12 @@ from collections import deque
 from typing import TYPE_CHECKING, Final, Protocol
 
 from tensorrpc._exceptions import ErrorCode
+from tensorrpc._metadata import EMPTY
 from tensorrpc._protocol import Flags
+from tensorrpc._statistics import MethodStatistics
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -94,15 +96,21 @@ class ServerCall:
         "fn",
         "keep",
         "key",
+        "metadata",
         "observed",
+        "outcome",
         "parked",
         "payload",
+        "received",
+        "reply_metadata",
         "result",
         "results",
         "scope",
         "session",
         "shutdown",
         "spec",
+        "started",
+        "stats",
         "trace",
     )
 
@@ -117,6 +125,7 @@ class ServerCall:
         buffers: Sequence[Buffer],
         results: int,
         trace: bytes = b"",
+        metadata: Mapping[str, str] = EMPTY,
     ) -> None:
         self.session = session
         self.key = session.key
@@ -141,6 +150,18 @@ class ServerCall:
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
         self.trace = trace
+        #: The request metadata the CALL carried (``Flags.METADATA``; read-only).
+        self.metadata = metadata
+        #: The response metadata its RESULT or STREAM_END carries (None: none; checked
+        #: against the bounds as it is set: `tensorrpc._metadata.merge_metadata`).
+        self.reply_metadata: dict[str, str] | None = None
+        #: When it was accepted and its handler started (0: not yet), on the shell's clock.
+        self.received = 0.0
+        self.started = 0.0
+        #: ``"ok"`` or the name of the ERROR code that answered it.
+        self.outcome = "ok"
+        #: Its method's counters (set when it is accepted).
+        self.stats: MethodStatistics | None = None
         #: Shell: the cancel scope the handler runs in, while it runs.
         self.scope: Cancellable | None = None
         #: Shell: what a stream waiting for credit waits on.
@@ -195,6 +216,7 @@ class CallQueue:
         "batched",
         "busy",
         "expiry",
+        "methods",
         "parked",
         "queue",
     )
@@ -218,6 +240,8 @@ class CallQueue:
         self.batched = 0
         #: No queued call's deadline is earlier than this (``inf``: none has one).
         self.expiry = _INF
+        #: Per method of the service: its counters (the engine's only ones).
+        self.methods = {name: MethodStatistics() for name in self._methods}
 
     def admit(
         self,
@@ -252,8 +276,11 @@ class CallQueue:
         deadline = now + timeout_ms / 1000 if timeout_ms else _INF
         call = self._call_factory(
             session, header.call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS,
-            header.trace,
+            header.trace, header.metadata,
         )  # fmt: skip
+        call.received = now
+        call.stats = stats = self.methods[method]
+        stats.calls += 1
         self.queue.append(call)
         if deadline < self.expiry:
             self.expiry = deadline
@@ -280,6 +307,7 @@ class CallQueue:
                 calls = call.session.calls
                 if calls.get(call.call_id) is call:
                     del calls[call.call_id]
+                self._ended(call, ErrorCode.DEADLINE_EXCEEDED.name, now)
         self.expiry = min((c.deadline for c in queue if not c.cancelled), default=_INF)
         return late
 
@@ -300,12 +328,27 @@ class CallQueue:
         self.busy += 1
         return queue.popleft()
 
-    def done(self, call: ServerCall) -> None:
-        """A worker is finished with ``call``: it leaves its session's table (rule 9)."""
+    def started(self, call: ServerCall, now: float) -> None:
+        """A worker starts ``call``'s handler at ``now``."""
+        call.started = now
+
+    def done(self, call: ServerCall, now: float) -> None:
+        """A worker is finished with ``call`` at ``now``: it leaves its session's table
+        (rule 9) and its method counts how it ended."""
         self.busy -= 1
         calls = call.session.calls
         if calls.get(call.call_id) is call:
             del calls[call.call_id]
+        outcome = call.outcome
+        if outcome == "ok" and call.cancelled:
+            outcome = "cancelled"
+        self._ended(call, outcome, now)
+
+    @staticmethod
+    def _ended(call: ServerCall, outcome: str, now: float) -> None:
+        stats = call.stats
+        if stats is not None:
+            stats.ended(outcome, call.received, call.started, now)
 
     def may_reply(self, call: ServerCall) -> bool:
         """Claim the call's final reply: False when it has one or must get none (rule 7)."""
@@ -321,6 +364,8 @@ class CallQueue:
     def item_sent(self, call: ServerCall) -> None:
         """Count one STREAM_ITEM sent against the stream's credit."""
         call.credits -= 1
+        if call.stats is not None:
+            call.stats.items += 1
 
     def park(self, call: ServerCall) -> str | None:
         """A stream waits for credit; it stops counting as busy.

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Final
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
 from tensorrpc._machine import Machine, release_frames
+from tensorrpc._metadata import encode_block
 from tensorrpc._protocol import (
     HEADER_SIZE,
     MAGIC,
@@ -73,6 +74,7 @@ from tensorrpc._protocol import (
     decode_control,
     encode_control,
     encode_error,
+    pack_metadata_reply_header,
     pack_reply_header,
     split_frames,
 )
@@ -522,6 +524,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         # The workers' side of the calls, bound straight to the call queue (no extra call
         # on the hot path): see `CallQueue` for each.
         self.next_call = calls.next_call
+        self.started = calls.started
         self.done = calls.done
         self.may_reply = calls.may_reply
         self.may_send_item = calls.may_send_item
@@ -994,6 +997,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         if call.credits <= 0 or call.cancelled or call.answered:
             return None
         call.credits -= 1
+        if call.stats is not None:
+            call.stats.items += 1
         return self._reply_frames(call, _STREAM_ITEM, payload, buffers)
 
     def _reply_frames(
@@ -1001,8 +1006,12 @@ class ServerProtocol(Machine[Hashable, Event]):
     ) -> list[Buffer]:
         if call.keep is not None:
             self._replied(call)
-        frames: list[Buffer] = [pack_reply_header(kind, call.call_id), payload, *buffers]
-        size = HEADER_SIZE + memoryview(payload).nbytes
+        if call.reply_metadata and kind is _RESULT:
+            head = pack_metadata_reply_header(kind, call.call_id, encode_block(call.reply_metadata))
+        else:
+            head = pack_reply_header(kind, call.call_id)
+        frames: list[Buffer] = [head, payload, *buffers]
+        size = len(head) + memoryview(payload).nbytes
         for buffer in buffers:
             size += memoryview(buffer).nbytes
         call.session.bytes_out += size
@@ -1019,7 +1028,13 @@ class ServerProtocol(Machine[Hashable, Event]):
             return False
         if call.keep is not None:
             self._replied(call)
-        self._send(call.key, encode_control(_STREAM_END, None, call.call_id))
+        if call.reply_metadata:
+            block = encode_block(call.reply_metadata)
+            self._send(
+                call.key, [pack_metadata_reply_header(_STREAM_END, call.call_id, block), b""]
+            )
+        else:
+            self._send(call.key, encode_control(_STREAM_END, None, call.call_id))
         return True
 
     def error_reply(
@@ -1032,6 +1047,7 @@ class ServerProtocol(Machine[Hashable, Event]):
             self._replied(call)
         call.session.errors += 1
         self.errors_total += 1
+        call.outcome = code.name
         info = ErrorInfo(int(code), type_name, message, tb)
         self._send(call.key, encode_error(call.call_id, info))
         return True

@@ -7,7 +7,7 @@ checks only build the objects; nothing is sent (the clients are never opened).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, assert_type
 
 import pytest
@@ -41,7 +41,7 @@ async def typed_calls(client: Client[Calc]) -> None:
     """Never run: only type-checked."""
     calc = client.stub()
     assert_type(calc, Stub[Calc])
-    assert_type(client.stub(engine="e1", timeout=0.5), Stub[Calc])
+    assert_type(client.with_options(engine="e1", timeout=0.5).stub(), Stub[Calc])
     # The stub's methods (typed by tensorrpc.mypy_plugin): every unary call is awaited,
     # sync handlers included; a streaming method gives a CallStream.
     assert_type(await assert_type(calc.add(1, 2), Coroutine[Any, Any, int]), int)
@@ -60,13 +60,21 @@ async def typed_calls(client: Client[Calc]) -> None:
     view = client.with_options(engine="e1", timeout=1.0, wait=False)
     assert_type(view, CallView[Calc])
     assert_type(await view.call(Calc.add, 1, 2), int)
+    md_view = client.with_options(metadata={"authorization": "Bearer t"})
+    assert_type(await md_view.call_with_metadata(Calc.add, 1), tuple[int, Mapping[str, str]])
+    assert_type(
+        await client.call_with_metadata(Calc.scale, torch.ones(2), 2.0),
+        tuple[torch.Tensor, Mapping[str, str]],
+    )
+    await client.call_with_metadata(Calc.add, "x")  # type: ignore[call-overload]
+    client.with_options(metadata={"k": 1}).stub()  # type: ignore[dict-item]
     assert_type(await client.broadcast("add", 1, 2), dict[str, Any])
     assert_type(client.engines["e1"], EngineInfo)
     assert_type(client.statistics(), ClientStatistics)
     await client.call(Calc.add, "x")  # type: ignore[arg-type]
     await client.call(Calc.add, 1, c=3)  # type: ignore[call-arg]
     client.stream(Calc.add, 1)  # type: ignore[arg-type]
-    client.stub(transport="pigeon")  # type: ignore[arg-type]
+    client.with_options(transport="pigeon").stub()  # type: ignore[arg-type]
 
 
 async def streaming_method_through_call_is_an_error(client: Client[Calc]) -> None:

@@ -172,6 +172,12 @@ def test_int_is_accepted_for_float_and_becomes_float() -> None:
     assert [type(v) for v in received] == [float, float]
 
 
+def test_an_int_too_large_for_a_float_is_a_validation_error() -> None:
+    with pytest.raises(ValidationError, match=r"too large for a float") as info:
+        compile_type(list[float], where="w").check([1.0, 10**400], "p")
+    assert info.value.field_path == ["p", 1]
+
+
 def test_scalar_subclasses_become_plain_types_for_the_encoder() -> None:
     assert type(compile_type(int, where="w").check(Level.LOW, "p")) is int
     assert type(compile_type(float, where="w").check(np.float64(1.5), "p")) is float

@@ -313,8 +313,8 @@ def test_every_client_refusing_a_dial_in_engine_is_fatal() -> None:
     ("frame", "fault"),
     [
         (
-            struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x40, 0, 11, 0) + b"add",
-            "unknown flag bits 0x40",
+            struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x80, 0, 11, 0) + b"add",
+            "unknown flag bits 0x80",
         ),
         (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 3, 11, 0) + b"add", "reserved"),
         (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 0, 11, 0), "without a method name"),
@@ -422,7 +422,7 @@ def test_in_flight_counts_follow_the_call_table() -> None:
     assert taken is calls[0]
     assert proto.busy == 1
     assert proto.in_flight() == 3
-    proto.done(taken)
+    proto.done(taken, engine.now)
     assert proto.in_flight() == len(proto.sessions[b"c1"].calls) == 2
 
 
@@ -602,7 +602,7 @@ def test_a_cancelled_call_that_ends_without_a_reply_releases_its_argument_leases
     engine.proto.args_done(call)
     assert call.keep is None
     assert releases(engine) == [(3, 4)]
-    engine.proto.done(call)
+    engine.proto.done(call, engine.now)
 
 
 def test_a_reply_ends_the_argument_leases_and_owes_no_release() -> None:
