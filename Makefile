@@ -48,7 +48,15 @@ test-gpu: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m examples.multi_engine_demo
 
-bench: $(STAMP)
+# The benchmark's optional peers (the bench-ray extra: Ray Serve) on a stamp of their own,
+# so that `make test` does not install them.
+BENCH_STAMP := $(VENV)/.installed-bench-ray
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev,bench,ray,bench-ray]'
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench
 
 soak: $(STAMP)

@@ -7,12 +7,16 @@ device do not). The client (this process) measures:
 * ``unbatched``: 64 concurrent callers of a plain method, one step per call;
 * ``tensorrpc``: the same callers on ``@rpc(batch=Batching(max_size=64,
   max_delay=MAX_DELAY_S))``, one step per batch;
-* ``asyncio batcher``: the peer. Ray Serve's ``@serve.batch`` is not installed here (the
-  ``ray`` package is, without the ``serve`` extra's dependencies), so its place is taken by
-  a plain asyncio batcher written the way Ray Serve's documentation describes
-  ``@serve.batch`` (a queue; a task takes the first item, then waits up to
-  ``batch_wait_timeout_s`` for up to ``max_batch_size`` items and resolves one future per
-  item), inside a plain tensorrpc method: what a user writes without built-in batching;
+* ``Ray Serve``: the peer, Ray Serve's ``@serve.batch`` with the same handler and settings
+  in one replica, the same 64 callers each awaiting ``handle.batched.remote(x)`` on its
+  ``DeploymentHandle`` (``bench.peers.ray_serve_batch``, a child process: a private Ray on
+  loopback, Serve's HTTP proxy off); reported unavailable when ``ray.serve`` cannot be
+  imported (``pip install 'tensorrpc[bench-ray]'``);
+* ``asyncio batcher``: the floor, a plain asyncio batcher written the way Ray Serve's
+  documentation describes ``@serve.batch`` (a queue; a task takes the first item, then
+  waits up to ``batch_wait_timeout_s`` for up to ``max_batch_size`` items and resolves one
+  future per item), inside a plain tensorrpc method: what a user writes without built-in
+  batching;
 * ``continuous``: 32 concurrent streams of ``TOKENS`` tokens, one step (``TOKEN_STEP_S``)
   per token for every active stream, ``@rpc(batch=Continuous(max_size=32))``, against one
   stream at a time (a plain streaming method, one step per token); and the time to first
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
+import importlib.util
 import math
 import os
 import statistics
@@ -43,6 +49,7 @@ import anyio
 
 import tensorrpc
 from bench._common import Progress, guarded
+from bench.peers._suite import run_json_child
 from tensorrpc import Batching, Continuous, current_batch, rpc, service
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +194,7 @@ def _summary(latencies: list[float], elapsed: float, count: int) -> dict[str, An
     }
 
 
-async def _unary(stub: Any, method: str, seconds: float) -> dict[str, Any]:
+async def unary(stub: Any, method: str, seconds: float) -> dict[str, Any]:
     latencies: list[float] = []
     stop = time.perf_counter() + seconds
     fn = getattr(stub, method)
@@ -305,11 +312,11 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             ("asyncio batcher", "peer"),
         ):
             progress(f"batching: {name}")
-            await _unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
+            await unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
             peer = method == "peer"
             before = await _batches(client, peer)
             engine_before = await _engine_batching(client)
-            out[name] = await _unary(stub, method, cfg.seconds)
+            out[name] = await unary(stub, method, cfg.seconds)
             if method != "one":
                 after = await _batches(client, peer)
                 runs = after[0] - before[0]
@@ -330,6 +337,22 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
     """The section's figures (or why they are unavailable)."""
     cfg = config(quick)
     address = f"ipc://{workdir}/batching.sock"
+
+    def serve_case() -> dict[str, Any]:
+        if importlib.util.find_spec("ray") is None:
+            raise RuntimeError(
+                "ray is not installed (optional: pip install 'tensorrpc[bench-ray]')"
+            )
+        try:
+            importlib.import_module("ray.serve")
+        except ImportError as exc:
+            raise RuntimeError(
+                f"ray.serve cannot be imported ({exc}; pip install 'tensorrpc[bench-ray]')"
+            ) from None
+        args = ["--seconds", str(cfg.seconds), "--temp-dir", str(workdir / "ray-serve")]
+        return run_json_child(
+            "bench.peers.ray_serve_batch", args, timeout=cfg.ready_timeout + 20 * cfg.seconds + 120
+        )
 
     def case() -> dict[str, Any]:
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -352,6 +375,8 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
         return result
 
     result = guarded(progress, "batching", case)
+    if "unavailable" not in result:
+        result["Ray Serve"] = guarded(progress, "batching: Ray Serve", serve_case)
     result.update(
         {
             "step_ms": STEP_S * 1e3,
@@ -360,8 +385,9 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
             "callers": CALLERS,
             "streams": STREAMS,
             "tokens": TOKENS,
-            "peer": "asyncio batcher (Ray Serve's @serve.batch as its docs describe it; "
-            "ray[serve] is not installed)",
+            "peer": "Ray Serve's @serve.batch in one replica, called through its "
+            "DeploymentHandle (await handle.batched.remote(x)); the asyncio batcher is the "
+            "floor: @serve.batch as its docs describe it, hand-written in a tensorrpc method",
         }
     )
     return result
