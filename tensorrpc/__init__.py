@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         TransportError,
         ValidationError,
     )
+    from tensorrpc._health import HealthChange, HealthStatus
     from tensorrpc._observe import CallObservation, Observer
     from tensorrpc._protocol import PROTOCOL_VERSION
     from tensorrpc._release import release_later, set_release_threshold
@@ -129,6 +130,8 @@ _EXPORTS: dict[str, str] = {
     "TensorTransportError": "tensorrpc._exceptions",
     "TransportError": "tensorrpc._exceptions",
     "ValidationError": "tensorrpc._exceptions",
+    "HealthChange": "tensorrpc._health",
+    "HealthStatus": "tensorrpc._health",
     "CallObservation": "tensorrpc._observe",
     "Observer": "tensorrpc._observe",
     "PROTOCOL_VERSION": "tensorrpc._protocol",
@@ -225,6 +228,8 @@ __all__ = [
     "EnginesUnavailableError",
     "ErrorCode",
     "HandshakeRejectedError",
+    "HealthChange",
+    "HealthStatus",
     "InvalidArgumentError",
     "LocalProtocolError",
     "MethodNotFoundError",

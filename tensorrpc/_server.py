@@ -36,6 +36,7 @@ from tensorrpc import _codec, _observe
 from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
+from tensorrpc._health import FEATURE_HEALTH, HealthStatus
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
@@ -391,7 +392,7 @@ class Server:
             streaming=tuple(m.name for m in spec.methods.values() if m.streaming),
             signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
             max_message_bytes=max(0, self._socket_options.maxmsgsize),
-            features=(*_observe.FEATURES, FEATURE_CALL_RELEASES),
+            features=(*_observe.FEATURES, FEATURE_CALL_RELEASES, FEATURE_HEALTH),
         )
         return ProtocolSettings(
             hello=hello,
@@ -442,6 +443,27 @@ class Server:
     def addresses(self) -> tuple[str, ...]:
         """Dial-in mode: the client addresses this engine connects to."""
         return self._addresses
+
+    @property
+    def health(self) -> HealthStatus:
+        """What the built-in health method answers now (``NOT_SERVING`` while draining)."""
+        return self._proto.health()
+
+    def set_health(self, status: HealthStatus) -> None:
+        """Say whether this engine can serve, for health probes (a dependency is down).
+
+        Probes (``tensorrpc health``, [`Client.health`][tensorrpc.Client.health], the
+        Ray launcher) read it through the built-in health method, which the engine answers
+        without a worker. Calls are still accepted: routing traffic away is the prober's
+        job. Draining answers ``NOT_SERVING`` whatever was set.
+
+        Args:
+            status: ``HealthStatus.SERVING`` or ``HealthStatus.NOT_SERVING``.
+
+        Raises:
+            ValueError: Another status.
+        """
+        self._proto.set_health(HealthStatus(status))
 
     def statistics(self) -> ServerStatistics:
         """Return a snapshot of the engine's counters, with one entry per known client."""

@@ -49,6 +49,7 @@ ADMISSION: Final[tuple[tuple[str, ErrorCode], ...]] = (
     ("malformed frames", ErrorCode.PROTOCOL),
     ("no session", ErrorCode.PROTOCOL),
     ("call id in flight", ErrorCode.PROTOCOL),
+    ("health method: not unary, tensors, or bad arguments", ErrorCode.INVALID_ARGUMENT),
     ("draining", ErrorCode.DRAINING),
     ("unknown method", ErrorCode.METHOD_NOT_FOUND),
     ("stream flag does not match the method", ErrorCode.INVALID_ARGUMENT),

@@ -55,6 +55,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
+from tensorrpc._health import HEALTH_METHOD, HealthStatus, encode_answer, parse_request
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
 from tensorrpc._machine import Machine, release_frames
 from tensorrpc._protocol import (
@@ -63,6 +64,7 @@ from tensorrpc._protocol import (
     Bye,
     Credit,
     ErrorInfo,
+    Flags,
     Header,
     Hello,
     MessageKind,
@@ -532,8 +534,10 @@ class ServerProtocol(Machine[Hashable, Event]):
         #: that have no reply yet (the client keeps them until our first reply, or our
         #: RELEASE if it gave the call up).
         self._arg_leases: dict[ServerCall, tuple[int, ...]] = {}
-        #: New CALLs are refused with DRAINING.
+        #: New CALLs are refused with DRAINING (and health answers NOT_SERVING).
         self.draining = False
+        #: What the application says of its health (`set_health`); draining overrides it.
+        self.serving = HealthStatus.SERVING
         #: Shutdown cancelled the running calls.
         self.hard_stop = False
         #: The earliest time `tick` has something to do.
@@ -752,6 +756,9 @@ class ServerProtocol(Machine[Hashable, Event]):
             message = f"call id {call_id} is already in flight: both calls are cancelled"
             self._refuse(session, call_id, ErrorCode.PROTOCOL, message)
             return None
+        if header.method == HEALTH_METHOD:
+            self._answer_health(session, header, payload, buffers)
+            return None
         if self.draining:
             message = f"engine {self._hello.engine_id!r} is shutting down"
             self._refuse(session, call_id, ErrorCode.DRAINING, message)
@@ -767,6 +774,36 @@ class ServerProtocol(Machine[Hashable, Event]):
         session.calls_total += 1
         self.calls_total += 1
         return verdict
+
+    def health(self, service: str = "") -> HealthStatus:
+        """The engine's health as the built-in health method answers it for ``service``
+        (``""``: the engine as a whole; the engine serves one service, so both agree)."""
+        if service and service != self._hello.service:
+            return HealthStatus.SERVICE_UNKNOWN
+        return HealthStatus.NOT_SERVING if self.draining else self.serving
+
+    def set_health(self, status: HealthStatus) -> None:
+        """The application says whether it serves (``SERVING`` or ``NOT_SERVING``)."""
+        if status not in (HealthStatus.SERVING, HealthStatus.NOT_SERVING):
+            raise ValueError(f"an engine is SERVING or NOT_SERVING, not {status.value}")
+        self.serving = status
+
+    def _answer_health(
+        self, session: Session, header: Header, payload: Buffer, buffers: Sequence[Buffer]
+    ) -> None:
+        """Answer the built-in health method here, without a worker (also while draining)."""
+        call_id: int = header.call_id
+        if int(header.flags) & int(Flags.STREAM) or buffers:
+            message = f"{HEALTH_METHOD} is a unary call without tensors"
+            self._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, message)
+            return
+        try:
+            service = parse_request(payload)
+        except ValueError as exc:
+            self._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, str(exc))
+            return
+        answer = encode_answer(service, self.health(service))
+        self._send(session.key, [pack_reply_header(_RESULT, call_id), answer])
 
     def _cancel(self, call: ServerCall) -> None:
         if not call.cancelled:

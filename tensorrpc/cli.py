@@ -7,7 +7,7 @@ Subcommands (``tensorrpc SUBCOMMAND --help`` for each):
 * ``describe module:Class``: print the service (methods, signatures, types, fingerprint).
 * ``call ADDR method k=v ...`` (or ``--arg k=v``, ``-d JSON``): call a method of a running
   engine without its class.
-* ``health ADDR``: exit 0 when an engine at ADDR completes a handshake in time (a probe).
+* ``health ADDR``: exit 0 when an engine at ADDR answers SERVING in time (a probe).
 
 ``serve`` takes ``--metrics-port``, ``--tracing`` and CURVE flags, each also from a
 ``TENSORRPC_*`` environment variable (see ``tensorrpc._cli_ops``); ``call``, ``describe
@@ -305,16 +305,24 @@ def _add_top(sub: Any) -> None:
 def _add_health(sub: Any) -> None:
     health = sub.add_parser(
         "health",
-        help="check that an engine answers (exit 0) or not (exit 1)",
+        help="check that an engine serves (exit 0) or not (exit 1)",
         description=(
-            "A probe for orchestrators: dial ADDR (or, with --bind, wait for an engine to "
-            "dial in) and exit 0 once an engine completes the handshake, printing its id, "
-            "service and pid; exit 1 with the reason when none does within --timeout "
-            "(refused engines are named)."
+            "A probe for orchestrators (a container exec probe): dial ADDR (or, with "
+            "--bind, wait for an engine to dial in), ask the engine's built-in health "
+            "method and exit 0 when it answers SERVING, printing its id, service and pid; "
+            "exit 1 with the reason when it answers NOT_SERVING (draining, or its "
+            "application said so) or SERVICE_UNKNOWN, or when no engine answers within "
+            "--timeout (refused engines are named)."
         ),
     )
     health.add_argument("address", metavar="ADDR", help="the engine's address")
     health.add_argument("--engine", metavar="ID", help="require this engine id")
+    health.add_argument(
+        "--service",
+        default="",
+        metavar="NAME",
+        help="ask about this service (default: the engine as a whole)",
+    )
     health.add_argument(
         "--timeout",
         type=_positive_float,
@@ -845,11 +853,17 @@ async def _call(args: argparse.Namespace, address: str, arguments: dict[str, obj
     async with tensorrpc.Client.dynamic(**where, curve=args.curve) as client:
         info = await _pick_engine(client, args, address, deadline)
         if args.health:
+            left = max(0.001, deadline - anyio.current_time())
+            status = await client.health(info.engine_id, service=args.service, timeout=left)
+            serving = status is tensorrpc.HealthStatus.SERVING
             if args.json:
-                print(json.dumps(_engine_json(info), indent=2))
-            else:
+                print(json.dumps({**_engine_json(info), "status": status.value}, indent=2))
+            elif serving:
                 print(f"ok: {_engine_text(info)}")
-            return 0
+            else:
+                what = f"service {args.service}" if args.service else "the engine"
+                raise CommandError(f"{what} is {status.value}: {_engine_text(info)}")
+            return 0 if serving else 1
         if args.list:
             _print_methods(info, as_json=args.json)
             return 0

@@ -363,6 +363,7 @@ def test_the_admission_table_names_every_refusal_in_order() -> None:
         ErrorCode.PROTOCOL,
         ErrorCode.PROTOCOL,
         ErrorCode.PROTOCOL,
+        ErrorCode.INVALID_ARGUMENT,
         ErrorCode.DRAINING,
         ErrorCode.METHOD_NOT_FOUND,
         ErrorCode.INVALID_ARGUMENT,
