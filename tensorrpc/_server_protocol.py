@@ -180,6 +180,12 @@ TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
     ("live", "CALL with an id in flight", "cancel the original; ERROR(id, PROTOCOL)", "live"),
     (
         "live",
+        "CALL of _tensorrpc.health",
+        "RESULT: the engine's health, at once, no worker (NOT_SERVING while draining)",
+        "live",
+    ),
+    (
+        "live",
         "CANCEL",
         "cancel the call (no reply; once its handler is done, RELEASE its torch_shm "
         "argument leases)",

@@ -6,6 +6,7 @@ async with tensorrpc.Client(LM, bind="tcp://0.0.0.0:0", curve=curve) as client:
     async with tensorrpc.ray.launch(LM, 4, client=client, placement="spread") as group:
         await client.wait_for_engines(4, timeout=60)
         print(group.engines)  # engine id -> RayEngine(node_id, pid, address, state, ...)
+        print(await group.health())  # engine id -> HealthStatus (the standard method)
 ```
 
 Each engine is one Ray actor. The actor constructs the service instance on its node and
@@ -47,6 +48,7 @@ import anyio
 import anyio.from_thread
 
 from tensorrpc._exceptions import ClosedError, HandshakeRejectedError, TensorRPCError
+from tensorrpc._health import HealthStatus
 from tensorrpc._security import (
     CurveClientConfig,
     CurveConfig,
@@ -412,6 +414,38 @@ class EngineGroup:
     def placement_group(self) -> Any:
         """The Ray placement group holding the actors (``None`` once stopped)."""
         return self._pg
+
+    async def health(
+        self,
+        *,
+        service: str = "",
+        timeout: float = 5.0,  # noqa: ASYNC109 - each answer's deadline
+    ) -> dict[str, HealthStatus]:
+        """Ask every engine of the group through the standard health method.
+
+        Engines answer on their loop without a worker, ``NOT_SERVING`` while they drain;
+        an engine that is not live on the client (joining, restarting, stopped) or gives
+        no answer within ``timeout`` is ``UNKNOWN``.
+
+        Args:
+            service: The service asked about (``""``: each engine as a whole).
+            timeout: Seconds for each answer.
+
+        Returns:
+            Engine id → its status, for every engine of the group.
+        """
+        client = self._client
+        out = dict.fromkeys(self._slots, HealthStatus.UNKNOWN)
+
+        async def one(engine_id: str) -> None:
+            with contextlib.suppress(TensorRPCError):
+                out[engine_id] = await client.health(engine_id, service=service, timeout=timeout)
+
+        async with anyio.create_task_group() as tg:
+            for engine_id, engine in self.engines.items():
+                if engine.state == "live":
+                    tg.start_soon(one, engine_id)
+        return out
 
     async def __aenter__(self) -> EngineGroup:
         if self._entered:
