@@ -43,6 +43,7 @@ from tensorrpc._exceptions import ClosedError
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
+    from tensorrpc._health import HealthStatus
     from tensorrpc._service import ServiceSpec
     from tensorrpc.transports import TransportName
 
@@ -629,6 +630,29 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
         """
         client = self._runner.client
         return self._runner.run(functools.partial(client.wait_for_engines, count, timeout=timeout))
+
+    def health(
+        self, engine: str | None = None, *, service: str = "", timeout: float | None = 5.0
+    ) -> HealthStatus:
+        """Ask one engine for its health (see [`Client.health`][tensorrpc.Client.health]).
+
+        Args:
+            engine: The engine's id; ``None``: any live engine.
+            service: The service asked about; ``""``: the engine as a whole.
+            timeout: Seconds for the answer (``None``: no deadline).
+
+        Returns:
+            ``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN``.
+
+        Raises:
+            EngineNotFoundError: The engine is not live (or none is).
+            CallTimeoutError: No answer in time.
+            ClosedError: The client is closed.
+        """
+        client = self._runner.client
+        return self._runner.run(
+            functools.partial(client.health, engine, service=service, timeout=timeout)
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
