@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         EngineStatistics,
     )
     from tensorrpc._codec import CodecConfig
+    from tensorrpc._compression import Compression
     from tensorrpc._exceptions import (
         BroadcastError,
         CallError,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         ClosedError,
         ConnectError,
         DecodeError,
+        DecompressionError,
         DrainingError,
         EncodeError,
         EngineDeadError,
@@ -103,12 +105,14 @@ _EXPORTS: dict[str, str] = {
     "EngineInfo": "tensorrpc._client",
     "EngineStatistics": "tensorrpc._client",
     "CodecConfig": "tensorrpc._codec",
+    "Compression": "tensorrpc._compression",
     "BroadcastError": "tensorrpc._exceptions",
     "CallError": "tensorrpc._exceptions",
     "CallTimeoutError": "tensorrpc._exceptions",
     "ClosedError": "tensorrpc._exceptions",
     "ConnectError": "tensorrpc._exceptions",
     "DecodeError": "tensorrpc._exceptions",
+    "DecompressionError": "tensorrpc._exceptions",
     "DrainingError": "tensorrpc._exceptions",
     "EncodeError": "tensorrpc._exceptions",
     "EngineDeadError": "tensorrpc._exceptions",
@@ -212,6 +216,7 @@ __all__ = [
     "ClientStatistics",
     "ClosedError",
     "CodecConfig",
+    "Compression",
     "ConnectError",
     "Continuous",
     "CurveClientConfig",
@@ -219,6 +224,7 @@ __all__ = [
     "CurveKeyPair",
     "CurveServerConfig",
     "DecodeError",
+    "DecompressionError",
     "DrainingError",
     "EncodeError",
     "EngineDeadError",

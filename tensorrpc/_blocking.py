@@ -43,6 +43,7 @@ from tensorrpc._exceptions import ClosedError
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
+    from tensorrpc._compression import Compression
     from tensorrpc._health import HealthStatus
     from tensorrpc._service import ServiceSpec
     from tensorrpc.transports import TransportName
@@ -237,6 +238,7 @@ class BlockingCallView(Generic[S]):
         wait: bool = True,
         transport: TransportName = "auto",
         wait_for_ready: bool | None = None,
+        compression: Compression | Literal["zstd"] | None = None,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -247,6 +249,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            compression: ``"zstd"`` or a `Compression` (see `CallOptions`).
 
         Returns:
             The new view.
@@ -257,6 +260,7 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            compression=compression,
         )
         return BlockingCallView(self._runner, view)
 
@@ -268,6 +272,7 @@ class BlockingCallView(Generic[S]):
         wait: bool = True,
         transport: TransportName = "auto",
         wait_for_ready: bool | None = None,
+        compression: Compression | Literal["zstd"] | None = None,
     ) -> BlockingStub[S]:
         """A [`BlockingStub`][tensorrpc.BlockingStub]: methods that call the engines and wait.
 
@@ -286,6 +291,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            compression: ``"zstd"`` or a `Compression` (see `CallOptions`).
 
         Returns:
             The stub, typed as the service class.
@@ -296,6 +302,7 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            compression=compression,
         )
         return _BlockingStub(self._runner, view, self._runner.client.service)
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import anyio
 import anyio.lowlevel
 
-from tensorrpc import _codec, _observe
+from tensorrpc import _codec, _compression, _observe
 from tensorrpc._client_calls import CallRunner
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
@@ -286,6 +286,7 @@ class Client(CallView[S]):
             max_in_flight=max_in_flight,
             schemaless=spec is _SCHEMALESS_SPEC,
             signatures={n: m.signature for n, m in spec.methods.items()},
+            compression=_compression.available(),
         )
 
     @classmethod

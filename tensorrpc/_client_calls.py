@@ -195,7 +195,7 @@ class CallRunner:
             transfers.check_sizes(spec, encoded, engine)
         else:
             placer = transfers.placer(options, engine)
-            encoded = transfers.encode(spec, wire, engine, placer)
+            encoded = transfers.encode(spec, wire, engine, placer, options.compression)
         assert self._io.waiters is not None
         holds = self._holds
         returns: tuple[int, ...] = ()
@@ -469,6 +469,7 @@ class CallRunner:
                 timeout=options.timeout,
                 wait=options.wait,
                 transport=options.transport,
+                compression=options.compression,
             )
             try:
                 results[engine_id] = await self.call(spec, (), {}, opts, encoded)

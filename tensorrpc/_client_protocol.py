@@ -244,6 +244,7 @@ class ClientConfig:
         schemaless: Admit any service and fingerprint (protocol version still checked).
         signatures: Our methods (name → signature), so that a fingerprint refusal names
             the methods that differ.
+        compression: The compression codecs we decode, sent in WELCOME.
         engine_keys: Engine id → the z85 CURVE public key its HELLO must come with; a
             HELLO with an id not listed, or from another key, is refused (None: ids are
             first come).
@@ -262,6 +263,7 @@ class ClientConfig:
     schemaless: bool = False
     signatures: Mapping[str, str] | None = None
     engine_keys: Mapping[str, str] | None = None
+    compression: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1009,6 +1011,7 @@ class ClientProtocol(Machine[bytes, Event]):
             epoch=engine.client_epoch,
             dead_after_ms=to_ms(config.heartbeat.dead_after),
             fingerprint="" if config.schemaless else config.fingerprint,
+            compression=config.compression,
         )
         self._queue(engine, engine.peer, MessageKind.WELCOME, welcome, 0, now)
 
@@ -1144,6 +1147,7 @@ def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
         max_message_bytes=hello.max_message_bytes,
         dead_after_ms=hello.dead_after_ms,
         features=hello.features,
+        compression=hello.compression,
     )
 
 

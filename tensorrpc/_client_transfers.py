@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from tensorrpc import _codec
+from tensorrpc._compression import ZSTD
 from tensorrpc._exceptions import PeerUnreachableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._protocol import Flags, Hello
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
     from typing_extensions import Buffer
 
+    from tensorrpc._compression import Compression
     from tensorrpc._engines import Engine
     from tensorrpc._service import MethodSpec
     from tensorrpc._views import CallOptions
@@ -41,6 +43,7 @@ __all__ = ["Transfers"]
 logger = logging.getLogger("tensorrpc.client")
 
 _SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
+_COMPRESS_FLAG = int(Flags.COMPRESS)
 _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
 
 
@@ -114,11 +117,12 @@ class Transfers:
         return self.policy.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
 
     def result_flags(self, options: CallOptions, engine: Engine) -> int:
-        """The CALL flag bits that tell the engine how to send result tensors."""
+        """The CALL flag bits that tell the engine how to send results: by torch_shm
+        (then never compressed), compressed (we decode what we ask for)."""
         mode = options.transport
         shm = engine.shm
         if mode == "frames" or shm is None or not shm.from_engine:
-            return 0
+            return _COMPRESS_FLAG if options.compression is not None and shm is None else 0
         return _SHM_RESULTS_ALL_FLAG if mode == "torch_shm" else _SHM_RESULTS_FLAG
 
     def leases(self, engine: Engine, payload: Buffer, buffers: Sequence[Buffer]) -> list[int]:
@@ -136,11 +140,16 @@ class Transfers:
         wire: object,
         engine: Engine | None,
         placer: PolicyPlacer | None = None,
+        compression: Compression | None = None,
     ) -> _codec.Encoded:
         """Encode arguments and refuse a frame over our ``maxmsgsize`` or the engine's
-        (``placer``: released if the arguments are refused)."""
+        (``placer``: released if the arguments are refused). ``compression`` only for an
+        engine that decodes zstd and shares no memory with us (another host, or not
+        attested): never where torch_shm is in use."""
+        if engine is None or engine.shm is not None or ZSTD not in engine.info.compression:
+            compression = None
         try:
-            encoded = _codec.encode(wire, self.codec_config, placer=placer)
+            encoded = _codec.encode(wire, self.codec_config, placer=placer, compression=compression)
             self.check_sizes(spec, encoded, engine)
         except BaseException:
             if placer is not None:

@@ -35,6 +35,7 @@ import anyio.to_thread
 
 from tensorrpc import _codec
 from tensorrpc._batching import ItemRefused
+from tensorrpc._compression import ZSTD
 from tensorrpc._exceptions import (
     DecodeError,
     EncodeError,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from typing_extensions import Buffer
 
+    from tensorrpc._compression import Compression
     from tensorrpc._server_protocol import ServerProtocol
     from tensorrpc.transports._policy import LazyResolver, PolicyPlacer, TransportPolicy
 
@@ -63,6 +65,8 @@ __all__ = ["Call", "Dispatcher"]
 logger = logging.getLogger("tensorrpc.server")
 
 _SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
+_SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+_COMPRESS: Final = int(Flags.COMPRESS)
 # How long a cancelled async generator may take to run its ``finally`` blocks.
 _ACLOSE_TIMEOUT_S: Final = 1.0
 # A worker yields to the event loop after this many calls in a row without waiting.
@@ -101,6 +105,8 @@ class Dispatcher:
         grace_period: For the DRAINING message.
         flush: Send what the protocol queued (ERROR, STREAM_END, RELEASE), no waiting.
         send_reply: Send a reply, waiting a bounded time; ``(call, frames, keepalive)``.
+        compression: How results are compressed for a call that asks (``COMPRESS``) from
+            a client that decodes zstd; None: never.
     """
 
     def __init__(
@@ -116,8 +122,10 @@ class Dispatcher:
         grace_period: float,
         flush: Callable[[], None],
         send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
+        compression: Compression | None = None,
     ) -> None:
         self._proto = proto
+        self._compression = compression
         self._engine_id = engine_id
         self._capacity = max_concurrency
         self._limiter = anyio.CapacityLimiter(sync_workers)
@@ -334,7 +342,12 @@ class Dispatcher:
         placer = self._placer(call)
         try:
             wire = call.spec.check_result(value)
-            encoded = _codec.encode(wire, self._codec, placer=placer)
+            compression = None
+            results = call.results
+            # Compressed results when asked, never with torch_shm.
+            if results & _COMPRESS and not results & _SHM_BITS and ZSTD in call.session.compression:
+                compression = self._compression
+            encoded = _codec.encode(wire, self._codec, placer=placer, compression=compression)
             # A frame over the client's MAXMSGSIZE makes its ZMQ drop the connection
             # (and every call on it) without a word: refuse it here instead.
             _codec.check_message_size(
@@ -365,7 +378,7 @@ class Dispatcher:
         # torch_shm when it can attach to ours, and shm.peer_receives says it told us so.
         results = call.results
         shm = call.session.shm
-        if not results or shm is None:
+        if not results & _SHM_BITS or shm is None:
             return None
         mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
         return self._policy.placer(mode, call.session, peer_receives=shm.peer_receives)

@@ -88,6 +88,7 @@ class EngineInfo:
             it forgets it, or 0 when not announced.
         features: Optional protocol features the engine announced (``"trace_context"``,
             ``"statistics"``); empty for engines that predate them.
+        compression: Compression codecs the engine decodes (``"zstd"``); empty: none.
     """
 
     engine_id: str
@@ -106,6 +107,7 @@ class EngineInfo:
     max_message_bytes: int = 0
     dead_after_ms: int = 0
     features: tuple[str, ...] = ()
+    compression: tuple[str, ...] = ()
 
 
 def check_hello(

@@ -10,6 +10,7 @@ TensorRPCError
 ├─ SerializationError
 │  ├─ EncodeError                           a value cannot be encoded (type, size, dtype)
 │  ├─ DecodeError                           bytes from the wire cannot be decoded
+│  │  └─ DecompressionError                 a compressed frame is malformed or expands too far
 │  └─ ValidationError                       a value does not match the method's types
 ├─ TransportError                           the peer or the network broke
 │  ├─ ConnectError
@@ -52,6 +53,7 @@ __all__ = [
     "ClosedError",
     "ConnectError",
     "DecodeError",
+    "DecompressionError",
     "DrainingError",
     "EncodeError",
     "EngineDeadError",
@@ -110,6 +112,17 @@ class EncodeError(SerializationError):
 
 class DecodeError(SerializationError):
     """Bytes from the wire cannot be decoded (malformed, forged or over a limit)."""
+
+
+class DecompressionError(DecodeError):
+    """A compressed payload or tensor frame from the wire was refused.
+
+    Its frame is malformed, does not declare its decompressed size, declares another size
+    than the tensor's or one over the receiver's limits, expands beyond what it declared
+    (a decompression bomb), or names a codec this side did not offer. Nothing beyond the
+    declared size is ever allocated. An engine answers such a CALL with ``DECODE`` (the
+    caller sees a [`DecodeError`][tensorrpc.DecodeError]) and keeps serving.
+    """
 
 
 class ValidationError(SerializationError):

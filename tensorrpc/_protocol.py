@@ -201,6 +201,9 @@ class Flags(IntFlag):
     #: (1..`MAX_CALL_RELEASES`) and ``k`` u64 little-endian ids. Sent only to engines
     #: that list ``"call_releases"`` in HELLO's ``features``.
     RELEASES = 32
+    #: The engine may compress the results' payload and tensor frames with a codec the
+    #: client listed in WELCOME's ``compression`` (never what goes by ``torch_shm``).
+    COMPRESS = 64
 
 
 _KNOWN_FLAGS: Final = int(
@@ -210,6 +213,7 @@ _KNOWN_FLAGS: Final = int(
     | Flags.SHM_RESULTS_ALL
     | Flags.TRACE
     | Flags.RELEASES
+    | Flags.COMPRESS
 )
 _TRACE: Final = int(Flags.TRACE)
 _RELEASES: Final = int(Flags.RELEASES)
@@ -920,6 +924,8 @@ class Hello:
     #: before it declares the client dead (optional; 0 when not announced). The client
     #: PINGs often enough for it.
     dead_after_ms: int = 0
+    #: Compression codecs the engine can decode (optional; empty when none): ``"zstd"``.
+    compression: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -954,6 +960,8 @@ class Welcome:
     #: The client's schema fingerprint (optional; "" when not announced or schema-less),
     #: so that an engine can refuse a mismatch too.
     fingerprint: str = ""
+    #: Compression codecs the client can decode (optional; empty when none): ``"zstd"``.
+    compression: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1033,6 +1041,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("features", "names", MAX_NAME_CHARS),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
+        ("compression", "names", MAX_NAME_CHARS),
     ),
     Welcome: (
         ("client_id", "name", MAX_NAME_CHARS),
@@ -1045,6 +1054,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("fingerprint", "name", MAX_NAME_CHARS),
+        ("compression", "names", MAX_NAME_CHARS),
     ),
     Reject: (("reason", "name", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "name", MAX_NAME_CHARS),),
@@ -1081,6 +1091,8 @@ _OPTIONAL: Final = frozenset(
         (Welcome, "epoch"),
         (Welcome, "dead_after_ms"),
         (Welcome, "fingerprint"),
+        (Hello, "compression"),
+        (Welcome, "compression"),
     }
 )
 _DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 import anyio
 
-from tensorrpc import _codec, _observe
+from tensorrpc import _codec, _compression, _observe
 from tensorrpc._batch_runner import BatchRunners
+from tensorrpc._compression import Compression
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
 from tensorrpc._health import FEATURE_HEALTH, HealthStatus
@@ -88,6 +89,8 @@ __all__ = ["PeerStatistics", "Server", "ServerConfig", "ServerStatistics", "serv
 logger = logging.getLogger("tensorrpc.server")
 
 _NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
+#: How results are compressed by default for a client that asks (`ServerConfig.compression`).
+_RESULT_COMPRESSION: Final = Compression()
 #: Longest peer-written reason shown in a log line or an exception.
 _WHY_CHARS: Final = 512
 
@@ -157,6 +160,11 @@ class ServerConfig:
     #: Export Prometheus metrics of this engine (the default registry) over HTTP on this
     #: port (needs the ``metrics`` extra; 0 picks a free port).
     metrics_port: int | None = None
+    #: How results are compressed for a call that asks for it (a client's
+    #: ``compression=`` option), when ``zstandard`` is installed here (the
+    #: ``compression`` extra); None: never compress results. What travels by
+    #: ``torch_shm`` is never compressed.
+    compression: Compression | None = _RESULT_COMPRESSION
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -196,6 +204,7 @@ class ServerOptions(TypedDict, total=False):
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
     metrics_port: int | None
+    compression: Compression | None
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
@@ -361,6 +370,7 @@ class Server:
             grace_period=cfg.grace_period,
             flush=self._flush,
             send_reply=self._io.send_reply,
+            compression=cfg.compression if _compression.available() else None,
         )
         self._started = False
         self._closed = False
@@ -393,6 +403,7 @@ class Server:
             signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
             max_message_bytes=max(0, self._socket_options.maxmsgsize),
             features=(*_observe.FEATURES, FEATURE_CALL_RELEASES, FEATURE_HEALTH),
+            compression=_compression.available(),
         )
         return ProtocolSettings(
             hello=hello,

@@ -38,7 +38,8 @@ __all__ = [
 
 _STREAM: Final = int(Flags.STREAM)
 _NO_WAIT: Final = int(Flags.NO_WAIT)
-_SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+# How the client wants its results: torch_shm, compressed (`ServerCall.results`).
+_RESULT_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL | Flags.COMPRESS)
 _INF: Final = float("inf")
 #: ``ServerCall.result`` before the handler returned.
 MISSING: Final = object()
@@ -249,7 +250,7 @@ class CallQueue:
         timeout_ms: int = header.timeout_ms
         deadline = now + timeout_ms / 1000 if timeout_ms else _INF
         call = self._call_factory(
-            session, header.call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS,
+            session, header.call_id, spec, fn, deadline, payload, buffers, flags & _RESULT_BITS,
             header.trace,
         )  # fmt: skip
         self.queue.append(call)

@@ -258,6 +258,7 @@ class Session:
         "calls_total",
         "client_epoch",
         "client_id",
+        "compression",
         "created",
         "duplicate_backoff",
         "epoch",
@@ -286,6 +287,8 @@ class Session:
         self.stream_window = 16
         self.max_message_bytes = 0
         self.peer_dead_after_ms = 0
+        #: The compression codecs the client decodes (WELCOME's ``compression``).
+        self.compression: tuple[str, ...] = ()
         self.created = now
         self.last_heard = now
         self.next_hello = now
@@ -328,6 +331,7 @@ class Session:
         self.stream_window = welcome.stream_window
         self.max_message_bytes = welcome.max_message_bytes
         self.peer_dead_after_ms = welcome.dead_after_ms
+        self.compression = welcome.compression
         self.last_heard = now
         self.next_ping = next_ping
         self.hello_backoff.reset()

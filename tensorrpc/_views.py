@@ -13,6 +13,7 @@ from typing import (
     Any,
     Concatenate,
     Generic,
+    Literal,
     NoReturn,
     ParamSpec,
     TypeVar,
@@ -22,7 +23,7 @@ from typing import (
 
 import anyio
 
-from tensorrpc import _observe
+from tensorrpc import _compression, _observe
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from tensorrpc import _codec
     from tensorrpc._calls import Call
     from tensorrpc._client import Client
+    from tensorrpc._compression import Compression
     from tensorrpc._service import MethodSpec
 
 __all__ = [
@@ -82,6 +84,11 @@ class CallOptions:
             never come. ``True`` waits even without a timeout; ``False`` never waits
             (gRPC's default). A call that gives up raises
             `tensorrpc.EngineNotFoundError` saying why there was no engine.
+        compression: Compress the arguments' payload and tensor frames, and ask the
+            engine to compress the results', with zstd (a `Compression`, or ``None``:
+            never). Only to an engine that announced zstd, only payloads and tensors of at
+            least ``min_bytes``, never what travels by ``torch_shm``. See
+            docs/compression.md.
     """
 
     engine: str | None = None
@@ -89,6 +96,7 @@ class CallOptions:
     wait: bool = True
     transport: Transport = "auto"
     wait_for_ready: bool | None = None
+    compression: Compression | None = None
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
@@ -183,6 +191,7 @@ class CallView(Generic[S]):
         wait: bool = True,
         transport: Transport = "auto",
         wait_for_ready: bool | None = None,
+        compression: Compression | Literal["zstd"] | None = None,
     ) -> CallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -194,6 +203,9 @@ class CallView(Generic[S]):
                 `CallOptions`).
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            compression: ``"zstd"`` or a `Compression`: compress large arguments and
+                ask for compressed results, across hosts (see `CallOptions`; needs the
+                ``compression`` extra).
 
         Returns:
             The new view.
@@ -204,6 +216,7 @@ class CallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            compression=_compression.resolve(compression),
         )
         return CallView(self._client, options)
 
@@ -215,6 +228,7 @@ class CallView(Generic[S]):
         wait: bool = True,
         transport: Transport = "auto",
         wait_for_ready: bool | None = None,
+        compression: Compression | Literal["zstd"] | None = None,
     ) -> Stub[S]:
         """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
@@ -232,6 +246,9 @@ class CallView(Generic[S]):
                 `CallOptions`).
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            compression: ``"zstd"`` or a `Compression`: compress large arguments and
+                ask for compressed results, across hosts (see `CallOptions`; needs the
+                ``compression`` extra).
 
         Returns:
             The stub.
@@ -242,6 +259,7 @@ class CallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            compression=_compression.resolve(compression),
         )
         return _Stub(self._client, options)
 

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 #: Top-level names of the optional integrations (extras) that ``import tensorrpc`` must not load.
-OPTIONAL = ("opentelemetry", "prometheus_client", "ray", "rich")
+OPTIONAL = ("opentelemetry", "prometheus_client", "ray", "rich", "zstandard")
 
 #: Modules that only a value with a tensor (or array) in it may import: seconds of start-up.
 HEAVY = ("torch", "numpy")
