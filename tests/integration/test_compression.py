@@ -114,3 +114,23 @@ async def test_a_decompression_bomb_is_refused_and_the_engine_keeps_serving() ->
                 assert torch.equal(await client.stub(compression="zstd").scale(x, 1.0), x)
                 assert await client.stub().add(1, 2) == 3
         assert server.statistics().errors == 2
+
+
+async def test_an_engine_compresses_results_only_for_a_client_that_decodes_zstd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = activations()
+    async with Server(Calculator("e1"), bind=TCP, engine_id="e1") as server:
+        with monkeypatch.context() as patch:  # this client says it decodes nothing
+            patch.setattr("tensorrpc._compression.available", lambda: ())
+            client = Client(Calculator, connect=server.endpoint)
+        async with client:
+            with anyio.fail_after(20):
+                await client.wait_for_engines(1)
+                before = client.statistics().engines["e1"]
+                # It still compresses its arguments (the engine decodes zstd) and sets
+                # COMPRESS: the engine goes by what the WELCOME said.
+                assert torch.equal(await client.stub(compression="zstd").scale(x, 1.0), x)
+                after = client.statistics().engines["e1"]
+    assert after.bytes_sent - before.bytes_sent < x.nbytes * 0.9
+    assert after.bytes_received - before.bytes_received > x.nbytes
