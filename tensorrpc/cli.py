@@ -629,6 +629,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exporter(port: int | None) -> tensorrpc.Observer | None:
+    if port is None:
+        return None
+    from tensorrpc import metrics  # the optional extra: ImportError without it
+
+    return metrics.exporter(port)
+
+
 async def _serve(
     instance: object,
     connect: list[str] | None,
@@ -647,7 +655,7 @@ async def _serve(
         sync_workers=args.sync_workers,
         grace_period=args.grace_period,
         curve=curve,
-        metrics_port=args.metrics_port,
+        observer=_exporter(args.metrics_port),
         task_status=task_status,
     )
 
