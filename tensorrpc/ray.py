@@ -211,6 +211,17 @@ class _EngineActor:
         """Block until the engine stops serving; ``""`` or why it failed."""
         return self._error or self._future.result()
 
+    def set_health(self, status: str) -> str:
+        """Set what the engine's health method answers; ``""`` or why not."""
+        server = self._server
+        if self._error or server is None or self._future.done():
+            return self._error or "the engine is not serving"
+        try:
+            self._portal.call(server.set_health, HealthStatus(status))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
+
     def stop(self, timeout: float) -> str:
         """Drain the engine (calls finish, BYE), then stop its thread."""
         if self._error:
@@ -446,6 +457,39 @@ class EngineGroup:
                 if engine.state == "live":
                     tg.start_soon(one, engine_id)
         return out
+
+    async def set_health(
+        self,
+        engine_id: str,
+        status: HealthStatus,
+        *,
+        timeout: float = 10.0,  # noqa: ASYNC109 - bounds the actor call
+    ) -> None:
+        """Set what one engine's health method answers (`Server.set_health` in its actor).
+
+        For a supervisor that takes an engine out of rotation (its dependency is down, it
+        is being upgraded) without stopping it: probes and
+        [`health`][tensorrpc.ray.EngineGroup.health] then see ``NOT_SERVING``; calls
+        are still accepted.
+
+        Args:
+            engine_id: An engine of this group.
+            status: ``HealthStatus.SERVING`` or ``HealthStatus.NOT_SERVING``.
+            timeout: Seconds for the actor to answer.
+
+        Raises:
+            KeyError: Not an engine of this group.
+            ValueError: Another status.
+            LaunchError: The actor did not set it (not serving, or no answer in time).
+        """
+        slot = self._slots[engine_id]
+        if status not in (HealthStatus.SERVING, HealthStatus.NOT_SERVING):
+            raise ValueError(f"an engine is SERVING or NOT_SERVING, not {status.value}")
+        ref = slot.actor.set_health.remote(status.value)
+        ready, _ = await anyio.to_thread.run_sync(lambda: ray.wait([ref], timeout=timeout))
+        why = ray.get(ready[0]) if ready else f"no answer within {timeout} s"
+        if why:
+            raise LaunchError(f"engine {engine_id!r}: cannot set its health: {why}")
 
     async def __aenter__(self) -> EngineGroup:
         if self._entered:
