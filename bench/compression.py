@@ -74,7 +74,7 @@ async def _case(
     client: tensorrpc.Client[Echo], pid: int, x: torch.Tensor, level: int | None, calls: int
 ) -> dict[str, Any]:
     compression = None if level is None else Compression(level=level)
-    stub = client.stub(compression=compression, timeout=60)
+    stub = client.with_options(compression=compression, timeout=60).stub()
     for _ in range(3):  # warm up
         assert torch.equal(await stub.echo(x), x)
     engine_id = next(iter(client.engines))

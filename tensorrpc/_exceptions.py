@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "BroadcastError",
@@ -129,13 +129,25 @@ class ValidationError(SerializationError):
     """A value does not match the type declared by the method signature."""
 
     def __init__(
-        self, message: str, *, method: str = "", path: str = "", expected: str = ""
+        self,
+        message: str,
+        *,
+        method: str = "",
+        path: str = "",
+        expected: str = "",
+        field_path: Sequence[str | int] | None = None,
     ) -> None:
         super().__init__(message)
         #: ``Service.method`` the value belongs to ("" when unknown).
         self.method = method
         #: Where in the request or response the bad value sits, e.g. ``req.items[3].x``.
         self.path = path
+        #: The same place as data: names of fields and parameters (``str``), list and tuple
+        #: indices (``int``) and map keys (``str``, or ``int`` for ``dict[int, T]``), e.g.
+        #: ``["req", "items", 3, "x"]``; empty when unknown.
+        self.field_path: list[str | int] = list(
+            field_path if field_path is not None else path.split(".") if path else ()
+        )
         #: A description of the expected type.
         self.expected = expected
 
@@ -197,8 +209,12 @@ class CallError(TensorRPCError):
 class RemoteError(CallError):
     """The remote handler raised an exception."""
 
-    def __init__(self, remote_type: str, message: str, remote_traceback: str = "") -> None:
+    def __init__(
+        self, remote_type: str, message: str, remote_traceback: str = "", *, code: int = 1
+    ) -> None:
         super().__init__(f"{remote_type}: {message}")
+        #: The ERROR code it came with: ``REMOTE``, ``BAD_RESULT`` or ``INTERNAL``.
+        self.code = ErrorCode(code)
         #: Qualified name of the exception type raised on the engine.
         self.remote_type = remote_type
         #: ``str()`` of the remote exception.
@@ -314,11 +330,13 @@ def error_from_wire(code: int, remote_type: str, message: str, traceback: str) -
         case ErrorCode.TENSOR_TRANSPORT:
             return TensorTransportError(message)
         case ErrorCode.BAD_RESULT:
-            return RemoteError(remote_type or "BadResult", message, traceback)
+            return RemoteError(remote_type or "BadResult", message, traceback, code=code)
         case ErrorCode.PROTOCOL:
             return RemoteProtocolError(message)
         case _:
-            return RemoteError(remote_type or "InternalError", message, traceback)
+            return RemoteError(
+                remote_type or "InternalError", message, traceback, code=ErrorCode.INTERNAL
+            )
 
 
 # Tracebacks and reprs name the public path (tensorrpc.ValidationError), not this private

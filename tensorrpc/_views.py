@@ -220,16 +220,7 @@ class CallView(Generic[S]):
         )
         return CallView(self._client, options)
 
-    def stub(
-        self,
-        *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: Transport = "auto",
-        wait_for_ready: bool | None = None,
-        compression: Compression | Literal["zstd"] | None = None,
-    ) -> Stub[S]:
+    def stub(self) -> Stub[S]:
         """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
         ``await stub.add(1, 2)`` calls ``add``, whether the handler is ``async def`` or a
@@ -238,30 +229,12 @@ class CallView(Generic[S]):
         exactly (see [`Stub`][tensorrpc.Stub]); [`call`][tensorrpc.CallView.call] is
         exact under any type checker.
 
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                `CallOptions`).
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
-            compression: ``"zstd"`` or a `Compression`: compress large arguments and
-                ask for compressed results, across hosts (see `CallOptions`; needs the
-                ``compression`` extra).
+        Its calls use this view's options: ``client.with_options(timeout=5).stub()``.
 
         Returns:
             The stub.
         """
-        options = CallOptions(
-            engine=engine,
-            timeout=timeout,
-            wait=wait,
-            transport=transport,
-            wait_for_ready=wait_for_ready,
-            compression=_compression.resolve(compression),
-        )
-        return _Stub(self._client, options)
+        return _Stub(self._client, self._options)
 
     @overload
     async def call(

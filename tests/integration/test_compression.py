@@ -41,7 +41,7 @@ async def test_compressed_calls_over_tcp_send_fewer_bytes_both_ways() -> None:
             before = client.statistics().engines["e1"]
             plain = await client.stub().scale(x, 2.0)
             middle = client.statistics().engines["e1"]
-            packed = await client.stub(compression="zstd").scale(x, 2.0)
+            packed = await client.with_options(compression="zstd").stub().scale(x, 2.0)
             after = client.statistics().engines["e1"]
     assert torch.equal(plain, x * 2)
     assert torch.equal(packed, x * 2)
@@ -79,7 +79,7 @@ async def test_nothing_is_compressed_with_an_engine_that_shares_memory(tmp_path:
             with anyio.fail_after(60):
                 await client.wait_for_engines(1)
                 assert client.engines["engine-0"].compression == ("zstd",)
-                packed = client.stub(compression="zstd")
+                packed = client.with_options(compression="zstd").stub()
                 out = await packed.scale(x, 2.0)  # by torch_shm both ways
                 small = torch.zeros(4096)  # under the torch_shm threshold: a frame
                 before = client.statistics()
@@ -111,7 +111,9 @@ async def test_a_decompression_bomb_is_refused_and_the_engine_keeps_serving() ->
                     with pytest.raises(DecodeError, match="compressed frame"):
                         await client._call(spec, (), {}, client.options, bomb)
                 x = activations()
-                assert torch.equal(await client.stub(compression="zstd").scale(x, 1.0), x)
+                assert torch.equal(
+                    await client.with_options(compression="zstd").stub().scale(x, 1.0), x
+                )
                 assert await client.stub().add(1, 2) == 3
         assert server.statistics().errors == 2
 
@@ -130,7 +132,9 @@ async def test_an_engine_compresses_results_only_for_a_client_that_decodes_zstd(
                 before = client.statistics().engines["e1"]
                 # It still compresses its arguments (the engine decodes zstd) and sets
                 # COMPRESS: the engine goes by what the WELCOME said.
-                assert torch.equal(await client.stub(compression="zstd").scale(x, 1.0), x)
+                assert torch.equal(
+                    await client.with_options(compression="zstd").stub().scale(x, 1.0), x
+                )
                 after = client.statistics().engines["e1"]
     assert after.bytes_sent - before.bytes_sent < x.nbytes * 0.9
     assert after.bytes_received - before.bytes_received > x.nbytes

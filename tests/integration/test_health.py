@@ -43,7 +43,7 @@ async def test_health_is_answered_per_service_and_while_every_worker_is_busy(
             while server.statistics().in_flight == 0:
                 await anyio.lowlevel.checkpoint()
             with pytest.raises(OverloadedError):
-                await client.stub(wait=False).add(1)
+                await client.with_options(wait=False).stub().add(1)
             assert await client.health("e1") is SERVING
             server.set_health(NOT_SERVING)  # a dependency is down
             assert await client.health("e1") is NOT_SERVING
