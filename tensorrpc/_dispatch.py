@@ -47,7 +47,7 @@ from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
-from tensorrpc.transports._policy import LeaseCollector
+from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 
     from tensorrpc._compression import Compression
     from tensorrpc._server_protocol import ServerProtocol
-    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer, TransportPolicy
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
 
 __all__ = ["Call", "Dispatcher"]
 
@@ -384,7 +385,7 @@ class Dispatcher:
             return None
         # Built on the client's regions (one copy in all) until our first reply, which
         # ends the client's lease: _detach() runs before it. Made on the first handle.
-        return self._policy.lazy_resolver(
+        return self._policy.peers.lazy_resolver(
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
@@ -394,7 +395,7 @@ class Dispatcher:
         pages of their own first."""
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
 
     def _end_args(self, call: Call) -> None:
         """A call that ends without a reply (cancelled, client gone): argument tensors
@@ -405,7 +406,7 @@ class Dispatcher:
             return
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
         unread: tuple[int, ...] = ()
         if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
             collector = LeaseCollector()

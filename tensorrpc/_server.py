@@ -850,7 +850,7 @@ class Server:
         if isinstance(event, BuiltinCall):
             self._answer_statistics(event)
         elif isinstance(event, Released):
-            self._policy.release(event.leases, event.session)
+            self._policy.memory.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
             self._negotiate_shm(event.session, event.welcome, event.frame)
             logger.info(
@@ -858,8 +858,8 @@ class Server:
             )
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
-            shm = event.shm
-            self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
+            policy = self._policy
+            policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
             log = logger.warning if event.warn else logger.info
             if event.why.startswith("refused") and not self._said.first(
                 (event.session.name, event.why)
@@ -884,7 +884,7 @@ class Server:
     def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
         # torch_shm only with the process the kernel says is at the other end of the
         # connection the WELCOME came on (docs/security.md); its claims are hints.
-        pid, send, receive = self._policy.attest(
+        pid, send, receive = self._policy.peers.attest(
             session,
             peer_credentials(frame),
             offers=welcome.transports,
@@ -909,7 +909,7 @@ class Server:
             self._flush()
             if now >= next_sweep:
                 next_sweep = now + interval
-                self._policy.sweep()
+                self._policy.memory.sweep()
                 for sock in self._sockets:
                     sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._pending.prune()
