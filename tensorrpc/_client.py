@@ -466,14 +466,16 @@ class Client(CallView[S]):
         *,
         service: str = "",
         interval: float = 1.0,
+        timeout: float = 5.0,  # noqa: ASYNC109 - each answer's deadline, as in health()
     ) -> AsyncGenerator[HealthChange, None]:
         """Watch every engine's health: one [`HealthChange`][tensorrpc.HealthChange] per change.
 
         Each round asks every live engine (concurrently, each answer bounded by
-        ``interval``) and yields a change for each engine whose status differs from the
+        ``timeout``) and yields a change for each engine whose status differs from the
         last one seen: first the initial status of every engine, then only changes. An
-        engine that leaves, or does not answer, becomes ``UNKNOWN``. Rounds run every
-        ``interval`` seconds, and at once when an engine joins or leaves. Stop by leaving
+        engine that leaves, or does not answer in time, becomes ``UNKNOWN``. A round
+        starts ``interval`` seconds after the previous one ended, and at once when an
+        engine joins or leaves. Stop by leaving
         the ``async for`` (or closing the iterator).
 
         ```python
@@ -483,23 +485,24 @@ class Client(CallView[S]):
 
         Args:
             service: As in `health`.
-            interval: Seconds between rounds, and the bound on each answer (> 0).
+            interval: Seconds between rounds (> 0).
+            timeout: Seconds each engine has to answer in a round (> 0).
 
         Yields:
             The changes of each round, in engine id order.
 
         Raises:
-            ValueError: ``interval`` is not positive.
+            ValueError: ``interval`` or ``timeout`` is not positive.
             ClosedError: The client is closed (at the next round).
         """
-        if not interval > 0:
-            raise ValueError("interval must be > 0")
+        if not interval > 0 or not timeout > 0:
+            raise ValueError("interval and timeout must be > 0")
         seen: dict[str, HealthStatus] = {}
         while True:
             self._io.check_open()
             changed = self._io.engines_changed
             live = sorted(self._protocol.engines.engines)
-            now = await self._health_round(live, service, interval)
+            now = await self._health_round(live, service, timeout)
             for engine_id in seen.keys() - now.keys():
                 now[engine_id] = HealthStatus.UNKNOWN  # it left
             for engine_id in sorted(now):
@@ -514,14 +517,14 @@ class Client(CallView[S]):
                     await changed.wait()
 
     async def _health_round(
-        self, engine_ids: list[str], service: str, interval: float
+        self, engine_ids: list[str], service: str, bound: float
     ) -> dict[str, HealthStatus]:
         """One health answer per engine (``UNKNOWN`` for those that gave none in time)."""
         answers: dict[str, HealthStatus] = {}
 
         async def one(engine_id: str) -> None:
             try:
-                answers[engine_id] = await self.health(engine_id, service=service, timeout=interval)
+                answers[engine_id] = await self.health(engine_id, service=service, timeout=bound)
             except ClosedError:
                 raise
             except TensorRPCError:

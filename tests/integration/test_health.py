@@ -113,8 +113,9 @@ async def test_watch_health_yields_each_change_per_engine(tmp_path: Path) -> Non
 
 async def test_watch_health_refuses_a_bad_interval(tmp_path: Path) -> None:
     async with Client(Calculator, bind=f"ipc://{tmp_path}/c.sock") as client:
-        with pytest.raises(ValueError, match="interval"):
-            await client.watch_health(interval=0).__anext__()
+        for interval, timeout in ((0.0, 1.0), (1.0, -1.0)):
+            with pytest.raises(ValueError, match="interval and timeout"):
+                await client.watch_health(interval=interval, timeout=timeout).__anext__()
 
 
 def test_the_cli_probe_exits_0_serving_and_1_not_serving(
