@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     )
     from tensorrpc._codec import CodecConfig
     from tensorrpc._compression import Compression
+    from tensorrpc._context import CallContext, call_context
     from tensorrpc._exceptions import (
         BroadcastError,
         CallError,
@@ -45,9 +46,12 @@ if TYPE_CHECKING:
         HandshakeRejectedError,
         InvalidArgumentError,
         LocalProtocolError,
+        MetadataError,
         MethodNotFoundError,
+        NoCallContextError,
         OverloadedError,
         PeerUnreachableError,
+        PermissionDeniedError,
         ProtocolError,
         RemoteError,
         RemoteProtocolError,
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
         ValidationError,
     )
     from tensorrpc._health import HealthChange, HealthStatus
+    from tensorrpc._interceptors import ClientCall, ClientInterceptor, ServerInterceptor
     from tensorrpc._observe import CallObservation, Observer
     from tensorrpc._protocol import PROTOCOL_VERSION
     from tensorrpc._release import release_later, set_release_threshold
@@ -106,6 +111,8 @@ _EXPORTS: dict[str, str] = {
     "EngineStatistics": "tensorrpc._client",
     "CodecConfig": "tensorrpc._codec",
     "Compression": "tensorrpc._compression",
+    "CallContext": "tensorrpc._context",
+    "call_context": "tensorrpc._context",
     "BroadcastError": "tensorrpc._exceptions",
     "CallError": "tensorrpc._exceptions",
     "CallTimeoutError": "tensorrpc._exceptions",
@@ -122,9 +129,12 @@ _EXPORTS: dict[str, str] = {
     "HandshakeRejectedError": "tensorrpc._exceptions",
     "InvalidArgumentError": "tensorrpc._exceptions",
     "LocalProtocolError": "tensorrpc._exceptions",
+    "MetadataError": "tensorrpc._exceptions",
     "MethodNotFoundError": "tensorrpc._exceptions",
+    "NoCallContextError": "tensorrpc._exceptions",
     "OverloadedError": "tensorrpc._exceptions",
     "PeerUnreachableError": "tensorrpc._exceptions",
+    "PermissionDeniedError": "tensorrpc._exceptions",
     "ProtocolError": "tensorrpc._exceptions",
     "RemoteError": "tensorrpc._exceptions",
     "RemoteProtocolError": "tensorrpc._exceptions",
@@ -136,6 +146,9 @@ _EXPORTS: dict[str, str] = {
     "ValidationError": "tensorrpc._exceptions",
     "HealthChange": "tensorrpc._health",
     "HealthStatus": "tensorrpc._health",
+    "ClientCall": "tensorrpc._interceptors",
+    "ClientInterceptor": "tensorrpc._interceptors",
+    "ServerInterceptor": "tensorrpc._interceptors",
     "CallObservation": "tensorrpc._observe",
     "Observer": "tensorrpc._observe",
     "PROTOCOL_VERSION": "tensorrpc._protocol",
@@ -206,6 +219,7 @@ __all__ = [
     "BlockingStream",
     "BlockingStub",
     "BroadcastError",
+    "CallContext",
     "CallError",
     "CallObservation",
     "CallOptions",
@@ -213,6 +227,8 @@ __all__ = [
     "CallTimeoutError",
     "CallView",
     "Client",
+    "ClientCall",
+    "ClientInterceptor",
     "ClientStatistics",
     "ClosedError",
     "CodecConfig",
@@ -238,18 +254,22 @@ __all__ = [
     "HealthStatus",
     "InvalidArgumentError",
     "LocalProtocolError",
+    "MetadataError",
     "MethodNotFoundError",
     "MethodSpec",
+    "NoCallContextError",
     "Observer",
     "OverloadedError",
     "PeerStatistics",
     "PeerUnreachableError",
+    "PermissionDeniedError",
     "ProtocolError",
     "RemoteError",
     "RemoteProtocolError",
     "SerializationError",
     "Server",
     "ServerConfig",
+    "ServerInterceptor",
     "ServerStatistics",
     "ServiceDefinitionError",
     "ServiceSpec",
@@ -266,6 +286,7 @@ __all__ = [
     "TypedStub",
     "UnaryMethod",
     "ValidationError",
+    "call_context",
     "current_batch",
     "describe",
     "generate_keypair",

@@ -39,6 +39,7 @@ from anyio.from_thread import BlockingPortal
 
 from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
 from tensorrpc._exceptions import ClosedError
+from tensorrpc._views import KEEP, Keep
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -233,14 +234,17 @@ class BlockingCallView(Generic[S]):
     def with_options(
         self,
         *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: TransportName = "auto",
-        wait_for_ready: bool | None = None,
-        compression: Compression | Literal["zstd"] | None = None,
+        engine: str | Keep | None = KEEP,
+        timeout: float | Keep | None = KEEP,
+        wait: bool | Keep = KEEP,
+        transport: TransportName | Keep = KEEP,
+        wait_for_ready: bool | Keep | None = KEEP,
+        metadata: Mapping[str, str] | Keep | None = KEEP,
+        compression: Compression | Literal["zstd"] | Keep | None = KEEP,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
+
+        An option not given keeps this view's value (views chain); ``None`` clears one.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -249,6 +253,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
             compression: ``"zstd"`` or a `Compression` (see `CallOptions`).
 
         Returns:
@@ -260,6 +265,7 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
             compression=compression,
         )
         return BlockingCallView(self._runner, view)

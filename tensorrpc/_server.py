@@ -54,6 +54,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._health import FEATURE_HEALTH, HealthStatus
 from tensorrpc._hostinfo import host_id as _host_id
+from tensorrpc._interceptors import check_interceptors
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
@@ -105,6 +106,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
     from typing_extensions import Buffer
 
+    from tensorrpc._interceptors import ServerInterceptor
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec, ServiceSpec
@@ -191,6 +193,9 @@ class ServerConfig:
     #: ``compression`` extra); None: never compress results. What travels by
     #: ``torch_shm`` is never compressed.
     compression: Compression | None = _RESULT_COMPRESSION
+    #: Async interceptors around every call's handler, the first outermost (see
+    #: docs/interceptors.md): ``async def icpt(context, proceed)``.
+    interceptors: Sequence[ServerInterceptor] = ()
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -230,6 +235,7 @@ class ServerOptions(TypedDict, total=False):
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
     compression: Compression | None
+    interceptors: Sequence[ServerInterceptor]
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
@@ -471,6 +477,7 @@ class Server:
             flush=self._flush,
             send_reply=self._send_reply,
             compression=cfg.compression if _compression.available() else None,
+            interceptors=check_interceptors(cfg.interceptors, "engine"),
         )
         self._started = False
         self._closed = False
