@@ -144,7 +144,7 @@ def _add_serve(sub: Any) -> None:
         help="seconds running calls may take to finish at shutdown",
     )
     _cli_ops.add_serve_flags(serve)
-    _cli_ops.add_curve_flags(serve, listens=True, dials=True)
+    _cli_ops.add_curve_flags(serve, listens=True)
     _add_log_level(serve)
 
 
@@ -174,7 +174,7 @@ def _add_describe(sub: Any) -> None:
         metavar="S",
         help="ADDR: seconds for the engine to answer (default 10)",
     )
-    _cli_ops.add_curve_flags(describe, listens=False, dials=True)
+    _cli_ops.add_curve_flags(describe, listens=False)
 
 
 def _add_call(sub: Any) -> None:
@@ -237,7 +237,7 @@ def _add_call_options(call: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bind ADDR and wait for an engine to dial in, instead of dialling ADDR",
     )
-    _cli_ops.add_curve_flags(call, listens=True, dials=True)
+    _cli_ops.add_curve_flags(call, listens=True)
     call.set_defaults(health=False)
     call.add_argument(
         "--list", action="store_true", help="list the engine's methods instead of calling"
@@ -299,7 +299,7 @@ def _add_top(sub: Any) -> None:
         help="seconds to wait for an engine and for each answer (default 10)",
     )
     top.add_argument("--count", type=_positive_int, metavar="N", help="stop after N refreshes")
-    _cli_ops.add_curve_flags(top, listens=False, dials=True)
+    _cli_ops.add_curve_flags(top, listens=False)
     _add_log_level(top)
 
 
@@ -327,7 +327,7 @@ def _add_health(sub: Any) -> None:
         "--bind", action="store_true", help="bind ADDR and wait for an engine to dial in"
     )
     health.add_argument("--json", action="store_true", help="print the engine as JSON")
-    _cli_ops.add_curve_flags(health, listens=True, dials=True)
+    _cli_ops.add_curve_flags(health, listens=True)
     # What `_call` reads of a `call` command line, for a handshake only.
     health.set_defaults(health=True, list=False, stream=False, method=None)
 
