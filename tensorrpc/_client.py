@@ -216,6 +216,7 @@ class Client(CallView[S]):
             Heartbeat(heartbeat_interval, dead_after), stream_window=stream_window,
             balancing=balancing, max_in_flight=max_in_flight, maxmsgsize=options.maxmsgsize,
             engine_keys=None if engine_keys is None else _engine_keys(engine_keys, curve),
+            policy=policy,
         )  # fmt: skip
         self._built_keys = config.engine_keys
         self._runtime_keys: dict[str, str] = {}
@@ -554,6 +555,7 @@ def _client_config(
     max_in_flight: int,
     maxmsgsize: int,
     engine_keys: Mapping[str, str] | None,
+    policy: TransportPolicy,
 ) -> ClientConfig:
     """What the client's protocol machine is configured with."""
     return ClientConfig(
@@ -570,6 +572,8 @@ def _client_config(
         schemaless=spec is _SCHEMALESS_SPEC,
         signatures={n: m.signature for n, m in spec.methods.items()},
         engine_keys=engine_keys,
+        shm_transports=policy.offered(),
+        shm_trust_unattested=policy.peers.trust_unattested,
     )
 
 

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from tensorrpc._client_protocol import ClientProtocol
     from tensorrpc._engines import Engine, EngineInfo
     from tensorrpc._service import MethodSpec, ServiceSpec
-    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer
 
 __all__ = ["CallRunner"]
 
@@ -87,7 +88,7 @@ class CallRunner:
         self._io = io
         self._protocol: ClientProtocol = io.protocol
         self._policy = io.policy
-        self._holds = io.policy.holds
+        self._holds = io.policy.memory.holds
         self._maxmsgsize = maxmsgsize
         self._spec = spec
         self._schemaless = schemaless
@@ -213,7 +214,7 @@ class CallRunner:
             encoded = self._encode(spec, wire, engine, placer)
         holds = self._holds
         # Results freed since: the engine may reuse their memory (the CALL says so).
-        returns = policy.releasable(engine.peer) if holds is not None and holds.ready else ()
+        returns = policy.memory.releasable(engine.peer) if holds is not None and holds.ready else ()
         lease, placed = (None, (0, 0)) if placer is None else placer.outcome()
         flags |= _result_flags(options, engine)
         if encoded.buffers:
@@ -243,7 +244,7 @@ class CallRunner:
         assert self._io.observer is not None
         nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
         return _observe.client_call(
-            self._io.observer, spec.name, engine.engine_id, engine.info.features,
+            self._io.observer, spec.service, spec.name, engine.engine_id, engine.info.features,
             bool(flags & _STREAM_FLAG), nbytes, shm, len(encoded.buffers),
         )  # fmt: skip
 
@@ -464,7 +465,7 @@ class CallRunner:
         leased to us until they are freed; the torch_shm resolver is made on the reply's
         first handle only.
         """
-        return self._policy.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
+        return self._policy.peers.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
 
     def _encode(
         self,

@@ -46,7 +46,7 @@ from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
-from tensorrpc.transports._policy import LeaseCollector
+from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from tensorrpc._server_protocol import ServerProtocol
-    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer, TransportPolicy
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
 
 __all__ = ["Call", "Dispatcher"]
 
@@ -219,7 +220,7 @@ class Dispatcher:
         if call.keep is not None or call.cancelled:
             self._end_args(call)
             self._flush()
-        self._proto.done(call)
+        self._proto.done(call, anyio.current_time())
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
 
@@ -267,6 +268,7 @@ class Dispatcher:
         args = self._decode(call)
         if args is None:
             return
+        self._proto.started(call, anyio.current_time())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
         if call.spec.streaming:
@@ -370,7 +372,7 @@ class Dispatcher:
             return None
         # Built on the client's regions (one copy in all) until our first reply, which
         # ends the client's lease: _detach() runs before it. Made on the first handle.
-        return self._policy.lazy_resolver(
+        return self._policy.peers.lazy_resolver(
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
@@ -380,7 +382,7 @@ class Dispatcher:
         pages of their own first."""
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
 
     def _end_args(self, call: Call) -> None:
         """A call that ends without a reply (cancelled, client gone): argument tensors
@@ -391,7 +393,7 @@ class Dispatcher:
             return
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
         unread: tuple[int, ...] = ()
         if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
             collector = LeaseCollector()

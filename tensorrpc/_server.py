@@ -281,6 +281,10 @@ class ServerStatistics:
     #: ``queue_wait`` and ``run_time`` (``[bucket, count]`` pairs in the statistics
     #: method's latency buckets, sums in ``queue_wait_sum_s`` / ``run_time_sum_s``).
     batching: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Per method of the service (see `MethodStatistics.snapshot`): ``calls``,
+    #: ``errors``, ``items``, ``outcomes`` and the latency histograms ``queue_wait``,
+    #: ``run_time`` and ``latency``; counted since the engine started.
+    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _hello_signature(spec: MethodSpec) -> str:
@@ -370,6 +374,7 @@ def _statistics(
         transports=policy.statistics(),
         strangers_evicted=proto.strangers_evicted,
         batching=batches.statistics(),
+        methods={name: m.snapshot() for name, m in proto.calls.methods.items()},
     )
 
 
@@ -464,8 +469,6 @@ class Server:
         self._inner_scope: anyio.CancelScope | None = None
         self._observer = _observe.resolve(cfg.observer)
         self._said = Said()  # refusals already logged at WARNING
-        # Per-method counters for the built-in statistics method, from its first use on.
-        self._recorder: _observe.StatisticsRecorder | None = None
         self._started_at = time.time()
 
     # -- public surface ---------------------------------------------------------------------
@@ -779,8 +782,8 @@ class Server:
             self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
             call.observed = self._observer.engine_call(
-                call.spec.name, self._engine_id, call.session.name, call.spec.streaming,
-                call.trace, size,
+                call.spec.service, call.spec.name, self._engine_id, call.session.name,
+                call.spec.streaming, call.trace, size,
             )  # fmt: skip
 
     def _answer_statistics(self, event: BuiltinCall) -> None:
@@ -788,15 +791,8 @@ class Server:
         if not _observe.statistics_allowed(self._config.curve):
             self._proto.builtin_refused(event, _STATISTICS_REFUSED)
             return
-        if self._recorder is None:
-            self._recorder = _observe.StatisticsRecorder()
-            self._observer = _observe.combine(self._observer, self._recorder)
         body = _observe.statistics_body(
-            self.statistics(),
-            service=self._spec.name,
-            pid=os.getpid(),
-            started=self._started_at,
-            recorder=self._recorder,
+            self.statistics(), service=self._spec.name, pid=os.getpid(), started=self._started_at
         )
         self._proto.builtin_reply(event, _codec.encode(body, self._codec).payload)
 
@@ -821,7 +817,7 @@ class Server:
         if isinstance(event, BuiltinCall):
             self._answer_statistics(event)
         elif isinstance(event, Released):
-            self._policy.release(event.leases, event.session)
+            self._policy.memory.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
             self._negotiate_shm(event.session, event.welcome, event.frame)
             logger.info(
@@ -829,8 +825,8 @@ class Server:
             )
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
-            shm = event.shm
-            self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
+            policy = self._policy
+            policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
             log = logger.warning if event.warn else logger.info
             if event.why.startswith("refused") and not self._said.first(
                 (event.session.name, event.why)
@@ -855,7 +851,7 @@ class Server:
     def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
         # torch_shm only with the process the kernel says is at the other end of the
         # connection the WELCOME came on (docs/security.md); its claims are hints.
-        pid, send, receive = self._policy.attest(
+        pid, send, receive = self._policy.peers.attest(
             session,
             peer_credentials(frame),
             offers=welcome.transports,
@@ -880,7 +876,7 @@ class Server:
             self._flush()
             if now >= next_sweep:
                 next_sweep = now + interval
-                self._policy.sweep()
+                self._policy.memory.sweep()
                 for sock in self._sockets:
                     sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._pending.prune()

@@ -60,11 +60,6 @@ CLIENT_ADDRESS = "tcp://client:5555"  # the client's address, to an engine diall
 DEFAULT_HEARTBEAT = Heartbeat(1.0, 5.0)
 
 
-class NoShm:  # the client shell's torch_shm answer: never usable
-    def shm_offer(self, peer: bytes, hello: Hello, frame: Any) -> None:
-        return None
-
-
 @service
 class Pair:
     """The service both ends speak (handlers never run here)."""
@@ -168,7 +163,7 @@ class EngineEnd:
 
     def done(self, call: ServerCall) -> None:
         self.running.remove(call)
-        self.proto.done(call)
+        self.proto.done(call, self.pair.now)
 
     def _out(self, frames: Any, call: ServerCall | None = None, done: bool = False) -> bool:
         if isinstance(frames, list):  # RESULT / STREAM_ITEM: the worker sends them
@@ -230,7 +225,7 @@ class ProtocolPair:
             "signatures": signatures, **client,
         })  # fmt: skip
         epochs = itertools.count(1)
-        self.client = ClientProtocol(config, NoShm(), epochs=lambda: next(epochs))
+        self.client = ClientProtocol(config, epochs=lambda: next(epochs))
         self.to_client: collections.deque[Wire] = collections.deque()  # engine -> client
         self.client_sent: list[Wire] = []  # everything the client sent
         self.events: list[Any] = []  # the client's events
