@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         EngineStatistics,
     )
     from tensorrpc._codec import CodecConfig
+    from tensorrpc._context import CallContext, call_context
     from tensorrpc._exceptions import (
         BroadcastError,
         CallError,
@@ -43,9 +44,12 @@ if TYPE_CHECKING:
         HandshakeRejectedError,
         InvalidArgumentError,
         LocalProtocolError,
+        MetadataError,
         MethodNotFoundError,
+        NoCallContextError,
         OverloadedError,
         PeerUnreachableError,
+        PermissionDeniedError,
         ProtocolError,
         RemoteError,
         RemoteProtocolError,
@@ -56,6 +60,7 @@ if TYPE_CHECKING:
         TransportError,
         ValidationError,
     )
+    from tensorrpc._interceptors import ClientCall, ClientInterceptor, ServerInterceptor
     from tensorrpc._observe import CallObservation, Observer
     from tensorrpc._protocol import PROTOCOL_VERSION
     from tensorrpc._release import release_later, set_release_threshold
@@ -94,15 +99,17 @@ _MODULES: dict[str, str] = {
         "CallOptions CallStream CallView Client ClientStatistics EngineInfo EngineStatistics"
     ),
     "tensorrpc._codec": "CodecConfig",
+    "tensorrpc._context": "CallContext call_context",
     "tensorrpc._exceptions": (
         "BroadcastError CallError CallTimeoutError ClosedError ConnectError DecodeError "
         "DrainingError EncodeError EngineDeadError EngineNotFoundError "
         "EnginesUnavailableError ErrorCode HandshakeRejectedError InvalidArgumentError "
-        "LocalProtocolError MethodNotFoundError OverloadedError PeerUnreachableError "
-        "ProtocolError RemoteError RemoteProtocolError SerializationError "
-        "ServiceDefinitionError TensorRPCError TensorTransportError TransportError "
-        "ValidationError"
+        "LocalProtocolError MetadataError MethodNotFoundError NoCallContextError "
+        "OverloadedError PeerUnreachableError PermissionDeniedError ProtocolError "
+        "RemoteError RemoteProtocolError SerializationError ServiceDefinitionError "
+        "TensorRPCError TensorTransportError TransportError ValidationError"
     ),
+    "tensorrpc._interceptors": "ClientCall ClientInterceptor ServerInterceptor",
     "tensorrpc._observe": "CallObservation Observer",
     "tensorrpc._protocol": "PROTOCOL_VERSION",
     "tensorrpc._release": "release_later set_release_threshold",
@@ -150,6 +157,7 @@ __all__ = [
     "BlockingStream",
     "BlockingStub",
     "BroadcastError",
+    "CallContext",
     "CallError",
     "CallObservation",
     "CallOptions",
@@ -157,6 +165,8 @@ __all__ = [
     "CallTimeoutError",
     "CallView",
     "Client",
+    "ClientCall",
+    "ClientInterceptor",
     "ClientStatistics",
     "ClosedError",
     "CodecConfig",
@@ -178,18 +188,22 @@ __all__ = [
     "HandshakeRejectedError",
     "InvalidArgumentError",
     "LocalProtocolError",
+    "MetadataError",
     "MethodNotFoundError",
     "MethodSpec",
+    "NoCallContextError",
     "Observer",
     "OverloadedError",
     "PeerStatistics",
     "PeerUnreachableError",
+    "PermissionDeniedError",
     "ProtocolError",
     "RemoteError",
     "RemoteProtocolError",
     "SerializationError",
     "Server",
     "ServerConfig",
+    "ServerInterceptor",
     "ServerStatistics",
     "ServiceDefinitionError",
     "ServiceSpec",
@@ -206,6 +220,7 @@ __all__ = [
     "TypedStub",
     "UnaryMethod",
     "ValidationError",
+    "call_context",
     "current_batch",
     "describe",
     "generate_keypair",

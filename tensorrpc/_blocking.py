@@ -236,6 +236,7 @@ class BlockingCallView(Generic[S]):
         wait: bool = True,
         transport: TransportName = "auto",
         wait_for_ready: bool | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -246,6 +247,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The new view.
@@ -256,6 +258,7 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
         )
         return BlockingCallView(self._runner, view)
 

@@ -566,6 +566,7 @@ class ClientProtocol(Machine[bytes, Event]):
         lease: int | None = None,
         placed: tuple[int, int] = (0, 0),
         returns: Sequence[int] = (),
+        metadata: bytes = b"",
     ) -> tuple[Call, list[Any]]:
         """Enter a call to ``engine`` in the table and build its CALL.
 
@@ -584,6 +585,7 @@ class ClientProtocol(Machine[bytes, Event]):
             placed: Tensors and bytes that went by handle.
             returns: More result leases of this engine we are done with (as
                 `return_leases`), returned with this CALL.
+            metadata: The request metadata block (`tensorrpc._metadata.encode_block`).
 
         Returns:
             The call and the CALL message ``[peer, header, payload, *buffers]``; the shell
@@ -607,8 +609,9 @@ class ClientProtocol(Machine[bytes, Event]):
             else:
                 self._release_now(engine, unique, now)
         header = pack_call_header(
-            call.call_id, spec.name, flags, timeout_ms, trace=trace, releases=releases
-        )
+            call.call_id, spec.name, flags, timeout_ms, trace=trace, releases=releases,
+            metadata=metadata,
+        )  # fmt: skip
         size = len(header) + memoryview(payload).nbytes
         for buffer in buffers:
             size += memoryview(buffer).nbytes
@@ -828,6 +831,8 @@ class ClientProtocol(Machine[bytes, Event]):
         now: float,
     ) -> Call | Event | None:
         call = self.calls.reply(engine, kind, header.call_id, payload, buffers)
+        if header.flags and call is not None and header.metadata:
+            call.reply_metadata = header.metadata  # response metadata (RESULT, STREAM_END)
         if call is None:
             if kind is _ERROR and header.call_id == 0:
                 return Ignored(

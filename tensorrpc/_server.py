@@ -52,6 +52,7 @@ from tensorrpc._exceptions import (
     TransportError,
 )
 from tensorrpc._hostinfo import host_id as _host_id
+from tensorrpc._interceptors import check_interceptors
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
     from typing_extensions import Buffer
 
+    from tensorrpc._interceptors import ServerInterceptor
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec, ServiceSpec
@@ -182,6 +184,9 @@ class ServerConfig:
     #: docs/observability.md); ``tensorrpc.metrics.exporter(port)`` exports Prometheus
     #: metrics over HTTP.
     observer: Observer | Sequence[Observer] | None = None
+    #: Async interceptors around every call's handler, the first outermost (see
+    #: docs/interceptors.md): ``async def icpt(context, proceed)``.
+    interceptors: Sequence[ServerInterceptor] = ()
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -220,6 +225,7 @@ class ServerOptions(TypedDict, total=False):
     max_strangers: int
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
+    interceptors: Sequence[ServerInterceptor]
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
@@ -459,6 +465,7 @@ class Server:
             grace_period=cfg.grace_period,
             flush=self._flush,
             send_reply=self._send_reply,
+            interceptors=check_interceptors(cfg.interceptors, "engine"),
         )
         self._started = False
         self._closed = False

@@ -350,7 +350,7 @@ class ProtocolPair:
 
     def call(
         self, method: str = "add", *args: Any, engine: str | None = None, timeout_ms: int = 0,
-        no_wait: bool = False, lease: int | None = None, **kwargs: Any,
+        no_wait: bool = False, lease: int | None = None, metadata: bytes = b"", **kwargs: Any,
     ) -> Call:  # fmt: skip
         """Start a call as `tensorrpc.Client` does and put its CALL on the wire."""
         spec = SPEC.methods[method]
@@ -361,6 +361,7 @@ class ProtocolPair:
         call, frames = self.client.start_call(
             target, spec, None, stream=spec.streaming, now=self.now, payload=encoded.payload,
             buffers=encoded.buffers, flags=flags, timeout_ms=timeout_ms, lease=lease,
+            metadata=metadata,
         )  # fmt: skip
         self._collect_client()  # what the protocol queued goes first
         self._route(frames[0], frames[1:])

@@ -262,7 +262,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(kind=MessageKind.HELLO, call_id=3), "connection-level"),
         (raw_header(kind=MessageKind.CALL, tail=b""), "without a method name"),
         (raw_header(kind=MessageKind.CALL, call_id=0, tail=b"m"), "CALL with call_id 0"),
-        (raw_header(kind=MessageKind.CALL, flags=64, tail=b"m"), "unknown flag bits 0x40"),
+        (raw_header(kind=MessageKind.CALL, flags=128, tail=b"m"), "unknown flag bits 0x80"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b""), "no lease count"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x00m"), "0 lease ids"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x41" + bytes(8 * 65) + b"m"), "65"),
