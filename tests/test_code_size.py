@@ -23,7 +23,10 @@ FUNCTION_LIMIT = 60
 
 #: ``path::qualified.name`` -> owner (the branch shrinking it).
 KNOWN_OVERSIZE: dict[str, str] = {
+    "_client.py::Client.__init__": "shell23 (grown by day2a)",
+    "_client_calls.py::CallRunner._start": "shell23 (grown by day2a)",
     "_client_protocol.py::ClientProtocol": "proto23",
+    "_server_calls.py::ServerCall.__init__": "shell23 (grown by day2a)",
     "_server_protocol.py::ServerProtocol": "proto23",
     "transports/torch_shm.py::TorchShmTransport": "lead20",
 }
