@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 
-.PHONY: all install test lint format check demo bench soak docs docs-serve dist clean test-gpu
+.PHONY: all install test lint format check demo bench soak docs docs-serve dist clean test-gpu test-thorough
 
 all: test
 
@@ -37,6 +37,10 @@ WORKERS ?= 3
 
 test: check
 	$(BIN)/python -m pytest -n $(WORKERS)
+
+# Every hypothesis example the tests ask for (`make test` makes a quarter; tests/conftest.py).
+test-thorough: check
+	TENSORRPC_HYPOTHESIS=thorough $(BIN)/python -m pytest -n $(WORKERS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m gpu

@@ -309,12 +309,23 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
             f"| {name} | {fmt_rate(_num(e.get('per_s')))} | {_ms(e.get('median_ms'))} "
             f"| {_ms(e.get('p99_ms'))} | {'' if mean is None else f'{mean:.1f}'} |"
         )
+    wait, run = (
+        _get(ours := bt.get("tensorrpc"), "engine_queue_wait_ms"),
+        _get(ours, "engine_run_ms"),
+    )
+    lines += [
+        "",
+        f"Inside the engine a batched call waited {_ms(wait)} in the queue on average and "
+        f"its batch's handler ran {_ms(run)}; the rest of its latency is outside the batcher "
+        "(receiving, replying, the client).",
+    ]
     lines += [
         "",
         f"{bt.get('streams')} streams of {bt.get('tokens')} tokens, one "
         f"{bt.get('token_step_ms')} ms step per token (for every active stream at once when "
         f"batched); a stream joining a running batch got its first token after "
-        f"{_ms(bt.get('late_ttft_ms'))}.",
+        f"{_ms(bt.get('late_ttft_ms'))}, while the running batch's step took "
+        f"{_ms(bt.get('running_step_ms'))} here (handler plus delivering its outputs).",
         "",
         "| case | tokens/s | time to first token, median | p99 |",
         "|---|---:|---:|---:|",

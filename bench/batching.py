@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import subprocess
@@ -102,8 +103,9 @@ class Model:
 
     def __init__(self) -> None:
         self._device = asyncio.Lock()
-        self._counts = [0, 0]  # batches and items of `batched`
+        self._counts = [0, 0, 0, 0]  # batches and items of `batched`, then of `peer`
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
+        self.server: tensorrpc.Server | None = None
 
     async def _step(self, seconds: float) -> None:
         async with self._device:
@@ -122,10 +124,21 @@ class Model:
         return [v + 1 for v in x]
 
     @rpc
-    async def counts(self) -> tuple[int, int]:
-        return self._counts[0], self._counts[1]
+    async def counts(self, peer: bool = False) -> tuple[int, int]:
+        return (self._counts[2], self._counts[3]) if peer else (self._counts[0], self._counts[1])
+
+    @rpc
+    async def batch_stats(self) -> dict[str, float]:
+        """The engine's own figures of ``batched`` (its ``Server.statistics()``)."""
+        if self.server is None:
+            return {}
+        stats = self.server.statistics().batching["batched"]
+        keys = ("items", "batches", "queue_wait_sum_s", "run_time_sum_s")
+        return {k: float(stats[k]) for k in keys}
 
     async def _peer_batch(self, xs: list[int]) -> list[int]:
+        self._counts[2] += 1
+        self._counts[3] += len(xs)
         await self._step(STEP_S)
         return [v + 1 for v in xs]
 
@@ -225,15 +238,23 @@ async def _streams(stub: Any, method: str, concurrent: int) -> dict[str, Any]:
     return out
 
 
-async def _late_ttft(stub: Any) -> float:
-    """Time to first token of a stream that arrives while a batch of streams runs."""
+async def _late_ttft(stub: Any) -> tuple[float, float]:
+    """Time to first token of a stream that arrives while a batch of streams runs, and
+    the running batch's step as it runs here (median time between two tokens of a
+    running stream while the late one starts: handler step plus delivering the outputs)."""
+    gaps: list[float] = []
     async with anyio.create_task_group() as tg:
         started = anyio.Event()
 
         async def running(k: int) -> None:
+            last = 0.0
             async for v in stub.generate_batched(k * 1000, TOKENS * 4):
+                now = time.perf_counter()
                 if v == k * 1000:
                     started.set()
+                elif k == 0 and v - k * 1000 > 2:
+                    gaps.append(now - last)
+                last = now
 
         for k in range(STREAMS // 2):
             tg.start_soon(running, k)
@@ -243,12 +264,34 @@ async def _late_ttft(stub: Any) -> float:
         await stream.__anext__()
         late = time.perf_counter() - t0
         await stream.aclose()
-    return late
+    return late, statistics.median(gaps) if gaps else math.nan
 
 
-async def _batches(client: tensorrpc.Client[Model]) -> tuple[int, int]:
-    """The engine's batches and items of ``batched`` so far."""
-    return await client.stub().counts()
+async def _batches(client: tensorrpc.Client[Model], peer: bool = False) -> tuple[int, int]:
+    """The engine's batches and items of ``batched`` (``peer``: of the peer) so far."""
+    return await client.stub().counts(peer)
+
+
+async def _engine_batching(client: tensorrpc.Client[Model]) -> dict[str, Any]:
+    """The engine's own histograms of ``batched`` (its ``statistics()``)."""
+    return dict(await client.stub().batch_stats())
+
+
+def _engine_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Where a batched call's time goes on the engine: its mean wait in the queue and
+    the mean handler run (the rest of its latency is outside the batcher)."""
+    items = after["items"] - before["items"]
+    runs = after["batches"] - before["batches"]
+    return {
+        "engine_queue_wait_ms": (after["queue_wait_sum_s"] - before["queue_wait_sum_s"])
+        / items
+        * 1e3
+        if items
+        else None,
+        "engine_run_ms": (after["run_time_sum_s"] - before["run_time_sum_s"]) / runs * 1e3
+        if runs
+        else None,
+    }
 
 
 async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, Any]:
@@ -263,17 +306,23 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
         ):
             progress(f"batching: {name}")
             await _unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
-            before = await _batches(client)
+            peer = method == "peer"
+            before = await _batches(client, peer)
+            engine_before = await _engine_batching(client)
             out[name] = await _unary(stub, method, cfg.seconds)
-            if method == "batched":
-                after = await _batches(client)
+            if method != "one":
+                after = await _batches(client, peer)
                 runs = after[0] - before[0]
                 out[name]["mean_batch"] = (after[1] - before[1]) / runs if runs else None
+            if method == "batched":
+                out[name].update(_engine_split(engine_before, await _engine_batching(client)))
         progress("batching: streams")
         await _streams(stub, "generate_batched", STREAMS)  # warm-up, not recorded
         out["streams one at a time"] = await _streams(stub, "generate", 1)
         out["streams continuous"] = await _streams(stub, "generate_batched", STREAMS)
-        out["late_ttft_ms"] = await _late_ttft(stub) * 1e3
+        late, step = await _late_ttft(stub)
+        out["late_ttft_ms"] = late * 1e3
+        out["running_step_ms"] = step * 1e3
         return out
 
 
@@ -320,7 +369,12 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
 
 def _engine_main(address: str) -> None:
     async def main() -> None:
-        await tensorrpc.serve(Model(), connect=address, engine_id="batching", max_concurrency=256)
+        model = Model()
+        async with tensorrpc.Server(
+            model, connect=address, engine_id="batching", max_concurrency=256
+        ) as server:
+            model.server = server
+            await server.serve_forever()
 
     asyncio.run(main())
 

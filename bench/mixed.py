@@ -13,8 +13,12 @@ Systems (one engine process each, ``ipc://``): tensorrpc with ``transport="frame
 and ``"torch_shm"``, each in both topologies (the engine dials in to the client's bind,
 vLLM's shape; the client dials the engine's bind); raw pyzmq (a ROUTER server, a DEALER
 client with one reader task and a future per call id, tensors as zero-copy frames) doing
-the same mix. The client drops each large result through `tensorrpc.release_later`, as
-docs/transports.md recommends (a plain ``del`` where tensorrpc has none).
+the same mix, once on one connection and once with the large calls on a second DEALER of
+their own (``pyzmq bulk socket``: what a bulk connection gives, measured raw); Ray
+actors (an async actor, numpy arrays through Ray's shared-memory object store, on
+loopback: `bench.peers.ray_mixed`) doing the same mix. The client drops each large
+result through `tensorrpc.release_later`, as docs/transports.md recommends (a plain
+``del`` where tensorrpc has none).
 
 A small call's latency is from just before the call to its result. Its wake-up lag
 (how late the steady-rate task woke for it, a stalled client event loop shows there) is
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import itertools
 import json
@@ -266,7 +271,7 @@ def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dic
 # -- raw pyzmq ----------------------------------------------------------------------------
 
 
-def _pyzmq(cfg: Config, workdir: Path) -> dict[str, Any]:
+def _pyzmq(cfg: Config, workdir: Path, *, bulk: bool = False) -> dict[str, Any]:
     import ormsgpack
     import torch
 
@@ -279,14 +284,20 @@ def _pyzmq(cfg: Config, workdir: Path) -> dict[str, Any]:
         _tensor_frames,
     )
 
-    addr = f"ipc://{workdir}/mixed-pyzmq.sock"
+    addr = f"ipc://{workdir}/mixed-pyzmq{'-bulk' if bulk else ''}.sock"
     add_payload = ormsgpack.packb([1, 2])
 
     async def case() -> dict[str, Any]:
-        async with ZmqFutureClient(addr, copy=False) as mux:
+        async with (
+            ZmqFutureClient(addr, copy=False) as small_mux,
+            ZmqFutureClient(addr, copy=False) as bulk_mux,
+        ):
+            # bulk: large calls on a connection of their own, small calls never queue
+            # behind their bytes (the design of issue 26's bulk path, measured raw)
+            mux = bulk_mux if bulk else small_mux
 
             async def small() -> int:
-                (reply,) = await mux.call(OP_ADD, add_payload)
+                (reply,) = await small_mux.call(OP_ADD, add_payload)
                 return int(ormsgpack.unpackb(reply.bytes))
 
             def large_ops(size: int) -> dict[str, Callable[[], Awaitable[Any]]]:
@@ -319,18 +330,35 @@ def _pyzmq(cfg: Config, workdir: Path) -> dict[str, Any]:
     return result
 
 
+# -- Ray actors -----------------------------------------------------------------------------
+
+
+def _ray(cfg: Config, workdir: Path) -> dict[str, Any]:
+    import importlib.util
+
+    from bench.peers._suite import run_json_child
+
+    if importlib.util.find_spec("ray") is None:
+        raise RuntimeError("ray is not installed (optional: pip install 'tensorrpc[bench-ray]')")
+    args = ["--config", json.dumps(dataclasses.asdict(cfg)), "--temp-dir", str(workdir / "ray")]
+    # Ray's own start-up (a local instance, an actor process) comes on top of the case.
+    return run_json_child("bench.peers.ray_mixed", args, timeout=cfg.case_timeout + 120.0)
+
+
 # -- the section --------------------------------------------------------------------------
 
 
 def system_names() -> list[str]:
     """Every system this section measures, as named in its results."""
     names = [f"tensorrpc {tr} ({topo})" for tr in ("frames", "torch_shm") for topo in TOPOLOGIES]
-    return [*names, "pyzmq"]
+    return [*names, "pyzmq", "pyzmq bulk socket", "ray"]
 
 
 def _case(name: str, cfg: Config, workdir: Path) -> dict[str, Any]:
-    if name == "pyzmq":
-        return _pyzmq(cfg, workdir)
+    if name.startswith("pyzmq"):
+        return _pyzmq(cfg, workdir, bulk=name != "pyzmq")
+    if name == "ray":
+        return _ray(cfg, workdir)
     transport = name.split()[1]
     topology = name.split(" (")[1].rstrip(")")
     return _tensorrpc(cfg, workdir, transport, topology)

@@ -15,8 +15,12 @@ ERROR, or stream items with the stream's own credit). What the entry point adds:
   stream has no credit) sits out the steps until its reader catches up: a stalled reader
   never stalls the others, and costs one buffered output and its place in the batch.
 
-Each queued or running item holds one of the engine's ``max_concurrency`` workers while
-it waits (a stream waiting for credit parks its worker, as every stream does).
+A unary item does not hold one of the engine's ``max_concurrency`` workers while it
+waits: the pool parks its task (`tensorrpc._dispatch`, rule 5) and hands us its deadline,
+which the batcher keeps: a queued item leaves at its deadline (it never enters a batch),
+a running one is failed at its deadline and its batch learns it left. A stream item is a
+running stream from its first step to its last and holds its worker as every stream does
+(parked while it waits for credit); the batcher keeps its deadline too.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tensorrpc import _context, _observe
 from tensorrpc._batching import Batcher, Continuous, ItemRefused
 from tensorrpc._exceptions import ErrorCode
 from tensorrpc._statistics import LatencyHistogram
+from tensorrpc._zmq import loop_clock
 from tensorrpc.batching import _CURRENT, BatchContext, BatchItem
 
 if TYPE_CHECKING:
@@ -96,6 +101,7 @@ class _Item:
 
     __slots__ = (
         "args",
+        "deadline",
         "error",
         "event",
         "gone",
@@ -108,9 +114,10 @@ class _Item:
         "trace",
     )
 
-    def __init__(self, args: tuple[Any, ...], now: float) -> None:
+    def __init__(self, args: tuple[Any, ...], now: float, deadline: float) -> None:
         self.args = args
         self.queued_at = now
+        self.deadline = deadline
         self.result: Any = None
         self.error: BaseException | None = None
         self.settled = False  # unary: result or error is set; stream: no more outputs
@@ -184,6 +191,10 @@ class _Runner:
         self._wake: anyio.Event | None = None
         self._runs: list[_Run] = []
         self.stats = BatchStatistics()
+        # Set in `start` (inside the event loop): its clock, and its Event class (an
+        # ``anyio.Event()`` looks the backend up on every call, once per item here).
+        self._clock: Callable[[], float] = time.monotonic
+        self._event: Callable[[], anyio.Event] = anyio.Event
 
     # -- the entry points the worker pool calls ---------------------------------------
 
@@ -196,26 +207,27 @@ class _Runner:
 
             return stream
 
-        async def unary(*args: Any) -> Any:
-            return await self._unary(args)
+        async def unary(deadline: float, *args: Any) -> Any:
+            # The worker pool passes the call's deadline first (`_dispatch`, rule 5).
+            return await self._unary(args, deadline)
 
         return unary
 
-    def _offer(self, args: tuple[Any, ...]) -> _Item:
-        now = anyio.current_time()
-        item = _Item(args, now)
+    def _offer(self, args: tuple[Any, ...], deadline: float) -> _Item:
+        now = self._clock()
+        item = _Item(args, now, deadline)
         if self._tg is None:
             raise ItemRefused(ErrorCode.DRAINING, f"{self._spec.qualname}: the engine is stopping")
-        # No deadline for the batcher: the worker's cancel scope ends a late item (it
-        # leaves the queue in _abandon), and reading the scope's deadline costs more than
-        # the rest of the item's way through here.
-        if not self.batcher.offer(item, now):
+        if not self.batcher.offer(item, now, deadline):
             raise ItemRefused(
                 ErrorCode.OVERLOADED,
                 f"{self._spec.qualname}: {self.batcher.config.max_queue} items are waiting "
                 "for a batch (Batching.max_queue)",
             )
-        self._kick()
+        if self._continuous:
+            self._kick()  # running batches take it at their next step
+        elif self.batcher.poll_sooner and self._wake is not None:
+            self._wake.set()  # else the loop's timer covers it (one wake per batch)
         return item
 
     def _abandon(self, item: _Item) -> None:
@@ -227,23 +239,26 @@ class _Runner:
         if run is not None:
             run.left(item)
 
-    async def _unary(self, args: tuple[Any, ...]) -> Any:
-        item = self._offer(args)
+    async def _unary(self, args: tuple[Any, ...], deadline: float) -> Any:
+        item = self._offer(args, deadline)
         try:
             if not item.settled:  # settled once: one event
-                item.event = anyio.Event()
+                item.event = self._event()
                 await item.event.wait()
         finally:
             item.event = None
             if not item.settled:
                 self._abandon(item)
             item.gone = True
+            if deadline != _INF:
+                self.batcher.settled(item)
         if item.error is not None:
             raise item.error
         return item.result
 
     async def _stream(self, args: tuple[Any, ...]) -> AsyncIterator[Any]:
-        item = self._offer(args)
+        # The worker's stream scope carries the call's deadline (`_dispatch`).
+        item = self._offer(args, anyio.current_effective_deadline())
         try:
             while True:
                 if item.outputs:
@@ -256,17 +271,21 @@ class _Runner:
                     if item.error is not None:
                         raise item.error
                     return
-                item.event = anyio.Event()
+                item.event = self._event()
                 await item.event.wait()
                 item.event = None
         finally:
             item.event = None
             self._abandon(item)
+            if item.deadline != _INF:
+                self.batcher.settled(item)
 
     # -- the runner task -----------------------------------------------------------------
 
     def start(self, tg: TaskGroup) -> None:
         self._tg = tg
+        self._clock = loop_clock()
+        self._event = type(anyio.Event())
         tg.start_soon(self._loop)
 
     def _kick(self) -> None:
@@ -278,35 +297,49 @@ class _Runner:
     async def _loop(self) -> None:
         batcher = self.batcher
         while True:
-            now = anyio.current_time()
+            now = self._clock()
             if self._continuous and any(len(r.items) < batcher.config.max_size for r in self._runs):
                 # A running batch with room takes the queue at its next step.
                 poll = batcher.join(0, now)
             else:
                 poll = batcher.poll(now)
-            self._expire(poll.expired)
+            self._expire(poll.expired, poll.late)
             if poll.batch:
                 assert self._tg is not None
                 run = _Run(poll.batch)
                 self._runs.append(run)
                 self._tg.start_soon(self._run_steps if self._continuous else self._run_once, run)
                 continue
-            self._wake = anyio.Event()
+            self._wake = self._event()
             with anyio.move_on_after(max(0.0, poll.wake_at - now)):
                 await self._wake.wait()
             self._wake = None
 
-    def _expire(self, items: list[_Item]) -> None:
-        for item in items:
+    def _expire(self, queued: list[_Item], running: list[_Item]) -> None:
+        """Fail the items whose deadline passed: ``queued`` never enter a batch, the
+        ``running`` ones leave theirs (its handler learns it, `BatchContext.cancelled`)."""
+        for item in queued:
             item.fail(
                 ItemRefused(
                     ErrorCode.DEADLINE_EXCEEDED,
                     f"{self._spec.qualname} passed its deadline while waiting for a batch",
                 )
             )
+        for item in running:
+            if item.settled or item.gone:
+                continue
+            item.gone = True
+            item.fail(
+                ItemRefused(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    f"{self._spec.qualname} passed its deadline in a running batch",
+                )
+            )
+            if item.owner is not None:
+                item.owner.left(item)
 
     def _started(self, items: list[_Item], run: _Run) -> None:
-        now = anyio.current_time()
+        now = self._clock()
         for item in items:
             item.owner = run
             self.stats.waited(now - item.queued_at)
@@ -385,20 +418,27 @@ class _Runner:
                 for it in items:
                     it.fail(bad)
                 return
-            assert run.ctx is not None
-            failed = run.ctx._failed
-            for i, it in enumerate(items):
-                if i in failed:
-                    it.fail(failed[i])
-                else:
-                    it.result = results[i]
-                    it.settled = True
-                    it.wake()
+            self._deliver(run, results)
         finally:
             for it in items:
                 if not it.settled:
                     it.fail(ItemRefused(ErrorCode.INTERNAL, f"{self._spec.qualname}: batch lost"))
             self._finished(run)
+
+    @staticmethod
+    def _deliver(run: _Run, results: list[Any]) -> None:
+        """Each item gets its result, or the failure the handler gave it."""
+        assert run.ctx is not None
+        failed = run.ctx._failed
+        for i, it in enumerate(run.items):
+            if it.settled:  # failed at its deadline meanwhile
+                continue
+            if i in failed:
+                it.fail(failed[i])
+            else:
+                it.result = results[i]
+                it.settled = True
+                it.wake()
 
     def _finished(self, run: _Run) -> None:
         self._runs.remove(run)
@@ -417,15 +457,15 @@ class _Runner:
                 run.items = [it for it in run.items if not it.gone and not it.settled]
                 room = max_size - len(run.items)
                 if room > 0 and self._tg is not None:
-                    joined = self.batcher.join(room, anyio.current_time())
-                    self._expire(joined.expired)
+                    joined = self.batcher.join(room, self._clock())
+                    self._expire(joined.expired, joined.late)
                     self._started(joined.batch, run)
                     run.items.extend(joined.batch)
                 if not run.items:
                     return
                 ready = [it for it in run.items if not it.outputs]
                 if not ready:  # every reader is behind: wait for one to take its output
-                    run.wake = anyio.Event()
+                    run.wake = self._event()
                     await run.wake.wait()
                     run.wake = None
                     continue

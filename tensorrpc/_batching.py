@@ -18,6 +18,9 @@ Rules (docs/batching.md, "Semantics"):
    answers it OVERLOADED).
 4. A queued item whose deadline passes, or whose caller cancels, never enters a batch:
    `poll` hands expired items back to be failed, `remove` takes out cancelled ones.
+   An item that entered a batch stays bounded by its deadline: `poll` and `join` hand it
+   back in ``late`` once its deadline passes, unless the shell said it `settled` first;
+   ``wake_at`` covers queued and running items' deadlines alike.
 5. Continuous batching: a running batch takes new items at its step boundaries with
    `join` (up to its room, no waiting: what is queued now), before the queue would form a
    batch of its own.
@@ -28,6 +31,7 @@ Items are FIFO: a batch holds the oldest eligible items, in arrival order.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections import deque
 from typing import Final, Generic, TypeVar
@@ -145,13 +149,15 @@ class ItemRefused(TensorRPCError):
 
 
 class _Entry(Generic[T]):
-    __slots__ = ("deadline", "item", "queued", "since")
+    __slots__ = ("deadline", "item", "queued", "running", "since")
 
     def __init__(self, item: T, since: float, deadline: float) -> None:
         self.item = item
         self.since = since
         self.deadline = deadline
         self.queued = True
+        #: In a batch, with a finite deadline, and not settled (rule 4).
+        self.running = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,11 +169,14 @@ class Poll(Generic[T]):
             and calls `Batcher.finished` once it is done.
         expired: Queued items whose deadline passed: fail them (DEADLINE_EXCEEDED).
         wake_at: When to poll again at the latest (``inf``: only on the next change).
+        late: Items of running batches whose deadline passed (each handed back once):
+            fail them (DEADLINE_EXCEEDED) and tell their batch they left.
     """
 
     batch: list[T]
     expired: list[T]
     wake_at: float
+    late: list[T] = dataclasses.field(default_factory=list)
 
 
 class Batcher(Generic[T]):
@@ -178,7 +187,20 @@ class Batcher(Generic[T]):
             [`Continuous`][tensorrpc.Continuous] settings.
     """
 
-    __slots__ = ("_entries", "_finite", "_index", "_max_delay", "_preferred", "config", "running")
+    __slots__ = (
+        "_entries",
+        "_finite",
+        "_index",
+        "_max_delay",
+        "_preferred",
+        "_reported",
+        "_running",
+        "_seq",
+        "_watch",
+        "config",
+        "poll_sooner",
+        "running",
+    )
 
     def __init__(self, config: Batching | Continuous) -> None:
         self.config = config
@@ -190,6 +212,17 @@ class Batcher(Generic[T]):
         self._finite = 0
         #: Batches closed and not finished.
         self.running = 0
+        # Running items with a finite deadline: a heap of (deadline, seq, entry) with
+        # settled entries left in it until they reach the top, and their index.
+        self._watch: list[tuple[float, int, _Entry[T]]] = []
+        self._running: dict[int, _Entry[T]] = {}
+        self._seq = 0
+        # The wake_at of the last Poll handed out (the shell sleeps until then).
+        self._reported = _INF
+        #: Set by `offer`: the shell must poll before the last ``wake_at`` it was given
+        #: (a batch can close now, or the new item's delay or deadline ends sooner).
+        #: False: the item changes nothing the shell's timer does not already cover.
+        self.poll_sooner = True
 
     def __len__(self) -> int:
         """Items queued (cancelled ones excluded)."""
@@ -197,13 +230,23 @@ class Batcher(Generic[T]):
 
     def offer(self, item: T, now: float, deadline: float = _INF) -> bool:
         """Queue ``item`` (validated already); False when the queue is full (rule 3)."""
-        if len(self._index) >= self.config.max_queue:
+        index = self._index
+        if len(index) >= self.config.max_queue:
+            self.poll_sooner = False
             return False
         entry = _Entry(item, now, deadline)
         if deadline != _INF:
             self._finite += 1
         self._entries.append(entry)
-        self._index[id(item)] = entry
+        index[id(item)] = entry
+        n = len(index)
+        preferred = self._preferred
+        self.poll_sooner = (
+            n >= self.config.max_size
+            or (bool(preferred) and n == preferred[-1])
+            or (n == 1 and now + self._max_delay < self._reported)
+            or deadline < self._reported
+        )
         return True
 
     def remove(self, item: T) -> bool:
@@ -223,6 +266,35 @@ class Batcher(Generic[T]):
     def queued(self, item: T) -> bool:
         """Whether ``item`` is still waiting for a batch."""
         return id(item) in self._index
+
+    def settled(self, item: T) -> None:
+        """A running item got its outcome (or its caller left): its deadline no longer
+        matters. Items without a finite deadline need not be reported."""
+        entry = self._running.pop(id(item), None)
+        if entry is not None:
+            entry.running = False
+            if len(self._watch) > 2 * len(self._running) + 64:
+                self._watch = [w for w in self._watch if w[2].running]
+                heapq.heapify(self._watch)
+
+    def _late(self, now: float) -> list[T]:
+        late: list[T] = []
+        watch = self._watch
+        while watch and (not watch[0][2].running or watch[0][0] <= now):
+            entry = heapq.heappop(watch)[2]
+            if entry.running:
+                entry.running = False
+                del self._running[id(entry.item)]
+                late.append(entry.item)
+        return late
+
+    def _wake(self) -> float:
+        """The earliest deadline of a queued or running item (``inf``: none)."""
+        wake = self._next_deadline()
+        watch = self._watch
+        while watch and not watch[0][2].running:
+            heapq.heappop(watch)
+        return min(wake, watch[0][0]) if watch else wake
 
     def finished(self) -> None:
         """A batch the shell ran is done: its slot is free (rule 2)."""
@@ -266,6 +338,11 @@ class Batcher(Generic[T]):
                 self._dequeued(entry)
                 del self._index[id(entry.item)]
                 out.append(entry.item)
+                if entry.deadline != _INF:
+                    entry.running = True
+                    self._running[id(entry.item)] = entry
+                    self._seq += 1
+                    heapq.heappush(self._watch, (entry.deadline, self._seq, entry))
         self._compact()
         return out
 
@@ -297,25 +374,33 @@ class Batcher(Generic[T]):
         to ``max_batches``), and at ``wake_at`` at the latest.
         """
         expired = self._expire(now)
-        wake = self._next_deadline()
+        late = self._late(now)
         if self.running >= self.config.max_batches:
-            return Poll([], expired, wake)
-        size, due = self._size_now(now)
-        if not size:
-            return Poll([], expired, min(wake, due))
-        self.running += 1
-        batch = self._take(size)
-        return Poll(batch, expired, self._next_deadline())
+            wake = self._wake()
+            batch: list[T] = []
+        else:
+            size, due = self._size_now(now)
+            if size:
+                self.running += 1
+                batch = self._take(size)
+                wake = self._wake()
+            else:
+                wake = min(self._wake(), due)
+                batch = []
+        self._reported = wake
+        return Poll(batch, expired, wake, late)
 
     def join(self, room: int, now: float) -> Poll[T]:
         """At a running batch's step boundary: up to ``room`` queued items join it (rule 5).
 
-        Expired items are handed back as in `poll`; the joiners are in ``batch``. The
+        Expired and late items are handed back as in `poll`; the joiners are in ``batch``. The
         running count does not change (the batch was counted when it started).
         """
         expired = self._expire(now)
+        late = self._late(now)
         batch = self._take(room) if room > 0 else []
-        return Poll(batch, expired, self._next_deadline())
+        self._reported = wake = self._wake()
+        return Poll(batch, expired, wake, late)
 
     def drain(self) -> list[T]:
         """Take every queued item out (the engine stops): the shell fails them."""

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 
 from tensorrpc import _codec, _observe, _release
 from tensorrpc._client_protocol import Dropped, reply_error
@@ -215,6 +216,8 @@ class CallRunner:
                 options.transport, engine.peer, peer_receives=bool(shm and shm.to_engine)
             )
             encoded = self._encode(spec, wire, engine, placer)
+            if placer is not None and placer.pending_bytes:
+                now = await self._fill(placer, engine)
         holds = self._holds
         # Results freed since: the engine may reuse their memory (the CALL says so).
         returns = policy.memory.releasable(engine.peer) if holds is not None and holds.ready else ()
@@ -251,6 +254,37 @@ class CallRunner:
             self._io.observer, spec.service, spec.name, engine.engine_id, engine.info.features,
             bool(flags & _STREAM_FLAG), nbytes, shm, len(encoded.buffers),
         )  # fmt: skip
+
+    async def _fill(self, placer: PolicyPlacer, engine: Engine) -> float:
+        """Copy the large argument tensors placed by handle into the pool, on a worker
+        thread (the copies release the GIL: the loop keeps serving meanwhile); on any
+        failure or cancellation ``placer`` is released.
+
+        Returns:
+            The clock once the copies are done.
+
+        Raises:
+            TensorTransportError: the kernel refused the copy's pages.
+            EngineDeadError: ``engine`` died meanwhile (nothing was sent to it).
+        """
+        try:
+            # Not abandoned on cancellation: the region must not be released mid-copy.
+            await anyio.to_thread.run_sync(placer.fill)
+        except OSError as exc:
+            placer.abort()
+            raise TensorTransportError(
+                f"cannot copy the arguments into shared memory: {exc.strerror}"
+            ) from None
+        except BaseException:
+            placer.abort()
+            raise
+        if not engine.alive:  # it died during the copy: nothing to send it
+            placer.abort()
+            raise EngineDeadError(
+                f"engine {engine.engine_id!r} died before the call was sent",
+                engine_id=engine.engine_id,
+            )
+        return self._io.now()
 
     def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> bool:
         """Send a CALL zero-copy if ZMQ takes it now; False: the pipe is full (then

@@ -19,6 +19,12 @@ Rules:
    counting it busy) and, if the pool would otherwise shrink, a replacement worker
    starts; a worker beyond the pool's size exits once its call is done.
 4. The memory of every zero-copy reply is held until ZMQ's tracker says it is sent.
+5. A batched unary call (``@rpc(batch=Batching(...))``) does not hold a worker while it
+   waits for its batch: its task parks as a stream waiting for credit does (the protocol
+   stops counting it busy, `ServerProtocol.batch_wait`), and a replacement worker starts
+   when a call is queued and no worker is free. Its deadline goes to the batcher
+   (`tensorrpc._batch_runner`), not to the worker's scope: the batcher ends it at its
+   deadline, queued or running.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._interceptors import intercept
 from tensorrpc._protocol import Flags
-from tensorrpc._release import held_nbytes, later_if_large, nbytes
+from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as release_threshold
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
 from tensorrpc.transports._shm_memory import LeaseCollector
@@ -153,9 +159,12 @@ class Dispatcher:
         self._tg.start_soon(self._worker)
 
     def wake_one(self) -> None:
-        """A call was queued: wake one parked worker, if any."""
+        """A call was queued: wake one idle worker, or start one if parked calls left the
+        pool short (rule 5)."""
         if self._idle:
             self._idle.pop().set()
+        elif self._parked and not self._closed and self._workers - self._parked < self._capacity:
+            self._spawn()
 
     def close(self) -> None:
         """Workers finish what is queued, then exit (`done` is set when all have)."""
@@ -284,13 +293,14 @@ class Dispatcher:
             later_if_large(args, size)
             return
         call.scope = scope
-        if finite:
+        batched = call.spec.batch is not None
+        if finite and not batched:
             scope.deadline = deadline
         try:
-            if call.spec.is_async and not self._interceptors:  # the hot path
+            if call.spec.is_async and not self._interceptors and not batched:  # the hot path
                 call.result = await call.fn(*args)  # type: ignore[misc]
-            else:  # a sync handler (in a thread), or interceptors around the handler
-                handler = functools.partial(self._handler, call, args)
+            else:  # sync, batched, or interceptors around the handler
+                handler = functools.partial(self._handler, call, args, deadline)
                 call.result = await intercept(self._interceptors, _context.call_context(), handler)
         except Exception as exc:
             call.failure = exc
@@ -304,8 +314,23 @@ class Dispatcher:
         if not scope.cancel_called:
             await self._reply(call)
 
-    async def _handler(self, call: Call, args: list[Any]) -> Any:
+    async def _batched(self, call: Call, args: list[Any], deadline: float) -> Any:
+        """Hand a batched item to its runner and wait for its result, parked (rule 5)."""
+        self._proto.batch_wait(call)
+        self._parked += 1
+        short = self._workers - self._parked < self._capacity
+        if short and self._proto.queue and not self._idle and not self._closed:
+            self._spawn()
+        try:
+            return await call.fn(deadline, *args)  # type: ignore[misc]
+        finally:
+            self._parked -= 1
+            self._proto.batch_back(call)
+
+    async def _handler(self, call: Call, args: list[Any], deadline: float) -> Any:
         """Run a unary handler (the innermost ``proceed`` of the interceptors)."""
+        if call.spec.batch is not None:
+            return await self._batched(call, args, deadline)
         if call.spec.is_async:
             return await call.fn(*args)  # type: ignore[misc]
         return await anyio.to_thread.run_sync(
@@ -400,6 +425,48 @@ class Dispatcher:
         if keep is not None:
             self._policy.memory.detach(keep)
 
+    def _copied_inline(self, call: Call, placer: PolicyPlacer | None) -> bool:
+        """`_detach` here when neither it nor the reply's pool copies move a large buffer
+        (the common case: no coroutine); False: `_copy_off_loop` has it to do."""
+        keep = call.keep
+        if (placer is not None and placer.pending_bytes) or (
+            keep is not None and self._policy.memory.detach_bytes(keep) >= release_threshold()
+        ):
+            return False
+        self._detach(call)
+        return True
+
+    async def _copy_off_loop(self, call: Call, placer: PolicyPlacer | None) -> bool:
+        """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`),
+        on a worker thread (the copies release the GIL), so the loop keeps serving small
+        calls meanwhile. False: it failed, ERROR sent."""
+        keep = call.keep
+        memory = self._policy.memory
+
+        def copy() -> None:
+            if keep is not None:
+                memory.detach(keep)
+            if placer is not None:
+                placer.fill()
+
+        try:
+            # Not abandoned on cancellation: the region must not be released mid-copy.
+            await anyio.to_thread.run_sync(copy)
+        except OSError as exc:
+            if placer is not None:
+                placer.abort()
+            self._error(
+                call,
+                ErrorCode.TENSOR_TRANSPORT,
+                f"cannot copy {call.spec.qualname}'s result into shared memory: {exc.strerror}",
+            )
+            return False
+        except BaseException:
+            if placer is not None:
+                placer.abort()
+            raise
+        return True
+
     def _end_args(self, call: Call) -> None:
         """A call that ends without a reply (cancelled, client gone): argument tensors
         still alive get pages of their own, then the protocol RELEASEs the argument
@@ -451,7 +518,8 @@ class Dispatcher:
         if done is None:
             return
         encoded, placer = done
-        self._detach(call)
+        if not self._copied_inline(call, placer) and not await self._copy_off_loop(call, placer):
+            return
         frames = self._proto.result(call, encoded.payload, encoded.buffers)
         if frames is None:  # cancelled meanwhile: no reply
             if placer is not None:
@@ -555,7 +623,10 @@ class Dispatcher:
             if done is None:
                 return False  # the ERROR is sent: nothing more
             encoded, placer = done
-            self._detach(call)
+            if not self._copied_inline(call, placer) and not await self._copy_off_loop(
+                call, placer
+            ):
+                return False  # the ERROR is sent: nothing more
             frames = proto.stream_item(call, encoded.payload, encoded.buffers)
             if frames is None:  # cancelled while the generator ran: nothing more
                 if placer is not None:

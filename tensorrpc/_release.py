@@ -21,12 +21,16 @@ Rules:
 3. The queue is bounded (`max_queued`): when the thread falls that far behind, `later`
    refuses and the caller's reference dies inline, as before (memory stays bounded).
 4. After ``fork()`` the child starts a thread of its own on first use.
+5. The interpreter's exit waits (up to 2 s) for the thread to drop what it was given:
+   a daemon thread still freeing a tensor while the interpreter finalizes can abort
+   the process in torch's static destructors.
 
 Backend-neutral: nothing here knows about asyncio or trio.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import sys
@@ -58,6 +62,8 @@ _DEFAULT_MAX_QUEUED: Final = 256
 _PATIENCE: Final = 5.0
 _POLL: Final = 0.002
 _THREAD_NAME: Final = "tensorrpc-release"
+# How long the interpreter's exit waits for the thread to drop what it was given.
+_EXIT_WAIT: Final = 2.0
 
 _threshold = DEFAULT_THRESHOLD
 _max_queued = _DEFAULT_MAX_QUEUED
@@ -84,7 +90,10 @@ def set_release_threshold(nbytes: int, *, max_queued: int | None = None) -> None
             arguments, sent tensors once ZMQ is done with them, dropped shared-memory
             segments and mappings) are released by the thread; smaller ones die where
             their last reference drops. ``0`` hands over every such buffer; a very
-            large value (``sys.maxsize``) turns the thread off.
+            large value (``sys.maxsize``) turns the thread off. The same size decides
+            which torch_shm copies (into the sender's pool, and the private pages of an
+            argument an engine still holds when it replies) run on a worker thread
+            rather than on the event loop.
         max_queued: Hand-overs that may wait for the thread (default 256); beyond this
             a buffer is freed inline again, so memory stays bounded.
 
@@ -243,6 +252,13 @@ def release_later(obj: object) -> bool:
     return later(obj)
 
 
+def _drain_at_exit() -> None:
+    # A daemon thread still freeing a tensor while the interpreter finalizes can run
+    # into torch's static destructors (the process aborts: "terminate called without an
+    # active exception"): let the thread finish what it was given first, bounded.
+    drained(_EXIT_WAIT)
+
+
 def _after_fork_in_child() -> None:
     global _queue, _thread, _lock
     _lock = threading.Lock()  # the parent's may have been held by a thread gone here
@@ -251,3 +267,4 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_drain_at_exit)

@@ -213,6 +213,7 @@ class CallQueue:
         "_max_parked",
         "_methods",
         "_service",
+        "batched",
         "busy",
         "expiry",
         "methods",
@@ -235,6 +236,8 @@ class CallQueue:
         self.busy = 0
         #: Streams waiting for credit (also those whose session ended meanwhile).
         self.parked = 0
+        #: Batched calls waiting for their batch's outcome (`batch_wait`).
+        self.batched = 0
         #: No queued call's deadline is earlier than this (``inf``: none has one).
         self.expiry = _INF
         #: Per method of the service: its counters (the engine's only ones).
@@ -383,6 +386,17 @@ class CallQueue:
         self.busy -= 1
         self.parked += 1
         return None
+
+    def batch_wait(self, call: ServerCall) -> None:
+        """A batched call's worker waits for its batch: it stops counting as busy (the
+        batcher bounds these: ``max_queue`` and its batches)."""
+        self.busy -= 1
+        self.batched += 1
+
+    def batch_back(self, call: ServerCall) -> None:
+        """The batched call's outcome is in (or it was cancelled): busy again, to reply."""
+        self.busy += 1
+        self.batched -= 1
 
     def unpark(self, call: ServerCall) -> None:
         """The stream runs again (credit arrived, or it was cancelled)."""

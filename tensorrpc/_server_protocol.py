@@ -531,6 +531,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.item_sent = calls.item_sent
         self.park = calls.park
         self.unpark = calls.unpark
+        self.batch_wait = calls.batch_wait
+        self.batch_back = calls.batch_back
         #: torch_shm: the argument leases of calls whose arguments resolved handles and
         #: that have no reply yet (the client keeps them until our first reply, or our
         #: RELEASE if it gave the call up).
@@ -1122,7 +1124,7 @@ class ServerProtocol(Machine[Hashable, Event]):
                 self._send(session.key, bye)
 
     def in_flight(self) -> int:
-        """Calls queued or running (parked streams included, also those of a session
-        that ended while they waited: their workers are not done with them yet)."""
+        """Calls queued or running (parked streams and batched calls included, also those
+        of a session that ended while they waited: their workers are not done with them)."""
         calls = self.calls
-        return calls.busy + len(self.queue) + calls.parked
+        return calls.busy + len(self.queue) + calls.parked + calls.batched

@@ -7,7 +7,8 @@ the statistics classes are frozen snapshots. Nothing here touches a socket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import (
     TYPE_CHECKING,
@@ -57,6 +58,15 @@ T = TypeVar("T")
 Transport = TransportName
 _TRANSPORTS: frozenset[str] = TRANSPORTS
 _NO_TRANSPORT_STATISTICS = TransportStatistics()
+
+
+class Keep(enum.Enum):
+    """The default of `CallView.with_options`: keep the view's value of that option."""
+
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,14 +201,19 @@ class CallView(Generic[S]):
     def with_options(
         self,
         *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: Transport = "auto",
-        wait_for_ready: bool | None = None,
-        metadata: Mapping[str, str] | None = None,
+        engine: str | Keep | None = KEEP,
+        timeout: float | Keep | None = KEEP,
+        wait: bool | Keep = KEEP,
+        transport: Transport | Keep = KEEP,
+        wait_for_ready: bool | Keep | None = KEEP,
+        metadata: Mapping[str, str] | Keep | None = KEEP,
     ) -> CallView[S]:
         """A view on the same client whose calls use these options.
+
+        An option not given keeps this view's value, so views chain:
+        ``client.with_options(timeout=5).with_options(engine="e1")`` has both; pass
+        ``None`` to clear one (``timeout=None``: no deadline). The client itself is the
+        view with the defaults of `CallOptions`.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -216,15 +231,16 @@ class CallView(Generic[S]):
         Raises:
             MetadataError: ``metadata`` breaks a rule or a bound.
         """
-        options = CallOptions(
-            engine=engine,
-            timeout=timeout,
-            wait=wait,
-            transport=transport,
-            wait_for_ready=wait_for_ready,
-            metadata=metadata,
-        )
-        return CallView(self._client, options)
+        given = {
+            "engine": engine,
+            "timeout": timeout,
+            "wait": wait,
+            "transport": transport,
+            "wait_for_ready": wait_for_ready,
+            "metadata": metadata,
+        }
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v is not KEEP}
+        return CallView(self._client, replace(self._options, **changes))
 
     def stub(self) -> Stub[S]:
         """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.

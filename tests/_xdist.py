@@ -56,8 +56,9 @@ GROUPS: tuple[tuple[str, str], ...] = (
 )
 
 #: ``(nodeid prefix, seconds)``: the single tests that take long (serial run on a quiet
-#: 2-core machine, 2026-12-01; the grouped ones go first anyway); they start first, the
-#: longest first. Only the order depends on it: a stale entry costs time, never a result.
+#: 2-core machine, 2026-12-01, property tests at their share of examples, tests/conftest.py;
+#: the grouped ones go first anyway); they start first, the longest first. Only the order
+#: depends on it: a stale entry costs time, never a result.
 SLOW: tuple[tuple[str, float], ...] = (
     ("tests/hardening/test_soak_short.py::test_short_soak", 10.6),
     ("tests/test_demo.py::test_demo_stops_cleanly_on_ctrl_c", 7.5),
@@ -72,11 +73,9 @@ SLOW: tuple[tuple[str, float], ...] = (
     ("tests/test_docs.py::test_python_block_runs[docs/client.md:", 4.9),
     ("tests/test_demo.py::test_demo_runs_small_and_leaves_nothing_behind", 4.9),
     ("tests/transports/test_shm_lifetimes.py::test_2000_calls", 4.6),
-    ("tests/unit/test_schema_fast_paths.py::test_dataclasses_decide_like_the_reference", 3.8),
     ("tests/test_example_shared_memory.py::test_shared_memory_recipe_runs", 3.7),
     ("tests/hardening/test_fuzz_live.py::test_engine_memory_stays_bounded", 3.7),
     ("tests/test_testing_plugin.py::test_an_engine_that_cannot_start_fails", 3.6),
-    ("tests/unit/test_codec_fuzz.py::test_forged_descriptors", 3.5),
     ("tests/test_blocking_client.py::test_under_a_running_event_loop", 3.4),
     ("tests/test_docs.py::test_python_block_runs[README.md:", 3.2),
     ("tests/hardening/test_faults.py::test_kill_9_mid_transfer_of_large_tensors", 3.1),
@@ -84,10 +83,7 @@ SLOW: tuple[tuple[str, float], ...] = (
     ("tests/test_testing_plugin.py::test_process_engines_are_separate_and_reaped", 2.9),
     ("tests/transports/test_shm_lifetimes.py::test_client_killed_mid_transfer", 2.6),
     ("tests/test_cli.py::test_serve_dials_a_client_that_binds", 2.5),
-    ("tests/unit/test_codec_fuzz.py::test_size_mismatch", 2.4),
     ("tests/transports/test_shm_lifetimes.py::test_engine_killed_mid_transfer", 2.3),
-    ("tests/hardening/test_fuzz_live.py::test_client_survives_hostile_frames", 2.2),
-    ("tests/unit/test_codec_fuzz.py::test_mutated_messages", 2.0),
 )
 
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -20,13 +22,43 @@ settings.register_profile(
 )
 settings.load_profile("tensorrpc-ci" if os.environ.get("CI") else "tensorrpc")
 
+#: The share of each property test's ``max_examples`` (its own or the profile's) that a
+#: run makes: a quarter, at least `MIN_EXAMPLES`, so that the suite stays a few minutes on
+#: 2 cores. ``TENSORRPC_HYPOTHESIS=thorough`` runs every test's full count, the numbers
+#: written in the tests (before a release, after a change to the codec or a protocol).
+#: State machines keep their ``stateful_step_count``: a run is as deep, only fewer.
+MIN_EXAMPLES = 10
 
-@pytest.fixture(
-    params=[
-        pytest.param("asyncio", id="asyncio"),
-        pytest.param("trio", id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    """Run every async test on both anyio backends."""
-    return str(request.param)
+
+def examples_share(environ: Mapping[str, str]) -> float:
+    """The share of examples to make under ``environ``: all with ``thorough``."""
+    return 1.0 if environ.get("TENSORRPC_HYPOTHESIS") == "thorough" else 0.25
+
+
+EXAMPLES_SHARE = examples_share(os.environ)
+
+
+def scaled(given: settings, share: float = EXAMPLES_SHARE) -> settings:
+    """``given`` with ``share`` of its examples (at least `MIN_EXAMPLES`, never more)."""
+    count = given.max_examples
+    fewer = min(count, max(MIN_EXAMPLES, round(count * share)))
+    return given if fewer == count else settings(given, max_examples=fewer)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Apply `EXAMPLES_SHARE` to the property tests and the state machines collected."""
+    for item in items:
+        function = getattr(item, "function", None)
+        cls = getattr(item, "cls", None)
+        if hasattr(cls, "runTest") and isinstance(getattr(cls, "settings", None), settings):
+            target: Any = cls  # a state machine's TestCase (its runTest reads them)
+            attribute = "settings"
+        elif getattr(function, "is_hypothesis_test", False):
+            target, attribute = function, "_hypothesis_internal_use_settings"  # @given's
+        else:
+            continue
+        own = getattr(target, attribute, None)
+        # Once per test function, however many items (parameters) it has.
+        if isinstance(own, settings) and not getattr(target, "_tensorrpc_scaled", False):
+            setattr(target, attribute, scaled(own))
+            target._tensorrpc_scaled = True

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 from tensorrpc._exceptions import TensorTransportError
+from tensorrpc._release import threshold as release_threshold
 from tensorrpc.transports._links import PeerLinks
 from tensorrpc.transports._peer import ALIAS_SETTINGS, UNSEALED_OFFER, AliasSetting
 from tensorrpc.transports._shm_memory import ShmMemory
@@ -171,6 +172,17 @@ class PolicyPlacer:
             self.placed_bytes += nbytes
         return placed
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes placed by handle whose copy into the pool waits for `fill` (0: none)."""
+        return 0 if self._shm is None else self._shm.pending_bytes
+
+    def fill(self) -> None:
+        """Copy the large tensors placed by handle into the pool (a shell runs this off its
+        event loop, before it sends the message; the copies release the GIL)."""
+        if self._shm is not None:
+            self._shm.fill()
+
     def abort(self) -> None:
         """The message will not be sent: release what was placed."""
         if self._shm is not None:
@@ -260,7 +272,9 @@ class TransportPolicy:
         """
         shm = self.shm
         assert shm is not None  # a PolicyPlacer with a peer is made only with torch_shm
-        return shm.placer(peer)
+        # Copies as large as what the release thread frees wait for `PolicyPlacer.fill`,
+        # which the shells run on a worker thread: the same bytes would stall the loop.
+        return shm.placer(peer, defer_bytes=release_threshold())
 
     def sent_frames(self, buffers: Sequence[memoryview]) -> None:
         """Count the out-of-band frames of one sent message."""

@@ -108,6 +108,14 @@ class Holds:
             kept = self._kept.pop(key, None)
             return list(kept) if kept else []
 
+    def kept_bytes(self, key: Hashable) -> int:
+        """Bytes of message ``key``'s tensors still alive (what `detach` would copy)."""
+        if not self._kept:
+            return 0
+        with self._lock:
+            kept = self._kept.get(key)
+            return sum(hold.nbytes for hold in kept) if kept else 0
+
     def kept(self) -> int:
         """Messages with tracked tensors (not yet detached)."""
         with self._lock:

@@ -63,6 +63,11 @@ class ShmMemory:
         """Peers (``hold`` keys) with leases to RELEASE: their tensors died since."""
         return self.shm.releasable_peers() if self.shm is not None else []
 
+    def detach_bytes(self, keep: Hashable) -> int:
+        """Bytes that `detach` of message ``keep`` would copy now (0: nothing alive)."""
+        holds = self.holds
+        return 0 if holds is None else holds.kept_bytes(keep)
+
     def detach(self, keep: Hashable) -> None:
         """The peer takes back the regions of message ``keep``: copy what still uses them."""
         shm = self.shm

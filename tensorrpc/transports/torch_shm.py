@@ -192,12 +192,17 @@ class ShmPlacer:
     [`TorchShmTransport.release`][tensorrpc.transports.torch_shm.TorchShmTransport.release].
     """
 
-    __slots__ = ("_lease", "_peer", "_transport")
+    __slots__ = ("_defer_bytes", "_fills", "_lease", "_peer", "_transport")
 
-    def __init__(self, transport: TorchShmTransport, peer: Hashable) -> None:
+    def __init__(
+        self, transport: TorchShmTransport, peer: Hashable, defer_bytes: int | None = None
+    ) -> None:
         self._transport = transport
         self._peer = peer
         self._lease: _Lease | None = None
+        #: Copies of at least this many bytes wait for `fill` (None: every copy is inline).
+        self._defer_bytes = defer_bytes
+        self._fills: list[_Fill] = []
 
     @property
     def lease(self) -> int | None:
@@ -214,8 +219,41 @@ class ShmPlacer:
         """
         return self._transport._place(self, tensor)
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes placed whose copy into the pool waits for `fill` (0: nothing waits)."""
+        return sum(job.nbytes for job in self._fills)
+
+    def fill(self) -> None:
+        """Run the copies that `place` deferred, in the calling thread.
+
+        A placer made with ``defer_bytes`` hands back handles of large tensors before
+        their bytes are in the pool; the message may go only once this has returned. The
+        copies release the GIL (``memmove``, ``pwrite``), so a shell runs this in a worker
+        thread and its event loop keeps serving meanwhile. Call it at most once at a
+        time, and never after `abort`.
+        """
+        fills, self._fills = self._fills, []
+        try:
+            while fills:
+                fills.pop(0).run(self._transport._warmer)
+        finally:
+            for job in fills:  # a failed copy: the rest is never run; close their fds
+                job.discard()
+
+    def _copy(self, job: _Fill) -> None:
+        defer = self._defer_bytes
+        if defer is not None and job.nbytes >= defer:
+            self._fills.append(job)  # copied by `fill`, before the message goes
+        else:
+            job.run(self._transport._warmer)
+
     def abort(self) -> None:
-        """The message will not be sent: release what was placed at once."""
+        """The message will not be sent: release what was placed at once (copies that
+        wait for `fill` are dropped)."""
+        fills, self._fills = self._fills, []
+        for job in fills:
+            job.discard()
         if self._lease is not None:
             self._transport.release(self._lease.id)
 
@@ -384,14 +422,21 @@ class TorchShmTransport(ShmReceiving):
 
     # -- sender side ----------------------------------------------------------------------
 
-    def placer(self, peer: Hashable = None) -> ShmPlacer:
+    def placer(self, peer: Hashable = None, *, defer_bytes: int | None = None) -> ShmPlacer:
         """A placer for one message to ``peer`` (any hashable id the runtime uses).
+
+        Args:
+            peer: the receiving peer.
+            defer_bytes: copies into the pool of tensors of at least this many bytes wait
+                for [`ShmPlacer.fill`][tensorrpc.transports.torch_shm.ShmPlacer.fill]
+                (which the caller runs off its event loop, before sending); None: every
+                copy runs inside ``place``.
 
         Raises:
             TensorTransportError: the transport is closed.
         """
         self._checked()
-        return ShmPlacer(self, peer)
+        return ShmPlacer(self, peer, defer_bytes)
 
     def disable_peer(self, peer: Hashable) -> None:
         """Stop placing tensors for ``peer`` (its side cannot open our handles)."""
@@ -550,7 +595,7 @@ class TorchShmTransport(ShmReceiving):
             self._count_sent(nbytes, aliased=aliased)
         if copy is not None:
             # The region is ours until the lease is released: copy without the lock.
-            copy.run(self._warmer)
+            placer._copy(copy)
         return TRANSPORT_NAME, handle
 
     def _count_sent(self, nbytes: int, *, aliased: bool) -> None:
@@ -820,8 +865,13 @@ class _Fill:
                     dst.view(src.shape).copy_(src)
                 mark_warm(self.seg, self.off, self.nbytes)
         finally:
-            if self.fd >= 0:
-                os.close(self.fd)
+            self.discard()
+
+    def discard(self) -> None:
+        """Let go of the copy's descriptor (the copy ran, or never will)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _write_u64(addr: int, value: int) -> None:

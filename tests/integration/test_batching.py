@@ -76,6 +76,17 @@ class Batched:
         self.seen_cancelled.append(batch.cancelled())
         return x
 
+    @rpc(batch=Batching(max_size=4, max_delay=30.0))
+    async def wide(self, x: list[int]) -> list[int]:
+        self.batches.append(list(x))
+        if self.gate is not None:
+            await self.gate.wait()
+        return [v + 1 for v in x]
+
+    @rpc
+    async def plain(self, x: int) -> int:
+        return -x
+
     @rpc(batch=Batching(max_size=8, max_delay=0.01))
     def sync_double(self, x: list[float]) -> list[float]:
         self.threads.add(threading.current_thread().name)
@@ -249,6 +260,44 @@ async def test_full_queue_is_overloaded_and_queued_timeouts_never_run(tmp_path: 
     assert svc.batches[0] == [1]
     assert sorted(svc.batches[1]) == [2, 3]  # trio starts tasks in any order
     assert 99 not in [v for b in svc.batches for v in b]
+
+
+async def test_queued_and_running_items_hold_no_worker_and_leave_at_their_deadline(
+    tmp_path: Path,
+) -> None:
+    # One worker: four items must reach the batcher (it closes at four; its delay is 30 s),
+    # the batch runs while the worker serves a plain call, and a late item leaves the
+    # queue (its deadline is the batcher's: the worker's scope has none).
+    svc, address = await _serve(tmp_path)
+    svc.gate = anyio.Event()
+    async with (
+        Server(svc, bind=address, engine_id="e1", max_concurrency=1) as server,
+        Client(Batched, connect=address) as c,
+    ):
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            stub = c.stub()
+            results: list[int] = []
+
+            async def one(v: int) -> None:
+                results.append(await stub.wide(v))
+
+            async with anyio.create_task_group() as tg:
+                for v in range(4):
+                    tg.start_soon(one, v)
+                while len(svc.batches) < 1:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)  # bounded by fail_after: the batch of 4 runs
+                assert await stub.plain(5) == -5  # the running batch holds no worker
+                with pytest.raises(CallTimeoutError):
+                    await (
+                        c.with_options(timeout=0.3).stub().wide(99)
+                    )  # queued behind the running batch
+                while server.statistics().batching["wide"]["queued"]:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)  # bounded by fail_after: 99 leaves the queue
+                assert server.statistics().batching["wide"]["running"] == 1
+                svc.gate.set()
+    assert sorted(results) == [1, 2, 3, 4]
+    assert [sorted(b) for b in svc.batches] == [[0, 1, 2, 3]]
 
 
 async def test_a_running_batch_learns_which_callers_cancelled(tmp_path: Path) -> None:

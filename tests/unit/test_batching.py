@@ -109,6 +109,79 @@ def test_expired_items_never_enter_a_batch() -> None:
     assert b.poll(1.0).batch == [ok]
 
 
+def test_running_items_are_handed_back_late_at_their_deadline() -> None:
+    b: Batcher[Item] = Batcher(Batching(max_size=4, max_delay=0.0))
+    x, done, forever = Item(0), Item(1), Item(2)
+    b.offer(x, 0.0, deadline=1.0)
+    b.offer(done, 0.0, deadline=0.5)
+    b.offer(forever, 0.0)
+    assert b.poll(0.0).batch == [x, done, forever]
+    b.settled(done)  # its outcome is in: its deadline no longer matters
+    p = b.poll(0.6)
+    assert p.late == []
+    assert p.wake_at == 1.0  # the running item's deadline wakes the shell
+    p = b.poll(1.0)
+    assert p.late == [x]
+    assert p.wake_at == math.inf
+    assert b.poll(2.0).late == []  # handed back once
+
+
+def test_join_hands_back_late_running_items() -> None:
+    b: Batcher[Item] = Batcher(Continuous(max_size=4, max_delay=0.0))
+    x, y = Item(0), Item(1)
+    b.offer(x, 0.0, deadline=1.0)
+    assert b.poll(0.0).batch == [x]
+    b.offer(y, 0.5, deadline=3.0)
+    p = b.join(3, 1.2)
+    assert p.late == [x]
+    assert p.batch == [y]
+    assert p.wake_at == 3.0
+
+
+def test_settled_items_do_not_pile_up() -> None:
+    b: Batcher[Item] = Batcher(Batching(max_size=1, max_delay=0.0, max_batches=1))
+    for n in range(1000):
+        x = Item(n)
+        b.offer(x, float(n), deadline=1e9)
+        assert b.poll(float(n)).batch == [x]
+        b.settled(x)
+        b.finished()
+    assert len(b._watch) <= 64 + 1
+
+
+def sooner(b: Batcher[Item]) -> bool:
+    # A call, not the attribute: mypy would keep an assert's narrowing across offers.
+    return b.poll_sooner
+
+
+def test_offer_says_when_the_shell_must_poll_sooner() -> None:
+    b: Batcher[Item] = Batcher(Batching(max_size=3, max_delay=1.0))
+    xs = items(5)
+    assert b.offer(xs[0], 0.0)
+    assert sooner(b)  # the first item: its delay starts a timer
+    assert b.poll(0.0).wake_at == 1.0
+    assert b.offer(xs[1], 0.2)
+    assert not sooner(b)  # the oldest item's delay still decides
+    assert b.offer(xs[2], 0.3, deadline=0.8)
+    assert sooner(b)  # batch full (max_size)
+    assert b.poll(0.3).batch == xs[:3]
+    assert b.poll(0.3).wake_at == 0.8  # the running item's deadline
+    assert b.offer(xs[3], 0.4)
+    assert not sooner(b)  # its delay ends at 1.4: the timer at 0.8 comes first
+    b.finished()
+    assert b.poll(0.4).wake_at == 0.8
+    assert b.offer(xs[4], 0.5, deadline=0.6)
+    assert sooner(b)  # a deadline before the shell's timer
+    b.remove(xs[3])
+    b.remove(xs[4])
+    assert b.poll(0.5).wake_at == 0.8
+    assert b.offer(Item(9), 0.6)
+    assert not sooner(b)  # the queue was empty, but its delay ends after 0.8
+    assert b.poll(0.8).late == [xs[2]]
+    assert b.offer(Item(10), 0.9)
+    assert not sooner(b)  # the oldest item (9) decides: 1.6, the shell's timer
+
+
 def test_cancelled_items_never_enter_a_batch() -> None:
     b: Batcher[Item] = Batcher(Batching(max_size=2, max_delay=1.0))
     xs = items(3)
@@ -181,14 +254,32 @@ class BatcherMachine(RuleBasedStateMachine):
         self.seen: set[int] = set()  # items that left the queue (batch, expiry, cancel)
         self.cancelled: set[int] = set()
         self.expired: set[int] = set()
+        self.running: dict[int, tuple[Item, float]] = {}  # model: in a batch, finite deadline
+        self.wake_at = math.inf  # the last wake_at the shell got (it sleeps until then)
+        self.kicked = False  # told to poll sooner since it last polled
 
     @rule(deadline=st.one_of(st.none(), st.floats(0.0, 3.0)))
     def offer(self, deadline: float | None) -> None:
         x = Item(self.n)
         self.n += 1
         dl = math.inf if deadline is None else self.now + deadline
+        before = self.wake_at
         ok = self.b.offer(x, self.now, dl)
         assert ok == (len(self.queued) < self.cfg.max_queue)
+        if self.b.poll_sooner:
+            self.kicked = True  # the shell polls at once
+        elif ok and not self.kicked:
+            # The shell sleeps until `before`: nothing may be due earlier.
+            b = self.b
+            assert len(b) < self.cfg.max_size
+            assert len(b) != 3  # the largest preferred size closes a batch at once
+            assert dl >= before
+            assert (
+                b.running >= self.cfg.max_batches
+                or min(v[1] for v in [*self.queued.values(), (x, self.now, dl)])
+                + self.cfg.max_delay
+                >= before
+            )
         if ok:
             self.queued[x.n] = (x, self.now, dl)
 
@@ -200,6 +291,12 @@ class BatcherMachine(RuleBasedStateMachine):
         assert self.b.remove(x)
         self.cancelled.add(n)
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def settle(self, data: st.DataObject) -> None:
+        n = data.draw(st.sampled_from(sorted(self.running)))
+        self.b.settled(self.running.pop(n)[0])
+
     @rule(dt=st.floats(0.0, 1.5))
     def advance(self, dt: float) -> None:
         self.now += dt
@@ -209,11 +306,18 @@ class BatcherMachine(RuleBasedStateMachine):
         running = self.b.running
         before = dict(self.queued)
         p = self.b.poll(self.now)
+        self.wake_at = p.wake_at
+        self.kicked = bool(p.batch)  # a batch closed: the shell polls again at once
         for x in p.expired:
             assert x.n in before, "only queued items expire"
             assert before[x.n][2] <= self.now
             self.queued.pop(x.n)
             self.expired.add(x.n)
+        for x in p.late:
+            assert x.n in self.running, "only running, unsettled items are late, once"
+            assert self.running.pop(x.n)[1] <= self.now
+        for n, (_, dl) in self.running.items():
+            assert dl > self.now, f"item {n} is late in its batch and was not handed back"
         live = dict(self.queued.items())
         if p.batch:
             assert running < self.cfg.max_batches
@@ -224,7 +328,9 @@ class BatcherMachine(RuleBasedStateMachine):
                 assert x.n not in self.cancelled
                 assert x.n not in self.expired
                 assert live[x.n][2] > self.now, "no expired item enters a batch"
-                self.queued.pop(x.n)
+                dl = self.queued.pop(x.n)[2]
+                if dl != math.inf:
+                    self.running[x.n] = (x, dl)
             oldest_wait = self.now - live[order[0]][1]
             closed_by_size = len(live) >= self.cfg.max_size or len(live) >= 3
             assert closed_by_size or oldest_wait >= self.cfg.max_delay
@@ -240,11 +346,14 @@ class BatcherMachine(RuleBasedStateMachine):
                 assert p.wake_at <= oldest + self.cfg.max_delay
         for n, (_, _, dl) in self.queued.items():
             assert dl > self.now, f"item {n} is late and still queued"
+        deadlines = [v[2] for v in self.queued.values()] + [v[1] for v in self.running.values()]
+        assert p.wake_at <= min(deadlines, default=math.inf), "a deadline wakes the shell"
 
     @precondition(lambda self: self.b.running > 0)
     @rule()
     def finish(self) -> None:
         self.b.finished()
+        self.kicked = True  # the shell polls when a batch is done
 
     @invariant()
     def counts_match(self) -> None:
