@@ -144,7 +144,7 @@ def _add_serve(sub: Any) -> None:
         help="seconds running calls may take to finish at shutdown",
     )
     _cli_ops.add_serve_flags(serve)
-    _cli_ops.add_curve_flags(serve, listens=True, dials=True)
+    _cli_ops.add_curve_flags(serve, listens=True)
     _add_log_level(serve)
 
 
@@ -174,7 +174,7 @@ def _add_describe(sub: Any) -> None:
         metavar="S",
         help="ADDR: seconds for the engine to answer (default 10)",
     )
-    _cli_ops.add_curve_flags(describe, listens=False, dials=True)
+    _cli_ops.add_curve_flags(describe, listens=False)
 
 
 def _add_call(sub: Any) -> None:
@@ -237,7 +237,7 @@ def _add_call_options(call: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bind ADDR and wait for an engine to dial in, instead of dialling ADDR",
     )
-    _cli_ops.add_curve_flags(call, listens=True, dials=True)
+    _cli_ops.add_curve_flags(call, listens=True)
     call.set_defaults(health=False)
     call.add_argument(
         "--list", action="store_true", help="list the engine's methods instead of calling"
@@ -299,7 +299,7 @@ def _add_top(sub: Any) -> None:
         help="seconds to wait for an engine and for each answer (default 10)",
     )
     top.add_argument("--count", type=_positive_int, metavar="N", help="stop after N refreshes")
-    _cli_ops.add_curve_flags(top, listens=False, dials=True)
+    _cli_ops.add_curve_flags(top, listens=False)
     _add_log_level(top)
 
 
@@ -335,7 +335,7 @@ def _add_health(sub: Any) -> None:
         "--bind", action="store_true", help="bind ADDR and wait for an engine to dial in"
     )
     health.add_argument("--json", action="store_true", help="print the engine as JSON")
-    _cli_ops.add_curve_flags(health, listens=True, dials=True)
+    _cli_ops.add_curve_flags(health, listens=True)
     # What `_call` reads of a `call` command line, for a handshake only.
     health.set_defaults(health=True, list=False, stream=False, method=None)
 
@@ -603,14 +603,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
-            server = await tg.start(
-                _serve,
-                instance,
-                connect,
-                bind,
-                args,
-                curve,
-            )
+            server = await tg.start(_serve, instance, connect, bind, args, curve)
             where = (
                 f"listening on {server.endpoint}"
                 if bind
@@ -637,23 +630,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         _run(run)
-    except tensorrpc.ConnectError as exc:
-        raise CommandError(f"cannot serve: {_one_line(exc)}") from exc
-    except ImportError as exc:  # --metrics-port without prometheus_client
+    # ImportError: --metrics-port without prometheus_client.
+    except (tensorrpc.ConnectError, ImportError) as exc:
         raise CommandError(f"cannot serve: {_one_line(exc)}") from exc
     finally:
         if provider is not None:
             provider.shutdown()  # flush the spans still batched
     logger.info("stopped")
     return 0
-
-
-def _exporter(port: int | None) -> tensorrpc.Observer | None:
-    if port is None:
-        return None
-    from tensorrpc import metrics  # the optional extra: ImportError without it
-
-    return metrics.exporter(port)
 
 
 async def _serve(
@@ -665,6 +649,11 @@ async def _serve(
     *,
     task_status: anyio.abc.TaskStatus[tensorrpc.Server] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
+    observer = None
+    if args.metrics_port is not None:
+        from tensorrpc import metrics  # the optional extra: ImportError without it
+
+        observer = metrics.exporter(args.metrics_port)
     await tensorrpc.serve(
         instance,
         connect=connect,
@@ -674,7 +663,7 @@ async def _serve(
         sync_workers=args.sync_workers,
         grace_period=args.grace_period,
         curve=curve,
-        observer=_exporter(args.metrics_port),
+        observer=observer,
         task_status=task_status,
     )
 
@@ -780,7 +769,7 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
     np = sys.modules.get("numpy")
     if torch is not None and isinstance(value, torch.Tensor):
         flat = value.detach().reshape(-1)[:max_values]
-        if flat.dtype in (torch.bfloat16, torch.float16) or flat.dtype.is_floating_point:
+        if flat.dtype.is_floating_point:  # bfloat16, float16 ... print as float64
             flat = flat.to(torch.float64)
         try:
             values = flat.cpu().tolist()
@@ -908,14 +897,13 @@ async def _call(args: argparse.Namespace, address: str, arguments: dict[str, obj
             engine=info.engine_id, timeout=max(0.001, deadline - anyio.current_time())
         )
         arguments = _tensors_for(arguments, types)
-        render = _render
         if streaming:
             async with view.stream_by_name(method, arguments) as stream:
                 async for item in stream:
-                    print(render(item, as_json=args.json, max_values=args.max_values), flush=True)
+                    print(_render(item, as_json=args.json, max_values=args.max_values), flush=True)
         else:
             result = await view.call_by_name(method, arguments)
-            print(render(result, as_json=args.json, max_values=args.max_values))
+            print(_render(result, as_json=args.json, max_values=args.max_values))
     return 0
 
 

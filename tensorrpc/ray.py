@@ -865,11 +865,6 @@ def client_curve() -> CurveServerConfig:
     return CurveServerConfig(generate_keypair(), frozenset())
 
 
-def _node_addresses() -> list[str]:
-    """The addresses of the cluster's alive nodes, as Ray knows them."""
-    return [str(n.get("NodeManagerAddress", "")) for n in _ray.nodes() if n.get("Alive")]
-
-
 def _exposure(
     *,
     bind: bool,
@@ -918,7 +913,9 @@ def _check_exposure(
         bind=bind,
         client_binds=client.addresses,
         client_address=client_address,
-        node_addresses=_node_addresses(),
+        node_addresses=[
+            str(n.get("NodeManagerAddress", "")) for n in _ray.nodes() if n.get("Alive")
+        ],
         here=str(_ray.util.get_node_ip_address()),
     )
     if not why:
