@@ -213,7 +213,7 @@ class CallRunner:
         if self._io.observer is not None:  # observe: a CALL goes out (may carry trace context)
             nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
             observed, trace = _observe.client_call(
-                self._io.observer, spec.name, engine.engine_id, engine.info.features,
+                self._io.observer, spec.name, engine.engine_id,
                 bool(flags & _STREAM_FLAG), nbytes, placed[0], len(encoded.buffers),
             )  # fmt: skip
         protocol = self._protocol

@@ -506,7 +506,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 if wait_for_ready or self.rejoining.expected(engine_id, now):
                     return None
                 raise
-            if engine is None or now is None or now - engine.sent <= engine.forgets_after:
+            if engine is None or now is None or now - engine.sent <= engine.dead_after:
                 return engine  # (else we sent it nothing for longer than its bound: forgotten)
             self._events.append(self._forgotten(engine, now))
 
@@ -600,7 +600,7 @@ class ClientProtocol(Machine[bytes, Event]):
         if engine.releases or returns:  # result leases we are done with: header, or RELEASE
             pending, engine.releases = engine.releases, []
             unique = tuple(dict.fromkeys([*pending, *returns]))
-            if engine.call_releases and len(unique) <= MAX_CALL_RELEASES:
+            if len(unique) <= MAX_CALL_RELEASES:
                 releases = call.releases = unique
             else:
                 self._release_now(engine, unique, now)
@@ -793,7 +793,7 @@ class ClientProtocol(Machine[bytes, Event]):
         kind = header.kind
         engine = self.engines.by_peer(peer)
         if engine is not None:
-            if now - engine.sent > engine.forgets_after:  # it forgot the session
+            if now - engine.sent > engine.dead_after:  # it forgot the session
                 self._events.append(self._forgotten(engine, now))
                 engine = None
             else:
@@ -1093,8 +1093,7 @@ class ClientProtocol(Machine[bytes, Event]):
         due = now + heartbeat.interval
         for engine in self.engines.engines.values():
             due = min(due, engine.next_ping, engine.heard + heartbeat.dead_after)
-            if engine.info.dead_after_ms:
-                due = min(due, engine.sent + engine.dead_after)
+            due = min(due, engine.sent + engine.dead_after)
         for alias, dial in self._dials.items():
             if self.engines.by_peer(alias) is None:
                 due = min(due, dial.due)
@@ -1118,12 +1117,7 @@ class ClientProtocol(Machine[bytes, Event]):
 
 
 def _same_session(engine: Engine, hello: Hello) -> bool:
-    if engine.engine_id != hello.engine_id:
-        return False
-    if hello.epoch or engine.epoch:
-        return hello.epoch == engine.epoch
-    # Older engines announce no epoch: the same process on the same host is the same.
-    return engine.info.pid == hello.pid and engine.info.host_id == hello.host_id
+    return engine.engine_id == hello.engine_id and engine.epoch == hello.epoch
 
 
 def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
@@ -1143,7 +1137,6 @@ def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
         signatures=hello.signatures,
         max_message_bytes=hello.max_message_bytes,
         dead_after_ms=hello.dead_after_ms,
-        features=hello.features,
     )
 
 

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from tensorrpc._security import CurveConfig
 
 __all__ = [
-    "FEATURES",
     "STATISTICS_METHOD",
     "CallObservation",
     "Observer",
@@ -51,8 +50,6 @@ T = TypeVar("T")
 #: The built-in engine method that answers with the engine's statistics (a map), read by
 #: ``tensorrpc top``. A dot never appears in a service's method names, so it cannot clash.
 STATISTICS_METHOD: Final = "_tensorrpc.statistics"
-#: What an engine announces in HELLO's ``features``.
-FEATURES: Final = ("trace_context", "statistics")
 #: Latency histogram of the statistics method: bucket ``i`` holds durations up to
 #: ``2 ** (i / LATENCY_BUCKETS_PER_OCTAVE)`` microseconds.
 LATENCY_BUCKETS_PER_OCTAVE: Final = 4
@@ -395,7 +392,6 @@ def client_call(
     observer: Observer,
     method: str,
     engine: str,
-    features: Sequence[str],
     stream: bool,
     nbytes: int,
     shm_tensors: int,
@@ -407,7 +403,6 @@ def client_call(
         observer: The client's observer.
         method: The method name.
         engine: The engine id.
-        features: The engine's HELLO ``features``.
         stream: Whether the call streams.
         nbytes: Bytes of payload and tensor frames.
         shm_tensors: Argument tensors sent by ``torch_shm`` handle.
@@ -415,11 +410,11 @@ def client_call(
 
     Returns:
         The observation (or None) and the trace context the CALL carries (``TRACE``):
-        the observation's, when it has one and the engine reads it; else ``b""``.
+        the observation's, when it has one; else ``b""``.
     """
     transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
     observation = observer.client_call(method, engine, stream, nbytes, transport)
-    if observation is not None and "trace_context" in features:
+    if observation is not None:
         return observation, observation.trace_context()
     return observation, b""
 

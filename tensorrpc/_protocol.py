@@ -22,7 +22,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
@@ -58,7 +58,6 @@ __all__ = [
     "MAX_TRACEBACK_CHARS",
     "PROTOCOL_VERSION",
     "TRACE_CONTEXT_BYTES",
-    "FEATURE_CALL_RELEASES",
     "Bye",
     "ControlBody",
     "Credit",
@@ -95,8 +94,6 @@ HEADER_SIZE: Final = _HEADER.size
 MAX_METHOD_BYTES: Final = 255
 #: Most lease ids one CALL header carries (the ``RELEASES`` flag); more go by RELEASE.
 MAX_CALL_RELEASES: Final = 64
-#: The HELLO ``features`` name of an engine that reads the ``RELEASES`` CALL flag.
-FEATURE_CALL_RELEASES: Final = "call_releases"
 #: Longest identifier-like string in a control body (ids, names, fingerprints, reasons).
 MAX_NAME_CHARS: Final = 1024
 #: Longest free-text string in a control body (``message`` fields).
@@ -193,13 +190,11 @@ class Flags(IntFlag):
     #: transport is ``torch_shm``).
     SHM_RESULTS_ALL = 8
     #: The header frame ends with a `TRACE_CONTEXT_BYTES`-byte W3C trace context
-    #: (after the method name). Sent only to engines that list ``"trace_context"`` in
-    #: HELLO's ``features``.
+    #: (after the method name).
     TRACE = 16
     #: Right after the fixed header, before the method name, the frame carries result
     #: lease ids the client is done with (as a RELEASE would): a count byte ``k``
-    #: (1..`MAX_CALL_RELEASES`) and ``k`` u64 little-endian ids. Sent only to engines
-    #: that list ``"call_releases"`` in HELLO's ``features``.
+    #: (1..`MAX_CALL_RELEASES`) and ``k`` u64 little-endian ids.
     RELEASES = 32
 
 
@@ -385,8 +380,7 @@ def pack_call_header(
         trace: A binary W3C trace context of `TRACE_CONTEXT_BYTES` bytes to carry
             (sets the ``TRACE`` flag), or empty for none.
         releases: Result lease ids (each 1..2**63-1, at most `MAX_CALL_RELEASES`) to
-            carry (sets the ``RELEASES`` flag), or empty for none. Only for an engine
-            that lists ``"call_releases"`` in HELLO's ``features``.
+            carry (sets the ``RELEASES`` flag), or empty for none.
 
     Returns:
         The header frame.
@@ -897,29 +891,23 @@ class Hello:
     heartbeat_ms: int = 1000
     #: The service's method names.
     methods: tuple[str, ...] = ()
-    #: The names of the methods that stream (optional). Only meaningful when
-    #: ``signatures`` is announced: an engine that predates these fields sends neither.
+    #: The names of the methods that stream.
     streaming: tuple[str, ...] = ()
     #: One human-readable signature per entry of ``methods``, in the same order
-    #: (``"add(a: int, b: int = 1) -> int"``); optional, empty when not announced.
+    #: (``"add(a: int, b: int = 1) -> int"``), for tools.
     signatures: tuple[str, ...] = ()
-    #: The largest message frame the engine accepts, in bytes (its ``maxmsgsize``);
-    #: optional, 0 when it has no limit or does not announce one. A client refuses to
-    #: send a frame over it rather than have the engine's ZMQ drop the connection.
+    #: The largest message frame the engine accepts, in bytes (its ``maxmsgsize``); 0:
+    #: no limit. A client refuses to send a frame over it rather than have the engine's
+    #: ZMQ drop the connection.
     max_message_bytes: int = 0
-    #: Optional protocol features the engine supports (optional, empty when not
-    #: announced): ``"trace_context"`` (it reads the ``TRACE`` CALL flag) and
-    #: ``"statistics"`` (it answers the built-in ``_tensorrpc.statistics`` method).
-    features: tuple[str, ...] = ()
-    #: The engine's session epoch with this client (optional; 0 when not announced): a
-    #: random u64 (1..2**64-1) drawn per session. A HELLO repeating the epoch belongs to
-    #: the same session; a new epoch from a known engine id means the engine lost the
-    #: session and every call in flight on it.
-    epoch: int = 0
+    #: The engine's session epoch with this client: a random u64 (1..2**64-1) drawn per
+    #: session (the engine fills it in). A HELLO repeating the epoch belongs to the same
+    #: session; a new epoch from a known engine id means the engine lost the session and
+    #: every call in flight on it.
+    epoch: int = 1
     #: How long the engine waits, in milliseconds, without a message from the client
-    #: before it declares the client dead (optional; 0 when not announced). The client
-    #: PINGs often enough for it.
-    dead_after_ms: int = 0
+    #: before it declares the client dead (1..2**32-1). The client PINGs often enough.
+    dead_after_ms: int = 5000
 
 
 @dataclass(frozen=True, slots=True)
@@ -936,23 +924,21 @@ class Welcome:
     heartbeat_ms: int = 1000
     #: Stream items an engine may send per stream before it needs CREDIT.
     stream_window: int = 16
-    #: The client's process id, as it claims (optional; 0 when unknown): a hint, used
-    #: only by an engine configured to trust unattested peers over tcp.
+    #: The client's process id, as it claims: a hint, used only by an engine configured
+    #: to trust unattested peers over tcp.
     pid: int = 0
-    #: The largest message frame the client accepts, in bytes (its ``maxmsgsize``);
-    #: optional, 0 when it has no limit or does not announce one. An engine refuses to
-    #: send a result frame over it (``BAD_RESULT``) rather than have it dropped.
+    #: The largest message frame the client accepts, in bytes (its ``maxmsgsize``); 0:
+    #: no limit. An engine refuses to send a result frame over it (``BAD_RESULT``).
     max_message_bytes: int = 0
-    #: The client's session epoch with this engine (optional; 0 when not announced): a
-    #: random u64 (1..2**64-1) drawn per session. An engine that sees a WELCOME with a
-    #: new epoch from a client it has a session with knows the client lost that session.
-    epoch: int = 0
+    #: The client's session epoch with this engine: a random u64 (1..2**64-1) drawn per
+    #: session (the client fills it in). An engine that sees a WELCOME with a new epoch
+    #: from a client it has a session with knows the client lost that session.
+    epoch: int = 1
     #: How long the client waits, in milliseconds, without a message from the engine
-    #: before it declares the engine dead (optional; 0 when not announced). The engine
-    #: PINGs often enough for it.
-    dead_after_ms: int = 0
-    #: The client's schema fingerprint (optional; "" when not announced or schema-less),
-    #: so that an engine can refuse a mismatch too.
+    #: before it declares the engine dead (1..2**32-1). The engine PINGs often enough.
+    dead_after_ms: int = 5000
+    #: The client's schema fingerprint, so that an engine can refuse a mismatch too;
+    #: "" for a schema-less client (it admits any schema).
     fingerprint: str = ""
 
 
@@ -1030,7 +1016,6 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("streaming", "names", MAX_METHOD_BYTES),
         ("signatures", "names", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
-        ("features", "names", MAX_NAME_CHARS),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
     ),
@@ -1066,26 +1051,9 @@ _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
     MessageKind.ERROR: ErrorInfo,
     MessageKind.RELEASE: Release,
 }
-_MIN_INT: Final = {"n": 1}  # CREDIT of 0 items means nothing and is refused
-# Fields added after version 1 shipped: a peer that omits them gets the default.
-_OPTIONAL: Final = frozenset(
-    {
-        (Hello, "streaming"),
-        (Hello, "signatures"),
-        (Hello, "max_message_bytes"),
-        (Hello, "features"),
-        (Welcome, "pid"),
-        (Welcome, "max_message_bytes"),
-        (Hello, "epoch"),
-        (Hello, "dead_after_ms"),
-        (Welcome, "epoch"),
-        (Welcome, "dead_after_ms"),
-        (Welcome, "fingerprint"),
-    }
-)
-_DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {
-    (cls, name): next(f.default for f in fields(cls) if f.name == name) for cls, name in _OPTIONAL
-}
+# CREDIT of 0 items means nothing; epoch 0 and a dead-after bound of 0 name no session
+# and no bound: all three are refused.
+_MIN_INT: Final = {"n": 1, "epoch": 1, "dead_after_ms": 1}
 
 
 _ErrorType: TypeAlias = type[TensorRPCError]
@@ -1210,6 +1178,8 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
             f"{kind.name} needs a {expected.__name__} body, not {type(body).__name__}"
         )
     body_name = expected.__name__
+    if isinstance(body, Hello):
+        _check_hello_lists(body, LocalProtocolError)
     wire: dict[str, object] = {}
     for name, ftype, limit in _SCHEMAS[expected]:
         wire[name] = _check_field(
@@ -1221,16 +1191,7 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
         raise LocalProtocolError(f"cannot encode {body_name}: {exc}") from exc
     cap = MAX_BODY_BYTES[kind]
     if len(payload) > cap and isinstance(body, Hello) and body.signatures:
-        # Signatures are for tools, never checked: cut them rather than refuse to join.
-        for chars in (1024, 256, 64, 0):
-            if chars:
-                cut = tuple(_truncate_signature(text, chars) for text in body.signatures)
-            else:
-                cut = tuple("" for _ in body.signatures)
-            wire["signatures"] = cut
-            payload = ormsgpack.packb(wire)
-            if len(payload) <= cap:
-                break
+        payload = _cut_signatures(wire, body.signatures, cap)
     if len(payload) > cap:
         raise LocalProtocolError(
             f"{body_name} encodes to {len(payload)} bytes; the limit for {kind.name} is {cap}"
@@ -1240,6 +1201,20 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
 
 def _truncate_signature(text: str, chars: int) -> str:
     return text if len(text) <= chars else text[: chars - 4] + " ..."
+
+
+def _cut_signatures(wire: dict[str, object], signatures: tuple[str, ...], cap: int) -> bytes:
+    """A HELLO payload with its signatures cut (to 1024, 256, 64 characters, then empty)
+    until it fits ``cap``: they are for tools, never checked, so cut rather than refuse."""
+    payload = b""
+    for chars in (1024, 256, 64, 0):
+        wire["signatures"] = tuple(
+            _truncate_signature(t, chars) if chars else "" for t in signatures
+        )
+        payload = ormsgpack.packb(wire)
+        if len(payload) <= cap:
+            break
+    return payload
 
 
 def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
@@ -1348,10 +1323,21 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
         try:
             value = wire[name]
         except KeyError:
-            if (cls, name) in _OPTIONAL:
-                values.append(_DEFAULTS[cls, name])
-                continue
             raise RemoteProtocolError(f"{body_name} is missing the field {name!r}") from None
         values.append(_check_field(body_name, name, ftype, limit, value, RemoteProtocolError))
     body: ControlBody = cls(*values)
+    if cls is Hello:
+        _check_hello_lists(body, RemoteProtocolError)  # type: ignore[arg-type]
     return body
+
+
+def _check_hello_lists(hello: Hello, error: _ErrorType) -> None:
+    """One signature per method; only methods stream."""
+    if len(hello.signatures) != len(hello.methods):
+        raise error(
+            f"Hello.signatures has {len(hello.signatures)} entries for "
+            f"{len(hello.methods)} methods; one per method is required"
+        )
+    stray = set(hello.streaming).difference(hello.methods)
+    if stray:
+        raise error(f"Hello.streaming names {len(stray)} entries that are not methods")

@@ -40,7 +40,6 @@ from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
-    FEATURE_CALL_RELEASES,
     MAX_SIGNATURE_CHARS,
     PROTOCOL_VERSION,
     ErrorInfo,
@@ -391,7 +390,6 @@ class Server:
             streaming=tuple(m.name for m in spec.methods.values() if m.streaming),
             signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
             max_message_bytes=max(0, self._socket_options.maxmsgsize),
-            features=(*_observe.FEATURES, FEATURE_CALL_RELEASES),
         )
         return ProtocolSettings(
             hello=hello,

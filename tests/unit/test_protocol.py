@@ -56,6 +56,8 @@ HELLO = Hello(
     concurrency=8,
     heartbeat_ms=500,
     methods=("add", "scale", "count"),
+    streaming=("count",),
+    signatures=("add(a: int, b: int) -> int", "scale(x: float) -> float", "count(n: int) -> int"),
 )
 WELCOME = Welcome(client_id="client-7", host_id="host-1", transports=("frames",), heartbeat_ms=250)
 BODIES: list[tuple[MessageKind, object, int]] = [
@@ -104,6 +106,11 @@ def hello_map(**overrides: object) -> dict[str, object]:
         "concurrency": 1,
         "heartbeat_ms": 1000,
         "methods": ["m"],
+        "streaming": [],
+        "signatures": ["m() -> None"],
+        "max_message_bytes": 0,
+        "epoch": 1,
+        "dead_after_ms": 5000,
     }
     wire.update(overrides)
     return wire
@@ -387,12 +394,13 @@ def test_a_value_just_inside_each_limit_is_accepted():
         pid=2**63 - 1,
         transports=("t",) * MAX_LIST_ITEMS,
         methods=("m" * MAX_METHOD_BYTES,),
+        signatures=("s",),
     )
     header, payload, _ = split_frames(encode_control(MessageKind.HELLO, body))
     assert decode_control(header, payload) == body
 
 
-def test_max_message_bytes_is_announced_and_optional_for_older_peers() -> None:
+def test_max_message_bytes_round_trips_and_is_checked() -> None:
     hello = Hello("e", "S", "f", 1, "h", 5, max_message_bytes=1 << 20)
     welcome = Welcome("c", "h", max_message_bytes=1 << 32)
     for kind, body in ((MessageKind.HELLO, hello), (MessageKind.WELCOME, welcome)):
@@ -400,14 +408,36 @@ def test_max_message_bytes_is_announced_and_optional_for_older_peers() -> None:
         wire = ormsgpack.unpackb(memoryview(payload))
         assert wire["max_message_bytes"] == body.max_message_bytes
         assert decode_control(header, payload) == body
-        # an older peer does not send the field: it decodes as 0 (no limit announced)
-        old = {k: v for k, v in wire.items() if k != "max_message_bytes"}
-        decoded = decode_control(header, ormsgpack.packb(old))
-        assert isinstance(decoded, Hello | Welcome)
-        assert decoded.max_message_bytes == 0
         for bad, match in ((-1, "out of range"), ("1", "must be an integer")):
             with pytest.raises(RemoteProtocolError, match=match):
-                decode_control(header, ormsgpack.packb({**old, "max_message_bytes": bad}))
+                decode_control(header, ormsgpack.packb({**wire, "max_message_bytes": bad}))
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [(MessageKind.HELLO, HELLO), (MessageKind.WELCOME, WELCOME)],
+    ids=["HELLO", "WELCOME"],
+)
+def test_every_hello_and_welcome_field_is_required(kind: MessageKind, body: object) -> None:
+    header, payload, _ = split_frames(encode_control(kind, body))  # type: ignore[arg-type]
+    wire = ormsgpack.unpackb(memoryview(payload))
+    assert decode_control(header, payload) == body
+    for name in wire:
+        partial = {k: v for k, v in wire.items() if k != name}
+        with pytest.raises(RemoteProtocolError, match=f"missing the field {name!r}"):
+            decode_control(header, ormsgpack.packb(partial))
+
+
+def test_a_hello_needs_one_signature_per_method_and_streams_only_methods() -> None:
+    header = unpack_header(pack_reply_header(MessageKind.HELLO))
+    for bad, match in (
+        (hello_map(signatures=[]), "one per method"),
+        (hello_map(streaming=["other"]), "not methods"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=match):
+            decode_control(header, packed_map(bad))
+    with pytest.raises(LocalProtocolError, match="one per method"):
+        encode_control(MessageKind.HELLO, Hello("e", "S", "f", 1, "h", 1, methods=("m",)))
 
 
 # -- invalid local input -> LocalProtocolError ---------------------------------------------
@@ -576,20 +606,6 @@ def test_bad_lease_ids_for_a_call_header_are_refused(call, match):
         call()
 
 
-def test_hello_features_are_optional_and_round_trip():
-    hello = Hello("e", "svc", "f" * 64, 1, "h", 1, features=("trace_context", "statistics"))
-    header, payload = encode_control(MessageKind.HELLO, hello)
-    decoded = decode_control(unpack_header(header), payload)
-    assert decoded == hello
-    old = Hello("e", "svc", "f" * 64, 1, "h", 1)
-    header, payload = encode_control(MessageKind.HELLO, old)
-    body = ormsgpack.unpackb(payload)
-    del body["features"]
-    decoded = decode_control(unpack_header(header), ormsgpack.packb(body))
-    assert isinstance(decoded, Hello)
-    assert decoded.features == ()
-
-
 def test_with_trace_adds_the_flag_and_context_to_a_packed_call_header():
     from tensorrpc._protocol import with_trace
 
@@ -605,28 +621,23 @@ def test_with_trace_adds_the_flag_and_context_to_a_packed_call_header():
         with_trace(plain, b"")
 
 
-def test_session_fields_round_trip_and_are_optional_for_older_peers() -> None:
+def test_session_fields_round_trip_and_name_a_session_and_a_bound() -> None:
     hello = Hello("e", "S", "f", 1, "h", 5, epoch=2**64 - 1, dead_after_ms=5000)
     welcome = Welcome("c", "h", epoch=1, dead_after_ms=2**32 - 1, fingerprint="ab" * 32)
     for kind, body in ((MessageKind.HELLO, hello), (MessageKind.WELCOME, welcome)):
         header, payload, _ = split_frames(encode_control(kind, body))
         wire = ormsgpack.unpackb(memoryview(payload))
         assert decode_control(header, payload) == body
-        old = {k: v for k, v in wire.items() if k not in ("epoch", "dead_after_ms")}
-        decoded = decode_control(header, ormsgpack.packb(old))
-        assert isinstance(decoded, Hello | Welcome)
-        assert (decoded.epoch, decoded.dead_after_ms) == (0, 0)
         for key, bad, match in (
+            ("epoch", 0, "out of range 1.."),  # epoch 0 names no session
+            ("dead_after_ms", 0, "out of range 1.."),  # nor 0 a bound
             ("epoch", -1, "out of range"),
             ("dead_after_ms", 2**32, "out of range"),
             ("epoch", True, "must be an integer"),
         ):
             with pytest.raises(RemoteProtocolError, match=match):
-                decode_control(header, ormsgpack.packb({**old, key: bad}))
+                decode_control(header, ormsgpack.packb({**wire, key: bad}))
     header, payload, _ = split_frames(encode_control(MessageKind.WELCOME, welcome))
-    old = {k: v for k, v in ormsgpack.unpackb(memoryview(payload)).items() if k != "fingerprint"}
-    decoded = decode_control(header, ormsgpack.packb(old))
-    assert isinstance(decoded, Welcome)
-    assert decoded.fingerprint == ""
+    wire = ormsgpack.unpackb(memoryview(payload))
     with pytest.raises(RemoteProtocolError, match="must be a string"):
-        decode_control(header, ormsgpack.packb({**old, "fingerprint": 7}))
+        decode_control(header, ormsgpack.packb({**wire, "fingerprint": 7}))
