@@ -80,10 +80,9 @@ def _gone(call: Call) -> bool:
 
 
 def type_name(exc: BaseException) -> str:
-    """How ``ErrorInfo.type`` spells an exception's type (builtins and ``__main__`` bare)."""
+    """How ``ErrorInfo.type`` spells an exception's type: always ``module.qualname``
+    (``builtins.ValueError``), docs/protocol.md §4."""
     cls = type(exc)
-    if cls.__module__ in ("builtins", "__main__"):
-        return cls.__qualname__
     return f"{cls.__module__}.{cls.__qualname__}"
 
 

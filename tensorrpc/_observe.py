@@ -522,6 +522,10 @@ def _counters(c: Any) -> dict[str, int]:
     }
 
 
+def _releases_refused(detail: Any) -> int:
+    return 0 if detail is None else int(detail.releases_refused)
+
+
 def statistics_body(
     stats: Any, *, service: str, pid: int, started: float, recorder: StatisticsRecorder
 ) -> dict[str, Any]:
@@ -552,7 +556,10 @@ def statistics_body(
         "bytes_out": sum(c.bytes_out for c in clients),
         "transports": {
             "frames": _counters(stats.transports.frames),
-            "torch_shm": _counters(stats.transports.torch_shm),
+            "torch_shm": {
+                **_counters(stats.transports.torch_shm),
+                "releases_refused": _releases_refused(stats.transports.torch_shm_detail),
+            },
         },
         "latency_buckets_per_octave": LATENCY_BUCKETS_PER_OCTAVE,
         "methods_since": recorder.since,

@@ -186,7 +186,7 @@ async def test_remote_errors_are_typed(tmp_path: Path) -> None:
             tg.start_soon(engine_side)
             with pytest.raises(RemoteError) as info:
                 await client.stub().fail("boom")
-            assert info.value.remote_type == "ValueError"
+            assert info.value.remote_type == "builtins.ValueError"
             with pytest.raises(MethodNotFoundError):
                 await client.stub().add(1)
 

@@ -223,7 +223,7 @@ async def test_stream_error_after_items(tmp_path: Path) -> None:
             assert (await peer.expect(MessageKind.STREAM_ITEM, call_id)).value() == i
         info = (await peer.expect(MessageKind.ERROR, call_id)).error()
         assert info.code == ErrorCode.REMOTE
-        assert info.type == "RuntimeError"
+        assert info.type == "builtins.RuntimeError"
         assert "stream broke after 2" in info.message
 
 
@@ -353,7 +353,7 @@ async def test_errors_have_their_codes_and_the_engine_keeps_serving(tmp_path: Pa
         msg = await peer.expect(MessageKind.ERROR, peer.call("fail", "boom"))
         info = msg.error()
         assert info.code == ErrorCode.REMOTE
-        assert info.type == "ValueError"
+        assert info.type == "builtins.ValueError"
         assert info.message == "boom"
         assert "raise ValueError(message)" in info.traceback
         assert "in fail" in info.traceback

@@ -43,6 +43,7 @@ async def test_an_engine_answers_its_statistics_and_counts_methods_from_then_on(
     assert first["methods"] == {}
     assert first["clients"] == 2
     assert set(first["transports"]) == {"frames", "torch_shm"}
+    assert first["transports"]["torch_shm"]["releases_refused"] == 0  # §10's map, as §4 says
     assert second["calls"] == 7
     assert second["errors"] == 1
     assert second["bytes_in"] > first["bytes_in"]
