@@ -86,13 +86,13 @@ def release_frames(leases: Sequence[int]) -> list[list[bytes]]:
 class Transition(Generic[S]):
     """One row of a machine's transition table (docs/protocol.md renders the tables).
 
-    ``kind`` is the message kind the machine dispatches the row on: rows that share a
+    ``kinds`` are the message kinds the machine dispatches the row on: rows that share a
     (state, kind) share a handler, which tells them apart (the ``input`` says how);
-    None is a timer, a local input, or a row about every kind.
+    empty for a timer, a local input, or a row about every kind.
     """
 
     state: S
-    kind: MessageKind | None
+    kinds: tuple[MessageKind, ...]
     input: str
     action: str
     next: S

@@ -1093,122 +1093,126 @@ _Handler = Callable[[ServerProtocol, Hashable, Any, Header, Any, float], None]
 _P = ServerProtocol
 
 #: The engine's transition table towards one client: what ``receive`` and ``tick`` do,
-#: by state and input. ``kind`` is the message kind a row dispatches on (None: a timer,
-#: or a row about every kind); docs/protocol.md §9 is rendered from this table, and
+#: by state and input. ``kinds`` are the message kinds a row dispatches on (empty: a
+#: timer, or a row about every kind); docs/protocol.md §9 is rendered from this table, and
 #: tests/unit/test_server_transitions.py drives the machine through every row.
 TRANSITIONS: Final[tuple[Transition[SessionState], ...]] = (
     Transition(
         _S.NONE,
-        _K.PING,
+        (_K.PING,),
         "PING",
         "HELLO (new epoch; at most max_strangers peers remembered)",
         _S.GREETING,
     ),
     Transition(
         _S.NONE,
-        _K.WELCOME,
+        (_K.WELCOME,),
         "WELCOME",
         "HELLO (new epoch): it answers no HELLO of a session",
         _S.GREETING,
     ),
-    Transition(_S.NONE, _K.CALL, "CALL", "ERROR(id, PROTOCOL)", _S.NONE),
-    Transition(_S.NONE, None, "any other message", "drop", _S.NONE),
-    Transition(
-        _S.GREETING, _K.PING, "PING", "HELLO (same epoch, at most one per heartbeat)", _S.GREETING
-    ),
-    Transition(_S.GREETING, _K.WELCOME, "WELCOME", "start the session", _S.LIVE),
-    Transition(_S.GREETING, _K.WELCOME, "WELCOME, malformed", "REJECT protocol", _S.REJECTED),
+    Transition(_S.NONE, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.NONE),
+    Transition(_S.NONE, (), "any other message", "drop", _S.NONE),
     Transition(
         _S.GREETING,
-        _K.WELCOME,
+        (_K.PING,),
+        "PING",
+        "HELLO (same epoch, at most one per heartbeat)",
+        _S.GREETING,
+    ),
+    Transition(_S.GREETING, (_K.WELCOME,), "WELCOME", "start the session", _S.LIVE),
+    Transition(_S.GREETING, (_K.WELCOME,), "WELCOME, malformed", "REJECT protocol", _S.REJECTED),
+    Transition(
+        _S.GREETING,
+        (_K.WELCOME,),
         "WELCOME, another non-empty fingerprint",
         "REJECT fingerprint",
         _S.REJECTED,
     ),
-    Transition(_S.GREETING, _K.CALL, "CALL", "ERROR(id, PROTOCOL)", _S.GREETING),
-    Transition(_S.GREETING, _K.REJECT, "REJECT", "stop greeting the client", _S.REJECTED),
+    Transition(_S.GREETING, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.GREETING),
+    Transition(_S.GREETING, (_K.REJECT,), "REJECT", "stop greeting the client", _S.REJECTED),
     Transition(
         _S.GREETING,
-        _K.REJECT,
+        (_K.REJECT,),
         "REJECT duplicate_id (dial-in)",
         "HELLO again after a growing delay (heartbeat, doubled, at most dead_after)",
         _S.GREETING,
     ),
-    Transition(_S.GREETING, _K.BYE, "BYE", "nothing more until it speaks again", _S.PARTED),
-    Transition(_S.GREETING, None, "any other message", "drop", _S.GREETING),
+    Transition(_S.GREETING, (_K.BYE,), "BYE", "nothing more until it speaks again", _S.PARTED),
+    Transition(_S.GREETING, (), "any other message", "drop", _S.GREETING),
     Transition(
         _S.GREETING,
-        None,
+        (),
         "timer: hello due (dial-in)",
         "HELLO (same epoch; backoff while the send fails)",
         _S.GREETING,
     ),
     Transition(
         _S.LIVE,
-        _K.PING,
+        (_K.PING,),
         "PING n",
         "PONG n; for n = 0 also HELLO (same epoch, at most one per heartbeat)",
         _S.LIVE,
     ),
-    Transition(_S.LIVE, _K.PONG, "PONG", "nothing", _S.LIVE),
+    Transition(_S.LIVE, (_K.PONG,), "PONG", "nothing", _S.LIVE),
     Transition(
         _S.LIVE,
-        _K.CALL,
+        (_K.CALL,),
         "CALL",
         "pass on the result leases it returns (RELEASES); admit (ADMISSION) or ERROR",
         _S.LIVE,
     ),
     Transition(
         _S.LIVE,
-        _K.CALL,
+        (_K.CALL,),
         "CALL with an id in flight",
         "cancel the original; ERROR(id, PROTOCOL)",
         _S.LIVE,
     ),
     Transition(
         _S.LIVE,
-        _K.CANCEL,
+        (_K.CANCEL,),
         "CANCEL",
         "cancel the call (no reply; once its handler is done, RELEASE its "
         "torch_shm argument leases); unknown id: nothing",
         _S.LIVE,
     ),
-    Transition(_S.LIVE, _K.CREDIT, "CREDIT", "add credit; wake the stream", _S.LIVE),
+    Transition(_S.LIVE, (_K.CREDIT,), "CREDIT", "add credit; wake the stream", _S.LIVE),
     Transition(
-        _S.LIVE, _K.RELEASE, "RELEASE", "pass the result leases on to the transport", _S.LIVE
+        _S.LIVE, (_K.RELEASE,), "RELEASE", "pass the result leases on to the transport", _S.LIVE
     ),
-    Transition(_S.LIVE, _K.WELCOME, "WELCOME, same client epoch", "nothing", _S.LIVE),
+    Transition(_S.LIVE, (_K.WELCOME,), "WELCOME, same client epoch", "nothing", _S.LIVE),
     Transition(
         _S.LIVE,
-        _K.WELCOME,
+        (_K.WELCOME,),
         "WELCOME, new client epoch",
         "cancel the calls; new session (the engine's epoch stays)",
         _S.LIVE,
     ),
-    Transition(_S.LIVE, _K.BYE, "BYE", "cancel the calls; end the session", _S.PARTED),
-    Transition(_S.LIVE, _K.REJECT, "REJECT", "cancel the calls; end the session", _S.REJECTED),
-    Transition(_S.LIVE, None, "timer: ping due", "PING", _S.LIVE),
+    Transition(_S.LIVE, (_K.BYE,), "BYE", "cancel the calls; end the session", _S.PARTED),
+    Transition(_S.LIVE, (_K.REJECT,), "REJECT", "cancel the calls; end the session", _S.REJECTED),
+    Transition(_S.LIVE, (), "timer: ping due", "PING", _S.LIVE),
     Transition(
         _S.LIVE,
-        None,
+        (),
         "timer: dead_after",
         "cancel the calls; end the session; HELLO (new epoch)",
         _S.GREETING,
     ),
     Transition(
         _S.PARTED,
-        None,
+        (),
         "any message",
         "HELLO (new epoch); a CALL also gets ERROR(id, PROTOCOL)",
         _S.GREETING,
     ),
-    Transition(_S.PARTED, None, "timer: dead_after (dial-in)", "HELLO (new epoch)", _S.GREETING),
-    Transition(_S.REJECTED, None, "any message", "drop", _S.REJECTED),
+    Transition(_S.PARTED, (), "timer: dead_after (dial-in)", "HELLO (new epoch)", _S.GREETING),
+    Transition(_S.REJECTED, (), "any message", "drop", _S.REJECTED),
     Transition(
-        _S.GREETING, None, "timer: dead_after without WELCOME (listen)", "forget the peer", _S.NONE
+        _S.GREETING, (), "timer: dead_after without WELCOME (listen)", "forget the peer", _S.NONE
     ),
-    Transition(_S.PARTED, None, "timer: dead_after (listen)", "forget the peer", _S.NONE),
-    Transition(_S.REJECTED, None, "timer: dead_after (listen)", "forget the peer", _S.NONE),
+    Transition(_S.PARTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
+    Transition(_S.REJECTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
 )
 
 #: The handler of each (state, kind) ``receive`` acts on; any other pair is dropped.
