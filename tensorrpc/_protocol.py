@@ -76,11 +76,9 @@ __all__ = [
     "encode_error",
     "header_version",
     "pack_call_header",
-    "pack_header",
     "pack_reply_header",
     "split_frames",
     "unpack_header",
-    "with_trace",
 ]
 
 #: The protocol version this implementation speaks (header byte 2).
@@ -425,29 +423,6 @@ def _release_block(releases: Sequence[int]) -> bytes:
     return _RELEASE_BLOCKS[count].pack(count, *releases)
 
 
-def with_trace(header: bytes, trace: bytes) -> bytes:
-    """Add a trace context to a CALL header frame made by `pack_call_header`.
-
-    Args:
-        header: A CALL header frame without the ``TRACE`` flag.
-        trace: The binary W3C trace context, `TRACE_CONTEXT_BYTES` bytes.
-
-    Returns:
-        The header frame with the ``TRACE`` flag set and ``trace`` appended.
-
-    Raises:
-        LocalProtocolError: ``header`` already has a trace, or ``trace`` has the wrong size.
-    """
-    if len(trace) != TRACE_CONTEXT_BYTES:
-        raise LocalProtocolError(
-            f"a trace context is {TRACE_CONTEXT_BYTES} bytes, not {len(trace)}"
-        )
-    flags = int.from_bytes(header[4:6], "little")
-    if flags & _TRACE:
-        raise LocalProtocolError("the CALL header already carries a trace context")
-    return header[:4] + (flags | _TRACE).to_bytes(2, "little") + header[6:] + trace
-
-
 def pack_reply_header(kind: MessageKind, call_id: int = 0) -> bytes:
     """Pack the header frame of any kind but CALL (no flags, no deadline, no method).
 
@@ -492,47 +467,6 @@ def _check_kind_call_id(kind: object, call_id: object) -> MessageKind:
     if call_id == 0 and kind in _CALL_KINDS:
         raise LocalProtocolError(f"{kind.name} needs a non-zero call_id")
     return kind
-
-
-def pack_header(header: Header) -> bytes:
-    """Pack a `Header` into its frame.
-
-    Args:
-        header: The header to pack.
-
-    Returns:
-        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name (and the trace context
-        with the ``TRACE`` flag) for CALL.
-
-    Raises:
-        LocalProtocolError: A field is out of range or does not fit the kind (a method,
-            flags or deadline on anything but CALL; a call id where none belongs, or none
-            where one is needed).
-    """
-    kind = header.kind
-    if kind is MessageKind.CALL:
-        _check_int("call_id", header.call_id, _U64_MAX)
-        _check_int("flags", header.flags, _U16_MAX)
-        _check_int("timeout_ms", header.timeout_ms, _U32_MAX)
-        flags = header.flags & ~_TRACE & ~_RELEASES
-        if bool(header.flags & _TRACE) != bool(header.trace):
-            raise LocalProtocolError("the TRACE flag is set exactly when a trace is given")
-        if bool(header.flags & _RELEASES) != bool(header.releases):
-            raise LocalProtocolError("the RELEASES flag is set exactly when leases are given")
-        return pack_call_header(
-            header.call_id, header.method, flags, header.timeout_ms, header.trace, header.releases
-        )
-    if header.method:
-        raise LocalProtocolError(f"{kind!r} carries no method name")
-    if header.flags:
-        raise LocalProtocolError(f"{kind!r} carries no flags")
-    if header.timeout_ms:
-        raise LocalProtocolError(f"{kind!r} carries no timeout")
-    if header.trace:
-        raise LocalProtocolError(f"{kind!r} carries no trace context")
-    if header.releases:
-        raise LocalProtocolError(f"{kind!r} carries no lease ids")
-    return pack_reply_header(kind, header.call_id)
 
 
 # -- header unpacking ----------------------------------------------------------------------
@@ -998,7 +932,7 @@ class ErrorInfo:
 ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release
 
 # Field schema per body class: (name, kind, limit). kind: "str" | "name" | "int" | "strs" |
-# "names" | "bytes" | "ints". A "name" is a "str" without control characters (_text.CONTROL):
+# "names" | "ints". A "name" is a "str" without control characters (_text.CONTROL):
 # ids, reasons and type names are refused with one, so no log line or terminal gets it raw.
 _Field: TypeAlias = tuple[str, str, int]
 _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
@@ -1084,14 +1018,6 @@ def _check_int_field(where: str, name: str, limit: int, value: object, error: _E
     return int(value)
 
 
-def _check_bytes(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
-    if type(value) is not bytes:
-        raise error(f"{where} must be bytes, not {type(value).__name__}")
-    if len(value) > limit:
-        raise error(f"{where} is {len(value)} bytes long; the limit is {limit}")
-    return value
-
-
 def _check_ints(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
     if not isinstance(value, list | tuple):
         raise error(f"{where} must be a list of integers, not {type(value).__name__}")
@@ -1128,7 +1054,6 @@ _FIELD_CHECKS: Final[dict[str, Callable[[str, str, int, object, _ErrorType], obj
     "str": _check_str,
     "name": _check_name,
     "int": _check_int_field,
-    "bytes": _check_bytes,
     "ints": _check_ints,
     "strs": _check_strs,
     "names": _check_names,
