@@ -42,6 +42,7 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TensorTransportError,
     ValidationError,
+    path_parts,
 )
 from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes
@@ -226,10 +227,16 @@ class Dispatcher:
     # -- one call ---------------------------------------------------------------------------
 
     def _error(
-        self, call: Call, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
+        self,
+        call: Call,
+        code: ErrorCode,
+        message: str,
+        type_name: str = "",
+        tb: str = "",
+        path: tuple[str | int, ...] = (),
     ) -> None:
         self._detach(call)
-        if self._proto.error_reply(call, code, message, type_name, tb):
+        if self._proto.error_reply(call, code, message, type_name, tb, path):
             self._flush()
             if call.observed is not None:  # observe: an ERROR reply to an observed call
                 call.observed.error(code.name)
@@ -318,7 +325,7 @@ class Dispatcher:
                     self._proto.args_resolved(call, lazy.inner.leases)
             return call.spec.decode_args(wire)
         except ValidationError as exc:
-            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc))
+            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc), path=path_parts(exc.path))
         except DecodeError as exc:
             self._error(call, ErrorCode.DECODE, str(exc))
         except TensorTransportError as exc:
@@ -354,6 +361,7 @@ class Dispatcher:
                 ErrorCode.BAD_RESULT,
                 bad_result_message(call.spec.qualname, exc),
                 type_name(exc),
+                path=path_parts(exc.path) if isinstance(exc, ValidationError) else (),
             )
         except TensorTransportError as exc:
             self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))

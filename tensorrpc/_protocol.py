@@ -53,6 +53,7 @@ __all__ = [
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
     "MAX_NAME_CHARS",
+    "MAX_PATH_PARTS",
     "MAX_SIGNATURE_CHARS",
     "MAX_TEXT_CHARS",
     "MAX_TRACEBACK_CHARS",
@@ -109,6 +110,8 @@ MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
 MAX_CONTROL_OBJECTS: Final = 32 * 1024
 #: Default bound on the buffer frames after the payload of a value-carrying message.
 MAX_BUFFERS: Final = 1024
+#: Most entries of ERROR's ``path``.
+MAX_PATH_PARTS: Final = 256
 #: Longest entry of HELLO's ``signatures`` list, in characters.
 MAX_SIGNATURE_CHARS: Final = 4096
 #: Size of the binary W3C trace context a CALL with the ``TRACE`` flag carries at the end of
@@ -922,10 +925,14 @@ class ErrorInfo:
     message: str = ""
     #: Formatted remote traceback text ("" when none).
     traceback: str = field(default="", repr=False)
+    #: Where the refused value sits (INVALID_ARGUMENT, BAD_RESULT): the parameter or
+    #: ``"result"`` first, then field names and indexes, ``("req", "items", 3, "x")``;
+    #: empty when the error names no value.
+    path: tuple[str | int, ...] = ()
 
     def to_exception(self) -> TensorRPCError:
         """Build the local exception this error stands for (see ``error_from_wire``)."""
-        return error_from_wire(self.code, self.type, self.message, self.traceback)
+        return error_from_wire(self.code, self.type, self.message, self.traceback, self.path)
 
 
 #: Any control-message body.
@@ -974,6 +981,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("type", "name", MAX_NAME_CHARS),
         ("message", "str", MAX_TEXT_CHARS),
         ("traceback", "str", MAX_TRACEBACK_CHARS),
+        ("path", "path", MAX_NAME_CHARS),
     ),
 }
 _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
@@ -1042,6 +1050,22 @@ def _check_strs(where: str, name: str, limit: int, value: object, error: _ErrorT
     return tuple(value)
 
 
+def _check_path(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    if not isinstance(value, list | tuple):
+        raise error(f"{where} must be a list, not {type(value).__name__}")
+    if len(value) > MAX_PATH_PARTS:
+        raise error(f"{where} has {len(value)} entries; the limit is {MAX_PATH_PARTS}")
+    for i, item in enumerate(value):
+        if type(item) is int:
+            if not 0 <= item <= _I64_MAX:
+                raise error(f"{where}[{i}]={item} is out of range 0..{_I64_MAX}")
+        elif type(item) is str:
+            _check_name(f"{where}[{i}]", name, limit, item, error)
+        else:
+            raise error(f"{where}[{i}] must be a string or an integer, not {type(item).__name__}")
+    return tuple(value)
+
+
 def _check_names(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
     items = _check_strs(where, name, limit, value, error)
     for i, item in enumerate(cast("tuple[str, ...]", items)):
@@ -1057,6 +1081,7 @@ _FIELD_CHECKS: Final[dict[str, Callable[[str, str, int, object, _ErrorType], obj
     "ints": _check_ints,
     "strs": _check_strs,
     "names": _check_names,
+    "path": _check_path,
 }
 
 
@@ -1162,7 +1187,11 @@ def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
         message = _truncate(info.message, MAX_TEXT_CHARS)
         traceback = _truncate(info.traceback, MAX_TRACEBACK_CHARS)
         if message is not info.message or traceback is not info.traceback:
-            info = ErrorInfo(info.code, info.type, message, traceback)
+            info = ErrorInfo(info.code, info.type, message, traceback, info.path)
+    try:
+        _check_path("ErrorInfo.path", "path", MAX_NAME_CHARS, info.path, LocalProtocolError)
+    except LocalProtocolError:  # a key it cannot carry: the message still names it
+        info = ErrorInfo(info.code, info.type, info.message, info.traceback, ())
     try:
         header = _pack(MAGIC, PROTOCOL_VERSION, MessageKind.ERROR, 0, 0, call_id, 0)
     except struct.error as exc:

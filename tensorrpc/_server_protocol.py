@@ -996,7 +996,13 @@ class ServerProtocol(Machine[Hashable, Event]):
         return True
 
     def error_reply(
-        self, call: ServerCall, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
+        self,
+        call: ServerCall,
+        code: ErrorCode,
+        message: str,
+        type_name: str = "",
+        tb: str = "",
+        path: tuple[str | int, ...] = (),
     ) -> bool:
         """Queue the ERROR that ends ``call``; False when it must get no reply."""
         if not self.may_reply(call):
@@ -1005,7 +1011,7 @@ class ServerProtocol(Machine[Hashable, Event]):
             self._replied(call)
         call.session.errors += 1
         self.errors_total += 1
-        info = ErrorInfo(int(code), type_name, message, tb)
+        info = ErrorInfo(int(code), type_name, message, tb, path)
         self._send(call.key, encode_error(call.call_id, info))
         return True
 

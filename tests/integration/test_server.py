@@ -342,7 +342,9 @@ async def test_errors_have_their_codes_and_the_engine_keeps_serving(tmp_path: Pa
         assert "nope" in await error_of(peer, peer.call("nope"), ErrorCode.METHOD_NOT_FOUND)
 
         peer.raw_call(100, "add", ormsgpack.packb(["x", 2]))
-        assert "add" in await error_of(peer, 100, ErrorCode.INVALID_ARGUMENT)
+        refused = (await peer.expect(MessageKind.ERROR, 100)).error()
+        assert (refused.code, refused.path) == (ErrorCode.INVALID_ARGUMENT, ("req", "a"))
+        assert "add" in refused.message
 
         peer.raw_call(101, "add", b"\xc1")
         await error_of(peer, 101, ErrorCode.DECODE)

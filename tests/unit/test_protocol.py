@@ -8,10 +8,12 @@ from hypothesis import given, settings, strategies as st
 
 from tensorrpc._exceptions import (
     ErrorCode,
+    InvalidArgumentError,
     LocalProtocolError,
     MethodNotFoundError,
     RemoteError,
     RemoteProtocolError,
+    path_parts,
 )
 from tensorrpc._protocol import (
     HEADER_SIZE,
@@ -602,6 +604,38 @@ def test_a_call_header_carries_lease_ids_before_the_method():
 def test_bad_lease_ids_for_a_call_header_are_refused(call, match):
     with pytest.raises(LocalProtocolError, match=match):
         call()
+
+
+def test_error_info_carries_the_refused_value_s_path_as_data() -> None:
+    info = ErrorInfo(ErrorCode.INVALID_ARGUMENT, "", "req.items[3]: bad", "", ("req", "items", 3))
+    header, payload, _ = split_frames(encode_error(7, info))
+    wire = ormsgpack.unpackb(memoryview(payload))
+    assert wire["path"] == ["req", "items", 3]
+    decoded = decode_control(header, payload)
+    assert decoded == info
+    assert isinstance(decoded, ErrorInfo)
+    error = decoded.to_exception()
+    assert isinstance(error, InvalidArgumentError)
+    assert error.path == ("req", "items", 3)
+    for bad, match in (
+        ({**wire, "path": "req"}, "must be a list"),
+        ({**wire, "path": [1.5]}, "string or an integer"),
+        ({**wire, "path": [True]}, "string or an integer"),
+        ({**wire, "path": [-1]}, "out of range"),
+        ({k: v for k, v in wire.items() if k != "path"}, "missing the field 'path'"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=match):
+            decode_control(header, ormsgpack.packb(bad))
+    # a key an ERROR cannot carry (a control character) leaves the path out, not the ERROR
+    odd = ErrorInfo(ErrorCode.INVALID_ARGUMENT, "", "m", "", ("req", "a\x1b"))
+    assert decode_control(*split_frames(encode_error(7, odd))[:2]) == ErrorInfo(
+        ErrorCode.INVALID_ARGUMENT, "", "m", "", ()
+    )
+
+
+def test_path_parts_reads_a_validation_path() -> None:
+    assert path_parts("req.items[3].tags['k.x']") == ("req", "items", 3, "tags", "k.x")
+    assert path_parts("result") == ("result",)
 
 
 def test_session_fields_round_trip_and_name_a_session_and_a_bound() -> None:
