@@ -537,18 +537,13 @@ class ClientProtocol(Machine[bytes, Event]):
         """Enter a call to ``engine`` in the table and build its CALL.
 
         Args:
-            engine: Where it goes (`select`).
-            spec: The method.
-            waiter: The shell's wake-up for the caller (carried, never read).
-            stream: A streaming call.
-            now: The clock.
-            payload: The encoded arguments.
-            buffers: Their out-of-band tensor frames.
-            flags: CALL flag bits (STREAM, NO_WAIT, SHM_RESULTS...).
-            timeout_ms: The relative deadline (0: none).
-            trace: A trace context to carry (empty: none).
-            lease: The argument tensors' torch_shm lease (None: none went by handle).
-            placed: Tensors and bytes that went by handle.
+            engine: Where it goes (`select`); spec: the method; waiter: the shell's
+                wake-up for the caller (carried, never read); stream: a streaming call.
+            payload: The encoded arguments; buffers: their out-of-band tensor frames.
+            flags: CALL flag bits; timeout_ms: the relative deadline (0: none); trace: a
+                trace context to carry (empty: none).
+            lease: The argument tensors' torch_shm lease (None: none went by handle);
+                placed: tensors and bytes that went by handle.
             returns: More result leases of this engine we are done with (as
                 `return_leases`), returned with this CALL.
 
