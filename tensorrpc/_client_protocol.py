@@ -1172,6 +1172,7 @@ def reply_error(payload: Buffer) -> TensorRPCError:
 
 
 _S = PeerState
+_T = Transition
 _K = MessageKind
 _REPLIES: Final = (_K.RESULT, _K.ERROR, _K.STREAM_ITEM, _K.STREAM_END)
 #: Kinds dropped without an `Ignored` event in states without a handler for them.
@@ -1186,126 +1187,57 @@ _P = ClientProtocol
 #: dispatches on (empty: a timer, a local input, or a row about every kind); the calls
 #: follow the rules of `tensorrpc._calls`. docs/protocol.md §13 is rendered from this
 #: table, and tests/unit/test_client_transitions.py drives the machine through its rows.
+# fmt: off
 TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
-    Transition(_S.NONE, (_K.HELLO,), "HELLO, acceptable", "WELCOME (new client epoch)", _S.LIVE),
-    Transition(
-        _S.NONE,
-        (_K.HELLO,),
-        "HELLO, version/service/fingerprint differ",
-        "REJECT with the reason",
-        _S.NONE,
-    ),
-    Transition(_S.NONE, (_K.HELLO,), "HELLO, malformed", "REJECT protocol", _S.NONE),
-    Transition(_S.NONE, (), "HELLO of another protocol version", "REJECT version", _S.NONE),
-    Transition(
-        _S.NONE,
-        (_K.HELLO,),
-        "HELLO, engine id live on another peer that is reachable",
-        "REJECT duplicate_id; the live session is untouched",
-        _S.NONE,
-    ),
-    Transition(
-        _S.NONE,
-        (_K.HELLO,),
-        "HELLO, engine id live on another peer that is unreachable",
-        "end the old session (its calls fail: EngineDeadError); WELCOME",
-        _S.LIVE,
-    ),
-    Transition(_S.NONE, (_K.REJECT,), "REJECT", "remember the refusal", _S.NONE),
-    Transition(
-        _S.NONE,
-        (),
-        "any other message",
-        "drop (RESULT, ERROR, STREAM_ITEM, STREAM_END in silence; PING unanswered)",
-        _S.NONE,
-    ),
-    Transition(
-        _S.DIALING, (), "timer: hello request due", "PING 0; next in heartbeat interval", _S.DIALING
-    ),
-    Transition(
-        _S.DIALING,
-        (),
-        "send fails: peer not connected",
-        "retry PING 0 after capped backoff",
-        _S.DIALING,
-    ),
-    Transition(_S.DIALING, (_K.HELLO,), "HELLO, acceptable", "as from none", _S.LIVE),
-    Transition(
-        _S.DIALING,
-        (_K.HELLO,),
-        "HELLO, refused",
-        "as from none; ask again in the heartbeat interval",
-        _S.DIALING,
-    ),
-    Transition(_S.DIALING, (_K.REJECT,), "REJECT", "remember the refusal", _S.DIALING),
-    Transition(_S.DIALING, (), "any other message", "drop", _S.DIALING),
-    Transition(_S.LIVE, (), "any well-formed message", "the engine is heard now", _S.LIVE),
-    Transition(
-        _S.LIVE, (_K.HELLO,), "HELLO, same epoch", "WELCOME again (same client epoch)", _S.LIVE
-    ),
-    Transition(
-        _S.LIVE,
-        (_K.HELLO,),
-        "HELLO, new epoch or another engine, acceptable",
-        "end the session (its calls fail: EngineDeadError); WELCOME (new client epoch)",
-        _S.LIVE,
-    ),
-    Transition(_S.LIVE, (_K.PING,), "PING n", "PONG n", _S.LIVE),
-    Transition(_S.LIVE, (_K.PONG,), "PONG", "nothing", _S.LIVE),
-    Transition(
-        _S.LIVE,
-        _REPLIES,
-        "RESULT/ERROR/STREAM_ITEM/STREAM_END",
-        "deliver to the call of that id sent to this engine, else drop (ending the "
-        "argument lease kept for a call of that id we gave up on)",
-        _S.LIVE,
-    ),
-    Transition(
-        _S.LIVE,
-        (_K.RELEASE,),
-        "RELEASE",
-        "end the argument leases it names that were kept for calls we gave up on; "
-        "refuse and count any other id",
-        _S.LIVE,
-    ),
-    Transition(
-        _S.LIVE, (_K.BYE,), "BYE", "end the session (its calls fail: EngineDeadError)", _S.NONE
-    ),
-    Transition(
-        _S.LIVE,
-        (_K.REJECT,),
-        "REJECT",
-        "end the session (its calls fail); remember the refusal",
-        _S.NONE,
-    ),
-    Transition(_S.LIVE, (), "timer: heartbeat due", "PING (nonce: the send time in ns)", _S.LIVE),
-    Transition(
-        _S.LIVE,
-        (),
-        "timer: engine silent past our dead_after",
-        "end the session (calls fail)",
-        _S.NONE,
-    ),
-    Transition(
-        _S.LIVE,
-        (),
-        "timer, message or new call: we sent nothing for longer than the engine's dead_after_ms",
-        "end the session: the engine forgot us (calls in flight fail: EngineDeadError; calls "
-        "not yet sent wait up to our dead_after for it to rejoin)",
-        _S.NONE,
-    ),
-    Transition(
-        _S.LIVE, (), "send fails: peer unreachable", "end the session (calls fail)", _S.NONE
-    ),
-    Transition(
-        _S.LIVE,
-        (),
-        "the session ends, at a dialled address",
-        "PING 0 at once (ask for HELLO)",
-        _S.DIALING,
-    ),
-    Transition(_S.LIVE, (), "close()", "BYE; calls fail: ClosedError", _S.NONE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, acceptable", "WELCOME (new client epoch)", _S.LIVE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, version/service/fingerprint differ",
+       "REJECT with the reason", _S.NONE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, malformed", "REJECT protocol", _S.NONE),
+    _T(_S.NONE, (), "HELLO of another protocol version", "REJECT version", _S.NONE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, engine id live on another peer that is reachable",
+       "REJECT duplicate_id; the live session is untouched", _S.NONE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, engine id live on another peer that is unreachable",
+       "end the old session (its calls fail: EngineDeadError); WELCOME", _S.LIVE),
+    _T(_S.NONE, (_K.REJECT,), "REJECT", "remember the refusal", _S.NONE),
+    _T(_S.NONE, (), "any other message",
+       "drop (RESULT, ERROR, STREAM_ITEM, STREAM_END in silence; PING unanswered)", _S.NONE),
+    _T(_S.DIALING, (), "timer: hello request due",
+       "PING 0; next in heartbeat interval", _S.DIALING),
+    _T(_S.DIALING, (), "send fails: peer not connected",
+       "retry PING 0 after capped backoff", _S.DIALING),
+    _T(_S.DIALING, (_K.HELLO,), "HELLO, acceptable", "as from none", _S.LIVE),
+    _T(_S.DIALING, (_K.HELLO,), "HELLO, refused",
+       "as from none; ask again in the heartbeat interval", _S.DIALING),
+    _T(_S.DIALING, (_K.REJECT,), "REJECT", "remember the refusal", _S.DIALING),
+    _T(_S.DIALING, (), "any other message", "drop", _S.DIALING),
+    _T(_S.LIVE, (), "any well-formed message", "the engine is heard now", _S.LIVE),
+    _T(_S.LIVE, (_K.HELLO,), "HELLO, same epoch", "WELCOME again (same client epoch)", _S.LIVE),
+    _T(_S.LIVE, (_K.HELLO,), "HELLO, new epoch or another engine, acceptable",
+       "end the session (its calls fail: EngineDeadError); WELCOME (new client epoch)", _S.LIVE),
+    _T(_S.LIVE, (_K.PING,), "PING n", "PONG n", _S.LIVE),
+    _T(_S.LIVE, (_K.PONG,), "PONG", "nothing", _S.LIVE),
+    _T(_S.LIVE, _REPLIES, "RESULT/ERROR/STREAM_ITEM/STREAM_END",
+       "deliver to the call of that id sent to this engine, else drop (ending the "
+       "argument lease kept for a call of that id we gave up on)", _S.LIVE),
+    _T(_S.LIVE, (_K.RELEASE,), "RELEASE",
+       "end the argument leases it names that were kept for calls we gave up on; refuse "
+       "and count any other id", _S.LIVE),
+    _T(_S.LIVE, (_K.BYE,), "BYE", "end the session (its calls fail: EngineDeadError)", _S.NONE),
+    _T(_S.LIVE, (_K.REJECT,), "REJECT",
+       "end the session (its calls fail); remember the refusal", _S.NONE),
+    _T(_S.LIVE, (), "timer: heartbeat due", "PING (nonce: the send time in ns)", _S.LIVE),
+    _T(_S.LIVE, (), "timer: engine silent past our dead_after",
+       "end the session (calls fail)", _S.NONE),
+    _T(_S.LIVE, (),
+       "timer, message or new call: we sent nothing for longer than the engine's dead_after_ms",
+       "end the session: the engine forgot us (calls in flight fail: EngineDeadError; "
+       "calls not yet sent wait up to our dead_after for it to rejoin)", _S.NONE),
+    _T(_S.LIVE, (), "send fails: peer unreachable", "end the session (calls fail)", _S.NONE),
+    _T(_S.LIVE, (), "the session ends, at a dialled address",
+       "PING 0 at once (ask for HELLO)", _S.DIALING),
+    _T(_S.LIVE, (), "close()", "BYE; calls fail: ClosedError", _S.NONE),
 )
+# fmt: on
 
 #: The handler of each (state, kind) ``receive`` acts on (live replies are delivered
 #: inline); any other pair is dropped.

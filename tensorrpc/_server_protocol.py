@@ -1094,6 +1094,7 @@ class ServerProtocol(Machine[Hashable, Event]):
 
 
 _S = SessionState
+_T = Transition
 _K = MessageKind
 _Handler = Callable[[ServerProtocol, Hashable, Any, Header, Any, float], None]
 _P = ServerProtocol
@@ -1102,124 +1103,57 @@ _P = ServerProtocol
 #: by state and input. ``kinds`` are the message kinds a row dispatches on (empty: a
 #: timer, or a row about every kind); docs/protocol.md §9 is rendered from this table, and
 #: tests/unit/test_server_transitions.py drives the machine through every row.
+# fmt: off
 TRANSITIONS: Final[tuple[Transition[SessionState], ...]] = (
-    Transition(
-        _S.NONE,
-        (_K.PING,),
-        "PING",
-        "HELLO (new epoch; at most max_strangers peers remembered)",
-        _S.GREETING,
-    ),
-    Transition(
-        _S.NONE,
-        (_K.WELCOME,),
-        "WELCOME",
-        "HELLO (new epoch): it answers no HELLO of a session",
-        _S.GREETING,
-    ),
-    Transition(_S.NONE, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.NONE),
-    Transition(_S.NONE, (), "any other message", "drop", _S.NONE),
-    Transition(
-        _S.GREETING,
-        (_K.PING,),
-        "PING",
-        "HELLO (same epoch, at most one per heartbeat)",
-        _S.GREETING,
-    ),
-    Transition(_S.GREETING, (_K.WELCOME,), "WELCOME", "start the session", _S.LIVE),
-    Transition(_S.GREETING, (_K.WELCOME,), "WELCOME, malformed", "REJECT protocol", _S.REJECTED),
-    Transition(
-        _S.GREETING,
-        (_K.WELCOME,),
-        "WELCOME, another non-empty fingerprint",
-        "REJECT fingerprint",
-        _S.REJECTED,
-    ),
-    Transition(_S.GREETING, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.GREETING),
-    Transition(_S.GREETING, (_K.REJECT,), "REJECT", "stop greeting the client", _S.REJECTED),
-    Transition(
-        _S.GREETING,
-        (_K.REJECT,),
-        "REJECT duplicate_id (dial-in)",
-        "HELLO again after a growing delay (heartbeat, doubled, at most dead_after)",
-        _S.GREETING,
-    ),
-    Transition(_S.GREETING, (_K.BYE,), "BYE", "nothing more until it speaks again", _S.PARTED),
-    Transition(_S.GREETING, (), "any other message", "drop", _S.GREETING),
-    Transition(
-        _S.GREETING,
-        (),
-        "timer: hello due (dial-in)",
-        "HELLO (same epoch; backoff while the send fails)",
-        _S.GREETING,
-    ),
-    Transition(
-        _S.LIVE,
-        (_K.PING,),
-        "PING n",
-        "PONG n; for n = 0 also HELLO (same epoch, at most one per heartbeat)",
-        _S.LIVE,
-    ),
-    Transition(_S.LIVE, (_K.PONG,), "PONG", "nothing", _S.LIVE),
-    Transition(
-        _S.LIVE,
-        (_K.CALL,),
-        "CALL",
-        "pass on the result leases it returns (RELEASES); admit (ADMISSION) or ERROR",
-        _S.LIVE,
-    ),
-    Transition(
-        _S.LIVE,
-        (_K.CALL,),
-        "CALL with an id in flight",
-        "cancel the original; ERROR(id, PROTOCOL)",
-        _S.LIVE,
-    ),
-    Transition(
-        _S.LIVE,
-        (_K.CANCEL,),
-        "CANCEL",
-        "cancel the call (no reply; once its handler is done, RELEASE its "
-        "torch_shm argument leases); unknown id: nothing",
-        _S.LIVE,
-    ),
-    Transition(_S.LIVE, (_K.CREDIT,), "CREDIT", "add credit; wake the stream", _S.LIVE),
-    Transition(
-        _S.LIVE, (_K.RELEASE,), "RELEASE", "pass the result leases on to the transport", _S.LIVE
-    ),
-    Transition(_S.LIVE, (_K.WELCOME,), "WELCOME, same client epoch", "nothing", _S.LIVE),
-    Transition(
-        _S.LIVE,
-        (_K.WELCOME,),
-        "WELCOME, new client epoch",
-        "cancel the calls; new session (the engine's epoch stays)",
-        _S.LIVE,
-    ),
-    Transition(_S.LIVE, (_K.BYE,), "BYE", "cancel the calls; end the session", _S.PARTED),
-    Transition(_S.LIVE, (_K.REJECT,), "REJECT", "cancel the calls; end the session", _S.REJECTED),
-    Transition(_S.LIVE, (), "timer: ping due", "PING", _S.LIVE),
-    Transition(
-        _S.LIVE,
-        (),
-        "timer: dead_after",
-        "cancel the calls; end the session; HELLO (new epoch)",
-        _S.GREETING,
-    ),
-    Transition(
-        _S.PARTED,
-        (),
-        "any message",
-        "HELLO (new epoch); a CALL also gets ERROR(id, PROTOCOL)",
-        _S.GREETING,
-    ),
-    Transition(_S.PARTED, (), "timer: dead_after (dial-in)", "HELLO (new epoch)", _S.GREETING),
-    Transition(_S.REJECTED, (), "any message", "drop", _S.REJECTED),
-    Transition(
-        _S.GREETING, (), "timer: dead_after without WELCOME (listen)", "forget the peer", _S.NONE
-    ),
-    Transition(_S.PARTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
-    Transition(_S.REJECTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
+    _T(_S.NONE, (_K.PING,), "PING",
+       "HELLO (new epoch; at most max_strangers peers remembered)", _S.GREETING),
+    _T(_S.NONE, (_K.WELCOME,), "WELCOME",
+       "HELLO (new epoch): it answers no HELLO of a session", _S.GREETING),
+    _T(_S.NONE, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.NONE),
+    _T(_S.NONE, (), "any other message", "drop", _S.NONE),
+    _T(_S.GREETING, (_K.PING,), "PING",
+       "HELLO (same epoch, at most one per heartbeat)", _S.GREETING),
+    _T(_S.GREETING, (_K.WELCOME,), "WELCOME", "start the session", _S.LIVE),
+    _T(_S.GREETING, (_K.WELCOME,), "WELCOME, malformed", "REJECT protocol", _S.REJECTED),
+    _T(_S.GREETING, (_K.WELCOME,), "WELCOME, another non-empty fingerprint",
+       "REJECT fingerprint", _S.REJECTED),
+    _T(_S.GREETING, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.GREETING),
+    _T(_S.GREETING, (_K.REJECT,), "REJECT", "stop greeting the client", _S.REJECTED),
+    _T(_S.GREETING, (_K.REJECT,), "REJECT duplicate_id (dial-in)",
+       "HELLO again after a growing delay (heartbeat, doubled, at most dead_after)", _S.GREETING),
+    _T(_S.GREETING, (_K.BYE,), "BYE", "nothing more until it speaks again", _S.PARTED),
+    _T(_S.GREETING, (), "any other message", "drop", _S.GREETING),
+    _T(_S.GREETING, (), "timer: hello due (dial-in)",
+       "HELLO (same epoch; backoff while the send fails)", _S.GREETING),
+    _T(_S.LIVE, (_K.PING,), "PING n",
+       "PONG n; for n = 0 also HELLO (same epoch, at most one per heartbeat)", _S.LIVE),
+    _T(_S.LIVE, (_K.PONG,), "PONG", "nothing", _S.LIVE),
+    _T(_S.LIVE, (_K.CALL,), "CALL",
+       "pass on the result leases it returns (RELEASES); admit (ADMISSION) or ERROR", _S.LIVE),
+    _T(_S.LIVE, (_K.CALL,), "CALL with an id in flight",
+       "cancel the original; ERROR(id, PROTOCOL)", _S.LIVE),
+    _T(_S.LIVE, (_K.CANCEL,), "CANCEL",
+       "cancel the call (no reply; once its handler is done, RELEASE its torch_shm "
+       "argument leases); unknown id: nothing", _S.LIVE),
+    _T(_S.LIVE, (_K.CREDIT,), "CREDIT", "add credit; wake the stream", _S.LIVE),
+    _T(_S.LIVE, (_K.RELEASE,), "RELEASE", "pass the result leases on to the transport", _S.LIVE),
+    _T(_S.LIVE, (_K.WELCOME,), "WELCOME, same client epoch", "nothing", _S.LIVE),
+    _T(_S.LIVE, (_K.WELCOME,), "WELCOME, new client epoch",
+       "cancel the calls; new session (the engine's epoch stays)", _S.LIVE),
+    _T(_S.LIVE, (_K.BYE,), "BYE", "cancel the calls; end the session", _S.PARTED),
+    _T(_S.LIVE, (_K.REJECT,), "REJECT", "cancel the calls; end the session", _S.REJECTED),
+    _T(_S.LIVE, (), "timer: ping due", "PING", _S.LIVE),
+    _T(_S.LIVE, (), "timer: dead_after",
+       "cancel the calls; end the session; HELLO (new epoch)", _S.GREETING),
+    _T(_S.PARTED, (), "any message",
+       "HELLO (new epoch); a CALL also gets ERROR(id, PROTOCOL)", _S.GREETING),
+    _T(_S.PARTED, (), "timer: dead_after (dial-in)", "HELLO (new epoch)", _S.GREETING),
+    _T(_S.REJECTED, (), "any message", "drop", _S.REJECTED),
+    _T(_S.GREETING, (), "timer: dead_after without WELCOME (listen)", "forget the peer", _S.NONE),
+    _T(_S.PARTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
+    _T(_S.REJECTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
 )
+# fmt: on
 
 #: The handler of each (state, kind) ``receive`` acts on; any other pair is dropped.
 _DISPATCH: Final[dict[tuple[SessionState, MessageKind], _Handler]] = {
