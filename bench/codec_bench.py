@@ -13,6 +13,9 @@ Three serializers encode and decode the same request in the same run:
   of an out-of-band buffer (the tensor's memory, not copied) for large ones; the decoder's
   ``dec_hook`` rebuilds the tensor on that buffer. The hooks keep their buffer list on the
   encoder/decoder instance exactly like vLLM does (fine in a single-threaded benchmark).
+* ``tensorrpc+convert``: as ``tensorrpc+schema``, but the receiving side validates and
+  converts with ``msgspec.convert`` instead of the schema (the decision in issue 23: the
+  faster of the two validates).
 * ``pickle5``: ``pickle.dumps(protocol=5, buffer_callback=...)`` with out-of-band buffers.
   Tensors are reduced to ``torch.from_numpy(ndarray)`` so that their bytes travel out of
   band as ``PickleBuffer``\\ s (torch's own reducer copies them in band). This file is the
@@ -347,7 +350,22 @@ def _systems(
             return spec.from_wire(_codec.decode(enc.payload, enc.buffers), "req")
 
         systems["tensorrpc+schema"] = (typed_encode, typed_decode)
+
+        def convert_decode() -> object:
+            value = _codec.decode(enc.payload, enc.buffers)
+            return msgspec.convert(value, EngineCoreRequest, dec_hook=_keep_tensor)
+
+        # msgspec.convert as the receiving side's validator, for comparison: it checks
+        # nothing on the sending side (the schema's check stays), ignores unknown fields
+        # and gives its error path as text only.
+        systems["tensorrpc+convert"] = (typed_encode, convert_decode)
     return systems
+
+
+def _keep_tensor(tp: type, value: object) -> object:
+    if tp is torch.Tensor and isinstance(value, torch.Tensor):
+        return value
+    raise NotImplementedError(tp)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

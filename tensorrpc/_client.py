@@ -2,19 +2,19 @@
 
 Every decision (handshake, sessions, the call table, reply legality, credit, liveness,
 capacity) is made by `tensorrpc._client_protocol.ClientProtocol`; `Client` is the public
-surface and hands the work to three collaborators:
+surface of a shell split by job in two more modules:
 
-* `tensorrpc._client_io.ClientIO`: one ROUTER socket for both topologies (engines dial
-  in with ``bind=``; the client dials engines with ``connect=``), one reader task that
-  feeds every message to the protocol and wakes the caller whose call it resolved, one
-  timer task (heartbeats, dead engines, hello requests, rejoins, stream orphans, sent
-  tensor memory), one flush of the control frames the protocol queues, and the wake-ups
-  of callers waiting for an in-flight slot (one per freed slot).
+* `tensorrpc._client_io.ClientIO`: the protocol, its one clock and the tensor transport
+  policy; one ROUTER socket for both topologies (engines dial in with ``bind=``; the
+  client dials engines with ``connect=``), one reader task that feeds every message to
+  the protocol and wakes the caller whose call it resolved, one timer task (heartbeats,
+  dead engines, hello requests, rejoins, stream orphans, sent tensor memory), one flush
+  of the control frames the protocol queues, and the wake-ups of callers waiting for an
+  in-flight slot (one per freed slot).
 * `tensorrpc._client_calls.CallRunner`: each call in its caller's task: admission,
-  encoding, the zero-copy CALL, the reply (decoded by the caller, so the reader stays
-  lean), retries, streams and broadcast.
-* `tensorrpc._client_transfers.Transfers`: tensor transports and frame limits with each
-  engine (torch_shm, frames).
+  encoding (torch_shm or frames, the engine's frame limit), the zero-copy CALL, the
+  reply (decoded by the caller, so the reader stays lean), retries, streams and
+  broadcast.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import time
-import warnings
 from dataclasses import replace
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -34,10 +32,10 @@ import anyio.lowlevel
 from tensorrpc import _codec, _observe
 from tensorrpc._client_calls import CallRunner
 from tensorrpc._client_io import ClientIO
-from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
-from tensorrpc._client_transfers import Transfers
+from tensorrpc._client_protocol import ClientConfig, Heartbeat
 from tensorrpc._engines import EngineInfo, unavailable_message
 from tensorrpc._exceptions import ClosedError, EnginesUnavailableError, TensorRPCError
+from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._service import ServiceSpec, describe
 from tensorrpc._views import (
     _DEFAULT_OPTIONS,
@@ -55,10 +53,12 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
     from typing import Self
 
+    from tensorrpc._client_protocol import ClientProtocol
     from tensorrpc._engines import Balancing
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc.transports._peer import AliasSetting
+    from tensorrpc.transports._policy import TransportStatistics
 
 __all__ = [
     "CallOptions",
@@ -75,7 +75,8 @@ S = TypeVar("S")
 
 # wait_for_engines: how long to wait for another engine once every one that tried was refused.
 _REFUSAL_GRACE_S = 0.5
-_monotonic = time.monotonic
+# One socket carries the traffic of every engine: higher HWMs than a single peer's.
+_SOCKET_OPTIONS = SocketOptions(sndhwm=100_000, rcvhwm=100_000)
 
 
 class _Schemaless:
@@ -117,9 +118,7 @@ class Client(CallView[S]):
         stream_window: Stream items an engine may send ahead of the consumer.
         codec: Codec limits (must agree with the engines'; the same keyword as
             [`Server`][tensorrpc.Server]).
-        codec_config: Deprecated spelling of ``codec`` (kept for one release).
         client_id: Identifies the client to engines (default: random).
-        high_water_mark: ZMQ send/receive high-water mark, in messages.
         torch_shm: Offer and use the ``torch_shm`` tensor transport with engines on this
             host (Linux; checked at handshake). ``False``: frames only.
         shm_threshold: With ``transport="auto"``, CPU tensors of at least this many
@@ -144,13 +143,12 @@ class Client(CallView[S]):
             come (docs/security.md).
         socket_options: ZMQ socket options (``maxmsgsize`` is the largest frame this
             client sends or accepts: a bigger argument tensor is an ``EncodeError``
-            before anything is sent). Default: the safe defaults with
-            ``high_water_mark`` as both HWMs; when given, ``high_water_mark`` is ignored.
+            before anything is sent). Default: the safe defaults with high-water marks
+            of 100,000 messages (one socket carries the traffic of every engine).
         observer: An [`Observer`][tensorrpc.Observer] (or several) told about every call,
             engine and heartbeat (see docs/observability.md): e.g.
-            ``tensorrpc.metrics.PrometheusObserver`` or ``tensorrpc.tracing.TracingObserver``.
-        metrics_port: Export Prometheus metrics of this client (the default registry) over
-            HTTP on this port (needs the ``metrics`` extra; 0 picks a free port).
+            ``tensorrpc.metrics.PrometheusObserver``, ``tensorrpc.tracing.TracingObserver``,
+            or ``tensorrpc.metrics.exporter(port)`` to export Prometheus metrics over HTTP.
 
     Raises:
         ConnectError: From ``async with``: an address is malformed or already in use.
@@ -175,7 +173,6 @@ class Client(CallView[S]):
         "_spec",
         "_start_stream",
         "_tg",
-        "_transfers",
     )
 
     def __init__(
@@ -190,9 +187,7 @@ class Client(CallView[S]):
         dead_after: float = 5.0,
         stream_window: int = 16,
         codec: _codec.CodecConfig | None = None,
-        codec_config: _codec.CodecConfig | None = None,
         client_id: str | None = None,
-        high_water_mark: int = 100_000,
         curve: CurveConfig | None = None,
         engine_keys: Mapping[str, bytes | str] | None = None,
         socket_options: SocketOptions | None = None,
@@ -201,7 +196,6 @@ class Client(CallView[S]):
         shm_alias_unsealed: AliasSetting = "same-user",
         shm_trust_unattested: bool = False,
         observer: Observer | Sequence[Observer] | None = None,
-        metrics_port: int | None = None,
     ) -> None:
         super().__init__(self, _DEFAULT_OPTIONS)
         self._spec: ServiceSpec = _SCHEMALESS_SPEC if service is _Schemaless else describe(service)
@@ -209,7 +203,7 @@ class Client(CallView[S]):
         connects = [connect] if isinstance(connect, str) else list(connect or ())
         if not binds and not connects:
             raise ValueError("give bind= (engines dial in) and/or connect= (engine addresses)")
-        options = socket_options or SocketOptions(sndhwm=high_water_mark, rcvhwm=high_water_mark)
+        options = socket_options or _SOCKET_OPTIONS
         policy = TransportPolicy(
             torch_shm=torch_shm,
             shm_threshold=shm_threshold,
@@ -217,33 +211,25 @@ class Client(CallView[S]):
             trust_unattested=shm_trust_unattested,
             message_address=message_peer_address,
         )
-        codec = _codec_argument(codec, codec_config)
-        self._transfers = Transfers(policy, codec or _codec.DEFAULT, options.maxmsgsize)
-        config = self._config(
-            client_id or f"client-{secrets.token_hex(6)}",
-            Heartbeat(heartbeat_interval, dead_after),
-            stream_window=stream_window,
-            balancing=balancing,
-            max_in_flight=max_in_flight,
-        )
-        if engine_keys is not None:
-            config = replace(config, engine_keys=_engine_keys(engine_keys, curve))
-        self._protocol = ClientProtocol(config, self._transfers)
+        config = _client_config(
+            self._spec, client_id or f"client-{secrets.token_hex(6)}",
+            Heartbeat(heartbeat_interval, dead_after), stream_window=stream_window,
+            balancing=balancing, max_in_flight=max_in_flight, maxmsgsize=options.maxmsgsize,
+            engine_keys=None if engine_keys is None else _engine_keys(engine_keys, curve),
+        )  # fmt: skip
         self._built_keys = config.engine_keys
         self._runtime_keys: dict[str, str] = {}
         self._curve = curve
         self._opened = False
         self._tg: anyio.abc.TaskGroup | None = None
         io = self._io = ClientIO(
-            self._protocol,
-            self._transfers,
-            bind=binds,
-            connect=connects,
-            socket_options=options,
-            curve=curve,
-            observer=_observe.resolve(observer, metrics_port),
+            config, policy, codec or _codec.DEFAULT, bind=binds, connect=connects,
+            socket_options=options, curve=curve, observer=_observe.resolve(observer),
+        )  # fmt: skip
+        self._protocol: ClientProtocol = io.protocol
+        self._runner = CallRunner(
+            io, self._spec, schemaless=self.schemaless, maxmsgsize=options.maxmsgsize
         )
-        self._runner = CallRunner(io, self._spec, schemaless=self.schemaless)
         self._entry_points(self._runner, io)
 
     def _entry_points(self, runner: CallRunner, io: ClientIO) -> None:
@@ -256,31 +242,6 @@ class Client(CallView[S]):
         self._next_item = runner.next_item
         self._abandon = io.abandon
         self._orphans = io.orphans
-
-    def _config(
-        self,
-        client_id: str,
-        heartbeat: Heartbeat,
-        *,
-        stream_window: int,
-        balancing: Balancing,
-        max_in_flight: int,
-    ) -> ClientConfig:
-        spec = self._spec
-        return ClientConfig(
-            service=spec.name,
-            fingerprint=spec.fingerprint,
-            client_id=client_id,
-            host_id=self._transfers.host_id,
-            pid=os.getpid(),
-            heartbeat=heartbeat,
-            stream_window=stream_window,
-            max_message_bytes=max(0, self._transfers.maxmsgsize),
-            balancing=balancing,
-            max_in_flight=max_in_flight,
-            schemaless=spec is _SCHEMALESS_SPEC,
-            signatures={n: m.signature for n, m in spec.methods.items()},
-        )
 
     @classmethod
     def dynamic(
@@ -327,14 +288,10 @@ class Client(CallView[S]):
             raise RuntimeError("a Client can be opened only once")
         self._opened = True
         observer = self._io.observer
-        if observer is not None:  # observe: the client opened
-            # Before binding: a metrics_port in use fails before any socket is bound.
-            try:
-                observer.opened(self)
-            except BaseException:
-                observer.closed(self)
-                raise
         try:
+            if observer is not None:  # observe: the client opened
+                # Before binding: an exporter's port in use fails before any socket is bound.
+                observer.opened(self)
             self._io.open()
         except BaseException:
             if observer is not None:
@@ -402,38 +359,7 @@ class Client(CallView[S]):
 
     def statistics(self) -> ClientStatistics:
         """Counters per engine and for the whole client (a frozen snapshot)."""
-        table = self._protocol.engines
-        engines: dict[str, EngineStatistics] = {}
-        for engine_id, past in table.past.items():
-            engines[engine_id] = EngineStatistics(
-                engine_id,
-                False,
-                past.calls,
-                past.errors,
-                0,
-                past.bytes_sent,
-                past.bytes_received,
-            )
-        for engine_id, e in table.engines.items():
-            before = engines.get(engine_id) or EngineStatistics(engine_id, False, 0, 0, 0, 0, 0)
-            engines[engine_id] = EngineStatistics(
-                engine_id,
-                True,
-                e.calls_total + before.calls,
-                e.errors + before.errors,
-                e.in_flight,
-                e.bytes_sent + before.bytes_sent,
-                e.bytes_received + before.bytes_received,
-            )
-        return ClientStatistics(
-            engines=MappingProxyType(dict(sorted(engines.items()))),
-            calls_in_flight=len(self._protocol.calls),
-            waiting_for_capacity=len(self._protocol.capacity),
-            rejected=MappingProxyType(dict(table.rejected)),
-            overload_retries=self._runner.retries,
-            transports=self._transfers.policy.statistics(),
-            rejected_total=table.rejected_total,
-        )
+        return _statistics(self._protocol, self._runner.retries, self._io.policy.statistics())
 
     async def wait_for_engines(
         self,
@@ -516,7 +442,7 @@ class Client(CallView[S]):
         assert sock is not None
         alias = f"@{secrets.token_hex(4)}/{self._protocol.dial_count}".encode()
         sock.connect(address, peer_id=alias)
-        self._protocol.dial(alias, address, _monotonic())
+        self._protocol.dial(alias, address, self._io.now())
         self._io.flush()
 
     def disconnect(self, address: str) -> None:
@@ -618,20 +544,70 @@ class Client(CallView[S]):
         self._protocol.config = replace(self._protocol.config, engine_keys=keys)
 
 
-def _codec_argument(
-    codec: _codec.CodecConfig | None, codec_config: _codec.CodecConfig | None
-) -> _codec.CodecConfig | None:
-    """``codec=``, or its deprecated spelling ``codec_config=`` (with a warning)."""
-    if codec_config is None:
-        return codec
-    warnings.warn(
-        "Client(codec_config=...) is deprecated: use codec=..., as Server and serve() do",
-        DeprecationWarning,
-        stacklevel=3,
+def _client_config(
+    spec: ServiceSpec,
+    client_id: str,
+    heartbeat: Heartbeat,
+    *,
+    stream_window: int,
+    balancing: Balancing,
+    max_in_flight: int,
+    maxmsgsize: int,
+    engine_keys: Mapping[str, str] | None,
+) -> ClientConfig:
+    """What the client's protocol machine is configured with."""
+    return ClientConfig(
+        service=spec.name,
+        fingerprint=spec.fingerprint,
+        client_id=client_id,
+        host_id=_host_id(),
+        pid=os.getpid(),
+        heartbeat=heartbeat,
+        stream_window=stream_window,
+        max_message_bytes=max(0, maxmsgsize),
+        balancing=balancing,
+        max_in_flight=max_in_flight,
+        schemaless=spec is _SCHEMALESS_SPEC,
+        signatures={n: m.signature for n, m in spec.methods.items()},
+        engine_keys=engine_keys,
     )
-    if codec is not None and codec is not codec_config:
-        raise ValueError("give codec= only (codec_config= is its deprecated alias)")
-    return codec_config
+
+
+def _statistics(
+    protocol: ClientProtocol, retries: int, transports: TransportStatistics
+) -> ClientStatistics:
+    table = protocol.engines
+    engines: dict[str, EngineStatistics] = {}
+    for engine_id, past in table.past.items():
+        engines[engine_id] = EngineStatistics(
+            engine_id,
+            False,
+            past.calls,
+            past.errors,
+            0,
+            past.bytes_sent,
+            past.bytes_received,
+        )
+    for engine_id, e in table.engines.items():
+        before = engines.get(engine_id) or EngineStatistics(engine_id, False, 0, 0, 0, 0, 0)
+        engines[engine_id] = EngineStatistics(
+            engine_id,
+            True,
+            e.calls_total + before.calls,
+            e.errors + before.errors,
+            e.in_flight,
+            e.bytes_sent + before.bytes_sent,
+            e.bytes_received + before.bytes_received,
+        )
+    return ClientStatistics(
+        engines=MappingProxyType(dict(sorted(engines.items()))),
+        calls_in_flight=len(protocol.calls),
+        waiting_for_capacity=len(protocol.capacity),
+        rejected=MappingProxyType(dict(table.rejected)),
+        overload_retries=retries,
+        transports=transports,
+        rejected_total=table.rejected_total,
+    )
 
 
 def _engine_keys(

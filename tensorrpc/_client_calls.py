@@ -2,15 +2,15 @@
 
 `CallRunner` runs each call in its caller's task: it waits for an in-flight slot
 (`ClientProtocol.select`, woken one per freed slot), encodes the arguments once an
-engine is chosen, sends the CALL zero-copy, waits for the reply and decodes it; it retries
-an engine's OVERLOADED refusal and falls back from torch_shm to frames. The socket,
-the reader and the wake-ups belong to `tensorrpc._client_io.ClientIO`.
+engine is chosen (where their tensors go, whether they fit the engine's frame limit),
+sends the CALL zero-copy, waits for the reply and decodes it; it retries an engine's
+OVERLOADED refusal and falls back from torch_shm to frames. The socket, the reader, the
+wake-ups and the clock belong to `tensorrpc._client_io.ClientIO`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from tensorrpc._calls import Call
     from tensorrpc._client_io import ClientIO
     from tensorrpc._client_protocol import ClientProtocol
-    from tensorrpc._client_transfers import Transfers
     from tensorrpc._engines import Engine, EngineInfo
     from tensorrpc._service import MethodSpec, ServiceSpec
+    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer
 
 __all__ = ["CallRunner"]
 
@@ -57,7 +57,8 @@ _RETRY_MIN_S = 0.001
 _RETRY_MAX_S = 0.05
 _STREAM_FLAG = int(Flags.STREAM)
 _NO_WAIT_FLAG = int(Flags.NO_WAIT)
-_monotonic = time.monotonic
+_SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
+_SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
 
 
 class CallRunner:
@@ -69,13 +70,25 @@ class CallRunner:
         schemaless: The client was made by `Client.dynamic`.
     """
 
-    __slots__ = ("_holds", "_io", "_protocol", "_schemaless", "_spec", "_transfers", "retries")
+    __slots__ = (
+        "_holds",
+        "_io",
+        "_maxmsgsize",
+        "_policy",
+        "_protocol",
+        "_schemaless",
+        "_spec",
+        "retries",
+    )
 
-    def __init__(self, io: ClientIO, spec: ServiceSpec, *, schemaless: bool) -> None:
+    def __init__(
+        self, io: ClientIO, spec: ServiceSpec, *, schemaless: bool, maxmsgsize: int
+    ) -> None:
         self._io = io
         self._protocol: ClientProtocol = io.protocol
-        self._transfers: Transfers = io.transfers
-        self._holds = io.transfers.policy.holds
+        self._policy = io.policy
+        self._holds = io.policy.holds
+        self._maxmsgsize = maxmsgsize
         self._spec = spec
         self._schemaless = schemaless
         #: Calls retried after an engine's OVERLOADED refusal.
@@ -116,7 +129,7 @@ class CallRunner:
         for key in arguments:
             if not isinstance(key, str):
                 raise TypeError(f"argument names must be str, got {key!r}")
-        return spec, self._transfers.encode(spec, dict(arguments), None)
+        return spec, self._encode(spec, dict(arguments), None)
 
     async def _acquire(self, options: CallOptions, ready: bool) -> Engine:
         """Pick an engine with a free in-flight slot, waiting for one if allowed.
@@ -129,10 +142,11 @@ class CallRunner:
         waiters = self._io.waiters
         assert waiters is not None
         target = options.engine
-        engine = self._select(target, _monotonic(), woken=False, ready=ready)
+        now = self._io.now
+        engine = self._select(target, now(), woken=False, ready=ready)
         while engine is None:
             self._io.check_open()
-            if not options.wait and not (ready and protocol.absence(target, _monotonic())):
+            if not options.wait and not (ready and protocol.absence(target, now())):
                 live = protocol.engines.engines
                 if (target is None and not live) or (target is not None and target not in live):
                     protocol.engines.select(target)  # not live (yet): EngineNotFoundError
@@ -151,7 +165,7 @@ class CallRunner:
                     self._io.wake_all(protocol.capacity.released(target))
                 raise
             self._io.check_open()
-            engine = self._select(target, _monotonic(), woken=True, ready=ready)
+            engine = self._select(target, now(), woken=True, ready=ready)
         return engine
 
     def _select(self, target: str | None, now: float, *, woken: bool, ready: bool) -> Engine | None:
@@ -175,48 +189,42 @@ class CallRunner:
         if self._io.orphans:
             self._io.reap_orphans()
         self._io.check_open()
-        now = _monotonic()
+        now = self._io.now()
         protocol = self._protocol
         # Wait-for-ready: by default a call with a deadline waits for a live engine.
-        ready = options.wait_for_ready
-        if ready is None:
-            ready = deadline is not None
+        ready = deadline is not None if options.wait_for_ready is None else options.wait_for_ready
         # `_select`, inline (the hot path)
         engine = protocol.select(options.engine, now, wait_for_ready=ready)
         if protocol.pending:
             self._io.flush()
         if engine is None:
             engine = await self._acquire(options, ready)
-            now = _monotonic()
-        transfers = self._transfers
+            now = self._io.now()
+        policy = self._policy
         placer = None
         if encoded is not None:
             # Encoded before an engine was chosen (by name, broadcast): check its limit.
-            transfers.check_sizes(spec, encoded, engine)
+            self._check_sizes(spec, encoded, engine)
         else:
-            placer = transfers.placer(options, engine)
-            encoded = transfers.encode(spec, wire, engine, placer)
-        assert self._io.waiters is not None
+            shm = engine.shm
+            placer = policy.placer(
+                options.transport, engine.peer, peer_receives=bool(shm and shm.to_engine)
+            )
+            encoded = self._encode(spec, wire, engine, placer)
         holds = self._holds
-        returns: tuple[int, ...] = ()
-        if holds is not None and holds.ready:
-            # Results freed since: the engine may reuse their memory (the CALL says so).
-            returns = transfers.policy.releasable(engine.peer)
+        # Results freed since: the engine may reuse their memory (the CALL says so).
+        returns = policy.releasable(engine.peer) if holds is not None and holds.ready else ()
         lease, placed = (None, (0, 0)) if placer is None else placer.outcome()
-        flags |= transfers.result_flags(options, engine)
+        flags |= _result_flags(options, engine)
         if encoded.buffers:
-            transfers.policy.sent_frames(encoded.buffers)
+            policy.sent_frames(encoded.buffers)
         timeout_ms = 0
         if deadline is not None:
-            timeout_ms = min(_U32_MAX, max(1, int((deadline - anyio.current_time()) * 1000)))
+            timeout_ms = min(_U32_MAX, max(1, int((deadline - self._io.now()) * 1000)))
         observed, trace = None, b""
         if self._io.observer is not None:  # observe: a CALL goes out (may carry trace context)
-            nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
-            observed, trace = _observe.client_call(
-                self._io.observer, spec.name, engine.engine_id,
-                bool(flags & _STREAM_FLAG), nbytes, placed[0], len(encoded.buffers),
-            )  # fmt: skip
-        protocol = self._protocol
+            observed, trace = self._observe_start(spec, engine, flags, encoded, placed[0])
+        assert self._io.waiters is not None
         call, frames = protocol.start_call(
             engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now,
             payload=encoded.payload, buffers=encoded.buffers, flags=flags,
@@ -228,6 +236,16 @@ class CallRunner:
         if not self._send_call(call, frames, encoded):
             await self._send_call_waiting(call, frames, encoded)
         return call
+
+    def _observe_start(
+        self, spec: MethodSpec, engine: Engine, flags: int, encoded: _codec.Encoded, shm: int
+    ) -> tuple[_observe.CallObservation | None, bytes]:
+        assert self._io.observer is not None
+        nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
+        return _observe.client_call(
+            self._io.observer, spec.name, engine.engine_id,
+            bool(flags & _STREAM_FLAG), nbytes, shm, len(encoded.buffers),
+        )  # fmt: skip
 
     def _send_call(self, call: Call, frames: list[Any], encoded: _codec.Encoded) -> bool:
         """Send a CALL zero-copy if ZMQ takes it now; False: the pipe is full (then
@@ -266,13 +284,13 @@ class CallRunner:
         by RELEASE; the exception to raise."""
         engine = call.engine
         if isinstance(exc, PeerUnreachableError):
-            self._io.event(self._protocol.send_failed(engine.peer, _monotonic()))
+            self._io.event(self._protocol.send_failed(engine.peer, self._io.now()))
             error = call.error or EngineDeadError(
                 f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
             )
             error.__cause__ = exc
             return error  # the engine is lost: it drops our leases itself
-        self._protocol.call_unsent(call, _monotonic())
+        self._protocol.call_unsent(call, self._io.now())
         if not call.ended:
             self._io.abandon(call, error=True)
         else:
@@ -302,13 +320,12 @@ class CallRunner:
 
     def _decode(self, call: Call, payload: Buffer, buffers: Sequence[Buffer]) -> Any:
         """Decode a RESULT or stream item and release the torch_shm leases it carried."""
-        transfers = self._transfers
         engine = call.engine
-        resolver = transfers.resolver(engine, payload)
+        resolver = self._resolver(engine, payload)
         if buffers:
-            transfers.policy.received_frames(buffers)
+            self._policy.received_frames(buffers)
         try:
-            value = _codec.decode(payload, buffers, transfers.codec_config, resolver=resolver)
+            value = _codec.decode(payload, buffers, self._io.codec, resolver=resolver)
             return call.spec.decode_result(value)
         except TensorRPCError as exc:
             self._protocol.undecodable(call)
@@ -333,7 +350,7 @@ class CallRunner:
         timeout = options.timeout
         if timeout is None:
             return await self._attempts(spec, wire, encoded, options, None, flags)
-        deadline = anyio.current_time() + timeout
+        deadline = self._io.now() + timeout
         with anyio.move_on_after(timeout):
             return await self._attempts(spec, wire, encoded, options, deadline, flags)
         self._raise_absent(spec, options, timeout)
@@ -347,7 +364,7 @@ class CallRunner:
         if options.wait_for_ready is False:
             return
         target = options.engine
-        why = self._protocol.absence(target, _monotonic())
+        why = self._protocol.absence(target, self._io.now())
         if why is not None:
             what = f"engine {target!r}" if target is not None else "live engine"
             raise EngineNotFoundError(
@@ -380,7 +397,7 @@ class CallRunner:
                 self._protocol.retrying(call)
                 self._shm_failed(call.engine, sending=True)
                 if options.transport == "auto":
-                    self._transfers.policy.record_fallback(*call.placed)
+                    self._policy.record_fallback(*call.placed)
                 continue
             except OverloadedError:
                 if not options.wait or call.reply_kind is not _ERROR:
@@ -404,7 +421,7 @@ class CallRunner:
         flags = _STREAM_FLAG if options.wait else _STREAM_FLAG | _NO_WAIT_FLAG
         if deadline is None:
             return await self._start(spec, wire, encoded, options, None, flags)
-        with anyio.move_on_after(deadline - anyio.current_time()):
+        with anyio.move_on_after(deadline - self._io.now()):
             return await self._start(spec, wire, encoded, options, deadline, flags)
         self._raise_absent(spec, options, options.timeout or 0.0)
         raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
@@ -425,16 +442,60 @@ class CallRunner:
             if deadline is None:
                 await waiters.wait(call.waiter)
             else:
-                with anyio.move_on_after(deadline - anyio.current_time()):
+                with anyio.move_on_after(deadline - self._io.now()):
                     await waiters.wait(call.waiter)
                     continue
                 self._io.abandon(call, error=True)
                 raise CallTimeoutError(f"{call.spec.qualname} stream passed its deadline")
-        payload, buffers = self._protocol.take_item(call, _monotonic())
+        payload, buffers = self._protocol.take_item(call, self._io.now())
         if call.observed is not None:  # observe: a stream item is taken
             call.observed.item()
         self._io.flush()
         return self._decode(call, payload, buffers)
+
+    def _resolver(self, engine: Engine, frame: object) -> LazyResolver | None:
+        """Resolves tensors that come back by torch_shm handle (None: torch_shm is off).
+
+        Kept after torch_shm *from* the engine was switched off: replies that were
+        already in flight may still carry handles, and must fail (or succeed) as
+        transport errors, not as undecodable messages. Not attested (or lost), or
+        ``frame`` (a frame of the reply) came on another connection: handles are refused
+        with a TensorTransportError. Result tensors are built on the engine's regions,
+        leased to us until they are freed; the torch_shm resolver is made on the reply's
+        first handle only.
+        """
+        return self._policy.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
+
+    def _encode(
+        self,
+        spec: MethodSpec,
+        wire: object,
+        engine: Engine | None,
+        placer: PolicyPlacer | None = None,
+    ) -> _codec.Encoded:
+        """Encode arguments and refuse a frame over our ``maxmsgsize`` or the engine's
+        (``placer``: released if the arguments are refused)."""
+        try:
+            encoded = _codec.encode(wire, self._io.codec, placer=placer)
+            self._check_sizes(spec, encoded, engine)
+        except BaseException:
+            if placer is not None:
+                placer.abort()
+            raise
+        return encoded
+
+    def _check_sizes(
+        self, spec: MethodSpec, encoded: _codec.Encoded, engine: Engine | None
+    ) -> None:
+        """A frame over the receiver's MAXMSGSIZE makes its ZMQ drop the whole connection
+        without a word, so it is refused here, before sending."""
+        _codec.check_message_size(
+            encoded,
+            self._maxmsgsize,
+            0 if engine is None else engine.info.max_message_bytes,
+            what=f"{spec.qualname}: the arguments",
+            peer="engine" if engine is None else f"engine {engine.engine_id!r}",
+        )
 
     def _shm_failed(self, engine: Engine, *, sending: bool) -> None:
         """The engine could not attach to our handles (or we to its): frames from now on."""
@@ -460,7 +521,7 @@ class CallRunner:
         engines = self._protocol.engines.live_ids()
         if not engines:
             self._protocol.engines.select(None)  # raises EngineNotFoundError
-        encoded = self._transfers.encode(spec, wire, None)
+        encoded = self._encode(spec, wire, None)
         results: dict[str, Any] = {}
 
         async def one(engine_id: str) -> None:
@@ -479,6 +540,15 @@ class CallRunner:
             for engine_id in engines:
                 tg.start_soon(one, engine_id)
         return _broadcast_outcome(spec, engines, results)
+
+
+def _result_flags(options: CallOptions, engine: Engine) -> int:
+    """The CALL flag bits that tell the engine how to send result tensors."""
+    mode = options.transport
+    shm = engine.shm
+    if mode == "frames" or shm is None or not shm.from_engine:
+        return 0
+    return _SHM_RESULTS_ALL_FLAG if mode == "torch_shm" else _SHM_RESULTS_FLAG
 
 
 def _typed_by_name(service: ServiceSpec, name: str, *, streaming: bool) -> MethodSpec:

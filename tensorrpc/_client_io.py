@@ -1,17 +1,22 @@
 """The client's I/O loop: one ROUTER socket, a reader, a timer task, one flush, wake-ups.
 
-`ClientIO` feeds every message to `tensorrpc._client_protocol.ClientProtocol`, sends
-the frames it hands out (without waiting), runs its timers (heartbeats, dead engines,
-hello requests, rejoins), acts on the events it reports (engines joined and lost,
-dropped replies, refusals, reachability questions) and wakes the callers whose calls
-it resolved or who wait for capacity. The calls themselves run in
-`tensorrpc._client_calls.CallRunner`.
+`ClientIO` owns the client's `tensorrpc._client_protocol.ClientProtocol`, its socket
+and its tensor transport policy. It feeds every message to the protocol, sends the
+frames it hands out (without waiting), runs its timers (heartbeats, dead engines, hello
+requests, rejoins), acts on the events it reports (engines joined and lost, dropped
+replies and the leases they carry, refusals, reachability questions) and wakes the
+callers whose calls it resolved or who wait for capacity. The calls themselves run in
+`tensorrpc._client_calls.CallRunner`, on the same objects.
+
+One clock: the event loop's (`tensorrpc._zmq.loop_clock`, ``now``), for the protocol,
+the heartbeat nonces and the callers' deadlines alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import secrets
 import time
@@ -21,9 +26,11 @@ import anyio
 import anyio.lowlevel
 import zmq
 
+from tensorrpc import _codec
 from tensorrpc._calls import Call, CallState
 from tensorrpc._client_protocol import (
     CheckReachable,
+    ClientConfig,
     ClientProtocol,
     Dropped,
     EngineJoined,
@@ -38,17 +45,26 @@ from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCEr
 from tensorrpc._logonce import Said
 from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
-from tensorrpc._zmq import AsyncSocket, PendingSends, SocketOptions, create_socket
+from tensorrpc._zmq import (
+    AsyncSocket,
+    PendingSends,
+    SocketOptions,
+    create_socket,
+    loop_clock,
+    peer_credentials,
+)
+from tensorrpc.transports._policy import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
     from typing_extensions import Buffer
 
-    from tensorrpc._client_transfers import Transfers
     from tensorrpc._engines import Engine
     from tensorrpc._observe import Observer
+    from tensorrpc._protocol import Hello
     from tensorrpc._security import CurveConfig
+    from tensorrpc.transports._policy import TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
 
 __all__ = ["ClientIO", "RefusalLog", "Waiters", "current_backend"]
@@ -56,7 +72,6 @@ __all__ = ["ClientIO", "RefusalLog", "Waiters", "current_backend"]
 logger = logging.getLogger("tensorrpc.client")
 
 _REPLIED = CallState.REPLIED
-_monotonic = time.monotonic
 
 
 class Waiters:
@@ -190,8 +205,9 @@ class ClientIO:
     """The I/O around one `ClientProtocol`: socket, reader, timers, flush, wake-ups.
 
     Args:
-        protocol: The client's protocol machine.
-        transfers: Tensor transports and limits (its ``sock`` is set while open).
+        config: The protocol machine's configuration (the machine is made here).
+        policy: The tensor transport policy (torch_shm, frames).
+        codec: Codec limits.
         bind: Addresses to bind.
         connect: Addresses of listening engines to dial.
         socket_options: The ROUTER's ZMQ options.
@@ -207,21 +223,24 @@ class ClientIO:
         "_scopes",
         "_socket_options",
         "addresses",
+        "codec",
         "engines_changed",
+        "now",
         "observer",
         "orphans",
+        "policy",
         "protocol",
         "sock",
         "tick",
         "tracked",
-        "transfers",
         "waiters",
     )
 
     def __init__(
         self,
-        protocol: ClientProtocol,
-        transfers: Transfers,
+        config: ClientConfig,
+        policy: TransportPolicy,
+        codec: _codec.CodecConfig,
         *,
         bind: list[str],
         connect: list[str],
@@ -229,8 +248,11 @@ class ClientIO:
         curve: CurveConfig | None,
         observer: Observer | None,
     ) -> None:
-        self.protocol = protocol
-        self.transfers = transfers
+        self.protocol = ClientProtocol(config, self)
+        self.policy = policy
+        self.codec = codec
+        #: The one clock (the event loop's once open).
+        self.now: Callable[[], float] = time.monotonic
         self.observer = observer
         self._bind = bind
         self._connect = connect
@@ -253,6 +275,7 @@ class ClientIO:
     def open(self) -> None:
         """Open the socket (in the client's event loop)."""
         self.waiters = Waiters(current_backend())
+        self.now = loop_clock()
         self.engines_changed = anyio.Event()
         self.tick = anyio.Event()
         self._open_socket()
@@ -278,7 +301,7 @@ class ClientIO:
     def close(self) -> None:
         """BYE to every engine, fail the calls in flight, wake everyone, stop the tasks."""
         protocol = self.protocol
-        for call in protocol.close(_monotonic()):
+        for call in protocol.close(self.now()):
             self.ended(call)
         self.flush()
         if self.waiters is not None:
@@ -288,7 +311,7 @@ class ClientIO:
         for scope in self._scopes:
             scope.cancel()
         self._close_socket()
-        self.transfers.policy.close()
+        self.policy.close()
 
     def check_open(self) -> None:
         """Raise ClosedError unless the client is open."""
@@ -299,7 +322,7 @@ class ClientIO:
 
     def _open_socket(self) -> None:
         sock = create_socket(zmq.ROUTER, options=self._socket_options, curve=self._curve)
-        self.sock = self.transfers.sock = sock
+        self.sock = sock
         aliases: list[tuple[bytes, str]] = []
         try:
             for address in self._bind:
@@ -312,14 +335,13 @@ class ClientIO:
         except BaseException:
             self._close_socket()
             raise
-        now = _monotonic()
+        now = self.now()
         for alias, address in aliases:
             self.protocol.dial(alias, address, now)
         self.flush()
 
     def _close_socket(self) -> None:
         sock, self.sock = self.sock, None
-        self.transfers.sock = None
         if sock is not None:
             sock.close()
         self.tracked.clear()
@@ -340,7 +362,7 @@ class ClientIO:
                 try:
                     sock.send_nowait([peer, *frames])
                 except PeerUnreachableError:
-                    self.event(protocol.send_failed(peer, _monotonic()))
+                    self.event(protocol.send_failed(peer, self.now()))
                     if self.tick is not None:
                         self.tick.set()  # a hello request to retry soon
                 except anyio.WouldBlock:
@@ -351,15 +373,15 @@ class ClientIO:
     def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
         """RELEASE now the engine's result leases we are done with: those waiting for a
         CALL and those whose tensors died since (``resolver``: a reply just decoded)."""
-        leases = self.transfers.policy.releasable(engine.peer, resolver)
-        self.protocol.release(engine, leases, _monotonic())
+        leases = self.policy.releasable(engine.peer, resolver)
+        self.protocol.release(engine, leases, self.now())
         self.flush()
 
     def release_later(self, engine: Engine, resolver: ShmResolver) -> None:
         """A reply was decoded: the protocol returns its finished leases in the header of
         the next CALL to the engine if the caller makes one before it yields (one message
         instead of two), else in a RELEASE once it yields (`_release_pending`)."""
-        leases = self.transfers.policy.releasable(engine.peer, resolver)
+        leases = self.policy.releasable(engine.peer, resolver)
         if self.protocol.return_leases(engine, leases) and self.waiters is not None:
             self.waiters.soon(self._release_pending)
 
@@ -369,7 +391,7 @@ class ClientIO:
         Runs as a plain callback of the event loop, so it must not raise.
         """
         try:
-            self.protocol.release_pending(_monotonic())
+            self.protocol.release_pending(self.now())
             if self.sock is not None:  # (closed: the engines drop our leases themselves)
                 self.flush()
         except Exception:  # pragma: no cover - flush logs send errors itself
@@ -377,7 +399,7 @@ class ClientIO:
 
     def release_all_held(self) -> None:
         """RELEASE, to every engine, the leases of result tensors freed since (a tick)."""
-        policy = self.transfers.policy
+        policy = self.policy
         engines = self.protocol.engines
         for peer in policy.releasable_peers():
             engine = engines.by_peer(peer) if isinstance(peer, bytes) else None
@@ -392,18 +414,18 @@ class ClientIO:
             self._on_lost(event)
         elif isinstance(event, Pong):
             if self.observer is not None:  # observe: heartbeat round trip
-                rtt = (time.monotonic_ns() - event.nonce) / 1e9
+                rtt = self.now() - event.nonce / 1e9  # the nonce is its send time
                 client_id = self.protocol.config.client_id
                 self.observer.heartbeat(client_id, event.engine.engine_id, rtt)
         elif isinstance(event, EngineJoined):
             self._on_joined(event)
         elif isinstance(event, CheckReachable):
-            reachable = self.transfers.reachable(event.peer, event.frames)
-            self.protocol.reachable(event, reachable, _monotonic())
+            reachable = self._reachable(event.peer, event.frames)
+            self.protocol.reachable(event, reachable, self.now())
         elif isinstance(event, Dropped):
             self._on_dropped(event)
         elif isinstance(event, LeasesFreed):
-            policy = self.transfers.policy
+            policy = self.policy
             for lease in event.leases:
                 policy.release_one(lease)
             if event.refused:
@@ -412,7 +434,7 @@ class ClientIO:
                     "engine %r: %d RELEASEd leases refused", event.engine.engine_id, event.refused
                 )
         elif isinstance(event, EngineRefused):
-            self._refusals.log(event, _monotonic())
+            self._refusals.log(event, self.now())
             self.notify_engines()
         elif isinstance(event, Ignored):
             logger.warning("dropped a message from %r: %s", event.peer, peer_text(event.why, 512))
@@ -420,19 +442,19 @@ class ClientIO:
     def _on_dropped(self, event: Dropped) -> None:
         """A RESULT or stream item nobody decodes: its torch_shm leases go back now."""
         engine = event.engine
-        leases = self.transfers.leases(engine, event.payload, event.buffers)
-        self.protocol.release(engine, leases, _monotonic())
+        leases = self.leases(engine, event.payload, event.buffers)
+        self.protocol.release(engine, leases, self.now())
         if event.call is not None:
             self.ended(event.call)
 
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
         logger.info("engine %r %s", engine.engine_id, peer_text(event.why, 512))
-        self.transfers.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
+        self.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
         for call in event.calls:
             self.ended(call)
         self._observe_engine(engine.engine_id, "lost")
-        self.wake_all(self.protocol.stranded(engine.engine_id, _monotonic()))
+        self.wake_all(self.protocol.stranded(engine.engine_id, self.now()))
         self.notify_engines()
         if self.tick is not None:
             self.tick.set()  # a hello request to its address may be due at once
@@ -467,7 +489,7 @@ class ClientIO:
         """A call ended: free its argument lease and slot, wake its caller (and one waiter)."""
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
-            self.transfers.policy.release_one(self.protocol.take_lease(call))
+            self.policy.release_one(self.protocol.take_lease(call))
         waiters = self.waiters
         if waiters is None:
             return
@@ -479,11 +501,11 @@ class ClientIO:
         """The caller gave up (cancelled, timed out, closed a stream): tell the engine
         (``error``: count it as one of the engine's errors)."""
         items = call.items
-        now = _monotonic()
+        now = self.now()
         protocol = self.protocol
         while items:  # stream items nobody will read
             payload, buffers = items.popleft()
-            leases = self.transfers.leases(call.engine, payload, buffers)
+            leases = self.leases(call.engine, payload, buffers)
             protocol.release(call.engine, leases, now)
         # The engine may still be reading the arguments on our regions: the protocol keeps
         # their lease until its RELEASE (or a late reply, or its end).
@@ -496,6 +518,47 @@ class ClientIO:
         orphans = self.orphans
         while orphans:
             self.abandon(orphans.popleft())
+
+    # -- tensor transports -----------------------------------------------------------------
+
+    def shm_offer(
+        self, peer: bytes, hello: Hello, frame: Buffer
+    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
+        """The protocol's hook: torch_shm only with the process the kernel says sent the
+        HELLO (on ipc://), or, configured to trust unattested peers, the one it claims
+        (docs/security.md)."""
+        pid, send, receive = self.policy.attest(
+            peer,
+            peer_credentials(frame),
+            offers=hello.transports,
+            claimed_pid=hello.pid,
+            same_host=hello.host_id == self.protocol.config.host_id,
+        )
+        if not (send or receive):
+            return None
+        return (self.policy.offered(), pid, send, receive)
+
+    def _reachable(self, peer: bytes, ping: list[bytes]) -> bool:
+        """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
+        sock = self.sock
+        if sock is None:
+            return False
+        try:
+            sock.send_nowait([peer, *ping])
+        except PeerUnreachableError:
+            return False
+        except (anyio.WouldBlock, TensorRPCError):
+            return True
+        return True
+
+    def leases(self, engine: Engine, payload: Buffer, buffers: Sequence[Buffer]) -> list[int]:
+        """The torch_shm leases a reply nobody will decode carries (to release)."""
+        if engine.shm is None:
+            return []  # the engine sends us no handles
+        collector = LeaseCollector()
+        with contextlib.suppress(TensorRPCError):
+            _codec.decode(payload, buffers, self.codec, resolver=collector)
+        return list(dict.fromkeys(collector.leases))
 
     # -- background tasks -----------------------------------------------------------------
 
@@ -553,16 +616,16 @@ class ClientIO:
         protocol = self.protocol
         peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
         if protocol.config.engine_keys is not None:  # who the engine is comes from its key
-            event = protocol.receive(peer, body, _monotonic(), _user_id(frames[1]))
+            event = protocol.receive(peer, body, self.now(), _user_id(frames[1]))
         else:
-            event = protocol.receive(peer, body, _monotonic())
+            event = protocol.receive(peer, body, self.now())
         if type(event) is Call:
             call = event
             if call.state >= _REPLIED:
                 self.ended(call)
             else:  # a stream item: the engine has attached to the arguments
                 if call.lease is not None:
-                    self.transfers.policy.release_one(protocol.take_lease(call))
+                    self.policy.release_one(protocol.take_lease(call))
                 assert self.waiters is not None
                 self.waiters.wake(call.waiter)
         elif event is not None:
@@ -575,16 +638,17 @@ class ClientIO:
     async def _housekeeping(self) -> None:
         protocol = self.protocol
         interval = protocol.config.heartbeat.interval
-        next_sweep = _monotonic() + interval
+        clock = self.now
+        next_sweep = clock() + interval
         while True:
-            with anyio.move_on_after(protocol.next_tick(_monotonic())):
+            with anyio.move_on_after(protocol.next_tick(clock())):
                 assert self.tick is not None
                 await self.tick.wait()
             self.tick = anyio.Event()
             if self.sock is not None:
                 self.sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._drain()  # messages already here prove life: read them before judging
-            now = _monotonic()
+            now = clock()
             for lost in protocol.tick(now):
                 self.event(lost)
             self.wake_all(protocol.expire_rejoins(now))
@@ -594,4 +658,4 @@ class ClientIO:
             if now >= next_sweep:
                 next_sweep = now + interval
                 self.tracked.prune()
-                self.transfers.policy.sweep()
+                self.policy.sweep()

@@ -1,7 +1,7 @@
 """Values ⇄ ``[payload, *buffers]``: msgpack with out-of-band tensor buffers (sans-I/O).
 
 The payload is msgpack written by ormsgpack. Plain values (None, bool, int, float, str,
-bytes, list, tuple, dict with str keys, dataclass instances, Enum members) are ormsgpack's
+bytes, list, tuple, dict with str or int keys, dataclass instances, Enum members) are ormsgpack's
 native types: dataclasses go as maps, enums as their value, tuples as arrays. Every
 ``torch.Tensor`` and ``numpy.ndarray`` anywhere in the value becomes a msgpack **Ext**
 whose data is the msgpack array ``[dtype, shape, loc, ref]``:
@@ -30,7 +30,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final
 
 import ormsgpack
 
@@ -251,6 +251,7 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian host to test o
     raise ImportError("tensorrpc's codec needs a little-endian host")
 
 _PACK_OPTIONS: Final = ormsgpack.OPT_PASSTHROUGH_DATETIME | ormsgpack.OPT_PASSTHROUGH_UUID
+_INT_KEY_OPTIONS: Final = _PACK_OPTIONS | ormsgpack.OPT_NON_STR_KEYS
 
 
 def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
@@ -299,7 +300,7 @@ def _inline_bytes(tensor: torch.Tensor, nbytes: int) -> bytes:
 class _Encoder:
     """Per-call state of `encode`: the ormsgpack ``default=`` hook and what it collects."""
 
-    __slots__ = ("_config", "_count", "_placer", "buffers", "error", "keepalive")
+    __slots__ = ("_config", "_count", "_placer", "_replay", "buffers", "error", "exts", "keepalive")
 
     def __init__(self, config: CodecConfig, placer: TensorPlacer | None) -> None:
         self._config = config
@@ -309,8 +310,23 @@ class _Encoder:
         self.keepalive: list[object] = []
         #: The exception raised inside the hook (ormsgpack replaces it with a TypeError).
         self.error: Exception | None = None
+        #: What the hook returned, in order (see `_replay`).
+        self.exts: list[ormsgpack.Ext] = []
+        #: A second pass over the same value returns these first (tensors are not placed
+        #: or collected twice); see `encode`.
+        self._replay: list[ormsgpack.Ext] = []
+
+    def again(self) -> None:
+        """Prepare a second pass over the same value: the hook's results are replayed."""
+        self._replay = self.exts[::-1]
+        self.exts = []
+        self.error = None
 
     def default(self, obj: object) -> ormsgpack.Ext:
+        if self._replay:
+            ext = self._replay.pop()
+            self.exts.append(ext)
+            return ext
         try:
             if not _arrays_loaded:
                 # No value is a tensor or an array before torch or numpy is imported.
@@ -318,13 +334,16 @@ class _Encoder:
                     raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
                 _load_arrays()
             if isinstance(obj, torch.Tensor):
-                return self._tensor(obj)
-            if isinstance(obj, np.ndarray):
-                return self._ndarray(obj)
-            raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
+                ext = self._tensor(obj)
+            elif isinstance(obj, np.ndarray):
+                ext = self._ndarray(obj)
+            else:
+                raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
         except Exception as exc:
             self.error = exc
             raise
+        self.exts.append(ext)
+        return ext
 
     def _check_count(self) -> None:
         if self._count > self._config.max_tensors:
@@ -541,7 +560,7 @@ def encode(
 
     Args:
         value: Plain values (None, bool, int, float, str, bytes, list, tuple, dict with
-            str keys, dataclass instances, Enum members) with ``torch.Tensor`` and
+            str or int keys, dataclass instances, Enum members) with ``torch.Tensor`` and
             ``numpy.ndarray`` anywhere inside.
         config: Limits and policies.
         placer: Offered every tensor at or above ``config.inline_threshold`` bytes; a
@@ -562,7 +581,9 @@ def encode(
     except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
         if encoder.error is not None:
             raise encoder.error from None
-        raise EncodeError(f"cannot encode value: {exc}") from exc
+        if str(exc) != _NOT_STR_KEY:
+            raise EncodeError(f"cannot encode value: {exc}") from exc
+        payload = _encode_int_keys(value, encoder)
     if encoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
         raise encoder.error
     if len(payload) > config.max_payload_bytes:
@@ -577,6 +598,52 @@ def encode(
             "refuses it (send long lists of numbers as a tensor)"
         )
     return Encoded(payload, encoder.buffers, encoder.keepalive)
+
+
+#: ormsgpack's refusal of a map key that is not a str (without OPT_NON_STR_KEYS).
+_NOT_STR_KEY: Final = "Dict key must be str"
+
+
+def _encode_int_keys(value: object, encoder: _Encoder) -> bytes:
+    """Encode a value with a map keyed by ints (``dict[int, T]``): the cold second pass.
+
+    Map keys that are not str cost ormsgpack more per key, so the first pass leaves them
+    out; the tensors the first pass met are replayed, not placed again.
+    """
+    bad = _bad_key(value)
+    if bad is not None:
+        raise EncodeError(
+            f"cannot encode a map key of type {_type_name(bad[0])}; map keys are str or int"
+        )
+    encoder.again()
+    try:
+        return ormsgpack.packb(value, default=encoder.default, option=_INT_KEY_OPTIONS)
+    except TypeError as exc:
+        if encoder.error is not None:
+            raise encoder.error from None
+        raise EncodeError(f"cannot encode value: {exc}") from exc
+
+
+def _bad_key(value: object) -> tuple[object] | None:
+    """``(key,)`` for the first map key that is neither a str nor an int (a bool is
+    neither), or None; looks into maps, lists and tuples (not into dataclasses, whose
+    maps the schema checks). A container met twice (a cycle, which ormsgpack refuses
+    anyway) is looked into once."""
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if not isinstance(item, (dict, list, tuple)) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            for key in item:
+                if type(key) is not str and type(key) is not int:
+                    return (key,)
+            stack.extend(item.values())
+        else:
+            stack.extend(item)
+    return None
 
 
 def _check_shape(shape: object, itemsize: int) -> tuple[tuple[int, ...], int]:
@@ -635,7 +702,7 @@ def _torch_on(
 class _Decoder:
     """Per-call state of `decode`: the ormsgpack ``ext_hook`` and frame bookkeeping."""
 
-    __slots__ = ("_buffers", "_config", "_count", "_resolver", "error", "used")
+    __slots__ = ("_buffers", "_config", "_count", "_replay", "_resolver", "built", "error", "used")
 
     def __init__(
         self,
@@ -651,13 +718,26 @@ class _Decoder:
         self.used: set[int] = set()
         #: The exception raised inside the hook (ormsgpack replaces it with a ValueError).
         self.error: Exception | None = None
+        #: What the hook returned, in order; a second pass replays it (`again`).
+        self.built: list[object] = []
+        self._replay: list[object] = []
+
+    def again(self) -> None:
+        """Prepare a second pass over the same payload: tensors are not built twice."""
+        self._replay = self.built[::-1]
+        self.built = []
 
     def ext_hook(self, code: int, data: bytes) -> object:
-        try:
-            return self._ext(code, data)
-        except Exception as exc:
-            self.error = exc
-            raise
+        if self._replay:
+            out = self._replay.pop()
+        else:
+            try:
+                out = self._ext(code, data)
+            except Exception as exc:
+                self.error = exc
+                raise
+        self.built.append(out)
+        return out
 
     def _ext(self, code: int, data: bytes) -> object:
         if code == _TORCH:
@@ -796,24 +876,6 @@ class _Decoder:
         return tensor.numpy()
 
 
-def _ignore_ext(code: int, data: bytes) -> None:
-    return None
-
-
-def _only_bad_keys(framed: bytes) -> bool:
-    """Whether ``framed`` is well-formed msgpack whose only fault is a non-str map key.
-
-    Such a payload is a value the peer may not send (the receiver answers
-    ``INVALID_ARGUMENT``), not a corrupt one (``DECODE``). Only called once decoding
-    failed, after the object budget was checked; tensors are not built again.
-    """
-    try:
-        ormsgpack.unpackb(framed, ext_hook=_ignore_ext, option=ormsgpack.OPT_NON_STR_KEYS)
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
 def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memoryview:
     """``payload`` as a 1-D byte view, checked against the size and object limits."""
     try:
@@ -840,16 +902,32 @@ def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memor
     return view
 
 
-def _raise_decode_failure(exc: ValueError, decoder: _Decoder, framed: bytes) -> NoReturn:
-    """Raise the error for a payload ormsgpack refused (cold path)."""
+def _decode_int_keys(exc: ValueError, decoder: _Decoder, framed: bytes) -> Any:
+    """Decode a payload ormsgpack refused, when its one fault may be int map keys (cold).
+
+    Map keys that are not str cost ormsgpack more per key, so the first pass refuses
+    them; this second pass admits them, replaying the tensors the first pass built, then
+    refuses any key that is neither str nor int. Such a payload is a value the peer may
+    not send (the receiver answers ``INVALID_ARGUMENT``), not a corrupt one (``DECODE``).
+    """
     if decoder.error is not None:
         raise decoder.error from None
-    if _only_bad_keys(framed):
+    decoder.again()
+    try:
+        value = ormsgpack.unpackb(
+            framed, ext_hook=decoder.ext_hook, option=ormsgpack.OPT_NON_STR_KEYS
+        )
+    except (ValueError, TypeError) as again:
+        if decoder.error is not None:
+            raise decoder.error from None
+        raise DecodeError(f"malformed msgpack payload: {exc}") from again
+    bad = _bad_key(value)
+    if bad is not None:
         raise ValidationError(
-            f"a map in the payload has a key that is not a string ({exc}); maps carry "
-            "str keys only (parameter names, dataclass fields, dict[str, ...])"
-        ) from None
-    raise DecodeError(f"malformed msgpack payload: {exc}") from exc
+            f"a map in the payload has a key of type {_type_name(bad[0])}; map keys are "
+            "str (parameter names, dataclass fields, dict[str, ...]) or int (dict[int, ...])"
+        )
+    return value
 
 
 def decode(
@@ -880,8 +958,9 @@ def decode(
         DecodeError: Malformed msgpack, a bad descriptor, a dtype not allowed, sizes that
             do not match or exceed the limits (``max_payload_objects`` included), bad
             frame indices, unreferenced buffers.
-        ValidationError: Well-formed msgpack with a map key that is not a string (the
-            value cannot be one a peer may send; an engine answers ``INVALID_ARGUMENT``).
+        ValidationError: Well-formed msgpack with a map key that is neither a str nor an
+            int (the value cannot be one a peer may send; an engine answers
+            ``INVALID_ARGUMENT``).
         TensorTransportError: The resolver failed.
     """
     view = _payload_view(payload, len(buffers), config)
@@ -892,7 +971,7 @@ def decode(
     try:
         framed_value = ormsgpack.unpackb(framed, ext_hook=decoder.ext_hook)
     except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
-        _raise_decode_failure(exc, decoder, framed)
+        framed_value = _decode_int_keys(exc, decoder, framed)
     if decoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
         raise decoder.error
     if framed_value[1] is not _END:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import traceback
 from typing import TYPE_CHECKING, Any, Final
 
@@ -241,13 +240,6 @@ class Dispatcher:
             if call.observed is not None:  # observe: an ERROR reply to an observed call
                 call.observed.error(code.name)
 
-    def _deadline(self, call: Call) -> float:
-        """The call's deadline on anyio's clock (the protocol's is ``time.monotonic``)."""
-        deadline = call.deadline
-        if deadline == math.inf:
-            return deadline
-        return anyio.current_time() + (deadline - time.monotonic())
-
     def _refused(self, call: Call, deadline: float) -> bool:
         """Whether a call a worker took must not run (cancelled, shutdown, already late)."""
         if call.cancelled:
@@ -272,10 +264,8 @@ class Dispatcher:
         is left in ``call.result``/``call.failure`` and the worker replies once it has left
         the spent scope (see `_reply`).
         """
-        deadline = call.deadline
+        deadline = call.deadline  # on the event loop's clock, as the shell fed the protocol
         finite = deadline != math.inf
-        if finite:
-            deadline = self._deadline(call)
         # Only a call that may be refused pays for the checks (the hot path).
         if (finite or call.cancelled or self._proto.hard_stop) and self._refused(call, deadline):
             return

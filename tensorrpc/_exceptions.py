@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "BroadcastError",
@@ -118,13 +118,25 @@ class ValidationError(SerializationError):
     """A value does not match the type declared by the method signature."""
 
     def __init__(
-        self, message: str, *, method: str = "", path: str = "", expected: str = ""
+        self,
+        message: str,
+        *,
+        method: str = "",
+        path: str = "",
+        expected: str = "",
+        field_path: Sequence[str | int] | None = None,
     ) -> None:
         super().__init__(message)
         #: ``Service.method`` the value belongs to ("" when unknown).
         self.method = method
         #: Where in the request or response the bad value sits, e.g. ``req.items[3].x``.
         self.path = path
+        #: The same place as data: names of fields and parameters (``str``), list and tuple
+        #: indices (``int``) and map keys (``str``, or ``int`` for ``dict[int, T]``), e.g.
+        #: ``["req", "items", 3, "x"]``; empty when unknown.
+        self.field_path: list[str | int] = list(
+            field_path if field_path is not None else path.split(".") if path else ()
+        )
         #: A description of the expected type.
         self.expected = expected
 

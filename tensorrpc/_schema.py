@@ -23,13 +23,16 @@ inside a container, which the codec's encoder refuses instead (a top-level ``int
 range-checked here). Dataclasses get generated straight-line code, like the ``__init__``
 dataclasses writes, that tests scalar fields in place. Nothing is ever validated twice:
 a rejection deep inside a recursive value costs one pass, not one per level. The
-field-by-field loops and the set-of-types pass remain as the reference (``_Ctx(fast=False)``)
-that the tests hold the fast form to.
+rare cases the generated code does not handle itself (a subclass instance, a map with
+missing or unknown keys) go to field-by-field loops. The tests hold all of it to an
+independent reference validator (``tests/unit/schema_oracle.py``).
 
 Supported annotations: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
 ``list[T]``, ``tuple[T, ...]``, ``tuple[A, B]``, ``tuple[()]``, ``dict[str, T]``,
-``Optional``/``Union`` (also ``X | Y``), ``Literal``, ``Enum`` subclasses (by value),
-dataclasses (nested and recursive, by field name), ``torch.Tensor``, ``numpy.ndarray``
+``dict[int, T]``, ``Optional``/``Union`` (also ``X | Y``), ``Literal``, ``Enum`` subclasses
+(by value), records (nested and recursive): dataclasses, ``TypedDict`` classes, msgspec
+``Struct`` classes and pydantic models as maps of their field names, ``NamedTuple``
+classes as arrays of their fields; ``torch.Tensor``, ``numpy.ndarray``
 (also ``numpy.typing.NDArray[...]``, checked as any ndarray), and ``Annotated``/``NewType``
 wrappers of these. ``Any``, bare ``list``/``dict``/``tuple`` and everything else are
 refused with [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
@@ -37,6 +40,7 @@ refused with [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 import inspect
@@ -45,6 +49,7 @@ import reprlib
 import sys
 import types
 import typing
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -64,6 +69,7 @@ __all__ = [
     "bad_result_message",
     "compile_type",
     "describe_value",
+    "json_schemas",
     "too_deep",
 ]
 
@@ -138,13 +144,21 @@ class _Invalid(Exception):
         self.expected = expected
         self.value = value
         self.reason = reason
-        #: Path segments, innermost first (".x", "[3]").
-        self.segments: list[str] = []
+        #: Path segments, innermost first: a field name (``str``), a list or tuple index
+        #: (``int``) or a map key (a 1-tuple ``(key,)``).
+        self.segments: list[str | int | tuple[object]] = []
         #: An exception raised by user code (a dataclass ``__post_init__``), if any.
         self.cause: BaseException | None = None
 
     def path(self, root: str) -> str:
-        return root + "".join(reversed(self.segments))
+        return root + "".join(map(_render_segment, reversed(self.segments)))
+
+    def field_path(self, root: str) -> list[str | int]:
+        """The path as data: ``root``'s dotted names, then field names, indices and keys."""
+        head: list[str | int] = [*root.split(".")] if root else []
+        for seg in reversed(self.segments):
+            head.append(seg[0] if isinstance(seg, tuple) else seg)  # type: ignore[arg-type]
+        return head
 
     def message(self, root: str) -> str:
         reason = self.reason or f"expected {self.expected}, got {describe_value(self.value)}"
@@ -155,7 +169,21 @@ class _Invalid(Exception):
         text = self.message(root)
         if method:
             text = f"{method}: {text}"
-        return ValidationError(text, method=method, path=self.path(root), expected=self.expected)
+        return ValidationError(
+            text,
+            method=method,
+            path=self.path(root),
+            expected=self.expected,
+            field_path=self.field_path(root),
+        )
+
+
+def _render_segment(seg: str | int | tuple[object]) -> str:
+    if isinstance(seg, str):
+        return f".{seg}"
+    if isinstance(seg, int):
+        return f"[{seg}]"
+    return f"[{seg[0]!r}]"
 
 
 def too_deep(method: str, root: str) -> ValidationError:
@@ -163,7 +191,13 @@ def too_deep(method: str, root: str) -> ValidationError:
     text = f"{root}: value is nested too deeply to validate"
     if method:
         text = f"{method}: {text}"
-    return ValidationError(text, method=method, path=root, expected="a less deeply nested value")
+    return ValidationError(
+        text,
+        method=method,
+        path=root,
+        expected="a less deeply nested value",
+        field_path=root.split(".") if root else [],
+    )
 
 
 class CompiledType:
@@ -259,7 +293,10 @@ def _float_check(v: Any) -> Any:
     if type(v) is float:
         return v
     if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:
+            raise _Invalid("float", v, f"int {v} is too large for a float") from None
     raise _Invalid("float", v)
 
 
@@ -395,20 +432,17 @@ def _never(values: Collection[Any]) -> bool:
     return False
 
 
-def _all_exact(elem: CompiledType, fast: bool = True) -> AllExact:
+def _all_exact(elem: CompiledType) -> AllExact:
     """The one-pass element check of a container of ``elem``.
 
     ``map(type, values)`` collected into a list, then ``list.count`` of each allowed type:
     both loops run in C, and ``count`` meets the same type object again and again, which it
     matches by identity before any comparison. That is about half the cost of collecting
-    the types into a set (hashing every one), which the reference mode (``fast=False``,
-    for tests) still does.
+    the types into a set (hashing every one).
     """
     exact = elem.exact
     if exact is None:
         return _never
-    if not fast:
-        return lambda values: set(map(type, values)) <= exact
     if len(exact) == 1:
         (only,) = exact
 
@@ -424,11 +458,11 @@ def _all_exact(elem: CompiledType, fast: bool = True) -> AllExact:
     return all_of
 
 
-def _list_node(elem: CompiledType, fast: bool = True) -> CompiledType:
+def _list_node(elem: CompiledType) -> CompiledType:
     desc = f"list[{elem.description}]"
     echeck = elem.fast_check
     efrom = elem.fast_from_wire
-    all_exact = _all_exact(elem, fast)
+    all_exact = _all_exact(elem)
 
     def check(v: Any) -> Any:
         if type(v) is not list:
@@ -445,7 +479,7 @@ def _list_node(elem: CompiledType, fast: bool = True) -> CompiledType:
                 if out is not None:
                     out.append(y)
         except _Invalid as exc:
-            exc.segments.append(f"[{i}]")
+            exc.segments.append(i)
             raise
         return v if out is None else out
 
@@ -482,15 +516,15 @@ def _map_indexed(conv: Converter, values: list[Any] | tuple[Any, ...]) -> list[A
     try:
         return list(map(conv, it))
     except _Invalid as exc:
-        exc.segments.append(f"[{len(values) - operator.length_hint(it) - 1}]")
+        exc.segments.append(len(values) - operator.length_hint(it) - 1)
         raise
 
 
-def _var_tuple_node(elem: CompiledType, fast: bool = True) -> CompiledType:
+def _var_tuple_node(elem: CompiledType) -> CompiledType:
     desc = f"tuple[{elem.description}, ...]"
     echeck = elem.fast_check
     efrom = elem.fast_from_wire
-    all_exact = _all_exact(elem, fast)
+    all_exact = _all_exact(elem)
 
     def check(v: Any) -> Any:
         if type(v) is not tuple:
@@ -552,7 +586,7 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
             try:
                 return tuple(map(operator.call, convs, it))
             except _Invalid as exc:  # one pass, as in _map_indexed
-                exc.segments.append(f"[{n - operator.length_hint(it) - 1}]")
+                exc.segments.append(n - operator.length_hint(it) - 1)
                 raise
 
         return apply
@@ -563,7 +597,7 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
             lines.append(f"        i = {i + 1}")
     lines += [
         "    except _Invalid as exc:",
-        '        exc.segments.append(f"[{i}]")',
+        "        exc.segments.append(i)",
         "        raise",
         f"    return ({''.join(f'a{i}, ' for i in range(n))})",
     ]
@@ -574,26 +608,31 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
     return fn
 
 
-def _str_keys_check(desc: str, keys_exact: Callable[[Any], bool]) -> Callable[[Any], None]:
-    """The check that every key of a ``dict[str, ...]`` map is a ``str``."""
+def _keys_check(desc: str, key: type) -> Callable[[Any], None]:
+    """The check that every key of a ``dict[str, ...]`` (``dict[int, ...]``) map is exactly
+    a ``str`` (an ``int`` in the 64-bit range msgpack carries)."""
+    keys_exact = _all_exact(_SCALARS[key])
 
     def _keys_ok(v: dict[Any, Any]) -> None:
         if not keys_exact(v):
             for k in v:
-                if type(k) is not str:
+                if type(k) is not key:
                     raise _Invalid(
                         desc, v, f"expected {desc}, got a key of type {describe_value(k)}"
                     )
+        if key is int and v and (min(v) < _I64_MIN or max(v) >= _U64_END):
+            k = min(v) if min(v) < _I64_MIN else max(v)
+            raise _Invalid(desc, v, f"key {_int_range_reason(k)}")
 
     return _keys_ok
 
 
-def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
-    desc = f"dict[str, {val.description}]"
+def _dict_node(val: CompiledType, key: type = str) -> CompiledType:
+    desc = f"dict[{key.__name__}, {val.description}]"
     vcheck = val.fast_check
     vfrom = val.fast_from_wire
-    all_exact = _all_exact(val, fast)
-    _keys_ok = _str_keys_check(desc, _all_exact(_STR, fast))
+    all_exact = _all_exact(val)
+    _keys_ok = _keys_check(desc, key)
 
     def _apply(conv: Converter, v: dict[Any, Any]) -> dict[Any, Any]:
         _keys_ok(v)
@@ -608,7 +647,7 @@ def _dict_node(val: CompiledType, fast: bool = True) -> CompiledType:
                 changed = changed or y is not x
                 out[key] = y
         except _Invalid as exc:
-            exc.segments.append(f"[{key!r}]")
+            exc.segments.append((key,))
             raise
         return out if changed else v
 
@@ -790,19 +829,13 @@ def _enum_node(cls: type[enum.Enum], where: str) -> CompiledType:
 
 
 class _Ctx:
-    """State of one `compile_type` call: where, localns, dataclasses in progress.
+    """State of one `compile_type` call: where, localns, dataclasses in progress."""
 
-    ``fast=False`` compiles the reference form, for tests: containers check their elements
-    with the plain set-of-types pass and dataclasses with the field-by-field loops, no
-    generated code. It must accept, reject and return exactly what the fast form does.
-    """
+    __slots__ = ("in_progress", "localns", "where")
 
-    __slots__ = ("fast", "in_progress", "localns", "where")
-
-    def __init__(self, where: str, localns: Mapping[str, Any] | None, *, fast: bool = True) -> None:
+    def __init__(self, where: str, localns: Mapping[str, Any] | None) -> None:
         self.where = where
         self.localns = localns
-        self.fast = fast
         self.in_progress: dict[type, CompiledType] = {}
 
 
@@ -824,11 +857,18 @@ def _ctor_rejected(cls: type, desc: str, value: object, exc: Exception) -> _Inva
     return err
 
 
-def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
+#: One declared field of a record type: name, annotation, required, keyword-only.
+_Decl = tuple[str, Any, bool, bool]
+
+
+def _record_node(cls: type, ctx: _Ctx, kind: str) -> CompiledType:
+    """A type whose values are named fields: a dataclass, a msgspec ``Struct``, a pydantic
+    model or a ``TypedDict`` (``kind``), a map of its field names on the wire; or a
+    ``NamedTuple``, an array of its fields in order."""
     placeholder = ctx.in_progress.get(cls)
     if placeholder is not None:
         return placeholder  # recursive reference: the node is filled in below
-    hints = _dataclass_hints(cls, ctx)
+    decls = _DECLARED[kind](cls, _record_hints(cls, ctx, kind), ctx)
     # Recursive references (compiled below, before the converters exist) call these,
     # which dispatch to whatever the node ends up with. Nothing calls a converter while
     # types compile.
@@ -842,57 +882,212 @@ def _dataclass_node(cls: type, ctx: _Ctx) -> CompiledType:
         return impl_from_wire(v)
 
     # The fields are compiled after the node exists so that recursive references resolve.
-    node = CompiledType(f"dataclass {cls.__name__}", entry_check, entry_from_wire)
+    node = CompiledType(f"{kind} {cls.__name__}", entry_check, entry_from_wire)
     ctx.in_progress[cls] = node
     try:
-        fields, parts = _dataclass_fields(cls, hints, ctx)
+        fields, parts = _compile_fields(cls, kind, decls, ctx)
     finally:
         del ctx.in_progress[cls]
-    node.description = desc = f"dataclass {cls.__name__}{{{', '.join(parts)}}}"
-    has_private = any(f.name.startswith("_") for f in fields)
-    impl_check = _dataclass_check(cls, fields, desc, has_private)
-    impl_from_wire = _dataclass_from_wire(cls, fields, desc)
-    if ctx.fast and fields:
-        impl_check, impl_from_wire = _dataclass_codegen(
-            cls, fields, desc, impl_check, impl_from_wire, has_private
-        )
+    node.description = desc = f"{kind} {cls.__name__}{{{', '.join(parts)}}}"
+    if kind == "namedtuple":
+        impl_check, impl_from_wire = _namedtuple_converters(cls, fields, desc)
+    elif kind == "typeddict":
+        impl_check = _map_converter(fields, desc, send=True)
+        impl_from_wire = _map_converter(fields, desc, send=False)
+    else:
+        # Only a dataclass instance is a map to ormsgpack, and then only without
+        # "_"-prefixed fields: anything else travels as the plain map of its fields.
+        as_map = kind != "dataclass" or any(f.name.startswith("_") for f in fields)
+        impl_check = _dataclass_check(cls, fields, desc, as_map)
+        impl_from_wire = _dataclass_from_wire(cls, fields, desc)
+        if fields:
+            impl_check, impl_from_wire = _dataclass_codegen(
+                cls, fields, desc, impl_check, impl_from_wire, as_map
+            )
     node.fast_check = impl_check
     node.fast_from_wire = impl_from_wire
     return node
 
 
-def _dataclass_hints(cls: type, ctx: _Ctx) -> dict[str, Any]:
+#: The resolved field types of each record compiled so far (its string annotations may
+#: need the namespace of the service that named it; `json_schemas` has none).
+_RESOLVED: weakref.WeakKeyDictionary[type, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _record_hints(cls: type, ctx: _Ctx, kind: str) -> dict[str, Any]:
+    hints = _RESOLVED.get(cls)
+    if hints is not None:
+        return hints
     try:
-        return typing.get_type_hints(
+        _RESOLVED[cls] = hints = typing.get_type_hints(
             cls, localns=dict(ctx.localns) if ctx.localns else None, include_extras=True
         )
+        return hints
     except Exception as exc:
         raise ServiceDefinitionError(
-            f"{ctx.where}: cannot resolve the field types of dataclass {cls.__name__}: {exc}"
+            f"{ctx.where}: cannot resolve the field types of {kind} {cls.__name__}: {exc}"
         ) from exc
 
 
-def _dataclass_fields(
-    cls: type, hints: dict[str, Any], ctx: _Ctx
-) -> tuple[list[_Field], list[str]]:
-    """Compile the fields of a dataclass; also return their parts of its description."""
-    fields: list[_Field] = []
-    parts: list[str] = []
+def _dataclass_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    out: list[_Decl] = []
     for f in dataclasses.fields(cls):
         if not f.init:
             raise ServiceDefinitionError(
                 f"{ctx.where}: dataclass {cls.__name__} field '{f.name}' has init=False; "
                 "such a field cannot be rebuilt on the receiving side"
             )
-        sub = _compile(hints[f.name], ctx, f"dataclass {cls.__name__} field '{f.name}'")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        fields.append(
-            _Field(
-                f.name, sub.fast_check, sub.fast_from_wire, required, bool(f.kw_only), sub.inline
+        out.append((f.name, hints[f.name], required, bool(f.kw_only)))
+    return out
+
+
+def _struct_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    msgspec = sys.modules["msgspec"]
+    return [(f.name, f.type, f.required, True) for f in msgspec.structs.fields(cls)]
+
+
+def _pydantic_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    fields = cls.model_fields  # type: ignore[attr-defined]
+    for name, f in fields.items():
+        if f.alias not in (None, name):
+            raise ServiceDefinitionError(
+                f"{ctx.where}: model {cls.__name__} field '{name}' has the alias "
+                f"{f.alias!r}; a model travels by field name, so aliases are not supported"
             )
+    return [(name, hints[name], f.is_required(), True) for name, f in fields.items()]
+
+
+def _typeddict_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    required_keys = cls.__required_keys__  # type: ignore[attr-defined]
+    out: list[_Decl] = []
+    for name, tp in hints.items():
+        # ``Required[...]``/``NotRequired[...]`` decide; the class's own sets cannot see
+        # them in string annotations (``from __future__ import annotations``).
+        required = name in required_keys
+        qualifiers = _qualifiers()
+        while (origin := typing.get_origin(tp)) in qualifiers:
+            says = qualifiers[origin]
+            required = required if says is None else says
+            tp = typing.get_args(tp)[0]
+        out.append((name, tp, required, True))
+    return out
+
+
+def _qualifiers() -> dict[object, bool | None]:
+    """``Required``/``NotRequired`` (typing's and typing_extensions') → required."""
+    out: dict[object, bool | None] = {typing.Required: True, typing.NotRequired: False}
+    extensions = sys.modules.get("typing_extensions")
+    if extensions is not None:
+        out[extensions.Required] = True
+        out[extensions.NotRequired] = False
+        out[extensions.ReadOnly] = None  # keeps what the class says
+    return out
+
+
+def _namedtuple_decls(cls: type, hints: dict[str, Any], ctx: _Ctx) -> list[_Decl]:
+    names: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
+    missing = [n for n in names if n not in hints]
+    if missing:
+        raise ServiceDefinitionError(
+            f"{ctx.where}: namedtuple {cls.__name__} has no types for its fields "
+            f"{', '.join(missing)}; declare it as a typing.NamedTuple class with annotations"
         )
-        parts.append(f"{f.name}: {sub.description}" + ("" if required else " = ..."))
+    return [(name, hints[name], True, False) for name in names]
+
+
+#: How each kind of record lists its declared fields.
+_DECLARED: dict[str, Callable[[type, dict[str, Any], _Ctx], list[_Decl]]] = {
+    "dataclass": _dataclass_decls,
+    "struct": _struct_decls,
+    "model": _pydantic_decls,
+    "typeddict": _typeddict_decls,
+    "namedtuple": _namedtuple_decls,
+}
+
+
+def _compile_fields(
+    cls: type, kind: str, decls: list[_Decl], ctx: _Ctx
+) -> tuple[list[_Field], list[str]]:
+    """Compile the fields of a record; also return their parts of its description."""
+    fields: list[_Field] = []
+    parts: list[str] = []
+    for name, hint, required, kw_only in decls:
+        sub = _compile(hint, ctx, f"{kind} {cls.__name__} field '{name}'")
+        fields.append(
+            _Field(name, sub.fast_check, sub.fast_from_wire, required, kw_only, sub.inline)
+        )
+        parts.append(f"{name}: {sub.description}" + ("" if required else " = ..."))
     return fields, parts
+
+
+def _map_converter(fields: list[_Field], desc: str, *, send: bool) -> Converter:
+    """``check`` (``send``) or ``from_wire`` of a map of named fields (a ``TypedDict``, and
+    what a record is built from): a dict, the value itself when nothing changed."""
+    names = {f.name for f in fields}
+
+    def convert(v: Any) -> Any:
+        if type(v) is not dict and not (send and isinstance(v, dict)):
+            raise _Invalid(desc, v)
+        out: dict[str, Any] = {}
+        changed = type(v) is not dict
+        for f in fields:
+            if f.name in v:
+                x = v[f.name]
+                try:
+                    y = f.check(x) if send else f.from_wire(x)
+                except _Invalid as exc:
+                    exc.segments.append(f.name)
+                    raise
+                changed = changed or y is not x
+                out[f.name] = y
+            elif f.required:
+                missing = _Invalid(desc, v, f"missing field '{f.name}' of {desc}")
+                missing.segments.append(f.name)
+                raise missing
+        if len(out) != len(v):
+            unknown = sorted(repr(k) for k in v if k not in names)
+            raise _Invalid(desc, v, f"unknown field(s) {', '.join(unknown)} for {desc}")
+        return out if changed else v
+
+    return convert
+
+
+def _namedtuple_converters(
+    cls: type, fields: list[_Field], desc: str
+) -> tuple[Converter, Converter]:
+    """A ``NamedTuple`` travels as the array of its fields; it is rebuilt on receipt."""
+    n = len(fields)
+
+    def each(v: Any, send: bool) -> list[Any]:
+        out = []
+        name = ""
+        try:
+            for f, x in zip(fields, v, strict=True):
+                name = f.name
+                out.append(f.check(x) if send else f.from_wire(x))
+        except _Invalid as exc:
+            exc.segments.append(name)
+            raise
+        return out
+
+    def check(v: Any) -> Any:
+        if not isinstance(v, cls):
+            raise _Invalid(desc, v)
+        return tuple(each(v, True))  # ormsgpack encodes plain tuples only
+
+    def from_wire(v: Any) -> Any:
+        if type(v) is not list and type(v) is not tuple:
+            raise _Invalid(desc, v)
+        if len(v) != n:
+            raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
+        values = each(v, False)
+        try:
+            return cls(*values)
+        except Exception as exc:
+            raise _ctor_rejected(cls, desc, v, exc) from exc
+
+    return check, from_wire
 
 
 def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bool) -> Converter:
@@ -916,7 +1111,7 @@ def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bo
                 changed = changed or y is not x
                 vals.append(y)
         except _Invalid as exc:
-            exc.segments.append(f".{name}")
+            exc.segments.append(name)
             raise
         if not changed:
             return v
@@ -928,30 +1123,12 @@ def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bo
 
 
 def _dataclass_from_wire(cls: type, fields: list[_Field], desc: str) -> Converter:
-    """The field-by-field ``from_wire`` of a dataclass: the reference for the generated code."""
-    field_names = {f.name for f in fields}
+    """The field-by-field ``from_wire`` of a record built from keywords (the generated
+    code's slow path): the map of its fields, then the constructor."""
+    fields_of = _map_converter(fields, desc, send=False)
 
     def from_wire(v: Any) -> Any:
-        if type(v) is not dict:
-            raise _Invalid(desc, v)
-        kwargs: dict[str, Any] = {}
-        seen = 0
-        for f in fields:
-            name = f.name
-            if name in v:
-                try:
-                    kwargs[name] = f.from_wire(v[name])
-                except _Invalid as exc:
-                    exc.segments.append(f".{name}")
-                    raise
-                seen += 1
-            elif f.required:
-                missing = _Invalid(desc, v, f"missing field '{name}' of {desc}")
-                missing.segments.append(f".{name}")
-                raise missing
-        if seen != len(v):
-            unknown = sorted(repr(k) for k in v if k not in field_names)
-            raise _Invalid(desc, v, f"unknown field(s) {', '.join(unknown)} for {desc}")
+        kwargs = fields_of(v)
         try:
             return cls(**kwargs)
         except Exception as exc:
@@ -1029,7 +1206,7 @@ def _dataclass_codegen(
         ns[f"c{i}"] = f.check
         ns[f"f{i}"] = f.from_wire
         ns[f"k{i}"] = f.name
-        ns[f"s{i}"] = f".{f.name}"
+        ns[f"s{i}"] = f.name
     check_src = [] if private else _codegen_check(fields)
     exec("\n".join(check_src + _codegen_from_wire(cls, fields)) + "\n", ns)
     return (slow_check if private else ns["check"]), ns["from_wire"]
@@ -1135,9 +1312,31 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
     if isinstance(tp, type):
         if issubclass(tp, enum.Enum):
             return _enum_node(tp, ctx.where)
-        if dataclasses.is_dataclass(tp):
-            return _dataclass_node(tp, ctx)
+        kind = _record_kind(tp)
+        if kind is not None:
+            return _record_node(tp, ctx, kind)
     raise _unsupported(tp, ctx, inside, _suggestion(tp, origin, args))
+
+
+def _record_kind(tp: type) -> str | None:
+    """Which kind of record ``tp`` is (a key of `_DECLARED`), if it is one.
+
+    msgspec and pydantic are never imported here: a class derived from theirs exists only
+    once its module has been.
+    """
+    if dataclasses.is_dataclass(tp):
+        return "dataclass"
+    if issubclass(tp, tuple) and hasattr(tp, "_fields"):
+        return "namedtuple"
+    if issubclass(tp, dict) and hasattr(tp, "__required_keys__"):
+        return "typeddict"
+    msgspec = sys.modules.get("msgspec")
+    if msgspec is not None and issubclass(tp, msgspec.Struct):
+        return "struct"
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and issubclass(tp, pydantic.BaseModel):
+        return "model"
+    return None
 
 
 def _unsupported(
@@ -1154,14 +1353,14 @@ def _unsupported(
 def _compile_list(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
     if len(args) != 1:
         raise _unsupported(tp, ctx, inside, "write list[T]")
-    return _list_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
+    return _list_node(_compile(args[0], ctx, _type_name(tp)))
 
 
 def _compile_tuple(
     tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
 ) -> CompiledType:
     if len(args) == 2 and args[1] is Ellipsis:
-        return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)), ctx.fast)
+        return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)))
     if args == ((),):  # typing.Tuple[()] on older Pythons
         args = ()
     return _fixed_tuple_node([_compile(a, ctx, _type_name(tp)) for a in args])
@@ -1169,10 +1368,15 @@ def _compile_tuple(
 
 def _compile_dict(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
     if len(args) != 2:
-        raise _unsupported(tp, ctx, inside, "write dict[str, T]")
-    if args[0] is not str:
-        raise _unsupported(tp, ctx, inside, "dict keys must be str")
-    return _dict_node(_compile(args[1], ctx, _type_name(tp)), ctx.fast)
+        raise _unsupported(tp, ctx, inside, "write dict[str, T] or dict[int, T]")
+    if args[0] is not str and args[0] is not int:
+        raise _unsupported(
+            tp,
+            ctx,
+            inside,
+            "map keys are str or int on the wire: write dict[str, T] or dict[int, T]",
+        )
+    return _dict_node(_compile(args[1], ctx, _type_name(tp)), args[0])
 
 
 def _compile_union(
@@ -1212,8 +1416,8 @@ _CONCRETE = {
     "Collection": "list",
     "Set": "list",
     "MutableSet": "list",
-    "Mapping": "dict[str, ...]",
-    "MutableMapping": "dict[str, ...]",
+    "Mapping": "dict",
+    "MutableMapping": "dict",
 }
 
 
@@ -1227,13 +1431,14 @@ def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
         concrete = _CONCRETE[name]
         if concrete == "list":
             return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
-        return "annotate a concrete container: dict[str, T]"
+        return "annotate a concrete container: dict[str, T] or dict[int, T]"
     if tp is object:
         return "annotate the concrete type"
     if isinstance(tp, type) and tp.__module__ not in ("builtins", "typing", "collections.abc"):
         return (
-            f"a plain class does not travel; make {tp.__name__} a @dataclass whose fields "
-            "have supported types, or pass its fields as parameters"
+            f"a plain class does not travel; make {tp.__name__} a @dataclass (or a "
+            "NamedTuple, TypedDict, msgspec Struct or pydantic model) whose fields have "
+            "supported types, or pass its fields as parameters"
         )
     return "see docs/services.md for the supported types"
 
@@ -1290,3 +1495,108 @@ def compile_type(
     if not _arrays_registered and ("torch" in sys.modules or "numpy" in sys.modules):
         _register_arrays()
     return _compile(tp, _Ctx(where, localns))
+
+
+# ----------------------------------------------------------------------- JSON Schema
+
+_JSON_SCALARS: dict[object, dict[str, Any]] = {
+    None: {"type": "null"},
+    _NoneType: {"type": "null"},
+    bool: {"type": "boolean"},
+    int: {"type": "integer", "minimum": _I64_MIN, "maximum": _U64_END - 1},
+    float: {"type": "number"},
+    str: {"type": "string"},
+    # As `tensorrpc call --json` prints them (tensorrpc.cli.to_json).
+    bytes: {
+        "type": "object",
+        "properties": {"bytes": {"type": "string", "contentEncoding": "base64"}},
+        "required": ["bytes"],
+    },
+}
+_JSON_TENSOR = {"type": "object", "required": ["tensor"], "x-tensorrpc": "tensor"}
+
+
+def json_schemas(annotations: list[object]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """JSON Schemas (draft 2020-12) of the values of supported annotations.
+
+    Returns one schema per annotation and the ``$defs`` they share: records are defined
+    there by class name (another class of the same name gets a suffix) and referenced as
+    ``{"$ref": "#/$defs/Name"}``, recursive ones included. A tensor or array is an object
+    marked ``"x-tensorrpc": "tensor"``; bytes are ``{"bytes": base64}`` (as ``tensorrpc
+    call --json`` prints them); an int-keyed map is an object whose property names are
+    decimal integers.
+    """
+    defs: dict[str, Any] = {}
+    names: dict[type, str] = {}
+    return [_json(tp, defs, names) for tp in annotations], defs
+
+
+def _json(tp: object, defs: dict[str, Any], names: dict[type, str]) -> dict[str, Any]:
+    if _hashable(tp) and tp in _JSON_SCALARS:
+        return dict(_JSON_SCALARS[tp])
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _json(args[0], defs, names)
+    if hasattr(tp, "__supertype__"):
+        return _json(tp.__supertype__, defs, names)
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_json(a, defs, names) for a in args]}
+    if origin is typing.Literal:
+        values = [v.value if isinstance(v, enum.Enum) else v for v in args]
+        return {"enum": [_json_value(v) for v in values]}
+    if origin in (list, tuple, dict):
+        return _json_container(origin, args, defs, names)
+    if not isinstance(tp, type):
+        return dict(_JSON_TENSOR)  # numpy.typing.NDArray[...]
+    if issubclass(tp, enum.Enum):
+        return {"title": tp.__name__, "enum": [_json_value(m.value) for m in tp]}
+    kind = _record_kind(tp)
+    if kind is None:
+        return dict(_JSON_TENSOR)  # torch.Tensor, numpy.ndarray
+    return {"$ref": f"#/$defs/{_json_record(tp, kind, defs, names)}"}
+
+
+def _json_container(
+    origin: object, args: tuple[Any, ...], defs: dict[str, Any], names: dict[type, str]
+) -> dict[str, Any]:
+    if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+        return {"type": "array", "items": _json(args[0], defs, names)}
+    if origin is tuple:
+        items = [_json(a, defs, names) for a in args if a != ()]
+        return {"type": "array", "prefixItems": items, "minItems": len(items)} | {
+            "maxItems": len(items)
+        }
+    out = {"type": "object", "additionalProperties": _json(args[1], defs, names)}
+    if args[0] is int:
+        out["propertyNames"] = {"pattern": "^-?[0-9]+$"}
+    return out
+
+
+def _json_record(cls: type, kind: str, defs: dict[str, Any], names: dict[type, str]) -> str:
+    """Define ``cls`` in ``defs`` (once) and return its name there."""
+    name = names.get(cls)
+    if name is not None:
+        return name
+    name, n = cls.__name__, 1
+    while name in defs:
+        n += 1
+        name = f"{cls.__name__}_{n}"
+    names[cls] = name
+    defs[name] = {}  # reserved: recursive references resolve to it
+    ctx = _Ctx("describe", None)
+    decls = _DECLARED[kind](cls, _record_hints(cls, ctx, kind), ctx)
+    props = {field: _json(hint, defs, names) for field, hint, _, _ in decls}
+    schema: dict[str, Any] = {"title": cls.__name__, "x-tensorrpc": kind}
+    if kind == "namedtuple":
+        items = list(props.values())
+        schema |= {"type": "array", "prefixItems": items, "minItems": len(items)}
+        schema["maxItems"] = len(items)
+    else:
+        schema |= {"type": "object", "properties": props, "additionalProperties": False}
+        schema["required"] = [field for field, _, required, _ in decls if required]
+    defs[name] = schema
+    return name
+
+
+def _json_value(value: object) -> object:
+    return {"bytes": base64.b64encode(value).decode()} if isinstance(value, bytes) else value

@@ -1,41 +1,56 @@
 """The engine side: ``serve()`` / ``Server`` run a service instance behind ZMQ.
 
-This module is the I/O shell: every decision is ``_server_protocol.ServerProtocol``'s,
-the worker pool is ``_dispatch``'s and the sockets (their receive loops, every send) are
-``_server_sockets.ServerSockets``'. What is left here:
+This module is the engine's I/O shell: every decision is
+``_server_protocol.ServerProtocol``'s and the worker pool is ``_dispatch``'s. Here:
 
 * The configuration, the lifecycle (start, drain, close) and the statistics.
-* For each message a receive loop fed to the protocol: wake a worker when it accepted a
-  call, and flush what the protocol handed out: frames to send, then its events (calls
-  to stop or wake, session news: torch_shm negotiation, freed leases).
+* The sockets. **Dial-in** (``connect=``): one DEALER per client address, routing id
+  ``engine_id + "/" + nonce`` (unique per incarnation), with ``ZMQ_IMMEDIATE`` so that a
+  HELLO is only queued on a live connection. **Listen** (``bind=``): one ROUTER bound to
+  every address; a client is keyed by its routing id.
+* One receive loop per socket feeds each message and ``now`` to the protocol, wakes a
+  worker when it accepted a call, and flushes what the protocol handed out: frames to
+  send, then its events (calls to stop or wake, session news: torch_shm negotiation,
+  freed leases).
 * One housekeeping task runs the protocol's timers and releases the memory of tensors
   ZMQ has finished sending.
 
 Rules this module keeps:
 
 1. Every socket operation happens on the event-loop thread; a receive loop never waits
-   on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full).
+   on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full); a
+   worker's reply may wait a bounded time (``dead_after``).
 2. The memory of every zero-copy send is held until ZMQ's tracker says it is done.
 3. Shutdown drains: new CALLs get DRAINING, running calls get ``grace_period`` to finish,
    then are cancelled (and get an ERROR), BYE goes to every client, sockets close.
+4. One clock: the event loop's (`tensorrpc._zmq.loop_clock`), for the protocol's ``now``,
+   call deadlines and the workers' cancel scopes alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket as _socket
 import time
-from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Final, TypedDict
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
 
 import anyio
+import zmq
 
 from tensorrpc import _codec, _observe
 from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._dispatch import Call, Dispatcher
-from tensorrpc._exceptions import ClosedError, ErrorCode, HandshakeRejectedError
+from tensorrpc._exceptions import (
+    ClosedError,
+    ErrorCode,
+    HandshakeRejectedError,
+    PeerUnreachableError,
+    TransportError,
+)
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
@@ -46,6 +61,7 @@ from tensorrpc._protocol import (
     Hello,
     Welcome,
 )
+from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._server_protocol import (
     AllRejected,
     BuiltinCall,
@@ -59,10 +75,18 @@ from tensorrpc._server_protocol import (
     SessionStarted,
     ShmPeer,
 )
-from tensorrpc._server_sockets import ServerSockets
 from tensorrpc._service import describe
 from tensorrpc._text import CONTROL, peer_text
-from tensorrpc._zmq import DEFAULT_OPTIONS, SocketOptions, message_peer_address, peer_credentials
+from tensorrpc._zmq import (
+    DEFAULT_OPTIONS,
+    AsyncSocket,
+    PendingSends,
+    SocketOptions,
+    create_socket,
+    loop_clock,
+    message_peer_address,
+    peer_credentials,
+)
 from tensorrpc.transports._peer import ALIAS_SETTINGS, AliasSetting
 from tensorrpc.transports._policy import (
     DEFAULT_SHM_THRESHOLD,
@@ -76,6 +100,7 @@ if TYPE_CHECKING:
     from typing import Self, Unpack
 
     from anyio.abc import TaskStatus
+    from typing_extensions import Buffer
 
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
@@ -88,16 +113,19 @@ logger = logging.getLogger("tensorrpc.server")
 _NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
 #: Longest peer-written reason shown in a log line or an exception.
 _WHY_CHARS: Final = 512
+# How long the sockets may keep flushing the last replies and BYEs after close.
+_CLOSE_LINGER_MS: Final = 1000
 
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """Everything an engine is configured with; shared by [`Server`][tensorrpc.Server]
-    and [`serve`][tensorrpc.serve]. Exactly one of ``connect`` and ``bind`` is given.
+    """An engine's options, checked: each field is a keyword of
+    [`Server`][tensorrpc.Server] and [`serve`][tensorrpc.serve] (as the client's options
+    are keywords of [`Client`][tensorrpc.Client]), read back as ``Server.config``.
+    Exactly one of ``connect`` and ``bind`` is given.
 
     Example:
-        ``Server(Calculator(), ServerConfig(bind="tcp://127.0.0.1:0"), max_queued=16)``:
-        keyword options override the config's fields.
+        ``Server(Calculator(), bind="tcp://127.0.0.1:0", max_queued=16)``
     """
 
     #: Dial-in mode: the address (or addresses) of the clients' bound ROUTERs.
@@ -150,11 +178,9 @@ class ServerConfig:
     #: Most streams of one client waiting for credit at once; more end with OVERLOADED.
     max_parked_streams: int = 256
     #: An ``Observer`` (or several) told about every call this engine runs (see
-    #: docs/observability.md).
+    #: docs/observability.md); ``tensorrpc.metrics.exporter(port)`` exports Prometheus
+    #: metrics over HTTP.
     observer: Observer | Sequence[Observer] | None = None
-    #: Export Prometheus metrics of this engine (the default registry) over HTTP on this
-    #: port (needs the ``metrics`` extra; 0 picks a free port).
-    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -193,19 +219,16 @@ class ServerOptions(TypedDict, total=False):
     max_strangers: int
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
-    metrics_port: int | None
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
 
 
-def _config(config: ServerConfig | None, options: dict[str, object]) -> ServerConfig:
+def _config(options: dict[str, object]) -> ServerConfig:
     unknown = set(options) - _CONFIG_FIELDS
     if unknown:
         raise TypeError(f"unknown server option(s): {', '.join(sorted(unknown))}")
-    if config is None:
-        return ServerConfig(**options)  # type: ignore[arg-type]
-    return replace(config, **options)  # type: ignore[arg-type]
+    return ServerConfig(**options)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +298,88 @@ _STATISTICS_REFUSED: Final = ErrorInfo(
 )
 
 
+def _protocol_settings(
+    cfg: ServerConfig,
+    spec: ServiceSpec,
+    engine_id: str,
+    instance: object,
+    policy: TransportPolicy,
+    batches: BatchRunners,
+    codec: _codec.CodecConfig,
+    maxmsgsize: int,
+) -> ProtocolSettings:
+    """What the engine's protocol machine is configured with (its HELLO included)."""
+    hello = Hello(
+        engine_id=engine_id,
+        service=spec.name,
+        fingerprint=spec.fingerprint,
+        protocol_version=PROTOCOL_VERSION,
+        host_id=_host_id(),
+        pid=os.getpid(),
+        transports=policy.offered(),
+        concurrency=cfg.max_concurrency,
+        heartbeat_ms=to_ms(cfg.heartbeat_interval),
+        methods=tuple(spec.methods),
+        streaming=tuple(m.name for m in spec.methods.values() if m.streaming),
+        signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
+        max_message_bytes=max(0, maxmsgsize),
+    )
+    return ProtocolSettings(
+        hello=hello,
+        methods={
+            name: (m, batches.entry(name, getattr(instance, name)))
+            for name, m in spec.methods.items()
+        },
+        listen=cfg.bind is not None,
+        max_concurrency=cfg.max_concurrency,
+        max_queued=cfg.max_queued,
+        heartbeat_interval=cfg.heartbeat_interval,
+        dead_after=cfg.dead_after,
+        max_strangers=cfg.max_strangers,
+        max_parked_streams=cfg.max_parked_streams,
+        max_buffers=codec.max_tensors,
+        builtins=frozenset({_observe.STATISTICS_METHOD}),
+    )
+
+
+def _statistics(
+    engine_id: str, proto: ServerProtocol, policy: TransportPolicy, batches: BatchRunners
+) -> ServerStatistics:
+    return ServerStatistics(
+        engine_id=engine_id,
+        calls=proto.calls_total,
+        errors=proto.errors_total,
+        in_flight=proto.in_flight(),
+        queued=len(proto.queue),
+        overloaded=proto.overloaded,
+        dropped=proto.dropped,
+        clients=tuple(
+            PeerStatistics(
+                client_id=s.name,
+                state=s.state.value,
+                calls=s.calls_total,
+                errors=s.errors,
+                in_flight=len(s.calls),
+                bytes_in=s.bytes_in,
+                bytes_out=s.bytes_out,
+            )
+            for s in proto.sessions.values()
+        ),
+        transports=policy.statistics(),
+        strangers_evicted=proto.strangers_evicted,
+        batching=batches.statistics(),
+    )
+
+
+def _engine_id(given: str | None) -> str:
+    engine_id = given or f"{_socket.gethostname()}-{os.getpid()}"
+    if "/" in engine_id or len(engine_id.encode()) > 200 or CONTROL.search(engine_id):
+        raise ValueError(
+            "engine_id must be 1..200 bytes of UTF-8 without '/' or control characters"
+        )
+    return engine_id
+
+
 def _addresses_of(value: str | Sequence[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -295,10 +400,9 @@ class Server:
 
     Args:
         instance: An instance of a ``@service`` class.
-        config: The engine's configuration (see [`ServerConfig`][tensorrpc.ServerConfig]
-            for every option); None: the defaults.
-        **options: Fields of ``ServerConfig`` to set or override (``bind=``,
-            ``connect=``, ``max_concurrency=`` ...).
+        **options: The engine's options (``bind=``, ``connect=``, ``max_concurrency=``
+            ...), each a field of [`ServerConfig`][tensorrpc.ServerConfig], where every
+            option is described.
 
     Raises:
         ValueError: Bad options (both or neither of connect/bind, bad numbers).
@@ -306,21 +410,10 @@ class Server:
         ServiceDefinitionError: ``instance`` is not an instance of a ``@service`` class.
     """
 
-    def __init__(
-        self,
-        instance: object,
-        config: ServerConfig | None = None,
-        /,
-        **options: Unpack[ServerOptions],
-    ) -> None:
-        self._config = cfg = _config(config, dict(options))
+    def __init__(self, instance: object, /, **options: Unpack[ServerOptions]) -> None:
+        self._config = cfg = _config(dict(options))
         self._spec: ServiceSpec = describe(instance)
-        engine_id = cfg.engine_id or f"{_socket.gethostname()}-{os.getpid()}"
-        if "/" in engine_id or len(engine_id.encode()) > 200 or CONTROL.search(engine_id):
-            raise ValueError(
-                "engine_id must be 1..200 bytes of UTF-8 without '/' or control characters"
-            )
-        self._engine_id = engine_id
+        self._engine_id = engine_id = _engine_id(cfg.engine_id)
         self._addresses = _addresses_of(cfg.connect)
         self._binds = _addresses_of(cfg.bind)
         self._listen = bool(self._binds)
@@ -337,17 +430,17 @@ class Server:
             message_address=message_peer_address,
         )
         self._batches = BatchRunners(self._spec, instance, engine_id, lambda: self._observer)
-        self._proto = ServerProtocol(self._settings(instance))
-        self._io = ServerSockets(
-            self._proto,
-            engine_id=engine_id,
-            routing_id=f"{engine_id}/{secrets.token_hex(6)}".encode(),
-            binds=self._binds,
-            addresses=self._addresses,
-            options=self._socket_options,
-            curve=cfg.curve,
-            reply_patience=cfg.dead_after,
-        )
+        self._proto = ServerProtocol(
+            _protocol_settings(cfg, self._spec, engine_id, instance, self._policy, self._batches,
+                               self._codec, self._socket_options.maxmsgsize)
+        )  # fmt: skip
+        self._routing_id = f"{engine_id}/{secrets.token_hex(6)}".encode()
+        self._router: AsyncSocket | None = None
+        self._dealers: dict[str, AsyncSocket] = {}
+        self._sockets: list[AsyncSocket] = []
+        self._endpoints: list[str] = []  # listen mode, in the order of ``bind``
+        self._pending = PendingSends()
+        self._now = time.monotonic  # the event loop's clock once entered
         self._dispatch = Dispatcher(
             self._proto,
             engine_id=engine_id,
@@ -358,7 +451,7 @@ class Server:
             maxmsgsize=self._socket_options.maxmsgsize,
             grace_period=cfg.grace_period,
             flush=self._flush,
-            send_reply=self._io.send_reply,
+            send_reply=self._send_reply,
         )
         self._started = False
         self._closed = False
@@ -367,46 +460,11 @@ class Server:
         self._poke: anyio.Event | None = None
         self._outer_tg: anyio.abc.TaskGroup | None = None
         self._inner_scope: anyio.CancelScope | None = None
-        self._observer = _observe.resolve(cfg.observer, cfg.metrics_port)
+        self._observer = _observe.resolve(cfg.observer)
         self._said = Said()  # refusals already logged at WARNING
         # Per-method counters for the built-in statistics method, from its first use on.
         self._recorder: _observe.StatisticsRecorder | None = None
         self._started_at = time.time()
-
-    def _settings(self, instance: object) -> ProtocolSettings:
-        cfg = self._config
-        spec = self._spec
-        hello = Hello(
-            engine_id=self._engine_id,
-            service=spec.name,
-            fingerprint=spec.fingerprint,
-            protocol_version=PROTOCOL_VERSION,
-            host_id=_host_id(),
-            pid=os.getpid(),
-            transports=self._policy.offered(),
-            concurrency=cfg.max_concurrency,
-            heartbeat_ms=to_ms(cfg.heartbeat_interval),
-            methods=tuple(spec.methods),
-            streaming=tuple(m.name for m in spec.methods.values() if m.streaming),
-            signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
-            max_message_bytes=max(0, self._socket_options.maxmsgsize),
-        )
-        return ProtocolSettings(
-            hello=hello,
-            methods={
-                name: (m, self._batches.entry(name, getattr(instance, name)))
-                for name, m in spec.methods.items()
-            },
-            listen=self._listen,
-            max_concurrency=cfg.max_concurrency,
-            max_queued=cfg.max_queued,
-            heartbeat_interval=cfg.heartbeat_interval,
-            dead_after=cfg.dead_after,
-            max_strangers=cfg.max_strangers,
-            max_parked_streams=cfg.max_parked_streams,
-            max_buffers=self._codec.max_tensors,
-            builtins=frozenset({_observe.STATISTICS_METHOD}),
-        )
 
     # -- public surface ---------------------------------------------------------------------
 
@@ -428,13 +486,13 @@ class Server:
     @property
     def endpoint(self) -> str | None:
         """Listen mode: the (first) bound endpoint; a ``tcp://...:0`` bind reads back its port."""
-        endpoints = self._io.endpoints
+        endpoints = self._endpoints
         return endpoints[0] if endpoints else None
 
     @property
     def endpoints(self) -> tuple[str, ...]:
         """Listen mode: every bound endpoint, in the order of ``bind``."""
-        return tuple(self._io.endpoints)
+        return tuple(self._endpoints)
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -443,36 +501,7 @@ class Server:
 
     def statistics(self) -> ServerStatistics:
         """Return a snapshot of the engine's counters, with one entry per known client."""
-        proto = self._proto
-        return ServerStatistics(
-            engine_id=self._engine_id,
-            calls=proto.calls_total,
-            errors=proto.errors_total,
-            in_flight=proto.in_flight(),
-            queued=len(proto.queue),
-            overloaded=proto.overloaded,
-            dropped=proto.dropped,
-            clients=tuple(
-                PeerStatistics(
-                    client_id=s.name,
-                    state=s.state.value,
-                    calls=s.calls_total,
-                    errors=s.errors,
-                    in_flight=len(s.calls),
-                    bytes_in=s.bytes_in,
-                    bytes_out=s.bytes_out,
-                )
-                for s in proto.sessions.values()
-            ),
-            transports=self._policy.statistics(),
-            strangers_evicted=proto.strangers_evicted,
-            batching=self._batches.statistics(),
-        )
-
-    def batch_statistics(self) -> Mapping[str, dict[str, Any]]:
-        """Per batched method (``@rpc(batch=...)``): ``batches``, ``items``, ``queued``,
-        ``running`` and the histograms of `ServerStatistics.batching`."""
-        return self._batches.statistics()
+        return _statistics(self._engine_id, self._proto, self._policy, self._batches)
 
     async def __aenter__(self) -> Self:
         if self._started:
@@ -480,15 +509,12 @@ class Server:
         self._started = True
         self._stopped = anyio.Event()
         self._poke = anyio.Event()
-        if self._observer is not None:  # observe: the engine opened
-            # Before binding: a metrics_port in use fails before any socket is bound.
-            try:
-                self._observer.opened(self)
-            except BaseException:
-                self._observer.closed(self)
-                raise
+        self._now = loop_clock()
         try:
-            self._io.open()
+            if self._observer is not None:  # observe: the engine opened
+                # Before binding: an exporter's port in use fails before any socket is bound.
+                self._observer.opened(self)
+            self._open()
         except BaseException:
             if self._observer is not None:
                 self._observer.closed(self)
@@ -499,7 +525,7 @@ class Server:
             await tg.start(self._host)
         except BaseException as exc:
             tg.cancel_scope.cancel()
-            self._io.close()
+            self._close_sockets()
             await tg.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         self._outer_tg = tg
@@ -556,7 +582,7 @@ class Server:
             finally:
                 if self._inner_scope is not None:
                     self._inner_scope.cancel()
-                self._io.close()
+                self._close_sockets()
                 self._policy.close()
                 if self._observer is not None:  # observe: the engine closed
                     self._observer.closed(self)
@@ -573,7 +599,10 @@ class Server:
             async with anyio.create_task_group() as tg:
                 self._dispatch.start(tg)
                 self._batches.start(tg)
-                self._io.start(tg, self._accepted, self._flush)
+                if self._router is not None:
+                    tg.start_soon(self._receive_loop, self._router, None)
+                for address, sock in self._dealers.items():
+                    tg.start_soon(self._receive_loop, sock, address)
                 tg.start_soon(self._housekeeping)
                 task_status.started()
 
@@ -594,6 +623,149 @@ class Server:
         proto.goodbye()  # also to clients whose WELCOME may still be on its way
         self._flush()
         logger.info("engine %r stopped", self._engine_id)
+
+    # -- sockets ----------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Bind the ROUTER, or connect one DEALER per client (each added to the protocol)."""
+        options, curve = self._socket_options, self._config.curve
+        try:
+            if self._listen:
+                sock = self._router = create_socket(zmq.ROUTER, options=options, curve=curve)
+                self._sockets.append(sock)
+                self._endpoints.extend(sock.bind(address) for address in self._binds)
+                logger.info("engine %r listening on %s", self._engine_id, self._endpoints)
+                return
+            now = self._now()
+            for address in self._addresses:
+                sock = create_socket(
+                    zmq.DEALER, options=options, routing_id=self._routing_id, curve=curve
+                )
+                self._dealers[address] = sock
+                self._sockets.append(sock)
+                # Only queue on a live connection: no HELLOs piling up while the client
+                # is down, and sends to a vanished client fail fast.
+                sock.socket.setsockopt(zmq.IMMEDIATE, 1)
+                sock.connect(address)
+                self._proto.add_client(address, now)
+            logger.info("engine %r dialling %s", self._engine_id, ", ".join(self._addresses))
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    def _close_sockets(self) -> None:
+        """Close every socket (letting ZMQ flush the last replies and BYEs a while)."""
+        for sock in self._sockets:
+            if not sock.closed:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+                sock.close()
+        self._pending.clear()
+
+    async def _receive_loop(self, sock: AsyncSocket, address: str | None) -> None:
+        """Feed every message of ``sock`` to the protocol: a ROUTER's (``address`` None)
+        keyed by its routing id frame, a DEALER's by the client ``address``."""
+        recv = sock.recv
+        proto = self._proto
+        receive = proto.receive
+        clock = self._now
+        while True:
+            try:
+                frames = await recv()
+            except ClosedError:
+                return
+            try:
+                size = sum(map(len, frames))  # no loop variable left holding a frame
+                if address is None:
+                    route = frames[0].bytes
+                    body = cast("list[Buffer]", frames[1:])
+                    call = receive(route, body, clock(), size - len(route))
+                    del body
+                else:
+                    call = receive(address, cast("list[Buffer]", frames), clock(), size)
+                if call is not None:
+                    self._accepted(call, size)
+                    del call
+                if proto.pending:
+                    self._flush()
+            except Exception:  # one bad message must never stop the loop
+                proto.unhandled(address)
+                logger.exception("error handling a message from %s", address or "a peer")
+            # Not held until the next message arrives: a large one is freed off the loop.
+            later_if_large(frames, size)
+            del frames
+
+    def _send_now(self, key: object, frames: list[bytes]) -> bool:
+        """Send a small message without waiting; False when it could not go (ZMQ full,
+        no connection): the caller tells the protocol (``send_failed``)."""
+        if self._router is not None:
+            sock: AsyncSocket | None = self._router
+            parts: list[Any] = [key, *frames]
+        else:
+            sock, parts = self._dealers.get(cast("str", key)), frames
+        if sock is None:
+            return False
+        try:
+            sock.send_nowait(parts)
+        except (anyio.WouldBlock, PeerUnreachableError, ClosedError) as exc:
+            logger.debug("dropped a message to %r: %r", key, exc)
+            return False
+        except TransportError as exc:
+            logger.warning("cannot send to %r: %s", key, exc)
+            return False
+        return True
+
+    async def _send_reply(
+        self, call: Call, frames: list[Buffer], keepalive: list[object] | None
+    ) -> None:
+        """Send a (possibly large, zero-copy) reply from a worker, waiting a bounded time.
+
+        The wait (ZMQ full, or a DEALER whose client is not connected) ends after
+        ``dead_after``, or when the call is cancelled (CANCEL, its session ended); a
+        reply that could not go is counted by the protocol (``send_failed``).
+        """
+        sock = self._router
+        key: Any = call.key  # a routing id (ROUTER) or a client address (DEALERs)
+        if sock is not None:
+            parts: list[Buffer] = [key, *frames]
+        else:
+            sock = self._dealers.get(key)
+            if sock is None:
+                self._proto.send_failed(key, frames, self._now())
+                return
+            parts = frames
+        track = keepalive is not None
+        try:
+            try:
+                tracker = sock.send_nowait(parts, track=track)
+            except anyio.WouldBlock:
+                tracker = await self._send_waiting(call, sock, parts, track)
+        except (anyio.WouldBlock, PeerUnreachableError, ClosedError) as exc:
+            self._proto.send_failed(key, frames, self._now())
+            logger.debug("dropped a reply to %s: %r", peer_text(call.session.name), exc)
+            return
+        except TransportError as exc:
+            self._proto.send_failed(key, frames, self._now())
+            logger.warning("cannot send a reply to %s: %s", peer_text(call.session.name), exc)
+            return
+        if keepalive is not None:
+            self._pending.add(tracker, keepalive, nbytes(frames))
+
+    async def _send_waiting(
+        self, call: Call, sock: AsyncSocket, parts: list[Buffer], track: bool
+    ) -> zmq.MessageTracker | None:
+        if call.cancelled:
+            raise anyio.WouldBlock
+        with anyio.move_on_after(self._config.dead_after) as scope:
+            borrowed = call.scope is None  # unary: no scope of its own any more
+            if borrowed:
+                call.scope = scope
+            try:
+                return await sock.send(parts, track=track)
+            finally:
+                if borrowed:
+                    call.scope = None
+        raise anyio.WouldBlock
 
     # -- receiving --------------------------------------------------------------------------
 
@@ -630,12 +802,12 @@ class Server:
         """Do what the protocol handed out: send its frames, then act on its events (wake
         or stop calls, session news); until it has nothing more."""
         proto = self._proto
-        send_now = self._io.send_now
+        send_now = self._send_now
         while proto.pending:
             for key, frames in proto.frames_to_send():
                 if not send_now(key, frames):
                     # Counted as dropped; a dial-in HELLO is retried soon.
-                    proto.send_failed(key, frames, time.monotonic())
+                    proto.send_failed(key, frames, self._now())
                     self._wake_housekeeping()
             for event in proto.next_events():
                 if isinstance(event, ServerCall):
@@ -668,15 +840,15 @@ class Server:
             if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
                 observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
                 observed.finished("ok", 0)
-        elif isinstance(event, AllRejected):
-            self._fail(
-                HandshakeRejectedError(
-                    f"every client refused engine {self._engine_id!r}: "
-                    + peer_text(event.message, _WHY_CHARS),
-                    reason=event.reason,
-                    engine_id=self._engine_id,
-                )
+        elif isinstance(event, AllRejected):  # stop serving: serve_forever raises it
+            self._fatal = self._fatal or HandshakeRejectedError(
+                f"every client refused engine {self._engine_id!r}: "
+                + peer_text(event.message, _WHY_CHARS),
+                reason=event.reason,
+                engine_id=self._engine_id,
             )
+            if self._stopped is not None:
+                self._stopped.set()
 
     def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
         # torch_shm only with the process the kernel says is at the other end of the
@@ -690,13 +862,6 @@ class Server:
         )
         self._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
 
-    def _fail(self, error: BaseException) -> None:
-        """Stop serving because of ``error`` (raised by serve_forever)."""
-        if self._fatal is None:
-            self._fatal = error
-        if self._stopped is not None:
-            self._stopped.set()
-
     # -- housekeeping -----------------------------------------------------------------------
 
     def _wake_housekeeping(self) -> None:
@@ -705,17 +870,19 @@ class Server:
 
     async def _housekeeping(self) -> None:
         interval = self._config.heartbeat_interval
-        next_sweep = time.monotonic() + interval
+        clock = self._now
+        next_sweep = clock() + interval
         while True:
-            now = time.monotonic()
+            now = clock()
             self._proto.tick(now)
             self._flush()
-            sweep = now >= next_sweep
-            if sweep:
+            if now >= next_sweep:
                 next_sweep = now + interval
                 self._policy.sweep()
-            self._io.housekeeping(sweep)  # logs failed CURVE handshakes at WARNING
-            wait = max(0.005, min(self._proto.wake_at, next_sweep) - time.monotonic())
+                for sock in self._sockets:
+                    sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
+            self._pending.prune()
+            wait = max(0.005, min(self._proto.wake_at, next_sweep) - clock())
             self._poke = poke = anyio.Event()
             with anyio.move_on_after(wait):
                 await poke.wait()
@@ -723,7 +890,6 @@ class Server:
 
 async def serve(
     instance: object,
-    config: ServerConfig | None = None,
     /,
     *,
     task_status: TaskStatus[Server] = anyio.TASK_STATUS_IGNORED,
@@ -740,6 +906,6 @@ async def serve(
         ConnectError: ``bind`` or ``connect`` is malformed or the address is in use.
         ValueError: Bad options.
     """
-    async with Server(instance, config, **options) as server:
+    async with Server(instance, **options) as server:
         task_status.started(server)
         await server.serve_forever()

@@ -694,6 +694,7 @@ def _bind_error(
             method=where,
             path=f"req.{param}" if param else "req",
             expected=expected[i] if i is not None else "",
+            field_path=["req", param] if param else ["req"],
         )
 
     return bind_error
@@ -804,6 +805,7 @@ def _check_arg_names(
                 method=where,
                 path=f"req.{key}",
                 expected="",
+                field_path=["req", key],
             )
 
 

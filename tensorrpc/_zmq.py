@@ -78,6 +78,7 @@ __all__ = [
     "PendingSends",
     "SocketOptions",
     "create_socket",
+    "loop_clock",
     "map_zmq_errors",
     "message_peer_address",
     "peer_credentials",
@@ -192,6 +193,20 @@ class SocketOptions:
 
 #: The default [`SocketOptions`][tensorrpc.SocketOptions].
 DEFAULT_OPTIONS: Final = SocketOptions()
+
+
+def loop_clock() -> Callable[[], float]:
+    """The running event loop's clock: ``anyio.current_time`` as a plain function.
+
+    The one clock of both shells: what they feed the machines as ``now``, the deadlines
+    of calls and the cancel scopes that bound them (no conversion between clocks).
+    """
+    loop = _get_running_loop()
+    if loop is not None:
+        return loop.time
+    import trio
+
+    return trio.current_time
 
 
 def translate_zmq_error(exc: zmq.ZMQError, what: str = "", *, peer: bytes = b"") -> TensorRPCError:

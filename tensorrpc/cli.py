@@ -43,6 +43,7 @@ import anyio
 
 import tensorrpc
 from tensorrpc import _cli_ops
+from tensorrpc._schema import json_schemas
 from tensorrpc._text import peer_text
 
 __all__ = ["main"]
@@ -495,12 +496,24 @@ def service_of(target: str, *, instantiate: bool) -> tuple[tensorrpc.ServiceSpec
 
 
 def describe_dict(spec: tensorrpc.ServiceSpec) -> dict[str, Any]:
-    """The JSON form of ``tensorrpc describe --json``."""
+    """The JSON form of ``tensorrpc describe --json``.
+
+    Each parameter and result has its canonical ``type`` text (what the fingerprint
+    hashes) and a JSON ``schema``; records (dataclasses and the like) are defined once in
+    the top-level ``$defs`` and referenced from there.
+    """
+    annotations: list[object] = []
+    for m in spec.methods.values():
+        annotations += [f.type for f in dataclasses.fields(m.request_type)]
+        annotations.append(dataclasses.fields(m.response_type)[0].type)
+    schemas, defs = json_schemas(annotations)
+    next_schema = iter(schemas)
     methods = []
     for m in spec.methods.values():
         params = []
         for name, tp in zip(m.params, m.param_types, strict=True):
             param: dict[str, Any] = {"name": name, "type": tp.description}
+            param["schema"] = next(next_schema)
             if name in m.defaults:
                 param["default"] = to_json(m.defaults[name])
             params.append(param)
@@ -510,13 +523,19 @@ def describe_dict(spec: tensorrpc.ServiceSpec) -> dict[str, Any]:
                 "signature": m.signature,
                 "params": params,
                 "returns": m.result_type.description,
+                "returns_schema": next(next_schema),
                 "streaming": m.streaming,
                 "async": m.is_async,
                 "request_type": m.request_type.__name__,
                 "response_type": m.response_type.__name__,
             }
         )
-    return {"service": spec.name, "fingerprint": spec.fingerprint, "methods": methods}
+    return {
+        "service": spec.name,
+        "fingerprint": spec.fingerprint,
+        "methods": methods,
+        "$defs": defs,
+    }
 
 
 def describe_text(spec: tensorrpc.ServiceSpec) -> str:
@@ -621,6 +640,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exporter(port: int | None) -> tensorrpc.Observer | None:
+    if port is None:
+        return None
+    from tensorrpc import metrics  # the optional extra: ImportError without it
+
+    return metrics.exporter(port)
+
+
 async def _serve(
     instance: object,
     connect: list[str] | None,
@@ -639,7 +666,7 @@ async def _serve(
         sync_workers=args.sync_workers,
         grace_period=args.grace_period,
         curve=curve,
-        metrics_port=args.metrics_port,
+        observer=_exporter(args.metrics_port),
         task_status=task_status,
     )
 

@@ -12,8 +12,9 @@ async with Client(Calculator, connect=..., observer=metrics) as client:
 print(generate_latest(registry).decode())
 ```
 
-Or let tensorrpc serve them: ``Client(..., metrics_port=9464)`` /
-``serve(..., metrics_port=9464)`` export the default registry over HTTP on 127.0.0.1.
+Or let tensorrpc serve them: ``Client(..., observer=exporter(9464))`` /
+``serve(..., observer=exporter(9464))`` export the default registry over HTTP on
+127.0.0.1 (see `exporter`).
 The names, units and labels are listed in docs/observability.md. Labels are bounded:
 ``method`` and ``engine`` (ids), plus the small fixed sets ``outcome``, ``transport``,
 ``direction``, ``event`` and ``state``; never call ids or arguments. Engine ids come from
@@ -689,11 +690,11 @@ def _transport_families(side: str, stats: list[Any], with_samples: bool) -> Iter
     yield from (tensors, tensor_bytes, fallbacks)
 
 
-# -- metrics_port= ------------------------------------------------------------------------
+# -- exporter(port) -----------------------------------------------------------------------
 
 
 class _HttpServers:
-    """HTTP exporters started for ``metrics_port=``: one per requested port, ref-counted."""
+    """HTTP exporters started for `exporter`: one per requested port, ref-counted."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -708,9 +709,9 @@ class _HttpServers:
                     server, thread = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
                 except OSError as exc:
                     raise ConnectError(
-                        f"metrics_port={port}: cannot export metrics on 127.0.0.1:{port}: "
+                        f"metrics port {port}: cannot export metrics on 127.0.0.1:{port}: "
                         f"{exc.strerror or exc}. Another process (another engine on this "
-                        "host?) has that port: give each process its own metrics_port "
+                        "host?) has that port: give each process its own metrics port "
                         "(tensorrpc serve --metrics-port, TENSORRPC_METRICS_PORT), or 0 "
                         "for a free one"
                     ) from exc
@@ -760,7 +761,8 @@ def default_observer() -> PrometheusObserver:
 
 
 def exporter(port: int) -> Observer:
-    """What ``metrics_port=port`` adds to a client or engine.
+    """An observer that exports a client's or engine's metrics over HTTP:
+    ``Client(..., observer=exporter(9464))``, ``serve(..., observer=exporter(9464))``.
 
     The default observer's metrics (global registry), and an HTTP exporter on
     ``127.0.0.1:port`` that runs while the client or engine is open (shared by all that
@@ -773,27 +775,27 @@ def exporter(port: int) -> Observer:
         port: TCP port, 0 for a free one.
 
     Returns:
-        The observer to combine into the client's or engine's.
+        The observer to give as ``observer=`` (alone or with others).
 
     Raises:
         ValueError: ``port`` is out of range.
 
     The exporter starts when the client or engine opens, which raises
-    [`ConnectError`][tensorrpc.ConnectError] naming ``metrics_port`` when another
+    [`ConnectError`][tensorrpc.ConnectError] naming the metrics port when another
     process holds the port (one port per process: see docs/observability.md).
     """
     if not 0 <= port <= 65535:
-        raise ValueError(f"metrics_port must be 0..65535, not {port}")
+        raise ValueError(f"the metrics port must be 0..65535, not {port}")
     return default_observer()._view(port)
 
 
 def bound_port(target: Client[Any] | Server) -> int | None:
-    """The port of the HTTP exporter ``metrics_port=`` started for an open client or engine.
+    """The port of the HTTP `exporter` started for an open client or engine.
 
     Args:
         target: The client or engine.
 
     Returns:
-        The TCP port, or None when it has none (closed, or no ``metrics_port``).
+        The TCP port, or None when it has none (closed, or no `exporter`).
     """
     return _http.port_of(target)

@@ -17,8 +17,9 @@ import subprocess
 import sys
 from typing import Any
 
-#: Top-level names of the optional integrations (extras) that ``import tensorrpc`` must not load.
-OPTIONAL = ("opentelemetry", "prometheus_client", "ray", "rich")
+#: Top-level names of the optional integrations (extras) and of the record types' packages
+#: (msgspec, pydantic) that ``import tensorrpc`` must not load.
+OPTIONAL = ("msgspec", "opentelemetry", "prometheus_client", "pydantic", "ray", "rich")
 
 #: Modules that only a value with a tensor (or array) in it may import: seconds of start-up.
 HEAVY = ("torch", "numpy")

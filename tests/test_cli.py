@@ -10,6 +10,7 @@ tests/test_packaging.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -26,6 +27,7 @@ import pytest
 import tensorrpc
 from tensorrpc.cli import (
     UsageError,
+    describe_dict,
     main,
     normalize_address,
     parse_args,
@@ -124,16 +126,64 @@ def test_describe_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["fingerprint"] == spec.fingerprint
     by_name = {m["name"]: m for m in doc["methods"]}
     assert list(by_name) == list(spec.methods)
+    int_schema = {"type": "integer", "minimum": -(1 << 63), "maximum": (1 << 64) - 1}
     assert by_name["add"]["params"] == [
-        {"name": "a", "type": "int"},
-        {"name": "b", "type": "int", "default": 1},
+        {"name": "a", "type": "int", "schema": int_schema},
+        {"name": "b", "type": "int", "schema": int_schema, "default": 1},
     ]
     assert by_name["add"]["returns"] == "int"
     assert by_name["add"]["async"] is True
     assert by_name["mul"]["async"] is False
     assert by_name["count"]["streaming"] is True
     assert by_name["count"]["signature"] == "count(n: int) -> AsyncIterator[int]"
-    assert by_name["scale"]["params"][0] == {"name": "x", "type": "Tensor"}
+    assert by_name["scale"]["params"][0]["type"] == "Tensor"
+    assert by_name["scale"]["params"][0]["schema"]["x-tensorrpc"] == "tensor"
+
+
+def test_describe_json_gives_records_as_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")  # the dev extra installs it
+    code, out, err = run_cli(capsys, "describe", "tests.typing.test_record_typing:Tagger", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    defs = doc["$defs"]
+    assert set(defs) == {"Request", "Span", "Options", "Reply"}
+    assert defs["Request"]["x-tensorrpc"] == "struct"
+    assert defs["Span"]["prefixItems"][0]["type"] == "integer"
+    assert defs["Options"]["required"] == ["temperature"]
+    tag = next(m for m in doc["methods"] if m["name"] == "tag")
+    assert tag["params"][0]["type"].startswith("struct Request{")  # the canonical text stays
+    assert tag["returns_schema"] == {"$ref": "#/$defs/Reply"}
+
+    def valid(schema: dict[str, object], value: object) -> bool:
+        validator = jsonschema.Draft202012Validator({**schema, "$defs": defs})
+        return bool(validator.is_valid(value))
+
+    request = tag["params"][0]["schema"]
+    assert valid(request, {"text": "t", "spans": [[0, 2]]})
+    assert not valid(request, {"text": "t", "spans": [[0, "2"]]})
+    assert not valid(request, {"text": "t", "spans": [], "extra": 1})
+    assert valid(tag["params"][2]["schema"], {"7": 0.5})
+    assert not valid(tag["params"][2]["schema"], {"seven": 0.5})
+
+
+def test_describe_json_defines_a_recursive_dataclass_once() -> None:
+    @dataclasses.dataclass
+    class Node:
+        value: int
+        children: list[Node]
+
+    @tensorrpc.service
+    class Trees:
+        @tensorrpc.rpc
+        async def size(self, tree: Node) -> int:
+            return 1
+
+    doc = describe_dict(tensorrpc.describe(Trees))
+    assert doc["methods"][0]["params"][0]["schema"] == {"$ref": "#/$defs/Node"}
+    node = doc["$defs"]["Node"]
+    assert node["properties"]["children"] == {"type": "array", "items": {"$ref": "#/$defs/Node"}}
+    assert node["required"] == ["value", "children"]
+    json.dumps(doc)  # all of it is JSON
 
 
 def test_describe_accepts_a_factory(

@@ -101,7 +101,7 @@ def test_two_engine_processes_each_export_their_own_metrics(tmp_path: Path) -> N
         # A second engine on the same port: one line naming the option, exit 1.
         taken = cli("serve", SERVICE, "--bind", b_addr, env={"TENSORRPC_METRICS_PORT": str(port)})
         assert_one_line_error(
-            taken.returncode, taken.stderr, 1, f"metrics_port={port}", "--metrics-port"
+            taken.returncode, taken.stderr, 1, f"metrics port {port}", "--metrics-port"
         )
         assert "Address already in use" in taken.stderr
 

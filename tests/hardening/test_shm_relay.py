@@ -116,7 +116,7 @@ async def test_a_relay_of_the_handshake_gains_the_relay_nothing(anyio_backend: s
                 secret = tensorrpc.share(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
                 before = digest(secret)
                 # The victim's own handle to its secret, as it would send it by alias.
-                shm = client._transfers.policy.shm
+                shm = client._io.policy.shm
                 assert shm is not None
                 placed = shm.placer("anyone").place(secret)
                 assert placed is not None

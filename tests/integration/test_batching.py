@@ -228,7 +228,7 @@ async def test_full_queue_is_overloaded_and_queued_timeouts_never_run(tmp_path: 
                     await c.stub(timeout=0.2).gated(99)  # queued, then late
                 tg.start_soon(one, 2)
                 tg.start_soon(one, 3)
-                while server.batch_statistics()["gated"]["queued"] < 2:  # noqa: ASYNC110
+                while server.statistics().batching["gated"]["queued"] < 2:  # noqa: ASYNC110
                     await anyio.sleep(0.01)  # bounded by fail_after: the two are queued
                 with pytest.raises(OverloadedError, match="max_queue"):
                     await c.stub(wait=False).gated(4)
@@ -271,7 +271,7 @@ async def test_a_batch_whose_callers_all_left_is_stopped(tmp_path: Path) -> None
             with pytest.raises(CallTimeoutError):
                 await c.stub(timeout=0.3).gated(7)
             assert svc.batches == [[7]]
-            while server.batch_statistics()["gated"]["running"]:  # noqa: ASYNC110
+            while server.statistics().batching["gated"]["running"]:  # noqa: ASYNC110
                 await anyio.sleep(0.01)  # bounded by fail_after: the batch is stopped
             svc.gate.set()
             assert await c.stub().gated(8) == 8
@@ -348,11 +348,11 @@ async def test_a_client_that_leaves_has_its_queued_items_dropped(tmp_path: Path)
                     async with anyio.create_task_group() as doomed:
                         doomed.start_soon(leaves.stub().gated, 50)
                         doomed.start_soon(leaves.stub().gated, 51)
-                        while server.batch_statistics()["gated"]["queued"] < 2:  # noqa: ASYNC110
+                        while server.statistics().batching["gated"]["queued"] < 2:  # noqa: ASYNC110
                             await anyio.sleep(0.01)
                         doomed.cancel_scope.cancel()
                 # The client is gone: the engine drops what it had queued.
-                while server.batch_statistics()["gated"]["queued"]:  # noqa: ASYNC110
+                while server.statistics().batching["gated"]["queued"]:  # noqa: ASYNC110
                     await anyio.sleep(0.01)
                 svc.gate.set()
             assert await stays.stub().gated(2) == 2

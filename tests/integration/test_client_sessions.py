@@ -218,22 +218,24 @@ async def test_many_waiting_callers_are_woken_once_each(tmp_path: Path) -> None:
         assert client._protocol.capacity.wakeups <= calls + 8
 
 
-def test_codec_is_spelled_as_on_the_server_and_the_old_name_warns(tmp_path: Path) -> None:
+def test_each_option_has_one_spelling_and_both_sides_take_keywords(tmp_path: Path) -> None:
+    from tensorrpc import ServerConfig
     from tensorrpc._codec import CodecConfig
+    from tensorrpc._server import Server
 
     codec = CodecConfig(max_tensors=7)
-    client = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock", codec=codec)
-    assert client._transfers.codec_config is codec
-    with pytest.warns(DeprecationWarning, match="codec="):
-        old = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock", codec_config=codec)
-    assert old._transfers.codec_config is codec
-    with (
-        pytest.warns(DeprecationWarning, match="codec="),
-        pytest.raises(ValueError, match="codec= only"),
-    ):
-        Client(
-            Calculator,
-            bind=f"ipc://{tmp_path}/c.sock",
-            codec=codec,
-            codec_config=CodecConfig(),
-        )
+    address = f"ipc://{tmp_path}/c.sock"
+    client = Client(Calculator, bind=address, codec=codec)
+    assert client._io.codec is codec
+    server = Server(Calculator(), bind=address, codec=codec, max_queued=3)
+    assert (server.config.codec, server.config.max_queued) == (codec, 3)
+    # The spellings kept beside the one way are gone: codec_config= (codec=),
+    # high_water_mark= (socket_options=), metrics_port= (observer=metrics.exporter(port)).
+    for removed in ({"codec_config": codec}, {"high_water_mark": 10}, {"metrics_port": 0}):
+        with pytest.raises(TypeError, match=next(iter(removed))):
+            Client(Calculator, bind=address, **removed)
+    with pytest.raises(TypeError, match="metrics_port"):
+        Server(Calculator(), bind=address, metrics_port=0)  # type: ignore[call-arg]
+    # The engine takes keywords only, as the client does: no config object beside them.
+    with pytest.raises(TypeError):
+        Server(Calculator(), ServerConfig(bind=address))  # type: ignore[arg-type, call-arg]

@@ -106,7 +106,7 @@ async def test_allowed_key_calls_and_traffic_is_encrypted(keys: dict[str, CurveK
             assert relay.downstream
             assert MARKER.encode() not in relay.traffic
             assert b"Calculator" not in relay.traffic  # not even the HELLO is readable
-        stats = auth_statistics(server._io.sockets[0].socket)
+        stats = auth_statistics(server._sockets[0].socket)
         assert stats.accepted >= 1
         assert stats.denied == 0
 
@@ -144,7 +144,7 @@ async def test_client_without_the_right_key_cannot_call(
                 await refused.wait_for_engines(1, timeout=REFUSED_WAIT)
             assert refused.engines == {}
         if who == "stranger":
-            assert auth_statistics(server._io.sockets[0].socket).denied >= 1
+            assert auth_statistics(server._sockets[0].socket).denied >= 1
         # the engine still serves the allowed client
         allowed = CurveClientConfig(keys["allowed"], keys["engine"].public_key)
         async with _client(server.endpoint, allowed) as client:

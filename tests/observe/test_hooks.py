@@ -199,11 +199,11 @@ async def test_without_an_observer_calls_carry_no_trace_context(tmp_path: Path) 
 
 def test_resolve_combines_installed_and_given_observers() -> None:
     a, b = Recorder(), Recorder()
-    assert _observe.resolve(None, None) is None
-    assert _observe.resolve(a, None) is a
+    assert _observe.resolve(None) is None
+    assert _observe.resolve(a) is a
     _observe.install(b)
     try:
-        combined = _observe.resolve([a, a], None)
+        combined = _observe.resolve([a, a])
         assert isinstance(combined, Observer)
         assert combined.observers == (b, a)  # type: ignore[attr-defined]
         call = combined.client_call("m", "e", False, 1, "inline")
@@ -215,7 +215,7 @@ def test_resolve_combines_installed_and_given_observers() -> None:
         _observe.uninstall(b)
     assert _observe.installed() == ()
     with pytest.raises(TypeError, match="Observer"):
-        _observe.resolve([object()], None)  # type: ignore[list-item]
+        _observe.resolve([object()])  # type: ignore[list-item]
 
 
 def test_outcome_labels() -> None:

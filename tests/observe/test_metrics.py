@@ -16,7 +16,7 @@ from tensorrpc._client import Client
 from tensorrpc._exceptions import RemoteError
 from tensorrpc._observe import Observer
 from tensorrpc._server import Server
-from tensorrpc.metrics import PrometheusObserver, bound_port
+from tensorrpc.metrics import PrometheusObserver, bound_port, exporter
 
 from ..integration.services import Calculator
 
@@ -46,7 +46,7 @@ async def test_engine_metrics_over_http_and_client_metrics_on_a_registry(tmp_pat
     address = f"ipc://{tmp_path}/e.sock"
     # the engine exports on the global registry, shared by every test in this process
     eid = f"e-{tmp_path.name}"
-    async with Server(Calculator(eid), bind=address, engine_id=eid, metrics_port=0) as server:
+    async with Server(Calculator(eid), bind=address, engine_id=eid, observer=exporter(0)) as server:
         port = bound_port(server)
         assert port is not None
         async with Client(
@@ -184,12 +184,12 @@ def test_one_observer_per_registry() -> None:
         PrometheusObserver(registry)
 
 
-async def test_client_metrics_port_serves_the_default_registry(tmp_path: Path) -> None:
+async def test_a_client_exporter_serves_the_default_registry(tmp_path: Path) -> None:
     address = f"ipc://{tmp_path}/e.sock"
     eid = f"c-{tmp_path.name}"
     async with (
         Server(Calculator(eid), bind=address, engine_id=eid),
-        Client(Calculator, connect=address, metrics_port=0) as client,
+        Client(Calculator, connect=address, observer=exporter(0)) as client,
     ):
         port = bound_port(client)
         assert port is not None
@@ -200,8 +200,8 @@ async def test_client_metrics_port_serves_the_default_registry(tmp_path: Path) -
     assert bound_port(client) is None
     s = _samples(text)
     assert _value(s, "tensorrpc_client_calls_total", method="add", engine=eid, outcome="ok") == 1
-    with pytest.raises(ValueError, match="metrics_port"):
-        Client(Calculator, connect=address, metrics_port=70000)
+    with pytest.raises(ValueError, match="metrics port"):
+        exporter(70000)
 
 
 async def test_each_side_exports_only_its_own_families(tmp_path: Path) -> None:
@@ -225,7 +225,7 @@ async def test_each_side_exports_only_its_own_families(tmp_path: Path) -> None:
     assert "tensorrpc_engine_" not in client_text
 
 
-async def test_a_metrics_port_in_use_names_the_option(tmp_path: Path) -> None:
+async def test_a_metrics_port_in_use_names_the_port(tmp_path: Path) -> None:
     import socket
 
     from tensorrpc._exceptions import ConnectError
@@ -235,8 +235,8 @@ async def test_a_metrics_port_in_use_names_the_option(tmp_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         address = f"ipc://{tmp_path}/e.sock"
-        with pytest.raises(ConnectError, match=f"metrics_port={port}: .*own metrics_port"):
-            async with Server(Calculator("e"), bind=address, metrics_port=port):
+        with pytest.raises(ConnectError, match=f"metrics port {port}: .*own metrics port"):
+            async with Server(Calculator("e"), bind=address, observer=exporter(port)):
                 pass
         # Nothing was bound: the address is free for the next engine.
         async with Server(Calculator("e"), bind=address) as server:

@@ -192,7 +192,7 @@ def test_instrument_installs_one_observer_for_peers_made_afterwards() -> None:
     try:
         assert instrument() is first
         assert first in _observe.installed()
-        assert _observe.resolve(None, None) is first
+        assert _observe.resolve(None) is first
     finally:
         uninstrument()
     assert first not in _observe.installed()

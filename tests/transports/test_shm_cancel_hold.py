@@ -23,7 +23,6 @@ import torch
 from tensorrpc import _codec
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import Dropped, LeasesFreed
-from tensorrpc._client_transfers import Transfers
 from tensorrpc._dispatch import Dispatcher
 from tensorrpc._protocol import (
     Bye,
@@ -68,16 +67,17 @@ class _Client:
         if shm:
             self.policy.shm.close()
             self.policy.shm = TorchShmTransport(**shm)
-        transfers = Transfers(self.policy, _codec.CodecConfig(), 0)
         self.io = ClientIO(
-            self.pair.client,
-            transfers,
+            self.pair.client.config,
+            self.policy,
+            _codec.CodecConfig(),
             bind=[],
             connect=[],
             socket_options=SocketOptions(),
             curve=None,
             observer=None,
         )
+        self.io.protocol = self.pair.client  # the shell over the pair's client machine
         self.io.sock = cast("Any", _PairSocket(self.pair))
 
     @property

@@ -327,9 +327,11 @@ def test_unknown_type_error_names_the_type() -> None:
         encode([Opaque()])
 
 
-def test_non_str_dict_keys_are_an_encode_error() -> None:
-    with pytest.raises(EncodeError):
-        encode({1: "a"})
+@pytest.mark.parametrize("key", [b"k", None, 1.5, (1, 2), False])
+def test_dict_keys_other_than_str_and_int_are_an_encode_error(key: object) -> None:
+    with pytest.raises(EncodeError, match="map keys are str or int"):
+        encode([{"a": 1}, {1: "a", key: "b"}])
+    assert decode(encode({1: "a", "b": 2}).payload) == {1: "a", "b": 2}
 
 
 class FakeCudaTensor(torch.Tensor):
@@ -893,3 +895,61 @@ def test_check_message_size_uses_the_smaller_positive_limit() -> None:
     # The payload frame is checked too.
     with pytest.raises(EncodeError, match=r"w take \d+ encoded bytes"):
         _codec.check_message_size(encoded, 4, 0, what="w", peer="engine 'e'")
+
+
+# --- maps keyed by ints (dict[int, T]) -------------------------------------------------
+
+
+class CountingResolver(DictTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.resolved = 0
+
+    def resolve(
+        self, transport: str, handle: bytes, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        self.resolved += 1
+        return super().resolve(transport, handle, dtype, shape)
+
+
+def test_int_keyed_maps_travel_and_tensors_before_them_are_placed_once() -> None:
+    transport = CountingResolver()
+    big, framed, small = torch.randn(1000), torch.arange(300.0), torch.ones(2)
+    # The tensors come before the int-keyed map: the first pass met them already.
+    value = {"a": big, "b": [framed, np.arange(3)], "ids": {7: small, -1: "x", 1 << 63: None}}
+    encoded = encode(value, placer=transport)
+    assert len(transport.offered) == len(transport.store) == 2  # big and framed, once
+    back = decode(encoded.payload, encoded.buffers, resolver=transport)
+    assert transport.resolved == 2
+    assert list(back["ids"]) == [7, -1, 1 << 63]
+    assert torch.equal(back["a"], big)
+    assert torch.equal(back["b"][0], framed)
+    assert torch.equal(back["ids"][7], small)
+    # Without a placer: one frame each, referenced once (decode checks every buffer).
+    encoded = encode(value)
+    assert len(encoded.buffers) == 2
+    back = decode(encoded.payload, encoded.buffers)
+    assert torch.equal(back["b"][0], framed)
+    assert back["ids"][-1] == "x"
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        (b"\x81\xc4\x01a\x02", "bytes"),  # {b"a": 2}
+        (b"\x91\x81\xc0\x02", "NoneType"),  # [{None: 2}]
+        (b"\x81\x91\x01\x02", "tuple"),  # {[1]: 2}
+        (b"\x81\xc3\x01", "bool"),  # {True: 1}
+        (b"\x81\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00\x01", "float"),  # {1.0: 1}
+    ],
+)
+def test_map_keys_other_than_str_and_int_are_refused(payload: bytes, kind: str) -> None:
+    with pytest.raises(tensorrpc.ValidationError, match=f"a key of type {kind}; map keys are"):
+        decode(payload)
+
+
+def test_a_cycle_with_an_int_keyed_map_is_an_encode_error_not_a_hang() -> None:
+    cycle: list[object] = [{1: "a"}]
+    cycle.append(cycle)
+    with pytest.raises(EncodeError):
+        encode(cycle)

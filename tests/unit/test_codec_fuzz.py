@@ -42,7 +42,8 @@ def decode_bounded(payload: bytes, buffers: Sequence[Any]) -> Any:
     """Decode; assert only DecodeError escapes and the peak allocation is bounded.
 
     A ValidationError is the one other outcome: well-formed msgpack with a map key that is
-    not a string (a value no peer may send, answered INVALID_ARGUMENT by an engine).
+    neither a str nor an int (a value no peer may send, answered INVALID_ARGUMENT by an
+    engine).
     tracemalloc runs around the decode only: traced, hypothesis's own work costs more than
     the decode (its random state is saved and restored for every example).
     """

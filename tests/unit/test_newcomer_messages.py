@@ -37,7 +37,7 @@ def _definition_error(annotation: object) -> str:
         (set[int], "use list[int] (or tuple[int, ...]) and convert"),
         (frozenset[str], "use list[str] (or tuple[str, ...]) and convert"),
         (set, "use list[T]"),
-        (PlainPoint, "make PlainPoint a @dataclass whose fields have supported types"),
+        (PlainPoint, "make PlainPoint a @dataclass (or a NamedTuple, TypedDict, msgspec Struct"),
         (Sequence[float], "list[float] or tuple[float, ...]"),
         (object, "annotate the concrete type"),
         (complex, "see docs/services.md for the supported types"),

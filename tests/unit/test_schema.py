@@ -172,6 +172,12 @@ def test_int_is_accepted_for_float_and_becomes_float() -> None:
     assert [type(v) for v in received] == [float, float]
 
 
+def test_an_int_too_large_for_a_float_is_a_validation_error() -> None:
+    with pytest.raises(ValidationError, match=r"too large for a float") as info:
+        compile_type(list[float], where="w").check([1.0, 10**400], "p")
+    assert info.value.field_path == ["p", 1]
+
+
 def test_scalar_subclasses_become_plain_types_for_the_encoder() -> None:
     assert type(compile_type(int, where="w").check(Level.LOW, "p")) is int
     assert type(compile_type(float, where="w").check(np.float64(1.5), "p")) is float
@@ -236,6 +242,21 @@ def test_from_wire_errors_name_the_path_too() -> None:
         node.from_wire([good, {"name": "t", "points": [{"x": 1.0}, {"x": "no"}]}], "result")
     assert info.value.path == "result[1].points[1].x"
     assert "expected float, got str ('no')" in str(info.value)
+    assert info.value.field_path == ["result", 1, "points", 1, "x"]
+
+
+def test_field_paths_are_data_that_keys_and_indices_keep_their_types() -> None:
+    node = compile_type(dict[str, list[Shape]], where="w")
+    bad = {"a.b": [{"name": "s", "points": [{"x": 1.0, "y": None}]}]}
+    sent = {"a.b": [Shape("s", [Point(1.0, None)])]}  # type: ignore[arg-type]
+    for fn, value in ((node.check, sent), (node.from_wire, bad)):
+        with pytest.raises(ValidationError) as info:
+            fn(value, "req.shapes")
+        assert info.value.path == "req.shapes['a.b'][0].points[0].y"
+        assert info.value.field_path == ["req", "shapes", "a.b", 0, "points", 0, "y"]
+    with pytest.raises(ValidationError) as info:
+        compile_type(Shape, where="w").from_wire({"points": []}, "req.s")
+    assert info.value.field_path == ["req", "s", "name"]
 
 
 def test_dataclass_from_wire_fills_defaults_and_rejects_unknown_or_missing_keys() -> None:
@@ -382,7 +403,7 @@ class ObjEnum(enum.Enum):
         (set[int], "unsupported type set[int]"),
         (frozenset[int], "unsupported type frozenset[int]"),
         (list, "unsupported type list: parametrize it"),
-        (dict[int, str], "dict keys must be str"),
+        (dict[float, str], "map keys are str or int on the wire"),
         (list[Any], "unsupported type Any (in list[Any])"),
         (Optional[set[int]], "unsupported type set[int]"),
         (typing.Callable[[int], int], "unsupported type"),

@@ -1,11 +1,11 @@
-"""The schema's fast paths decide exactly what its reference (slow) form decides.
+"""The schema's validators decide exactly what the reference validator decides.
 
 ``compile_type`` builds the fast form: one-pass ``map(type)``/``list.count`` element checks
-for containers and generated straight-line code for dataclasses. ``_Ctx(fast=False)``
-builds the reference form (a set of the element types, field-by-field loops), which is
-what the schema did before the fast paths. Every test here compiles both and requires the
-same outcome: the same output (types included, and the same object when the input is
-returned as is) or the same :class:`ValidationError` (message, path, expected).
+for containers and generated straight-line code for dataclasses. ``schema_oracle`` walks
+the annotation plainly, element by element and field by field. Every test here runs both
+and requires the same outcome: the same output (types included, and the same object when
+the input is returned as is) or the same :class:`ValidationError` (message, path, field
+path, expected).
 """
 
 # Optional[...] and Union[...] are spelled out on purpose: users write them.
@@ -33,8 +33,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from tensorrpc._exceptions import ValidationError
-from tensorrpc._schema import CompiledType, _compile, _Ctx, compile_type
+from tensorrpc._schema import CompiledType, compile_type
 from tensorrpc._service import describe, rpc, service
+from tests.unit.schema_oracle import Reference, reference
 
 # --------------------------------------------------------------------------- helpers
 
@@ -76,9 +77,9 @@ class RAdd:
 
 
 @functools.cache
-def both(tp: object) -> tuple[CompiledType, CompiledType]:
+def both(tp: object) -> tuple[CompiledType | Reference, CompiledType | Reference]:
     fast = compile_type(tp, where="w")
-    ref = _compile(tp, _Ctx("w", None, fast=False))
+    ref = reference(tp)
     assert fast.description == ref.description
     return fast, ref
 
@@ -87,7 +88,7 @@ def outcome(fn: Any, value: object) -> tuple[Any, ...]:
     try:
         out = fn(value, "req.p")
     except ValidationError as exc:
-        return ("error", str(exc), exc.path, exc.expected, type(exc.__cause__))
+        return ("error", str(exc), exc.path, exc.field_path, exc.expected, type(exc.__cause__))
     return ("ok", out, out is value)
 
 
