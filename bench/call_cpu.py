@@ -58,7 +58,7 @@ async def _measure(
     rows = []
     async with client_cls(BenchService, bind=addr) as client:
         await wait_engine(client, peer, 60.0)
-        stub = client.stub(engine=ENGINE_ID)
+        stub = client.with_options(engine=ENGINE_ID).stub()
         await _calls(stub, WARMUP, args.inflight)
         for _ in range(args.runs):
             engine0, client0, wall0 = process_cpu_s(pid), time.process_time(), time.perf_counter()

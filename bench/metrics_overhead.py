@@ -138,11 +138,11 @@ def _hook_cost(config: str, n: int = 20_000) -> float:
     for _ in range(5):
         t0 = clock()
         for _ in range(n):
-            call = observer.client_call("add", "e", False, 12, "inline")
+            call = observer.client_call("S", "add", "e", False, 12, "inline")
             if call is not None:
                 call.trace_context()
                 call.finished("ok", 10)
-            served = observer.engine_call("add", "e", "c", False, b"", 12)
+            served = observer.engine_call("S", "add", "e", "c", False, b"", 12)
             if served is not None:
                 served.started()
                 served.finished("ok", 0)

@@ -34,7 +34,6 @@ import itertools
 import json
 import os
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -232,8 +231,8 @@ def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dic
         where = {"connect": addr} if listen else {"bind": addr}
         async with client_cls(BenchService, **where) as client:
             await wait_engine(client, peer, cfg.ready_timeout)
-            plain = client.stub(engine=ENGINE_ID)
-            stub = client.stub(engine=ENGINE_ID, transport=transport)
+            plain = client.with_options(engine=ENGINE_ID).stub()
+            stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
 
             def large_ops(size: int) -> dict[str, Callable[[], Awaitable[Any]]]:
                 t = torch.ones(size // 4, dtype=torch.float32)
@@ -266,65 +265,25 @@ def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dic
 
 # -- raw pyzmq ----------------------------------------------------------------------------
 
-_ID = struct.Struct("<Q")
-
-
-class _ZmqMux:
-    """A DEALER shared by several tasks: one reader, a future per call id."""
-
-    def __init__(self, addr: str) -> None:
-        import zmq
-        import zmq.asyncio
-
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
-        self._ids = itertools.count(1)
-        self._pending: dict[bytes, asyncio.Future[list[Any]]] = {}
-        self._reader: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> _ZmqMux:
-        self._reader = asyncio.ensure_future(self._read())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-    async def _read(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            fut = self._pending.pop(frames[0].bytes, None)
-            if fut is not None and not fut.done():
-                fut.set_result(frames[1:])
-            del frames, fut
-
-    async def call(self, *parts: Any) -> list[Any]:
-        """Send ``[call id, *parts]`` zero-copy; the reply's frames after the call id."""
-        cid = _ID.pack(next(self._ids))
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[cid] = fut
-        await self.sock.send_multipart([cid, *parts], copy=False)
-        frames: list[Any] = await fut
-        return frames
-
 
 def _pyzmq(cfg: Config, workdir: Path) -> dict[str, Any]:
     import ormsgpack
     import torch
 
     from bench.peers._proc import PeerProcess
-    from bench.peers.zmq_peer import OP_ADD, OP_ECHO, OP_PRODUCE, _tensor_frames
+    from bench.peers.zmq_peer import (
+        OP_ADD,
+        OP_ECHO,
+        OP_PRODUCE,
+        ZmqFutureClient,
+        _tensor_frames,
+    )
 
     addr = f"ipc://{workdir}/mixed-pyzmq.sock"
     add_payload = ormsgpack.packb([1, 2])
 
     async def case() -> dict[str, Any]:
-        async with _ZmqMux(addr) as mux:
+        async with ZmqFutureClient(addr, copy=False) as mux:
 
             async def small() -> int:
                 (reply,) = await mux.call(OP_ADD, add_payload)

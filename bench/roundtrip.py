@@ -160,7 +160,7 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
     async def case(peer: PeerProcess) -> dict[str, Any]:
         async with client_cls(BenchService, bind=addr) as client:
             await wait_engine(client, peer, cfg.ready_timeout)
-            stub = client.stub(engine=ENGINE_ID)
+            stub = client.with_options(engine=ENGINE_ID).stub()
             if await stub.add(1, 2) != 3:
                 raise RuntimeError("wrong reply")
             small = summarize(await time_async(lambda: stub.add(1, 2), cfg.small))

@@ -57,8 +57,8 @@ async def _run(peer: PeerProcess, addr: str, n: int, trace: bool) -> None:
     client_cls, _ = runtime()
     async with client_cls(BenchService, bind=addr) as client:
         await wait_engine(client, peer, 60)
-        shm = client.stub(engine=ENGINE_ID, transport="torch_shm")
-        small = client.stub(engine=ENGINE_ID, transport="frames")
+        shm = client.with_options(engine=ENGINE_ID, transport="torch_shm").stub()
+        small = client.with_options(engine=ENGINE_ID, transport="frames").stub()
         t = torch.arange((64 << 20) // 4, dtype=torch.float32)
         for _ in range(5):  # warm up: segments made, pages faulted in, mappings cached
             await shm.consume(t)

@@ -58,7 +58,7 @@ async def _run(peer: PeerProcess, addr: str, count: int, mib: int, wait: float) 
     pid = peer.proc.pid
     async with client_cls(BenchService, bind=addr) as client:
         await wait_engine(client, peer, 120)
-        stub = client.stub(engine=ENGINE_ID, transport="torch_shm")
+        stub = client.with_options(engine=ENGINE_ID, transport="torch_shm").stub()
         numel = mib * MIB // 4
         first = await _until_aliased(client, stub)
         base = mapped_memfd_bytes(pid)

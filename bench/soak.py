@@ -241,7 +241,7 @@ async def _drive(config: Config, engines: _Engines, figures: Figures) -> None:
 
     async def worker(client: Client[Soak]) -> None:
         nonlocal next_uid
-        stub = client.stub(transport=config.transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=config.transport).stub()  # type: ignore[arg-type]
         while next_uid < total and time.monotonic() < deadline:
             uid = next_uid
             next_uid += 1
@@ -301,7 +301,7 @@ async def _drive(config: Config, engines: _Engines, figures: Figures) -> None:
         figures.time_limited = figures.issued < total
         handled = 0
         for engine_id in ENGINES:
-            handled += await clients[0].stub(engine=engine_id).handled_count()
+            handled += await clients[0].with_options(engine=engine_id).stub().handled_count()
         figures.engine_handled = handled
     figures.fds_end = _fds()
 

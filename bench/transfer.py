@@ -507,13 +507,13 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
         out: dict[str, Any] = {}
         async with client_cls(BenchService, bind=addr) as client:
             await wait_engine(client, peer, cfg.ready_timeout)
-            plain = client.stub(engine=ENGINE_ID, transport="frames")
+            plain = client.with_options(engine=ENGINE_ID, transport="frames").stub()
             if await plain.add(1, 2) != 3:
                 raise RuntimeError("wrong reply")
             small = summarize(await time_async(lambda: plain.add(1, 2), cfg.small))
             for key, name, transport, kind in TORCH_SHM_LINES:
                 try:
-                    stub = client.stub(engine=ENGINE_ID, transport=transport)
+                    stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
                     before = _counters(client)
                     sizes, ref = await _line(cfg, stub.consume, kind, batches)
                     entry: dict[str, Any] = {"small": small, "sizes": sizes, "copy_": ref}

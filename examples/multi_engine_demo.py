@@ -244,8 +244,10 @@ async def run_load(
             LMEngine.encode_image, image
         )
         tokens = 0
-        async for _ in client.stub(engine=engine).generate(
-            [1, 2, 3], max_tokens=12, prompt_embeds=embeds
+        async for _ in (
+            client.with_options(engine=engine)
+            .stub()
+            .generate([1, 2, 3], max_tokens=12, prompt_embeds=embeds)
         ):
             tokens += 1
         record(engine, started, f"image/{transport}", tokens)
@@ -254,7 +256,7 @@ async def run_load(
         engine = engines[i % len(engines)]
         started = time.perf_counter()
         try:
-            await client.stub(engine=engine, timeout=0.05).sleep(2.0)
+            await client.with_options(engine=engine, timeout=0.05).stub().sleep(2.0)
         except tensorrpc.CallTimeoutError:
             tally.errors[engine] += 1
             record(engine, started, "timed out (on purpose)")
@@ -265,7 +267,7 @@ async def run_load(
         engine = engines[i % len(engines)]
         started = time.perf_counter()
         with anyio.move_on_after(0.05) as scope:
-            await client.stub(engine=engine).sleep(2.0)
+            await client.with_options(engine=engine).stub().sleep(2.0)
         if not scope.cancelled_caught:
             tally.unexpected.append("a call meant to be cancelled returned")
         record(engine, started, "cancelled (on purpose)")
@@ -479,7 +481,7 @@ async def _streams_at_once(
 ) -> tuple[float, list[float], list[list[int]]]:
     """Send every prompt at once; return tokens/s, each stream's time to first token
     (from the moment all were sent) and each stream's tokens."""
-    stub = client.stub(engine=engine)
+    stub = client.with_options(engine=engine).stub()
     started = time.perf_counter()
     ttft = [0.0] * len(prompts)
     tokens: list[list[int]] = [[] for _ in prompts]

@@ -36,7 +36,7 @@ import anyio.to_thread
 from tensorrpc import _observe
 from tensorrpc._batching import Batcher, Continuous, ItemRefused
 from tensorrpc._exceptions import ErrorCode
-from tensorrpc._observe import LATENCY_BUCKETS, latency_bucket
+from tensorrpc._statistics import LatencyHistogram
 from tensorrpc.batching import _CURRENT, BatchContext, BatchItem
 
 if TYPE_CHECKING:
@@ -57,35 +57,23 @@ _INF: Final = math.inf
 class BatchStatistics:
     """Counters and histograms of one batched method (see `BatchStatistics.snapshot`)."""
 
-    __slots__ = (
-        "batches",
-        "items",
-        "queue_wait",
-        "queue_wait_sum",
-        "run_time",
-        "run_time_sum",
-        "sizes",
-    )
+    __slots__ = ("batches", "items", "queue_wait", "run_time", "sizes")
 
     def __init__(self) -> None:
         self.batches = 0
         self.items = 0
         self.sizes: dict[int, int] = {}
-        self.queue_wait = [0] * LATENCY_BUCKETS
-        self.queue_wait_sum = 0.0
-        self.run_time = [0] * LATENCY_BUCKETS
-        self.run_time_sum = 0.0
+        self.queue_wait = LatencyHistogram()
+        self.run_time = LatencyHistogram()
 
     def ran(self, size: int, seconds: float) -> None:
         self.batches += 1
         self.sizes[size] = self.sizes.get(size, 0) + 1
-        self.run_time[latency_bucket(seconds)] += 1
-        self.run_time_sum += seconds
+        self.run_time.add(seconds)
 
     def waited(self, seconds: float) -> None:
         self.items += 1
-        self.queue_wait[latency_bucket(seconds)] += 1
-        self.queue_wait_sum += seconds
+        self.queue_wait.add(seconds)
 
     def snapshot(self) -> dict[str, Any]:
         """``batches`` (continuous: steps) and ``items`` run; ``sizes``: ``[items, batches]``
@@ -96,10 +84,10 @@ class BatchStatistics:
             "batches": self.batches,
             "items": self.items,
             "sizes": [[k, n] for k, n in sorted(self.sizes.items())],
-            "queue_wait": [[i, n] for i, n in enumerate(self.queue_wait) if n],
-            "queue_wait_sum_s": self.queue_wait_sum,
-            "run_time": [[i, n] for i, n in enumerate(self.run_time) if n],
-            "run_time_sum_s": self.run_time_sum,
+            "queue_wait": self.queue_wait.pairs(),
+            "queue_wait_sum_s": self.queue_wait.total,
+            "run_time": self.run_time.pairs(),
+            "run_time_sum_s": self.run_time.total,
         }
 
 
@@ -335,7 +323,11 @@ class _Runner:
         observed = None
         if observer is not None:  # observe: a batch (step) starts
             observed = observer.engine_batch(
-                self._spec.name, self._engine_id, len(items), [it.trace for it in items]
+                self._spec.service,
+                self._spec.name,
+                self._engine_id,
+                len(items),
+                [it.trace for it in items],
             )
         token = _CURRENT.set(ctx)
         start = time.perf_counter()
@@ -350,8 +342,8 @@ class _Runner:
                 )
             outcome = "ok"
             return result
-        except Exception as exc:
-            outcome = type(exc).__name__
+        except Exception:
+            outcome = "REMOTE"  # each item is answered ERROR REMOTE
             raise
         finally:
             self.stats.ran(len(items), time.perf_counter() - start)

@@ -259,15 +259,7 @@ class BlockingCallView(Generic[S]):
         )
         return BlockingCallView(self._runner, view)
 
-    def stub(
-        self,
-        *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: TransportName = "auto",
-        wait_for_ready: bool | None = None,
-    ) -> BlockingStub[S]:
+    def stub(self) -> BlockingStub[S]:
         """A [`BlockingStub`][tensorrpc.BlockingStub]: methods that call the engines and wait.
 
         ``stub.add(1, 2)`` returns the result, whether the handler is ``async def`` or a
@@ -278,25 +270,12 @@ class BlockingCallView(Generic[S]):
         [`call`][tensorrpc.BlockingCallView.call] and
         [`stream`][tensorrpc.BlockingCallView.stream] are exact under any checker.
 
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
+        Its calls use this view's options: ``client.with_options(timeout=5).stub()``.
 
         Returns:
             The stub, typed as the service class.
         """
-        view = self._view.with_options(
-            engine=engine,
-            timeout=timeout,
-            wait=wait,
-            transport=transport,
-            wait_for_ready=wait_for_ready,
-        )
-        return _BlockingStub(self._runner, view, self._runner.client.service)
+        return _BlockingStub(self._runner, self._view, self._runner.client.service)
 
     @overload
     def call(
@@ -444,15 +423,9 @@ class _BlockingStub(BlockingStub[Any]):
     __slots__ = ("__dict__", "_async_stub", "_runner", "_spec")
 
     def __init__(self, runner: _Runner, view: CallView[Any], spec: ServiceSpec) -> None:
-        options = view.options
         self._runner = runner
         self._spec = spec
-        self._async_stub: Any = view.stub(
-            engine=options.engine,
-            timeout=options.timeout,
-            wait=options.wait,
-            transport=options.transport,
-        )
+        self._async_stub: Any = view.stub()
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = self._spec.methods.get(name)

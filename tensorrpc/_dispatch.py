@@ -219,7 +219,7 @@ class Dispatcher:
         if call.keep is not None or call.cancelled:
             self._end_args(call)
             self._flush()
-        self._proto.done(call)
+        self._proto.done(call, anyio.current_time())
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
 
@@ -273,6 +273,7 @@ class Dispatcher:
         args = self._decode(call)
         if args is None:
             return
+        self._proto.started(call, anyio.current_time())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
         if call.spec.streaming:

@@ -198,8 +198,12 @@ class CallError(TensorRPCError):
 class RemoteError(CallError):
     """The remote handler raised an exception."""
 
-    def __init__(self, remote_type: str, message: str, remote_traceback: str = "") -> None:
+    def __init__(
+        self, remote_type: str, message: str, remote_traceback: str = "", *, code: int = 1
+    ) -> None:
         super().__init__(f"{remote_type}: {message}")
+        #: The ERROR code it came with: ``REMOTE``, ``BAD_RESULT`` or ``INTERNAL``.
+        self.code = ErrorCode(code)
         #: Qualified name of the exception type raised on the engine.
         self.remote_type = remote_type
         #: ``str()`` of the remote exception.
@@ -343,11 +347,13 @@ def error_from_wire(
         case ErrorCode.TENSOR_TRANSPORT:
             return TensorTransportError(message)
         case ErrorCode.BAD_RESULT:
-            return RemoteError(remote_type or "BadResult", message, traceback)
+            return RemoteError(remote_type or "BadResult", message, traceback, code=code)
         case ErrorCode.PROTOCOL:
             return RemoteProtocolError(message)
         case _:
-            return RemoteError(remote_type or "InternalError", message, traceback)
+            return RemoteError(
+                remote_type or "InternalError", message, traceback, code=ErrorCode.INTERNAL
+            )
 
 
 # Tracebacks and reprs name the public path (tensorrpc.ValidationError), not this private

@@ -17,16 +17,19 @@ engine
     ``error`` when an ERROR reply goes out for it; ``finished`` when its worker lets go of
     it (same task as ``started``).
 
-Everything else (Prometheus in ``tensorrpc.metrics``, OpenTelemetry in
-``tensorrpc.tracing``, the built-in statistics method that ``tensorrpc top`` reads) builds
-on these hooks. This module imports nothing outside the standard library and tensorrpc.
+Tracing (``tensorrpc.tracing``) builds on these hooks, and so do the client's Prometheus
+call counters; the counters of an engine are its own statistics (`tensorrpc._statistics`),
+which Prometheus, the built-in statistics method and ``tensorrpc top`` read. This module
+imports nothing outside the standard library and tensorrpc.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+
+from tensorrpc import _exceptions as _e
+from tensorrpc._statistics import LATENCY_BUCKETS_PER_OCTAVE
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -37,7 +40,6 @@ __all__ = [
     "STATISTICS_METHOD",
     "CallObservation",
     "Observer",
-    "StatisticsRecorder",
     "install",
     "installed",
     "outcome_of",
@@ -50,10 +52,6 @@ T = TypeVar("T")
 #: The built-in engine method that answers with the engine's statistics (a map), read by
 #: ``tensorrpc top``. A dot never appears in a service's method names, so it cannot clash.
 STATISTICS_METHOD: Final = "_tensorrpc.statistics"
-#: Latency histogram of the statistics method: bucket ``i`` holds durations up to
-#: ``2 ** (i / LATENCY_BUCKETS_PER_OCTAVE)`` microseconds.
-LATENCY_BUCKETS_PER_OCTAVE: Final = 4
-LATENCY_BUCKETS: Final = 128
 
 
 class CallObservation:
@@ -87,10 +85,10 @@ class CallObservation:
         """The call is over.
 
         Args:
-            outcome: ``"ok"``; on the client the exception's class name
-                (``"RemoteError"``, ``"CallTimeoutError"``, ``"cancelled"`` for a caller
-                that gave up); on the engine the ERROR code name (``"REMOTE"``,
-                ``"DEADLINE_EXCEEDED"``, ...) or ``"cancelled"`` (the client cancelled).
+            outcome: ``"ok"``, ``"cancelled"`` (the caller or the client gave up) or the
+                ERROR code's name (``"REMOTE"``, ``"DEADLINE_EXCEEDED"``, ...; on the
+                client, the code of the error the call ended with, see `outcome_of`,
+                and ``"UNAVAILABLE"`` when no engine could answer).
             nbytes: Client side: bytes of the reply (0 when none); engine side: 0.
         """
 
@@ -114,11 +112,12 @@ class Observer:
         """A client or engine that was ``opened`` closed."""
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         """A client sent a CALL (in the caller's task: its context is the caller's).
 
         Args:
+            service: The service name (of the engine's HELLO).
             method: The method name.
             engine: The engine id it went to.
             stream: Whether it is a streaming call.
@@ -133,11 +132,19 @@ class Observer:
         return None
 
     def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+        self,
+        service: str,
+        method: str,
+        engine: str,
+        client: str,
+        stream: bool,
+        trace: bytes,
+        nbytes: int,
     ) -> CallObservation | None:
         """An engine accepted a CALL (queued for a worker).
 
         Args:
+            service: The service name.
             method: The method name.
             engine: This engine's id.
             client: The calling client's id.
@@ -151,11 +158,12 @@ class Observer:
         return None
 
     def engine_batch(
-        self, method: str, engine: str, size: int, items: Sequence[bytes]
+        self, service: str, method: str, engine: str, size: int, items: Sequence[bytes]
     ) -> CallObservation | None:
         """An engine starts a batch (or a continuous batch's step) of a batched method.
 
         Args:
+            service: The service name.
             method: The method name.
             engine: This engine's id.
             size: Items in the batch (step).
@@ -231,23 +239,38 @@ class _Fanout(Observer):
             o.closed(target)
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         return _fanout(
-            [o.client_call(method, engine, stream, nbytes, transport) for o in self.observers]
+            [
+                o.client_call(service, method, engine, stream, nbytes, transport)
+                for o in self.observers
+            ]
         )
 
     def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+        self,
+        service: str,
+        method: str,
+        engine: str,
+        client: str,
+        stream: bool,
+        trace: bytes,
+        nbytes: int,
     ) -> CallObservation | None:
         return _fanout(
-            [o.engine_call(method, engine, client, stream, trace, nbytes) for o in self.observers]
+            [
+                o.engine_call(service, method, engine, client, stream, trace, nbytes)
+                for o in self.observers
+            ]
         )
 
     def engine_batch(
-        self, method: str, engine: str, size: int, items: Sequence[bytes]
+        self, service: str, method: str, engine: str, size: int, items: Sequence[bytes]
     ) -> CallObservation | None:
-        return _fanout([o.engine_batch(method, engine, size, items) for o in self.observers])
+        return _fanout(
+            [o.engine_batch(service, method, engine, size, items) for o in self.observers]
+        )
 
     def engine_event(self, client: str, engine: str, event: str) -> None:
         for o in self.observers:
@@ -327,13 +350,44 @@ def resolve(observer: Observer | Sequence[Observer] | None) -> Observer | None:
 # -- helpers for the call sites -----------------------------------------------------------
 
 
+#: A client call's outcome by the exception it ended with (the first class of its MRO
+#: listed): the name of the ERROR code an engine answers for it, so that a client and an
+#: engine label one call alike; ``UNAVAILABLE`` when no engine could answer.
+_OUTCOMES: Final[dict[type[BaseException], str]] = {
+    _e.MethodNotFoundError: "METHOD_NOT_FOUND",
+    _e.InvalidArgumentError: "INVALID_ARGUMENT",
+    _e.ValidationError: "INVALID_ARGUMENT",
+    _e.EncodeError: "INVALID_ARGUMENT",
+    _e.DecodeError: "DECODE",
+    _e.CallTimeoutError: "DEADLINE_EXCEEDED",
+    _e.OverloadedError: "OVERLOADED",
+    _e.DrainingError: "DRAINING",
+    _e.TensorTransportError: "TENSOR_TRANSPORT",
+    _e.ProtocolError: "PROTOCOL",
+    _e.TransportError: "UNAVAILABLE",
+    _e.EngineNotFoundError: "UNAVAILABLE",
+    _e.ClosedError: "cancelled",
+}
+
+
 def outcome_of(exc: BaseException | None) -> str:
-    """The client-side outcome label of a call that ended with ``exc`` (None: ``"ok"``)."""
+    """The outcome label of a client call that ended with ``exc`` (None: ``"ok"``).
+
+    ``"ok"``, ``"cancelled"`` (the caller gave up, or closed the client), or an ERROR
+    code's name as the engine labels the same call (``"REMOTE"``, ``"DEADLINE_EXCEEDED"``,
+    ...), ``"UNAVAILABLE"`` when no engine could answer, ``"INTERNAL"`` for anything else.
+    """
     if exc is None:
         return "ok"
-    if isinstance(exc, Exception):
-        return type(exc).__name__
-    return "cancelled"  # the caller's task was cancelled (or the process is exiting)
+    if not isinstance(exc, Exception):
+        return "cancelled"  # the caller's task was cancelled (or the process is exiting)
+    if isinstance(exc, _e.RemoteError):
+        return exc.code.name
+    for cls in type(exc).__mro__:
+        outcome = _OUTCOMES.get(cls)
+        if outcome is not None:
+            return outcome
+    return "INTERNAL"
 
 
 class _Reply(Protocol):
@@ -381,6 +435,7 @@ def stream_finished(call: _Observed | None, exc: BaseException | None) -> None:
 
 def client_call(
     observer: Observer,
+    service: str,
     method: str,
     engine: str,
     stream: bool,
@@ -392,6 +447,7 @@ def client_call(
 
     Args:
         observer: The client's observer.
+        service: The service name.
         method: The method name.
         engine: The engine id.
         stream: Whether the call streams.
@@ -404,7 +460,7 @@ def client_call(
         the observation's, when it has one; else ``b""``.
     """
     transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
-    observation = observer.client_call(method, engine, stream, nbytes, transport)
+    observation = observer.client_call(service, method, engine, stream, nbytes, transport)
     if observation is not None:
         return observation, observation.trace_context()
     return observation, b""
@@ -424,83 +480,7 @@ def statistics_allowed(curve: CurveConfig | None) -> bool:
     return allowed is not None
 
 
-# -- the recorder behind the built-in statistics method -----------------------------------
-
-
-def latency_bucket(seconds: float) -> int:
-    """The statistics histogram bucket of a duration (see ``LATENCY_BUCKETS_PER_OCTAVE``)."""
-    us = seconds * 1e6
-    if us <= 1.0:
-        return 0
-    return min(LATENCY_BUCKETS - 1, math.ceil(math.log2(us) * LATENCY_BUCKETS_PER_OCTAVE))
-
-
-def bucket_upper_seconds(index: int) -> float:
-    """The upper bound, in seconds, of statistics histogram bucket ``index``."""
-    return float(2.0 ** (index / LATENCY_BUCKETS_PER_OCTAVE) / 1e6)
-
-
-class _MethodCounters:
-    __slots__ = ("calls", "errors", "latency")
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.errors = 0
-        self.latency = [0] * LATENCY_BUCKETS
-
-
-class _RecordedCall(CallObservation):
-    __slots__ = ("_counters", "_failed", "_start")
-
-    def __init__(self, counters: _MethodCounters) -> None:
-        self._counters = counters
-        self._start = time.perf_counter()
-        self._failed = False
-
-    def error(self, code: str) -> None:
-        self._failed = True
-
-    def finished(self, outcome: str, nbytes: int) -> None:
-        c = self._counters
-        c.calls += 1
-        if self._failed:
-            c.errors += 1
-        c.latency[latency_bucket(time.perf_counter() - self._start)] += 1
-
-
-class StatisticsRecorder(Observer):
-    """Per-method calls, errors and latency of one engine, for the statistics method.
-
-    An engine starts one the first time a peer asks for its statistics, so engines that
-    nobody watches pay nothing. Latency is the engine's: from accepting the CALL to
-    letting go of it (queue wait and handler).
-    """
-
-    __slots__ = ("_methods", "since")
-
-    def __init__(self) -> None:
-        self._methods: dict[str, _MethodCounters] = {}
-        #: ``time.time()`` when recording started.
-        self.since = time.time()
-
-    def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
-    ) -> CallObservation | None:
-        counters = self._methods.get(method)
-        if counters is None:
-            counters = self._methods[method] = _MethodCounters()
-        return _RecordedCall(counters)
-
-    def snapshot(self) -> dict[str, Any]:
-        """Per method: ``calls``, ``errors`` and the sparse ``latency`` histogram."""
-        return {
-            name: {
-                "calls": c.calls,
-                "errors": c.errors,
-                "latency": [[i, n] for i, n in enumerate(c.latency) if n],
-            }
-            for name, c in sorted(self._methods.items())
-        }
+# -- the built-in statistics method -------------------------------------------------------
 
 
 def _counters(c: Any) -> dict[str, int]:
@@ -517,9 +497,7 @@ def _releases_refused(detail: Any) -> int:
     return 0 if detail is None else int(detail.releases_refused)
 
 
-def statistics_body(
-    stats: Any, *, service: str, pid: int, started: float, recorder: StatisticsRecorder
-) -> dict[str, Any]:
+def statistics_body(stats: Any, *, service: str, pid: int, started: float) -> dict[str, Any]:
     """The map the statistics method answers with (documented in docs/protocol.md).
 
     Args:
@@ -527,7 +505,6 @@ def statistics_body(
         service: Its service name.
         pid: Its process id.
         started: ``time.time()`` when it started.
-        recorder: Its per-method recorder.
     """
     clients = stats.clients
     return {
@@ -553,7 +530,10 @@ def statistics_body(
             },
         },
         "latency_buckets_per_octave": LATENCY_BUCKETS_PER_OCTAVE,
-        "methods_since": recorder.since,
-        "methods": recorder.snapshot(),
+        "methods": {
+            name: {"calls": m["calls"], "errors": m["errors"], "latency": m["latency"]}
+            for name, m in sorted(stats.methods.items())
+            if m["calls"]
+        },
         "batching": {name: dict(b) for name, b in stats.batching.items()},
     }

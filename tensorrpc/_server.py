@@ -280,6 +280,10 @@ class ServerStatistics:
     #: ``queue_wait`` and ``run_time`` (``[bucket, count]`` pairs in the statistics
     #: method's latency buckets, sums in ``queue_wait_sum_s`` / ``run_time_sum_s``).
     batching: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Per method of the service (see `MethodStatistics.snapshot`): ``calls``,
+    #: ``errors``, ``items``, ``outcomes`` and the latency histograms ``queue_wait``,
+    #: ``run_time`` and ``latency``; counted since the engine started.
+    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _hello_signature(spec: MethodSpec) -> str:
@@ -368,6 +372,7 @@ def _statistics(
         transports=policy.statistics(),
         strangers_evicted=proto.strangers_evicted,
         batching=batches.statistics(),
+        methods={name: m.snapshot() for name, m in proto.calls.methods.items()},
     )
 
 
@@ -462,8 +467,6 @@ class Server:
         self._inner_scope: anyio.CancelScope | None = None
         self._observer = _observe.resolve(cfg.observer)
         self._said = Said()  # refusals already logged at WARNING
-        # Per-method counters for the built-in statistics method, from its first use on.
-        self._recorder: _observe.StatisticsRecorder | None = None
         self._started_at = time.time()
 
     # -- public surface ---------------------------------------------------------------------
@@ -777,8 +780,8 @@ class Server:
             self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
             call.observed = self._observer.engine_call(
-                call.spec.name, self._engine_id, call.session.name, call.spec.streaming,
-                call.trace, size,
+                call.spec.service, call.spec.name, self._engine_id, call.session.name,
+                call.spec.streaming, call.trace, size,
             )  # fmt: skip
 
     def _answer_statistics(self, event: BuiltinCall) -> None:
@@ -786,15 +789,8 @@ class Server:
         if not _observe.statistics_allowed(self._config.curve):
             self._proto.builtin_refused(event, _STATISTICS_REFUSED)
             return
-        if self._recorder is None:
-            self._recorder = _observe.StatisticsRecorder()
-            self._observer = _observe.combine(self._observer, self._recorder)
         body = _observe.statistics_body(
-            self.statistics(),
-            service=self._spec.name,
-            pid=os.getpid(),
-            started=self._started_at,
-            recorder=self._recorder,
+            self.statistics(), service=self._spec.name, pid=os.getpid(), started=self._started_at
         )
         self._proto.builtin_reply(event, _codec.encode(body, self._codec).payload)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 from tensorrpc._exceptions import ErrorCode
 from tensorrpc._protocol import Flags
+from tensorrpc._statistics import MethodStatistics
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -95,14 +96,18 @@ class ServerCall:
         "keep",
         "key",
         "observed",
+        "outcome",
         "parked",
         "payload",
+        "received",
         "result",
         "results",
         "scope",
         "session",
         "shutdown",
         "spec",
+        "started",
+        "stats",
         "trace",
     )
 
@@ -141,6 +146,13 @@ class ServerCall:
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
         self.trace = trace
+        #: When it was accepted and its handler started (0: not yet), on the shell's clock.
+        self.received = 0.0
+        self.started = 0.0
+        #: ``"ok"`` or the name of the ERROR code that answered it.
+        self.outcome = "ok"
+        #: Its method's counters (set when it is accepted).
+        self.stats: MethodStatistics | None = None
         #: Shell: the cancel scope the handler runs in, while it runs.
         self.scope: Cancellable | None = None
         #: Shell: what a stream waiting for credit waits on.
@@ -194,6 +206,7 @@ class CallQueue:
         "_service",
         "busy",
         "expiry",
+        "methods",
         "parked",
         "queue",
     )
@@ -215,6 +228,8 @@ class CallQueue:
         self.parked = 0
         #: No queued call's deadline is earlier than this (``inf``: none has one).
         self.expiry = _INF
+        #: Per method of the service: its counters (the engine's only ones).
+        self.methods = {name: MethodStatistics() for name in self._methods}
 
     def admit(
         self,
@@ -251,6 +266,9 @@ class CallQueue:
             session, header.call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS,
             header.trace,
         )  # fmt: skip
+        call.received = now
+        call.stats = stats = self.methods[method]
+        stats.calls += 1
         self.queue.append(call)
         if deadline < self.expiry:
             self.expiry = deadline
@@ -277,6 +295,7 @@ class CallQueue:
                 calls = call.session.calls
                 if calls.get(call.call_id) is call:
                     del calls[call.call_id]
+                self._ended(call, ErrorCode.DEADLINE_EXCEEDED.name, now)
         self.expiry = min((c.deadline for c in queue if not c.cancelled), default=_INF)
         return late
 
@@ -297,12 +316,27 @@ class CallQueue:
         self.busy += 1
         return queue.popleft()
 
-    def done(self, call: ServerCall) -> None:
-        """A worker is finished with ``call``: it leaves its session's table (rule 9)."""
+    def started(self, call: ServerCall, now: float) -> None:
+        """A worker starts ``call``'s handler at ``now``."""
+        call.started = now
+
+    def done(self, call: ServerCall, now: float) -> None:
+        """A worker is finished with ``call`` at ``now``: it leaves its session's table
+        (rule 9) and its method counts how it ended."""
         self.busy -= 1
         calls = call.session.calls
         if calls.get(call.call_id) is call:
             del calls[call.call_id]
+        outcome = call.outcome
+        if outcome == "ok" and call.cancelled:
+            outcome = "cancelled"
+        self._ended(call, outcome, now)
+
+    @staticmethod
+    def _ended(call: ServerCall, outcome: str, now: float) -> None:
+        stats = call.stats
+        if stats is not None:
+            stats.ended(outcome, call.received, call.started, now)
 
     def may_reply(self, call: ServerCall) -> bool:
         """Claim the call's final reply: False when it has one or must get none (rule 7)."""
@@ -318,6 +352,8 @@ class CallQueue:
     def item_sent(self, call: ServerCall) -> None:
         """Count one STREAM_ITEM sent against the stream's credit."""
         call.credits -= 1
+        if call.stats is not None:
+            call.stats.items += 1
 
     def park(self, call: ServerCall) -> str | None:
         """A stream waits for credit; it stops counting as busy.

@@ -478,6 +478,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         # The workers' side of the calls, bound straight to the call queue (no extra call
         # on the hot path): see `CallQueue` for each.
         self.next_call = calls.next_call
+        self.started = calls.started
         self.done = calls.done
         self.may_reply = calls.may_reply
         self.may_send_item = calls.may_send_item
@@ -967,6 +968,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         if call.credits <= 0 or call.cancelled or call.answered:
             return None
         call.credits -= 1
+        if call.stats is not None:
+            call.stats.items += 1
         return self._reply_frames(call, _STREAM_ITEM, payload, buffers)
 
     def _reply_frames(
@@ -1011,6 +1014,7 @@ class ServerProtocol(Machine[Hashable, Event]):
             self._replied(call)
         call.session.errors += 1
         self.errors_total += 1
+        call.outcome = code.name
         info = ErrorInfo(int(code), type_name, message, tb, path)
         self._send(call.key, encode_error(call.call_id, info))
         return True

@@ -207,15 +207,7 @@ class CallView(Generic[S]):
         )
         return CallView(self._client, options)
 
-    def stub(
-        self,
-        *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: Transport = "auto",
-        wait_for_ready: bool | None = None,
-    ) -> Stub[S]:
+    def stub(self) -> Stub[S]:
         """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
 
         ``await stub.add(1, 2)`` calls ``add``, whether the handler is ``async def`` or a
@@ -224,26 +216,12 @@ class CallView(Generic[S]):
         exactly (see [`Stub`][tensorrpc.Stub]); [`call`][tensorrpc.CallView.call] is
         exact under any type checker.
 
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                `CallOptions`).
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
+        Its calls use this view's options: ``client.with_options(timeout=5).stub()``.
 
         Returns:
             The stub.
         """
-        options = CallOptions(
-            engine=engine,
-            timeout=timeout,
-            wait=wait,
-            transport=transport,
-            wait_for_ready=wait_for_ready,
-        )
-        return _Stub(self._client, options)
+        return _Stub(self._client, self._options)
 
     @overload
     async def call(

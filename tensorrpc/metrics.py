@@ -24,9 +24,10 @@ an engine seen when every slot is held by a live one is counted under
 longest when a slot is needed, are removed. Method labels are the names of the service
 definition the call used, at most `MAX_METHOD_LABELS` of them (then ``"other"``).
 
-Cost: the hot path only adds to Python ints and one bucket of a histogram (no locks, no
-prometheus_client objects per call); everything else is read from the clients' and
-engines' ``statistics()`` when Prometheus scrapes.
+Cost: a client's hot path only adds to Python ints and one bucket of a histogram (no
+locks, no prometheus_client objects per call); everything else, every engine family
+included (an engine counts its own calls, `tensorrpc._statistics`), is read from the
+clients' and engines' ``statistics()`` when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -49,12 +50,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "tensorrpc.metrics needs prometheus_client: pip install 'tensorrpc[metrics]'"
     ) from exc
 
-from tensorrpc import _observe
-from tensorrpc._client import Client
 from tensorrpc._exceptions import ConnectError
 from tensorrpc._observe import CallObservation, Observer
-from tensorrpc._server import Server
+from tensorrpc._statistics import bucket_upper_seconds
 from tensorrpc._text import peer_text
+from tensorrpc._views import ClientStatistics
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
+
+    from tensorrpc._client import Client
+    from tensorrpc._server import Server
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
@@ -144,18 +147,15 @@ def _float_text(value: float) -> str:
 
 
 class _Series:
-    """One (method, engine) pair: what the hooks count."""
+    """One client (method, engine) pair: what the hooks count."""
 
-    __slots__ = ("duration", "handler", "items", "outcomes", "queue", "started")
+    __slots__ = ("duration", "items", "outcomes", "started")
 
-    def __init__(self, bounds: tuple[float, ...], engine_side: bool) -> None:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
         self.started = 0
         self.items = 0
         self.outcomes: dict[str, int] = {}
-        #: Client: end-to-end latency. Engine: unused (queue + handler instead).
         self.duration = _Histogram(bounds)
-        self.queue = _Histogram(bounds) if engine_side else None
-        self.handler = _Histogram(bounds) if engine_side else None
 
 
 class _ClientCall(CallObservation):
@@ -175,44 +175,6 @@ class _ClientCall(CallObservation):
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
 
-class _EngineCall(CallObservation):
-    __slots__ = ("_code", "_received", "_series", "_started")
-
-    def __init__(self, series: _Series) -> None:
-        self._series = series
-        self._received = _perf_counter()
-        self._started = 0.0
-        self._code = ""
-
-    def started(self) -> None:
-        self._started = now = _perf_counter()
-        queue = self._series.queue
-        assert queue is not None
-        queue.observe(now - self._received)
-
-    def item(self) -> None:
-        self._series.items += 1
-
-    def error(self, code: str) -> None:
-        self._code = code
-
-    def finished(self, outcome: str, nbytes: int) -> None:
-        series = self._series
-        now = _perf_counter()
-        if self._started:
-            handler = series.handler
-            assert handler is not None
-            handler.observe(now - self._started)
-        else:  # never ran (deadline passed in the queue, bad arguments, ...)
-            queue = series.queue
-            assert queue is not None
-            queue.observe(now - self._received)
-        if self._code:
-            outcome = self._code
-        outcomes = series.outcomes
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-
-
 class _Store:
     """What all views of one observer share: the series and the watched targets.
 
@@ -224,7 +186,6 @@ class _Store:
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
         self.client: dict[tuple[str, str], _Series] = {}
-        self.engine: dict[tuple[str, str], _Series] = {}
         self.engine_events: dict[tuple[str, str], int] = {}
         self.rtt: dict[str, _Histogram] = {}
         self.targets: dict[int, Any] = {}
@@ -329,9 +290,12 @@ class PrometheusObserver(Observer):
 
     def opened(self, target: Any) -> None:
         store = self._store
+        # A client's or an engine's statistics tell which it is (this module imports
+        # neither shell: the import graph stays acyclic, tests/unit/test_import_graph.py).
+        side = "client" if isinstance(target.statistics(), ClientStatistics) else "engine"
         with store.lock:
             store.targets[id(target)] = target
-            store.sides.add("engine" if isinstance(target, Server) else "client")
+            store.sides.add(side)
         if self._port is not None:
             _http.acquire(target, self._port)
 
@@ -345,7 +309,7 @@ class PrometheusObserver(Observer):
     # -- calls ------------------------------------------------------------------------------
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         store = self._store
         series = store.client.get((method, engine))
@@ -353,22 +317,10 @@ class PrometheusObserver(Observer):
             key = (store.method_key(method), store.engine_key(engine))
             series = store.client.get(key)
             if series is None:
-                series = store.client[key] = _Series(store.buckets, False)
+                series = store.client[key] = _Series(store.buckets)
                 store.sides.add("client")
         series.started += 1
         return _ClientCall(series)
-
-    def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
-    ) -> CallObservation | None:
-        store = self._store
-        key = (method, engine)
-        series = store.engine.get(key)
-        if series is None:
-            series = store.engine[key] = _Series(store.buckets, True)
-            store.sides.add("engine")
-        series.started += 1
-        return _EngineCall(series)
 
     def engine_event(self, client: str, engine: str, event: str) -> None:
         store = self._store
@@ -403,7 +355,8 @@ def _add(family: Any, labels: list[str], value: float) -> None:
 
 
 class _Collector:
-    """Builds every family at scrape time from the hook counters and ``statistics()``."""
+    """Builds every family at scrape time from the client hooks' counters and the
+    targets' ``statistics()``."""
 
     def __init__(self, store: _Store) -> None:
         self._store = store
@@ -421,8 +374,10 @@ class _Collector:
             # describe() (registration) names every family; a scrape only those of the
             # sides this process has been.
             sides = set(store.sides) if with_samples else {"client", "engine"}
+        snapshots = [t.statistics() for t in targets]
+        clients = [s for s in snapshots if isinstance(s, ClientStatistics)]
+        engines = [s for s in snapshots if not isinstance(s, ClientStatistics)]
         if "client" in sides:
-            clients = [t.statistics() for t in targets if isinstance(t, Client)]
             yield from _client_call_families(
                 [((m, store.label(e)), s) for (m, e), s in list(store.client.items())]
                 if with_samples
@@ -432,8 +387,7 @@ class _Collector:
             yield from _client_state_families(clients, with_samples, store.label)
             yield from _transport_families("client", [s.transports for s in clients], with_samples)
         if "engine" in sides:
-            engines = [t.statistics() for t in targets if isinstance(t, Server)]
-            yield from _engine_call_families(list(store.engine.items()) if with_samples else [])
+            yield from _engine_call_families(engines)
             yield from _engine_state_families(engines)
             yield from _batch_families(engines)
             yield from _transport_families("engine", [s.transports for s in engines], with_samples)
@@ -551,8 +505,8 @@ def _per_engine(clients: list[Any]) -> dict[str, list[int]]:
     return per_engine
 
 
-def _engine_call_families(series: list[tuple[tuple[str, str], _Series]]) -> Iterator[Metric]:
-    """Engine calls, from the hooks."""
+def _engine_call_families(engines: list[Any]) -> Iterator[Metric]:
+    """Engine calls, from ``statistics()``."""
     e_started = _counter("tensorrpc_engine_calls_started", "Calls an engine accepted.", _ME)
     e_finished = _counter(
         "tensorrpc_engine_calls",
@@ -561,23 +515,28 @@ def _engine_call_families(series: list[tuple[tuple[str, str], _Series]]) -> Iter
     )
     queue = _histogram(
         "tensorrpc_engine_queue_wait_seconds",
-        "Time from accepting a CALL to its handler starting.",
+        "Time from accepting a CALL to its handler starting (bucketed by the statistics "
+        "method's latency buckets: within a quarter octave).",
         _ME,
     )
     handler = _histogram(
         "tensorrpc_engine_handler_seconds", "Time handlers ran (streams: whole stream).", _ME
     )
     e_items = _counter("tensorrpc_engine_stream_items", "Stream items engines sent.", _ME)
-    for (method, engine), s in series:
-        e_started.add_metric([method, engine], s.started)
-        for outcome, n in list(s.outcomes.items()):
-            e_finished.add_metric([method, engine, outcome], n)
-        assert s.queue is not None
-        assert s.handler is not None
-        queue.add_metric([method, engine], s.queue.buckets(), s.queue.total)
-        handler.add_metric([method, engine], s.handler.buckets(), s.handler.total)
-        if s.items:
-            e_items.add_metric([method, engine], s.items)
+    for es in engines:
+        for method, m in es.methods.items():
+            if not m["calls"]:
+                continue
+            labels = [method, es.engine_id]
+            e_started.add_metric(labels, m["calls"])
+            for outcome, n in m["outcomes"].items():
+                e_finished.add_metric([*labels, outcome], n)
+            wait = _rebin(m["queue_wait"], DEFAULT_BUCKETS, bucket_upper_seconds)
+            queue.add_metric(labels, wait, m["queue_wait_sum_s"])
+            run = _rebin(m["run_time"], DEFAULT_BUCKETS, bucket_upper_seconds)
+            handler.add_metric(labels, run, m["run_time_sum_s"])
+            if m["items"]:
+                e_items.add_metric(labels, m["items"])
     yield from (e_started, e_finished, queue, handler, e_items)
 
 
@@ -650,7 +609,7 @@ def _batch_families(engines: list[Any]) -> Iterator[Metric]:
             labels = [method, es.engine_id]
             total = sum(k * n for k, n in b["sizes"])
             sizes.add_metric(labels, _rebin(b["sizes"], BATCH_SIZE_BUCKETS, float), total)
-            upper = _observe.bucket_upper_seconds
+            upper = bucket_upper_seconds
             wait.add_metric(
                 labels, _rebin(b["queue_wait"], DEFAULT_BUCKETS, upper), b["queue_wait_sum_s"]
             )

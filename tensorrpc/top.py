@@ -30,6 +30,7 @@ import anyio
 from tensorrpc import _observe
 from tensorrpc._client import Client
 from tensorrpc._exceptions import TensorRPCError
+from tensorrpc._statistics import LATENCY_BUCKETS_PER_OCTAVE
 from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def check_statistics(body: object) -> dict[str, Any]:
         raise ValueError("time is not a finite number")
     for name in (*_COUNTERS, "in_flight", "queued"):
         _count(name, body.get(name))
-    per_octave = body.get("latency_buckets_per_octave", _observe.LATENCY_BUCKETS_PER_OCTAVE)
+    per_octave = body.get("latency_buckets_per_octave", LATENCY_BUCKETS_PER_OCTAVE)
     if type(per_octave) is not int or not 1 <= per_octave <= 64:
         raise ValueError("latency_buckets_per_octave is not in 1..64")
     transports = body.get("transports")
@@ -214,9 +215,7 @@ class EngineView:
                 d = int(n) - before.get(int(i), 0)
                 if d > 0:
                     window[int(i)] = window.get(int(i), 0) + d
-        per_octave = int(
-            stats.get("latency_buckets_per_octave", _observe.LATENCY_BUCKETS_PER_OCTAVE)
-        )
+        per_octave = int(stats.get("latency_buckets_per_octave", LATENCY_BUCKETS_PER_OCTAVE))
         self.p50 = percentile(window, 0.50, per_octave)
         self.p99 = percentile(window, 0.99, per_octave)
         self._batching(stats.get("batching", {}), prev.get("batching", {}), per_octave)

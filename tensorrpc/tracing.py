@@ -17,17 +17,18 @@ or pass ``observer=tensorrpc.tracing.TracingObserver()`` to the ones you want. W
 API alone (no SDK configured, no ``tracer_provider`` given) no span is made and no
 context is sent: each hook is one type test.
 
-Span attributes: ``rpc.system`` (``"tensorrpc"``), ``rpc.method``, ``tensorrpc.engine_id``,
+Span names follow the OpenTelemetry RPC conventions, ``Service/method``. Span attributes:
+``rpc.system`` (``"tensorrpc"``), ``rpc.service``, ``rpc.method``, ``tensorrpc.engine_id``,
 ``tensorrpc.client_id`` (engine spans), ``tensorrpc.transport`` (client spans: how the
 arguments' tensors travelled: ``torch_shm``, ``frames`` or ``inline``),
 ``tensorrpc.request_bytes``, ``tensorrpc.response_bytes`` (client spans),
-``tensorrpc.stream_items`` (streams), ``tensorrpc.outcome`` (``ok``, an exception class
-name on the client, an ERROR code name on the engine, or ``cancelled``); the status is
+``tensorrpc.stream_items`` (streams), ``tensorrpc.outcome`` (``ok``, ``cancelled`` or an
+ERROR code name, alike on client and engine: see ``tensorrpc.Observer``); the status is
 ERROR for any outcome but ``ok`` and ``cancelled``. Engine spans start when the CALL is
 accepted and carry a ``handler.start`` event when a worker takes it.
 
 Batched methods (docs/batching.md): each batch (each step of a continuous batch) the
-engine runs is an INTERNAL span ``<method> batch`` with ``tensorrpc.batch_size``, linked
+engine runs is an INTERNAL span ``Service/method batch`` with ``tensorrpc.batch_size``, linked
 to the engine span of every item's call in it.
 """
 
@@ -188,15 +189,16 @@ class TracingObserver(Observer):
         return self._provider is None and type(trace.get_tracer_provider()) is _PROXY
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         if self._idle():
             return None
         span = self._tracer.start_span(
-            method,
+            f"{service}/{method}",
             kind=SpanKind.CLIENT,
             attributes={
                 "rpc.system": "tensorrpc",
+                "rpc.service": service,
                 "rpc.method": method,
                 "tensorrpc.engine_id": engine,
                 "tensorrpc.transport": transport,
@@ -209,7 +211,14 @@ class TracingObserver(Observer):
         return _ClientSpan(span)
 
     def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace_bytes: bytes, nbytes: int
+        self,
+        service: str,
+        method: str,
+        engine: str,
+        client: str,
+        stream: bool,
+        trace_bytes: bytes,
+        nbytes: int,
     ) -> CallObservation | None:
         if self._idle():
             return None
@@ -218,11 +227,12 @@ class TracingObserver(Observer):
         if parent is not None:
             ctx = trace.set_span_in_context(NonRecordingSpan(parent), otel_context.Context())
         span = self._tracer.start_span(
-            method,
+            f"{service}/{method}",
             context=ctx,
             kind=SpanKind.SERVER,
             attributes={
                 "rpc.system": "tensorrpc",
+                "rpc.service": service,
                 "rpc.method": method,
                 "tensorrpc.engine_id": engine,
                 "tensorrpc.client_id": client,
@@ -233,7 +243,7 @@ class TracingObserver(Observer):
         return _EngineSpan(span)
 
     def engine_batch(
-        self, method: str, engine: str, size: int, items: Sequence[bytes]
+        self, service: str, method: str, engine: str, size: int, items: Sequence[bytes]
     ) -> CallObservation | None:
         if self._idle():
             return None
@@ -243,12 +253,13 @@ class TracingObserver(Observer):
             if context is not None:
                 links.append(Link(context))
         span = self._tracer.start_span(
-            f"{method} batch",
+            f"{service}/{method} batch",
             context=otel_context.Context(),
             kind=SpanKind.INTERNAL,
             links=links,
             attributes={
                 "rpc.system": "tensorrpc",
+                "rpc.service": service,
                 "rpc.method": method,
                 "tensorrpc.engine_id": engine,
                 "tensorrpc.batch_size": size,

@@ -52,11 +52,7 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("tests/test_example_data_pipeline.py", "data-pipeline"),
     # The optional-import checks read one fresh interpreter's answers, once per process
     # (tests/_fresh_imports.py).
-    ("tests/unit/test_ray_optional.py", "fresh-interpreter"),
-    (
-        "tests/test_exports.py::test_import_tensorrpc_never_imports_the_optional",
-        "fresh-interpreter",
-    ),
+    ("tests/test_exports.py", "fresh-interpreter"),
 )
 
 #: ``(nodeid prefix, seconds)``: the single tests that take long (serial run on a quiet
@@ -67,7 +63,7 @@ SLOW: tuple[tuple[str, float], ...] = (
     ("tests/test_demo.py::test_demo_stops_cleanly_on_ctrl_c", 7.5),
     ("tests/test_docs.py::test_python_block_runs[docs/testing.md:", 7.1),
     ("tests/test_bench_smoke.py::test_quick_roundtrip_writes_json_and_markdown", 7.1),
-    ("tests/unit/test_service.py::test_fingerprint_matches_between_import_and_main", 6.8),
+    ("tests/test_service_main.py::test_fingerprint_matches_between_import_and_main", 6.8),
     ("tests/test_docs.py::test_python_block_runs[docs/quickstart.md:", 6.5),
     ("tests/test_blocking_client.py::test_plain_script", 6.4),
     ("tests/observe/test_top.py::test_top_in_a_pseudo_terminal_refreshes_and_quits", 5.8),

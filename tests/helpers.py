@@ -168,7 +168,7 @@ class EngineEnd:
 
     def done(self, call: ServerCall) -> None:
         self.running.remove(call)
-        self.proto.done(call)
+        self.proto.done(call, self.pair.now)
 
     def _out(self, frames: Any, call: ServerCall | None = None, done: bool = False) -> bool:
         if isinstance(frames, list):  # RESULT / STREAM_ITEM: the worker sends them

@@ -25,32 +25,33 @@ def _numbers(tree: Any) -> list[float]:
     return []
 
 
-def test_quick_roundtrip_writes_json_and_markdown(tmp_path: Path) -> None:
-    out = tmp_path / "results"
+def _bench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m ARGS`` from the repository root (forked from the pre-imported
+    interpreter of tests/_forkserver.py); its output, after checking it succeeded."""
     proc = _forkserver.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "--quick",
-            "--only",
-            "roundtrip",
-            "--system",
-            "pyzmq",
-            "--system",
-            "tensorrpc",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
+
+def _quick(out: Path, *args: str, timeout: float = 90) -> tuple[dict[str, Any], str, str]:
+    """``python -m bench --quick ARGS --out OUT``: its JSON, its Markdown and its stdout."""
+    proc = _bench("bench", "--quick", *args, "--out", str(out), timeout=timeout)
     results = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    return results, (out / "bench.md").read_text(encoding="utf-8"), proc.stdout
+
+
+def test_quick_roundtrip_writes_json_and_markdown(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    results, md, stdout = _quick(
+        out, "--only", "roundtrip", "--system", "pyzmq", "--system", "tensorrpc"
+    )
     systems = results["roundtrip"]["systems"]
     assert set(systems) == {"pyzmq", "tensorrpc"}
     for entry in systems.values():
@@ -64,11 +65,10 @@ def test_quick_roundtrip_writes_json_and_markdown(tmp_path: Path) -> None:
     assert results["machine"]["cpus"] >= 1
     assert results["duration_s"] > 0
 
-    md = (out / "bench.md").read_text(encoding="utf-8")
     assert "| pyzmq |" in md
     assert "## Round trip" in md
     assert "## Targets" in md
-    assert "## Round trip" in proc.stdout
+    assert "## Round trip" in stdout
     # no transfer section in this run, so no chart
     assert not (out / "latency_vs_size.png").exists()
 
@@ -137,16 +137,7 @@ def test_report_has_the_other_direction_when_measured(tmp_path: Path) -> None:
 
 
 def test_call_cpu_reports_client_and_engine_cpu_per_call() -> None:
-    proc = _forkserver.run(
-        [sys.executable, "-m", "bench.call_cpu", "--calls", "2000", "--runs", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    lines = _bench("bench.call_cpu", "--calls", "2000", "--runs", "2").stdout.splitlines()
     assert lines[0].startswith("2000 calls, 64 in flight")
     runs = [line for line in lines[1:] if not line.startswith("median")]
     assert len(runs) == 2
@@ -229,17 +220,7 @@ def test_startup_measures_the_commands_and_none_imports_torch() -> None:
 
 
 def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    proc = _forkserver.run(
-        [sys.executable, "-m", "bench", "--quick", "--only", "batching", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    results, md, _ = _quick(tmp_path / "results", "--only", "batching", timeout=180)
     bt = results["batching"]
     assert "unavailable" not in bt, bt
     for case in ("unbatched", "tensorrpc", "asyncio batcher"):
@@ -250,19 +231,11 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     assert bt["late_ttft_ms"] > 0
     ids = {t["id"] for t in results["targets"]}
     assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms"} <= ids
-    assert "## Batching" in (out / "bench.md").read_text(encoding="utf-8")
+    assert "## Batching" in md
 
 
 def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
-    proc = _forkserver.run(
-        [sys.executable, "-m", "bench.shm_held", "--count", "12", "--mib", "1", "--wait", "30"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _bench("bench.shm_held", "--count", "12", "--mib", "1", "--wait", "30", timeout=180)
     lines = proc.stdout.splitlines()
     assert lines[0] == "12 share() tensors of 1 MiB sent and freed; aliased 12 of 12", lines
     # Each new mapping first drops those the client freed: the one just received, and at
@@ -274,32 +247,13 @@ def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
 
 
 def test_quick_mixed_load_reports_tails_and_throughput(tmp_path: Path) -> None:
-    out = tmp_path / "results"
     tensorrpc_frames = "tensorrpc frames (engine dials in)"
-    proc = _forkserver.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "--quick",
-            "--only",
-            "mixed",
-            "--system",
-            "pyzmq",
-            "--system",
-            tensorrpc_frames,
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    results, md, _ = _quick(
+        tmp_path / "results",
+        *("--only", "mixed", "--system", "pyzmq", "--system", tensorrpc_frames),
         timeout=240,
-        stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    mixed = json.loads((out / "bench.json").read_text(encoding="utf-8"))["mixed"]
+    mixed = results["mixed"]
     assert set(mixed["systems"]) == {"pyzmq", tensorrpc_frames}
     for entry in mixed["systems"].values():
         assert "unavailable" not in entry, entry
@@ -319,7 +273,6 @@ def test_quick_mixed_load_reports_tails_and_throughput(tmp_path: Path) -> None:
             for direction in cell["after_large"].values():
                 assert 0 < direction["p50_us"] <= direction["max_us"]
         assert all(math.isfinite(x) and x >= 0 for x in _numbers(entry))
-    md = (out / "bench.md").read_text(encoding="utf-8")
     assert "## Small calls under a mixed load" in md
     assert f"| {tensorrpc_frames} | 16 MiB |" in md
 
@@ -331,3 +284,11 @@ def test_mixed_report_renders_unavailable_systems() -> None:
         {"rate_per_s": 500.0, "systems": {"pyzmq": {"unavailable": "RuntimeError: boom"}}}
     )
     assert "| pyzmq | RuntimeError: boom |||||||||" in lines
+
+
+def test_the_tensor_call_cpu_bench_runs_every_kind() -> None:
+    from bench.tensor_call_cpu import measure
+
+    got = measure(number=3, rounds=1)
+    assert sorted(got) == ["add", "in", "out", "tiny_in"]
+    assert all(cli > 0 and eng > 0 for cli, eng in got.values())

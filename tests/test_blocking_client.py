@@ -67,7 +67,7 @@ with client, schemaless, engine_processes(Calculator, addresses, 2) as engines:
     assert client.call(Calculator.add, 1, 2) == 3
     assert client.call(Calculator.mul, 3, b=4) == 12  # a sync handler
     assert client.stub().add(5) == 6
-    assert list(client.stub(engine="engine-0").count(2)) == [0, 1]
+    assert list(client.with_options(engine="engine-0").stub().count(2)) == [0, 1]
     assert list(client.stream(Calculator.count, 4)) == [0, 1, 2, 3]
     with client.stream(Calculator.count, 1_000_000) as stream:  # leave early
         assert next(stream) == 0

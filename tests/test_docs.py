@@ -297,6 +297,11 @@ def test_mkdocs_build_is_strict_clean(built_site: BuiltSite) -> None:
 
     missing_names = [n for n in tensorrpc.__all__ if f'id="tensorrpc.{n}"' not in reference]
     assert missing_names == [], "the API reference does not render these exported names"
+    # It opens with the client (not PROTOCOL_VERSION, as grouping by category did), and
+    # renders each name once.
+    rendered = re.findall(r'id="tensorrpc\.(\w+)"', reference)
+    assert rendered[0] == "Client"
+    assert rendered.count("Client") == 1
 
 
 #: A Sphinx role left in a docstring, as it shows in the rendered text.

@@ -221,3 +221,11 @@ def test_tensors_work_when_torch_is_imported_after_tensorrpc() -> None:
     found = report()
     assert found["tensor call"] == [[0, 2, 4], [1.0, 1.0]]
     assert found["tensor refused"] == "Tensors.double: req.x: expected Tensor, got list ([1])"
+
+
+def test_import_tensorrpc_does_not_import_ray() -> None:
+    assert [m for m in report()["optional imported"] if m.split(".")[0] == "ray"] == []
+
+
+def test_tensorrpc_ray_without_ray_names_the_extra() -> None:
+    assert "pip install 'tensorrpc[ray]'" in str(report()["tensorrpc.ray"])

@@ -4,7 +4,7 @@ Setup: the benchmark process holds a :class:`tensorrpc.Client` bound on ``ipc://
 (engines dial in, vLLM's topology); the engine is ``tensorrpc.serve(BenchService(),
 connect=..., engine_id="bench")`` in its own process. Both handlers are ``async def``, so
 they run on the engine's event loop like the other peers' handlers. Calls go through a
-stub targeted at the engine: ``client.stub(engine="bench", transport=...)`` with
+stub targeted at the engine: ``client.with_options(engine="bench", transport=...).stub()`` with
 ``"frames"`` (out-of-band zero-copy ZMQ frames) or ``"torch_shm"`` (shared memory; only a
 handle travels). ``consume`` answers ``(numel, first, last)`` like every other peer.
 """

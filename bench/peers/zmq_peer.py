@@ -160,15 +160,22 @@ class ZmqClient:
 
 
 class ZmqFutureClient:
-    """The smallest multiplexing RPC client: call id → future, one reader task."""
+    """The smallest multiplexing RPC client: call id → future, one reader task.
 
-    def __init__(self, addr: str) -> None:
+    Args:
+        addr: The peer's address.
+        copy: Receive replies as bytes (True: small calls) or as zero-copy frames
+            (False: large ones; then only `call` is usable).
+    """
+
+    def __init__(self, addr: str, *, copy: bool = True) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
+        self._copy = copy
         self._ids = itertools.count(1)
-        self._pending: dict[bytes, asyncio.Future[bytes]] = {}
+        self._pending: dict[bytes, asyncio.Future[list[Any]]] = {}
         self._reader: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> ZmqFutureClient:
@@ -183,11 +190,22 @@ class ZmqFutureClient:
         self.ctx.term()
 
     async def _read(self) -> None:
+        copy = self._copy
         while True:
-            cid, result = await self.sock.recv_multipart()
+            frames: list[Any] = await self.sock.recv_multipart(copy=copy)
+            cid = frames[0] if copy else frames[0].bytes
             fut = self._pending.pop(cid, None)
             if fut is not None and not fut.done():
-                fut.set_result(result)
+                fut.set_result(frames[1:])
+            del frames, fut
+
+    async def call(self, *parts: Any) -> list[Any]:
+        """Send ``[call id, *parts]`` zero-copy; the reply's frames after the call id."""
+        cid = _ID.pack(next(self._ids))
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._pending[cid] = fut
+        await self.sock.send_multipart([cid, *parts], copy=False)
+        return await fut
 
     async def add(self, a: int, b: int) -> int:
         """One small call through the future table."""
@@ -195,7 +213,8 @@ class ZmqFutureClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[cid] = fut
         await self.sock.send_multipart([cid, OP_ADD, ormsgpack.packb([a, b])])
-        return int(ormsgpack.unpackb(await fut))
+        (result,) = await fut
+        return int(ormsgpack.unpackb(result))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 The codec talks to a transport through two small protocols, `TensorPlacer`
 (sending side) and `TensorResolver` (receiving side). The runtime picks a transport
-per call (``client.stub(transport="auto" | "frames" | "torch_shm")``, see
+per call (``client.with_options(transport="auto" | "frames" | "torch_shm").stub()``, see
 docs/transports.md) and reports what each moved in ``statistics().transports``
 ([`TransportStatistics`][tensorrpc.TransportStatistics]).
 """

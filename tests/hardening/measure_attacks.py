@@ -61,7 +61,7 @@ class Legit:
         self.worst = 0.0
 
     async def run(self) -> None:
-        stub = self.client.stub(engine=self.engine)
+        stub = self.client.with_options(engine=self.engine).stub()
         while True:
             start = time.monotonic()
             try:
@@ -146,7 +146,7 @@ async def client_attack(workdir: Path, name: str, result: bool, count: int) -> s
                 if result:
                     async with FakeEngine(address, "fake") as fake:
                         await fake.join()
-                        stub = client.stub(engine="fake")
+                        stub = client.with_options(engine="fake").stub()
                         outcome: list[str] = []
                         answered = anyio.Event()
 

@@ -109,7 +109,7 @@ async def test_kill_9_mid_transfer_of_large_tensors(
         async with _client(connect=warm.endpoint) as client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
-                await client.stub(transport="frames").scale(torch.ones(1 << 20), 2.0)
+                await client.with_options(transport="frames").stub().scale(torch.ones(1 << 20), 2.0)
     gc.collect()
     baseline = fd_count()
     shm_before = shm_files_of([os.getpid()])  # ours only: other tests may run beside this one
@@ -118,7 +118,7 @@ async def test_kill_9_mid_transfer_of_large_tensors(
         engines.append(victim)
         with anyio.fail_after(WAIT):
             await client.wait_for_engines(1)
-        calc = client.stub(transport=transport)  # type: ignore[arg-type]
+        calc = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         outcomes: dict[int, object] = {}
         first = anyio.Event()
         x = torch.ones(8 * 1024 * 1024)  # 32 MiB per call, a frame or a shared segment

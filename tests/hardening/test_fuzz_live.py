@@ -199,7 +199,7 @@ class ClientHarness:
 
         async def caller() -> None:
             try:
-                outcome.append(await self.client.stub(timeout=WAIT).add(1, 2))
+                outcome.append(await self.client.with_options(timeout=WAIT).stub().add(1, 2))
             except TensorRPCError as exc:
                 outcome.append(exc)
             finally:

@@ -46,7 +46,9 @@ async def test_too_big_argument_is_an_encode_error_before_sending(tmp_path: Path
         async with Client(Probe, connect=server.endpoint, socket_options=SMALL) as client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
-            probe = client.stub(transport="frames")  # torch_shm would not use a frame
+            probe = client.with_options(
+                transport="frames"
+            ).stub()  # torch_shm would not use a frame
             with pytest.raises(EncodeError, match="maxmsgsize"):
                 await probe.scale(_big(2 * LIMIT), 2.0)
             assert client.statistics().calls_in_flight == 0
@@ -64,14 +66,14 @@ async def test_per_tensor_limit_is_an_encode_error_on_either_side(tmp_path: Path
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
             with pytest.raises(EncodeError, match="max_tensor_bytes"):
-                await client.stub(transport="frames").scale(_big(32 * 1024), 1.0)
+                await client.with_options(transport="frames").stub().scale(_big(32 * 1024), 1.0)
             # results over the engine's limit (two 24 KiB tensors): it refuses to send them
             loose = CodecConfig(max_tensor_bytes=1 << 30)
             async with Client(Probe, connect=server.endpoint, codec=loose) as other:
                 with anyio.fail_after(WAIT):
                     await other.wait_for_engines(1)
                     with pytest.raises(RemoteError, match="max_tensor_bytes"):
-                        await other.stub(transport="frames").tensors(1, 2)
+                        await other.with_options(transport="frames").stub().tensors(1, 2)
             with anyio.fail_after(WAIT):
                 assert await client.stub().add(1, 2) == 3
 
@@ -114,7 +116,9 @@ async def test_a_call_over_the_engine_s_smaller_limit_fails_at_once(tmp_path: Pa
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
             assert client.engines["small"].max_message_bytes == LIMIT
-            probe = client.stub(transport="frames")  # no timeout: it must not need one
+            probe = client.with_options(
+                transport="frames"
+            ).stub()  # no timeout: it must not need one
             with anyio.fail_after(WAIT):
                 with pytest.raises(EncodeError, match=rf"'small'.*maxmsgsize={LIMIT}\)"):
                     await probe.scale(_big(2 * LIMIT), 1.0)
@@ -145,7 +149,7 @@ async def test_a_result_over_the_client_s_smaller_limit_is_refused_by_the_engine
                 await client.wait_for_engines(1)
                 # two 24 KiB tensors: each over the client's 16 KiB
                 with pytest.raises(RemoteError, match=r"client .*maxmsgsize=16384\)"):
-                    await client.stub(transport="frames").tensors(1, 2)
+                    await client.with_options(transport="frames").stub().tensors(1, 2)
                 assert await client.stub().add(2, 2) == 4
             assert client.statistics().calls_in_flight == 0
         assert server.statistics().errors == 1

@@ -50,7 +50,7 @@ async def test_engine_announces_and_enforces_its_codec_limit(tmp_path: Path) -> 
             assert [e.max_message_bytes for e in engines.values()] == [MiB]
             big = torch.ones(2 * MiB // 4)
             with pytest.raises(EncodeError, match="maxmsgsize=1048576"):
-                await client.stub(transport="frames").scale(big, 2.0)
+                await client.with_options(transport="frames").stub().scale(big, 2.0)
             assert server.statistics().calls == 0  # refused before anything was sent
             small = torch.ones(1024)
             with anyio.fail_after(WAIT):

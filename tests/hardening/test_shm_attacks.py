@@ -322,7 +322,7 @@ async def test_item3_truncating_a_torch_shared_file_during_a_call_cannot_crash_t
         ) as client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
-                stub = client.stub(transport="torch_shm")
+                stub = client.with_options(transport="torch_shm").stub()
                 x = torch.ones(1 << 20)
                 x.share_memory_()  # type: ignore[no-untyped-call]
                 fd = x.untyped_storage()._get_shared_fd()  # type: ignore[attr-defined]

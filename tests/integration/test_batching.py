@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -95,8 +97,29 @@ class Batched:
         return out
 
 
+@contextlib.asynccontextmanager
+async def _running(
+    tmp_path: Path, svc: Batched | None = None
+) -> AsyncIterator[tuple[Batched, Server, Client[Batched]]]:
+    """An engine serving ``svc`` (a new one by default) and a client that sees it, within
+    20 s from the start to the end of the block."""
+    svc = Batched() if svc is None else svc
+    address = _address(tmp_path)
+    async with (
+        Server(svc, bind=address, engine_id="e1") as server,
+        Client(Batched, connect=address) as client,
+    ):
+        with anyio.fail_after(20):
+            await client.wait_for_engines(1)
+            yield svc, server, client
+
+
+def _address(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/b.sock"
+
+
 async def _serve(tmp_path: Path) -> tuple[Batched, str]:
-    return Batched(), f"ipc://{tmp_path}/b.sock"
+    return Batched(), _address(tmp_path)
 
 
 async def test_describe_shows_the_item_and_the_batch_signature() -> None:
@@ -177,62 +200,51 @@ async def test_bad_item_is_refused_alone_and_failures_are_per_item(tmp_path: Pat
 async def test_a_result_count_mismatch_fails_every_item_and_the_engine_serves_on(
     tmp_path: Path,
 ) -> None:
-    svc, address = await _serve(tmp_path)
-    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
-        with anyio.fail_after(20):
-            await c.wait_for_engines(1)
-            with pytest.raises(RemoteError, match=r"returned 0 results for a batch of 1"):
-                await c.stub().miscount(0)
-            assert await c.stub().miscount(5) == 5
-            assert await c.stub().square(2, "a") == "a:4"
+    async with _running(tmp_path) as (_svc, _, c):
+        with pytest.raises(RemoteError, match=r"returned 0 results for a batch of 1"):
+            await c.stub().miscount(0)
+        assert await c.stub().miscount(5) == 5
+        assert await c.stub().square(2, "a") == "a:4"
 
 
 async def test_sync_handlers_run_each_batch_in_a_worker_thread(tmp_path: Path) -> None:
-    svc, address = await _serve(tmp_path)
-    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
-        with anyio.fail_after(20):
-            await c.wait_for_engines(1)
-            got: list[float] = []
+    async with _running(tmp_path) as (svc, _, c):
+        got: list[float] = []
 
-            async def one(v: float) -> None:
-                got.append(await c.stub().sync_double(v))
+        async def one(v: float) -> None:
+            got.append(await c.stub().sync_double(v))
 
-            async with anyio.create_task_group() as tg:
-                for v in range(10):
-                    tg.start_soon(one, float(v))
+        async with anyio.create_task_group() as tg:
+            for v in range(10):
+                tg.start_soon(one, float(v))
     assert sorted(got) == [2.0 * v for v in range(10)]
     assert svc.threads
     assert threading.main_thread().name not in svc.threads
 
 
 async def test_full_queue_is_overloaded_and_queued_timeouts_never_run(tmp_path: Path) -> None:
-    svc, address = await _serve(tmp_path)
+    svc = Batched()
     svc.gate = anyio.Event()
     svc.entered = anyio.Event()
-    async with (
-        Server(svc, bind=address, engine_id="e1") as server,
-        Client(Batched, connect=address) as c,
-    ):
-        with anyio.fail_after(20):
-            await c.wait_for_engines(1)
-            stub = c.stub()
-            results: list[int] = []
+    async with _running(tmp_path, svc) as (_, server, c):
+        stub = c.stub()
+        results: list[int] = []
 
-            async def one(v: int) -> None:
-                results.append(await stub.gated(v))
+        async def one(v: int) -> None:
+            results.append(await stub.gated(v))
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(one, 1)
-                await svc.entered.wait()  # batch [1] runs and holds the only slot
-                with pytest.raises(CallTimeoutError):
-                    await c.stub(timeout=0.2).gated(99)  # queued, then late
-                tg.start_soon(one, 2)
-                tg.start_soon(one, 3)
-                while server.statistics().batching["gated"]["queued"] < 2:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)  # bounded by fail_after: the two are queued
-                with pytest.raises(OverloadedError, match="max_queue"):
-                    await c.stub(wait=False).gated(4)
-                svc.gate.set()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 1)
+            await svc.entered.wait()  # batch [1] runs and holds the only slot
+            with pytest.raises(CallTimeoutError):
+                await c.with_options(timeout=0.2).stub().gated(99)  # queued, then late
+            tg.start_soon(one, 2)
+            tg.start_soon(one, 3)
+            while server.statistics().batching["gated"]["queued"] < 2:  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # bounded by fail_after: the two are queued
+            with pytest.raises(OverloadedError, match="max_queue"):
+                await c.with_options(wait=False).stub().gated(4)
+            svc.gate.set()
     assert sorted(results) == [1, 2, 3]
     assert svc.batches[0] == [1]
     assert sorted(svc.batches[1]) == [2, 3]  # trio starts tasks in any order
@@ -240,59 +252,48 @@ async def test_full_queue_is_overloaded_and_queued_timeouts_never_run(tmp_path: 
 
 
 async def test_a_running_batch_learns_which_callers_cancelled(tmp_path: Path) -> None:
-    svc, address = await _serve(tmp_path)
-    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
-        with anyio.fail_after(20):
-            await c.wait_for_engines(1)
-            got: list[int] = []
+    async with _running(tmp_path) as (svc, _, c):
+        got: list[int] = []
 
-            async def stays() -> None:
-                got.append(await c.stub().watch(1))
+        async def stays() -> None:
+            got.append(await c.stub().watch(1))
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stays)
-                with pytest.raises(CallTimeoutError):
-                    await c.stub(timeout=0.5).watch(2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stays)
+            with pytest.raises(CallTimeoutError):
+                await c.with_options(timeout=0.5).stub().watch(2)
     assert got == [1]
     assert len(svc.seen_cancelled) == 1
     assert len(svc.seen_cancelled[0]) == 1  # the item of the caller that gave up
 
 
 async def test_a_batch_whose_callers_all_left_is_stopped(tmp_path: Path) -> None:
-    svc, address = await _serve(tmp_path)
+    svc = Batched()
     svc.gate = anyio.Event()
     svc.entered = anyio.Event()
-    async with (
-        Server(svc, bind=address, engine_id="e1") as server,
-        Client(Batched, connect=address) as c,
-    ):
-        with anyio.fail_after(20):
-            await c.wait_for_engines(1)
-            with pytest.raises(CallTimeoutError):
-                await c.stub(timeout=0.3).gated(7)
-            assert svc.batches == [[7]]
-            while server.statistics().batching["gated"]["running"]:  # noqa: ASYNC110
-                await anyio.sleep(0.01)  # bounded by fail_after: the batch is stopped
-            svc.gate.set()
-            assert await c.stub().gated(8) == 8
+    async with _running(tmp_path, svc) as (_, server, c):
+        with pytest.raises(CallTimeoutError):
+            await c.with_options(timeout=0.3).stub().gated(7)
+        assert svc.batches == [[7]]
+        while server.statistics().batching["gated"]["running"]:  # noqa: ASYNC110
+            await anyio.sleep(0.01)  # bounded by fail_after: the batch is stopped
+        svc.gate.set()
+        assert await c.stub().gated(8) == 8
     assert svc.batches == [[7], [8]]
     assert svc.seen_cancelled == [frozenset()]  # the first batch's handler was cancelled
 
 
 async def test_continuous_streams_join_at_step_boundaries(tmp_path: Path) -> None:
-    svc, address = await _serve(tmp_path)
-    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
-        with anyio.fail_after(20):
-            await c.wait_for_engines(1)
-            got: dict[int, list[int]] = {}
+    async with _running(tmp_path) as (_svc, _, c):
+        got: dict[int, list[int]] = {}
 
-            async def run(start: int, n: int) -> None:
-                got[start] = [v async for v in c.stub().count(start, n)]
+        async def run(start: int, n: int) -> None:
+            got[start] = [v async for v in c.stub().count(start, n)]
 
-            async with anyio.create_task_group() as tg:
-                for k in range(6):
-                    tg.start_soon(run, 1000 * k, 20 + k)
-            assert await c.call(Batched.square, 2, "x") == "x:4"
+        async with anyio.create_task_group() as tg:
+            for k in range(6):
+                tg.start_soon(run, 1000 * k, 20 + k)
+        assert await c.call(Batched.square, 2, "x") == "x:4"
     assert got == {1000 * k: list(range(1000 * k, 1000 * k + 20 + k)) for k in range(6)}
 
 
@@ -314,48 +315,40 @@ async def test_a_stalled_reader_does_not_stall_the_other_streams(tmp_path: Path)
 
 
 async def test_items_that_leave_a_continuous_batch_early_free_their_place(tmp_path: Path) -> None:
-    svc, address = await _serve(tmp_path)
-    async with Server(svc, bind=address, engine_id="e1"), Client(Batched, connect=address) as c:
-        with anyio.fail_after(20):
-            await c.wait_for_engines(1)
-            for _ in range(6):  # more than max_size streams, each closed early
-                stream = c.stub().count(0, 10_000)
-                assert await stream.__anext__() == 0
-                await stream.aclose()
-            assert [v async for v in c.stub().count(7, 3)] == [7, 8, 9]
+    async with _running(tmp_path) as (_svc, _, c):
+        for _ in range(6):  # more than max_size streams, each closed early
+            stream = c.stub().count(0, 10_000)
+            assert await stream.__anext__() == 0
+            await stream.aclose()
+        assert [v async for v in c.stub().count(7, 3)] == [7, 8, 9]
 
 
 async def test_a_client_that_leaves_has_its_queued_items_dropped(tmp_path: Path) -> None:
-    svc, address = await _serve(tmp_path)
+    svc = Batched()
     svc.gate = anyio.Event()
     svc.entered = anyio.Event()
-    async with (
-        Server(svc, bind=address, engine_id="e1") as server,
-        Client(Batched, connect=address) as stays,
-    ):
-        with anyio.fail_after(20):
-            await stays.wait_for_engines(1)
-            results: list[int] = []
+    async with _running(tmp_path, svc) as (_, server, stays):
+        results: list[int] = []
 
-            async def one(v: int) -> None:
-                results.append(await stays.stub().gated(v))
+        async def one(v: int) -> None:
+            results.append(await stays.stub().gated(v))
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(one, 1)
-                await svc.entered.wait()  # batch [1] holds the only slot
-                async with Client(Batched, connect=address) as leaves:
-                    await leaves.wait_for_engines(1)
-                    async with anyio.create_task_group() as doomed:
-                        doomed.start_soon(leaves.stub().gated, 50)
-                        doomed.start_soon(leaves.stub().gated, 51)
-                        while server.statistics().batching["gated"]["queued"] < 2:  # noqa: ASYNC110
-                            await anyio.sleep(0.01)
-                        doomed.cancel_scope.cancel()
-                # The client is gone: the engine drops what it had queued.
-                while server.statistics().batching["gated"]["queued"]:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
-                svc.gate.set()
-            assert await stays.stub().gated(2) == 2
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 1)
+            await svc.entered.wait()  # batch [1] holds the only slot
+            async with Client(Batched, connect=_address(tmp_path)) as leaves:
+                await leaves.wait_for_engines(1)
+                async with anyio.create_task_group() as doomed:
+                    doomed.start_soon(leaves.stub().gated, 50)
+                    doomed.start_soon(leaves.stub().gated, 51)
+                    while server.statistics().batching["gated"]["queued"] < 2:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                    doomed.cancel_scope.cancel()
+            # The client is gone: the engine drops what it had queued.
+            while server.statistics().batching["gated"]["queued"]:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            svc.gate.set()
+        assert await stays.stub().gated(2) == 2
     assert results == [1]
     assert svc.batches == [[1], [2]]
 

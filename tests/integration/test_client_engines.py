@@ -121,7 +121,7 @@ async def test_targeted_and_balanced_calls(pool: dict[str, str]) -> None:
         assert set(engines) == set(POOL_IDS)
         assert engines["e2"].address == pool["e2"]
         for engine_id in POOL_IDS:
-            assert await client.stub(engine=engine_id).whoami() == engine_id
+            assert await client.with_options(engine=engine_id).stub().whoami() == engine_id
         calc = client.stub()
         assert await calc.add(1, 2) == 3
         assert await calc.add(5) == 6
@@ -233,7 +233,7 @@ async def test_unknown_engine_fails_at_once(pool: dict[str, str]) -> None:
         with anyio.fail_after(20):
             await client.wait_for_engines(2)
         with pytest.raises(EngineNotFoundError) as info:
-            await client.stub(engine="e9").add(1)
+            await client.with_options(engine="e9").stub().add(1)
         assert info.value.live == ("e1", "e2")
 
 
@@ -243,7 +243,7 @@ async def test_deadline_stops_the_handler(pool: dict[str, str]) -> None:
             await client.wait_for_engines(1)
         token = f"deadline-{id(client)}"
         with anyio.fail_after(5), pytest.raises(CallTimeoutError):
-            await client.stub(timeout=0.3).sleep(30.0, token)
+            await client.with_options(timeout=0.3).stub().sleep(30.0, token)
         calc = client.stub()
 
         async def cancelled() -> bool:
@@ -342,7 +342,7 @@ async def test_engines_dial_in_over_ipc_and_tcp_beside_a_dialled_engine(
             assert client.engines["d1"].address is None
             assert client.engines["e3"].address == pool["e3"]
             for engine_id in ("d1", "d2", "e3"):
-                assert await client.stub(engine=engine_id).whoami() == engine_id
+                assert await client.with_options(engine=engine_id).stub().whoami() == engine_id
             assert await client.broadcast("add", 1, 2) == {"d1": 3, "d2": 3, "e3": 3}
 
 
@@ -359,7 +359,7 @@ async def test_kill_9_mid_call_and_mid_stream(
         victim = spawn("k1", connect=client.addresses)
         with anyio.fail_after(30):
             await client.wait_for_engines(2)
-        calc = client.stub(engine="k1")
+        calc = client.with_options(engine="k1").stub()
         outcomes: dict[str, EngineDeadError] = {}
         both_failed = anyio.Event()
         token = f"kill-{id(client)}"
@@ -396,5 +396,7 @@ async def test_kill_9_mid_call_and_mid_stream(
         assert set(outcomes) == {"call", "stream"}
         assert all(e.engine_id == "k1" for e in outcomes.values())
         assert "k1" not in client.engines
-        assert await client.stub(engine="e2").whoami() == "e2"  # the other engine serves on
+        assert (
+            await client.with_options(engine="e2").stub().whoami() == "e2"
+        )  # the other engine serves on
         assert client.statistics().engines["k1"].in_flight == 0

@@ -82,7 +82,7 @@ async def test_declare_dead_fails_only_that_engines_calls_and_checks_the_pid() -
 
                 async def slow_call() -> None:
                     try:
-                        outcome.append(await client.stub(engine="a").sleep(30))
+                        outcome.append(await client.with_options(engine="a").stub().sleep(30))
                     except tensorrpc.EngineDeadError as exc:
                         outcome.append(exc)
 
@@ -95,7 +95,7 @@ async def test_declare_dead_fails_only_that_engines_calls_and_checks_the_pid() -
                 assert isinstance(error, tensorrpc.EngineDeadError)
                 assert error.engine_id == "a"
                 assert "died (test)" in str(error)
-                assert await client.stub(engine="b").whoami() == "b"
+                assert await client.with_options(engine="b").stub().whoami() == "b"
                 tg.cancel_scope.cancel()
 
 

@@ -93,7 +93,7 @@ async def test_duplicate_live_id_is_refused_first_keeps_serving(tmp_path: Path) 
             results: list[int] = []
 
             async def call() -> None:
-                results.append(await client.stub(engine="e1").add(1, 2))
+                results.append(await client.with_options(engine="e1").stub().add(1, 2))
 
             tg.start_soon(call)
             msg = await first.next(CALL)
@@ -114,7 +114,7 @@ async def test_call_result_and_late_or_foreign_replies_are_dropped(tmp_path: Pat
         async with anyio.create_task_group() as tg:
 
             async def call(tag: str) -> None:
-                results[tag] = await client.stub(engine="e1").echo(tag)
+                results[tag] = await client.with_options(engine="e1").stub().echo(tag)
 
             tg.start_soon(call, "a")
             msg_a = await e1.next(CALL)
@@ -136,7 +136,7 @@ async def await_call(client: Client[Calculator], engine: FakeEngine, tag: str) -
         out: list[object] = []
 
         async def call() -> None:
-            out.append(await client.stub(engine=engine.engine_id).echo(tag))
+            out.append(await client.with_options(engine=engine.engine_id).stub().echo(tag))
 
         tg.start_soon(call)
         msg = await engine.next(CALL)
@@ -148,7 +148,7 @@ async def test_timeout_sends_deadline_and_cancel(tmp_path: Path) -> None:
     async with make_client(tmp_path) as client, FakeEngine(client.addresses[0], "e1") as e1:
         await e1.join()
         with pytest.raises(CallTimeoutError) as info:
-            await client.stub(timeout=0.2).sleep(10.0)
+            await client.with_options(timeout=0.2).stub().sleep(10.0)
         assert isinstance(info.value, TimeoutError)
         call = await e1.next(CALL)
         assert 0 < call.header.timeout_ms <= 200
@@ -222,7 +222,7 @@ async def test_unknown_engine_lists_live_ones(tmp_path: Path) -> None:
             await client.stub().add(1)
         await e1.join()
         with pytest.raises(EngineNotFoundError) as info:
-            await client.stub(engine="nope").add(1)
+            await client.with_options(engine="nope").stub().add(1)
         assert info.value.live == ("e1",)
 
 
@@ -350,7 +350,7 @@ async def test_backpressure_wait_or_overloaded(tmp_path: Path) -> None:
             tg.start_soon(call, "a")
             first = await e1.next(CALL)
             with pytest.raises(OverloadedError):
-                await client.stub(wait=False).echo("x")
+                await client.with_options(wait=False).stub().echo("x")
             tg.start_soon(call, "b")
             await anyio.wait_all_tasks_blocked()
             assert client.statistics().waiting_for_capacity == 1
@@ -381,7 +381,7 @@ async def test_engine_overload_is_retried_only_when_waiting(tmp_path: Path) -> N
             tg.start_soon(engine_side)
             assert await client.stub().add(20, 22) == 42
             with pytest.raises(OverloadedError, match="queue full"):
-                await client.stub(wait=False).add(1, 2)
+                await client.with_options(wait=False).stub().add(1, 2)
         stats = client.statistics()
         assert stats.overload_retries == 1
         assert stats.engines["e1"].errors == 1

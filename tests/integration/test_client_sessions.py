@@ -124,7 +124,7 @@ async def test_impostor_claiming_a_dead_pid_cannot_displace_a_live_engine(tmp_pa
             results: list[str] = []
 
             async def call() -> None:
-                results.append(await client.stub(engine="e1").echo("x"))
+                results.append(await client.with_options(engine="e1").stub().echo("x"))
 
             tg.start_soon(call)
             msg = await real.next(CALL)
@@ -239,3 +239,16 @@ def test_each_option_has_one_spelling_and_both_sides_take_keywords(tmp_path: Pat
     # The engine takes keywords only, as the client does: no config object beside them.
     with pytest.raises(TypeError):
         Server(Calculator(), ServerConfig(bind=address))  # type: ignore[arg-type, call-arg]
+
+
+def test_a_views_stub_calls_with_the_views_options(tmp_path: Path) -> None:
+    from tensorrpc._views import CallOptions
+
+    client = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock")
+    options = CallOptions(engine="e1", timeout=2.0, wait=False, transport="frames")
+    view = client.with_options(engine="e1", timeout=2.0, wait=False, transport="frames")
+    assert view.options == options
+    # Per-call options are set one way, on the view: its stub keeps them (it used to
+    # take keywords of its own and drop the view's).
+    assert view.stub()._options == options  # type: ignore[misc]
+    assert client.stub()._options == CallOptions()  # type: ignore[misc]

@@ -175,7 +175,7 @@ async def test_engines_dial_in_to_a_curve_client(
         ):
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
-                assert await client.stub(engine="good").whoami() == "good"
+                assert await client.with_options(engine="good").stub().whoami() == "good"
             with pytest.raises(EnginesUnavailableError):
                 await client.wait_for_engines(2, timeout=REFUSED_WAIT)
             assert set(client.engines) == {"good"}

@@ -124,7 +124,7 @@ async def pair(
     async with first, second:
         with anyio.fail_after(WAIT):
             await client.wait_for_engines(1)
-        yield client, client.stub(engine="e1", transport=transport)
+        yield client, client.with_options(engine="e1", transport=transport).stub()
 
 
 TOPOLOGIES = ["dialin", "listen"]

@@ -33,7 +33,7 @@ async def _engine(
 async def test_a_call_rides_out_an_engine_restart(tmp_path: Path) -> None:
     async with Client(Calculator, bind=f"ipc://{tmp_path}/c.sock") as client:
         address = client.addresses[0]
-        calc = client.stub(timeout=WAIT_S)
+        calc = client.with_options(timeout=WAIT_S).stub()
         async with anyio.create_task_group() as tg:
 
             async def first_life(*, task_status: anyio.abc.TaskStatus[anyio.CancelScope]) -> None:
@@ -70,7 +70,7 @@ async def test_giving_up_says_none_ever_joined(tmp_path: Path) -> None:
     async with Client(Calculator, bind=f"ipc://{tmp_path}/c.sock") as client:
         started = anyio.current_time()
         with pytest.raises(EngineNotFoundError) as info:
-            await client.stub(timeout=0.3).add(1)
+            await client.with_options(timeout=0.3).stub().add(1)
         assert anyio.current_time() - started >= 0.29  # it waited its deadline
         assert str(info.value) == (
             "Calculator.add: no live engine within 0.3 s: no engine has joined yet"
@@ -82,7 +82,7 @@ async def test_giving_up_names_the_refusal(tmp_path: Path) -> None:
         async with FakeEngine(client.addresses[0], "old", service=CalculatorV2) as engine:
             assert isinstance(await engine.join(), Reject)
         with pytest.raises(EngineNotFoundError) as info:
-            await client.stub(timeout=0.3).add(1)
+            await client.with_options(timeout=0.3).stub().add(1)
         text = str(info.value)
         assert text.startswith("Calculator.add: no live engine within 0.3 s: every engine ")
         assert "refused: old: fingerprint: engine 'old' has a different schema: " in text
@@ -97,17 +97,20 @@ async def test_giving_up_says_the_engine_left(tmp_path: Path) -> None:
             while client.engines:
                 await anyio.wait_all_tasks_blocked()
         with pytest.raises(EngineNotFoundError, match="restarting\\? \\('e1'\\)"):
-            await client.stub(timeout=0.3).add(1)
+            await client.with_options(timeout=0.3).stub().add(1)
         with pytest.raises(EngineNotFoundError, match=r"'e1' within 0\.3 s: it left"):
-            await client.stub(timeout=0.3, engine="e1").add(1)
+            await client.with_options(timeout=0.3, engine="e1").stub().add(1)
 
 
 async def test_without_a_deadline_or_when_asked_a_call_fails_at_once(tmp_path: Path) -> None:
     async with Client(Calculator, bind=f"ipc://{tmp_path}/c.sock") as client:
-        for stub in (client.stub(), client.stub(timeout=WAIT_S, wait_for_ready=False)):
+        for stub in (
+            client.stub(),
+            client.with_options(timeout=WAIT_S, wait_for_ready=False).stub(),
+        ):
             with anyio.fail_after(WAIT_S), pytest.raises(EngineNotFoundError) as info:
                 await stub.add(1)
             assert str(info.value) == "no live engines: no engine has joined yet"
         # A stream waits too, and says why when it gives up.
         with pytest.raises(EngineNotFoundError, match=r"no live engine within 0\.2 s"):
-            assert [i async for i in client.stub(timeout=0.2).count(3)] == []
+            assert [i async for i in client.with_options(timeout=0.2).stub().count(3)] == []

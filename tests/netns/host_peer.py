@@ -92,10 +92,10 @@ async def client(bind_host: str) -> None:
         _say(address=c.addresses[0])
         engines = await c.wait_for_engines(2, timeout=60)
         stub = c.stub()
-        who = {k: await c.stub(engine=k).whoami() for k in ("a", "b")}
+        who = {k: await c.with_options(engine=k).stub().whoami() for k in ("a", "b")}
         x = torch.arange(256 * 1024, dtype=torch.float32)  # 1 MiB: torch_shm-sized
-        out = await c.stub(engine="a").scale(x, 2.0)
-        stream = [i async for i in c.stub(engine="b").count(5)]
+        out = await c.with_options(engine="a").stub().scale(x, 2.0)
+        stream = [i async for i in c.with_options(engine="b").stub().count(5)]
         stats = c.statistics().transports
         _say(
             step="calls",
@@ -114,7 +114,7 @@ async def client(bind_host: str) -> None:
         async def long_call() -> None:
             started = time.monotonic()
             try:
-                await c.stub(engine="a").sleep(60)
+                await c.with_options(engine="a").stub().sleep(60)
                 outcome["a"] = "returned"
             except tensorrpc.EngineDeadError as exc:
                 outcome["a"] = type(exc).__name__
@@ -128,7 +128,7 @@ async def client(bind_host: str) -> None:
             _say(step="in_flight")
             await _hear("cut")
             cut_at = time.monotonic()
-        outcome["b"] = await c.stub(engine="b").whoami()
+        outcome["b"] = await c.with_options(engine="b").stub().whoami()
         outcome["dead_after"] = DEAD_AFTER
         outcome["failed_after_cut_s"] = time.monotonic() - cut_at
         outcome["live"] = sorted(c.engines)
@@ -140,7 +140,7 @@ async def client(bind_host: str) -> None:
         _say(
             step="rejoined",
             after_s=time.monotonic() - started,
-            who=await c.stub(engine="a").whoami(),
+            who=await c.with_options(engine="a").stub().whoami(),
             live=sorted(c.engines),
         )
         await _hear("bye")

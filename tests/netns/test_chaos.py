@@ -59,7 +59,7 @@ async def _calls(
 
     async def one(token: int) -> None:
         try:
-            result: object = await client.stub(timeout=limit).echo(token, pause)
+            result: object = await client.with_options(timeout=limit).stub().echo(token, pause)
         except tensorrpc.TensorRPCError as exc:
             result = exc
         assert token not in outcomes, "two outcomes for one call"
@@ -121,8 +121,10 @@ async def test_delay_and_bandwidth_cap_every_call_once() -> None:
         assert outcomes == {t: t for t in range(8)}
         proxy.delay, proxy.rate = 0.0, 4e6  # 4 MB/s: a 1 MiB tensor takes about 0.25 s
         x = torch.ones(256 * 1024)
-        assert await client.stub(timeout=20, transport="frames").size(x) == x.numel()
-        assert [i async for i in client.stub(timeout=20).count(20)] == list(range(20))
+        assert await client.with_options(timeout=20, transport="frames").stub().size(x) == x.numel()
+        assert [i async for i in client.with_options(timeout=20).stub().count(20)] == list(
+            range(20)
+        )
         assert set(engine.runs.values()) == {1}
 
     with anyio.fail_after(60):

@@ -108,8 +108,8 @@ async def test_a_batch_span_links_every_item_call(
             await _calls(client)
             await ended.wait_for(1)
     finished = ended.exporter.get_finished_spans()
-    batches = [s for s in finished if s.name == "embed batch"]
-    items = [s for s in finished if s.name == "embed" and s.kind.name == "SERVER"]
+    batches = [s for s in finished if s.name == "Embed/embed batch"]
+    items = [s for s in finished if s.name == "Embed/embed" and s.kind.name == "SERVER"]
     assert len(items) == N
     sizes = [s.attributes["tensorrpc.batch_size"] for s in batches if s.attributes]
     assert sum(v for v in sizes if isinstance(v, int)) == N

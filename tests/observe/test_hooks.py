@@ -12,7 +12,14 @@ import pytest
 
 from tensorrpc import _observe
 from tensorrpc._client import Client
-from tensorrpc._exceptions import CallTimeoutError, RemoteError
+from tensorrpc._exceptions import (
+    CallTimeoutError,
+    EngineDeadError,
+    EngineNotFoundError,
+    ErrorCode,
+    RemoteError,
+    error_from_wire,
+)
 from tensorrpc._observe import CallObservation, Observer
 from tensorrpc._server import Server
 
@@ -75,14 +82,21 @@ class Recorder(Observer):
         self.opened_targets.remove(target)
 
     def client_call(
-        self, method: str, engine: str, stream: bool, nbytes: int, transport: str
+        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
     ) -> CallObservation | None:
         events: list[tuple[Any, ...]] = [("client", method, engine, stream, nbytes > 0)]
         self.calls.append(events)
         return _Call(self, events, self.trace)
 
     def engine_call(
-        self, method: str, engine: str, client: str, stream: bool, trace: bytes, nbytes: int
+        self,
+        service: str,
+        method: str,
+        engine: str,
+        client: str,
+        stream: bool,
+        trace: bytes,
+        nbytes: int,
     ) -> CallObservation | None:
         events: list[tuple[Any, ...]] = [("engine", method, engine, client, stream, trace)]
         self.calls.append(events)
@@ -145,7 +159,7 @@ async def test_client_and_engine_hooks_see_a_unary_call_an_error_and_a_stream(
     assert engine_obs.opened_targets == []
     add, fail, count = client_obs.calls
     assert add == [("client", "add", "e1", False, True), ("finished", "ok", True)]
-    assert fail == [("client", "fail", "e1", False, True), ("finished", "RemoteError", True)]
+    assert fail == [("client", "fail", "e1", False, True), ("finished", "REMOTE", True)]
     assert count == [
         ("client", "count", "e1", True, True),
         *[("item",)] * 3,
@@ -206,7 +220,7 @@ def test_resolve_combines_installed_and_given_observers() -> None:
         combined = _observe.resolve([a, a])
         assert isinstance(combined, Observer)
         assert combined.observers == (b, a)  # type: ignore[attr-defined]
-        call = combined.client_call("m", "e", False, 1, "inline")
+        call = combined.client_call("S", "m", "e", False, 1, "inline")
         assert call is not None
         call.finished("ok", 3)
         assert a.calls[0][-1] == ("finished", "ok", True)
@@ -220,8 +234,16 @@ def test_resolve_combines_installed_and_given_observers() -> None:
 
 def test_outcome_labels() -> None:
     assert _observe.outcome_of(None) == "ok"
-    assert _observe.outcome_of(CallTimeoutError("x")) == "CallTimeoutError"
     assert _observe.outcome_of(KeyboardInterrupt()) == "cancelled"
+    assert _observe.outcome_of(ValueError("x")) == "INTERNAL"
+    # The engine's labels: the client names each error that an ERROR reply becomes (and
+    # its own deadline) by the same code, so both sides of one call agree.
+    for code in ErrorCode:
+        exc = error_from_wire(int(code), "T", "m", "")
+        assert _observe.outcome_of(exc) == code.name, code
+    assert _observe.outcome_of(CallTimeoutError("local deadline")) == "DEADLINE_EXCEEDED"
+    assert _observe.outcome_of(EngineDeadError("x")) == "UNAVAILABLE"
+    assert _observe.outcome_of(EngineNotFoundError("x")) == "UNAVAILABLE"
 
 
 async def test_an_engine_that_comes_back_under_its_id_is_observed_as_rejoined(

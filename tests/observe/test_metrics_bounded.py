@@ -118,7 +118,7 @@ def test_method_labels_are_bounded() -> None:
     registry = CollectorRegistry()
     observer = PrometheusObserver(registry)
     for i in range(MAX_METHOD_LABELS + 50):
-        observation = observer.client_call(f"m{i}", "e1", False, 0, "inline")
+        observation = observer.client_call("S", f"m{i}", "e1", False, 0, "inline")
         assert observation is not None
         observation.finished("ok", 0)
     text = generate_latest(registry).decode()

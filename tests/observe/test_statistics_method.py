@@ -7,7 +7,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tensorrpc import _observe
+from tensorrpc import _observe, _statistics
 from tensorrpc._client import Client
 from tensorrpc._exceptions import MethodNotFoundError
 from tensorrpc._security import CurveClientConfig, CurveServerConfig, generate_keypair
@@ -18,7 +18,7 @@ from ..integration.services import Calculator
 STATS = _observe.STATISTICS_METHOD
 
 
-async def test_an_engine_answers_its_statistics_and_counts_methods_from_then_on(
+async def test_an_engine_answers_its_statistics_counted_since_it_started(
     tmp_path: Path,
 ) -> None:
     address = f"ipc://{tmp_path}/e.sock"
@@ -30,7 +30,7 @@ async def test_an_engine_answers_its_statistics_and_counts_methods_from_then_on(
         with anyio.fail_after(10):
             await typed.wait_for_engines(1)
             await tool.wait_for_engines(1)
-            assert await typed.stub().add(1) == 2  # before anyone watched: not recorded
+            assert await typed.stub().add(1) == 2  # before anyone watched: counted too
             first = await tool.call_by_name(STATS)
             for i in range(5):
                 assert await typed.stub().add(i) == i + 1
@@ -40,7 +40,8 @@ async def test_an_engine_answers_its_statistics_and_counts_methods_from_then_on(
     assert first["engine_id"] == "e1"
     assert first["service"] == "Calculator"
     assert first["calls"] == 1
-    assert first["methods"] == {}
+    assert set(first["methods"]) == {"add"}  # methods never called are left out
+    assert first["methods"]["add"]["calls"] == 1
     assert first["clients"] == 2
     assert set(first["transports"]) == {"frames", "torch_shm"}
     assert first["transports"]["torch_shm"]["releases_refused"] == 0  # §10's map, as §4 says
@@ -48,11 +49,11 @@ async def test_an_engine_answers_its_statistics_and_counts_methods_from_then_on(
     assert second["errors"] == 1
     assert second["bytes_in"] > first["bytes_in"]
     add = second["methods"]["add"]
-    assert add["calls"] == 5
+    assert add["calls"] == 6
     assert add["errors"] == 0
-    assert sum(n for _, n in add["latency"]) == 5
+    assert sum(n for _, n in add["latency"]) == 6
     assert second["methods"]["fail"]["errors"] == 1
-    assert second["latency_buckets_per_octave"] == _observe.LATENCY_BUCKETS_PER_OCTAVE
+    assert second["latency_buckets_per_octave"] == _statistics.LATENCY_BUCKETS_PER_OCTAVE
     assert second["uptime_s"] >= first["uptime_s"]
 
 
@@ -77,11 +78,27 @@ async def test_a_curve_engine_that_accepts_any_key_refuses_statistics(tmp_path: 
                         await tool.call_by_name(STATS)
 
 
-def test_latency_buckets_cover_microseconds_to_hours() -> None:
-    assert _observe.latency_bucket(0.0) == 0
-    assert _observe.latency_bucket(1e-6) == 0
-    assert _observe.latency_bucket(1e9) == _observe.LATENCY_BUCKETS - 1
-    for seconds in (3e-6, 1e-4, 0.02, 1.5, 30.0):
-        i = _observe.latency_bucket(seconds)
-        assert _observe.bucket_upper_seconds(i - 1) < seconds <= _observe.bucket_upper_seconds(i)
+def test_statistics_are_allowed_without_curve() -> None:
     assert _observe.statistics_allowed(None)
+
+
+async def test_per_method_times_are_measured_on_one_clock(tmp_path: Path) -> None:
+    # Accepted, started and ended are read on the shell's one clock: a 50 ms handler shows
+    # at least 50 ms of run time and of latency, and its wait in the queue is no longer.
+    address = f"ipc://{tmp_path}/e.sock"
+    async with (
+        Server(Calculator("e1"), bind=address, engine_id="e1") as server,
+        Client(Calculator, connect=address) as client,
+    ):
+        with anyio.fail_after(10):
+            await client.wait_for_engines(1)
+            assert await client.stub().sleep(0.05, "t") == "t"
+            await client.stub().add(1)  # a call after it: the sleep's worker is done
+        sleep = server.statistics().methods["sleep"]
+    assert sleep["calls"] == 1
+    assert sleep["outcomes"] == {"ok": 1}
+    assert 0.05 <= sleep["run_time_sum_s"] < 10
+    assert 0 <= sleep["queue_wait_sum_s"] < sleep["run_time_sum_s"]
+    ((bucket, n),) = sleep["latency"]
+    assert n == 1
+    assert _statistics.bucket_upper_seconds(bucket) >= 0.05

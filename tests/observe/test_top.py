@@ -19,7 +19,7 @@ import anyio.to_thread
 import pytest
 from rich.console import Console
 
-from tensorrpc import _observe
+from tensorrpc import _statistics
 from tensorrpc._client import Client
 from tensorrpc._server import Server
 from tensorrpc.top import EngineView, percentile, run, table
@@ -67,8 +67,8 @@ def test_rates_and_windowed_percentiles_come_from_two_answers() -> None:
     assert view.rates["bytes"] == pytest.approx(4000.0)
     assert view.rates["frames"] == pytest.approx(2000.0)
     assert view.rates["torch_shm"] == 0
-    assert view.p50 == pytest.approx(_observe.bucket_upper_seconds(40))
-    assert view.p99 == pytest.approx(_observe.bucket_upper_seconds(60))
+    assert view.p50 == pytest.approx(_statistics.bucket_upper_seconds(40))
+    assert view.p99 == pytest.approx(_statistics.bucket_upper_seconds(60))
     console = Console(record=True, width=160)
     console.print(table([view, EngineView("e2", live=False)], "top"))
     text = console.export_text()
@@ -140,14 +140,14 @@ def _read_until(master: int, needle: bytes, seen: bytearray, seconds: float) -> 
     return True
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the engine side; top runs its own loop
-@pytest.mark.parametrize("quit_key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
-async def test_top_in_a_pseudo_terminal_refreshes_and_quits(
-    tmp_path: Path, quit_key: bytes
-) -> None:
+async def top_session(
+    tmp_path: Path, engine_id: str = "e1", quit_key: bytes = b"q", calls: int = 0
+) -> tuple[int, str]:
+    """``tensorrpc top`` in a pseudo-terminal, watching an engine that served ``calls``
+    adds, until its third refresh; then ``quit_key``. Its exit status and what it drew."""
     address = f"ipc://{tmp_path}/e.sock"
     async with (
-        Server(Calculator("e1"), bind=address, engine_id="e1"),
+        Server(Calculator("e1"), bind=address, engine_id=engine_id),
         Client(Calculator, connect=address) as client,
     ):
         with anyio.fail_after(30):
@@ -156,7 +156,7 @@ async def test_top_in_a_pseudo_terminal_refreshes_and_quits(
         seen = bytearray()
         try:
             with anyio.fail_after(120):
-                for i in range(20):
+                for i in range(calls):
                     await client.stub().add(i)
                 got = await anyio.to_thread.run_sync(_read_until, master, b"refresh 3,", seen, 90.0)
                 assert got, seen.decode(errors="replace")[-2000:]
@@ -168,7 +168,15 @@ async def test_top_in_a_pseudo_terminal_refreshes_and_quits(
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=30)
             os.close(master)
-    text = seen.decode(errors="replace")
+    return rc, seen.decode(errors="replace")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the engine side; top runs its own loop
+@pytest.mark.parametrize("quit_key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
+async def test_top_in_a_pseudo_terminal_refreshes_and_quits(
+    tmp_path: Path, quit_key: bytes
+) -> None:
+    rc, text = await top_session(tmp_path, quit_key=quit_key, calls=20)
     assert rc == 0, text[-2000:]
     assert "e1" in text
     assert "live" in text

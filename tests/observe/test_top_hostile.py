@@ -8,24 +8,17 @@ plain text, shows the bad answer as that engine's note, and keeps refreshing.
 from __future__ import annotations
 
 import io
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
-import anyio
-import anyio.to_thread
 import pytest
 from rich.console import Console
 
 from tensorrpc import _observe
-from tensorrpc._client import Client
-from tensorrpc._server import Server
 from tensorrpc.top import EngineView, check_statistics, table
 
-from ..integration.services import Calculator
-from .test_top import _pty_top, _read_until, _stats
+from .test_top import _stats, top_session
 
 MARKUP_ID = "[link=https:x.example]e1[blink red]!"  # unclosed tags: an id has no "/"
 HOSTILE_NOTE = "\x1b[2J\x1b]0;pwned\x07[link=https://x.example/]y[/link]"
@@ -97,28 +90,7 @@ async def test_top_in_a_pseudo_terminal_survives_a_hostile_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_observe, "statistics_body", _hostile_body)
-    address = f"ipc://{tmp_path}/e.sock"
-    async with (
-        Server(Calculator("e1"), bind=address, engine_id=MARKUP_ID),
-        Client(Calculator, connect=address) as client,
-    ):
-        with anyio.fail_after(30):
-            await client.wait_for_engines(1)
-        proc, master = _pty_top(address)
-        seen = bytearray()
-        try:
-            with anyio.fail_after(120):
-                got = await anyio.to_thread.run_sync(_read_until, master, b"refresh 3,", seen, 90.0)
-                assert got, seen.decode(errors="replace")[-2000:]
-                os.write(master, b"q")
-                await anyio.to_thread.run_sync(_read_until, master, b"\x00never", seen, 0.5)
-                rc = await anyio.to_thread.run_sync(lambda: proc.wait(timeout=30))
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=30)
-            os.close(master)
-    text = seen.decode(errors="replace")
+    rc, text = await top_session(tmp_path, engine_id=MARKUP_ID)
     assert rc == 0, text[-2000:]
     assert "bad statistics" in text
     assert "[link=https:x.example]e1" in text

@@ -102,10 +102,10 @@ async def test_one_trace_spans_client_engine_and_a_nested_call(
     by_name: dict[tuple[str, SpanKind], ReadableSpan] = {(s.name, s.kind): s for s in ours}
     assert set(by_name) == {
         ("request", SpanKind.INTERNAL),
-        ("relay", SpanKind.CLIENT),
-        ("relay", SpanKind.SERVER),
-        ("add", SpanKind.CLIENT),
-        ("add", SpanKind.SERVER),
+        ("Relay/relay", SpanKind.CLIENT),
+        ("Relay/relay", SpanKind.SERVER),
+        ("Calculator/add", SpanKind.CLIENT),
+        ("Calculator/add", SpanKind.SERVER),
     }
 
     def parent_of(span: ReadableSpan) -> int | None:
@@ -116,45 +116,54 @@ async def test_one_trace_spans_client_engine_and_a_nested_call(
         assert context is not None
         return int(context.span_id)
 
-    assert parent_of(by_name["relay", SpanKind.CLIENT]) == id_of(("request", SpanKind.INTERNAL))
-    assert parent_of(by_name["relay", SpanKind.SERVER]) == id_of(("relay", SpanKind.CLIENT))
-    assert parent_of(by_name["add", SpanKind.CLIENT]) == id_of(("relay", SpanKind.SERVER))
-    assert parent_of(by_name["add", SpanKind.SERVER]) == id_of(("add", SpanKind.CLIENT))
-    client = by_name["relay", SpanKind.CLIENT].attributes
+    assert parent_of(by_name["Relay/relay", SpanKind.CLIENT]) == id_of(
+        ("request", SpanKind.INTERNAL)
+    )
+    assert parent_of(by_name["Relay/relay", SpanKind.SERVER]) == id_of(
+        ("Relay/relay", SpanKind.CLIENT)
+    )
+    assert parent_of(by_name["Calculator/add", SpanKind.CLIENT]) == id_of(
+        ("Relay/relay", SpanKind.SERVER)
+    )
+    assert parent_of(by_name["Calculator/add", SpanKind.SERVER]) == id_of(
+        ("Calculator/add", SpanKind.CLIENT)
+    )
+    client = by_name["Relay/relay", SpanKind.CLIENT].attributes
     assert client is not None
     assert client["rpc.system"] == "tensorrpc"
+    assert client["rpc.service"] == "Relay"
     assert client["rpc.method"] == "relay"
     assert client["tensorrpc.engine_id"] == "a"
     assert client["tensorrpc.transport"] == "frames"
     assert int(str(client["tensorrpc.request_bytes"])) >= 4000
     assert int(str(client["tensorrpc.response_bytes"])) > 0
     assert client["tensorrpc.outcome"] == "ok"
-    server = by_name["add", SpanKind.SERVER]
+    server = by_name["Calculator/add", SpanKind.SERVER]
     assert server.attributes is not None
     assert server.attributes["tensorrpc.engine_id"] == "b"
     assert server.attributes["tensorrpc.outcome"] == "ok"
     assert [e.name for e in server.events] == ["handler.start"]
-    assert by_name["add", SpanKind.CLIENT].attributes["tensorrpc.transport"] == "inline"  # type: ignore[index]
+    assert by_name["Calculator/add", SpanKind.CLIENT].attributes["tensorrpc.transport"] == "inline"  # type: ignore[index]
     # the failing request: every span on the way back is an error
-    failing = [s for s in finished if s.name in ("relay_fail", "fail")]
+    failing = [s for s in finished if s.name in ("Relay/relay_fail", "Calculator/fail")]
     assert len(failing) == 4
     assert all(s.status.status_code is StatusCode.ERROR for s in failing)
     outcomes = {(s.name, s.kind): s.attributes["tensorrpc.outcome"] for s in failing}  # type: ignore[index]
     assert outcomes == {
-        ("relay_fail", SpanKind.CLIENT): "RemoteError",
-        ("relay_fail", SpanKind.SERVER): "REMOTE",
-        ("fail", SpanKind.CLIENT): "RemoteError",
-        ("fail", SpanKind.SERVER): "REMOTE",
+        ("Relay/relay_fail", SpanKind.CLIENT): "REMOTE",
+        ("Relay/relay_fail", SpanKind.SERVER): "REMOTE",
+        ("Calculator/fail", SpanKind.CLIENT): "REMOTE",
+        ("Calculator/fail", SpanKind.SERVER): "REMOTE",
     }
 
 
 async def test_without_an_sdk_or_a_trace_nothing_is_made(tmp_path: Path) -> None:
     tracing = TracingObserver()  # the global provider: no SDK is configured in the tests
-    assert tracing.client_call("m", "e", False, 1, "inline") is None
-    assert tracing.engine_call("m", "e", "c", False, b"", 1) is None
+    assert tracing.client_call("S", "m", "e", False, 1, "inline") is None
+    assert tracing.engine_call("S", "m", "e", "c", False, b"", 1) is None
     # an incoming context is not continued either: without an SDK nothing is recorded
     incoming = b"\x00" + bytes(range(1, 26))
-    assert tracing.engine_call("m", "e", "c", False, incoming, 1) is None
+    assert tracing.engine_call("S", "m", "e", "c", False, incoming, 1) is None
     address = f"ipc://{tmp_path}/e.sock"
     async with (
         Server(Calculator("e"), bind=address, engine_id="e", observer=tracing),

@@ -120,7 +120,7 @@ async def test_spread_calls_broadcast_and_clean_shutdown(ray_cluster: dict[str, 
 
             # targeted: each engine answers from the node and process Ray reports
             for engine_id, engine in engines.items():
-                where = await client.stub(engine=engine_id).where()
+                where = await client.with_options(engine=engine_id).stub().where()
                 assert where == {"node": engine.node_id, "pid": str(engine.pid), "tag": "t"}
                 assert client.engines[engine_id].pid == engine.pid
             # balanced: sequential calls visit every engine
@@ -171,7 +171,9 @@ async def test_killed_actor_fails_only_its_calls_and_rejoins(
 
             async def call(engine_id: str, seconds: float, outcomes=outcomes) -> None:
                 try:
-                    outcomes[engine_id] = await client.stub(engine=engine_id).sleep(seconds)
+                    outcomes[engine_id] = (
+                        await client.with_options(engine=engine_id).stub().sleep(seconds)
+                    )
                 except tensorrpc.TensorRPCError as exc:
                     outcomes[engine_id] = exc
 
@@ -195,7 +197,9 @@ async def test_killed_actor_fails_only_its_calls_and_rejoins(
             assert victim.pid != old_pid
             assert victim.restarts == round_
             assert client.engines["victim"].pid == victim.pid
-            assert (await client.stub(engine="victim").where())["pid"] == str(victim.pid)
+            assert (await client.with_options(engine="victim").stub().where())["pid"] == str(
+                victim.pid
+            )
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])  # the other tests run on asyncio

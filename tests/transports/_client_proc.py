@@ -19,7 +19,7 @@ from tests.transports._engine import TensorService
 async def main(address: str) -> None:
     async with Client(TensorService, connect=address, heartbeat_interval=0.2) as client:
         await client.wait_for_engines(1, timeout=60)
-        stub = client.stub(transport="torch_shm")
+        stub = client.with_options(transport="torch_shm").stub()
         x = torch.ones(1 << 18)
         announced = False
 

@@ -88,7 +88,7 @@ DTYPES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 async def test_dtypes_round_trip(anyio_backend: str, engine_address: str, transport: str, dtype):
     async with connected(engine_address) as client:
-        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         for shape in ([3], [BIG]):
             x = pattern(dtype, shape, seed=len(shape))
             assert same(await stub.echo(x), x)
@@ -101,7 +101,7 @@ async def test_dtypes_round_trip(anyio_backend: str, engine_address: str, transp
 )
 async def test_shapes_round_trip(anyio_backend: str, engine_address: str, transport: str, shape):
     async with connected(engine_address) as client:
-        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         x = pattern("float32", shape, seed=7)
         y = await stub.echo(x)
         assert same(y, x)
@@ -120,7 +120,7 @@ async def test_non_contiguous_tensors(anyio_backend: str, engine_address: str, t
         base[::3, ::5].t(),
     ]
     async with connected(engine_address) as client:
-        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         for view in views:
             assert not view.is_contiguous()
             got = await stub.echo(view)
@@ -132,7 +132,7 @@ async def test_non_contiguous_tensors(anyio_backend: str, engine_address: str, t
 async def test_many_tensors_per_call(anyio_backend: str, engine_address: str, transport: str):
     xs = [pattern("float32", [n * 997 % 40_000 + 1], seed=n) for n in range(120)]
     async with connected(engine_address) as client:
-        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         got = await stub.echo_many(xs)
         assert len(got) == len(xs)
         assert all(same(a, b) for a, b in zip(got, xs, strict=True))
@@ -148,7 +148,7 @@ async def test_tensors_nested_in_dataclasses(
         rest=[pattern("int64", [n, 100], seed=n) for n in (0, 1, 90, 200)],
     )
     async with connected(engine_address) as client:
-        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         got = await stub.echo_batch(batch)
         assert isinstance(got, Batch)
         assert got.name == "b"
@@ -188,7 +188,7 @@ async def test_received_tensors_outlive_the_sender_reference(
     anyio_backend: str, engine_address: str, transport: str
 ):
     async with connected(engine_address) as client:
-        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         kept = [await stub.make("float32", [70_000], seed) for seed in range(8)]
         x = pattern("float32", [70_000], 99)
         echoed = await stub.echo(x)
@@ -215,17 +215,17 @@ async def test_cuda_tensors_go_by_cuda_ipc_or_need_allow_cuda_copy(
     gpu = x.cuda()
     async with connected(engine_address) as client:
         # torch_shm: CUDA IPC, no copy to the host; the engine sees the same values.
-        assert await client.stub(transport="torch_shm").digest(gpu) == digest(x)
+        assert await client.with_options(transport="torch_shm").stub().digest(gpu) == digest(x)
         detail = client.statistics().transports.torch_shm_detail
         assert detail is not None
         assert detail.tensors_aliased >= 1
         # frames: refused unless the client allows a copy to the host.
         with pytest.raises(EncodeError, match="allow_cuda_copy"):
-            await client.stub(transport="frames").digest(gpu)
+            await client.with_options(transport="frames").stub().digest(gpu)
     async with Client(
         TensorService,
         connect=engine_address,
         codec=CodecConfig(allow_cuda_copy=True),
     ) as copying:
         await copying.wait_for_engines(1, timeout=60)
-        assert await copying.stub(transport="frames").digest(gpu) == digest(x)
+        assert await copying.with_options(transport="frames").stub().digest(gpu) == digest(x)

@@ -125,7 +125,7 @@ def engine(tmp_path: Path):
 
 
 async def run_calls(client: Client[TensorService], n: int, concurrency: int) -> None:
-    stub = client.stub(transport="torch_shm")
+    stub = client.with_options(transport="torch_shm").stub()
     x = torch.arange(20_000, dtype=torch.float32)  # 80 KiB, over the auto threshold too
     left = n
 
@@ -180,7 +180,7 @@ async def test_normal_shutdown_leaves_nothing(anyio_backend: str, tmp_path: Path
         "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/e.sock", service="tensor"
     ) as engine:
         async with connected(engine.address()) as client:
-            stub = client.stub(transport="torch_shm")
+            stub = client.with_options(transport="torch_shm").stub()
             shared = torch.zeros(1 << 16)
             shared.share_memory_()  # type: ignore[no-untyped-call]
             assert await stub.fill(shared, 2.0) == 2.0 * (1 << 16)
@@ -205,7 +205,7 @@ async def test_engine_killed_mid_transfer(anyio_backend: str, tmp_path: Path):
         "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/e.sock", service="tensor"
     ) as engine:
         async with connected(engine.address(), dead_after=2.0) as client:
-            stub = client.stub(transport="torch_shm")
+            stub = client.with_options(transport="torch_shm").stub()
             failures: list[BaseException] = []
 
             async def one(i: int) -> None:
@@ -248,7 +248,7 @@ async def test_an_engine_killed_is_unmapped_and_the_results_it_sent_stay_valid(
         "tensor-engine", workdir=tmp_path, bind=f"ipc://{tmp_path}/e.sock", service="tensor"
     ) as engine:
         async with connected(engine.address(), dead_after=1.0) as client:
-            stub = client.stub(transport="torch_shm")
+            stub = client.with_options(transport="torch_shm").stub()
             board = await stub.shared_board()  # by alias
             made = await stub.make("float32", [1 << 18], 7)  # on the engine's pool region
             expected = made.clone()
@@ -289,7 +289,7 @@ async def test_one_shared_tensor_in_many_calls_in_flight_goes_by_alias_in_each(
     # not 2 GiB (twice the per-peer cap): each goes by alias. Before, the cap counted the
     # storage once per call and calls 17 to 32 were sent as 64 MiB frames.
     async with connected(engine.address()) as client:
-        stub = client.stub(transport="torch_shm")
+        stub = client.with_options(transport="torch_shm").stub()
         x = tensorrpc.shared_empty(16 << 20)
         x.fill_(1.0)
         sums: list[float] = []
@@ -369,7 +369,7 @@ async def test_independent_processes_alias_shared_tensors(
     anyio_backend: str, engine: EngineProcess, transport: str
 ):
     async with connected(engine.address()) as client:
-        stub = client.stub(transport=transport)  # type: ignore[arg-type]
+        stub = client.with_options(transport=transport).stub()  # type: ignore[arg-type]
         shared = tensorrpc.shared_empty(1 << 16)
         shared.zero_()
         fresh = torch.zeros(1 << 16)
@@ -515,7 +515,7 @@ async def test_result_leases_ride_the_next_call_and_none_is_left(
 ):
     counts = _Releases(monkeypatch)
     async with connected(engine.address()) as client:
-        view = client.stub(transport="torch_shm")
+        view = client.with_options(transport="torch_shm").stub()
         for _ in range(20):
             board = await view.shared_board()  # by alias: its lease ends once decoded
             del board
@@ -533,7 +533,7 @@ async def test_a_decoded_lease_goes_back_by_release_when_no_call_follows(
 ):
     counts = _Releases(monkeypatch)
     async with connected(engine.address()) as client, connected(engine.address()) as watcher:
-        board = await client.stub(transport="torch_shm").shared_board()
+        board = await client.with_options(transport="torch_shm").stub().shared_board()
         assert counts.messages == 0  # not yet: a CALL may follow at once
 
         async def released() -> bool:  # asked by another client: its CALLs carry nothing

@@ -67,7 +67,7 @@ async def test_share_memory_tensors_go_by_alias_when_the_gate_holds(
     anyio_backend: str, engine: EngineProcess, strategy: str
 ) -> None:
     async with connected(engine.address()) as client:
-        stub = client.stub(transport="torch_shm")
+        stub = client.with_options(transport="torch_shm").stub()
         with sharing(strategy):
             x = torch.zeros(N).share_memory_()  # type: ignore[no-untyped-call]
         assert await stub.fill(x, 3.0) == 3.0 * N
@@ -86,7 +86,7 @@ async def test_with_never_share_memory_tensors_are_copied(
     anyio_backend: str, engine: EngineProcess, strategy: str
 ) -> None:
     async with connected(engine.address(), shm_alias_unsealed="never") as client:
-        stub = client.stub(transport="torch_shm")
+        stub = client.with_options(transport="torch_shm").stub()
         with sharing(strategy):
             x = torch.zeros(N).share_memory_()  # type: ignore[no-untyped-call]
         assert await stub.fill(x, 3.0) == 3.0 * N

@@ -42,7 +42,7 @@ def typed_calls(client: BlockingClient[Calc]) -> None:
     assert_type(calc.add(1, b=5), int)
     assert_type(calc.scale(torch.ones(1), 2.0), torch.Tensor)
     assert_type(calc.count(3), BlockingStream[int])
-    assert_type(client.stub(engine="e1").add(1), int)
+    assert_type(client.with_options(engine="e1").stub().add(1), int)
     calc.add("x")  # type: ignore[arg-type]
     calc.helper()  # type: ignore[misc]
     view = client.with_options(engine="e1", timeout=1.0, wait=False)

@@ -41,7 +41,7 @@ async def typed_calls(client: Client[Calc]) -> None:
     """Never run: only type-checked."""
     calc = client.stub()
     assert_type(calc, Stub[Calc])
-    assert_type(client.stub(engine="e1", timeout=0.5), Stub[Calc])
+    assert_type(client.with_options(engine="e1", timeout=0.5).stub(), Stub[Calc])
     # The stub's methods (typed by tensorrpc.mypy_plugin): every unary call is awaited,
     # sync handlers included; a streaming method gives a CallStream.
     assert_type(await assert_type(calc.add(1, 2), Coroutine[Any, Any, int]), int)
@@ -66,7 +66,7 @@ async def typed_calls(client: Client[Calc]) -> None:
     await client.call(Calc.add, "x")  # type: ignore[arg-type]
     await client.call(Calc.add, 1, c=3)  # type: ignore[call-arg]
     client.stream(Calc.add, 1)  # type: ignore[arg-type]
-    client.stub(transport="pigeon")  # type: ignore[arg-type]
+    client.with_options(transport="pigeon").stub()  # type: ignore[arg-type]
 
 
 async def streaming_method_through_call_is_an_error(client: Client[Calc]) -> None:

@@ -424,7 +424,7 @@ def test_in_flight_counts_follow_the_call_table() -> None:
     assert taken is calls[0]
     assert proto.busy == 1
     assert proto.in_flight() == 3
-    proto.done(taken)
+    proto.done(taken, engine.now)
     assert proto.in_flight() == len(proto.sessions[b"c1"].calls) == 2
 
 
@@ -574,7 +574,7 @@ def test_a_cancelled_call_that_ends_without_a_reply_releases_its_argument_leases
     engine.proto.args_done(call)
     assert call.keep is None
     assert releases(engine) == [(3, 4)]
-    engine.proto.done(call)
+    engine.proto.done(call, engine.now)
 
 
 def test_a_reply_ends_the_argument_leases_and_owes_no_release() -> None:

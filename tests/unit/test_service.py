@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib.util
+import functools
 import inspect
-import sys
 import textwrap
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -20,8 +18,6 @@ from hypothesis import given, settings
 
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 from tensorrpc._service import MethodSpec, ServiceSpec, describe, rpc, service
-
-from .. import _forkserver
 
 
 class Mode(enum.Enum):
@@ -647,70 +643,6 @@ def test_fingerprint_ignores_class_name_implementation_kind_and_method_order() -
     assert fingerprint_of(reordered) == fingerprint_of(BASE)
 
 
-def test_fingerprint_matches_between_import_and_main(tmp_path: Path) -> None:
-    module = tmp_path / "fp_service.py"
-    module.write_text(
-        textwrap.dedent(
-            """
-            from __future__ import annotations
-
-            import dataclasses
-            import enum
-            from collections.abc import AsyncIterator
-
-            from tensorrpc._service import describe, rpc, service
-
-
-            class Mode(enum.Enum):
-                A = 1
-
-
-            @dataclasses.dataclass
-            class Req:
-                tokens: list[int]
-                mode: Mode = Mode.A
-
-
-            @service
-            class Engine:
-                @rpc
-                async def generate(self, req: Req, n: int = 2) -> AsyncIterator[Req]:
-                    yield req
-
-
-            if __name__ == "__main__":
-                print(describe(Engine).fingerprint)
-            """
-        )
-    )
-    repo = Path(__file__).resolve().parents[2]
-    env_path = f"{tmp_path}{':'}{repo}"
-    # Run as __main__ by a program of its own, forked from a pre-imported interpreter
-    # (tests/_forkserver.py: no torch import to wait for).
-    as_main = _forkserver.run(
-        [sys.executable, str(module)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": env_path},
-    )
-    assert as_main.returncode == 0, as_main.stderr
-    # The imported side in this process.
-    spec = importlib.util.spec_from_file_location("fp_service", module)
-    assert spec is not None
-    assert spec.loader is not None
-    imported = importlib.util.module_from_spec(spec)
-    sys.modules["fp_service"] = imported
-    try:
-        spec.loader.exec_module(imported)
-        imported_fingerprint = describe(imported.Engine).fingerprint
-    finally:
-        del sys.modules["fp_service"]
-    fingerprint = as_main.stdout.strip()
-    assert len(fingerprint) == 64
-    assert fingerprint == imported_fingerprint
-
-
 # ------------------------------------------------------------------ binding property
 
 
@@ -733,16 +665,23 @@ def signatures_and_calls(draw: st.DrawFn) -> tuple[str, tuple[Any, ...], dict[st
     return source, args, kwargs
 
 
+@functools.cache
+def _compiled(source: str) -> tuple[Any, MethodSpec]:
+    """The function ``source`` defines and its method spec, compiled once per signature
+    (a few dozen signatures recur across the examples; compiling is most of the cost)."""
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)
+    fn = namespace["f"]
+    return fn, describe(service(type("S", (), {"f": rpc(fn)}))).methods["f"]
+
+
 @settings(max_examples=200, deadline=None)
 @given(case=signatures_and_calls())
 def test_encode_args_binds_exactly_like_inspect(
     case: tuple[str, tuple[Any, ...], dict[str, Any]],
 ) -> None:
     source, args, kwargs = case
-    namespace: dict[str, Any] = {}
-    exec(source, namespace)
-    fn = namespace["f"]
-    spec = describe(service(type("S", (), {"f": rpc(fn)}))).methods["f"]
+    fn, spec = _compiled(source)
     try:
         bound = inspect.signature(fn).bind(None, *args, **kwargs)
     except TypeError:

@@ -123,11 +123,3 @@ def test_a_handle_resolved_after_its_mapping_was_evicted_sees_the_shared_pages()
     finally:
         sender.close()
         receiver.close()
-
-
-def test_the_tensor_call_cpu_bench_runs_every_kind() -> None:
-    from bench.tensor_call_cpu import measure
-
-    got = measure(number=3, rounds=1)
-    assert sorted(got) == ["add", "in", "out", "tiny_in"]
-    assert all(cli > 0 and eng > 0 for cli, eng in got.values())

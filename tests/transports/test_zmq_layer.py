@@ -24,6 +24,7 @@ from tensorrpc._zmq import (
     PendingSends,
     SocketOptions,
     create_socket,
+    loop_clock,
     map_zmq_errors,
     translate_zmq_error,
 )
@@ -51,6 +52,15 @@ def endpoint(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "ipc":
         return f"ipc://{tmp_path}/sock"
     return "tcp://127.0.0.1:0"
+
+
+async def test_the_shells_clock_is_anyios_clock() -> None:
+    # The shells feed the machines this clock and bound calls with anyio's cancel scopes:
+    # on trio, anyio's clock is offset from time.monotonic by hours.
+    clock = loop_clock()
+    before = clock()
+    now = anyio.current_time()
+    assert before <= now <= clock()
 
 
 def fill_until_blocked(sock: AsyncSocket, frames: list[bytes], limit: int) -> int:
