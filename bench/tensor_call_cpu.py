@@ -34,6 +34,7 @@ import tensorrpc
 from bench.peers.tensorrpc_peer import BenchService
 from tensorrpc import _codec
 from tensorrpc._service import describe
+from tensorrpc.transports._links import PeerLinks
 from tensorrpc.transports._policy import TransportPolicy
 from tensorrpc.transports._shm_recv import ShmResolver
 
@@ -41,8 +42,8 @@ CONFIG = _codec.CodecConfig()
 SIZE = 64 << 20
 
 
-class _SelfPolicy(TransportPolicy):
-    """A policy that resolves handles of its own process (both ends live here)."""
+class _SelfLinks(PeerLinks):
+    """Links that resolve handles of their own process (both ends live here)."""
 
     def resolver(
         self,
@@ -54,6 +55,14 @@ class _SelfPolicy(TransportPolicy):
     ) -> ShmResolver | None:
         assert self.shm is not None
         return self.shm.resolver(None, hold=hold, keep=keep)
+
+
+def _self_policy() -> TransportPolicy:
+    policy = TransportPolicy()
+    policy.peers = _SelfLinks(
+        policy.shm, alias_unsealed="same-user", trust_unattested=False, message_address=None
+    )
+    return policy
 
 
 def _run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -70,8 +79,8 @@ class Pair:
     """A client-side and an engine-side policy in one process, and the service."""
 
     def __init__(self) -> None:
-        self.client = _SelfPolicy()
-        self.engine = _SelfPolicy()
+        self.client = _self_policy()
+        self.engine = _self_policy()
         assert self.client.shm is not None, "torch_shm is not available"
         assert self.engine.shm is not None, "torch_shm is not available"
         self.methods = describe(BenchService).methods
@@ -97,7 +106,7 @@ class Pair:
         t1 = clock()
         # engine: decode, run, detach, encode the result
         key = ("client", next(self._ids))
-        lazy = self.engine.lazy_resolver("client", keep=key)
+        lazy = self.engine.peers.lazy_resolver("client", keep=key)
         wire = _codec.decode(encoded.payload, encoded.buffers, CONFIG, resolver=lazy)
         if lazy is not None and lazy.inner is not None:
             _ = lazy.inner.leases
@@ -109,26 +118,26 @@ class Pair:
         result = _run(getattr(self.service, name)(*values))
         del values
         if detach:
-            self.engine.detach(key)
+            self.engine.memory.detach(key)
         rplacer = self.engine.placer("torch_shm", "client", peer_receives=True)
         reply = _codec.encode(spec.check_result(result), CONFIG, placer=rplacer)
         del result
         t2 = clock()
         # client: the reply ends the argument lease; decode the result
         if placer is not None and placer.lease is not None:
-            self.client.release([placer.lease], "engine")
-        rlazy = self.client.lazy_resolver("engine", hold="engine")
+            self.client.memory.release([placer.lease], "engine")
+        rlazy = self.client.peers.lazy_resolver("engine", hold="engine")
         out = spec.decode_result(
             _codec.decode(reply.payload, reply.buffers, CONFIG, resolver=rlazy)
         )
         inner = rlazy.inner if rlazy is not None else None
-        done = self.client.releasable("engine", inner)
+        done = self.client.memory.releasable("engine", inner)
         del out
-        done += self.client.releasable("engine")
+        done += self.client.memory.releasable("engine")
         t3 = clock()
         # engine: the client's RELEASE of the result lease
         if done:
-            self.engine.release(done, "client")
+            self.engine.memory.release(done, "client")
         t4 = clock()
         self.cli += (t1 - t0) + (t3 - t2)
         self.eng += (t2 - t1) + (t4 - t3)

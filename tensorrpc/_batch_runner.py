@@ -33,7 +33,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from tensorrpc import _observe
+from tensorrpc import _context, _observe
 from tensorrpc._batching import Batcher, Continuous, ItemRefused
 from tensorrpc._exceptions import ErrorCode
 from tensorrpc._statistics import LatencyHistogram
@@ -116,7 +116,7 @@ class _Item:
         self.settled = False  # unary: result or error is set; stream: no more outputs
         self.gone = False  # the caller cancelled, its deadline passed, or it is done
         self.event: anyio.Event | None = None
-        self.handle = BatchItem()
+        self.handle = BatchItem(_context.current_or_none())  # the item's call
         self.outputs: deque[Any] = deque()
         self.owner: _Run | None = None
         #: The trace context of the item's call span (``b""``: not traced).

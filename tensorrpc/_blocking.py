@@ -39,6 +39,7 @@ from anyio.from_thread import BlockingPortal
 
 from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
 from tensorrpc._exceptions import ClosedError
+from tensorrpc._views import KEEP, Keep
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -231,13 +232,16 @@ class BlockingCallView(Generic[S]):
     def with_options(
         self,
         *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: TransportName = "auto",
-        wait_for_ready: bool | None = None,
+        engine: str | Keep | None = KEEP,
+        timeout: float | Keep | None = KEEP,
+        wait: bool | Keep = KEEP,
+        transport: TransportName | Keep = KEEP,
+        wait_for_ready: bool | Keep | None = KEEP,
+        metadata: Mapping[str, str] | Keep | None = KEEP,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
+
+        An option not given keeps this view's value (views chain); ``None`` clears one.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -246,6 +250,7 @@ class BlockingCallView(Generic[S]):
             transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The new view.
@@ -256,6 +261,7 @@ class BlockingCallView(Generic[S]):
             wait=wait,
             transport=transport,
             wait_for_ready=wait_for_ready,
+            metadata=metadata,
         )
         return BlockingCallView(self._runner, view)
 

@@ -31,7 +31,7 @@ from tensorrpc._exceptions import EngineDeadError, RemoteProtocolError
 from tensorrpc._protocol import MessageKind
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -133,6 +133,7 @@ class Call:
         "releases",
         "reply_buffers",
         "reply_kind",
+        "reply_metadata",
         "reply_payload",
         "spec",
         "state",
@@ -149,6 +150,8 @@ class Call:
         self.reply_kind: MessageKind | None = None
         self.reply_payload: Buffer = _EMPTY
         self.reply_buffers: Sequence[Buffer] = ()
+        #: The response metadata the final RESULT or STREAM_END carried (None: none).
+        self.reply_metadata: Mapping[str, str] | None = None
         #: Why the call FAILED (or None).
         self.error: BaseException | None = None
         #: Streams only: items received and not yet taken; the credit.

@@ -36,6 +36,7 @@ from tensorrpc._client_protocol import ClientConfig, Heartbeat
 from tensorrpc._engines import EngineInfo, unavailable_message
 from tensorrpc._exceptions import ClosedError, EnginesUnavailableError, TensorRPCError
 from tensorrpc._hostinfo import host_id as _host_id
+from tensorrpc._interceptors import ClientInterception, check_interceptors
 from tensorrpc._service import ServiceSpec, describe
 from tensorrpc._views import (
     _DEFAULT_OPTIONS,
@@ -50,11 +51,13 @@ from tensorrpc._zmq import SocketOptions, message_peer_address
 from tensorrpc.transports._policy import DEFAULT_SHM_THRESHOLD, TransportPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
     from typing import Self
 
+    from tensorrpc._calls import Call
     from tensorrpc._client_protocol import ClientProtocol
     from tensorrpc._engines import Balancing
+    from tensorrpc._interceptors import ClientInterceptor
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc.transports._peer import AliasSetting
@@ -149,6 +152,9 @@ class Client(CallView[S]):
             engine and heartbeat (see docs/observability.md): e.g.
             ``tensorrpc.metrics.PrometheusObserver``, ``tensorrpc.tracing.TracingObserver``,
             or ``tensorrpc.metrics.exporter(port)`` to export Prometheus metrics over HTTP.
+        interceptors: Async interceptors around every call and stream (broadcasts
+            excepted), the first outermost: ``async def icpt(call, proceed)`` (see
+            docs/interceptors.md).
 
     Raises:
         ConnectError: From ``async with``: an address is malformed or already in use.
@@ -165,6 +171,7 @@ class Client(CallView[S]):
         "_io",
         "_method",
         "_next_item",
+        "_open_stream",
         "_opened",
         "_orphans",
         "_protocol",
@@ -196,6 +203,7 @@ class Client(CallView[S]):
         shm_alias_unsealed: AliasSetting = "same-user",
         shm_trust_unattested: bool = False,
         observer: Observer | Sequence[Observer] | None = None,
+        interceptors: Sequence[ClientInterceptor] = (),
     ) -> None:
         super().__init__(self, _DEFAULT_OPTIONS)
         self._spec: ServiceSpec = _SCHEMALESS_SPEC if service is _Schemaless else describe(service)
@@ -216,6 +224,7 @@ class Client(CallView[S]):
             Heartbeat(heartbeat_interval, dead_after), stream_window=stream_window,
             balancing=balancing, max_in_flight=max_in_flight, maxmsgsize=options.maxmsgsize,
             engine_keys=None if engine_keys is None else _engine_keys(engine_keys, curve),
+            policy=policy,
         )  # fmt: skip
         self._built_keys = config.engine_keys
         self._runtime_keys: dict[str, str] = {}
@@ -231,6 +240,15 @@ class Client(CallView[S]):
             io, self._spec, schemaless=self.schemaless, maxmsgsize=options.maxmsgsize
         )
         self._entry_points(self._runner, io)
+        self._open_stream: Callable[..., Awaitable[tuple[Call | None, Any]]] | None = None
+        if interceptors:
+            chain = ClientInterception(
+                self._runner,
+                io.abandon,
+                self._spec.name,
+                check_interceptors(interceptors, "client"),
+            )
+            self._call, self._open_stream = chain.call, chain.open_stream
 
     def _entry_points(self, runner: CallRunner, io: ClientIO) -> None:
         # What CallView, stubs and CallStream call, bound once (no extra frame per call).
@@ -554,6 +572,7 @@ def _client_config(
     max_in_flight: int,
     maxmsgsize: int,
     engine_keys: Mapping[str, str] | None,
+    policy: TransportPolicy,
 ) -> ClientConfig:
     """What the client's protocol machine is configured with."""
     return ClientConfig(
@@ -570,6 +589,8 @@ def _client_config(
         schemaless=spec is _SCHEMALESS_SPEC,
         signatures={n: m.signature for n, m in spec.methods.items()},
         engine_keys=engine_keys,
+        shm_transports=policy.offered(),
+        shm_trust_unattested=policy.peers.trust_unattested,
     )
 
 

@@ -42,8 +42,10 @@ if TYPE_CHECKING:
     from tensorrpc._client_io import ClientIO
     from tensorrpc._client_protocol import ClientProtocol
     from tensorrpc._engines import Engine, EngineInfo
+    from tensorrpc._interceptors import ClientCall
     from tensorrpc._service import MethodSpec, ServiceSpec
-    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer
 
 __all__ = ["CallRunner"]
 
@@ -87,7 +89,7 @@ class CallRunner:
         self._io = io
         self._protocol: ClientProtocol = io.protocol
         self._policy = io.policy
-        self._holds = io.policy.holds
+        self._holds = io.policy.memory.holds
         self._maxmsgsize = maxmsgsize
         self._spec = spec
         self._schemaless = schemaless
@@ -184,8 +186,10 @@ class CallRunner:
         options: CallOptions,
         deadline: float | None,
         flags: int,
+        details: ClientCall | None = None,
     ) -> Call:
-        """Pick an engine, enter the call in the table and send the CALL."""
+        """Pick an engine, enter the call in the table and send the CALL (``details``:
+        the call as the client's interceptors see it)."""
         if self._io.orphans:
             self._io.reap_orphans()
         self._io.check_open()
@@ -213,14 +217,12 @@ class CallRunner:
             encoded = self._encode(spec, wire, engine, placer)
         holds = self._holds
         # Results freed since: the engine may reuse their memory (the CALL says so).
-        returns = policy.releasable(engine.peer) if holds is not None and holds.ready else ()
+        returns = policy.memory.releasable(engine.peer) if holds is not None and holds.ready else ()
         lease, placed = (None, (0, 0)) if placer is None else placer.outcome()
         flags |= _result_flags(options, engine)
         if encoded.buffers:
             policy.sent_frames(encoded.buffers)
-        timeout_ms = 0
-        if deadline is not None:
-            timeout_ms = min(_U32_MAX, max(1, int((deadline - self._io.now()) * 1000)))
+        timeout_ms = _timeout_ms(deadline, self._io.now)
         observed, trace = None, b""
         if self._io.observer is not None:  # observe: a CALL goes out (may carry trace context)
             observed, trace = self._observe_start(spec, engine, flags, encoded, placed[0])
@@ -229,8 +231,11 @@ class CallRunner:
             engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now,
             payload=encoded.payload, buffers=encoded.buffers, flags=flags,
             timeout_ms=timeout_ms, trace=trace, lease=lease, placed=placed, returns=returns,
+            metadata=_metadata_block(options, details),
         )  # fmt: skip
         call.observed = observed
+        if details is not None:
+            details.sent(call)
         if protocol.pending:  # a RELEASE its header could not carry goes first
             self._io.flush()
         if not self._send_call(call, frames, encoded):
@@ -343,16 +348,17 @@ class CallRunner:
         kwargs: Mapping[str, Any],
         options: CallOptions,
         encoded: _codec.Encoded | None = None,
+        details: ClientCall | None = None,
     ) -> Any:
         # Open? `_start` checks (after encoding the arguments).
         wire = None if encoded is not None else spec.encode_args(args, kwargs)
         flags = 0 if options.wait else _NO_WAIT_FLAG
         timeout = options.timeout
         if timeout is None:
-            return await self._attempts(spec, wire, encoded, options, None, flags)
+            return await self._attempts(spec, wire, encoded, options, None, flags, details)
         deadline = self._io.now() + timeout
         with anyio.move_on_after(timeout):
-            return await self._attempts(spec, wire, encoded, options, deadline, flags)
+            return await self._attempts(spec, wire, encoded, options, deadline, flags, details)
         self._raise_absent(spec, options, timeout)
         raise CallTimeoutError(
             f"{spec.qualname} did not complete within {timeout} s"
@@ -380,11 +386,12 @@ class CallRunner:
         options: CallOptions,
         deadline: float | None,
         flags: int,
+        details: ClientCall | None = None,
     ) -> Any:
         """Run a unary call; an engine's OVERLOADED refusal is retried when ``wait``."""
         backoff = _RETRY_MIN_S
         while True:
-            call = await self._start(spec, wire, encoded, options, deadline, flags)
+            call = await self._start(spec, wire, encoded, options, deadline, flags, details)
             try:
                 if call.observed is not None:  # observe: the unary call ends
                     return await _observe.observe_result(call.observed, self._result(call), call)
@@ -416,13 +423,14 @@ class CallRunner:
         options: CallOptions,
         deadline: float | None,
         encoded: _codec.Encoded | None = None,
+        details: ClientCall | None = None,
     ) -> Call:
         self._io.check_open()
         flags = _STREAM_FLAG if options.wait else _STREAM_FLAG | _NO_WAIT_FLAG
         if deadline is None:
-            return await self._start(spec, wire, encoded, options, None, flags)
+            return await self._start(spec, wire, encoded, options, None, flags, details)
         with anyio.move_on_after(deadline - self._io.now()):
-            return await self._start(spec, wire, encoded, options, deadline, flags)
+            return await self._start(spec, wire, encoded, options, deadline, flags, details)
         self._raise_absent(spec, options, options.timeout or 0.0)
         raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
 
@@ -464,7 +472,7 @@ class CallRunner:
         leased to us until they are freed; the torch_shm resolver is made on the reply's
         first handle only.
         """
-        return self._policy.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
+        return self._policy.peers.lazy_resolver(engine.peer, frame=frame, hold=engine.peer)
 
     def _encode(
         self,
@@ -530,6 +538,7 @@ class CallRunner:
                 timeout=options.timeout,
                 wait=options.wait,
                 transport=options.transport,
+                metadata=options.metadata,
             )
             try:
                 results[engine_id] = await self.call(spec, (), {}, opts, encoded)
@@ -540,6 +549,19 @@ class CallRunner:
             for engine_id in engines:
                 tg.start_soon(one, engine_id)
         return _broadcast_outcome(spec, engines, results)
+
+
+def _timeout_ms(deadline: float | None, now: Callable[[], float]) -> int:
+    """A CALL's relative deadline in milliseconds at ``now()`` (0: none; at least 1 ms)."""
+    if deadline is None:
+        return 0
+    return min(_U32_MAX, max(1, int((deadline - now()) * 1000)))
+
+
+def _metadata_block(options: CallOptions, details: ClientCall | None) -> bytes:
+    """The request metadata block of a CALL: the options' (encoded once), or what the
+    client's interceptors made of it (checked now)."""
+    return options._block if details is None else details.block()
 
 
 def _result_flags(options: CallOptions, engine: Engine) -> int:

@@ -36,6 +36,8 @@ from tensorrpc._client_protocol import (
     EngineJoined,
     EngineLost,
     EngineRefused,
+    Event,
+    FactsNeeded,
     Ignored,
     LeasesFreed,
     Pong,
@@ -53,7 +55,7 @@ from tensorrpc._zmq import (
     loop_clock,
     peer_credentials,
 )
-from tensorrpc.transports._policy import LeaseCollector
+from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -62,7 +64,6 @@ if TYPE_CHECKING:
 
     from tensorrpc._engines import Engine
     from tensorrpc._observe import Observer
-    from tensorrpc._protocol import Hello
     from tensorrpc._security import CurveConfig
     from tensorrpc.transports._policy import TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
@@ -248,7 +249,7 @@ class ClientIO:
         curve: CurveConfig | None,
         observer: Observer | None,
     ) -> None:
-        self.protocol = ClientProtocol(config, self)
+        self.protocol = ClientProtocol(config)
         self.policy = policy
         self.codec = codec
         #: The one clock (the event loop's once open).
@@ -373,7 +374,7 @@ class ClientIO:
     def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
         """RELEASE now the engine's result leases we are done with: those waiting for a
         CALL and those whose tensors died since (``resolver``: a reply just decoded)."""
-        leases = self.policy.releasable(engine.peer, resolver)
+        leases = self.policy.memory.releasable(engine.peer, resolver)
         self.protocol.release(engine, leases, self.now())
         self.flush()
 
@@ -381,7 +382,7 @@ class ClientIO:
         """A reply was decoded: the protocol returns its finished leases in the header of
         the next CALL to the engine if the caller makes one before it yields (one message
         instead of two), else in a RELEASE once it yields (`_release_pending`)."""
-        leases = self.policy.releasable(engine.peer, resolver)
+        leases = self.policy.memory.releasable(engine.peer, resolver)
         if self.protocol.return_leases(engine, leases) and self.waiters is not None:
             self.waiters.soon(self._release_pending)
 
@@ -401,12 +402,12 @@ class ClientIO:
         """RELEASE, to every engine, the leases of result tensors freed since (a tick)."""
         policy = self.policy
         engines = self.protocol.engines
-        for peer in policy.releasable_peers():
+        for peer in policy.memory.releasable_peers():
             engine = engines.by_peer(peer) if isinstance(peer, bytes) else None
             if engine is not None:
                 self.release_held(engine)
             else:  # gone: nothing to tell it
-                policy.releasable(peer)
+                policy.memory.releasable(peer)
 
     def event(self, event: object) -> None:
         """Act on what the protocol reported (other than a resolved call)."""
@@ -427,9 +428,9 @@ class ClientIO:
         elif isinstance(event, LeasesFreed):
             policy = self.policy
             for lease in event.leases:
-                policy.release_one(lease)
+                policy.memory.release_one(lease)
             if event.refused:
-                policy.refuse_release(event.refused)
+                policy.memory.refuse_release(event.refused)
                 logger.debug(
                     "engine %r: %d RELEASEd leases refused", event.engine.engine_id, event.refused
                 )
@@ -450,7 +451,7 @@ class ClientIO:
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
         logger.info("engine %r %s", engine.engine_id, peer_text(event.why, 512))
-        self.policy.peer_gone(engine.peer, engine.shm.pid if engine.shm else 0)
+        self.policy.memory.peer_gone(engine.peer, self.policy.peers.drop(engine.peer))
         for call in event.calls:
             self.ended(call)
         self._observe_engine(engine.engine_id, "lost")
@@ -460,6 +461,7 @@ class ClientIO:
             self.tick.set()  # a hello request to its address may be due at once
 
     def _on_joined(self, event: EngineJoined) -> None:
+        self.policy.peers.link(event.engine.peer, event.shm)
         engine_id = event.engine.engine_id
         table = self.protocol.engines
         self._observe_engine(engine_id, "rejoined" if engine_id in table.past else "joined")
@@ -489,7 +491,7 @@ class ClientIO:
         """A call ended: free its argument lease and slot, wake its caller (and one waiter)."""
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
-            self.policy.release_one(self.protocol.take_lease(call))
+            self.policy.memory.release_one(self.protocol.take_lease(call))
         waiters = self.waiters
         if waiters is None:
             return
@@ -520,23 +522,6 @@ class ClientIO:
             self.abandon(orphans.popleft())
 
     # -- tensor transports -----------------------------------------------------------------
-
-    def shm_offer(
-        self, peer: bytes, hello: Hello, frame: Buffer
-    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
-        """The protocol's hook: torch_shm only with the process the kernel says sent the
-        HELLO (on ipc://), or, configured to trust unattested peers, the one it claims
-        (docs/security.md)."""
-        pid, send, receive = self.policy.attest(
-            peer,
-            peer_credentials(frame),
-            offers=hello.transports,
-            claimed_pid=hello.pid,
-            same_host=hello.host_id == self.protocol.config.host_id,
-        )
-        if not (send or receive):
-            return None
-        return (self.policy.offered(), pid, send, receive)
 
     def _reachable(self, peer: bytes, ping: list[bytes]) -> bool:
         """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
@@ -615,17 +600,28 @@ class ClientIO:
             return
         protocol = self.protocol
         peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
-        if protocol.config.engine_keys is not None:  # who the engine is comes from its key
-            event = protocol.receive(peer, body, self.now(), _user_id(frames[1]))
-        else:
-            event = protocol.receive(peer, body, self.now())
+        # Who the engine is comes from its CURVE key (with engine_keys).
+        key = _user_id(frames[1]) if protocol.config.engine_keys is not None else None
+        event = protocol.receive(peer, body, self.now(), key)
+        if type(event) is FactsNeeded:
+            # A HELLO: torch_shm is decided from what the kernel says about its connection.
+            facts = self.policy.peers.facts(peer_credentials(body[1]))
+            try:
+                self._handle(protocol.receive(peer, body, self.now(), key, facts))
+            finally:
+                self.policy.peers.settle(peer, facts)
+            return
+        self._handle(event)
+
+    def _handle(self, event: Call | Event | None) -> None:
+        protocol = self.protocol
         if type(event) is Call:
             call = event
             if call.state >= _REPLIED:
                 self.ended(call)
             else:  # a stream item: the engine has attached to the arguments
                 if call.lease is not None:
-                    self.policy.release_one(protocol.take_lease(call))
+                    self.policy.memory.release_one(protocol.take_lease(call))
                 assert self.waiters is not None
                 self.waiters.wake(call.waiter)
         elif event is not None:
@@ -658,4 +654,4 @@ class ClientIO:
             if now >= next_sweep:
                 next_sweep = now + interval
                 self.tracked.prune()
-                self.policy.sweep()
+                self.policy.memory.sweep()

@@ -42,7 +42,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
@@ -76,6 +76,8 @@ from tensorrpc._protocol import (
     pack_call_header,
     split_frames,
 )
+from tensorrpc.transports._peer import shm_terms
+from tensorrpc.transports._shm_handle import TRANSPORT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -84,12 +86,12 @@ if TYPE_CHECKING:
 
     from tensorrpc._exceptions import TensorRPCError
     from tensorrpc._service import MethodSpec
+    from tensorrpc.transports._peer import PeerFacts, ShmTerms
 
 __all__ = [
     "TRANSITIONS",
     "PeerState",
     "ClientConfig",
-    "ClientHooks",
     "ClientProtocol",
     "CheckReachable",
     "Dropped",
@@ -97,6 +99,7 @@ __all__ = [
     "EngineLost",
     "EngineRefused",
     "Event",
+    "FactsNeeded",
     "Heartbeat",
     "Ignored",
     "LeasesFreed",
@@ -149,22 +152,6 @@ class Heartbeat:
 _DEFAULT_HEARTBEAT: Final = Heartbeat()
 
 
-class ClientHooks(Protocol):
-    """What the protocol asks of the I/O shell during a handshake."""
-
-    def shm_offer(
-        self, peer: bytes, hello: Hello, frame: Buffer
-    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
-        """Can we use ``torch_shm`` with this engine? Decided from what the kernel says
-        about the connection ``frame`` (the HELLO's payload) came on (docs/security.md).
-
-        Returns:
-            ``(transports for our WELCOME, the engine's attested pid, send handles,
-            resolve handles)`` when it can, else ``None``.
-        """
-        ...
-
-
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
     """What a client says and expects in handshakes, and its bounds.
@@ -186,6 +173,10 @@ class ClientConfig:
         engine_keys: Engine id → the z85 CURVE public key its HELLO must come with; a
             HELLO with an id not listed, or from another key, is refused (None: ids are
             first come).
+        shm_transports: What our WELCOME lists to an engine we may use torch_shm with
+            (the transports we can receive).
+        shm_trust_unattested: torch_shm also with engines the kernel cannot attest,
+            taking the pid they claim (``shm_trust_unattested``, docs/security.md).
     """
 
     service: str
@@ -201,13 +192,17 @@ class ClientConfig:
     schemaless: bool = False
     signatures: Mapping[str, str] | None = None
     engine_keys: Mapping[str, str] | None = None
+    shm_transports: tuple[str, ...] = ("frames",)
+    shm_trust_unattested: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class EngineJoined:
-    """An engine was welcomed."""
+    """An engine was welcomed; ``shm``: torch_shm with it, as its HELLO's kernel
+    facts decided (the shell links it: handles resolve against ``shm.kernel``)."""
 
     engine: Engine
+    shm: ShmTerms | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,8 +266,8 @@ class CheckReachable:
     hello: Hello
     info: EngineInfo
     current: Engine
-    #: The HELLO's payload frame (the shell's torch_shm offer reads its connection).
-    frame: Buffer
+    #: What the shell gathered about the HELLO's connection (torch_shm's input).
+    facts: PeerFacts | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +276,15 @@ class Pong:
 
     engine: Engine
     nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class FactsNeeded:
+    """A HELLO came while torch_shm is on here and ``receive`` was given no facts: the
+    shell gathers what the kernel says about the connection it came on and gives the
+    same message to ``receive`` again with them (nothing was done with it yet)."""
+
+    peer: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +305,7 @@ Event = (
     | LeasesFreed
     | Pong
     | Ignored
+    | FactsNeeded
 )
 
 
@@ -346,14 +351,12 @@ class ClientProtocol(Machine[bytes, Event]):
 
     Args:
         config: Handshake values and bounds.
-        hooks: The I/O shell's answers during a handshake.
         epochs: Draws our session epochs (default: random non-zero u64).
     """
 
     def __init__(
         self,
         config: ClientConfig,
-        hooks: ClientHooks,
         *,
         epochs: Callable[[], int] = _random_epoch,
     ) -> None:
@@ -361,7 +364,6 @@ class ClientProtocol(Machine[bytes, Event]):
             raise ValueError("stream_window must be at least 1")
         super().__init__()
         self.config = config
-        self._hooks = hooks
         self._epochs = epochs
         self.engines = EngineTable(balancing=config.balancing, max_in_flight=config.max_in_flight)
         self.calls = CallTable()
@@ -533,6 +535,7 @@ class ClientProtocol(Machine[bytes, Event]):
         lease: int | None = None,
         placed: tuple[int, int] = (0, 0),
         returns: Sequence[int] = (),
+        metadata: bytes = b"",
     ) -> tuple[Call, list[Any]]:
         """Enter a call to ``engine`` in the table and build its CALL.
 
@@ -546,6 +549,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 placed: tensors and bytes that went by handle.
             returns: More result leases of this engine we are done with (as
                 `return_leases`), returned with this CALL.
+            metadata: The request metadata block (`tensorrpc._metadata.encode_block`).
 
         Returns:
             The call and the CALL message ``[peer, header, payload, *buffers]``; the shell
@@ -569,8 +573,9 @@ class ClientProtocol(Machine[bytes, Event]):
             else:
                 self._release_now(engine, unique, now)
         header = pack_call_header(
-            call.call_id, spec.name, flags, timeout_ms, trace=trace, releases=releases
-        )
+            call.call_id, spec.name, flags, timeout_ms, trace=trace, releases=releases,
+            metadata=metadata,
+        )  # fmt: skip
         size = len(header) + memoryview(payload).nbytes
         for buffer in buffers:
             size += memoryview(buffer).nbytes
@@ -735,7 +740,12 @@ class ClientProtocol(Machine[bytes, Event]):
     # -- receiving ------------------------------------------------------------------------
 
     def receive(
-        self, peer: bytes, frames: Sequence[Buffer], now: float, key: str | None = None
+        self,
+        peer: bytes,
+        frames: Sequence[Buffer],
+        now: float,
+        key: str | None = None,
+        facts: PeerFacts | None = None,
     ) -> Call | Event | None:
         """Handle one message from ``peer`` (its frames after the routing id).
 
@@ -745,6 +755,9 @@ class ClientProtocol(Machine[bytes, Event]):
             now: The clock.
             key: The z85 CURVE public key it came with (with ``engine_keys``: the shell
                 reads it from the message; None: none).
+            facts: For a HELLO: what the kernel says about the connection it came on
+                (the shell gathers them when told so by `FactsNeeded`: the hot path
+                never pays for them).
 
         Returns:
             The `Call` a reply concerns (its state says what happened), an event,
@@ -757,6 +770,8 @@ class ClientProtocol(Machine[bytes, Event]):
         kind = header.kind
         rec = self._peers.get(peer)
         state = PeerState.NONE if rec is None else rec.state
+        if kind is _HELLO and facts is None and TRANSPORT_NAME in self.config.shm_transports:
+            return FactsNeeded(peer)  # the shell gathers them for HELLOs only
         if state is PeerState.LIVE:
             engine = rec.engine  # type: ignore[union-attr]
             assert engine is not None
@@ -778,7 +793,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 return None
             return Ignored(peer, f"unexpected {kind.name} from a peer in state {state.value}")
         engine = rec.engine if rec is not None else None
-        return handler(self, peer, engine, header, payload, now, key)
+        return handler(self, peer, engine, header, payload, now, key, facts)
 
     def _malformed(
         self, peer: bytes, frames: Sequence[Buffer], exc: Exception, now: float
@@ -808,6 +823,8 @@ class ClientProtocol(Machine[bytes, Event]):
         now: float,
     ) -> Call | Event | None:
         call = self.calls.reply(engine, kind, header.call_id, payload, buffers)
+        if header.flags and call is not None and header.metadata:
+            call.reply_metadata = header.metadata  # response metadata (RESULT, STREAM_END)
         if call is None:
             if kind is _ERROR and header.call_id == 0:
                 return Ignored(
@@ -869,13 +886,20 @@ class ClientProtocol(Machine[bytes, Event]):
         payload: Buffer,
         now: float,
         key: str | None,
+        facts: PeerFacts | None,
     ) -> Event | None:
-        return self._on_hello(peer, header, payload, now, key)
+        return self._on_hello(peer, header, payload, now, key, facts)
 
     # -- handshake ------------------------------------------------------------------------
 
     def _on_hello(
-        self, peer: bytes, header: Header, payload: Buffer, now: float, key: str | None
+        self,
+        peer: bytes,
+        header: Header,
+        payload: Buffer,
+        now: float,
+        key: str | None,
+        facts: PeerFacts | None,
     ) -> Event | None:
         try:
             hello = decode_control(header, payload)
@@ -901,18 +925,23 @@ class ClientProtocol(Machine[bytes, Event]):
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
             if current is not None:  # the shell answers whether it is reachable
-                return self._check_reachable(peer, hello, info, current, payload)
-        return self._decided(peer, info, hello, refusal, now, payload)
+                return self._check_reachable(peer, hello, info, current, facts)
+        return self._decided(peer, info, hello, refusal, now, facts)
 
     def _engine_at(self, peer: bytes) -> Engine | None:
         rec = self._peers.get(peer)
         return None if rec is None else rec.engine
 
     def _check_reachable(
-        self, peer: bytes, hello: Hello, info: EngineInfo, current: Engine, frame: Buffer
+        self,
+        peer: bytes,
+        hello: Hello,
+        info: EngineInfo,
+        current: Engine,
+        facts: PeerFacts | None,
     ) -> CheckReachable:
         ping = encode_control(_PING, None, HEARTBEAT_NONCE)
-        return CheckReachable(current.peer, ping, peer, hello, info, current, frame)
+        return CheckReachable(current.peer, ping, peer, hello, info, current, facts)
 
     def reachable(self, check: CheckReachable, reachable: bool, now: float) -> None:
         """The shell's answer to `CheckReachable`: the HELLO is refused as
@@ -924,7 +953,7 @@ class ClientProtocol(Machine[bytes, Event]):
         current = self.engines.engines.get(info.engine_id)
         refusal = None
         if current is not None and current is not check.current:  # changed meanwhile
-            again = self._check_reachable(check.hello_peer, check.hello, info, current, check.frame)
+            again = self._check_reachable(check.hello_peer, check.hello, info, current, check.facts)
             self._events.append(again)
             return
         if current is not None:
@@ -937,7 +966,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 )
             else:
                 self._events.append(self._lose(current, "is unreachable (its connection closed)"))
-        event = self._decided(check.hello_peer, info, check.hello, refusal, now, check.frame)
+        event = self._decided(check.hello_peer, info, check.hello, refusal, now, check.facts)
         if event is not None:
             self._events.append(event)
 
@@ -948,14 +977,14 @@ class ClientProtocol(Machine[bytes, Event]):
         hello: Hello,
         refusal: tuple[str, str] | None,
         now: float,
-        frame: Buffer,
+        facts: PeerFacts | None,
     ) -> Event | None:
         if refusal is not None:
             reason, message = refusal
             self.engines.refuse(info.engine_id, reason, message)
             self._queue(None, peer, _REJECT, Reject(reason, message), 0, now)
             return EngineRefused(info.engine_id, reason, message, by_client=True)
-        return self._admit(peer, info, hello, now, frame)
+        return self._admit(peer, info, hello, now, facts)
 
     def _check_key(self, engine_id: str, key: str | None) -> tuple[str, str] | None:
         """With ``engine_keys``: an id is taken only with the CURVE key bound to it."""
@@ -980,7 +1009,7 @@ class ClientProtocol(Machine[bytes, Event]):
         )
 
     def _admit(
-        self, peer: bytes, info: EngineInfo, hello: Hello, now: float, frame: Buffer
+        self, peer: bytes, info: EngineInfo, hello: Hello, now: float, facts: PeerFacts | None
     ) -> EngineJoined:
         heartbeat = self.config.heartbeat
         engine = Engine(
@@ -993,10 +1022,19 @@ class ClientProtocol(Machine[bytes, Event]):
             ping_every=ping_interval(heartbeat.interval, info.dead_after_ms),
         )
         engine.next_ping = now + engine.ping_every
-        offer = self._hooks.shm_offer(peer, hello, frame)
-        if offer is not None:
-            engine.welcome_transports, pid, send, receive = offer
-            engine.shm = ShmCapability(pid=pid, to_engine=send, from_engine=receive)
+        config = self.config
+        # torch_shm from the kernel's facts about the connection; the HELLO's pid and
+        # host id count only for an unattested peer we were told to trust.
+        terms = shm_terms(
+            facts,
+            hello.transports,
+            hello.pid,
+            hello.host_id == config.host_id,
+            trust_unattested=config.shm_trust_unattested,
+        )
+        if terms is not None:
+            engine.welcome_transports = config.shm_transports
+            engine.shm = ShmCapability(pid=terms.pid, to_engine=terms.send, from_engine=True)
         self.engines.add(engine)
         self.rejoining.rejoined(info.engine_id)
         rec = self._peers.get(peer)
@@ -1007,7 +1045,7 @@ class ClientProtocol(Machine[bytes, Event]):
         if rec.dial is not None:
             rec.dial.backoff.reset()
         self._welcome(engine, now, engine.welcome_transports)
-        return EngineJoined(engine)
+        return EngineJoined(engine, terms)
 
     def _welcome(self, engine: Engine, now: float, transports: tuple[str, ...]) -> None:
         config = self.config
@@ -1178,7 +1216,8 @@ _REPLIES: Final = (_K.RESULT, _K.ERROR, _K.STREAM_ITEM, _K.STREAM_END)
 #: Kinds dropped without an `Ignored` event in states without a handler for them.
 _SILENT_DROPS: Final = frozenset({*_REPLIES, _K.PING, _K.PONG})
 _Handler = Callable[
-    [ClientProtocol, bytes, "Engine | None", Header, Any, float, "str | None"], "Event | None"
+    [ClientProtocol, bytes, "Engine | None", Header, Any, float, "str | None", Any],
+    "Event | None",
 ]
 _P = ClientProtocol
 

@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import traceback
@@ -32,31 +33,35 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from tensorrpc import _codec
+from tensorrpc import _codec, _context
 from tensorrpc._batching import ItemRefused
 from tensorrpc._exceptions import (
     DecodeError,
     EncodeError,
     ErrorCode,
+    PermissionDeniedError,
     TensorRPCError,
     TensorTransportError,
     ValidationError,
     path_parts,
 )
+from tensorrpc._interceptors import intercept
 from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
-from tensorrpc.transports._policy import LeaseCollector
+from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable
+    from contextvars import Token
 
     from anyio.abc import TaskGroup
     from typing_extensions import Buffer
 
     from tensorrpc._server_protocol import ServerProtocol
-    from tensorrpc.transports._policy import LazyResolver, PolicyPlacer, TransportPolicy
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
 
 __all__ = ["Call", "Dispatcher"]
 
@@ -100,6 +105,7 @@ class Dispatcher:
         grace_period: For the DRAINING message.
         flush: Send what the protocol queued (ERROR, STREAM_END, RELEASE), no waiting.
         send_reply: Send a reply, waiting a bounded time; ``(call, frames, keepalive)``.
+        interceptors: The engine's interceptors, outermost first (`tensorrpc._interceptors`).
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class Dispatcher:
         grace_period: float,
         flush: Callable[[], None],
         send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
+        interceptors: tuple[Any, ...] = (),
     ) -> None:
         self._proto = proto
         self._engine_id = engine_id
@@ -126,6 +133,7 @@ class Dispatcher:
         self._grace_period = grace_period
         self._flush = flush
         self._send_reply = send_reply
+        self._interceptors = interceptors
         self._idle: list[anyio.Event] = []
         self._closed = False
         self._workers = 0
@@ -276,23 +284,24 @@ class Dispatcher:
         self._proto.started(call, anyio.current_time())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
+        token = _context.enter(call, self._engine_id)  # call_context() sees it
         if call.spec.streaming:
-            await self._run_stream(call, args, deadline)
+            await self._run_stream(call, args, deadline, token)
             later_if_large(args, size)
             return
         call.scope = scope
         if finite:
             scope.deadline = deadline
         try:
-            if call.spec.is_async:
+            if call.spec.is_async and not self._interceptors:  # the hot path
                 call.result = await call.fn(*args)  # type: ignore[misc]
-            else:
-                call.result = await anyio.to_thread.run_sync(
-                    call.fn, *args, limiter=self._limiter, abandon_on_cancel=True
-                )
+            else:  # a sync handler (in a thread), or interceptors around the handler
+                handler = functools.partial(self._handler, call, args)
+                call.result = await intercept(self._interceptors, _context.call_context(), handler)
         except Exception as exc:
             call.failure = exc
         finally:
+            _context.leave(token)
             call.scope = None
             if finite:
                 scope.deadline = math.inf
@@ -300,6 +309,14 @@ class Dispatcher:
         del args  # argument tensors on the client's regions die here, before the reply
         if not scope.cancel_called:
             await self._reply(call)
+
+    async def _handler(self, call: Call, args: list[Any]) -> Any:
+        """Run a unary handler (the innermost ``proceed`` of the interceptors)."""
+        if call.spec.is_async:
+            return await call.fn(*args)  # type: ignore[misc]
+        return await anyio.to_thread.run_sync(
+            call.fn, *args, limiter=self._limiter, abandon_on_cancel=True
+        )
 
     def _decode(self, call: Call) -> list[Any] | None:
         """Decode and validate the arguments; on failure reply with an ERROR and return None."""
@@ -378,7 +395,7 @@ class Dispatcher:
             return None
         # Built on the client's regions (one copy in all) until our first reply, which
         # ends the client's lease: _detach() runs before it. Made on the first handle.
-        return self._policy.lazy_resolver(
+        return self._policy.peers.lazy_resolver(
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
@@ -388,7 +405,7 @@ class Dispatcher:
         pages of their own first."""
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
 
     def _end_args(self, call: Call) -> None:
         """A call that ends without a reply (cancelled, client gone): argument tensors
@@ -399,7 +416,7 @@ class Dispatcher:
             return
         keep = call.keep
         if keep is not None:
-            self._policy.detach(keep)
+            self._policy.memory.detach(keep)
         unread: tuple[int, ...] = ()
         if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
             collector = LeaseCollector()
@@ -453,6 +470,9 @@ class Dispatcher:
         if isinstance(exc, ItemRefused):  # batching: the batcher ended the item
             self._error(call, exc.code, str(exc))
             return
+        if isinstance(exc, PermissionDeniedError):  # an interceptor or the handler refused
+            self._error(call, ErrorCode.PERMISSION_DENIED, str(exc), type_name(exc))
+            return
         self._error(
             call,
             ErrorCode.REMOTE,
@@ -474,16 +494,37 @@ class Dispatcher:
 
     # -- streams ----------------------------------------------------------------------------
 
-    async def _run_stream(self, call: Call, args: list[Any], deadline: float) -> None:
+    async def _run_stream(
+        self,
+        call: Call,
+        args: list[Any],
+        deadline: float,
+        token: Token[tuple[Call, str, float]],
+    ) -> None:
+        """Run a stream and end it (``token``: undo the call's context when done)."""
+        try:
+            await self._stream(call, args, deadline)
+        finally:
+            _context.leave(token)
+
+    async def _stream(self, call: Call, args: list[Any], deadline: float) -> None:
         gen: AsyncGenerator[Any, None] | None = None
         failure: BaseException | None = None
         finished = False
+
+        async def run() -> None:  # the innermost ``proceed`` of the interceptors
+            nonlocal gen, finished
+            gen = call.fn(*args)  # type: ignore[assignment]
+            assert gen is not None
+            finished = await self._pump(call, gen)
+
         with anyio.CancelScope(deadline=deadline) as scope:
             call.scope = scope
             try:
-                gen = call.fn(*args)  # type: ignore[assignment]
-                assert gen is not None
-                finished = await self._pump(call, gen)
+                if self._interceptors:
+                    await intercept(self._interceptors, _context.call_context(), run)
+                else:
+                    await run()
             except Exception as exc:
                 failure = exc
             finally:

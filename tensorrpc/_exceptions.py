@@ -6,6 +6,7 @@ TensorRPCError
 ├─ ServiceDefinitionError (+TypeError)      a @service/@rpc class cannot be described
 ├─ ProtocolError
 │  ├─ LocalProtocolError                    we were asked to send something invalid
+│  │  └─ MetadataError (+ValueError)        call metadata breaks a rule or a bound
 │  └─ RemoteProtocolError                   the peer sent something invalid
 ├─ SerializationError
 │  ├─ EncodeError                           a value cannot be encoded (type, size, dtype)
@@ -26,7 +27,9 @@ TensorRPCError
 │  ├─ OverloadedError                       a bound was hit and the caller asked not to wait
 │  ├─ EngineNotFoundError                   the targeted engine is not live
 │  ├─ DrainingError                         the engine is shutting down and refuses new calls
+│  ├─ PermissionDeniedError                 an interceptor (or handler) refused the call
 │  └─ BroadcastError                        at least one engine failed a broadcast
+├─ NoCallContextError (+LookupError)      call_context() outside a handler's call
 └─ ClosedError                              you closed the client/server and then used it
 ```
 
@@ -63,9 +66,12 @@ __all__ = [
     "HandshakeRejectedError",
     "InvalidArgumentError",
     "LocalProtocolError",
+    "MetadataError",
     "MethodNotFoundError",
+    "NoCallContextError",
     "OverloadedError",
     "PeerUnreachableError",
+    "PermissionDeniedError",
     "ProtocolError",
     "RemoteError",
     "RemoteProtocolError",
@@ -100,6 +106,12 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """The peer sent something the protocol does not allow."""
+
+
+class MetadataError(LocalProtocolError, ValueError):
+    """Call metadata we were asked to send breaks a rule: a key that is not lowercase
+    ``[a-z0-9._-]`` or is reserved, a value that is not a ``str`` or holds a control
+    character, or more keys or bytes than the bounds allow (docs/context.md)."""
 
 
 class SerializationError(TensorRPCError):
@@ -253,6 +265,15 @@ class DrainingError(CallError):
     """The engine is shutting down and refuses new calls."""
 
 
+class PermissionDeniedError(CallError):
+    """The call was refused: an interceptor (an auth check, say) or the handler said no.
+
+    Raise it in an engine interceptor or handler to answer ``PERMISSION_DENIED``; the
+    caller gets this exception with the message. A client interceptor raises it to
+    refuse a call before it is sent.
+    """
+
+
 class BroadcastError(CallError):
     """At least one engine failed a broadcast; ``results`` holds every engine's outcome."""
 
@@ -265,6 +286,11 @@ class BroadcastError(CallError):
     def errors(self) -> dict[str, BaseException]:
         """The engines that failed, with their exceptions."""
         return {k: v for k, v in self.results.items() if isinstance(v, BaseException)}
+
+
+class NoCallContextError(TensorRPCError, LookupError):
+    """`tensorrpc.call_context` was called outside the call of a handler (or in a
+    batched handler, which serves several calls: see ``BatchItem.context``)."""
 
 
 class ClosedError(TensorRPCError):
@@ -296,6 +322,8 @@ class ErrorCode(IntEnum):
     INTERNAL = 10
     #: The message violated the protocol (wrong frames, unknown kind, ...).
     PROTOCOL = 11
+    #: An interceptor or the handler refused the call (`PermissionDeniedError`).
+    PERMISSION_DENIED = 12
 
 
 #: One segment of a `ValidationError.path` after its root: ``.name``, ``[3]``, ``['key']``.
@@ -350,6 +378,8 @@ def error_from_wire(
             return RemoteError(remote_type or "BadResult", message, traceback, code=code)
         case ErrorCode.PROTOCOL:
             return RemoteProtocolError(message)
+        case ErrorCode.PERMISSION_DENIED:
+            return PermissionDeniedError(message)
         case _:
             return RemoteError(
                 remote_type or "InternalError", message, traceback, code=ErrorCode.INTERNAL

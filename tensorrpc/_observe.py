@@ -362,6 +362,8 @@ _OUTCOMES: Final[dict[type[BaseException], str]] = {
     _e.CallTimeoutError: "DEADLINE_EXCEEDED",
     _e.OverloadedError: "OVERLOADED",
     _e.DrainingError: "DRAINING",
+    _e.PermissionDeniedError: "PERMISSION_DENIED",
+    _e.MetadataError: "INVALID_ARGUMENT",
     _e.TensorTransportError: "TENSOR_TRANSPORT",
     _e.ProtocolError: "PROTOCOL",
     _e.TransportError: "UNAVAILABLE",

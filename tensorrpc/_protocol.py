@@ -35,6 +35,7 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     error_from_wire,
 )
+from tensorrpc._metadata import EMPTY as _NO_METADATA, decode_block, encode_block
 from tensorrpc._text import CONTROL
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ __all__ = [
     "encode_error",
     "header_version",
     "pack_call_header",
+    "pack_header",
+    "pack_metadata_reply_header",
     "pack_reply_header",
     "split_frames",
     "unpack_header",
@@ -197,6 +200,10 @@ class Flags(IntFlag):
     #: lease ids the client is done with (as a RELEASE would): a count byte ``k``
     #: (1..`MAX_CALL_RELEASES`) and ``k`` u64 little-endian ids.
     RELEASES = 32
+    #: The header frame carries a metadata block (`tensorrpc._metadata`): on a CALL
+    #: after the fixed header and any lease ids, before the method name; on a RESULT or
+    #: STREAM_END (the only other kinds that may set it) right after the fixed header.
+    METADATA = 64
 
 
 _KNOWN_FLAGS: Final = int(
@@ -206,12 +213,16 @@ _KNOWN_FLAGS: Final = int(
     | Flags.SHM_RESULTS_ALL
     | Flags.TRACE
     | Flags.RELEASES
+    | Flags.METADATA
 )
 _TRACE: Final = int(Flags.TRACE)
 _RELEASES: Final = int(Flags.RELEASES)
-# The flags a caller of pack_call_header may pass (TRACE and RELEASES follow from its
-# trace and releases arguments).
-_CALLER_FLAGS: Final = _KNOWN_FLAGS & ~_TRACE & ~_RELEASES
+_METADATA: Final = int(Flags.METADATA)
+# The flags a caller of pack_call_header may pass (TRACE, RELEASES and METADATA follow
+# from its trace, releases and metadata arguments).
+_CALLER_FLAGS: Final = _KNOWN_FLAGS & ~_TRACE & ~_RELEASES & ~_METADATA
+# The kinds besides CALL whose header may carry metadata (response metadata).
+_METADATA_REPLIES: Final = frozenset({6, 9})
 # One packer per count of lease ids a CALL header carries: the count byte, then the ids.
 _RELEASE_BLOCKS: Final = tuple(struct.Struct(f"<B{k}Q") for k in range(MAX_CALL_RELEASES + 1))
 _NO_FLAGS: Final = Flags(0)
@@ -277,6 +288,8 @@ class Header:
             (`TRACE_CONTEXT_BYTES` bytes); empty otherwise.
         releases: CALL with the ``RELEASES`` flag only: the result lease ids the client
             is done with (1..`MAX_CALL_RELEASES` of them); empty otherwise.
+        metadata: With the ``METADATA`` flag (CALL, RESULT, STREAM_END): the call's
+            request or response metadata (key → value, checked); empty otherwise.
     """
 
     #: What the message is.
@@ -293,6 +306,8 @@ class Header:
     trace: bytes = b""
     #: Result lease ids the client is done with, CALL with ``RELEASES`` only.
     releases: tuple[int, ...] = ()
+    #: Request (CALL) or response (RESULT, STREAM_END) metadata; ``METADATA`` flag only.
+    metadata: Mapping[str, str] = field(default_factory=lambda: _NO_METADATA)
 
 
 # -- header packing ------------------------------------------------------------------------
@@ -312,6 +327,7 @@ _set_kind, _set_call_id, _set_flags, _set_timeout_ms, _set_method, _set_trace, _
     Header.__dict__[name].__set__
     for name in ("kind", "call_id", "flags", "timeout_ms", "method", "trace", "releases")
 )
+_set_metadata = Header.__dict__["metadata"].__set__
 
 
 def _make_header(
@@ -322,6 +338,7 @@ def _make_header(
     method: str,
     trace: bytes = b"",
     releases: tuple[int, ...] = (),
+    metadata: Mapping[str, str] = _NO_METADATA,
 ) -> Header:
     header: Header = _new_object(Header)
     _set_kind(header, kind)
@@ -331,6 +348,7 @@ def _make_header(
     _set_method(header, method)
     _set_trace(header, trace)
     _set_releases(header, releases)
+    _set_metadata(header, metadata)
     return header
 
 
@@ -369,6 +387,7 @@ def pack_call_header(
     timeout_ms: int = 0,
     trace: bytes = b"",
     releases: Sequence[int] = (),
+    metadata: bytes = b"",
 ) -> bytes:
     """Pack the header frame of a CALL (the hot path: no `Header` object).
 
@@ -382,6 +401,8 @@ def pack_call_header(
             (sets the ``TRACE`` flag), or empty for none.
         releases: Result lease ids (each 1..2**63-1, at most `MAX_CALL_RELEASES`) to
             carry (sets the ``RELEASES`` flag), or empty for none.
+        metadata: The request metadata block (`tensorrpc._metadata.encode_block`, sets
+            the ``METADATA`` flag), or empty for none.
 
     Returns:
         The header frame.
@@ -393,6 +414,9 @@ def pack_call_header(
     name = _method_bytes(method)
     if flags & ~_CALLER_FLAGS:
         raise LocalProtocolError(f"unknown flag bits 0x{int(flags) & ~_CALLER_FLAGS:x}")
+    if metadata:
+        name = metadata + name
+        flags |= _METADATA
     if releases:
         name = _release_block(releases) + name
         flags |= _RELEASES
@@ -456,6 +480,26 @@ def pack_reply_header(kind: MessageKind, call_id: int = 0) -> bytes:
     return packed
 
 
+def pack_metadata_reply_header(kind: MessageKind, call_id: int, metadata: bytes) -> bytes:
+    """Pack the header frame of a RESULT or STREAM_END that carries response metadata.
+
+    Args:
+        kind: RESULT or STREAM_END.
+        call_id: The call's id (non-zero).
+        metadata: The block (`tensorrpc._metadata.encode_block`); empty: no metadata
+            (the plain header of `pack_reply_header`).
+
+    Raises:
+        LocalProtocolError: Another kind, or ``call_id`` out of range.
+    """
+    if not metadata:
+        return pack_reply_header(kind, call_id)
+    if kind not in _METADATA_REPLIES:
+        raise LocalProtocolError(f"{kind!r} carries no metadata")
+    _check_kind_call_id(kind, call_id)
+    return _pack(MAGIC, PROTOCOL_VERSION, kind, _METADATA, 0, call_id, 0) + metadata
+
+
 def _check_kind_call_id(kind: object, call_id: object) -> MessageKind:
     if type(kind) is not MessageKind:
         known = _KIND_BY_VALUE.get(kind) if type(kind) is int else None
@@ -470,6 +514,52 @@ def _check_kind_call_id(kind: object, call_id: object) -> MessageKind:
     if call_id == 0 and kind in _CALL_KINDS:
         raise LocalProtocolError(f"{kind.name} needs a non-zero call_id")
     return kind
+
+
+def pack_header(header: Header) -> bytes:
+    """Pack a `Header` into its frame.
+
+    Args:
+        header: The header to pack.
+
+    Returns:
+        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name (and the trace context
+        with the ``TRACE`` flag) for CALL.
+
+    Raises:
+        LocalProtocolError: A field is out of range or does not fit the kind (a method,
+            flags or deadline on anything but CALL; a call id where none belongs, or none
+            where one is needed).
+    """
+    kind = header.kind
+    if kind is MessageKind.CALL:
+        _check_int("call_id", header.call_id, _U64_MAX)
+        _check_int("flags", header.flags, _U16_MAX)
+        _check_int("timeout_ms", header.timeout_ms, _U32_MAX)
+        flags = header.flags & ~_TRACE & ~_RELEASES & ~_METADATA
+        if bool(header.flags & _TRACE) != bool(header.trace):
+            raise LocalProtocolError("the TRACE flag is set exactly when a trace is given")
+        if bool(header.flags & _RELEASES) != bool(header.releases):
+            raise LocalProtocolError("the RELEASES flag is set exactly when leases are given")
+        if bool(header.flags & _METADATA) != bool(header.metadata):
+            raise LocalProtocolError("the METADATA flag is set exactly when metadata is given")
+        return pack_call_header(
+            header.call_id, header.method, flags, header.timeout_ms, header.trace,
+            header.releases, encode_block(header.metadata),
+        )  # fmt: skip
+    if header.metadata and header.flags == _METADATA:
+        return pack_metadata_reply_header(kind, header.call_id, encode_block(header.metadata))
+    if header.method:
+        raise LocalProtocolError(f"{kind!r} carries no method name")
+    if header.flags:
+        raise LocalProtocolError(f"{kind!r} carries no flags")
+    if header.timeout_ms:
+        raise LocalProtocolError(f"{kind!r} carries no timeout")
+    if header.trace:
+        raise LocalProtocolError(f"{kind!r} carries no trace context")
+    if header.releases:
+        raise LocalProtocolError(f"{kind!r} carries no lease ids")
+    return pack_reply_header(kind, header.call_id)
 
 
 # -- header unpacking ----------------------------------------------------------------------
@@ -527,6 +617,11 @@ def unpack_header(frame: Buffer) -> Header:
         raise _prefix_error(magic, version, kind_value, reserved)
     if kind is MessageKind.CALL:
         return _call_header(view, size, flags, call_id, timeout_ms)
+    if flags == _METADATA and kind_value in _METADATA_REPLIES and call_id and not timeout_ms:
+        metadata, end = decode_block(view, HEADER_SIZE, size)
+        if end != size:
+            raise RemoteProtocolError(f"{kind.name} header has bytes after its metadata")
+        return _make_header(kind, call_id, Flags.METADATA, 0, "", metadata=metadata)
     if (
         size != HEADER_SIZE
         or flags
@@ -559,7 +654,10 @@ def _reply_fields_error(
             f"{kind.name} header is {size} bytes; only CALL carries a method name"
         )
     if flags:
-        return RemoteProtocolError(f"{kind.name} header has flags 0x{flags:x}; only CALL may")
+        return RemoteProtocolError(
+            f"{kind.name} header has flags 0x{flags:x}; only CALL may (RESULT and "
+            "STREAM_END: METADATA alone)"
+        )
     if timeout_ms:
         return RemoteProtocolError(f"{kind.name} header has a timeout; only CALL may")
     if call_id:
@@ -586,6 +684,17 @@ def _call_header(view: memoryview, size: int, flags: int, call_id: int, timeout_
     if flags & _RELEASES:
         releases = _call_releases(view, size)
         start += 1 + 8 * len(releases)
+    metadata = _NO_METADATA
+    if flags & _METADATA:
+        metadata, start = decode_block(view, start, size)
+    return _make_header(
+        MessageKind.CALL, call_id, _FLAGS_BY_VALUE[flags], timeout_ms,
+        _method_name(view, start, size), trace, releases, metadata,
+    )  # fmt: skip
+
+
+def _method_name(view: memoryview, start: int, size: int) -> str:
+    """The method name of a CALL header, from ``start`` to ``size``."""
     length = size - start
     if length <= 0:
         raise RemoteProtocolError("CALL without a method name")
@@ -602,9 +711,7 @@ def _call_header(view: memoryview, size: int, flags: int, call_id: int, timeout_
             raise RemoteProtocolError(f"method name {raw!r} is not valid UTF-8") from exc
         if len(_method_name_cache) < _CACHE_LIMIT:
             _method_name_cache[raw] = name
-    return _make_header(
-        MessageKind.CALL, call_id, _FLAGS_BY_VALUE[flags], timeout_ms, name, trace, releases
-    )
+    return name
 
 
 def _call_releases(view: memoryview, size: int) -> tuple[int, ...]:

@@ -52,6 +52,7 @@ from tensorrpc._exceptions import (
     TransportError,
 )
 from tensorrpc._hostinfo import host_id as _host_id
+from tensorrpc._interceptors import check_interceptors
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
@@ -102,6 +103,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskStatus
     from typing_extensions import Buffer
 
+    from tensorrpc._interceptors import ServerInterceptor
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
     from tensorrpc._service import MethodSpec, ServiceSpec
@@ -181,6 +183,9 @@ class ServerConfig:
     #: docs/observability.md); ``tensorrpc.metrics.exporter(port)`` exports Prometheus
     #: metrics over HTTP.
     observer: Observer | Sequence[Observer] | None = None
+    #: Async interceptors around every call's handler, the first outermost (see
+    #: docs/interceptors.md): ``async def icpt(context, proceed)``.
+    interceptors: Sequence[ServerInterceptor] = ()
 
     def __post_init__(self) -> None:
         if (self.bind is None) == (not self.connect):
@@ -219,6 +224,7 @@ class ServerOptions(TypedDict, total=False):
     max_strangers: int
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
+    interceptors: Sequence[ServerInterceptor]
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
@@ -457,6 +463,7 @@ class Server:
             grace_period=cfg.grace_period,
             flush=self._flush,
             send_reply=self._send_reply,
+            interceptors=check_interceptors(cfg.interceptors, "engine"),
         )
         self._started = False
         self._closed = False
@@ -815,7 +822,7 @@ class Server:
         if isinstance(event, BuiltinCall):
             self._answer_statistics(event)
         elif isinstance(event, Released):
-            self._policy.release(event.leases, event.session)
+            self._policy.memory.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
             self._negotiate_shm(event.session, event.welcome, event.frame)
             logger.info(
@@ -823,8 +830,8 @@ class Server:
             )
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
-            shm = event.shm
-            self._policy.peer_gone(event.session, shm.pid if shm is not None else 0)
+            policy = self._policy
+            policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
             log = logger.warning if event.warn else logger.info
             if event.why.startswith("refused") and not self._said.first(
                 (event.session.name, event.why)
@@ -849,7 +856,7 @@ class Server:
     def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
         # torch_shm only with the process the kernel says is at the other end of the
         # connection the WELCOME came on (docs/security.md); its claims are hints.
-        pid, send, receive = self._policy.attest(
+        pid, send, receive = self._policy.peers.attest(
             session,
             peer_credentials(frame),
             offers=welcome.transports,
@@ -874,7 +881,7 @@ class Server:
             self._flush()
             if now >= next_sweep:
                 next_sweep = now + interval
-                self._policy.sweep()
+                self._policy.memory.sweep()
                 for sock in self._sockets:
                     sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._pending.prune()

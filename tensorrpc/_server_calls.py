@@ -14,11 +14,12 @@ from collections import deque
 from typing import TYPE_CHECKING, Final, Protocol
 
 from tensorrpc._exceptions import ErrorCode
+from tensorrpc._metadata import EMPTY
 from tensorrpc._protocol import Flags
 from tensorrpc._statistics import MethodStatistics
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -95,11 +96,13 @@ class ServerCall:
         "fn",
         "keep",
         "key",
+        "metadata",
         "observed",
         "outcome",
         "parked",
         "payload",
         "received",
+        "reply_metadata",
         "result",
         "results",
         "scope",
@@ -122,6 +125,7 @@ class ServerCall:
         buffers: Sequence[Buffer],
         results: int,
         trace: bytes = b"",
+        metadata: Mapping[str, str] = EMPTY,
     ) -> None:
         self.session = session
         self.key = session.key
@@ -146,6 +150,11 @@ class ServerCall:
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
         self.trace = trace
+        #: The request metadata the CALL carried (``Flags.METADATA``; read-only).
+        self.metadata = metadata
+        #: The response metadata its RESULT or STREAM_END carries (None: none; checked
+        #: against the bounds as it is set: `tensorrpc._metadata.merge_metadata`).
+        self.reply_metadata: dict[str, str] | None = None
         #: When it was accepted and its handler started (0: not yet), on the shell's clock.
         self.received = 0.0
         self.started = 0.0
@@ -264,7 +273,7 @@ class CallQueue:
         deadline = now + timeout_ms / 1000 if timeout_ms else _INF
         call = self._call_factory(
             session, header.call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS,
-            header.trace,
+            header.trace, header.metadata,
         )  # fmt: skip
         call.received = now
         call.stats = stats = self.methods[method]

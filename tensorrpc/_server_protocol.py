@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Final
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
 from tensorrpc._machine import Machine, Transition, release_frames
+from tensorrpc._metadata import encode_block
 from tensorrpc._protocol import (
     HEADER_SIZE,
     MAGIC,
@@ -73,6 +74,7 @@ from tensorrpc._protocol import (
     decode_control,
     encode_control,
     encode_error,
+    pack_metadata_reply_header,
     pack_reply_header,
     split_frames,
 )
@@ -977,8 +979,12 @@ class ServerProtocol(Machine[Hashable, Event]):
     ) -> list[Buffer]:
         if call.keep is not None:
             self._replied(call)
-        frames: list[Buffer] = [pack_reply_header(kind, call.call_id), payload, *buffers]
-        size = HEADER_SIZE + memoryview(payload).nbytes
+        if call.reply_metadata and kind is _RESULT:
+            head = pack_metadata_reply_header(kind, call.call_id, encode_block(call.reply_metadata))
+        else:
+            head = pack_reply_header(kind, call.call_id)
+        frames: list[Buffer] = [head, payload, *buffers]
+        size = len(head) + memoryview(payload).nbytes
         for buffer in buffers:
             size += memoryview(buffer).nbytes
         call.session.bytes_out += size
@@ -995,7 +1001,13 @@ class ServerProtocol(Machine[Hashable, Event]):
             return False
         if call.keep is not None:
             self._replied(call)
-        self._send(call.key, encode_control(_STREAM_END, None, call.call_id))
+        if call.reply_metadata:
+            block = encode_block(call.reply_metadata)
+            self._send(
+                call.key, [pack_metadata_reply_header(_STREAM_END, call.call_id, block), b""]
+            )
+        else:
+            self._send(call.key, encode_control(_STREAM_END, None, call.call_id))
         return True
 
     def error_reply(

@@ -7,7 +7,9 @@ the statistics classes are frozen snapshots. Nothing here touches a socket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -23,6 +25,8 @@ from typing import (
 import anyio
 
 from tensorrpc import _observe
+from tensorrpc._interceptors import ClientCall
+from tensorrpc._metadata import EMPTY, check_metadata, encode_block
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
@@ -56,6 +60,15 @@ _TRANSPORTS: frozenset[str] = TRANSPORTS
 _NO_TRANSPORT_STATISTICS = TransportStatistics()
 
 
+class Keep(enum.Enum):
+    """The default of `CallView.with_options`: keep the view's value of that option."""
+
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP
+
+
 @dataclass(frozen=True, slots=True)
 class CallOptions:
     """Per-call options; set through `Client.stub` or `Client.with_options`.
@@ -82,6 +95,9 @@ class CallOptions:
             never come. ``True`` waits even without a timeout; ``False`` never waits
             (gRPC's default). A call that gives up raises
             `tensorrpc.EngineNotFoundError` saying why there was no engine.
+        metadata: Request metadata sent with each call (key → value; keys lowercase
+            ``[a-z0-9._-]``, values ``str`` without control characters, bounded: see
+            docs/context.md). Checked here: `tensorrpc.MetadataError`.
     """
 
     engine: str | None = None
@@ -89,8 +105,15 @@ class CallOptions:
     wait: bool = True
     transport: Transport = "auto"
     wait_for_ready: bool | None = None
+    metadata: Mapping[str, str] | None = field(default=None, hash=False)
+    # The metadata's header block, encoded once here (b"": none).
+    _block: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.metadata is not None:
+            checked = check_metadata(self.metadata, "request metadata")
+            object.__setattr__(self, "metadata", MappingProxyType(checked))
+            object.__setattr__(self, "_block", encode_block(checked))
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout!r}")
         if self.transport not in _TRANSPORTS:
@@ -178,13 +201,19 @@ class CallView(Generic[S]):
     def with_options(
         self,
         *,
-        engine: str | None = None,
-        timeout: float | None = None,
-        wait: bool = True,
-        transport: Transport = "auto",
-        wait_for_ready: bool | None = None,
+        engine: str | Keep | None = KEEP,
+        timeout: float | Keep | None = KEEP,
+        wait: bool | Keep = KEEP,
+        transport: Transport | Keep = KEEP,
+        wait_for_ready: bool | Keep | None = KEEP,
+        metadata: Mapping[str, str] | Keep | None = KEEP,
     ) -> CallView[S]:
         """A view on the same client whose calls use these options.
+
+        An option not given keeps this view's value, so views chain:
+        ``client.with_options(timeout=5).with_options(engine="e1")`` has both; pass
+        ``None`` to clear one (``timeout=None``: no deadline). The client itself is the
+        view with the defaults of `CallOptions`.
 
         Args:
             engine: Target engine id, or ``None`` to balance.
@@ -194,18 +223,24 @@ class CallView(Generic[S]):
                 `CallOptions`).
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
             The new view.
+
+        Raises:
+            MetadataError: ``metadata`` breaks a rule or a bound.
         """
-        options = CallOptions(
-            engine=engine,
-            timeout=timeout,
-            wait=wait,
-            transport=transport,
-            wait_for_ready=wait_for_ready,
-        )
-        return CallView(self._client, options)
+        given = {
+            "engine": engine,
+            "timeout": timeout,
+            "wait": wait,
+            "transport": transport,
+            "wait_for_ready": wait_for_ready,
+            "metadata": metadata,
+        }
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v is not KEEP}
+        return CallView(self._client, replace(self._options, **changes))
 
     def stub(self) -> Stub[S]:
         """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
@@ -282,6 +317,64 @@ class CallView(Generic[S]):
         """
         spec = self._client._method(method, streaming=False)
         return await self._client._call(spec, args, kwargs, self._options)
+
+    @overload
+    async def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[R, Mapping[str, str]]: ...
+
+    @overload
+    async def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], AsyncIterator[Any]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> NoReturn: ...
+
+    @overload
+    async def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], R],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[R, Mapping[str, str]]: ...
+
+    async def call_with_metadata(
+        self,
+        method: Callable[..., Any],
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """`call`, also returning the response metadata the engine sent with the result.
+
+        ``value, metadata = await client.call_with_metadata(Greeter.hello, "ada")``; the
+        metadata is empty when the engine sent none (docs/context.md).
+
+        Args:
+            method: The method, taken from the service class.
+            *args: Positional arguments.
+            **kwargs: Keyword arguments.
+
+        Returns:
+            ``(result, response metadata)``.
+
+        Raises:
+            TypeError: ``method`` is not a unary method of this client's service.
+            MetadataError: A client interceptor added metadata that breaks a rule.
+            CallError: As `call` (and every other error `call` raises).
+        """
+        client = self._client
+        spec = client._method(method, streaming=False)
+        details = ClientCall(spec, client._spec.name, self._options)
+        result = await client._call(spec, args, kwargs, self._options, None, details)
+        return result, details.response_metadata
 
     def stream(
         self,
@@ -457,6 +550,8 @@ class CallStream(Generic[T]):
             None if encoded is not None else spec.encode_args(args, dict(kwargs))
         )
         self._call: Call | None = None
+        # With client interceptors: the items they returned (None: read the call's).
+        self._items: AsyncIterator[Any] | None = None
         self._deadline: float | None = None
         self._finished = False
         # Kept by the finalizer without the client, so that GC never touches the socket.
@@ -467,6 +562,15 @@ class CallStream(Generic[T]):
         """The id of the engine serving this stream (``None`` until the first item)."""
         return None if self._call is None else self._call.engine.engine_id
 
+    @property
+    def response_metadata(self) -> Mapping[str, str]:
+        """The response metadata the engine sent with the stream's end (empty until the
+        stream ended, or when it sent none)."""
+        call = self._call
+        if call is None or call.reply_metadata is None:
+            return EMPTY
+        return call.reply_metadata
+
     def __aiter__(self) -> Self:
         return self
 
@@ -475,16 +579,21 @@ class CallStream(Generic[T]):
             raise StopAsyncIteration
         client = self._client
         try:
-            if self._call is None:
+            if self._call is None and self._items is None:
                 wire, self._wire = self._wire, None
                 encoded, self._encoded = self._encoded, None
                 if wire is None and encoded is None:
                     raise StopAsyncIteration
                 if self._options.timeout is not None:
                     self._deadline = anyio.current_time() + self._options.timeout
-                self._call = await client._start_stream(
-                    self._spec, wire, self._options, self._deadline, encoded
-                )
+                args = (self._spec, wire, self._options, self._deadline, encoded)
+                if client._open_stream is None:
+                    self._call = await client._start_stream(*args)
+                else:  # through the client's interceptors
+                    self._call, self._items = await client._open_stream(*args)
+            if self._items is not None:
+                return cast("T", await self._items.__anext__())
+            assert self._call is not None
             return cast("T", await client._next_item(self._call, self._deadline))
         except StopAsyncIteration:
             self._finished = True
@@ -505,6 +614,10 @@ class CallStream(Generic[T]):
         if self._call is not None:
             self._client._abandon(self._call)
             _observe.stream_finished(self._call, None)  # observe: closed by the consumer
+        items, self._items = self._items, None
+        aclose = getattr(items, "aclose", None)
+        if aclose is not None:  # the interceptors' iterators run their finally blocks
+            await aclose()
 
     async def __aenter__(self) -> Self:
         return self

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from tensorrpc._context import CallContext
+
 __all__ = [
     "BatchContext",
     "BatchItem",
@@ -50,13 +52,17 @@ class BatchItem:
         state: The handler's own slot for this item (continuous batching: kept from
             step to step; ``None`` at the item's first step).
         steps: Outputs this item produced before this step (0 at its first step).
+        context: The item's call ([`CallContext`][tensorrpc.CallContext]: its caller,
+            metadata, deadline; set its response metadata here); None outside an engine
+            (a batch built by hand).
     """
 
-    __slots__ = ("state", "steps")
+    __slots__ = ("context", "state", "steps")
 
-    def __init__(self) -> None:
+    def __init__(self, context: CallContext | None = None) -> None:
         self.state: Any = None
         self.steps = 0
+        self.context = context
 
     @property
     def first(self) -> bool:

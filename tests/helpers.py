@@ -60,11 +60,6 @@ CLIENT_ADDRESS = "tcp://client:5555"  # the client's address, to an engine diall
 DEFAULT_HEARTBEAT = Heartbeat(1.0, 5.0)
 
 
-class NoShm:  # the client shell's torch_shm answer: never usable
-    def shm_offer(self, peer: bytes, hello: Hello, frame: Any) -> None:
-        return None
-
-
 @service
 class Pair:
     """The service both ends speak (handlers never run here)."""
@@ -230,7 +225,7 @@ class ProtocolPair:
             "signatures": signatures, **client,
         })  # fmt: skip
         epochs = itertools.count(1)
-        self.client = ClientProtocol(config, NoShm(), epochs=lambda: next(epochs))
+        self.client = ClientProtocol(config, epochs=lambda: next(epochs))
         self.to_client: collections.deque[Wire] = collections.deque()  # engine -> client
         self.client_sent: list[Wire] = []  # everything the client sent
         self.events: list[Any] = []  # the client's events
@@ -355,7 +350,7 @@ class ProtocolPair:
 
     def call(
         self, method: str = "add", *args: Any, engine: str | None = None, timeout_ms: int = 0,
-        no_wait: bool = False, lease: int | None = None, **kwargs: Any,
+        no_wait: bool = False, lease: int | None = None, metadata: bytes = b"", **kwargs: Any,
     ) -> Call:  # fmt: skip
         """Start a call as `tensorrpc.Client` does and put its CALL on the wire."""
         spec = SPEC.methods[method]
@@ -366,6 +361,7 @@ class ProtocolPair:
         call, frames = self.client.start_call(
             target, spec, None, stream=spec.streaming, now=self.now, payload=encoded.payload,
             buffers=encoded.buffers, flags=flags, timeout_ms=timeout_ms, lease=lease,
+            metadata=metadata,
         )  # fmt: skip
         self._collect_client()  # what the protocol queued goes first
         self._route(frames[0], frames[1:])

@@ -12,6 +12,10 @@ process is still alive, so a reused pid can never stand in for it.
 `alias_gate` decides whether torch's own shared files (``share_memory_()``, both
 sharing strategies), which cannot be sealed, may be mapped between us and the peer (see
 docs/security.md, "The unsealed-alias gate").
+
+The shells gather these facts for a handshake message (`PeerFacts`: reading the kernel
+and ``/proc`` is I/O) and hand them to the protocol machines as data; `shm_terms`, pure,
+decides from them and the message what torch_shm may do with that peer (`ShmTerms`).
 """
 
 from __future__ import annotations
@@ -20,10 +24,29 @@ import contextlib
 import os
 import select
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
-__all__ = ["ALIAS_SETTINGS", "AliasSetting", "KernelPeer", "alias_gate", "parse_peer_address"]
+from tensorrpc.transports._shm_handle import TRANSPORT_NAME
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = [
+    "ALIAS_SETTINGS",
+    "UNSEALED_OFFER",
+    "AliasSetting",
+    "KernelPeer",
+    "PeerFacts",
+    "ShmTerms",
+    "alias_gate",
+    "parse_peer_address",
+    "shm_terms",
+]
+
+#: In a HELLO's or WELCOME's ``transports``: "I map torch's unsealed shared files from
+#: you when my gate holds for you" (``shm_alias_unsealed="same-user"``). A hint only: the
+#: receiver checks its own gate.
+UNSEALED_OFFER: Final = "torch_shm_unsealed"
 #: ``shm_alias_unsealed`` values.
 AliasSetting = Literal["same-user", "never"]
 #: The accepted values of `AliasSetting`.
@@ -187,3 +210,89 @@ def alias_gate(peer: KernelPeer) -> tuple[bool, bool]:
     if not peer.alive():  # what we read may be another process's, under a reused pid
         return (False, False)
     return (our_caps & ~their_caps == 0, their_caps & ~our_caps == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFacts:
+    """What our side knows of the sender of one handshake message, gathered by the shell
+    (`tensorrpc.transports._policy.TransportPolicy.facts`) and handed to a protocol
+    machine as data.
+
+    Nothing in it comes from the message: the kernel's credentials of the connection it
+    came on, and what ``/proc`` says of that process and of us.
+    """
+
+    #: The process the kernel says sent the message, pinned by a pidfd; None when the
+    #: kernel cannot say (tcp, loopback included).
+    kernel: KernelPeer | None
+    #: Our pid (a message from ourselves never gets torch_shm).
+    our_pid: int
+    #: `alias_gate` for ``kernel``: (we map its torch files, it may map ours); both
+    #: False with ``shm_alias_unsealed="never"``.
+    unsealed: tuple[bool, bool] = (False, False)
+    #: The peer can open our descriptors through ``/proc``: our uid, or root.
+    opens_ours: bool = False
+    #: False: no torch_shm with this sender whatever it says (it is ourselves, or
+    #: torch_shm is off here).
+    usable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ShmTerms:
+    """torch_shm with one peer, as `shm_terms` decided at its handshake."""
+
+    #: Whom the peer's handles resolve against: the kernel's process, pinned; or (trusted
+    #: unattested, ``pidfd`` -1) the pid the peer claimed.
+    kernel: KernelPeer
+    #: We send it tensors by handle (it can open our descriptors).
+    send: bool
+    #: We map torch's unsealed shared files it sends (our gate holds for it).
+    unsealed_in: bool
+    #: It may map ours (its gate holds, and it offered to).
+    unsealed_out: bool
+
+    @property
+    def pid(self) -> int:
+        """The peer's pid, as the kernel says (or, trusted, as it claims)."""
+        return self.kernel.pid
+
+
+def shm_terms(
+    facts: PeerFacts | None,
+    offers: Sequence[str],
+    claimed_pid: int,
+    same_host: bool,
+    *,
+    trust_unattested: bool,
+) -> ShmTerms | None:
+    """Decide torch_shm with the sender of a handshake message (HELLO or WELCOME); pure.
+
+    Args:
+        facts: What the shell gathered about the message's connection; None (not
+            gathered) or not ``usable``: torch_shm is off with it.
+        offers: The transports the message lists (a hint: it only ever turns things off).
+        claimed_pid: The pid the message claims; used only with ``trust_unattested``, for
+            a peer the kernel cannot attest.
+        same_host: The message's host id equals ours (also only for that case).
+        trust_unattested: ``shm_trust_unattested`` (docs/security.md).
+
+    Returns:
+        None when torch_shm is off with this peer. A peer the kernel attested is taken
+        for what the kernel says, whatever it claims.
+    """
+    if facts is None or not facts.usable or TRANSPORT_NAME not in offers:
+        return None
+    kernel = facts.kernel
+    if kernel is None:
+        if not trust_unattested or not same_host or claimed_pid <= 0:
+            return None
+        kernel = KernelPeer(claimed_pid, -1, -1, "")
+    if kernel.pid == facts.our_pid:
+        return None
+    we_map, they_map = facts.unsealed if kernel.attested else (False, False)
+    return ShmTerms(
+        kernel,
+        send=not kernel.attested or facts.opens_ours,
+        unsealed_in=we_map,
+        unsealed_out=they_map and UNSEALED_OFFER in offers,
+    )

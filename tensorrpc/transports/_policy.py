@@ -14,35 +14,27 @@ go:
   should have taken but could not (pool full, unsupported layout) counts as a fallback;
   a large tensor to a peer on another host is not a fallback, frames are the plan there.
 
-Whether the peer "can take it" is decided at the handshake from what the *kernel* says
-about the connection, never from what a message claims (docs/security.md): the shell
-passes the `KernelPeer` of the handshake message (``ipc://``: the connection's
-credentials, pinned by a pidfd) to `TransportPolicy.attest`. Only an attested peer gets
-tensors by handle or a resolver, and a message's handles are resolved only when the
-message came on the attested connection (its ``Peer-Address``); any other handle is
-refused without a word about files or descriptors. Over tcp (loopback too) the kernel
-attests nothing: torch_shm is off unless ``trust_unattested`` is set here (and on the
-peer), which takes the peer's claimed pid on trust.
+Whether the peer "can take it" was decided at its handshake from what the *kernel* says
+about the connection (``policy.peers``, `tensorrpc.transports._links.PeerLinks`;
+docs/security.md); what becomes of leases and mappings afterwards is ``policy.memory``
+(`tensorrpc.transports._shm_memory.ShmMemory`). The policy itself only chooses.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal
 
 from tensorrpc._exceptions import TensorTransportError
-from tensorrpc._lazy import LazyModule
-from tensorrpc.transports._peer import ALIAS_SETTINGS, AliasSetting, KernelPeer, alias_gate
+from tensorrpc.transports._links import PeerLinks
+from tensorrpc.transports._peer import ALIAS_SETTINGS, UNSEALED_OFFER, AliasSetting
+from tensorrpc.transports._shm_memory import ShmMemory
 from tensorrpc.transports.torch_shm import (
     TRANSPORT_NAME,
     ShmPlacer,
-    ShmResolver,
     TorchShmStatistics,
     TorchShmTransport,
-    _unpack,
 )
 
 if TYPE_CHECKING:
@@ -51,16 +43,10 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
-    from tensorrpc.transports._shm_holds import Holds
-else:
-    torch = LazyModule("torch", globals())
-
 __all__ = [
     "DEFAULT_SHM_THRESHOLD",
     "TRANSPORTS",
     "UNSEALED_OFFER",
-    "LazyResolver",
-    "LeaseCollector",
     "PolicyPlacer",
     "TransportCounters",
     "TransportName",
@@ -77,28 +63,6 @@ TRANSPORTS: Final = frozenset({"auto", "frames", "torch_shm"})
 #: ``auto`` sends CPU tensors of at least this many bytes by torch_shm (see
 #: docs/transports.md for the measurement behind it).
 DEFAULT_SHM_THRESHOLD: Final = 64 << 10
-#: Most peers with a torch_shm handshake state (the oldest is forgotten beyond it).
-MAX_LINKS: Final = 4096
-#: ``(pid, we send handles, we resolve handles)`` for a peer that may not use torch_shm.
-NO_SHM: Final = (0, False, False)
-#: In a HELLO's or WELCOME's ``transports``: "I map torch's unsealed shared files from
-#: you when my gate holds for you" (``shm_alias_unsealed="same-user"``). A hint only: the
-#: receiver checks its own gate.
-UNSEALED_OFFER: Final = "torch_shm_unsealed"
-
-
-class _Link:
-    """torch_shm with one attested peer: who the kernel says it is, what we map of it."""
-
-    __slots__ = ("kernel", "unsealed")
-
-    def __init__(self, kernel: KernelPeer, unsealed: bool) -> None:
-        self.kernel = kernel
-        self.unsealed = unsealed
-
-
-def _no_address(_frame: object) -> str:
-    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,65 +177,6 @@ class PolicyPlacer:
             self._shm.abort()
 
 
-class LazyResolver:
-    """The codec's resolver for one message: the torch_shm resolver is made on the
-    first handle, so a message without one costs the transport nothing.
-
-    Made by `TransportPolicy.lazy_resolver`; `inner` is the resolver once made (the
-    caller closes, releases or detaches what it resolved only then).
-    """
-
-    __slots__ = ("_frame", "_hold", "_keep", "_peer", "_policy", "inner")
-
-    def __init__(
-        self, policy: TransportPolicy, peer: Hashable, frame: object, hold: Hashable, keep: Hashable
-    ) -> None:
-        self._policy = policy
-        self._peer = peer
-        self._frame = frame
-        self._hold = hold
-        self._keep = keep
-        #: The resolver made for the first handle (None: no handle so far).
-        self.inner: ShmResolver | None = None
-
-    def resolve(
-        self, transport: str, handle: bytes, dtype: torch.dtype, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        """Resolve a handle with the message's resolver (made now if this is the first)."""
-        inner = self.inner
-        if inner is None:
-            made = self._policy.resolver(
-                self._peer, frame=self._frame, hold=self._hold, keep=self._keep
-            )
-            assert made is not None  # made only while torch_shm is on (it stays on)
-            inner = self.inner = made
-        return inner.resolve(transport, handle, dtype, shape)
-
-
-class LeaseCollector:
-    """A resolver that only reads the lease ids of torch_shm handles, attaching nothing.
-
-    For replies nobody will read (their call was cancelled or timed out): decoding them
-    with this collector tells which leases to RELEASE, so the sender need not wait for its
-    sweep. Every tensor comes back as a zero-filled stand-in.
-    """
-
-    __slots__ = ("leases",)
-
-    def __init__(self) -> None:
-        #: Lease ids seen, in order.
-        self.leases: list[int] = []
-
-    def resolve(
-        self, transport: str, handle: bytes, dtype: torch.dtype, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        """Record the handle's lease id; return a stand-in of the right dtype and shape."""
-        if transport == TRANSPORT_NAME:
-            with contextlib.suppress(TensorTransportError):  # forged: nothing to release
-                self.leases.append(_unpack(handle).lease)
-        return torch.zeros((), dtype=dtype).expand(shape)
-
-
 class TransportPolicy:
     """The tensor transports of one endpoint (client or engine).
 
@@ -302,16 +207,19 @@ class TransportPolicy:
         if alias_unsealed not in ALIAS_SETTINGS:
             raise ValueError(f"shm_alias_unsealed must be one of {sorted(ALIAS_SETTINGS)}")
         self.alias_unsealed: AliasSetting = alias_unsealed
-        self.trust_unattested = trust_unattested
-        self._message_address = message_address or _no_address
         self.shm: TorchShmTransport | None = None
         if torch_shm and TorchShmTransport.available():
             self.shm = TorchShmTransport()
         self.shm_threshold = shm_threshold
-        #: The leases our received tensors hold (``holds.ready``: some are releasable);
-        #: None without torch_shm.
-        self.holds: Holds | None = self.shm.holds if self.shm is not None else None
-        self._links: dict[Hashable, _Link] = {}
+        #: Which process each peer is (its handshake's terms) and resolvers bound to it.
+        self.peers = PeerLinks(
+            self.shm,
+            alias_unsealed=alias_unsealed,
+            trust_unattested=trust_unattested,
+            message_address=message_address,
+        )
+        #: Leases ending, peers going, sweeps: the transport's memory operations.
+        self.memory = ShmMemory(self.shm)
         self._frames = [0, 0, 0, 0]
         self._fallbacks = 0
 
@@ -324,65 +232,6 @@ class TransportPolicy:
         if self.alias_unsealed == "never":
             return ("frames", TRANSPORT_NAME)
         return ("frames", TRANSPORT_NAME, UNSEALED_OFFER)
-
-    def attest(
-        self,
-        peer: Hashable,
-        kernel: KernelPeer | None,
-        *,
-        offers: Sequence[str],
-        claimed_pid: int = 0,
-        same_host: bool = False,
-    ) -> tuple[int, bool, bool]:
-        """Decide torch_shm with ``peer`` from its handshake message (HELLO or WELCOME).
-
-        Args:
-            peer: The runtime's key for the connection.
-            kernel: What the kernel says sent the message (None: it cannot say: tcp). The
-                policy owns it from here on and closes its pidfd when the peer goes.
-            offers: The transports the peer's message lists (a hint: ``torch_shm`` or
-                the unsealed offer only ever turn things off).
-            claimed_pid: The pid the message claims; used only with ``trust_unattested``
-                for a peer the kernel cannot attest.
-            same_host: The message's host id equals ours (also only for that case).
-
-        Returns:
-            ``(pid, we send handles, we resolve handles)``: the peer's pid as the kernel
-            says (or, trusted, as it claims); `NO_SHM` when torch_shm is off with it.
-        """
-        self._drop_link(peer)
-        shm = self.shm
-        if shm is None or TRANSPORT_NAME not in offers:
-            if kernel is not None:
-                kernel.close()
-            return NO_SHM
-        if kernel is None:
-            if not self.trust_unattested or not same_host or claimed_pid <= 0:
-                return NO_SHM
-            kernel = KernelPeer(claimed_pid, -1, -1, "")
-        if kernel.pid == os.getpid():
-            kernel.close()
-            return NO_SHM
-        we_map, they_map = (
-            alias_gate(kernel) if self.alias_unsealed == "same-user" else (False, False)
-        )
-        links = self._links
-        while len(links) >= MAX_LINKS:
-            self._drop_link(next(iter(links)))  # the oldest handshake state goes first
-        if not any(link.kernel.key == kernel.key for link in links.values()):
-            # A process new to us under this pid: mappings kept for an earlier process
-            # with the same pid must not serve its handles.
-            shm.forget_peer(kernel.pid)
-        links[peer] = _Link(kernel, we_map)
-        shm.set_peer(peer, process=kernel.key, alias_unsealed=they_map and UNSEALED_OFFER in offers)
-        # We send handles only to a peer that can open our descriptors: our uid or root.
-        send = not kernel.attested or kernel.uid in (0, os.geteuid())
-        return (kernel.pid, send, True)
-
-    def _drop_link(self, peer: Hashable) -> None:
-        link = self._links.pop(peer, None)
-        if link is not None:
-            link.kernel.close()
 
     # -- per message -----------------------------------------------------------------------
 
@@ -413,84 +262,6 @@ class TransportPolicy:
         assert shm is not None  # a PolicyPlacer with a peer is made only with torch_shm
         return shm.placer(peer)
 
-    def resolver(
-        self,
-        peer: Hashable,
-        *,
-        frame: object = None,
-        hold: Hashable = None,
-        keep: Hashable = None,
-    ) -> ShmResolver | None:
-        """A resolver for handles in a message from ``peer``, resolved against the
-        process the kernel attested for it at the handshake.
-
-        ``frame`` is a frame of the message: unless the peer was trusted unattested, its
-        ``Peer-Address`` must be the attested connection's (a connection that took over
-        the peer's routing id does not inherit the attestation).
-
-        With ``hold`` (the peer's key) pool tensors are built on the peer's regions (one
-        copy in all) and their leases go back once the tensors die: RELEASE what
-        `releasable` returns. With ``keep`` (a message's key, a tuple starting with the
-        peer's key) they are built on the regions too, and `detach` must run before the
-        peer may reuse them (an engine: before its first reply to the call).
-
-        Returns:
-            None when torch_shm is off here; a resolver that refuses every handle (a
-            ``TensorTransportError`` naming no file) when the peer is not attested or
-            the message came on another connection.
-        """
-        shm = self.shm
-        if shm is None:
-            return None
-        link = self._links.get(peer)
-        if link is None:
-            return shm.refusing_resolver()
-        kernel = link.kernel
-        if kernel.attested and self._message_address(frame) != kernel.address:
-            return shm.refusing_resolver()
-        try:
-            return shm.resolver(
-                kernel.pid,
-                hold=hold,
-                keep=keep,
-                peer=kernel if kernel.attested else None,
-                unsealed=link.unsealed,
-            )
-        except TensorTransportError:
-            return shm.refusing_resolver()
-
-    def lazy_resolver(
-        self, peer: Hashable, *, frame: object = None, hold: Hashable = None, keep: Hashable = None
-    ) -> LazyResolver | None:
-        """As `resolver`, made on the message's first handle (None: torch_shm is off)."""
-        if self.shm is None:
-            return None
-        return LazyResolver(self, peer, frame, hold, keep)
-
-    def releasable(self, peer: Hashable, resolver: ShmResolver | None = None) -> tuple[int, ...]:
-        """Lease ids to RELEASE to ``peer`` now (``resolver``: a message just decoded).
-
-        The leases of the tensors of ``peer`` that died since the last call, and those of
-        ``resolver``'s message whose tensors are gone already, each once.
-        """
-        done = resolver.close() if resolver is not None else ()
-        shm = self.shm
-        more = shm.releasable(peer) if shm is not None else ()
-        return tuple(dict.fromkeys(done + more)) if more else done
-
-    def releasable_peers(self) -> list[Hashable]:
-        """Peers (``hold`` keys) with leases to RELEASE: their tensors died since."""
-        return self.shm.releasable_peers() if self.shm is not None else []
-
-    def detach(self, keep: Hashable) -> None:
-        """The peer takes back the regions of message ``keep``: copy what still uses them."""
-        shm = self.shm
-        if shm is not None:
-            try:
-                shm.detach(keep)
-            except TensorTransportError as exc:  # pragma: no cover - out of memory
-                logger.error("torch_shm: %s", exc)
-
     def sent_frames(self, buffers: Sequence[memoryview]) -> None:
         """Count the out-of-band frames of one sent message."""
         if buffers:
@@ -514,53 +285,6 @@ class TransportPolicy:
         else:
             self._fallbacks += tensors
 
-    # -- peers and housekeeping ------------------------------------------------------------
-
-    def release(self, leases: Sequence[int], peer: Hashable) -> None:
-        """The peer attached to the tensors of these leases: let their memory go."""
-        shm = self.shm
-        if shm is not None:
-            for lease in leases:
-                shm.release(lease, peer=peer)
-
-    def release_one(self, lease: int | None) -> None:
-        """Release one of our own leases (an argument lease the protocol says is done)."""
-        if lease is not None and self.shm is not None:
-            self.shm.release(lease)
-
-    def refuse_release(self, count: int) -> None:
-        """Count lease ids of a peer's RELEASE the protocol refused (``releases_refused``)."""
-        if self.shm is not None:
-            self.shm.refuse_release(count)
-
-    def peer_gone(self, peer: Hashable, pid: int = 0) -> None:
-        """The peer died or left: drop its leases and unmap its segments (``pid``: the
-        pid it had; default: the attested one)."""
-        link = self._links.get(peer)
-        if link is not None and pid <= 0:
-            pid = link.kernel.pid
-        self._drop_link(peer)
-        shm = self.shm
-        if shm is not None:
-            shm.release_peer(peer)
-            try:
-                shm.forget_holds(peer)
-            except TensorTransportError as exc:  # pragma: no cover - out of memory
-                logger.error("torch_shm: %s", exc)
-            if pid > 0:
-                shm.forget_peer(pid)
-
-    def disable_peer(self, peer: Hashable) -> None:
-        """Stop sending torch_shm handles to ``peer`` (it failed to attach to one)."""
-        if self.shm is not None:
-            self.shm.disable_peer(peer)
-
-    def sweep(self) -> None:
-        """Drop leases older than the transport's lease timeout (a backstop)."""
-        shm = self.shm
-        if shm is not None:
-            shm.sweep()
-
     def statistics(self) -> TransportStatistics:
         """A snapshot of the per-transport counters."""
         f = self._frames
@@ -580,7 +304,6 @@ class TransportPolicy:
 
     def close(self) -> None:
         """Close the torch_shm transport (received tensors stay valid). Idempotent."""
-        for peer in list(self._links):
-            self._drop_link(peer)
+        self.peers.close()
         if self.shm is not None:
             self.shm.close()

@@ -252,3 +252,19 @@ def test_a_views_stub_calls_with_the_views_options(tmp_path: Path) -> None:
     # take keywords of its own and drop the view's).
     assert view.stub()._options == options  # type: ignore[misc]
     assert client.stub()._options == CallOptions()  # type: ignore[misc]
+
+
+def test_chained_views_keep_the_options_they_do_not_set(tmp_path: Path) -> None:
+    from tensorrpc._views import CallOptions
+
+    client = Client(Calculator, bind=f"ipc://{tmp_path}/c.sock")
+    view = client.with_options(timeout=5.0, metadata={"tenant": "a"})
+    chained = view.with_options(engine="e1", wait=False)
+    assert chained.options == CallOptions(
+        engine="e1", timeout=5.0, wait=False, metadata={"tenant": "a"}
+    )
+    assert chained.options.metadata == {"tenant": "a"}
+    # None clears an option; the earlier view is unchanged.
+    assert chained.with_options(timeout=None).options.timeout is None
+    assert view.options.timeout == 5.0
+    assert view.options.engine is None

@@ -133,10 +133,11 @@ class TensorService:
     @rpc
     async def shm_state(self) -> list[int]:
         """[leases_active, pool_bytes_in_use, tensors_sent, tensors_received,
-        pool_segments, tensors_aliased] of the engine's torch_shm transport."""
+        pool_segments, tensors_aliased, tensors_received_aliased] of the engine's
+        torch_shm transport."""
         detail = SERVER.statistics().transports.torch_shm_detail
         if detail is None:
-            return [-1] * 6
+            return [-1] * 7
         return [
             detail.leases_active,
             detail.pool_bytes_in_use,
@@ -144,4 +145,5 @@ class TensorService:
             detail.tensors_received,
             detail.pool_segments,
             detail.tensors_aliased,
+            detail.tensors_received_aliased,
         ]

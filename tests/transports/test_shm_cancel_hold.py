@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any, cast
 
+import anyio
 import pytest
 import torch
 
@@ -33,6 +34,7 @@ from tensorrpc._protocol import (
     pack_reply_header,
     split_frames,
 )
+from tensorrpc._server_calls import ServerCall
 from tensorrpc._server_protocol import ShmPeer
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports._policy import TransportPolicy
@@ -273,6 +275,15 @@ class _Engine:
         return out
 
 
+def worker_done(engine: _Engine, call: ServerCall) -> None:
+    """A worker is done with ``call`` (on an event loop: the dispatcher reads its clock)."""
+
+    async def done() -> None:
+        engine.dispatcher._done(call)
+
+    anyio.run(done)
+
+
 def test_the_engine_releases_the_arguments_of_a_call_that_ends_without_a_reply(client):
     engine = _Engine(client)
     call, server_call = engine.take(torch.ones(N))
@@ -282,7 +293,7 @@ def test_the_engine_releases_the_arguments_of_a_call_that_ends_without_a_reply(c
     client.pair.flush()  # the CANCEL reaches the engine
     assert server_call.cancelled
     assert engine.releases() == []
-    engine.dispatcher._done(server_call)  # the worker is done with it
+    worker_done(engine, server_call)  # the worker is done with it
     assert engine.releases() == [(lease,)]
     assert client.shm.leased(lease)
     # Delivered to the client, it ends the kept lease.
@@ -296,11 +307,11 @@ def test_the_engine_sends_no_release_for_an_answered_call_or_an_ended_session(cl
     _call, answered = engine.take(torch.ones(N))
     assert engine.end.proto.may_reply(answered)  # its reply went: the client frees on it
     answered.cancelled = True
-    engine.dispatcher._done(answered)
+    worker_done(engine, answered)
     _call2, orphan = engine.take(torch.ones(N))
     # The client says BYE: the session ends (the client frees its leases on its side).
     engine.end.inbox.append(encode_control(MessageKind.BYE, Bye("closed")))
     client.pair.deliver_to_engine("e1")
     assert orphan.cancelled
-    engine.dispatcher._done(orphan)
+    worker_done(engine, orphan)
     assert engine.releases() == []

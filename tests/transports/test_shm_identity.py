@@ -117,27 +117,29 @@ def test_only_messages_on_the_attested_connection_get_a_resolver() -> None:
     try:
         with child() as proc:
             address = f"localhost:0:0:{proc.pid}"
-            state = policy.attest("c", pinned(proc.pid, address), offers=("frames", TRANSPORT_NAME))
+            state = policy.peers.attest(
+                "c", pinned(proc.pid, address), offers=("frames", TRANSPORT_NAME)
+            )
             assert state == (proc.pid, True, True)
-            ok = policy.resolver("c", frame=_Frame(address))
+            ok = policy.peers.resolver("c", frame=_Frame(address))
             assert ok is not None
             # Another connection under the same routing id (a handover), or no frame.
             for frame in (_Frame(f"localhost:0:0:{proc.pid + 1}"), _Frame(""), None):
-                refusing = policy.resolver("c", frame=frame)
+                refusing = policy.peers.resolver("c", frame=frame)
                 assert refusing is not None
                 with pytest.raises(TensorTransportError, match="not in use with this peer"):
                     refusing.resolve(TRANSPORT_NAME, b"x" * 64, torch.uint8, (4,))
             # A peer the kernel did not attest (tcp) is off, whatever it claims ...
-            assert policy.attest(
+            assert policy.peers.attest(
                 "t", None, offers=("frames", TRANSPORT_NAME), claimed_pid=proc.pid, same_host=True
             ) == (0, False, False)
         # ... unless this end is configured to trust unattested peers.
         trusting = TransportPolicy(trust_unattested=True)
         try:
-            assert trusting.attest(
+            assert trusting.peers.attest(
                 "t", None, offers=("frames", TRANSPORT_NAME), claimed_pid=1, same_host=True
             ) == (1, True, True)
-            assert trusting.attest(
+            assert trusting.peers.attest(
                 "u", None, offers=("frames", TRANSPORT_NAME), claimed_pid=1, same_host=False
             ) == (0, False, False)
         finally:
@@ -152,9 +154,9 @@ def test_the_pidfd_of_a_peer_is_closed_when_it_goes() -> None:
         with child() as proc:
             peer = pinned(proc.pid)
             fd = peer.pidfd
-            policy.attest("c", peer, offers=("frames", TRANSPORT_NAME))
+            policy.peers.attest("c", peer, offers=("frames", TRANSPORT_NAME))
             os.fstat(fd)  # held while the session lives
-            policy.peer_gone("c")
+            policy.memory.peer_gone("c", policy.peers.drop("c"))
             assert peer.pidfd == -1
             with pytest.raises(OSError, match="Bad file descriptor"):
                 os.fstat(fd)
@@ -179,8 +181,8 @@ def test_per_peer_caps_count_a_process_not_a_connection() -> None:
             offers = ("frames", TRANSPORT_NAME)
             # Three connections of one process, one of another.
             for conn in ("a1", "a2", "a3"):
-                policy.attest(conn, pinned(one.pid), offers=offers)
-            policy.attest("b1", pinned(other.pid), offers=offers)
+                policy.peers.attest(conn, pinned(one.pid), offers=offers)
+            policy.peers.attest("b1", pinned(other.pid), offers=offers)
             placed = []
             for conn in ("a1", "a2"):
                 placer = policy.placer("torch_shm", conn, peer_receives=True)
@@ -199,7 +201,7 @@ def test_per_peer_caps_count_a_process_not_a_connection() -> None:
             # A release by one connection makes room for its process's others.
             lease = placed[0].lease
             assert lease is not None
-            policy.release([lease], "a1")
+            policy.memory.release([lease], "a1")
             again = policy.placer("torch_shm", "a3", peer_receives=True)
             assert again is not None
             assert again.place(mib) is not None

@@ -12,9 +12,11 @@ capabilities or another uid: checked against real processes made with ``setpriv`
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from tensorrpc._client import Client
 from tensorrpc._zmq import peer_credentials
 from tensorrpc.transports._peer import KernelPeer, alias_gate
 from tensorrpc.transports.torch_shm import TorchShmTransport
-from tests.engine_proc import EngineProcess
+from tests.engine_proc import ROOT, EngineProcess
 from tests.transports._engine import TensorService
 
 pytestmark = [
@@ -160,3 +162,36 @@ def test_the_gate_fails_once_the_pinned_process_exited() -> None:
 def test_an_unattested_peer_never_passes_the_gate() -> None:
     assert alias_gate(KernelPeer(os.getppid(), -1, -1, "")) == (False, False)
     assert peer_credentials(b"not a frame") is None
+
+
+@pytest.mark.skipif(SETPRIV is None or not _caps() & (1 << 5), reason="needs setpriv and CAP_KILL")
+def test_an_engine_that_fails_the_gate_gets_share_memory_tensors_by_copy(
+    engine: EngineProcess,
+) -> None:
+    """End to end: our client runs without CAP_KILL, the engine holds it, so the engine
+    fails the client's gate (it could map our files and hurt us in ways we cannot hurt
+    it): torch's shared files go by copy through the sealed pool, never mapped."""
+    assert SETPRIV is not None
+    proc = subprocess.Popen(
+        [SETPRIV, "--bounding-set", "-kill", "--inh-caps", "-kill",
+         sys.executable, "-m", "tests.transports._gate_client", engine.address()],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    got = json.loads(out.splitlines()[-1])
+    assert got["sums"] == [3.0 * N, 3.0 * N]
+    # The engine wrote into a copy: our tensors are untouched.
+    assert got["untouched"] == [True, True]
+    # Both went by torch_shm handle (the pool), none by alias, none as frames.
+    assert (got["sent"], got["aliased"], got["fallbacks"], got["frames_sent"]) == (2, 0, 0, 0)
+    # The engine mapped none of our files: it received two tensors, neither by alias.
+    assert got["engine"][3] == 2
+    assert got["engine"][6] == 0

@@ -7,7 +7,7 @@ checks only build the objects; nothing is sent (the clients are never opened).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, assert_type
 
 import pytest
@@ -60,6 +60,14 @@ async def typed_calls(client: Client[Calc]) -> None:
     view = client.with_options(engine="e1", timeout=1.0, wait=False)
     assert_type(view, CallView[Calc])
     assert_type(await view.call(Calc.add, 1, 2), int)
+    md_view = client.with_options(metadata={"authorization": "Bearer t"})
+    assert_type(await md_view.call_with_metadata(Calc.add, 1), tuple[int, Mapping[str, str]])
+    assert_type(
+        await client.call_with_metadata(Calc.scale, torch.ones(2), 2.0),
+        tuple[torch.Tensor, Mapping[str, str]],
+    )
+    await client.call_with_metadata(Calc.add, "x")  # type: ignore[call-overload]
+    client.with_options(metadata={"k": 1}).stub()  # type: ignore[dict-item]
     assert_type(await client.broadcast("add", 1, 2), dict[str, Any])
     assert_type(client.engines["e1"], EngineInfo)
     assert_type(client.statistics(), ClientStatistics)

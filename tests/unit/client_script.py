@@ -6,8 +6,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from typing_extensions import Buffer
-
 from tensorrpc import _codec
 from tensorrpc._calls import Call
 from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
@@ -45,17 +43,7 @@ ADD: MethodSpec = SPEC.methods["add"]
 COUNT: MethodSpec = SPEC.methods["count"]
 
 
-@dataclass
-class Hooks:
-    """The shell's answers: torch_shm never usable."""
-
-    def shm_offer(
-        self, peer: bytes, hello: Hello, frame: Buffer
-    ) -> tuple[tuple[str, ...], int, bool, bool] | None:
-        return None
-
-
-def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:
+def make_protocol(**kw: Any) -> ClientProtocol:
     options: dict[str, Any] = {
         "service": SPEC.name,
         "fingerprint": SPEC.fingerprint,
@@ -65,9 +53,8 @@ def make_protocol(**kw: Any) -> tuple[ClientProtocol, Hooks]:
         "max_in_flight": 8,
     }
     options.update(kw)
-    hooks = Hooks()
     epochs = iter(range(100, 10**6))
-    return ClientProtocol(ClientConfig(**options), hooks, epochs=lambda: next(epochs)), hooks
+    return ClientProtocol(ClientConfig(**options), epochs=lambda: next(epochs))
 
 
 def hello(engine_id: str = "e1", **kw: Any) -> list[bytes]:

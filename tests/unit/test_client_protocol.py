@@ -58,7 +58,7 @@ def state_of(call: Call) -> CallState:
 
 
 def test_acceptable_hello_is_welcomed_with_our_session_and_bounds() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     event = protocol.receive(b"e1/x", hello("e1", dead_after_ms=3000), 0.0)
     assert isinstance(event, EngineJoined)
     [welcome] = sent(protocol)
@@ -76,7 +76,7 @@ def test_acceptable_hello_is_welcomed_with_our_session_and_bounds() -> None:
 
 
 def test_schemaless_welcome_announces_no_fingerprint_and_admits_any_service() -> None:
-    protocol, _ = make_protocol(schemaless=True)
+    protocol = make_protocol(schemaless=True)
     event = protocol.receive(b"p", hello("e1", service="Other", fingerprint="abc"), 0.0)
     assert isinstance(event, EngineJoined)
     assert sent(protocol)[0].body.fingerprint == ""
@@ -91,7 +91,7 @@ def test_schemaless_welcome_announces_no_fingerprint_and_admits_any_service() ->
     ],
 )
 def test_mismatched_hello_is_refused_with_the_reason(kw: dict[str, object], reason: str) -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     event = protocol.receive(b"p", hello("e1", **kw), 0.0)
     assert isinstance(event, EngineRefused)
     assert event.by_client
@@ -104,7 +104,7 @@ def test_mismatched_hello_is_refused_with_the_reason(kw: dict[str, object], reas
 
 
 def test_malformed_hello_gets_a_protocol_reject() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     frames = hello("e1")
     frames[1] = b"\x81\xa1x\x01"  # a map without the required fields
     event = protocol.receive(b"p", frames, 0.0)
@@ -116,7 +116,7 @@ def test_malformed_hello_gets_a_protocol_reject() -> None:
 
 
 def test_repeated_hello_of_the_same_session_is_harmless() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", epoch=7)
     call = start(protocol, engine)
     assert protocol.receive(b"p", hello("e1", epoch=7), 1.0) is None
@@ -128,7 +128,7 @@ def test_repeated_hello_of_the_same_session_is_harmless() -> None:
 
 
 def test_new_epoch_from_a_known_engine_fails_its_calls_at_once() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", epoch=7)
     calls = [start(protocol, engine) for _ in range(3)]
     event = protocol.receive(b"p", hello("e1", epoch=8), 1.0)
@@ -147,7 +147,7 @@ def test_new_epoch_from_a_known_engine_fails_its_calls_at_once() -> None:
 
 
 def test_the_epoch_alone_tells_a_new_session_of_the_same_process() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", epoch=5, pid=10)
     call = start(protocol, engine)
     assert protocol.receive(b"p", hello("e1", epoch=5, pid=10), 1.0) is None
@@ -158,7 +158,7 @@ def test_the_epoch_alone_tells_a_new_session_of_the_same_process() -> None:
 
 
 def test_impostor_with_a_live_id_is_refused_and_steals_nothing() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"e1/real")
     call = start(protocol, engine)
     check = protocol.receive(b"e1/fake", hello("e1", epoch=99), 1.0)
@@ -181,7 +181,7 @@ def test_impostor_with_a_live_id_is_refused_and_steals_nothing() -> None:
 
 
 def test_restarted_engine_replaces_a_session_whose_peer_is_gone() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"e1/old")
     call = start(protocol, engine)
     check = protocol.receive(b"e1/new", hello("e1", epoch=9), 1.0)
@@ -197,7 +197,7 @@ def test_restarted_engine_replaces_a_session_whose_peer_is_gone() -> None:
 
 
 def test_strangers_cost_constant_memory() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     for i in range(5000):
         protocol.receive(f"p{i}".encode(), hello(f"{i}-" + "x" * 1000, fingerprint="bad"), 0.0)
         protocol.frames_to_send()
@@ -210,7 +210,7 @@ def test_strangers_cost_constant_memory() -> None:
 
 
 def test_reject_from_an_engine_ends_its_session_and_is_remembered() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine)
     event = protocol.receive(b"p", reject("fingerprint"), 1.0)
@@ -226,7 +226,7 @@ def test_reject_from_an_engine_ends_its_session_and_is_remembered() -> None:
 
 
 def test_unary_reply_is_delivered_once_and_late_or_foreign_replies_dropped() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     e1 = join(protocol, "e1", b"p1")
     join(protocol, "e2", b"p2")
     call = start(protocol, e1)
@@ -243,7 +243,7 @@ def test_unary_reply_is_delivered_once_and_late_or_foreign_replies_dropped() -> 
 
 
 def test_error_reply_ends_a_unary_call_and_counts_as_an_error() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine)
     assert protocol.receive(b"p", error(call.call_id), 0.1) is call
@@ -253,7 +253,7 @@ def test_error_reply_ends_a_unary_call_and_counts_as_an_error() -> None:
 
 @pytest.mark.parametrize("kind", [K.STREAM_ITEM, K.STREAM_END])
 def test_stream_message_for_a_unary_call_fails_it_and_cancels(kind: MessageKind) -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine)
     frames = result(call.call_id, 1, kind) if kind is K.STREAM_ITEM else end(call.call_id)
@@ -266,7 +266,7 @@ def test_stream_message_for_a_unary_call_fails_it_and_cancels(kind: MessageKind)
 
 
 def test_result_for_a_stream_is_a_violation() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine, stream=True)
     event = protocol.receive(b"p", result(call.call_id, 1), 0.1)
@@ -276,7 +276,7 @@ def test_result_for_a_stream_is_a_violation() -> None:
 
 
 def test_stream_credit_flows_back_in_half_windows_and_end_closes() -> None:
-    protocol, _ = make_protocol(stream_window=4)
+    protocol = make_protocol(stream_window=4)
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine, stream=True)
     for i in range(4):
@@ -297,7 +297,7 @@ def test_stream_credit_flows_back_in_half_windows_and_end_closes() -> None:
 
 
 def test_stream_item_beyond_window_and_credit_fails_the_stream() -> None:
-    protocol, _ = make_protocol(stream_window=2)
+    protocol = make_protocol(stream_window=2)
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine, stream=True)
     for i in range(2):
@@ -310,7 +310,7 @@ def test_stream_item_beyond_window_and_credit_fails_the_stream() -> None:
 
 
 def test_cancel_sends_one_cancel_and_then_nothing() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine, stream=True)
     assert protocol.cancel(call, 0.1)
@@ -322,7 +322,7 @@ def test_cancel_sends_one_cancel_and_then_nothing() -> None:
 
 
 def test_error_with_call_id_zero_is_reported() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     join(protocol, "e1", b"p")
     event = protocol.receive(b"p", error(0, 11, "bad header"), 0.1)
     assert isinstance(event, Ignored)
@@ -330,7 +330,7 @@ def test_error_with_call_id_zero_is_reported() -> None:
 
 
 def test_malformed_frames_are_ignored_and_the_session_stays() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     join(protocol, "e1", b"p")
     assert isinstance(protocol.receive(b"p", [b"junk"], 0.1), Ignored)
     assert "e1" in protocol.engines.engines
@@ -341,20 +341,20 @@ def test_malformed_frames_are_ignored_and_the_session_stays() -> None:
 
 @pytest.mark.parametrize("nonce", [0, 1, 2**64 - 1])
 def test_every_ping_gets_a_pong_echoing_its_nonce(nonce: int) -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     join(protocol, "e1", b"p")
     protocol.receive(b"p", control(K.PING, None, nonce), 0.1)
     assert [(s.kind, s.call_id) for s in sent(protocol)] == [(K.PONG, nonce)]
 
 
 def test_pings_from_strangers_are_not_answered() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     protocol.receive(b"who", control(K.PING, None, 5), 0.1)
     assert kinds(protocol) == []
 
 
 def test_any_message_counts_as_life_and_silence_kills() -> None:
-    protocol, _ = make_protocol()  # dead_after 5 s
+    protocol = make_protocol()  # dead_after 5 s
     engine = join(protocol, "e1", b"p", dead_after_ms=3_600_000)
     call = start(protocol, engine)
     for t in (2.0, 4.0, 6.0, 8.0):
@@ -368,7 +368,7 @@ def test_any_message_counts_as_life_and_silence_kills() -> None:
 
 
 def test_we_ping_often_enough_for_the_engines_bound() -> None:
-    protocol, _ = make_protocol()  # our own interval: 1 s
+    protocol = make_protocol()  # our own interval: 1 s
     join(protocol, "fast", b"f", dead_after_ms=300)
     join(protocol, "slow", b"s", dead_after_ms=3_600_000)
     pings: dict[bytes, int] = {b"f": 0, b"s": 0}
@@ -386,7 +386,7 @@ def test_we_ping_often_enough_for_the_engines_bound() -> None:
 
 
 def test_a_stalled_client_ends_calls_of_engines_that_forgot_it() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", dead_after_ms=2000, epoch=7)
     call = start(protocol, engine, now=0.0)
     # the loop stalls for 10 s: no ticks, no sends; then the engine's new HELLO arrives
@@ -400,7 +400,7 @@ def test_a_stalled_client_ends_calls_of_engines_that_forgot_it() -> None:
 
 
 def test_a_stalled_client_learns_it_at_the_next_tick_too() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", dead_after_ms=2000)
     call = start(protocol, engine, now=0.0)
     [lost] = protocol.tick(2.5)
@@ -409,7 +409,7 @@ def test_a_stalled_client_learns_it_at_the_next_tick_too() -> None:
 
 
 def test_bye_ends_the_session_and_fails_its_calls() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = start(protocol, engine)
     event = protocol.receive(b"p", bye(), 0.1)
@@ -422,7 +422,7 @@ def test_bye_ends_the_session_and_fails_its_calls() -> None:
 
 
 def test_dialled_address_gets_hello_requests_retried_until_connected() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     protocol.dial(b"@a/0", "ipc://x", 0.0)
     [ping] = sent(protocol)
     assert (ping.peer, ping.kind, ping.call_id) == (b"@a/0", K.PING, HELLO_REQUEST)
@@ -450,7 +450,7 @@ def test_dialled_address_gets_hello_requests_retried_until_connected() -> None:
 
 
 def test_undialled_address_gets_no_more_requests() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     protocol.dial(b"@a/0", "ipc://x", 0.0)
     sent(protocol)
     assert protocol.undial("ipc://x") == [b"@a/0"]
@@ -459,7 +459,7 @@ def test_undialled_address_gets_no_more_requests() -> None:
 
 
 def test_declare_dead_needs_the_right_pid() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", pid=42)
     call = start(protocol, engine)
     assert protocol.declare_dead("e1", pid=41, reason="x") is None
@@ -472,7 +472,7 @@ def test_declare_dead_needs_the_right_pid() -> None:
 
 
 def test_new_callers_queue_behind_waiters() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     assert protocol.select(None) is engine
     protocol.capacity.add(None, "w")
@@ -481,7 +481,7 @@ def test_new_callers_queue_behind_waiters() -> None:
 
 
 def test_close_says_bye_and_fails_every_call() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     e1 = join(protocol, "e1", b"p1")
     e2 = join(protocol, "e2", b"p2")
     calls = [start(protocol, e1), start(protocol, e2, stream=True)]
@@ -505,7 +505,7 @@ def leased(protocol: ClientProtocol, engine: Engine, lease: int) -> Call:
 
 
 def test_a_cancelled_calls_argument_lease_is_kept_until_the_engines_release() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = leased(protocol, engine, 5)
     assert protocol.cancel(call, 1.0)
@@ -520,7 +520,7 @@ def test_a_cancelled_calls_argument_lease_is_kept_until_the_engines_release() ->
 
 
 def test_a_release_from_another_engine_or_for_a_running_call_frees_nothing() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     e1 = join(protocol, "e1", b"p1")
     join(protocol, "e2", b"p2")
     running = leased(protocol, e1, 7)
@@ -538,7 +538,7 @@ def test_a_release_from_another_engine_or_for_a_running_call_frees_nothing() -> 
 
 @pytest.mark.parametrize("late", ["result", "error", "end"])
 def test_a_late_reply_to_a_cancelled_call_ends_its_kept_lease(late: str) -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     call = leased(protocol, engine, 9)
     protocol.cancel(call, 1.0)
@@ -554,7 +554,7 @@ def test_a_late_reply_to_a_cancelled_call_ends_its_kept_lease(late: str) -> None
 
 
 def test_an_engines_end_drops_the_leases_kept_for_it_and_those_to_return() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     protocol.cancel(leased(protocol, engine, 3), 1.0)
     assert protocol.return_leases(engine, [40, 41])
@@ -567,7 +567,7 @@ def test_an_engines_end_drops_the_leases_kept_for_it_and_those_to_return() -> No
 
 
 def test_result_leases_ride_in_the_next_call() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     assert protocol.return_leases(engine, [4, 5])
     assert not protocol.return_leases(engine, [5, 6])  # already due: no second flush
@@ -588,7 +588,7 @@ def test_result_leases_ride_in_the_next_call() -> None:
 
 def test_result_leases_a_call_cannot_carry_go_in_a_release_first() -> None:
     count = MAX_CALL_RELEASES + 1
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     protocol.return_leases(engine, range(1, count + 1))
     _call, frames = protocol.start_call(
@@ -600,7 +600,7 @@ def test_result_leases_a_call_cannot_carry_go_in_a_release_first() -> None:
 
 
 def test_a_release_is_split_at_the_protocol_limit_and_names_each_lease_once() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     protocol.return_leases(engine, [1, 1, 2])
     protocol.release(engine, range(2, MAX_RELEASE_LEASES + 10), 1.0)
@@ -615,7 +615,7 @@ def test_a_release_is_split_at_the_protocol_limit_and_names_each_lease_once() ->
 def test_wait_for_ready_waits_where_fail_fast_raises_and_absence_says_why() -> None:
     from tensorrpc._exceptions import EngineNotFoundError
 
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     with pytest.raises(EngineNotFoundError, match="no engine has joined yet"):
         protocol.select(None, 0.0)
     assert protocol.select(None, 0.0, wait_for_ready=True) is None  # the caller waits
@@ -636,7 +636,7 @@ def test_wait_for_ready_waits_where_fail_fast_raises_and_absence_says_why() -> N
 
 def test_with_engine_keys_the_key_the_shell_read_decides_the_id() -> None:
     key, other = "k" * 40, "o" * 40
-    protocol, _ = make_protocol(engine_keys={"e1": key})
+    protocol = make_protocol(engine_keys={"e1": key})
     refused = protocol.receive(b"squat", hello("e1"), 0.0, other)
     assert isinstance(refused, EngineRefused)
     assert "bound to another CURVE key" in refused.message

@@ -23,7 +23,7 @@ REPLY_KINDS = (K.RESULT, K.ERROR, K.STREAM_ITEM, K.STREAM_END)
 class ClientMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.protocol, self.hooks = make_protocol(stream_window=3, max_in_flight=4)
+        self.protocol = make_protocol(stream_window=3, max_in_flight=4)
         self.now = 0.0
         self.epochs = dict.fromkeys(ENGINES, 1)
         self.calls: list[Call] = []

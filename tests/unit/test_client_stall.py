@@ -20,7 +20,7 @@ K = MessageKind
 
 
 def test_a_new_call_after_a_stall_is_not_sent_to_the_engine_that_forgot_us() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", dead_after_ms=2000)
     # the loop stalls 10 s before the first of many calls runs
     assert protocol.select(None, 10.0) is None  # not the engine: it forgot the session
@@ -39,7 +39,7 @@ def test_a_new_call_after_a_stall_is_not_sent_to_the_engine_that_forgot_us() -> 
 
 
 def test_callers_wait_through_the_rejoin_instead_of_failing() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     join(protocol, "e1", b"p", dead_after_ms=2000)
     assert protocol.select(None, 10.0) is None
     protocol.next_events()
@@ -60,7 +60,7 @@ def test_callers_wait_through_the_rejoin_instead_of_failing() -> None:
 
 
 def test_a_dialled_engine_that_forgot_us_is_asked_for_hello_at_once() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     protocol.dial(b"@a/0", "ipc://x", 0.0)
     sent(protocol)
     protocol.receive(b"@a/0", hello("e1", dead_after_ms=2000), 0.0)
@@ -72,7 +72,7 @@ def test_a_dialled_engine_that_forgot_us_is_asked_for_hello_at_once() -> None:
 
 
 def test_waiters_fail_when_the_engine_does_not_rejoin_in_time() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     join(protocol, "e1", b"p", dead_after_ms=2000)
     assert protocol.select("e1", 10.0) is None
     protocol.next_events()
@@ -89,7 +89,7 @@ def test_waiters_fail_when_the_engine_does_not_rejoin_in_time() -> None:
 
 
 def test_calls_in_flight_at_the_stall_still_fail_at_once() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     engine = join(protocol, "e1", b"p", dead_after_ms=2000)
     call = start(protocol, engine, now=0.0)
     assert protocol.select(None, 10.0) is None
@@ -100,7 +100,7 @@ def test_calls_in_flight_at_the_stall_still_fail_at_once() -> None:
 
 
 def test_another_engine_takes_the_call_when_only_one_forgot_us() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     join(protocol, "slow", b"s", dead_after_ms=2000)
     fast = join(protocol, "fast", b"f", dead_after_ms=60_000)
     chosen = protocol.select(None, 10.0)

@@ -44,7 +44,7 @@ def _state(protocol: Any, peer: bytes = PEER) -> PeerState:
 
 
 def _enter(row: Transition[PeerState]) -> Any:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     dialled = row.state is S.DIALING or "dialled" in row.input
     if dialled:
         protocol.dial(PEER, "tcp://engine:7000", 0.0)
@@ -134,7 +134,7 @@ def test_each_row_leads_to_its_next_state(row: Transition[PeerState]) -> None:
 
 
 def test_a_hello_of_another_version_is_refused_naming_both() -> None:
-    protocol, _ = make_protocol()
+    protocol = make_protocol()
     protocol.receive(PEER, _message("HELLO of another protocol version"), 0.0)
     [out] = sent(protocol)
     assert (out.kind, out.body.reason) == (K.REJECT, "version")

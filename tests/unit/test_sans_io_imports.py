@@ -20,6 +20,7 @@ SANS_IO_FILES = (
     "_server_protocol.py",
     "_server_calls.py",
     "_batching.py",
+    "_metadata.py",
     "_statistics.py",
     "transports/_base.py",
 )
