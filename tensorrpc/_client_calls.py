@@ -254,7 +254,7 @@ class CallRunner:
         assert self._io.observer is not None
         nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
         return _observe.client_call(
-            self._io.observer, spec.service, spec.name, engine.engine_id, engine.info.features,
+            self._io.observer, spec.service, spec.name, engine.engine_id,
             bool(flags & _STREAM_FLAG), nbytes, shm, len(encoded.buffers),
         )  # fmt: skip
 

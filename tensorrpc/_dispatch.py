@@ -50,6 +50,7 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TensorTransportError,
     ValidationError,
+    path_parts,
 )
 from tensorrpc._interceptors import intercept
 from tensorrpc._protocol import Flags
@@ -94,10 +95,9 @@ def _gone(call: Call) -> bool:
 
 
 def type_name(exc: BaseException) -> str:
-    """How ``ErrorInfo.type`` spells an exception's type (builtins and ``__main__`` bare)."""
+    """How ``ErrorInfo.type`` spells an exception's type: always ``module.qualname``
+    (``builtins.ValueError``), docs/protocol.md §4."""
     cls = type(exc)
-    if cls.__module__ in ("builtins", "__main__"):
-        return cls.__qualname__
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -251,10 +251,16 @@ class Dispatcher:
     # -- one call ---------------------------------------------------------------------------
 
     def _error(
-        self, call: Call, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
+        self,
+        call: Call,
+        code: ErrorCode,
+        message: str,
+        type_name: str = "",
+        tb: str = "",
+        path: tuple[str | int, ...] = (),
     ) -> None:
         self._detach(call)
-        if self._proto.error_reply(call, code, message, type_name, tb):
+        if self._proto.error_reply(call, code, message, type_name, tb, path):
             self._flush()
             if call.observed is not None:  # observe: an ERROR reply to an observed call
                 call.observed.error(code.name)
@@ -360,7 +366,7 @@ class Dispatcher:
                     self._proto.args_resolved(call, lazy.inner.leases)
             return call.spec.decode_args(wire)
         except ValidationError as exc:
-            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc))
+            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc), path=path_parts(exc.path))
         except DecodeError as exc:
             self._error(call, ErrorCode.DECODE, str(exc))
         except TensorTransportError as exc:
@@ -401,6 +407,7 @@ class Dispatcher:
                 ErrorCode.BAD_RESULT,
                 bad_result_message(call.spec.qualname, exc),
                 type_name(exc),
+                path=path_parts(exc.path) if isinstance(exc, ValidationError) else (),
             )
         except TensorTransportError as exc:
             self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
-    "FEATURE_HEALTH",
     "HEALTH_METHOD",
     "MAX_REQUEST_BYTES",
     "HealthChange",
@@ -32,8 +31,6 @@ __all__ = [
 #: The built-in method that answers an engine's health. It holds a dot, which no service
 #: method name can, so it cannot clash with a service's methods.
 HEALTH_METHOD: Final = "_tensorrpc.health"
-#: What an engine that answers it lists in HELLO's ``features``.
-FEATURE_HEALTH: Final = "health"
 #: The largest health request payload an engine reads (a service name of 1024 characters
 #: fits with room to spare); a larger one is refused as ``INVALID_ARGUMENT``.
 MAX_REQUEST_BYTES: Final = 4352

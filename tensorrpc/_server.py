@@ -52,13 +52,12 @@ from tensorrpc._exceptions import (
     PeerUnreachableError,
     TransportError,
 )
-from tensorrpc._health import FEATURE_HEALTH, HealthStatus
+from tensorrpc._health import HealthStatus
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._interceptors import check_interceptors
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
-    FEATURE_CALL_RELEASES,
     MAX_SIGNATURE_CHARS,
     PROTOCOL_VERSION,
     ErrorInfo,
@@ -344,7 +343,6 @@ def _protocol_settings(
         streaming=tuple(m.name for m in spec.methods.values() if m.streaming),
         signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
         max_message_bytes=max(0, maxmsgsize),
-        features=(*_observe.FEATURES, FEATURE_CALL_RELEASES, FEATURE_HEALTH),
         compression=_compression.available(),
     )
     return ProtocolSettings(

@@ -197,6 +197,9 @@ async def test_engine_pays_bounded_memory_for_control_and_call_bombs(tmp_path: P
                 peer.send([pack_reply_header(MessageKind.CREDIT, 7), bomb])
                 peer.send([pack_reply_header(MessageKind.RELEASE), bomb])
             peer.send([pack_call_header(99, "add"), call_bomb])
+            for _ in bombs:  # a bad CREDIT names its call: ERROR(id, PROTOCOL), §11
+                refused = (await peer.expect(MessageKind.ERROR, 7)).error()
+                assert "the limit for CREDIT" in refused.message
             error = (await peer.expect(MessageKind.ERROR, 99)).error()
             assert "max_payload_objects" in error.message
             call_id = peer.call("add", 2, 3)

@@ -34,7 +34,6 @@ async def test_health_is_answered_per_service_and_while_every_worker_is_busy(
     ):
         with anyio.fail_after(10):
             await client.wait_for_engines(1)
-            assert "health" in client.engines["e1"].features
             assert await client.health() is SERVING
             assert await client.health("e1", service="Calculator") is SERVING
             assert await client.health("e1", service="Other") is HealthStatus.SERVICE_UNKNOWN

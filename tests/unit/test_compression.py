@@ -10,7 +10,7 @@ import torch
 from tensorrpc import _codec, _compression
 from tensorrpc._codec import CodecConfig, ExtCode, Location
 from tensorrpc._compression import Compression
-from tensorrpc._exceptions import DecodeError, DecompressionError
+from tensorrpc._exceptions import DecodeError, DecompressionError, RemoteProtocolError
 from tensorrpc._protocol import (
     Flags,
     Hello,
@@ -198,9 +198,8 @@ def test_the_handshake_says_what_each_side_decodes() -> None:
     assert decode_control(header, payload) == welcome
     bare = ormsgpack.packb({"client_id": "c", "host_id": "h", "transports": [],
                             "heartbeat_ms": 1, "stream_window": 1})  # fmt: skip
-    decoded = decode_control(header, bare)
-    assert isinstance(decoded, Welcome)
-    assert decoded.compression == ()  # a peer that says nothing decodes nothing
+    with pytest.raises(RemoteProtocolError, match="missing the field 'pid'"):
+        decode_control(header, bare)  # every field is required (protocol v1 is strict)
 
 
 def test_the_engine_learns_the_clients_codecs_and_each_calls_wish() -> None:
