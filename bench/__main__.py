@@ -5,7 +5,7 @@ Sections (all by default, in one run): ``roundtrip`` (small call, 64 in flight),
 ``scale`` (one client with 1, 8 and 64 engines, ``bench.scale``), ``batching`` (batched
 against unbatched calls and continuous batching of streams, ``bench.batching``), ``mixed``
 (small calls' tail latency while large tensors go through the same client and engine,
-``bench.mixed``).
+``bench.mixed``), ``compression`` (zstd against none over tcp loopback, ``bench.compression``).
 Every server runs in its own process, is started and reaped by this run, and every
 loop is bounded by a count and a time budget; the whole run is also bounded, and a case
 that would start past that bound is recorded as skipped. Results go to ``--out``
@@ -33,7 +33,7 @@ from typing import Any
 
 from bench import _common, _report
 
-SECTIONS = ("roundtrip", "transfer", "codec", "scale", "batching", "mixed")
+SECTIONS = ("roundtrip", "transfer", "codec", "scale", "batching", "mixed", "compression")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: the whole run must finish within 10 minutes on 2 cores; cases past this are skipped
 RUN_BUDGET_S = 540.0
@@ -177,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         if "codec" in sections:
             results["codec"] = _common.guarded(_progress, "codec", lambda: _codec(args.quick))
+        if "compression" in sections:
+            from bench import compression
+
+            results["compression"] = _common.guarded(
+                _progress,
+                "compression",
+                lambda: compression.run(args.quick, workdir=workdir, progress=_progress),
+            )
     results["machine"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     results["duration_s"] = time.monotonic() - started
     paths = _report.write(results, args.out)

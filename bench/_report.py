@@ -659,6 +659,10 @@ def markdown(results: dict[str, Any]) -> str:
         from bench.mixed import report
 
         lines += [*report(results["mixed"]), ""]
+    if "compression" in results:
+        from bench.compression import report as compression_report
+
+        lines += [*compression_report(results["compression"]), ""]
     targets = results.get("targets", [])
     if targets:
         lines += [*_targets_md(targets), ""]

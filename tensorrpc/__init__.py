@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         EngineStatistics,
     )
     from tensorrpc._codec import CodecConfig
+    from tensorrpc._compression import Compression
     from tensorrpc._context import CallContext, call_context
     from tensorrpc._exceptions import (
         BroadcastError,
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
         ClosedError,
         ConnectError,
         DecodeError,
+        DecompressionError,
         DrainingError,
         EncodeError,
         EngineDeadError,
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
         TransportError,
         ValidationError,
     )
+    from tensorrpc._health import HealthChange, HealthStatus
     from tensorrpc._interceptors import ClientCall, ClientInterceptor, ServerInterceptor
     from tensorrpc._observe import CallObservation, Observer
     from tensorrpc._protocol import PROTOCOL_VERSION
@@ -91,99 +94,46 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-#: Where each public name is defined.
-_EXPORTS: dict[str, str] = {
-    "Batching": "tensorrpc._batching",
-    "Continuous": "tensorrpc._batching",
-    "BlockingCallView": "tensorrpc._blocking",
-    "BlockingClient": "tensorrpc._blocking",
-    "BlockingStream": "tensorrpc._blocking",
-    "BlockingStub": "tensorrpc._blocking",
-    "CallOptions": "tensorrpc._client",
-    "CallStream": "tensorrpc._client",
-    "CallView": "tensorrpc._client",
-    "Client": "tensorrpc._client",
-    "ClientStatistics": "tensorrpc._client",
-    "EngineInfo": "tensorrpc._client",
-    "EngineStatistics": "tensorrpc._client",
-    "CodecConfig": "tensorrpc._codec",
-    "CallContext": "tensorrpc._context",
-    "call_context": "tensorrpc._context",
-    "BroadcastError": "tensorrpc._exceptions",
-    "CallError": "tensorrpc._exceptions",
-    "CallTimeoutError": "tensorrpc._exceptions",
-    "ClosedError": "tensorrpc._exceptions",
-    "ConnectError": "tensorrpc._exceptions",
-    "DecodeError": "tensorrpc._exceptions",
-    "DrainingError": "tensorrpc._exceptions",
-    "EncodeError": "tensorrpc._exceptions",
-    "EngineDeadError": "tensorrpc._exceptions",
-    "EngineNotFoundError": "tensorrpc._exceptions",
-    "EnginesUnavailableError": "tensorrpc._exceptions",
-    "ErrorCode": "tensorrpc._exceptions",
-    "HandshakeRejectedError": "tensorrpc._exceptions",
-    "InvalidArgumentError": "tensorrpc._exceptions",
-    "LocalProtocolError": "tensorrpc._exceptions",
-    "MetadataError": "tensorrpc._exceptions",
-    "MethodNotFoundError": "tensorrpc._exceptions",
-    "NoCallContextError": "tensorrpc._exceptions",
-    "OverloadedError": "tensorrpc._exceptions",
-    "PeerUnreachableError": "tensorrpc._exceptions",
-    "PermissionDeniedError": "tensorrpc._exceptions",
-    "ProtocolError": "tensorrpc._exceptions",
-    "RemoteError": "tensorrpc._exceptions",
-    "RemoteProtocolError": "tensorrpc._exceptions",
-    "SerializationError": "tensorrpc._exceptions",
-    "ServiceDefinitionError": "tensorrpc._exceptions",
-    "TensorRPCError": "tensorrpc._exceptions",
-    "TensorTransportError": "tensorrpc._exceptions",
-    "TransportError": "tensorrpc._exceptions",
-    "ValidationError": "tensorrpc._exceptions",
-    "ClientCall": "tensorrpc._interceptors",
-    "ClientInterceptor": "tensorrpc._interceptors",
-    "ServerInterceptor": "tensorrpc._interceptors",
-    "CallObservation": "tensorrpc._observe",
-    "Observer": "tensorrpc._observe",
-    "PROTOCOL_VERSION": "tensorrpc._protocol",
-    "release_later": "tensorrpc._release",
-    "set_release_threshold": "tensorrpc._release",
-    "CurveClientConfig": "tensorrpc._security",
-    "CurveConfig": "tensorrpc._security",
-    "CurveKeyPair": "tensorrpc._security",
-    "CurveServerConfig": "tensorrpc._security",
-    "generate_keypair": "tensorrpc._security",
-    "load_keypair": "tensorrpc._security",
-    "load_public_key": "tensorrpc._security",
-    "load_public_keys": "tensorrpc._security",
-    "save_keypair": "tensorrpc._security",
-    "PeerStatistics": "tensorrpc._server",
-    "Server": "tensorrpc._server",
-    "ServerConfig": "tensorrpc._server",
-    "ServerStatistics": "tensorrpc._server",
-    "serve": "tensorrpc._server",
-    "BatchSpec": "tensorrpc._service",
-    "MethodSpec": "tensorrpc._service",
-    "ServiceSpec": "tensorrpc._service",
-    "describe": "tensorrpc._service",
-    "rpc": "tensorrpc._service",
-    "service": "tensorrpc._service",
-    "Stub": "tensorrpc._stub",
-    "StreamingMethod": "tensorrpc._typed_stub",
-    "TypedStub": "tensorrpc._typed_stub",
-    "UnaryMethod": "tensorrpc._typed_stub",
-    "streaming": "tensorrpc._typed_stub",
-    "unary": "tensorrpc._typed_stub",
-    "SocketOptions": "tensorrpc._zmq",
-    "TorchShmStatistics": "tensorrpc.transports",
-    "TransportCounters": "tensorrpc.transports",
-    "TransportName": "tensorrpc.transports",
-    "TransportStatistics": "tensorrpc.transports",
-    "BatchContext": "tensorrpc.batching",
-    "BatchItem": "tensorrpc.batching",
-    "current_batch": "tensorrpc.batching",
-    "share": "tensorrpc.transports._shared",
-    "shared_empty": "tensorrpc.transports._shared",
+#: Where each public name is defined: module -> the names, separated by spaces.
+_MODULES: dict[str, str] = {
+    "tensorrpc._batching": "Batching Continuous",
+    "tensorrpc._blocking": "BlockingCallView BlockingClient BlockingStream BlockingStub",
+    "tensorrpc._client": (
+        "CallOptions CallStream CallView Client ClientStatistics EngineInfo EngineStatistics"
+    ),
+    "tensorrpc._codec": "CodecConfig",
+    "tensorrpc._compression": "Compression",
+    "tensorrpc._context": "CallContext call_context",
+    "tensorrpc._exceptions": (
+        "BroadcastError CallError CallTimeoutError ClosedError ConnectError DecodeError "
+        "DecompressionError DrainingError EncodeError EngineDeadError EngineNotFoundError "
+        "EnginesUnavailableError ErrorCode HandshakeRejectedError InvalidArgumentError "
+        "LocalProtocolError MetadataError MethodNotFoundError NoCallContextError "
+        "OverloadedError PeerUnreachableError PermissionDeniedError ProtocolError "
+        "RemoteError RemoteProtocolError SerializationError ServiceDefinitionError "
+        "TensorRPCError TensorTransportError TransportError ValidationError"
+    ),
+    "tensorrpc._health": "HealthChange HealthStatus",
+    "tensorrpc._interceptors": "ClientCall ClientInterceptor ServerInterceptor",
+    "tensorrpc._observe": "CallObservation Observer",
+    "tensorrpc._protocol": "PROTOCOL_VERSION",
+    "tensorrpc._release": "release_later set_release_threshold",
+    "tensorrpc._security": (
+        "CurveClientConfig CurveConfig CurveKeyPair CurveServerConfig generate_keypair "
+        "load_keypair load_public_key load_public_keys save_keypair"
+    ),
+    "tensorrpc._server": "PeerStatistics Server ServerConfig ServerStatistics serve",
+    "tensorrpc._service": "BatchSpec MethodSpec ServiceSpec describe rpc service",
+    "tensorrpc._stub": "Stub",
+    "tensorrpc._typed_stub": "StreamingMethod TypedStub UnaryMethod streaming unary",
+    "tensorrpc._zmq": "SocketOptions",
+    "tensorrpc.batching": "BatchContext BatchItem current_batch",
+    "tensorrpc.transports": (
+        "TorchShmStatistics TransportCounters TransportName TransportStatistics"
+    ),
+    "tensorrpc.transports._shared": "share shared_empty",
 }
+_EXPORTS: dict[str, str] = {n: module for module, names in _MODULES.items() for n in names.split()}
 
 
 def __getattr__(name: str) -> object:
@@ -225,6 +175,7 @@ __all__ = [
     "ClientStatistics",
     "ClosedError",
     "CodecConfig",
+    "Compression",
     "ConnectError",
     "Continuous",
     "CurveClientConfig",
@@ -232,6 +183,7 @@ __all__ = [
     "CurveKeyPair",
     "CurveServerConfig",
     "DecodeError",
+    "DecompressionError",
     "DrainingError",
     "EncodeError",
     "EngineDeadError",
@@ -241,6 +193,8 @@ __all__ = [
     "EnginesUnavailableError",
     "ErrorCode",
     "HandshakeRejectedError",
+    "HealthChange",
+    "HealthStatus",
     "InvalidArgumentError",
     "LocalProtocolError",
     "MetadataError",

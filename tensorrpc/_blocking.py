@@ -44,6 +44,8 @@ from tensorrpc._views import KEEP, Keep
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
+    from tensorrpc._compression import Compression
+    from tensorrpc._health import HealthStatus
     from tensorrpc._service import ServiceSpec
     from tensorrpc.transports import TransportName
 
@@ -238,6 +240,7 @@ class BlockingCallView(Generic[S]):
         transport: TransportName | Keep = KEEP,
         wait_for_ready: bool | Keep | None = KEEP,
         metadata: Mapping[str, str] | Keep | None = KEEP,
+        compression: Compression | Literal["zstd"] | Keep | None = KEEP,
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -251,6 +254,7 @@ class BlockingCallView(Generic[S]):
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
             metadata: Request metadata sent with each call (see `CallOptions`).
+            compression: ``"zstd"`` or a `Compression` (see `CallOptions`).
 
         Returns:
             The new view.
@@ -262,6 +266,7 @@ class BlockingCallView(Generic[S]):
             transport=transport,
             wait_for_ready=wait_for_ready,
             metadata=metadata,
+            compression=compression,
         )
         return BlockingCallView(self._runner, view)
 
@@ -608,6 +613,29 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
         """
         client = self._runner.client
         return self._runner.run(functools.partial(client.wait_for_engines, count, timeout=timeout))
+
+    def health(
+        self, engine: str | None = None, *, service: str = "", timeout: float | None = 5.0
+    ) -> HealthStatus:
+        """Ask one engine for its health (see [`Client.health`][tensorrpc.Client.health]).
+
+        Args:
+            engine: The engine's id; ``None``: any live engine.
+            service: The service asked about; ``""``: the engine as a whole.
+            timeout: Seconds for the answer (``None``: no deadline).
+
+        Returns:
+            ``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN``.
+
+        Raises:
+            EngineNotFoundError: The engine is not live (or none is).
+            CallTimeoutError: No answer in time.
+            ClosedError: The client is closed.
+        """
+        client = self._runner.client
+        return self._runner.run(
+            functools.partial(client.health, engine, service=service, timeout=timeout)
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

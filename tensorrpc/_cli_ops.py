@@ -10,15 +10,13 @@ client and names the server's public key.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
     from tensorrpc._security import CurveConfig, CurveServerConfig
-
-T = TypeVar("T")
 
 #: Flag destination -> the environment variable that sets it when the flag is absent.
 ENVIRONMENT: Mapping[str, str] = {
@@ -38,22 +36,22 @@ class OptionError(ValueError):
     """A flag or environment variable has a bad value (the CLI's usage error)."""
 
 
-def add_curve_flags(parser: argparse.ArgumentParser, *, listens: bool, dials: bool) -> None:
-    """The CURVE flags: our keypair, and the server's key (dialling) or the allow-list."""
+def add_curve_flags(parser: argparse.ArgumentParser, *, listens: bool) -> None:
+    """The CURVE flags: our keypair, the server's key (dialling) and, for a command that can
+    listen, the allow-list."""
     parser.add_argument(
         "--curve-keypair",
         metavar="FILE",
         help="CURVE: our secret key file, NAME.key_secret (env TENSORRPC_CURVE_KEYPAIR)",
     )
-    if dials:
-        parser.add_argument(
-            "--curve-server-key",
-            metavar="FILE",
-            help=(
-                "CURVE, when dialling: the public key file of the side that listens "
-                "(env TENSORRPC_CURVE_SERVER_KEY)"
-            ),
-        )
+    parser.add_argument(
+        "--curve-server-key",
+        metavar="FILE",
+        help=(
+            "CURVE, when dialling: the public key file of the side that listens "
+            "(env TENSORRPC_CURVE_SERVER_KEY)"
+        ),
+    )
     if listens:
         parser.add_argument(
             "--curve-allow",
@@ -123,7 +121,7 @@ def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] | Non
             if dest == "metrics_port":
                 where = name
     if getattr(args, "metrics_port", None) is not None:
-        args.metrics_port = _check(_port, args.metrics_port, where)
+        args.metrics_port = _port(args.metrics_port, where)
 
 
 def _flag(name: str, text: str) -> bool:
@@ -135,18 +133,14 @@ def _flag(name: str, text: str) -> bool:
     raise OptionError(f"{name}={text!r}: expected 1 or 0 (true/false)")
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise ValueError(text)
-    return port
-
-
-def _check(parse: Callable[[str], T], text: str, where: str) -> T:
+def _port(text: str, where: str) -> int:
     try:
-        return parse(text)
+        port = int(text)
     except ValueError:
-        raise OptionError(f"{where} {text!r}: expected a TCP port (0..65535)") from None
+        port = -1
+    if not 0 <= port <= 65535:
+        raise OptionError(f"{where} {text!r}: expected a TCP port (0..65535)")
+    return port
 
 
 def curve_config(args: argparse.Namespace, *, listening: bool) -> CurveConfig | None:

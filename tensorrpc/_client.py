@@ -29,15 +29,21 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import anyio
 import anyio.lowlevel
 
-from tensorrpc import _codec, _observe
+from tensorrpc import _codec, _compression, _observe
 from tensorrpc._client_calls import CallRunner
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import ClientConfig, Heartbeat
 from tensorrpc._engines import EngineInfo, unavailable_message
-from tensorrpc._exceptions import ClosedError, EnginesUnavailableError, TensorRPCError
+from tensorrpc._exceptions import (
+    ClosedError,
+    DecodeError,
+    EnginesUnavailableError,
+    TensorRPCError,
+)
+from tensorrpc._health import HEALTH_METHOD, HealthChange, HealthStatus, decode_answer
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._interceptors import ClientInterception, check_interceptors
-from tensorrpc._service import ServiceSpec, describe
+from tensorrpc._service import ServiceSpec, describe, schemaless_method
 from tensorrpc._views import (
     _DEFAULT_OPTIONS,
     CallOptions,
@@ -51,7 +57,7 @@ from tensorrpc._zmq import SocketOptions, message_peer_address
 from tensorrpc.transports._policy import DEFAULT_SHM_THRESHOLD, TransportPolicy
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+    from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
     from typing import Self
 
     from tensorrpc._calls import Call
@@ -435,6 +441,117 @@ class Client(CallView[S]):
         text = unavailable_message(len(table.engines), count, timeout, rejected, failures, earlier)
         raise EnginesUnavailableError(text, rejected=rejected)
 
+    async def health(
+        self,
+        engine: str | None = None,
+        *,
+        service: str = "",
+        timeout: float | None = 5.0,  # noqa: ASYNC109 - a call's deadline, as with_options
+    ) -> HealthStatus:
+        """Ask one engine for its health through the built-in health method.
+
+        The engine answers without a worker, so a busy engine answers at once; a
+        draining one answers ``NOT_SERVING``, and so does one whose application said so
+        ([`Server.set_health`][tensorrpc.Server.set_health]).
+
+        Args:
+            engine: The engine's id; ``None``: any live engine (balanced like a call).
+            service: The service asked about; ``""`` (the default): the engine as a whole.
+                A service the engine does not serve is ``SERVICE_UNKNOWN``.
+            timeout: Seconds for the answer (``None``: no deadline).
+
+        Returns:
+            ``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN``.
+
+        Raises:
+            EngineNotFoundError: The engine is not live (or none is).
+            CallTimeoutError: No answer in time.
+            EngineDeadError: The engine died or left before answering.
+            DecodeError: The answer is not a health answer.
+            ClosedError: The client is closed.
+        """
+        spec = schemaless_method(self._spec.name, HEALTH_METHOD, streaming=False)
+        options = CallOptions(engine=engine, timeout=timeout, wait_for_ready=False)
+        value = await self._call(spec, (service,), {}, options)
+        try:
+            return decode_answer(value)
+        except ValueError as exc:
+            raise DecodeError(f"{HEALTH_METHOD}: {exc}") from None
+
+    async def watch_health(
+        self,
+        *,
+        service: str = "",
+        interval: float = 1.0,
+        timeout: float = 5.0,  # noqa: ASYNC109 - each answer's deadline, as in health()
+    ) -> AsyncGenerator[HealthChange, None]:
+        """Watch every engine's health: one [`HealthChange`][tensorrpc.HealthChange] per change.
+
+        Each round asks every live engine (concurrently, each answer bounded by
+        ``timeout``) and yields a change for each engine whose status differs from the
+        last one seen: first the initial status of every engine, then only changes. An
+        engine that leaves, or does not answer in time, becomes ``UNKNOWN``. A round
+        starts ``interval`` seconds after the previous one ended, and at once when an
+        engine joins or leaves. Stop by leaving
+        the ``async for`` (or closing the iterator).
+
+        ```python
+        async for change in client.watch_health(interval=0.5):
+            print(change.engine_id, change.status)
+        ```
+
+        Args:
+            service: As in `health`.
+            interval: Seconds between rounds (> 0).
+            timeout: Seconds each engine has to answer in a round (> 0).
+
+        Yields:
+            The changes of each round, in engine id order.
+
+        Raises:
+            ValueError: ``interval`` or ``timeout`` is not positive.
+            ClosedError: The client is closed (at the next round).
+        """
+        if not interval > 0 or not timeout > 0:
+            raise ValueError("interval and timeout must be > 0")
+        seen: dict[str, HealthStatus] = {}
+        while True:
+            self._io.check_open()
+            changed = self._io.engines_changed
+            live = sorted(self._protocol.engines.engines)
+            now = await self._health_round(live, service, timeout)
+            for engine_id in seen.keys() - now.keys():
+                now[engine_id] = HealthStatus.UNKNOWN  # it left
+            for engine_id in sorted(now):
+                status, previous = now[engine_id], seen.get(engine_id)
+                if status is not previous:
+                    seen[engine_id] = status
+                    yield HealthChange(engine_id, status, previous)
+            for engine_id in seen.keys() - set(live):  # said UNKNOWN once: forget it
+                del seen[engine_id]
+            if changed is not None:
+                with anyio.move_on_after(interval):
+                    await changed.wait()
+
+    async def _health_round(
+        self, engine_ids: list[str], service: str, bound: float
+    ) -> dict[str, HealthStatus]:
+        """One health answer per engine (``UNKNOWN`` for those that gave none in time)."""
+        answers: dict[str, HealthStatus] = {}
+
+        async def one(engine_id: str) -> None:
+            try:
+                answers[engine_id] = await self.health(engine_id, service=service, timeout=bound)
+            except ClosedError:
+                raise
+            except TensorRPCError:
+                answers[engine_id] = HealthStatus.UNKNOWN
+
+        async with anyio.create_task_group() as tg:
+            for engine_id in engine_ids:
+                tg.start_soon(one, engine_id)
+        return answers
+
     # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
 
     @property
@@ -591,6 +708,7 @@ def _client_config(
         engine_keys=engine_keys,
         shm_transports=policy.offered(),
         shm_trust_unattested=policy.peers.trust_unattested,
+        compression=_compression.available(),
     )
 
 

@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from tensorrpc import _codec, _observe, _release
 from tensorrpc._client_protocol import Dropped, reply_error
+from tensorrpc._compression import ZSTD
 from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from tensorrpc._calls import Call
     from tensorrpc._client_io import ClientIO
     from tensorrpc._client_protocol import ClientProtocol
+    from tensorrpc._compression import Compression
     from tensorrpc._engines import Engine, EngineInfo
     from tensorrpc._interceptors import ClientCall
     from tensorrpc._service import MethodSpec, ServiceSpec
@@ -62,6 +64,7 @@ _STREAM_FLAG = int(Flags.STREAM)
 _NO_WAIT_FLAG = int(Flags.NO_WAIT)
 _SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
 _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
+_COMPRESS_FLAG = int(Flags.COMPRESS)
 
 
 class CallRunner:
@@ -215,7 +218,7 @@ class CallRunner:
             placer = policy.placer(
                 options.transport, engine.peer, peer_receives=bool(shm and shm.to_engine)
             )
-            encoded = self._encode(spec, wire, engine, placer)
+            encoded = self._encode(spec, wire, engine, placer, options.compression)
             if placer is not None and placer.pending_bytes:
                 now = await self._fill(placer, engine)
         holds = self._holds
@@ -251,7 +254,7 @@ class CallRunner:
         assert self._io.observer is not None
         nbytes = len(encoded.payload) + sum(b.nbytes for b in encoded.buffers)
         return _observe.client_call(
-            self._io.observer, spec.service, spec.name, engine.engine_id, engine.info.features,
+            self._io.observer, spec.service, spec.name, engine.engine_id,
             bool(flags & _STREAM_FLAG), nbytes, shm, len(encoded.buffers),
         )  # fmt: skip
 
@@ -514,11 +517,16 @@ class CallRunner:
         wire: object,
         engine: Engine | None,
         placer: PolicyPlacer | None = None,
+        compression: Compression | None = None,
     ) -> _codec.Encoded:
         """Encode arguments and refuse a frame over our ``maxmsgsize`` or the engine's
-        (``placer``: released if the arguments are refused)."""
+        (``placer``: released if the arguments are refused). ``compression`` only for an
+        engine that decodes zstd and shares no memory with us (another host, or not
+        attested): never where torch_shm is in use."""
+        if engine is None or engine.shm is not None or ZSTD not in engine.info.compression:
+            compression = None
         try:
-            encoded = _codec.encode(wire, self._io.codec, placer=placer)
+            encoded = _codec.encode(wire, self._io.codec, placer=placer, compression=compression)
             self._check_sizes(spec, encoded, engine)
         except BaseException:
             if placer is not None:
@@ -572,6 +580,7 @@ class CallRunner:
                 timeout=options.timeout,
                 wait=options.wait,
                 transport=options.transport,
+                compression=options.compression,
                 metadata=options.metadata,
             )
             try:
@@ -599,11 +608,12 @@ def _metadata_block(options: CallOptions, details: ClientCall | None) -> bytes:
 
 
 def _result_flags(options: CallOptions, engine: Engine) -> int:
-    """The CALL flag bits that tell the engine how to send result tensors."""
+    """The CALL flag bits that tell the engine how to send results: by torch_shm
+    (then never compressed), compressed (we decode what we ask for)."""
     mode = options.transport
     shm = engine.shm
     if mode == "frames" or shm is None or not shm.from_engine:
-        return 0
+        return _COMPRESS_FLAG if options.compression is not None and shm is None else 0
     return _SHM_RESULTS_ALL_FLAG if mode == "torch_shm" else _SHM_RESULTS_FLAG
 
 

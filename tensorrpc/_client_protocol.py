@@ -39,7 +39,9 @@ Rules the machine keeps (with those of `tensorrpc._calls` and
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
 from tensorrpc._calls import Call, CallState, CallTable
@@ -55,7 +57,7 @@ from tensorrpc._engines import (
 )
 from tensorrpc._exceptions import ClosedError, EngineNotFoundError, RemoteProtocolError
 from tensorrpc._liveness import Backoff, check_heartbeat, ping_interval, to_ms
-from tensorrpc._machine import MAX_RELEASE_LEASES, Machine, release_frames
+from tensorrpc._machine import MAX_RELEASE_LEASES, Machine, Transition, release_frames
 from tensorrpc._protocol import (
     MAX_CALL_RELEASES,
     PROTOCOL_VERSION,
@@ -70,6 +72,7 @@ from tensorrpc._protocol import (
     Welcome,
     decode_control,
     encode_control,
+    header_version,
     pack_call_header,
     split_frames,
 )
@@ -77,7 +80,7 @@ from tensorrpc.transports._peer import shm_terms
 from tensorrpc.transports._shm_handle import TRANSPORT_NAME
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -87,6 +90,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRANSITIONS",
+    "PeerState",
     "ClientConfig",
     "ClientProtocol",
     "CheckReachable",
@@ -127,71 +131,6 @@ DIAL_RETRY_MIN_S: Final = 0.005
 #: Shortest and longest pause of the housekeeping timer.
 _MIN_TICK_S: Final = 0.0005
 
-#: The client role's transitions: (state, message or timer, action, next state). The
-#: state is the client's view of one engine peer: ``none`` (no session), ``dialing`` (an
-#: address we connect to, no session yet) or ``live`` (welcomed). docs/protocol.md §13
-#: holds the same table.
-TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
-    ("none", "HELLO, acceptable", "WELCOME (new client epoch)", "live"),
-    ("none", "HELLO, version/service/fingerprint differ", "REJECT with the reason", "none"),
-    ("none", "HELLO, malformed", "REJECT `protocol`", "none"),
-    (
-        "none",
-        "HELLO, engine id live on another peer that is reachable",
-        "REJECT `duplicate_id`; the live session is untouched",
-        "none",
-    ),
-    (
-        "none",
-        "HELLO, engine id live on another peer that is unreachable",
-        "end the old session (its calls fail: EngineDeadError); WELCOME",
-        "live",
-    ),
-    ("none", "PING", "nothing (only peers with a session get PONG)", "none"),
-    ("none", "RESULT/ERROR/STREAM_ITEM/STREAM_END", "drop silently", "none"),
-    ("dialing", "timer: hello request due", "PING 0; next in heartbeat interval", "dialing"),
-    ("dialing", "send fails: peer not connected", "retry PING 0 after capped backoff", "dialing"),
-    ("dialing", "HELLO, acceptable", "WELCOME (new client epoch)", "live"),
-    ("live", "any well-formed message", "the engine is heard now", "live"),
-    ("live", "HELLO, same epoch", "WELCOME again (same client epoch)", "live"),
-    (
-        "live",
-        "HELLO, new epoch or another engine",
-        "end the session (its calls fail: EngineDeadError); then as from none",
-        "none",
-    ),
-    ("live", "PING n", "PONG n", "live"),
-    ("live", "PONG", "nothing", "live"),
-    (
-        "live",
-        "RESULT/ERROR/STREAM_ITEM/STREAM_END",
-        "deliver to the call of that id sent to this engine, else drop (ending the "
-        "argument lease kept for a call of that id we gave up on)",
-        "live",
-    ),
-    (
-        "live",
-        "RELEASE",
-        "end the argument leases it names that were kept for calls we gave up on; "
-        "refuse and count any other id",
-        "live",
-    ),
-    ("live", "BYE", "end the session (its calls fail: EngineDeadError)", "none"),
-    ("live", "REJECT", "end the session (its calls fail); remember the refusal", "none"),
-    ("live", "timer: heartbeat due", "PING (nonce: the send time in ns)", "live"),
-    ("live", "timer: engine silent past our dead_after", "end the session (calls fail)", "none"),
-    (
-        "live",
-        "timer, message or new call: we sent nothing for longer than the engine's dead_after_ms",
-        "end the session: the engine forgot us (calls in flight fail: EngineDeadError; calls "
-        "not yet sent wait up to our dead_after for it to rejoin; a dialled address is "
-        "asked for HELLO at once)",
-        "none",
-    ),
-    ("live", "send fails: peer unreachable", "end the session (calls fail)", "none"),
-    ("live", "close()", "BYE; calls fail: ClosedError", "none"),
-)
-
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
@@ -231,6 +170,7 @@ class ClientConfig:
         schemaless: Admit any service and fingerprint (protocol version still checked).
         signatures: Our methods (name → signature), so that a fingerprint refusal names
             the methods that differ.
+        compression: The compression codecs we decode, sent in WELCOME.
         engine_keys: Engine id → the z85 CURVE public key its HELLO must come with; a
             HELLO with an id not listed, or from another key, is refused (None: ids are
             first come).
@@ -255,6 +195,7 @@ class ClientConfig:
     engine_keys: Mapping[str, str] | None = None
     shm_transports: tuple[str, ...] = ("frames",)
     shm_trust_unattested: bool = False
+    compression: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +322,28 @@ class _Dial:
         self.due = 0.0
 
 
+class PeerState(Enum):
+    """Where the client stands with one routing id (docs/protocol.md §13)."""
+
+    #: No session, not dialled (never stored).
+    NONE = "none"
+    #: An address we dial, no session yet.
+    DIALING = "dialing"
+    #: A welcomed engine.
+    LIVE = "live"
+
+
+class _Peer:
+    """One routing id the client dials or has a session with: its one state field."""
+
+    __slots__ = ("dial", "engine", "state")
+
+    def __init__(self, state: PeerState, dial: _Dial | None = None) -> None:
+        self.state = state
+        self.dial = dial
+        self.engine: Engine | None = None
+
+
 def _random_epoch() -> int:
     return secrets.randbits(64) or 1
 
@@ -407,7 +370,8 @@ class ClientProtocol(Machine[bytes, Event]):
         self.engines = EngineTable(balancing=config.balancing, max_in_flight=config.max_in_flight)
         self.calls = CallTable()
         self.capacity = CapacityWaiters()
-        self._dials: dict[bytes, _Dial] = {}
+        #: Every routing id dialled or in session, with its state (absent: none).
+        self._peers: dict[bytes, _Peer] = {}
         self._dial_count = 0
         #: Engines that forgot this client's session (the client stalled) and are greeted
         #: again at once: the calls not yet sent to them wait for that instead of failing.
@@ -442,7 +406,7 @@ class ClientProtocol(Machine[bytes, Event]):
     def dial(self, alias: bytes, address: str, now: float) -> None:
         """An address was connected under routing id ``alias``: ask it for HELLO."""
         dial = _Dial(address, self.config.heartbeat.interval)
-        self._dials[alias] = dial
+        self._peers[alias] = _Peer(PeerState.DIALING, dial)
         self._dial_count += 1
         self._hello_request(alias, dial, now)
 
@@ -457,15 +421,22 @@ class ClientProtocol(Machine[bytes, Event]):
         Returns:
             The aliases that dialled it (empty: it was not dialled).
         """
-        aliases = [alias for alias, dial in self._dials.items() if dial.address == address]
+        aliases = [
+            alias
+            for alias, rec in self._peers.items()
+            if rec.dial is not None and rec.dial.address == address
+        ]
         for alias in aliases:
-            del self._dials[alias]
+            rec = self._peers[alias]
+            rec.dial = None
+            if rec.state is PeerState.DIALING:
+                del self._peers[alias]
         return aliases
 
     def address_of(self, peer: bytes) -> str | None:
         """The address dialled under this routing id, if any."""
-        dial = self._dials.get(peer)
-        return None if dial is None else dial.address
+        rec = self._peers.get(peer)
+        return None if rec is None or rec.dial is None else rec.dial.address
 
     def _hello_request(self, alias: bytes, dial: _Dial, now: float) -> None:
         self._queue(None, alias, _PING, None, HELLO_REQUEST, now)
@@ -508,7 +479,7 @@ class ClientProtocol(Machine[bytes, Event]):
                 if wait_for_ready or self.rejoining.expected(engine_id, now):
                     return None
                 raise
-            if engine is None or now is None or now - engine.sent <= engine.forgets_after:
+            if engine is None or now is None or now - engine.sent <= engine.dead_after:
                 return engine  # (else we sent it nothing for longer than its bound: forgotten)
             self._events.append(self._forgotten(engine, now))
 
@@ -571,18 +542,13 @@ class ClientProtocol(Machine[bytes, Event]):
         """Enter a call to ``engine`` in the table and build its CALL.
 
         Args:
-            engine: Where it goes (`select`).
-            spec: The method.
-            waiter: The shell's wake-up for the caller (carried, never read).
-            stream: A streaming call.
-            now: The clock.
-            payload: The encoded arguments.
-            buffers: Their out-of-band tensor frames.
-            flags: CALL flag bits (STREAM, NO_WAIT, SHM_RESULTS...).
-            timeout_ms: The relative deadline (0: none).
-            trace: A trace context to carry (empty: none).
-            lease: The argument tensors' torch_shm lease (None: none went by handle).
-            placed: Tensors and bytes that went by handle.
+            engine: Where it goes (`select`); spec: the method; waiter: the shell's
+                wake-up for the caller (carried, never read); stream: a streaming call.
+            payload: The encoded arguments; buffers: their out-of-band tensor frames.
+            flags: CALL flag bits; timeout_ms: the relative deadline (0: none); trace: a
+                trace context to carry (empty: none).
+            lease: The argument tensors' torch_shm lease (None: none went by handle);
+                placed: tensors and bytes that went by handle.
             returns: More result leases of this engine we are done with (as
                 `return_leases`), returned with this CALL.
             metadata: The request metadata block (`tensorrpc._metadata.encode_block`).
@@ -604,7 +570,7 @@ class ClientProtocol(Machine[bytes, Event]):
         if engine.releases or returns:  # result leases we are done with: header, or RELEASE
             pending, engine.releases = engine.releases, []
             unique = tuple(dict.fromkeys([*pending, *returns]))
-            if engine.call_releases and len(unique) <= MAX_CALL_RELEASES:
+            if len(unique) <= MAX_CALL_RELEASES:
                 releases = call.releases = unique
             else:
                 self._release_now(engine, unique, now)
@@ -802,15 +768,19 @@ class ClientProtocol(Machine[bytes, Event]):
         try:
             header, payload, buffers = split_frames(frames)
         except RemoteProtocolError as exc:
-            return Ignored(peer, f"malformed message: {exc}")
+            return self._malformed(peer, frames, exc, now)
         kind = header.kind
+        rec = self._peers.get(peer)
+        state = PeerState.NONE if rec is None else rec.state
         if kind is _HELLO and facts is None and TRANSPORT_NAME in self.config.shm_transports:
             return FactsNeeded(peer)  # the shell gathers them for HELLOs only
-        engine = self.engines.by_peer(peer)
-        if engine is not None:
-            if now - engine.sent > engine.forgets_after:  # it forgot the session
+        if state is PeerState.LIVE:
+            engine = rec.engine  # type: ignore[union-attr]
+            assert engine is not None
+            if now - engine.sent > engine.dead_after:  # it forgot the session
                 self._events.append(self._forgotten(engine, now))
-                engine = None
+                rec = self._peers.get(peer)
+                state = PeerState.NONE if rec is None else rec.state
             else:
                 engine.heard = now
                 size = 0
@@ -819,7 +789,31 @@ class ClientProtocol(Machine[bytes, Event]):
                 engine.bytes_received += size
                 if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
                     return self._reply(engine, kind, header, payload, buffers, now)
-        return self._control(peer, engine, kind, header, payload, now, key, facts)
+        handler = _DISPATCH.get((state, kind))
+        if handler is None:
+            if kind in _SILENT_DROPS:  # a reply of a session that ended; a stray PING
+                return None
+            return Ignored(peer, f"unexpected {kind.name} from a peer in state {state.value}")
+        engine = rec.engine if rec is not None else None
+        return handler(self, peer, engine, header, payload, now, key, facts)
+
+    def _malformed(
+        self, peer: bytes, frames: Sequence[Buffer], exc: Exception, now: float
+    ) -> Event:
+        """Drop a malformed message; a HELLO of another version gets REJECT ``version``."""
+        version = header_version(frames[0]) if frames else None
+        first = memoryview(frames[0]) if frames else None
+        if (
+            version is not None
+            and version != PROTOCOL_VERSION
+            and first is not None
+            and first.nbytes > 3
+            and first[3] == _HELLO
+        ):
+            message = f"engine speaks protocol version {version}, client speaks {PROTOCOL_VERSION}"
+            self._queue(None, peer, _REJECT, Reject("version", message), 0, now)
+            return EngineRefused(self.address_of(peer) or repr(peer), "version", message, True)
+        return Ignored(peer, f"malformed message: {exc}")
 
     def _reply(
         self,
@@ -852,38 +846,51 @@ class ClientProtocol(Machine[bytes, Event]):
                 return Dropped(engine, payload, buffers, call)
         return call
 
-    def _control(
+    # -- the handlers `TRANSITIONS` dispatches to: (peer, engine or None, header, payload,
+    #    now, CURVE key) ---------------------------------------------------------------
+
+    def _on_ping(
+        self, peer: bytes, engine: Engine | None, header: Header, *rest: Any
+    ) -> Event | None:
+        """A live engine's PING: PONG echoing its nonce."""
+        assert engine is not None
+        self._queue(engine, peer, _PONG, None, header.call_id, rest[1])
+        return None
+
+    def _on_pong(
+        self, peer: bytes, engine: Engine | None, header: Header, *rest: Any
+    ) -> Event | None:
+        """A PONG: a heartbeat's tells the round trip."""
+        if engine is not None and header.call_id > HEARTBEAT_NONCE:
+            return Pong(engine, header.call_id)
+        return None
+
+    def _on_bye(self, peer: bytes, engine: Engine | None, *rest: Any) -> Event | None:
+        assert engine is not None
+        return self._lose(engine, "said BYE")
+
+    def _on_release_message(
+        self, peer: bytes, engine: Engine | None, header: Header, payload: Buffer, *rest: Any
+    ) -> Event | None:
+        assert engine is not None
+        return self._on_release(engine, header, payload)
+
+    def _on_reject_message(
+        self, peer: bytes, engine: Engine | None, header: Header, payload: Buffer, *rest: Any
+    ) -> Event | None:
+        return self._on_reject(peer, engine, header, payload)
+
+    def _on_hello_message(
         self,
         peer: bytes,
         engine: Engine | None,
-        kind: MessageKind,
         header: Header,
         payload: Buffer,
         now: float,
-        key: str | None = None,
-        facts: PeerFacts | None = None,
+        key: str | None,
+        facts: PeerFacts | None,
     ) -> Event | None:
-        if kind is _PING:
-            if engine is not None:
-                self._queue(engine, peer, _PONG, None, header.call_id, now)
-            return None
-        if kind is _PONG:
-            if engine is not None and header.call_id > HEARTBEAT_NONCE:
-                return Pong(engine, header.call_id)
-            return None
-        if kind is _HELLO:
-            return self._on_hello(peer, header, payload, now, key, facts)
-        if kind is _BYE:
-            return None if engine is None else self._lose(engine, "said BYE")
-        if kind is _REJECT:
-            return self._on_reject(peer, engine, header, payload)
-        if engine is None:
-            if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
-                return None  # a reply of a session that ended: dropped silently
-            return Ignored(peer, f"unexpected {kind.name} from a peer without a session")
-        if kind is _RELEASE:
-            return self._on_release(engine, header, payload)
-        return Ignored(engine.peer, f"unexpected {kind.name} from engine {engine.engine_id!r}")
+        return self._on_hello(peer, header, payload, now, key, facts)
 
     # -- handshake ------------------------------------------------------------------------
 
@@ -903,7 +910,7 @@ class ClientProtocol(Machine[bytes, Event]):
             self._queue(None, peer, _REJECT, Reject("protocol", message[:4096]), 0, now)
             return Ignored(peer, message)
         assert isinstance(hello, Hello)
-        previous = self.engines.by_peer(peer)
+        previous = self._engine_at(peer)
         if previous is not None:
             if _same_session(previous, hello):
                 # A repeat: the engine may have missed our WELCOME; say the same again.
@@ -923,6 +930,10 @@ class ClientProtocol(Machine[bytes, Event]):
                 return self._check_reachable(peer, hello, info, current, facts)
         return self._decided(peer, info, hello, refusal, now, facts)
 
+    def _engine_at(self, peer: bytes) -> Engine | None:
+        rec = self._peers.get(peer)
+        return None if rec is None else rec.engine
+
     def _check_reachable(
         self,
         peer: bytes,
@@ -938,7 +949,7 @@ class ClientProtocol(Machine[bytes, Event]):
         """The shell's answer to `CheckReachable`: the HELLO is refused as
         ``duplicate_id`` while the live engine is reachable, else that engine is lost and
         the new one admitted (the events follow in `next_events`)."""
-        if self.closed or self.engines.by_peer(check.hello_peer) is not None:
+        if self.closed or self._engine_at(check.hello_peer) is not None:
             return
         info = check.info
         current = self.engines.engines.get(info.engine_id)
@@ -1028,9 +1039,13 @@ class ClientProtocol(Machine[bytes, Event]):
             engine.shm = ShmCapability(pid=terms.pid, to_engine=terms.send, from_engine=True)
         self.engines.add(engine)
         self.rejoining.rejoined(info.engine_id)
-        dial = self._dials.get(peer)
-        if dial is not None:
-            dial.backoff.reset()
+        rec = self._peers.get(peer)
+        if rec is None:
+            rec = self._peers[peer] = _Peer(PeerState.LIVE)
+        rec.state = PeerState.LIVE
+        rec.engine = engine
+        if rec.dial is not None:
+            rec.dial.backoff.reset()
         self._welcome(engine, now, engine.welcome_transports)
         return EngineJoined(engine, terms)
 
@@ -1047,6 +1062,7 @@ class ClientProtocol(Machine[bytes, Event]):
             epoch=engine.client_epoch,
             dead_after_ms=to_ms(config.heartbeat.dead_after),
             fingerprint="" if config.schemaless else config.fingerprint,
+            compression=config.compression,
         )
         self._queue(engine, engine.peer, MessageKind.WELCOME, welcome, 0, now)
 
@@ -1073,9 +1089,14 @@ class ClientProtocol(Machine[bytes, Event]):
                 del self._held_by_lease[self._held.pop(key)]
         calls = self.calls.fail_engine(engine, why)
         self.engines.remove(engine)  # after the calls: its counters include their errors
-        dial = self._dials.get(engine.peer)
-        if dial is not None:
-            dial.due = 0.0  # ask the address for a HELLO again at once
+        rec = self._peers.get(engine.peer)
+        if rec is not None and rec.engine is engine:
+            rec.engine = None
+            if rec.dial is None:
+                del self._peers[engine.peer]
+            else:
+                rec.state = PeerState.DIALING
+                rec.dial.due = 0.0  # ask the address for a HELLO again at once
         return EngineLost(engine, why, tuple(calls))
 
     def _forgotten(self, engine: Engine, now: float) -> EngineLost:
@@ -1099,12 +1120,13 @@ class ClientProtocol(Machine[bytes, Event]):
 
     def send_failed(self, peer: bytes, now: float) -> EngineLost | None:
         """A send to ``peer`` failed because no connection to it exists (yet)."""
-        engine = self.engines.by_peer(peer)
-        if engine is not None:
-            return self._lose(engine, "is unreachable (its connection closed)")
-        dial = self._dials.get(peer)
-        if dial is not None:
-            dial.due = now + dial.backoff.failed()
+        rec = self._peers.get(peer)
+        if rec is None:
+            return None
+        if rec.engine is not None:
+            return self._lose(rec.engine, "is unreachable (its connection closed)")
+        if rec.dial is not None:
+            rec.dial.due = now + rec.dial.backoff.failed()
         return None
 
     def tick(self, now: float) -> list[EngineLost]:
@@ -1120,8 +1142,9 @@ class ClientProtocol(Machine[bytes, Event]):
                 nonce = max(HEARTBEAT_NONCE + 1, int(now * 1e9))
                 self._queue(engine, engine.peer, _PING, None, nonce, now)
                 engine.next_ping = now + engine.ping_every
-        for alias, dial in self._dials.items():
-            if now >= dial.due and self.engines.by_peer(alias) is None:
+        for alias, rec in self._peers.items():
+            dial = rec.dial
+            if rec.state is PeerState.DIALING and dial is not None and now >= dial.due:
                 self._hello_request(alias, dial, now)
         return lost
 
@@ -1131,11 +1154,10 @@ class ClientProtocol(Machine[bytes, Event]):
         due = now + heartbeat.interval
         for engine in self.engines.engines.values():
             due = min(due, engine.next_ping, engine.heard + heartbeat.dead_after)
-            if engine.info.dead_after_ms:
-                due = min(due, engine.sent + engine.dead_after)
-        for alias, dial in self._dials.items():
-            if self.engines.by_peer(alias) is None:
-                due = min(due, dial.due)
+            due = min(due, engine.sent + engine.dead_after)
+        for rec in self._peers.values():
+            if rec.state is PeerState.DIALING and rec.dial is not None:
+                due = min(due, rec.dial.due)
         due = min(due, self.rejoining.due(now))
         return max(_MIN_TICK_S, due - now)
 
@@ -1151,17 +1173,13 @@ class ClientProtocol(Machine[bytes, Event]):
             self._queue(engine, engine.peer, _BYE, Bye("closed"), 0, now)
         self._held.clear()
         self._held_by_lease.clear()
+        self._peers.clear()
         self.closed = True
         return self.calls.fail_all(ClosedError, "the client was closed")
 
 
 def _same_session(engine: Engine, hello: Hello) -> bool:
-    if engine.engine_id != hello.engine_id:
-        return False
-    if hello.epoch or engine.epoch:
-        return hello.epoch == engine.epoch
-    # Older engines announce no epoch: the same process on the same host is the same.
-    return engine.info.pid == hello.pid and engine.info.host_id == hello.host_id
+    return engine.engine_id == hello.engine_id and engine.epoch == hello.epoch
 
 
 def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
@@ -1181,7 +1199,7 @@ def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
         signatures=hello.signatures,
         max_message_bytes=hello.max_message_bytes,
         dead_after_ms=hello.dead_after_ms,
-        features=hello.features,
+        compression=hello.compression,
     )
 
 
@@ -1193,3 +1211,88 @@ def reply_error(payload: Buffer) -> TensorRPCError:
         return exc
     assert isinstance(info, ErrorInfo)
     return info.to_exception()
+
+
+_S = PeerState
+_T = Transition
+_K = MessageKind
+_REPLIES: Final = (_K.RESULT, _K.ERROR, _K.STREAM_ITEM, _K.STREAM_END)
+#: Kinds dropped without an `Ignored` event in states without a handler for them.
+_SILENT_DROPS: Final = frozenset({*_REPLIES, _K.PING, _K.PONG})
+_Handler = Callable[
+    [ClientProtocol, bytes, "Engine | None", Header, Any, float, "str | None", Any],
+    "Event | None",
+]
+_P = ClientProtocol
+
+#: The client's transition table towards one routing id: what ``receive``, ``tick`` and
+#: the shell's inputs do, by state and input. ``kinds`` are the message kinds a row
+#: dispatches on (empty: a timer, a local input, or a row about every kind); the calls
+#: follow the rules of `tensorrpc._calls`. docs/protocol.md §13 is rendered from this
+#: table, and tests/unit/test_client_transitions.py drives the machine through its rows.
+# fmt: off
+TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
+    _T(_S.NONE, (_K.HELLO,), "HELLO, acceptable", "WELCOME (new client epoch)", _S.LIVE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, version/service/fingerprint differ",
+       "REJECT with the reason", _S.NONE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, malformed", "REJECT protocol", _S.NONE),
+    _T(_S.NONE, (), "HELLO of another protocol version", "REJECT version", _S.NONE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, engine id live on another peer that is reachable",
+       "REJECT duplicate_id; the live session is untouched", _S.NONE),
+    _T(_S.NONE, (_K.HELLO,), "HELLO, engine id live on another peer that is unreachable",
+       "end the old session (its calls fail: EngineDeadError); WELCOME", _S.LIVE),
+    _T(_S.NONE, (_K.REJECT,), "REJECT", "remember the refusal", _S.NONE),
+    _T(_S.NONE, (), "any other message",
+       "drop (RESULT, ERROR, STREAM_ITEM, STREAM_END in silence; PING unanswered)", _S.NONE),
+    _T(_S.DIALING, (), "timer: hello request due",
+       "PING 0; next in heartbeat interval", _S.DIALING),
+    _T(_S.DIALING, (), "send fails: peer not connected",
+       "retry PING 0 after capped backoff", _S.DIALING),
+    _T(_S.DIALING, (_K.HELLO,), "HELLO, acceptable", "as from none", _S.LIVE),
+    _T(_S.DIALING, (_K.HELLO,), "HELLO, refused",
+       "as from none; ask again in the heartbeat interval", _S.DIALING),
+    _T(_S.DIALING, (_K.REJECT,), "REJECT", "remember the refusal", _S.DIALING),
+    _T(_S.DIALING, (), "any other message", "drop", _S.DIALING),
+    _T(_S.LIVE, (), "any well-formed message", "the engine is heard now", _S.LIVE),
+    _T(_S.LIVE, (_K.HELLO,), "HELLO, same epoch", "WELCOME again (same client epoch)", _S.LIVE),
+    _T(_S.LIVE, (_K.HELLO,), "HELLO, new epoch or another engine, acceptable",
+       "end the session (its calls fail: EngineDeadError); WELCOME (new client epoch)", _S.LIVE),
+    _T(_S.LIVE, (_K.PING,), "PING n", "PONG n", _S.LIVE),
+    _T(_S.LIVE, (_K.PONG,), "PONG", "nothing", _S.LIVE),
+    _T(_S.LIVE, _REPLIES, "RESULT/ERROR/STREAM_ITEM/STREAM_END",
+       "deliver to the call of that id sent to this engine, else drop (ending the "
+       "argument lease kept for a call of that id we gave up on)", _S.LIVE),
+    _T(_S.LIVE, (_K.RELEASE,), "RELEASE",
+       "end the argument leases it names that were kept for calls we gave up on; refuse "
+       "and count any other id", _S.LIVE),
+    _T(_S.LIVE, (_K.BYE,), "BYE", "end the session (its calls fail: EngineDeadError)", _S.NONE),
+    _T(_S.LIVE, (_K.REJECT,), "REJECT",
+       "end the session (its calls fail); remember the refusal", _S.NONE),
+    _T(_S.LIVE, (), "timer: heartbeat due", "PING (nonce: the send time in ns)", _S.LIVE),
+    _T(_S.LIVE, (), "timer: engine silent past our dead_after",
+       "end the session (calls fail)", _S.NONE),
+    _T(_S.LIVE, (),
+       "timer, message or new call: we sent nothing for longer than the engine's dead_after_ms",
+       "end the session: the engine forgot us (calls in flight fail: EngineDeadError; "
+       "calls not yet sent wait up to our dead_after for it to rejoin)", _S.NONE),
+    _T(_S.LIVE, (), "send fails: peer unreachable", "end the session (calls fail)", _S.NONE),
+    _T(_S.LIVE, (), "the session ends, at a dialled address",
+       "PING 0 at once (ask for HELLO)", _S.DIALING),
+    _T(_S.LIVE, (), "close()", "BYE; calls fail: ClosedError", _S.NONE),
+)
+# fmt: on
+
+#: The handler of each (state, kind) ``receive`` acts on (live replies are delivered
+#: inline); any other pair is dropped.
+_DISPATCH: Final[dict[tuple[PeerState, MessageKind], _Handler]] = {
+    (_S.NONE, _K.HELLO): _P._on_hello_message,
+    (_S.NONE, _K.REJECT): _P._on_reject_message,
+    (_S.DIALING, _K.HELLO): _P._on_hello_message,
+    (_S.DIALING, _K.REJECT): _P._on_reject_message,
+    (_S.LIVE, _K.HELLO): _P._on_hello_message,
+    (_S.LIVE, _K.PING): _P._on_ping,
+    (_S.LIVE, _K.PONG): _P._on_pong,
+    (_S.LIVE, _K.RELEASE): _P._on_release_message,
+    (_S.LIVE, _K.BYE): _P._on_bye,
+    (_S.LIVE, _K.REJECT): _P._on_reject_message,
+}

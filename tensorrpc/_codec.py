@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import ormsgpack
 
+from tensorrpc import _compression
 from tensorrpc._exceptions import DecodeError, EncodeError, ValidationError
 from tensorrpc._lazy import LazyModule
 from tensorrpc._protocol import count_msgpack_objects
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     import torch
     from typing_extensions import Buffer
 
+    from tensorrpc._compression import Compression
     from tensorrpc.transports._base import TensorPlacer, TensorResolver
 else:
     np = LazyModule("numpy", globals(), "np")
@@ -70,6 +72,9 @@ class ExtCode(IntEnum):
     TORCH = 1
     #: A ``numpy.ndarray``; decodes to a ``numpy.ndarray``.
     NUMPY = 2
+    #: A compressed payload: the whole payload is this one Ext, whose data is a zstd frame
+    #: holding the real payload (never inside a payload).
+    ZSTD = 3
 
 
 class Location(IntEnum):
@@ -81,6 +86,8 @@ class Location(IntEnum):
     FRAME = 1
     #: ``ref`` is ``[transport, handle]``, resolved by a ``TensorResolver``.
     HANDLE = 2
+    #: ``ref`` is an index into the buffers, whose buffer is one zstd frame of the bytes.
+    ZSTD_FRAME = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +151,10 @@ _NUMPY: Final = int(ExtCode.NUMPY)
 _INLINE: Final = int(Location.INLINE)
 _FRAME: Final = int(Location.FRAME)
 _HANDLE: Final = int(Location.HANDLE)
+_ZSTD_FRAME: Final = int(Location.ZSTD_FRAME)
+_ZSTD_EXT: Final = int(ExtCode.ZSTD)
+# msgpack ext 8/16/32 headers: marker -> bytes of the length field.
+_EXT_HEADERS: Final = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 
 
 _TORCH_DTYPE_NAMES: Final = (
@@ -300,11 +311,27 @@ def _inline_bytes(tensor: torch.Tensor, nbytes: int) -> bytes:
 class _Encoder:
     """Per-call state of `encode`: the ormsgpack ``default=`` hook and what it collects."""
 
-    __slots__ = ("_config", "_count", "_placer", "_replay", "buffers", "error", "exts", "keepalive")
+    __slots__ = (
+        "_compression",
+        "_config",
+        "_count",
+        "_placer",
+        "_replay",
+        "buffers",
+        "error",
+        "exts",
+        "keepalive",
+    )
 
-    def __init__(self, config: CodecConfig, placer: TensorPlacer | None) -> None:
+    def __init__(
+        self,
+        config: CodecConfig,
+        placer: TensorPlacer | None,
+        compression: Compression | None = None,
+    ) -> None:
         self._config = config
         self._placer = placer
+        self._compression = compression
         self._count = 0
         self.buffers: list[memoryview] = []
         self.keepalive: list[object] = []
@@ -407,6 +434,12 @@ class _Encoder:
     ) -> bytes:
         if nbytes < self._config.inline_threshold:
             return ormsgpack.packb([name, shape, _INLINE, view.tobytes()])
+        compression = self._compression
+        if compression is not None and nbytes >= compression.min_bytes:
+            packed = _compression.compress(view, compression)
+            if packed is not None:
+                self.buffers.append(memoryview(packed))
+                return ormsgpack.packb([name, shape, _ZSTD_FRAME, len(self.buffers) - 1])
         self.buffers.append(view)
         self.keepalive.append(owner)
         return ormsgpack.packb([name, shape, _FRAME, len(self.buffers) - 1])
@@ -554,7 +587,11 @@ def check_message_size(
 
 
 def encode(
-    value: object, config: CodecConfig = DEFAULT, *, placer: TensorPlacer | None = None
+    value: object,
+    config: CodecConfig = DEFAULT,
+    *,
+    placer: TensorPlacer | None = None,
+    compression: Compression | None = None,
 ) -> Encoded:
     """Encode ``value`` into a msgpack payload and out-of-band tensor buffers.
 
@@ -565,6 +602,9 @@ def encode(
         config: Limits and policies.
         placer: Offered every tensor at or above ``config.inline_threshold`` bytes; a
             tensor it takes travels by handle, the others in a buffer of their own.
+        compression: Compress the payload and the tensor frames of at least its
+            ``min_bytes`` (see `Compression`); a tensor the placer takes (by handle) is
+            never compressed.
 
     Returns:
         The payload, one buffer per out-of-band tensor, and the objects that own the
@@ -575,7 +615,7 @@ def encode(
             tensor without ``allow_cuda_copy``, or a limit exceeded.
         TensorTransportError: The placer failed.
     """
-    encoder = _Encoder(config, placer)
+    encoder = _Encoder(config, placer, compression)
     try:
         payload = ormsgpack.packb(value, default=encoder.default, option=_PACK_OPTIONS)
     except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
@@ -597,6 +637,10 @@ def encode(
             f"payload holds more than max_payload_objects={budget} values; the receiver "
             "refuses it (send long lists of numbers as a tensor)"
         )
+    if compression is not None and len(payload) >= compression.min_bytes:
+        packed = _compression.compress(payload, compression)
+        if packed is not None:
+            payload = ormsgpack.packb(ormsgpack.Ext(_ZSTD_EXT, packed))
     return Encoded(payload, encoder.buffers, encoder.keepalive)
 
 
@@ -800,11 +844,9 @@ class _Decoder:
                 raise DecodeError("inline tensor data must be bytes")
             inline = ref
             got = len(ref)
-        elif loc == _FRAME:
-            frame = self._frame(ref)
-            got = frame.nbytes
         else:
-            raise DecodeError(f"unknown tensor location {loc}")
+            frame = self._located(loc, ref, nbytes)
+            got = frame.nbytes
         if got != nbytes:
             raise DecodeError(
                 f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
@@ -831,6 +873,15 @@ class _Decoder:
             array = np.frombuffer(bytearray(view), dtype=np_dtype)
         array = array.reshape(shape)
         return array if as_numpy else torch.from_numpy(array)
+
+    def _located(self, loc: int, ref: object, nbytes: int) -> memoryview:
+        """The bytes of a tensor sent in a frame, plain or compressed."""
+        if loc == _FRAME:
+            return self._frame(ref)
+        if loc == _ZSTD_FRAME:
+            # Into exactly the tensor's size: a frame that would expand further is refused.
+            return memoryview(_compression.decompress_exact(self._frame(ref), nbytes))
+        raise DecodeError(f"unknown tensor location {loc}")
 
     def _frame(self, ref: object) -> memoryview:
         if type(ref) is not int or not 0 <= ref < len(self._buffers):
@@ -876,12 +927,30 @@ class _Decoder:
         return tensor.numpy()
 
 
+def _compressed_payload(view: memoryview) -> memoryview | None:
+    """The zstd frame of a compressed payload (one ``ExtCode.ZSTD`` Ext), or None."""
+    width = _EXT_HEADERS.get(view[0]) if view.nbytes else None
+    if width is None or view.nbytes < 2 + width or view[1 + width] != _ZSTD_EXT:
+        return None
+    length = int.from_bytes(view[1 : 1 + width], "big")
+    if length != view.nbytes - 2 - width:
+        raise DecodeError("a compressed payload must be one ext, with nothing after it")
+    return view[2 + width :]
+
+
 def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memoryview:
-    """``payload`` as a 1-D byte view, checked against the size and object limits."""
+    """``payload`` as a 1-D byte view, checked against the size and object limits (a
+    compressed payload is decompressed first, within ``max_payload_bytes``)."""
     try:
         view = memoryview(payload)
     except TypeError as exc:
         raise DecodeError(f"payload of type {type(payload).__qualname__} is not a buffer") from exc
+    if view.ndim != 1 or view.itemsize != 1:
+        view = _byte_view(view)
+    packed = _compressed_payload(view)
+    if packed is not None:
+        size = _compression.declared_size(packed, config.max_payload_bytes)
+        view = memoryview(_compression.decompress_exact(packed, size))
     if view.nbytes > config.max_payload_bytes:
         raise DecodeError(
             f"payload of {view.nbytes} bytes is over max_payload_bytes={config.max_payload_bytes}"
@@ -890,8 +959,6 @@ def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memor
         raise DecodeError(
             f"message has {n_buffers} buffers, more than max_tensors={config.max_tensors}"
         )
-    if view.ndim != 1 or view.itemsize != 1:
-        view = _byte_view(view)
     budget = config.max_payload_objects
     # At most one object per byte: only a payload larger than the budget needs counting.
     if view.nbytes > budget and count_msgpack_objects(view, budget) > budget:

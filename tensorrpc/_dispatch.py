@@ -41,6 +41,7 @@ import anyio.to_thread
 
 from tensorrpc import _codec, _context
 from tensorrpc._batching import ItemRefused
+from tensorrpc._compression import ZSTD
 from tensorrpc._exceptions import (
     DecodeError,
     EncodeError,
@@ -49,6 +50,7 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TensorTransportError,
     ValidationError,
+    path_parts,
 )
 from tensorrpc._interceptors import intercept
 from tensorrpc._protocol import Flags
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from typing_extensions import Buffer
 
+    from tensorrpc._compression import Compression
     from tensorrpc._server_protocol import ServerProtocol
     from tensorrpc.transports._links import LazyResolver
     from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
@@ -73,6 +76,8 @@ __all__ = ["Call", "Dispatcher"]
 logger = logging.getLogger("tensorrpc.server")
 
 _SHM_RESULTS_ALL: Final = int(Flags.SHM_RESULTS_ALL)
+_SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+_COMPRESS: Final = int(Flags.COMPRESS)
 # How long a cancelled async generator may take to run its ``finally`` blocks.
 _ACLOSE_TIMEOUT_S: Final = 1.0
 # A worker yields to the event loop after this many calls in a row without waiting.
@@ -90,10 +95,9 @@ def _gone(call: Call) -> bool:
 
 
 def type_name(exc: BaseException) -> str:
-    """How ``ErrorInfo.type`` spells an exception's type (builtins and ``__main__`` bare)."""
+    """How ``ErrorInfo.type`` spells an exception's type: always ``module.qualname``
+    (``builtins.ValueError``), docs/protocol.md §4."""
     cls = type(exc)
-    if cls.__module__ in ("builtins", "__main__"):
-        return cls.__qualname__
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -111,6 +115,8 @@ class Dispatcher:
         grace_period: For the DRAINING message.
         flush: Send what the protocol queued (ERROR, STREAM_END, RELEASE), no waiting.
         send_reply: Send a reply, waiting a bounded time; ``(call, frames, keepalive)``.
+        compression: How results are compressed for a call that asks (``COMPRESS``) from
+            a client that decodes zstd; None: never.
         interceptors: The engine's interceptors, outermost first (`tensorrpc._interceptors`).
     """
 
@@ -127,9 +133,11 @@ class Dispatcher:
         grace_period: float,
         flush: Callable[[], None],
         send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
+        compression: Compression | None = None,
         interceptors: tuple[Any, ...] = (),
     ) -> None:
         self._proto = proto
+        self._compression = compression
         self._engine_id = engine_id
         self._capacity = max_concurrency
         self._limiter = anyio.CapacityLimiter(sync_workers)
@@ -243,10 +251,16 @@ class Dispatcher:
     # -- one call ---------------------------------------------------------------------------
 
     def _error(
-        self, call: Call, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
+        self,
+        call: Call,
+        code: ErrorCode,
+        message: str,
+        type_name: str = "",
+        tb: str = "",
+        path: tuple[str | int, ...] = (),
     ) -> None:
         self._detach(call)
-        if self._proto.error_reply(call, code, message, type_name, tb):
+        if self._proto.error_reply(call, code, message, type_name, tb, path):
             self._flush()
             if call.observed is not None:  # observe: an ERROR reply to an observed call
                 call.observed.error(code.name)
@@ -352,7 +366,7 @@ class Dispatcher:
                     self._proto.args_resolved(call, lazy.inner.leases)
             return call.spec.decode_args(wire)
         except ValidationError as exc:
-            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc))
+            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc), path=path_parts(exc.path))
         except DecodeError as exc:
             self._error(call, ErrorCode.DECODE, str(exc))
         except TensorTransportError as exc:
@@ -367,7 +381,12 @@ class Dispatcher:
         placer = self._placer(call)
         try:
             wire = call.spec.check_result(value)
-            encoded = _codec.encode(wire, self._codec, placer=placer)
+            compression = None
+            results = call.results
+            # Compressed results when asked, never with torch_shm.
+            if results & _COMPRESS and not results & _SHM_BITS and ZSTD in call.session.compression:
+                compression = self._compression
+            encoded = _codec.encode(wire, self._codec, placer=placer, compression=compression)
             # A frame over the client's MAXMSGSIZE makes its ZMQ drop the connection
             # (and every call on it) without a word: refuse it here instead.
             _codec.check_message_size(
@@ -388,6 +407,7 @@ class Dispatcher:
                 ErrorCode.BAD_RESULT,
                 bad_result_message(call.spec.qualname, exc),
                 type_name(exc),
+                path=path_parts(exc.path) if isinstance(exc, ValidationError) else (),
             )
         except TensorTransportError as exc:
             self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
@@ -398,7 +418,7 @@ class Dispatcher:
         # torch_shm when it can attach to ours, and shm.peer_receives says it told us so.
         results = call.results
         shm = call.session.shm
-        if not results or shm is None:
+        if not results & _SHM_BITS or shm is None:
             return None
         mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
         return self._policy.placer(mode, call.session, peer_receives=shm.peer_receives)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from tensorrpc._exceptions import EngineNotFoundError
-from tensorrpc._protocol import FEATURE_CALL_RELEASES, MAX_SIGNATURE_CHARS
+from tensorrpc._protocol import MAX_SIGNATURE_CHARS
 from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
@@ -78,16 +78,15 @@ class EngineInfo:
         methods: Method names the engine serves.
         address: The address the client dialled to reach it, or ``None`` when the engine
             dialled in.
-        streaming: The names of the methods that stream (meaningful only when
-            ``signatures`` is not empty: older engines announce neither).
+        streaming: The names of the methods that stream.
         signatures: One signature per entry of ``methods``, in the same order
-            (``"add(a: int, b: int = 1) -> int"``), or empty when not announced.
+            (``"add(a: int, b: int = 1) -> int"``; cut, or empty, when the HELLO was
+            too long).
         max_message_bytes: The largest message frame the engine accepts (its
-            ``maxmsgsize``), or 0 when it has no limit or did not announce one.
+            ``maxmsgsize``), or 0 when it has no limit.
         dead_after_ms: How long the engine waits without hearing from this client before
-            it forgets it, or 0 when not announced.
-        features: Optional protocol features the engine announced (``"trace_context"``,
-            ``"statistics"``); empty for engines that predate them.
+            it forgets it.
+        compression: Compression codecs the engine decodes (``"zstd"``); empty: none.
     """
 
     engine_id: str
@@ -104,8 +103,8 @@ class EngineInfo:
     streaming: tuple[str, ...] = ()
     signatures: tuple[str, ...] = ()
     max_message_bytes: int = 0
-    dead_after_ms: int = 0
-    features: tuple[str, ...] = ()
+    dead_after_ms: int = 5000
+    compression: tuple[str, ...] = ()
 
 
 def check_hello(
@@ -181,9 +180,7 @@ def schema_diff(ours: Mapping[str, str], info: EngineInfo) -> str:
         the names and announced signatures are the same (the difference is then in types
         they name, such as a dataclass's fields).
     """
-    theirs = dict.fromkeys(info.methods, "")
-    if len(info.signatures) == len(info.methods):
-        theirs = dict(zip(info.methods, info.signatures, strict=True))
+    theirs = dict(zip(info.methods, info.signatures, strict=True))
     parts: list[str] = []
     added = [name for name in theirs if name not in ours]
     removed = [name for name in ours if name not in theirs]
@@ -204,8 +201,8 @@ def schema_diff(ours: Mapping[str, str], info: EngineInfo) -> str:
         more = len(changed) - _DIFF_NAMES
         parts.append("changed: " + shown + (f"; and {more} more" if more > 0 else ""))
     if not parts:
-        if not info.signatures:
-            return "the engine does not announce its signatures; the method names are the same"
+        if not all(info.signatures):
+            return "the method names are the same; the engine's HELLO cut its signatures"
         return (
             "the method names and signatures are the same: the difference is in types "
             "they name (a dataclass's fields, an enum's values)"
@@ -252,7 +249,7 @@ class Engine:
     info: EngineInfo
     #: ZMQ routing id of the engine's peer on the client's ROUTER socket.
     peer: bytes
-    #: The engine's session epoch (HELLO ``epoch``; 0 from engines that send none).
+    #: The engine's session epoch (HELLO ``epoch``).
     epoch: int = 0
     #: Our session epoch with this engine (sent in WELCOME).
     client_epoch: int = 0
@@ -283,21 +280,15 @@ class Engine:
     #: Result leases we are done with and have not returned yet (protocol §4 RELEASE,
     #: or the ``RELEASES`` bits of our next CALL).
     releases: list[int] = field(default_factory=list)
-    #: The engine reads lease ids in a CALL header (``"call_releases"`` in HELLO).
-    call_releases: bool = field(init=False)
     #: The engine's id (``info.engine_id``; a field: read on every call).
     engine_id: str = field(init=False)
-    #: The engine's announced bound in seconds (0: not announced).
+    #: The engine's announced bound in seconds: how long we may send it nothing before
+    #: it forgets the session.
     dead_after: float = field(init=False)
-    #: How long we may send the engine nothing before it forgets the session:
-    #: ``dead_after``, or ``inf`` when it announced no bound.
-    forgets_after: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.engine_id = self.info.engine_id
-        self.call_releases = FEATURE_CALL_RELEASES in self.info.features
         self.dead_after = self.info.dead_after_ms / 1000
-        self.forgets_after = self.dead_after or math.inf
 
     @property
     def in_flight(self) -> int:
@@ -414,7 +405,7 @@ class EngineTable:
         Such an engine has forgotten this client (and cancelled its calls), whatever it
         says next; this happens when the client's event loop stalls.
         """
-        return [e for e in self._order if e.info.dead_after_ms and now - e.sent > e.dead_after]
+        return [e for e in self._order if now - e.sent > e.dead_after]
 
     # -- selection ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ TensorRPCError
 ├─ SerializationError
 │  ├─ EncodeError                           a value cannot be encoded (type, size, dtype)
 │  ├─ DecodeError                           bytes from the wire cannot be decoded
+│  │  └─ DecompressionError                 a compressed frame is malformed or expands too far
 │  └─ ValidationError                       a value does not match the method's types
 ├─ TransportError                           the peer or the network broke
 │  ├─ ConnectError
@@ -40,6 +41,8 @@ here by `error_from_wire` and are never pickled.
 
 from __future__ import annotations
 
+import ast
+import re
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +58,7 @@ __all__ = [
     "ClosedError",
     "ConnectError",
     "DecodeError",
+    "DecompressionError",
     "DrainingError",
     "EncodeError",
     "EngineDeadError",
@@ -122,6 +126,17 @@ class EncodeError(SerializationError):
 
 class DecodeError(SerializationError):
     """Bytes from the wire cannot be decoded (malformed, forged or over a limit)."""
+
+
+class DecompressionError(DecodeError):
+    """A compressed payload or tensor frame from the wire was refused.
+
+    Its frame is malformed, does not declare its decompressed size, declares another size
+    than the tensor's or one over the receiver's limits, expands beyond what it declared
+    (a decompression bomb), or names a codec this side did not offer. Nothing beyond the
+    declared size is ever allocated. An engine answers such a CALL with ``DECODE`` (the
+    caller sees a [`DecodeError`][tensorrpc.DecodeError]) and keeps serving.
+    """
 
 
 class ValidationError(SerializationError):
@@ -235,6 +250,12 @@ class MethodNotFoundError(CallError):
 class InvalidArgumentError(CallError):
     """The engine refused the arguments (wrong type, missing, malformed)."""
 
+    def __init__(self, message: str, path: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        #: Where the bad value sits, as the engine's ERROR said: ``("req", "items", 3)``
+        #: (empty when the refusal names no value).
+        self.path = path
+
 
 class CallTimeoutError(CallError, TimeoutError):
     """The call's deadline passed."""
@@ -318,7 +339,29 @@ class ErrorCode(IntEnum):
     PERMISSION_DENIED = 12
 
 
-def error_from_wire(code: int, remote_type: str, message: str, traceback: str) -> TensorRPCError:
+#: One segment of a `ValidationError.path` after its root: ``.name``, ``[3]``, ``['key']``.
+_SEGMENT = re.compile(r"""\.([^.\[]+)|\[(\d+)\]|\[('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\]""")
+
+
+def path_parts(path: str) -> tuple[str | int, ...]:
+    """``"req.items[3].tags['k']"`` as ``("req", "items", 3, "tags", "k")``: the
+    structured path ERROR carries (docs/protocol.md §4, ErrorInfo)."""
+    root = re.match(r"[^.\[]*", path)
+    end = root.end() if root else 0
+    parts: list[str | int] = [path[:end]] if end else []
+    for match in _SEGMENT.finditer(path, end):
+        name, index, key = match.groups()
+        parts.append(name if name is not None else int(index) if index else ast.literal_eval(key))
+    return tuple(parts)
+
+
+def error_from_wire(
+    code: int,
+    remote_type: str,
+    message: str,
+    traceback: str,
+    path: tuple[str | int, ...] = (),
+) -> TensorRPCError:
     """Rebuild the local exception for an ERROR message received from an engine.
 
     The engine's texts are escaped here (`_text.peer_text`, lines kept): whoever prints
@@ -333,7 +376,7 @@ def error_from_wire(code: int, remote_type: str, message: str, traceback: str) -
         case ErrorCode.METHOD_NOT_FOUND:
             return MethodNotFoundError(message)
         case ErrorCode.INVALID_ARGUMENT:
-            return InvalidArgumentError(message)
+            return InvalidArgumentError(message, path)
         case ErrorCode.DECODE:
             return DecodeError(f"engine could not decode the call: {message}")
         case ErrorCode.DEADLINE_EXCEEDED:

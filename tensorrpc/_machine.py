@@ -20,20 +20,30 @@ Payloads and tensor buffers stay opaque, so zero copy is kept.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 from tensorrpc._protocol import MessageKind, Release, encode_control
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable, Sequence
+    from collections.abc import Hashable, Iterable, Sequence
 
-__all__ = ["MAX_RELEASE_LEASES", "Machine", "Send", "release_frames"]
+__all__ = [
+    "MAX_RELEASE_LEASES",
+    "Machine",
+    "Send",
+    "Transition",
+    "release_frames",
+    "render_transitions",
+]
 
 #: Lease ids per RELEASE message (docs/protocol.md §4, Release): longer lists are split.
 MAX_RELEASE_LEASES: Final = 4096
 
 P = TypeVar("P", bound="Hashable")
 E = TypeVar("E")
+S = TypeVar("S", bound=Enum)
 
 #: One message to send: the peer (routing id or key) and its frames after the routing id.
 Send = tuple[P, list[Any]]
@@ -70,3 +80,26 @@ def release_frames(leases: Sequence[int]) -> list[list[bytes]]:
         encode_control(MessageKind.RELEASE, Release(unique[i : i + MAX_RELEASE_LEASES]))
         for i in range(0, len(unique), MAX_RELEASE_LEASES)
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class Transition(Generic[S]):
+    """One row of a machine's transition table (docs/protocol.md renders the tables).
+
+    ``kinds`` are the message kinds the machine dispatches the row on: rows that share a
+    (state, kind) share a handler, which tells them apart (the ``input`` says how);
+    empty for a timer, a local input, or a row about every kind.
+    """
+
+    state: S
+    kinds: tuple[MessageKind, ...]
+    input: str
+    action: str
+    next: S
+
+
+def render_transitions(rows: Iterable[Transition[Any]]) -> str:
+    """The Markdown table docs/protocol.md shows for ``rows``."""
+    lines = ["| state | input | action | next state |", "|---|---|---|---|"]
+    lines += [f"| {r.state.value} | {r.input} | {r.action} | {r.next.value} |" for r in rows]
+    return "\n".join(lines) + "\n"

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from tensorrpc._security import CurveConfig
 
 __all__ = [
-    "FEATURES",
     "STATISTICS_METHOD",
     "CallObservation",
     "Observer",
@@ -53,8 +52,6 @@ T = TypeVar("T")
 #: The built-in engine method that answers with the engine's statistics (a map), read by
 #: ``tensorrpc top``. A dot never appears in a service's method names, so it cannot clash.
 STATISTICS_METHOD: Final = "_tensorrpc.statistics"
-#: What an engine announces in HELLO's ``features``.
-FEATURES: Final = ("trace_context", "statistics")
 
 
 class CallObservation:
@@ -443,7 +440,6 @@ def client_call(
     service: str,
     method: str,
     engine: str,
-    features: Sequence[str],
     stream: bool,
     nbytes: int,
     shm_tensors: int,
@@ -456,7 +452,6 @@ def client_call(
         service: The service name.
         method: The method name.
         engine: The engine id.
-        features: The engine's HELLO ``features``.
         stream: Whether the call streams.
         nbytes: Bytes of payload and tensor frames.
         shm_tensors: Argument tensors sent by ``torch_shm`` handle.
@@ -464,11 +459,11 @@ def client_call(
 
     Returns:
         The observation (or None) and the trace context the CALL carries (``TRACE``):
-        the observation's, when it has one and the engine reads it; else ``b""``.
+        the observation's, when it has one; else ``b""``.
     """
     transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
     observation = observer.client_call(service, method, engine, stream, nbytes, transport)
-    if observation is not None and "trace_context" in features:
+    if observation is not None:
         return observation, observation.trace_context()
     return observation, b""
 
@@ -500,6 +495,10 @@ def _counters(c: Any) -> dict[str, int]:
     }
 
 
+def _releases_refused(detail: Any) -> int:
+    return 0 if detail is None else int(detail.releases_refused)
+
+
 def statistics_body(stats: Any, *, service: str, pid: int, started: float) -> dict[str, Any]:
     """The map the statistics method answers with (documented in docs/protocol.md).
 
@@ -527,7 +526,10 @@ def statistics_body(stats: Any, *, service: str, pid: int, started: float) -> di
         "bytes_out": sum(c.bytes_out for c in clients),
         "transports": {
             "frames": _counters(stats.transports.frames),
-            "torch_shm": _counters(stats.transports.torch_shm),
+            "torch_shm": {
+                **_counters(stats.transports.torch_shm),
+                "releases_refused": _releases_refused(stats.transports.torch_shm_detail),
+            },
         },
         "latency_buckets_per_octave": LATENCY_BUCKETS_PER_OCTAVE,
         "methods": {

@@ -22,7 +22,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, cast
@@ -54,12 +54,12 @@ __all__ = [
     "MAX_LIST_ITEMS",
     "MAX_METHOD_BYTES",
     "MAX_NAME_CHARS",
+    "MAX_PATH_PARTS",
     "MAX_SIGNATURE_CHARS",
     "MAX_TEXT_CHARS",
     "MAX_TRACEBACK_CHARS",
     "PROTOCOL_VERSION",
     "TRACE_CONTEXT_BYTES",
-    "FEATURE_CALL_RELEASES",
     "Bye",
     "ControlBody",
     "Credit",
@@ -83,7 +83,6 @@ __all__ = [
     "pack_reply_header",
     "split_frames",
     "unpack_header",
-    "with_trace",
 ]
 
 #: The protocol version this implementation speaks (header byte 2).
@@ -97,8 +96,6 @@ HEADER_SIZE: Final = _HEADER.size
 MAX_METHOD_BYTES: Final = 255
 #: Most lease ids one CALL header carries (the ``RELEASES`` flag); more go by RELEASE.
 MAX_CALL_RELEASES: Final = 64
-#: The HELLO ``features`` name of an engine that reads the ``RELEASES`` CALL flag.
-FEATURE_CALL_RELEASES: Final = "call_releases"
 #: Longest identifier-like string in a control body (ids, names, fingerprints, reasons).
 MAX_NAME_CHARS: Final = 1024
 #: Longest free-text string in a control body (``message`` fields).
@@ -116,6 +113,8 @@ MAX_CONTROL_BYTES: Final = 4 * 1024 * 1024
 MAX_CONTROL_OBJECTS: Final = 32 * 1024
 #: Default bound on the buffer frames after the payload of a value-carrying message.
 MAX_BUFFERS: Final = 1024
+#: Most entries of ERROR's ``path``.
+MAX_PATH_PARTS: Final = 256
 #: Longest entry of HELLO's ``signatures`` list, in characters.
 MAX_SIGNATURE_CHARS: Final = 4096
 #: Size of the binary W3C trace context a CALL with the ``TRACE`` flag carries at the end of
@@ -195,18 +194,19 @@ class Flags(IntFlag):
     #: transport is ``torch_shm``).
     SHM_RESULTS_ALL = 8
     #: The header frame ends with a `TRACE_CONTEXT_BYTES`-byte W3C trace context
-    #: (after the method name). Sent only to engines that list ``"trace_context"`` in
-    #: HELLO's ``features``.
+    #: (after the method name).
     TRACE = 16
     #: Right after the fixed header, before the method name, the frame carries result
     #: lease ids the client is done with (as a RELEASE would): a count byte ``k``
-    #: (1..`MAX_CALL_RELEASES`) and ``k`` u64 little-endian ids. Sent only to engines
-    #: that list ``"call_releases"`` in HELLO's ``features``.
+    #: (1..`MAX_CALL_RELEASES`) and ``k`` u64 little-endian ids.
     RELEASES = 32
     #: The header frame carries a metadata block (`tensorrpc._metadata`): on a CALL
     #: after the fixed header and any lease ids, before the method name; on a RESULT or
     #: STREAM_END (the only other kinds that may set it) right after the fixed header.
     METADATA = 64
+    #: The engine may compress the results' payload and tensor frames with a codec the
+    #: client listed in WELCOME's ``compression`` (never what goes by ``torch_shm``).
+    COMPRESS = 128
 
 
 _KNOWN_FLAGS: Final = int(
@@ -217,6 +217,7 @@ _KNOWN_FLAGS: Final = int(
     | Flags.TRACE
     | Flags.RELEASES
     | Flags.METADATA
+    | Flags.COMPRESS
 )
 _TRACE: Final = int(Flags.TRACE)
 _RELEASES: Final = int(Flags.RELEASES)
@@ -403,8 +404,7 @@ def pack_call_header(
         trace: A binary W3C trace context of `TRACE_CONTEXT_BYTES` bytes to carry
             (sets the ``TRACE`` flag), or empty for none.
         releases: Result lease ids (each 1..2**63-1, at most `MAX_CALL_RELEASES`) to
-            carry (sets the ``RELEASES`` flag), or empty for none. Only for an engine
-            that lists ``"call_releases"`` in HELLO's ``features``.
+            carry (sets the ``RELEASES`` flag), or empty for none.
         metadata: The request metadata block (`tensorrpc._metadata.encode_block`, sets
             the ``METADATA`` flag), or empty for none.
 
@@ -452,29 +452,6 @@ def _release_block(releases: Sequence[int]) -> bytes:
         if type(lease) is not int or not 0 < lease <= _I64_MAX:
             raise LocalProtocolError(f"lease id {lease!r} is out of range 1..{_I64_MAX}")
     return _RELEASE_BLOCKS[count].pack(count, *releases)
-
-
-def with_trace(header: bytes, trace: bytes) -> bytes:
-    """Add a trace context to a CALL header frame made by `pack_call_header`.
-
-    Args:
-        header: A CALL header frame without the ``TRACE`` flag.
-        trace: The binary W3C trace context, `TRACE_CONTEXT_BYTES` bytes.
-
-    Returns:
-        The header frame with the ``TRACE`` flag set and ``trace`` appended.
-
-    Raises:
-        LocalProtocolError: ``header`` already has a trace, or ``trace`` has the wrong size.
-    """
-    if len(trace) != TRACE_CONTEXT_BYTES:
-        raise LocalProtocolError(
-            f"a trace context is {TRACE_CONTEXT_BYTES} bytes, not {len(trace)}"
-        )
-    flags = int.from_bytes(header[4:6], "little")
-    if flags & _TRACE:
-        raise LocalProtocolError("the CALL header already carries a trace context")
-    return header[:4] + (flags | _TRACE).to_bytes(2, "little") + header[6:] + trace
 
 
 def pack_reply_header(kind: MessageKind, call_id: int = 0) -> bytes:
@@ -962,29 +939,25 @@ class Hello:
     heartbeat_ms: int = 1000
     #: The service's method names.
     methods: tuple[str, ...] = ()
-    #: The names of the methods that stream (optional). Only meaningful when
-    #: ``signatures`` is announced: an engine that predates these fields sends neither.
+    #: The names of the methods that stream.
     streaming: tuple[str, ...] = ()
     #: One human-readable signature per entry of ``methods``, in the same order
-    #: (``"add(a: int, b: int = 1) -> int"``); optional, empty when not announced.
+    #: (``"add(a: int, b: int = 1) -> int"``), for tools.
     signatures: tuple[str, ...] = ()
-    #: The largest message frame the engine accepts, in bytes (its ``maxmsgsize``);
-    #: optional, 0 when it has no limit or does not announce one. A client refuses to
-    #: send a frame over it rather than have the engine's ZMQ drop the connection.
+    #: The largest message frame the engine accepts, in bytes (its ``maxmsgsize``); 0:
+    #: no limit. A client refuses to send a frame over it rather than have the engine's
+    #: ZMQ drop the connection.
     max_message_bytes: int = 0
-    #: Optional protocol features the engine supports (optional, empty when not
-    #: announced): ``"trace_context"`` (it reads the ``TRACE`` CALL flag) and
-    #: ``"statistics"`` (it answers the built-in ``_tensorrpc.statistics`` method).
-    features: tuple[str, ...] = ()
-    #: The engine's session epoch with this client (optional; 0 when not announced): a
-    #: random u64 (1..2**64-1) drawn per session. A HELLO repeating the epoch belongs to
-    #: the same session; a new epoch from a known engine id means the engine lost the
-    #: session and every call in flight on it.
-    epoch: int = 0
+    #: The engine's session epoch with this client: a random u64 (1..2**64-1) drawn per
+    #: session (the engine fills it in). A HELLO repeating the epoch belongs to the same
+    #: session; a new epoch from a known engine id means the engine lost the session and
+    #: every call in flight on it.
+    epoch: int = 1
     #: How long the engine waits, in milliseconds, without a message from the client
-    #: before it declares the client dead (optional; 0 when not announced). The client
-    #: PINGs often enough for it.
-    dead_after_ms: int = 0
+    #: before it declares the client dead (1..2**32-1). The client PINGs often enough.
+    dead_after_ms: int = 5000
+    #: Compression codecs the engine can decode (empty: none): ``"zstd"``.
+    compression: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1001,24 +974,24 @@ class Welcome:
     heartbeat_ms: int = 1000
     #: Stream items an engine may send per stream before it needs CREDIT.
     stream_window: int = 16
-    #: The client's process id, as it claims (optional; 0 when unknown): a hint, used
-    #: only by an engine configured to trust unattested peers over tcp.
+    #: The client's process id, as it claims: a hint, used only by an engine configured
+    #: to trust unattested peers over tcp.
     pid: int = 0
-    #: The largest message frame the client accepts, in bytes (its ``maxmsgsize``);
-    #: optional, 0 when it has no limit or does not announce one. An engine refuses to
-    #: send a result frame over it (``BAD_RESULT``) rather than have it dropped.
+    #: The largest message frame the client accepts, in bytes (its ``maxmsgsize``); 0:
+    #: no limit. An engine refuses to send a result frame over it (``BAD_RESULT``).
     max_message_bytes: int = 0
-    #: The client's session epoch with this engine (optional; 0 when not announced): a
-    #: random u64 (1..2**64-1) drawn per session. An engine that sees a WELCOME with a
-    #: new epoch from a client it has a session with knows the client lost that session.
-    epoch: int = 0
+    #: The client's session epoch with this engine: a random u64 (1..2**64-1) drawn per
+    #: session (the client fills it in). An engine that sees a WELCOME with a new epoch
+    #: from a client it has a session with knows the client lost that session.
+    epoch: int = 1
     #: How long the client waits, in milliseconds, without a message from the engine
-    #: before it declares the engine dead (optional; 0 when not announced). The engine
-    #: PINGs often enough for it.
-    dead_after_ms: int = 0
-    #: The client's schema fingerprint (optional; "" when not announced or schema-less),
-    #: so that an engine can refuse a mismatch too.
+    #: before it declares the engine dead (1..2**32-1). The engine PINGs often enough.
+    dead_after_ms: int = 5000
+    #: The client's schema fingerprint, so that an engine can refuse a mismatch too;
+    #: "" for a schema-less client (it admits any schema).
     fingerprint: str = ""
+    #: Compression codecs the client can decode (empty: none): ``"zstd"``.
+    compression: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1067,17 +1040,21 @@ class ErrorInfo:
     message: str = ""
     #: Formatted remote traceback text ("" when none).
     traceback: str = field(default="", repr=False)
+    #: Where the refused value sits (INVALID_ARGUMENT, BAD_RESULT): the parameter or
+    #: ``"result"`` first, then field names and indexes, ``("req", "items", 3, "x")``;
+    #: empty when the error names no value.
+    path: tuple[str | int, ...] = ()
 
     def to_exception(self) -> TensorRPCError:
         """Build the local exception this error stands for (see ``error_from_wire``)."""
-        return error_from_wire(self.code, self.type, self.message, self.traceback)
+        return error_from_wire(self.code, self.type, self.message, self.traceback, self.path)
 
 
 #: Any control-message body.
 ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release
 
 # Field schema per body class: (name, kind, limit). kind: "str" | "name" | "int" | "strs" |
-# "names" | "bytes" | "ints". A "name" is a "str" without control characters (_text.CONTROL):
+# "names" | "ints". A "name" is a "str" without control characters (_text.CONTROL):
 # ids, reasons and type names are refused with one, so no log line or terminal gets it raw.
 _Field: TypeAlias = tuple[str, str, int]
 _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
@@ -1095,9 +1072,9 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("streaming", "names", MAX_METHOD_BYTES),
         ("signatures", "names", MAX_SIGNATURE_CHARS),
         ("max_message_bytes", "int", _I64_MAX),
-        ("features", "names", MAX_NAME_CHARS),
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
+        ("compression", "names", MAX_NAME_CHARS),
     ),
     Welcome: (
         ("client_id", "name", MAX_NAME_CHARS),
@@ -1110,6 +1087,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("fingerprint", "name", MAX_NAME_CHARS),
+        ("compression", "names", MAX_NAME_CHARS),
     ),
     Reject: (("reason", "name", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "name", MAX_NAME_CHARS),),
@@ -1120,6 +1098,7 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("type", "name", MAX_NAME_CHARS),
         ("message", "str", MAX_TEXT_CHARS),
         ("traceback", "str", MAX_TRACEBACK_CHARS),
+        ("path", "path", MAX_NAME_CHARS),
     ),
 }
 _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
@@ -1131,26 +1110,9 @@ _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
     MessageKind.ERROR: ErrorInfo,
     MessageKind.RELEASE: Release,
 }
-_MIN_INT: Final = {"n": 1}  # CREDIT of 0 items means nothing and is refused
-# Fields added after version 1 shipped: a peer that omits them gets the default.
-_OPTIONAL: Final = frozenset(
-    {
-        (Hello, "streaming"),
-        (Hello, "signatures"),
-        (Hello, "max_message_bytes"),
-        (Hello, "features"),
-        (Welcome, "pid"),
-        (Welcome, "max_message_bytes"),
-        (Hello, "epoch"),
-        (Hello, "dead_after_ms"),
-        (Welcome, "epoch"),
-        (Welcome, "dead_after_ms"),
-        (Welcome, "fingerprint"),
-    }
-)
-_DEFAULTS: Final[dict[tuple[type[Any], str], object]] = {
-    (cls, name): next(f.default for f in fields(cls) if f.name == name) for cls, name in _OPTIONAL
-}
+# CREDIT of 0 items means nothing; epoch 0 and a dead-after bound of 0 name no session
+# and no bound: all three are refused.
+_MIN_INT: Final = {"n": 1, "epoch": 1, "dead_after_ms": 1}
 
 
 _ErrorType: TypeAlias = type[TensorRPCError]
@@ -1181,14 +1143,6 @@ def _check_int_field(where: str, name: str, limit: int, value: object, error: _E
     return int(value)
 
 
-def _check_bytes(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
-    if type(value) is not bytes:
-        raise error(f"{where} must be bytes, not {type(value).__name__}")
-    if len(value) > limit:
-        raise error(f"{where} is {len(value)} bytes long; the limit is {limit}")
-    return value
-
-
 def _check_ints(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
     if not isinstance(value, list | tuple):
         raise error(f"{where} must be a list of integers, not {type(value).__name__}")
@@ -1213,6 +1167,22 @@ def _check_strs(where: str, name: str, limit: int, value: object, error: _ErrorT
     return tuple(value)
 
 
+def _check_path(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
+    if not isinstance(value, list | tuple):
+        raise error(f"{where} must be a list, not {type(value).__name__}")
+    if len(value) > MAX_PATH_PARTS:
+        raise error(f"{where} has {len(value)} entries; the limit is {MAX_PATH_PARTS}")
+    for i, item in enumerate(value):
+        if type(item) is int:
+            if not 0 <= item <= _I64_MAX:
+                raise error(f"{where}[{i}]={item} is out of range 0..{_I64_MAX}")
+        elif type(item) is str:
+            _check_name(f"{where}[{i}]", name, limit, item, error)
+        else:
+            raise error(f"{where}[{i}] must be a string or an integer, not {type(item).__name__}")
+    return tuple(value)
+
+
 def _check_names(where: str, name: str, limit: int, value: object, error: _ErrorType) -> object:
     items = _check_strs(where, name, limit, value, error)
     for i, item in enumerate(cast("tuple[str, ...]", items)):
@@ -1225,10 +1195,10 @@ _FIELD_CHECKS: Final[dict[str, Callable[[str, str, int, object, _ErrorType], obj
     "str": _check_str,
     "name": _check_name,
     "int": _check_int_field,
-    "bytes": _check_bytes,
     "ints": _check_ints,
     "strs": _check_strs,
     "names": _check_names,
+    "path": _check_path,
 }
 
 
@@ -1275,6 +1245,8 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
             f"{kind.name} needs a {expected.__name__} body, not {type(body).__name__}"
         )
     body_name = expected.__name__
+    if isinstance(body, Hello):
+        _check_hello_lists(body, LocalProtocolError)
     wire: dict[str, object] = {}
     for name, ftype, limit in _SCHEMAS[expected]:
         wire[name] = _check_field(
@@ -1286,16 +1258,7 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
         raise LocalProtocolError(f"cannot encode {body_name}: {exc}") from exc
     cap = MAX_BODY_BYTES[kind]
     if len(payload) > cap and isinstance(body, Hello) and body.signatures:
-        # Signatures are for tools, never checked: cut them rather than refuse to join.
-        for chars in (1024, 256, 64, 0):
-            if chars:
-                cut = tuple(_truncate_signature(text, chars) for text in body.signatures)
-            else:
-                cut = tuple("" for _ in body.signatures)
-            wire["signatures"] = cut
-            payload = ormsgpack.packb(wire)
-            if len(payload) <= cap:
-                break
+        payload = _cut_signatures(wire, body.signatures, cap)
     if len(payload) > cap:
         raise LocalProtocolError(
             f"{body_name} encodes to {len(payload)} bytes; the limit for {kind.name} is {cap}"
@@ -1305,6 +1268,20 @@ def encode_control(kind: MessageKind, body: ControlBody | None, call_id: int = 0
 
 def _truncate_signature(text: str, chars: int) -> str:
     return text if len(text) <= chars else text[: chars - 4] + " ..."
+
+
+def _cut_signatures(wire: dict[str, object], signatures: tuple[str, ...], cap: int) -> bytes:
+    """A HELLO payload with its signatures cut (to 1024, 256, 64 characters, then empty)
+    until it fits ``cap``: they are for tools, never checked, so cut rather than refuse."""
+    payload = b""
+    for chars in (1024, 256, 64, 0):
+        wire["signatures"] = tuple(
+            _truncate_signature(t, chars) if chars else "" for t in signatures
+        )
+        payload = ormsgpack.packb(wire)
+        if len(payload) <= cap:
+            break
+    return payload
 
 
 def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
@@ -1327,7 +1304,11 @@ def encode_error(call_id: int, info: ErrorInfo) -> list[bytes]:
         message = _truncate(info.message, MAX_TEXT_CHARS)
         traceback = _truncate(info.traceback, MAX_TRACEBACK_CHARS)
         if message is not info.message or traceback is not info.traceback:
-            info = ErrorInfo(info.code, info.type, message, traceback)
+            info = ErrorInfo(info.code, info.type, message, traceback, info.path)
+    try:
+        _check_path("ErrorInfo.path", "path", MAX_NAME_CHARS, info.path, LocalProtocolError)
+    except LocalProtocolError:  # a key it cannot carry: the message still names it
+        info = ErrorInfo(info.code, info.type, info.message, info.traceback, ())
     try:
         header = _pack(MAGIC, PROTOCOL_VERSION, MessageKind.ERROR, 0, 0, call_id, 0)
     except struct.error as exc:
@@ -1413,10 +1394,21 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
         try:
             value = wire[name]
         except KeyError:
-            if (cls, name) in _OPTIONAL:
-                values.append(_DEFAULTS[cls, name])
-                continue
             raise RemoteProtocolError(f"{body_name} is missing the field {name!r}") from None
         values.append(_check_field(body_name, name, ftype, limit, value, RemoteProtocolError))
     body: ControlBody = cls(*values)
+    if cls is Hello:
+        _check_hello_lists(body, RemoteProtocolError)  # type: ignore[arg-type]
     return body
+
+
+def _check_hello_lists(hello: Hello, error: _ErrorType) -> None:
+    """One signature per method; only methods stream."""
+    if len(hello.signatures) != len(hello.methods):
+        raise error(
+            f"Hello.signatures has {len(hello.signatures)} entries for "
+            f"{len(hello.methods)} methods; one per method is required"
+        )
+    stray = set(hello.streaming).difference(hello.methods)
+    if stray:
+        raise error(f"Hello.streaming names {len(stray)} entries that are not methods")

@@ -96,10 +96,6 @@ def check_public_key(key: bytes, what: str) -> bytes:
         TypeError: It is not bytes.
         ValueError: It is not 40 characters of valid z85.
     """
-    return _check_key(key, what)
-
-
-def _check_key(key: bytes, what: str) -> bytes:
     if not isinstance(key, bytes):
         raise TypeError(f"{what} must be z85-encoded bytes, not {type(key).__name__}")
     if len(key) != _Z85_KEY_LEN:
@@ -128,8 +124,8 @@ class CurveKeyPair:
     secret_key: bytes = field(repr=False)
 
     def __post_init__(self) -> None:
-        _check_key(self.public_key, "public_key")
-        _check_key(self.secret_key, "secret_key")
+        check_public_key(self.public_key, "public_key")
+        check_public_key(self.secret_key, "secret_key")
         if zmq.curve_public(self.secret_key) != self.public_key:
             raise ValueError("public_key does not belong to secret_key")
 
@@ -164,7 +160,9 @@ class CurveServerConfig:
         if isinstance(clients, (bytes, str)):
             raise TypeError("allowed_clients is a collection of keys, not one key")
         if self.allowed_clients is not None:
-            keys = frozenset(_check_key(k, "allowed client key") for k in self.allowed_clients)
+            keys = frozenset(
+                check_public_key(k, "allowed client key") for k in self.allowed_clients
+            )
             object.__setattr__(self, "allowed_clients", keys)
 
 
@@ -190,7 +188,7 @@ class CurveClientConfig:
     server_public_key: bytes
 
     def __post_init__(self) -> None:
-        _check_key(self.server_public_key, "server_public_key")
+        check_public_key(self.server_public_key, "server_public_key")
 
 
 #: Either side's CURVE configuration, as ``create_socket(curve=...)`` takes it.
@@ -218,20 +216,19 @@ _BANNER: Final = """#   ****  Generated on {now} by tensorrpc  ****
 
 
 def _cert_text(keypair: CurveKeyPair, *, secret: bool) -> str:
+    kind, advice = (
+        (
+            "**Secret** Certificate",
+            "DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
+        )
+        if secret
+        else (
+            "Public Certificate",
+            "Give this file to the peers; check its contents after exchange.",
+        )
+    )
     now = datetime.now().isoformat(timespec="seconds")
-    if secret:
-        banner = _BANNER.format(
-            now=now,
-            kind="**Secret** Certificate",
-            advice="DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
-        )
-    else:
-        banner = _BANNER.format(
-            now=now,
-            kind="Public Certificate",
-            advice="Give this file to the peers; check its contents after exchange.",
-        )
-    text = banner + "metadata\ncurve\n"
+    text = _BANNER.format(now=now, kind=kind, advice=advice) + "metadata\ncurve\n"
     text += f'    public-key = "{keypair.public_key.decode("ascii")}"\n'
     if secret:
         text += f'    secret-key = "{keypair.secret_key.decode("ascii")}"\n'
@@ -334,7 +331,7 @@ def load_public_key(path: str | os.PathLike[str]) -> bytes:
     import zmq.auth
 
     public, _ = zmq.auth.load_certificate(path)
-    return _check_key(public, f"public key in {os.fspath(path)}")
+    return check_public_key(public, f"public key in {os.fspath(path)}")
 
 
 def load_public_keys(directory: str | os.PathLike[str]) -> frozenset[bytes]:
@@ -526,7 +523,9 @@ class ZapAuthenticator:
         """
         allowed = None
         if allowed_clients is not None:
-            allowed = frozenset(z85.decode(_check_key(k, "client key")) for k in allowed_clients)
+            allowed = frozenset(
+                z85.decode(check_public_key(k, "client key")) for k in allowed_clients
+            )
         domain = f"tensorrpc.{secrets.token_hex(8)}"
         self._domains[domain] = _Domain(allowed)
         return domain
@@ -542,7 +541,7 @@ class ZapAuthenticator:
             ValueError: A key is malformed.
         """
         entry = self._domains[domain]
-        raw = frozenset(z85.decode(_check_key(k, "client key")) for k in keys)
+        raw = frozenset(z85.decode(check_public_key(k, "client key")) for k in keys)
         if entry.allowed is None:
             return
         new = raw - entry.allowed
@@ -556,7 +555,7 @@ class ZapAuthenticator:
         entry = self._domains.get(domain)
         if entry is None or entry.allowed is None:
             return
-        gone = frozenset(z85.decode(_check_key(k, "client key")) for k in keys) & entry.added
+        gone = frozenset(z85.decode(check_public_key(k, "client key")) for k in keys) & entry.added
         entry.added -= gone
         entry.allowed = entry.allowed - gone
 

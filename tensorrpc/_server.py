@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
 import anyio
 import zmq
 
-from tensorrpc import _codec, _observe
+from tensorrpc import _codec, _compression, _observe
 from tensorrpc._batch_runner import BatchRunners
+from tensorrpc._compression import Compression
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import (
     ClosedError,
@@ -51,12 +52,12 @@ from tensorrpc._exceptions import (
     PeerUnreachableError,
     TransportError,
 )
+from tensorrpc._health import HealthStatus
 from tensorrpc._hostinfo import host_id as _host_id
 from tensorrpc._interceptors import check_interceptors
 from tensorrpc._liveness import check_heartbeat, to_ms
 from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
-    FEATURE_CALL_RELEASES,
     MAX_SIGNATURE_CHARS,
     PROTOCOL_VERSION,
     ErrorInfo,
@@ -114,6 +115,8 @@ __all__ = ["PeerStatistics", "Server", "ServerConfig", "ServerStatistics", "serv
 logger = logging.getLogger("tensorrpc.server")
 
 _NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
+#: How results are compressed by default for a client that asks (`ServerConfig.compression`).
+_RESULT_COMPRESSION: Final = Compression()
 #: Longest peer-written reason shown in a log line or an exception.
 _WHY_CHARS: Final = 512
 # How long the sockets may keep flushing the last replies and BYEs after close.
@@ -184,6 +187,11 @@ class ServerConfig:
     #: docs/observability.md); ``tensorrpc.metrics.exporter(port)`` exports Prometheus
     #: metrics over HTTP.
     observer: Observer | Sequence[Observer] | None = None
+    #: How results are compressed for a call that asks for it (a client's
+    #: ``compression=`` option), when ``zstandard`` is installed here (the
+    #: ``compression`` extra); None: never compress results. What travels by
+    #: ``torch_shm`` is never compressed.
+    compression: Compression | None = _RESULT_COMPRESSION
     #: Async interceptors around every call's handler, the first outermost (see
     #: docs/interceptors.md): ``async def icpt(context, proceed)``.
     interceptors: Sequence[ServerInterceptor] = ()
@@ -225,6 +233,7 @@ class ServerOptions(TypedDict, total=False):
     max_strangers: int
     max_parked_streams: int
     observer: Observer | Sequence[Observer] | None
+    compression: Compression | None
     interceptors: Sequence[ServerInterceptor]
 
 
@@ -334,7 +343,7 @@ def _protocol_settings(
         streaming=tuple(m.name for m in spec.methods.values() if m.streaming),
         signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
         max_message_bytes=max(0, maxmsgsize),
-        features=(*_observe.FEATURES, FEATURE_CALL_RELEASES),
+        compression=_compression.available(),
     )
     return ProtocolSettings(
         hello=hello,
@@ -465,6 +474,7 @@ class Server:
             grace_period=cfg.grace_period,
             flush=self._flush,
             send_reply=self._send_reply,
+            compression=cfg.compression if _compression.available() else None,
             interceptors=check_interceptors(cfg.interceptors, "engine"),
         )
         self._started = False
@@ -510,6 +520,27 @@ class Server:
     def addresses(self) -> tuple[str, ...]:
         """Dial-in mode: the client addresses this engine connects to."""
         return self._addresses
+
+    @property
+    def health(self) -> HealthStatus:
+        """What the built-in health method answers now (``NOT_SERVING`` while draining)."""
+        return self._proto.health()
+
+    def set_health(self, status: HealthStatus) -> None:
+        """Say whether this engine can serve, for health probes (a dependency is down).
+
+        Probes (``tensorrpc health``, [`Client.health`][tensorrpc.Client.health], the
+        Ray launcher) read it through the built-in health method, which the engine answers
+        without a worker. Calls are still accepted: routing traffic away is the prober's
+        job. Draining answers ``NOT_SERVING`` whatever was set.
+
+        Args:
+            status: ``HealthStatus.SERVING`` or ``HealthStatus.NOT_SERVING``.
+
+        Raises:
+            ValueError: Another status.
+        """
+        self._proto.set_health(HealthStatus(status))
 
     def statistics(self) -> ServerStatistics:
         """Return a snapshot of the engine's counters, with one entry per known client."""

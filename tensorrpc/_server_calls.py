@@ -40,7 +40,8 @@ __all__ = [
 
 _STREAM: Final = int(Flags.STREAM)
 _NO_WAIT: Final = int(Flags.NO_WAIT)
-_SHM_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL)
+# How the client wants its results: torch_shm, compressed (`ServerCall.results`).
+_RESULT_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL | Flags.COMPRESS)
 _INF: Final = float("inf")
 #: ``ServerCall.result`` before the handler returned.
 MISSING: Final = object()
@@ -51,6 +52,7 @@ ADMISSION: Final[tuple[tuple[str, ErrorCode], ...]] = (
     ("malformed frames", ErrorCode.PROTOCOL),
     ("no session", ErrorCode.PROTOCOL),
     ("call id in flight", ErrorCode.PROTOCOL),
+    ("health method: not unary, tensors, or bad arguments", ErrorCode.INVALID_ARGUMENT),
     ("draining", ErrorCode.DRAINING),
     ("unknown method", ErrorCode.METHOD_NOT_FOUND),
     ("stream flag does not match the method", ErrorCode.INVALID_ARGUMENT),
@@ -275,7 +277,7 @@ class CallQueue:
         timeout_ms: int = header.timeout_ms
         deadline = now + timeout_ms / 1000 if timeout_ms else _INF
         call = self._call_factory(
-            session, header.call_id, spec, fn, deadline, payload, buffers, flags & _SHM_BITS,
+            session, header.call_id, spec, fn, deadline, payload, buffers, flags & _RESULT_BITS,
             header.trace, header.metadata,
         )  # fmt: skip
         call.received = now

@@ -49,14 +49,15 @@ from __future__ import annotations
 
 import secrets
 import struct
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
+from tensorrpc._health import HEALTH_METHOD, HealthStatus, encode_answer, parse_request
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
-from tensorrpc._machine import Machine, release_frames
+from tensorrpc._machine import Machine, Transition, release_frames
 from tensorrpc._metadata import encode_block
 from tensorrpc._protocol import (
     HEADER_SIZE,
@@ -64,6 +65,7 @@ from tensorrpc._protocol import (
     Bye,
     Credit,
     ErrorInfo,
+    Flags,
     Header,
     Hello,
     MessageKind,
@@ -88,7 +90,7 @@ from tensorrpc._server_calls import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Collection, Mapping, Sequence
+    from collections.abc import Collection, Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -128,6 +130,8 @@ _RESULT: Final = MessageKind.RESULT
 _STREAM_ITEM: Final = MessageKind.STREAM_ITEM
 _STREAM_END: Final = MessageKind.STREAM_END
 _HEADER: Final = struct.Struct("<2sBBHHQI")
+#: The kinds a client sends about one call: a malformed one is answered ERROR(id).
+_NAMES_A_CALL: Final = frozenset({int(_CALL), int(_CANCEL), int(_CREDIT)})
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
 _INF: Final = float("inf")
@@ -138,6 +142,8 @@ HELLO_RETRY_MIN_S: Final = 0.05
 class SessionState(Enum):
     """Where an engine stands with one client."""
 
+    #: A listening engine has no entry for the peer (never stored).
+    NONE = "none"
     #: HELLO sent or owed; no WELCOME yet.
     GREETING = "hello"
     #: WELCOME received: calls are admitted.
@@ -146,56 +152,6 @@ class SessionState(Enum):
     PARTED = "parted"
     #: The client refused us (dial-in): we stopped trying.
     REJECTED = "rejected"
-
-
-#: The engine's transition table: (state, input, action, next state). docs/protocol.md
-#: carries the same table; ``tests/unit/test_server_protocol.py`` checks both against
-#: the behaviour. ``none`` is a listening engine's peer without an entry (a stranger).
-TRANSITIONS: Final[tuple[tuple[str, str, str, str], ...]] = (
-    ("none", "PING", "HELLO (new epoch; capped, rate-limited)", "hello"),
-    ("none", "CALL", "ERROR(id, PROTOCOL)", "none"),
-    ("none", "other message", "drop", "none"),
-    ("hello", "timer: hello due (dial-in)", "HELLO (same epoch, backoff)", "hello"),
-    ("hello", "PING", "HELLO (rate-limited)", "hello"),
-    ("hello", "WELCOME", "start the session", "live"),
-    ("hello", "malformed WELCOME", "REJECT protocol; forget (listen) or stop (dial-in)", "none"),
-    ("hello", "WELCOME with another fingerprint", "REJECT fingerprint", "none"),
-    ("hello", "CALL", "ERROR(id, PROTOCOL)", "hello"),
-    ("hello", "REJECT", "stop trying (dial-in) or forget (listen)", "rejected"),
-    (
-        "hello",
-        "REJECT duplicate_id (dial-in)",
-        "HELLO again after a growing delay (heartbeat, doubled, at most dead_after)",
-        "hello",
-    ),
-    ("hello", "timer: dead_after (listen)", "forget the stranger", "none"),
-    ("live", "PING", "PONG (same nonce)", "live"),
-    ("live", "PING nonce 0", "PONG 0 and HELLO (same epoch, rate-limited)", "live"),
-    (
-        "live",
-        "CALL",
-        "pass on the result leases it returns (RELEASES); admit (ADMISSION) or ERROR",
-        "live",
-    ),
-    ("live", "CALL with an id in flight", "cancel the original; ERROR(id, PROTOCOL)", "live"),
-    (
-        "live",
-        "CANCEL",
-        "cancel the call (no reply; once its handler is done, RELEASE its torch_shm "
-        "argument leases)",
-        "live",
-    ),
-    ("live", "CREDIT", "add credit; wake the stream", "live"),
-    ("live", "WELCOME, same epoch", "ignore", "live"),
-    ("live", "WELCOME, new epoch", "cancel the calls; new session", "live"),
-    ("live", "BYE", "cancel the calls; end the session", "parted"),
-    ("live", "REJECT", "cancel the calls; end the session", "rejected"),
-    ("live", "timer: ping due", "PING", "live"),
-    ("live", "timer: dead_after", "cancel the calls; end the session; HELLO (new epoch)", "hello"),
-    ("parted", "any message", "HELLO (new epoch)", "hello"),
-    ("parted", "timer: dead_after (dial-in)", "HELLO (new epoch)", "hello"),
-    ("rejected", "any message", "drop", "rejected"),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +208,7 @@ class Session:
         "calls_total",
         "client_epoch",
         "client_id",
+        "compression",
         "created",
         "duplicate_backoff",
         "epoch",
@@ -280,6 +237,8 @@ class Session:
         self.stream_window = 16
         self.max_message_bytes = 0
         self.peer_dead_after_ms = 0
+        #: The compression codecs the client decodes (WELCOME's ``compression``).
+        self.compression: tuple[str, ...] = ()
         self.created = now
         self.last_heard = now
         self.next_hello = now
@@ -322,6 +281,7 @@ class Session:
         self.stream_window = welcome.stream_window
         self.max_message_bytes = welcome.max_message_bytes
         self.peer_dead_after_ms = welcome.dead_after_ms
+        self.compression = welcome.compression
         self.last_heard = now
         self.next_ping = next_ping
         self.hello_backoff.reset()
@@ -393,17 +353,18 @@ Event = (
 
 
 def readable_call_id(frame: Buffer) -> int | None:
-    """The call id of a CALL header that fails validation, if it can be read at all.
+    """The call a malformed message names, if its header says so (rule 5).
 
-    Bytes 0-2 keep their place in every version, and version 1's layout places the
-    call id at bytes 8-15; a CALL header of at least 20 bytes with the magic and a
-    non-zero call id has one.
+    A header frame of at least 20 bytes with the magic, a kind a client sends about a
+    call (CALL, CANCEL, CREDIT) and a non-zero ``call_id`` at bytes 8-15 names one,
+    whatever else is wrong with the message (another version included: bytes 0-2 keep
+    their place in every version); any other is dropped unanswered.
     """
     view = memoryview(frame)
     if view.ndim != 1 or view.itemsize != 1 or view.nbytes < HEADER_SIZE:
         return None
     magic, _version, kind, _flags, _reserved, call_id, _timeout = _HEADER.unpack_from(view)
-    if magic != MAGIC or kind != _CALL or call_id == 0:
+    if magic != MAGIC or kind not in _NAMES_A_CALL or not call_id:
         return None
     return int(call_id)
 
@@ -454,6 +415,7 @@ class Strangers:
     def add(self, session: Session) -> None:
         """Enter a new stranger (evicting the oldest ones while the table is full)."""
         keys = self._keys
+        keys.pop(session.key, None)
         while len(keys) >= self._limit:
             oldest = next(iter(keys))
             del keys[oldest]
@@ -537,8 +499,10 @@ class ServerProtocol(Machine[Hashable, Event]):
         #: that have no reply yet (the client keeps them until our first reply, or our
         #: RELEASE if it gave the call up).
         self._arg_leases: dict[ServerCall, tuple[int, ...]] = {}
-        #: New CALLs are refused with DRAINING.
+        #: New CALLs are refused with DRAINING (and health answers NOT_SERVING).
         self.draining = False
+        #: What the application says of its health (`set_health`); draining overrides it.
+        self.serving = HealthStatus.SERVING
         #: Shutdown cancelled the running calls.
         self.hard_stop = False
         #: The earliest time `tick` has something to do.
@@ -630,17 +594,17 @@ class ServerProtocol(Machine[Hashable, Event]):
     def _end(
         self, session: Session, why: str, now: float, then: SessionState, *, warn: bool = False
     ) -> None:
-        """End a session: cancel its calls (no replies); ``then`` is the dial-in state."""
+        """End a session: cancel its calls (no replies) and enter ``then``.
+
+        Both topologies keep the entry; a listening engine's joins the strangers, so it
+        is forgotten after ``dead_after`` unless the client completes a new handshake.
+        """
         calls, session.calls = session.calls, {}
         for call in calls.values():
             self._cancel(call)
         shm, session.shm = session.shm, None
         if session.state is SessionState.LIVE or warn:
             self._events.append(SessionEnded(session, why, warn, shm))
-        if self._listen:
-            self.sessions.pop(session.key, None)
-            self._strangers.pop(session.key)
-            return
         if then is SessionState.GREETING:
             self._greet(session, now)
             if not self.draining:
@@ -648,6 +612,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         else:
             session.state = then
             session.created = now
+        if self._listen:
+            self._strangers.add(session)
 
     def _refuse_session(self, session: Session, reason: str, message: str, now: float) -> None:
         """Answer a bad WELCOME with REJECT; we then forget the client (or stop trying)."""
@@ -667,7 +633,7 @@ class ServerProtocol(Machine[Hashable, Event]):
     def receive(
         self, key: Hashable, frames: Sequence[Buffer], now: float, size: int = -1
     ) -> ServerCall | None:
-        """Take one message from the client at ``key``.
+        """Take one message from the client at ``key``: `TRANSITIONS` by (state, kind).
 
         Args:
             key: The client's key.
@@ -680,55 +646,47 @@ class ServerProtocol(Machine[Hashable, Event]):
             already in `queue`), else None.
         """
         session = self.sessions.get(key)
-        if session is None:
-            self._from_stranger(key, frames, now)
-            return None
         try:
             header, payload, buffers = split_frames(frames, max_buffers=self._max_buffers)
         except RemoteProtocolError as exc:
-            if self._malformed(key, frames, exc):
-                session.errors += 1
+            self._malformed(key, session, readable_call_id(frames[0]) if frames else None, exc)
             return None
-        session.bytes_in += size if size >= 0 else _bytes_of(frames)
-        if session.state is SessionState.LIVE:
-            session.last_heard = now  # rule 2: any well-formed message is life
-            if header.kind is _CALL:
-                if header.releases:  # result leases returned with the CALL (as a RELEASE)
-                    self._events.append(Released(session, header.releases))
-                return self._admit(session, header, payload, buffers, now)
-            self._live_control(session, header, payload, now)
-            return None
-        self._not_live(session, header, payload, now)
+        kind = header.kind
+        if session is None:
+            if not self._listen:  # dial-in: only the addresses we dial have entries
+                self.dropped += 1
+                return None
+            state = SessionState.NONE
+        else:
+            session.bytes_in += size if size >= 0 else _bytes_of(frames)
+            state = session.state
+            if state is SessionState.LIVE:
+                session.last_heard = now  # rule 2: any well-formed message is life
+                if kind is _CALL:  # the hot path, inline
+                    if header.releases:  # result leases returned with the CALL (RELEASE)
+                        self._events.append(Released(session, header.releases))
+                    return self._admit(session, header, payload, buffers, now)
+        handler = _DISPATCH.get((state, kind))
+        if handler is None:
+            self.dropped += 1
+        else:
+            handler(self, key, session, header, payload, now)
         return None
 
-    def _from_stranger(self, key: Hashable, frames: Sequence[Buffer], now: float) -> None:
-        if not self._listen:
-            self.dropped += 1
-            return
-        try:
-            header, _payload, _buffers = split_frames(frames, max_buffers=self._max_buffers)
-        except RemoteProtocolError as exc:
-            self._malformed(key, frames, exc)
-            return
-        if header.kind is _PING and not self.draining:
-            self._send_hello(self._stranger(key, now), now)
-            return
+    def _malformed(
+        self, key: Hashable, session: Session | None, call_id: int | None, exc: Exception
+    ) -> None:
+        """Drop a malformed message; one that names a call is answered ERROR(id, PROTOCOL),
+        and a call of that id in flight ends with it (rule 5)."""
         self.dropped += 1
-        if header.kind is _CALL:
-            self._error(key, header.call_id, ErrorCode.PROTOCOL, "no session: send PING first")
-
-    def _malformed(self, key: Hashable, frames: Sequence[Buffer], exc: RemoteProtocolError) -> bool:
-        """Drop a malformed message; a CALL whose call id is readable gets ERROR (rule 5).
-
-        Returns:
-            Whether it was answered.
-        """
-        self.dropped += 1
-        call_id = readable_call_id(frames[0]) if frames else None
         if call_id is None:
-            return False
+            return
+        call = None if session is None else session.calls.get(call_id)
+        if call is not None:
+            self._cancel(call)
+        if session is not None:
+            session.errors += 1
         self._error(key, call_id, ErrorCode.PROTOCOL, str(exc))
-        return True
 
     def _error(self, key: Hashable, call_id: int, code: ErrorCode, message: str) -> None:
         self.errors_total += 1
@@ -757,6 +715,9 @@ class ServerProtocol(Machine[Hashable, Event]):
             message = f"call id {call_id} is already in flight: both calls are cancelled"
             self._refuse(session, call_id, ErrorCode.PROTOCOL, message)
             return None
+        if header.method == HEALTH_METHOD:
+            self._answer_health(session, header, payload, buffers)
+            return None
         if self.draining:
             message = f"engine {self._hello.engine_id!r} is shutting down"
             self._refuse(session, call_id, ErrorCode.DRAINING, message)
@@ -773,50 +734,103 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.calls_total += 1
         return verdict
 
+    def health(self, service: str = "") -> HealthStatus:
+        """The engine's health as the built-in health method answers it for ``service``
+        (``""``: the engine as a whole; the engine serves one service, so both agree)."""
+        if service and service != self._hello.service:
+            return HealthStatus.SERVICE_UNKNOWN
+        return HealthStatus.NOT_SERVING if self.draining else self.serving
+
+    def set_health(self, status: HealthStatus) -> None:
+        """The application says whether it serves (``SERVING`` or ``NOT_SERVING``)."""
+        if status not in (HealthStatus.SERVING, HealthStatus.NOT_SERVING):
+            raise ValueError(f"an engine is SERVING or NOT_SERVING, not {status.value}")
+        self.serving = status
+
+    def _answer_health(
+        self, session: Session, header: Header, payload: Buffer, buffers: Sequence[Buffer]
+    ) -> None:
+        """Answer the built-in health method here, without a worker (also while draining)."""
+        call_id: int = header.call_id
+        if int(header.flags) & int(Flags.STREAM) or buffers:
+            message = f"{HEALTH_METHOD} is a unary call without tensors"
+            self._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, message)
+            return
+        try:
+            service = parse_request(payload)
+        except ValueError as exc:
+            self._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, str(exc))
+            return
+        answer = encode_answer(service, self.health(service))
+        self._send(session.key, [pack_reply_header(_RESULT, call_id), answer])
+
     def _cancel(self, call: ServerCall) -> None:
         if not call.cancelled:
             call.cancelled = True
             self._events.append(call)
 
-    def _live_control(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
-        kind = header.kind
-        call_id: int = header.call_id
-        if kind is _CANCEL:
-            call = session.calls.get(call_id)
-            if call is not None:
-                self._cancel(call)
-        elif kind is _CREDIT:
-            self._on_credit(session, header, payload)
-        elif kind is _PING:
-            self._send(session.key, encode_control(_PONG, None, call_id))
-            if call_id == 0 and self._listen:
-                self._send_hello(session, now)  # the hello request (rule 3)
-        elif kind is _PONG:
-            pass
-        elif kind is _WELCOME:
-            self._on_welcome(session, header, payload, now)
-        elif kind is _BYE:
-            self._end(session, "said BYE", now, SessionState.PARTED)
-        elif kind is _REJECT:
-            self._on_reject(session, header, payload, now)
-        elif kind is _RELEASE:
-            body = self._body(session, header, payload)
-            if isinstance(body, Release):
-                self._events.append(Released(session, body.leases))
-        else:
-            self.dropped += 1
+    # -- the handlers `TRANSITIONS` dispatches to: (key, session, header, payload, now) ------
 
-    def _body(self, session: Session, header: Header, payload: Buffer) -> object:
-        try:
-            return decode_control(header, payload)
-        except RemoteProtocolError:
+    def _on_stranger(
+        self, key: Hashable, session: Session | None, header: Header, payload: Buffer, now: float
+    ) -> None:
+        """A PING or WELCOME from a peer without an entry: HELLO with a new epoch."""
+        if self.draining:
             self.dropped += 1
-            return None
-
-    def _on_credit(self, session: Session, header: Header, payload: Buffer) -> None:
-        body = self._body(session, header, payload)
-        if not isinstance(body, Credit):
             return
+        self._send_hello(self._stranger(key, now), now)
+
+    def _no_session_call(
+        self, key: Hashable, session: Session | None, header: Header, payload: Buffer, now: float
+    ) -> None:
+        """A CALL without a session: ERROR(id, PROTOCOL) (rule 5)."""
+        self.dropped += 1
+        if session is not None:
+            session.errors += 1
+        message = "no session: the handshake (PING, HELLO, WELCOME) is not complete"
+        self._error(key, header.call_id, ErrorCode.PROTOCOL, message)
+
+    def _on_ping(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        """PING: PONG echoing its nonce; the hello request (nonce 0) also gets the HELLO."""
+        self._send(key, encode_control(_PONG, None, header.call_id))
+        if header.call_id == 0:
+            self._send_hello(session, now)  # rule 3
+
+    def _on_greeting_ping(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        """PING before WELCOME: the HELLO again (rate-limited, rule 3)."""
+        self._send_hello(session, now)
+
+    def _on_pong(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        """PONG: the life it shows is all it says."""
+
+    def _on_call(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        """A live CALL without buffers (`receive` admits live CALLs inline)."""
+        self._admit(session, header, payload, (), now)
+
+    def _on_cancel(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        call = session.calls.get(header.call_id)
+        if call is not None:
+            self._cancel(call)
+
+    def _on_credit(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError as exc:  # CREDIT n=0 among them: malformed (rule 5)
+            self._malformed(key, session, header.call_id, exc)
+            return
+        assert isinstance(body, Credit)
         call = session.calls.get(header.call_id)
         if call is None or call.cancelled:
             return  # the stream already ended
@@ -824,37 +838,37 @@ class ServerProtocol(Machine[Hashable, Event]):
         if call.parked:
             self._events.append(call)
 
-    def _not_live(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
-        state = session.state
-        if state is SessionState.REJECTED:
+    def _on_release(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        try:
+            body = decode_control(header, payload)
+        except RemoteProtocolError:
             self.dropped += 1
             return
-        kind = header.kind
-        if state is SessionState.PARTED:
-            self._greet(session, now)  # the client speaks again: a new session
-            if kind is not _PING:
-                self._send_hello(session, now)
-        session.last_heard = now
-        if kind is _WELCOME:
-            self._on_welcome(session, header, payload, now)
-        elif kind is _PING:
-            self._send_hello(session, now)
-        elif kind is _CALL:
-            self.dropped += 1
-            self._refuse(
-                session,
-                header.call_id,
-                ErrorCode.PROTOCOL,
-                "no session: the handshake (HELLO, WELCOME) is not complete",
-            )
-        elif kind is _REJECT:
-            self._on_reject(session, header, payload, now)
-        elif kind is _BYE:
-            self._end(session, "said BYE", now, SessionState.PARTED)
-        else:
-            self.dropped += 1
+        assert isinstance(body, Release)
+        self._events.append(Released(session, body.leases))
 
-    def _on_welcome(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
+    def _on_bye(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        self._end(session, "said BYE", now, SessionState.PARTED)
+
+    def _on_parted(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
+        """The parted client speaks again: a new session, HELLO (new epoch); a CALL also
+        gets its ERROR (rule 5)."""
+        if header.kind is _CALL:
+            self._no_session_call(key, session, header, payload, now)
+        if self.draining:
+            return
+        self._greet(session, now)
+        self._send_hello(session, now)
+
+    def _on_welcome(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
         try:
             welcome = decode_control(header, payload)
         except RemoteProtocolError as exc:
@@ -873,7 +887,7 @@ class ServerProtocol(Machine[Hashable, Event]):
             )
             return
         if session.state is SessionState.LIVE:
-            if not welcome.epoch or welcome.epoch == session.client_epoch:
+            if welcome.epoch == session.client_epoch:
                 return  # a repeated WELCOME of this session
             # The client started a new session (it lost the old one): the old calls go,
             # without replies; our epoch stays, since the client welcomed it.
@@ -884,7 +898,9 @@ class ServerProtocol(Machine[Hashable, Event]):
             self._events.append(SessionEnded(session, "started a new session", shm=shm))
         self._start(session, welcome, now, payload)
 
-    def _on_reject(self, session: Session, header: Header, payload: Buffer, now: float) -> None:
+    def _on_reject(
+        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+    ) -> None:
         try:
             body = decode_control(header, payload)
         except RemoteProtocolError as exc:
@@ -1038,7 +1054,13 @@ class ServerProtocol(Machine[Hashable, Event]):
         return True
 
     def error_reply(
-        self, call: ServerCall, code: ErrorCode, message: str, type_name: str = "", tb: str = ""
+        self,
+        call: ServerCall,
+        code: ErrorCode,
+        message: str,
+        type_name: str = "",
+        tb: str = "",
+        path: tuple[str | int, ...] = (),
     ) -> bool:
         """Queue the ERROR that ends ``call``; False when it must get no reply."""
         if not self.may_reply(call):
@@ -1048,7 +1070,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         call.session.errors += 1
         self.errors_total += 1
         call.outcome = code.name
-        info = ErrorInfo(int(code), type_name, message, tb)
+        info = ErrorInfo(int(code), type_name, message, tb, path)
         self._send(call.key, encode_error(call.call_id, info))
         return True
 
@@ -1128,3 +1150,88 @@ class ServerProtocol(Machine[Hashable, Event]):
         of a session that ended while they waited: their workers are not done with them)."""
         calls = self.calls
         return calls.busy + len(self.queue) + calls.parked + calls.batched
+
+
+_S = SessionState
+_T = Transition
+_K = MessageKind
+_Handler = Callable[[ServerProtocol, Hashable, Any, Header, Any, float], None]
+_P = ServerProtocol
+
+#: The engine's transition table towards one client: what ``receive`` and ``tick`` do,
+#: by state and input. ``kinds`` are the message kinds a row dispatches on (empty: a
+#: timer, or a row about every kind); docs/protocol.md §9 is rendered from this table, and
+#: tests/unit/test_server_transitions.py drives the machine through every row.
+# fmt: off
+TRANSITIONS: Final[tuple[Transition[SessionState], ...]] = (
+    _T(_S.NONE, (_K.PING,), "PING",
+       "HELLO (new epoch; at most max_strangers peers remembered)", _S.GREETING),
+    _T(_S.NONE, (_K.WELCOME,), "WELCOME",
+       "HELLO (new epoch): it answers no HELLO of a session", _S.GREETING),
+    _T(_S.NONE, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.NONE),
+    _T(_S.NONE, (), "any other message", "drop", _S.NONE),
+    _T(_S.GREETING, (_K.PING,), "PING",
+       "HELLO (same epoch, at most one per heartbeat)", _S.GREETING),
+    _T(_S.GREETING, (_K.WELCOME,), "WELCOME", "start the session", _S.LIVE),
+    _T(_S.GREETING, (_K.WELCOME,), "WELCOME, malformed", "REJECT protocol", _S.REJECTED),
+    _T(_S.GREETING, (_K.WELCOME,), "WELCOME, another non-empty fingerprint",
+       "REJECT fingerprint", _S.REJECTED),
+    _T(_S.GREETING, (_K.CALL,), "CALL", "ERROR(id, PROTOCOL)", _S.GREETING),
+    _T(_S.GREETING, (_K.REJECT,), "REJECT", "stop greeting the client", _S.REJECTED),
+    _T(_S.GREETING, (_K.REJECT,), "REJECT duplicate_id (dial-in)",
+       "HELLO again after a growing delay (heartbeat, doubled, at most dead_after)", _S.GREETING),
+    _T(_S.GREETING, (_K.BYE,), "BYE", "nothing more until it speaks again", _S.PARTED),
+    _T(_S.GREETING, (), "any other message", "drop", _S.GREETING),
+    _T(_S.GREETING, (), "timer: hello due (dial-in)",
+       "HELLO (same epoch; backoff while the send fails)", _S.GREETING),
+    _T(_S.LIVE, (_K.PING,), "PING n",
+       "PONG n; for n = 0 also HELLO (same epoch, at most one per heartbeat)", _S.LIVE),
+    _T(_S.LIVE, (_K.PONG,), "PONG", "nothing", _S.LIVE),
+    _T(_S.LIVE, (_K.CALL,), "CALL",
+       "pass on the result leases it returns (RELEASES); admit (ADMISSION) or ERROR", _S.LIVE),
+    _T(_S.LIVE, (_K.CALL,), "CALL with an id in flight",
+       "cancel the original; ERROR(id, PROTOCOL)", _S.LIVE),
+    _T(_S.LIVE, (_K.CANCEL,), "CANCEL",
+       "cancel the call (no reply; once its handler is done, RELEASE its torch_shm "
+       "argument leases); unknown id: nothing", _S.LIVE),
+    _T(_S.LIVE, (_K.CREDIT,), "CREDIT", "add credit; wake the stream", _S.LIVE),
+    _T(_S.LIVE, (_K.RELEASE,), "RELEASE", "pass the result leases on to the transport", _S.LIVE),
+    _T(_S.LIVE, (_K.WELCOME,), "WELCOME, same client epoch", "nothing", _S.LIVE),
+    _T(_S.LIVE, (_K.WELCOME,), "WELCOME, new client epoch",
+       "cancel the calls; new session (the engine's epoch stays)", _S.LIVE),
+    _T(_S.LIVE, (_K.BYE,), "BYE", "cancel the calls; end the session", _S.PARTED),
+    _T(_S.LIVE, (_K.REJECT,), "REJECT", "cancel the calls; end the session", _S.REJECTED),
+    _T(_S.LIVE, (), "timer: ping due", "PING", _S.LIVE),
+    _T(_S.LIVE, (), "timer: dead_after",
+       "cancel the calls; end the session; HELLO (new epoch)", _S.GREETING),
+    _T(_S.PARTED, (), "any message",
+       "HELLO (new epoch); a CALL also gets ERROR(id, PROTOCOL)", _S.GREETING),
+    _T(_S.PARTED, (), "timer: dead_after (dial-in)", "HELLO (new epoch)", _S.GREETING),
+    _T(_S.REJECTED, (), "any message", "drop", _S.REJECTED),
+    _T(_S.GREETING, (), "timer: dead_after without WELCOME (listen)", "forget the peer", _S.NONE),
+    _T(_S.PARTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
+    _T(_S.REJECTED, (), "timer: dead_after (listen)", "forget the peer", _S.NONE),
+)
+# fmt: on
+
+#: The handler of each (state, kind) ``receive`` acts on; any other pair is dropped.
+_DISPATCH: Final[dict[tuple[SessionState, MessageKind], _Handler]] = {
+    (_S.NONE, _K.PING): _P._on_stranger,
+    (_S.NONE, _K.WELCOME): _P._on_stranger,
+    (_S.NONE, _K.CALL): _P._no_session_call,
+    (_S.GREETING, _K.PING): _P._on_greeting_ping,
+    (_S.GREETING, _K.WELCOME): _P._on_welcome,
+    (_S.GREETING, _K.CALL): _P._no_session_call,
+    (_S.GREETING, _K.REJECT): _P._on_reject,
+    (_S.GREETING, _K.BYE): _P._on_bye,
+    (_S.LIVE, _K.PING): _P._on_ping,
+    (_S.LIVE, _K.PONG): _P._on_pong,
+    (_S.LIVE, _K.CALL): _P._on_call,
+    (_S.LIVE, _K.CANCEL): _P._on_cancel,
+    (_S.LIVE, _K.CREDIT): _P._on_credit,
+    (_S.LIVE, _K.RELEASE): _P._on_release,
+    (_S.LIVE, _K.WELCOME): _P._on_welcome,
+    (_S.LIVE, _K.BYE): _P._on_bye,
+    (_S.LIVE, _K.REJECT): _P._on_reject,
+    **{(_S.PARTED, kind): _P._on_parted for kind in MessageKind},
+}

@@ -15,6 +15,7 @@ from typing import (
     Any,
     Concatenate,
     Generic,
+    Literal,
     NoReturn,
     ParamSpec,
     TypeVar,
@@ -24,7 +25,7 @@ from typing import (
 
 import anyio
 
-from tensorrpc import _observe
+from tensorrpc import _compression, _observe
 from tensorrpc._interceptors import ClientCall
 from tensorrpc._metadata import EMPTY, check_metadata, encode_block
 from tensorrpc._stub import Stub
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from tensorrpc import _codec
     from tensorrpc._calls import Call
     from tensorrpc._client import Client
+    from tensorrpc._compression import Compression
     from tensorrpc._service import MethodSpec
 
 __all__ = [
@@ -95,6 +97,11 @@ class CallOptions:
             never come. ``True`` waits even without a timeout; ``False`` never waits
             (gRPC's default). A call that gives up raises
             `tensorrpc.EngineNotFoundError` saying why there was no engine.
+        compression: Compress the arguments' payload and tensor frames, and ask the
+            engine to compress the results', with zstd (a `Compression`, or ``None``:
+            never). Only to an engine that announced zstd, only payloads and tensors of at
+            least ``min_bytes``, never what travels by ``torch_shm``. See
+            docs/compression.md.
         metadata: Request metadata sent with each call (key → value; keys lowercase
             ``[a-z0-9._-]``, values ``str`` without control characters, bounded: see
             docs/context.md). Checked here: `tensorrpc.MetadataError`.
@@ -105,6 +112,7 @@ class CallOptions:
     wait: bool = True
     transport: Transport = "auto"
     wait_for_ready: bool | None = None
+    compression: Compression | None = None
     metadata: Mapping[str, str] | None = field(default=None, hash=False)
     # The metadata's header block, encoded once here (b"": none).
     _block: bytes = field(default=b"", init=False, repr=False, compare=False)
@@ -207,6 +215,7 @@ class CallView(Generic[S]):
         transport: Transport | Keep = KEEP,
         wait_for_ready: bool | Keep | None = KEEP,
         metadata: Mapping[str, str] | Keep | None = KEEP,
+        compression: Compression | Literal["zstd"] | Keep | None = KEEP,
     ) -> CallView[S]:
         """A view on the same client whose calls use these options.
 
@@ -223,6 +232,9 @@ class CallView(Generic[S]):
                 `CallOptions`).
             wait_for_ready: With no live engine, wait for one within ``timeout``
                 (``None``: only when a timeout is given; see `CallOptions`).
+            compression: ``"zstd"`` or a `Compression`: compress large arguments and
+                ask for compressed results, across hosts (see `CallOptions`; needs the
+                ``compression`` extra).
             metadata: Request metadata sent with each call (see `CallOptions`).
 
         Returns:
@@ -240,6 +252,8 @@ class CallView(Generic[S]):
             "metadata": metadata,
         }
         changes: dict[str, Any] = {k: v for k, v in given.items() if v is not KEEP}
+        if compression is not KEEP:
+            changes["compression"] = _compression.resolve(compression)
         return CallView(self._client, replace(self._options, **changes))
 
     def stub(self) -> Stub[S]:

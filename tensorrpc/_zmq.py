@@ -877,7 +877,8 @@ class AsyncSocket:
         except zmq.ZMQError as exc:
             raise translate_zmq_error(exc, "recv") from exc
         self._streak += 1
-        self._poke(events)  # reading EVENTS may have eaten the edge a waiter needs
+        # Reading EVENTS may have eaten the FD's edge: wake a waiter to re-check.
+        self._waiter.poke(events)
         raise anyio.WouldBlock
 
     def _recv_frames(self) -> list[zmq.Frame]:
@@ -950,11 +951,6 @@ class AsyncSocket:
         waiter = self._waiter
         if waiter.fd_mask or waiter.amask:
             waiter.poke(self._get(_EVENTS))
-
-    def _poke(self, events: int) -> None:
-        # Any operation (and any EVENTS read) may consume the FD's edge: if a task waits
-        # for something ``events`` shows, wake it to re-check.
-        self._waiter.poke(events)
 
     def _wait(self, mask: int, events: int, patience: float | None = None) -> Awaitable[None]:
         """Wait until ``EVENTS & mask`` may be true (see `_FdWaiter.wait`).

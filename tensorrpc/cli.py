@@ -7,7 +7,7 @@ Subcommands (``tensorrpc SUBCOMMAND --help`` for each):
 * ``describe module:Class``: print the service (methods, signatures, types, fingerprint).
 * ``call ADDR method k=v ...`` (or ``--arg k=v``, ``-d JSON``): call a method of a running
   engine without its class.
-* ``health ADDR``: exit 0 when an engine at ADDR completes a handshake in time (a probe).
+* ``health ADDR``: exit 0 when an engine at ADDR answers SERVING in time (a probe).
 
 ``serve`` takes ``--metrics-port``, ``--tracing`` and CURVE flags, each also from a
 ``TENSORRPC_*`` environment variable (see ``tensorrpc._cli_ops``); ``call``, ``describe
@@ -144,7 +144,7 @@ def _add_serve(sub: Any) -> None:
         help="seconds running calls may take to finish at shutdown",
     )
     _cli_ops.add_serve_flags(serve)
-    _cli_ops.add_curve_flags(serve, listens=True, dials=True)
+    _cli_ops.add_curve_flags(serve, listens=True)
     _add_log_level(serve)
 
 
@@ -174,7 +174,7 @@ def _add_describe(sub: Any) -> None:
         metavar="S",
         help="ADDR: seconds for the engine to answer (default 10)",
     )
-    _cli_ops.add_curve_flags(describe, listens=False, dials=True)
+    _cli_ops.add_curve_flags(describe, listens=False)
 
 
 def _add_call(sub: Any) -> None:
@@ -237,7 +237,7 @@ def _add_call_options(call: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bind ADDR and wait for an engine to dial in, instead of dialling ADDR",
     )
-    _cli_ops.add_curve_flags(call, listens=True, dials=True)
+    _cli_ops.add_curve_flags(call, listens=True)
     call.set_defaults(health=False)
     call.add_argument(
         "--list", action="store_true", help="list the engine's methods instead of calling"
@@ -299,23 +299,31 @@ def _add_top(sub: Any) -> None:
         help="seconds to wait for an engine and for each answer (default 10)",
     )
     top.add_argument("--count", type=_positive_int, metavar="N", help="stop after N refreshes")
-    _cli_ops.add_curve_flags(top, listens=False, dials=True)
+    _cli_ops.add_curve_flags(top, listens=False)
     _add_log_level(top)
 
 
 def _add_health(sub: Any) -> None:
     health = sub.add_parser(
         "health",
-        help="check that an engine answers (exit 0) or not (exit 1)",
+        help="check that an engine serves (exit 0) or not (exit 1)",
         description=(
-            "A probe for orchestrators: dial ADDR (or, with --bind, wait for an engine to "
-            "dial in) and exit 0 once an engine completes the handshake, printing its id, "
-            "service and pid; exit 1 with the reason when none does within --timeout "
-            "(refused engines are named)."
+            "A probe for orchestrators (a container exec probe): dial ADDR (or, with "
+            "--bind, wait for an engine to dial in), ask the engine's built-in health "
+            "method and exit 0 when it answers SERVING, printing its id, service and pid; "
+            "exit 1 with the reason when it answers NOT_SERVING (draining, or its "
+            "application said so) or SERVICE_UNKNOWN, or when no engine answers within "
+            "--timeout (refused engines are named)."
         ),
     )
     health.add_argument("address", metavar="ADDR", help="the engine's address")
     health.add_argument("--engine", metavar="ID", help="require this engine id")
+    health.add_argument(
+        "--service",
+        default="",
+        metavar="NAME",
+        help="ask about this service (default: the engine as a whole)",
+    )
     health.add_argument(
         "--timeout",
         type=_positive_float,
@@ -327,7 +335,7 @@ def _add_health(sub: Any) -> None:
         "--bind", action="store_true", help="bind ADDR and wait for an engine to dial in"
     )
     health.add_argument("--json", action="store_true", help="print the engine as JSON")
-    _cli_ops.add_curve_flags(health, listens=True, dials=True)
+    _cli_ops.add_curve_flags(health, listens=True)
     # What `_call` reads of a `call` command line, for a handshake only.
     health.set_defaults(health=True, list=False, stream=False, method=None)
 
@@ -595,14 +603,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
-            server = await tg.start(
-                _serve,
-                instance,
-                connect,
-                bind,
-                args,
-                curve,
-            )
+            server = await tg.start(_serve, instance, connect, bind, args, curve)
             where = (
                 f"listening on {server.endpoint}"
                 if bind
@@ -629,23 +630,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         _run(run)
-    except tensorrpc.ConnectError as exc:
-        raise CommandError(f"cannot serve: {_one_line(exc)}") from exc
-    except ImportError as exc:  # --metrics-port without prometheus_client
+    # ImportError: --metrics-port without prometheus_client.
+    except (tensorrpc.ConnectError, ImportError) as exc:
         raise CommandError(f"cannot serve: {_one_line(exc)}") from exc
     finally:
         if provider is not None:
             provider.shutdown()  # flush the spans still batched
     logger.info("stopped")
     return 0
-
-
-def _exporter(port: int | None) -> tensorrpc.Observer | None:
-    if port is None:
-        return None
-    from tensorrpc import metrics  # the optional extra: ImportError without it
-
-    return metrics.exporter(port)
 
 
 async def _serve(
@@ -657,6 +649,11 @@ async def _serve(
     *,
     task_status: anyio.abc.TaskStatus[tensorrpc.Server] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
+    observer = None
+    if args.metrics_port is not None:
+        from tensorrpc import metrics  # the optional extra: ImportError without it
+
+        observer = metrics.exporter(args.metrics_port)
     await tensorrpc.serve(
         instance,
         connect=connect,
@@ -666,7 +663,7 @@ async def _serve(
         sync_workers=args.sync_workers,
         grace_period=args.grace_period,
         curve=curve,
-        observer=_exporter(args.metrics_port),
+        observer=observer,
         task_status=task_status,
     )
 
@@ -772,7 +769,7 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
     np = sys.modules.get("numpy")
     if torch is not None and isinstance(value, torch.Tensor):
         flat = value.detach().reshape(-1)[:max_values]
-        if flat.dtype in (torch.bfloat16, torch.float16) or flat.dtype.is_floating_point:
+        if flat.dtype.is_floating_point:  # bfloat16, float16 ... print as float64
             flat = flat.to(torch.float64)
         try:
             values = flat.cpu().tolist()
@@ -872,11 +869,17 @@ async def _call(args: argparse.Namespace, address: str, arguments: dict[str, obj
     async with tensorrpc.Client.dynamic(**where, curve=args.curve) as client:
         info = await _pick_engine(client, args, address, deadline)
         if args.health:
+            left = max(0.001, deadline - anyio.current_time())
+            status = await client.health(info.engine_id, service=args.service, timeout=left)
+            serving = status is tensorrpc.HealthStatus.SERVING
             if args.json:
-                print(json.dumps(_engine_json(info), indent=2))
-            else:
+                print(json.dumps({**_engine_json(info), "status": status.value}, indent=2))
+            elif serving:
                 print(f"ok: {_engine_text(info)}")
-            return 0
+            else:
+                what = f"service {args.service}" if args.service else "the engine"
+                raise CommandError(f"{what} is {status.value}: {_engine_text(info)}")
+            return 0 if serving else 1
         if args.list:
             _print_methods(info, as_json=args.json)
             return 0
@@ -894,14 +897,13 @@ async def _call(args: argparse.Namespace, address: str, arguments: dict[str, obj
             engine=info.engine_id, timeout=max(0.001, deadline - anyio.current_time())
         )
         arguments = _tensors_for(arguments, types)
-        render = _render
         if streaming:
             async with view.stream_by_name(method, arguments) as stream:
                 async for item in stream:
-                    print(render(item, as_json=args.json, max_values=args.max_values), flush=True)
+                    print(_render(item, as_json=args.json, max_values=args.max_values), flush=True)
         else:
             result = await view.call_by_name(method, arguments)
-            print(render(result, as_json=args.json, max_values=args.max_values))
+            print(_render(result, as_json=args.json, max_values=args.max_values))
     return 0
 
 

@@ -6,6 +6,7 @@ async with tensorrpc.Client(LM, bind="tcp://0.0.0.0:0", curve=curve) as client:
     async with tensorrpc.ray.launch(LM, 4, client=client, placement="spread") as group:
         await client.wait_for_engines(4, timeout=60)
         print(group.engines)  # engine id -> RayEngine(node_id, pid, address, state, ...)
+        print(await group.health())  # engine id -> HealthStatus (the standard method)
 ```
 
 Each engine is one Ray actor. The actor constructs the service instance on its node and
@@ -47,6 +48,7 @@ import anyio
 import anyio.from_thread
 
 from tensorrpc._exceptions import ClosedError, HandshakeRejectedError, TensorRPCError
+from tensorrpc._health import HealthStatus
 from tensorrpc._security import (
     CurveClientConfig,
     CurveConfig,
@@ -208,6 +210,17 @@ class _EngineActor:
     def wait(self) -> str:
         """Block until the engine stops serving; ``""`` or why it failed."""
         return self._error or self._future.result()
+
+    def set_health(self, status: str) -> str:
+        """Set what the engine's health method answers; ``""`` or why not."""
+        server = self._server
+        if self._error or server is None or self._future.done():
+            return self._error or "the engine is not serving"
+        try:
+            self._portal.call(server.set_health, HealthStatus(status))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return ""
 
     def stop(self, timeout: float) -> str:
         """Drain the engine (calls finish, BYE), then stop its thread."""
@@ -412,6 +425,71 @@ class EngineGroup:
     def placement_group(self) -> Any:
         """The Ray placement group holding the actors (``None`` once stopped)."""
         return self._pg
+
+    async def health(
+        self,
+        *,
+        service: str = "",
+        timeout: float = 5.0,  # noqa: ASYNC109 - each answer's deadline
+    ) -> dict[str, HealthStatus]:
+        """Ask every engine of the group through the standard health method.
+
+        Engines answer on their loop without a worker, ``NOT_SERVING`` while they drain;
+        an engine that is not live on the client (joining, restarting, stopped) or gives
+        no answer within ``timeout`` is ``UNKNOWN``.
+
+        Args:
+            service: The service asked about (``""``: each engine as a whole).
+            timeout: Seconds for each answer.
+
+        Returns:
+            Engine id → its status, for every engine of the group.
+        """
+        client = self._client
+        out = dict.fromkeys(self._slots, HealthStatus.UNKNOWN)
+
+        async def one(engine_id: str) -> None:
+            with contextlib.suppress(TensorRPCError):
+                out[engine_id] = await client.health(engine_id, service=service, timeout=timeout)
+
+        async with anyio.create_task_group() as tg:
+            for engine_id, engine in self.engines.items():
+                if engine.state == "live":
+                    tg.start_soon(one, engine_id)
+        return out
+
+    async def set_health(
+        self,
+        engine_id: str,
+        status: HealthStatus,
+        *,
+        timeout: float = 10.0,  # noqa: ASYNC109 - bounds the actor call
+    ) -> None:
+        """Set what one engine's health method answers (`Server.set_health` in its actor).
+
+        For a supervisor that takes an engine out of rotation (its dependency is down, it
+        is being upgraded) without stopping it: probes and
+        [`health`][tensorrpc.ray.EngineGroup.health] then see ``NOT_SERVING``; calls
+        are still accepted.
+
+        Args:
+            engine_id: An engine of this group.
+            status: ``HealthStatus.SERVING`` or ``HealthStatus.NOT_SERVING``.
+            timeout: Seconds for the actor to answer.
+
+        Raises:
+            KeyError: Not an engine of this group.
+            ValueError: Another status.
+            LaunchError: The actor did not set it (not serving, or no answer in time).
+        """
+        slot = self._slots[engine_id]
+        if status not in (HealthStatus.SERVING, HealthStatus.NOT_SERVING):
+            raise ValueError(f"an engine is SERVING or NOT_SERVING, not {status.value}")
+        ref = slot.actor.set_health.remote(status.value)
+        ready, _ = await anyio.to_thread.run_sync(lambda: ray.wait([ref], timeout=timeout))
+        why = ray.get(ready[0]) if ready else f"no answer within {timeout} s"
+        if why:
+            raise LaunchError(f"engine {engine_id!r}: cannot set its health: {why}")
 
     async def __aenter__(self) -> EngineGroup:
         if self._entered:
@@ -787,11 +865,6 @@ def client_curve() -> CurveServerConfig:
     return CurveServerConfig(generate_keypair(), frozenset())
 
 
-def _node_addresses() -> list[str]:
-    """The addresses of the cluster's alive nodes, as Ray knows them."""
-    return [str(n.get("NodeManagerAddress", "")) for n in _ray.nodes() if n.get("Alive")]
-
-
 def _exposure(
     *,
     bind: bool,
@@ -840,7 +913,9 @@ def _check_exposure(
         bind=bind,
         client_binds=client.addresses,
         client_address=client_address,
-        node_addresses=_node_addresses(),
+        node_addresses=[
+            str(n.get("NodeManagerAddress", "")) for n in _ray.nodes() if n.get("Alive")
+        ],
         here=str(_ray.util.get_node_ip_address()),
     )
     if not why:

@@ -34,11 +34,11 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import anyio
-import anyio.abc
 import pytest
 
 from tensorrpc._client import Client
@@ -397,7 +397,7 @@ async def _engines(
             # stopped (their scope cancelled) before the task group waits for them.
             stack.callback(tg.cancel_scope.cancel)
             for engine_id in ids:
-                await tg.start(_serve_task, make(), bound, engine_id, options)
+                tg.start_soon(partial(serve, make(), connect=bound, engine_id=engine_id, **options))
             with anyio.fail_after(start_timeout + 1):
                 try:
                     await client.wait_for_engines(count, timeout=start_timeout)
@@ -416,18 +416,6 @@ async def _engines(
             )
             await _wait_live(client, engines, start_timeout)
         yield client
-
-
-async def _serve_task(
-    instance: object,
-    address: str,
-    engine_id: str,
-    options: Mapping[str, Any],
-    *,
-    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    task_status.started()
-    await serve(instance, connect=address, engine_id=engine_id, **options)
 
 
 # --------------------------------------------------------------------------- pytest plugin

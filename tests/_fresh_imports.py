@@ -19,7 +19,7 @@ from typing import Any
 
 #: Top-level names of the optional integrations (extras) and of the record types' packages
 #: (msgspec, pydantic) that ``import tensorrpc`` must not load.
-OPTIONAL = ("msgspec", "opentelemetry", "prometheus_client", "pydantic", "ray", "rich")
+OPTIONAL = ("msgspec", "opentelemetry", "prometheus_client", "pydantic", "ray", "rich", "zstandard")
 
 #: Modules that only a value with a tensor (or array) in it may import: seconds of start-up.
 HEAVY = ("torch", "numpy")

@@ -299,3 +299,25 @@ def test_the_tensor_call_cpu_bench_runs_every_kind() -> None:
     got = measure(number=3, rounds=1)
     assert sorted(got) == ["add", "in", "out", "tiny_in"]
     assert all(cli > 0 and eng > 0 for cli, eng in got.values())
+
+
+def test_quick_compression_section_measures_zstd_against_none(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench", "--quick", "--only", "compression", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    cases = results["compression"]["cases"]
+    assert set(cases) == {"activations", "token ids", "embeddings"}
+    for name in ("activations", "token ids"):
+        none, zstd = cases[name]["none"], cases[name]["zstd 1"]
+        assert none["wire_bytes_per_call"] > 2 * none["tensor_bytes"]  # there and back
+        assert zstd["wire_bytes_per_call"] < 0.8 * none["wire_bytes_per_call"]
+        assert zstd["client_cpu_ms"] > 0
+    assert "## Compression over tcp loopback" in (out / "bench.md").read_text(encoding="utf-8")

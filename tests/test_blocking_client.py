@@ -80,6 +80,8 @@ with client, schemaless, engine_processes(Calculator, addresses, 2) as engines:
         pass
     else:
         raise AssertionError("the call should have timed out")
+    assert client.health("engine-0") is tensorrpc.HealthStatus.SERVING
+    assert schemaless.health(service="Other") is tensorrpc.HealthStatus.SERVICE_UNKNOWN
     stats = client.statistics()
     assert stats.engines["engine-0"].calls >= 1
     assert stats.calls_in_flight == 0

@@ -197,12 +197,54 @@ async def test_engine_pays_bounded_memory_for_control_and_call_bombs(tmp_path: P
                 peer.send([pack_reply_header(MessageKind.CREDIT, 7), bomb])
                 peer.send([pack_reply_header(MessageKind.RELEASE), bomb])
             peer.send([pack_call_header(99, "add"), call_bomb])
+            for _ in bombs:  # a bad CREDIT names its call: ERROR(id, PROTOCOL), §11
+                refused = (await peer.expect(MessageKind.ERROR, 7)).error()
+                assert "the limit for CREDIT" in refused.message
             error = (await peer.expect(MessageKind.ERROR, 99)).error()
             assert "max_payload_objects" in error.message
             call_id = peer.call("add", 2, 3)
             assert await peer.result(call_id) == 5
         assert peak[0] < 4 * PEAK, f"the engine allocated {peak[0]} bytes for the bombs"
         assert server.statistics().calls >= 1
+
+
+def _zstd_frame_claiming(data: bytes, declared: int) -> bytes:
+    """A zstd frame of ``data`` whose header claims ``declared`` bytes (a lie)."""
+    zstandard = pytest.importorskip("zstandard")
+    frame: bytes = zstandard.ZstdCompressor(level=1).compress(data)
+    fhd = frame[4]  # RFC 8878 frame header descriptor: a 4-byte content size here
+    assert fhd >> 6 == 2
+    at = 5 if (fhd >> 5) & 1 else 6
+    return frame[:at] + declared.to_bytes(4, "little") + frame[at + 4 :]
+
+
+async def test_engine_pays_bounded_memory_for_decompression_bombs(tmp_path: Path) -> None:
+    zstandard = pytest.importorskip("zstandard")
+    zeros = bytes(64 * MiB)
+    ext = int(_codec.ExtCode.ZSTD)
+    bombs = [
+        # claims 64 bytes, expands to 64 MiB
+        ormsgpack.packb(ormsgpack.Ext(ext, _zstd_frame_claiming(zeros, 64))),
+        # says 4 GiB: over max_payload_bytes, refused from its header
+        ormsgpack.packb(ormsgpack.Ext(ext, _zstd_frame_claiming(zeros, (4 << 30) - 1))),
+        # says nothing
+        ormsgpack.packb(
+            ormsgpack.Ext(ext, zstandard.ZstdCompressor(write_content_size=False).compress(zeros))
+        ),
+    ]
+    del zeros
+    async with live_engine(tmp_path) as (server, peer, _):
+        with peak_memory() as peak:
+            for call_id, bomb in enumerate(bombs, 1):
+                assert len(bomb) < 64 * 1024
+                peer.send([pack_call_header(call_id, "add"), bomb])
+                error = (await peer.expect(MessageKind.ERROR, call_id)).error()
+                assert error.code == ErrorCode.DECODE
+                assert "compressed frame" in error.message
+            call_id = peer.call("add", 2, 3)
+            assert await peer.result(call_id) == 5
+        assert peak[0] < PEAK, f"the engine allocated {peak[0]} bytes for the bombs"
+        assert server.statistics().errors == len(bombs)
 
 
 async def test_client_pays_bounded_memory_for_hello_and_result_bombs(tmp_path: Path) -> None:

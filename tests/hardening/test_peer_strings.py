@@ -83,6 +83,7 @@ def _hello(engine_id: str) -> Hello:
         concurrency=1,
         heartbeat_ms=1000,
         methods=("add",),
+        signatures=("add(a: int, b: int) -> int",),
     )
 
 

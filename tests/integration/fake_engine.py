@@ -87,6 +87,9 @@ class FakeEngine:
             "concurrency": 8,
             "heartbeat_ms": 100,
             "methods": tuple(self.spec.methods),
+            "streaming": tuple(n for n, m in self.spec.methods.items() if m.streaming),
+            "signatures": tuple(m.signature for m in self.spec.methods.values()),
+            "epoch": secrets.randbits(63) + 1,
         }
         self.hello_fields.update(hello)
         self.answer_pings = True

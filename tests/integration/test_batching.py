@@ -200,12 +200,12 @@ async def test_bad_item_is_refused_alone_and_failures_are_per_item(tmp_path: Pat
             assert outcomes[3] == 4
             err = outcomes[-2]
             assert isinstance(err, RemoteError)
-            assert err.remote_type == "ValueError"
+            assert err.remote_type == "builtins.ValueError"
             assert "negative: -2" in str(err)
             assert "ValueError" in err.remote_traceback
             with pytest.raises(RemoteError, match="unlucky batch") as info:
                 await stub.picky(13)
-            assert info.value.remote_type == "RuntimeError"
+            assert info.value.remote_type == "builtins.RuntimeError"
 
 
 async def test_a_result_count_mismatch_fails_every_item_and_the_engine_serves_on(

@@ -179,14 +179,14 @@ async def test_remote_errors_are_typed(tmp_path: Path) -> None:
 
             async def engine_side() -> None:
                 msg = await e1.next(CALL)
-                await e1.error(msg.call_id, ErrorCode.REMOTE, "boom", "ValueError")
+                await e1.error(msg.call_id, ErrorCode.REMOTE, "boom", "builtins.ValueError")
                 msg = await e1.next(CALL)
                 await e1.error(msg.call_id, ErrorCode.METHOD_NOT_FOUND, "no such method")
 
             tg.start_soon(engine_side)
             with pytest.raises(RemoteError) as info:
                 await client.stub().fail("boom")
-            assert info.value.remote_type == "ValueError"
+            assert info.value.remote_type == "builtins.ValueError"
             with pytest.raises(MethodNotFoundError):
                 await client.stub().add(1)
 
@@ -473,6 +473,7 @@ async def test_client_dials_listening_engine_and_sees_its_restart(tmp_path: Path
             await engine.next(CALL)
             # the same address now answers with another process (a quick restart)
             engine.hello_fields["pid"] = 101
+            engine.hello_fields["epoch"] += 1  # a new process: a new session
             assert isinstance(await engine.join(), Welcome)
         assert client.engines["l1"].pid == 101
         assert await await_call(client, engine, "z") == "Z"

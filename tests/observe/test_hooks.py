@@ -166,7 +166,7 @@ async def test_client_and_engine_hooks_see_a_unary_call_an_error_and_a_stream(
         ("finished", "ok", False),
     ]
     e_add, e_fail, e_count = engine_obs.calls
-    # the engine announced "trace_context", so the client's trace context reached it
+    # the client's trace context reached the engine
     assert e_add == [
         ("engine", "add", "e1", "c1", False, TRACE),
         ("started",),

@@ -109,6 +109,14 @@ async def test_spread_calls_broadcast_and_clean_shutdown(ray_cluster: dict[str, 
             assert set(engines) == {f"Where-{i}" for i in range(4)}
             assert {e.state for e in engines.values()} == {"live"}
             assert len({e.node_id for e in engines.values()}) == 3  # spread over all nodes
+            # the standard health method, not a method of the service
+            assert await group.health() == dict.fromkeys(engines, tensorrpc.HealthStatus.SERVING)
+            unknown = await group.health(service="Other")
+            assert set(unknown.values()) == {tensorrpc.HealthStatus.SERVICE_UNKNOWN}
+            await group.set_health("Where-1", tensorrpc.HealthStatus.NOT_SERVING)
+            assert (await group.health())["Where-1"] is tensorrpc.HealthStatus.NOT_SERVING
+            assert await client.health("Where-0") is tensorrpc.HealthStatus.SERVING
+            await group.set_health("Where-1", tensorrpc.HealthStatus.SERVING)
             assert set(client.engines) == set(engines)
             # one key per engine, each id bound to its own
             bound = dict(client.engine_keys or {})

@@ -562,19 +562,3 @@ async def test_a_decoded_lease_goes_back_by_release_when_no_call_follows(
         assert counts.messages == 1
         assert counts.carried == 0
         del board
-
-
-async def test_an_engine_without_call_releases_gets_release_messages(
-    anyio_backend: str, engine: EngineProcess, monkeypatch: pytest.MonkeyPatch
-):
-    counts = _Releases(monkeypatch)
-    async with connected(engine.address()) as client:
-        for known in client._protocol.engines.engines.values():
-            assert known.call_releases  # the reference engine announces the feature
-            known.call_releases = False  # as an engine that predates it
-        view = client.with_options(transport="torch_shm").stub()
-        for _ in range(5):
-            await view.shared_board()
-        assert counts.carried == 0
-        assert counts.messages == 4
-        assert (await view.shm_state())[0] == 0

@@ -51,6 +51,8 @@ def make_hello() -> Hello:
         host_id="h",
         pid=1,
         methods=tuple(SPEC.methods),
+        streaming=tuple(n for n, m in SPEC.methods.items() if m.streaming),
+        signatures=tuple(m.signature for m in SPEC.methods.values()),
     )
 
 

@@ -21,7 +21,6 @@ from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT
 from tensorrpc._exceptions import ClosedError, EngineDeadError, RemoteProtocolError
 from tensorrpc._machine import MAX_RELEASE_LEASES
 from tensorrpc._protocol import (
-    FEATURE_CALL_RELEASES,
     MAX_CALL_RELEASES,
     Credit,
     MessageKind,
@@ -147,13 +146,14 @@ def test_new_epoch_from_a_known_engine_fails_its_calls_at_once() -> None:
     assert len(protocol.calls) == 0
 
 
-def test_restart_of_an_engine_without_epochs_is_seen_by_its_pid() -> None:
+def test_the_epoch_alone_tells_a_new_session_of_the_same_process() -> None:
     protocol = make_protocol()
-    engine = join(protocol, "e1", b"p", epoch=0, pid=10)
+    engine = join(protocol, "e1", b"p", epoch=5, pid=10)
     call = start(protocol, engine)
-    assert protocol.receive(b"p", hello("e1", epoch=0, pid=10), 1.0) is None
+    assert protocol.receive(b"p", hello("e1", epoch=5, pid=10), 1.0) is None
     assert kinds(protocol) == [K.WELCOME]
-    assert isinstance(protocol.receive(b"p", hello("e1", epoch=0, pid=11), 1.0), EngineJoined)
+    # same process, same host: the new epoch says the engine lost the session
+    assert isinstance(protocol.receive(b"p", hello("e1", epoch=6, pid=10), 1.0), EngineJoined)
     assert isinstance(call.error, EngineDeadError)
 
 
@@ -355,7 +355,7 @@ def test_pings_from_strangers_are_not_answered() -> None:
 
 def test_any_message_counts_as_life_and_silence_kills() -> None:
     protocol = make_protocol()  # dead_after 5 s
-    engine = join(protocol, "e1", b"p", dead_after_ms=0)
+    engine = join(protocol, "e1", b"p", dead_after_ms=3_600_000)
     call = start(protocol, engine)
     for t in (2.0, 4.0, 6.0, 8.0):
         protocol.receive(b"p", control(K.PONG, None, 1), t)
@@ -370,7 +370,7 @@ def test_any_message_counts_as_life_and_silence_kills() -> None:
 def test_we_ping_often_enough_for_the_engines_bound() -> None:
     protocol = make_protocol()  # our own interval: 1 s
     join(protocol, "fast", b"f", dead_after_ms=300)
-    join(protocol, "slow", b"s", dead_after_ms=0)
+    join(protocol, "slow", b"s", dead_after_ms=3_600_000)
     pings: dict[bytes, int] = {b"f": 0, b"s": 0}
     now = 0.0
     while now < 3.0:
@@ -566,9 +566,9 @@ def test_an_engines_end_drops_the_leases_kept_for_it_and_those_to_return() -> No
     assert kinds(protocol) == []  # it dropped our leases itself
 
 
-def test_result_leases_ride_in_the_next_call_of_an_engine_that_reads_them() -> None:
+def test_result_leases_ride_in_the_next_call() -> None:
     protocol = make_protocol()
-    engine = join(protocol, "e1", b"p", features=(FEATURE_CALL_RELEASES,))
+    engine = join(protocol, "e1", b"p")
     assert protocol.return_leases(engine, [4, 5])
     assert not protocol.return_leases(engine, [5, 6])  # already due: no second flush
     call, frames = protocol.start_call(
@@ -586,14 +586,10 @@ def test_result_leases_ride_in_the_next_call_of_an_engine_that_reads_them() -> N
     assert (release.kind, release.body) == (K.RELEASE, Release((4, 5, 6, 7)))
 
 
-@pytest.mark.parametrize(
-    ("features", "count"), [((), 3), ((FEATURE_CALL_RELEASES,), MAX_CALL_RELEASES + 1)]
-)
-def test_result_leases_a_call_cannot_carry_go_in_a_release_first(
-    features: tuple[str, ...], count: int
-) -> None:
+def test_result_leases_a_call_cannot_carry_go_in_a_release_first() -> None:
+    count = MAX_CALL_RELEASES + 1
     protocol = make_protocol()
-    engine = join(protocol, "e1", b"p", features=features)
+    engine = join(protocol, "e1", b"p")
     protocol.return_leases(engine, range(1, count + 1))
     _call, frames = protocol.start_call(
         engine, ADD, object(), stream=False, now=1.0, payload=b"\x90"

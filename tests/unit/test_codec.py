@@ -876,8 +876,8 @@ def test_sans_io_modules_import_no_io_library(module: str) -> None:
 
 
 def test_wire_enums_have_the_documented_values() -> None:
-    assert [int(c) for c in ExtCode] == [1, 2]
-    assert [int(loc) for loc in Location] == [0, 1, 2]
+    assert [int(c) for c in ExtCode] == [1, 2, 3]
+    assert [int(loc) for loc in Location] == [0, 1, 2, 3]
 
 
 def test_check_message_size_uses_the_smaller_positive_limit() -> None:

@@ -107,13 +107,11 @@ def test_a_refused_hello_gets_a_reject_and_the_engine_stops(
     assert pair["e1"].kinds() == [K.HELLO]
     assert pair.client.engines.engines == {}
     assert pair.client.engines.rejected["e1"].startswith(reason)
+    assert pair["e1"].session.state is SessionState.REJECTED  # both topologies
     if dial_in:  # its only client refused it: the engine stops (serve raises)
         assert [type(e) for e in pair["e1"].events] == [SessionEnded, AllRejected]
-        assert pair["e1"].session.state is SessionState.REJECTED
         pair.run(10.0)
         assert pair["e1"].kinds() == []  # it does not try again
-    else:  # a listening engine forgets the refused peer
-        assert pair["e1"].session is None
 
 
 def test_a_malformed_welcome_gets_a_reject_that_ends_the_clients_session() -> None:
@@ -150,7 +148,7 @@ def test_unary_result_error_and_remote_exception_reach_their_callers() -> None:
     assert pair.outcome(ok) == 3
     with pytest.raises(RemoteError, match="nope") as info:
         pair.outcome(failed)
-    assert info.value.remote_type == "ValueError"
+    assert info.value.remote_type == "builtins.ValueError"
     with pytest.raises(MethodNotFoundError):
         pair.outcome(unknown)
     assert pair.client.calls.get(ok.call_id) is None

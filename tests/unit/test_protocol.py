@@ -8,10 +8,12 @@ from hypothesis import given, settings, strategies as st
 
 from tensorrpc._exceptions import (
     ErrorCode,
+    InvalidArgumentError,
     LocalProtocolError,
     MethodNotFoundError,
     RemoteError,
     RemoteProtocolError,
+    path_parts,
 )
 from tensorrpc._protocol import (
     HEADER_SIZE,
@@ -56,6 +58,8 @@ HELLO = Hello(
     concurrency=8,
     heartbeat_ms=500,
     methods=("add", "scale", "count"),
+    streaming=("count",),
+    signatures=("add(a: int, b: int) -> int", "scale(x: float) -> float", "count(n: int) -> int"),
 )
 WELCOME = Welcome(client_id="client-7", host_id="host-1", transports=("frames",), heartbeat_ms=250)
 BODIES: list[tuple[MessageKind, object, int]] = [
@@ -104,6 +108,12 @@ def hello_map(**overrides: object) -> dict[str, object]:
         "concurrency": 1,
         "heartbeat_ms": 1000,
         "methods": ["m"],
+        "streaming": [],
+        "signatures": ["m() -> None"],
+        "max_message_bytes": 0,
+        "epoch": 1,
+        "dead_after_ms": 5000,
+        "compression": [],
     }
     wire.update(overrides)
     return wire
@@ -262,7 +272,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(kind=MessageKind.HELLO, call_id=3), "connection-level"),
         (raw_header(kind=MessageKind.CALL, tail=b""), "without a method name"),
         (raw_header(kind=MessageKind.CALL, call_id=0, tail=b"m"), "CALL with call_id 0"),
-        (raw_header(kind=MessageKind.CALL, flags=128, tail=b"m"), "unknown flag bits 0x80"),
+        (raw_header(kind=MessageKind.CALL, flags=256, tail=b"m"), "unknown flag bits 0x100"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b""), "no lease count"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x00m"), "0 lease ids"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x41" + bytes(8 * 65) + b"m"), "65"),
@@ -387,12 +397,13 @@ def test_a_value_just_inside_each_limit_is_accepted():
         pid=2**63 - 1,
         transports=("t",) * MAX_LIST_ITEMS,
         methods=("m" * MAX_METHOD_BYTES,),
+        signatures=("s",),
     )
     header, payload, _ = split_frames(encode_control(MessageKind.HELLO, body))
     assert decode_control(header, payload) == body
 
 
-def test_max_message_bytes_is_announced_and_optional_for_older_peers() -> None:
+def test_max_message_bytes_round_trips_and_is_checked() -> None:
     hello = Hello("e", "S", "f", 1, "h", 5, max_message_bytes=1 << 20)
     welcome = Welcome("c", "h", max_message_bytes=1 << 32)
     for kind, body in ((MessageKind.HELLO, hello), (MessageKind.WELCOME, welcome)):
@@ -400,14 +411,36 @@ def test_max_message_bytes_is_announced_and_optional_for_older_peers() -> None:
         wire = ormsgpack.unpackb(memoryview(payload))
         assert wire["max_message_bytes"] == body.max_message_bytes
         assert decode_control(header, payload) == body
-        # an older peer does not send the field: it decodes as 0 (no limit announced)
-        old = {k: v for k, v in wire.items() if k != "max_message_bytes"}
-        decoded = decode_control(header, ormsgpack.packb(old))
-        assert isinstance(decoded, Hello | Welcome)
-        assert decoded.max_message_bytes == 0
         for bad, match in ((-1, "out of range"), ("1", "must be an integer")):
             with pytest.raises(RemoteProtocolError, match=match):
-                decode_control(header, ormsgpack.packb({**old, "max_message_bytes": bad}))
+                decode_control(header, ormsgpack.packb({**wire, "max_message_bytes": bad}))
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [(MessageKind.HELLO, HELLO), (MessageKind.WELCOME, WELCOME)],
+    ids=["HELLO", "WELCOME"],
+)
+def test_every_hello_and_welcome_field_is_required(kind: MessageKind, body: object) -> None:
+    header, payload, _ = split_frames(encode_control(kind, body))  # type: ignore[arg-type]
+    wire = ormsgpack.unpackb(memoryview(payload))
+    assert decode_control(header, payload) == body
+    for name in wire:
+        partial = {k: v for k, v in wire.items() if k != name}
+        with pytest.raises(RemoteProtocolError, match=f"missing the field {name!r}"):
+            decode_control(header, ormsgpack.packb(partial))
+
+
+def test_a_hello_needs_one_signature_per_method_and_streams_only_methods() -> None:
+    header = unpack_header(pack_reply_header(MessageKind.HELLO))
+    for bad, match in (
+        (hello_map(signatures=[]), "one per method"),
+        (hello_map(streaming=["other"]), "not methods"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=match):
+            decode_control(header, packed_map(bad))
+    with pytest.raises(LocalProtocolError, match="one per method"):
+        encode_control(MessageKind.HELLO, Hello("e", "S", "f", 1, "h", 1, methods=("m",)))
 
 
 # -- invalid local input -> LocalProtocolError ---------------------------------------------
@@ -429,10 +462,6 @@ def test_max_message_bytes_is_announced_and_optional_for_older_peers() -> None:
         (lambda: pack_reply_header(MessageKind.RESULT, 0), "non-zero call_id"),
         (lambda: pack_reply_header(MessageKind.HELLO, 1), "call_id must be 0"),
         (lambda: pack_reply_header(MessageKind.RESULT, 2**64), "out of range"),
-        (lambda: pack_header(Header(MessageKind.RESULT, 1, method="m")), "no method"),
-        (lambda: pack_header(Header(MessageKind.RESULT, 1, flags=Flags.STREAM)), "no flags"),
-        (lambda: pack_header(Header(MessageKind.RESULT, 1, timeout_ms=3)), "no timeout"),
-        (lambda: pack_header(Header(MessageKind.CALL, 1, timeout_ms=-1, method="m")), "range"),
         (lambda: encode_control(MessageKind.RESULT, None, 1), "codec payload"),
         (lambda: encode_control(MessageKind.HELLO, Bye()), "needs a Hello body"),
         (lambda: encode_control(MessageKind.PING, Bye()), "carries no body"),
@@ -532,10 +561,6 @@ def test_a_trace_context_of_the_wrong_size_or_a_caller_set_trace_flag_is_refused
         pack_call_header(7, "add", 0, 0, b"\x00" * 25)
     with pytest.raises(LocalProtocolError, match="unknown flag bits 0x10"):
         pack_call_header(7, "add", int(Flags.TRACE))
-    with pytest.raises(LocalProtocolError, match="TRACE flag"):
-        pack_header(Header(MessageKind.CALL, 7, Flags.TRACE, 0, "add"))
-    with pytest.raises(LocalProtocolError, match="no trace"):
-        pack_header(Header(MessageKind.RESULT, 7, trace=bytes(26)))
 
 
 def test_a_call_header_carries_lease_ids_before_the_method():
@@ -566,9 +591,6 @@ def test_a_call_header_carries_lease_ids_before_the_method():
         (lambda: pack_call_header(7, "m", releases=[1.0]), "out of range"),  # type: ignore[list-item]
         (lambda: pack_call_header(7, "m", releases=[1] * 65), "at most 64"),
         (lambda: pack_call_header(7, "m", int(Flags.RELEASES)), "unknown flag bits 0x20"),
-        (lambda: pack_header(Header(MessageKind.CALL, 7, Flags.RELEASES, 0, "m")), "RELEASES"),
-        (lambda: pack_header(Header(MessageKind.CALL, 7, method="m", releases=(1,))), "RELEASES"),
-        (lambda: pack_header(Header(MessageKind.RESULT, 7, releases=(1,))), "no lease ids"),
     ],
 )
 def test_bad_lease_ids_for_a_call_header_are_refused(call, match):
@@ -576,57 +598,55 @@ def test_bad_lease_ids_for_a_call_header_are_refused(call, match):
         call()
 
 
-def test_hello_features_are_optional_and_round_trip():
-    hello = Hello("e", "svc", "f" * 64, 1, "h", 1, features=("trace_context", "statistics"))
-    header, payload = encode_control(MessageKind.HELLO, hello)
-    decoded = decode_control(unpack_header(header), payload)
-    assert decoded == hello
-    old = Hello("e", "svc", "f" * 64, 1, "h", 1)
-    header, payload = encode_control(MessageKind.HELLO, old)
-    body = ormsgpack.unpackb(payload)
-    del body["features"]
-    decoded = decode_control(unpack_header(header), ormsgpack.packb(body))
-    assert isinstance(decoded, Hello)
-    assert decoded.features == ()
+def test_error_info_carries_the_refused_value_s_path_as_data() -> None:
+    info = ErrorInfo(ErrorCode.INVALID_ARGUMENT, "", "req.items[3]: bad", "", ("req", "items", 3))
+    header, payload, _ = split_frames(encode_error(7, info))
+    wire = ormsgpack.unpackb(memoryview(payload))
+    assert wire["path"] == ["req", "items", 3]
+    decoded = decode_control(header, payload)
+    assert decoded == info
+    assert isinstance(decoded, ErrorInfo)
+    error = decoded.to_exception()
+    assert isinstance(error, InvalidArgumentError)
+    assert error.path == ("req", "items", 3)
+    for bad, match in (
+        ({**wire, "path": "req"}, "must be a list"),
+        ({**wire, "path": [1.5]}, "string or an integer"),
+        ({**wire, "path": [True]}, "string or an integer"),
+        ({**wire, "path": [-1]}, "out of range"),
+        ({k: v for k, v in wire.items() if k != "path"}, "missing the field 'path'"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=match):
+            decode_control(header, ormsgpack.packb(bad))
+    # a key an ERROR cannot carry (a control character) leaves the path out, not the ERROR
+    odd = ErrorInfo(ErrorCode.INVALID_ARGUMENT, "", "m", "", ("req", "a\x1b"))
+    assert decode_control(*split_frames(encode_error(7, odd))[:2]) == ErrorInfo(
+        ErrorCode.INVALID_ARGUMENT, "", "m", "", ()
+    )
 
 
-def test_with_trace_adds_the_flag_and_context_to_a_packed_call_header():
-    from tensorrpc._protocol import with_trace
-
-    trace = b"\x00" + bytes(range(1, 26))
-    plain = pack_call_header(9, "mul", int(Flags.NO_WAIT), 250)
-    traced = with_trace(plain, trace)
-    assert traced == pack_call_header(9, "mul", int(Flags.NO_WAIT), 250, trace)
-    header = unpack_header(traced)
-    assert (header.method, header.trace) == ("mul", trace)
-    with pytest.raises(LocalProtocolError, match="already"):
-        with_trace(traced, trace)
-    with pytest.raises(LocalProtocolError, match="26 bytes"):
-        with_trace(plain, b"")
+def test_path_parts_reads_a_validation_path() -> None:
+    assert path_parts("req.items[3].tags['k.x']") == ("req", "items", 3, "tags", "k.x")
+    assert path_parts("result") == ("result",)
 
 
-def test_session_fields_round_trip_and_are_optional_for_older_peers() -> None:
+def test_session_fields_round_trip_and_name_a_session_and_a_bound() -> None:
     hello = Hello("e", "S", "f", 1, "h", 5, epoch=2**64 - 1, dead_after_ms=5000)
     welcome = Welcome("c", "h", epoch=1, dead_after_ms=2**32 - 1, fingerprint="ab" * 32)
     for kind, body in ((MessageKind.HELLO, hello), (MessageKind.WELCOME, welcome)):
         header, payload, _ = split_frames(encode_control(kind, body))
         wire = ormsgpack.unpackb(memoryview(payload))
         assert decode_control(header, payload) == body
-        old = {k: v for k, v in wire.items() if k not in ("epoch", "dead_after_ms")}
-        decoded = decode_control(header, ormsgpack.packb(old))
-        assert isinstance(decoded, Hello | Welcome)
-        assert (decoded.epoch, decoded.dead_after_ms) == (0, 0)
         for key, bad, match in (
+            ("epoch", 0, "out of range 1.."),  # epoch 0 names no session
+            ("dead_after_ms", 0, "out of range 1.."),  # nor 0 a bound
             ("epoch", -1, "out of range"),
             ("dead_after_ms", 2**32, "out of range"),
             ("epoch", True, "must be an integer"),
         ):
             with pytest.raises(RemoteProtocolError, match=match):
-                decode_control(header, ormsgpack.packb({**old, key: bad}))
+                decode_control(header, ormsgpack.packb({**wire, key: bad}))
     header, payload, _ = split_frames(encode_control(MessageKind.WELCOME, welcome))
-    old = {k: v for k, v in ormsgpack.unpackb(memoryview(payload)).items() if k != "fingerprint"}
-    decoded = decode_control(header, ormsgpack.packb(old))
-    assert isinstance(decoded, Welcome)
-    assert decoded.fingerprint == ""
+    wire = ormsgpack.unpackb(memoryview(payload))
     with pytest.raises(RemoteProtocolError, match="must be a string"):
-        decode_control(header, ormsgpack.packb({**old, "fingerprint": 7}))
+        decode_control(header, ormsgpack.packb({**wire, "fingerprint": 7}))

@@ -26,7 +26,10 @@ OURS = {
 }
 
 
-def info(methods: tuple[str, ...], signatures: tuple[str, ...] = ()) -> EngineInfo:
+def info(methods: tuple[str, ...], signatures: tuple[str, ...] | None = None) -> EngineInfo:
+    """An engine's HELLO; without ``signatures``, one whose signatures were cut away."""
+    if signatures is None:
+        signatures = ("",) * len(methods)
     return EngineInfo(
         engine_id="e1",
         service="Calc",
@@ -54,9 +57,9 @@ def test_schema_diff_names_added_removed_and_changed_methods() -> None:
     assert "mul" not in text
 
 
-def test_schema_diff_without_signatures_compares_names() -> None:
+def test_schema_diff_with_signatures_cut_away_compares_names() -> None:
     assert schema_diff(OURS, info(("add", "mul", "gone"))) == (
-        "the engine does not announce its signatures; the method names are the same"
+        "the method names are the same; the engine's HELLO cut its signatures"
     )
     assert (
         schema_diff(OURS, info(("add", "x")))

@@ -15,6 +15,7 @@ SANS_IO_FILES = (
     "_calls.py",
     "_engines.py",
     "_liveness.py",
+    "_health.py",
     "_machine.py",
     "_client_protocol.py",
     "_server_protocol.py",
