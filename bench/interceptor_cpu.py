@@ -152,7 +152,7 @@ async def _micro(calls: int, rounds: int) -> dict[str, list[float]]:
 
     async def engine_intercepted() -> None:
         for _ in range(calls):
-            step = functools.partial(dispatcher._handler, handler_call, [1, 2])  # type: ignore[arg-type]
+            step = functools.partial(dispatcher._handler, handler_call, [1, 2], math.inf)  # type: ignore[arg-type]
             context = _context.CallContext(handler_call, "e", math.inf)  # type: ignore[arg-type]
             await intercept((passthrough,), context, step)
 
