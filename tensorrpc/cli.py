@@ -1003,7 +1003,8 @@ def _call_command(args: argparse.Namespace, address: str, arguments: dict[str, o
     except tensorrpc.ConnectError as exc:
         raise CommandError(f"cannot use {address}: {_one_line(exc)}") from exc
     except tensorrpc.CallTimeoutError:
-        raise CommandError(f"{args.method} did not finish within {args.timeout:g} s") from None
+        what = "the health check" if args.health else args.method or "describe"
+        raise CommandError(f"{what} did not finish within {args.timeout:g} s") from None
     except (tensorrpc.MethodNotFoundError, tensorrpc.InvalidArgumentError) as exc:
         raise CommandError(_one_line(exc)) from None
     except tensorrpc.RemoteError as exc:

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import tensorrpc
+from tensorrpc import cli
 from tensorrpc.cli import (
     UsageError,
     describe_dict,
@@ -508,3 +509,16 @@ def test_top_without_rich_is_a_one_line_error(
     monkeypatch.setitem(sys.modules, "rich", None)
     code, _, err = run_cli(capsys, "top", "tcp://127.0.0.1:9", "--count", "1")
     assert_one_line_error(code, err, 1, "needs rich", "tensorrpc[top]")
+
+
+def test_a_health_check_that_times_out_says_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def late(*args: object) -> int:
+        raise tensorrpc.CallTimeoutError("health did not answer")
+
+    monkeypatch.setattr(cli, "_run", late)
+    assert main(["health", "ipc:///nowhere.sock", "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "the health check did not finish within 2 s" in err
+    assert "None" not in err
