@@ -9,11 +9,18 @@ every RESULT or ERROR the engine answers, as JSON, one line in all.
 
 Input (stdin, JSON): client and engine addresses, the routing id to dial the client with,
 a PING to wake the engine (its HELLO answers), the CALLs (hex frames) and a deadline.
+
+Started as root with a uid as its argument, it becomes that uid (and its group, with no
+supplementary groups and so no capabilities) once pyzmq is imported and before it opens
+a socket: the kernel then reports that uid for its connections, and the interpreter never
+has to read the checkout as that uid (a checkout under a mode-0700 directory is not
+readable by it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -22,7 +29,17 @@ import zmq
 WELCOME, RESULT, ERROR = 2, 6, 7
 
 
+def _become(uid: int) -> None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # from root to another uid: every capability is dropped
+    assert os.getresuid() == (uid, uid, uid)
+    assert os.getresgid() == (uid, uid, uid)
+
+
 def main() -> None:
+    if len(sys.argv) > 1:
+        _become(int(sys.argv[1]))
     job = json.load(sys.stdin)
     ping = [bytes.fromhex(f) for f in job["ping"]]
     calls = [[bytes.fromhex(f) for f in call] for call in job["calls"]]
