@@ -1,11 +1,11 @@
-"""The rules of a bulk connection per peer (issue 26): sans-I/O, not wired in yet.
+"""The rules of a bulk connection per peer (issue 26): sans-I/O.
 
 Under ``transport="frames"`` one connection per peer is one ordered stream, so a small
-call's messages wait behind a large message's bytes. docs/design.md ("Designed, not
-built: a bulk connection per peer") gives the design: large CALLs and unary RESULTs go
-on a second connection of the same session. This module holds its decisions, so the
-shells that will open that connection only feed it what the kernel or a key said about
-each connection and act on its answers:
+call's messages wait behind a large message's bytes. docs/design.md ("A bulk connection
+per peer") gives the design: large CALLs and unary RESULTs go on a second connection of
+the same session. This module holds its decisions; the shell (`tensorrpc._bulk_io`)
+opens that connection, feeds this module what the kernel or a key said about each
+connection and acts on its answers:
 
 * `pipe_for`: which connection a message goes on (rule 3).
 * `BulkBinder`: which session a bulk connection belongs to (rules 2 and 5). A token
@@ -14,6 +14,8 @@ each connection and act on its answers:
   over ``ipc://``) as the session's control connection. Nothing vouches over plain
   ``tcp://``, and the bulk path is then off.
 * `EarlyCancels`: a CANCEL that overtook its CALL (rule 4).
+* `listen_endpoint` / `dial_endpoint`: where the listener binds its bulk socket, and
+  what the dialer accepts to dial (rule 1).
 
 No I/O, no clock, no randomness of its own: the shell passes tokens in (from
 ``secrets``) and says when a connection is gone.
@@ -34,12 +36,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BULK_THRESHOLD",
+    "MAX_IPC_PATH",
     "TOKEN_BYTES",
     "Attached",
     "BulkBinder",
     "EarlyCancels",
     "Pipe",
     "Voucher",
+    "dial_endpoint",
+    "listen_endpoint",
     "pipe_for",
 ]
 
@@ -47,6 +52,9 @@ __all__ = [
 BULK_THRESHOLD: Final = 1 << 20
 #: Size of a session's attach token (128 bits).
 TOKEN_BYTES: Final = 16
+#: Longest ``ipc://`` path a unix socket address holds (``sun_path`` less its NUL).
+MAX_IPC_PATH: Final = 107
+_WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "[::]", "::"})
 
 
 class Pipe(enum.Enum):
@@ -76,6 +84,48 @@ def pipe_for(
     if bound and not stream and oob_bytes >= threshold and kind in _BULK_KINDS:
         return Pipe.BULK
     return Pipe.CONTROL
+
+
+def listen_endpoint(control: str, *, curve: bool) -> str | None:
+    """Rule 1: where a listener binds its bulk socket, beside a bound control endpoint.
+
+    ``ipc://PATH`` gives ``ipc://PATH.bulk`` (the kernel vouches for both); ``tcp://``
+    gives the same host on an ephemeral port, with CURVE only (nothing vouches for a
+    plain tcp connection). None: no bulk path (plain tcp, inproc, a path too long).
+    """
+    if control.startswith("ipc://"):
+        path = control[len("ipc://") :] + ".bulk"
+        if not path or len(path.encode()) > MAX_IPC_PATH:
+            return None
+        return "ipc://" + path
+    if control.startswith("tcp://") and curve:
+        host, sep, _port = control[len("tcp://") :].rpartition(":")
+        return f"tcp://{host}:0" if sep and host else None
+    return None
+
+
+def dial_endpoint(announced: str, control: str) -> str | None:
+    """Rule 1: the endpoint a dialer dials for a peer's announced bulk endpoint.
+
+    Only the control connection's transport: ``ipc://`` to ``ipc://``; ``tcp://`` to
+    ``tcp://``, where a wildcard host (the listener bound every interface) becomes the
+    host the control connection dialed. None: anything else (not dialed).
+    """
+    for scheme in ("ipc://", "tcp://"):
+        if control.startswith(scheme):
+            break
+    else:
+        return None
+    if not announced.startswith(scheme) or len(announced) <= len(scheme):
+        return None
+    if scheme == "ipc://":
+        return announced
+    host, sep, port = announced[len(scheme) :].rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host in _WILDCARD_HOSTS:
+        host = control[len(scheme) :].rpartition(":")[0]
+    return f"tcp://{host}:{port}" if host else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,17 +158,20 @@ _MISSING: Final = object()
 
 @dataclass(frozen=True, slots=True)
 class Attached:
-    """`BulkBinder.attach`'s answer: the session (None: refused, ``refused`` says why)."""
+    """`BulkBinder.attach`'s answer: the session (None: refused, ``refused`` says why;
+    or ``parked``: no offer for that epoch yet, see `BulkBinder.parked`)."""
 
     session: Hashable | None
     refused: str = ""
+    parked: bool = False
 
 
 class BulkBinder:
     """The listening side's table: sessions that may attach a bulk pipe, and bound pipes.
 
     Capped: at most ``max_sessions`` offers (the oldest goes first) and
-    ``max_unbound`` bulk pipes waiting for their ATTACH, per process.
+    ``max_unbound`` bulk pipes waiting for their ATTACH (or, parked, for their
+    session's offer), per process.
     """
 
     def __init__(self, *, max_sessions: int = 4096, max_unbound: int = 64) -> None:
@@ -127,15 +180,18 @@ class BulkBinder:
         self._max_sessions = max_sessions
         self._max_unbound = max_unbound
         #: epoch (public, from the handshake) -> what that session may attach
-        self._offers: OrderedDict[bytes, _Offer] = OrderedDict()
+        self._offers: OrderedDict[Hashable, _Offer] = OrderedDict()
         #: bulk pipe -> its session
         self._bound: dict[Hashable, Hashable] = {}
         #: session -> its bulk pipe
         self._pipes: dict[Hashable, Hashable] = {}
         #: bulk pipes opened, not yet attached (oldest first)
         self._unbound: OrderedDict[Hashable, None] = OrderedDict()
+        #: epoch -> an ATTACH that came before its session's offer (the dialer's bulk
+        #: connection may overtake the handshake's last message on the control one)
+        self._parked: dict[Hashable, tuple[Hashable, bytes, Voucher]] = {}
 
-    def offer(self, session: Hashable, epoch: bytes, voucher: Voucher, token: bytes) -> bool:
+    def offer(self, session: Hashable, epoch: Hashable, voucher: Voucher, token: bytes) -> bool:
         """A session's handshake goes out: may it attach a bulk pipe with ``token``?
 
         Returns:
@@ -161,10 +217,20 @@ class BulkBinder:
         self._unbound[pipe] = None
         if len(self._unbound) > self._max_unbound:
             oldest, _ = self._unbound.popitem(last=False)
+            self._unpark(oldest)
             return oldest
         return None
 
-    def attach(self, pipe: Hashable, epoch: bytes, token: bytes, voucher: Voucher) -> Attached:
+    def _unpark(self, pipe: Hashable) -> None:
+        for epoch in [e for e, parked in self._parked.items() if parked[0] == pipe]:
+            del self._parked[epoch]
+
+    def parked(self, epoch: Hashable) -> tuple[Hashable, bytes, Voucher] | None:
+        """The ATTACH parked for ``epoch`` (pipe, token, voucher), taken: after `offer`,
+        the shell attaches it now."""
+        return self._parked.pop(epoch, None)
+
+    def attach(self, pipe: Hashable, epoch: Hashable, token: bytes, voucher: Voucher) -> Attached:
         """Rule 2: bind ``pipe`` to the session whose handshake gave ``token``.
 
         One ATTACH per pipe, whatever its outcome. Refused (the shell closes the pipe;
@@ -179,7 +245,13 @@ class BulkBinder:
             return Attached(None, "unknown bulk pipe")
         offer = self._offers.get(epoch)
         if offer is None:
-            return Attached(None, "no session of this epoch may attach a bulk pipe")
+            if epoch in self._parked:
+                return Attached(None, "a bulk pipe waits for this epoch already")
+            # Perhaps the session's handshake is not done here yet: wait for its offer
+            # (an unbound pipe still, capped as one).
+            self._unbound[pipe] = None
+            self._parked[epoch] = (pipe, token, voucher)
+            return Attached(None, parked=True)
         if not hmac.compare_digest(offer.token, token):
             return Attached(None, "wrong bulk token")
         # The token was right: used once, whatever follows (a relayed token is spent).
@@ -207,6 +279,7 @@ class BulkBinder:
         """Rule 5: a bulk pipe disconnected; returns its session (whose calls on it fail
         as on an engine death), or None."""
         self._unbound.pop(pipe, None)
+        self._unpark(pipe)
         session = self._bound.pop(pipe, None)
         if session is not None:
             self._pipes.pop(session, None)

@@ -114,6 +114,8 @@ def hello_map(**overrides: object) -> dict[str, object]:
         "epoch": 1,
         "dead_after_ms": 5000,
         "compression": [],
+        "bulk": "",
+        "bulk_token": "",
     }
     wire.update(overrides)
     return wire
