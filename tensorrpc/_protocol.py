@@ -164,7 +164,7 @@ class MessageKind(IntEnum):
     #: peer"): the dialer's first message binds the connection to the session whose
     #: handshake gave the token; the listener answers with the same kind (empty token)
     #: once it is bound. `Attach` body.
-    ATTACH = 15
+    ATTACH = 16
 
 
 #: Largest payload accepted per control kind, in bytes, checked before decoding. The
