@@ -49,14 +49,7 @@ from typing import Any, TypeVar, overload
 
 from tensorrpc._batching import Batching, Continuous
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
-from tensorrpc._schema import (
-    CompiledType,
-    Converter,
-    TypeSpec,
-    _Invalid,
-    compile_type,
-    too_deep,
-)
+from tensorrpc._schema import CompiledType, Converter, _Invalid, compile_type, guarded, too_deep
 
 __all__ = ["BatchSpec", "MethodSpec", "ServiceSpec", "describe", "rpc", "service"]
 
@@ -119,9 +112,9 @@ class MethodSpec:
     #: A batched method's per-item entry point is always async (see ``batch.is_async``).
     is_async: bool
     #: Compiled type of each parameter, in order.
-    param_types: tuple[TypeSpec, ...]
+    param_types: tuple[CompiledType, ...]
     #: Compiled return type (the item type when streaming).
-    result_type: TypeSpec
+    result_type: CompiledType
     #: Parameter name -> default value, for parameters that have one.
     defaults: Mapping[str, object]
     #: Human-readable signature, e.g. ``add(a: int, b: int = 1) -> int``.
@@ -374,7 +367,6 @@ def _build_method(
         f"AsyncIterator[{result.description}]" if streams else result.description
     )
     n_posonly = sum(1 for param in params if param.kind is _P.POSITIONAL_ONLY)
-    check_result, decode_result = _result_converters(where, result)
     request_type, response_type = _message_types(service_name, attr, fn, params, hints, result_tp)
     method = MethodSpec(
         service=service_name,
@@ -392,8 +384,8 @@ def _build_method(
         signature=signature,
         encode_args=_make_encode(where, p.names, p.types, p.defaults, n_posonly),
         decode_args=_make_decode(where, p.names, p.types, p.defaults),
-        check_result=check_result,
-        decode_result=decode_result,
+        check_result=guarded(result.fast_check, where, "result"),
+        decode_result=guarded(result.fast_from_wire, where, "result"),
         batch=batch,
     )
     part = {
@@ -522,32 +514,6 @@ def _compile_params(
             text += f" = {out.default_reprs[p.name]}"
         out.sig_parts.append(text)
     return out
-
-
-def _result_converters(
-    where: str, result: CompiledType
-) -> tuple[Callable[[object], object], Callable[[object], object]]:
-    """``check_result`` and ``decode_result`` of a method whose result type is ``result``."""
-    rcheck = result.fast_check
-    rfrom = result.fast_from_wire
-
-    def check_result(value: object) -> object:
-        try:
-            return rcheck(value)
-        except _Invalid as exc:
-            raise exc.to_error(where, "result") from exc.cause
-        except RecursionError:
-            raise too_deep(where, "result") from None
-
-    def decode_result(wire: object) -> object:
-        try:
-            return rfrom(wire)
-        except _Invalid as exc:
-            raise exc.to_error(where, "result") from exc.cause
-        except RecursionError:
-            raise too_deep(where, "result") from None
-
-    return check_result, decode_result
 
 
 def _message_types(
@@ -867,25 +833,6 @@ def _make_slow_decode(
 # ------------------------------------------------------------------ schemaless calls
 
 
-class _AnyValue:
-    """The type of a schemaless method's values: anything the codec carries, as is."""
-
-    __slots__ = ()
-
-    @property
-    def description(self) -> str:
-        return "any"
-
-    def check(self, value: object, path: str) -> object:
-        return value
-
-    def from_wire(self, value: object, path: str) -> object:
-        return value
-
-
-_ANY_VALUE = _AnyValue()
-
-
 def _as_is(value: object) -> object:
     return value
 
@@ -952,7 +899,7 @@ def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec
         streaming=streaming,
         is_async=True,
         param_types=(),
-        result_type=_ANY_VALUE,
+        result_type=CompiledType("any", _as_is, _as_is),
         defaults=MappingProxyType({}),
         signature=f"{name}(...) -> " + ("AsyncIterator[any]" if streaming else "any"),
         encode_args=encode,
