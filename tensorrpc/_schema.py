@@ -1206,21 +1206,13 @@ def _compile_tuple(
 ) -> CompiledType:
     if len(args) == 2 and args[1] is Ellipsis:
         return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)))
-    if args == ((),):  # typing.Tuple[()] on older Pythons
-        args = ()
     return _fixed_tuple_node([_compile(a, ctx, _type_name(tp)) for a in args])
 
 
 def _compile_dict(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
-    if len(args) != 2:
-        raise _unsupported(tp, ctx, inside, "write dict[str, T] or dict[int, T]")
-    if args[0] is not str and args[0] is not int:
-        raise _unsupported(
-            tp,
-            ctx,
-            inside,
-            "map keys are str or int on the wire: write dict[str, T] or dict[int, T]",
-        )
+    if len(args) != 2 or (args[0] is not str and args[0] is not int):
+        why = "" if len(args) != 2 else "map keys are str or int on the wire: "
+        raise _unsupported(tp, ctx, inside, why + "write dict[str, T] or dict[int, T]")
     return _dict_node(_compile(args[1], ctx, _type_name(tp)), args[0])
 
 
@@ -1230,15 +1222,7 @@ def _compile_union(
     return _union_node([_compile(a, ctx, _type_name(tp)) for a in args])
 
 
-def _compile_literal(
-    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
-) -> CompiledType:
-    return _literal_node(args, ctx.where)
-
-
-def _compile_ndarray(
-    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
-) -> CompiledType:
+def _compile_ndarray(*_: object) -> CompiledType:
     return _SCALARS[np.ndarray]  # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
 
 
@@ -1249,21 +1233,12 @@ _BY_ORIGIN: dict[object, Callable[[object, tuple[Any, ...], _Ctx, str | None], C
     dict: _compile_dict,
     typing.Union: _compile_union,
     types.UnionType: _compile_union,
-    typing.Literal: _compile_literal,
+    typing.Literal: lambda tp, args, ctx, inside: _literal_node(args, ctx.where),
 }
 
 
 #: Abstract containers and what to write instead (the runtime builds concrete values).
-_CONCRETE = {
-    "Sequence": "list",
-    "MutableSequence": "list",
-    "Iterable": "list",
-    "Collection": "list",
-    "Set": "list",
-    "MutableSet": "list",
-    "Mapping": "dict",
-    "MutableMapping": "dict",
-}
+_ABSTRACT_SEQUENCES = {"Sequence", "MutableSequence", "Iterable", "Collection", "Set", "MutableSet"}
 
 
 def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
@@ -1272,10 +1247,9 @@ def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
     if origin in (set, frozenset) or tp in (set, frozenset):
         return f"sets do not travel; use list[{item}] (or tuple[{item}, ...]) and convert"
     name = getattr(origin or tp, "__name__", "")
-    if name in _CONCRETE:
-        concrete = _CONCRETE[name]
-        if concrete == "list":
-            return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
+    if name in _ABSTRACT_SEQUENCES:
+        return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
+    if name in ("Mapping", "MutableMapping"):
         return "annotate a concrete container: dict[str, T] or dict[int, T]"
     if tp is object:
         return "annotate the concrete type"
@@ -1289,19 +1263,9 @@ def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
 
 
 def bad_result_message(qualname: str, error: object) -> str:
-    """The engine's message for a result that failed its check, naming the method once.
-
-    ``"Calc.bad: result: expected int, got str ('x')"`` becomes ``"Calc.bad returned a
-    bad result: expected int, got str ('x')"``; a nested path stays
-    (``"... bad result at result.x[0]: expected int ..."``).
-
-    Args:
-        qualname: ``Service.method``.
-        error: The validation or encoding error (its text may start with ``qualname: ``).
-
-    Returns:
-        The message.
-    """
+    """The engine's message for a result that failed its check, naming the method once:
+    ``"Calc.bad returned a bad result: expected int, got str ('x')"`` (a nested path stays:
+    ``"... bad result at result.x[0]: ..."``)."""
     text = str(error).removeprefix(f"{qualname}: ")
     if text.startswith("result: "):
         return f"{qualname} returned a bad result: {text.removeprefix('result: ')}"
