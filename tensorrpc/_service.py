@@ -1,30 +1,11 @@
 """``@service`` / ``@rpc``: typed service definitions, compiled into specs (sans-I/O).
 
-``@rpc`` marks a method and checks at once what needs no type resolution (the kind of
-function, ``*args``/``**kwargs``/keyword-only parameters, missing annotations).
-``@service`` then resolves every annotation (``typing.get_type_hints`` with the method's
-module globals plus the namespace the class was defined in, so local classes and
-``from __future__ import annotations`` both work), compiles the validators, generates a
-Request and a Response dataclass per method and computes the schema fingerprint. Every
-error is raised while the class statement runs, as
-[`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
-
-Rules (also in docs/internals.md, section `_service.py`):
-
-1. Parameters are positional-or-keyword or positional-only. ``*args``, ``**kwargs`` and
-   keyword-only parameters are refused: a call travels as a positional list and the
-   engine calls the handler as ``handler(*args)``.
-2. Defaults must be immutable values that can travel: ``None``, ``bool``, ``int``,
-   ``float``, ``str``, ``bytes``, ``Enum`` members and tuples of these. They must match
-   the parameter's type.
-3. ``def`` and ``async def`` methods return one value; an ``async def`` with ``yield``
-   annotated ``-> AsyncIterator[T]`` (or ``AsyncIterable[T]``/``AsyncGenerator[T, None]``)
-   streams. A sync generator, or a streaming annotation on a method that does not
-   ``yield``, is refused.
-4. The fingerprint hashes the service name and, per method sorted by name, its name,
-   parameter names, kinds, type descriptions, defaults, return type and streaming flag.
-   No module or class path enters it. Whether a handler is sync or async does not either:
-   it does not change what travels.
+``@rpc`` checks at once what needs no type resolution; ``@service`` resolves every
+annotation (the method's module globals plus the namespace the class was defined in),
+compiles the validators, generates a Request and a Response dataclass per method and
+computes the fingerprint (docs/protocol.md). Every error is a
+[`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError] raised while the class
+statement runs; the rules are in docs/services.md and docs/internals.md.
 """
 
 from __future__ import annotations
@@ -648,27 +629,21 @@ def _make_encode(
     return encode
 
 
-def _bind_error(
-    where: str, index: dict[str, int], expected: list[str]
-) -> Callable[..., ValidationError]:
-    """The errors of binding arguments, naming the parameter (``param``) when there is one."""
-
-    def bind_error(text: str, param: str = "") -> ValidationError:
-        i = index.get(param)
-        return ValidationError(
-            f"{where}: {text}",
-            method=where,
-            path=f"req.{param}" if param else "req",
-            expected=expected[i] if i is not None else "",
-            field_path=["req", param] if param else ["req"],
-        )
-
-    return bind_error
+def _req_error(where: str, text: str, param: str = "", expected: str = "") -> ValidationError:
+    """An error about the request as a whole (``req``) or one parameter (``req.param``)."""
+    return ValidationError(
+        f"{where}: {text}",
+        method=where,
+        path=f"req.{param}" if param else "req",
+        expected=expected,
+        field_path=["req", param] if param else ["req"],
+    )
 
 
 def _check_keywords(
-    bind_error: Callable[..., ValidationError],
+    where: str,
     index: dict[str, int],
+    expected: list[str],
     n_posonly: int,
     n_args: int,
     kwargs: Mapping[str, Any],
@@ -677,11 +652,12 @@ def _check_keywords(
     for key in kwargs:
         i = index.get(key, -1)
         if i < 0:
-            raise bind_error(f"got an unexpected keyword argument {key!r}")
+            raise _req_error(where, f"got an unexpected keyword argument {key!r}")
         if i < n_posonly:
-            raise bind_error(f"positional-only argument '{key}' passed by keyword", key)
+            text = f"positional-only argument '{key}' passed by keyword"
+            raise _req_error(where, text, key, expected[i])
         if i < n_args:
-            raise bind_error(f"got multiple values for argument '{key}'", key)
+            raise _req_error(where, f"got multiple values for argument '{key}'", key, expected[i])
 
 
 def _make_bind(
@@ -695,12 +671,12 @@ def _make_bind(
     n = len(names)
     checks = tuple(t.fast_check for t in types_)
     index = {name: i for i, name in enumerate(names)}
-    bind_error = _bind_error(where, index, [t.description for t in types_])
+    expected = [t.description for t in types_]
 
     def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         if len(args) > n:
-            raise bind_error(f"takes {n} positional argument(s) but {len(args)} were given")
-        _check_keywords(bind_error, index, n_posonly, len(args), kwargs)
+            raise _req_error(where, f"takes {n} positional argument(s) but {len(args)} were given")
+        _check_keywords(where, index, expected, n_posonly, len(args), kwargs)
         values = list(args)
         for i in range(len(args), n):
             name = names[i]
@@ -709,7 +685,7 @@ def _make_bind(
             elif name in defaults:
                 values.append(_DEFAULT)
             else:
-                raise bind_error(f"missing required argument '{name}'", name)
+                raise _req_error(where, f"missing required argument '{name}'", name, expected[i])
         out: list[Any] = []
         for i, v in enumerate(values):
             if v is _DEFAULT:
@@ -757,22 +733,11 @@ def _check_arg_names(
     """Refuse an argument map with a key that is not one of the parameters."""
     for key in wire:
         if type(key) is not str:
-            raise ValidationError(
-                f"{where}: req: argument names must be strings, got a key of type "
-                f"{type(key).__name__}",
-                method=where,
-                path="req",
-                expected="str keys",
-            )
+            text = f"req: argument names must be strings, got a key of type {type(key).__name__}"
+            raise _req_error(where, text, expected="str keys")
         if key not in index:
-            raise ValidationError(
-                f"{where}: req: unexpected argument {key!r}; the parameters are "
-                f"{', '.join(names) or '(none)'}",
-                method=where,
-                path=f"req.{key}",
-                expected="",
-                field_path=["req", key],
-            )
+            text = f"unexpected argument {key!r}; the parameters are {', '.join(names) or '(none)'}"
+            raise _req_error(where, f"req: {text}", key)
 
 
 def _make_slow_decode(
@@ -794,20 +759,12 @@ def _make_slow_decode(
         if type(wire) is dict:
             return by_name(wire)
         if type(wire) is not list and type(wire) is not tuple:
-            raise ValidationError(
-                f"{where}: req: expected an argument list or map, got {type(wire).__name__}",
-                method=where,
-                path="req",
-                expected="list or map",
-            )
+            text = f"req: expected an argument list or map, got {type(wire).__name__}"
+            raise _req_error(where, text, expected="list or map")
         assert isinstance(wire, (list, tuple))
         if len(wire) > n:
-            raise ValidationError(
-                f"{where}: req: takes {n} argument(s) but {len(wire)} were sent",
-                method=where,
-                path="req",
-                expected=f"{n} arguments",
-            )
+            text = f"req: takes {n} argument(s) but {len(wire)} were sent"
+            raise _req_error(where, text, expected=f"{n} arguments")
         out: list[Any] = []
         for i in range(n):
             name = names[i]
@@ -819,12 +776,8 @@ def _make_slow_decode(
             elif name in defaults:
                 out.append(defaults[name])
             else:
-                raise ValidationError(
-                    f"{where}: req.{name}: missing required argument '{name}'",
-                    method=where,
-                    path=f"req.{name}",
-                    expected=types_[i].description,
-                )
+                text = f"req.{name}: missing required argument '{name}'"
+                raise _req_error(where, text, name, types_[i].description)
         return out
 
     return slow
@@ -846,23 +799,14 @@ def _schemaless_args(
 
     def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         if kwargs:
-            raise ValidationError(
-                f"{where}: a schemaless call cannot bind keyword arguments; send them "
-                "as a map (call_by_name)",
-                method=where,
-                path="req",
-                expected="positional arguments",
-            )
+            text = "a schemaless call cannot bind keyword arguments; send them as a map"
+            raise _req_error(where, f"{text} (call_by_name)", expected="positional arguments")
         return list(args)
 
     def decode(wire: object) -> list[Any]:
         if type(wire) is not list:
-            raise ValidationError(
-                f"{where}: req: expected an argument list, got {type(wire).__name__}",
-                method=where,
-                path="req",
-                expected="list",
-            )
+            text = f"req: expected an argument list, got {type(wire).__name__}"
+            raise _req_error(where, text, expected="list")
         return list(wire)
 
     return encode, decode
@@ -909,11 +853,5 @@ def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec
     )
 
 
-class _DefaultMarker:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-_DEFAULT: Any = _DefaultMarker()
+#: A parameter left to its default.
+_DEFAULT: Any = object()
