@@ -485,22 +485,24 @@ def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
     return CompiledType(desc, check, from_wire)
 
 
-def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...]]:
-    """``(convs[0](v[0]), ..., convs[n-1](v[n-1]))`` as straight-line code (half the cost
-    of ``map`` for a few elements); an ``_Invalid`` gets the failing index. The source is
-    built from integers only."""
+def _tuple_apply(convs: tuple[Converter, ...], as_list: bool = False) -> Converter:
+    """``(convs[0](v[0]), ..., convs[n-1](v[n-1]))`` (a list with ``as_list``) as
+    straight-line code (half the cost of ``map`` for a few elements); an ``_Invalid`` gets
+    the failing index. The source is built from integers only."""
     n = len(convs)
     if n > 32 or n == 0:
+        build = list if as_list else tuple
 
-        def apply(v: Any) -> tuple[Any, ...]:
+        def apply(v: Any) -> Any:
             it = iter(v)
             try:
-                return tuple(map(operator.call, convs, it))
+                return build(map(operator.call, convs, it))
             except _Invalid as exc:  # one pass, as in _map_indexed
                 exc.segments.append(n - operator.length_hint(it) - 1)
                 raise
 
         return apply
+    items = "".join(f"a{i}, " for i in range(n))
     lines = ["def apply(v):", "    i = 0", "    try:"]
     for i in range(n):
         lines.append(f"        a{i} = c{i}(v[{i}])")
@@ -510,12 +512,12 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
         "    except _Invalid as exc:",
         "        exc.segments.append(i)",
         "        raise",
-        f"    return ({''.join(f'a{i}, ' for i in range(n))})",
+        f"    return [{items}]" if as_list else f"    return ({items})",
     ]
     namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
     namespace["_Invalid"] = _Invalid
     exec("\n".join(lines) + "\n", namespace)
-    fn: Callable[[Any], tuple[Any, ...]] = namespace["apply"]
+    fn: Converter = namespace["apply"]
     return fn
 
 

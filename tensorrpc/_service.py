@@ -30,7 +30,14 @@ from typing import Any, TypeVar, overload
 
 from tensorrpc._batching import Batching, Continuous
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
-from tensorrpc._schema import CompiledType, Converter, _Invalid, compile_type, guarded, too_deep
+from tensorrpc._schema import (
+    CompiledType,
+    _Invalid,
+    _tuple_apply,
+    compile_type,
+    guarded,
+    too_deep,
+)
 
 __all__ = ["BatchSpec", "MethodSpec", "ServiceSpec", "describe", "rpc", "service"]
 
@@ -570,35 +577,11 @@ def _default_repr(value: object, where: str) -> str:
 # ------------------------------------------------------------- compiled hot-path code
 
 
-def _fixed_arity(convs: tuple[Converter, ...]) -> Callable[[Sequence[Any]], list[Any]]:
-    """Compile ``[convs[0](s[0]), ..., convs[n-1](s[n-1])]`` as straight-line code.
-
-    A comprehension over ``zip`` costs about three times as much for the usual two or
-    three parameters; dataclasses generates its ``__init__`` the same way. The source is
-    built from integers only.
-    """
-    n = len(convs)
-    if n > 32:
-        return lambda s: [c(v) for c, v in zip(convs, s, strict=True)]
-    body = ", ".join(f"c{i}(s[{i}])" for i in range(n))
-    namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
-    exec(f"def apply(s):\n    return [{body}]\n", namespace)
-    fn: Callable[[Sequence[Any]], list[Any]] = namespace["apply"]
-    return fn
-
-
-def _locate(
-    where: str, names: list[str], convs: tuple[Converter, ...], values: Sequence[Any]
-) -> ValidationError:
-    """After a rejection, find the offending parameter and build its error (cold path)."""
-    for i, (conv, v) in enumerate(zip(convs, values, strict=False)):
-        try:
-            conv(v)
-        except _Invalid as exc:
-            err = exc.to_error(where, f"req.{names[i]}")
-            err.__cause__ = exc.cause
-            return err
-    raise AssertionError("unreachable: converter is not deterministic")  # pragma: no cover
+def _param_error(where: str, names: list[str], exc: _Invalid) -> ValidationError:
+    """The error for a rejected argument, whose index is ``exc``'s outermost segment."""
+    i = exc.segments.pop()
+    assert isinstance(i, int)
+    return exc.to_error(where, f"req.{names[i]}")
 
 
 def _make_encode(
@@ -610,15 +593,15 @@ def _make_encode(
 ) -> Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]]:
     n = len(names)
     checks = tuple(t.fast_check for t in types_)
-    fast = _fixed_arity(checks)
+    fast = _tuple_apply(checks, as_list=True)
     bind = _make_bind(where, names, types_, defaults, n_posonly)
 
     def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         if not kwargs and len(args) == n:
             try:
                 return fast(args)
-            except _Invalid:
-                raise _locate(where, names, checks, args) from None
+            except _Invalid as exc:
+                raise _param_error(where, names, exc) from exc.cause
             except RecursionError:
                 raise too_deep(where, "req") from None
         try:
@@ -693,8 +676,8 @@ def _make_bind(
                 continue
             try:
                 out.append(checks[i](v))
-            except _Invalid:
-                raise _locate(where, names[i : i + 1], checks[i : i + 1], [v]) from None
+            except _Invalid as exc:
+                raise exc.to_error(where, f"req.{names[i]}") from exc.cause
         return out
 
     return bind
@@ -708,15 +691,15 @@ def _make_decode(
 ) -> Callable[[object], list[Any]]:
     n = len(names)
     froms = tuple(t.fast_from_wire for t in types_)
-    fast = _fixed_arity(froms)
+    fast = _tuple_apply(froms, as_list=True)
     slow = _make_slow_decode(where, names, types_, defaults)
 
     def decode(wire: object) -> list[Any]:
         if type(wire) is list and len(wire) == n:
             try:
                 return fast(wire)
-            except _Invalid:
-                raise _locate(where, names, froms, wire) from None
+            except _Invalid as exc:
+                raise _param_error(where, names, exc) from exc.cause
             except RecursionError:
                 raise too_deep(where, "req") from None
         try:
@@ -771,8 +754,8 @@ def _make_slow_decode(
             if i < len(wire) and wire[i] is not _DEFAULT:
                 try:
                     out.append(froms[i](wire[i]))
-                except _Invalid:
-                    raise _locate(where, names[i : i + 1], froms[i : i + 1], [wire[i]]) from None
+                except _Invalid as exc:
+                    raise exc.to_error(where, f"req.{name}") from exc.cause
             elif name in defaults:
                 out.append(defaults[name])
             else:
