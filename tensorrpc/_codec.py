@@ -28,7 +28,7 @@ from tensorrpc._lazy import LazyModule
 from tensorrpc._protocol import count_msgpack_objects
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import numpy as np
     import torch
@@ -237,20 +237,40 @@ def _inline_bytes(tensor: torch.Tensor, nbytes: int) -> bytes:
     return _host_bytes(tensor)[1].tobytes()
 
 
-class _Encoder:
+class _Replaying:
+    """What an ormsgpack hook made, in order, replayed on a second pass over the same value
+    (`again`) so that no tensor is placed, collected or built twice."""
+
+    __slots__ = ("_replay", "error", "made")
+
+    def __init__(self) -> None:
+        #: The exception raised inside the hook (ormsgpack replaces it with its own).
+        self.error: Exception | None = None
+        self.made: list[Any] = []
+        self._replay: list[Any] = []
+
+    def again(self) -> None:
+        self._replay = self.made[::-1]
+        self.made = []
+        self.error = None
+
+    def _once(self, make: Callable[..., Any], *args: Any) -> Any:
+        if self._replay:
+            out = self._replay.pop()
+        else:
+            try:
+                out = make(*args)
+            except Exception as exc:
+                self.error = exc
+                raise
+        self.made.append(out)
+        return out
+
+
+class _Encoder(_Replaying):
     """Per-call state of `encode`: the ormsgpack ``default=`` hook and what it collects."""
 
-    __slots__ = (
-        "_compression",
-        "_config",
-        "_count",
-        "_placer",
-        "_replay",
-        "buffers",
-        "error",
-        "exts",
-        "keepalive",
-    )
+    __slots__ = ("_compression", "_config", "_count", "_placer", "buffers", "keepalive")
 
     def __init__(
         self,
@@ -258,48 +278,29 @@ class _Encoder:
         placer: TensorPlacer | None,
         compression: Compression | None = None,
     ) -> None:
+        super().__init__()
         self._config = config
         self._placer = placer
         self._compression = compression
         self._count = 0
         self.buffers: list[memoryview] = []
         self.keepalive: list[object] = []
-        #: The exception raised inside the hook (ormsgpack replaces it with a TypeError).
-        self.error: Exception | None = None
-        #: What the hook returned, in order (see `_replay`).
-        self.exts: list[ormsgpack.Ext] = []
-        #: A second pass over the same value returns these first (tensors are not placed
-        #: or collected twice); see `encode`.
-        self._replay: list[ormsgpack.Ext] = []
-
-    def again(self) -> None:
-        """Prepare a second pass over the same value: the hook's results are replayed."""
-        self._replay = self.exts[::-1]
-        self.exts = []
-        self.error = None
 
     def default(self, obj: object) -> ormsgpack.Ext:
-        if self._replay:
-            ext = self._replay.pop()
-            self.exts.append(ext)
-            return ext
-        try:
-            if not _arrays_loaded:
-                # No value is a tensor or an array before torch or numpy is imported.
-                if "torch" not in sys.modules and "numpy" not in sys.modules:
-                    raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
-                _load_arrays()
-            if isinstance(obj, torch.Tensor):
-                ext = self._tensor(obj)
-            elif isinstance(obj, np.ndarray):
-                ext = self._ndarray(obj)
-            else:
-                raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
-        except Exception as exc:
-            self.error = exc
-            raise
-        self.exts.append(ext)
+        ext: ormsgpack.Ext = self._once(self._ext, obj)
         return ext
+
+    def _ext(self, obj: object) -> ormsgpack.Ext:
+        if not _arrays_loaded:
+            # No value is a tensor or an array before torch or numpy is imported.
+            if "torch" not in sys.modules and "numpy" not in sys.modules:
+                raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
+            _load_arrays()
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, np.ndarray):
+            return self._ndarray(obj)
+        raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
 
     def _check_count(self) -> None:
         if self._count > self._config.max_tensors:
@@ -505,20 +506,10 @@ def encode(
 ) -> Encoded:
     """Encode ``value`` into a msgpack payload and out-of-band tensor buffers.
 
-    Args:
-        value: Plain values (None, bool, int, float, str, bytes, list, tuple, dict with
-            str or int keys, dataclass instances, Enum members) with ``torch.Tensor`` and
-            ``numpy.ndarray`` anywhere inside.
-        config: Limits and policies.
-        placer: Offered every tensor at or above ``config.inline_threshold`` bytes; a
-            tensor it takes travels by handle, the others in a buffer of their own.
-        compression: Compress the payload and the tensor frames of at least its
-            ``min_bytes`` (see `Compression`); a tensor the placer takes (by handle) is
-            never compressed.
-
-    Returns:
-        The payload, one buffer per out-of-band tensor, and the objects that own the
-        buffers' memory (keep them alive until the buffers have been sent).
+    ``placer`` is offered every tensor of at least ``config.inline_threshold`` bytes (one
+    it takes travels by handle, never compressed); ``compression`` compresses the payload
+    and tensor frames of at least its ``min_bytes``. Keep ``Encoded.keepalive`` alive until
+    the buffers have been sent.
 
     Raises:
         EncodeError: Unsupported type or dtype, sparse/quantized/meta tensor, a device
@@ -648,10 +639,10 @@ def _torch_on(
     return tensor if len(shape) == 1 else tensor.view(shape)
 
 
-class _Decoder:
+class _Decoder(_Replaying):
     """Per-call state of `decode`: the ormsgpack ``ext_hook`` and frame bookkeeping."""
 
-    __slots__ = ("_buffers", "_config", "_count", "_replay", "_resolver", "built", "error", "used")
+    __slots__ = ("_buffers", "_config", "_count", "_resolver", "used")
 
     def __init__(
         self,
@@ -659,34 +650,16 @@ class _Decoder:
         config: CodecConfig,
         resolver: TensorResolver | None,
     ) -> None:
+        super().__init__()
         self._buffers = buffers
         self._config = config
         self._resolver = resolver
         self._count = 0
         #: Indices of the buffers referenced so far.
         self.used: set[int] = set()
-        #: The exception raised inside the hook (ormsgpack replaces it with a ValueError).
-        self.error: Exception | None = None
-        #: What the hook returned, in order; a second pass replays it (`again`).
-        self.built: list[object] = []
-        self._replay: list[object] = []
-
-    def again(self) -> None:
-        """Prepare a second pass over the same payload: tensors are not built twice."""
-        self._replay = self.built[::-1]
-        self.built = []
 
     def ext_hook(self, code: int, data: bytes) -> object:
-        if self._replay:
-            out = self._replay.pop()
-        else:
-            try:
-                out = self._ext(code, data)
-            except Exception as exc:
-                self.error = exc
-                raise
-        self.built.append(out)
-        return out
+        return self._once(self._ext, code, data)
 
     def _ext(self, code: int, data: bytes) -> object:
         if code == _TORCH:
@@ -904,30 +877,17 @@ def decode(
     *,
     resolver: TensorResolver | None = None,
 ) -> Any:
-    """Decode a payload and its out-of-band buffers back into a value.
+    """Decode a payload and its out-of-band buffers (each referenced exactly once).
 
-    Tensors sent in frames are built on ``buffers`` without copying when a buffer is
-    writable (``zmq.Frame`` received with ``copy=False`` is; pass ``frame.buffer`` or the
-    frame itself); a read-only buffer (``bytes``) is copied once, because torch has no
-    read-only tensors. Each decoded tensor keeps its buffer alive.
-
-    Args:
-        payload: The msgpack frame.
-        buffers: The out-of-band frames, in order; each must be referenced exactly once.
-        config: Limits (must match the sender's for the sizes it may send).
-        resolver: Resolves tensors sent by handle; without one a handle is a DecodeError.
-
-    Returns:
-        The value: lists for arrays (tuples come back as lists), dicts for maps
-        (dataclasses come back as dicts), ``torch.Tensor`` / ``numpy.ndarray`` for tensors.
+    Tensors are built on writable ``buffers`` without copying (a read-only one is copied
+    once: torch has no read-only tensors) and keep them alive; ``resolver`` resolves
+    tensors sent by handle. Arrays come back as lists, maps (dataclasses) as dicts.
 
     Raises:
         DecodeError: Malformed msgpack, a bad descriptor, a dtype not allowed, sizes that
-            do not match or exceed the limits (``max_payload_objects`` included), bad
-            frame indices, unreferenced buffers.
-        ValidationError: Well-formed msgpack with a map key that is neither a str nor an
-            int (the value cannot be one a peer may send; an engine answers
-            ``INVALID_ARGUMENT``).
+            do not match or exceed the limits, bad frame indices, unreferenced buffers.
+        ValidationError: A map key that is neither a str nor an int (a value a peer may
+            not send: an engine answers ``INVALID_ARGUMENT``).
         TensorTransportError: The resolver failed.
     """
     view = _payload_view(payload, len(buffers), config)

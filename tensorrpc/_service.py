@@ -593,7 +593,7 @@ def _make_encode(
 ) -> Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]]:
     n = len(names)
     checks = tuple(t.fast_check for t in types_)
-    fast = _tuple_apply(checks, as_list=True)
+    fast: Callable[[Sequence[Any]], list[Any]] = _tuple_apply(checks, as_list=True)
     bind = _make_bind(where, names, types_, defaults, n_posonly)
 
     def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
@@ -691,7 +691,7 @@ def _make_decode(
 ) -> Callable[[object], list[Any]]:
     n = len(names)
     froms = tuple(t.fast_from_wire for t in types_)
-    fast = _tuple_apply(froms, as_list=True)
+    fast: Callable[[Sequence[Any]], list[Any]] = _tuple_apply(froms, as_list=True)
     slow = _make_slow_decode(where, names, types_, defaults)
 
     def decode(wire: object) -> list[Any]:
@@ -798,20 +798,9 @@ def _schemaless_args(
 def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec:
     """A [`MethodSpec`][tensorrpc.MethodSpec] for calling ``name`` without the service class.
 
-    Used by a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]), which sends its
-    arguments as a map of parameter name -> value (the engine validates them with its own
-    spec) and returns results as the codec decoded them: ``check_result`` and
-    ``decode_result`` pass values through unchanged. ``encode_args`` takes positional
-    arguments only and returns them as the wire list (keywords need the parameter order,
-    which only the engine knows: send those as a map).
-
-    Args:
-        service: The service name (for error messages).
-        name: The method name.
-        streaming: Whether the method streams.
-
-    Returns:
-        The spec; ``params`` is empty and ``signature`` is ``name(...)``.
+    For a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]): its arguments
+    travel as a positional list or a map (the engine validates them), and results pass
+    through as the codec decoded them.
     """
     encode, decode = _schemaless_args(f"{service}.{name}")
     qual = f"{service}_{name}".replace(".", "_")
