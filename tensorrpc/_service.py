@@ -32,6 +32,7 @@ from tensorrpc._batching import Batching, Continuous
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 from tensorrpc._schema import (
     CompiledType,
+    Converter,
     _Invalid,
     _tuple_apply,
     compile_type,
@@ -584,6 +585,42 @@ def _param_error(where: str, names: list[str], exc: _Invalid) -> ValidationError
     return exc.to_error(where, f"req.{names[i]}")
 
 
+def _req_error(where: str, text: str, param: str = "", expected: str = "") -> ValidationError:
+    """An error about the request as a whole (``req``) or one parameter (``req.param``)."""
+    return ValidationError(
+        f"{where}: {text}",
+        method=where,
+        path=f"req.{param}" if param else "req",
+        expected=expected,
+        field_path=["req", param] if param else ["req"],
+    )
+
+
+def _convert_args(
+    where: str,
+    names: list[str],
+    types_: list[CompiledType],
+    defaults: dict[str, object],
+    convs: tuple[Converter, ...],
+    values: list[Any],
+) -> list[Any]:
+    """The slow paths' conversion, in order: ``_DEFAULT`` takes the default or is missing."""
+    out: list[Any] = []
+    for i, v in enumerate(values):
+        name = names[i]
+        if v is not _DEFAULT:
+            try:
+                out.append(convs[i](v))
+            except _Invalid as exc:
+                raise exc.to_error(where, f"req.{name}") from exc.cause
+        elif name in defaults:
+            out.append(defaults[name])
+        else:
+            text = f"req.{name}: missing required argument '{name}'"
+            raise _req_error(where, text, name, types_[i].description)
+    return out
+
+
 def _make_encode(
     where: str,
     names: list[str],
@@ -594,33 +631,37 @@ def _make_encode(
     n = len(names)
     checks = tuple(t.fast_check for t in types_)
     fast: Callable[[Sequence[Any]], list[Any]] = _tuple_apply(checks, as_list=True)
-    bind = _make_bind(where, names, types_, defaults, n_posonly)
+    index = {name: i for i, name in enumerate(names)}
+    expected = [t.description for t in types_]
+
+    def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        """Bind keywords and defaults as Python does."""
+        if len(args) > n:
+            raise _req_error(where, f"takes {n} positional argument(s) but {len(args)} were given")
+        _check_keywords(where, index, expected, n_posonly, len(args), kwargs)
+        values = list(args)
+        for name in names[len(args) :]:
+            if name in kwargs:
+                values.append(kwargs[name])
+            elif name in defaults:
+                values.append(_DEFAULT)
+            else:
+                text = f"missing required argument '{name}'"
+                raise _req_error(where, text, name, expected[index[name]])
+        return _convert_args(where, names, types_, defaults, checks, values)
 
     def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        if not kwargs and len(args) == n:
-            try:
-                return fast(args)
-            except _Invalid as exc:
-                raise _param_error(where, names, exc) from exc.cause
-            except RecursionError:
-                raise too_deep(where, "req") from None
         try:
+            if not kwargs and len(args) == n:
+                try:
+                    return fast(args)
+                except _Invalid as exc:
+                    raise _param_error(where, names, exc) from exc.cause
             return bind(args, kwargs)
         except RecursionError:
             raise too_deep(where, "req") from None
 
     return encode
-
-
-def _req_error(where: str, text: str, param: str = "", expected: str = "") -> ValidationError:
-    """An error about the request as a whole (``req``) or one parameter (``req.param``)."""
-    return ValidationError(
-        f"{where}: {text}",
-        method=where,
-        path=f"req.{param}" if param else "req",
-        expected=expected,
-        field_path=["req", param] if param else ["req"],
-    )
 
 
 def _check_keywords(
@@ -643,46 +684,6 @@ def _check_keywords(
             raise _req_error(where, f"got multiple values for argument '{key}'", key, expected[i])
 
 
-def _make_bind(
-    where: str,
-    names: list[str],
-    types_: list[CompiledType],
-    defaults: dict[str, object],
-    n_posonly: int,
-) -> Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]]:
-    """The slow path of ``encode_args``: bind keywords and defaults as Python does."""
-    n = len(names)
-    checks = tuple(t.fast_check for t in types_)
-    index = {name: i for i, name in enumerate(names)}
-    expected = [t.description for t in types_]
-
-    def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        if len(args) > n:
-            raise _req_error(where, f"takes {n} positional argument(s) but {len(args)} were given")
-        _check_keywords(where, index, expected, n_posonly, len(args), kwargs)
-        values = list(args)
-        for i in range(len(args), n):
-            name = names[i]
-            if name in kwargs:
-                values.append(kwargs[name])
-            elif name in defaults:
-                values.append(_DEFAULT)
-            else:
-                raise _req_error(where, f"missing required argument '{name}'", name, expected[i])
-        out: list[Any] = []
-        for i, v in enumerate(values):
-            if v is _DEFAULT:
-                out.append(defaults[names[i]])
-                continue
-            try:
-                out.append(checks[i](v))
-            except _Invalid as exc:
-                raise exc.to_error(where, f"req.{names[i]}") from exc.cause
-        return out
-
-    return bind
-
-
 def _make_decode(
     where: str,
     names: list[str],
@@ -692,17 +693,30 @@ def _make_decode(
     n = len(names)
     froms = tuple(t.fast_from_wire for t in types_)
     fast: Callable[[Sequence[Any]], list[Any]] = _tuple_apply(froms, as_list=True)
-    slow = _make_slow_decode(where, names, types_, defaults)
+    known = frozenset(names)
+
+    def slow(wire: object) -> list[Any]:
+        """Arguments by name, trailing defaults, and the errors."""
+        if type(wire) is dict:
+            _check_arg_names(where, names, known, wire)
+            wire = [wire.get(name, _DEFAULT) for name in names]
+        elif type(wire) is not list and type(wire) is not tuple:
+            text = f"req: expected an argument list or map, got {type(wire).__name__}"
+            raise _req_error(where, text, expected="list or map")
+        assert isinstance(wire, (list, tuple))
+        if len(wire) > n:
+            text = f"req: takes {n} argument(s) but {len(wire)} were sent"
+            raise _req_error(where, text, expected=f"{n} arguments")
+        values = [*wire, *[_DEFAULT] * (n - len(wire))]
+        return _convert_args(where, names, types_, defaults, froms, values)
 
     def decode(wire: object) -> list[Any]:
-        if type(wire) is list and len(wire) == n:
-            try:
-                return fast(wire)
-            except _Invalid as exc:
-                raise _param_error(where, names, exc) from exc.cause
-            except RecursionError:
-                raise too_deep(where, "req") from None
         try:
+            if type(wire) is list and len(wire) == n:
+                try:
+                    return fast(wire)
+                except _Invalid as exc:
+                    raise _param_error(where, names, exc) from exc.cause
             return slow(wire)
         except RecursionError:
             raise too_deep(where, "req") from None
@@ -711,59 +725,16 @@ def _make_decode(
 
 
 def _check_arg_names(
-    where: str, names: list[str], index: frozenset[str], wire: dict[Any, Any]
+    where: str, names: list[str], known: frozenset[str], wire: dict[Any, Any]
 ) -> None:
     """Refuse an argument map with a key that is not one of the parameters."""
     for key in wire:
         if type(key) is not str:
             text = f"req: argument names must be strings, got a key of type {type(key).__name__}"
             raise _req_error(where, text, expected="str keys")
-        if key not in index:
+        if key not in known:
             text = f"unexpected argument {key!r}; the parameters are {', '.join(names) or '(none)'}"
             raise _req_error(where, f"req: {text}", key)
-
-
-def _make_slow_decode(
-    where: str,
-    names: list[str],
-    types_: list[CompiledType],
-    defaults: dict[str, object],
-) -> Callable[[object], list[Any]]:
-    """The slow path of ``decode_args``: arguments by name, defaults, and the errors."""
-    n = len(names)
-    froms = tuple(t.fast_from_wire for t in types_)
-    index = frozenset(names)
-
-    def by_name(wire: dict[Any, Any]) -> list[Any]:
-        _check_arg_names(where, names, index, wire)
-        return slow([wire.get(name, _DEFAULT) for name in names])
-
-    def slow(wire: object) -> list[Any]:
-        if type(wire) is dict:
-            return by_name(wire)
-        if type(wire) is not list and type(wire) is not tuple:
-            text = f"req: expected an argument list or map, got {type(wire).__name__}"
-            raise _req_error(where, text, expected="list or map")
-        assert isinstance(wire, (list, tuple))
-        if len(wire) > n:
-            text = f"req: takes {n} argument(s) but {len(wire)} were sent"
-            raise _req_error(where, text, expected=f"{n} arguments")
-        out: list[Any] = []
-        for i in range(n):
-            name = names[i]
-            if i < len(wire) and wire[i] is not _DEFAULT:
-                try:
-                    out.append(froms[i](wire[i]))
-                except _Invalid as exc:
-                    raise exc.to_error(where, f"req.{name}") from exc.cause
-            elif name in defaults:
-                out.append(defaults[name])
-            else:
-                text = f"req.{name}: missing required argument '{name}'"
-                raise _req_error(where, text, name, types_[i].description)
-        return out
-
-    return slow
 
 
 # ------------------------------------------------------------------ schemaless calls
