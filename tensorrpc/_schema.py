@@ -196,7 +196,7 @@ class CompiledType:
         return guarded(self.fast_from_wire, "", path)(value)
 
     def __repr__(self) -> str:
-        return f"<TypeSpec {self.description}>"
+        return f"<CompiledType {self.description}>"
 
 
 # --------------------------------------------------------------------------- scalars
