@@ -588,41 +588,25 @@ def _union_node(alts: list[CompiledType]) -> CompiledType:
     # An int must stay an int: try `int` before `float`, which would also accept it.
     order = sorted(alts, key=lambda a: 0 if a is _INT else 1)
     fast_types = frozenset().union(*(a.exact for a in alts if a.exact is not None))
-    _try = _first_accepted(desc)
-    checks = [a.fast_check for a in order]
-    froms = [a.fast_from_wire for a in order]
 
-    def check(v: Any) -> Any:
-        if type(v) in fast_types:
-            return v
-        return _try(checks, v)
+    def first_accepting(convs: list[Converter]) -> Converter:
+        def convert(v: Any) -> Any:
+            if type(v) in fast_types:
+                return v
+            best: _Invalid | None = None
+            for conv in convs:
+                try:
+                    return conv(v)
+                except _Invalid as exc:
+                    # Prefer the error of an alternative that got furthest inside the value.
+                    if exc.segments and (best is None or len(exc.segments) > len(best.segments)):
+                        best = exc
+            raise best if best is not None else _Invalid(desc, v)
 
-    def from_wire(v: Any) -> Any:
-        if type(v) in fast_types:
-            return v
-        return _try(froms, v)
+        return convert
 
-    return CompiledType(desc, check, from_wire, exact)
-
-
-def _first_accepted(desc: str) -> Callable[[list[Converter], Any], Any]:
-    """What the first of a union's alternatives that accepts a value makes of it."""
-
-    def _try(convs: list[Converter], v: Any) -> Any:
-        best: _Invalid | None = None
-        for conv in convs:
-            try:
-                return conv(v)
-            except _Invalid as exc:
-                # Prefer the error from an alternative that got inside the value: it
-                # points at the nested field that is wrong.
-                if exc.segments and (best is None or len(exc.segments) > len(best.segments)):
-                    best = exc
-        if best is not None:
-            raise best
-        raise _Invalid(desc, v)
-
-    return _try
+    checks = first_accepting([a.fast_check for a in order])
+    return CompiledType(desc, checks, first_accepting([a.fast_from_wire for a in order]), exact)
 
 
 def _optional_node(other: CompiledType, exact: frozenset[type] | None) -> CompiledType:
@@ -710,9 +694,8 @@ def _enum_node(cls: type[enum.Enum], where: str) -> CompiledType:
             )
         by_value.setdefault((type(value), value), member)
         parts.append(f"{name}={value!r}")
-    kind = "flag" if issubclass(cls, enum.Flag) else "enum"
-    desc = f"{kind} {cls.__name__}{{{', '.join(parts)}}}"
     is_flag = issubclass(cls, enum.Flag)
+    desc = f"{'flag' if is_flag else 'enum'} {cls.__name__}{{{', '.join(parts)}}}"
 
     def check(v: Any) -> Any:
         if isinstance(v, cls):
