@@ -302,7 +302,8 @@ class _Encoder(_Replaying):
             return self._ndarray(obj)
         raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
 
-    def _check_count(self) -> None:
+    def _one_more(self) -> None:
+        self._count += 1
         if self._count > self._config.max_tensors:
             raise EncodeError(
                 f"message has more than max_tensors={self._config.max_tensors} tensors"
@@ -320,9 +321,7 @@ class _Encoder(_Replaying):
             )
 
     def _tensor(self, tensor: torch.Tensor) -> ormsgpack.Ext:
-        self._count += 1
-        if self._count > self._config.max_tensors:
-            self._check_count()
+        self._one_more()
         name = _TORCH_NAMES.get(tensor.dtype)
         if name is None or tensor.layout is not _STRIDED or tensor.is_nested:
             raise EncodeError(_tensor_kind_error(tensor))
@@ -375,8 +374,7 @@ class _Encoder(_Replaying):
         return ormsgpack.packb([name, shape, _FRAME, len(self.buffers) - 1])
 
     def _ndarray(self, array: np.ndarray[Any, Any]) -> ormsgpack.Ext:
-        self._count += 1
-        self._check_count()
+        self._one_more()
         if isinstance(array, np.ma.MaskedArray):
             raise EncodeError("cannot encode a numpy masked array; use .filled() or send the mask")
         dtype = array.dtype
