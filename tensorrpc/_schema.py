@@ -1134,14 +1134,6 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
     by_origin = _BY_ORIGIN.get(origin)
     if by_origin is not None:
         return by_origin(tp, args, ctx, inside)
-    if tp is typing.Any:
-        raise _unsupported(tp, ctx, inside, "Any is not supported; annotate the concrete type")
-    if isinstance(tp, (str, typing.ForwardRef)):
-        raise _unsupported(tp, ctx, inside, "unresolved forward reference")
-    if tp in (list, tuple, dict):
-        raise _unsupported(
-            tp, ctx, inside, "parametrize it (list[int], tuple[int, ...], dict[str, float])"
-        )
     if isinstance(tp, type):
         if issubclass(tp, enum.Enum):
             return _enum_node(tp, ctx.where)
@@ -1228,6 +1220,12 @@ _ABSTRACT_SEQUENCES = {"Sequence", "MutableSequence", "Iterable", "Collection", 
 
 def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
     """A hint for an unsupported annotation: what to write instead, when there is one."""
+    if tp is typing.Any:
+        return "Any is not supported; annotate the concrete type"
+    if isinstance(tp, (str, typing.ForwardRef)):
+        return "unresolved forward reference"
+    if tp in (list, tuple, dict):
+        return "parametrize it (list[int], tuple[int, ...], dict[str, float])"
     item = _type_name(args[0]) if len(args) == 1 else "T"
     if origin in (set, frozenset) or tp in (set, frozenset):
         return f"sets do not travel; use list[{item}] (or tuple[{item}, ...]) and convert"
