@@ -180,19 +180,11 @@ class CompiledType:
         self.inline = inline
 
     def check(self, value: object, path: str) -> object:
-        """Validate a value about to be sent; return the value to put on the wire.
-
-        Raises:
-            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
-        """
+        """The value to put on the wire for ``value`` (a `ValidationError` under ``path``)."""
         return guarded(self.fast_check, "", path)(value)
 
     def from_wire(self, value: object, path: str) -> object:
-        """Validate a decoded wire value and build the typed Python value.
-
-        Raises:
-            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
-        """
+        """The typed value for a decoded one (a `ValidationError` under ``path``)."""
         return guarded(self.fast_from_wire, "", path)(value)
 
     def __repr__(self) -> str:
@@ -1268,22 +1260,9 @@ def _hashable(tp: object) -> bool:
 def compile_type(
     tp: object, *, where: str, localns: Mapping[str, Any] | None = None
 ) -> CompiledType:
-    """Compile a resolved type annotation into a `CompiledType`.
-
-    Args:
-        tp: The annotation, already resolved (no strings), e.g. ``list[int]``.
-        where: What is being compiled, for error messages
-            (``"Calculator.add parameter 'x'"``).
-        localns: Extra names for resolving the string annotations of dataclass fields
-            (the namespace a service class was defined in).
-
-    Returns:
-        The compiled node.
-
-    Raises:
-        ServiceDefinitionError: ``tp`` (or a type nested in it) is not supported; the
-            message names ``where`` and the type.
-    """
+    """Compile a resolved annotation (``list[int]``); ``where`` names it in errors
+    (``"Calculator.add parameter 'x'"``), ``localns`` resolves the string annotations of
+    record fields. Raises `ServiceDefinitionError` for what is not supported."""
     if not _arrays_registered and ("torch" in sys.modules or "numpy" in sys.modules):
         _register_arrays()
     return _compile(tp, _Ctx(where, localns))
