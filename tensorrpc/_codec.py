@@ -713,35 +713,26 @@ class _Decoder(_Replaying):
         """A tensor (or array) on bytes sent inline or in a frame (descriptor checked)."""
         torch_dtype, np_dtype, itemsize, align = entry
         nbytes = numel * itemsize
-        inline = b""
-        frame: memoryview | None = None
+        data: bytes | memoryview
         if loc == _INLINE:
             if type(ref) is not bytes:
                 raise DecodeError("inline tensor data must be bytes")
-            inline = ref
-            got = len(ref)
+            data = ref
         else:
-            frame = self._located(loc, ref, nbytes)
-            got = frame.nbytes
-        if got != nbytes:
+            data = self._located(loc, ref, nbytes)
+        if len(data) != nbytes:
             raise DecodeError(
                 f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
-                f"got {got}"
+                f"got {len(data)}"
             )
         if numel == 0:
             if as_numpy:
                 return np.empty(shape, dtype=np_dtype)
             return torch.empty(0, dtype=torch.uint8).view(torch_dtype).reshape(shape)
         # torch has no read-only tensors (frombuffer would warn and hand out a tensor that
-        # can write to immutable memory), so read-only bytes are copied once; numpy
-        # follows suit. Inline bytes (`bytes`) always are.
-        view: memoryview | bytearray
-        if frame is None:
-            view = bytearray(inline)
-        elif frame.readonly:
-            view = memoryview(bytearray(frame))
-        else:
-            view = frame
+        # can write to immutable memory), so read-only bytes (inline ones too) are copied
+        # once; numpy follows suit.
+        view = data if type(data) is memoryview and not data.readonly else bytearray(data)
         if np_dtype is None or (not as_numpy and len(shape) == 1):
             return _torch_on(view, torch_dtype, align, shape)
         array: np.ndarray[Any, Any] = np.frombuffer(view, dtype=np_dtype)
