@@ -932,29 +932,32 @@ def _namedtuple_converters(
     """A ``NamedTuple`` travels as the array of its fields; it is rebuilt on receipt."""
     n = len(fields)
 
-    def each(v: Any, send: bool) -> list[Any]:
-        out = []
-        name = ""
-        try:
-            for f, x in zip(fields, v, strict=True):
-                name = f.name
-                out.append(f.check(x) if send else f.from_wire(x))
-        except _Invalid as exc:
-            exc.segments.append(name)
-            raise
-        return out
+    def named(convs: tuple[Converter, ...]) -> Converter:
+        apply = _tuple_apply(convs)
+
+        def each(v: Any) -> Any:
+            try:
+                return apply(v)
+            except _Invalid as exc:  # the failing index becomes the field's name
+                exc.segments[-1] = fields[exc.segments[-1]].name  # type: ignore[index]
+                raise
+
+        return each
+
+    checks = named(tuple(f.check for f in fields))
+    froms = named(tuple(f.from_wire for f in fields))
 
     def check(v: Any) -> Any:
         if not isinstance(v, cls):
             raise _Invalid(desc, v)
-        return tuple(each(v, True))  # ormsgpack encodes plain tuples only
+        return checks(v)  # a plain tuple: ormsgpack encodes no subclass
 
     def from_wire(v: Any) -> Any:
         if type(v) is not list and type(v) is not tuple:
             raise _Invalid(desc, v)
         if len(v) != n:
             raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
-        values = each(v, False)
+        values = froms(v)
         try:
             return cls(*values)
         except Exception as exc:
