@@ -331,18 +331,35 @@ class CallRunner:
                 f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
             )
             error.__cause__ = exc
+            self.ended(call, error)
             return error  # the engine is lost: it drops our leases itself
         self._protocol.call_unsent(call, self._io.now())
         if not call.ended:
             self._io.abandon(call, error=True)
         else:
             self._io.flush()
-        if call.observed is not None:  # observe: the CALL could not be sent
-            call.observed.finished(_observe.outcome_of(exc), 0)
+        self.ended(call, exc)
         return exc
+
+    def ended(self, call: Call, exc: BaseException | None) -> None:
+        """The caller is done with ``call`` (``exc``: how it failed): count its outcome
+        and tell its observer, once."""
+        outcome = _observe.outcome_of(exc)
+        observed = call.observed
+        if self._protocol.call_ended(call, outcome, self._io.now()) and observed is not None:
+            observed.finished(outcome, 0 if call.stream else _observe.reply_bytes(call))
 
     async def _result(self, call: Call) -> Any:
         """Wait for a unary call's reply and decode it (in the caller's task)."""
+        try:
+            value = await self._reply(call)
+        except BaseException as exc:
+            self.ended(call, exc)
+            raise
+        self.ended(call, None)
+        return value
+
+    async def _reply(self, call: Call) -> Any:
         waiters = self._io.waiters
         assert waiters is not None
         try:
@@ -430,8 +447,6 @@ class CallRunner:
         while True:
             call = await self._start(spec, wire, encoded, options, deadline, flags, details)
             try:
-                if call.observed is not None:  # observe: the unary call ends
-                    return await _observe.observe_result(call.observed, self._result(call), call)
                 return await self._result(call)
             except TensorTransportError:
                 if call.reply_kind is not _ERROR or not call.placed[0] or wire is None:

@@ -9,9 +9,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensorrpc._client import Client
-from tensorrpc._observe import Observer
 from tensorrpc._protocol import Welcome
 from tensorrpc._server import Server
+from tensorrpc._statistics import ClientCounters
+from tensorrpc._views import ClientStatistics, EngineStatistics
 from tensorrpc.metrics import MAX_ENGINE_LABELS, MAX_METHOD_LABELS, OTHER, PrometheusObserver
 
 from ..integration.fake_engine import FakeEngine
@@ -85,13 +86,33 @@ async def test_3000_fake_engines_leave_a_bounded_scrape(tmp_path: Path) -> None:
     assert len(labels) <= MAX_ENGINE_LABELS + 1
 
 
+class _Client:
+    """A client as the observer sees it: ``statistics()`` from sans-I/O counters."""
+
+    def __init__(self, observer: PrometheusObserver) -> None:
+        self.counters = ClientCounters()
+        self.live: dict[str, bool] = {}
+        observer.opened(self)
+
+    def event(self, engine_id: str, event: str) -> None:
+        self.counters.event(engine_id, event)
+        self.live[engine_id] = event != "lost"
+
+    def statistics(self) -> ClientStatistics:
+        engines = {
+            e: EngineStatistics(e, live, 0, 0, 0, 0, 0, **self.counters.of(e).snapshot())
+            for e, live in self.live.items()
+        }
+        return ClientStatistics(engines, 0, 0, {})
+
+
 def test_hostile_engine_ids_become_escaped_labels_and_fold_into_other() -> None:
     registry = CollectorRegistry()
-    observer: Observer = PrometheusObserver(registry)
+    client = _Client(PrometheusObserver(registry))
     hostile = "e\n# HELP fake\x1b[2J"
-    observer.engine_event("c", hostile, "joined")
+    client.event(hostile, "joined")
     for i in range(MAX_ENGINE_LABELS + 10):  # live engines: none can be let go
-        observer.engine_event("c", f"live-{i}", "joined")
+        client.event(f"live-{i}", "joined")
     text = generate_latest(registry).decode()
     labels = _engine_labels(text)
     assert "e\\n# HELP fake\\x1b[2J" in labels
@@ -102,25 +123,30 @@ def test_hostile_engine_ids_become_escaped_labels_and_fold_into_other() -> None:
 
 def test_series_of_lost_engines_make_room_for_new_ones() -> None:
     registry = CollectorRegistry()
-    observer = PrometheusObserver(registry)
+    client = _Client(PrometheusObserver(registry))
     for i in range(MAX_ENGINE_LABELS):
-        observer.engine_event("c", f"old-{i}", "joined")
-        observer.engine_event("c", f"old-{i}", "lost")
-    observer.engine_event("c", "new", "joined")
+        client.event(f"old-{i}", "joined")
+        client.event(f"old-{i}", "lost")
+    assert len(_engine_labels(generate_latest(registry).decode())) == MAX_ENGINE_LABELS
+    client.event("new", "joined")
     labels = _engine_labels(generate_latest(registry).decode())
     assert "new" in labels
     assert "old-0" not in labels  # gone the longest: its series were removed
     assert f"old-{MAX_ENGINE_LABELS - 1}" in labels
     assert OTHER not in labels
+    client.event("old-0", "joined")  # live again: it may have series again
+    labels = _engine_labels(generate_latest(registry).decode())
+    assert "old-0" in labels
+    assert OTHER not in labels
 
 
 def test_method_labels_are_bounded() -> None:
     registry = CollectorRegistry()
-    observer = PrometheusObserver(registry)
+    client = _Client(PrometheusObserver(registry))
+    client.live["e1"] = True
     for i in range(MAX_METHOD_LABELS + 50):
-        observation = observer.client_call("S", f"m{i}", "e1", False, 0, "inline")
-        assert observation is not None
-        observation.finished("ok", 0)
+        series = client.counters.started("e1", f"m{i}")
+        client.counters.ended(series, "ok", 0.001)
     text = generate_latest(registry).decode()
     methods = {
         s.labels["method"]
