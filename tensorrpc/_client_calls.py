@@ -350,32 +350,31 @@ class CallRunner:
             observed.finished(outcome, 0 if call.stream else _observe.reply_bytes(call))
 
     async def _result(self, call: Call) -> Any:
-        """Wait for a unary call's reply and decode it (in the caller's task)."""
-        try:
-            value = await self._reply(call)
-        except BaseException as exc:
-            self.ended(call, exc)
-            raise
-        self.ended(call, None)
-        return value
-
-    async def _reply(self, call: Call) -> Any:
+        """Wait for a unary call's reply and decode it (in the caller's task); count its
+        end."""
         waiters = self._io.waiters
         assert waiters is not None
         try:
             await waiters.wait(call.waiter)
-        except BaseException:
+        except BaseException as exc:
             if not call.ended:
                 self._io.abandon(call, error=True)
             elif call.reply_kind is _RESULT:  # it came, but nobody will decode it
                 self._io.event(Dropped(call.engine, call.reply_payload, call.reply_buffers))
                 self._io.flush()
+            self.ended(call, exc)
             raise
-        if call.error is not None:
-            raise call.error
-        if call.reply_kind is not _RESULT:
-            raise reply_error(call.reply_payload)
-        return self._decode(call, call.reply_payload, call.reply_buffers)
+        try:
+            if call.error is not None:
+                raise call.error
+            if call.reply_kind is not _RESULT:
+                raise reply_error(call.reply_payload)
+            value = self._decode(call, call.reply_payload, call.reply_buffers)
+        except BaseException as exc:
+            self.ended(call, exc)
+            raise
+        self.ended(call, None)
+        return value
 
     def _decode(self, call: Call, payload: Buffer, buffers: Sequence[Buffer]) -> Any:
         """Decode a RESULT or stream item and release the torch_shm leases it carried."""

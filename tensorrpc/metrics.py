@@ -57,7 +57,7 @@ from tensorrpc._text import peer_text
 from tensorrpc._views import ClientStatistics, EngineStatistics
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Iterator, Sequence
     from wsgiref.simple_server import WSGIServer
 
     from prometheus_client.metrics_core import Metric
@@ -273,12 +273,12 @@ class _Collector:
         clients = [s for s in snapshots if isinstance(s, ClientStatistics)]
         engines = [s for s in snapshots if not isinstance(s, ClientStatistics)]
         if "client" in sides:
-            per_engine = _per_engine(clients)
+            per_engine = [e for stats in clients for e in stats.engines.values()]
+            seen = _seen(per_engine)
             with store.lock:
-                seen = {e: stats.live for e, stats in per_engine.items()}
                 store.assign(seen, time.monotonic())
                 labels = {e: store.label(e) for e in seen}
-                methods = {m: store.method_key(m) for s in per_engine.values() for m in s.methods}
+                methods = {m: store.method_key(m) for e in per_engine for m in e.methods}
             yield from _client_families(per_engine, labels, methods, store.buckets)
             yield from _client_state_families(clients, with_samples, per_engine, labels)
             yield from _transport_families("client", [s.transports for s in clients], with_samples)
@@ -324,51 +324,16 @@ class _Sum:
         return _rebin(list(self.duration.items()), bounds, bucket_upper_seconds)
 
 
-def _per_engine(clients: list[ClientStatistics]) -> dict[str, EngineStatistics]:
-    """Each engine id's statistics added up over every client (live if live in one)."""
-    out: dict[str, EngineStatistics] = {}
-    for stats in clients:
-        for engine_id, e in stats.engines.items():
-            before = out.get(engine_id)
-            out[engine_id] = e if before is None else _added(before, e)
-    return out
-
-
-def _added(a: EngineStatistics, b: EngineStatistics) -> EngineStatistics:
-    methods = {**a.methods}
-    for name, m in b.methods.items():
-        mine = methods.get(name)
-        methods[name] = m if mine is None else {
-            "calls": mine["calls"] + m["calls"],
-            "items": mine["items"] + m["items"],
-            "outcomes": _plus(mine["outcomes"], m["outcomes"]),
-            "duration": [*mine["duration"], *m["duration"]],
-            "duration_sum_s": mine["duration_sum_s"] + m["duration_sum_s"],
-        }  # fmt: skip
-    return EngineStatistics(
-        a.engine_id,
-        a.live or b.live,
-        a.calls + b.calls,
-        a.errors + b.errors,
-        a.in_flight + b.in_flight,
-        a.bytes_sent + b.bytes_sent,
-        a.bytes_received + b.bytes_received,
-        methods,
-        _plus(a.events, b.events),
-        [*a.heartbeat_rtt, *b.heartbeat_rtt],
-        a.heartbeat_rtt_sum_s + b.heartbeat_rtt_sum_s,
-    )
-
-
-def _plus(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
-    out = dict(a)
-    for key, n in b.items():
-        out[key] = out.get(key, 0) + n
-    return out
+def _seen(engines: list[EngineStatistics]) -> dict[str, bool]:
+    """Engine id -> live (in any client)."""
+    seen: dict[str, bool] = {}
+    for e in engines:
+        seen[e.engine_id] = seen.get(e.engine_id, False) or e.live
+    return seen
 
 
 def _client_families(
-    per_engine: dict[str, EngineStatistics],
+    engines: list[EngineStatistics],
     labels: dict[str, str | None],
     methods: dict[str, str],
     bounds: tuple[float, ...],
@@ -377,15 +342,16 @@ def _client_families(
     calls: dict[tuple[str, str], _Sum] = {}
     events: dict[tuple[str, str], int] = {}
     rtt: dict[str, _Sum] = {}
-    for engine_id, e in per_engine.items():
-        label = labels[engine_id]
+    for e in engines:
+        label = labels[e.engine_id]
         if label is None:
             continue  # its series were removed
         for method, m in e.methods.items():
             acc = calls.setdefault((methods[method], label), _Sum())
             acc.started += m["calls"]
             acc.items += m["items"]
-            acc.outcomes = _plus(acc.outcomes, m["outcomes"])
+            for outcome, n in m["outcomes"].items():
+                acc.outcomes[outcome] = acc.outcomes.get(outcome, 0) + n
             acc.add_pairs(m["duration"], m["duration_sum_s"])
         for event, n in e.events.items():
             events[label, event] = events.get((label, event), 0) + n
@@ -429,7 +395,7 @@ def _client_families(
 def _client_state_families(
     clients: list[ClientStatistics],
     with_samples: bool,
-    per_engine: dict[str, EngineStatistics],
+    engines: list[EngineStatistics],
     labels: dict[str, str | None],
 ) -> Iterator[Metric]:
     """Client state, from ``statistics()``."""
@@ -447,10 +413,11 @@ def _client_state_families(
         "Bytes sent to and received from engines (all frames).",
         ["engine", "direction"],
     )
-    live = sum(1 for e in per_engine.values() if e.live)
+    seen = _seen(engines)
+    live = sum(seen.values())
     shown: dict[str, list[int]] = {}  # engines without a label value of their own add up
-    for engine_id, e in per_engine.items():
-        label = labels[engine_id]
+    for e in engines:
+        label = labels[e.engine_id]
         if label is not None:
             acc = shown.setdefault(label, [0, 0, 0, 0])
             acc[0] += e.in_flight
@@ -464,7 +431,7 @@ def _client_state_families(
         nbytes.add_metric([label, "received"], received)
     if with_samples:
         engines_by_state.add_metric(["live"], live)
-        engines_by_state.add_metric(["dead"], len(per_engine) - live)
+        engines_by_state.add_metric(["dead"], len(seen) - live)
         waiting.add_metric([], sum(stats.waiting_for_capacity for stats in clients))
         retries.add_metric([], sum(stats.overload_retries for stats in clients))
     yield from (in_flight, up, engines_by_state, waiting, retries, nbytes)
@@ -505,16 +472,27 @@ def _engine_call_families(engines: list[Any]) -> Iterator[Metric]:
     yield from (e_started, e_finished, queue, handler, e_items)
 
 
+#: The engine gauges and counters of `_engine_state_families`: kind, name, help, value.
+_ENGINE_STATE: Final = (
+    (GaugeMetricFamily, "calls_in_flight", "Calls queued or running.", "in_flight"),
+    (GaugeMetricFamily, "calls_queued", "Calls waiting for a worker.", "queued"),
+    (CounterMetricFamily, "overloaded", "Calls refused as OVERLOADED.", "overloaded"),
+    (
+        CounterMetricFamily,
+        "dropped_messages",
+        "Messages dropped: malformed, unexpected or undeliverable.",
+        "dropped",
+    ),
+)
+
+
 def _engine_state_families(engines: list[Any]) -> Iterator[Metric]:
     """Engine state, from ``statistics()``."""
-    e_in_flight = _gauge("tensorrpc_engine_calls_in_flight", "Calls queued or running.", ["engine"])
-    e_queued = _gauge("tensorrpc_engine_calls_queued", "Calls waiting for a worker.", ["engine"])
-    overloaded = _counter("tensorrpc_engine_overloaded", "Calls refused as OVERLOADED.", ["engine"])
-    dropped = _counter(
-        "tensorrpc_engine_dropped_messages",
-        "Messages dropped: malformed, unexpected or undeliverable.",
-        ["engine"],
-    )
+    for kind, name, doc, attribute in _ENGINE_STATE:
+        family = kind(f"tensorrpc_engine_{name}", doc, labels=["engine"])
+        for es in engines:
+            family.add_metric([es.engine_id], getattr(es, attribute))
+        yield family
     e_clients = _gauge("tensorrpc_engine_clients", "Clients in session.", ["engine"])
     e_bytes = _counter(
         "tensorrpc_engine_bytes",
@@ -523,14 +501,10 @@ def _engine_state_families(engines: list[Any]) -> Iterator[Metric]:
     )
     for es in engines:
         eid = es.engine_id
-        e_in_flight.add_metric([eid], es.in_flight)
-        e_queued.add_metric([eid], es.queued)
-        overloaded.add_metric([eid], es.overloaded)
-        dropped.add_metric([eid], es.dropped)
         e_clients.add_metric([eid], sum(1 for c in es.clients if c.state == "live"))
         e_bytes.add_metric([eid, "received"], sum(c.bytes_in for c in es.clients))
         e_bytes.add_metric([eid, "sent"], sum(c.bytes_out for c in es.clients))
-    yield from (e_in_flight, e_queued, overloaded, dropped, e_clients, e_bytes)
+    yield from (e_clients, e_bytes)
 
 
 #: Batch size histogram buckets (items per batch, or per step of a continuous batch).
@@ -646,21 +620,16 @@ class _HttpServers:
 
     def release(self, target: Any) -> None:
         with self._lock:
+            # Servers are kept under their bound port (a requested 0 included).
             bound = self._target_port.pop(id(target), None)
             entry = None if bound is None else self._by_port.get(bound)
-            if entry is None:
-                for e in self._by_port.values():
-                    if e[0].server_port == bound:
-                        entry = e
             if entry is None:
                 return
             server, thread, users = entry
             users.discard(id(target))
             if users:
                 return
-            for key, e in list(self._by_port.items()):
-                if e is entry:
-                    del self._by_port[key]
+            del self._by_port[server.server_port]
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
