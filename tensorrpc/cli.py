@@ -870,25 +870,16 @@ def _engine_json(info: tensorrpc.EngineInfo) -> dict[str, Any]:
 def _print_methods(info: tensorrpc.EngineInfo, *, as_json: bool) -> None:
     signatures = info.signatures or tuple(f"{m}(...)" for m in info.methods)
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "engine_id": info.engine_id,
-                    "service": info.service,
-                    "fingerprint": info.fingerprint,
-                    "pid": info.pid,
-                    "methods": [
-                        {
-                            "name": name,
-                            "signature": sig if info.signatures else None,
-                            "streaming": (name in info.streaming) if info.signatures else None,
-                        }
-                        for name, sig in zip(info.methods, signatures, strict=True)
-                    ],
-                },
-                indent=2,
-            )
-        )
+        known = bool(info.signatures)  # else the engine said nothing of signatures, streams
+        methods = [
+            {
+                "name": name,
+                "signature": sig if known else None,
+                "streaming": (name in info.streaming) if known else None,
+            }
+            for name, sig in zip(info.methods, signatures, strict=True)
+        ]
+        print(json.dumps({**_engine_json(info), "methods": methods}, indent=2))
         return
     print(_engine_text(info))
     for sig in signatures:

@@ -91,26 +91,12 @@ OTHER: Final = "other"
 _ENGINE_LABEL_CHARS: Final = 64
 
 #: Latency histogram buckets (seconds): RPC round trips start at tens of microseconds.
+# fmt: off
 DEFAULT_BUCKETS: Final = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
 )
+# fmt: on
 #: Heartbeat round-trip buckets (seconds).
 RTT_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 
