@@ -156,3 +156,30 @@ def test_method_labels_are_bounded() -> None:
     }
     assert len(methods) == MAX_METHOD_LABELS + 1
     assert OTHER in methods
+
+
+def test_series_of_several_clients_add_up_and_a_closed_client_is_not_read() -> None:
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    one, two = _Client(observer), _Client(observer)
+    for client, calls in ((one, 2), (two, 3)):
+        client.event("e1", "joined")
+        for _ in range(calls):
+            client.counters.ended(client.counters.started("e1", "add"), "ok", 0.002)
+    one.counters.heartbeat("e1", 0.0003)
+
+    def started() -> float:
+        text = generate_latest(registry).decode()
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "tensorrpc_client_calls_started_total" and s.labels["engine"] == "e1"
+        )
+
+    assert started() == 5
+    text = generate_latest(registry).decode()
+    assert 'tensorrpc_client_heartbeat_rtt_seconds_count{engine="e1"} 1.0' in text
+    assert 'tensorrpc_client_engine_events_total{engine="e1",event="joined"} 2.0' in text
+    observer.closed(two)
+    assert started() == 2
