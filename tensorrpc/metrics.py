@@ -106,9 +106,10 @@ class _Store:
 
     Engine ids get label values of their own in the order scrapes first see them (live
     engines first), at most `MAX_ENGINE_LABELS`; an engine seen when every slot is held by
-    a live one is counted under `OTHER` from then on. An engine not live at a scrape is
-    gone from then; the series of one gone for `FORGET_AFTER_S`, or gone the longest when
-    a slot is needed, are removed (until it is live again).
+    a live one is counted under `OTHER` from then on. An engine not live at a scrape (or
+    no longer reported, its client closed) is gone from then; the series of one gone for
+    `FORGET_AFTER_S`, or gone the longest when a slot is needed, are removed (until it is
+    live again).
     """
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
@@ -130,13 +131,14 @@ class _Store:
     def assign(self, seen: dict[str, bool], now: float) -> None:
         """Give slots to the engine ids ``seen`` (id -> live) at a scrape at ``now``."""
         engines, gone, folded = self.engines, self.gone, self.folded
+        for engine_id in engines:  # those no open client reports any more are gone too
+            if seen.get(engine_id, False):
+                gone.pop(engine_id, None)
+            elif engine_id not in gone:
+                gone[engine_id] = now
         for engine_id in sorted(seen, key=lambda e: not seen[e]):  # live ones first
             live = seen[engine_id]
             if engine_id in engines:
-                if live:
-                    gone.pop(engine_id, None)
-                elif engine_id not in gone:
-                    gone[engine_id] = now
                 continue
             was = folded.get(engine_id, "")  # "": new; None: removed; OTHER: no slot
             if engine_id == OTHER or was == OTHER or (was is None and not live):
@@ -150,13 +152,18 @@ class _Store:
             engines[engine_id] = peer_text(engine_id, _ENGINE_LABEL_CHARS)
             if not live:
                 gone[engine_id] = now
+        self._expire(now)
+        for engine_id in [e for e in folded if e not in seen]:
+            del folded[engine_id]
+
+    def _expire(self, now: float) -> None:
+        """Remove the series of the engines gone for `FORGET_AFTER_S`."""
+        gone = self.gone
         while gone:
             oldest, when = next(iter(gone.items()))
             if now - when < FORGET_AFTER_S:
                 break
             self.forget(oldest)
-        for engine_id in [e for e in folded if e not in seen]:
-            del folded[engine_id]
 
     def forget(self, engine_id: str) -> None:
         """Remove the series of ``engine_id`` and free its slot."""

@@ -13,7 +13,15 @@ from tensorrpc._protocol import Welcome
 from tensorrpc._server import Server
 from tensorrpc._statistics import ClientCounters
 from tensorrpc._views import ClientStatistics, EngineStatistics
-from tensorrpc.metrics import MAX_ENGINE_LABELS, MAX_METHOD_LABELS, OTHER, PrometheusObserver
+from tensorrpc.metrics import (
+    DEFAULT_BUCKETS,
+    FORGET_AFTER_S,
+    MAX_ENGINE_LABELS,
+    MAX_METHOD_LABELS,
+    OTHER,
+    PrometheusObserver,
+    _Store,
+)
 
 from ..integration.fake_engine import FakeEngine
 from ..integration.services import Calculator
@@ -183,3 +191,30 @@ def test_series_of_several_clients_add_up_and_a_closed_client_is_not_read() -> N
     assert 'tensorrpc_client_engine_events_total{engine="e1",event="joined"} 2.0' in text
     observer.closed(two)
     assert started() == 2
+
+
+def test_engines_of_a_closed_client_give_their_slots_back() -> None:
+    registry = CollectorRegistry()
+    observer = PrometheusObserver(registry)
+    first = _Client(observer)
+    for i in range(MAX_ENGINE_LABELS):
+        first.event(f"old-{i}", "joined")
+    assert len(_engine_labels(generate_latest(registry).decode())) == MAX_ENGINE_LABELS
+    observer.closed(first)  # its engines stay live, but nothing reports them
+    second = _Client(observer)
+    second.event("new", "joined")
+    labels = _engine_labels(generate_latest(registry).decode())
+    assert labels == {"new"}
+
+
+def test_series_of_an_engine_lost_for_forget_after_s_are_removed_until_it_is_back() -> None:
+    store = _Store(DEFAULT_BUCKETS)
+    store.assign({"a": True, "b": True}, 0.0)
+    store.assign({"a": False, "b": True}, 1.0)  # a is lost from this scrape on
+    store.assign({"a": False, "b": True}, FORGET_AFTER_S)
+    assert store.label("a") == "a"  # not yet
+    store.assign({"a": False, "b": True}, FORGET_AFTER_S + 1.0)
+    assert store.label("a") is None
+    assert store.label("b") == "b"
+    store.assign({"a": True, "b": True}, FORGET_AFTER_S + 2.0)
+    assert store.label("a") == "a"
