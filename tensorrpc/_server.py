@@ -344,6 +344,7 @@ def _protocol_settings(
         signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
         max_message_bytes=max(0, maxmsgsize),
         compression=_compression.available(),
+        request_streaming=tuple(m.name for m in spec.methods.values() if m.request_streaming),
     )
     return ProtocolSettings(
         hello=hello,
