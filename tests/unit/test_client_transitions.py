@@ -11,9 +11,9 @@ from typing import Any
 import ormsgpack
 import pytest
 
+from tensorrpc import _streams
 from tensorrpc._client_protocol import _DISPATCH, _REPLIES, TRANSITIONS, CheckReachable, PeerState
 from tensorrpc._machine import Transition, render_transitions
-from tensorrpc import _streams
 from tensorrpc._protocol import Credit, MessageKind, Release, pack_reply_header, split_frames
 
 from .client_script import (

@@ -5,6 +5,7 @@ driven here through the machine, in each topology it applies to."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,7 @@ def _items_taken(engine: Engine, key: object) -> list[K]:
     return engine.kinds()
 
 
-def _open_then(action: str) -> Any:
+def _open_then(action: str) -> Callable[[Engine, object], list[K]]:
     def row(engine: Engine, key: object) -> list[K]:
         engine.open_upload(key, 3)
         if action == "item":
@@ -164,7 +165,7 @@ def _stray(engine: Engine, key: object) -> list[K]:
 
 
 #: How each request-stream row is driven: its input, and what it sends.
-REQUEST_ROWS: dict[str, Any] = {
+REQUEST_ROWS: dict[str, Callable[[Engine, object], list[K]]] = {
     "STREAM_ITEM of a request stream": _open_then("item"),
     "STREAM_ITEM past the credit, after STREAM_END, or for a call whose request is not a "
     "stream": _item_past_credit,
