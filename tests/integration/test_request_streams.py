@@ -126,6 +126,16 @@ async def test_client_streaming_sums_many_chunks_with_tensors(
     assert total == sum(i * 512 for i in range(100))
 
 
+async def test_the_engine_hello_names_its_request_streaming_methods(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    async with running(tmp_path) as (client, _):
+        info = client._protocol.engines.engines["e1"].info
+    assert set(info.request_streaming) == {"upload", "first", "echo", "gated", "doubles", "sleepy"}
+    assert set(info.streaming) == {"echo", "gated", "doubles"}
+    assert info.stream_window == 16
+
+
 async def test_client_streaming_takes_a_plain_iterable_and_an_empty_stream(
     anyio_backend: str, tmp_path: Path
 ) -> None:

@@ -64,6 +64,7 @@ def make_hello() -> Hello:
         methods=tuple(SPEC.methods),
         streaming=tuple(n for n, m in SPEC.methods.items() if m.streaming),
         signatures=tuple(m.signature for m in SPEC.methods.values()),
+        request_streaming=tuple(n for n, m in SPEC.methods.items() if m.request_streaming),
     )
 
 
