@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,72 +16,25 @@ from tensorrpc import (
     CallTimeoutError,
     Client,
     ClientCall,
+    EngineDeadError,
     InvalidArgumentError,
     RemoteError,
     ValidationError,
-    call_context,
+    _codec,
     rpc,
     serve,
     service,
 )
+from tensorrpc._exceptions import ErrorCode
+from tensorrpc._protocol import Flags, MessageKind, pack_call_header, pack_reply_header
+from tensorrpc._server import Server
+from tensorrpc._service import describe
+
+from ..engine_proc import EngineProcess
+from .server_peer import Peer, open_peer
+from .services import Chunk, Streams
 
 WAIT = 20.0
-
-
-@dataclass
-class Chunk:
-    seq: int
-    data: np.ndarray
-
-
-@service
-class Streams:
-    def __init__(self) -> None:
-        self.gate = anyio.Event()
-        self.taken: list[int] = []
-        self.closed: list[str] = []
-
-    @rpc
-    async def upload(self, chunks: AsyncIterator[Chunk]) -> int:
-        total = 0
-        async for chunk in chunks:
-            total += int(chunk.data.sum())
-        return total
-
-    @rpc
-    async def first(self, xs: AsyncIterator[int]) -> int:
-        async for x in xs:
-            return x  # returns before the request stream ends
-        return -1
-
-    @rpc
-    async def echo(self, msgs: AsyncIterator[str]) -> AsyncIterator[str]:
-        ctx = call_context()
-        ctx.set_response_metadata({"seen": ctx.metadata.get("tag", "")})
-        async for m in msgs:
-            yield m.upper()
-
-    @rpc
-    async def gated(self, xs: AsyncIterator[int]) -> AsyncIterator[int]:
-        """Takes one item, then waits for the gate before taking more: a slow reader."""
-        try:
-            async for x in xs:
-                self.taken.append(x)
-                yield x
-                await self.gate.wait()
-        finally:
-            self.closed.append("gated")
-
-    @rpc
-    async def doubles(self, xs: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
-        async for x in xs:
-            yield x * 2
-
-    @rpc
-    async def sleepy(self, xs: AsyncIterator[int]) -> int:
-        async for _ in xs:
-            await anyio.sleep(3600)
-        return 0
 
 
 @asynccontextmanager
@@ -131,7 +83,9 @@ async def test_the_engine_hello_names_its_request_streaming_methods(
 ) -> None:
     async with running(tmp_path) as (client, _):
         info = client._protocol.engines.engines["e1"].info
-    assert set(info.request_streaming) == {"upload", "first", "echo", "gated", "doubles", "sleepy"}
+    assert set(info.request_streaming) == {
+        "upload", "first", "echo", "gated", "doubles", "sleepy", "fails_at"
+    }  # fmt: skip
     assert set(info.streaming) == {"echo", "gated", "doubles"}
     assert info.stream_window == 16
 
@@ -321,3 +275,149 @@ def test_request_streaming_methods_are_refused_with_more_parameters() -> None:
 
 
 unused = (CallContext, RemoteError)
+
+
+# -- deadlines, cancellation and failures from either side ------------------------------------
+
+
+@asynccontextmanager
+async def raw_peer(tmp_path: Path, instance: Streams) -> AsyncIterator[Peer]:
+    """An engine serving ``instance`` and a scripted client peer that completed the handshake."""
+    address = f"ipc://{tmp_path}/raw.sock"
+    async with (
+        Server(instance, bind=address, engine_id="e1", grace_period=0.5) as server,
+        open_peer(describe(Streams), connect=address) as (peer, _),
+    ):
+        assert server.endpoint is not None
+        await peer.handshake(listen=True)
+        yield peer
+
+
+def request_item(peer: Peer, call_id: int, value: Any) -> None:
+    encoded = _codec.encode(value)
+    peer.send([pack_reply_header(MessageKind.STREAM_ITEM, call_id), encoded.payload])
+
+
+async def test_the_engine_ends_a_request_stream_at_the_calls_deadline(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    async with raw_peer(tmp_path, Streams()) as peer:
+        # The client sends one item and never half-closes: the engine's own deadline ends it.
+        peer.send([pack_call_header(1, "upload", int(Flags.REQUEST_STREAM), 300), b"\x90"])
+        request_item(peer, 1, {"seq": 0, "data": np.zeros(2, dtype=np.int64)})
+        with anyio.fail_after(WAIT):
+            msg = await peer.expect(MessageKind.ERROR, 1)
+        assert msg.error().code == ErrorCode.DEADLINE_EXCEEDED
+
+
+async def test_the_engine_grants_credit_as_its_handler_takes_items(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    async with raw_peer(tmp_path, Streams()) as peer:
+        peer.send([pack_call_header(1, "first", int(Flags.REQUEST_STREAM)), b"\x90"])
+        peer.send([pack_call_header(2, "echo", int(Flags.REQUEST_STREAM | Flags.STREAM)), b"\x90"])
+        for i in range(16):
+            request_item(peer, 2, f"w{i}")
+        echoed: list[str] = []
+        with anyio.fail_after(WAIT):
+            while True:  # the echoes, and the CREDIT once the handler took half the window
+                msg = await peer.recv()
+                if msg.kind is MessageKind.CREDIT:
+                    break
+                assert msg.kind is MessageKind.STREAM_ITEM
+                echoed.append(msg.value())
+            assert msg.call_id == 2
+            assert msg.body().n == 8
+            request_item(peer, 1, 5)  # `first` answers at its first item
+            credits = 8
+            while (msg := await peer.recv()).kind is not MessageKind.RESULT:
+                if msg.kind is MessageKind.CREDIT:
+                    credits += msg.body().n
+                else:
+                    echoed.append(msg.value())
+            assert (msg.call_id, msg.value()) == (1, 5)
+        request_item(peer, 1, 6)  # the call ended: dropped, no reply
+        peer.credit(2, 16)  # we took the 16 echoes: the engine may look for more
+        peer.control(MessageKind.STREAM_END, None, 2)
+        with anyio.fail_after(WAIT):
+            while (msg := await peer.recv()).kind is not MessageKind.STREAM_END:
+                assert msg.kind is MessageKind.STREAM_ITEM  # no CREDIT after the half-close
+                echoed.append(msg.value())
+        assert echoed == [f"W{i}" for i in range(16)]
+        assert credits <= 16  # never more than the items the handler took
+
+
+async def test_closing_a_bidirectional_stream_cancels_the_engine_handler(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    async def numbers() -> AsyncIterator[int]:
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    async with running(tmp_path) as (client, instance):
+        stream = client.stub().gated(numbers())
+        with anyio.fail_after(WAIT):
+            assert await stream.__anext__() == 0
+            await stream.aclose()
+            await instance.gated_closed.wait()  # the CANCEL stopped the handler
+            assert await client.stub().upload(chunks(2)) == 4
+
+
+async def test_a_handler_failing_mid_stream_stops_the_clients_sender(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    pulled: list[int] = []
+
+    async def numbers() -> AsyncIterator[int]:
+        i = 0
+        while True:
+            pulled.append(i)
+            yield i
+            i += 1
+
+    async with running(tmp_path) as (client, _):
+        with anyio.fail_after(WAIT), pytest.raises(RemoteError, match="boom at 3"):
+            await client.stub().fails_at(numbers())
+        # The sender stopped with the call: no more than the window past item 3.
+        assert len(pulled) <= 3 + 16 + 2
+
+
+async def test_an_engine_dying_mid_stream_fails_the_call(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    async def numbers() -> AsyncIterator[int]:
+        i = 0
+        while True:
+            yield i
+            i += 1
+            await anyio.sleep(0.001)
+
+    async with Client(
+        Streams, bind=f"ipc://{tmp_path}/c.sock", heartbeat_interval=0.1, dead_after=1.0
+    ) as client:
+        with EngineProcess(
+            "d1", workdir=tmp_path, connect=tuple(client.addresses), service="streams"
+        ) as victim:
+            with anyio.fail_after(30):
+                await client.wait_for_engines(1)
+            async with anyio.create_task_group() as tg:
+                failed = anyio.Event()
+                errors: list[BaseException] = []
+
+                async def upload() -> None:
+                    try:
+                        await client.stub().sleepy(numbers())
+                    except EngineDeadError as exc:
+                        errors.append(exc)
+                        failed.set()
+
+                tg.start_soon(upload)
+                with anyio.fail_after(WAIT):
+                    await client.stub().echo(iter(["warm"])).__anext__()  # type: ignore[arg-type]
+                victim.kill()
+                with anyio.fail_after(WAIT):
+                    await failed.wait()
+        assert errors
+        assert errors[0].engine_id == "d1"  # type: ignore[attr-defined]
