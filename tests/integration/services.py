@@ -124,9 +124,11 @@ class Streams:
 
     @rpc
     async def upload(self, chunks: AsyncIterator[Chunk]) -> int:
-        total = 0
+        total = n = 0
         async for chunk in chunks:
             total += int(chunk.data.sum())
+            n += 1
+        call_context().set_response_metadata({"items": str(n)})
         return total
 
     @rpc
