@@ -133,7 +133,7 @@ class MethodSpec:
     request_streaming: bool = False
     #: Request streams: the stream parameter's name and compiled item type ``X``.
     item_param: str = ""
-    item_type: TypeSpec | None = None
+    item_type: CompiledType | None = None
     #: Request streams, client side: ``check_item(value, index) -> wire value``.
     check_item: Callable[[object, int], object] | None = dataclasses.field(default=None, repr=False)
     #: Request streams, engine side: ``decode_item(wire, index) -> typed value``; a
