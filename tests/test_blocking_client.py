@@ -169,16 +169,16 @@ def test_request_streams_take_plain_iterators_and_metadata_comes_back() -> None:
         engine_processes(Streams, client.addresses[0]),
     ):
         client.wait_for_engines(1, timeout=60)
-        assert client.call(Streams.upload, chunks(40)) == sum(3 * i for i in range(40))  # type: ignore[arg-type]
-        assert client.stub().first([4, 5]) == 4  # type: ignore[arg-type]
+        assert client.call(Streams.upload, chunks(40)) == sum(3 * i for i in range(40))
+        assert client.stub().first([4, 5]) == 4
         view = client.with_options(metadata={"tag": "b1"})
         with view.stream(Streams.echo, iter(["x", "y"])) as stream:  # type: ignore[arg-type]
             assert list(stream) == ["X", "Y"]
-        assert list(client.stub().echo(msgs=["z"])) == ["Z"]  # type: ignore[arg-type]
+        assert list(client.stub().echo(msgs=["z"])) == ["Z"]
         value, metadata = client.call_with_metadata(Streams.upload, chunks(2))  # type: ignore[call-overload]
         assert (value, dict(metadata)) == (3, {"items": "2"})
         with pytest.raises(tensorrpc.ValidationError, match=r"chunks\[1\]"):
-            client.call(Streams.upload, [Chunk(0, np.zeros(1, dtype=np.int64)), "bad"])  # type: ignore[arg-type]
+            client.call(Streams.upload, [Chunk(0, np.zeros(1, dtype=np.int64)), "bad"])  # type: ignore[list-item]
     # The caller's iterator ran in worker threads, never on the caller's or the loop's.
     assert pulled_in
     assert threading.current_thread().name not in pulled_in

@@ -95,8 +95,8 @@ async def test_client_streaming_takes_a_plain_iterable_and_an_empty_stream(
 ) -> None:
     async with running(tmp_path) as (client, _):
         with anyio.fail_after(WAIT):
-            assert await client.call(Streams.first, iter([7, 8, 9])) == 7  # type: ignore[arg-type]
-            assert await client.stub().first(iter([])) == -1  # type: ignore[arg-type]
+            assert await client.call(Streams.first, iter([7, 8, 9])) == 7
+            assert await client.stub().first(iter([])) == -1
 
 
 async def test_bidirectional_stream_echoes_in_order_with_metadata(
@@ -171,7 +171,7 @@ async def test_the_engine_refuses_a_bad_item_with_invalid_argument_and_its_path(
         assert got == ["FINE"]
         assert info.value.path == ("msgs", 1)
         with anyio.fail_after(WAIT):
-            assert [m async for m in client.stub().echo(iter(["a"]))] == ["A"]  # type: ignore[arg-type]
+            assert [m async for m in client.stub().echo(iter(["a"]))] == ["A"]
 
 
 async def test_a_slow_reader_stalls_only_its_own_stream(anyio_backend: str, tmp_path: Path) -> None:
@@ -191,7 +191,7 @@ async def test_a_slow_reader_stalls_only_its_own_stream(anyio_backend: str, tmp_
                 total = await stub.upload(chunks(200))
             assert total == sum(i * 4 for i in range(200))
             with anyio.fail_after(WAIT):
-                got = [m async for m in stub.echo(iter(["x"] * 100))]  # type: ignore[arg-type]
+                got = [m async for m in stub.echo(iter(["x"] * 100))]
             assert got == ["X"] * 100
             # Window 16 at the engine, plus the item the handler holds; never all 1000.
             assert len(sent) <= 16 + 2
@@ -225,7 +225,7 @@ async def test_the_client_deadline_ends_a_request_stream(
 ) -> None:
     async with running(tmp_path) as (client, _):
         with anyio.fail_after(WAIT), pytest.raises(CallTimeoutError):
-            await client.with_options(timeout=0.3).stub().sleepy(iter([1, 2]))  # type: ignore[arg-type]
+            await client.with_options(timeout=0.3).stub().sleepy(iter([1, 2]))
         with anyio.fail_after(WAIT):
             assert await client.stub().upload(chunks(2)) == 4
 
@@ -256,7 +256,7 @@ async def test_client_interceptors_run_around_request_streams(
     async with running(tmp_path, client_interceptors=(icpt,)) as (client, _):
         with anyio.fail_after(WAIT):
             assert await client.stub().upload(chunks(3)) == 12
-            stream = client.stub().echo(iter(["q"]))  # type: ignore[arg-type]
+            stream = client.stub().echo(iter(["q"]))
             assert [m async for m in stream] == ["Q"]
         assert stream.response_metadata == {"seen": "from-icpt"}
     assert seen == ["upload", "echo"]
@@ -415,7 +415,7 @@ async def test_an_engine_dying_mid_stream_fails_the_call(
 
                 tg.start_soon(upload)
                 with anyio.fail_after(WAIT):
-                    await client.stub().echo(iter(["warm"])).__anext__()  # type: ignore[arg-type]
+                    await client.stub().echo(iter(["warm"])).__anext__()
                 victim.kill()
                 with anyio.fail_after(WAIT):
                     await failed.wait()
