@@ -162,6 +162,11 @@ class Streams:
             yield x * 2
 
     @rpc
+    async def tensors(self, xs: AsyncIterator[torch.Tensor]) -> AsyncIterator[torch.Tensor]:
+        async for x in xs:
+            yield x * 2
+
+    @rpc
     async def fails_at(self, xs: AsyncIterator[int]) -> int:
         async for x in xs:
             if x == 3:

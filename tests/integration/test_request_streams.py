@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import torch
 
 from tensorrpc import (
     CallContext,
@@ -84,9 +85,9 @@ async def test_the_engine_hello_names_its_request_streaming_methods(
     async with running(tmp_path) as (client, _):
         info = client._protocol.engines.engines["e1"].info
     assert set(info.request_streaming) == {
-        "upload", "first", "echo", "gated", "doubles", "sleepy", "fails_at"
+        "upload", "first", "echo", "gated", "doubles", "sleepy", "fails_at", "tensors"
     }  # fmt: skip
-    assert set(info.streaming) == {"echo", "gated", "doubles"}
+    assert set(info.streaming) == {"echo", "gated", "doubles", "tensors"}
     assert info.stream_window == 16
 
 
@@ -127,6 +128,32 @@ async def test_bidirectional_stream_carries_tensors_both_ways(
     assert len(got) == 5
     for i, x in enumerate(got):
         np.testing.assert_array_equal(x, (np.arange(1000, dtype=np.float32) + i) * 2)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_tensors_travel_in_request_items_and_back_on_both_transports(
+    anyio_backend: str, tmp_path: Path, transport: str
+) -> None:
+    """Request items go as frames; responses by torch_shm from an engine process the kernel
+    attests (ipc), as frames over tcp."""
+    address = f"ipc://{tmp_path}/t.sock" if transport == "ipc" else "tcp://127.0.0.1:0"
+    big = [torch.arange(256 * 1024, dtype=torch.float32) + i for i in range(4)]
+    async with Client(Streams, bind=address) as client:
+        with EngineProcess(
+            "t1", workdir=tmp_path, connect=tuple(client.addresses), service="streams"
+        ):
+            with anyio.fail_after(60):
+                await client.wait_for_engines(1)
+            with anyio.fail_after(WAIT):
+                got = [x async for x in client.stub().tensors(iter(big))]
+            stats = client.statistics().transports
+    for i, x in enumerate(got):
+        assert torch.equal(x, big[i] * 2)
+    assert stats.frames.tensors_sent == 4  # the request items
+    if transport == "ipc":
+        assert stats.torch_shm.tensors_received == 4  # the responses, by handle
+    else:
+        assert stats.frames.tensors_received == 4
 
 
 async def test_a_bad_request_item_ends_the_call_with_its_path(
