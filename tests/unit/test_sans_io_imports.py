@@ -22,6 +22,7 @@ SANS_IO_FILES = (
     "_server_calls.py",
     "_streams.py",
     "_batching.py",
+    "_bulk.py",
     "_metadata.py",
     "_statistics.py",
     "transports/_base.py",
