@@ -19,6 +19,7 @@ from tensorrpc import (
     ClientCall,
     EngineDeadError,
     InvalidArgumentError,
+    PermissionDeniedError,
     RemoteError,
     ValidationError,
     _codec,
@@ -301,9 +302,6 @@ def test_request_streaming_methods_are_refused_with_more_parameters() -> None:
                 return 0
 
 
-unused = (CallContext, RemoteError)
-
-
 # -- deadlines, cancellation and failures from either side ------------------------------------
 
 
@@ -448,3 +446,24 @@ async def test_an_engine_dying_mid_stream_fails_the_call(
                     await failed.wait()
         assert errors
         assert errors[0].engine_id == "d1"  # type: ignore[attr-defined]
+
+
+async def test_engine_interceptors_run_around_request_stream_handlers(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    seen: list[tuple[str, str]] = []
+
+    async def icpt(ctx: CallContext, proceed: Callable[[], Awaitable[Any]]) -> Any:
+        seen.append((ctx.method, ctx.metadata.get("tag", "")))
+        if ctx.metadata.get("tag") == "deny":
+            raise PermissionDeniedError("not you")
+        return await proceed()
+
+    async with running(tmp_path, interceptors=(icpt,)) as (client, _):
+        view = client.with_options(metadata={"tag": "ok"})
+        with anyio.fail_after(WAIT):
+            assert await view.stub().upload(chunks(3)) == 12
+            assert [m async for m in view.stub().echo(["a"])] == ["A"]
+            with pytest.raises(PermissionDeniedError, match="not you"):
+                await client.with_options(metadata={"tag": "deny"}).stub().upload(chunks(3))
+    assert seen == [("upload", "ok"), ("echo", "ok"), ("upload", "deny")]
