@@ -1451,7 +1451,7 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
 
 
 def _check_hello_lists(hello: Hello, error: _ErrorType) -> None:
-    """One signature per method; only methods stream."""
+    """One signature per method; only methods stream; a request window of at least 1."""
     if len(hello.signatures) != len(hello.methods):
         raise error(
             f"Hello.signatures has {len(hello.signatures)} entries for "
@@ -1461,3 +1461,5 @@ def _check_hello_lists(hello: Hello, error: _ErrorType) -> None:
         stray = set(getattr(hello, name)).difference(hello.methods)
         if stray:
             raise error(f"Hello.{name} names {len(stray)} entries that are not methods")
+    if hello.stream_window < 1:  # no request item could ever go, nor credit come back
+        raise error("Hello.stream_window must be at least 1")

@@ -467,3 +467,26 @@ async def test_engine_interceptors_run_around_request_stream_handlers(
             with pytest.raises(PermissionDeniedError, match="not you"):
                 await client.with_options(metadata={"tag": "deny"}).stub().upload(chunks(3))
     assert seen == [("upload", "ok"), ("echo", "ok"), ("upload", "deny")]
+
+
+async def test_the_engine_window_bounds_what_a_client_sends_ahead(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    sent: list[int] = []
+
+    async def numbers() -> AsyncIterator[int]:
+        for i in range(100):
+            sent.append(i)
+            yield i
+
+    async with running(tmp_path, stream_window=2) as (client, instance):
+        assert client._protocol.engines.engines["e1"].info.stream_window == 2
+        async with client.stub().gated(numbers()) as slow:
+            with anyio.fail_after(WAIT):
+                assert await slow.__anext__() == 0
+                # Another call's round trip: whatever the sender could send has gone.
+                assert await client.stub().first([1]) == 1
+            assert len(sent) <= 2 + 2  # the window, the item the handler holds, one pulled
+            instance.gate.set()
+            with anyio.fail_after(WAIT):
+                assert [x async for x in slow] == list(range(1, 100))

@@ -190,6 +190,10 @@ def test_hello_names_only_methods_as_request_streaming() -> None:
     header, _, _ = split_frames(good)
     with pytest.raises(RemoteProtocolError, match="request_streaming names 1 entries"):
         decode_control(header, ormsgpack.packb(wire))
+    wire["request_streaming"] = ["m"]
+    wire["stream_window"] = 0
+    with pytest.raises(RemoteProtocolError, match="stream_window must be at least 1"):
+        decode_control(header, ormsgpack.packb(wire))
     del wire["request_streaming"]
     with pytest.raises(RemoteProtocolError, match="missing the field 'request_streaming'"):
         decode_control(header, ormsgpack.packb(wire))
