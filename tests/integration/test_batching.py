@@ -441,3 +441,41 @@ async def test_an_engine_killed_mid_batch_fails_every_item_of_it(tmp_path: Path)
             proc.wait()
     assert len(failed) == 3
     assert all(e.engine_id == "hang" for e in failed)
+
+
+def _alive(*types: type) -> int:
+    import gc
+
+    return sum(1 for o in gc.get_objects() if type(o) in types)
+
+
+async def test_batches_and_steps_leave_no_reference_cycles(tmp_path: Path) -> None:
+    """A batch's items and runs are freed by reference counting when it ends: a cycle
+    would leave them (and each item's call) to the cycle collector, whose full passes
+    were the batched calls' p99 (docs/benchmarks.md, the batching section)."""
+    import gc
+
+    from tensorrpc._batch_runner import _Item
+
+    async with _running(tmp_path) as (_svc, server, c):
+        assert await c.stub().square(1, "warm") == "warm:1"
+        gc.collect()
+        before = _alive(_Item)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(20):
+                    tg.start_soon(c.stub().square, i, "t")
+            streams = [[v async for v in c.stub().count(10 * k, 5)] for k in range(3)]
+            assert streams == [list(range(10 * k, 10 * k + 5)) for k in range(3)]
+            stats = server.statistics
+            while any(m["running"] for m in stats().batching.values()):  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # the last run's task ends after its last output
+            # Items, not runs: the last run's task may not have returned yet (an item
+            # is in every cycle a run is in).
+            left = _alive(_Item) - before
+        finally:
+            if enabled:
+                gc.enable()
+        assert left == 0, f"{left} batch items left to the cycle collector"
