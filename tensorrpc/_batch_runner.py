@@ -518,7 +518,14 @@ class _Runner:
         assert run.ctx is not None
         failed = run.ctx._failed
         ended = run.ctx._ended
-        for i, it in enumerate(items):
+        # Items that joined at this step first: their workers run (and send) in the order
+        # they are woken, so a stream's first output does not queue behind the outputs of
+        # every item already running (its time to first token).
+        order = [i for i, it in enumerate(items) if it.handle.steps == 0]
+        if order:
+            order += [i for i, it in enumerate(items) if it.handle.steps != 0]
+        for i in order or range(len(items)):
+            it = items[i]
             if i in failed:
                 it.fail(failed[i])
                 continue

@@ -38,6 +38,7 @@ class Batched:
         self.entered: anyio.Event | None = None
         self.seen_cancelled: list[frozenset[int]] = []
         self.threads: set[str] = set()
+        self.steps = 0
 
     @rpc(batch=Batching(max_size=8, max_delay=0.02))
     async def square(self, x: list[int], tag: list[str]) -> list[str]:
@@ -95,6 +96,7 @@ class Batched:
 
     @rpc(batch=Continuous(max_size=4, max_delay=0.0))
     async def count(self, start: list[int], n: list[int]) -> list[int]:
+        self.steps += 1
         batch = current_batch()
         out = []
         for i, item in enumerate(batch.items):
@@ -479,3 +481,38 @@ async def test_batches_and_steps_leave_no_reference_cycles(tmp_path: Path) -> No
             if enabled:
                 gc.enable()
         assert left == 0, f"{left} batch items left to the cycle collector"
+
+
+async def test_an_item_that_joins_gets_its_first_output_before_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first output of a stream that joins a running batch goes out first in its step
+    (its worker is woken first), not behind every other item's output."""
+    from tensorrpc._batch_runner import _Item
+
+    woken: list[tuple[int, int, int]] = []  # (step, the item's start, its outputs so far)
+    svc = Batched()
+
+    def wake(self: _Item) -> None:
+        woken.append((svc.steps, self.args[0], self.handle.steps))
+        event = self.event
+        if event is not None:
+            event.set()
+
+    monkeypatch.setattr(_Item, "wake", wake)
+    async with _running(tmp_path, svc) as (_svc, _, c), anyio.create_task_group() as tg:
+
+        async def read(start: int) -> None:
+            async for _ in c.stub().count(start, 100_000):
+                pass
+
+        for start in (100, 200, 300):
+            tg.start_soon(read, start)
+        while svc.steps < 3:  # noqa: ASYNC110 - the batch runs steps meanwhile
+            await anyio.sleep(0.01)
+        assert [v async for v in c.stub().count(7, 2)] == [7, 8]
+        tg.cancel_scope.cancel()
+    step = next(s for s, start, n in woken if start == 7 and n == 1)
+    in_step = [start for s, start, n in woken if s == step and n > 0]
+    assert len(in_step) > 1, "the joiner ran alone: no order to check"
+    assert in_step[0] == 7, f"woken in this order: {in_step}"
