@@ -24,14 +24,17 @@ device do not). The client (this process) measures:
 
 Each case is warmed up (a quarter of its budget, not recorded), then reports calls
 (tokens) per second and the median and p99 latency per call (time to first token for
-streams). Every engine process is started and reaped here, and
-every loop is bounded by a time budget.
+streams); the unary cases also report the CPU per call of the client (this process) and
+of the engine, and the engine's full garbage collections during the case (the engine
+freezes what it holds after start-up, as docs/batching.md advises). Every engine process
+is started and reaped here, and every loop is bounded by a time budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import importlib.util
 import math
@@ -104,6 +107,31 @@ class _ServeBatch:
                     f.set_result(r)
 
 
+class _FullCollections:
+    """The engine's full (generation 2) garbage collections: how many, and the longest
+    pause, since the last `take`."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self.count = 0
+        self.longest = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count += 1
+            self.longest = max(self.longest, time.perf_counter() - self._start)
+
+    def take(self) -> tuple[int, float]:
+        out = (self.count, self.longest)
+        self.count, self.longest = 0, 0.0
+        return out
+
+
 @service
 class Model:
     """The engine of this section."""
@@ -113,6 +141,7 @@ class Model:
         self._counts = [0, 0, 0, 0]  # batches and items of `batched`, then of `peer`
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
         self.server: tensorrpc.Server | None = None
+        self._collections = _FullCollections()
 
     async def _step(self, seconds: float) -> None:
         async with self._device:
@@ -142,6 +171,12 @@ class Model:
         stats = self.server.statistics().batching["batched"]
         keys = ("items", "batches", "queue_wait_sum_s", "run_time_sum_s")
         return {k: float(stats[k]) for k in keys}
+
+    @rpc
+    async def engine_figures(self) -> tuple[float, int, float]:
+        """The engine's CPU seconds so far, and its full garbage collections since the
+        last call: how many, and the longest pause in seconds."""
+        return (time.process_time(), *self._collections.take())
 
     async def _peer_batch(self, xs: list[int]) -> list[int]:
         self._counts[2] += 1
@@ -316,7 +351,20 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             peer = method == "peer"
             before = await _batches(client, peer)
             engine_before = await _engine_batching(client)
+            engine_cpu, _, _ = await stub.engine_figures()
+            cpu = time.process_time()
             out[name] = await unary(stub, method, cfg.seconds)
+            cpu = time.process_time() - cpu
+            engine_after, collections, longest = await stub.engine_figures()
+            calls = out[name]["n"]
+            out[name].update(
+                {
+                    "client_cpu_us": cpu / calls * 1e6 if calls else None,
+                    "engine_cpu_us": (engine_after - engine_cpu) / calls * 1e6 if calls else None,
+                    "engine_full_gc": collections,
+                    "engine_full_gc_longest_ms": longest * 1e3,
+                }
+            )
             if method != "one":
                 after = await _batches(client, peer)
                 runs = after[0] - before[0]
@@ -400,6 +448,11 @@ def _engine_main(address: str) -> None:
             model, connect=address, engine_id="batching", max_concurrency=256
         ) as server:
             model.server = server
+            # What docs/batching.md advises for an engine, once its model is loaded: what
+            # is alive now is never scanned again, so a full collection (one every few
+            # seconds under a batched load) scans what the calls allocate, not the heap.
+            gc.collect()
+            gc.freeze()
             await server.serve_forever()
 
     asyncio.run(main())
