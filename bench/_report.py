@@ -333,10 +333,11 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
             continue
         gcs = e.get("engine_full_gc")
         longest = _num(e.get("engine_full_gc_longest_ms"))
-        cpu.append(
-            f"{name} {client:.0f} / {engine:.0f} µs"
-            + ("" if gcs is None else f" ({gcs} full collections, longest {_ms(longest)})")
-        )
+        if not gcs:
+            collections = " (no full collection)"
+        else:
+            collections = f" ({gcs} full collections, longest {_ms(longest)})"
+        cpu.append(f"{name} {client:.0f} / {engine:.0f} µs{collections}")
     if cpu:
         lines += [
             "",

@@ -39,6 +39,7 @@ import importlib
 import importlib.util
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -280,17 +281,22 @@ async def _streams(stub: Any, method: str, concurrent: int) -> dict[str, Any]:
     return out
 
 
+LATE_STREAMS = 9
+
+
 async def _late_ttft(stub: Any) -> tuple[float, float]:
-    """Time to first token of a stream that arrives while a batch of streams runs, and
-    the running batch's step as it runs here (median time between two tokens of a
-    running stream while the late one starts: handler step plus delivering the outputs)."""
+    """Time to first token of a stream that arrives while a batch of streams runs (the
+    median of ``LATE_STREAMS`` such streams, one after the other, each at a random point
+    of a step), and the running batch's step as it runs here (median time between two
+    tokens of a running stream meanwhile: handler step plus delivering the outputs)."""
     gaps: list[float] = []
+    lates: list[float] = []
     async with anyio.create_task_group() as tg:
         started = anyio.Event()
 
         async def running(k: int) -> None:
             last = 0.0
-            async for v in stub.generate_batched(k * 1000, TOKENS * 4):
+            async for v in stub.generate_batched(k * 1000, 1_000_000):  # until cancelled
                 now = time.perf_counter()
                 if v == k * 1000:
                     started.set()
@@ -301,12 +307,15 @@ async def _late_ttft(stub: Any) -> tuple[float, float]:
         for k in range(STREAMS // 2):
             tg.start_soon(running, k)
         await started.wait()
-        t0 = time.perf_counter()
-        stream = stub.generate_batched(999_000, 2)
-        await stream.__anext__()
-        late = time.perf_counter() - t0
-        await stream.aclose()
-    return late, statistics.median(gaps) if gaps else math.nan
+        for i in range(LATE_STREAMS):
+            await anyio.sleep(random.uniform(0.0, 2 * TOKEN_STEP_S))
+            t0 = time.perf_counter()
+            stream = stub.generate_batched(999_000 + i, 2)
+            await stream.__anext__()
+            lates.append(time.perf_counter() - t0)
+            await stream.aclose()
+        tg.cancel_scope.cancel()  # the running streams
+    return statistics.median(lates), statistics.median(gaps) if gaps else math.nan
 
 
 async def _batches(client: tensorrpc.Client[Model], peer: bool = False) -> tuple[int, int]:
