@@ -101,7 +101,6 @@ class _Item:
 
     __slots__ = (
         "args",
-        "call",
         "deadline",
         "error",
         "event",
@@ -124,10 +123,7 @@ class _Item:
         self.settled = False  # unary: result or error is set; stream: no more outputs
         self.gone = False  # the caller cancelled, its deadline passed, or it is done
         self.event: anyio.Event | None = None
-        current = _context.current_call()
-        #: The item's call (None: an item made outside a worker, in tests).
-        self.call = None if current is None else current[0]
-        self.handle = BatchItem(None if current is None else current[1])
+        self.handle = BatchItem(_context.current_or_none())  # the item's call
         self.outputs: deque[Any] = deque()
         self.owner: _Run | None = None
         #: The trace context of the item's call span (``b""``: not traced).
@@ -212,8 +208,6 @@ class _Runner:
         # ``anyio.Event()`` looks the backend up on every call, once per item here).
         self._clock: Callable[[], float] = time.monotonic
         self._event: Callable[[], anyio.Event] = anyio.Event
-        #: The engine's `Dispatcher.reply_now` (None: each item's worker replies).
-        self.reply: Callable[[Any, Any], object] | None = None
 
     # -- the entry points the worker pool calls ---------------------------------------
 
@@ -444,30 +438,18 @@ class _Runner:
                     it.fail(ItemRefused(ErrorCode.INTERNAL, f"{self._spec.qualname}: batch lost"))
             self._finished(run)
 
-    def _deliver(self, run: _Run, results: list[Any]) -> None:
-        """Each item gets its result, or the failure the handler gave it.
-
-        The results are answered here, one after the other in one go (`reply`), before
-        any item's worker runs: a batch's replies leave in one burst, not one per task
-        switch, and the callers' next calls reach the engine together (they are the
-        next batch). What `reply` leaves to the worker (interceptors, tensors) goes the
-        usual way.
-        """
+    @staticmethod
+    def _deliver(run: _Run, results: list[Any]) -> None:
+        """Each item gets its result, or the failure the handler gave it."""
         assert run.ctx is not None
         failed = run.ctx._failed
-        reply = self.reply
         for i, it in enumerate(run.items):
             if it.settled:  # failed at its deadline meanwhile
                 continue
             if i in failed:
                 it.fail(failed[i])
             else:
-                value = results[i]
-                if reply is not None and it.call is not None:
-                    answered = reply(it.call, value)
-                    if answered is not None:
-                        value = answered
-                it.result = value
+                it.result = results[i]
                 it.settled = True
                 it.wake()
 
@@ -580,12 +562,6 @@ class BatchRunners:
         ``handler`` for a method that is not batched."""
         runner = self._runners.get(name)
         return handler if runner is None else runner.entry()
-
-    def reply_with(self, reply: Callable[[Any, Any], object]) -> None:
-        """Answer unary batches' results with ``reply`` (`Dispatcher.reply_now`)."""
-        for runner in self._runners.values():
-            if not runner._continuous:
-                runner.reply = reply
 
     def start(self, tg: TaskGroup) -> None:
         """Start every runner's task in ``tg``."""

@@ -151,12 +151,6 @@ def current_or_none() -> CallContext | None:
     return None if current is None else CallContext(*current)
 
 
-def current_call() -> tuple[ServerCall, CallContext] | None:
-    """The current call and its context, or None outside a call."""
-    current = _CURRENT.get(None)
-    return None if current is None else (current[0], CallContext(*current))
-
-
 def enter(call: ServerCall, engine_id: str) -> contextvars.Token[_Current]:
     """Make ``call`` the current call (the engine's worker, before the handler)."""
     deadline = call.deadline

@@ -101,17 +101,6 @@ def type_name(exc: BaseException) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-class _Answered:
-    """What a batched item's call returns once `Dispatcher.reply_now` answered it:
-    nothing more to send, or the RESULT frames its worker sends."""
-
-    __slots__ = ("encoded", "frames")
-
-    def __init__(self, frames: list[Buffer] | None, encoded: _codec.Encoded | None) -> None:
-        self.frames = frames
-        self.encoded = encoded
-
-
 class Dispatcher:
     """Runs the calls a `ServerProtocol` accepted, on a pool of worker tasks.
 
@@ -129,9 +118,6 @@ class Dispatcher:
         compression: How results are compressed for a call that asks (``COMPRESS``) from
             a client that decodes zstd; None: never.
         interceptors: The engine's interceptors, outermost first (`tensorrpc._interceptors`).
-        send_now: Send a message at once, ``(key, frames)``; False when it could not go
-            (ZMQ full, no connection). For `reply_now`; None: it leaves every reply to
-            the worker.
     """
 
     def __init__(
@@ -149,10 +135,8 @@ class Dispatcher:
         send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
         compression: Compression | None = None,
         interceptors: tuple[Any, ...] = (),
-        send_now: Callable[[Any, list[Any]], bool] | None = None,
     ) -> None:
         self._proto = proto
-        self._send_now = send_now
         self._compression = compression
         self._engine_id = engine_id
         self._capacity = max_concurrency
@@ -539,44 +523,8 @@ class Dispatcher:
                 f"{call.spec.qualname} ran past its deadline and was cancelled",
             )
 
-    def reply_now(self, call: Call, value: object) -> _Answered | None:
-        """Answer a batched item's result from its batch's runner, before its worker runs
-        (the runner answers a batch's results in one go: no task switch per reply).
-
-        Returns None when the worker must reply the usual way (interceptors see the
-        result; argument or result tensors in shared memory), else what the worker's
-        call returns instead of the result: replied, or frames built that could not go
-        at once (ZMQ full), which the worker sends as any reply.
-        """
-        send_now = self._send_now
-        if (
-            send_now is None
-            or self._interceptors
-            or call.keep is not None
-            or (call.results & _SHM_BITS and call.session.shm is not None)
-        ):
-            return None
-        if call.cancelled or call.answered:
-            return _Answered(None, None)
-        done = self._encode(call, value)
-        if done is None:  # the ERROR is sent
-            return _Answered(None, None)
-        encoded, _ = done  # no placer: the call asked for no shared-memory results
-        frames = self._proto.result(call, encoded.payload, encoded.buffers)
-        if frames is None:
-            return _Answered(None, None)
-        if encoded.buffers or not send_now(call.key, frames):
-            return _Answered(frames, encoded)  # tensor frames, or ZMQ full: the worker
-        return _Answered(None, None)
-
     async def _reply(self, call: Call) -> None:
         """Answer a unary call from its outcome (nothing if the client gave up on it)."""
-        result = call.result
-        if type(result) is _Answered:  # `reply_now` answered it, or built its frames
-            call.result = None
-            if result.frames is not None and result.encoded is not None:
-                await self._send_encoded(call, result.frames, result.encoded)
-            return
         if _gone(call):
             return
         if call.failure is not None:

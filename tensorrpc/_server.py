@@ -476,9 +476,7 @@ class Server:
             send_reply=self._send_reply,
             compression=cfg.compression if _compression.available() else None,
             interceptors=check_interceptors(cfg.interceptors, "engine"),
-            send_now=self._send_now,
         )
-        self._batches.reply_with(self._dispatch.reply_now)
         self._started = False
         self._closed = False
         self._fatal: BaseException | None = None

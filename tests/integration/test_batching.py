@@ -7,7 +7,6 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -519,64 +518,8 @@ async def test_an_item_that_joins_gets_its_first_output_before_the_others(
     assert in_step[0] == 7, f"woken in this order: {in_step}"
 
 
-async def test_a_batchs_results_are_answered_before_any_of_its_workers_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The runner answers a batch's results in one go (one burst of replies), not one
-    per worker task switch; the workers then have nothing left to send."""
-    from tensorrpc._dispatch import Dispatcher
-    from tensorrpc._server_protocol import ServerProtocol
-
-    events: list[str] = []
-    result, reply = ServerProtocol.result, Dispatcher._reply
-
-    def recording_result(self: ServerProtocol, call: Any, *args: Any) -> Any:
-        if call.spec.name == "wide":
-            events.append("answered")
-        return result(self, call, *args)
-
-    async def recording_reply(self: Dispatcher, call: Any) -> None:
-        if call.spec.name == "wide":
-            events.append("worker")
-        await reply(self, call)
-
-    monkeypatch.setattr(ServerProtocol, "result", recording_result)
-    monkeypatch.setattr(Dispatcher, "_reply", recording_reply)
-    async with _running(tmp_path) as (svc, _, c):
-        got: dict[int, int] = {}
-
-        async def one(v: int) -> None:
-            got[v] = await c.stub().wide(v)
-
-        async with anyio.create_task_group() as tg:
-            for v in range(4):  # max_size 4: one batch
-                tg.start_soon(one, v)
-    assert got == {v: v + 1 for v in range(4)}
-    assert [sorted(b) for b in svc.batches] == [[0, 1, 2, 3]]
-    assert events == ["answered"] * 4 + ["worker"] * 4
-
-
-async def test_results_that_cannot_go_at_once_are_sent_by_their_workers(
-    tmp_path: Path,
-) -> None:
-    """ZMQ full when the runner answers: each item's worker sends its reply, waiting
-    as any reply does."""
-    async with _running(tmp_path) as (_svc, server, c):
-        server._dispatch._send_now = lambda key, frames: False
-        results = {}
-
-        async def one(v: int) -> None:
-            results[v] = await c.stub().square(v, "w")
-
-        async with anyio.create_task_group() as tg:
-            for v in range(5):
-                tg.start_soon(one, v)
-    assert results == {v: f"w:{v * v}" for v in range(5)}
-
-
 async def test_tensor_results_of_a_batch_reach_their_callers(tmp_path: Path) -> None:
-    """Tensor results go as frames: the runner builds each reply, and the item's worker
-    sends it (tracked, as any reply with tensors)."""
+    """A batch's tensor results, views of one batch tensor, each reach their caller."""
     import torch
 
     from tensorrpc.batching import split, stack
