@@ -165,6 +165,9 @@ async def _send_items(
         if frames is None:
             return  # the call ended meanwhile
         await _send(io, call, frames, encoded)
+        # Not held while the caller makes the next item: the sent item's last
+        # references are the pending send's (released off the loop once ZMQ is done).
+        del value, wire, encoded, frames
     if _streams.half_close(io.protocol, call, io.now()):
         io.flush()
 

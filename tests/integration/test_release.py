@@ -106,6 +106,29 @@ class Sink:
         self.freed.watch(t, "made", nbytes)
         return t
 
+    @rpc
+    async def made(self, count: int, nbytes: int) -> AsyncIterator[torch.Tensor]:
+        """``count`` fresh watched tensors; each next one once the last has died."""
+        assert self.freed is not None
+        for i in range(count):
+            yield watched(self.freed, "made", nbytes)  # the generator keeps no reference
+            await self.freed.wait("made", i + 1)
+
+    @rpc
+    async def upload(self, ts: AsyncIterator[torch.Tensor]) -> int:
+        """Take tensors as a request stream."""
+        total = 0
+        async for t in ts:
+            total += t.numel()
+        return total
+
+
+def watched(freed: Freed, what: str, nbytes: int) -> torch.Tensor:
+    """A fresh tensor of ``nbytes`` that ``freed`` watches until it dies."""
+    t = torch.ones(nbytes, dtype=torch.uint8)
+    freed.watch(t, what, nbytes)
+    return t
+
 
 @asynccontextmanager
 async def pair(
@@ -209,3 +232,39 @@ async def test_client_frees_its_contiguous_copy_off_the_loop(
     async with pair(tmp_path, topology, freed) as (_, stub):
         assert await stub.consume(src[:, ::2]) == LARGE
         off_loop(await freed.wait("copy"), loop)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_engine_frees_sent_stream_items_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed
+) -> None:
+    # Each item is made once the one before it died: an item the engine kept until
+    # the next one arrived would never die (and die on the loop once it did).
+    loop = threading.get_ident()
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        count = 0
+        with anyio.fail_after(3 * WAIT):
+            async for t in stub.made(3, LARGE):
+                assert t.numel() == LARGE
+                count += 1
+        del t
+        assert count == 3
+        off_loop(await freed.wait("made", 3), loop)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_client_frees_sent_request_items_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed
+) -> None:
+    # The caller's iterable makes each item once the one before it died (as above).
+    loop = threading.get_ident()
+
+    async def items() -> AsyncIterator[torch.Tensor]:
+        for i in range(3):
+            yield watched(freed, "sent", LARGE)
+            await freed.wait("sent", i + 1)
+
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        with anyio.fail_after(3 * WAIT):
+            assert await stub.upload(items()) == 3 * LARGE
+        off_loop(await freed.wait("sent", 3), loop)
