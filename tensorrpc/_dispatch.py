@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
     from tensorrpc._compression import Compression
     from tensorrpc._server_protocol import ServerProtocol
+    from tensorrpc._streams import RequestStream
     from tensorrpc.transports._links import LazyResolver
     from tensorrpc.transports._policy import PolicyPlacer, TransportPolicy
 
@@ -93,6 +94,13 @@ def _gone(call: Call) -> bool:
     # A function, not an attribute test, so that mypy does not keep a narrowing of
     # ``call.cancelled`` from before an await (other tasks set it meanwhile).
     return call.cancelled
+
+
+def _drop_request_items(stream: RequestStream) -> None:
+    """The request items a handler left untaken: large ones are freed off the loop."""
+    left = stream.drop()
+    if left:
+        later_if_large(left, sum(nbytes(buffers) for buffers in left))
 
 
 def type_name(exc: BaseException) -> str:
@@ -242,6 +250,8 @@ class Dispatcher:
         return not self._closed and self._workers - self._parked <= self._capacity
 
     def _done(self, call: Call) -> None:
+        if call.request is not None:  # the items its handler did not take
+            _drop_request_items(call.request)
         if call.keep is not None or call.cancelled:
             self._end_args(call)
             self._flush()

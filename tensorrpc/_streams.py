@@ -136,6 +136,13 @@ class RequestStream:
         self.credit += grant
         return item, grant
 
+    def drop(self) -> list[Sequence[Buffer]]:
+        """The handler ended: forget the items it did not take; their buffers, for the
+        shell to release (a large one off the event loop)."""
+        left = [buffers for _, buffers in self.items if buffers]
+        self.items.clear()
+        return left
+
     @property
     def done(self) -> bool:
         """The client half-closed and the handler took every item."""

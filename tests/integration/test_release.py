@@ -21,7 +21,7 @@ import torch
 import zmq
 
 import tensorrpc
-from tensorrpc import _codec, _zmq
+from tensorrpc import _codec, _streams, _zmq
 from tensorrpc._client import Client
 from tensorrpc._server import Server
 from tensorrpc._service import rpc, service
@@ -87,6 +87,7 @@ class Sink:
 
     def __init__(self) -> None:
         self.freed: Freed | None = None
+        self.arrived: anyio.Event | None = None
 
     @rpc
     async def consume(self, t: torch.Tensor) -> int:
@@ -122,6 +123,20 @@ class Sink:
             total += t.numel()
         return total
 
+    @rpc
+    async def first(self, ts: AsyncIterator[torch.Tensor]) -> int:
+        """Take the first tensor, then return once ``arrived`` is set."""
+        n = 0
+        async for t in ts:
+            n = t.numel()
+            tensorrpc.release_later(t)  # the handler's own: it keeps its drop off the loop
+            del t
+            break
+        assert self.arrived is not None
+        with anyio.fail_after(WAIT):
+            await self.arrived.wait()
+        return n
+
 
 def watched(freed: Freed, what: str, nbytes: int) -> torch.Tensor:
     """A fresh tensor of ``nbytes`` that ``freed`` watches until it dies."""
@@ -132,10 +147,15 @@ def watched(freed: Freed, what: str, nbytes: int) -> torch.Tensor:
 
 @asynccontextmanager
 async def pair(
-    tmp_path: Path, topology: str, freed: Freed, transport: TransportName = "frames"
+    tmp_path: Path,
+    topology: str,
+    freed: Freed,
+    transport: TransportName = "frames",
+    arrived: anyio.Event | None = None,
 ) -> AsyncIterator[tuple[Client[Sink], tensorrpc.Stub[Sink]]]:
     sink = Sink()
     sink.freed = freed
+    sink.arrived = arrived
     address = f"ipc://{tmp_path}/s.sock"
     if topology == "dialin":
         client = Client(Sink, bind=address, heartbeat_interval=HEARTBEAT)
@@ -268,3 +288,30 @@ async def test_client_frees_sent_request_items_off_the_loop(
         with anyio.fail_after(3 * WAIT):
             assert await stub.upload(items()) == 3 * LARGE
         off_loop(await freed.wait("sent", 3), loop)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_engine_frees_untaken_request_items_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The handler takes one item of three and returns once the other two are buffered:
+    # those two are the engine's own, dropped when the handler ended.
+    loop = threading.get_ident()
+    arrived = anyio.Event()
+    push = _streams.RequestStream.push
+
+    def counting(
+        stream: _streams.RequestStream, payload: object, buffers: list[object]
+    ) -> str | None:
+        fault = push(stream, payload, buffers)  # type: ignore[arg-type]
+        if stream.taken + len(stream.items) >= 3:
+            arrived.set()
+        return fault
+
+    monkeypatch.setattr(_streams.RequestStream, "push", counting)
+    ts = [torch.ones(LARGE, dtype=torch.uint8) for _ in range(3)]
+    async with pair(tmp_path, topology, freed, arrived=arrived) as (_, stub):
+        with anyio.fail_after(WAIT):
+            assert await stub.first(ts) == LARGE
+        off_loop(await freed.wait("frame", 3), loop)
+        assert [r[1] for r in freed.of("frame")] == [LARGE] * 3
