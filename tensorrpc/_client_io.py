@@ -550,10 +550,14 @@ class ClientIO:
         items = call.items
         now = self.now()
         protocol = self.protocol
-        while items:  # stream items nobody will read
-            payload, buffers = items.popleft()
-            leases = self.leases(call.engine, payload, buffers)
-            protocol.release(call.engine, leases, now)
+        if items:  # stream items nobody will read
+            left = list(items)
+            items.clear()
+            for payload, buffers in left:
+                protocol.release(call.engine, self.leases(call.engine, payload, buffers), now)
+            del payload, buffers
+            later_if_large(left, sum(nbytes(item[1]) for item in left))  # off the loop
+            del left
         # The engine may still be reading the arguments on our regions: the protocol keeps
         # their lease until its RELEASE (or a late reply, or its end).
         if protocol.cancel(call, now, error=error):

@@ -116,6 +116,12 @@ class Sink:
             await self.freed.wait("made", i + 1)
 
     @rpc
+    async def many(self, count: int, nbytes: int) -> AsyncIterator[torch.Tensor]:
+        """``count`` fresh tensors of ``nbytes``."""
+        for _ in range(count):
+            yield torch.ones(nbytes, dtype=torch.uint8)
+
+    @rpc
     async def upload(self, ts: AsyncIterator[torch.Tensor]) -> int:
         """Take tensors as a request stream."""
         total = 0
@@ -313,5 +319,38 @@ async def test_engine_frees_untaken_request_items_off_the_loop(
     async with pair(tmp_path, topology, freed, arrived=arrived) as (_, stub):
         with anyio.fail_after(WAIT):
             assert await stub.first(ts) == LARGE
+        off_loop(await freed.wait("frame", 3), loop)
+        assert [r[1] for r in freed.of("frame")] == [LARGE] * 3
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_client_frees_untaken_stream_items_off_the_loop(
+    tmp_path: Path, topology: str, freed: Freed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caller takes one item of three and closes the stream once the other two are
+    # queued: those two are the client's own, dropped when the stream closes.
+    loop = threading.get_ident()
+    arrived = anyio.Event()
+    received = 0
+    recv_frames = _zmq.AsyncSocket._recv_frames
+
+    def counting(sock: _zmq.AsyncSocket) -> list[zmq.Frame]:
+        nonlocal received
+        frames = recv_frames(sock)
+        received += sum(len(frame) >= LARGE for frame in frames)
+        if received >= 3:
+            arrived.set()  # the message is handled before any other task runs
+        return frames
+
+    monkeypatch.setattr(_zmq.AsyncSocket, "_recv_frames", counting)
+    async with pair(tmp_path, topology, freed) as (_, stub):
+        stream = stub.many(3, LARGE)
+        with anyio.fail_after(WAIT):
+            first = await stream.__anext__()
+            assert first.numel() == LARGE
+            tensorrpc.release_later(first)  # the caller's own: it keeps its drop off the loop
+            del first
+            await arrived.wait()
+        await stream.aclose()
         off_loop(await freed.wait("frame", 3), loop)
         assert [r[1] for r in freed.of("frame")] == [LARGE] * 3
