@@ -235,3 +235,33 @@ async def test_a_killed_engine_leaves_no_bulk_connection(tmp_path: Path) -> None
             await until(lambda: any(d.bound for d in client._io.bulk._dialed.values()))
             engine.kill()
             await until(lambda: not client.engines and not client._io.bulk._dialed)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("what", ["file", "symlink", "directory"])
+async def test_a_path_taken_at_dot_bulk_is_left_alone(
+    tmp_path: Path, topology: str, what: str
+) -> None:
+    # ZMQ removes whatever is at an ipc:// path before it binds there: the derived
+    # PATH.bulk must not cost anyone a file, nor follow a symlink; the bulk path is
+    # off instead and the session works over control.
+    taken = tmp_path / "b.sock.bulk"
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    if what == "file":
+        taken.write_bytes(b"keep me too")
+    elif what == "symlink":
+        taken.symlink_to(target)
+    else:
+        taken.mkdir()
+    async with pair(tmp_path, topology) as (client, server):
+        stub = client.with_options(transport="frames").stub()
+        assert (await stub.echo(torch.ones(LARGE, dtype=torch.uint8))).numel() == LARGE
+        assert await stub.add(a=1, b=2) == 3
+        bulk = client._io.bulk if topology == "dialin" else server._bulk
+        assert bulk.router is None
+        assert not bulk.address
+    assert taken.is_symlink() if what == "symlink" else taken.exists()
+    if what == "file":
+        assert taken.read_bytes() == b"keep me too"
+    assert target.read_bytes() == b"keep me"
