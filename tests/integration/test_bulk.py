@@ -265,3 +265,36 @@ async def test_a_path_taken_at_dot_bulk_is_left_alone(
     if what == "file":
         assert taken.read_bytes() == b"keep me too"
     assert target.read_bytes() == b"keep me"
+
+
+def holds_bulk(links: BulkLinks) -> bool:
+    """Whether ``links`` still holds a session's bulk connection or an offer for one."""
+    binder = links.binder
+    return bool(links._dialed or binder._pipes or binder._bound or binder._offers)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("leaves", ["client", "engine"])
+async def test_a_session_that_ends_takes_its_bulk_connection(
+    tmp_path: Path, topology: str, leaves: str
+) -> None:
+    # One side closes (the engine drains, or the client says BYE) while the other lives
+    # on: the one left holds neither the session's bulk connection nor its offer.
+    address = f"ipc://{tmp_path}/b.sock"
+    if topology == "dialin":
+        client = Client(Bulky, bind=address, heartbeat_interval=0.1)
+        server = Server(Bulky(), engine_id="e1", connect=address, heartbeat_interval=0.1)
+    else:
+        server = Server(Bulky(), engine_id="e1", bind=address, heartbeat_interval=0.1)
+        client = Client(Bulky, connect=address, heartbeat_interval=0.1)
+    stays, goes = (server, client) if leaves == "client" else (client, server)
+    links = server._bulk if leaves == "client" else client._io.bulk
+    async with stays:
+        async with goes:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            await bulk_bound(client, server)
+            stub = client.with_options(transport="frames").stub()
+            assert (await stub.echo(torch.ones(LARGE, dtype=torch.uint8))).numel() == LARGE
+            assert holds_bulk(links)
+        await until(lambda: not holds_bulk(links))
