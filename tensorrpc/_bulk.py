@@ -193,6 +193,8 @@ class BulkBinder:
         #: epoch -> an ATTACH that came before its session's offer (the dialer's bulk
         #: connection may overtake the handshake's last message on the control one)
         self._parked: dict[Hashable, tuple[Hashable, bytes, Voucher]] = {}
+        #: pipes whose ATTACH was refused (the newest ``max_sessions``): never another
+        self._spent: OrderedDict[Hashable, None] = OrderedDict()
 
     def offer(self, session: Hashable, epoch: Hashable, voucher: Voucher, token: bytes) -> bool:
         """A session's handshake goes out: may it attach a bulk pipe with ``token``?
@@ -249,6 +251,17 @@ class BulkBinder:
         connection not vouched for by the same key or process as the session's control
         connection.
         """
+        if pipe in self._spent:
+            self._unbound.pop(pipe, None)
+            return Attached(None, "one ATTACH per bulk pipe")
+        got = self._attach(pipe, epoch, token, voucher)
+        if got.session is None and not got.parked and pipe not in self._bound:
+            self._spent[pipe] = None
+            if len(self._spent) > self._max_sessions:
+                self._spent.popitem(last=False)
+        return got
+
+    def _attach(self, pipe: Hashable, epoch: Hashable, token: bytes, voucher: Voucher) -> Attached:
         if pipe in self._bound:
             return Attached(None, "this bulk pipe is attached already")
         opened_by = self._unbound.pop(pipe, None)

@@ -112,6 +112,19 @@ def test_one_attach_per_pipe_and_one_pipe_per_session() -> None:
     assert binder.attach("pipe-3", b"epoch-2", OTHER, KEY_A).session == "s1"
 
 
+def test_a_refused_pipe_gets_no_second_attach() -> None:
+    # One ATTACH per pipe, whatever its outcome: a connection cannot guess tokens.
+    binder = BulkBinder()
+    bound(binder)
+    assert binder.attach("pipe-1", b"epoch-1", OTHER, KEY_A).refused == "wrong bulk token"
+    assert binder.opened("pipe-1", KEY_A) is None
+    assert binder.attach("pipe-1", b"epoch-1", TOKEN, KEY_A).refused == "one ATTACH per bulk pipe"
+    assert binder.session_of("pipe-1") is None
+    assert not binder._unbound
+    assert binder.opened("pipe-2", KEY_A) is None  # a new connection may, with the token
+    assert binder.attach("pipe-2", b"epoch-1", TOKEN, KEY_A).session == "s1"
+
+
 def test_a_lost_or_forgotten_pipe_unbinds() -> None:
     binder = BulkBinder()
     bound(binder)
