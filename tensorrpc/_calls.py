@@ -123,6 +123,7 @@ class Call:
 
     __slots__ = (
         "call_id",
+        "counted",
         "credit",
         "engine",
         "error",
@@ -162,6 +163,9 @@ class Call:
         self.releases: tuple[int, ...] = ()
         #: What the client's observer watches of this call (None: no observer).
         self.observed: Any = None
+        #: The client's counters of this call and when it was sent, until the caller's
+        #: end is counted (`ClientProtocol.call_ended`).
+        self.counted: tuple[Any, float] | None = None
 
     @property
     def ended(self) -> bool:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from tensorrpc._engines import Engine, EngineInfo
     from tensorrpc._interceptors import ClientCall
     from tensorrpc._service import MethodSpec, ServiceSpec
+    from tensorrpc._zmq import AsyncSocket
     from tensorrpc.transports._links import LazyResolver
     from tensorrpc.transports._policy import PolicyPlacer
 
@@ -244,6 +245,13 @@ class CallRunner:
             details.sent(call)
         if protocol.pending:  # a RELEASE its header could not carry goes first
             self._io.flush()
+        # A large CALL goes on the engine's bulk connection, if bound: the small calls
+        # behind it do not wait for its bytes (docs/design.md).
+        route = self._io.bulk.route(
+            engine.peer, frames, encoded.buffers, flags & _STREAM_FLAG, routed=True
+        )
+        if route is not None and await self._send_bulk(call, route, encoded):
+            return call
         if not self._send_call(call, frames, encoded):
             await self._send_call_waiting(call, frames, encoded)
         return call
@@ -321,6 +329,25 @@ class CallRunner:
         if track:
             self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
 
+    async def _send_bulk(
+        self, call: Call, route: tuple[AsyncSocket, list[Any]], encoded: _codec.Encoded
+    ) -> bool:
+        """Send a large CALL on the bulk connection; False: that connection is gone (the
+        CALL goes on the control one)."""
+        sock, parts = route
+        try:
+            try:
+                tracker = sock.send_nowait(parts, track=True)
+            except anyio.WouldBlock:
+                tracker = await sock.send(parts, track=True)
+        except (PeerUnreachableError, ClosedError):
+            self._io.bulk.lost(call.engine.peer)
+            return False
+        except BaseException as exc:
+            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
+        self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
+        return True
+
     def _send_failed(self, call: Call, exc: BaseException) -> BaseException:
         """The CALL could not be sent: end the call, return the leases its header carried
         by RELEASE; the exception to raise."""
@@ -331,34 +358,50 @@ class CallRunner:
                 f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
             )
             error.__cause__ = exc
+            self.ended(call, error)
             return error  # the engine is lost: it drops our leases itself
         self._protocol.call_unsent(call, self._io.now())
         if not call.ended:
             self._io.abandon(call, error=True)
         else:
             self._io.flush()
-        if call.observed is not None:  # observe: the CALL could not be sent
-            call.observed.finished(_observe.outcome_of(exc), 0)
+        self.ended(call, exc)
         return exc
 
+    def ended(self, call: Call, exc: BaseException | None) -> None:
+        """The caller is done with ``call`` (``exc``: how it failed): count its outcome
+        and tell its observer, once."""
+        outcome = _observe.outcome_of(exc)
+        observed = call.observed
+        if self._protocol.call_ended(call, outcome, self._io.now()) and observed is not None:
+            observed.finished(outcome, 0 if call.stream else _observe.reply_bytes(call))
+
     async def _result(self, call: Call) -> Any:
-        """Wait for a unary call's reply and decode it (in the caller's task)."""
+        """Wait for a unary call's reply and decode it (in the caller's task); count its
+        end."""
         waiters = self._io.waiters
         assert waiters is not None
         try:
             await waiters.wait(call.waiter)
-        except BaseException:
+        except BaseException as exc:
             if not call.ended:
                 self._io.abandon(call, error=True)
             elif call.reply_kind is _RESULT:  # it came, but nobody will decode it
                 self._io.event(Dropped(call.engine, call.reply_payload, call.reply_buffers))
                 self._io.flush()
+            self.ended(call, exc)
             raise
-        if call.error is not None:
-            raise call.error
-        if call.reply_kind is not _RESULT:
-            raise reply_error(call.reply_payload)
-        return self._decode(call, call.reply_payload, call.reply_buffers)
+        try:
+            if call.error is not None:
+                raise call.error
+            if call.reply_kind is not _RESULT:
+                raise reply_error(call.reply_payload)
+            value = self._decode(call, call.reply_payload, call.reply_buffers)
+        except BaseException as exc:
+            self.ended(call, exc)
+            raise
+        self.ended(call, None)
+        return value
 
     def _decode(self, call: Call, payload: Buffer, buffers: Sequence[Buffer]) -> Any:
         """Decode a RESULT or stream item and release the torch_shm leases it carried."""
@@ -430,8 +473,6 @@ class CallRunner:
         while True:
             call = await self._start(spec, wire, encoded, options, deadline, flags, details)
             try:
-                if call.observed is not None:  # observe: the unary call ends
-                    return await _observe.observe_result(call.observed, self._result(call), call)
                 return await self._result(call)
             except TensorTransportError:
                 if call.reply_kind is not _ERROR or not call.placed[0] or wire is None:

@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
+from tensorrpc._bulk import TOKEN_BYTES
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
+    MAX_PAST,
     Balancing,
     CapacityWaiters,
     Engine,
@@ -76,6 +78,7 @@ from tensorrpc._protocol import (
     pack_call_header,
     split_frames,
 )
+from tensorrpc._statistics import ClientCounters
 from tensorrpc.transports._peer import shm_terms
 from tensorrpc.transports._shm_handle import TRANSPORT_NAME
 
@@ -196,6 +199,9 @@ class ClientConfig:
     shm_transports: tuple[str, ...] = ("frames",)
     shm_trust_unattested: bool = False
     compression: tuple[str, ...] = ()
+    #: Our bulk endpoint, announced in WELCOME with a per-session token (docs/design.md,
+    #: "a bulk connection per peer"); "" when there is none.
+    bulk_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,12 +354,17 @@ def _random_epoch() -> int:
     return secrets.randbits(64) or 1
 
 
+def _random_token() -> bytes:
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
 class ClientProtocol(Machine[bytes, Event]):
     """The client's protocol state: engines, calls, liveness, frames to send.
 
     Args:
         config: Handshake values and bounds.
         epochs: Draws our session epochs (default: random non-zero u64).
+        tokens: Draws a session's bulk token (default: 128 random bits).
     """
 
     def __init__(
@@ -361,12 +372,16 @@ class ClientProtocol(Machine[bytes, Event]):
         config: ClientConfig,
         *,
         epochs: Callable[[], int] = _random_epoch,
+        tokens: Callable[[], bytes] = _random_token,
     ) -> None:
         if config.stream_window < 1:
             raise ValueError("stream_window must be at least 1")
         super().__init__()
         self.config = config
         self._epochs = epochs
+        self._tokens = tokens
+        # torch_shm and the bulk binding are decided from what the kernel says of a HELLO.
+        self._facts_needed = TRANSPORT_NAME in config.shm_transports
         self.engines = EngineTable(balancing=config.balancing, max_in_flight=config.max_in_flight)
         self.calls = CallTable()
         self.capacity = CapacityWaiters()
@@ -383,6 +398,8 @@ class ClientProtocol(Machine[bytes, Event]):
         self._held_by_lease: dict[int, tuple[bytes, int]] = {}
         self._returning: list[Engine] = []
         self._release_due = False
+        #: Calls, engine events and heartbeats per engine id (the only client counters).
+        self.counters = ClientCounters()
 
     # -- output ---------------------------------------------------------------------------
 
@@ -432,6 +449,12 @@ class ClientProtocol(Machine[bytes, Event]):
             if rec.state is PeerState.DIALING:
                 del self._peers[alias]
         return aliases
+
+    def announce_bulk(self, address: str) -> None:
+        """Our WELCOMEs of new sessions announce this bulk endpoint, each with a token
+        of its own (docs/design.md, "a bulk connection per peer")."""
+        self.config = replace(self.config, bulk_address=address)
+        self._facts_needed = self._facts_needed or bool(address)
 
     def address_of(self, peer: bytes) -> str | None:
         """The address dialled under this routing id, if any."""
@@ -566,6 +589,7 @@ class ClientProtocol(Machine[bytes, Event]):
         )
         call.lease = lease
         call.placed = placed
+        call.counted = (self.counters.started(engine.engine_id, spec.name), now)
         releases: tuple[int, ...] = ()
         if engine.releases or returns:  # result leases we are done with: header, or RELEASE
             pending, engine.releases = engine.releases, []
@@ -583,6 +607,19 @@ class ClientProtocol(Machine[bytes, Event]):
             size += memoryview(buffer).nbytes
         engine.bytes_sent += size
         return call, [engine.peer, header, payload, *buffers]
+
+    def call_ended(self, call: Call, outcome: str, now: float) -> bool:
+        """The caller is done with ``call`` (result, error, or the stream's end or close),
+        with this outcome label (`tensorrpc._observe.outcome_of`): count it, once.
+
+        Returns:
+            False when its end was counted already.
+        """
+        counted, call.counted = call.counted, None
+        if counted is None:
+            return False
+        self.counters.ended(counted[0], outcome, now - counted[1])
+        return True
 
     def call_unsent(self, call: Call, now: float) -> None:
         """The CALL of ``call`` could not be sent: the result leases its header carried
@@ -718,6 +755,8 @@ class ClientProtocol(Machine[bytes, Event]):
         items = call.items
         assert items  # the shell waits until there is one
         item = items.popleft()
+        if call.counted is not None:
+            call.counted[0].items += 1
         credit = call.credit
         assert credit is not None
         if not call.ended:
@@ -772,7 +811,7 @@ class ClientProtocol(Machine[bytes, Event]):
         kind = header.kind
         rec = self._peers.get(peer)
         state = PeerState.NONE if rec is None else rec.state
-        if kind is _HELLO and facts is None and TRANSPORT_NAME in self.config.shm_transports:
+        if kind is _HELLO and facts is None and self._facts_needed:
             return FactsNeeded(peer)  # the shell gathers them for HELLOs only
         if state is PeerState.LIVE:
             engine = rec.engine  # type: ignore[union-attr]
@@ -860,8 +899,9 @@ class ClientProtocol(Machine[bytes, Event]):
     def _on_pong(
         self, peer: bytes, engine: Engine | None, header: Header, *rest: Any
     ) -> Event | None:
-        """A PONG: a heartbeat's tells the round trip."""
+        """A PONG: a heartbeat's tells the round trip (its nonce is when it was sent)."""
         if engine is not None and header.call_id > HEARTBEAT_NONCE:
+            self.counters.heartbeat(engine.engine_id, rest[1] - header.call_id / 1e9)
             return Pong(engine, header.call_id)
         return None
 
@@ -1025,6 +1065,9 @@ class ClientProtocol(Machine[bytes, Event]):
         )
         engine.next_ping = now + engine.ping_every
         config = self.config
+        if config.bulk_address:
+            engine.bulk_token = self._tokens()
+        engine.bulk_offer = (hello.bulk, hello.bulk_token)
         # torch_shm from the kernel's facts about the connection; the HELLO's pid and
         # host id count only for an unattested peer we were told to trust.
         terms = shm_terms(
@@ -1037,6 +1080,8 @@ class ClientProtocol(Machine[bytes, Event]):
         if terms is not None:
             engine.welcome_transports = config.shm_transports
             engine.shm = ShmCapability(pid=terms.pid, to_engine=terms.send, from_engine=True)
+        seen = info.engine_id in self.engines.past
+        self.counters.event(info.engine_id, "rejoined" if seen else "joined")
         self.engines.add(engine)
         self.rejoining.rejoined(info.engine_id)
         rec = self._peers.get(peer)
@@ -1063,6 +1108,8 @@ class ClientProtocol(Machine[bytes, Event]):
             dead_after_ms=to_ms(config.heartbeat.dead_after),
             fingerprint="" if config.schemaless else config.fingerprint,
             compression=config.compression,
+            bulk=config.bulk_address if engine.bulk_token else "",
+            bulk_token=engine.bulk_token.hex(),
         )
         self._queue(engine, engine.peer, MessageKind.WELCOME, welcome, 0, now)
 
@@ -1089,6 +1136,11 @@ class ClientProtocol(Machine[bytes, Event]):
                 del self._held_by_lease[self._held.pop(key)]
         calls = self.calls.fail_engine(engine, why)
         self.engines.remove(engine)  # after the calls: its counters include their errors
+        counters = self.counters
+        counters.event(engine.engine_id, "lost")
+        if len(counters.engines) > 2 * MAX_PAST:  # keep those of the ids still reported
+            table = self.engines
+            counters.prune({*table.past, *table.engines})
         rec = self._peers.get(engine.peer)
         if rec is not None and rec.engine is engine:
             rec.engine = None

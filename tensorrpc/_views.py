@@ -25,14 +25,14 @@ from typing import (
 
 import anyio
 
-from tensorrpc import _compression, _observe
+from tensorrpc import _compression
 from tensorrpc._interceptors import ClientCall
 from tensorrpc._metadata import EMPTY, check_metadata, encode_block
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
     from types import TracebackType
     from typing import Self
 
@@ -145,6 +145,14 @@ class EngineStatistics:
         in_flight: Calls in flight now.
         bytes_sent: Bytes sent to it (all frames).
         bytes_received: Bytes received from it (all frames).
+        methods: Per method: ``calls`` started, ``items`` (stream items taken),
+            ``outcomes`` (``"ok"``, ``"cancelled"``, an ERROR code's name, see
+            docs/observability.md) and ``duration`` (send to result, as sparse
+            ``[bucket, count]`` pairs on the engine's latency scale) with
+            ``duration_sum_s``.
+        events: ``"joined"``, ``"rejoined"`` and ``"lost"``: how often each happened.
+        heartbeat_rtt: Heartbeat PING round trips (sparse ``[bucket, count]`` pairs).
+        heartbeat_rtt_sum_s: Their sum in seconds.
     """
 
     engine_id: str
@@ -154,6 +162,10 @@ class EngineStatistics:
     in_flight: int
     bytes_sent: int
     bytes_received: int
+    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    events: Mapping[str, int] = field(default_factory=dict)
+    heartbeat_rtt: Sequence[Sequence[int]] = ()
+    heartbeat_rtt_sum_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,21 +236,8 @@ class CallView(Generic[S]):
         ``None`` to clear one (``timeout=None``: no deadline). The client itself is the
         view with the defaults of `CallOptions`.
 
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                `CallOptions`).
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
-            compression: ``"zstd"`` or a `Compression`: compress large arguments and
-                ask for compressed results, across hosts (see `CallOptions`; needs the
-                ``compression`` extra).
-            metadata: Request metadata sent with each call (see `CallOptions`).
-
-        Returns:
-            The new view.
+        The options are the attributes of `CallOptions`; ``compression`` also takes
+        ``"zstd"`` (needs the ``compression`` extra).
 
         Raises:
             MetadataError: ``metadata`` breaks a rule or a bound.
@@ -371,16 +370,7 @@ class CallView(Generic[S]):
         ``value, metadata = await client.call_with_metadata(Greeter.hello, "ada")``; the
         metadata is empty when the engine sent none (docs/context.md).
 
-        Args:
-            method: The method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            ``(result, response metadata)``.
-
         Raises:
-            TypeError: ``method`` is not a unary method of this client's service.
             MetadataError: A client interceptor added metadata that breaks a rule.
             CallError: As `call` (and every other error `call` raises).
         """
@@ -403,14 +393,6 @@ class CallView(Generic[S]):
         ``async with``) to stop the engine's generator at once; an abandoned stream is
         cancelled on the engine soon after it is garbage-collected.
 
-        Args:
-            method: The streaming method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            The stream of items.
-
         Raises:
             TypeError: ``method`` is not a streaming method of this client's service.
         """
@@ -423,11 +405,6 @@ class CallView(Generic[S]):
         The arguments are encoded once and the same frames go to every engine. The
         ``engine`` option is ignored; the deadline applies to each engine's call.
 
-        Args:
-            method: The method name.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
         Returns:
             ``{engine_id: result}`` for every engine live when the broadcast started.
 
@@ -436,8 +413,6 @@ class CallView(Generic[S]):
                 result or exception.
             EngineNotFoundError: No engine is live.
             TypeError: No such unary method.
-            ValidationError: The arguments do not match the method's types.
-            ClosedError: The client is closed.
         """
         return await self._client._broadcast(method, args, kwargs, self._options)
 
@@ -450,24 +425,12 @@ class CallView(Generic[S]):
         ones take their defaults), and the result is returned as decoded (lists, dicts,
         tensors), without conversion.
 
-        Args:
-            method: The method name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The method's result.
-
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``; the message lists what is offered.
             TypeError: ``method`` streams (use `stream_by_name`).
             InvalidArgumentError: The engine refused the arguments (schemaless).
-            ValidationError: The arguments do not match (typed client).
-            EngineNotFoundError: The targeted engine is not live, or none is.
-            CallTimeoutError: The deadline passed.
-            EngineDeadError: The engine died or left while the call was in flight.
-            RemoteError: The handler raised (and other CallError subclasses).
-            ClosedError: The client is closed.
+            CallError: As `call`.
         """
         client = self._client
         spec, encoded = client._by_name(method, arguments or {}, self._options, streaming=False)
@@ -483,19 +446,10 @@ class CallView(Generic[S]):
         The by-name form of `stream`; see `call_by_name` for how arguments
         and items are handled on typed and schemaless clients.
 
-        Args:
-            method: The streaming method's name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The stream of items.
-
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``.
             TypeError: ``method`` does not stream (use `call_by_name`).
-            ValidationError: The arguments do not match (typed client).
-            ClosedError: The client is closed.
         """
         client = self._client
         spec, encoded = client._by_name(method, arguments or {}, self._options, streaming=True)
@@ -611,13 +565,14 @@ class CallStream(Generic[T]):
             return cast("T", await client._next_item(self._call, self._deadline))
         except StopAsyncIteration:
             self._finished = True
-            _observe.stream_finished(self._call, None)  # observe: the stream ended
+            if self._call is not None:
+                client._ended(self._call, None)
             raise
         except BaseException as exc:
             self._finished = True
             if self._call is not None:
                 client._abandon(self._call)
-                _observe.stream_finished(self._call, exc)  # observe: the stream failed
+                client._ended(self._call, exc)
             raise
 
     async def aclose(self) -> None:
@@ -627,7 +582,7 @@ class CallStream(Generic[T]):
         self._encoded = None
         if self._call is not None:
             self._client._abandon(self._call)
-            _observe.stream_finished(self._call, None)  # observe: closed by the consumer
+            self._client._ended(self._call, None)
         items, self._items = self._items, None
         aclose = getattr(items, "aclose", None)
         if aclose is not None:  # the interceptors' iterators run their finally blocks

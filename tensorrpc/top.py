@@ -210,34 +210,31 @@ class EngineView:
             )
         window: dict[int, int] = {}
         for method, m in stats["methods"].items():
-            before = {int(i): int(n) for i, n in prev["methods"].get(method, {}).get("latency", [])}
-            for i, n in m["latency"]:
-                d = int(n) - before.get(int(i), 0)
-                if d > 0:
-                    window[int(i)] = window.get(int(i), 0) + d
+            _grown(m["latency"], prev["methods"].get(method, {}).get("latency", []), window)
         per_octave = int(stats.get("latency_buckets_per_octave", LATENCY_BUCKETS_PER_OCTAVE))
         self.p50 = percentile(window, 0.50, per_octave)
         self.p99 = percentile(window, 0.99, per_octave)
         self._batching(stats.get("batching", {}), prev.get("batching", {}), per_octave)
 
     def _batching(self, new: dict[str, Any], old: dict[str, Any], per_octave: int) -> None:
-        batches = items = 0
+        sizes: dict[int, int] = {}
         wait: dict[int, int] = {}
         for method, b in new.items():
             before = old.get(method, {})
-            sizes_before = {int(k): int(n) for k, n in before.get("sizes", [])}
-            for k, n in b["sizes"]:
-                d = int(n) - sizes_before.get(int(k), 0)
-                if d > 0:
-                    batches += d
-                    items += d * int(k)
-            wait_before = {int(i): int(n) for i, n in before.get("queue_wait", [])}
-            for i, n in b["queue_wait"]:
-                d = int(n) - wait_before.get(int(i), 0)
-                if d > 0:
-                    wait[int(i)] = wait.get(int(i), 0) + d
-        self.batch_size = items / batches if batches else None
+            _grown(b["sizes"], before.get("sizes", []), sizes)
+            _grown(b["queue_wait"], before.get("queue_wait", []), wait)
+        batches = sum(sizes.values())
+        self.batch_size = sum(k * n for k, n in sizes.items()) / batches if batches else None
         self.batch_wait = percentile(wait, 0.50, per_octave)
+
+
+def _grown(new: list[Any], old: list[Any], into: dict[int, int]) -> None:
+    """Add to ``into`` how much each ``[key, count]`` pair of ``new`` grew since ``old``."""
+    before = {int(k): int(n) for k, n in old}
+    for k, n in new:
+        grew = int(n) - before.get(int(k), 0)
+        if grew > 0:
+            into[int(k)] = into.get(int(k), 0) + grew
 
 
 def _seconds(value: float | None) -> str:
