@@ -1,26 +1,11 @@
-"""Observation hooks: what clients and engines tell observers (metrics, traces, ``top``).
+"""Observation hooks: what clients and engines tell observers (tracing, your own).
 
-A [`Client`][tensorrpc.Client] and a [`Server`][tensorrpc.Server] hold one
-[`Observer`][tensorrpc.Observer] or ``None`` (the default: then every call site is one
-``is not None`` test and nothing else). The call sites, in the order a call meets them:
-
-client
-    ``opened``/``closed`` (entering and closing the client); ``client_call`` when a CALL
-    is sent (it may return a trace context for the header); the call's
-    ``CallObservation.item`` per stream item taken and ``finished`` when the caller gets
-    the result or the error; ``engine_event`` when an engine joins, rejoins or is lost;
-    ``heartbeat`` when an engine answers a heartbeat PING.
-engine
-    ``opened``/``closed``; ``engine_call`` when a CALL is accepted (with the trace context
-    it carried); ``started`` when its handler is about to run (after the arguments were
-    decoded, in the worker task that runs the handler); ``item`` per stream item sent;
-    ``error`` when an ERROR reply goes out for it; ``finished`` when its worker lets go of
-    it (same task as ``started``).
-
-Tracing (``tensorrpc.tracing``) builds on these hooks. Counting is not theirs: the
-counters of clients and engines are their machines' statistics (`tensorrpc._statistics`),
-which Prometheus, the built-in statistics method and ``tensorrpc top`` read. This module
-imports nothing outside the standard library and tensorrpc.
+A `Client` and a `Server` hold one `Observer` or ``None`` (the default: then every call
+site is one ``is not None`` test). The call sites are listed in docs/internals.md
+(``_observe.py``). Counting is not theirs: the counters of clients and engines are their
+machines' statistics (`tensorrpc._statistics`), which Prometheus, the built-in statistics
+method and ``tensorrpc top`` read. This module imports nothing outside the standard
+library and tensorrpc.
 """
 
 from __future__ import annotations

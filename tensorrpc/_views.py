@@ -28,6 +28,7 @@ import anyio
 from tensorrpc import _compression
 from tensorrpc._interceptors import ClientCall
 from tensorrpc._metadata import EMPTY, check_metadata, encode_block
+from tensorrpc._stream_io import RequestSource, request_source
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
@@ -88,15 +89,10 @@ class CallOptions:
             is on this host and can attach to our shared memory, frames otherwise),
             ``"frames"`` or ``"torch_shm"`` (every out-of-band tensor by shared memory
             when possible, else frames, counted as a fallback). See docs/transports.md.
-        wait_for_ready: When no engine for the call is live (none joined yet, the engine
-            is restarting, every engine was refused), wait for one instead of failing,
-            as gRPC's wait-for-ready. ``None`` (default): wait only when the call has a
-            ``timeout``, within it: a deadline says how long the caller accepts to
-            wait, so a call with ``timeout=30`` rides out a 2 s engine restart, while
-            a call without one fails at once rather than hang on an engine that may
-            never come. ``True`` waits even without a timeout; ``False`` never waits
-            (gRPC's default). A call that gives up raises
-            `tensorrpc.EngineNotFoundError` saying why there was no engine.
+        wait_for_ready: When no engine for the call is live, wait for one instead of
+            failing (gRPC's wait-for-ready). ``None`` (default): only within the call's
+            ``timeout``, if it has one; ``True``: even without a timeout; ``False``:
+            never. A call that gives up raises `tensorrpc.EngineNotFoundError` saying why.
         compression: Compress the arguments' payload and tensor frames, and ask the
             engine to compress the results', with zstd (a `Compression`, or ``None``:
             never). Only to an engine that announced zstd, only payloads and tensors of at
@@ -514,9 +510,11 @@ class CallStream(Generic[T]):
         self._options = options
         # Pre-encoded arguments (schemaless calls) skip encode_args.
         self._encoded = encoded
-        self._wire: list[Any] | None = (
-            None if encoded is not None else spec.encode_args(args, dict(kwargs))
-        )
+        self._wire: list[Any] | RequestSource | None = None
+        if spec.request_streaming:  # a bidirectional stream: its request items
+            self._wire = request_source(spec, args, kwargs)
+        elif encoded is None:
+            self._wire = spec.encode_args(args, dict(kwargs))
         self._call: Call | None = None
         # With client interceptors: the items they returned (None: read the call's).
         self._items: AsyncIterator[Any] | None = None

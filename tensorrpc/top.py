@@ -1,18 +1,11 @@
 """``tensorrpc top ADDR...``: a live terminal view of engines' statistics (the ``top`` extra).
 
-It connects like any client (``Client.dynamic``) to the engines at the given addresses,
-asks each for the built-in ``_tensorrpc.statistics`` method every interval (no extra port;
-docs/protocol.md §10) and draws, per engine: liveness, calls/s, errors/s, in-flight and
-queued calls, latency p50/p99 over the last interval (the engine's: accepting the CALL to
-the end of its handler), for batched methods the mean batch size and the median wait
-for a batch over the interval (column ``batch``: ``size/wait``), bytes/s on the wire and
-by tensor transport. ``q`` or Ctrl-C quits. Without a terminal it prints one plain table
-per refresh.
-
-What an engine sends is drawn as plain text: ids and notes are escaped
-(`tensorrpc._text.peer_text`) and shown as ``rich.text.Text``, never as markup, and a
-statistics answer is checked (`check_statistics`) before it is used; a bad one becomes
-that engine's note and top goes on.
+It connects like any client to the engines at the given addresses, asks each for the
+built-in ``_tensorrpc.statistics`` method every interval (docs/protocol.md §10) and draws
+a row per engine (the columns: docs/observability.md). What an engine sends is drawn as
+plain text: strings are escaped (`tensorrpc._text.peer_text`) and shown as
+``rich.text.Text``, never as markup, and an answer is checked (`check_statistics`) before
+it is used; a bad one becomes that engine's note and top goes on.
 """
 
 from __future__ import annotations
