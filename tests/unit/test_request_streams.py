@@ -252,3 +252,16 @@ def test_credit_for_an_unknown_call_or_a_call_without_a_request_stream_is_droppe
     zero = encode_control(K.CREDIT, Credit(1), chat.call_id)
     zero[1] = b"\x81\xa1n\x00"  # n = 0: malformed, dropped
     assert not isinstance(protocol.receive(b"p", zero, 0.0), _streams.CreditGranted)
+
+
+def test_drop_hands_back_the_buffers_of_untaken_items() -> None:
+    stream = _streams.RequestStream(4)
+    big, small = bytearray(8), bytearray(2)
+    assert stream.push(b"p0", [big]) is None
+    assert stream.push(b"p1", [small]) is None
+    assert stream.push(b"p2", []) is None  # inline: nothing to release
+    item, _ = stream.take()
+    assert item == (b"p0", [big])
+    assert stream.drop() == [[small]]
+    assert not stream.items
+    assert stream.take() == (None, 0)
