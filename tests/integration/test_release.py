@@ -260,14 +260,15 @@ async def test_client_frees_its_contiguous_copy_off_the_loop(
         off_loop(await freed.wait("copy"), loop)
 
 
+@pytest.mark.parametrize("transport", ["frames", "torch_shm"])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 async def test_engine_frees_sent_stream_items_off_the_loop(
-    tmp_path: Path, topology: str, freed: Freed
+    tmp_path: Path, topology: str, freed: Freed, transport: TransportName
 ) -> None:
     # Each item is made once the one before it died: an item the engine kept until
     # the next one arrived would never die (and die on the loop once it did).
     loop = threading.get_ident()
-    async with pair(tmp_path, topology, freed) as (_, stub):
+    async with pair(tmp_path, topology, freed, transport) as (_, stub):
         count = 0
         with anyio.fail_after(3 * WAIT):
             async for t in stub.made(3, LARGE):
