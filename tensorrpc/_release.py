@@ -5,8 +5,9 @@ mapping unmaps it page by page (5-60 ms on a busy host). When that reference dro
 the event loop, every message behind it waits, and a small call made right after a large
 one pays for it. The places where tensorrpc itself holds the last reference of a large
 buffer (a received message once it is handled, a worker's decoded arguments once the
-handler returned, the objects behind a zero-copy send once ZMQ is done with them, a
-pool segment or a cached mapping it drops) hand that reference to `later` instead, and
+handler returned, the objects behind a zero-copy send once ZMQ is done with them (a
+stream item's too), stream items nobody will read or take, a pool segment or a cached
+mapping it drops) hand that reference to `later` instead, and
 a daemon thread drops it. The unmapping itself runs without the GIL (``zmq_msg_close``
 and ctypes' ``munmap`` release it), so the loop keeps running meanwhile.
 
