@@ -11,6 +11,7 @@ wake-ups and the clock belong to `tensorrpc._client_io.ClientIO`.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -33,6 +34,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._protocol import Flags, MessageKind
 from tensorrpc._service import schemaless_method
+from tensorrpc._stream_io import RequestSource, request_source, send_request
 from tensorrpc._views import CallOptions
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ _U32_MAX = 0xFFFF_FFFF
 _RETRY_MIN_S = 0.001
 _RETRY_MAX_S = 0.05
 _STREAM_FLAG = int(Flags.STREAM)
+_REQUEST_STREAM_FLAG = int(Flags.REQUEST_STREAM)
 _NO_WAIT_FLAG = int(Flags.NO_WAIT)
 _SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
 _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
@@ -430,6 +433,10 @@ class CallRunner:
         encoded: _codec.Encoded | None = None,
         details: ClientCall | None = None,
     ) -> Any:
+        if spec.request_streaming:
+            return await self._call_streamed(
+                spec, request_source(spec, args, kwargs), options, details
+            )
         # Open? `_start` checks (after encoding the arguments).
         wire = None if encoded is not None else spec.encode_args(args, kwargs)
         flags = 0 if options.wait else _NO_WAIT_FLAG
@@ -494,23 +501,57 @@ class CallRunner:
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, _RETRY_MAX_S)
 
+    async def _call_streamed(
+        self,
+        spec: MethodSpec,
+        source: RequestSource,
+        options: CallOptions,
+        details: ClientCall | None,
+    ) -> Any:
+        """A call whose request is a stream and whose response one value (no retries:
+        the caller's items cannot be taken twice)."""
+        timeout = options.timeout
+        deadline = None if timeout is None else self._io.now() + timeout
+        with anyio.move_on_after(math.inf if timeout is None else timeout):
+            call = await self.start_stream(spec, source, options, deadline, None, details)
+            return await self._result(call)
+        self._raise_absent(spec, options, timeout or 0.0)
+        raise CallTimeoutError(f"{spec.qualname} did not complete within {timeout} s")
+
     async def start_stream(
         self,
         spec: MethodSpec,
-        wire: list[Any] | None,
+        wire: list[Any] | RequestSource | None,
         options: CallOptions,
         deadline: float | None,
         encoded: _codec.Encoded | None = None,
         details: ClientCall | None = None,
     ) -> Call:
+        """Start a call whose request or response is a stream (``wire``: the arguments,
+        or the request items of a request stream)."""
         self._io.check_open()
-        flags = _STREAM_FLAG if options.wait else _STREAM_FLAG | _NO_WAIT_FLAG
+        flags = _STREAM_FLAG if spec.streaming else 0
+        if not options.wait:
+            flags |= _NO_WAIT_FLAG
+        source = None
+        if isinstance(wire, RequestSource):
+            source, wire = wire, []
+            flags |= _REQUEST_STREAM_FLAG
         if deadline is None:
-            return await self._start(spec, wire, encoded, options, None, flags, details)
+            call = await self._start(spec, wire, encoded, options, None, flags, details)
+            return self._sending(call, source, options)
         with anyio.move_on_after(deadline - self._io.now()):
-            return await self._start(spec, wire, encoded, options, deadline, flags, details)
+            call = await self._start(spec, wire, encoded, options, deadline, flags, details)
+            return self._sending(call, source, options)
         self._raise_absent(spec, options, options.timeout or 0.0)
         raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
+
+    def _sending(self, call: Call, source: RequestSource | None, options: CallOptions) -> Call:
+        """Start the sender of a request stream's items (its own task)."""
+        if source is not None:
+            args = (self._io, call, source, options.compression, self._maxmsgsize)
+            self._io.spawn(send_request, *args)
+        return call
 
     async def next_item(self, call: Call, deadline: float | None) -> Any:
         items = call.items

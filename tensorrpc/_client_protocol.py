@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
+from tensorrpc import _streams
 from tensorrpc._bulk import TOKEN_BYTES
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
@@ -305,7 +306,8 @@ class Ignored:
 
 #: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
 Event = (
-    EngineJoined
+    _streams.CreditGranted
+    | EngineJoined
     | EngineLost
     | EngineRefused
     | CheckReachable
@@ -1252,6 +1254,8 @@ def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
         max_message_bytes=hello.max_message_bytes,
         dead_after_ms=hello.dead_after_ms,
         compression=hello.compression,
+        request_streaming=hello.request_streaming,
+        stream_window=hello.stream_window,
     )
 
 
@@ -1314,6 +1318,12 @@ TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
     _T(_S.LIVE, _REPLIES, "RESULT/ERROR/STREAM_ITEM/STREAM_END",
        "deliver to the call of that id sent to this engine, else drop (ending the "
        "argument lease kept for a call of that id we gave up on)", _S.LIVE),
+    _T(_S.LIVE, (_K.CREDIT,), "CREDIT for a request stream",
+       "add credit; wake the call's sender (another call, or none: drop)", _S.LIVE),
+    _T(_S.LIVE, (), "a request item is due",
+       "STREAM_ITEM(id) while credit lasts and the call has not ended", _S.LIVE),
+    _T(_S.LIVE, (), "the request stream is exhausted",
+       "STREAM_END(id) (the half-close), unless the call ended", _S.LIVE),
     _T(_S.LIVE, (_K.RELEASE,), "RELEASE",
        "end the argument leases it names that were kept for calls we gave up on; refuse "
        "and count any other id", _S.LIVE),
@@ -1345,6 +1355,7 @@ _DISPATCH: Final[dict[tuple[PeerState, MessageKind], _Handler]] = {
     (_S.LIVE, _K.PING): _P._on_ping,
     (_S.LIVE, _K.PONG): _P._on_pong,
     (_S.LIVE, _K.RELEASE): _P._on_release_message,
+    (_S.LIVE, _K.CREDIT): _streams.on_engine_credit,
     (_S.LIVE, _K.BYE): _P._on_bye,
     (_S.LIVE, _K.REJECT): _P._on_reject_message,
 }

@@ -28,6 +28,7 @@ import anyio
 from tensorrpc import _compression
 from tensorrpc._interceptors import ClientCall
 from tensorrpc._metadata import EMPTY, check_metadata, encode_block
+from tensorrpc._stream_io import RequestSource, request_source
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
@@ -509,9 +510,11 @@ class CallStream(Generic[T]):
         self._options = options
         # Pre-encoded arguments (schemaless calls) skip encode_args.
         self._encoded = encoded
-        self._wire: list[Any] | None = (
-            None if encoded is not None else spec.encode_args(args, dict(kwargs))
-        )
+        self._wire: list[Any] | RequestSource | None = None
+        if spec.request_streaming:  # a bidirectional stream: its request items
+            self._wire = request_source(spec, args, kwargs)
+        elif encoded is None:
+            self._wire = spec.encode_args(args, dict(kwargs))
         self._call: Call | None = None
         # With client interceptors: the items they returned (None: read the call's).
         self._items: AsyncIterator[Any] | None = None
