@@ -58,6 +58,7 @@ from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as release_threshold
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
+from tensorrpc._stream_io import RequestItems
 from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
@@ -313,6 +314,8 @@ class Dispatcher:
         args = await self._decode_off_loop(call) if _inflates(call) else self._decode(call)
         if args is None:
             return
+        if call.request is not None:  # the handler's one argument: its request items
+            args.append(RequestItems(self._proto, call, self._codec, self._flush))
         self._proto.started(call, anyio.current_time())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
@@ -604,7 +607,7 @@ class Dispatcher:
 
     async def _reply(self, call: Call) -> None:
         """Answer a unary call from its outcome (nothing if the client gave up on it)."""
-        if _gone(call):
+        if _gone(call) or self._refused_item(call):
             return
         if call.failure is not None:
             self._reply_exception(call, call.failure)
@@ -628,6 +631,16 @@ class Dispatcher:
                 placer.abort()
             return
         await self._send_encoded(call, frames, encoded)
+
+    def _refused_item(self, call: Call) -> bool:
+        """A request item was refused: the call's answer is that ERROR, whatever the
+        handler made of it."""
+        request = call.request
+        if request is None or request.refused is None:
+            return False
+        code, message, path = request.refused
+        self._error(call, code, message, path=path)
+        return True
 
     def _reply_exception(self, call: Call, exc: BaseException) -> None:
         if isinstance(exc, ItemRefused):  # batching: the batcher ended the item
@@ -698,7 +711,7 @@ class Dispatcher:
                         except Exception:
                             logger.exception("%s failed to close", call.spec.qualname)
         call.scope = None
-        if call.cancelled or call.answered:
+        if call.cancelled or call.answered or self._refused_item(call):
             return
         if failure is not None:
             self._reply_exception(call, failure)
