@@ -763,7 +763,7 @@ class Dispatcher:
             await self._send_encoded(call, frames, encoded)
             # Not held until the next item: the sent item's last references are the
             # pending send's (released off the loop once ZMQ is done with it).
-            del item, done, encoded, placer, frames
+            del done, encoded, placer, frames
             if call.observed is not None:  # observe: a stream item went out
                 call.observed.item()
 
