@@ -5,7 +5,7 @@ Three serializers encode and decode the same request in the same run:
 * ``tensorrpc``: :func:`tensorrpc._codec.encode` / :func:`~tensorrpc._codec.decode` on
   dataclasses (decode yields plain dicts/lists plus tensors). When the schema module is
   available a second row, ``tensorrpc+schema``, also converts the decoded value back into
-  the typed dataclasses (``TypeSpec.from_wire``), the work msgspec's typed decode does.
+  the typed dataclasses (``CompiledType.from_wire``), the work msgspec's typed decode does.
 * ``msgspec``: typed ``msgspec.Struct`` classes, as vLLM uses (``array_like``,
   ``omit_defaults``, ``gc=False`` for the request, as in ``vllm/v1/engine/__init__.py``).
   Tensors follow vLLM's ``MsgpackEncoder``: an ``enc_hook`` turns a tensor into

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from tensorrpc._engines import Engine, EngineInfo
     from tensorrpc._interceptors import ClientCall
     from tensorrpc._service import MethodSpec, ServiceSpec
+    from tensorrpc._zmq import AsyncSocket
     from tensorrpc.transports._links import LazyResolver
     from tensorrpc.transports._policy import PolicyPlacer
 
@@ -244,6 +245,13 @@ class CallRunner:
             details.sent(call)
         if protocol.pending:  # a RELEASE its header could not carry goes first
             self._io.flush()
+        # A large CALL goes on the engine's bulk connection, if bound: the small calls
+        # behind it do not wait for its bytes (docs/design.md).
+        route = self._io.bulk.route(
+            engine.peer, frames, encoded.buffers, flags & _STREAM_FLAG, routed=True
+        )
+        if route is not None and await self._send_bulk(call, route, encoded):
+            return call
         if not self._send_call(call, frames, encoded):
             await self._send_call_waiting(call, frames, encoded)
         return call
@@ -320,6 +328,25 @@ class CallRunner:
             raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
         if track:
             self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
+
+    async def _send_bulk(
+        self, call: Call, route: tuple[AsyncSocket, list[Any]], encoded: _codec.Encoded
+    ) -> bool:
+        """Send a large CALL on the bulk connection; False: that connection is gone (the
+        CALL goes on the control one)."""
+        sock, parts = route
+        try:
+            try:
+                tracker = sock.send_nowait(parts, track=True)
+            except anyio.WouldBlock:
+                tracker = await sock.send(parts, track=True)
+        except (PeerUnreachableError, ClosedError):
+            self._io.bulk.lost(call.engine.peer)
+            return False
+        except BaseException as exc:
+            raise self._send_failed(call, exc)  # noqa: B904 - it chains what it must
+        self._io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
+        return True
 
     def _send_failed(self, call: Call, exc: BaseException) -> BaseException:
         """The CALL could not be sent: end the call, return the leases its header carried

@@ -25,6 +25,8 @@ import anyio
 import zmq
 
 from tensorrpc import _codec
+from tensorrpc._bulk import Voucher
+from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._calls import Call, CallState
 from tensorrpc._client_protocol import (
     CheckReachable,
@@ -50,6 +52,7 @@ from tensorrpc._zmq import (
     PendingSends,
     SocketOptions,
     Waiters,
+    connection_voucher,
     create_socket,
     loop_clock,
     peer_credentials,
@@ -152,10 +155,12 @@ class ClientIO:
         "_bind",
         "_connect",
         "_curve",
+        "_hello_voucher",
         "_refusals",
         "_scopes",
         "_socket_options",
         "addresses",
+        "bulk",
         "codec",
         "engines_changed",
         "now",
@@ -198,6 +203,10 @@ class ClientIO:
         #: Calls of streams garbage-collected unclosed: cancelled by the next reader pass.
         self.orphans: collections.deque[Call] = collections.deque()
         self.tracked = PendingSends()
+        #: The bulk connections (docs/design.md, "a bulk connection per peer").
+        self.bulk = BulkLinks(options=socket_options, curve=curve, deliver=self._on_bulk_message)
+        # What vouches for the connection of the HELLO being handled (the bulk binding).
+        self._hello_voucher: tuple[bytes, Voucher] | None = None
         self.sock: AsyncSocket | None = None
         self.waiters: Waiters | None = None
         self.engines_changed: anyio.Event | None = None
@@ -215,6 +224,7 @@ class ClientIO:
 
     def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the reader and timer tasks in ``tg``."""
+        self.bulk.start(tg)  # its readers end when close() closes its sockets
         tg.start_soon(self._background, self._reader, name="tensorrpc client reader")
         tg.start_soon(self._background, self._housekeeping, name="tensorrpc client housekeeping")
 
@@ -244,6 +254,7 @@ class ClientIO:
         for scope in self._scopes:
             scope.cancel()
         self._close_socket()
+        self.bulk.close()
         self.policy.close()
 
     def check_open(self) -> None:
@@ -260,6 +271,8 @@ class ClientIO:
         try:
             for address in self._bind:
                 self.addresses.append(sock.bind(address))
+            if self.bulk.listen(*self.addresses):
+                self.protocol.announce_bulk(self.bulk.address)
             token = secrets.token_hex(4)
             for i, address in enumerate(self._connect):
                 alias = f"@{token}/{i}".encode()
@@ -267,6 +280,7 @@ class ClientIO:
                 aliases.append((alias, address))
         except BaseException:
             self._close_socket()
+            self.bulk.close()
             raise
         now = self.now()
         for alias, address in aliases:
@@ -382,6 +396,7 @@ class ClientIO:
 
     def _on_lost(self, event: EngineLost) -> None:
         engine = event.engine
+        self.bulk.forget(engine.peer)
         logger.info("engine %r %s", engine.engine_id, peer_text(event.why, 512))
         self.policy.memory.peer_gone(engine.peer, self.policy.peers.drop(engine.peer))
         for call in event.calls:
@@ -393,7 +408,9 @@ class ClientIO:
             self.tick.set()  # a hello request to its address may be due at once
 
     def _on_joined(self, event: EngineJoined) -> None:
-        self.policy.peers.link(event.engine.peer, event.shm)
+        engine = event.engine
+        self.policy.peers.link(engine.peer, event.shm)
+        self._bulk_joined(engine)
         engine_id = event.engine.engine_id
         table = self.protocol.engines
         self._observe_engine(engine_id, "rejoined" if engine_id in table.past else "joined")
@@ -401,6 +418,19 @@ class ClientIO:
         self.notify_engines()
         if self.tick is not None:
             self.tick.set()  # its heartbeat may be due sooner than our next tick
+
+    def _bulk_joined(self, engine: Engine) -> None:
+        """A session began: offer it our bulk endpoint (listening), or dial the engine's."""
+        bulk = self.bulk
+        bulk.forget(engine.peer)
+        if engine.bulk_token:
+            seen = self._hello_voucher
+            voucher = seen[1] if seen is not None and seen[0] == engine.peer else Voucher("none")
+            bulk.offer(engine.peer, engine.client_epoch, voucher, engine.bulk_token)
+        announced, token = engine.bulk_offer
+        address = self.protocol.address_of(engine.peer)
+        if announced and address is not None:
+            bulk.dial(engine.peer, announced, address, engine.epoch, token)
 
     def _observe_engine(self, engine_id: str, event: str) -> None:
         if self.observer is not None:  # observe: an engine joined, rejoined or was lost
@@ -537,14 +567,25 @@ class ClientIO:
         key = _user_id(frames[1]) if protocol.config.engine_keys is not None else None
         event = protocol.receive(peer, body, self.now(), key)
         if type(event) is FactsNeeded:
-            # A HELLO: torch_shm is decided from what the kernel says about its connection.
+            # A HELLO: torch_shm and the bulk binding are decided from what the kernel
+            # (or a key) says about its connection.
+            if self.bulk.router is not None:
+                self._hello_voucher = (peer, connection_voucher(body[1]))
             facts = self.policy.peers.facts(peer_credentials(body[1]))
             try:
                 self._handle(protocol.receive(peer, body, self.now(), key, facts))
             finally:
                 self.policy.peers.settle(peer, facts)
+                self._hello_voucher = None
             return
         self._handle(event)
+
+    def _on_bulk_message(self, peer: object, frames: list[zmq.Frame], size: int) -> None:
+        """A message on an engine's bound bulk connection (its RESULTs)."""
+        protocol = self.protocol
+        body = cast("list[Buffer]", frames)
+        key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
+        self._handle(protocol.receive(cast("bytes", peer), body, self.now(), key))
 
     def _handle(self, event: Call | Event | None) -> None:
         protocol = self.protocol

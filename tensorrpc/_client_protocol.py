@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
+from tensorrpc._bulk import TOKEN_BYTES
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
     Balancing,
@@ -196,6 +197,9 @@ class ClientConfig:
     shm_transports: tuple[str, ...] = ("frames",)
     shm_trust_unattested: bool = False
     compression: tuple[str, ...] = ()
+    #: Our bulk endpoint, announced in WELCOME with a per-session token (docs/design.md,
+    #: "a bulk connection per peer"); "" when there is none.
+    bulk_address: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,12 +352,17 @@ def _random_epoch() -> int:
     return secrets.randbits(64) or 1
 
 
+def _random_token() -> bytes:
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
 class ClientProtocol(Machine[bytes, Event]):
     """The client's protocol state: engines, calls, liveness, frames to send.
 
     Args:
         config: Handshake values and bounds.
         epochs: Draws our session epochs (default: random non-zero u64).
+        tokens: Draws a session's bulk token (default: 128 random bits).
     """
 
     def __init__(
@@ -361,12 +370,16 @@ class ClientProtocol(Machine[bytes, Event]):
         config: ClientConfig,
         *,
         epochs: Callable[[], int] = _random_epoch,
+        tokens: Callable[[], bytes] = _random_token,
     ) -> None:
         if config.stream_window < 1:
             raise ValueError("stream_window must be at least 1")
         super().__init__()
         self.config = config
         self._epochs = epochs
+        self._tokens = tokens
+        # torch_shm and the bulk binding are decided from what the kernel says of a HELLO.
+        self._facts_needed = TRANSPORT_NAME in config.shm_transports
         self.engines = EngineTable(balancing=config.balancing, max_in_flight=config.max_in_flight)
         self.calls = CallTable()
         self.capacity = CapacityWaiters()
@@ -432,6 +445,12 @@ class ClientProtocol(Machine[bytes, Event]):
             if rec.state is PeerState.DIALING:
                 del self._peers[alias]
         return aliases
+
+    def announce_bulk(self, address: str) -> None:
+        """Our WELCOMEs of new sessions announce this bulk endpoint, each with a token
+        of its own (docs/design.md, "a bulk connection per peer")."""
+        self.config = replace(self.config, bulk_address=address)
+        self._facts_needed = self._facts_needed or bool(address)
 
     def address_of(self, peer: bytes) -> str | None:
         """The address dialled under this routing id, if any."""
@@ -772,7 +791,7 @@ class ClientProtocol(Machine[bytes, Event]):
         kind = header.kind
         rec = self._peers.get(peer)
         state = PeerState.NONE if rec is None else rec.state
-        if kind is _HELLO and facts is None and TRANSPORT_NAME in self.config.shm_transports:
+        if kind is _HELLO and facts is None and self._facts_needed:
             return FactsNeeded(peer)  # the shell gathers them for HELLOs only
         if state is PeerState.LIVE:
             engine = rec.engine  # type: ignore[union-attr]
@@ -1025,6 +1044,9 @@ class ClientProtocol(Machine[bytes, Event]):
         )
         engine.next_ping = now + engine.ping_every
         config = self.config
+        if config.bulk_address:
+            engine.bulk_token = self._tokens()
+        engine.bulk_offer = (hello.bulk, hello.bulk_token)
         # torch_shm from the kernel's facts about the connection; the HELLO's pid and
         # host id count only for an unattested peer we were told to trust.
         terms = shm_terms(
@@ -1063,6 +1085,8 @@ class ClientProtocol(Machine[bytes, Event]):
             dead_after_ms=to_ms(config.heartbeat.dead_after),
             fingerprint="" if config.schemaless else config.fingerprint,
             compression=config.compression,
+            bulk=config.bulk_address if engine.bulk_token else "",
+            bulk_token=engine.bulk_token.hex(),
         )
         self._queue(engine, engine.peer, MessageKind.WELCOME, welcome, 0, now)
 

@@ -1,26 +1,14 @@
 """Values ⇄ ``[payload, *buffers]``: msgpack with out-of-band tensor buffers (sans-I/O).
 
-The payload is msgpack written by ormsgpack. Plain values (None, bool, int, float, str,
-bytes, list, tuple, dict with str or int keys, dataclass instances, Enum members) are ormsgpack's
-native types: dataclasses go as maps, enums as their value, tuples as arrays. Every
-``torch.Tensor`` and ``numpy.ndarray`` anywhere in the value becomes a msgpack **Ext**
-whose data is the msgpack array ``[dtype, shape, loc, ref]``:
-
-* ``dtype``: a stable name from an allowlist (``"float32"``, ``"bfloat16"``,
-  ``"float8_e4m3fn"``, ...);
-* ``shape``: a list of non-negative ints;
-* ``loc``: a `Location`; ``ref`` is the raw bytes (``INLINE``), an index into the
-  buffers (``FRAME``) or ``[transport, handle]`` (``HANDLE``).
-
-Bytes are always C-contiguous and little-endian. Tensors below
-[`CodecConfig.inline_threshold`][tensorrpc.CodecConfig.inline_threshold] bytes ride inline; the
-others become exactly one
-buffer each that references the tensor's memory (a contiguous CPU tensor is not copied),
-unless a `TensorPlacer` takes them. Decoding builds tensors on
-the received buffers without copying and validates every descriptor before touching memory.
-
-Per-call state lives in a small collector object (`_Encoder` / `_Decoder`)
-created for each call, never on the module. This module imports no I/O library.
+The payload is msgpack written by ormsgpack (dataclasses go as maps, enums as their value,
+tuples as arrays). Every ``torch.Tensor`` and ``numpy.ndarray`` in the value becomes a
+msgpack Ext whose data is ``[dtype, shape, loc, ref]`` (docs/protocol.md): ``ref`` is the
+C-contiguous little-endian bytes (``INLINE``, below
+[`CodecConfig.inline_threshold`][tensorrpc.CodecConfig.inline_threshold]), an index into
+the buffers (``FRAME``: one buffer on the tensor's memory, not copied) or ``[transport,
+handle]`` (``HANDLE``, when a `TensorPlacer` takes it). Decoding validates every
+descriptor before touching memory and builds tensors on the received buffers without
+copying. Per-call state lives in `_Encoder` / `_Decoder`, never on the module.
 """
 
 from __future__ import annotations
@@ -154,103 +142,52 @@ _ZSTD_EXT: Final = int(ExtCode.ZSTD)
 _EXT_HEADERS: Final = {0xC7: 1, 0xC8: 2, 0xC9: 4}
 
 
-_TORCH_DTYPE_NAMES: Final = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-    "bits8",
-    "bits16",
-    "bits1x8",
-    "bits2x4",
-    "bits4x2",
+#: The wire's dtype names, torch's (those the running torch has); numpy has the first 16
+#: but bfloat16 and complex32.
+_DTYPE_NAMES: Final = (
+    "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 float64 "
+    "complex32 complex64 complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
+    "float8_e8m0fnu float4_e2m1fn_x2 bits8 bits16 bits1x8 bits2x4 bits4x2"
 )
-_NUMPY_DTYPE_NAMES: Final = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-)
+_TORCH_DTYPE_NAMES: Final = _DTYPE_NAMES.split()
+_NUMPY_DTYPE_NAMES: Final = [
+    n for n in _TORCH_DTYPE_NAMES[:16] if n not in ("bfloat16", "complex32")
+]
 
 # The dtype tables need torch and numpy, which a process that never sees a tensor does
-# not import (seconds of start-up): `_load_arrays` imports both and fills these in when
-# the first tensor or array is encoded or decoded.
-#: Wire name -> torch dtype: the decode allowlist for ``ExtCode.TORCH``.
-_TORCH_DTYPES: Final[dict[str, torch.dtype]] = {}
+# not import (seconds of start-up): `_load_arrays` fills them in on the first tensor.
 _TORCH_NAMES: Final[dict[torch.dtype, str]] = {}
-#: Wire name -> numpy dtype (native = little-endian; checked at import): ``ExtCode.NUMPY``.
-_NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {}
+#: numpy dtype (native = little-endian; checked at import) -> wire name.
 _NUMPY_NAMES: Final[dict[np.dtype[Any], str]] = {}
-#: numpy dtype -> torch dtype of the same bytes (all numeric numpy dtypes exist in torch).
-_NUMPY_TO_TORCH: Final[dict[np.dtype[Any], torch.dtype]] = {}
-#: torch dtype -> the numpy dtype of the same bytes, where numpy has one.
-_TORCH_TO_NUMPY: Final[dict[torch.dtype, np.dtype[Any]]] = {}
 #: torch dtypes whose ``.numpy()`` buffer can be recast to bytes (single-char formats).
 _CASTABLE: Final[set[torch.dtype]] = set()
 #: A decode table's entry: torch dtype, numpy dtype of the same bytes (or None), item
 #: size in bytes, and the alignment a tensor built on received bytes needs.
 _DecodeEntry = tuple["torch.dtype", "np.dtype[Any] | None", int, int]
-#: Wire name -> `_DecodeEntry`: ``ExtCode.TORCH``.
+#: Wire name -> `_DecodeEntry`, the allowlists of ``ExtCode.TORCH`` and ``ExtCode.NUMPY``.
 _TORCH_DECODE: Final[dict[str, _DecodeEntry]] = {}
-#: Wire name -> `_DecodeEntry`: ``ExtCode.NUMPY``.
 _NUMPY_DECODE: Final[dict[str, _DecodeEntry]] = {}
 _STRIDED: torch.layout
 _arrays_loaded = False
 
 
-def _entry(dtype: torch.dtype, np_dtype: np.dtype[Any] | None) -> _DecodeEntry:
-    return (dtype, np_dtype, dtype.itemsize, min(dtype.itemsize, 8))
-
-
 def _load_arrays() -> None:
     """Import torch and numpy (module globals from then on) and fill in the dtype tables."""
     global _STRIDED, _arrays_loaded
+    to_numpy: dict[torch.dtype, np.dtype[Any]] = {}
+    for name in _NUMPY_DTYPE_NAMES:
+        np_dtype = to_numpy[getattr(torch, name)] = np.dtype(name)
+        _NUMPY_NAMES[np_dtype] = name
+        if np_dtype.kind != "c":
+            _CASTABLE.add(getattr(torch, name))
     for name in _TORCH_DTYPE_NAMES:
         dtype = getattr(torch, name, None)
         if isinstance(dtype, torch.dtype):
-            _TORCH_DTYPES[name] = dtype
             _TORCH_NAMES[dtype] = name
-    for name in _NUMPY_DTYPE_NAMES:
-        np_dtype = np.dtype(name)
-        torch_dtype = _TORCH_DTYPES[name]
-        _NUMPY_DTYPES[name] = np_dtype
-        _NUMPY_NAMES[np_dtype] = name
-        _NUMPY_TO_TORCH[np_dtype] = torch_dtype
-        _TORCH_TO_NUMPY[torch_dtype] = np_dtype
-        if np_dtype.kind != "c":
-            _CASTABLE.add(torch_dtype)
-    for name, dtype in _TORCH_DTYPES.items():
-        _TORCH_DECODE[name] = _entry(dtype, _TORCH_TO_NUMPY.get(dtype))
-    for name, np_dtype in _NUMPY_DTYPES.items():
-        _NUMPY_DECODE[name] = _entry(_NUMPY_TO_TORCH[np_dtype], np_dtype)
+            entry = (dtype, to_numpy.get(dtype), dtype.itemsize, min(dtype.itemsize, 8))
+            _TORCH_DECODE[name] = entry
+            if name in _NUMPY_DTYPE_NAMES:
+                _NUMPY_DECODE[name] = entry
     _STRIDED = torch.strided
     _arrays_loaded = True
 
@@ -263,12 +200,8 @@ _INT_KEY_OPTIONS: Final = _PACK_OPTIONS | ormsgpack.OPT_NON_STR_KEYS
 
 
 def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
-    """Return a C-contiguous CPU tensor with ``tensor``'s values and a byte view of it.
-
-    ``tensor`` is on the CPU and detached. The result is ``tensor`` itself when it is
-    already contiguous (no copy), else one contiguous temporary. The view is 1-D, format
-    ``"B"``, and keeps the tensor alive.
-    """
+    """A C-contiguous CPU tensor with the values of ``tensor`` (CPU, detached): itself
+    when contiguous, else one temporary; and a 1-D byte view of it that keeps it alive."""
     if tensor.numel() == 0:
         return tensor, memoryview(b"")
     if tensor.is_contiguous() and tensor.dtype in _CASTABLE:
@@ -295,30 +228,46 @@ def _host_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 
 
 def _inline_bytes(tensor: torch.Tensor, nbytes: int) -> bytes:
-    """The C-contiguous little-endian bytes of the CPU tensor ``tensor`` (a copy).
-
-    A contiguous tensor of a real dtype without the negative bit is its memory as is:
-    one ``string_at`` (no numpy view); anything else goes through `_host_bytes`.
-    """
+    """The C-contiguous little-endian bytes of the CPU tensor ``tensor`` (a copy)."""
     if nbytes and tensor.dtype in _CASTABLE and tensor.is_contiguous() and not tensor.is_neg():
         return ctypes.string_at(tensor.data_ptr(), nbytes)
     return _host_bytes(tensor)[1].tobytes()
 
 
-class _Encoder:
+class _Replaying:
+    """What an ormsgpack hook made, in order, replayed on a second pass over the same value
+    (`again`) so that no tensor is placed, collected or built twice."""
+
+    __slots__ = ("_replay", "error", "made")
+
+    def __init__(self) -> None:
+        #: The exception raised inside the hook (ormsgpack replaces it with its own).
+        self.error: Exception | None = None
+        self.made: list[Any] = []
+        self._replay: list[Any] = []
+
+    def again(self) -> None:
+        self._replay = self.made[::-1]
+        self.made = []
+        self.error = None
+
+    def _once(self, make: Callable[..., Any], *args: Any) -> Any:
+        if self._replay:
+            out = self._replay.pop()
+        else:
+            try:
+                out = make(*args)
+            except Exception as exc:
+                self.error = exc
+                raise
+        self.made.append(out)
+        return out
+
+
+class _Encoder(_Replaying):
     """Per-call state of `encode`: the ormsgpack ``default=`` hook and what it collects."""
 
-    __slots__ = (
-        "_compression",
-        "_config",
-        "_count",
-        "_placer",
-        "_replay",
-        "buffers",
-        "error",
-        "exts",
-        "keepalive",
-    )
+    __slots__ = ("_compression", "_config", "_count", "_placer", "buffers", "keepalive")
 
     def __init__(
         self,
@@ -326,48 +275,29 @@ class _Encoder:
         placer: TensorPlacer | None,
         compression: Compression | None = None,
     ) -> None:
+        super().__init__()
         self._config = config
         self._placer = placer
         self._compression = compression
         self._count = 0
         self.buffers: list[memoryview] = []
         self.keepalive: list[object] = []
-        #: The exception raised inside the hook (ormsgpack replaces it with a TypeError).
-        self.error: Exception | None = None
-        #: What the hook returned, in order (see `_replay`).
-        self.exts: list[ormsgpack.Ext] = []
-        #: A second pass over the same value returns these first (tensors are not placed
-        #: or collected twice); see `encode`.
-        self._replay: list[ormsgpack.Ext] = []
-
-    def again(self) -> None:
-        """Prepare a second pass over the same value: the hook's results are replayed."""
-        self._replay = self.exts[::-1]
-        self.exts = []
-        self.error = None
 
     def default(self, obj: object) -> ormsgpack.Ext:
-        if self._replay:
-            ext = self._replay.pop()
-            self.exts.append(ext)
-            return ext
-        try:
-            if not _arrays_loaded:
-                # No value is a tensor or an array before torch or numpy is imported.
-                if "torch" not in sys.modules and "numpy" not in sys.modules:
-                    raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
-                _load_arrays()
-            if isinstance(obj, torch.Tensor):
-                ext = self._tensor(obj)
-            elif isinstance(obj, np.ndarray):
-                ext = self._ndarray(obj)
-            else:
-                raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
-        except Exception as exc:
-            self.error = exc
-            raise
-        self.exts.append(ext)
+        ext: ormsgpack.Ext = self._once(self._ext, obj)
         return ext
+
+    def _ext(self, obj: object) -> ormsgpack.Ext:
+        if not _arrays_loaded:
+            # No value is a tensor or an array before torch or numpy is imported.
+            if "torch" not in sys.modules and "numpy" not in sys.modules:
+                raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
+            _load_arrays()
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, np.ndarray):
+            return self._ndarray(obj)
+        raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
 
     def _check_count(self) -> None:
         if self._count > self._config.max_tensors:
@@ -512,22 +442,17 @@ def _tensor_kind_error(tensor: torch.Tensor) -> str:
     return f"cannot encode a tensor of unsupported dtype {tensor.dtype}"
 
 
+#: numpy dtype kind -> what to call an array of it that cannot travel.
+_NUMPY_KINDS: Final = {"O": "object", "S": "string", "U": "string", "a": "string", "V": "void"}
+
+
 def _numpy_dtype_error(dtype: np.dtype[Any]) -> str:
-    if dtype.fields is not None:
-        what = "structured"
-    elif dtype.kind == "O":
-        what = "object"
-    elif dtype.kind in "SUa":
-        what = "string"
-    elif dtype.kind == "V":
-        what = "void"
-    elif dtype.kind in "fc":
+    if dtype.fields is None and dtype.kind in "fc":
         return (
             f"cannot encode a numpy array of dtype {dtype} ({dtype.itemsize} bytes): extended "
             "precision has no portable byte layout; convert it to float64/complex128"
         )
-    else:
-        what = "non-numeric"
+    what = "structured" if dtype.fields is not None else _NUMPY_KINDS.get(dtype.kind, "non-numeric")
     return (
         f"cannot encode a numpy array of {what} dtype {dtype!r}; only bool, int, uint, "
         "float and complex arrays are supported"
@@ -535,34 +460,20 @@ def _numpy_dtype_error(dtype: np.dtype[Any]) -> str:
 
 
 def frame_limit(config: CodecConfig) -> int:
-    """The largest frame a receiver with ``config`` can accept, in bytes.
-
-    A frame is a payload (at most ``max_payload_bytes``) or one tensor's bytes (at most
-    ``max_tensor_bytes``); anything larger is refused by the codec after it has arrived,
-    so a receiver sets its socket's ``maxmsgsize`` to at most this (ZMQ then drops such a
-    frame at its header, never buffering it) and announces it in its handshake (senders
-    refuse such a frame before sending it).
-    """
+    """The largest frame (a payload or one tensor's bytes) a receiver with ``config``
+    accepts: its socket's ``maxmsgsize``, announced in its handshake."""
     return max(config.max_tensor_bytes, config.max_payload_bytes)
 
 
 def check_message_size(
     encoded: Encoded, own_limit: int, peer_limit: int, describe: Callable[[], tuple[str, str]]
 ) -> None:
-    """Refuse a message with a frame over the smaller positive ``maxmsgsize`` of both ends.
+    """Refuse (`EncodeError`) a message with a frame over the smaller positive
+    ``maxmsgsize`` of both ends (ZMQ would drop the whole connection without a word).
 
-    A frame over the receiver's MAXMSGSIZE makes its ZMQ drop the whole connection (and
-    every call on it) without a word, so senders check here first.
-
-    Args:
-        encoded: The message about to be sent.
-        own_limit: Our socket's ``maxmsgsize`` (0 or negative: no limit).
-        peer_limit: The limit the peer announced in its handshake (0: none announced).
-        describe: Called only to word the error: what the message carries
-            (``"Calc.add: the arguments"``) and how to name the peer (``"engine 'e1'"``).
-
-    Raises:
-        EncodeError: The payload or a tensor frame is over the limit.
+    ``own_limit`` is our socket's (<= 0: none), ``peer_limit`` the peer's handshake's (0:
+    none); ``describe`` is called only to word the error: what the message carries
+    (``"Calc.add: the arguments"``) and how to name the peer (``"engine 'e1'"``).
     """
     peer_wins = peer_limit > 0 and (own_limit <= 0 or peer_limit < own_limit)
     limit = peer_limit if peer_wins else own_limit
@@ -596,20 +507,10 @@ def encode(
 ) -> Encoded:
     """Encode ``value`` into a msgpack payload and out-of-band tensor buffers.
 
-    Args:
-        value: Plain values (None, bool, int, float, str, bytes, list, tuple, dict with
-            str or int keys, dataclass instances, Enum members) with ``torch.Tensor`` and
-            ``numpy.ndarray`` anywhere inside.
-        config: Limits and policies.
-        placer: Offered every tensor at or above ``config.inline_threshold`` bytes; a
-            tensor it takes travels by handle, the others in a buffer of their own.
-        compression: Compress the payload and the tensor frames of at least its
-            ``min_bytes`` (see `Compression`); a tensor the placer takes (by handle) is
-            never compressed.
-
-    Returns:
-        The payload, one buffer per out-of-band tensor, and the objects that own the
-        buffers' memory (keep them alive until the buffers have been sent).
+    ``placer`` is offered every tensor of at least ``config.inline_threshold`` bytes (one
+    it takes travels by handle, never compressed); ``compression`` compresses the payload
+    and tensor frames of at least its ``min_bytes``. Keep ``Encoded.keepalive`` alive until
+    the buffers have been sent.
 
     Raises:
         EncodeError: Unsupported type or dtype, sparse/quantized/meta tensor, a device
@@ -650,11 +551,8 @@ _NOT_STR_KEY: Final = "Dict key must be str"
 
 
 def _encode_int_keys(value: object, encoder: _Encoder) -> bytes:
-    """Encode a value with a map keyed by ints (``dict[int, T]``): the cold second pass.
-
-    Map keys that are not str cost ormsgpack more per key, so the first pass leaves them
-    out; the tensors the first pass met are replayed, not placed again.
-    """
+    """The cold second pass for a value with int map keys (``dict[int, T]``), which cost
+    ormsgpack more per key; the tensors the first pass met are replayed, not placed again."""
     bad = _bad_key(value)
     if bad is not None:
         raise EncodeError(
@@ -670,10 +568,8 @@ def _encode_int_keys(value: object, encoder: _Encoder) -> bytes:
 
 
 def _bad_key(value: object) -> tuple[object] | None:
-    """``(key,)`` for the first map key that is neither a str nor an int (a bool is
-    neither), or None; looks into maps, lists and tuples (not into dataclasses, whose
-    maps the schema checks). A container met twice (a cycle, which ormsgpack refuses
-    anyway) is looked into once."""
+    """``(key,)`` for the first map key in maps, lists and tuples that is neither a str nor
+    an int (a bool is neither), or None; each container is looked into once."""
     stack = [value]
     seen: set[int] = set()
     while stack:
@@ -744,10 +640,10 @@ def _torch_on(
     return tensor if len(shape) == 1 else tensor.view(shape)
 
 
-class _Decoder:
+class _Decoder(_Replaying):
     """Per-call state of `decode`: the ormsgpack ``ext_hook`` and frame bookkeeping."""
 
-    __slots__ = ("_buffers", "_config", "_count", "_replay", "_resolver", "built", "error", "used")
+    __slots__ = ("_buffers", "_config", "_count", "_resolver", "used")
 
     def __init__(
         self,
@@ -755,34 +651,16 @@ class _Decoder:
         config: CodecConfig,
         resolver: TensorResolver | None,
     ) -> None:
+        super().__init__()
         self._buffers = buffers
         self._config = config
         self._resolver = resolver
         self._count = 0
         #: Indices of the buffers referenced so far.
         self.used: set[int] = set()
-        #: The exception raised inside the hook (ormsgpack replaces it with a ValueError).
-        self.error: Exception | None = None
-        #: What the hook returned, in order; a second pass replays it (`again`).
-        self.built: list[object] = []
-        self._replay: list[object] = []
-
-    def again(self) -> None:
-        """Prepare a second pass over the same payload: tensors are not built twice."""
-        self._replay = self.built[::-1]
-        self.built = []
 
     def ext_hook(self, code: int, data: bytes) -> object:
-        if self._replay:
-            out = self._replay.pop()
-        else:
-            try:
-                out = self._ext(code, data)
-            except Exception as exc:
-                self.error = exc
-                raise
-        self.built.append(out)
-        return out
+        return self._once(self._ext, code, data)
 
     def _ext(self, code: int, data: bytes) -> object:
         if code == _TORCH:
@@ -938,8 +816,7 @@ def _compressed_payload(view: memoryview) -> memoryview | None:
 
 
 def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memoryview:
-    """``payload`` as a 1-D byte view, checked against the size and object limits (a
-    compressed payload is decompressed first, within ``max_payload_bytes``)."""
+    """``payload`` as a 1-D byte view (decompressed), checked against the limits."""
     try:
         view = memoryview(payload)
     except TypeError as exc:
@@ -969,13 +846,9 @@ def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memor
 
 
 def _decode_int_keys(exc: ValueError, decoder: _Decoder, framed: bytes) -> Any:
-    """Decode a payload ormsgpack refused, when its one fault may be int map keys (cold).
-
-    Map keys that are not str cost ormsgpack more per key, so the first pass refuses
-    them; this second pass admits them, replaying the tensors the first pass built, then
-    refuses any key that is neither str nor int. Such a payload is a value the peer may
-    not send (the receiver answers ``INVALID_ARGUMENT``), not a corrupt one (``DECODE``).
-    """
+    """The cold second pass for a payload ormsgpack refused, which may have int map keys:
+    admits them, replaying the tensors the first pass built. Any other key is a value the
+    peer may not send (``ValidationError``: ``INVALID_ARGUMENT``), not a corrupt one."""
     if decoder.error is not None:
         raise decoder.error from None
     decoder.again()
@@ -1003,30 +876,17 @@ def decode(
     *,
     resolver: TensorResolver | None = None,
 ) -> Any:
-    """Decode a payload and its out-of-band buffers back into a value.
+    """Decode a payload and its out-of-band buffers (each referenced exactly once).
 
-    Tensors sent in frames are built on ``buffers`` without copying when a buffer is
-    writable (``zmq.Frame`` received with ``copy=False`` is; pass ``frame.buffer`` or the
-    frame itself); a read-only buffer (``bytes``) is copied once, because torch has no
-    read-only tensors. Each decoded tensor keeps its buffer alive.
-
-    Args:
-        payload: The msgpack frame.
-        buffers: The out-of-band frames, in order; each must be referenced exactly once.
-        config: Limits (must match the sender's for the sizes it may send).
-        resolver: Resolves tensors sent by handle; without one a handle is a DecodeError.
-
-    Returns:
-        The value: lists for arrays (tuples come back as lists), dicts for maps
-        (dataclasses come back as dicts), ``torch.Tensor`` / ``numpy.ndarray`` for tensors.
+    Tensors are built on writable ``buffers`` without copying (a read-only one is copied
+    once: torch has no read-only tensors) and keep them alive; ``resolver`` resolves
+    tensors sent by handle. Arrays come back as lists, maps (dataclasses) as dicts.
 
     Raises:
         DecodeError: Malformed msgpack, a bad descriptor, a dtype not allowed, sizes that
-            do not match or exceed the limits (``max_payload_objects`` included), bad
-            frame indices, unreferenced buffers.
-        ValidationError: Well-formed msgpack with a map key that is neither a str nor an
-            int (the value cannot be one a peer may send; an engine answers
-            ``INVALID_ARGUMENT``).
+            do not match or exceed the limits, bad frame indices, unreferenced buffers.
+        ValidationError: A map key that is neither a str nor an int (a value a peer may
+            not send: an engine answers ``INVALID_ARGUMENT``).
         TensorTransportError: The resolver failed.
     """
     view = _payload_view(payload, len(buffers), config)

@@ -1,14 +1,8 @@
-"""The call a handler is running: `call_context` and `CallContext`.
+"""The call a handler is running: `call_context` and `CallContext` (docs/context.md).
 
-The engine sets a context variable for each call it runs, around the handler and the
-engine's interceptors: async handlers and streams read it in the worker's task, sync
-handlers in the worker thread (anyio copies the context into it, on asyncio and trio).
-A batched handler serves several calls at once, so it has no single call: it reads each
-item's from ``current_batch().items[i].context``.
-
-Everything a `CallContext` reports about the caller (its id, its metadata) was written by
-the peer: hostile strings, escaped (`tensorrpc._text.peer_text`) before a log line shows
-them, and never a metric label.
+The engine sets a context variable around the handler and its interceptors for each call
+(sync handlers read it in their thread: anyio copies the context). What a `CallContext`
+reports about the caller was written by the peer: escape it before logging.
 """
 
 from __future__ import annotations

@@ -277,6 +277,10 @@ class Engine:
     shm: ShmCapability | None = None
     #: The transports our WELCOME to this engine lists (said again on a repeated HELLO).
     welcome_transports: tuple[str, ...] = ("frames",)
+    #: The bulk token our WELCOME gives this session (b"": we announce no bulk endpoint).
+    bulk_token: bytes = b""
+    #: The engine's HELLO ``(bulk, bulk_token)``: its bulk endpoint and our token there.
+    bulk_offer: tuple[str, str] = ("", "")
     #: Result leases we are done with and have not returned yet (protocol §4 RELEASE,
     #: or the ``RELEASES`` bits of our next CALL).
     releases: list[int] = field(default_factory=list)

@@ -1,42 +1,6 @@
-"""The exception tree: everything tensorrpc raises derives from
-[`TensorRPCError`][tensorrpc.TensorRPCError].
-
-```
-TensorRPCError
-├─ ServiceDefinitionError (+TypeError)      a @service/@rpc class cannot be described
-├─ ProtocolError
-│  ├─ LocalProtocolError                    we were asked to send something invalid
-│  │  └─ MetadataError (+ValueError)        call metadata breaks a rule or a bound
-│  └─ RemoteProtocolError                   the peer sent something invalid
-├─ SerializationError
-│  ├─ EncodeError                           a value cannot be encoded (type, size, dtype)
-│  ├─ DecodeError                           bytes from the wire cannot be decoded
-│  │  └─ DecompressionError                 a compressed frame is malformed or expands too far
-│  └─ ValidationError                       a value does not match the method's types
-├─ TransportError                           the peer or the network broke
-│  ├─ ConnectError
-│  │  └─ HandshakeRejectedError             the peer refused our HELLO / we refused theirs
-│  ├─ EngineDeadError                       the engine died or stopped answering heartbeats
-│  ├─ EnginesUnavailableError (+TimeoutError)   wait_for_engines() ran out of time
-│  ├─ PeerUnreachableError                  a ROUTER send named a peer that is not connected
-│  └─ TensorTransportError                  a tensor transport (e.g. torch_shm) failed
-├─ CallError                                one call failed
-│  ├─ RemoteError                           the handler raised; carries the remote traceback
-│  ├─ MethodNotFoundError
-│  ├─ InvalidArgumentError                  the engine rejected the arguments
-│  ├─ CallTimeoutError (+TimeoutError)      the deadline passed
-│  ├─ OverloadedError                       a bound was hit and the caller asked not to wait
-│  ├─ EngineNotFoundError                   the targeted engine is not live
-│  ├─ DrainingError                         the engine is shutting down and refuses new calls
-│  ├─ PermissionDeniedError                 an interceptor (or handler) refused the call
-│  └─ BroadcastError                        at least one engine failed a broadcast
-├─ NoCallContextError (+LookupError)      call_context() outside a handler's call
-└─ ClosedError                              you closed the client/server and then used it
-```
-
-Errors that cross the wire travel as an [`ErrorCode`][tensorrpc.ErrorCode] plus text; they are
-rebuilt
-here by `error_from_wire` and are never pickled.
+"""The exception tree (drawn in docs/errors.md): everything tensorrpc raises derives from
+[`TensorRPCError`][tensorrpc.TensorRPCError]. Errors that cross the wire travel as an
+[`ErrorCode`][tensorrpc.ErrorCode] plus text, rebuilt by `error_from_wire`, never pickled.
 """
 
 from __future__ import annotations
@@ -370,34 +334,30 @@ def error_from_wire(
     remote_type = peer_text(remote_type, None)
     message = peer_text(message, None, lines=True)
     traceback = peer_text(traceback, None, lines=True)
-    match code:
-        case ErrorCode.REMOTE:
-            return RemoteError(remote_type, message, traceback)
-        case ErrorCode.METHOD_NOT_FOUND:
-            return MethodNotFoundError(message)
-        case ErrorCode.INVALID_ARGUMENT:
-            return InvalidArgumentError(message, path)
-        case ErrorCode.DECODE:
-            return DecodeError(f"engine could not decode the call: {message}")
-        case ErrorCode.DEADLINE_EXCEEDED:
-            return CallTimeoutError(message)
-        case ErrorCode.OVERLOADED:
-            return OverloadedError(message)
-        case ErrorCode.DRAINING:
-            return DrainingError(message)
-        case ErrorCode.TENSOR_TRANSPORT:
-            return TensorTransportError(message)
-        case ErrorCode.BAD_RESULT:
-            return RemoteError(remote_type or "BadResult", message, traceback, code=code)
-        case ErrorCode.PROTOCOL:
-            return RemoteProtocolError(message)
-        case ErrorCode.PERMISSION_DENIED:
-            return PermissionDeniedError(message)
-        case _:
-            return RemoteError(
-                remote_type or "InternalError", message, traceback, code=ErrorCode.INTERNAL
-            )
+    if code == ErrorCode.INVALID_ARGUMENT:
+        return InvalidArgumentError(message, path)
+    if code == ErrorCode.DECODE:
+        return DecodeError(f"engine could not decode the call: {message}")
+    simple = _BY_CODE.get(code)
+    if simple is not None:
+        return simple(message)
+    if code == ErrorCode.REMOTE:
+        return RemoteError(remote_type, message, traceback)
+    if code == ErrorCode.BAD_RESULT:
+        return RemoteError(remote_type or "BadResult", message, traceback, code=code)
+    return RemoteError(remote_type or "InternalError", message, traceback, code=ErrorCode.INTERNAL)
 
+
+#: The errors built from the ERROR's message alone.
+_BY_CODE: dict[int, type[TensorRPCError]] = {
+    ErrorCode.METHOD_NOT_FOUND: MethodNotFoundError,
+    ErrorCode.DEADLINE_EXCEEDED: CallTimeoutError,
+    ErrorCode.OVERLOADED: OverloadedError,
+    ErrorCode.DRAINING: DrainingError,
+    ErrorCode.TENSOR_TRANSPORT: TensorTransportError,
+    ErrorCode.PROTOCOL: RemoteProtocolError,
+    ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
+}
 
 # Tracebacks and reprs name the public path (tensorrpc.ValidationError), not this private
 # module. Only exceptions and ErrorCode: other classes keep their module, where

@@ -1,19 +1,9 @@
-"""Interceptors: ordered async functions around every call, on the client and the engine.
+"""Interceptors: ordered async functions ``(call, proceed) -> result`` around every call.
 
-An interceptor is an async callable ``(call, proceed) -> result``. It may look at the call,
-add metadata, time it, refuse it (raise, e.g. `tensorrpc.PermissionDeniedError`) or
-``return await proceed()`` to go on. The first interceptor given is the outermost.
-
-* Engine (``Server(..., interceptors=[...])``): ``call`` is the `CallContext` of the call;
-  ``proceed()`` runs the handler (a unary call: returns its result; a stream: runs the
-  whole stream and returns None). They run in the worker that runs the handler, after
-  the arguments were decoded and validated, inside the call's deadline.
-* Client (``Client(..., interceptors=[...])``): ``call`` is a `ClientCall`; ``proceed()``
-  sends the call and returns its result (a unary call) or, for a stream, an async
-  iterator of its items once the CALL went out: return it (or an iterator wrapping it).
-  Broadcasts are not intercepted.
-
-docs/interceptors.md has examples (an auth check, a logging interceptor) and the cost.
+The first given is the outermost. On the engine ``call`` is the `CallContext` and
+``proceed()`` runs the handler (a stream: the whole stream, returning None); on the
+client ``call`` is a `ClientCall` and ``proceed()`` sends the call (a stream: returns the
+iterator of its items). docs/interceptors.md has the rules, examples and the cost.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Call metadata, sans-I/O: the key/value strings a CALL carries and a reply returns.
 
-A CALL may carry request metadata (the client's, and what its interceptors add) and a
-RESULT or STREAM_END response metadata (what the handler and the engine's interceptors
-set). Both travel in the header frame when the ``METADATA`` flag is set, as one *block*
-(docs/protocol.md §3):
-
-```
-u16 size                       bytes of the entries that follow (1..MAX_METADATA_BYTES)
-entries, each:
-    u8  key length             1..MAX_KEY_CHARS
-    key                        ASCII: a-z 0-9 and "-" "_" ".", first a letter or digit
-    u16 value length           0..MAX_VALUE_BYTES
-    value                      UTF-8 without control characters
-```
-
-Rules this module keeps:
-
-1. A key is lowercase: ``[a-z0-9][a-z0-9._-]*``, at most `MAX_KEY_CHARS`; keys starting
-   with a `RESERVED_PREFIXES` entry belong to the protocol (version 1 defines none) and
-   are refused both ways.
-2. A value is a ``str`` of at most `MAX_VALUE_BYTES` UTF-8 bytes without a character of
-   `tensorrpc._text.CONTROL` (so it cannot forge a log line or drive a terminal).
-3. At most `MAX_METADATA_ENTRIES` keys, each once, in at most `MAX_METADATA_BYTES` of
-   entries.
-4. What we are asked to send is checked before a byte is produced (`MetadataError`);
-   what a peer sent is checked as it is decoded (`RemoteProtocolError`), and the error
-   message shows the peer's strings only through `tensorrpc._text.peer_text`.
-
-Peer-supplied keys and values stay hostile after these checks: whoever logs them escapes
-them (`peer_text`), and they never become metric labels.
+Both travel in the header frame as one block (layout: docs/protocol.md §3; rules:
+docs/context.md). What we are asked to send is checked before a byte is produced
+(`MetadataError`); what a peer sent, as it is decoded (`RemoteProtocolError`), its strings
+shown only through `tensorrpc._text.peer_text`. They stay hostile after that: whoever
+logs them escapes them, and they never become metric labels.
 """
 
 from __future__ import annotations
@@ -73,8 +49,7 @@ KEY_PATTERN: Final = re.compile(r"[a-z0-9][a-z0-9._-]*")
 #: No metadata (shared, read-only).
 EMPTY: Final[Mapping[str, str]] = MappingProxyType({})
 
-_SIZE: Final = struct.Struct("<H")
-_VALUE_LEN: Final = struct.Struct("<H")
+_U16: Final = struct.Struct("<H")
 _KEY_RULE: Final = (
     f"1..{MAX_KEY_CHARS} characters of a-z, 0-9, '-', '_' and '.', starting with a letter or digit"
 )
@@ -108,7 +83,7 @@ def _entries_size(metadata: Mapping[str, str]) -> int:
 
 
 def check_metadata(metadata: Mapping[str, str] | None, what: str = "metadata") -> dict[str, str]:
-    """A validated copy of ``metadata`` we are asked to send (rules 1-3).
+    """A validated copy of ``metadata`` we are asked to send.
 
     Args:
         metadata: Key → value; None for none.
@@ -173,11 +148,11 @@ def encode_block(metadata: Mapping[str, str]) -> bytes:
     parts = []
     for key, value in metadata.items():
         raw = value.encode("utf-8")
-        parts.append(bytes((len(key),)) + key.encode("ascii") + _VALUE_LEN.pack(len(raw)) + raw)
+        parts.append(bytes((len(key),)) + key.encode("ascii") + _U16.pack(len(raw)) + raw)
     entries = b"".join(parts)
     if len(metadata) > MAX_METADATA_ENTRIES or len(entries) > MAX_METADATA_BYTES:
         raise MetadataError(f"metadata over its bounds: {len(metadata)} keys, {len(entries)} bytes")
-    return _SIZE.pack(len(entries)) + entries
+    return _U16.pack(len(entries)) + entries
 
 
 def decode_block(view: memoryview, start: int, end: int) -> tuple[Mapping[str, str], int]:
@@ -196,7 +171,7 @@ def decode_block(view: memoryview, start: int, end: int) -> tuple[Mapping[str, s
     """
     if start + 2 > end:
         raise RemoteProtocolError("the METADATA flag is set but the header has no block")
-    (size,) = _SIZE.unpack_from(view, start)
+    (size,) = _U16.unpack_from(view, start)
     pos = start + 2
     stop = pos + size
     if not 0 < size <= MAX_METADATA_BYTES or stop > end:
@@ -225,7 +200,7 @@ def decode_block(view: memoryview, start: int, end: int) -> tuple[Mapping[str, s
             raise RemoteProtocolError(f"metadata: {fault}")
         if key in out:
             raise RemoteProtocolError(f"metadata key {key!r} appears twice")
-        (vlen,) = _VALUE_LEN.unpack_from(raw, kend)
+        (vlen,) = _U16.unpack_from(raw, kend)
         vstart = kend + 2
         pos = vstart + vlen
         if vlen > MAX_VALUE_BYTES or pos > size:

@@ -60,6 +60,7 @@ __all__ = [
     "MAX_TRACEBACK_CHARS",
     "PROTOCOL_VERSION",
     "TRACE_CONTEXT_BYTES",
+    "Attach",
     "Bye",
     "ControlBody",
     "Credit",
@@ -159,6 +160,11 @@ class MessageKind(IntEnum):
     #: client → engine: the client attached to the shared-memory tensors of these result
     #: leases (``torch_shm``); the engine may reuse their memory. `Release` body.
     RELEASE = 14
+    #: either way, on a bulk connection only (docs/design.md, "a bulk connection per
+    #: peer"): the dialer's first message binds the connection to the session whose
+    #: handshake gave the token; the listener answers with the same kind (empty token)
+    #: once it is bound. `Attach` body.
+    ATTACH = 16
 
 
 #: Largest payload accepted per control kind, in bytes, checked before decoding. The
@@ -175,6 +181,7 @@ MAX_BODY_BYTES: Final[Mapping[MessageKind, int]] = MappingProxyType(
         MessageKind.BYE: 8 * 1024,
         MessageKind.CREDIT: 1024,
         MessageKind.RELEASE: 64 * 1024,
+        MessageKind.ATTACH: 1024,
         MessageKind.ERROR: MAX_CONTROL_BYTES,
     }
 )
@@ -958,6 +965,11 @@ class Hello:
     dead_after_ms: int = 5000
     #: Compression codecs the engine can decode (empty: none): ``"zstd"``.
     compression: tuple[str, ...] = ()
+    #: A listening engine's bulk endpoint (docs/design.md): the client may dial it and
+    #: bind it to this session with ``bulk_token``; "" when there is none.
+    bulk: str = ""
+    #: This session's bulk token (hex, 128 bits, usable once); "" without ``bulk``.
+    bulk_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -992,6 +1004,21 @@ class Welcome:
     fingerprint: str = ""
     #: Compression codecs the client can decode (empty: none): ``"zstd"``.
     compression: tuple[str, ...] = ()
+    #: A listening client's bulk endpoint (docs/design.md): the engine that dialed in
+    #: may dial it and bind it to this session with ``bulk_token``; "" when none.
+    bulk: str = ""
+    #: This session's bulk token (hex, 128 bits, usable once); "" without ``bulk``.
+    bulk_token: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """ATTACH body: bind a bulk connection to a session (docs/design.md)."""
+
+    #: The listener's session epoch (its HELLO's or WELCOME's ``epoch``).
+    epoch: int
+    #: The session's bulk token (hex) from that handshake; "" in the listener's answer.
+    token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1051,7 +1078,7 @@ class ErrorInfo:
 
 
 #: Any control-message body.
-ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release
+ControlBody: TypeAlias = Hello | Welcome | Reject | Bye | Credit | ErrorInfo | Release | Attach
 
 # Field schema per body class: (name, kind, limit). kind: "str" | "name" | "int" | "strs" |
 # "names" | "ints". A "name" is a "str" without control characters (_text.CONTROL):
@@ -1075,6 +1102,8 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("compression", "names", MAX_NAME_CHARS),
+        ("bulk", "name", MAX_NAME_CHARS),
+        ("bulk_token", "name", 64),
     ),
     Welcome: (
         ("client_id", "name", MAX_NAME_CHARS),
@@ -1088,7 +1117,10 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("dead_after_ms", "int", _U32_MAX),
         ("fingerprint", "name", MAX_NAME_CHARS),
         ("compression", "names", MAX_NAME_CHARS),
+        ("bulk", "name", MAX_NAME_CHARS),
+        ("bulk_token", "name", 64),
     ),
+    Attach: (("epoch", "int", _U64_MAX), ("token", "name", 64)),
     Reject: (("reason", "name", MAX_NAME_CHARS), ("message", "str", MAX_TEXT_CHARS)),
     Bye: (("reason", "name", MAX_NAME_CHARS),),
     Credit: (("n", "int", _U32_MAX),),
@@ -1109,6 +1141,7 @@ _BODY_BY_KIND: Final[dict[MessageKind, type[Any]]] = {
     MessageKind.CREDIT: Credit,
     MessageKind.ERROR: ErrorInfo,
     MessageKind.RELEASE: Release,
+    MessageKind.ATTACH: Attach,
 }
 # CREDIT of 0 items means nothing; epoch 0 and a dead-after bound of 0 name no session
 # and no bound: all three are refused.

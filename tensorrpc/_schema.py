@@ -1,41 +1,20 @@
 """Type hints → compiled validators and converters (sans-I/O).
 
-`compile_type` turns one annotation into a `TypeSpec` node with two jobs:
+`compile_type` turns one annotation into a `CompiledType` with two jobs: ``check`` (send
+side) verifies a Python value and returns what goes on the wire (the value itself almost
+always; an ``int`` for a ``float`` becomes a ``float``, scalar subclasses such as
+``IntEnum`` become the plain type; tensors are never copied), and ``from_wire`` (receive
+side) verifies what the codec decoded and builds the typed value (a ``tuple`` from a list,
+a dataclass from a map, an ``Enum`` member from its value). Both raise
+[`ValidationError`][tensorrpc.ValidationError] naming the path of the bad value.
 
-* ``check`` (send side): verify a Python value against the annotation and return the
-  value to put on the wire. That is the value itself almost always; an ``int`` given for
-  a ``float`` becomes a ``float``, and subclasses of the scalar types (``IntEnum`` for
-  ``int``, ``numpy.float64`` for ``float``) become the plain type, because ormsgpack
-  refuses some of them. Tensors are never copied.
-* ``from_wire`` (receive side): verify what the codec decoded (lists, dicts, ``str``,
-  ``bytes``, ``int``, ``float``, ``bool``, ``None``, tensors and ndarrays) and build the
-  typed value: a ``tuple`` from a list, a dataclass from a map, an ``Enum`` member from
-  its value.
-
-Both raise [`ValidationError`][tensorrpc.ValidationError] naming the path of the bad value
-(``req.items[3].x``) and what was expected. Internally every node is a pair of closures
-that raise the cheap `_Invalid` without building any path string; the path is
-assembled only when a value is actually rejected, so a valid call pays for no string
-work at all. Containers whose elements are plain scalars are checked with one C-level
-pass (``[*map(type, value)].count(int) == len(value)``) instead of a Python loop, and are
-returned without a copy; the one thing that pass cannot see is an ``int`` beyond 64 bits
-inside a container, which the codec's encoder refuses instead (a top-level ``int`` is
-range-checked here). Dataclasses get generated straight-line code, like the ``__init__``
-dataclasses writes, that tests scalar fields in place. Nothing is ever validated twice:
-a rejection deep inside a recursive value costs one pass, not one per level. The
-rare cases the generated code does not handle itself (a subclass instance, a map with
-missing or unknown keys) go to field-by-field loops. The tests hold all of it to an
-independent reference validator (``tests/unit/schema_oracle.py``).
-
-Supported annotations: ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``,
-``list[T]``, ``tuple[T, ...]``, ``tuple[A, B]``, ``tuple[()]``, ``dict[str, T]``,
-``dict[int, T]``, ``Optional``/``Union`` (also ``X | Y``), ``Literal``, ``Enum`` subclasses
-(by value), records (nested and recursive): dataclasses, ``TypedDict`` classes, msgspec
-``Struct`` classes and pydantic models as maps of their field names, ``NamedTuple``
-classes as arrays of their fields; ``torch.Tensor``, ``numpy.ndarray``
-(also ``numpy.typing.NDArray[...]``, checked as any ndarray), and ``Annotated``/``NewType``
-wrappers of these. ``Any``, bare ``list``/``dict``/``tuple`` and everything else are
-refused with [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
+Internally each node is a pair of closures raising the cheap `_Invalid`; the path is
+assembled only when a value is rejected. Containers of plain scalars are checked in one
+C-level pass (``[*map(type, value)].count(int) == len(value)``) and returned without a
+copy (an ``int`` beyond 64 bits inside one is refused by the codec's encoder instead);
+records get generated straight-line code. ``tests/unit/schema_oracle.py`` is the
+independent reference the tests hold all of it to. docs/services.md lists the supported
+annotations; anything else is a [`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
 """
 
 from __future__ import annotations
@@ -51,7 +30,7 @@ import types
 import typing
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 from tensorrpc._lazy import LazyModule
@@ -65,7 +44,6 @@ else:
 
 __all__ = [
     "CompiledType",
-    "TypeSpec",
     "bad_result_message",
     "compile_type",
     "describe_value",
@@ -73,46 +51,16 @@ __all__ = [
     "too_deep",
 ]
 
-#: A compiled half of a node: takes a value, returns the converted value or raises
-#: `_Invalid`.
+#: Takes a value, returns the converted value or raises `_Invalid`.
 Converter = Callable[[Any], Any]
 
 _NoneType = type(None)
 _I64_MIN = -(1 << 63)
 _U64_END = 1 << 64
 
-
-class TypeSpec(Protocol):
-    """One compiled annotation: a stable description plus a send-side and a receive-side check."""
-
-    @property
-    def description(self) -> str:
-        """Normalised, stable text for the type (``list[int]``, ``Optional[str]``, ...)."""
-        ...
-
-    def check(self, value: object, path: str) -> object:
-        """Validate a value about to be sent; return the value to put on the wire.
-
-        Raises:
-            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
-        """
-        ...
-
-    def from_wire(self, value: object, path: str) -> object:
-        """Validate a decoded wire value and build the typed Python value.
-
-        Raises:
-            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
-        """
-        ...
-
-
 _repr = reprlib.Repr()
-_repr.maxstring = 40
-_repr.maxother = 40
-_repr.maxlist = 4
-_repr.maxtuple = 4
-_repr.maxdict = 4
+_repr.maxstring = _repr.maxother = 40
+_repr.maxlist = _repr.maxtuple = _repr.maxdict = 4
 _repr.maxlevel = 2
 
 
@@ -132,20 +80,14 @@ def describe_value(value: object) -> str:
 
 
 class _Invalid(Exception):
-    """Internal, cheap rejection raised by compiled converters.
-
-    Containers catch it only to push their path segment and re-raise, so the full path is
-    assembled once, when the public API turns it into a
-    [`ValidationError`][tensorrpc.ValidationError].
-    """
+    """Cheap internal rejection; containers append their path segment and re-raise."""
 
     def __init__(self, expected: str, value: object, reason: str | None = None) -> None:
         super().__init__(expected)
         self.expected = expected
         self.value = value
         self.reason = reason
-        #: Path segments, innermost first: a field name (``str``), a list or tuple index
-        #: (``int``) or a map key (a 1-tuple ``(key,)``).
+        #: Innermost first: a field name, an index (``int``) or a map key (``(key,)``).
         self.segments: list[str | int | tuple[object]] = []
         #: An exception raised by user code (a dataclass ``__post_init__``), if any.
         self.cause: BaseException | None = None
@@ -154,7 +96,6 @@ class _Invalid(Exception):
         return root + "".join(map(_render_segment, reversed(self.segments)))
 
     def field_path(self, root: str) -> list[str | int]:
-        """The path as data: ``root``'s dotted names, then field names, indices and keys."""
         head: list[str | int] = [*root.split(".")] if root else []
         for seg in reversed(self.segments):
             head.append(seg[0] if isinstance(seg, tuple) else seg)  # type: ignore[arg-type]
@@ -165,12 +106,10 @@ class _Invalid(Exception):
         return f"{self.path(root)}: {reason}"
 
     def to_error(self, method: str, root: str) -> ValidationError:
-        """Build the public error; ``method`` is ``Service.method`` or ``""``."""
+        """The public error; ``method`` is ``Service.method`` or ``""``."""
         text = self.message(root)
-        if method:
-            text = f"{method}: {text}"
         return ValidationError(
-            text,
+            f"{method}: {text}" if method else text,
             method=method,
             path=self.path(root),
             expected=self.expected,
@@ -181,18 +120,14 @@ class _Invalid(Exception):
 def _render_segment(seg: str | int | tuple[object]) -> str:
     if isinstance(seg, str):
         return f".{seg}"
-    if isinstance(seg, int):
-        return f"[{seg}]"
-    return f"[{seg[0]!r}]"
+    return f"[{seg}]" if isinstance(seg, int) else f"[{seg[0]!r}]"
 
 
 def too_deep(method: str, root: str) -> ValidationError:
     """The error for a value nested beyond Python's recursion limit (recursive dataclasses)."""
     text = f"{root}: value is nested too deeply to validate"
-    if method:
-        text = f"{method}: {text}"
     return ValidationError(
-        text,
+        f"{method}: {text}" if method else text,
         method=method,
         path=root,
         expected="a less deeply nested value",
@@ -200,19 +135,32 @@ def too_deep(method: str, root: str) -> ValidationError:
     )
 
 
+def guarded(conv: Converter, method: str, root: str) -> Callable[[object], object]:
+    """``conv`` raising the public `ValidationError` (``method``: ``Service.method`` or "")."""
+
+    def run(value: object) -> object:
+        try:
+            return conv(value)
+        except _Invalid as exc:
+            raise exc.to_error(method, root) from exc.cause
+        except RecursionError:
+            raise too_deep(method, root) from None
+
+    return run
+
+
 class CompiledType:
-    """The one concrete `TypeSpec`: a description and two compiled converters.
+    """One compiled annotation: a stable description and two converters.
 
     Attributes:
-        description: Normalised, stable text for the type.
+        description: Normalised, stable text for the type (``list[int]``, ...).
         fast_check: Send-side converter raising the internal ``_Invalid`` (hot path).
         fast_from_wire: Receive-side converter raising the internal ``_Invalid``.
         exact: When not ``None``, the exact Python types for which both converters return
             the value unchanged; containers use it to check scalar elements in one pass.
         inline: When not ``None``, a Python expression over ``{x}`` that is true exactly
-            when both converters would return ``x`` itself unchanged; the code generated
-            for a dataclass tests it in place of calling the converters. It may name only
-            builtins and the names of ``_INLINE_NAMESPACE``.
+            when both converters would return ``x`` unchanged; generated record code tests
+            it in place of calling them. It names only builtins and `_INLINE_NAMESPACE`.
     """
 
     __slots__ = ("description", "exact", "fast_check", "fast_from_wire", "inline")
@@ -235,30 +183,20 @@ class CompiledType:
         """Validate a value about to be sent; return the value to put on the wire.
 
         Raises:
-            ValidationError: ``value`` does not match.
+            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
         """
-        try:
-            return self.fast_check(value)
-        except _Invalid as exc:
-            raise exc.to_error("", path) from exc.cause
-        except RecursionError:
-            raise too_deep("", path) from None
+        return guarded(self.fast_check, "", path)(value)
 
     def from_wire(self, value: object, path: str) -> object:
         """Validate a decoded wire value and build the typed Python value.
 
         Raises:
-            ValidationError: ``value`` does not match.
+            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
         """
-        try:
-            return self.fast_from_wire(value)
-        except _Invalid as exc:
-            raise exc.to_error("", path) from exc.cause
-        except RecursionError:
-            raise too_deep("", path) from None
+        return guarded(self.fast_from_wire, "", path)(value)
 
     def __repr__(self) -> str:
-        return f"<TypeSpec {self.description}>"
+        return f"<CompiledType {self.description}>"
 
 
 # --------------------------------------------------------------------------- scalars
@@ -308,50 +246,39 @@ def _float_from_wire(v: Any) -> Any:
     raise _Invalid("float", v)
 
 
-def _str_check(v: Any) -> Any:
-    if type(v) is str:
-        return v
-    if isinstance(v, str):
-        return str.__str__(v)
-    raise _Invalid("str", v)
+def _plain_or_subclass(cls: type, accepts: tuple[type, ...], convert: Converter) -> Converter:
+    """Send side of ``str``/``bytes``: the value itself, or an accepted subclass converted."""
+
+    def check(v: Any) -> Any:
+        if type(v) is cls:
+            return v
+        if isinstance(v, accepts):
+            return convert(v)
+        raise _Invalid(cls.__name__, v)
+
+    return check
 
 
-def _str_from_wire(v: Any) -> Any:
-    if type(v) is str:
-        return v
-    raise _Invalid("str", v)
+def _exactly(cls: type) -> Converter:
+    def exact(v: Any) -> Any:
+        if type(v) is cls:
+            return v
+        raise _Invalid(cls.__name__, v)
+
+    return exact
 
 
-def _bytes_check(v: Any) -> Any:
-    if type(v) is bytes:
-        return v
-    if isinstance(v, (bytes, bytearray)):
-        return bytes(v)
-    raise _Invalid("bytes", v)
+def _instance_of(cls: type, name: str) -> Converter:
+    def instance(v: Any) -> Any:
+        if isinstance(v, cls):
+            return v
+        raise _Invalid(name, v)
 
-
-def _bytes_from_wire(v: Any) -> Any:
-    if type(v) is bytes:
-        return v
-    raise _Invalid("bytes", v)
-
-
-def _tensor_conv(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v
-    raise _Invalid("Tensor", v)
-
-
-def _ndarray_conv(v: Any) -> Any:
-    if isinstance(v, np.ndarray):
-        return v
-    raise _Invalid("ndarray", v)
+    return instance
 
 
 # Inline tests (see ``CompiledType.inline``): true exactly when both converters return the
 # value itself. For ``int`` that includes the 64-bit range check of ``_int_check``.
-_INT_INLINE = f"(type({{x}}) is int and {_I64_MIN} <= {{x}} < {_U64_END})"
-#: The only non-builtin names an inline test may use.
 _INLINE_NAMESPACE: dict[str, object] = {}
 
 _NONE = CompiledType("None", _none_conv, _none_conv, frozenset({_NoneType}), "{x} is None")
@@ -360,23 +287,32 @@ _BOOL = CompiledType(
 )
 # Containers of exact ints skip the 64-bit range check (a C-level pass over the element
 # types is all they pay); an out-of-range int there is refused by the codec's encoder.
-_INT = CompiledType("int", _int_check, _int_check, frozenset({int}), _INT_INLINE)
+_INT = CompiledType(
+    "int",
+    _int_check,
+    _int_check,
+    frozenset({int}),
+    f"(type({{x}}) is int and {_I64_MIN} <= {{x}} < {_U64_END})",
+)
 _FLOAT = CompiledType(
     "float", _float_check, _float_from_wire, frozenset({float}), "type({x}) is float"
 )
-_STR = CompiledType("str", _str_check, _str_from_wire, frozenset({str}), "type({x}) is str")
+_STR = CompiledType(
+    "str",
+    _plain_or_subclass(str, (str,), str.__str__),
+    _exactly(str),
+    frozenset({str}),
+    "type({x}) is str",
+)
 _BYTES = CompiledType(
-    "bytes", _bytes_check, _bytes_from_wire, frozenset({bytes}), "type({x}) is bytes"
+    "bytes",
+    _plain_or_subclass(bytes, (bytes, bytearray), bytes),
+    _exactly(bytes),
+    frozenset({bytes}),
+    "type({x}) is bytes",
 )
 #: How an inline test names an exact element type (builtins or ``_INLINE_NAMESPACE``).
-_INLINE_TYPE_NAMES: dict[object, str] = {
-    bool: "bool",
-    int: "int",
-    float: "float",
-    str: "str",
-    bytes: "bytes",
-}
-
+_INLINE_TYPE_NAMES: dict[object, str] = {t: t.__name__ for t in (bool, int, float, str, bytes)}
 _SCALARS: dict[object, CompiledType] = {
     None: _NONE,
     _NoneType: _NONE,
@@ -386,45 +322,33 @@ _SCALARS: dict[object, CompiledType] = {
     str: _STR,
     bytes: _BYTES,
 }
-
-# torch.Tensor and numpy.ndarray join the tables above when an annotation may name them:
-# once torch or numpy has been imported (`compile_type` checks), not before, so that
-# importing tensorrpc does not import them (seconds of start-up).
-_TENSOR: CompiledType
-_NDARRAY: CompiledType
+# torch.Tensor and numpy.ndarray join the tables once an annotation may name them (torch or
+# numpy imported: `compile_type` checks), so that importing tensorrpc does not import them.
 _arrays_registered = False
 
 
 def _register_arrays() -> None:
     """Import torch and numpy and add ``torch.Tensor`` and ``numpy.ndarray`` to the tables."""
-    global _TENSOR, _NDARRAY, _arrays_registered
-    # A plain Tensor/ndarray passes unchanged like any subclass; ``exact`` lets containers of
-    # them take the one-pass check too (a subclass still goes element by element).
-    _TENSOR = CompiledType(
-        "Tensor",
-        _tensor_conv,
-        _tensor_conv,
-        frozenset({torch.Tensor}),
-        "isinstance({x}, _Tensor)",
-    )
-    _NDARRAY = CompiledType(
-        "ndarray",
-        _ndarray_conv,
-        _ndarray_conv,
-        frozenset({np.ndarray}),
-        "isinstance({x}, _ndarray)",
-    )
-    _INLINE_NAMESPACE.update(_Tensor=torch.Tensor, _ndarray=np.ndarray)
-    _INLINE_TYPE_NAMES.update({torch.Tensor: "_Tensor", np.ndarray: "_ndarray"})
-    _SCALARS.update({torch.Tensor: _TENSOR, np.ndarray: _NDARRAY})
+    global _arrays_registered
+    for cls, name, alias in (
+        (torch.Tensor, "Tensor", "_Tensor"),
+        (np.ndarray, "ndarray", "_ndarray"),
+    ):
+        conv = _instance_of(cls, name)
+        # ``exact`` lets containers of them take the one-pass check (a subclass still goes
+        # element by element); any instance passes unchanged.
+        _SCALARS[cls] = CompiledType(
+            name, conv, conv, frozenset({cls}), f"isinstance({{x}}, {alias})"
+        )
+        _INLINE_NAMESPACE[alias] = cls
+        _INLINE_TYPE_NAMES[cls] = alias
     _BY_ORIGIN[np.ndarray] = _compile_ndarray
     _arrays_registered = True
 
 
 # ------------------------------------------------------------------------ containers
 
-#: Decides whether every element of a list, tuple or ``dict.values()`` is already exactly
-#: right, so that the container is returned as is; ``False`` sends it element by element.
+#: Whether every element of a list, tuple or ``dict.values()`` is exactly right as is.
 AllExact = Callable[[Collection[Any]], bool]
 
 
@@ -433,13 +357,8 @@ def _never(values: Collection[Any]) -> bool:
 
 
 def _all_exact(elem: CompiledType) -> AllExact:
-    """The one-pass element check of a container of ``elem``.
-
-    ``map(type, values)`` collected into a list, then ``list.count`` of each allowed type:
-    both loops run in C, and ``count`` meets the same type object again and again, which it
-    matches by identity before any comparison. That is about half the cost of collecting
-    the types into a set (hashing every one).
-    """
+    """The one-pass element check of a container of ``elem``: ``list.count`` over the
+    element types runs in C and matches by identity (half the cost of a set of types)."""
     exact = elem.exact
     if exact is None:
         return _never
@@ -493,8 +412,7 @@ def _list_node(elem: CompiledType) -> CompiledType:
             return v
         return _map_indexed(efrom, v)
 
-    # In generated dataclass code: the same one-pass test as ``all_exact``, without the
-    # two calls (``check``, ``all_exact``) around it.
+    # Generated record code runs ``all_exact``'s test in place.
     only = next(iter(elem.exact)) if elem.exact is not None and len(elem.exact) == 1 else None
     name = _INLINE_TYPE_NAMES.get(only)
     inline = (
@@ -506,12 +424,8 @@ def _list_node(elem: CompiledType) -> CompiledType:
 
 
 def _map_indexed(conv: Converter, values: list[Any] | tuple[Any, ...]) -> list[Any]:
-    """``[conv(x) for x in values]``, naming the index of a rejected element.
-
-    One pass: the index is what the iterator had consumed when ``conv`` raised. (Running
-    the elements again to find it would redo a nested value's work at every level of a
-    recursive type: exponential in the depth.)
-    """
+    """``[conv(x) for x in values]``, naming the index of a rejected element: what the
+    iterator had consumed (a second pass would be exponential in a recursive type's depth)."""
     it = iter(values)
     try:
         return list(map(conv, it))
@@ -571,25 +485,24 @@ def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
     return CompiledType(desc, check, from_wire)
 
 
-def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...]]:
-    """Compile ``(convs[0](v[0]), ..., convs[n-1](v[n-1]))`` for a sequence of length n.
-
-    Straight-line code, as ``_service._fixed_arity`` (``map`` over the converters costs
-    about twice as much for the usual two or three elements); an ``_Invalid`` gets the
-    failing element's index, as in `_map_indexed`. The source is built from integers only.
-    """
+def _tuple_apply(convs: tuple[Converter, ...], as_list: bool = False) -> Converter:
+    """``(convs[0](v[0]), ..., convs[n-1](v[n-1]))`` (a list with ``as_list``) as
+    straight-line code (half the cost of ``map`` for a few elements); an ``_Invalid`` gets
+    the failing index. The source is built from integers only."""
     n = len(convs)
     if n > 32 or n == 0:
+        build = list if as_list else tuple
 
-        def apply(v: Any) -> tuple[Any, ...]:
+        def apply(v: Any) -> Any:
             it = iter(v)
             try:
-                return tuple(map(operator.call, convs, it))
+                return build(map(operator.call, convs, it))
             except _Invalid as exc:  # one pass, as in _map_indexed
                 exc.segments.append(n - operator.length_hint(it) - 1)
                 raise
 
         return apply
+    items = "".join(f"a{i}, " for i in range(n))
     lines = ["def apply(v):", "    i = 0", "    try:"]
     for i in range(n):
         lines.append(f"        a{i} = c{i}(v[{i}])")
@@ -599,18 +512,18 @@ def _tuple_apply(convs: tuple[Converter, ...]) -> Callable[[Any], tuple[Any, ...
         "    except _Invalid as exc:",
         "        exc.segments.append(i)",
         "        raise",
-        f"    return ({''.join(f'a{i}, ' for i in range(n))})",
+        f"    return [{items}]" if as_list else f"    return ({items})",
     ]
     namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
     namespace["_Invalid"] = _Invalid
     exec("\n".join(lines) + "\n", namespace)
-    fn: Callable[[Any], tuple[Any, ...]] = namespace["apply"]
+    fn: Converter = namespace["apply"]
     return fn
 
 
 def _keys_check(desc: str, key: type) -> Callable[[Any], None]:
-    """The check that every key of a ``dict[str, ...]`` (``dict[int, ...]``) map is exactly
-    a ``str`` (an ``int`` in the 64-bit range msgpack carries)."""
+    """Every key of a ``dict[str, ...]`` (``dict[int, ...]``) is exactly a ``str`` (a 64-bit
+    ``int``)."""
     keys_exact = _all_exact(_SCALARS[key])
 
     def _keys_ok(v: dict[Any, Any]) -> None:
@@ -675,72 +588,49 @@ def _union_node(alts: list[CompiledType]) -> CompiledType:
     # An int must stay an int: try `int` before `float`, which would also accept it.
     order = sorted(alts, key=lambda a: 0 if a is _INT else 1)
     fast_types = frozenset().union(*(a.exact for a in alts if a.exact is not None))
-    _try = _first_accepted(desc)
-    checks = [a.fast_check for a in order]
-    froms = [a.fast_from_wire for a in order]
 
-    def check(v: Any) -> Any:
-        if type(v) in fast_types:
-            return v
-        return _try(checks, v)
+    def first_accepting(convs: list[Converter]) -> Converter:
+        def convert(v: Any) -> Any:
+            if type(v) in fast_types:
+                return v
+            best: _Invalid | None = None
+            for conv in convs:
+                try:
+                    return conv(v)
+                except _Invalid as exc:
+                    # Prefer the error of an alternative that got furthest inside the value.
+                    if exc.segments and (best is None or len(exc.segments) > len(best.segments)):
+                        best = exc
+            raise best if best is not None else _Invalid(desc, v)
 
-    def from_wire(v: Any) -> Any:
-        if type(v) in fast_types:
-            return v
-        return _try(froms, v)
+        return convert
 
-    return CompiledType(desc, check, from_wire, exact)
-
-
-def _first_accepted(desc: str) -> Callable[[list[Converter], Any], Any]:
-    """What the first of a union's alternatives that accepts a value makes of it."""
-
-    def _try(convs: list[Converter], v: Any) -> Any:
-        best: _Invalid | None = None
-        for conv in convs:
-            try:
-                return conv(v)
-            except _Invalid as exc:
-                # Prefer the error from an alternative that got inside the value: it
-                # points at the nested field that is wrong.
-                if exc.segments and (best is None or len(exc.segments) > len(best.segments)):
-                    best = exc
-        if best is not None:
-            raise best
-        raise _Invalid(desc, v)
-
-    return _try
+    checks = first_accepting([a.fast_check for a in order])
+    return CompiledType(desc, checks, first_accepting([a.fast_from_wire for a in order]), exact)
 
 
 def _optional_node(other: CompiledType, exact: frozenset[type] | None) -> CompiledType:
     """``Optional[T]``: None, or what ``T`` accepts."""
     desc = f"Optional[{other.description}]"
-    ocheck = other.fast_check
-    ofrom = other.fast_from_wire
 
-    def opt_check(v: Any) -> Any:
-        if v is None:
-            return None
-        try:
-            return ocheck(v)
-        except _Invalid as exc:
-            if exc.segments:
-                raise
-            raise _Invalid(desc, v) from None
+    def optional(conv: Converter) -> Converter:
+        def convert(v: Any) -> Any:
+            if v is None:
+                return None
+            try:
+                return conv(v)
+            except _Invalid as exc:
+                if exc.segments:
+                    raise
+                raise _Invalid(desc, v) from None
 
-    def opt_from_wire(v: Any) -> Any:
-        if v is None:
-            return None
-        try:
-            return ofrom(v)
-        except _Invalid as exc:
-            if exc.segments:
-                raise
-            raise _Invalid(desc, v) from None
+        return convert
 
     inner = other.inline
     inline = None if inner is None else f"({{x}} is None or ({inner}))"
-    return CompiledType(desc, opt_check, opt_from_wire, exact, inline)
+    return CompiledType(
+        desc, optional(other.fast_check), optional(other.fast_from_wire), exact, inline
+    )
 
 
 _LITERAL_TYPES = (type(None), bool, int, str, bytes)
@@ -804,9 +694,8 @@ def _enum_node(cls: type[enum.Enum], where: str) -> CompiledType:
             )
         by_value.setdefault((type(value), value), member)
         parts.append(f"{name}={value!r}")
-    kind = "flag" if issubclass(cls, enum.Flag) else "enum"
-    desc = f"{kind} {cls.__name__}{{{', '.join(parts)}}}"
     is_flag = issubclass(cls, enum.Flag)
+    desc = f"{'flag' if is_flag else 'enum'} {cls.__name__}{{{', '.join(parts)}}}"
 
     def check(v: Any) -> Any:
         if isinstance(v, cls):
@@ -869,9 +758,7 @@ def _record_node(cls: type, ctx: _Ctx, kind: str) -> CompiledType:
     if placeholder is not None:
         return placeholder  # recursive reference: the node is filled in below
     decls = _DECLARED[kind](cls, _record_hints(cls, ctx, kind), ctx)
-    # Recursive references (compiled below, before the converters exist) call these,
-    # which dispatch to whatever the node ends up with. Nothing calls a converter while
-    # types compile.
+    # Recursive references (compiled below, before the converters exist) call these.
     impl_check: Converter
     impl_from_wire: Converter
 
@@ -881,7 +768,6 @@ def _record_node(cls: type, ctx: _Ctx, kind: str) -> CompiledType:
     def entry_from_wire(v: Any) -> Any:
         return impl_from_wire(v)
 
-    # The fields are compiled after the node exists so that recursive references resolve.
     node = CompiledType(f"{kind} {cls.__name__}", entry_check, entry_from_wire)
     ctx.in_progress[cls] = node
     try:
@@ -898,19 +784,14 @@ def _record_node(cls: type, ctx: _Ctx, kind: str) -> CompiledType:
         # Only a dataclass instance is a map to ormsgpack, and then only without
         # "_"-prefixed fields: anything else travels as the plain map of its fields.
         as_map = kind != "dataclass" or any(f.name.startswith("_") for f in fields)
-        impl_check = _dataclass_check(cls, fields, desc, as_map)
-        impl_from_wire = _dataclass_from_wire(cls, fields, desc)
-        if fields:
-            impl_check, impl_from_wire = _dataclass_codegen(
-                cls, fields, desc, impl_check, impl_from_wire, as_map
-            )
+        impl_check, impl_from_wire = _record_codegen(cls, fields, desc, as_map)
     node.fast_check = impl_check
     node.fast_from_wire = impl_from_wire
     return node
 
 
-#: The resolved field types of each record compiled so far (its string annotations may
-#: need the namespace of the service that named it; `json_schemas` has none).
+#: The resolved field types of each record compiled so far (`json_schemas` has no
+#: namespace to resolve string annotations with).
 _RESOLVED: weakref.WeakKeyDictionary[type, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -1090,41 +971,8 @@ def _namedtuple_converters(
     return check, from_wire
 
 
-def _dataclass_check(cls: type, fields: list[_Field], desc: str, has_private: bool) -> Converter:
-    """The field-by-field ``check`` of a dataclass: the reference the generated code follows."""
-
-    def check(v: Any) -> Any:
-        if type(v) is not cls:
-            if not isinstance(v, cls):
-                raise _Invalid(desc, v)
-            subclass = True
-        else:
-            subclass = False
-        changed = subclass or has_private
-        vals: list[Any] = []
-        name = ""
-        try:
-            for f in fields:
-                name = f.name
-                x = getattr(v, name)
-                y = f.check(x)
-                changed = changed or y is not x
-                vals.append(y)
-        except _Invalid as exc:
-            exc.segments.append(name)
-            raise
-        if not changed:
-            return v
-        # ormsgpack drops "_"-prefixed fields and would send a subclass's extra fields;
-        # the plain map of declared fields is the same wire form.
-        return {f.name: y for f, y in zip(fields, vals, strict=True)}
-
-    return check
-
-
 def _dataclass_from_wire(cls: type, fields: list[_Field], desc: str) -> Converter:
-    """The field-by-field ``from_wire`` of a record built from keywords (the generated
-    code's slow path): the map of its fields, then the constructor."""
+    """The generated ``from_wire``'s slow path: the map of its fields, then the constructor."""
     fields_of = _map_converter(fields, desc, send=False)
 
     def from_wire(v: Any) -> Any:
@@ -1138,12 +986,8 @@ def _dataclass_from_wire(cls: type, fields: list[_Field], desc: str) -> Converte
 
 
 def _binds_positionally(cls: type, fields: list[_Field]) -> bool:
-    """True when ``cls(*a, **k)`` with the non-keyword-only fields in ``a`` (in order) and
-    the keyword-only ones in ``k`` binds exactly like ``cls(**all_fields)``.
-
-    That holds for the ``__init__`` dataclasses generates; a hand-written ``__init__``,
-    ``__new__`` or metaclass ``__call__`` gets keyword arguments only, like the slow path.
-    """
+    """True when passing the fields that are not keyword-only positionally binds like
+    ``cls(**fields)``: so for the ``__init__`` dataclasses generates, not a hand-written one."""
     new: object = cls.__new__
     if type(cls).__call__ is not type.__call__ or new is not object.__new__:
         return False
@@ -1170,46 +1014,32 @@ def _binds_positionally(cls: type, fields: list[_Field]) -> bool:
     )
 
 
-def _dataclass_codegen(
-    cls: type,
-    fields: list[_Field],
-    desc: str,
-    slow_check: Converter,
-    slow_from_wire: Converter,
-    private: bool,
+def _record_codegen(
+    cls: type, fields: list[_Field], desc: str, as_map: bool
 ) -> tuple[Converter, Converter]:
-    """Straight-line ``check``/``from_wire`` for a dataclass, as dataclasses does ``__init__``.
+    """Straight-line ``check``/``from_wire`` for a record, as dataclasses does ``__init__``.
 
-    One C call (``attrgetter``/``itemgetter``) fetches every field; a field whose node has
-    an inline test is tested in place, the others call their converter; each field has its
-    own ``try`` (free unless it raises) that adds the ``.name`` segment, so nothing is ever
-    run twice. Whatever the generated code does not handle itself (a subclass instance,
-    ``_private`` fields, a map with missing or unknown keys) goes to the slow loops, which
-    are the reference. The source is built from indices only; names and converters are
-    passed in the namespace.
-
-    Args:
-        private: The dataclass has ``_``-prefixed fields; it always travels as a plain map,
-            built by ``slow_check``.
+    One C call (``attrgetter``/``itemgetter``) fetches every field; a field with an inline
+    test is tested in place, the others call their converter in a ``try`` of their own that
+    adds the ``.name`` segment. A map with missing or unknown keys goes to the slow
+    ``from_wire``. ``as_map``: the checked value is always the plain map of its fields. The
+    source is built from indices only; names and converters are passed in the namespace.
     """
+    names = [f.name for f in fields]
     ns: dict[str, Any] = dict(_INLINE_NAMESPACE)
     ns.update(
         _cls=cls,
+        _desc=desc,
         _Invalid=_Invalid,
-        _slow_check=slow_check,
-        _slow_from=slow_from_wire,
-        _get=operator.attrgetter(*(f.name for f in fields)),
-        _items=operator.itemgetter(*(f.name for f in fields)),
+        _slow_from=_dataclass_from_wire(cls, fields, desc),
+        _get=operator.attrgetter(*names) if names else None,
+        _items=operator.itemgetter(*names) if names else None,
         _rejected=lambda v, exc: _ctor_rejected(cls, desc, v, exc),
     )
     for i, f in enumerate(fields):
-        ns[f"c{i}"] = f.check
-        ns[f"f{i}"] = f.from_wire
-        ns[f"k{i}"] = f.name
-        ns[f"s{i}"] = f.name
-    check_src = [] if private else _codegen_check(fields)
-    exec("\n".join(check_src + _codegen_from_wire(cls, fields)) + "\n", ns)
-    return (slow_check if private else ns["check"]), ns["from_wire"]
+        ns.update({f"c{i}": f.check, f"f{i}": f.from_wire, f"k{i}": f.name})
+    exec("\n".join(_codegen_check(fields, as_map) + _codegen_from_wire(cls, fields)) + "\n", ns)
+    return ns["check"], ns["from_wire"]
 
 
 def _codegen_convert(fields: list[_Field], i: int, conv: str, track: bool) -> list[str]:
@@ -1218,7 +1048,7 @@ def _codegen_convert(fields: list[_Field], i: int, conv: str, track: bool) -> li
         "try:",
         f"    y = {conv}{i}(x{i})",
         "except _Invalid as e:",
-        f"    e.segments.append(s{i})",
+        f"    e.segments.append(k{i})",
         "    raise",
     ]
     if track:
@@ -1231,18 +1061,18 @@ def _codegen_convert(fields: list[_Field], i: int, conv: str, track: bool) -> li
     return [f"if not ({inline.format(x=f'x{i}')}):", *("    " + line for line in body)]
 
 
-def _codegen_check(fields: list[_Field]) -> list[str]:
-    """The source of the generated ``check``."""
+def _codegen_check(fields: list[_Field], as_map: bool) -> list[str]:
     n = len(fields)
+    xs = ", ".join(f"x{i}" for i in range(n))
     src = [
         "def check(v):",
-        "    if type(v) is not _cls:",
-        "        return _slow_check(v)",
-        "    try:",
-        f"        {', '.join(f'x{i}' for i in range(n))} = _get(v)",
-        "    except AttributeError:",  # let the slow loop raise it in field order
-        "        return _slow_check(v)",
-        "    ch = False",
+        "    if type(v) is _cls:",
+        f"        ch = {as_map}",
+        "    elif isinstance(v, _cls):",  # a subclass travels as the map of declared fields
+        "        ch = True",
+        "    else:",
+        "        raise _Invalid(_desc, v)",
+        *([f"    {xs} = _get(v)"] if n else []),
     ]
     for i in range(n):
         src += ["    " + line for line in _codegen_convert(fields, i, "c", True)]
@@ -1251,7 +1081,6 @@ def _codegen_check(fields: list[_Field]) -> list[str]:
 
 
 def _codegen_from_wire(cls: type, fields: list[_Field]) -> list[str]:
-    """The source of the generated ``from_wire``."""
     n = len(fields)
     if _binds_positionally(cls, fields):
         args = [f"x{i}" for i, f in enumerate(fields) if not f.kw_only]
@@ -1265,11 +1094,15 @@ def _codegen_from_wire(cls: type, fields: list[_Field]) -> list[str]:
         "def from_wire(v):",
         f"    if type(v) is not dict or len(v) != {n}:",
         "        return _slow_from(v)",
-        "    try:",
-        f"        {', '.join(f'x{i}' for i in range(n))} = _items(v)",
-        "    except KeyError:",
-        "        return _slow_from(v)",
     ]
+    if n:
+        xs = ", ".join(f"x{i}" for i in range(n))
+        src += [
+            "    try:",
+            f"        {xs} = _items(v)",
+            "    except KeyError:",
+            "        return _slow_from(v)",
+        ]
     for i in range(n):
         src += ["    " + line for line in _codegen_convert(fields, i, "f", False)]
     return [
@@ -1319,11 +1152,8 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
 
 
 def _record_kind(tp: type) -> str | None:
-    """Which kind of record ``tp`` is (a key of `_DECLARED`), if it is one.
-
-    msgspec and pydantic are never imported here: a class derived from theirs exists only
-    once its module has been.
-    """
+    """Which kind of record ``tp`` is (a key of `_DECLARED`), if it is one (msgspec and
+    pydantic are never imported: a class derived from theirs exists only once they are)."""
     if dataclasses.is_dataclass(tp):
         return "dataclass"
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
@@ -1361,21 +1191,13 @@ def _compile_tuple(
 ) -> CompiledType:
     if len(args) == 2 and args[1] is Ellipsis:
         return _var_tuple_node(_compile(args[0], ctx, _type_name(tp)))
-    if args == ((),):  # typing.Tuple[()] on older Pythons
-        args = ()
     return _fixed_tuple_node([_compile(a, ctx, _type_name(tp)) for a in args])
 
 
 def _compile_dict(tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None) -> CompiledType:
-    if len(args) != 2:
-        raise _unsupported(tp, ctx, inside, "write dict[str, T] or dict[int, T]")
-    if args[0] is not str and args[0] is not int:
-        raise _unsupported(
-            tp,
-            ctx,
-            inside,
-            "map keys are str or int on the wire: write dict[str, T] or dict[int, T]",
-        )
+    if len(args) != 2 or (args[0] is not str and args[0] is not int):
+        why = "" if len(args) != 2 else "map keys are str or int on the wire: "
+        raise _unsupported(tp, ctx, inside, why + "write dict[str, T] or dict[int, T]")
     return _dict_node(_compile(args[1], ctx, _type_name(tp)), args[0])
 
 
@@ -1385,16 +1207,8 @@ def _compile_union(
     return _union_node([_compile(a, ctx, _type_name(tp)) for a in args])
 
 
-def _compile_literal(
-    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
-) -> CompiledType:
-    return _literal_node(args, ctx.where)
-
-
-def _compile_ndarray(
-    tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
-) -> CompiledType:
-    return _NDARRAY  # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
+def _compile_ndarray(*_: object) -> CompiledType:
+    return _SCALARS[np.ndarray]  # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
 
 
 #: How each generic origin compiles: ``(tp, args, ctx, inside) -> node``.
@@ -1404,21 +1218,12 @@ _BY_ORIGIN: dict[object, Callable[[object, tuple[Any, ...], _Ctx, str | None], C
     dict: _compile_dict,
     typing.Union: _compile_union,
     types.UnionType: _compile_union,
-    typing.Literal: _compile_literal,
+    typing.Literal: lambda tp, args, ctx, inside: _literal_node(args, ctx.where),
 }
 
 
 #: Abstract containers and what to write instead (the runtime builds concrete values).
-_CONCRETE = {
-    "Sequence": "list",
-    "MutableSequence": "list",
-    "Iterable": "list",
-    "Collection": "list",
-    "Set": "list",
-    "MutableSet": "list",
-    "Mapping": "dict",
-    "MutableMapping": "dict",
-}
+_ABSTRACT_SEQUENCES = {"Sequence", "MutableSequence", "Iterable", "Collection", "Set", "MutableSet"}
 
 
 def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
@@ -1427,10 +1232,9 @@ def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
     if origin in (set, frozenset) or tp in (set, frozenset):
         return f"sets do not travel; use list[{item}] (or tuple[{item}, ...]) and convert"
     name = getattr(origin or tp, "__name__", "")
-    if name in _CONCRETE:
-        concrete = _CONCRETE[name]
-        if concrete == "list":
-            return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
+    if name in _ABSTRACT_SEQUENCES:
+        return f"annotate a concrete container: list[{item}] or tuple[{item}, ...]"
+    if name in ("Mapping", "MutableMapping"):
         return "annotate a concrete container: dict[str, T] or dict[int, T]"
     if tp is object:
         return "annotate the concrete type"
@@ -1444,19 +1248,9 @@ def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
 
 
 def bad_result_message(qualname: str, error: object) -> str:
-    """The engine's message for a result that failed its check, naming the method once.
-
-    ``"Calc.bad: result: expected int, got str ('x')"`` becomes ``"Calc.bad returned a
-    bad result: expected int, got str ('x')"``; a nested path stays
-    (``"... bad result at result.x[0]: expected int ..."``).
-
-    Args:
-        qualname: ``Service.method``.
-        error: The validation or encoding error (its text may start with ``qualname: ``).
-
-    Returns:
-        The message.
-    """
+    """The engine's message for a result that failed its check, naming the method once:
+    ``"Calc.bad returned a bad result: expected int, got str ('x')"`` (a nested path stays:
+    ``"... bad result at result.x[0]: ..."``)."""
     text = str(error).removeprefix(f"{qualname}: ")
     if text.startswith("result: "):
         return f"{qualname} returned a bad result: {text.removeprefix('result: ')}"
@@ -1476,7 +1270,7 @@ def _hashable(tp: object) -> bool:
 def compile_type(
     tp: object, *, where: str, localns: Mapping[str, Any] | None = None
 ) -> CompiledType:
-    """Compile a resolved type annotation into a `TypeSpec`.
+    """Compile a resolved type annotation into a `CompiledType`.
 
     Args:
         tp: The annotation, already resolved (no strings), e.g. ``list[int]``.

@@ -36,6 +36,7 @@ import secrets
 import socket as _socket
 import time
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
 
 import anyio
@@ -43,6 +44,7 @@ import zmq
 
 from tensorrpc import _codec, _compression, _observe
 from tensorrpc._batch_runner import BatchRunners
+from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._compression import Compression
 from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import (
@@ -62,6 +64,7 @@ from tensorrpc._protocol import (
     PROTOCOL_VERSION,
     ErrorInfo,
     Hello,
+    MessageKind,
     Welcome,
 )
 from tensorrpc._release import later_if_large, nbytes
@@ -98,7 +101,7 @@ from tensorrpc.transports._policy import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Hashable, Mapping, Sequence
     from types import TracebackType
     from typing import Self, Unpack
 
@@ -119,6 +122,7 @@ _NO_TRANSPORT_STATISTICS: Final = TransportStatistics()
 _RESULT_COMPRESSION: Final = Compression()
 #: Longest peer-written reason shown in a log line or an exception.
 _WHY_CHARS: Final = 512
+_RESULT_KIND: Final = int(MessageKind.RESULT)
 # How long the sockets may keep flushing the last replies and BYEs after close.
 _CLOSE_LINGER_MS: Final = 1000
 
@@ -462,6 +466,7 @@ class Server:
         self._sockets: list[AsyncSocket] = []
         self._endpoints: list[str] = []  # listen mode, in the order of ``bind``
         self._pending = PendingSends()
+        self._bulk = BulkLinks(self._socket_options, cfg.curve, partial(_bulk_feed, self))
         self._now = time.monotonic  # the event loop's clock once entered
         self._dispatch = Dispatcher(
             self._proto,
@@ -642,6 +647,7 @@ class Server:
             async with anyio.create_task_group() as tg:
                 self._dispatch.start(tg)
                 self._batches.start(tg)
+                self._bulk.start(tg)
                 if self._router is not None:
                     tg.start_soon(self._receive_loop, self._router, None)
                 for address, sock in self._dealers.items():
@@ -677,6 +683,7 @@ class Server:
                 sock = self._router = create_socket(zmq.ROUTER, options=options, curve=curve)
                 self._sockets.append(sock)
                 self._endpoints.extend(sock.bind(address) for address in self._binds)
+                self._proto.announce_bulk(self._bulk.listen(*self._endpoints))
                 logger.info("engine %r listening on %s", self._engine_id, self._endpoints)
                 return
             now = self._now()
@@ -703,6 +710,7 @@ class Server:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
                 sock.close()
+        self._bulk.close()
         self._pending.clear()
 
     async def _receive_loop(self, sock: AsyncSocket, address: str | None) -> None:
@@ -769,6 +777,8 @@ class Server:
         """
         sock = self._router
         key: Any = call.key  # a routing id (ROUTER) or a client address (DEALERs)
+        if keepalive is not None and await _send_bulk(self, call, frames, keepalive):
+            return
         if sock is not None:
             parts: list[Buffer] = [key, *frames]
         else:
@@ -858,11 +868,13 @@ class Server:
             self._policy.memory.release(event.leases, event.session)
         elif isinstance(event, SessionStarted):
             self._negotiate_shm(event.session, event.welcome, event.frame)
+            self._bulk.session_started(event.session, event.welcome, event.frame)
             logger.info(
                 "engine %r joined client %s", self._engine_id, peer_text(event.session.name)
             )
             self._wake_housekeeping()  # its PING interval may be shorter than ours
         elif isinstance(event, SessionEnded):
+            self._bulk.forget(event.session.key)
             policy = self._policy
             policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
             log = logger.warning if event.warn else logger.info
@@ -922,6 +934,46 @@ class Server:
             self._poke = poke = anyio.Event()
             with anyio.move_on_after(wait):
                 await poke.wait()
+
+
+def _bulk_feed(server: Server, key: Hashable, frames: list[zmq.Frame], size: int) -> None:
+    """A message on a bound bulk connection, as if it came on the session's control
+    connection (its large CALLs)."""
+    proto = server._proto
+    call = proto.receive(key, cast("list[Buffer]", frames), server._now(), size)
+    if call is not None:
+        server._accepted(call, size)
+        del call
+    if proto.pending:
+        server._flush()
+
+
+async def _send_bulk(
+    server: Server, call: Call, frames: list[Buffer], keepalive: list[object]
+) -> bool:
+    """Send a large RESULT on the session's bulk connection, if bound, so that the small
+    replies behind it do not wait for its bytes (docs/design.md); False: it goes on the
+    control connection (not a RESULT, too small, no bulk connection, or it is gone)."""
+    if memoryview(frames[0])[3] != _RESULT_KIND:
+        return False
+    route = server._bulk.route(call.key, frames, frames[2:])
+    if route is None:
+        return False
+    sock, parts = route
+    try:
+        try:
+            tracker = sock.send_nowait(parts, track=True)
+        except anyio.WouldBlock:
+            tracker = await server._send_waiting(call, sock, parts, True)
+    except (PeerUnreachableError, ClosedError):
+        server._bulk.lost(call.key)
+        return False
+    except (anyio.WouldBlock, TransportError) as exc:
+        server._proto.send_failed(call.key, frames, server._now())
+        logger.debug("dropped a reply to %s: %r", peer_text(call.session.name), exc)
+        return True
+    server._pending.add(tracker, keepalive, nbytes(frames))
+    return True
 
 
 async def serve(

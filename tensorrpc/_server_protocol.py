@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
+from tensorrpc._bulk import TOKEN_BYTES, EarlyCancels
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._health import HEALTH_METHOD, HealthStatus, encode_answer, parse_request
 from tensorrpc._liveness import Backoff, ping_interval, to_ms
@@ -202,6 +203,7 @@ class Session:
     """One client as the engine sees it (per key)."""
 
     __slots__ = (
+        "bulk_token",
         "bytes_in",
         "bytes_out",
         "calls",
@@ -211,6 +213,7 @@ class Session:
         "compression",
         "created",
         "duplicate_backoff",
+        "early",
         "epoch",
         "errors",
         "hello_backoff",
@@ -255,6 +258,10 @@ class Session:
         self.bytes_out = 0
         self.reject: Reject | None = None
         self.shm: ShmPeer | None = None
+        #: Our HELLO's bulk token (b"": we announce no bulk endpoint).
+        self.bulk_token = b""
+        #: CANCELs that may have overtaken their CALL (a session with a bulk path).
+        self.early: EarlyCancels | None = None
 
     @property
     def name(self) -> str:
@@ -282,6 +289,8 @@ class Session:
         self.max_message_bytes = welcome.max_message_bytes
         self.peer_dead_after_ms = welcome.dead_after_ms
         self.compression = welcome.compression
+        # Large CALLs may come on a bulk connection, behind their CANCEL (rule 4).
+        self.early = EarlyCancels() if self.bulk_token or welcome.bulk else None
         self.last_heard = now
         self.next_ping = next_ping
         self.hello_backoff.reset()
@@ -373,6 +382,10 @@ def _new_epoch() -> int:
     return secrets.randbits(64) or 1
 
 
+def _new_token() -> bytes:
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
 def _all_rejected(sessions: Collection[Session]) -> AllRejected | None:
     """Dial-in: the news that every client refused us, if they all did."""
     if not sessions or any(s.state is not SessionState.REJECTED for s in sessions):
@@ -454,6 +467,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         settings: The engine's identity and limits.
         call_factory: Builds accepted calls (the shell's `ServerCall` subclass).
         new_epoch: Draws a session epoch (non-zero u64); tests pass a counter.
+        new_token: Draws a session's bulk token (128 bits).
 
     After each input the shell takes `frames_to_send` (``(key, frames)``) and
     `next_events` (session news, and calls whose cancellation or credit their workers
@@ -466,6 +480,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         *,
         call_factory: Callable[..., ServerCall] = ServerCall,
         new_epoch: Callable[[], int] = _new_epoch,
+        new_token: Callable[[], bytes] = _new_token,
     ) -> None:
         super().__init__()
         self.settings = settings
@@ -476,6 +491,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         self._dead_after = settings.dead_after
         self._max_buffers = settings.max_buffers
         self._new_epoch = new_epoch
+        self._new_token = new_token
         #: Every client with an entry, by key (strangers included).
         self.sessions: dict[Hashable, Session] = {}
         self._strangers = Strangers(self.sessions, settings.max_strangers, settings.dead_after)
@@ -528,6 +544,11 @@ class ServerProtocol(Machine[Hashable, Event]):
         """The HELLO body this engine announces (``epoch`` 0: filled in per session)."""
         return self._hello
 
+    def announce_bulk(self, address: str) -> None:
+        """Listening: HELLOs of new sessions announce this bulk endpoint, each with a
+        token of its own (docs/design.md, "a bulk connection per peer")."""
+        self._hello = replace(self._hello, bulk=address)
+
     # -- sessions ---------------------------------------------------------------------------
 
     def add_client(self, key: Hashable, now: float) -> Session:
@@ -545,7 +566,12 @@ class ServerProtocol(Machine[Hashable, Event]):
     def _greet(self, session: Session, now: float) -> None:
         """Enter GREETING with a new epoch (a new session): HELLO is due now."""
         epoch = self._new_epoch() & _U64 or 1
-        session.greet(replace(self._hello, epoch=epoch), now)
+        hello = replace(self._hello, epoch=epoch)
+        session.bulk_token = b""
+        if hello.bulk:
+            session.bulk_token = self._new_token()
+            hello = replace(hello, bulk_token=session.bulk_token.hex())
+        session.greet(hello, now)
 
     def _send_hello(self, session: Session, now: float) -> None:
         if now < session.next_hello:
@@ -715,6 +741,9 @@ class ServerProtocol(Machine[Hashable, Event]):
             message = f"call id {call_id} is already in flight: both calls are cancelled"
             self._refuse(session, call_id, ErrorCode.PROTOCOL, message)
             return None
+        early = session.early
+        if early is not None and early and early.take(call_id):
+            return None  # its CANCEL came first (rule 4 of the bulk connection)
         if header.method == HEALTH_METHOD:
             self._answer_health(session, header, payload, buffers)
             return None
@@ -821,6 +850,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         call = session.calls.get(header.call_id)
         if call is not None:
             self._cancel(call)
+        elif session.early is not None:  # its CALL may still be on the bulk connection
+            session.early.cancelled(header.call_id)
 
     def _on_credit(
         self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float

@@ -1,30 +1,11 @@
 """``@service`` / ``@rpc``: typed service definitions, compiled into specs (sans-I/O).
 
-``@rpc`` marks a method and checks at once what needs no type resolution (the kind of
-function, ``*args``/``**kwargs``/keyword-only parameters, missing annotations).
-``@service`` then resolves every annotation (``typing.get_type_hints`` with the method's
-module globals plus the namespace the class was defined in, so local classes and
-``from __future__ import annotations`` both work), compiles the validators, generates a
-Request and a Response dataclass per method and computes the schema fingerprint. Every
-error is raised while the class statement runs, as
-[`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError].
-
-Rules (also in docs/internals.md, section `_service.py`):
-
-1. Parameters are positional-or-keyword or positional-only. ``*args``, ``**kwargs`` and
-   keyword-only parameters are refused: a call travels as a positional list and the
-   engine calls the handler as ``handler(*args)``.
-2. Defaults must be immutable values that can travel: ``None``, ``bool``, ``int``,
-   ``float``, ``str``, ``bytes``, ``Enum`` members and tuples of these. They must match
-   the parameter's type.
-3. ``def`` and ``async def`` methods return one value; an ``async def`` with ``yield``
-   annotated ``-> AsyncIterator[T]`` (or ``AsyncIterable[T]``/``AsyncGenerator[T, None]``)
-   streams. A sync generator, or a streaming annotation on a method that does not
-   ``yield``, is refused.
-4. The fingerprint hashes the service name and, per method sorted by name, its name,
-   parameter names, kinds, type descriptions, defaults, return type and streaming flag.
-   No module or class path enters it. Whether a handler is sync or async does not either:
-   it does not change what travels.
+``@rpc`` checks at once what needs no type resolution; ``@service`` resolves every
+annotation (the method's module globals plus the namespace the class was defined in),
+compiles the validators, generates a Request and a Response dataclass per method and
+computes the fingerprint (docs/protocol.md). Every error is a
+[`ServiceDefinitionError`][tensorrpc.ServiceDefinitionError] raised while the class
+statement runs; the rules are in docs/services.md and docs/internals.md.
 """
 
 from __future__ import annotations
@@ -52,9 +33,10 @@ from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
 from tensorrpc._schema import (
     CompiledType,
     Converter,
-    TypeSpec,
     _Invalid,
+    _tuple_apply,
     compile_type,
+    guarded,
     too_deep,
 )
 
@@ -119,9 +101,9 @@ class MethodSpec:
     #: A batched method's per-item entry point is always async (see ``batch.is_async``).
     is_async: bool
     #: Compiled type of each parameter, in order.
-    param_types: tuple[TypeSpec, ...]
+    param_types: tuple[CompiledType, ...]
     #: Compiled return type (the item type when streaming).
-    result_type: TypeSpec
+    result_type: CompiledType
     #: Parameter name -> default value, for parameters that have one.
     defaults: Mapping[str, object]
     #: Human-readable signature, e.g. ``add(a: int, b: int = 1) -> int``.
@@ -374,7 +356,6 @@ def _build_method(
         f"AsyncIterator[{result.description}]" if streams else result.description
     )
     n_posonly = sum(1 for param in params if param.kind is _P.POSITIONAL_ONLY)
-    check_result, decode_result = _result_converters(where, result)
     request_type, response_type = _message_types(service_name, attr, fn, params, hints, result_tp)
     method = MethodSpec(
         service=service_name,
@@ -392,8 +373,8 @@ def _build_method(
         signature=signature,
         encode_args=_make_encode(where, p.names, p.types, p.defaults, n_posonly),
         decode_args=_make_decode(where, p.names, p.types, p.defaults),
-        check_result=check_result,
-        decode_result=decode_result,
+        check_result=guarded(result.fast_check, where, "result"),
+        decode_result=guarded(result.fast_from_wire, where, "result"),
         batch=batch,
     )
     part = {
@@ -524,32 +505,6 @@ def _compile_params(
     return out
 
 
-def _result_converters(
-    where: str, result: CompiledType
-) -> tuple[Callable[[object], object], Callable[[object], object]]:
-    """``check_result`` and ``decode_result`` of a method whose result type is ``result``."""
-    rcheck = result.fast_check
-    rfrom = result.fast_from_wire
-
-    def check_result(value: object) -> object:
-        try:
-            return rcheck(value)
-        except _Invalid as exc:
-            raise exc.to_error(where, "result") from exc.cause
-        except RecursionError:
-            raise too_deep(where, "result") from None
-
-    def decode_result(wire: object) -> object:
-        try:
-            return rfrom(wire)
-        except _Invalid as exc:
-            raise exc.to_error(where, "result") from exc.cause
-        except RecursionError:
-            raise too_deep(where, "result") from None
-
-    return check_result, decode_result
-
-
 def _message_types(
     service_name: str,
     attr: str,
@@ -623,35 +578,47 @@ def _default_repr(value: object, where: str) -> str:
 # ------------------------------------------------------------- compiled hot-path code
 
 
-def _fixed_arity(convs: tuple[Converter, ...]) -> Callable[[Sequence[Any]], list[Any]]:
-    """Compile ``[convs[0](s[0]), ..., convs[n-1](s[n-1])]`` as straight-line code.
-
-    A comprehension over ``zip`` costs about three times as much for the usual two or
-    three parameters; dataclasses generates its ``__init__`` the same way. The source is
-    built from integers only.
-    """
-    n = len(convs)
-    if n > 32:
-        return lambda s: [c(v) for c, v in zip(convs, s, strict=True)]
-    body = ", ".join(f"c{i}(s[{i}])" for i in range(n))
-    namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
-    exec(f"def apply(s):\n    return [{body}]\n", namespace)
-    fn: Callable[[Sequence[Any]], list[Any]] = namespace["apply"]
-    return fn
+def _param_error(where: str, names: list[str], exc: _Invalid) -> ValidationError:
+    """The error for a rejected argument, whose index is ``exc``'s outermost segment."""
+    i = exc.segments.pop()
+    assert isinstance(i, int)
+    return exc.to_error(where, f"req.{names[i]}")
 
 
-def _locate(
-    where: str, names: list[str], convs: tuple[Converter, ...], values: Sequence[Any]
-) -> ValidationError:
-    """After a rejection, find the offending parameter and build its error (cold path)."""
-    for i, (conv, v) in enumerate(zip(convs, values, strict=False)):
-        try:
-            conv(v)
-        except _Invalid as exc:
-            err = exc.to_error(where, f"req.{names[i]}")
-            err.__cause__ = exc.cause
-            return err
-    raise AssertionError("unreachable: converter is not deterministic")  # pragma: no cover
+def _req_error(where: str, text: str, param: str = "", expected: str = "") -> ValidationError:
+    """An error about the request as a whole (``req``) or one parameter (``req.param``)."""
+    return ValidationError(
+        f"{where}: {text}",
+        method=where,
+        path=f"req.{param}" if param else "req",
+        expected=expected,
+        field_path=["req", param] if param else ["req"],
+    )
+
+
+def _convert_args(
+    where: str,
+    names: list[str],
+    types_: list[CompiledType],
+    defaults: dict[str, object],
+    convs: tuple[Converter, ...],
+    values: list[Any],
+) -> list[Any]:
+    """The slow paths' conversion, in order: ``_DEFAULT`` takes the default or is missing."""
+    out: list[Any] = []
+    for i, v in enumerate(values):
+        name = names[i]
+        if v is not _DEFAULT:
+            try:
+                out.append(convs[i](v))
+            except _Invalid as exc:
+                raise exc.to_error(where, f"req.{name}") from exc.cause
+        elif name in defaults:
+            out.append(defaults[name])
+        else:
+            text = f"req.{name}: missing required argument '{name}'"
+            raise _req_error(where, text, name, types_[i].description)
+    return out
 
 
 def _make_encode(
@@ -663,18 +630,33 @@ def _make_encode(
 ) -> Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]]:
     n = len(names)
     checks = tuple(t.fast_check for t in types_)
-    fast = _fixed_arity(checks)
-    bind = _make_bind(where, names, types_, defaults, n_posonly)
+    fast: Callable[[Sequence[Any]], list[Any]] = _tuple_apply(checks, as_list=True)
+    index = {name: i for i, name in enumerate(names)}
+    expected = [t.description for t in types_]
+
+    def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
+        """Bind keywords and defaults as Python does."""
+        if len(args) > n:
+            raise _req_error(where, f"takes {n} positional argument(s) but {len(args)} were given")
+        _check_keywords(where, index, expected, n_posonly, len(args), kwargs)
+        values = list(args)
+        for name in names[len(args) :]:
+            if name in kwargs:
+                values.append(kwargs[name])
+            elif name in defaults:
+                values.append(_DEFAULT)
+            else:
+                text = f"missing required argument '{name}'"
+                raise _req_error(where, text, name, expected[index[name]])
+        return _convert_args(where, names, types_, defaults, checks, values)
 
     def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        if not kwargs and len(args) == n:
-            try:
-                return fast(args)
-            except _Invalid:
-                raise _locate(where, names, checks, args) from None
-            except RecursionError:
-                raise too_deep(where, "req") from None
         try:
+            if not kwargs and len(args) == n:
+                try:
+                    return fast(args)
+                except _Invalid as exc:
+                    raise _param_error(where, names, exc) from exc.cause
             return bind(args, kwargs)
         except RecursionError:
             raise too_deep(where, "req") from None
@@ -682,27 +664,10 @@ def _make_encode(
     return encode
 
 
-def _bind_error(
-    where: str, index: dict[str, int], expected: list[str]
-) -> Callable[..., ValidationError]:
-    """The errors of binding arguments, naming the parameter (``param``) when there is one."""
-
-    def bind_error(text: str, param: str = "") -> ValidationError:
-        i = index.get(param)
-        return ValidationError(
-            f"{where}: {text}",
-            method=where,
-            path=f"req.{param}" if param else "req",
-            expected=expected[i] if i is not None else "",
-            field_path=["req", param] if param else ["req"],
-        )
-
-    return bind_error
-
-
 def _check_keywords(
-    bind_error: Callable[..., ValidationError],
+    where: str,
     index: dict[str, int],
+    expected: list[str],
     n_posonly: int,
     n_args: int,
     kwargs: Mapping[str, Any],
@@ -711,51 +676,12 @@ def _check_keywords(
     for key in kwargs:
         i = index.get(key, -1)
         if i < 0:
-            raise bind_error(f"got an unexpected keyword argument {key!r}")
+            raise _req_error(where, f"got an unexpected keyword argument {key!r}")
         if i < n_posonly:
-            raise bind_error(f"positional-only argument '{key}' passed by keyword", key)
+            text = f"positional-only argument '{key}' passed by keyword"
+            raise _req_error(where, text, key, expected[i])
         if i < n_args:
-            raise bind_error(f"got multiple values for argument '{key}'", key)
-
-
-def _make_bind(
-    where: str,
-    names: list[str],
-    types_: list[CompiledType],
-    defaults: dict[str, object],
-    n_posonly: int,
-) -> Callable[[tuple[Any, ...], Mapping[str, Any]], list[Any]]:
-    """The slow path of ``encode_args``: bind keywords and defaults as Python does."""
-    n = len(names)
-    checks = tuple(t.fast_check for t in types_)
-    index = {name: i for i, name in enumerate(names)}
-    bind_error = _bind_error(where, index, [t.description for t in types_])
-
-    def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-        if len(args) > n:
-            raise bind_error(f"takes {n} positional argument(s) but {len(args)} were given")
-        _check_keywords(bind_error, index, n_posonly, len(args), kwargs)
-        values = list(args)
-        for i in range(len(args), n):
-            name = names[i]
-            if name in kwargs:
-                values.append(kwargs[name])
-            elif name in defaults:
-                values.append(_DEFAULT)
-            else:
-                raise bind_error(f"missing required argument '{name}'", name)
-        out: list[Any] = []
-        for i, v in enumerate(values):
-            if v is _DEFAULT:
-                out.append(defaults[names[i]])
-                continue
-            try:
-                out.append(checks[i](v))
-            except _Invalid:
-                raise _locate(where, names[i : i + 1], checks[i : i + 1], [v]) from None
-        return out
-
-    return bind
+            raise _req_error(where, f"got multiple values for argument '{key}'", key, expected[i])
 
 
 def _make_decode(
@@ -766,18 +692,31 @@ def _make_decode(
 ) -> Callable[[object], list[Any]]:
     n = len(names)
     froms = tuple(t.fast_from_wire for t in types_)
-    fast = _fixed_arity(froms)
-    slow = _make_slow_decode(where, names, types_, defaults)
+    fast: Callable[[Sequence[Any]], list[Any]] = _tuple_apply(froms, as_list=True)
+    known = frozenset(names)
+
+    def slow(wire: object) -> list[Any]:
+        """Arguments by name, trailing defaults, and the errors."""
+        if type(wire) is dict:
+            _check_arg_names(where, names, known, wire)
+            wire = [wire.get(name, _DEFAULT) for name in names]
+        elif type(wire) is not list and type(wire) is not tuple:
+            text = f"req: expected an argument list or map, got {type(wire).__name__}"
+            raise _req_error(where, text, expected="list or map")
+        assert isinstance(wire, (list, tuple))
+        if len(wire) > n:
+            text = f"req: takes {n} argument(s) but {len(wire)} were sent"
+            raise _req_error(where, text, expected=f"{n} arguments")
+        values = [*wire, *[_DEFAULT] * (n - len(wire))]
+        return _convert_args(where, names, types_, defaults, froms, values)
 
     def decode(wire: object) -> list[Any]:
-        if type(wire) is list and len(wire) == n:
-            try:
-                return fast(wire)
-            except _Invalid:
-                raise _locate(where, names, froms, wire) from None
-            except RecursionError:
-                raise too_deep(where, "req") from None
         try:
+            if type(wire) is list and len(wire) == n:
+                try:
+                    return fast(wire)
+                except _Invalid as exc:
+                    raise _param_error(where, names, exc) from exc.cause
             return slow(wire)
         except RecursionError:
             raise too_deep(where, "req") from None
@@ -786,104 +725,19 @@ def _make_decode(
 
 
 def _check_arg_names(
-    where: str, names: list[str], index: frozenset[str], wire: dict[Any, Any]
+    where: str, names: list[str], known: frozenset[str], wire: dict[Any, Any]
 ) -> None:
     """Refuse an argument map with a key that is not one of the parameters."""
     for key in wire:
         if type(key) is not str:
-            raise ValidationError(
-                f"{where}: req: argument names must be strings, got a key of type "
-                f"{type(key).__name__}",
-                method=where,
-                path="req",
-                expected="str keys",
-            )
-        if key not in index:
-            raise ValidationError(
-                f"{where}: req: unexpected argument {key!r}; the parameters are "
-                f"{', '.join(names) or '(none)'}",
-                method=where,
-                path=f"req.{key}",
-                expected="",
-                field_path=["req", key],
-            )
-
-
-def _make_slow_decode(
-    where: str,
-    names: list[str],
-    types_: list[CompiledType],
-    defaults: dict[str, object],
-) -> Callable[[object], list[Any]]:
-    """The slow path of ``decode_args``: arguments by name, defaults, and the errors."""
-    n = len(names)
-    froms = tuple(t.fast_from_wire for t in types_)
-    index = frozenset(names)
-
-    def by_name(wire: dict[Any, Any]) -> list[Any]:
-        _check_arg_names(where, names, index, wire)
-        return slow([wire.get(name, _DEFAULT) for name in names])
-
-    def slow(wire: object) -> list[Any]:
-        if type(wire) is dict:
-            return by_name(wire)
-        if type(wire) is not list and type(wire) is not tuple:
-            raise ValidationError(
-                f"{where}: req: expected an argument list or map, got {type(wire).__name__}",
-                method=where,
-                path="req",
-                expected="list or map",
-            )
-        assert isinstance(wire, (list, tuple))
-        if len(wire) > n:
-            raise ValidationError(
-                f"{where}: req: takes {n} argument(s) but {len(wire)} were sent",
-                method=where,
-                path="req",
-                expected=f"{n} arguments",
-            )
-        out: list[Any] = []
-        for i in range(n):
-            name = names[i]
-            if i < len(wire) and wire[i] is not _DEFAULT:
-                try:
-                    out.append(froms[i](wire[i]))
-                except _Invalid:
-                    raise _locate(where, names[i : i + 1], froms[i : i + 1], [wire[i]]) from None
-            elif name in defaults:
-                out.append(defaults[name])
-            else:
-                raise ValidationError(
-                    f"{where}: req.{name}: missing required argument '{name}'",
-                    method=where,
-                    path=f"req.{name}",
-                    expected=types_[i].description,
-                )
-        return out
-
-    return slow
+            text = f"req: argument names must be strings, got a key of type {type(key).__name__}"
+            raise _req_error(where, text, expected="str keys")
+        if key not in known:
+            text = f"unexpected argument {key!r}; the parameters are {', '.join(names) or '(none)'}"
+            raise _req_error(where, f"req: {text}", key)
 
 
 # ------------------------------------------------------------------ schemaless calls
-
-
-class _AnyValue:
-    """The type of a schemaless method's values: anything the codec carries, as is."""
-
-    __slots__ = ()
-
-    @property
-    def description(self) -> str:
-        return "any"
-
-    def check(self, value: object, path: str) -> object:
-        return value
-
-    def from_wire(self, value: object, path: str) -> object:
-        return value
-
-
-_ANY_VALUE = _AnyValue()
 
 
 def _as_is(value: object) -> object:
@@ -899,23 +753,14 @@ def _schemaless_args(
 
     def encode(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
         if kwargs:
-            raise ValidationError(
-                f"{where}: a schemaless call cannot bind keyword arguments; send them "
-                "as a map (call_by_name)",
-                method=where,
-                path="req",
-                expected="positional arguments",
-            )
+            text = "a schemaless call cannot bind keyword arguments; send them as a map"
+            raise _req_error(where, f"{text} (call_by_name)", expected="positional arguments")
         return list(args)
 
     def decode(wire: object) -> list[Any]:
         if type(wire) is not list:
-            raise ValidationError(
-                f"{where}: req: expected an argument list, got {type(wire).__name__}",
-                method=where,
-                path="req",
-                expected="list",
-            )
+            text = f"req: expected an argument list, got {type(wire).__name__}"
+            raise _req_error(where, text, expected="list")
         return list(wire)
 
     return encode, decode
@@ -924,20 +769,9 @@ def _schemaless_args(
 def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec:
     """A [`MethodSpec`][tensorrpc.MethodSpec] for calling ``name`` without the service class.
 
-    Used by a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]), which sends its
-    arguments as a map of parameter name -> value (the engine validates them with its own
-    spec) and returns results as the codec decoded them: ``check_result`` and
-    ``decode_result`` pass values through unchanged. ``encode_args`` takes positional
-    arguments only and returns them as the wire list (keywords need the parameter order,
-    which only the engine knows: send those as a map).
-
-    Args:
-        service: The service name (for error messages).
-        name: The method name.
-        streaming: Whether the method streams.
-
-    Returns:
-        The spec; ``params`` is empty and ``signature`` is ``name(...)``.
+    For a schemaless client ([`Client.dynamic`][tensorrpc.Client.dynamic]): its arguments
+    travel as a positional list or a map (the engine validates them), and results pass
+    through as the codec decoded them.
     """
     encode, decode = _schemaless_args(f"{service}.{name}")
     qual = f"{service}_{name}".replace(".", "_")
@@ -952,7 +786,7 @@ def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec
         streaming=streaming,
         is_async=True,
         param_types=(),
-        result_type=_ANY_VALUE,
+        result_type=CompiledType("any", _as_is, _as_is),
         defaults=MappingProxyType({}),
         signature=f"{name}(...) -> " + ("AsyncIterator[any]" if streaming else "any"),
         encode_args=encode,
@@ -962,11 +796,5 @@ def schemaless_method(service: str, name: str, *, streaming: bool) -> MethodSpec
     )
 
 
-class _DefaultMarker:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-_DEFAULT: Any = _DefaultMarker()
+#: A parameter left to its default.
+_DEFAULT: Any = object()

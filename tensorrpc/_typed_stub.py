@@ -1,23 +1,8 @@
-"""Typed stubs that any type checker reads: one line per method, no plugin.
+"""Typed stubs that any type checker reads: one line per method, no plugin (docs/client.md).
 
-`Stub[S]` is typed by the mypy plugin; pyright (Pylance) and other checkers have no
-plugins, and plain typing cannot say "the methods of ``S``, returning coroutines". A
-`TypedStub` subclass names each method once, through the service class's own method,
-so its parameters and result come from the service's annotations:
-
-```python
-class CalcStub(TypedStub[Calc]):
-    add = unary(Calc.add)        # await calc.add(1, 2) -> int
-    scale = unary(Calc.scale)    # a sync handler: awaited too
-    count = streaming(Calc.count)  # async for i in calc.count(3)
-
-calc = CalcStub(client)          # or CalcStub(client.with_options(timeout=5))
-```
-
-`unary` and `streaming` are descriptors: on an instance they give a function with the
-method's parameters (without ``self``) returning ``Coroutine[Any, Any, R]`` / a
-[`CallStream[T]`][tensorrpc.CallStream]. The class checks itself when it is defined:
-every entry must be an ``@rpc`` method of the service of the right kind.
+A `TypedStub` subclass names each method through the service class's own method
+(``add = unary(Calc.add)``), so its parameters and result come from the service's
+annotations; the class checks its entries when it is defined.
 """
 
 from __future__ import annotations
@@ -150,8 +135,8 @@ class TypedStub(Generic[S]):
                     f"{cls.__name__}.{attr}: {entry.name!r} is not an @rpc method of {spec.name}"
                 )
             if method.streaming != isinstance(entry, StreamingMethod):
-                kind, use = ("streaming", "streaming") if method.streaming else ("unary", "unary")
+                kind = "streaming" if method.streaming else "unary"
                 raise TypeError(
                     f"{cls.__name__}.{attr}: {spec.name}.{entry.name} is {kind}; "
-                    f"declare it with {use}({spec.name}.{entry.name})"
+                    f"declare it with {kind}({spec.name}.{entry.name})"
                 )

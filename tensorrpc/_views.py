@@ -224,21 +224,8 @@ class CallView(Generic[S]):
         ``None`` to clear one (``timeout=None``: no deadline). The client itself is the
         view with the defaults of `CallOptions`.
 
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"`` (see
-                `CallOptions`).
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
-            compression: ``"zstd"`` or a `Compression`: compress large arguments and
-                ask for compressed results, across hosts (see `CallOptions`; needs the
-                ``compression`` extra).
-            metadata: Request metadata sent with each call (see `CallOptions`).
-
-        Returns:
-            The new view.
+        The options are the attributes of `CallOptions`; ``compression`` also takes
+        ``"zstd"`` (needs the ``compression`` extra).
 
         Raises:
             MetadataError: ``metadata`` breaks a rule or a bound.
@@ -371,16 +358,7 @@ class CallView(Generic[S]):
         ``value, metadata = await client.call_with_metadata(Greeter.hello, "ada")``; the
         metadata is empty when the engine sent none (docs/context.md).
 
-        Args:
-            method: The method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            ``(result, response metadata)``.
-
         Raises:
-            TypeError: ``method`` is not a unary method of this client's service.
             MetadataError: A client interceptor added metadata that breaks a rule.
             CallError: As `call` (and every other error `call` raises).
         """
@@ -403,14 +381,6 @@ class CallView(Generic[S]):
         ``async with``) to stop the engine's generator at once; an abandoned stream is
         cancelled on the engine soon after it is garbage-collected.
 
-        Args:
-            method: The streaming method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            The stream of items.
-
         Raises:
             TypeError: ``method`` is not a streaming method of this client's service.
         """
@@ -423,11 +393,6 @@ class CallView(Generic[S]):
         The arguments are encoded once and the same frames go to every engine. The
         ``engine`` option is ignored; the deadline applies to each engine's call.
 
-        Args:
-            method: The method name.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
         Returns:
             ``{engine_id: result}`` for every engine live when the broadcast started.
 
@@ -436,8 +401,6 @@ class CallView(Generic[S]):
                 result or exception.
             EngineNotFoundError: No engine is live.
             TypeError: No such unary method.
-            ValidationError: The arguments do not match the method's types.
-            ClosedError: The client is closed.
         """
         return await self._client._broadcast(method, args, kwargs, self._options)
 
@@ -450,24 +413,12 @@ class CallView(Generic[S]):
         ones take their defaults), and the result is returned as decoded (lists, dicts,
         tensors), without conversion.
 
-        Args:
-            method: The method name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The method's result.
-
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``; the message lists what is offered.
             TypeError: ``method`` streams (use `stream_by_name`).
             InvalidArgumentError: The engine refused the arguments (schemaless).
-            ValidationError: The arguments do not match (typed client).
-            EngineNotFoundError: The targeted engine is not live, or none is.
-            CallTimeoutError: The deadline passed.
-            EngineDeadError: The engine died or left while the call was in flight.
-            RemoteError: The handler raised (and other CallError subclasses).
-            ClosedError: The client is closed.
+            CallError: As `call`.
         """
         client = self._client
         spec, encoded = client._by_name(method, arguments or {}, self._options, streaming=False)
@@ -483,19 +434,10 @@ class CallView(Generic[S]):
         The by-name form of `stream`; see `call_by_name` for how arguments
         and items are handled on typed and schemaless clients.
 
-        Args:
-            method: The streaming method's name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The stream of items.
-
         Raises:
             MethodNotFoundError: No live engine (or not the targeted one) offers
                 ``method``.
             TypeError: ``method`` does not stream (use `call_by_name`).
-            ValidationError: The arguments do not match (typed client).
-            ClosedError: The client is closed.
         """
         client = self._client
         spec, encoded = client._by_name(method, arguments or {}, self._options, streaming=True)

@@ -52,6 +52,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from tensorrpc import _release
+from tensorrpc._bulk import Voucher
 from tensorrpc._exceptions import (
     ClosedError,
     ConnectError,
@@ -81,6 +82,7 @@ __all__ = [
     "PendingSends",
     "SocketOptions",
     "Waiters",
+    "connection_voucher",
     "create_socket",
     "loop_clock",
     "map_zmq_errors",
@@ -1181,6 +1183,45 @@ def peer_credentials(frame: object) -> KernelPeer | None:
     finally:
         sock.close()
     return KernelPeer.pinned(address, pidfd)
+
+
+def _start_time(pid: int) -> int:
+    """The start time of process ``pid`` (clock ticks after boot; -1: unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # The command name (field 2) may hold spaces and parentheses: count from its end.
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def connection_voucher(frame: object) -> Voucher:
+    """What vouches for the connection ``frame`` came on (the bulk binding's input).
+
+    The ZAP User-Id (the peer's CURVE public key) when CURVE authenticated it; else, on
+    ``ipc://``, the process the kernel says is at its other end: pid, uid and start
+    time, read while a pidfd pins that process (so a reused pid cannot stand in);
+    else nothing (plain tcp, inproc).
+    """
+    get = getattr(frame, "get", None)
+    if get is not None:
+        try:
+            user = get("User-Id")
+        except (zmq.ZMQError, TypeError, ValueError):
+            user = None
+        if isinstance(user, str) and user:
+            return Voucher("curve", user.encode())
+    kernel = peer_credentials(frame)
+    if kernel is None:
+        return Voucher("none")
+    try:
+        start = _start_time(kernel.pid)
+        if start < 0 or not kernel.alive():
+            return Voucher("none")
+        return Voucher("kernel", (kernel.pid, kernel.uid, start))
+    finally:
+        kernel.close()
 
 
 class PendingSends:

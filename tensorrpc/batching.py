@@ -1,20 +1,9 @@
 """What a batched handler sees while it runs, and tensor helpers for batches.
 
-A handler declared ``@rpc(batch=Batching(...))`` or ``@rpc(batch=Continuous(...))``
-reads its batch with [`current_batch`][tensorrpc.batching.current_batch]: which items
-their callers cancelled since it started, how to fail one item, and (continuous batching)
-each item's own state and how to end its stream. See docs/batching.md.
-
-The tensor helpers build one batch tensor from the items' tensors and split a batched
-result back:
-
-* [`stack`][tensorrpc.batching.stack]: ``torch.stack`` (one copy, into the batch tensor);
-  when the tensors already are consecutive rows of one tensor (the layout split() hands
-  out), the batch is a view of it and nothing is copied.
-* [`split`][tensorrpc.batching.split]: one view per row (no copy; contiguous rows travel
-  without a copy either).
-* [`pad`][tensorrpc.batching.pad] / [`unpad`][tensorrpc.batching.unpad]: variable-length
-  sequences into one padded tensor and a boolean mask (one copy), and back as views.
+A handler declared ``@rpc(batch=Batching(...))`` or ``@rpc(batch=Continuous(...))`` reads
+its batch with [`current_batch`][tensorrpc.batching.current_batch]; `stack`, `split`,
+`pad` and `unpad` build one batch tensor from the items' tensors and split a result back,
+copying at most once. See docs/batching.md.
 """
 
 from __future__ import annotations

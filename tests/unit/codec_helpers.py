@@ -12,9 +12,9 @@ from tensorrpc import _codec
 # The codec fills in its dtype tables on its first tensor; these lists are read before.
 _codec._load_arrays()
 #: Every torch dtype the codec supports, by wire name (what this torch build has).
-TORCH_DTYPE_NAMES: list[str] = sorted(_codec._TORCH_DTYPES)
+TORCH_DTYPE_NAMES: list[str] = sorted(_codec._TORCH_DECODE)
 #: Every numpy dtype the codec supports, by wire name.
-NUMPY_DTYPE_NAMES: list[str] = sorted(_codec._NUMPY_DTYPES)
+NUMPY_DTYPE_NAMES: list[str] = sorted(_codec._NUMPY_DECODE)
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

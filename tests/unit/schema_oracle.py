@@ -452,7 +452,7 @@ def _conv(tp: object, v: Any, send: bool, inside: In) -> Any:
 
 
 class Reference:
-    """The reference validator of one annotation, with the interface of a `TypeSpec`."""
+    """The reference validator of one annotation, with the interface of a `CompiledType`."""
 
     def __init__(self, tp: object) -> None:
         self.tp = tp
@@ -467,11 +467,11 @@ class Reference:
             raise too_deep("", path) from None
 
     def check(self, value: object, path: str) -> object:
-        """What ``TypeSpec.check`` must return or raise."""
+        """What ``CompiledType.check`` must return or raise."""
         return self._run(value, path, True)
 
     def from_wire(self, value: object, path: str) -> object:
-        """What ``TypeSpec.from_wire`` must return or raise."""
+        """What ``CompiledType.from_wire`` must return or raise."""
         return self._run(value, path, False)
 
 

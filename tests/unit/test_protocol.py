@@ -114,6 +114,8 @@ def hello_map(**overrides: object) -> dict[str, object]:
         "epoch": 1,
         "dead_after_ms": 5000,
         "compression": [],
+        "bulk": "",
+        "bulk_token": "",
     }
     wire.update(overrides)
     return wire
@@ -260,7 +262,8 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(version=2), "unsupported protocol version 2"),
         (raw_header(version=0), "unsupported protocol version 0"),
         (raw_header(kind=0), "unknown message kind 0"),
-        (raw_header(kind=16), "unknown message kind 16"),
+        (raw_header(kind=17), "unknown message kind 17"),
+        (raw_header(kind=15), "unknown message kind 15"),  # PROOF, no longer used
         (raw_header(kind=255), "unknown message kind 255"),
         (raw_header(reserved=1), "reserved"),
         (raw_header(flags=1), "only CALL"),

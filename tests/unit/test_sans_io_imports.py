@@ -21,6 +21,7 @@ SANS_IO_FILES = (
     "_server_protocol.py",
     "_server_calls.py",
     "_batching.py",
+    "_bulk.py",
     "_metadata.py",
     "_statistics.py",
     "transports/_base.py",

@@ -1,0 +1,324 @@
+"""The rules of a bulk connection per peer (issue 26): sans-I/O.
+
+Under ``transport="frames"`` one connection per peer is one ordered stream, so a small
+call's messages wait behind a large message's bytes. docs/design.md ("A bulk connection
+per peer") gives the design: large CALLs and unary RESULTs go on a second connection of
+the same session. This module holds its decisions; the shell (`tensorrpc._bulk_io`)
+opens that connection, feeds this module what the kernel or a key said about each
+connection and acts on its answers:
+
+* `pipe_for`: which connection a message goes on (rule 3).
+* `BulkBinder`: which session a bulk connection belongs to (rules 2 and 5). A token
+  proves nothing alone (a third party could relay it): the bulk connection must be
+  vouched for by the **same** key (CURVE) or the **same** process (kernel credentials
+  over ``ipc://``) as the session's control connection. Nothing vouches over plain
+  ``tcp://``, and the bulk path is then off.
+* `EarlyCancels`: a CANCEL that overtook its CALL (rule 4).
+* `listen_endpoint` / `dial_endpoint`: where the listener binds its bulk socket, and
+  what the dialer accepts to dial (rule 1).
+
+No I/O, no clock, no randomness of its own: the shell passes tokens in (from
+``secrets``) and says when a connection is gone.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from tensorrpc._protocol import MessageKind
+
+if TYPE_CHECKING:
+    from collections.abc import Hashable
+
+__all__ = [
+    "BULK_THRESHOLD",
+    "MAX_IPC_PATH",
+    "TOKEN_BYTES",
+    "Attached",
+    "BulkBinder",
+    "EarlyCancels",
+    "Pipe",
+    "Voucher",
+    "dial_endpoint",
+    "listen_endpoint",
+    "pipe_for",
+]
+
+#: Messages whose out-of-band frames reach this many bytes may go on the bulk pipe.
+BULK_THRESHOLD: Final = 1 << 20
+#: Size of a session's attach token (128 bits).
+TOKEN_BYTES: Final = 16
+#: Longest ``ipc://`` path a unix socket address holds (``sun_path`` less its NUL).
+MAX_IPC_PATH: Final = 107
+_WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "[::]", "::"})
+
+
+class Pipe(enum.Enum):
+    """The two connections of one session."""
+
+    CONTROL = "control"
+    BULK = "bulk"
+
+
+_BULK_KINDS: Final = frozenset({MessageKind.CALL, MessageKind.RESULT})
+
+
+def pipe_for(
+    kind: MessageKind,
+    oob_bytes: int,
+    *,
+    stream: bool,
+    bound: bool,
+    threshold: int = BULK_THRESHOLD,
+) -> Pipe:
+    """Rule 3: the connection a message goes on.
+
+    Only a CALL or a unary RESULT whose out-of-band frames reach ``threshold`` goes on a
+    bound bulk pipe; everything else (handshake, heartbeats, CANCEL, CREDIT, RELEASE,
+    ERROR, BYE, stream items and their CALL) stays on control, in today's order.
+    """
+    if bound and not stream and oob_bytes >= threshold and kind in _BULK_KINDS:
+        return Pipe.BULK
+    return Pipe.CONTROL
+
+
+def listen_endpoint(control: str, *, curve: bool) -> str | None:
+    """Rule 1: where a listener binds its bulk socket, beside a bound control endpoint.
+
+    ``ipc://PATH`` gives ``ipc://PATH.bulk`` (the kernel vouches for both); ``tcp://``
+    gives the same host on an ephemeral port, with CURVE only (nothing vouches for a
+    plain tcp connection). None: no bulk path (plain tcp, inproc, a path too long).
+    """
+    if control.startswith("ipc://"):
+        path = control[len("ipc://") :] + ".bulk"
+        if not path or len(path.encode()) > MAX_IPC_PATH:
+            return None
+        return "ipc://" + path
+    if control.startswith("tcp://") and curve:
+        host, sep, _port = control[len("tcp://") :].rpartition(":")
+        return f"tcp://{host}:0" if sep and host else None
+    return None
+
+
+def dial_endpoint(announced: str, control: str) -> str | None:
+    """Rule 1: the endpoint a dialer dials for a peer's announced bulk endpoint.
+
+    Only the control connection's transport: ``ipc://`` to ``ipc://``; ``tcp://`` to
+    ``tcp://``, where a wildcard host (the listener bound every interface) becomes the
+    host the control connection dialed. None: anything else (not dialed).
+    """
+    for scheme in ("ipc://", "tcp://"):
+        if control.startswith(scheme):
+            break
+    else:
+        return None
+    if not announced.startswith(scheme) or len(announced) <= len(scheme):
+        return None
+    if scheme == "ipc://":
+        return announced
+    host, sep, port = announced[len(scheme) :].rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host in _WILDCARD_HOSTS:
+        host = control[len(scheme) :].rpartition(":")[0]
+    return f"tcp://{host}:{port}" if host else None
+
+
+@dataclass(frozen=True, slots=True)
+class Voucher:
+    """What vouches for one connection, as the shell read it.
+
+    ``kind`` is ``"curve"`` (``proof``: the peer's public key, the ZAP User-Id),
+    ``"kernel"`` (``proof``: the peer process's pid, uid and start time, from the
+    credentials of the very socket) or ``"none"`` (nothing: plain ``tcp://``).
+    """
+
+    kind: str
+    proof: bytes | tuple[int, ...] = b""
+
+    @property
+    def attested(self) -> bool:
+        """Whether a key or the kernel vouches for the connection at all."""
+        return self.kind in ("curve", "kernel") and bool(self.proof)
+
+
+@dataclass(slots=True)
+class _Offer:
+    session: Hashable
+    token: bytes
+    voucher: Voucher
+
+
+_MISSING: Final = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """`BulkBinder.attach`'s answer: the session (None: refused, ``refused`` says why;
+    or ``parked``: no offer for that epoch yet, see `BulkBinder.parked`)."""
+
+    session: Hashable | None
+    refused: str = ""
+    parked: bool = False
+
+
+class BulkBinder:
+    """The listening side's table: sessions that may attach a bulk pipe, and bound pipes.
+
+    Capped: at most ``max_sessions`` offers (the oldest goes first) and
+    ``max_unbound`` bulk pipes waiting for their ATTACH (or, parked, for their
+    session's offer), per process.
+    """
+
+    def __init__(self, *, max_sessions: int = 4096, max_unbound: int = 64) -> None:
+        if max_sessions < 1 or max_unbound < 1:
+            raise ValueError("the bulk binder's caps must be >= 1")
+        self._max_sessions = max_sessions
+        self._max_unbound = max_unbound
+        #: epoch (public, from the handshake) -> what that session may attach
+        self._offers: OrderedDict[Hashable, _Offer] = OrderedDict()
+        #: bulk pipe -> its session
+        self._bound: dict[Hashable, Hashable] = {}
+        #: session -> its bulk pipe
+        self._pipes: dict[Hashable, Hashable] = {}
+        #: bulk pipes opened, not yet attached (oldest first)
+        self._unbound: OrderedDict[Hashable, None] = OrderedDict()
+        #: epoch -> an ATTACH that came before its session's offer (the dialer's bulk
+        #: connection may overtake the handshake's last message on the control one)
+        self._parked: dict[Hashable, tuple[Hashable, bytes, Voucher]] = {}
+
+    def offer(self, session: Hashable, epoch: Hashable, voucher: Voucher, token: bytes) -> bool:
+        """A session's handshake goes out: may it attach a bulk pipe with ``token``?
+
+        Returns:
+            False (no bulk path: the handshake announces none) when nothing vouches for
+            the control connection; True when the token is on offer.
+
+        Raises:
+            ValueError: ``token`` is not `TOKEN_BYTES` long.
+        """
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"a bulk token is {TOKEN_BYTES} bytes, not {len(token)}")
+        self.forget(session)  # a new epoch of a known session: its old pipe is gone
+        if not voucher.attested:
+            return False
+        while len(self._offers) >= self._max_sessions:
+            self._offers.popitem(last=False)
+        self._offers[epoch] = _Offer(session, token, voucher)
+        return True
+
+    def opened(self, pipe: Hashable) -> Hashable | None:
+        """A bulk pipe connected; returns a pipe to close now (the oldest unbound one,
+        past the cap), or None."""
+        self._unbound[pipe] = None
+        if len(self._unbound) > self._max_unbound:
+            oldest, _ = self._unbound.popitem(last=False)
+            self._unpark(oldest)
+            return oldest
+        return None
+
+    def _unpark(self, pipe: Hashable) -> None:
+        for epoch in [e for e, parked in self._parked.items() if parked[0] == pipe]:
+            del self._parked[epoch]
+
+    def parked(self, epoch: Hashable) -> tuple[Hashable, bytes, Voucher] | None:
+        """The ATTACH parked for ``epoch`` (pipe, token, voucher), taken: after `offer`,
+        the shell attaches it now."""
+        return self._parked.pop(epoch, None)
+
+    def attach(self, pipe: Hashable, epoch: Hashable, token: bytes, voucher: Voucher) -> Attached:
+        """Rule 2: bind ``pipe`` to the session whose handshake gave ``token``.
+
+        One ATTACH per pipe, whatever its outcome. Refused (the shell closes the pipe;
+        the session goes on, control only): an unknown or bound pipe, an unknown epoch,
+        a wrong token, a token already used, a session that has a bulk pipe, or a
+        connection not vouched for by the same key or process as the session's control
+        connection.
+        """
+        if pipe in self._bound:
+            return Attached(None, "this bulk pipe is attached already")
+        if self._unbound.pop(pipe, _MISSING) is _MISSING:
+            return Attached(None, "unknown bulk pipe")
+        offer = self._offers.get(epoch)
+        if offer is None:
+            if epoch in self._parked:
+                return Attached(None, "a bulk pipe waits for this epoch already")
+            # Perhaps the session's handshake is not done here yet: wait for its offer
+            # (an unbound pipe still, capped as one).
+            self._unbound[pipe] = None
+            self._parked[epoch] = (pipe, token, voucher)
+            return Attached(None, parked=True)
+        if not hmac.compare_digest(offer.token, token):
+            return Attached(None, "wrong bulk token")
+        # The token was right: used once, whatever follows (a relayed token is spent).
+        del self._offers[epoch]
+        if not voucher.attested or voucher != offer.voucher:
+            what = "key" if offer.voucher.kind == "curve" else "process"
+            return Attached(
+                None, f"the bulk connection is not vouched for by the control connection's {what}"
+            )
+        if offer.session in self._pipes:
+            return Attached(None, "this session has a bulk pipe already")
+        self._bound[pipe] = offer.session
+        self._pipes[offer.session] = pipe
+        return Attached(offer.session)
+
+    def session_of(self, pipe: Hashable) -> Hashable | None:
+        """The session a bulk pipe is bound to; None: drop what it sent (constant cost)."""
+        return self._bound.get(pipe)
+
+    def pipe_of(self, session: Hashable) -> Hashable | None:
+        """The session's bound bulk pipe, if any (`pipe_for`'s ``bound``)."""
+        return self._pipes.get(session)
+
+    def pipe_lost(self, pipe: Hashable) -> Hashable | None:
+        """Rule 5: a bulk pipe disconnected; returns its session (whose calls on it fail
+        as on an engine death), or None."""
+        self._unbound.pop(pipe, None)
+        self._unpark(pipe)
+        session = self._bound.pop(pipe, None)
+        if session is not None:
+            self._pipes.pop(session, None)
+        return session
+
+    def forget(self, session: Hashable) -> Hashable | None:
+        """The session ended (or a new epoch began): its offer and pipe go; returns the
+        pipe to close, or None."""
+        for epoch in [e for e, o in self._offers.items() if o.session == session]:
+            del self._offers[epoch]
+        pipe = self._pipes.pop(session, None)
+        if pipe is not None:
+            self._bound.pop(pipe, None)
+        return pipe
+
+
+class EarlyCancels:
+    """Rule 4: CANCELs for calls not seen yet (the CALL may be behind on the bulk pipe).
+
+    Bounded per session (``limit`` ids, the oldest forgotten first): a CALL whose id is
+    remembered here is dropped instead of run.
+    """
+
+    def __init__(self, limit: int = 1024) -> None:
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        self._limit = limit
+        self._ids: OrderedDict[int, bool] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def cancelled(self, call_id: int) -> None:
+        """A CANCEL came for a call id the session does not know."""
+        self._ids[call_id] = True
+        self._ids.move_to_end(call_id)
+        while len(self._ids) > self._limit:
+            self._ids.popitem(last=False)
+
+    def take(self, call_id: int) -> bool:
+        """A CALL arrived: True when it was cancelled already (drop it)."""
+        return self._ids.pop(call_id, False)

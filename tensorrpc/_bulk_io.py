@@ -1,0 +1,369 @@
+"""The bulk connections' shell: one side's bulk sockets, readers and routes (issue 26).
+
+docs/design.md ("A bulk connection per peer") gives the design and `tensorrpc._bulk`
+its rules; this shell only opens sockets, reads what the kernel or a key says about a
+connection (`tensorrpc._zmq.connection_voucher`) and acts on the rules' answers. Both
+the client and the engine hold one `BulkLinks`:
+
+* **Listening** (the side whose control socket is bound): one ROUTER bound beside the
+  first control endpoint that something can vouch for (`tensorrpc._bulk.listen_endpoint`),
+  announced in the handshake with a per-session token. A dialer's first message on it
+  must be ATTACH; `BulkBinder` binds the connection (its routing id, 128 random bits the
+  dialer drew) to the session only for the right token **and** the same key or process
+  as the session's control connection, and the answer (ATTACH) goes back on it. The
+  ROUTER never hands a routing id over to a newer connection, so a bound routing id
+  stays with the connection that attached it.
+* **Dialing**: one DEALER per session, dialed to the announced endpoint
+  (`tensorrpc._bulk.dial_endpoint`), whose first message is ATTACH; it carries large
+  messages only once the listener's answer came.
+
+Messages on a bound bulk connection are handed to the owner's ``deliver`` under the
+session's control key, exactly as if they had come on the control connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from typing import TYPE_CHECKING, Final, cast
+
+import anyio
+import zmq
+
+from tensorrpc._bulk import (
+    BULK_THRESHOLD,
+    TOKEN_BYTES,
+    BulkBinder,
+    Voucher,
+    dial_endpoint,
+    listen_endpoint,
+)
+from tensorrpc._exceptions import ClosedError, RemoteProtocolError, TensorRPCError
+from tensorrpc._protocol import Attach, MessageKind, decode_control, encode_control, split_frames
+from tensorrpc._release import later_if_large, nbytes
+from tensorrpc._text import peer_text
+from tensorrpc._zmq import AsyncSocket, SocketOptions, connection_voucher, create_socket
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable, Sequence
+
+    from anyio.abc import TaskGroup
+    from typing_extensions import Buffer
+
+    from tensorrpc._protocol import Welcome
+    from tensorrpc._security import CurveConfig
+    from tensorrpc._server_protocol import Session
+
+__all__ = ["BulkLinks"]
+
+logger = logging.getLogger("tensorrpc.security")
+
+_ATTACH: Final = MessageKind.ATTACH
+_ATTACH_BYTE: Final = int(MessageKind.ATTACH)
+#: Refusals logged at WARNING (then DEBUG: a stranger retrying must not flood the log).
+_MAX_LOGGED: Final = 16
+
+
+class _Dialed:
+    """A bulk connection this side dialed for one session."""
+
+    __slots__ = ("bound", "epoch", "sock")
+
+    def __init__(self, sock: AsyncSocket, epoch: int) -> None:
+        self.sock = sock
+        self.epoch = epoch
+        self.bound = False
+
+
+def _pipe_id() -> bytes:
+    """A fresh routing id for a dialed bulk connection: 128 random bits (not 0-led)."""
+    rid = secrets.token_bytes(TOKEN_BYTES)
+    return rid if rid[0] else b"\x01" + rid[1:]
+
+
+def _kind(frames: Sequence[object]) -> int:
+    """The header's kind byte of a message (0: no header)."""
+    if not frames:
+        return 0
+    header = memoryview(frames[0])  # type: ignore[arg-type]
+    return header[3] if header.nbytes > 3 else 0
+
+
+class BulkLinks:
+    """One side's bulk connections (see the module docstring).
+
+    Args:
+        options: The control socket's options (the bulk sockets take the same).
+        curve: The control socket's CURVE configuration (None: plaintext).
+        deliver: ``deliver(key, frames, size)`` handles a message of a bound bulk
+            connection as if it came on the control connection of the session ``key``
+            (``frames``: after any routing id).
+        threshold: Out-of-band bytes from which a CALL or unary RESULT goes on the bulk
+            connection.
+    """
+
+    def __init__(
+        self,
+        options: SocketOptions,
+        curve: CurveConfig | None,
+        deliver: Callable[[Hashable, list[zmq.Frame], int], None],
+        *,
+        threshold: int = BULK_THRESHOLD,
+    ) -> None:
+        self._options = options
+        self._curve = curve
+        self._deliver = deliver
+        self.threshold = threshold
+        self.binder = BulkBinder()
+        #: The listening ROUTER (None: this side does not listen for bulk connections).
+        self.router: AsyncSocket | None = None
+        #: The endpoint the handshake announces ("" when none).
+        self.address = ""
+        self._dialed: dict[Hashable, _Dialed] = {}
+        self._tg: TaskGroup | None = None
+        self._closed = False
+        #: ATTACHes refused (a wrong token, another process or key, no such session).
+        self.refused = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def listen(self, *controls: str) -> str:
+        """Bind the listening ROUTER beside the first bound control endpoint of
+        ``controls`` that something can vouch for.
+
+        Returns:
+            The endpoint to announce ("" when nothing could vouch for a connection
+            there: plain tcp, inproc).
+        """
+        if self.router is not None:
+            return self.address
+        curve = self._curve is not None
+        endpoint = next(
+            (e for c in controls if (e := listen_endpoint(c, curve=curve)) is not None), None
+        )
+        if endpoint is None:
+            return self.address
+        # A bound routing id is never handed over to a newer connection that claims it.
+        options = dataclasses.replace(self._options, router_handover=False)
+        sock = create_socket(zmq.ROUTER, options=options, curve=self._curve)
+        try:
+            self.address = sock.bind(endpoint)
+        except BaseException:
+            sock.close()
+            raise
+        self.router = sock
+        return self.address
+
+    def start(self, tg: TaskGroup) -> None:
+        """Start the listening ROUTER's reader in ``tg`` (dialed readers start there too)."""
+        self._tg = tg
+        if self.router is not None:
+            tg.start_soon(self._router_reader, self.router, name="tensorrpc bulk reader")
+
+    def close(self) -> None:
+        """Close every bulk socket (their readers end)."""
+        self._closed = True
+        for peer in list(self._dialed):
+            self._close_dialed(peer)
+        router, self.router = self.router, None
+        if router is not None:
+            router.close()
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def offer(self, peer: Hashable, epoch: int, voucher: Voucher, token: bytes) -> None:
+        """Listening: the session ``peer`` (our handshake gave it ``token`` for ``epoch``;
+        ``voucher``: what vouches for its control connection) may attach a bulk
+        connection."""
+        if self.router is None or not token:
+            return
+        self.binder.offer(peer, epoch, voucher, token)
+        parked = self.binder.parked(epoch)
+        if parked is not None:  # its ATTACH overtook the handshake
+            pipe, token_got, voucher = parked
+            self._bind(pipe, epoch, token_got, voucher)
+
+    def session_started(self, session: Session, welcome: Welcome, frame: object) -> None:
+        """The engine's side: a session began (its client's WELCOME, on ``frame``): offer
+        it our bulk endpoint (listening), or dial the client's (dial-in)."""
+        self.forget(session.key)
+        if session.bulk_token:
+            voucher = connection_voucher(frame) if frame is not None else Voucher("none")
+            self.offer(session.key, session.epoch, voucher, session.bulk_token)
+        elif welcome.bulk and isinstance(session.key, str):  # dial-in: key is the address
+            self.dial(session.key, welcome.bulk, session.key, welcome.epoch, welcome.bulk_token)
+
+    def dial(self, peer: Hashable, announced: str, control: str, epoch: int, token: str) -> None:
+        """Dialing: the session ``peer``'s handshake announced a bulk endpoint: dial it
+        and ATTACH (``control``: the address the control connection dialed)."""
+        self.forget(peer)
+        tg = self._tg
+        endpoint = dial_endpoint(announced, control)
+        if tg is None or self._closed or endpoint is None or not announced or not token:
+            return
+        try:
+            attach = encode_control(_ATTACH, Attach(epoch, token))
+            sock = create_socket(
+                zmq.DEALER, options=self._options, routing_id=_pipe_id(), curve=self._curve
+            )
+        except (TensorRPCError, ValueError) as exc:
+            logger.debug("no bulk connection to %s: %s", peer_text(announced), exc)
+            return
+        try:
+            sock.connect(endpoint)
+            sock.send_nowait(attach)  # queued until the connection is up
+        except (TensorRPCError, anyio.WouldBlock) as exc:
+            sock.close()
+            logger.debug("no bulk connection to %s: %r", peer_text(announced), exc)
+            return
+        dialed = self._dialed[peer] = _Dialed(sock, epoch)
+        tg.start_soon(self._dealer_reader, peer, dialed, name="tensorrpc bulk reader")
+
+    def forget(self, peer: Hashable) -> None:
+        """The session ``peer`` ended (or starts anew): its bulk connection goes."""
+        self.binder.forget(peer)
+        self._close_dialed(peer)
+
+    def _close_dialed(self, peer: Hashable) -> None:
+        dialed = self._dialed.pop(peer, None)
+        if dialed is not None:
+            dialed.sock.close()
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def route(
+        self,
+        peer: Hashable,
+        frames: Sequence[Buffer],
+        oob: Sequence[Buffer],
+        stream: int = 0,
+        *,
+        routed: bool = False,
+    ) -> tuple[AsyncSocket, list[Buffer]] | None:
+        """Where a CALL or unary RESULT to ``peer`` goes (rule 3): the bulk socket and
+        the parts to send there, or None (the control connection).
+
+        Args:
+            peer: The session's control key.
+            frames: The message (header, payload, buffers).
+            oob: Its out-of-band buffers.
+            stream: Non-zero for a streaming call's CALL (it stays on control).
+            routed: ``frames`` start with the control connection's routing id.
+        """
+        if stream or not oob or nbytes(oob) < self.threshold:
+            return None
+        if routed:
+            frames = frames[1:]
+        dialed = self._dialed.get(peer)
+        if dialed is not None:
+            return (dialed.sock, list(frames)) if dialed.bound else None
+        if self.router is None:
+            return None
+        pipe = self.binder.pipe_of(peer)
+        if pipe is None:
+            return None
+        return self.router, [pipe, *frames]  # type: ignore[list-item]
+
+    def lost(self, peer: Hashable) -> None:
+        """A send on ``peer``'s bulk connection failed (it is gone): control only now."""
+        pipe = self.binder.pipe_of(peer)
+        if pipe is not None:
+            self.binder.pipe_lost(pipe)
+        self._close_dialed(peer)
+
+    # -- receiving --------------------------------------------------------------------------
+
+    async def _router_reader(self, sock: AsyncSocket) -> None:
+        binder = self.binder
+        deliver = self._deliver
+        while True:
+            try:
+                frames = await sock.recv()
+            except ClosedError:
+                return
+            except TensorRPCError as exc:
+                logger.warning("bulk reader stopped: %s", exc)
+                return
+            size = nbytes(frames)
+            try:
+                pipe = frames[0].bytes
+                session = binder.session_of(pipe)
+                if session is not None:
+                    deliver(session, frames[1:], size - len(pipe))
+                elif _kind(frames[1:]) == _ATTACH_BYTE:
+                    self._on_attach(pipe, frames[1:])
+                # else: a stranger's message, dropped (constant cost)
+            except Exception:  # one bad message must never stop the reader
+                logger.exception("error handling a bulk message")
+            later_if_large(frames, size)
+            del frames
+
+    def _on_attach(self, pipe: bytes, frames: list[zmq.Frame]) -> None:
+        try:
+            header, payload, _ = split_frames(cast("list[Buffer]", frames))
+            body = decode_control(header, payload)
+        except RemoteProtocolError as exc:
+            self._refused(pipe, f"malformed ATTACH: {exc}")
+            return
+        assert isinstance(body, Attach)
+        try:
+            token = bytes.fromhex(body.token)
+        except ValueError:
+            token = b""
+        evicted = self.binder.opened(pipe)
+        if evicted is not None:
+            self.refused += 1
+        if len(token) != TOKEN_BYTES:
+            self.binder.pipe_lost(pipe)
+            self._refused(pipe, "malformed bulk token")
+            return
+        self._bind(pipe, body.epoch, token, connection_voucher(frames[1]))
+
+    def _bind(self, pipe: Hashable, epoch: int, token: bytes, voucher: Voucher) -> None:
+        got = self.binder.attach(pipe, epoch, token, voucher)
+        if got.parked:
+            return
+        if got.session is None:
+            self._refused(pipe, got.refused)
+            return
+        router = self.router
+        if router is None:
+            return
+        try:
+            router.send_nowait([pipe, *encode_control(_ATTACH, Attach(epoch))])  # type: ignore[list-item]
+        except (TensorRPCError, anyio.WouldBlock) as exc:
+            self.binder.pipe_lost(pipe)
+            logger.debug("could not answer an ATTACH: %r", exc)
+
+    def _refused(self, pipe: Hashable, why: str) -> None:
+        self.refused += 1
+        log = logger.warning if self.refused <= _MAX_LOGGED else logger.debug
+        log("refused a bulk connection: %s", peer_text(why, 256))
+
+    async def _dealer_reader(self, peer: Hashable, dialed: _Dialed) -> None:
+        sock = dialed.sock
+        deliver = self._deliver
+        while True:
+            try:
+                frames = await sock.recv()
+            except ClosedError:
+                return
+            except TensorRPCError as exc:
+                logger.warning("bulk reader stopped: %s", exc)
+                return
+            size = nbytes(frames)
+            try:
+                if dialed.bound:
+                    deliver(peer, frames, size)
+                elif _kind(frames) == _ATTACH_BYTE:
+                    header, payload, _ = split_frames(cast("list[Buffer]", frames))
+                    body = decode_control(header, payload)
+                    if isinstance(body, Attach) and body.epoch == dialed.epoch:
+                        dialed.bound = True  # large messages may go on it from now on
+            except RemoteProtocolError as exc:
+                logger.debug("dropped a bulk message: %s", peer_text(str(exc), 256))
+            except Exception:  # one bad message must never stop the reader
+                logger.exception("error handling a bulk message")
+            later_if_large(frames, size)
+            del frames

@@ -1,0 +1,237 @@
+"""The bulk connection per peer (issue 26, docs/design.md): wired, bound, not hijackable.
+
+Large CALLs and unary RESULTs travel on a second connection of the session, so that the
+small calls behind them do not wait for their bytes on the control connection. These
+tests check that they really go there in both topologies, that a third process cannot
+attach to a session's bulk connection even with the session's token, and that nothing
+is left open once either side has gone. Nothing here times anything.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Hashable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import zmq
+
+from tensorrpc._bulk_io import BulkLinks
+from tensorrpc._client import Client
+from tensorrpc._protocol import Attach, MessageKind, encode_control
+from tensorrpc._server import Server
+from tensorrpc._service import rpc, service
+from tests.engine_proc import EngineProcess
+from tests.transports._engine import TensorService
+
+LARGE = 4 << 20  # above the bulk threshold (1 MiB)
+SMALL = 64 << 10  # out of band, below the bulk threshold
+WAIT = 30.0
+TOPOLOGIES = ["dialin", "listen"]
+
+
+@service(name="Bulky")
+class Bulky:
+    @rpc
+    async def echo(self, t: torch.Tensor) -> torch.Tensor:
+        """Send the tensor back."""
+        return t
+
+    @rpc
+    async def add(self, a: int, b: int) -> int:
+        """A small call."""
+        return a + b
+
+
+async def until(predicate: Callable[[], object]) -> None:
+    """Wait until ``predicate()`` holds, at most `WAIT` seconds."""
+    with anyio.fail_after(WAIT):
+        while not predicate():  # noqa: ASYNC110 - bounded; other tasks or processes change it
+            await anyio.sleep(0.01)
+
+
+class Seen:
+    """The sizes of the messages each side's bulk connections delivered."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, list[int]] = {"client": [], "engine": []}
+
+    def watch(self, links: BulkLinks, side: str) -> None:
+        deliver = links._deliver
+
+        def watching(key: Hashable, frames: list[zmq.Frame], size: int) -> None:
+            self.sizes[side].append(size)
+            deliver(key, frames, size)
+
+        links._deliver = watching
+
+
+@asynccontextmanager
+async def pair(
+    tmp_path: Path, topology: str, seen: Seen | None = None
+) -> AsyncIterator[tuple[Client[Bulky], Server]]:
+    address = f"ipc://{tmp_path}/b.sock"
+    if topology == "dialin":
+        client = Client(Bulky, bind=address, heartbeat_interval=0.1)
+        server = Server(Bulky(), engine_id="e1", connect=address, heartbeat_interval=0.1)
+    else:
+        server = Server(Bulky(), engine_id="e1", bind=address, heartbeat_interval=0.1)
+        client = Client(Bulky, connect=address, heartbeat_interval=0.1)
+    if seen is not None:  # before the readers start (they read ``_deliver`` once)
+        seen.watch(client._io.bulk, "client")
+        seen.watch(server._bulk, "engine")
+    first, second = (client, server) if topology == "dialin" else (server, client)
+    async with first, second:
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+        yield client, server
+
+
+async def bulk_bound(client: Client[Bulky], server: Server) -> None:
+    """Wait (bounded) until the session's bulk connection is bound on both sides."""
+
+    def bound(links: BulkLinks) -> bool:
+        return bool(links.binder._pipes) or any(d.bound for d in links._dialed.values())
+
+    await until(lambda: bound(client._io.bulk) and bound(server._bulk))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_large_calls_and_results_go_on_the_bulk_connection(
+    tmp_path: Path, topology: str
+) -> None:
+    seen = Seen()
+    async with pair(tmp_path, topology, seen) as (client, server):
+        await bulk_bound(client, server)
+        stub = client.with_options(transport="frames").stub()
+        t = torch.arange(LARGE // 4, dtype=torch.int32)
+        back = await stub.echo(t)
+        assert torch.equal(back, t)
+        # Small messages stay on the control connection.
+        assert await stub.add(1, 2) == 3
+        small = torch.ones(SMALL, dtype=torch.uint8)
+        assert torch.equal(await stub.echo(small), small)
+    # Exactly the large CALL (engine side) and the large RESULT (client side).
+    assert [s >= LARGE for s in seen.sizes["engine"]] == [True]
+    assert [s >= LARGE for s in seen.sizes["client"]] == [True]
+
+
+_ATTACKER = """
+import sys, zmq
+endpoint, epoch, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.connect(endpoint)
+s.send_multipart(FRAMES)
+print("answered" if s.poll(int(sys.argv[4])) else "silent", flush=True)
+s.close()
+ctx.term()
+"""
+
+
+async def attach_from_another_process(endpoint: str, epoch: int, token: str, wait_ms: int) -> str:
+    frames = encode_control(MessageKind.ATTACH, Attach(epoch, token))
+    code = _ATTACKER.replace("FRAMES", repr(frames))
+    with anyio.fail_after(WAIT):
+        done = await anyio.run_process(
+            [sys.executable, "-c", code, endpoint, str(epoch), token, str(wait_ms)],
+            check=False,
+            stderr=subprocess.STDOUT,
+        )
+    return done.stdout.decode().strip()
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_another_process_with_the_token_cannot_attach(
+    tmp_path: Path, topology: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The dialer's own bulk connection is held back; a third process that learnt the
+    # session's endpoint, epoch and token (a relay) tries to attach in its place.
+    held: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(BulkLinks, "dial", lambda self, *args: held.append(args))
+    seen = Seen()
+    async with pair(tmp_path, topology, seen) as (client, server):
+        listener = client._io.bulk if topology == "dialin" else server._bulk
+        await until(lambda: held)
+        [(_peer, announced, _control, epoch, token)] = held
+        assert announced == listener.address
+        got = await attach_from_another_process(announced, epoch, token, wait_ms=1000)
+        assert got == "silent"  # no answer: not bound
+        assert listener.refused == 1
+        assert not listener.binder._pipes
+        # The session goes on, control only, large calls included.
+        stub = client.with_options(transport="frames").stub()
+        t = torch.ones(LARGE, dtype=torch.uint8)
+        assert torch.equal(await stub.echo(t), t)
+    assert seen.sizes == {"client": [], "engine": []}  # nothing came on a bulk connection
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_the_session_process_with_the_token_attaches(
+    tmp_path: Path, topology: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same ATTACH from the process of the session's control connection binds: what
+    # refused the other process is the kernel's word, not the message.
+    held: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(BulkLinks, "dial", lambda self, *args: held.append(args))
+    async with pair(tmp_path, topology) as (client, server):
+        listener = client._io.bulk if topology == "dialin" else server._bulk
+        await until(lambda: held)
+        [(_peer, announced, _control, epoch, token)] = held
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(announced)
+            sock.send_multipart(encode_control(MessageKind.ATTACH, Attach(epoch, token)))
+            await until(lambda: sock.poll(0))
+            header, _ = sock.recv_multipart()
+            assert header[3] == MessageKind.ATTACH
+            assert listener.refused == 0
+            assert len(listener.binder._pipes) == 1
+        finally:
+            sock.close()
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_nothing_is_left_open_after_close(tmp_path: Path, topology: str) -> None:
+    async with pair(tmp_path, "listen" if topology == "listen" else "dialin") as (c, s):
+        await bulk_bound(c, s)  # warm up zmq's context: its own fds stay
+    before = open_fds()
+    async with pair(tmp_path, topology) as (client, server):
+        await bulk_bound(client, server)
+        stub = client.with_options(transport="frames").stub()
+        assert (await stub.echo(torch.ones(LARGE, dtype=torch.uint8))).numel() == LARGE
+        bulk = client._io.bulk if topology == "dialin" else server._bulk
+        assert bulk.router is not None
+    for links in (client._io.bulk, server._bulk):
+        assert links.router is None
+        assert not links._dialed
+    await until(lambda: not open_fds() - before)
+    assert not list(tmp_path.glob("*.bulk"))  # noqa: ASYNC240 - a tiny directory
+
+
+async def test_a_killed_engine_leaves_no_bulk_connection(tmp_path: Path) -> None:
+    # The client dialed the engine's bulk endpoint; the engine is killed: the client's
+    # bulk connection to it goes with the session.
+    address = f"ipc://{tmp_path}/e.sock"
+    with EngineProcess("e1", workdir=tmp_path, bind=address, service="tensor") as engine:
+        async with Client(
+            TensorService, connect=engine.address(), heartbeat_interval=0.1
+        ) as client:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            await until(lambda: any(d.bound for d in client._io.bulk._dialed.values()))
+            engine.kill()
+            await until(lambda: not client.engines and not client._io.bulk._dialed)

@@ -1,0 +1,162 @@
+"""The bulk connection's rules (tensorrpc/_bulk.py, docs/design.md): sans-I/O, in memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorrpc._bulk import (
+    BULK_THRESHOLD,
+    TOKEN_BYTES,
+    BulkBinder,
+    EarlyCancels,
+    Pipe,
+    Voucher,
+    pipe_for,
+)
+from tensorrpc._protocol import MessageKind
+
+KEY_A = Voucher("curve", b"A" * 32)
+KEY_B = Voucher("curve", b"B" * 32)
+PROC_1 = Voucher("kernel", (1234, 1000, 99))
+PROC_2 = Voucher("kernel", (1235, 1000, 99))  # same user, another process
+TOKEN = bytes(range(TOKEN_BYTES))
+OTHER = bytes(TOKEN_BYTES)
+
+
+# -- rule 3: what goes on the bulk pipe -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [MessageKind.CALL, MessageKind.RESULT])
+def test_large_calls_and_unary_results_go_on_a_bound_bulk_pipe(kind: MessageKind) -> None:
+    assert pipe_for(kind, BULK_THRESHOLD, stream=False, bound=True) is Pipe.BULK
+    assert pipe_for(kind, BULK_THRESHOLD - 1, stream=False, bound=True) is Pipe.CONTROL
+    assert pipe_for(kind, BULK_THRESHOLD, stream=False, bound=False) is Pipe.CONTROL
+    assert pipe_for(kind, BULK_THRESHOLD, stream=True, bound=True) is Pipe.CONTROL
+
+
+@pytest.mark.parametrize(
+    "kind", [k for k in MessageKind if k not in (MessageKind.CALL, MessageKind.RESULT)]
+)
+def test_everything_else_stays_on_control(kind: MessageKind) -> None:
+    assert pipe_for(kind, 1 << 30, stream=False, bound=True) is Pipe.CONTROL
+
+
+# -- rule 2: binding --------------------------------------------------------------------------
+
+
+def bound(binder: BulkBinder, voucher: Voucher = KEY_A) -> None:
+    assert binder.offer("s1", b"epoch-1", voucher, TOKEN)
+    assert binder.opened("pipe-1") is None
+
+
+def test_the_same_key_with_the_token_binds_the_pipe_to_the_session() -> None:
+    binder = BulkBinder()
+    bound(binder)
+    got = binder.attach("pipe-1", b"epoch-1", TOKEN, KEY_A)
+    assert got.session == "s1"
+    assert binder.session_of("pipe-1") == "s1"
+    assert binder.pipe_of("s1") == "pipe-1"
+
+
+def test_the_same_process_binds_over_ipc() -> None:
+    binder = BulkBinder()
+    bound(binder, PROC_1)
+    assert binder.attach("pipe-1", b"epoch-1", TOKEN, PROC_1).session == "s1"
+
+
+@pytest.mark.parametrize(
+    ("control", "bulk"), [(KEY_A, KEY_B), (PROC_1, PROC_2), (KEY_A, PROC_1), (PROC_1, KEY_A)]
+)
+def test_a_relayed_token_does_not_bind_and_is_spent(control: Voucher, bulk: Voucher) -> None:
+    # A third party that learnt the token cannot attach: the key or the kernel says it
+    # is not the session's peer. The token is then spent: the peer itself cannot use it.
+    binder = BulkBinder()
+    bound(binder, control)
+    got = binder.attach("pipe-1", b"epoch-1", TOKEN, bulk)
+    assert got.session is None
+    assert "not vouched for" in got.refused
+    assert binder.session_of("pipe-1") is None
+    assert binder.opened("pipe-2") is None
+    assert binder.attach("pipe-2", b"epoch-1", TOKEN, control).session is None
+
+
+def test_nothing_vouches_over_plain_tcp_so_no_bulk_path() -> None:
+    binder = BulkBinder()
+    assert not binder.offer("s1", b"epoch-1", Voucher("none"), TOKEN)
+    assert binder.opened("pipe-1") is None
+    assert binder.attach("pipe-1", b"epoch-1", TOKEN, Voucher("none")).session is None
+
+
+def test_a_wrong_token_is_refused_and_does_not_spend_the_right_one() -> None:
+    binder = BulkBinder()
+    bound(binder)
+    assert binder.attach("pipe-1", b"epoch-1", OTHER, KEY_A).refused == "wrong bulk token"
+    assert binder.opened("pipe-2") is None
+    assert binder.attach("pipe-2", b"epoch-1", TOKEN, KEY_A).session == "s1"
+
+
+def test_one_attach_per_pipe_and_one_pipe_per_session() -> None:
+    binder = BulkBinder()
+    bound(binder)
+    assert binder.attach("pipe-1", b"epoch-1", TOKEN, KEY_A).session == "s1"
+    assert binder.attach("pipe-1", b"epoch-1", TOKEN, KEY_A).session is None  # again
+    assert binder.attach("never-opened", b"epoch-1", TOKEN, KEY_A).refused == "unknown bulk pipe"
+    # A new epoch of the same session may attach one pipe again, with its new token;
+    # the old pipe is the shell's to close.
+    assert binder.offer("s1", b"epoch-2", KEY_A, OTHER)
+    assert binder.session_of("pipe-1") is None
+    assert binder.opened("pipe-2") is None
+    assert binder.attach("pipe-2", b"epoch-1", TOKEN, KEY_A).session is None  # old epoch
+    assert binder.opened("pipe-3") is None
+    assert binder.attach("pipe-3", b"epoch-2", OTHER, KEY_A).session == "s1"
+
+
+def test_a_lost_or_forgotten_pipe_unbinds() -> None:
+    binder = BulkBinder()
+    bound(binder)
+    binder.attach("pipe-1", b"epoch-1", TOKEN, KEY_A)
+    assert binder.pipe_lost("pipe-1") == "s1"
+    assert binder.pipe_of("s1") is None
+    assert binder.pipe_lost("pipe-1") is None
+    assert binder.offer("s2", b"epoch-9", KEY_B, TOKEN)
+    assert binder.opened("pipe-9") is None
+    binder.attach("pipe-9", b"epoch-9", TOKEN, KEY_B)
+    assert binder.forget("s2") == "pipe-9"
+    assert binder.session_of("pipe-9") is None
+
+
+def test_tables_are_capped() -> None:
+    binder = BulkBinder(max_sessions=2, max_unbound=2)
+    for i in range(3):
+        assert binder.offer(f"s{i}", f"e{i}".encode(), KEY_A, TOKEN)
+    assert binder.opened("p0") is None
+    assert binder.opened("p1") is None
+    assert binder.opened("p2") == "p0"  # the oldest unbound pipe is closed
+    assert binder.attach("p1", b"e0", TOKEN, KEY_A).session is None  # the oldest offer went
+    assert binder.attach("p2", b"e2", TOKEN, KEY_A).session == "s2"
+
+
+def test_tokens_have_one_size() -> None:
+    with pytest.raises(ValueError, match="16 bytes"):
+        BulkBinder().offer("s1", b"e", KEY_A, b"short")
+
+
+# -- rule 4: a CANCEL that overtook its CALL ------------------------------------------------
+
+
+def test_a_call_whose_cancel_came_first_is_dropped_once() -> None:
+    early = EarlyCancels(limit=2)
+    early.cancelled(7)
+    assert early.take(7)
+    assert not early.take(7)
+    assert not early.take(8)
+
+
+def test_early_cancels_are_bounded_oldest_first() -> None:
+    early = EarlyCancels(limit=2)
+    for call_id in (1, 2, 3):
+        early.cancelled(call_id)
+    assert len(early) == 2
+    assert not early.take(1)
+    assert early.take(2)
+    assert early.take(3)
