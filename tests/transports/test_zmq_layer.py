@@ -720,7 +720,7 @@ def count_events_reads(sock: AsyncSocket) -> list[int]:
             reads.append(option)
         return get(option)
 
-    sock._get = counting  # type: ignore[method-assign]
+    sock._get = counting
     sock._waiter._get = counting
     return reads
 
