@@ -6,10 +6,10 @@ descriptor is *edge-triggered* and shared by reads and writes: it becomes readab
 the socket's internal mailbox has commands, and any ``send``, ``recv`` or ``EVENTS`` read
 may consume that edge. The rules this module follows:
 
-1. A send is tried first with ``NOBLOCK``. A receive right after one that got a message
-   is tried at once (messages come in runs); otherwise it first reads ``EVENTS`` (a
-   failed receive raises, which costs twice a read of ``EVENTS``, itself two system
-   calls). Only when that fails do we wait.
+1. A send is tried first with ``NOBLOCK``. A receive in a run (the last two receives got
+   a message) is tried at once; any other first reads ``EVENTS`` (two system calls; a
+   failed receive costs the same and raises, twice the cost in all), so a lone message,
+   as a sequential call's, costs no failed receive. Only when that fails do we wait.
 2. Before waiting on the FD we read ``EVENTS``; we never wait while it already shows the
    condition we want (the classic lost wake-up).
 3. On asyncio the FD is registered once per socket with ``loop.add_reader`` and stays
@@ -696,8 +696,8 @@ class AsyncSocket:
         "_fd",
         "_get",
         "_handshakes",
-        "_hot",
         "_on_close",
+        "_run",
         "_since",
         "_sock",
         "_streak",
@@ -721,8 +721,8 @@ class AsyncSocket:
         self._closed = False
         self._waiter = _FdWaiter(self._fd, self._get)
         self._streak = 0
-        # The last receive got a message (rule 1).
-        self._hot = False
+        # Receives in a row that got a message (rule 1).
+        self._run = 0
         # When this socket's user resumed after it last waited or yielded: ``inf`` until
         # its next operation (the budget restarts when the wait or yield *ends*).
         self._since = math.inf
@@ -939,17 +939,18 @@ class AsyncSocket:
         self._check_open()
         waiter = self._waiter
         try:
-            if self._hot:  # rule 1: right after a message, try the next one at once
+            if self._run >= 2:  # rule 1: in a run of messages, try the next one at once
                 try:
                     return self._took(self._recv_frames())
                 except zmq.Again:
-                    self._hot = False
+                    self._run = 0
                 # The failed receive read the commands: only a waiter needs EVENTS.
                 events = self._get(_EVENTS) if waiter.fd_mask or waiter.amask else 0
             else:
                 events = self._get(_EVENTS)
                 if events & _POLLIN:
                     return self._took(self._recv_frames())
+                self._run = 0
         except zmq.Again:
             self._after_op()
             raise anyio.WouldBlock from None
@@ -961,7 +962,7 @@ class AsyncSocket:
         raise anyio.WouldBlock
 
     def _took(self, frames: list[zmq.Frame]) -> list[zmq.Frame]:
-        self._hot = True
+        self._run += 1
         self._after_op()
         return frames
 
@@ -996,13 +997,14 @@ class AsyncSocket:
         get = self._get
         while True:
             try:
-                if self._hot:  # rule 1: right after a message, try the next one at once
+                if self._run >= 2:  # rule 1: in a run of messages, try the next at once
                     try:
                         return self._took(self._recv_frames())
                     except zmq.Again:
-                        self._hot = False
+                        self._run = 0
                 events = get(_EVENTS)
                 if not events & _POLLIN:
+                    self._run = 0
                     await self._wait(_POLLIN, events)
                     continue
                 return self._took(self._recv_frames())
