@@ -19,6 +19,7 @@ import contextlib
 import functools
 import threading
 import weakref
+from collections.abc import AsyncIterable, Iterable
 from types import MappingProxyType, TracebackType
 from typing import (
     TYPE_CHECKING,
@@ -35,6 +36,7 @@ from typing import (
 )
 
 import anyio
+import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from tensorrpc._client import CallStream, CallView, Client, ClientStatistics, EngineInfo
@@ -147,6 +149,50 @@ class _Runner:
                 with contextlib.suppress(RuntimeError):  # the loop already ended
                     self.portal.call(self.portal.stop, True)
             self._thread.join(timeout=CLOSE_TIMEOUT)
+
+
+_Args = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+async def _pulled_in_thread(items: Iterable[Any]) -> AsyncIterator[Any]:
+    """The caller's plain iterable as request items, each pulled in a worker thread (so
+    that a slow or blocking iterator never stalls the client's loop)."""
+    iterator = iter(items)
+    done = object()
+    while True:
+        item = await anyio.to_thread.run_sync(next, iterator, done)
+        if item is done:
+            return
+        yield item
+
+
+def _threaded(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Args:
+    """A request-streaming call's one argument, an iterable, pulled in a worker thread."""
+    if len(args) == 1 and not kwargs and _plain(args[0]):
+        return (_pulled_in_thread(args[0]),), kwargs
+    if not args and len(kwargs) == 1:
+        ((name, items),) = kwargs.items()
+        if _plain(items):
+            return (), {name: _pulled_in_thread(items)}
+    return args, kwargs  # the async client says what is wrong with them
+
+
+def _plain(items: object) -> bool:
+    return isinstance(items, Iterable) and not isinstance(items, str | bytes | AsyncIterable)
+
+
+def _as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Args:
+    return args, kwargs
+
+
+def _request_items(
+    runner: _Runner, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _Args:
+    """``method``'s arguments, its request items pulled in a worker thread if it takes them."""
+    spec = runner.client.service.methods.get(getattr(method, "__name__", ""))
+    if spec is None or not spec.request_streaming:
+        return args, kwargs
+    return _threaded(args, kwargs)
 
 
 class _ClosesOnExit:
@@ -316,7 +362,7 @@ class BlockingCallView(Generic[S]):
     ) -> R: ...
 
     def call(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Call one unary method and wait for its result, typed from the service's method.
+        """Call one method with one result and wait for it, typed from the service's method.
 
         ``client.call(Calculator.add, 1, 2)`` checks the arguments against
         ``Calculator.add`` and returns its result type. Interrupting the wait (Ctrl-C)
@@ -330,13 +376,70 @@ class BlockingCallView(Generic[S]):
         Returns:
             The method's result.
 
+        A client-streaming method takes a plain iterable of its request items
+        (``client.call(Files.upload, chunks)``), pulled in a worker thread as the engine's
+        credit allows.
+
         Raises:
             TypeError: ``method`` is not a unary method of this client's service.
             ClosedError: The client is closed.
             TensorRPCError: As [`CallView.call`][tensorrpc.CallView.call].
         """
         view = self._view
+        args, kwargs = _request_items(self._runner, method, args, kwargs)
         return self._runner.run(functools.partial(view.call, method, *args, **kwargs))
+
+    @overload
+    def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], Awaitable[R]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[R, Mapping[str, str]]: ...
+
+    @overload
+    def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], AsyncIterator[Any]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> NoReturn: ...
+
+    @overload
+    def call_with_metadata(
+        self,
+        method: Callable[Concatenate[Any, P], R],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> tuple[R, Mapping[str, str]]: ...
+
+    def call_with_metadata(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """`call`, also returning the response metadata the engine sent with the result.
+
+        ``value, metadata = client.call_with_metadata(Greeter.hello, "ada")``; the metadata
+        is empty when the engine sent none (docs/context.md).
+
+        Args:
+            method: The method, taken from the service class.
+            *args: Positional arguments.
+            **kwargs: Keyword arguments.
+
+        Returns:
+            ``(result, response metadata)``.
+
+        Raises:
+            TypeError: ``method`` is not a unary method of this client's service.
+            ClosedError: The client is closed.
+            TensorRPCError: As
+                [`CallView.call_with_metadata`][tensorrpc.CallView.call_with_metadata].
+        """
+        view = self._view
+        args, kwargs = _request_items(self._runner, method, args, kwargs)
+        call = functools.partial(view.call_with_metadata, method, *args, **kwargs)
+        return self._runner.run(call)
 
     def stream(
         self,
@@ -355,12 +458,18 @@ class BlockingCallView(Generic[S]):
         Returns:
             The stream of items, a plain iterator.
 
+        A bidirectional method takes a plain iterable of its request items
+        (``client.stream(Chat.talk, lines)``), pulled in a worker thread as the engine's
+        credit allows while the response is read.
+
         Raises:
             TypeError: ``method`` is not a streaming method of this client's service.
             ClosedError: The client is closed.
         """
         view = self._view
-        return _open_stream(self._runner, functools.partial(view.stream, method, *args, **kwargs))
+        given, named = _request_items(self._runner, method, args, kwargs)
+        start: Callable[[], CallStream[T]] = functools.partial(view.stream, method, *given, **named)
+        return _open_stream(self._runner, start)
 
     def broadcast(self, method: str, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call a unary method on every live engine concurrently; ``{engine id: result}``.
@@ -445,14 +554,17 @@ class _BlockingStub(BlockingStub[Any]):
         async_fn: Callable[..., Any] = getattr(self._async_stub, name)
         runner = self._runner
         fn: Callable[..., Any]
+        threaded = _threaded if method.request_streaming else _as_given
         if method.streaming:
 
             def fn(*args: Any, **kwargs: Any) -> BlockingStream[Any]:
+                args, kwargs = threaded(args, kwargs)
                 return _open_stream(runner, functools.partial(async_fn, *args, **kwargs))
 
         else:
 
             def fn(*args: Any, **kwargs: Any) -> Any:
+                args, kwargs = threaded(args, kwargs)
                 return runner.run(functools.partial(async_fn, *args, **kwargs))
 
         fn.__name__ = name

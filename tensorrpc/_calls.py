@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from tensorrpc._exceptions import EngineDeadError, RemoteProtocolError
 from tensorrpc._protocol import MessageKind
+from tensorrpc._streams import RequestCredit
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -123,6 +124,7 @@ class Call:
 
     __slots__ = (
         "call_id",
+        "counted",
         "credit",
         "engine",
         "error",
@@ -135,6 +137,7 @@ class Call:
         "reply_kind",
         "reply_metadata",
         "reply_payload",
+        "request",
         "spec",
         "state",
         "waiter",
@@ -157,11 +160,16 @@ class Call:
         #: Streams only: items received and not yet taken; the credit.
         self.items: collections.deque[tuple[Buffer, Sequence[Buffer]]] | None = None
         self.credit: StreamCredit | None = None
+        #: Calls whose request is a stream: the request items' credit.
+        self.request: RequestCredit | None = None
         self.lease: int | None = None
         self.placed = (0, 0)
         self.releases: tuple[int, ...] = ()
         #: What the client's observer watches of this call (None: no observer).
         self.observed: Any = None
+        #: The client's counters of this call and when it was sent, until the caller's
+        #: end is counted (`ClientProtocol.call_ended`).
+        self.counted: tuple[Any, float] | None = None
 
     @property
     def ended(self) -> bool:
@@ -209,6 +217,8 @@ class CallTable:
         if stream:
             call.items = collections.deque()
             call.credit = StreamCredit(window)
+        if spec.request_streaming:
+            call.request = RequestCredit(engine.info.stream_window)
         self._calls[call_id] = call
         engine.calls.add(call_id)
         engine.calls_total += 1

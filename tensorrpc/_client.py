@@ -174,6 +174,7 @@ class Client(CallView[S]):
         "_by_name",
         "_call",
         "_curve",
+        "_ended",
         "_io",
         "_method",
         "_next_item",
@@ -265,6 +266,7 @@ class Client(CallView[S]):
         self._start_stream = runner.start_stream
         self._next_item = runner.next_item
         self._abandon = io.abandon
+        self._ended = runner.ended
         self._orphans = io.orphans
 
     @classmethod
@@ -716,16 +718,11 @@ def _statistics(
     protocol: ClientProtocol, retries: int, transports: TransportStatistics
 ) -> ClientStatistics:
     table = protocol.engines
+    counted = protocol.counters.engines
     engines: dict[str, EngineStatistics] = {}
     for engine_id, past in table.past.items():
         engines[engine_id] = EngineStatistics(
-            engine_id,
-            False,
-            past.calls,
-            past.errors,
-            0,
-            past.bytes_sent,
-            past.bytes_received,
+            engine_id, False, past.calls, past.errors, 0, past.bytes_sent, past.bytes_received
         )
     for engine_id, e in table.engines.items():
         before = engines.get(engine_id) or EngineStatistics(engine_id, False, 0, 0, 0, 0, 0)
@@ -738,6 +735,10 @@ def _statistics(
             e.bytes_sent + before.bytes_sent,
             e.bytes_received + before.bytes_received,
         )
+    for engine_id, stats in engines.items():
+        counters = counted.get(engine_id)
+        if counters is not None:
+            engines[engine_id] = replace(stats, **counters.snapshot())
     return ClientStatistics(
         engines=MappingProxyType(dict(sorted(engines.items()))),
         calls_in_flight=len(protocol.calls),

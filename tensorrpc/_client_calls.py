@@ -11,6 +11,7 @@ wake-ups and the clock belong to `tensorrpc._client_io.ClientIO`.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -33,6 +34,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._protocol import Flags, MessageKind
 from tensorrpc._service import schemaless_method
+from tensorrpc._stream_io import RequestSource, request_source, send_request
 from tensorrpc._views import CallOptions
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ _U32_MAX = 0xFFFF_FFFF
 _RETRY_MIN_S = 0.001
 _RETRY_MAX_S = 0.05
 _STREAM_FLAG = int(Flags.STREAM)
+_REQUEST_STREAM_FLAG = int(Flags.REQUEST_STREAM)
 _NO_WAIT_FLAG = int(Flags.NO_WAIT)
 _SHM_RESULTS_FLAG = int(Flags.SHM_RESULTS)
 _SHM_RESULTS_ALL_FLAG = int(Flags.SHM_RESULTS_ALL)
@@ -358,34 +361,50 @@ class CallRunner:
                 f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
             )
             error.__cause__ = exc
+            self.ended(call, error)
             return error  # the engine is lost: it drops our leases itself
         self._protocol.call_unsent(call, self._io.now())
         if not call.ended:
             self._io.abandon(call, error=True)
         else:
             self._io.flush()
-        if call.observed is not None:  # observe: the CALL could not be sent
-            call.observed.finished(_observe.outcome_of(exc), 0)
+        self.ended(call, exc)
         return exc
 
+    def ended(self, call: Call, exc: BaseException | None) -> None:
+        """The caller is done with ``call`` (``exc``: how it failed): count its outcome
+        and tell its observer, once."""
+        outcome = _observe.outcome_of(exc)
+        observed = call.observed
+        if self._protocol.call_ended(call, outcome, self._io.now()) and observed is not None:
+            observed.finished(outcome, 0 if call.stream else _observe.reply_bytes(call))
+
     async def _result(self, call: Call) -> Any:
-        """Wait for a unary call's reply and decode it (in the caller's task)."""
+        """Wait for a unary call's reply and decode it (in the caller's task); count its
+        end."""
         waiters = self._io.waiters
         assert waiters is not None
         try:
             await waiters.wait(call.waiter)
-        except BaseException:
+        except BaseException as exc:
             if not call.ended:
                 self._io.abandon(call, error=True)
             elif call.reply_kind is _RESULT:  # it came, but nobody will decode it
                 self._io.event(Dropped(call.engine, call.reply_payload, call.reply_buffers))
                 self._io.flush()
+            self.ended(call, exc)
             raise
-        if call.error is not None:
-            raise call.error
-        if call.reply_kind is not _RESULT:
-            raise reply_error(call.reply_payload)
-        return self._decode(call, call.reply_payload, call.reply_buffers)
+        try:
+            if call.error is not None:
+                raise call.error
+            if call.reply_kind is not _RESULT:
+                raise reply_error(call.reply_payload)
+            value = self._decode(call, call.reply_payload, call.reply_buffers)
+        except BaseException as exc:
+            self.ended(call, exc)
+            raise
+        self.ended(call, None)
+        return value
 
     def _decode(self, call: Call, payload: Buffer, buffers: Sequence[Buffer]) -> Any:
         """Decode a RESULT or stream item and release the torch_shm leases it carried."""
@@ -414,6 +433,10 @@ class CallRunner:
         encoded: _codec.Encoded | None = None,
         details: ClientCall | None = None,
     ) -> Any:
+        if spec.request_streaming:
+            return await self._call_streamed(
+                spec, request_source(spec, args, kwargs), options, details
+            )
         # Open? `_start` checks (after encoding the arguments).
         wire = None if encoded is not None else spec.encode_args(args, kwargs)
         flags = 0 if options.wait else _NO_WAIT_FLAG
@@ -457,8 +480,6 @@ class CallRunner:
         while True:
             call = await self._start(spec, wire, encoded, options, deadline, flags, details)
             try:
-                if call.observed is not None:  # observe: the unary call ends
-                    return await _observe.observe_result(call.observed, self._result(call), call)
                 return await self._result(call)
             except TensorTransportError:
                 if call.reply_kind is not _ERROR or not call.placed[0] or wire is None:
@@ -480,23 +501,57 @@ class CallRunner:
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, _RETRY_MAX_S)
 
+    async def _call_streamed(
+        self,
+        spec: MethodSpec,
+        source: RequestSource,
+        options: CallOptions,
+        details: ClientCall | None,
+    ) -> Any:
+        """A call whose request is a stream and whose response one value (no retries:
+        the caller's items cannot be taken twice)."""
+        timeout = options.timeout
+        deadline = None if timeout is None else self._io.now() + timeout
+        with anyio.move_on_after(math.inf if timeout is None else timeout):
+            call = await self.start_stream(spec, source, options, deadline, None, details)
+            return await self._result(call)
+        self._raise_absent(spec, options, timeout or 0.0)
+        raise CallTimeoutError(f"{spec.qualname} did not complete within {timeout} s")
+
     async def start_stream(
         self,
         spec: MethodSpec,
-        wire: list[Any] | None,
+        wire: list[Any] | RequestSource | None,
         options: CallOptions,
         deadline: float | None,
         encoded: _codec.Encoded | None = None,
         details: ClientCall | None = None,
     ) -> Call:
+        """Start a call whose request or response is a stream (``wire``: the arguments,
+        or the request items of a request stream)."""
         self._io.check_open()
-        flags = _STREAM_FLAG if options.wait else _STREAM_FLAG | _NO_WAIT_FLAG
+        flags = _STREAM_FLAG if spec.streaming else 0
+        if not options.wait:
+            flags |= _NO_WAIT_FLAG
+        source = None
+        if isinstance(wire, RequestSource):
+            source, wire = wire, []
+            flags |= _REQUEST_STREAM_FLAG
         if deadline is None:
-            return await self._start(spec, wire, encoded, options, None, flags, details)
+            call = await self._start(spec, wire, encoded, options, None, flags, details)
+            return self._sending(call, source, options)
         with anyio.move_on_after(deadline - self._io.now()):
-            return await self._start(spec, wire, encoded, options, deadline, flags, details)
+            call = await self._start(spec, wire, encoded, options, deadline, flags, details)
+            return self._sending(call, source, options)
         self._raise_absent(spec, options, options.timeout or 0.0)
         raise CallTimeoutError(f"{spec.qualname} stream did not start within {options.timeout} s")
+
+    def _sending(self, call: Call, source: RequestSource | None, options: CallOptions) -> Call:
+        """Start the sender of a request stream's items (its own task)."""
+        if source is not None:
+            args = (self._io, call, source, options.compression, self._maxmsgsize)
+            self._io.spawn(send_request, *args)
+        return call
 
     async def next_item(self, call: Call, deadline: float | None) -> Any:
         items = call.items

@@ -46,6 +46,7 @@ from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
 from tensorrpc._logonce import Said
 from tensorrpc._release import later_if_large, nbytes
+from tensorrpc._streams import CreditGranted
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import (
     AsyncSocket,
@@ -60,7 +61,7 @@ from tensorrpc._zmq import (
 from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Coroutine, Sequence
 
     from typing_extensions import Buffer
 
@@ -169,6 +170,7 @@ class ClientIO:
         "policy",
         "protocol",
         "sock",
+        "tg",
         "tick",
         "tracked",
         "waiters",
@@ -211,6 +213,8 @@ class ClientIO:
         self.waiters: Waiters | None = None
         self.engines_changed: anyio.Event | None = None
         self.tick: anyio.Event | None = None
+        #: The client's task group (request streams' senders run in it).
+        self.tg: anyio.abc.TaskGroup | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -224,9 +228,16 @@ class ClientIO:
 
     def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the reader and timer tasks in ``tg``."""
+        self.tg = tg
         self.bulk.start(tg)  # its readers end when close() closes its sockets
         tg.start_soon(self._background, self._reader, name="tensorrpc client reader")
         tg.start_soon(self._background, self._housekeeping, name="tensorrpc client housekeeping")
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        """Run ``fn(*args)`` as a task of the client (a request stream's sender)."""
+        if self.tg is None:
+            raise ClosedError("the client is closed")
+        self.tg.start_soon(fn, *args)
 
     async def _background(self, fn: Callable[[], Awaitable[None]]) -> None:
         # Each background task runs in its own scope so that close() can stop them from
@@ -450,7 +461,11 @@ class ClientIO:
                 waiters.wake(token)
 
     def ended(self, call: Call) -> None:
-        """A call ended: free its argument lease and slot, wake its caller (and one waiter)."""
+        """A call ended: free its argument lease and slot, wake its caller (and one waiter);
+        a request stream's sender stops."""
+        request = call.request
+        if request is not None and request.scope is not None:
+            request.scope.cancel()
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
             self.policy.memory.release_one(self.protocol.take_lease(call))
@@ -598,6 +613,10 @@ class ClientIO:
                     self.policy.memory.release_one(protocol.take_lease(call))
                 assert self.waiters is not None
                 self.waiters.wake(call.waiter)
+        elif type(event) is CreditGranted:  # a request stream's sender may go on
+            waiter = event.call.request.waiter  # type: ignore[union-attr]
+            if waiter is not None and self.waiters is not None:
+                self.waiters.wake(waiter)
         elif event is not None:
             self.event(event)
         if protocol.pending:

@@ -44,9 +44,11 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
+from tensorrpc import _streams
 from tensorrpc._bulk import TOKEN_BYTES
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
+    MAX_PAST,
     Balancing,
     CapacityWaiters,
     Engine,
@@ -77,6 +79,7 @@ from tensorrpc._protocol import (
     pack_call_header,
     split_frames,
 )
+from tensorrpc._statistics import ClientCounters
 from tensorrpc.transports._peer import shm_terms
 from tensorrpc.transports._shm_handle import TRANSPORT_NAME
 
@@ -303,7 +306,8 @@ class Ignored:
 
 #: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
 Event = (
-    EngineJoined
+    _streams.CreditGranted
+    | EngineJoined
     | EngineLost
     | EngineRefused
     | CheckReachable
@@ -396,6 +400,8 @@ class ClientProtocol(Machine[bytes, Event]):
         self._held_by_lease: dict[int, tuple[bytes, int]] = {}
         self._returning: list[Engine] = []
         self._release_due = False
+        #: Calls, engine events and heartbeats per engine id (the only client counters).
+        self.counters = ClientCounters()
 
     # -- output ---------------------------------------------------------------------------
 
@@ -585,6 +591,7 @@ class ClientProtocol(Machine[bytes, Event]):
         )
         call.lease = lease
         call.placed = placed
+        call.counted = (self.counters.started(engine.engine_id, spec.name), now)
         releases: tuple[int, ...] = ()
         if engine.releases or returns:  # result leases we are done with: header, or RELEASE
             pending, engine.releases = engine.releases, []
@@ -602,6 +609,19 @@ class ClientProtocol(Machine[bytes, Event]):
             size += memoryview(buffer).nbytes
         engine.bytes_sent += size
         return call, [engine.peer, header, payload, *buffers]
+
+    def call_ended(self, call: Call, outcome: str, now: float) -> bool:
+        """The caller is done with ``call`` (result, error, or the stream's end or close),
+        with this outcome label (`tensorrpc._observe.outcome_of`): count it, once.
+
+        Returns:
+            False when its end was counted already.
+        """
+        counted, call.counted = call.counted, None
+        if counted is None:
+            return False
+        self.counters.ended(counted[0], outcome, now - counted[1])
+        return True
 
     def call_unsent(self, call: Call, now: float) -> None:
         """The CALL of ``call`` could not be sent: the result leases its header carried
@@ -737,6 +757,8 @@ class ClientProtocol(Machine[bytes, Event]):
         items = call.items
         assert items  # the shell waits until there is one
         item = items.popleft()
+        if call.counted is not None:
+            call.counted[0].items += 1
         credit = call.credit
         assert credit is not None
         if not call.ended:
@@ -879,8 +901,9 @@ class ClientProtocol(Machine[bytes, Event]):
     def _on_pong(
         self, peer: bytes, engine: Engine | None, header: Header, *rest: Any
     ) -> Event | None:
-        """A PONG: a heartbeat's tells the round trip."""
+        """A PONG: a heartbeat's tells the round trip (its nonce is when it was sent)."""
         if engine is not None and header.call_id > HEARTBEAT_NONCE:
+            self.counters.heartbeat(engine.engine_id, rest[1] - header.call_id / 1e9)
             return Pong(engine, header.call_id)
         return None
 
@@ -1059,6 +1082,8 @@ class ClientProtocol(Machine[bytes, Event]):
         if terms is not None:
             engine.welcome_transports = config.shm_transports
             engine.shm = ShmCapability(pid=terms.pid, to_engine=terms.send, from_engine=True)
+        seen = info.engine_id in self.engines.past
+        self.counters.event(info.engine_id, "rejoined" if seen else "joined")
         self.engines.add(engine)
         self.rejoining.rejoined(info.engine_id)
         rec = self._peers.get(peer)
@@ -1113,6 +1138,11 @@ class ClientProtocol(Machine[bytes, Event]):
                 del self._held_by_lease[self._held.pop(key)]
         calls = self.calls.fail_engine(engine, why)
         self.engines.remove(engine)  # after the calls: its counters include their errors
+        counters = self.counters
+        counters.event(engine.engine_id, "lost")
+        if len(counters.engines) > 2 * MAX_PAST:  # keep those of the ids still reported
+            table = self.engines
+            counters.prune({*table.past, *table.engines})
         rec = self._peers.get(engine.peer)
         if rec is not None and rec.engine is engine:
             rec.engine = None
@@ -1224,6 +1254,8 @@ def _engine_info(hello: Hello, address: str | None) -> EngineInfo:
         max_message_bytes=hello.max_message_bytes,
         dead_after_ms=hello.dead_after_ms,
         compression=hello.compression,
+        request_streaming=hello.request_streaming,
+        stream_window=hello.stream_window,
     )
 
 
@@ -1286,6 +1318,12 @@ TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
     _T(_S.LIVE, _REPLIES, "RESULT/ERROR/STREAM_ITEM/STREAM_END",
        "deliver to the call of that id sent to this engine, else drop (ending the "
        "argument lease kept for a call of that id we gave up on)", _S.LIVE),
+    _T(_S.LIVE, (_K.CREDIT,), "CREDIT for a request stream",
+       "add credit; wake the call's sender (another call, or none: drop)", _S.LIVE),
+    _T(_S.LIVE, (), "a request item is due",
+       "STREAM_ITEM(id) while credit lasts and the call has not ended", _S.LIVE),
+    _T(_S.LIVE, (), "the request stream is exhausted",
+       "STREAM_END(id) (the half-close), unless the call ended", _S.LIVE),
     _T(_S.LIVE, (_K.RELEASE,), "RELEASE",
        "end the argument leases it names that were kept for calls we gave up on; refuse "
        "and count any other id", _S.LIVE),
@@ -1317,6 +1355,7 @@ _DISPATCH: Final[dict[tuple[PeerState, MessageKind], _Handler]] = {
     (_S.LIVE, _K.PING): _P._on_ping,
     (_S.LIVE, _K.PONG): _P._on_pong,
     (_S.LIVE, _K.RELEASE): _P._on_release_message,
+    (_S.LIVE, _K.CREDIT): _streams.on_engine_credit,
     (_S.LIVE, _K.BYE): _P._on_bye,
     (_S.LIVE, _K.REJECT): _P._on_reject_message,
 }

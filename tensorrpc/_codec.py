@@ -299,7 +299,8 @@ class _Encoder(_Replaying):
             return self._ndarray(obj)
         raise EncodeError(f"cannot encode a value of type {_type_name(obj)}")
 
-    def _check_count(self) -> None:
+    def _one_more(self) -> None:
+        self._count += 1
         if self._count > self._config.max_tensors:
             raise EncodeError(
                 f"message has more than max_tensors={self._config.max_tensors} tensors"
@@ -317,9 +318,7 @@ class _Encoder(_Replaying):
             )
 
     def _tensor(self, tensor: torch.Tensor) -> ormsgpack.Ext:
-        self._count += 1
-        if self._count > self._config.max_tensors:
-            self._check_count()
+        self._one_more()
         name = _TORCH_NAMES.get(tensor.dtype)
         if name is None or tensor.layout is not _STRIDED or tensor.is_nested:
             raise EncodeError(_tensor_kind_error(tensor))
@@ -372,8 +371,7 @@ class _Encoder(_Replaying):
         return ormsgpack.packb([name, shape, _FRAME, len(self.buffers) - 1])
 
     def _ndarray(self, array: np.ndarray[Any, Any]) -> ormsgpack.Ext:
-        self._count += 1
-        self._check_count()
+        self._one_more()
         if isinstance(array, np.ma.MaskedArray):
             raise EncodeError("cannot encode a numpy masked array; use .filled() or send the mask")
         dtype = array.dtype
@@ -714,35 +712,26 @@ class _Decoder(_Replaying):
         """A tensor (or array) on bytes sent inline or in a frame (descriptor checked)."""
         torch_dtype, np_dtype, itemsize, align = entry
         nbytes = numel * itemsize
-        inline = b""
-        frame: memoryview | None = None
+        data: bytes | memoryview
         if loc == _INLINE:
             if type(ref) is not bytes:
                 raise DecodeError("inline tensor data must be bytes")
-            inline = ref
-            got = len(ref)
+            data = ref
         else:
-            frame = self._located(loc, ref, nbytes)
-            got = frame.nbytes
-        if got != nbytes:
+            data = self._located(loc, ref, nbytes)
+        if len(data) != nbytes:
             raise DecodeError(
                 f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
-                f"got {got}"
+                f"got {len(data)}"
             )
         if numel == 0:
             if as_numpy:
                 return np.empty(shape, dtype=np_dtype)
             return torch.empty(0, dtype=torch.uint8).view(torch_dtype).reshape(shape)
         # torch has no read-only tensors (frombuffer would warn and hand out a tensor that
-        # can write to immutable memory), so read-only bytes are copied once; numpy
-        # follows suit. Inline bytes (`bytes`) always are.
-        view: memoryview | bytearray
-        if frame is None:
-            view = bytearray(inline)
-        elif frame.readonly:
-            view = memoryview(bytearray(frame))
-        else:
-            view = frame
+        # can write to immutable memory), so read-only bytes (inline ones too) are copied
+        # once; numpy follows suit.
+        view = data if type(data) is memoryview and not data.readonly else bytearray(data)
         if np_dtype is None or (not as_numpy and len(shape) == 1):
             return _torch_on(view, torch_dtype, align, shape)
         array: np.ndarray[Any, Any] = np.frombuffer(view, dtype=np_dtype)

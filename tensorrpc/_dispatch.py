@@ -56,6 +56,7 @@ from tensorrpc._protocol import Flags
 from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as release_threshold
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
+from tensorrpc._stream_io import RequestItems
 from tensorrpc._zmq import Waiters, loop_clock
 from tensorrpc.transports._shm_memory import LeaseCollector
 
@@ -306,6 +307,8 @@ class Dispatcher:
         args = self._decode(call)
         if args is None:
             return
+        if call.request is not None:  # the handler's one argument: its request items
+            args.append(RequestItems(self._proto, call, self._codec, self._flush))
         self._proto.started(call, self._now())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
@@ -532,7 +535,7 @@ class Dispatcher:
 
     async def _reply(self, call: Call) -> None:
         """Answer a unary call from its outcome (nothing if the client gave up on it)."""
-        if _gone(call):
+        if _gone(call) or self._refused_item(call):
             return
         if call.failure is not None:
             self._reply_exception(call, call.failure)
@@ -553,6 +556,16 @@ class Dispatcher:
                 placer.abort()
             return
         await self._send_encoded(call, frames, encoded)
+
+    def _refused_item(self, call: Call) -> bool:
+        """A request item was refused: the call's answer is that ERROR, whatever the
+        handler made of it."""
+        request = call.request
+        if request is None or request.refused is None:
+            return False
+        code, message, path = request.refused
+        self._error(call, code, message, path=path)
+        return True
 
     def _reply_exception(self, call: Call, exc: BaseException) -> None:
         if isinstance(exc, ItemRefused):  # batching: the batcher ended the item
@@ -623,7 +636,7 @@ class Dispatcher:
                         except Exception:
                             logger.exception("%s failed to close", call.spec.qualname)
         call.scope = None
-        if call.cancelled or call.answered:
+        if call.cancelled or call.answered or self._refused_item(call):
             return
         if failure is not None:
             self._reply_exception(call, failure)

@@ -87,6 +87,9 @@ class EngineInfo:
         dead_after_ms: How long the engine waits without hearing from this client before
             it forgets it.
         compression: Compression codecs the engine decodes (``"zstd"``); empty: none.
+        request_streaming: The names of the methods whose request is a stream.
+        stream_window: Request stream items the client may send per stream before it
+            needs the engine's CREDIT.
     """
 
     engine_id: str
@@ -105,6 +108,8 @@ class EngineInfo:
     max_message_bytes: int = 0
     dead_after_ms: int = 5000
     compression: tuple[str, ...] = ()
+    request_streaming: tuple[str, ...] = ()
+    stream_window: int = 16
 
 
 def check_hello(

@@ -1,38 +1,23 @@
-"""Observation hooks: what clients and engines tell observers (metrics, traces, ``top``).
+"""Observation hooks: what clients and engines tell observers (tracing, your own).
 
-A [`Client`][tensorrpc.Client] and a [`Server`][tensorrpc.Server] hold one
-[`Observer`][tensorrpc.Observer] or ``None`` (the default: then every call site is one
-``is not None`` test and nothing else). The call sites, in the order a call meets them:
-
-client
-    ``opened``/``closed`` (entering and closing the client); ``client_call`` when a CALL
-    is sent (it may return a trace context for the header); the call's
-    ``CallObservation.item`` per stream item taken and ``finished`` when the caller gets
-    the result or the error; ``engine_event`` when an engine joins, rejoins or is lost;
-    ``heartbeat`` when an engine answers a heartbeat PING.
-engine
-    ``opened``/``closed``; ``engine_call`` when a CALL is accepted (with the trace context
-    it carried); ``started`` when its handler is about to run (after the arguments were
-    decoded, in the worker task that runs the handler); ``item`` per stream item sent;
-    ``error`` when an ERROR reply goes out for it; ``finished`` when its worker lets go of
-    it (same task as ``started``).
-
-Tracing (``tensorrpc.tracing``) builds on these hooks, and so do the client's Prometheus
-call counters; the counters of an engine are its own statistics (`tensorrpc._statistics`),
-which Prometheus, the built-in statistics method and ``tensorrpc top`` read. This module
-imports nothing outside the standard library and tensorrpc.
+A `Client` and a `Server` hold one `Observer` or ``None`` (the default: then every call
+site is one ``is not None`` test). The call sites are listed in docs/internals.md
+(``_observe.py``). Counting is not theirs: the counters of clients and engines are their
+machines' statistics (`tensorrpc._statistics`), which Prometheus, the built-in statistics
+method and ``tensorrpc top`` read. This module imports nothing outside the standard
+library and tensorrpc.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from tensorrpc import _exceptions as _e
 from tensorrpc._statistics import LATENCY_BUCKETS_PER_OCTAVE
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Callable, Sequence
 
     from tensorrpc._security import CurveConfig
 
@@ -47,7 +32,6 @@ __all__ = [
     "uninstall",
 ]
 
-T = TypeVar("T")
 
 #: The built-in engine method that answers with the engine's statistics (a map), read by
 #: ``tensorrpc top``. A dot never appears in a service's method names, so it cannot clash.
@@ -185,100 +169,58 @@ class Observer:
 # -- several observers --------------------------------------------------------------------
 
 
-class _FanoutCall(CallObservation):
-    __slots__ = ("_calls",)
+def _each(name: str) -> Any:
+    """A fan-out hook: call ``name`` on each of ``self``'s members."""
 
-    def __init__(self, calls: list[CallObservation]) -> None:
-        self._calls = calls
+    def hook(self: Any, *args: Any) -> None:
+        for member in self.members:
+            getattr(member, name)(*args)
+
+    return hook
+
+
+def _calls(name: str) -> Any:
+    """A fan-out hook that returns a `CallObservation`: the members', fanned out too."""
+
+    def hook(self: Any, *args: Any) -> CallObservation | None:
+        kept = [c for o in self.members if (c := getattr(o, name)(*args)) is not None]
+        if not kept:
+            return None
+        return kept[0] if len(kept) == 1 else _FanoutCall(kept)
+
+    return hook
+
+
+class _FanoutCall(CallObservation):
+    __slots__ = ("members",)
+
+    def __init__(self, members: list[CallObservation]) -> None:
+        self.members = members
 
     def trace_context(self) -> bytes:
-        for call in self._calls:
-            trace = call.trace_context()
-            if trace:
-                return trace
-        return b""
+        return next((t for c in self.members if (t := c.trace_context())), b"")
 
-    def started(self) -> None:
-        for call in self._calls:
-            call.started()
-
-    def item(self) -> None:
-        for call in self._calls:
-            call.item()
-
-    def error(self, code: str) -> None:
-        for call in self._calls:
-            call.error(code)
-
-    def finished(self, outcome: str, nbytes: int) -> None:
-        for call in self._calls:
-            call.finished(outcome, nbytes)
-
-
-def _fanout(calls: list[CallObservation | None]) -> CallObservation | None:
-    kept = [c for c in calls if c is not None]
-    if not kept:
-        return None
-    return kept[0] if len(kept) == 1 else _FanoutCall(kept)
+    started = _each("started")
+    item = _each("item")
+    error = _each("error")
+    finished = _each("finished")
 
 
 class _Fanout(Observer):
     """Several observers seen as one."""
 
-    __slots__ = ("observers",)
+    __slots__ = ("members",)
 
-    def __init__(self, observers: Sequence[Observer]) -> None:
-        self.observers = tuple(observers)
+    def __init__(self, members: Sequence[Observer]) -> None:
+        self.members = tuple(members)
 
-    def opened(self, target: Any) -> None:
-        for o in self.observers:
-            o.opened(target)
-
-    def closed(self, target: Any) -> None:
-        for o in self.observers:
-            o.closed(target)
-
-    def client_call(
-        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
-    ) -> CallObservation | None:
-        return _fanout(
-            [
-                o.client_call(service, method, engine, stream, nbytes, transport)
-                for o in self.observers
-            ]
-        )
-
-    def engine_call(
-        self,
-        service: str,
-        method: str,
-        engine: str,
-        client: str,
-        stream: bool,
-        trace: bytes,
-        nbytes: int,
-    ) -> CallObservation | None:
-        return _fanout(
-            [
-                o.engine_call(service, method, engine, client, stream, trace, nbytes)
-                for o in self.observers
-            ]
-        )
-
-    def engine_batch(
-        self, service: str, method: str, engine: str, size: int, items: Sequence[bytes]
-    ) -> CallObservation | None:
-        return _fanout(
-            [o.engine_batch(service, method, engine, size, items) for o in self.observers]
-        )
-
-    def engine_event(self, client: str, engine: str, event: str) -> None:
-        for o in self.observers:
-            o.engine_event(client, engine, event)
-
-    def heartbeat(self, client: str, engine: str, rtt: float) -> None:
-        for o in self.observers:
-            o.heartbeat(client, engine, rtt)
+    opened = _each("opened")
+    closed = _each("closed")
+    client_call = _calls("client_call")
+    engine_call = _calls("engine_call")
+    engine_batch = _calls("engine_batch")
+    engine_event = _each("engine_event")
+    heartbeat = _each("heartbeat")
 
 
 def combine(*observers: Observer | None) -> Observer | None:
@@ -286,7 +228,7 @@ def combine(*observers: Observer | None) -> Observer | None:
     flat: list[Observer] = []
     for o in observers:
         if isinstance(o, _Fanout):
-            flat.extend(o.observers)
+            flat.extend(o.members)
         elif o is not None:
             flat.append(o)
     flat = list(dict.fromkeys(flat))  # the same observer once
@@ -397,42 +339,12 @@ class _Reply(Protocol):
     reply_buffers: Sequence[Any]
 
 
-def message_bytes(payload: Any, buffers: Sequence[Any]) -> int:
-    """Bytes of a message's payload and tensor frames."""
-    n = memoryview(payload).nbytes
-    for b in buffers:
-        n += memoryview(b).nbytes
-    return n
-
-
 def reply_bytes(call: _Reply) -> int:
     """Bytes of the reply a client call holds (payload and tensor frames)."""
-    return message_bytes(call.reply_payload, call.reply_buffers)
-
-
-async def observe_result(observation: CallObservation, result: Awaitable[T], call: _Reply) -> T:
-    """Await a unary call's ``result`` and tell ``observation`` how it ended."""
-    try:
-        value = await result
-    except BaseException as exc:
-        observation.finished(outcome_of(exc), reply_bytes(call))
-        raise
-    observation.finished("ok", reply_bytes(call))
-    return value
-
-
-class _Observed(Protocol):
-    observed: CallObservation | None
-
-
-def stream_finished(call: _Observed | None, exc: BaseException | None) -> None:
-    """Client call site: a stream ended (``exc`` None: finished or closed early); once."""
-    if call is None:
-        return
-    observed = call.observed
-    if observed is not None:
-        call.observed = None
-        observed.finished(outcome_of(exc), 0)
+    n = memoryview(call.reply_payload).nbytes
+    for b in call.reply_buffers:
+        n += memoryview(b).nbytes
+    return n
 
 
 def client_call(

@@ -145,9 +145,11 @@ class MessageKind(IntEnum):
     RESULT = 6
     #: engine → client: the call failed; `ErrorInfo` body.
     ERROR = 7
-    #: engine → client: one item of a streaming call; codec payload (+ buffers).
+    #: either way: one item of a stream (engine → client: a response item; client →
+    #: engine: a request item of a call with ``REQUEST_STREAM``); codec payload (+ buffers).
     STREAM_ITEM = 8
-    #: engine → client: a streaming call finished normally; empty payload.
+    #: either way: a stream finished normally (engine → client: the response stream;
+    #: client → engine: the request stream, a half-close); empty payload.
     STREAM_END = 9
     #: either way: liveness probe; empty payload; ``call_id`` is an opaque nonce.
     PING = 10
@@ -155,7 +157,8 @@ class MessageKind(IntEnum):
     PONG = 11
     #: either way: the sender is leaving; `Bye` body.
     BYE = 12
-    #: client → engine: the consumer of a stream took ``n`` more items; `Credit` body.
+    #: either way: the consumer of a stream took ``n`` more items (client → engine: of a
+    #: response stream; engine → client: of a request stream); `Credit` body.
     CREDIT = 13
     #: client → engine: the client attached to the shared-memory tensors of these result
     #: leases (``torch_shm``); the engine may reuse their memory. `Release` body.
@@ -214,10 +217,14 @@ class Flags(IntFlag):
     #: The engine may compress the results' payload and tensor frames with a codec the
     #: client listed in WELCOME's ``compression`` (never what goes by ``torch_shm``).
     COMPRESS = 128
+    #: The call's request is a stream: STREAM_ITEMs from the client follow the CALL (as
+    #: the engine's CREDIT allows), ended by the client's STREAM_END (a half-close).
+    REQUEST_STREAM = 256
 
 
 _KNOWN_FLAGS: Final = int(
     Flags.STREAM
+    | Flags.REQUEST_STREAM
     | Flags.NO_WAIT
     | Flags.SHM_RESULTS
     | Flags.SHM_RESULTS_ALL
@@ -965,6 +972,12 @@ class Hello:
     dead_after_ms: int = 5000
     #: Compression codecs the engine can decode (empty: none): ``"zstd"``.
     compression: tuple[str, ...] = ()
+    #: The names of the methods whose request is a stream (client streaming, and
+    #: bidirectional when also in ``streaming``).
+    request_streaming: tuple[str, ...] = ()
+    #: Request stream items a client may send per stream before it needs the engine's
+    #: CREDIT.
+    stream_window: int = 16
     #: A listening engine's bulk endpoint (docs/design.md): the client may dial it and
     #: bind it to this session with ``bulk_token``; "" when there is none.
     bulk: str = ""
@@ -1102,6 +1115,8 @@ _SCHEMAS: Final[dict[type[Any], tuple[_Field, ...]]] = {
         ("epoch", "int", _U64_MAX),
         ("dead_after_ms", "int", _U32_MAX),
         ("compression", "names", MAX_NAME_CHARS),
+        ("request_streaming", "names", MAX_METHOD_BYTES),
+        ("stream_window", "int", _U32_MAX),
         ("bulk", "name", MAX_NAME_CHARS),
         ("bulk_token", "name", 64),
     ),
@@ -1436,12 +1451,15 @@ def decode_control(header: Header, payload: Buffer) -> ControlBody | None:
 
 
 def _check_hello_lists(hello: Hello, error: _ErrorType) -> None:
-    """One signature per method; only methods stream."""
+    """One signature per method; only methods stream; a request window of at least 1."""
     if len(hello.signatures) != len(hello.methods):
         raise error(
             f"Hello.signatures has {len(hello.signatures)} entries for "
             f"{len(hello.methods)} methods; one per method is required"
         )
-    stray = set(hello.streaming).difference(hello.methods)
-    if stray:
-        raise error(f"Hello.streaming names {len(stray)} entries that are not methods")
+    for name in ("streaming", "request_streaming"):
+        stray = set(getattr(hello, name)).difference(hello.methods)
+        if stray:
+            raise error(f"Hello.{name} names {len(stray)} entries that are not methods")
+    if hello.stream_window < 1:  # no request item could ever go, nor credit come back
+        raise error("Hello.stream_window must be at least 1")

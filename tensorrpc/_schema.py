@@ -180,19 +180,11 @@ class CompiledType:
         self.inline = inline
 
     def check(self, value: object, path: str) -> object:
-        """Validate a value about to be sent; return the value to put on the wire.
-
-        Raises:
-            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
-        """
+        """The value to put on the wire for ``value`` (a `ValidationError` under ``path``)."""
         return guarded(self.fast_check, "", path)(value)
 
     def from_wire(self, value: object, path: str) -> object:
-        """Validate a decoded wire value and build the typed Python value.
-
-        Raises:
-            ValidationError: ``value`` does not match; ``path`` prefixes the error's path.
-        """
+        """The typed value for a decoded one (a `ValidationError` under ``path``)."""
         return guarded(self.fast_from_wire, "", path)(value)
 
     def __repr__(self) -> str:
@@ -940,29 +932,32 @@ def _namedtuple_converters(
     """A ``NamedTuple`` travels as the array of its fields; it is rebuilt on receipt."""
     n = len(fields)
 
-    def each(v: Any, send: bool) -> list[Any]:
-        out = []
-        name = ""
-        try:
-            for f, x in zip(fields, v, strict=True):
-                name = f.name
-                out.append(f.check(x) if send else f.from_wire(x))
-        except _Invalid as exc:
-            exc.segments.append(name)
-            raise
-        return out
+    def named(convs: tuple[Converter, ...]) -> Converter:
+        apply = _tuple_apply(convs)
+
+        def each(v: Any) -> Any:
+            try:
+                return apply(v)
+            except _Invalid as exc:  # the failing index becomes the field's name
+                exc.segments[-1] = fields[exc.segments[-1]].name  # type: ignore[index]
+                raise
+
+        return each
+
+    checks = named(tuple(f.check for f in fields))
+    froms = named(tuple(f.from_wire for f in fields))
 
     def check(v: Any) -> Any:
         if not isinstance(v, cls):
             raise _Invalid(desc, v)
-        return tuple(each(v, True))  # ormsgpack encodes plain tuples only
+        return checks(v)  # a plain tuple: ormsgpack encodes no subclass
 
     def from_wire(v: Any) -> Any:
         if type(v) is not list and type(v) is not tuple:
             raise _Invalid(desc, v)
         if len(v) != n:
             raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
-        values = each(v, False)
+        values = froms(v)
         try:
             return cls(*values)
         except Exception as exc:
@@ -1134,14 +1129,6 @@ def _compile(tp: object, ctx: _Ctx, inside: str | None = None) -> CompiledType:
     by_origin = _BY_ORIGIN.get(origin)
     if by_origin is not None:
         return by_origin(tp, args, ctx, inside)
-    if tp is typing.Any:
-        raise _unsupported(tp, ctx, inside, "Any is not supported; annotate the concrete type")
-    if isinstance(tp, (str, typing.ForwardRef)):
-        raise _unsupported(tp, ctx, inside, "unresolved forward reference")
-    if tp in (list, tuple, dict):
-        raise _unsupported(
-            tp, ctx, inside, "parametrize it (list[int], tuple[int, ...], dict[str, float])"
-        )
     if isinstance(tp, type):
         if issubclass(tp, enum.Enum):
             return _enum_node(tp, ctx.where)
@@ -1228,6 +1215,12 @@ _ABSTRACT_SEQUENCES = {"Sequence", "MutableSequence", "Iterable", "Collection", 
 
 def _suggestion(tp: object, origin: object, args: tuple[object, ...]) -> str:
     """A hint for an unsupported annotation: what to write instead, when there is one."""
+    if tp is typing.Any:
+        return "Any is not supported; annotate the concrete type"
+    if isinstance(tp, (str, typing.ForwardRef)):
+        return "unresolved forward reference"
+    if tp in (list, tuple, dict):
+        return "parametrize it (list[int], tuple[int, ...], dict[str, float])"
     item = _type_name(args[0]) if len(args) == 1 else "T"
     if origin in (set, frozenset) or tp in (set, frozenset):
         return f"sets do not travel; use list[{item}] (or tuple[{item}, ...]) and convert"
@@ -1270,22 +1263,9 @@ def _hashable(tp: object) -> bool:
 def compile_type(
     tp: object, *, where: str, localns: Mapping[str, Any] | None = None
 ) -> CompiledType:
-    """Compile a resolved type annotation into a `CompiledType`.
-
-    Args:
-        tp: The annotation, already resolved (no strings), e.g. ``list[int]``.
-        where: What is being compiled, for error messages
-            (``"Calculator.add parameter 'x'"``).
-        localns: Extra names for resolving the string annotations of dataclass fields
-            (the namespace a service class was defined in).
-
-    Returns:
-        The compiled node.
-
-    Raises:
-        ServiceDefinitionError: ``tp`` (or a type nested in it) is not supported; the
-            message names ``where`` and the type.
-    """
+    """Compile a resolved annotation (``list[int]``); ``where`` names it in errors
+    (``"Calculator.add parameter 'x'"``), ``localns`` resolves the string annotations of
+    record fields. Raises `ServiceDefinitionError` for what is not supported."""
     if not _arrays_registered and ("torch" in sys.modules or "numpy" in sys.modules):
         _register_arrays()
     return _compile(tp, _Ctx(where, localns))

@@ -579,19 +579,18 @@ class ZapAuthenticator:
             return self._answer(request)
         except Exception:
             logger.exception("the ZAP handler failed on a request; refusing the handshake")
-            request_id = request[1] if len(request) > 1 else b""
-            return [_ZAP_VERSION, request_id, b"500", b"internal error", b"", b""]
+            return _zap_reply(request[1] if len(request) > 1 else b"", b"500", b"internal error")
 
     def _answer(self, request: list[bytes]) -> list[bytes]:
         if len(request) < 6 or request[0] != _ZAP_VERSION:
             logger.warning("malformed ZAP request refused (%d frames)", len(request))
             request_id = request[1] if len(request) > 1 else b""
-            return [_ZAP_VERSION, request_id, b"400", b"malformed request", b"", b""]
+            return _zap_reply(request_id, b"400", b"malformed request")
         _, request_id, raw_domain, address, _, mechanism, *credentials = request
         domain = raw_domain.decode("utf-8", "replace")
         peer = address.decode("utf-8", "replace")
         if mechanism == b"NULL":
-            return [_ZAP_VERSION, request_id, b"200", b"OK", b"anonymous", b""]
+            return _zap_reply(request_id, b"200", b"OK", b"anonymous")
         entry = self._domains.get(domain)
         if entry is None or mechanism != b"CURVE" or len(credentials) != 1:
             reason = "unknown domain" if entry is None else "only CURVE is accepted"
@@ -603,7 +602,7 @@ class ZapAuthenticator:
             )
             if entry is not None:
                 entry.denied += 1
-            return [_ZAP_VERSION, request_id, b"400", reason.encode(), b"", b""]
+            return _zap_reply(request_id, b"400", reason.encode())
         key = credentials[0]
         if entry.allowed is not None and key not in entry.allowed:
             entry.denied += 1
@@ -612,9 +611,14 @@ class ZapAuthenticator:
                 z85.encode(key).decode("ascii"),
                 peer,
             )
-            return [_ZAP_VERSION, request_id, b"400", b"unknown key", b"", b""]
+            return _zap_reply(request_id, b"400", b"unknown key")
         entry.accepted += 1
-        return [_ZAP_VERSION, request_id, b"200", b"OK", z85.encode(key), b""]
+        return _zap_reply(request_id, b"200", b"OK", z85.encode(key))
+
+
+def _zap_reply(request_id: bytes, status: bytes, text: bytes, user: bytes = b"") -> list[bytes]:
+    """A ZAP reply: version, request id, status code and text, user id, no metadata."""
+    return [_ZAP_VERSION, request_id, status, text, user, b""]
 
 
 def _server_domain(sock: zmq.Socket[bytes]) -> tuple[ZapAuthenticator, str]:
@@ -659,14 +663,8 @@ def auth_statistics(sock: zmq.Socket[bytes]) -> AuthStatistics:
     Raises:
         ValueError: The socket is not a tensorrpc CURVE server.
     """
-    domain = sock.getsockopt_string(zmq.ZAP_DOMAIN)
-    auth = ZapAuthenticator.for_context(sock.context)
-    if auth is None or not domain:
-        raise ValueError("the socket is not a tensorrpc CURVE server")
-    try:
-        return auth.statistics(domain)
-    except KeyError:
-        raise ValueError("the socket is not a tensorrpc CURVE server") from None
+    auth, domain = _server_domain(sock)
+    return auth.statistics(domain)
 
 
 # -- handshake failures (socket monitor events) ---------------------------------------------

@@ -187,6 +187,9 @@ class ServerConfig:
     max_strangers: int = 1024
     #: Most streams of one client waiting for credit at once; more end with OVERLOADED.
     max_parked_streams: int = 256
+    #: Request items a client may send per client-streaming or bidirectional call ahead
+    #: of the handler (HELLO's ``stream_window``); credit comes back as it takes them.
+    stream_window: int = 16
     #: An ``Observer`` (or several) told about every call this engine runs (see
     #: docs/observability.md); ``tensorrpc.metrics.exporter(port)`` exports Prometheus
     #: metrics over HTTP.
@@ -208,8 +211,8 @@ class ServerConfig:
         check_heartbeat(self.heartbeat_interval, self.dead_after)
         if self.grace_period < 0:
             raise ValueError("grace_period must not be negative")
-        if self.max_strangers < 1 or self.max_parked_streams < 1:
-            raise ValueError("max_strangers and max_parked_streams must be >= 1")
+        if self.max_strangers < 1 or self.max_parked_streams < 1 or self.stream_window < 1:
+            raise ValueError("max_strangers, max_parked_streams and stream_window must be >= 1")
         if self.shm_alias_unsealed not in ALIAS_SETTINGS:
             raise ValueError(f"shm_alias_unsealed must be one of {sorted(ALIAS_SETTINGS)}")
 
@@ -236,6 +239,7 @@ class ServerOptions(TypedDict, total=False):
     shm_trust_unattested: bool
     max_strangers: int
     max_parked_streams: int
+    stream_window: int
     observer: Observer | Sequence[Observer] | None
     compression: Compression | None
     interceptors: Sequence[ServerInterceptor]
@@ -348,6 +352,8 @@ def _protocol_settings(
         signatures=tuple(_hello_signature(m) for m in spec.methods.values()),
         max_message_bytes=max(0, maxmsgsize),
         compression=_compression.available(),
+        request_streaming=tuple(m.name for m in spec.methods.values() if m.request_streaming),
+        stream_window=cfg.stream_window,
     )
     return ProtocolSettings(
         hello=hello,

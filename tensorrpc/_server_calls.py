@@ -17,6 +17,7 @@ from tensorrpc._exceptions import ErrorCode
 from tensorrpc._metadata import EMPTY
 from tensorrpc._protocol import Flags
 from tensorrpc._statistics import MethodStatistics
+from tensorrpc._streams import RequestStream
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 _STREAM: Final = int(Flags.STREAM)
+_REQUEST_STREAM: Final = int(Flags.REQUEST_STREAM)
 _NO_WAIT: Final = int(Flags.NO_WAIT)
 # How the client wants its results: torch_shm, compressed (`ServerCall.results`).
 _RESULT_BITS: Final = int(Flags.SHM_RESULTS | Flags.SHM_RESULTS_ALL | Flags.COMPRESS)
@@ -55,7 +57,7 @@ ADMISSION: Final[tuple[tuple[str, ErrorCode], ...]] = (
     ("health method: not unary, tensors, or bad arguments", ErrorCode.INVALID_ARGUMENT),
     ("draining", ErrorCode.DRAINING),
     ("unknown method", ErrorCode.METHOD_NOT_FOUND),
-    ("stream flag does not match the method", ErrorCode.INVALID_ARGUMENT),
+    ("STREAM or REQUEST_STREAM flag does not match the method", ErrorCode.INVALID_ARGUMENT),
     ("NO_WAIT and every worker busy", ErrorCode.OVERLOADED),
     ("queue full", ErrorCode.OVERLOADED),
 )
@@ -63,6 +65,13 @@ ADMISSION: Final[tuple[tuple[str, ErrorCode], ...]] = (
 
 #: A refused CALL: the ERROR code and message to answer it with.
 Refusal = tuple[ErrorCode, str]
+
+
+def _kind(spec: MethodSpec) -> str:
+    """How a method must be called, for the refusal of a CALL with the wrong flags."""
+    if spec.request_streaming:
+        return "a bidirectional stream" if spec.streaming else "a client stream"
+    return "a stream" if spec.streaming else "a unary call"
 
 
 class Cancellable(Protocol):
@@ -105,6 +114,7 @@ class ServerCall:
         "payload",
         "received",
         "reply_metadata",
+        "request",
         "result",
         "results",
         "scope",
@@ -148,6 +158,8 @@ class ServerCall:
         self.answered = False
         #: Stream items the engine may still send (window + credit - sent).
         self.credits = session.stream_window
+        #: A call whose request is a stream: its request items (`tensorrpc._streams`).
+        self.request: RequestStream | None = None
         #: The stream waits for credit.
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
@@ -196,6 +208,9 @@ class ServerCall:
         event = self.credit_event
         if event is not None:
             event.set()
+        request = self.request
+        if request is not None and request.waiter is not None:
+            request.waiter.set()
 
 
 class CallQueue:
@@ -215,6 +230,7 @@ class CallQueue:
         "_max_parked",
         "_methods",
         "_service",
+        "_window",
         "batched",
         "busy",
         "expiry",
@@ -231,6 +247,7 @@ class CallQueue:
         self._capacity = settings.max_concurrency
         self._limit = settings.max_concurrency + settings.max_queued
         self._max_parked = settings.max_parked_streams
+        self._window = settings.hello.stream_window
         self._call_factory = call_factory
         #: Accepted calls waiting for a worker.
         self.queue: deque[ServerCall] = deque()
@@ -269,9 +286,11 @@ class CallQueue:
             )
         spec, fn = entry
         flags = int(header.flags)
-        if bool(flags & _STREAM) != spec.streaming:
-            what = "a stream" if spec.streaming else "a unary call"
-            return ErrorCode.INVALID_ARGUMENT, f"{spec.qualname} must be called as {what}"
+        if (
+            bool(flags & _STREAM) != spec.streaming
+            or bool(flags & _REQUEST_STREAM) != spec.request_streaming
+        ):
+            return ErrorCode.INVALID_ARGUMENT, f"{spec.qualname} must be called as {_kind(spec)}"
         if self.busy + len(self.queue) >= (self._capacity if flags & _NO_WAIT else self._limit):
             return ErrorCode.OVERLOADED, self._full_message(flags)
         timeout_ms: int = header.timeout_ms
@@ -281,6 +300,8 @@ class CallQueue:
             header.trace, header.metadata,
         )  # fmt: skip
         call.received = now
+        if spec.request_streaming:
+            call.request = RequestStream(self._window)
         call.stats = stats = self.methods[method]
         stats.calls += 1
         self.queue.append(call)

@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
+from tensorrpc import _streams
 from tensorrpc._bulk import TOKEN_BYTES, EarlyCancels
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._health import HEALTH_METHOD, HealthStatus, encode_answer, parse_request
@@ -132,7 +133,9 @@ _STREAM_ITEM: Final = MessageKind.STREAM_ITEM
 _STREAM_END: Final = MessageKind.STREAM_END
 _HEADER: Final = struct.Struct("<2sBBHHQI")
 #: The kinds a client sends about one call: a malformed one is answered ERROR(id).
-_NAMES_A_CALL: Final = frozenset({int(_CALL), int(_CANCEL), int(_CREDIT)})
+_NAMES_A_CALL: Final = frozenset(
+    {int(_CALL), int(_CANCEL), int(_CREDIT), int(_STREAM_ITEM), int(_STREAM_END)}
+)
 _U64: Final = 0xFFFF_FFFF_FFFF_FFFF
 _U32: Final = 0xFFFF_FFFF
 _INF: Final = float("inf")
@@ -692,6 +695,9 @@ class ServerProtocol(Machine[Hashable, Event]):
                     if header.releases:  # result leases returned with the CALL (RELEASE)
                         self._events.append(Released(session, header.releases))
                     return self._admit(session, header, payload, buffers, now)
+                if kind is _STREAM_ITEM:  # a request item (it has buffers)
+                    _streams.on_request_item(self, session, header, payload, buffers)
+                    return None
         handler = _DISPATCH.get((state, kind))
         if handler is None:
             self.dropped += 1
@@ -1226,6 +1232,20 @@ TRANSITIONS: Final[tuple[Transition[SessionState], ...]] = (
        "cancel the call (no reply; once its handler is done, RELEASE its torch_shm "
        "argument leases); unknown id: nothing", _S.LIVE),
     _T(_S.LIVE, (_K.CREDIT,), "CREDIT", "add credit; wake the stream", _S.LIVE),
+    _T(_S.LIVE, (_K.STREAM_ITEM,), "STREAM_ITEM of a request stream",
+       "buffer the item (it takes one credit); wake the handler", _S.LIVE),
+    _T(_S.LIVE, (_K.STREAM_ITEM,),
+       "STREAM_ITEM past the credit, after STREAM_END, or for a call whose request is "
+       "not a stream", "ERROR(id, PROTOCOL); the call ends", _S.LIVE),
+    _T(_S.LIVE, (_K.STREAM_END,), "STREAM_END of a request stream",
+       "half-close: the handler's stream ends after its buffered items", _S.LIVE),
+    _T(_S.LIVE, (_K.STREAM_END,),
+       "STREAM_END again, or for a call whose request is not a stream",
+       "ERROR(id, PROTOCOL); the call ends", _S.LIVE),
+    _T(_S.LIVE, (_K.STREAM_ITEM, _K.STREAM_END), "STREAM_ITEM/STREAM_END, no call of that id",
+       "drop (the call ended while the client sent)", _S.LIVE),
+    _T(_S.LIVE, (), "handler takes request items",
+       "CREDIT(id, n) once it took half the window (not after STREAM_END)", _S.LIVE),
     _T(_S.LIVE, (_K.RELEASE,), "RELEASE", "pass the result leases on to the transport", _S.LIVE),
     _T(_S.LIVE, (_K.WELCOME,), "WELCOME, same client epoch", "nothing", _S.LIVE),
     _T(_S.LIVE, (_K.WELCOME,), "WELCOME, new client epoch",
@@ -1260,6 +1280,7 @@ _DISPATCH: Final[dict[tuple[SessionState, MessageKind], _Handler]] = {
     (_S.LIVE, _K.CALL): _P._on_call,
     (_S.LIVE, _K.CANCEL): _P._on_cancel,
     (_S.LIVE, _K.CREDIT): _P._on_credit,
+    (_S.LIVE, _K.STREAM_END): _streams.on_half_close,
     (_S.LIVE, _K.RELEASE): _P._on_release,
     (_S.LIVE, _K.WELCOME): _P._on_welcome,
     (_S.LIVE, _K.BYE): _P._on_bye,

@@ -127,6 +127,20 @@ class MethodSpec:
     #: ``@rpc(batch=...)``: how the handler runs; None for a method called once per call.
     #: The other fields describe one item (what a caller sends and gets).
     batch: BatchSpec | None = None
+    #: The request is a stream: the handler's one parameter is annotated
+    #: ``AsyncIterator[X]`` (client streaming; bidirectional when ``streaming`` too) and
+    #: the CALL carries no arguments (``params`` is empty).
+    request_streaming: bool = False
+    #: Request streams: the stream parameter's name and compiled item type ``X``.
+    item_param: str = ""
+    item_type: CompiledType | None = None
+    #: Request streams, client side: ``check_item(value, index) -> wire value``.
+    check_item: Callable[[object, int], object] | None = dataclasses.field(default=None, repr=False)
+    #: Request streams, engine side: ``decode_item(wire, index) -> typed value``; a
+    #: mismatch raises ValidationError with the path ``param[index]...``.
+    decode_item: Callable[[object, int], object] | None = dataclasses.field(
+        default=None, repr=False
+    )
 
     @property
     def qualname(self) -> str:
@@ -351,8 +365,14 @@ def _build_method(
     else:
         result_tp, streams = _result_annotation(fn, where, hints["return"])
     result = compile_type(result_tp, where=f"{where} return type", localns=ns)
-    p = _compile_params(where, params, hints, ns)
-    signature = f"{attr}({', '.join(p.sig_parts)}) -> " + (
+    item = _request_stream(where, params, hints, ns) if batch is None else None
+    if item is not None and not (inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)):
+        raise ServiceDefinitionError(f"{where}: a method whose request is a stream is 'async def'")
+    p = _compile_params(where, [] if item else params, hints, ns)
+    sig_parts = (
+        p.sig_parts if item is None else [f"{item[0]}: AsyncIterator[{item[1].description}]"]
+    )
+    signature = f"{attr}({', '.join(sig_parts)}) -> " + (
         f"AsyncIterator[{result.description}]" if streams else result.description
     )
     n_posonly = sum(1 for param in params if param.kind is _P.POSITIONAL_ONLY)
@@ -376,17 +396,79 @@ def _build_method(
         check_result=guarded(result.fast_check, where, "result"),
         decode_result=guarded(result.fast_from_wire, where, "result"),
         batch=batch,
+        **_item_fields(where, item),
     )
     part = {
         "name": attr,
         "params": [
             [n, k, t.description, p.default_reprs.get(n)]
             for n, k, t in zip(p.names, p.kinds, p.types, strict=True)
-        ],
+        ]
+        if item is None
+        else [[item[0], params[0].kind.name, f"stream[{item[1].description}]", None]],
         "returns": result.description,
         "streaming": streams,
     }
     return method, part
+
+
+def _request_stream(
+    where: str, params: list[inspect.Parameter], hints: dict[str, Any], ns: dict[str, Any]
+) -> tuple[str, CompiledType] | None:
+    """A request-streaming method's stream parameter and item type; None for others.
+
+    A method whose request is a stream takes exactly one parameter, annotated
+    ``AsyncIterator[X]`` or ``AsyncIterable[X]``, without a default.
+    """
+    streamed = [p for p in params if typing.get_origin(_bare(hints[p.name])) in _STREAM_ORIGINS]
+    if not streamed:
+        return None
+    param = streamed[0]
+    if len(params) != 1 or param.default is not _P.empty:
+        raise ServiceDefinitionError(
+            f"{where}: a method whose request is a stream takes exactly one parameter, "
+            f"annotated AsyncIterator[X], without a default (got {len(params)} parameters)"
+        )
+    args = typing.get_args(_bare(hints[param.name]))
+    if not args or typing.get_origin(_bare(hints[param.name])) is AsyncGenerator:
+        raise ServiceDefinitionError(
+            f"{where}: annotate the stream parameter '{param.name}' as AsyncIterator[X]"
+        )
+    pwhere = f"{where} parameter '{param.name}'"
+    return param.name, compile_type(args[0], where=pwhere, localns=ns)
+
+
+def _bare(tp: object) -> object:
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _item_fields(where: str, item: tuple[str, CompiledType] | None) -> dict[str, Any]:
+    """The request-stream fields of a `MethodSpec` (none for other methods)."""
+    if item is None:
+        return {}
+    name, node = item
+    check, from_wire = node.fast_check, node.fast_from_wire
+
+    def convert(fn: Callable[[object], object]) -> Callable[[object, int], object]:
+        def run(value: object, index: int) -> object:
+            try:
+                return fn(value)
+            except _Invalid as exc:
+                raise exc.to_error(where, f"{name}[{index}]") from exc.cause
+            except RecursionError:
+                raise too_deep(where, f"{name}[{index}]") from None
+
+        return run
+
+    return {
+        "request_streaming": True,
+        "item_param": name,
+        "item_type": node,
+        "check_item": convert(check),
+        "decode_item": convert(from_wire),
+    }
 
 
 def _batch_item(where: str, what: str, tp: object, config: Batching | Continuous) -> object:

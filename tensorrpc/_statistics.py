@@ -1,17 +1,23 @@
-"""The engine's per-method counters, sans-I/O: durations in, snapshots out.
+"""The per-method counters of engines and clients, sans-I/O: durations in, snapshots out.
 
-The only per-method counters there are: the engine's statistics (``Server.statistics``),
-the built-in statistics method (``tensorrpc top``) and Prometheus (``tensorrpc.metrics``)
-all read these. Latency histograms share one bucket scale: bucket ``i`` holds durations
-up to ``2 ** (i / LATENCY_BUCKETS_PER_OCTAVE)`` microseconds.
+The only counters there are: the engine's and the client's statistics
+(``Server.statistics``, ``Client.statistics``), the built-in statistics method
+(``tensorrpc top``) and Prometheus (``tensorrpc.metrics``) all read these. Latency
+histograms share one bucket scale: bucket ``i`` holds durations up to
+``2 ** (i / LATENCY_BUCKETS_PER_OCTAVE)`` microseconds.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Container
 
 __all__ = [
+    "ClientCounters",
+    "EngineCounters",
     "LATENCY_BUCKETS",
     "LATENCY_BUCKETS_PER_OCTAVE",
     "LatencyHistogram",
@@ -104,3 +110,99 @@ class MethodStatistics:
             "run_time_sum_s": self.run_time.total,
             "latency": self.latency.pairs(),
         }
+
+
+class ClientMethodStatistics:
+    """One method's calls from a client to one engine id, as the caller saw them."""
+
+    __slots__ = ("duration", "items", "outcomes", "started")
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.items = 0
+        self.outcomes: dict[str, int] = {}
+        self.duration = LatencyHistogram()
+
+    def snapshot(self) -> dict[str, Any]:
+        """``calls`` started, ``items`` taken, ``outcomes``, ``duration`` (sparse
+        ``[bucket, count]`` pairs, sending to result) and ``duration_sum_s``."""
+        return {
+            "calls": self.started,
+            "items": self.items,
+            "outcomes": dict(self.outcomes),
+            "duration": self.duration.pairs(),
+            "duration_sum_s": self.duration.total,
+        }
+
+
+class EngineCounters:
+    """A client's counters of one engine id (summed over its sessions)."""
+
+    __slots__ = ("events", "methods", "rtt")
+
+    def __init__(self) -> None:
+        self.methods: dict[str, ClientMethodStatistics] = {}
+        #: ``"joined"``, ``"rejoined"`` (seen before) and ``"lost"`` -> how often.
+        self.events: dict[str, int] = {}
+        #: Heartbeat PING round trips.
+        self.rtt = LatencyHistogram()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The `tensorrpc.EngineStatistics` fields these counters fill."""
+        return {
+            "methods": {name: m.snapshot() for name, m in self.methods.items()},
+            "events": dict(self.events),
+            "heartbeat_rtt": self.rtt.pairs(),
+            "heartbeat_rtt_sum_s": self.rtt.total,
+        }
+
+
+class ClientCounters:
+    """A client's counters per engine id: its calls by method, engine events, heartbeats.
+
+    The client machine counts calls started, items taken and engine events; the shell
+    tells it each call's outcome (`ended`) and heartbeat round trips (`heartbeat`).
+    Kept for the engine ids the client still reports (`prune`).
+    """
+
+    __slots__ = ("engines",)
+
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineCounters] = {}
+
+    def of(self, engine_id: str) -> EngineCounters:
+        """The counters of ``engine_id`` (made on first use)."""
+        counters = self.engines.get(engine_id)
+        if counters is None:
+            counters = self.engines[engine_id] = EngineCounters()
+        return counters
+
+    def started(self, engine_id: str, method: str) -> ClientMethodStatistics:
+        """A call of ``method`` went to ``engine_id``: its series, counted."""
+        methods = self.of(engine_id).methods
+        series = methods.get(method)
+        if series is None:
+            series = methods[method] = ClientMethodStatistics()
+        series.started += 1
+        return series
+
+    @staticmethod
+    def ended(series: ClientMethodStatistics, outcome: str, seconds: float) -> None:
+        """A call of ``series`` ended for its caller after ``seconds``."""
+        outcomes = series.outcomes
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        series.duration.add(seconds)
+
+    def event(self, engine_id: str, event: str) -> None:
+        """``engine_id`` joined, rejoined or was lost."""
+        events = self.of(engine_id).events
+        events[event] = events.get(event, 0) + 1
+
+    def heartbeat(self, engine_id: str, seconds: float) -> None:
+        """A heartbeat PING to ``engine_id`` came back after ``seconds``."""
+        self.of(engine_id).rtt.add(seconds)
+
+    def prune(self, keep: Container[str]) -> None:
+        """Forget the engine ids not in ``keep``."""
+        for engine_id in [e for e in self.engines if e not in keep]:
+            del self.engines[engine_id]

@@ -25,14 +25,15 @@ from typing import (
 
 import anyio
 
-from tensorrpc import _compression, _observe
+from tensorrpc import _compression
 from tensorrpc._interceptors import ClientCall
 from tensorrpc._metadata import EMPTY, check_metadata, encode_block
+from tensorrpc._stream_io import RequestSource, request_source
 from tensorrpc._stub import Stub
 from tensorrpc.transports._policy import TRANSPORTS, TransportName, TransportStatistics
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
     from types import TracebackType
     from typing import Self
 
@@ -88,15 +89,10 @@ class CallOptions:
             is on this host and can attach to our shared memory, frames otherwise),
             ``"frames"`` or ``"torch_shm"`` (every out-of-band tensor by shared memory
             when possible, else frames, counted as a fallback). See docs/transports.md.
-        wait_for_ready: When no engine for the call is live (none joined yet, the engine
-            is restarting, every engine was refused), wait for one instead of failing,
-            as gRPC's wait-for-ready. ``None`` (default): wait only when the call has a
-            ``timeout``, within it: a deadline says how long the caller accepts to
-            wait, so a call with ``timeout=30`` rides out a 2 s engine restart, while
-            a call without one fails at once rather than hang on an engine that may
-            never come. ``True`` waits even without a timeout; ``False`` never waits
-            (gRPC's default). A call that gives up raises
-            `tensorrpc.EngineNotFoundError` saying why there was no engine.
+        wait_for_ready: When no engine for the call is live, wait for one instead of
+            failing (gRPC's wait-for-ready). ``None`` (default): only within the call's
+            ``timeout``, if it has one; ``True``: even without a timeout; ``False``:
+            never. A call that gives up raises `tensorrpc.EngineNotFoundError` saying why.
         compression: Compress the arguments' payload and tensor frames, and ask the
             engine to compress the results', with zstd (a `Compression`, or ``None``:
             never). Only to an engine that announced zstd, only payloads and tensors of at
@@ -145,6 +141,14 @@ class EngineStatistics:
         in_flight: Calls in flight now.
         bytes_sent: Bytes sent to it (all frames).
         bytes_received: Bytes received from it (all frames).
+        methods: Per method: ``calls`` started, ``items`` (stream items taken),
+            ``outcomes`` (``"ok"``, ``"cancelled"``, an ERROR code's name, see
+            docs/observability.md) and ``duration`` (send to result, as sparse
+            ``[bucket, count]`` pairs on the engine's latency scale) with
+            ``duration_sum_s``.
+        events: ``"joined"``, ``"rejoined"`` and ``"lost"``: how often each happened.
+        heartbeat_rtt: Heartbeat PING round trips (sparse ``[bucket, count]`` pairs).
+        heartbeat_rtt_sum_s: Their sum in seconds.
     """
 
     engine_id: str
@@ -154,6 +158,10 @@ class EngineStatistics:
     in_flight: int
     bytes_sent: int
     bytes_received: int
+    methods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    events: Mapping[str, int] = field(default_factory=dict)
+    heartbeat_rtt: Sequence[Sequence[int]] = ()
+    heartbeat_rtt_sum_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,9 +510,11 @@ class CallStream(Generic[T]):
         self._options = options
         # Pre-encoded arguments (schemaless calls) skip encode_args.
         self._encoded = encoded
-        self._wire: list[Any] | None = (
-            None if encoded is not None else spec.encode_args(args, dict(kwargs))
-        )
+        self._wire: list[Any] | RequestSource | None = None
+        if spec.request_streaming:  # a bidirectional stream: its request items
+            self._wire = request_source(spec, args, kwargs)
+        elif encoded is None:
+            self._wire = spec.encode_args(args, dict(kwargs))
         self._call: Call | None = None
         # With client interceptors: the items they returned (None: read the call's).
         self._items: AsyncIterator[Any] | None = None
@@ -553,13 +563,14 @@ class CallStream(Generic[T]):
             return cast("T", await client._next_item(self._call, self._deadline))
         except StopAsyncIteration:
             self._finished = True
-            _observe.stream_finished(self._call, None)  # observe: the stream ended
+            if self._call is not None:
+                client._ended(self._call, None)
             raise
         except BaseException as exc:
             self._finished = True
             if self._call is not None:
                 client._abandon(self._call)
-                _observe.stream_finished(self._call, exc)  # observe: the stream failed
+                client._ended(self._call, exc)
             raise
 
     async def aclose(self) -> None:
@@ -569,7 +580,7 @@ class CallStream(Generic[T]):
         self._encoded = None
         if self._call is not None:
             self._client._abandon(self._call)
-            _observe.stream_finished(self._call, None)  # observe: closed by the consumer
+            self._client._ended(self._call, None)
         items, self._items = self._items, None
         aclose = getattr(items, "aclose", None)
         if aclose is not None:  # the interceptors' iterators run their finally blocks

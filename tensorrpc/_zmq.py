@@ -1226,6 +1226,10 @@ def connection_voucher(frame: object) -> Voucher:
         kernel.close()
 
 
+def _done(tracker: zmq.MessageTracker | None) -> bool:
+    return tracker is None or tracker.done
+
+
 class PendingSends:
     """Keeps the memory of zero-copy sends alive until ZMQ is done with it.
 
@@ -1245,12 +1249,13 @@ class PendingSends:
     __slots__ = ("_items", "_next_scan", "_scan")
 
     def __init__(self, *, max_scan: int = 64) -> None:
-        self._items: deque[tuple[zmq.MessageTracker, object, bool]] = deque()
+        self._items: deque[tuple[zmq.MessageTracker | None, object, bool]] = deque()
         self._scan = max_scan
         self._next_scan = max_scan
 
     def add(self, tracker: zmq.MessageTracker | None, keepalive: object, nbytes: int = 0) -> None:
-        """Hold ``keepalive`` until ``tracker`` is done (nothing to do if it already is).
+        """Hold ``keepalive`` until ``tracker`` is done (a small send that already is
+        needs nothing; a large one waits for the next `prune`).
 
         Args:
             tracker: What `AsyncSocket.send` returned with ``track=True``.
@@ -1260,10 +1265,13 @@ class PendingSends:
         """
         self.prune()
         large = nbytes >= _release.threshold()
-        if tracker is not None and not tracker.done:
+        # A large send is kept even when ZMQ is already done with it: its sender still
+        # holds the message's frames, views of the same memory that the release thread
+        # cannot see (it counts references to ``keepalive`` only). Handed over now, the
+        # memory would die with those views, on the event loop; the next prune runs
+        # once the sender has dropped them.
+        if large or (tracker is not None and not tracker.done):
             self._items.append((tracker, keepalive, large))
-        elif large:
-            _release.later(keepalive)
 
     def prune(self) -> int:
         """Drop the entries whose tracker is done.
@@ -1272,14 +1280,14 @@ class PendingSends:
             How many entries are still pending.
         """
         items = self._items
-        while items and items[0][0].done:
+        while items and _done(items[0][0]):
             _, keepalive, large = items.popleft()
             if large:
                 _release.later(keepalive)
         if len(items) > self._next_scan:
-            kept: deque[tuple[zmq.MessageTracker, object, bool]] = deque()
+            kept: deque[tuple[zmq.MessageTracker | None, object, bool]] = deque()
             for item in items:
-                if not item[0].done:
+                if not _done(item[0]):
                     kept.append(item)
                 elif item[2]:
                     _release.later(item[1])

@@ -96,6 +96,16 @@ def _build_parser() -> _Parser:
     return parser
 
 
+def _opt(parser: argparse.ArgumentParser, flags: str, help: str, **kw: Any) -> None:
+    """``parser.add_argument``, the flags in one string."""
+    parser.add_argument(*flags.split(), help=help, **kw)
+
+
+def _seconds(parser: argparse.ArgumentParser, flag: str, default: float, help: str) -> None:
+    """A positive number of seconds."""
+    _opt(parser, flag, help, type=_positive_float, default=default, metavar="S")
+
+
 def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
@@ -125,24 +135,11 @@ def _add_serve(sub: Any) -> None:
             "tcp://127.0.0.1:PORT); binding every interface without CURVE logs a warning"
         ),
     )
-    serve.add_argument("--engine-id", metavar="ID", help="engine id (default: hostname-pid)")
-    serve.add_argument(
-        "--workers", type=_positive_int, default=64, metavar="N", help="calls run at once"
-    )
-    serve.add_argument(
-        "--sync-workers",
-        type=_positive_int,
-        default=8,
-        metavar="N",
-        help="threads running sync handlers",
-    )
-    serve.add_argument(
-        "--grace-period",
-        type=_positive_float,
-        default=5.0,
-        metavar="S",
-        help="seconds running calls may take to finish at shutdown",
-    )
+    _opt(serve, "--engine-id", "engine id (default: hostname-pid)", metavar="ID")
+    _opt(serve, "--workers", "calls run at once", type=_positive_int, default=64, metavar="N")
+    sync = "threads running sync handlers"
+    _opt(serve, "--sync-workers", sync, type=_positive_int, default=8, metavar="N")
+    _seconds(serve, "--grace-period", 5.0, "seconds running calls may take to finish at shutdown")
     _cli_ops.add_serve_flags(serve)
     _cli_ops.add_curve_flags(serve, listens=True)
     _add_log_level(serve)
@@ -166,14 +163,8 @@ def _add_describe(sub: Any) -> None:
         metavar="module:Class|ADDR",
         help="the service class or factory, or a running engine's tcp:// or ipc:// address",
     )
-    describe.add_argument("--json", action="store_true", help="print JSON")
-    describe.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=10.0,
-        metavar="S",
-        help="ADDR: seconds for the engine to answer (default 10)",
-    )
+    _opt(describe, "--json", "print JSON", action="store_true")
+    _seconds(describe, "--timeout", 10.0, "ADDR: seconds for the engine to answer (default 10)")
     _cli_ops.add_curve_flags(describe, listens=False)
 
 
@@ -191,70 +182,31 @@ def _add_call(sub: Any) -> None:
             "--json), tensors summarized; a stream prints one item per line."
         ),
     )
-    call.add_argument(
-        "address",
-        metavar="ADDR",
-        help="the engine's address (tcp://HOST:PORT, ipc://PATH, or a bare PORT)",
-    )
+    address = "the engine's address (tcp://HOST:PORT, ipc://PATH, or a bare PORT)"
+    call.add_argument("address", metavar="ADDR", help=address)
     call.add_argument("method", nargs="?", help="the method to call")
-    call.add_argument(
-        "items",
-        nargs="*",
-        metavar="NAME=VALUE",
-        help="arguments, as after httpie: add a=2 b=5 (same values as --arg)",
+    items = "arguments, as after httpie: add a=2 b=5 (same values as --arg)"
+    call.add_argument("items", nargs="*", metavar="NAME=VALUE", help=items)
+    each = "an argument (repeat for each)"
+    _opt(call, "--arg", each, dest="args", action="append", metavar="NAME=VALUE")
+    call.set_defaults(args=[], health=False)
+    data = (
+        "the arguments as one JSON object, as after grpcurl: -d '{\"a\": 2}'; "
+        "@FILE reads it from a file, @- from stdin"
     )
-    _add_call_options(call)
-
-
-def _add_call_options(call: argparse.ArgumentParser) -> None:
-    call.add_argument(
-        "--arg",
-        dest="args",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="an argument (repeat for each)",
-    )
-    call.add_argument(
-        "-d",
-        "--data",
-        metavar="JSON",
-        help=(
-            "the arguments as one JSON object, as after grpcurl: -d '{\"a\": 2}'; "
-            "@FILE reads it from a file, @- from stdin"
-        ),
-    )
-    call.add_argument("--engine", metavar="ID", help="call this engine (default: any)")
-    call.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=10.0,
-        metavar="S",
-        help="seconds for an engine to answer and the call to finish (default 10)",
-    )
-    call.add_argument(
-        "--bind",
-        action="store_true",
-        help="bind ADDR and wait for an engine to dial in, instead of dialling ADDR",
-    )
+    _opt(call, "-d --data", data, metavar="JSON")
+    _opt(call, "--engine", "call this engine (default: any)", metavar="ID")
+    wait = "seconds for an engine to answer and the call to finish (default 10)"
+    _seconds(call, "--timeout", 10.0, wait)
+    bind = "bind ADDR and wait for an engine to dial in, instead of dialling ADDR"
+    _opt(call, "--bind", bind, action="store_true")
     _cli_ops.add_curve_flags(call, listens=True)
-    call.set_defaults(health=False)
-    call.add_argument(
-        "--list", action="store_true", help="list the engine's methods instead of calling"
-    )
-    call.add_argument(
-        "--stream",
-        action="store_true",
-        help="treat the method as streaming (only needed for engines that do not say)",
-    )
-    call.add_argument("--json", action="store_true", help="print every value as JSON")
-    call.add_argument(
-        "--max-values",
-        type=_positive_int,
-        default=DEFAULT_MAX_VALUES,
-        metavar="N",
-        help=f"tensor elements to print (default {DEFAULT_MAX_VALUES})",
-    )
+    _opt(call, "--list", "list the engine's methods instead of calling", action="store_true")
+    stream = "treat the method as streaming (only needed for engines that do not say)"
+    _opt(call, "--stream", stream, action="store_true")
+    _opt(call, "--json", "print every value as JSON", action="store_true")
+    shown = f"tensor elements to print (default {DEFAULT_MAX_VALUES})"
+    _opt(call, "--max-values", shown, type=_positive_int, default=DEFAULT_MAX_VALUES, metavar="N")
 
 
 def _add_runners(sub: Any) -> None:
@@ -288,17 +240,10 @@ def _add_top(sub: Any) -> None:
         ),
     )
     top.add_argument("addresses", nargs="+", metavar="ADDR", help="engine addresses")
-    top.add_argument(
-        "--interval", type=_positive_float, default=1.0, metavar="S", help="seconds (default 1)"
-    )
-    top.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=10.0,
-        metavar="S",
-        help="seconds to wait for an engine and for each answer (default 10)",
-    )
-    top.add_argument("--count", type=_positive_int, metavar="N", help="stop after N refreshes")
+    _seconds(top, "--interval", 1.0, "seconds (default 1)")
+    wait = "seconds to wait for an engine and for each answer (default 10)"
+    _seconds(top, "--timeout", 10.0, wait)
+    _opt(top, "--count", "stop after N refreshes", type=_positive_int, metavar="N")
     _cli_ops.add_curve_flags(top, listens=False)
     _add_log_level(top)
 
@@ -317,24 +262,13 @@ def _add_health(sub: Any) -> None:
         ),
     )
     health.add_argument("address", metavar="ADDR", help="the engine's address")
-    health.add_argument("--engine", metavar="ID", help="require this engine id")
-    health.add_argument(
-        "--service",
-        default="",
-        metavar="NAME",
-        help="ask about this service (default: the engine as a whole)",
-    )
-    health.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=5.0,
-        metavar="S",
-        help="seconds for an engine to answer (default 5)",
-    )
-    health.add_argument(
-        "--bind", action="store_true", help="bind ADDR and wait for an engine to dial in"
-    )
-    health.add_argument("--json", action="store_true", help="print the engine as JSON")
+    _opt(health, "--engine", "require this engine id", metavar="ID")
+    service = "ask about this service (default: the engine as a whole)"
+    _opt(health, "--service", service, default="", metavar="NAME")
+    _seconds(health, "--timeout", 5.0, "seconds for an engine to answer (default 5)")
+    bind = "bind ADDR and wait for an engine to dial in"
+    _opt(health, "--bind", bind, action="store_true")
+    _opt(health, "--json", "print the engine as JSON", action="store_true")
     _cli_ops.add_curve_flags(health, listens=True)
     # What `_call` reads of a `call` command line, for a handshake only.
     health.set_defaults(health=True, list=False, stream=False, method=None)
@@ -378,24 +312,23 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(kind: Callable[[str], T], what: str) -> Callable[[str], T]:
+    """An argparse type: a positive, finite ``kind``."""
+
+    def parse(text: str) -> T:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or not math.isfinite(value):  # type: ignore[operator, arg-type]
+            raise argparse.ArgumentTypeError(f"expected a positive {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int = _positive(int, "integer")
+_positive_float = _positive(float, "number")
 
 
 def normalize_address(text: str) -> str:
@@ -775,23 +708,14 @@ def to_json(value: object, max_values: int = DEFAULT_MAX_VALUES) -> Any:
             values = flat.cpu().tolist()
         except (RuntimeError, TypeError):  # exotic dtypes (float8, bits)
             values = None
-        return {
-            "tensor": {
-                "dtype": str(value.dtype).removeprefix("torch."),
-                "shape": list(value.shape),
-                "numel": value.numel(),
-                "values": values,
-            }
-        }
-    if np is not None and isinstance(value, np.ndarray):
-        return {
-            "tensor": {
-                "dtype": str(value.dtype),
-                "shape": list(value.shape),
-                "numel": int(value.size),
-                "values": value.reshape(-1)[:max_values].tolist(),
-            }
-        }
+    elif np is not None and isinstance(value, np.ndarray):
+        values = value.reshape(-1)[:max_values].tolist()
+    else:
+        values = ()
+    if values != ():
+        dtype = str(value.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+        shape, numel = list(value.shape), math.prod(value.shape)  # type: ignore[attr-defined]
+        return {"tensor": {"dtype": dtype, "shape": shape, "numel": numel, "values": values}}
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"bytes": base64.b64encode(bytes(value)).decode()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -946,25 +870,16 @@ def _engine_json(info: tensorrpc.EngineInfo) -> dict[str, Any]:
 def _print_methods(info: tensorrpc.EngineInfo, *, as_json: bool) -> None:
     signatures = info.signatures or tuple(f"{m}(...)" for m in info.methods)
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "engine_id": info.engine_id,
-                    "service": info.service,
-                    "fingerprint": info.fingerprint,
-                    "pid": info.pid,
-                    "methods": [
-                        {
-                            "name": name,
-                            "signature": sig if info.signatures else None,
-                            "streaming": (name in info.streaming) if info.signatures else None,
-                        }
-                        for name, sig in zip(info.methods, signatures, strict=True)
-                    ],
-                },
-                indent=2,
-            )
-        )
+        known = bool(info.signatures)  # else the engine said nothing of signatures, streams
+        methods = [
+            {
+                "name": name,
+                "signature": sig if known else None,
+                "streaming": (name in info.streaming) if known else None,
+            }
+            for name, sig in zip(info.methods, signatures, strict=True)
+        ]
+        print(json.dumps({**_engine_json(info), "methods": methods}, indent=2))
         return
     print(_engine_text(info))
     for sig in signatures:

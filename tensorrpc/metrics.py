@@ -21,13 +21,13 @@ The names, units and labels are listed in docs/observability.md. Labels are boun
 peers, so at most `MAX_ENGINE_LABELS` of them have series of their own (escaped and cut):
 an engine seen when every slot is held by a live one is counted under
 ``engine="other"``, and the series of an engine gone for `FORGET_AFTER_S`, or gone the
-longest when a slot is needed, are removed. Method labels are the names of the service
-definition the call used, at most `MAX_METHOD_LABELS` of them (then ``"other"``).
+longest when a slot is needed, are removed (see `_Store`). Method labels are the names of
+the service definition the call used, at most `MAX_METHOD_LABELS` of them (then
+``"other"``).
 
-Cost: a client's hot path only adds to Python ints and one bucket of a histogram (no
-locks, no prometheus_client objects per call); everything else, every engine family
-included (an engine counts its own calls, `tensorrpc._statistics`), is read from the
-clients' and engines' ``statistics()`` when Prometheus scrapes.
+This module counts nothing: clients and engines count their own calls
+(`tensorrpc._statistics`), and every family is read from their ``statistics()`` when
+Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from tensorrpc._exceptions import ConnectError
-from tensorrpc._observe import CallObservation, Observer
+from tensorrpc._observe import Observer
 from tensorrpc._statistics import bucket_upper_seconds
 from tensorrpc._text import peer_text
-from tensorrpc._views import ClientStatistics
+from tensorrpc._views import ClientStatistics, EngineStatistics
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Iterator, Sequence
     from wsgiref.simple_server import WSGIServer
 
     from prometheus_client.metrics_core import Metric
@@ -91,147 +91,73 @@ OTHER: Final = "other"
 _ENGINE_LABEL_CHARS: Final = 64
 
 #: Latency histogram buckets (seconds): RPC round trips start at tens of microseconds.
+# fmt: off
 DEFAULT_BUCKETS: Final = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
 )
+# fmt: on
 #: Heartbeat round-trip buckets (seconds).
 RTT_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 
-_perf_counter = time.perf_counter
-
-
-class _Histogram:
-    """Counts per bucket (non-cumulative, the last one is +Inf) and the sum."""
-
-    __slots__ = ("bounds", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.total += value
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        running = 0
-        counts = list(self.counts)
-        for bound, n in zip(self.bounds, counts, strict=False):
-            running += n
-            out.append((_float_text(bound), running))
-        out.append(("+Inf", running + counts[-1]))
-        return out
-
-
-def _float_text(value: float) -> str:
-    return repr(float(value))
-
-
-class _Series:
-    """One client (method, engine) pair: what the hooks count."""
-
-    __slots__ = ("duration", "items", "outcomes", "started")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.started = 0
-        self.items = 0
-        self.outcomes: dict[str, int] = {}
-        self.duration = _Histogram(bounds)
-
-
-class _ClientCall(CallObservation):
-    __slots__ = ("_series", "_start")
-
-    def __init__(self, series: _Series) -> None:
-        self._series = series
-        self._start = _perf_counter()
-
-    def item(self) -> None:
-        self._series.items += 1
-
-    def finished(self, outcome: str, nbytes: int) -> None:
-        series = self._series
-        series.duration.observe(_perf_counter() - self._start)
-        outcomes = series.outcomes
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-
 
 class _Store:
-    """What all views of one observer share: the series and the watched targets.
+    """What all views of one observer share: the watched targets and the label slots.
 
-    The client-side series are keyed by engine id; `engine_key` decides which ids get
-    keys of their own (see the module docstring) and removes the series of the ids it
-    lets go. Hooks run on the event loop; scrapes only read.
+    Engine ids get label values of their own in the order scrapes first see them (live
+    engines first), at most `MAX_ENGINE_LABELS`; an engine seen when every slot is held by
+    a live one is counted under `OTHER` from then on. An engine not live at a scrape (or
+    no longer reported, its client closed) is gone from then; the series of one gone for
+    `FORGET_AFTER_S`, or gone the longest when a slot is needed, are removed (until it is
+    live again).
     """
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self.buckets = buckets
-        self.client: dict[tuple[str, str], _Series] = {}
-        self.engine_events: dict[tuple[str, str], int] = {}
-        self.rtt: dict[str, _Histogram] = {}
         self.targets: dict[int, Any] = {}
-        self.lock = threading.Lock()  # only for targets (changed from the loop, read by scrapes)
+        self.lock = threading.Lock()
         #: Engine id -> its label value, for the ids with series of their own.
         self.engines: dict[str, str] = {}
-        #: Ids among `engines` that were lost -> when (oldest first).
+        #: Ids among `engines` that were not live at a scrape -> when (oldest first).
         self.gone: OrderedDict[str, float] = OrderedDict()
+        #: Ids without a slot -> `OTHER`, or None for those whose series were removed.
+        self.folded: dict[str, str | None] = {}
         self.methods: set[str] = set()
         #: The sides this process has been ("client", "engine"): only their families are
         #: exported, so an engine's /metrics has no client families (an alert on "a
         #: client has no live engines" must not fire on every engine) and vice versa.
         self.sides: set[str] = set()
 
-    def engine_key(self, engine: str) -> str:
-        """``engine`` if it has (or now gets) series of its own, else `OTHER`."""
-        if engine in self.engines:
-            return engine
-        if engine == OTHER:
-            return OTHER
-        if len(self.engines) >= MAX_ENGINE_LABELS:
-            if not self.gone:
-                return OTHER
-            self.forget(next(iter(self.gone)))
-        self.engines[engine] = peer_text(engine, _ENGINE_LABEL_CHARS)
-        return engine
+    def assign(self, seen: dict[str, bool], now: float) -> None:
+        """Give slots to the engine ids ``seen`` (id -> live) at a scrape at ``now``."""
+        engines, gone, folded = self.engines, self.gone, self.folded
+        for engine_id in engines:  # those no open client reports any more are gone too
+            if seen.get(engine_id, False):
+                gone.pop(engine_id, None)
+            elif engine_id not in gone:
+                gone[engine_id] = now
+        for engine_id in sorted(seen, key=lambda e: not seen[e]):  # live ones first
+            live = seen[engine_id]
+            if engine_id in engines:
+                continue
+            was = folded.get(engine_id, "")  # "": new; None: removed; OTHER: no slot
+            if engine_id == OTHER or was == OTHER or (was is None and not live):
+                continue
+            if len(engines) >= MAX_ENGINE_LABELS and gone:
+                self.forget(next(iter(gone)))
+            if len(engines) >= MAX_ENGINE_LABELS:
+                folded[engine_id] = OTHER
+                continue
+            folded.pop(engine_id, None)
+            engines[engine_id] = peer_text(engine_id, _ENGINE_LABEL_CHARS)
+            if not live:
+                gone[engine_id] = now
+        self._expire(now)
+        for engine_id in [e for e in folded if e not in seen]:
+            del folded[engine_id]
 
-    def method_key(self, method: str) -> str:
-        """``method`` while fewer than `MAX_METHOD_LABELS` have series, else `OTHER`."""
-        methods = self.methods
-        if method in methods:
-            return method
-        if len(methods) >= MAX_METHOD_LABELS:
-            return OTHER
-        methods.add(method)
-        return method
-
-    def label(self, engine: str) -> str:
-        """The label value of a series key (`OTHER` for ids without series)."""
-        return self.engines.get(engine, OTHER)
-
-    def lost(self, engine: str, now: float) -> None:
-        """``engine`` left: its series go `FORGET_AFTER_S` from now (or when needed)."""
-        if engine in self.engines:
-            self.gone.pop(engine, None)
-            self.gone[engine] = now
+    def _expire(self, now: float) -> None:
+        """Remove the series of the engines gone for `FORGET_AFTER_S`."""
         gone = self.gone
         while gone:
             oldest, when = next(iter(gone.items()))
@@ -239,23 +165,32 @@ class _Store:
                 break
             self.forget(oldest)
 
-    def back(self, engine: str) -> None:
-        """``engine`` (re)joined: its series stay."""
-        self.gone.pop(engine, None)
+    def forget(self, engine_id: str) -> None:
+        """Remove the series of ``engine_id`` and free its slot."""
+        self.gone.pop(engine_id, None)
+        del self.engines[engine_id]
+        self.folded[engine_id] = None
 
-    def forget(self, engine: str) -> None:
-        """Remove every series of ``engine`` and free its slot."""
-        self.gone.pop(engine, None)
-        self.engines.pop(engine, None)
-        self.rtt.pop(engine, None)
-        for key in [k for k in self.client if k[1] == engine]:
-            del self.client[key]
-        for key in [k for k in self.engine_events if k[0] == engine]:
-            del self.engine_events[key]
+    def label(self, engine_id: str) -> str | None:
+        """The label value of ``engine_id`` (None: its series were removed)."""
+        label = self.engines.get(engine_id)
+        return label if label is not None else self.folded.get(engine_id, OTHER)
+
+    def method_key(self, method: str) -> str:
+        """``method`` while fewer than `MAX_METHOD_LABELS` have series, else `OTHER`."""
+        methods = self.methods
+        if method not in methods:
+            if len(methods) >= MAX_METHOD_LABELS:
+                return OTHER
+            methods.add(method)
+        return method
 
 
 class PrometheusObserver(Observer):
     """An [`Observer`][tensorrpc.Observer] that exports Prometheus metrics.
+
+    It counts nothing itself: each scrape reads the ``statistics()`` of the clients and
+    engines it watches (those it was given to, while they are open).
 
     Args:
         registry: Where to register the metrics (default: prometheus_client's global
@@ -286,8 +221,6 @@ class PrometheusObserver(Observer):
         view._port = port
         return view
 
-    # -- lifecycle --------------------------------------------------------------------------
-
     def opened(self, target: Any) -> None:
         store = self._store
         # A client's or an engine's statistics tell which it is (this module imports
@@ -306,57 +239,12 @@ class PrometheusObserver(Observer):
         if self._port is not None:
             _http.release(target)
 
-    # -- calls ------------------------------------------------------------------------------
-
-    def client_call(
-        self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
-    ) -> CallObservation | None:
-        store = self._store
-        series = store.client.get((method, engine))
-        if series is None:
-            key = (store.method_key(method), store.engine_key(engine))
-            series = store.client.get(key)
-            if series is None:
-                series = store.client[key] = _Series(store.buckets)
-                store.sides.add("client")
-        series.started += 1
-        return _ClientCall(series)
-
-    def engine_event(self, client: str, engine: str, event: str) -> None:
-        store = self._store
-        if event == "lost":  # a lost engine never takes a slot
-            key = (engine if engine in store.engines else OTHER, event)
-        else:
-            key = (store.engine_key(engine), event)
-        events = store.engine_events
-        events[key] = events.get(key, 0) + 1
-        store.sides.add("client")
-        if event == "lost":
-            store.lost(engine, time.monotonic())
-        else:
-            store.back(engine)
-
-    def heartbeat(self, client: str, engine: str, rtt: float) -> None:
-        store = self._store
-        histogram = store.rtt.get(engine)
-        if histogram is None:
-            key = store.engine_key(engine)
-            histogram = store.rtt.get(key)
-            if histogram is None:
-                histogram = store.rtt[key] = _Histogram(RTT_BUCKETS)
-        histogram.observe(rtt)
-
 
 # -- scrape time --------------------------------------------------------------------------
 
 
-def _add(family: Any, labels: list[str], value: float) -> None:
-    family.add_metric(labels, value)
-
-
 class _Collector:
-    """Builds every family at scrape time from the client hooks' counters and the
-    targets' ``statistics()``."""
+    """Builds every family at scrape time from the targets' ``statistics()``."""
 
     def __init__(self, store: _Store) -> None:
         self._store = store
@@ -378,13 +266,14 @@ class _Collector:
         clients = [s for s in snapshots if isinstance(s, ClientStatistics)]
         engines = [s for s in snapshots if not isinstance(s, ClientStatistics)]
         if "client" in sides:
-            yield from _client_call_families(
-                [((m, store.label(e)), s) for (m, e), s in list(store.client.items())]
-                if with_samples
-                else []
-            )
-            yield from _client_event_families(store, with_samples)
-            yield from _client_state_families(clients, with_samples, store.label)
+            per_engine = [e for stats in clients for e in stats.engines.values()]
+            seen = _seen(per_engine)
+            with store.lock:
+                store.assign(seen, time.monotonic())
+                labels = {e: store.label(e) for e in seen}
+                methods = {m: store.method_key(m) for e in per_engine for m in e.methods}
+            yield from _client_families(per_engine, labels, methods, store.buckets)
+            yield from _client_state_families(clients, with_samples, per_engine, labels)
             yield from _transport_families("client", [s.transports for s in clients], with_samples)
         if "engine" in sides:
             yield from _engine_call_families(engines)
@@ -408,53 +297,101 @@ def _histogram(name: str, doc: str, labels: list[str]) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, labels=labels)
 
 
-def _client_call_families(series: list[tuple[tuple[str, str], _Series]]) -> Iterator[Metric]:
-    """Client calls, from the hooks."""
+class _Sum:
+    """Counters and sparse histograms of several engine ids (or clients) added up."""
+
+    __slots__ = ("duration", "items", "outcomes", "started", "total")
+
+    def __init__(self) -> None:
+        self.started = self.items = 0
+        self.outcomes: dict[str, int] = {}
+        self.duration: dict[int, int] = {}
+        self.total = 0.0
+
+    def add_pairs(self, pairs: Sequence[Sequence[int]], total: float) -> None:
+        for index, n in pairs:
+            self.duration[index] = self.duration.get(index, 0) + n
+        self.total += total
+
+    def buckets(self, bounds: tuple[float, ...]) -> list[Any]:
+        return _rebin(list(self.duration.items()), bounds, bucket_upper_seconds)
+
+
+def _seen(engines: list[EngineStatistics]) -> dict[str, bool]:
+    """Engine id -> live (in any client)."""
+    seen: dict[str, bool] = {}
+    for e in engines:
+        seen[e.engine_id] = seen.get(e.engine_id, False) or e.live
+    return seen
+
+
+def _client_families(
+    engines: list[EngineStatistics],
+    labels: dict[str, str | None],
+    methods: dict[str, str],
+    bounds: tuple[float, ...],
+) -> Iterator[Metric]:
+    """Client calls, engine events and heartbeats, from the clients' counters."""
+    calls: dict[tuple[str, str], _Sum] = {}
+    events: dict[tuple[str, str], int] = {}
+    rtt: dict[str, _Sum] = {}
+    for e in engines:
+        label = labels[e.engine_id]
+        if label is None:
+            continue  # its series were removed
+        for method, m in e.methods.items():
+            acc = calls.setdefault((methods[method], label), _Sum())
+            acc.started += m["calls"]
+            acc.items += m["items"]
+            for outcome, n in m["outcomes"].items():
+                acc.outcomes[outcome] = acc.outcomes.get(outcome, 0) + n
+            acc.add_pairs(m["duration"], m["duration_sum_s"])
+        for event, n in e.events.items():
+            events[label, event] = events.get((label, event), 0) + n
+        if e.heartbeat_rtt:
+            rtt.setdefault(label, _Sum()).add_pairs(e.heartbeat_rtt, e.heartbeat_rtt_sum_s)
     started = _counter("tensorrpc_client_calls_started", "Calls (and streams) a client sent.", _ME)
     finished = _counter(
         "tensorrpc_client_calls",
-        "Calls (and streams) that ended, by outcome: ok or the exception's class name.",
+        "Calls (and streams) that ended, by outcome: ok, cancelled, or the error code's name.",
         [*_ME, "outcome"],
     )
     duration = _histogram(
         "tensorrpc_client_call_duration_seconds",
-        "Client-side latency of unary calls and whole streams, sending to result.",
+        "Client-side latency of unary calls and whole streams, sending to result "
+        "(bucketed by the statistics' latency buckets: within a quarter octave).",
         _ME,
     )
     items = _counter("tensorrpc_client_stream_items", "Stream items taken by callers.", _ME)
-    for (method, engine), s in series:
-        started.add_metric([method, engine], s.started)
-        for outcome, n in list(s.outcomes.items()):
-            finished.add_metric([method, engine, outcome], n)
-        duration.add_metric([method, engine], s.duration.buckets(), s.duration.total)
-        if s.items:
-            items.add_metric([method, engine], s.items)
-    yield from (started, finished, duration, items)
-
-
-def _client_event_families(store: _Store, with_samples: bool) -> Iterator[Metric]:
-    """Client engine events and heartbeats, from the hooks."""
-    events = _counter(
+    for key, acc in sorted(calls.items()):
+        started.add_metric(list(key), acc.started)
+        for outcome, n in acc.outcomes.items():
+            finished.add_metric([*key, outcome], n)
+        duration.add_metric(list(key), acc.buckets(bounds), acc.total)
+        if acc.items:
+            items.add_metric(list(key), acc.items)
+    engine_events = _counter(
         "tensorrpc_client_engine_events",
         "Engines that joined, rejoined (seen before) or were lost (dead, BYE, refused).",
         ["engine", "event"],
     )
-    if with_samples:
-        for (engine, event), n in list(store.engine_events.items()):
-            events.add_metric([store.label(engine), event], n)
-    rtt = _histogram(
+    for (label, event), n in sorted(events.items()):
+        engine_events.add_metric([label, event], n)
+    rtts = _histogram(
         "tensorrpc_client_heartbeat_rtt_seconds", "Heartbeat PING round trips.", ["engine"]
     )
-    if with_samples:
-        for engine, h in list(store.rtt.items()):
-            rtt.add_metric([store.label(engine)], h.buckets(), h.total)
-    yield from (events, rtt)
+    for label, acc in sorted(rtt.items()):
+        rtts.add_metric([label], acc.buckets(RTT_BUCKETS), acc.total)
+    yield from (started, finished, duration, items, engine_events, rtts)
 
 
 def _client_state_families(
-    clients: list[Any], with_samples: bool, label: Callable[[str], str]
+    clients: list[ClientStatistics],
+    with_samples: bool,
+    engines: list[EngineStatistics],
+    labels: dict[str, str | None],
 ) -> Iterator[Metric]:
-    """Client state, from ``statistics()``; ``label``: an engine id's label value."""
+    """Client state, from ``statistics()``."""
     in_flight = _gauge("tensorrpc_client_calls_in_flight", "Calls in flight.", ["engine"])
     up = _gauge(
         "tensorrpc_client_engine_up", "1 while the engine is live, 0 once lost.", ["engine"]
@@ -469,40 +406,28 @@ def _client_state_families(
         "Bytes sent to and received from engines (all frames).",
         ["engine", "direction"],
     )
-    per_engine = _per_engine(clients)
-    live = sum(acc[1] for acc in per_engine.values())
-    dead = len(per_engine) - live
+    seen = _seen(engines)
+    live = sum(seen.values())
     shown: dict[str, list[int]] = {}  # engines without a label value of their own add up
-    for engine, (flying, is_live, sent, received) in per_engine.items():
-        acc = shown.setdefault(label(engine), [0, 0, 0, 0])
-        acc[0] += flying
-        acc[1] = max(acc[1], is_live)
-        acc[2] += sent
-        acc[3] += received
-    for engine, (flying, is_live, sent, received) in sorted(shown.items()):
-        in_flight.add_metric([engine], flying)
-        up.add_metric([engine], is_live)
-        nbytes.add_metric([engine, "sent"], sent)
-        nbytes.add_metric([engine, "received"], received)
-    if with_samples:
-        engines_by_state.add_metric(["live"], live)
-        engines_by_state.add_metric(["dead"], dead)
-        waiting.add_metric([], sum(stats.waiting_for_capacity for stats in clients))
-        retries.add_metric([], sum(stats.overload_retries for stats in clients))
-    yield from (in_flight, up, engines_by_state, waiting, retries, nbytes)
-
-
-def _per_engine(clients: list[Any]) -> dict[str, list[int]]:
-    """Per engine over every client: ``[in flight, live (0/1), bytes sent, bytes received]``."""
-    per_engine: dict[str, list[int]] = {}
-    for stats in clients:
-        for engine, e in stats.engines.items():
-            acc = per_engine.setdefault(engine, [0, 0, 0, 0])
+    for e in engines:
+        label = labels[e.engine_id]
+        if label is not None:
+            acc = shown.setdefault(label, [0, 0, 0, 0])
             acc[0] += e.in_flight
             acc[1] = max(acc[1], int(e.live))
             acc[2] += e.bytes_sent
             acc[3] += e.bytes_received
-    return per_engine
+    for label, (flying, is_live, sent, received) in sorted(shown.items()):
+        in_flight.add_metric([label], flying)
+        up.add_metric([label], is_live)
+        nbytes.add_metric([label, "sent"], sent)
+        nbytes.add_metric([label, "received"], received)
+    if with_samples:
+        engines_by_state.add_metric(["live"], live)
+        engines_by_state.add_metric(["dead"], len(seen) - live)
+        waiting.add_metric([], sum(stats.waiting_for_capacity for stats in clients))
+        retries.add_metric([], sum(stats.overload_retries for stats in clients))
+    yield from (in_flight, up, engines_by_state, waiting, retries, nbytes)
 
 
 def _engine_call_families(engines: list[Any]) -> Iterator[Metric]:
@@ -540,16 +465,27 @@ def _engine_call_families(engines: list[Any]) -> Iterator[Metric]:
     yield from (e_started, e_finished, queue, handler, e_items)
 
 
+#: The engine gauges and counters of `_engine_state_families`: kind, name, help, value.
+_ENGINE_STATE: Final = (
+    (GaugeMetricFamily, "calls_in_flight", "Calls queued or running.", "in_flight"),
+    (GaugeMetricFamily, "calls_queued", "Calls waiting for a worker.", "queued"),
+    (CounterMetricFamily, "overloaded", "Calls refused as OVERLOADED.", "overloaded"),
+    (
+        CounterMetricFamily,
+        "dropped_messages",
+        "Messages dropped: malformed, unexpected or undeliverable.",
+        "dropped",
+    ),
+)
+
+
 def _engine_state_families(engines: list[Any]) -> Iterator[Metric]:
     """Engine state, from ``statistics()``."""
-    e_in_flight = _gauge("tensorrpc_engine_calls_in_flight", "Calls queued or running.", ["engine"])
-    e_queued = _gauge("tensorrpc_engine_calls_queued", "Calls waiting for a worker.", ["engine"])
-    overloaded = _counter("tensorrpc_engine_overloaded", "Calls refused as OVERLOADED.", ["engine"])
-    dropped = _counter(
-        "tensorrpc_engine_dropped_messages",
-        "Messages dropped: malformed, unexpected or undeliverable.",
-        ["engine"],
-    )
+    for kind, name, doc, attribute in _ENGINE_STATE:
+        family = kind(f"tensorrpc_engine_{name}", doc, labels=["engine"])
+        for es in engines:
+            family.add_metric([es.engine_id], getattr(es, attribute))
+        yield family
     e_clients = _gauge("tensorrpc_engine_clients", "Clients in session.", ["engine"])
     e_bytes = _counter(
         "tensorrpc_engine_bytes",
@@ -558,14 +494,10 @@ def _engine_state_families(engines: list[Any]) -> Iterator[Metric]:
     )
     for es in engines:
         eid = es.engine_id
-        e_in_flight.add_metric([eid], es.in_flight)
-        e_queued.add_metric([eid], es.queued)
-        overloaded.add_metric([eid], es.overloaded)
-        dropped.add_metric([eid], es.dropped)
         e_clients.add_metric([eid], sum(1 for c in es.clients if c.state == "live"))
         e_bytes.add_metric([eid, "received"], sum(c.bytes_in for c in es.clients))
         e_bytes.add_metric([eid, "sent"], sum(c.bytes_out for c in es.clients))
-    yield from (e_in_flight, e_queued, overloaded, dropped, e_clients, e_bytes)
+    yield from (e_clients, e_bytes)
 
 
 #: Batch size histogram buckets (items per batch, or per step of a continuous batch).
@@ -582,7 +514,7 @@ def _rebin(pairs: Sequence[Sequence[float]], bounds: tuple[float, ...], upper: A
     running = 0
     for bound, n in zip(bounds, counts, strict=False):
         running += n
-        out.append((_float_text(bound), running))
+        out.append((repr(float(bound)), running))
     out.append(("+Inf", running + counts[-1]))
     return out
 
@@ -681,21 +613,16 @@ class _HttpServers:
 
     def release(self, target: Any) -> None:
         with self._lock:
+            # Servers are kept under their bound port (a requested 0 included).
             bound = self._target_port.pop(id(target), None)
             entry = None if bound is None else self._by_port.get(bound)
-            if entry is None:
-                for e in self._by_port.values():
-                    if e[0].server_port == bound:
-                        entry = e
             if entry is None:
                 return
             server, thread, users = entry
             users.discard(id(target))
             if users:
                 return
-            for key, e in list(self._by_port.items()):
-                if e is entry:
-                    del self._by_port[key]
+            del self._by_port[server.server_port]
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)

@@ -26,6 +26,11 @@ What it does:
   [`BlockingClient`][tensorrpc.BlockingClient]'s stub): the same signatures, returning
   the result ``R`` itself for a unary method and
   [`BlockingStream[T]`][tensorrpc.BlockingStream] for a streaming one.
+* Request streams (``async def upload(self, chunks: AsyncIterator[X]) -> Y`` and
+  ``async def chat(self, msgs: AsyncIterator[X]) -> AsyncIterator[Y]``): the stub method
+  (and ``client.call``) takes ``AsyncIterable[X] | Iterable[X]``, as the client does at
+  run time, and returns ``Y`` (client streaming) or a ``CallStream[Y]``
+  (bidirectional).
 * ``client.call(Service.method, ...)`` (and a blocking client's): the arguments are
   checked against ``Service.method``'s own parameters and the call returns its result
   type, so that mypy names what is wrong (an argument's type, a missing or unknown
@@ -70,6 +75,7 @@ from mypy.types import (
     ProperType,
     Type,
     TypeOfAny,
+    UnionType,
     get_proper_type,
 )
 
@@ -178,8 +184,34 @@ def _stub_attribute(ctx: AttributeContext, *, name: str, blocking: bool = False)
         bound = expand_type_by_instance(bound, map_instance_to_supertype(service, owner))
     else:
         bound = expand_type_by_instance(bound, service)
+    bound = _request_items(ctx, bound, first=0)
     returns = _stub_returns(ctx, kind, get_proper_type(bound.ret_type), blocking=blocking)
     return bound.copy_modified(ret_type=returns)
+
+
+_STREAM_PARAMS = frozenset({"typing.AsyncIterator", "typing.AsyncIterable"})
+
+
+def _request_items(
+    ctx: AttributeContext | MethodContext, method: CallableType, *, first: int
+) -> CallableType:
+    """A request-streaming method's one parameter (``AsyncIterator[X]``, at ``first``: 0
+    once ``self`` is bound) as callers may pass it: ``AsyncIterable[X] | Iterable[X]``."""
+    if len(method.arg_types) != first + 1:
+        return method
+    param = get_proper_type(method.arg_types[first])
+    if not isinstance(param, Instance) or param.type.fullname not in _STREAM_PARAMS:
+        return method
+    if not param.args:
+        return method
+    item = param.args[0]
+    widened = UnionType(
+        [
+            ctx.api.named_generic_type("typing.AsyncIterable", [item]),
+            ctx.api.named_generic_type("typing.Iterable", [item]),
+        ]
+    )
+    return method.copy_modified(arg_types=[*method.arg_types[:first], widened])
 
 
 def _stub_returns(ctx: AttributeContext, kind: str, result: ProperType, *, blocking: bool) -> Type:
@@ -327,6 +359,7 @@ def _check_call(ctx: MethodContext) -> Type:
         arg_kinds=method.arg_kinds[1:],
         arg_names=method.arg_names[1:],
     )
+    unbound = _request_items(ctx, unbound, first=0)
     checker = ctx.api.expr_checker  # type: ignore[attr-defined]
     checker.check_call(
         callee=unbound, args=args, arg_kinds=kinds, arg_names=names, context=ctx.context

@@ -328,6 +328,27 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Launch:
+    """What `launch` was asked for (see its arguments)."""
+
+    service_cls: type[Any]
+    n: int
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    num_cpus: float
+    num_gpus: float
+    placement: Placement
+    max_restarts: int
+    engine_ids: tuple[str, ...]
+    bind: bool
+    engine_keys: CurveKeyPair | None
+    serve_options: Mapping[str, Any]
+    ray_options: Mapping[str, Any]
+    timeout: float
+    join_timeout: float | None
+
+
 class EngineGroup:
     """The engines of one [`launch`][tensorrpc.ray.launch]: an async context manager.
 
@@ -336,44 +357,10 @@ class EngineGroup:
     [`stop`][tensorrpc.ray.EngineGroup.stop].
     """
 
-    def __init__(
-        self,
-        service_cls: type[Any],
-        n: int,
-        *,
-        client: Client[Any],
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        num_cpus: float,
-        num_gpus: float,
-        placement: Placement,
-        max_restarts: int,
-        engine_ids: Sequence[str],
-        bind: bool,
-        client_address: str | None,
-        engine_keys: CurveKeyPair | None,
-        serve_options: Mapping[str, Any],
-        ray_options: Mapping[str, Any],
-        timeout: float,
-        join_timeout: float | None,
-    ) -> None:
-        self._service_cls = service_cls
-        self._n = n
+    def __init__(self, plan: _Launch, client: Client[Any], client_address: str | None) -> None:
+        self._plan = plan
         self._client = client
-        self._args = tuple(args)
-        self._kwargs = dict(kwargs)
-        self._num_cpus = num_cpus
-        self._num_gpus = num_gpus
-        self._placement = placement
-        self._max_restarts = max_restarts
-        self._engine_ids = list(engine_ids)
-        self._bind = bind
         self._client_address = client_address
-        self._engine_keys = engine_keys
-        self._serve_options = dict(serve_options)
-        self._ray_options = dict(ray_options)
-        self._timeout = timeout
-        self._join_timeout = join_timeout
         self._slots: dict[str, _Slot] = {}
         self._pg: Any = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -387,7 +374,7 @@ class EngineGroup:
     @property
     def address(self) -> str | None:
         """The client address the engines dial (``None`` with ``bind=True``)."""
-        return None if self._bind else self._client_address
+        return None if self._plan.bind else self._client_address
 
     @property
     def engines(self) -> Mapping[str, RayEngine]:
@@ -541,7 +528,7 @@ class EngineGroup:
             self._tg.cancel_scope.cancel()
         wait = grace_period
         if wait is None:
-            wait = float(self._serve_options.get("grace_period", 5.0)) + 10.0
+            wait = float(self._plan.serve_options.get("grace_period", 5.0)) + 10.0
         await self._teardown(drain=True, wait=wait)
 
     # -- start ------------------------------------------------------------------------------
@@ -550,16 +537,16 @@ class EngineGroup:
         spec_curve = self._engine_curves()
         if self._keys:
             self._client.bind_engine_keys(self._keys)
-        if not self._bind:
+        if not self._plan.bind:
             self._client_address = self._client_address or _reachable_address(self._client)
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + self._plan.timeout
         await self._place()
         self._spawn(spec_curve)
         # Every actor reports where it runs, then every engine joins the client.
         await self._wait_started(deadline)
-        if self._join_timeout is not None:
-            deadline = time.monotonic() + self._join_timeout
-        if self._bind:
+        if self._plan.join_timeout is not None:
+            deadline = time.monotonic() + self._plan.join_timeout
+        if self._plan.bind:
             for slot in self._slots.values():
                 self._client.connect(slot.address)
                 self._connected.append(slot.address)
@@ -567,56 +554,54 @@ class EngineGroup:
 
     async def _place(self) -> None:
         """Create the placement group (one bundle per engine) and wait until it is placed."""
-        bundle: dict[str, float] = {"CPU": float(self._num_cpus)}
-        if self._num_gpus:
-            bundle["GPU"] = float(self._num_gpus)
-        self._pg = placement_group(
-            [dict(bundle) for _ in range(self._n)], strategy=_STRATEGIES[self._placement]
-        )
-        placed = await anyio.to_thread.run_sync(_wait_placed, self._pg, self._timeout)
+        bundle: dict[str, float] = {"CPU": float(self._plan.num_cpus)}
+        if self._plan.num_gpus:
+            bundle["GPU"] = float(self._plan.num_gpus)
+        plan = self._plan
+        strategy = _STRATEGIES[plan.placement]
+        self._pg = placement_group([dict(bundle) for _ in range(plan.n)], strategy=strategy)
+        placed = await anyio.to_thread.run_sync(_wait_placed, self._pg, plan.timeout)
+        what = f"Ray could not place {plan.n} engines of {bundle} each ({strategy})"
         if placed == "infeasible":
             raise LaunchError(
-                f"Ray could not place {self._n} engines of {bundle} each "
-                f"({_STRATEGIES[self._placement]}): no node of the cluster can ever hold one "
-                f"(Ray found the placement infeasible); the cluster has "
-                f"{_resources(_ray.cluster_resources())} in all"
+                f"{what}: no node of the cluster can ever hold one (Ray found the placement "
+                f"infeasible); the cluster has {_resources(_ray.cluster_resources())} in all"
             )
         if not placed:
             raise LaunchError(
-                f"Ray could not place {self._n} engines of {bundle} each "
-                f"({_STRATEGIES[self._placement]}) within {self._timeout} s: the cluster has "
+                f"{what} within {plan.timeout} s: the cluster has "
                 f"{_resources(_ray.cluster_resources())} in all, "
                 f"{_resources(_ray.available_resources())} available"
             )
 
     def _spawn(self, spec_curve: list[CurveConfig | None]) -> None:
         """Start one actor per engine in its bundle; each is asked where it runs."""
-        rejoin = float(self._serve_options.get("dead_after", 5.0)) * 2 + 5.0
+        rejoin = float(self._plan.serve_options.get("dead_after", 5.0)) * 2 + 5.0
         remote_cls: Any = ray.remote(_EngineActor)
-        for index, engine_id in enumerate(self._engine_ids):
+        for index, engine_id in enumerate(self._plan.engine_ids):
             spec = _EngineSpec(
-                service_cls=self._service_cls,
-                args=self._args,
-                kwargs=self._kwargs,
+                service_cls=self._plan.service_cls,
+                args=self._plan.args,
+                kwargs=self._plan.kwargs,
                 engine_id=engine_id,
-                connect=None if self._bind else self._client_address,
-                bind=self._bind,
+                connect=None if self._plan.bind else self._client_address,
+                bind=self._plan.bind,
                 curve=spec_curve[index],
-                serve_options=self._serve_options,
+                serve_options=self._plan.serve_options,
                 rejoin_timeout=rejoin,
             )
             actor = remote_cls.options(
-                num_cpus=self._num_cpus,
-                num_gpus=self._num_gpus,
-                max_restarts=self._max_restarts,
+                num_cpus=self._plan.num_cpus,
+                num_gpus=self._plan.num_gpus,
+                max_restarts=self._plan.max_restarts,
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=index
                 ),
-                **self._ray_options,
+                **self._plan.ray_options,
             ).remote(spec)
             slot = _Slot(engine_id, actor)
-            slot.ref, slot.ref_kind = actor.describe.remote(self._timeout), "describe"
+            slot.ref, slot.ref_kind = actor.describe.remote(self._plan.timeout), "describe"
             self._slots[engine_id] = slot
 
     async def _wait_started(self, deadline: float) -> None:
@@ -627,7 +612,7 @@ class EngineGroup:
             if time.monotonic() > deadline:
                 waiting = [k for k, s in self._slots.items() if s.phase == "starting"]
                 raise LaunchError(
-                    f"engines {', '.join(waiting)} did not start within {self._timeout} s",
+                    f"engines {', '.join(waiting)} did not start within {self._plan.timeout} s",
                     engines=self.engines,
                 )
 
@@ -653,24 +638,24 @@ class EngineGroup:
         `_start`) and its secret key handed to the actor in its Ray arguments."""
         curve = self._client.curve
         if curve is None:
-            if self._engine_keys is not None:
+            if self._plan.engine_keys is not None:
                 raise ValueError("engine_keys given, but the client does not use CURVE")
-            return [None] * self._n
-        if not self._bind:
+            return [None] * self._plan.n
+        if not self._plan.bind:
             if not isinstance(curve, CurveServerConfig):
                 raise ValueError(
                     "engines dial in: the client must be the CURVE server "
                     "(Client(curve=tensorrpc.ray.client_curve()))"
                 )
-            if self._engine_keys is not None:
+            if self._plan.engine_keys is not None:
                 raise ValueError(
                     "engines dial in: the launcher makes one keypair per engine; "
                     "engine_keys= is for bind=True"
                 )
-            pairs = [generate_keypair() for _ in range(self._n)]
+            pairs = [generate_keypair() for _ in range(self._plan.n)]
             self._keys = {
                 engine_id: pair.public_key
-                for engine_id, pair in zip(self._engine_ids, pairs, strict=True)
+                for engine_id, pair in zip(self._plan.engine_ids, pairs, strict=True)
             }
             server_key = curve.keypair.public_key
             return [CurveClientConfig(pair, server_key) for pair in pairs]
@@ -679,13 +664,16 @@ class EngineGroup:
                 "engines bind: the client must be a CURVE client "
                 "(Client(curve=CurveClientConfig(client_keys, engine_public_key)))"
             )
-        if self._engine_keys is None or self._engine_keys.public_key != curve.server_public_key:
+        if (
+            self._plan.engine_keys is None
+            or self._plan.engine_keys.public_key != curve.server_public_key
+        ):
             raise ValueError(
                 "engines bind with CURVE: pass engine_keys= with the keypair whose public key "
                 "the client's CurveClientConfig names as server_public_key"
             )
-        server = CurveServerConfig(self._engine_keys, {curve.keypair.public_key})
-        return [server] * self._n
+        server = CurveServerConfig(self._plan.engine_keys, {curve.keypair.public_key})
+        return [server] * self._plan.n
 
     def _raise_if_failed(self) -> None:
         bad = {k: s for k, s in self._slots.items() if s.phase in ("dead", "failed")}
@@ -701,7 +689,7 @@ class EngineGroup:
         where = ", ".join(
             f"{k} (pid {engines[k].pid} on {engines[k].node_address})" for k in missing
         )
-        if self._bind:
+        if self._plan.bind:
             tried = ", ".join(engines[k].address for k in missing)
             text = (
                 f"engines {where} run but did not join within {waited}: the client "
@@ -760,16 +748,16 @@ class EngineGroup:
             return
         if kind == "describe" and isinstance(error, ray.exceptions.ActorUnavailableError):
             # still restarting: ask again (Ray queues the call until the actor is back)
-            slot.ref, slot.ref_kind = slot.actor.describe.remote(self._timeout), "describe"
+            slot.ref, slot.ref_kind = slot.actor.describe.remote(self._plan.timeout), "describe"
             return
         died = isinstance(error, ray.exceptions.RayActorError)
         reason = _short(error)
         if slot.pid:
             self._client.declare_dead(slot.engine_id, pid=slot.pid, reason=f"died (Ray: {reason})")
-        if died and kind == "wait" and slot.restarts < self._max_restarts:
+        if died and kind == "wait" and slot.restarts < self._plan.max_restarts:
             slot.restarts += 1
             slot.phase = "restarting"
-            slot.ref, slot.ref_kind = slot.actor.describe.remote(self._timeout), "describe"
+            slot.ref, slot.ref_kind = slot.actor.describe.remote(self._plan.timeout), "describe"
             return
         slot.phase = "dead" if died else "failed"
         slot.error = reason
@@ -1049,22 +1037,9 @@ def launch(
     _check_launch(n, placement, max_restarts, timeout, join_timeout)
     ids = _launch_ids(client, n, engine_ids, bind)
     _check_exposure(client, bind, client_address, allow_plaintext)
-    return EngineGroup(
-        service_cls,
-        n,
-        client=client,
-        args=args,
-        kwargs=kwargs or {},
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        placement=placement,
-        max_restarts=max_restarts,
-        engine_ids=ids,
-        bind=bind,
-        client_address=client_address,
-        engine_keys=engine_keys,
-        serve_options=serve_options or {},
-        ray_options=ray_options or {},
-        timeout=timeout,
-        join_timeout=join_timeout,
-    )
+    plan = _Launch(
+        service_cls, n, tuple(args), dict(kwargs or {}), num_cpus, num_gpus, placement,
+        max_restarts, tuple(ids), bind, engine_keys, dict(serve_options or {}),
+        dict(ray_options or {}), timeout, join_timeout,
+    )  # fmt: skip
+    return EngineGroup(plan, client, client_address)

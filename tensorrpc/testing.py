@@ -75,6 +75,9 @@ _PROCESS_OPTIONS = {
 }
 #: Output of a failed engine process quoted in the error.
 _LOG_TAIL = 4000
+#: What starts an engine process (`subprocess.Popen`'s signature and interface). A test
+#: hook: tensorrpc's own suite forks its engines from a pre-imported interpreter.
+_popen: Any = subprocess.Popen
 
 
 class EngineStartError(RuntimeError):
@@ -230,7 +233,7 @@ def engine_processes(
             for engine_id, (args, env) in zip(ids, commands, strict=True):
                 path = Path(logs) / f"{engine_id}.log"
                 with path.open("wb") as log:
-                    proc = subprocess.Popen(
+                    proc = _popen(
                         args,
                         env=env,
                         stdin=subprocess.DEVNULL,

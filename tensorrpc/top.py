@@ -1,18 +1,11 @@
 """``tensorrpc top ADDR...``: a live terminal view of engines' statistics (the ``top`` extra).
 
-It connects like any client (``Client.dynamic``) to the engines at the given addresses,
-asks each for the built-in ``_tensorrpc.statistics`` method every interval (no extra port;
-docs/protocol.md §10) and draws, per engine: liveness, calls/s, errors/s, in-flight and
-queued calls, latency p50/p99 over the last interval (the engine's: accepting the CALL to
-the end of its handler), for batched methods the mean batch size and the median wait
-for a batch over the interval (column ``batch``: ``size/wait``), bytes/s on the wire and
-by tensor transport. ``q`` or Ctrl-C quits. Without a terminal it prints one plain table
-per refresh.
-
-What an engine sends is drawn as plain text: ids and notes are escaped
-(`tensorrpc._text.peer_text`) and shown as ``rich.text.Text``, never as markup, and a
-statistics answer is checked (`check_statistics`) before it is used; a bad one becomes
-that engine's note and top goes on.
+It connects like any client to the engines at the given addresses, asks each for the
+built-in ``_tensorrpc.statistics`` method every interval (docs/protocol.md §10) and draws
+a row per engine (the columns: docs/observability.md). What an engine sends is drawn as
+plain text: strings are escaped (`tensorrpc._text.peer_text`) and shown as
+``rich.text.Text``, never as markup, and an answer is checked (`check_statistics`) before
+it is used; a bad one becomes that engine's note and top goes on.
 """
 
 from __future__ import annotations
@@ -210,34 +203,31 @@ class EngineView:
             )
         window: dict[int, int] = {}
         for method, m in stats["methods"].items():
-            before = {int(i): int(n) for i, n in prev["methods"].get(method, {}).get("latency", [])}
-            for i, n in m["latency"]:
-                d = int(n) - before.get(int(i), 0)
-                if d > 0:
-                    window[int(i)] = window.get(int(i), 0) + d
+            _grown(m["latency"], prev["methods"].get(method, {}).get("latency", []), window)
         per_octave = int(stats.get("latency_buckets_per_octave", LATENCY_BUCKETS_PER_OCTAVE))
         self.p50 = percentile(window, 0.50, per_octave)
         self.p99 = percentile(window, 0.99, per_octave)
         self._batching(stats.get("batching", {}), prev.get("batching", {}), per_octave)
 
     def _batching(self, new: dict[str, Any], old: dict[str, Any], per_octave: int) -> None:
-        batches = items = 0
+        sizes: dict[int, int] = {}
         wait: dict[int, int] = {}
         for method, b in new.items():
             before = old.get(method, {})
-            sizes_before = {int(k): int(n) for k, n in before.get("sizes", [])}
-            for k, n in b["sizes"]:
-                d = int(n) - sizes_before.get(int(k), 0)
-                if d > 0:
-                    batches += d
-                    items += d * int(k)
-            wait_before = {int(i): int(n) for i, n in before.get("queue_wait", [])}
-            for i, n in b["queue_wait"]:
-                d = int(n) - wait_before.get(int(i), 0)
-                if d > 0:
-                    wait[int(i)] = wait.get(int(i), 0) + d
-        self.batch_size = items / batches if batches else None
+            _grown(b["sizes"], before.get("sizes", []), sizes)
+            _grown(b["queue_wait"], before.get("queue_wait", []), wait)
+        batches = sum(sizes.values())
+        self.batch_size = sum(k * n for k, n in sizes.items()) / batches if batches else None
         self.batch_wait = percentile(wait, 0.50, per_octave)
+
+
+def _grown(new: list[Any], old: list[Any], into: dict[int, int]) -> None:
+    """Add to ``into`` how much each ``[key, count]`` pair of ``new`` grew since ``old``."""
+    before = {int(k): int(n) for k, n in old}
+    for k, n in new:
+        grew = int(n) - before.get(int(k), 0)
+        if grew > 0:
+            into[int(k)] = into.get(int(k), 0) + grew
 
 
 def _seconds(value: float | None) -> str:

@@ -193,19 +193,11 @@ class TracingObserver(Observer):
     ) -> CallObservation | None:
         if self._idle():
             return None
-        span = self._tracer.start_span(
-            f"{service}/{method}",
-            kind=SpanKind.CLIENT,
-            attributes={
-                "rpc.system": "tensorrpc",
-                "rpc.service": service,
-                "rpc.method": method,
-                "tensorrpc.engine_id": engine,
-                "tensorrpc.transport": transport,
-                "tensorrpc.request_bytes": nbytes,
-                "tensorrpc.stream": stream,
-            },
-        )
+        span = self._span(
+            service, method, engine, SpanKind.CLIENT,
+            {"tensorrpc.transport": transport, "tensorrpc.request_bytes": nbytes,
+             "tensorrpc.stream": stream},
+        )  # fmt: skip
         if not span.get_span_context().is_valid:
             return None
         return _ClientSpan(span)
@@ -226,20 +218,12 @@ class TracingObserver(Observer):
         ctx: Any = None
         if parent is not None:
             ctx = trace.set_span_in_context(NonRecordingSpan(parent), otel_context.Context())
-        span = self._tracer.start_span(
-            f"{service}/{method}",
+        span = self._span(
+            service, method, engine, SpanKind.SERVER,
+            {"tensorrpc.client_id": client, "tensorrpc.request_bytes": nbytes,
+             "tensorrpc.stream": stream},
             context=ctx,
-            kind=SpanKind.SERVER,
-            attributes={
-                "rpc.system": "tensorrpc",
-                "rpc.service": service,
-                "rpc.method": method,
-                "tensorrpc.engine_id": engine,
-                "tensorrpc.client_id": client,
-                "tensorrpc.request_bytes": nbytes,
-                "tensorrpc.stream": stream,
-            },
-        )
+        )  # fmt: skip
         return _EngineSpan(span)
 
     def engine_batch(
@@ -252,20 +236,31 @@ class TracingObserver(Observer):
             context = decode_trace_context(data) if data else None
             if context is not None:
                 links.append(Link(context))
-        span = self._tracer.start_span(
-            f"{service}/{method} batch",
-            context=otel_context.Context(),
-            kind=SpanKind.INTERNAL,
-            links=links,
-            attributes={
-                "rpc.system": "tensorrpc",
-                "rpc.service": service,
-                "rpc.method": method,
-                "tensorrpc.engine_id": engine,
-                "tensorrpc.batch_size": size,
-            },
-        )
+        span = self._span(
+            service, method, engine, SpanKind.INTERNAL, {"tensorrpc.batch_size": size},
+            context=otel_context.Context(), links=links, suffix=" batch",
+        )  # fmt: skip
         return _BatchSpan(span)
+
+    def _span(
+        self,
+        service: str,
+        method: str,
+        engine: str,
+        kind: SpanKind,
+        attributes: dict[str, Any],
+        *,
+        suffix: str = "",
+        **options: Any,
+    ) -> Span:
+        """Start a span ``Service/method`` with the RPC attributes and ``attributes``."""
+        common = {"rpc.system": "tensorrpc", "rpc.service": service, "rpc.method": method}
+        return self._tracer.start_span(
+            f"{service}/{method}{suffix}",
+            kind=kind,
+            attributes={**common, "tensorrpc.engine_id": engine, **attributes},
+            **options,
+        )
 
 
 _instrumented: TracingObserver | None = None

@@ -11,6 +11,22 @@ from hypothesis import HealthCheck, settings
 # how the suite runs under pytest-xdist (`make test`: -n 3).
 pytest_plugins = ["tensorrpc.testing", "tests._xdist"]
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Fork the engine processes of tensorrpc.testing from the suite's zygote.
+
+    `engine_processes` (and ``isolation="process"``) would start fresh interpreters that
+    each import torch; forked from the zygote (tests/_forkserver.py) they are separate
+    processes all the same, signalled and reaped alike. A user's script still starts them
+    with `subprocess.Popen` (tests/test_blocking_client.py::test_plain_script runs one
+    outside pytest).
+    """
+    import tensorrpc.testing
+    from tests import _forkserver
+
+    tensorrpc.testing._popen = _forkserver.popen
+
+
 # Property tests must not fail because a 2-core CI machine is busy: no per-example
 # deadline, no "too slow" health check. Under CI the examples are derandomized so that a
 # run is reproducible; locally every run explores new examples.

@@ -6,7 +6,7 @@ its own program, forked by ``tests/_forkserver.py``: it shares nothing with the 
 process but the socket address. ``--service`` picks what it serves: ``v1``
 (`tests.integration.services.Calculator`), ``v2`` (same name, another fingerprint) or
 ``tensor`` (`tests.transports._engine.TensorService`, for the transport tests, with
-``--no-torch-shm`` to offer frames only).
+``--no-torch-shm`` to offer frames only) or ``streams`` (`tests.integration.services.Streams`).
 """
 
 from __future__ import annotations
@@ -158,9 +158,15 @@ def _server(args: argparse.Namespace) -> Any:
         )
         _engine.SERVER = server  # its handlers report the transport statistics
         return server
-    from tests.integration.services import Calculator, CalculatorV2
+    from tests.integration.services import Calculator, CalculatorV2, Streams
 
-    handler: object = Calculator(args.engine_id) if args.service == "v1" else CalculatorV2()
+    handler: object = (
+        Calculator(args.engine_id)
+        if args.service == "v1"
+        else Streams()
+        if args.service == "streams"
+        else CalculatorV2()
+    )
     return Server(
         handler,
         engine_id=args.engine_id,
@@ -205,7 +211,7 @@ def main() -> None:
     parser.add_argument("--connect", action="append", default=[])
     parser.add_argument("--bind")
     parser.add_argument("--address-file")
-    parser.add_argument("--service", choices=("v1", "v2", "tensor"), default="v1")
+    parser.add_argument("--service", choices=("v1", "v2", "tensor", "streams"), default="v1")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--no-torch-shm", action="store_true")
     parser.add_argument("--dead-after", type=float, default=ENGINE_DEAD_AFTER)

@@ -14,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tensorrpc
@@ -150,3 +152,34 @@ def test_bad_arguments_leave_no_thread() -> None:
     with pytest.raises(tensorrpc.ConnectError):
         tensorrpc.BlockingClient(Calculator, bind="nonsense://x")
     assert _loop_threads() == []
+
+
+def test_request_streams_take_plain_iterators_and_metadata_comes_back() -> None:
+    from tests.integration.services import Chunk, Streams
+
+    pulled_in: set[str] = set()
+
+    def chunks(n: int) -> Iterator[Chunk]:
+        for i in range(n):
+            pulled_in.add(threading.current_thread().name)
+            yield Chunk(i, np.full(3, i, dtype=np.int64))
+
+    with (
+        tensorrpc.BlockingClient(Streams, bind="tcp://127.0.0.1:0") as client,
+        engine_processes(Streams, client.addresses[0]),
+    ):
+        client.wait_for_engines(1, timeout=60)
+        assert client.call(Streams.upload, chunks(40)) == sum(3 * i for i in range(40))
+        assert client.stub().first([4, 5]) == 4
+        view = client.with_options(metadata={"tag": "b1"})
+        with view.stream(Streams.echo, iter(["x", "y"])) as stream:  # type: ignore[arg-type]
+            assert list(stream) == ["X", "Y"]
+        assert list(client.stub().echo(msgs=["z"])) == ["Z"]
+        value, metadata = client.call_with_metadata(Streams.upload, chunks(2))  # type: ignore[call-overload]
+        assert (value, dict(metadata)) == (3, {"items": "2"})
+        with pytest.raises(tensorrpc.ValidationError, match=r"chunks\[1\]"):
+            client.call(Streams.upload, [Chunk(0, np.zeros(1, dtype=np.int64)), "bad"])  # type: ignore[list-item]
+    # The caller's iterator ran in worker threads, never on the caller's or the loop's.
+    assert pulled_in
+    assert threading.current_thread().name not in pulled_in
+    assert "tensorrpc-blocking-client" not in pulled_in

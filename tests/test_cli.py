@@ -434,6 +434,16 @@ def test_serve_and_call_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path:
         assert status == 0, err
         assert out.splitlines()[0].startswith("engine e1: service Calculator")
         assert "  count(n: int) -> AsyncIterator[int]" in out.splitlines()
+        status, out, err = run_cli(capsys, "call", address, "--list", "--json")
+        assert status == 0, err
+        listed = json.loads(out)
+        assert (listed["engine_id"], listed["service"]) == ("e1", "Calculator")
+        count = next(m for m in listed["methods"] if m["name"] == "count")
+        assert count == {
+            "name": "count",
+            "signature": "count(n: int) -> AsyncIterator[int]",
+            "streaming": True,
+        }
 
         # Arguments as people type them after httpie (positional) and grpcurl (-d JSON),
         # also after options, and mixed with --arg.

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import torch
 
+from tensorrpc import call_context
 from tensorrpc._service import rpc, service
 
 
@@ -101,3 +104,77 @@ class CalculatorV2:
     @rpc
     async def add(self, a: int, b: int, c: int) -> int:
         return a + b + c
+
+
+@dataclass
+class Chunk:
+    seq: int
+    data: np.ndarray
+
+
+@service
+class Streams:
+    """Client streaming and bidirectional methods (tests/integration/test_request_streams.py)."""
+
+    def __init__(self) -> None:
+        self.gate = anyio.Event()
+        self.taken: list[int] = []
+        self.closed: list[str] = []
+        self.gated_closed = anyio.Event()
+
+    @rpc
+    async def upload(self, chunks: AsyncIterator[Chunk]) -> int:
+        total = n = 0
+        async for chunk in chunks:
+            total += int(chunk.data.sum())
+            n += 1
+        call_context().set_response_metadata({"items": str(n)})
+        return total
+
+    @rpc
+    async def first(self, xs: AsyncIterator[int]) -> int:
+        async for x in xs:
+            return x  # returns before the request stream ends
+        return -1
+
+    @rpc
+    async def echo(self, msgs: AsyncIterator[str]) -> AsyncIterator[str]:
+        ctx = call_context()
+        ctx.set_response_metadata({"seen": ctx.metadata.get("tag", "")})
+        async for m in msgs:
+            yield m.upper()
+
+    @rpc
+    async def gated(self, xs: AsyncIterator[int]) -> AsyncIterator[int]:
+        """Takes one item, then waits for the gate before taking more: a slow reader."""
+        try:
+            async for x in xs:
+                self.taken.append(x)
+                yield x
+                await self.gate.wait()
+        finally:
+            self.closed.append("gated")
+            self.gated_closed.set()
+
+    @rpc
+    async def doubles(self, xs: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+        async for x in xs:
+            yield x * 2
+
+    @rpc
+    async def tensors(self, xs: AsyncIterator[torch.Tensor]) -> AsyncIterator[torch.Tensor]:
+        async for x in xs:
+            yield x * 2
+
+    @rpc
+    async def fails_at(self, xs: AsyncIterator[int]) -> int:
+        async for x in xs:
+            if x == 3:
+                raise ValueError(f"boom at {x}")
+        return 0
+
+    @rpc
+    async def sleepy(self, xs: AsyncIterator[int]) -> int:
+        async for _ in xs:
+            await anyio.sleep(3600)
+        return 0

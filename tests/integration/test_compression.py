@@ -16,7 +16,7 @@ from tensorrpc._compression import Compression
 from tensorrpc._exceptions import DecodeError
 from tensorrpc._server import Server
 from tensorrpc._service import describe
-from tensorrpc.testing import engine_processes
+from tests.engine_proc import EngineProcess
 
 from .services import Calculator
 
@@ -75,7 +75,8 @@ async def test_nothing_is_compressed_with_an_engine_that_shares_memory(tmp_path:
     x = activations()
     address = f"ipc://{tmp_path}/c.sock"
     async with Client(Calculator, bind=address) as client:
-        with engine_processes(Calculator, address, 1):
+        # Another process (forked from the suite's zygote): same host, so torch_shm.
+        with EngineProcess("engine-0", workdir=tmp_path, connect=(address,)):
             with anyio.fail_after(60):
                 await client.wait_for_engines(1)
                 assert client.engines["engine-0"].compression == ("zstd",)

@@ -613,7 +613,7 @@ async def test_a_reused_call_id_cancels_the_original_and_gets_one_protocol_error
 @pytest.mark.parametrize(
     ("frame", "fault"),
     [
-        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x100, 0, 77, 0) + b"add", "unknown flag bits"),
+        (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x200, 0, 77, 0) + b"add", "unknown flag bits"),
         (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 1, 77, 0) + b"add", "reserved"),
         (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 0, 77, 0), "method name"),
         (struct.pack("<2sBBHHQI", b"TR", 9, 4, 0, 0, 77, 0) + b"add", "version 9"),

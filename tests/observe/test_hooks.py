@@ -219,7 +219,7 @@ def test_resolve_combines_installed_and_given_observers() -> None:
     try:
         combined = _observe.resolve([a, a])
         assert isinstance(combined, Observer)
-        assert combined.observers == (b, a)  # type: ignore[attr-defined]
+        assert combined.members == (b, a)  # type: ignore[attr-defined]
         call = combined.client_call("S", "m", "e", False, 1, "inline")
         assert call is not None
         call.finished("ok", 3)

@@ -36,6 +36,40 @@ class Calc:
         for i in range(n):
             yield i
 
+    @rpc
+    async def upload(self, chunks: AsyncIterator[bytes]) -> int:
+        return len([c async for c in chunks])
+
+    @rpc
+    async def chat(self, msgs: AsyncIterator[str]) -> AsyncIterator[int]:
+        async for m in msgs:
+            yield len(m)
+
+
+async def _lines() -> AsyncIterator[str]:
+    yield "a"
+
+
+async def request_streams(client: Client[Calc], blocking: BlockingClient[Calc]) -> None:
+    """Never run: client streaming and bidirectional methods, typed by the plugin."""
+    calc = client.stub()
+    assert_type(await calc.upload([b"a", b"b"]), int)  # a plain iterable, or an async one
+    assert_type(await calc.upload(_bytes()), int)
+    assert_type(calc.chat(_lines()), CallStream[int])
+    assert_type(calc.chat(["x"]), CallStream[int])
+    assert_type(await client.call(Calc.upload, [b"a"]), int)
+    assert_type(client.stream(Calc.chat, _lines()), CallStream[int])
+    assert_type(blocking.stub().upload([b"a"]), int)
+    assert_type(blocking.stub().chat(["x"]), BlockingStream[int])
+    assert_type(blocking.call(Calc.upload, iter([b"a"])), int)
+    await calc.upload(["not bytes"])  # type: ignore[list-item]
+    await calc.upload([b"a"], [b"b"])  # type: ignore[call-arg]
+    calc.chat(_bytes())  # type: ignore[arg-type]
+
+
+async def _bytes() -> AsyncIterator[bytes]:
+    yield b"a"
+
 
 async def typed_calls(client: Client[Calc]) -> None:
     """Never run: only type-checked."""

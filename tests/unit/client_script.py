@@ -37,10 +37,21 @@ class Calc:
         for i in range(n):
             yield i
 
+    @rpc
+    async def upload(self, xs: AsyncIterator[int]) -> int:
+        return sum([x async for x in xs])
+
+    @rpc
+    async def chat(self, xs: AsyncIterator[int]) -> AsyncIterator[int]:
+        async for x in xs:
+            yield x
+
 
 SPEC = describe(Calc)
 ADD: MethodSpec = SPEC.methods["add"]
 COUNT: MethodSpec = SPEC.methods["count"]
+UPLOAD: MethodSpec = SPEC.methods["upload"]
+CHAT: MethodSpec = SPEC.methods["chat"]
 
 
 def make_protocol(**kw: Any) -> ClientProtocol:

@@ -10,6 +10,7 @@ from typing import Any
 from tensorrpc._protocol import (
     Credit,
     ErrorInfo,
+    Flags,
     Header,
     Hello,
     MessageKind,
@@ -17,6 +18,7 @@ from tensorrpc._protocol import (
     decode_control,
     encode_control,
     pack_call_header,
+    pack_reply_header,
     split_frames,
 )
 from tensorrpc._server_protocol import ProtocolSettings, ServerCall, ServerProtocol
@@ -38,6 +40,15 @@ class Tiny:
         for i in range(n):
             yield i
 
+    @rpc
+    async def upload(self, xs: AsyncIterator[int]) -> int:
+        return sum([x async for x in xs])
+
+    @rpc
+    async def chat(self, xs: AsyncIterator[int]) -> AsyncIterator[int]:
+        async for x in xs:
+            yield x
+
 
 SPEC = describe(Tiny)
 
@@ -53,6 +64,7 @@ def make_hello() -> Hello:
         methods=tuple(SPEC.methods),
         streaming=tuple(n for n, m in SPEC.methods.items() if m.streaming),
         signatures=tuple(m.signature for m in SPEC.methods.values()),
+        request_streaming=tuple(n for n, m in SPEC.methods.items() if m.request_streaming),
     )
 
 
@@ -125,6 +137,22 @@ class Engine:
         self.control(key, MessageKind.PING, None, 1)
         self.welcome(key, **fields)
         self.take()
+
+    def open_upload(self, key: object, call_id: int, method: str = "upload") -> ServerCall:
+        """Open a request stream (``upload``, or ``chat``: bidirectional) and take it."""
+        flags = int(Flags.REQUEST_STREAM) | (int(Flags.STREAM) if method == "chat" else 0)
+        call = self.call(key, call_id, method, flags)
+        assert call is not None
+        self.take()
+        return call
+
+    def item(self, key: object, call_id: int, payload: bytes = b"\x01") -> None:
+        """A request STREAM_ITEM from the client."""
+        self.send(key, [pack_reply_header(MessageKind.STREAM_ITEM, call_id), payload])
+
+    def half_close(self, key: object, call_id: int) -> None:
+        """The client's STREAM_END of its request stream."""
+        self.control(key, MessageKind.STREAM_END, None, call_id)
 
     def credit(self, key: object, call_id: int, n: int) -> None:
         self.control(key, MessageKind.CREDIT, Credit(n), call_id)

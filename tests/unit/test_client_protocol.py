@@ -17,7 +17,7 @@ from tensorrpc._client_protocol import (
     Ignored,
     LeasesFreed,
 )
-from tensorrpc._engines import MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT, Engine
+from tensorrpc._engines import MAX_PAST, MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT, Engine
 from tensorrpc._exceptions import ClosedError, EngineDeadError, RemoteProtocolError
 from tensorrpc._machine import MAX_RELEASE_LEASES
 from tensorrpc._protocol import (
@@ -642,3 +642,45 @@ def test_with_engine_keys_the_key_the_shell_read_decides_the_id() -> None:
     assert "bound to another CURVE key" in refused.message
     assert isinstance(protocol.receive(b"squat", hello("e1"), 0.0), EngineRefused)  # no key
     assert isinstance(protocol.receive(b"real", hello("e1"), 0.0, key), EngineJoined)
+
+
+# -- counters (the only client counters: Prometheus reads them) -------------------------------
+
+
+def test_the_machine_counts_calls_items_outcomes_events_and_heartbeats() -> None:
+    protocol = make_protocol(stream_window=4)
+    engine = join(protocol, "e1", b"p")
+    unary = start(protocol, engine, now=1.0)
+    stream = start(protocol, engine, stream=True, now=1.0)
+    for i in range(2):
+        protocol.receive(b"p", result(stream.call_id, i, K.STREAM_ITEM), 1.1)
+    protocol.take_item(stream, 1.2)
+    protocol.take_item(stream, 1.2)
+    assert protocol.receive(b"p", error(unary.call_id), 1.5) is unary
+    assert protocol.call_ended(unary, "REMOTE", 1.5)
+    assert not protocol.call_ended(unary, "ok", 2.0)  # an end is counted once
+    assert protocol.call_ended(stream, "cancelled", 3.0)
+    protocol.receive(b"p", control(K.PONG, None, int(0.75e9)), 1.0)  # sent at 0.75 s
+    sent(protocol)
+    protocol.receive(b"p", bye(), 4.0)
+    join(protocol, "e1", b"q", now=5.0)
+    counters = protocol.counters.engines["e1"].snapshot()
+    add, count = counters["methods"]["add"], counters["methods"]["count"]
+    assert (add["calls"], add["items"], add["outcomes"]) == (1, 0, {"REMOTE": 1})
+    assert add["duration_sum_s"] == pytest.approx(0.5)
+    assert (count["calls"], count["items"], count["outcomes"]) == (1, 2, {"cancelled": 1})
+    assert count["duration_sum_s"] == pytest.approx(2.0)
+    assert counters["events"] == {"joined": 1, "lost": 1, "rejoined": 1}
+    assert counters["heartbeat_rtt_sum_s"] == pytest.approx(0.25)
+    assert sum(n for _, n in counters["heartbeat_rtt"]) == 1
+
+
+def test_counters_keep_only_the_engine_ids_the_client_still_reports() -> None:
+    protocol = make_protocol()
+    for i in range(2 * MAX_PAST + 1):
+        join(protocol, f"e{i}", b"p")
+        protocol.receive(b"p", bye(), 0.0)
+    kept = protocol.counters.engines
+    assert len(kept) <= MAX_PAST + 1
+    assert set(kept) <= set(protocol.engines.past)
+    assert f"e{2 * MAX_PAST}" in kept

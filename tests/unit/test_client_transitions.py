@@ -11,11 +11,23 @@ from typing import Any
 import ormsgpack
 import pytest
 
+from tensorrpc import _streams
 from tensorrpc._client_protocol import _DISPATCH, _REPLIES, TRANSITIONS, CheckReachable, PeerState
 from tensorrpc._machine import Transition, render_transitions
-from tensorrpc._protocol import MessageKind, Release, pack_reply_header
+from tensorrpc._protocol import Credit, MessageKind, Release, pack_reply_header, split_frames
 
-from .client_script import bye, control, hello, join, kinds, make_protocol, reject, result, sent
+from .client_script import (
+    UPLOAD,
+    bye,
+    control,
+    hello,
+    join,
+    kinds,
+    make_protocol,
+    reject,
+    result,
+    sent,
+)
 
 K = MessageKind
 S = PeerState
@@ -81,8 +93,39 @@ def _message(label: str) -> list[Any]:
     }[label]
 
 
+def _open_upload(protocol: Any) -> Any:
+    engine = protocol.engines.engines["e1"]
+    call, _ = protocol.start_call(engine, UPLOAD, object(), stream=False, now=0.5)
+    return call
+
+
+def _request_row(protocol: Any, label: str) -> list[K]:
+    call = _open_upload(protocol)
+    if label == "CREDIT for a request stream":
+        before = call.request.credit
+        event = protocol.receive(PEER, control(K.CREDIT, Credit(3), call.call_id), 0.5)
+        assert event == _streams.CreditGranted(call)
+        assert call.request.credit == before + 3
+    elif label == "a request item is due":
+        frames = _streams.item_frames(protocol, call, b"\x01", (), 0.5)
+        assert frames is not None
+        assert split_frames(frames[1:])[0].kind is K.STREAM_ITEM
+    else:
+        assert _streams.half_close(protocol, call, 0.5)
+    return [s.kind for s in sent(protocol) if s.peer == PEER]
+
+
+REQUEST_ROWS = (
+    "CREDIT for a request stream",
+    "a request item is due",
+    "the request stream is exhausted",
+)
+
+
 def _apply(protocol: Any, row: Transition[PeerState]) -> list[K]:
     label = row.input
+    if label in REQUEST_ROWS:
+        return _request_row(protocol, label)
     if label == "timer: hello request due":
         protocol.tick(1.0)
     elif label == "timer: heartbeat due":
@@ -118,6 +161,9 @@ SENDS: dict[tuple[PeerState, str], list[K]] = {
     (S.LIVE, "PING n"): [K.PONG],
     (S.LIVE, "timer: heartbeat due"): [K.PING],
     (S.LIVE, "close()"): [K.BYE],
+    (S.LIVE, "CREDIT for a request stream"): [],
+    (S.LIVE, "a request item is due"): [],  # the shell sends the frames it returns
+    (S.LIVE, "the request stream is exhausted"): [K.STREAM_END],
 }
 
 

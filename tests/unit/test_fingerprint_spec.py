@@ -69,7 +69,20 @@ def test_the_canonical_text_follows_the_layout_the_page_states(
     assert [m["name"] for m in doc["methods"]] == sorted(describe(example.Geo).methods)
     spec = describe(example.Geo)
     for method in doc["methods"]:
-        assert [p[0] for p in method["params"]] == list(spec.methods[method["name"]].params)
-        assert method["returns"] == spec.methods[method["name"]].result_type.description
-    scale = {p[0]: p for p in doc["methods"][0]["params"]}
+        m = spec.methods[method["name"]]
+        if m.request_streaming:  # one PARAM, the stream: stream[item type]
+            assert m.item_type is not None
+            assert [p[0] for p in method["params"]] == [m.item_param]
+            assert method["params"][0][2] == f"stream[{m.item_type.description}]"
+        else:
+            assert [p[0] for p in method["params"]] == list(m.params)
+        assert method["returns"] == m.result_type.description
+        assert method["streaming"] == m.streaming
+    kinds = {
+        m["name"]: (m["streaming"], m["params"][0][2].startswith("stream[")) for m in doc["methods"]
+    }
+    # The four kinds of method: unary, server streaming, client streaming, bidirectional.
+    assert sorted(kinds.values()) == [(False, False), (False, True), (True, False), (True, True)]
+    by_name = {m["name"]: m for m in doc["methods"]}
+    scale = {p[0]: p for p in by_name["scale"]["params"]}
     assert scale["factor"][3] == "1"  # an int default for a float stays "1", not "1.0"

@@ -90,7 +90,7 @@ def test_refused_calls_are_not_counted_as_accepted() -> None:
     assert engine.call(b"c1", 2) is None  # OVERLOADED
     assert engine.call(b"c1", 3, "nope") is None  # METHOD_NOT_FOUND
     assert engine.proto.calls.methods["add"].calls == 1
-    assert set(engine.proto.calls.methods) == {"add", "count"}
+    assert set(engine.proto.calls.methods) == {"add", "count", "upload", "chat"}
 
 
 def test_latency_buckets_cover_microseconds_to_hours() -> None:

@@ -114,6 +114,8 @@ def hello_map(**overrides: object) -> dict[str, object]:
         "epoch": 1,
         "dead_after_ms": 5000,
         "compression": [],
+        "request_streaming": [],
+        "stream_window": 16,
         "bulk": "",
         "bulk_token": "",
     }
@@ -275,7 +277,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(kind=MessageKind.HELLO, call_id=3), "connection-level"),
         (raw_header(kind=MessageKind.CALL, tail=b""), "without a method name"),
         (raw_header(kind=MessageKind.CALL, call_id=0, tail=b"m"), "CALL with call_id 0"),
-        (raw_header(kind=MessageKind.CALL, flags=256, tail=b"m"), "unknown flag bits 0x100"),
+        (raw_header(kind=MessageKind.CALL, flags=512, tail=b"m"), "unknown flag bits 0x200"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b""), "no lease count"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x00m"), "0 lease ids"),
         (raw_header(kind=MessageKind.CALL, flags=32, tail=b"\x41" + bytes(8 * 65) + b"m"), "65"),

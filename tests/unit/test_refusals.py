@@ -180,7 +180,8 @@ def test_the_same_refusal_is_said_once_per_key_and_the_memory_is_bounded() -> No
 async def test_an_engine_logs_a_repeated_refusal_once_with_a_printable_client(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Listen mode: the client re-asks for HELLO every heartbeat and refuses each answer.
+    # Listen mode: the engine forgets the refused session after its dead_after (short
+    # here), the client asks for HELLO again and refuses each answer.
     caplog.set_level(logging.DEBUG, logger="tensorrpc")
     address = f"ipc://{tmp_path}/engine.sock"
     thrice = anyio.Event()
@@ -198,7 +199,13 @@ async def test_an_engine_logs_a_repeated_refusal_once_with_a_printable_client(
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(
-                lambda task_status: serve(CalculatorV2(), bind=address, task_status=task_status)
+                lambda task_status: serve(
+                    CalculatorV2(),
+                    bind=address,
+                    heartbeat_interval=0.05,
+                    dead_after=0.5,
+                    task_status=task_status,
+                )
             )
             async with Client(Calculator, connect=address, heartbeat_interval=0.05):
                 with anyio.fail_after(60):

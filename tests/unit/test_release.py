@@ -168,3 +168,32 @@ def test_held_nbytes_counts_what_has_a_size() -> None:
 
     held = [torch.zeros(10, dtype=torch.float32), memoryview(b"abc"), object(), "text"]
     assert _release.held_nbytes(held) == 43
+
+
+def test_a_send_done_at_once_is_released_after_its_frames() -> None:
+    # tests/integration/test_release.py::test_echo_frees_both_frames_off_the_loop, made
+    # deterministic: ZMQ finished the send before `PendingSends.add`, and the sender
+    # still holds the frames it sent (views of the tensor's memory that the release
+    # thread cannot see). Handed over at once, the tensor died with those frames, on
+    # the sender's thread.
+    import torch
+    import zmq
+
+    from tensorrpc import _codec
+    from tensorrpc._zmq import PendingSends
+
+    nbytes = _release.threshold()
+    owner, view = _codec._host_bytes(torch.ones(nbytes, dtype=torch.uint8))
+    done, names = died_in(owner)
+    frames: list[object] = [b"header", view]
+    keepalive: list[object] = [owner]
+    del owner, view
+    pending = PendingSends()
+    pending.add(zmq.MessageTracker(), keepalive, nbytes)  # no events: done already
+    del keepalive
+    assert _release.drained(WAIT)
+    del frames  # the sender returns
+    assert not done.is_set()
+    assert pending.prune() == 0  # the next send or housekeeping tick
+    assert done.wait(WAIT)
+    assert names == ["tensorrpc-release"]

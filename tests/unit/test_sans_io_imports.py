@@ -20,6 +20,7 @@ SANS_IO_FILES = (
     "_client_protocol.py",
     "_server_protocol.py",
     "_server_calls.py",
+    "_streams.py",
     "_batching.py",
     "_bulk.py",
     "_metadata.py",

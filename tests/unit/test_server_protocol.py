@@ -315,8 +315,8 @@ def test_every_client_refusing_a_dial_in_engine_is_fatal() -> None:
     ("frame", "fault"),
     [
         (
-            struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x100, 0, 11, 0) + b"add",
-            "unknown flag bits 0x100",
+            struct.pack("<2sBBHHQI", b"TR", 1, 4, 0x200, 0, 11, 0) + b"add",
+            "unknown flag bits 0x200",
         ),
         (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 3, 11, 0) + b"add", "reserved"),
         (struct.pack("<2sBBHHQI", b"TR", 1, 4, 0, 0, 11, 0), "without a method name"),

@@ -5,11 +5,13 @@ driven here through the machine, in each topology it applies to."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tensorrpc import _streams
 from tensorrpc._machine import Transition, render_transitions
 from tensorrpc._protocol import Bye, MessageKind, Reject, Release
 from tensorrpc._server_protocol import _DISPATCH, TRANSITIONS, SessionState
@@ -33,7 +35,8 @@ def test_the_page_shows_the_table_the_engine_runs() -> None:
 def test_every_dispatched_pair_has_a_row_and_every_message_row_a_handler() -> None:
     rows = {(t.state, kind) for t in TRANSITIONS for kind in t.kinds}
     dispatched = {pair for pair in _DISPATCH if pair[0] is not S.PARTED}
-    assert rows == dispatched
+    # A live request STREAM_ITEM (it has buffers) is dispatched in `receive` itself.
+    assert rows == dispatched | {(S.LIVE, K.STREAM_ITEM)}
     # PARTED answers every kind alike (its row is about any message)
     assert {kind for state, kind in _DISPATCH if state is S.PARTED} == set(MessageKind)
 
@@ -78,6 +81,8 @@ def _apply(engine: Engine, row: Transition[SessionState], listen: bool) -> list[
     """Feed the row's input; the kinds it made the engine send."""
     key = _key(listen)
     label = row.input
+    if label in REQUEST_ROWS:
+        return REQUEST_ROWS[label](engine, key)
     if label.startswith("timer:"):
         if "ping due" in label or "hello due" in label:
             engine.advance(HEARTBEAT)
@@ -117,6 +122,60 @@ def _apply(engine: Engine, row: Transition[SessionState], listen: bool) -> list[
     return engine.kinds()
 
 
+def _item_past_credit(engine: Engine, key: object) -> list[K]:
+    engine.call(key, 3)  # a unary call: its request is not a stream
+    engine.take()
+    engine.item(key, 3)
+    return engine.kinds()
+
+
+def _items_taken(engine: Engine, key: object) -> list[K]:
+    call = engine.open_upload(key, 3)
+    for _ in range(8):
+        engine.item(key, 3)
+    for _ in range(8):
+        assert _streams.take_item(engine.proto, call) is not None
+    engine.collect()
+    return engine.kinds()
+
+
+def _open_then(action: str) -> Callable[[Engine, object], list[K]]:
+    def row(engine: Engine, key: object) -> list[K]:
+        engine.open_upload(key, 3)
+        if action == "item":
+            engine.item(key, 3)
+        elif action == "end":
+            engine.half_close(key, 3)
+        return engine.kinds()
+
+    return row
+
+
+def _end_again(engine: Engine, key: object) -> list[K]:
+    engine.open_upload(key, 3)
+    engine.half_close(key, 3)
+    engine.half_close(key, 3)
+    return engine.kinds()
+
+
+def _stray(engine: Engine, key: object) -> list[K]:
+    engine.item(key, 99)
+    engine.half_close(key, 98)
+    return engine.kinds()
+
+
+#: How each request-stream row is driven: its input, and what it sends.
+REQUEST_ROWS: dict[str, Callable[[Engine, object], list[K]]] = {
+    "STREAM_ITEM of a request stream": _open_then("item"),
+    "STREAM_ITEM past the credit, after STREAM_END, or for a call whose request is not a "
+    "stream": _item_past_credit,
+    "STREAM_END of a request stream": _open_then("end"),
+    "STREAM_END again, or for a call whose request is not a stream": _end_again,
+    "STREAM_ITEM/STREAM_END, no call of that id": _stray,
+    "handler takes request items": _items_taken,
+}
+
+
 def _cases() -> list[Any]:
     cases = []
     for row in TRANSITIONS:
@@ -149,6 +208,16 @@ SENDS: dict[tuple[SessionState, str], list[K]] = {
     (S.LIVE, "CALL with an id in flight"): [K.ERROR],
     (S.LIVE, "WELCOME, same client epoch"): [],
     (S.LIVE, "timer: ping due"): [K.PING],
+    (S.LIVE, "STREAM_ITEM of a request stream"): [],
+    (
+        S.LIVE,
+        "STREAM_ITEM past the credit, after STREAM_END, or for a call whose request is not a "
+        "stream",
+    ): [K.ERROR],
+    (S.LIVE, "STREAM_END of a request stream"): [],
+    (S.LIVE, "STREAM_END again, or for a call whose request is not a stream"): [K.ERROR],
+    (S.LIVE, "STREAM_ITEM/STREAM_END, no call of that id"): [],
+    (S.LIVE, "handler takes request items"): [K.CREDIT],
     (S.LIVE, "timer: dead_after"): [K.HELLO],
     (S.PARTED, "any message"): [K.HELLO],
     (S.PARTED, "timer: dead_after (dial-in)"): [K.HELLO],

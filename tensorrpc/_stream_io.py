@@ -1,0 +1,254 @@
+"""The I/O of request streams (client streaming and bidirectional calls).
+
+The rules live in `tensorrpc._streams` (sans-I/O); this module is the thin shell
+around them on both sides:
+
+* the client's *sender* (`send_request`): a task per request stream that takes the
+  caller's items as the engine's credit allows, checks and encodes each one, sends it
+  and half-closes once the caller's iterable is exhausted. It stops when the call ends
+  (the call's end cancels its scope), so a slow engine stalls only this stream;
+* the engine's `RequestItems`: the async iterator a handler reads, decoding and
+  validating each item as the handler takes it (credit goes back as it does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from tensorrpc import _codec, _release, _streams
+from tensorrpc._compression import ZSTD
+from tensorrpc._exceptions import (
+    DecodeError,
+    ErrorCode,
+    PeerUnreachableError,
+    TensorRPCError,
+    ValidationError,
+    path_parts,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from tensorrpc._calls import Call
+    from tensorrpc._client_io import ClientIO
+    from tensorrpc._compression import Compression
+    from tensorrpc._server_calls import ServerCall
+    from tensorrpc._server_protocol import ServerProtocol
+    from tensorrpc._service import MethodSpec
+
+__all__ = ["RequestItems", "RequestSource", "request_source", "send_request"]
+
+logger = logging.getLogger("tensorrpc")
+
+
+class RequestSource:
+    """The caller's request items of one call (an async or a plain iterable)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: AsyncIterable[Any] | Iterable[Any]) -> None:
+        self.items = items
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        items = self.items
+        if isinstance(items, AsyncIterable):
+            return aiter(items)
+        return _from_sync(items)
+
+
+async def _from_sync(items: Iterable[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
+def request_source(
+    spec: MethodSpec, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> RequestSource:
+    """Bind a request-streaming call's one argument: the iterable of its items.
+
+    Raises:
+        TypeError: Not exactly one argument, or it is not iterable.
+    """
+    name = spec.item_param
+    if len(args) + len(kwargs) != 1 or (kwargs and name not in kwargs):
+        raise TypeError(f"{spec.qualname}() takes one argument, '{name}': the request items")
+    items = args[0] if args else kwargs[name]
+    if not isinstance(items, AsyncIterable | Iterable) or isinstance(items, str | bytes):
+        raise TypeError(
+            f"{spec.qualname}: '{name}' must be an async iterable (or an iterable) of items, "
+            f"not {type(items).__name__}"
+        )
+    return RequestSource(items)
+
+
+# -- the client's sender -------------------------------------------------------------------
+
+
+async def send_request(
+    io: ClientIO,
+    call: Call,
+    source: RequestSource,
+    compression: Compression | None,
+    maxmsgsize: int,
+) -> None:
+    """Send ``source``'s items on ``call`` as credit allows, then half-close.
+
+    Runs as a task of its own; it ends when the items do or when the call ends (the
+    call's end cancels its scope). An item that fails its check or encoding, or an
+    exception from the caller's iterable, ends the call: the caller gets that error.
+    """
+    request = call.request
+    assert request is not None
+    with anyio.CancelScope() as scope:
+        request.scope = scope
+        if call.ended:
+            return
+        iterator = aiter(source)
+        try:
+            await _send_items(io, call, iterator, compression, maxmsgsize)
+        except Exception as exc:
+            if not call.ended:
+                call.error = exc
+                io.abandon(call, error=True)
+        finally:
+            request.scope = None
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await aclose()
+                    except Exception:
+                        logger.debug("a request iterator failed to close", exc_info=True)
+
+
+async def _send_items(
+    io: ClientIO,
+    call: Call,
+    iterator: AsyncIterator[Any],
+    compression: Compression | None,
+    maxmsgsize: int,
+) -> None:
+    request = call.request
+    assert request is not None
+    spec = call.spec
+    check_item = spec.check_item
+    assert check_item is not None
+    engine = call.engine
+    if engine.shm is not None or ZSTD not in engine.info.compression:
+        compression = None
+    index = 0
+    while True:
+        while request.credit <= 0:  # the engine's buffer for this stream is full
+            waiters = io.waiters
+            assert waiters is not None
+            token = request.waiter = waiters.new()
+            await waiters.wait(token)
+        try:
+            value = await iterator.__anext__()
+        except StopAsyncIteration:
+            break
+        wire = check_item(value, index)
+        index += 1
+        encoded = _codec.encode(wire, io.codec, compression=compression)
+        _codec.check_message_size(
+            encoded,
+            maxmsgsize,
+            engine.info.max_message_bytes,
+            lambda: (  # called here, before the loop moves on
+                f"{spec.qualname}: request item {index - 1}",  # noqa: B023
+                f"engine {engine.engine_id!r}",
+            ),
+        )
+        frames = _streams.item_frames(io.protocol, call, encoded.payload, encoded.buffers, io.now())
+        if frames is None:
+            return  # the call ended meanwhile
+        await _send(io, call, frames, encoded)
+    if _streams.half_close(io.protocol, call, io.now()):
+        io.flush()
+
+
+async def _send(io: ClientIO, call: Call, frames: list[Any], encoded: _codec.Encoded) -> None:
+    sock = io.sock
+    if sock is None:
+        return
+    track = bool(encoded.buffers)
+    if encoded.buffers:
+        io.policy.sent_frames(encoded.buffers)
+    try:
+        try:
+            tracker = sock.send_nowait(frames, track=track)
+        except anyio.WouldBlock:
+            tracker = await sock.send(frames, track=track)
+    except PeerUnreachableError:
+        io.event(io.protocol.send_failed(call.engine.peer, io.now()))
+        return
+    if track:
+        io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
+
+
+# -- the engine's request items ------------------------------------------------------------
+
+
+class RequestItems:
+    """What a request-streaming handler iterates: the call's items, validated one by one.
+
+    An item that fails to decode or validate ends the iteration with its error; the call
+    is then answered with it (``DECODE``, or ``INVALID_ARGUMENT`` with its path), whatever
+    the handler does with the exception.
+    """
+
+    __slots__ = ("_call", "_codec", "_flush", "_proto")
+
+    def __init__(
+        self,
+        proto: ServerProtocol,
+        call: ServerCall,
+        codec: _codec.CodecConfig,
+        flush: Callable[[], None],
+    ) -> None:
+        self._proto = proto
+        self._call = call
+        self._codec = codec
+        self._flush = flush
+
+    def __aiter__(self) -> RequestItems:
+        return self
+
+    async def __anext__(self) -> Any:
+        call = self._call
+        stream = call.request
+        assert stream is not None
+        while True:
+            if stream.refused is not None:
+                raise StopAsyncIteration
+            item = _streams.take_item(self._proto, call)
+            if item is not None:
+                break
+            if stream.half_closed:
+                raise StopAsyncIteration
+            event = stream.waiter = anyio.Event()
+            try:
+                await event.wait()
+            finally:
+                stream.waiter = None
+        if self._proto.pending:
+            self._flush()  # the CREDIT it earned
+        payload, buffers = item
+        index = stream.taken - 1
+        decode_item = call.spec.decode_item
+        assert decode_item is not None
+        try:
+            return decode_item(_codec.decode(payload, buffers, self._codec), index)
+        except ValidationError as exc:
+            stream.refused = (ErrorCode.INVALID_ARGUMENT, str(exc), path_parts(exc.path))
+            raise
+        except DecodeError as exc:
+            stream.refused = (ErrorCode.DECODE, f"request item {index}: {exc}", ())
+            raise
+        except TensorRPCError as exc:
+            stream.refused = (ErrorCode.TENSOR_TRANSPORT, f"request item {index}: {exc}", ())
+            raise

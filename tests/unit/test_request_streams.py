@@ -1,0 +1,254 @@
+"""Request streams (client streaming, bidirectional) at the protocol layer: the machines
+and `tensorrpc._streams`, without sockets (rules cited from the module docstring)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import replace
+
+import ormsgpack
+import pytest
+
+from tensorrpc import _streams
+from tensorrpc._calls import Call, CallState
+from tensorrpc._client_protocol import ClientProtocol
+from tensorrpc._exceptions import ErrorCode, LocalProtocolError, RemoteProtocolError
+from tensorrpc._protocol import (
+    Credit,
+    Flags,
+    Hello,
+    MessageKind,
+    decode_control,
+    encode_control,
+    split_frames,
+)
+
+from .client_script import ADD, CHAT, UPLOAD, control, join, make_protocol, result, sent
+from .server_helpers import Engine
+
+K = MessageKind
+KEY = b"c1"
+
+
+def live_engine(window: int = 4) -> Engine:
+    """An engine whose HELLO announces ``window`` for request streams, with a client."""
+    engine = Engine.make()
+    engine.proto._hello = replace(engine.proto.hello, stream_window=window)
+    engine.proto.calls._window = window
+    engine.join()
+    return engine
+
+
+# -- the engine's rows --------------------------------------------------------------------
+
+
+def test_items_within_the_window_are_buffered_and_credit_returns_as_the_handler_takes() -> None:
+    engine = live_engine(window=4)
+    call = engine.open_upload(KEY, 1)
+    for i in range(4):
+        engine.item(KEY, 1, bytes([i]))
+    assert engine.take() == []
+    stream = call.request
+    assert stream is not None
+    assert stream.credit == 0
+    assert len(stream.items) == 4
+    # Half the window taken: CREDIT(2) goes back (rule 1).
+    assert _streams.take_item(engine.proto, call) == (b"\x00", [])
+    assert engine.kinds() == []
+    assert _streams.take_item(engine.proto, call) == (b"\x01", [])
+    engine.collect()
+    [credit] = engine.take()
+    assert (credit.kind, credit.header.call_id, credit.body) == (K.CREDIT, 1, Credit(2))
+    assert stream.credit == 2
+
+
+def test_an_item_beyond_the_credit_ends_the_call_with_a_protocol_error() -> None:
+    engine = live_engine(window=2)
+    call = engine.open_upload(KEY, 1)
+    engine.item(KEY, 1)
+    engine.item(KEY, 1)
+    engine.item(KEY, 1)  # rule 2: past window + credit
+    info = engine.error(1)
+    assert info.code == ErrorCode.PROTOCOL
+    assert "stream_window and CREDIT" in info.message
+    assert call.cancelled
+    assert call in engine.events  # its worker is woken to stop it
+
+
+def test_items_and_a_second_end_after_the_half_close_are_protocol_errors() -> None:
+    engine = live_engine()
+    engine.open_upload(KEY, 1)
+    engine.half_close(KEY, 1)
+    engine.item(KEY, 1)
+    assert "after the request stream's STREAM_END" in engine.error(1).message
+    engine.open_upload(KEY, 2)
+    engine.half_close(KEY, 2)
+    engine.half_close(KEY, 2)
+    assert "second STREAM_END" in engine.error(2).message
+
+
+@pytest.mark.parametrize("method", ["add", "count"])
+def test_an_item_for_a_call_whose_request_is_not_a_stream_is_a_protocol_error(
+    method: str,
+) -> None:
+    engine = live_engine()
+    flags = int(Flags.STREAM) if method == "count" else 0
+    call = engine.call(KEY, 1, method, flags)
+    assert call is not None
+    engine.take()
+    engine.item(KEY, 1)
+    assert "whose request is not a stream" in engine.error(1).message
+    assert call.cancelled
+
+
+def test_items_for_a_call_id_not_in_flight_are_dropped_and_counted() -> None:
+    engine = live_engine()
+    before = engine.proto.dropped
+    engine.item(KEY, 42)
+    engine.half_close(KEY, 43)
+    assert engine.take() == []
+    assert engine.proto.dropped == before + 2  # rule 3
+
+
+def test_a_malformed_item_that_names_a_call_is_answered_by_the_one_rule() -> None:
+    engine = live_engine()
+    call = engine.open_upload(KEY, 1)
+    bad = struct.pack("<2sBBHHQI", b"TR", 1, int(K.STREAM_ITEM), 1, 0, 1, 0)  # a flag bit
+    engine.send(KEY, [bad, b"\x01"])
+    assert engine.error(1).code == ErrorCode.PROTOCOL
+    assert call.cancelled
+
+
+@pytest.mark.parametrize(
+    ("method", "flags", "refused"),
+    [
+        ("upload", 0, True),
+        ("upload", int(Flags.REQUEST_STREAM), False),
+        ("upload", int(Flags.REQUEST_STREAM | Flags.STREAM), True),
+        ("chat", int(Flags.REQUEST_STREAM), True),
+        ("chat", int(Flags.REQUEST_STREAM | Flags.STREAM), False),
+        ("add", int(Flags.REQUEST_STREAM), True),
+    ],
+)
+def test_admission_checks_both_stream_flags(method: str, flags: int, refused: bool) -> None:
+    engine = live_engine()
+    call = engine.call(KEY, 1, method, flags)
+    if refused:
+        assert call is None
+        info = engine.error(1)
+        assert info.code == ErrorCode.INVALID_ARGUMENT
+        assert "must be called as" in info.message
+    else:
+        assert call is not None
+        assert call.request is not None
+
+
+def test_the_handler_waiting_for_an_item_is_woken_by_it_and_by_the_half_close() -> None:
+    engine = live_engine()
+    call = engine.open_upload(KEY, 1)
+    stream = call.request
+    assert stream is not None
+
+    class Waiter:
+        woken = 0
+
+        def set(self) -> None:
+            self.woken += 1
+
+    waiter = stream.waiter = Waiter()
+    engine.events.clear()
+    engine.item(KEY, 1)
+    assert engine.events == [call]
+    call.wake()
+    engine.half_close(KEY, 1)
+    call.wake()
+    assert waiter.woken == 2
+    assert _streams.take_item(engine.proto, call) is not None
+    assert stream.done
+
+
+def test_no_credit_is_granted_after_the_half_close() -> None:
+    stream = _streams.RequestStream(2)
+    assert stream.push(b"a", ()) is None
+    assert stream.push(b"b", ()) is None
+    assert stream.end() is None
+    assert stream.take() == ((b"a", ()), 0)
+    assert stream.take() == ((b"b", ()), 0)
+    assert stream.take() == (None, 0)
+
+
+def test_hello_names_only_methods_as_request_streaming() -> None:
+    bad = Hello(
+        engine_id="e", service="s", fingerprint="f", protocol_version=1, host_id="h", pid=1,
+        methods=("m",), signatures=("m()",), request_streaming=("x",),
+    )  # fmt: skip
+    with pytest.raises(LocalProtocolError, match="request_streaming names 1 entries"):
+        encode_control(K.HELLO, bad)
+    good = encode_control(K.HELLO, replace(bad, request_streaming=("m",)))
+    wire = ormsgpack.unpackb(good[1])
+    wire["request_streaming"] = ["x"]
+    header, _, _ = split_frames(good)
+    with pytest.raises(RemoteProtocolError, match="request_streaming names 1 entries"):
+        decode_control(header, ormsgpack.packb(wire))
+    wire["request_streaming"] = ["m"]
+    wire["stream_window"] = 0
+    with pytest.raises(RemoteProtocolError, match="stream_window must be at least 1"):
+        decode_control(header, ormsgpack.packb(wire))
+    del wire["request_streaming"]
+    with pytest.raises(RemoteProtocolError, match="missing the field 'request_streaming'"):
+        decode_control(header, ormsgpack.packb(wire))
+
+
+# -- the client's side --------------------------------------------------------------------
+
+
+def open_client(window: int = 3) -> tuple[ClientProtocol, Call]:
+    protocol = make_protocol()
+    engine = join(protocol, "e1", b"p", stream_window=window)
+    flags = int(Flags.REQUEST_STREAM)
+    call, _ = protocol.start_call(engine, UPLOAD, object(), stream=False, now=0.0, flags=flags)
+    return protocol, call
+
+
+def test_the_client_sends_at_most_the_window_then_waits_for_credit() -> None:
+    protocol, call = open_client(window=3)
+    for _ in range(3):
+        assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is not None
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is None  # rule 1
+    event = protocol.receive(b"p", control(K.CREDIT, Credit(2), call.call_id), 0.1)
+    assert event == _streams.CreditGranted(call)
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.1) is not None
+    assert call.request is not None
+    assert call.request.sent == 4
+
+
+def test_nothing_is_sent_for_a_request_stream_after_its_call_ended() -> None:
+    protocol, call = open_client()
+    protocol.receive(b"p", result(call.call_id, 5), 0.1)
+    assert call.state is CallState.REPLIED
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.1) is None  # rule 4
+    assert not _streams.half_close(protocol, call, 0.1)
+    assert sent(protocol) == []
+
+
+def test_the_half_close_goes_once_and_ends_the_items() -> None:
+    protocol, call = open_client()
+    assert _streams.half_close(protocol, call, 0.0)
+    assert not _streams.half_close(protocol, call, 0.0)
+    assert [s.kind for s in sent(protocol)] == [K.STREAM_END]
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is None
+
+
+def test_credit_for_an_unknown_call_or_a_call_without_a_request_stream_is_dropped() -> None:
+    protocol = make_protocol()
+    engine = join(protocol, "e1", b"p")
+    assert protocol.receive(b"p", control(K.CREDIT, Credit(1), 77), 0.0) is None
+    chat, _ = protocol.start_call(engine, CHAT, object(), stream=True, now=0.0)
+    assert chat.request is not None  # both ways
+    assert chat.credit is not None
+    unary, _ = protocol.start_call(engine, ADD, object(), stream=False, now=0.0)
+    assert unary.request is None
+    assert protocol.receive(b"p", control(K.CREDIT, Credit(1), unary.call_id), 0.0) is None
+    zero = encode_control(K.CREDIT, Credit(1), chat.call_id)
+    zero[1] = b"\x81\xa1n\x00"  # n = 0: malformed, dropped
+    assert not isinstance(protocol.receive(b"p", zero, 0.0), _streams.CreditGranted)
