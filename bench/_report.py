@@ -325,6 +325,25 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
         f"its batch's handler ran {_ms(run)}; the rest of its latency is outside the batcher "
         "(receiving, replying, the client).",
     ]
+    cpu = []
+    for name in ("unbatched", "tensorrpc", "asyncio batcher"):
+        e = bt.get(name) or {}
+        client, engine = _num(e.get("client_cpu_us")), _num(e.get("engine_cpu_us"))
+        if client is None or engine is None:
+            continue
+        gcs = e.get("engine_full_gc")
+        longest = _num(e.get("engine_full_gc_longest_ms"))
+        if not gcs:
+            collections = " (no full collection)"
+        else:
+            collections = f" ({gcs} full collections, longest {_ms(longest)})"
+        cpu.append(f"{name} {client:.0f} / {engine:.0f} µs{collections}")
+    if cpu:
+        lines += [
+            "",
+            "CPU per call, client / engine, and the engine's full garbage collections "
+            "during the case: " + "; ".join(cpu) + ".",
+        ]
     lines += [
         "",
         f"{bt.get('streams')} streams of {bt.get('tokens')} tokens, one "

@@ -24,18 +24,22 @@ device do not). The client (this process) measures:
 
 Each case is warmed up (a quarter of its budget, not recorded), then reports calls
 (tokens) per second and the median and p99 latency per call (time to first token for
-streams). Every engine process is started and reaped here, and
-every loop is bounded by a time budget.
+streams); the unary cases also report the CPU per call of the client (this process) and
+of the engine, and the engine's full garbage collections during the case (the engine
+freezes what it holds after start-up, as docs/batching.md advises). Every engine process
+is started and reaped here, and every loop is bounded by a time budget.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import importlib.util
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -104,6 +108,31 @@ class _ServeBatch:
                     f.set_result(r)
 
 
+class _FullCollections:
+    """The engine's full (generation 2) garbage collections: how many, and the longest
+    pause, since the last `take`."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self.count = 0
+        self.longest = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count += 1
+            self.longest = max(self.longest, time.perf_counter() - self._start)
+
+    def take(self) -> tuple[int, float]:
+        out = (self.count, self.longest)
+        self.count, self.longest = 0, 0.0
+        return out
+
+
 @service
 class Model:
     """The engine of this section."""
@@ -113,6 +142,7 @@ class Model:
         self._counts = [0, 0, 0, 0]  # batches and items of `batched`, then of `peer`
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
         self.server: tensorrpc.Server | None = None
+        self._collections = _FullCollections()
 
     async def _step(self, seconds: float) -> None:
         async with self._device:
@@ -135,13 +165,19 @@ class Model:
         return (self._counts[2], self._counts[3]) if peer else (self._counts[0], self._counts[1])
 
     @rpc
-    async def batch_stats(self) -> dict[str, float]:
-        """The engine's own figures of ``batched`` (its ``Server.statistics()``)."""
+    async def batch_stats(self, method: str = "batched") -> dict[str, float]:
+        """The engine's own figures of a batched method (its ``Server.statistics()``)."""
         if self.server is None:
             return {}
-        stats = self.server.statistics().batching["batched"]
+        stats = self.server.statistics().batching[method]
         keys = ("items", "batches", "queue_wait_sum_s", "run_time_sum_s")
         return {k: float(stats[k]) for k in keys}
+
+    @rpc
+    async def engine_figures(self) -> tuple[float, int, float]:
+        """The engine's CPU seconds so far, and its full garbage collections since the
+        last call: how many, and the longest pause in seconds."""
+        return (time.process_time(), *self._collections.take())
 
     async def _peer_batch(self, xs: list[int]) -> list[int]:
         self._counts[2] += 1
@@ -245,33 +281,40 @@ async def _streams(stub: Any, method: str, concurrent: int) -> dict[str, Any]:
     return out
 
 
+LATE_STREAMS = 9
+
+
 async def _late_ttft(stub: Any) -> tuple[float, float]:
-    """Time to first token of a stream that arrives while a batch of streams runs, and
-    the running batch's step as it runs here (median time between two tokens of a
-    running stream while the late one starts: handler step plus delivering the outputs)."""
-    gaps: list[float] = []
+    """Time to first token of a stream that arrives while a batch of streams runs (the
+    median of ``LATE_STREAMS`` such streams, one after the other, each at a random point
+    of a step), and the running batch's step as it runs on the engine meanwhile (the
+    time the late streams took ÷ the steps the engine ran in it: handler step plus
+    delivering the outputs)."""
+    lates: list[float] = []
     async with anyio.create_task_group() as tg:
         started = anyio.Event()
 
         async def running(k: int) -> None:
-            last = 0.0
-            async for v in stub.generate_batched(k * 1000, TOKENS * 4):
-                now = time.perf_counter()
+            async for v in stub.generate_batched(k * 1000, 1_000_000):  # until cancelled
                 if v == k * 1000:
                     started.set()
-                elif k == 0 and v - k * 1000 > 2:
-                    gaps.append(now - last)
-                last = now
 
         for k in range(STREAMS // 2):
             tg.start_soon(running, k)
         await started.wait()
-        t0 = time.perf_counter()
-        stream = stub.generate_batched(999_000, 2)
-        await stream.__anext__()
-        late = time.perf_counter() - t0
-        await stream.aclose()
-    return late, statistics.median(gaps) if gaps else math.nan
+        steps = (await stub.batch_stats("generate_batched"))["batches"]
+        since = time.perf_counter()
+        for i in range(LATE_STREAMS):
+            await anyio.sleep(random.uniform(0.0, 2 * TOKEN_STEP_S))
+            t0 = time.perf_counter()
+            stream = stub.generate_batched(999_000 + i, 2)
+            await stream.__anext__()
+            lates.append(time.perf_counter() - t0)
+            await stream.aclose()
+        steps = (await stub.batch_stats("generate_batched"))["batches"] - steps
+        elapsed = time.perf_counter() - since
+        tg.cancel_scope.cancel()  # the running streams
+    return statistics.median(lates), elapsed / steps if steps else math.nan
 
 
 async def _batches(client: tensorrpc.Client[Model], peer: bool = False) -> tuple[int, int]:
@@ -316,7 +359,20 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             peer = method == "peer"
             before = await _batches(client, peer)
             engine_before = await _engine_batching(client)
+            engine_cpu, _, _ = await stub.engine_figures()
+            cpu = time.process_time()
             out[name] = await unary(stub, method, cfg.seconds)
+            cpu = time.process_time() - cpu
+            engine_after, collections, longest = await stub.engine_figures()
+            calls = out[name]["n"]
+            out[name].update(
+                {
+                    "client_cpu_us": cpu / calls * 1e6 if calls else None,
+                    "engine_cpu_us": (engine_after - engine_cpu) / calls * 1e6 if calls else None,
+                    "engine_full_gc": collections,
+                    "engine_full_gc_longest_ms": longest * 1e3,
+                }
+            )
             if method != "one":
                 after = await _batches(client, peer)
                 runs = after[0] - before[0]
@@ -400,6 +456,11 @@ def _engine_main(address: str) -> None:
             model, connect=address, engine_id="batching", max_concurrency=256
         ) as server:
             model.server = server
+            # What docs/batching.md advises for an engine, once its model is loaded: what
+            # is alive now is never scanned again, so a full collection (one every few
+            # seconds under a batched load) scans what the calls allocate, not the heap.
+            gc.collect()
+            gc.freeze()
             await server.serve_forever()
 
     asyncio.run(main())

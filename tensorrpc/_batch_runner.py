@@ -157,6 +157,19 @@ class _Run:
         if self.wake is not None:
             self.wake.set()
 
+    def clear(self) -> None:
+        """The batch ended: drop the item <-> run links, so that its items (and their
+        calls) are freed by reference counting, not left to the cycle collector, whose
+        full passes stall the engine's loop."""
+        for it in self.items:
+            it.owner = None
+        for it in self.step:
+            it.owner = None
+        self.items = []
+        self.step = []
+        self.ctx = None
+        self.scope = None
+
     def left(self, item: _Item) -> None:
         """An item's caller is gone: tell the handler, and stop it if nobody is left."""
         ctx = self.ctx
@@ -443,6 +456,7 @@ class _Runner:
     def _finished(self, run: _Run) -> None:
         self._runs.remove(run)
         self.batcher.finished()
+        run.clear()
         self._kick()
 
     # -- continuous batching -------------------------------------------------------------
@@ -454,7 +468,13 @@ class _Runner:
             while True:
                 await anyio.lowlevel.checkpoint()  # a handler that never waits starves no one
                 # Step boundary: the gone and the ended leave, the queue joins.
-                run.items = [it for it in run.items if not it.gone and not it.settled]
+                kept = []
+                for it in run.items:
+                    if it.gone or it.settled:
+                        it.owner = None  # no cycle through a run it left
+                    else:
+                        kept.append(it)
+                run.items = kept
                 room = max_size - len(run.items)
                 if room > 0 and self._tg is not None:
                     joined = self.batcher.join(room, self._clock())
@@ -498,7 +518,14 @@ class _Runner:
         assert run.ctx is not None
         failed = run.ctx._failed
         ended = run.ctx._ended
-        for i, it in enumerate(items):
+        # Items that joined at this step first: their workers run (and send) in the order
+        # they are woken, so a stream's first output does not queue behind the outputs of
+        # every item already running (its time to first token).
+        order = [i for i, it in enumerate(items) if it.handle.steps == 0]
+        if order:
+            order += [i for i, it in enumerate(items) if it.handle.steps != 0]
+        for i in order or range(len(items)):
+            it = items[i]
             if i in failed:
                 it.fail(failed[i])
                 continue

@@ -236,6 +236,11 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     for case in ("streams one at a time", "streams continuous"):
         assert bt[case]["n"] == bt["streams"] * bt["tokens"]  # every token, each its own
     assert bt["late_ttft_ms"] > 0
+    assert bt["running_step_ms"] > 0
+    for case in ("unbatched", "tensorrpc", "asyncio batcher"):
+        assert bt[case]["client_cpu_us"] > 0
+        assert bt[case]["engine_cpu_us"] > 0
+        assert bt[case]["engine_full_gc"] >= 0
     ids = {t["id"] for t in results["targets"]}
     assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms"} <= ids
     assert "## Batching" in md

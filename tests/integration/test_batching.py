@@ -38,6 +38,7 @@ class Batched:
         self.entered: anyio.Event | None = None
         self.seen_cancelled: list[frozenset[int]] = []
         self.threads: set[str] = set()
+        self.steps = 0
 
     @rpc(batch=Batching(max_size=8, max_delay=0.02))
     async def square(self, x: list[int], tag: list[str]) -> list[str]:
@@ -95,6 +96,7 @@ class Batched:
 
     @rpc(batch=Continuous(max_size=4, max_delay=0.0))
     async def count(self, start: list[int], n: list[int]) -> list[int]:
+        self.steps += 1
         batch = current_batch()
         out = []
         for i, item in enumerate(batch.items):
@@ -441,3 +443,108 @@ async def test_an_engine_killed_mid_batch_fails_every_item_of_it(tmp_path: Path)
             proc.wait()
     assert len(failed) == 3
     assert all(e.engine_id == "hang" for e in failed)
+
+
+def _alive(*types: type) -> int:
+    import gc
+
+    return sum(1 for o in gc.get_objects() if type(o) in types)
+
+
+async def test_batches_and_steps_leave_no_reference_cycles(tmp_path: Path) -> None:
+    """A batch's items and runs are freed by reference counting when it ends: a cycle
+    would leave them (and each item's call) to the cycle collector, whose full passes
+    were the batched calls' p99 (docs/benchmarks.md, the batching section)."""
+    import gc
+
+    from tensorrpc._batch_runner import _Item
+
+    async with _running(tmp_path) as (_svc, server, c):
+        assert await c.stub().square(1, "warm") == "warm:1"
+        gc.collect()
+        before = _alive(_Item)
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(20):
+                    tg.start_soon(c.stub().square, i, "t")
+            streams = [[v async for v in c.stub().count(10 * k, 5)] for k in range(3)]
+            assert streams == [list(range(10 * k, 10 * k + 5)) for k in range(3)]
+            stats = server.statistics
+            while any(m["running"] for m in stats().batching.values()):  # noqa: ASYNC110
+                await anyio.sleep(0.01)  # the last run's task ends after its last output
+            # Items, not runs: the last run's task may not have returned yet (an item
+            # is in every cycle a run is in).
+            left = _alive(_Item) - before
+        finally:
+            if enabled:
+                gc.enable()
+        assert left == 0, f"{left} batch items left to the cycle collector"
+
+
+async def test_an_item_that_joins_gets_its_first_output_before_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first output of a stream that joins a running batch goes out first in its step
+    (its worker is woken first), not behind every other item's output."""
+    from tensorrpc._batch_runner import _Item
+
+    woken: list[tuple[int, int, int]] = []  # (step, the item's start, its outputs so far)
+    svc = Batched()
+
+    def wake(self: _Item) -> None:
+        woken.append((svc.steps, self.args[0], self.handle.steps))
+        event = self.event
+        if event is not None:
+            event.set()
+
+    monkeypatch.setattr(_Item, "wake", wake)
+    async with _running(tmp_path, svc) as (_svc, _, c), anyio.create_task_group() as tg:
+
+        async def read(start: int) -> None:
+            async for _ in c.stub().count(start, 100_000):
+                pass
+
+        for start in (100, 200, 300):
+            tg.start_soon(read, start)
+        while svc.steps < 3:  # noqa: ASYNC110 - the batch runs steps meanwhile
+            await anyio.sleep(0.01)
+        assert [v async for v in c.stub().count(7, 2)] == [7, 8]
+        tg.cancel_scope.cancel()
+    step = next(s for s, start, n in woken if start == 7 and n == 1)
+    in_step = [start for s, start, n in woken if s == step and n > 0]
+    assert len(in_step) > 1, "the joiner ran alone: no order to check"
+    assert in_step[0] == 7, f"woken in this order: {in_step}"
+
+
+async def test_tensor_results_of_a_batch_reach_their_callers(tmp_path: Path) -> None:
+    """A batch's tensor results, views of one batch tensor, each reach their caller."""
+    import torch
+
+    from tensorrpc.batching import split, stack
+
+    @service
+    class Rows:
+        @rpc(batch=Batching(max_size=8, max_delay=0.02))
+        async def double(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
+            return split(stack(x) * 2)
+
+    address = _address(tmp_path)
+    async with (
+        Server(Rows(), bind=address, engine_id="e1"),
+        Client(Rows, connect=address, torch_shm=False) as c,
+    ):
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            got: dict[int, torch.Tensor] = {}
+
+            async def one(i: int) -> None:
+                got[i] = await c.stub().double(torch.full((1024,), float(i)))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(6):
+                    tg.start_soon(one, i)
+    for i, t in got.items():
+        assert torch.equal(t, torch.full((1024,), 2.0 * i))
+    assert len(got) == 6
