@@ -710,8 +710,10 @@ class CallRunner:
             encoded,
             self._maxmsgsize,
             0 if engine is None else engine.info.max_message_bytes,
-            what=f"{spec.qualname}: the arguments",
-            peer="engine" if engine is None else f"engine {engine.engine_id!r}",
+            lambda: (
+                f"{spec.qualname}: the arguments",
+                "engine" if engine is None else f"engine {engine.engine_id!r}",
+            ),
         )
 
     def _shm_failed(self, engine: Engine, *, sending: bool) -> None:

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 from tensorrpc import _codec, _context
@@ -59,6 +58,7 @@ from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
 from tensorrpc._stream_io import RequestItems
+from tensorrpc._zmq import Waiters, loop_clock
 from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
@@ -164,7 +164,9 @@ class Dispatcher:
         self._flush = flush
         self._send_reply = send_reply
         self._interceptors = interceptors
-        self._idle: list[anyio.Event] = []
+        self._idle: list[Any] = []  # the parked workers' wake-ups (`Waiters`)
+        self._waiters: Waiters | None = None
+        self._now: Callable[[], float] = anyio.current_time
         self._closed = False
         self._workers = 0
         self._parked = 0
@@ -172,8 +174,10 @@ class Dispatcher:
         self.done = anyio.Event()
 
     def start(self, tg: TaskGroup) -> None:
-        """Start the pool in ``tg``."""
+        """Start the pool in ``tg`` (inside the event loop)."""
         self._tg = tg
+        self._waiters = Waiters()
+        self._now = loop_clock()
         for _ in range(self._capacity):
             self._spawn()
 
@@ -186,7 +190,8 @@ class Dispatcher:
         """A call was queued: wake one idle worker, or start one if parked calls left the
         pool short (rule 5)."""
         if self._idle:
-            self._idle.pop().set()
+            assert self._waiters is not None
+            self._waiters.wake(self._idle.pop())
         elif self._parked and not self._closed and self._workers - self._parked < self._capacity:
             self._spawn()
 
@@ -194,8 +199,9 @@ class Dispatcher:
         """Workers finish what is queued, then exit (`done` is set when all have)."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for event in idle:
-            event.set()
+        if self._waiters is not None:
+            for waiter in idle:
+                self._waiters.wake(waiter)
         if self._workers == 0:
             self.done.set()
 
@@ -215,6 +221,8 @@ class Dispatcher:
         stopped: Call | None = None
         streak = 0
         queue = self._proto.queue
+        waiters = self._waiters
+        assert waiters is not None
         try:
             with anyio.CancelScope() as scope:
                 while stopped is None:
@@ -222,9 +230,9 @@ class Dispatcher:
                         if not self._may_park():
                             return False
                         # Park until a call is queued (inline: one coroutine less per call).
-                        event = anyio.Event()
-                        self._idle.append(event)
-                        await event.wait()
+                        waiter = waiters.new()
+                        self._idle.append(waiter)
+                        await waiters.wait(waiter)
                         streak = 0
                         continue
                     call = self._proto.next_call()
@@ -244,7 +252,7 @@ class Dispatcher:
                         # Handlers that never wait would otherwise keep this worker from
                         # yielding while the queue stays full.
                         streak = 0
-                        await anyio.lowlevel.checkpoint()
+                        await waiters.checkpoint()
             if stopped is not None:
                 await self._reply(stopped)
         finally:
@@ -260,7 +268,7 @@ class Dispatcher:
         if call.keep is not None or call.cancelled:
             self._end_args(call)
             self._flush()
-        self._proto.done(call, anyio.current_time())
+        self._proto.done(call, self._now())
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
 
@@ -289,7 +297,7 @@ class Dispatcher:
             self._proto.stop(call)
             self._reply_stopped(call)
             return True
-        if deadline != math.inf and anyio.current_time() >= deadline:
+        if deadline != math.inf and self._now() >= deadline:
             self._error(
                 call,
                 ErrorCode.DEADLINE_EXCEEDED,
@@ -316,7 +324,7 @@ class Dispatcher:
             return
         if call.request is not None:  # the handler's one argument: its request items
             args.append(RequestItems(self._proto, call, self._codec, self._flush))
-        self._proto.started(call, anyio.current_time())
+        self._proto.started(call, self._now())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
         token = _context.enter(call, self._engine_id)  # call_context() sees it
@@ -481,8 +489,7 @@ class Dispatcher:
                 encoded,
                 self._maxmsgsize,
                 call.session.max_message_bytes,
-                what="the results",
-                peer=f"client {call.session.name!r}",
+                lambda: ("the results", f"client {call.session.name!r}"),
             )
             if encoded.buffers:
                 self._policy.sent_frames(encoded.buffers)

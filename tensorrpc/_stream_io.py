@@ -158,8 +158,10 @@ async def _send_items(
             encoded,
             maxmsgsize,
             engine.info.max_message_bytes,
-            what=f"{spec.qualname}: request item {index - 1}",
-            peer=f"engine {engine.engine_id!r}",
+            lambda: (  # called here, before the loop moves on
+                f"{spec.qualname}: request item {index - 1}",  # noqa: B023
+                f"engine {engine.engine_id!r}",
+            ),
         )
         frames = _streams.item_frames(io.protocol, call, encoded.payload, encoded.buffers, io.now())
         if frames is None:
