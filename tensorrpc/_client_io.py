@@ -206,7 +206,12 @@ class ClientIO:
         self.orphans: collections.deque[Call] = collections.deque()
         self.tracked = PendingSends()
         #: The bulk connections (docs/design.md, "a bulk connection per peer").
-        self.bulk = BulkLinks(options=socket_options, curve=curve, deliver=self._on_bulk_message)
+        self.bulk = BulkLinks(
+            options=socket_options,
+            curve=curve,
+            deliver=self._on_bulk_message,
+            on_lost=self._on_bulk_lost,
+        )
         # What vouches for the connection of the HELLO being handled (the bulk binding).
         self._hello_voucher: tuple[bytes, Voucher] | None = None
         self.sock: AsyncSocket | None = None
@@ -594,6 +599,10 @@ class ClientIO:
                 self._hello_voucher = None
             return
         self._handle(event)
+
+    def _on_bulk_lost(self, peer: object, epoch: int) -> None:
+        """The bulk connection we dialed to an engine broke: its session is over."""
+        self._handle(self.protocol.bulk_lost(cast("bytes", peer), epoch))
 
     def _on_bulk_message(self, peer: object, frames: list[zmq.Frame], size: int) -> None:
         """A message on an engine's bound bulk connection (its RESULTs)."""

@@ -1183,6 +1183,19 @@ class ClientProtocol(Machine[bytes, Event]):
             rec.dial.due = now + rec.dial.backoff.failed()
         return None
 
+    def bulk_lost(self, peer: bytes, epoch: int) -> EngineLost | None:
+        """Rule 5 (docs/design.md, "a bulk connection per peer"): the bulk connection we
+        dialed for ``peer``'s session of ``epoch`` broke while control may live. The
+        session is over, as if control had broken: its calls fail with
+        `EngineDeadError` at once (what they had on the bulk connection is lost with
+        it), and the engine's next HELLO starts a new session with a new bulk
+        connection. None: that session is over already."""
+        rec = self._peers.get(peer)
+        engine = rec.engine if rec is not None else None
+        if engine is None or engine.epoch != epoch:
+            return None
+        return self._lose(engine, "lost its bulk connection")
+
     def tick(self, now: float) -> list[EngineLost]:
         """Timers: end silent or forgotten sessions, send heartbeats and hello requests."""
         lost = [self._forgotten(engine, now) for engine in self.engines.forgot_us(now)]

@@ -330,6 +330,7 @@ def create_socket(
     options: SocketOptions = DEFAULT_OPTIONS,
     routing_id: bytes | None = None,
     curve: CurveConfig | None = None,
+    watch_disconnects: bool = False,
 ) -> AsyncSocket:
     """Create a socket with safe defaults and wrap it in an `AsyncSocket`.
 
@@ -346,6 +347,8 @@ def create_socket(
             or a `CurveClientConfig`. The role does not depend
             on bind/connect; usually the binding side is the server. ``inproc://``
             connections are not encrypted. None: no CURVE (plaintext).
+        watch_disconnects: Also watch for established connections that end
+            (`AsyncSocket.disconnected`).
 
     Returns:
         The wrapped socket; close it with `AsyncSocket.aclose`.
@@ -367,7 +370,7 @@ def create_socket(
             _configure(sock, socket_type, options, routing_id)
             if curve is not None:
                 on_close = apply_curve(sock, curve, ctx)
-        monitor = _handshake_monitor(sock)
+        monitor = _handshake_monitor(sock, watch_disconnects=watch_disconnects)
     except BaseException:
         sock.close(linger=0)
         if on_close is not None:
@@ -397,10 +400,16 @@ def _configure(
     sock.copy_threshold = options.copy_threshold
 
 
-def _handshake_monitor(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
-    """The socket's monitor for failed handshakes; None for a libzmq without monitor events."""
+def _handshake_monitor(
+    sock: zmq.Socket[bytes], *, watch_disconnects: bool = False
+) -> zmq.Socket[bytes] | None:
+    """The socket's monitor for failed handshakes (and, if asked, lost connections); None
+    for a libzmq without monitor events."""
+    events = HANDSHAKE_FAILURE_EVENTS
+    if watch_disconnects:
+        events |= int(zmq.EVENT_DISCONNECTED)
     try:
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURE_EVENTS)
+        monitor = sock.get_monitor_socket(events)
     except zmq.ZMQError:
         return None
     with contextlib.suppress(zmq.ZMQError):
@@ -613,13 +622,16 @@ class _HandshakeLog:
         monitor: Its monitor socket.
     """
 
-    __slots__ = ("_counts", "_failures", "_monitor", "_sock")
+    __slots__ = ("_counts", "_failures", "_monitor", "_sock", "_waiting", "disconnects")
 
     def __init__(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None) -> None:
         self._sock = sock
         self._monitor = monitor
         self._failures: deque[str] = deque(maxlen=_MAX_FAILURES)
         self._counts: dict[str, int] = {}
+        #: Established connections that ended (with ``watch_disconnects`` only).
+        self.disconnects = 0
+        self._waiting = False
 
     def read(self) -> tuple[str, ...]:
         """Read the queued monitor events, log the new reasons, return the recent ones."""
@@ -634,6 +646,9 @@ class _HandshakeLog:
             try:
                 event = parse_monitor_message(message)
             except Exception:  # a malformed event must not break the caller
+                continue
+            if int(event["event"]) == zmq.EVENT_DISCONNECTED:
+                self.disconnects += 1
                 continue
             endpoint = bytes(event["endpoint"]).decode("utf-8", "replace")
             self._record(
@@ -664,10 +679,30 @@ class _HandshakeLog:
         except zmq.ZMQError:
             return "socket"
 
+    async def disconnected(self) -> None:
+        """Wait until an established connection ends (see `AsyncSocket.disconnected`)."""
+        seen = self.disconnects
+        while True:
+            self.read()  # drains the monitor: its edge-triggered FD may then signal anew
+            monitor = self._monitor
+            if monitor is None:
+                raise ClosedError("the socket was closed while waiting")
+            if self.disconnects > seen:
+                return
+            self._waiting = True
+            try:
+                await anyio.wait_readable(monitor.FD)
+            except Exception:  # closed while waiting: the next turn raises ClosedError
+                continue
+            finally:
+                self._waiting = False
+
     def close(self) -> None:
         """Stop monitoring (before the socket closes)."""
         monitor, self._monitor = self._monitor, None
         if monitor is not None:
+            if self._waiting:
+                anyio.notify_closing(monitor.FD)
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()
             monitor.close(linger=0)
@@ -1063,6 +1098,15 @@ class AsyncSocket:
             status 400: ...)"``; empty when none failed (or libzmq has no monitor).
         """
         return self._handshakes.read()
+
+    async def disconnected(self) -> None:
+        """Wait until one of this socket's established connections ends (ZMQ's
+        ``EVENT_DISCONNECTED``): a socket created with ``watch_disconnects`` only.
+
+        Raises:
+            ClosedError: The socket was closed (or has no monitor).
+        """
+        await self._handshakes.disconnected()
 
     # -- closing ----------------------------------------------------------------------------
 
