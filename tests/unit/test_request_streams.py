@@ -268,6 +268,11 @@ def shm_upload(method: str = "upload") -> tuple[Engine, ServerCall]:
     return engine, engine.open_upload(KEY, 1, method)
 
 
+def held_by(stream: _streams.RequestStream) -> tuple[object, list[int]]:
+    """What the engine holds of a request stream's item leases (its detach key, leases)."""
+    return stream.keep, stream.leases
+
+
 def releases(engine: Engine) -> list[tuple[int, ...]]:
     engine.collect()
     return [s.body.leases for s in engine.take() if s.kind is K.RELEASE]
@@ -294,7 +299,7 @@ def test_the_final_reply_ends_every_item_lease_and_owes_no_release(reply: str) -
         assert engine.proto.result(call, b"\x01", ()) is not None
     else:
         assert engine.proto.error_reply(call, ErrorCode.REMOTE, "boom")
-    assert (stream.keep, stream.leases) == (None, [])
+    assert held_by(stream) == (None, [])
     call.cancelled = True  # a CANCEL that crossed the final reply
     engine.proto.args_done(call)
     assert releases(engine) == []
@@ -312,7 +317,7 @@ def test_a_cancelled_request_stream_releases_the_items_it_decoded_and_never_took
     assert releases(engine) == [(3, 4, 7)]
     stream = call.request
     assert stream is not None
-    assert (stream.keep, stream.leases) == (None, [])
+    assert held_by(stream) == (None, [])
 
 
 def test_a_request_stream_of_an_ended_session_owes_no_release() -> None:
