@@ -86,7 +86,8 @@ async def test_the_engine_hello_names_its_request_streaming_methods(
     async with running(tmp_path) as (client, _):
         info = client._protocol.engines.engines["e1"].info
     assert set(info.request_streaming) == {
-        "upload", "first", "echo", "gated", "doubles", "sleepy", "fails_at", "tensors"
+        "upload", "first", "echo", "gated", "doubles", "sleepy", "fails_at", "tensors",
+        "keep", "hold",
     }  # fmt: skip
     assert set(info.streaming) == {"echo", "gated", "doubles", "tensors"}
     assert info.stream_window == 16
