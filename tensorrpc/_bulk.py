@@ -54,7 +54,6 @@ BULK_THRESHOLD: Final = 1 << 20
 TOKEN_BYTES: Final = 16
 #: Longest ``ipc://`` path a unix socket address holds (``sun_path`` less its NUL).
 MAX_IPC_PATH: Final = 107
-_WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "[::]", "::"})
 
 
 class Pipe(enum.Enum):
@@ -107,9 +106,12 @@ def listen_endpoint(control: str, *, curve: bool) -> str | None:
 def dial_endpoint(announced: str, control: str) -> str | None:
     """Rule 1: the endpoint a dialer dials for a peer's announced bulk endpoint.
 
-    Only the control connection's transport: ``ipc://`` to ``ipc://``; ``tcp://`` to
-    ``tcp://``, where a wildcard host (the listener bound every interface) becomes the
-    host the control connection dialed. None: anything else (not dialed).
+    The dialer dials only what it can tie to the peer it dialed, whatever the peer
+    announced: over ``ipc://`` the control path with ``.bulk`` added (what
+    `listen_endpoint` binds), over ``tcp://`` the control connection's host with the
+    announced port (under CURVE, the same server key then proves the peer). The
+    announcement only says that there is a bulk endpoint, and its tcp port. None:
+    another transport, or a malformed announcement (not dialed).
     """
     for scheme in ("ipc://", "tcp://"):
         if control.startswith(scheme):
@@ -119,13 +121,12 @@ def dial_endpoint(announced: str, control: str) -> str | None:
     if not announced.startswith(scheme) or len(announced) <= len(scheme):
         return None
     if scheme == "ipc://":
-        return announced
-    host, sep, port = announced[len(scheme) :].rpartition(":")
+        return listen_endpoint(control, curve=False)
+    _host, sep, port = announced[len(scheme) :].rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         return None
-    if host in _WILDCARD_HOSTS:
-        host = control[len(scheme) :].rpartition(":")[0]
-    return f"tcp://{host}:{port}" if host else None
+    host = control[len(scheme) :].rpartition(":")[0]
+    return f"tcp://{host}:{int(port)}" if host else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +154,6 @@ class _Offer:
     voucher: Voucher
 
 
-_MISSING: Final = object()
-
-
 @dataclass(frozen=True, slots=True)
 class Attached:
     """`BulkBinder.attach`'s answer: the session (None: refused, ``refused`` says why;
@@ -170,26 +168,33 @@ class BulkBinder:
     """The listening side's table: sessions that may attach a bulk pipe, and bound pipes.
 
     Capped: at most ``max_sessions`` offers (the oldest goes first) and
-    ``max_unbound`` bulk pipes waiting for their ATTACH (or, parked, for their
-    session's offer), per process.
+    ``max_unbound`` bulk pipes whose ATTACH waits for its session's offer (parked), of
+    which at most ``max_unbound_per_peer`` per process or key: a flood from one peer
+    evicts its own oldest pipes, never another peer's. An ATTACH that nothing vouches
+    for is refused at once (it could never bind), so it costs nothing kept.
     """
 
-    def __init__(self, *, max_sessions: int = 4096, max_unbound: int = 64) -> None:
-        if max_sessions < 1 or max_unbound < 1:
+    def __init__(
+        self, *, max_sessions: int = 4096, max_unbound: int = 64, max_unbound_per_peer: int = 4
+    ) -> None:
+        if max_sessions < 1 or max_unbound < 1 or max_unbound_per_peer < 1:
             raise ValueError("the bulk binder's caps must be >= 1")
         self._max_sessions = max_sessions
         self._max_unbound = max_unbound
+        self._max_per_peer = max_unbound_per_peer
         #: epoch (public, from the handshake) -> what that session may attach
         self._offers: OrderedDict[Hashable, _Offer] = OrderedDict()
         #: bulk pipe -> its session
         self._bound: dict[Hashable, Hashable] = {}
         #: session -> its bulk pipe
         self._pipes: dict[Hashable, Hashable] = {}
-        #: bulk pipes opened, not yet attached (oldest first)
-        self._unbound: OrderedDict[Hashable, None] = OrderedDict()
+        #: bulk pipes opened, not yet attached (oldest first), with what vouches for each
+        self._unbound: OrderedDict[Hashable, Voucher] = OrderedDict()
         #: epoch -> an ATTACH that came before its session's offer (the dialer's bulk
         #: connection may overtake the handshake's last message on the control one)
         self._parked: dict[Hashable, tuple[Hashable, bytes, Voucher]] = {}
+        #: pipes whose ATTACH was refused (the newest ``max_sessions``): never another
+        self._spent: OrderedDict[Hashable, None] = OrderedDict()
 
     def offer(self, session: Hashable, epoch: Hashable, voucher: Voucher, token: bytes) -> bool:
         """A session's handshake goes out: may it attach a bulk pipe with ``token``?
@@ -211,15 +216,22 @@ class BulkBinder:
         self._offers[epoch] = _Offer(session, token, voucher)
         return True
 
-    def opened(self, pipe: Hashable) -> Hashable | None:
-        """A bulk pipe connected; returns a pipe to close now (the oldest unbound one,
-        past the cap), or None."""
-        self._unbound[pipe] = None
-        if len(self._unbound) > self._max_unbound:
+    def opened(self, pipe: Hashable, voucher: Voucher) -> Hashable | None:
+        """A bulk pipe sent its ATTACH (``voucher``: what vouches for its connection);
+        returns a pipe to close now, or None: past the per-peer cap, that peer's oldest
+        unbound pipe; else past the total cap, the oldest unbound pipe."""
+        self._unbound.pop(pipe, None)
+        mine = [p for p, v in self._unbound.items() if v == voucher]
+        self._unbound[pipe] = voucher
+        if len(mine) >= self._max_per_peer:
+            oldest: Hashable = mine[0]
+            del self._unbound[oldest]
+        elif len(self._unbound) > self._max_unbound:
             oldest, _ = self._unbound.popitem(last=False)
-            self._unpark(oldest)
-            return oldest
-        return None
+        else:
+            return None
+        self._unpark(oldest)
+        return oldest
 
     def _unpark(self, pipe: Hashable) -> None:
         for epoch in [e for e, parked in self._parked.items() if parked[0] == pipe]:
@@ -239,24 +251,38 @@ class BulkBinder:
         connection not vouched for by the same key or process as the session's control
         connection.
         """
+        if pipe in self._spent:
+            self._unbound.pop(pipe, None)
+            return Attached(None, "one ATTACH per bulk pipe")
+        got = self._attach(pipe, epoch, token, voucher)
+        if got.session is None and not got.parked and pipe not in self._bound:
+            self._spent[pipe] = None
+            if len(self._spent) > self._max_sessions:
+                self._spent.popitem(last=False)
+        return got
+
+    def _attach(self, pipe: Hashable, epoch: Hashable, token: bytes, voucher: Voucher) -> Attached:
         if pipe in self._bound:
             return Attached(None, "this bulk pipe is attached already")
-        if self._unbound.pop(pipe, _MISSING) is _MISSING:
+        opened_by = self._unbound.pop(pipe, None)
+        if opened_by is None:
             return Attached(None, "unknown bulk pipe")
+        if not voucher.attested:
+            return Attached(None, "nothing vouches for the bulk connection")
         offer = self._offers.get(epoch)
         if offer is None:
             if epoch in self._parked:
                 return Attached(None, "a bulk pipe waits for this epoch already")
             # Perhaps the session's handshake is not done here yet: wait for its offer
             # (an unbound pipe still, capped as one).
-            self._unbound[pipe] = None
+            self._unbound[pipe] = opened_by
             self._parked[epoch] = (pipe, token, voucher)
             return Attached(None, parked=True)
         if not hmac.compare_digest(offer.token, token):
             return Attached(None, "wrong bulk token")
         # The token was right: used once, whatever follows (a relayed token is spent).
         del self._offers[epoch]
-        if not voucher.attested or voucher != offer.voucher:
+        if voucher != offer.voucher:
             what = "key" if offer.voucher.kind == "curve" else "process"
             return Attached(
                 None, f"the bulk connection is not vouched for by the control connection's {what}"

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
+import stat
 from typing import TYPE_CHECKING, Final, cast
 
 import anyio
@@ -90,6 +92,29 @@ def _kind(frames: Sequence[object]) -> int:
     return header[3] if header.nbytes > 3 else 0
 
 
+def _path_taken(endpoint: str) -> str | None:
+    """Why the bulk socket must not bind ``endpoint`` (None: it may).
+
+    ZMQ removes whatever is at an ``ipc://`` path before binding it. The control path is
+    the user's to choose; ``PATH.bulk`` beside it is derived, so anything there but a
+    socket file of our own user (a stale one of ours) is left alone: a file, a
+    directory, a symlink (never followed) or another user's socket turns the bulk path
+    off instead.
+    """
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    path = endpoint[len("ipc://") :]
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid():
+        return None
+    return f"{path} exists and is not a socket of ours"
+
+
 class BulkLinks:
     """One side's bulk connections (see the module docstring).
 
@@ -144,11 +169,18 @@ class BulkLinks:
         )
         if endpoint is None:
             return self.address
+        if (why := _path_taken(endpoint)) is not None:
+            logger.warning("no bulk connection: %s", peer_text(why, 256))
+            return self.address
         # A bound routing id is never handed over to a newer connection that claims it.
         options = dataclasses.replace(self._options, router_handover=False)
         sock = create_socket(zmq.ROUTER, options=options, curve=self._curve)
         try:
             self.address = sock.bind(endpoint)
+        except TensorRPCError as exc:
+            sock.close()
+            logger.warning("no bulk connection: %s", peer_text(str(exc), 256))
+            return self.address
         except BaseException:
             sock.close()
             raise
@@ -311,14 +343,13 @@ class BulkLinks:
             token = bytes.fromhex(body.token)
         except ValueError:
             token = b""
-        evicted = self.binder.opened(pipe)
-        if evicted is not None:
-            self.refused += 1
         if len(token) != TOKEN_BYTES:
-            self.binder.pipe_lost(pipe)
             self._refused(pipe, "malformed bulk token")
             return
-        self._bind(pipe, body.epoch, token, connection_voucher(frames[1]))
+        voucher = connection_voucher(frames[1])
+        if self.binder.opened(pipe, voucher) is not None:
+            self.refused += 1
+        self._bind(pipe, body.epoch, token, voucher)
 
     def _bind(self, pipe: Hashable, epoch: int, token: bytes, voucher: Voucher) -> None:
         got = self.binder.attach(pipe, epoch, token, voucher)

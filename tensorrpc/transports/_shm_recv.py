@@ -24,12 +24,23 @@ A kept mapping must not outlive the sender's use of the file: the sender closes 
 segment it trims and the memfd of a `tensorrpc.share` tensor it frees, and our mapping
 would then be all that keeps that memory. `Receiver.prune` drops every kept mapping
 whose file the sender no longer has open (``/proc/<pid>/fd/<n>`` is gone or is another
-file); it runs before each new mapping of that peer and at each sweep of the transport
-(once per heartbeat interval). Tensors built on a mapping keep it, as they must.
+file); it runs over all of them at each sweep of the transport (once per heartbeat
+interval) and, before each new kept mapping of a peer, over the `PRUNE_PER_MAP` of that
+peer's mappings checked longest ago (a ``stat`` costs microseconds: checking every kept
+mapping there made a new segment cost O(kept)). Tensors built on a mapping keep it, as
+they must.
+
+torch's own shared files are kept mapped only from the second handle that names them:
+a ``DataLoader`` batch is sent once, and a mapping kept after its call would make this
+receiver, not the sender, the last holder of the file, so that freeing its pages
+(milliseconds for 64 MiB) would fall on us at the next prune. Its one-off mapping dies
+with the tensors built on it. A ``share_memory_()`` tensor sent again and again is kept
+from its second call on.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import logging
@@ -97,6 +108,10 @@ _UNSEALED_REFUSED = (
     "the sealed pool"
 )
 _NO_ATTACH = "cannot attach to the handle (not a live tensorrpc segment of the peer)"
+#: Kept mappings of a peer checked (`Receiver.prune`) before each new one is kept.
+PRUNE_PER_MAP: Final = 2
+#: torch shared files seen once, remembered so that the second handle keeps its mapping.
+_SEEN_ONCE_MAX = 1024
 
 
 def _shm_device() -> int:
@@ -154,6 +169,9 @@ class SegmentMaps:
         self.max_bytes_per_peer = max_bytes_per_peer
         self._maps: OrderedDict[tuple[int, int, int], _Mapped] = OrderedDict()
         self._bytes: dict[int, int] = {}
+        #: pid -> its mappings' keys, the one checked longest ago first (`oldest_checked`);
+        #: keys of dropped mappings are skipped there and compacted away.
+        self._unchecked: dict[int, collections.deque[tuple[int, int, int]]] = {}
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -207,11 +225,31 @@ class SegmentMaps:
             self._evict(next(iter(self._maps)))
         self._maps[key] = _Mapped(view, fd)
         self._bytes[pid] = self._bytes.get(pid, 0) + size
+        self._unchecked.setdefault(pid, collections.deque()).append(key)
         return True
 
     def kept(self, pid: int | None = None) -> list[tuple[tuple[int, int, int], int]]:
         """``(key, sender's fd)`` of every kept mapping (of ``pid`` only, if given)."""
         return [(k, m.fd) for k, m in self._maps.items() if pid is None or k[0] == pid]
+
+    def oldest_checked(self, pid: int, count: int) -> list[tuple[tuple[int, int, int], int]]:
+        """``(key, sender's fd)`` of the ``count`` mappings of ``pid`` checked longest ago
+        (or never); they count as checked now (see `Receiver.prune`)."""
+        queue = self._unchecked.get(pid)
+        if queue is None:
+            return []
+        out: list[tuple[tuple[int, int, int], int]] = []
+        while queue and len(out) < count:
+            key = queue.popleft()
+            entry = self._maps.get(key)
+            if entry is not None and all(key != k for k, _ in out):
+                out.append((key, entry.fd))
+        queue.extend(k for k, _ in out)  # (a dropped mapping's key is skipped, lazily)
+        if len(queue) > 2 * len(self._maps) + count:
+            self._unchecked[pid] = collections.deque(
+                dict.fromkeys(k for k in queue if k in self._maps)
+            )
+        return out
 
     def evict(self, key: tuple[int, int, int]) -> None:
         """Drop one mapping and its typed views if kept (tensors on it keep it mapped)."""
@@ -226,6 +264,7 @@ class SegmentMaps:
             self._bytes[key[0]] = left
         else:
             del self._bytes[key[0]]
+            self._unchecked.pop(key[0], None)
 
     def forget(self, pid: int) -> int:
         """Drop every mapping of ``pid`` (tensors built on them keep theirs alive)."""
@@ -240,6 +279,7 @@ class SegmentMaps:
         if maps:
             later(maps)  # unmapped off the event loop
         self._bytes.clear()
+        self._unchecked.clear()
 
 
 class Receiver:
@@ -269,18 +309,25 @@ class Receiver:
         self.pruned = 0
         #: Leases held by tensors built on peers' pool regions (one-copy receive).
         self.holds = Holds()
+        #: torch shared files mapped once and not kept (see the module docstring).
+        self._seen_once: OrderedDict[tuple[int, int, int], None] = OrderedDict()
 
     # -- mappings the sender freed ---------------------------------------------------------
 
-    def prune(self, pid: int | None = None) -> int:
+    def prune(self, pid: int | None = None, limit: int | None = None) -> int:
         """Drop the kept mappings (of ``pid``, or of every peer) whose file the sender no
         longer holds open. Returns how many.
 
         ``/proc/<pid>/fd/<n>`` is stat-ed (one system call per kept segment): gone, or
         another file (the number was reused, or the process), means the sender closed it.
+        With ``limit`` (and ``pid``), only that many of the peer's mappings are checked:
+        those checked longest ago, in turn.
         """
         with self._lock:
-            kept = self.maps.kept(pid)
+            if pid is not None and limit is not None:
+                kept = self.maps.oldest_checked(pid, limit)
+            else:
+                kept = self.maps.kept(pid)
         dead = [key for key, fd in kept if not _still_open(key, fd)]
         if dead:
             with self._lock:
@@ -434,9 +481,11 @@ class Receiver:
             if end > size:
                 raise fail("the handle reaches past the end of its segment")
             if size <= self.maps.max_bytes_per_peer:
-                # Before keeping one more of this peer's segments, drop those it freed.
-                self.prune(h.pid)
                 view = map_shared(ofd, size)
+                if not sealed and not self._seen_twice(key):
+                    return view, first  # (not kept: dies with its tensors)
+                # Before keeping one more of this peer's segments, drop some it freed.
+                self.prune(h.pid, PRUNE_PER_MAP)
                 with self._lock:
                     self.maps.put(key, view, h.fd)
                 return view, first
@@ -446,6 +495,17 @@ class Receiver:
             raise fail(f"cannot map the peer's segment: {exc.strerror}") from None
         finally:
             os.close(ofd)
+
+    def _seen_twice(self, key: tuple[int, int, int]) -> bool:
+        """Whether a torch shared file was named before (else it is remembered now)."""
+        with self._lock:
+            seen = self._seen_once
+            if seen.pop(key, 0) is None:
+                return True
+            seen[key] = None
+            if len(seen) > _SEEN_ONCE_MAX:
+                seen.popitem(last=False)
+            return False
 
     def _resolve_pool(
         self,

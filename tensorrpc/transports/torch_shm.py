@@ -52,6 +52,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -323,6 +324,10 @@ class TorchShmTransport(ShmReceiving):
         self._accounts: dict[Hashable, Hashable] = {}
         #: Peers that may get torch's unsealed shared files by alias.
         self._alias: set[Hashable] = set()
+        #: torch shared storages sent by alias -> their file (`_place_torch`).
+        self._torch_files: weakref.WeakKeyDictionary[torch.UntypedStorage, _TorchFile] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lease_timeout = lease_timeout
         self._cuda = cuda
         self._clock = clock
@@ -365,6 +370,7 @@ class TorchShmTransport(ShmReceiving):
             self._receiver.maps.clear()
             self._accounts.clear()
             self._alias.clear()
+            self._torch_files.clear()
         self._warmer.close()
         self._receiver.buffers.close()
 
@@ -391,6 +397,7 @@ class TorchShmTransport(ShmReceiving):
             self._receiver.maps.clear()
             self._accounts.clear()
             self._alias.clear()
+            self._torch_files.clear()
 
     def _checked(self) -> None:
         if self._closed or current_pid() != self._pid:  # (read without the lock: rare)
@@ -705,32 +712,23 @@ class TorchShmTransport(ShmReceiving):
 
         Never moves the caller's storage: ``_share_filename_cpu_`` is only asked of a
         storage that is shared and not by descriptor (torch's ``file_system`` files),
-        where it returns the existing name.
+        where it returns the existing name. What the file is (``_torch_file``) is looked
+        up once per storage and kept while the storage lives: a shared storage never
+        changes its file, and sending one tensor again costs no ``fstat``.
         """
         if not storage.is_shared():
             return None  # private memory: the pool
         if not (t.is_contiguous() or non_overlapping(tuple(t.shape), strides)):
             return None
-        owned: _OwnedFd | None = None
-        try:
-            try:
-                fd = storage._get_shared_fd()  # type: ignore[attr-defined]
-                kind = _TORCH_FD
-            except RuntimeError:  # file_system: open its file, held by the lease
-                _manager, name, _size = storage._share_filename_cpu_()
-                path = "/dev/shm/" + bytes(name).decode("ascii").lstrip("/")
-                owned = _OwnedFd(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
-                fd = owned.fd
-                kind = _TORCH_FILE
-            st = os.fstat(fd)
-        except (OSError, RuntimeError, UnicodeDecodeError, ValueError, TypeError):
-            return None  # not one of torch's shared files after all: the pool
         nbytes = storage.nbytes()
-        # torch's file_system files start with a 64-byte reference count; the data follows.
-        base = st.st_size - nbytes if kind == _TORCH_FILE else 0
-        if base not in (0, 64) or st.st_size < nbytes:
-            return None
-        key = (st.st_dev, st.st_ino)
+        facts = self._torch_files.get(storage)
+        if facts is None:
+            facts = _torch_file(storage, nbytes)
+            if facts is None:
+                return None  # not one of torch's shared files after all: the pool
+            self._torch_files[storage] = facts
+        kind, fd, dev, ino, base, owned = facts
+        key = (dev, ino)
         account = self._account(placer._peer)
         if not self._budget.try_pin(account, key, nbytes, new_lease=self._needs_lease(placer)):
             self._stats["peer_limited"] += 1
@@ -744,8 +742,8 @@ class TorchShmTransport(ShmReceiving):
             kind,
             self._pid,
             fd,
-            st.st_dev,
-            st.st_ino,
+            dev,
+            ino,
             lease.id,
             0,
             base,
@@ -811,6 +809,34 @@ class TorchShmTransport(ShmReceiving):
                 bytes_received=recv.bytes_received,
                 **self._stats,
             )
+
+
+#: What `_place_torch` needs of a storage's file: kind, descriptor, st_dev, st_ino, data
+#: offset in the file, and the descriptor we opened for it (file_system files), if any.
+_TorchFile = tuple[HandleKind, int, int, int, int, "_OwnedFd | None"]
+
+
+def _torch_file(storage: torch.UntypedStorage, nbytes: int) -> _TorchFile | None:
+    """The file of a storage in torch's shared memory; None if it is not one of them."""
+    owned: _OwnedFd | None = None
+    try:
+        try:
+            fd = storage._get_shared_fd()  # type: ignore[attr-defined]
+            kind = _TORCH_FD
+        except RuntimeError:  # file_system: open its file, held while the storage lives
+            _manager, name, _size = storage._share_filename_cpu_()
+            path = "/dev/shm/" + bytes(name).decode("ascii").lstrip("/")
+            owned = _OwnedFd(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
+            fd = owned.fd
+            kind = _TORCH_FILE
+        st = os.fstat(fd)
+    except (OSError, RuntimeError, UnicodeDecodeError, ValueError, TypeError):
+        return None
+    # torch's file_system files start with a 64-byte reference count; the data follows.
+    base = st.st_size - nbytes if kind == _TORCH_FILE else 0
+    if base not in (0, 64) or st.st_size < nbytes:
+        return None
+    return kind, fd, st.st_dev, st.st_ino, base, owned
 
 
 class _OwnedFd:

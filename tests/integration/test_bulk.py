@@ -235,3 +235,66 @@ async def test_a_killed_engine_leaves_no_bulk_connection(tmp_path: Path) -> None
             await until(lambda: any(d.bound for d in client._io.bulk._dialed.values()))
             engine.kill()
             await until(lambda: not client.engines and not client._io.bulk._dialed)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("what", ["file", "symlink", "directory"])
+async def test_a_path_taken_at_dot_bulk_is_left_alone(
+    tmp_path: Path, topology: str, what: str
+) -> None:
+    # ZMQ removes whatever is at an ipc:// path before it binds there: the derived
+    # PATH.bulk must not cost anyone a file, nor follow a symlink; the bulk path is
+    # off instead and the session works over control.
+    taken = tmp_path / "b.sock.bulk"
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    if what == "file":
+        taken.write_bytes(b"keep me too")
+    elif what == "symlink":
+        taken.symlink_to(target)
+    else:
+        taken.mkdir()
+    async with pair(tmp_path, topology) as (client, server):
+        stub = client.with_options(transport="frames").stub()
+        assert (await stub.echo(torch.ones(LARGE, dtype=torch.uint8))).numel() == LARGE
+        assert await stub.add(a=1, b=2) == 3
+        bulk = client._io.bulk if topology == "dialin" else server._bulk
+        assert bulk.router is None
+        assert not bulk.address
+    assert taken.is_symlink() if what == "symlink" else taken.exists()
+    if what == "file":
+        assert taken.read_bytes() == b"keep me too"
+    assert target.read_bytes() == b"keep me"
+
+
+def holds_bulk(links: BulkLinks) -> bool:
+    """Whether ``links`` still holds a session's bulk connection or an offer for one."""
+    binder = links.binder
+    return bool(links._dialed or binder._pipes or binder._bound or binder._offers)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("leaves", ["client", "engine"])
+async def test_a_session_that_ends_takes_its_bulk_connection(
+    tmp_path: Path, topology: str, leaves: str
+) -> None:
+    # One side closes (the engine drains, or the client says BYE) while the other lives
+    # on: the one left holds neither the session's bulk connection nor its offer.
+    address = f"ipc://{tmp_path}/b.sock"
+    if topology == "dialin":
+        client = Client(Bulky, bind=address, heartbeat_interval=0.1)
+        server = Server(Bulky(), engine_id="e1", connect=address, heartbeat_interval=0.1)
+    else:
+        server = Server(Bulky(), engine_id="e1", bind=address, heartbeat_interval=0.1)
+        client = Client(Bulky, connect=address, heartbeat_interval=0.1)
+    stays, goes = (server, client) if leaves == "client" else (client, server)
+    links = server._bulk if leaves == "client" else client._io.bulk
+    async with stays:
+        async with goes:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            await bulk_bound(client, server)
+            stub = client.with_options(transport="frames").stub()
+            assert (await stub.echo(torch.ones(LARGE, dtype=torch.uint8))).numel() == LARGE
+            assert holds_bulk(links)
+        await until(lambda: not holds_bulk(links))

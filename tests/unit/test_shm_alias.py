@@ -169,3 +169,38 @@ def test_the_handle_cost_bench_runs_both_sides_of_a_call() -> None:
     figures = measure(number=2, rounds=1)
     assert len(figures) == 5
     assert all(us > 0 for us in figures.values())
+
+
+def test_a_torch_shared_storage_is_looked_up_once_while_it_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sending one ``share_memory_()`` tensor again costs no ``fstat`` of its file: what
+    the file is stays known while the storage lives, and is forgotten with it."""
+    fstats: list[int] = []
+    real_fstat = os.fstat
+
+    def counting_fstat(fd: int) -> os.stat_result:
+        fstats.append(fd)
+        return real_fstat(fd)
+
+    t = torch.arange(1024, dtype=torch.float32)
+    t.share_memory_()  # type: ignore[no-untyped-call]
+    with TorchShmTransport() as sender:
+        sender.set_peer("engine", process="engine", alias_unsealed=True)
+        monkeypatch.setattr(os, "fstat", counting_fstat)
+        handles = []
+        for _ in range(3):
+            placer = sender.placer("engine")
+            placed = placer.place(t)
+            assert placed is not None
+            handles.append(_unpack(placed[1]))
+            assert placer.lease is not None
+            sender.release(placer.lease)
+        monkeypatch.undo()
+        assert len(fstats) == 1
+        assert {(h.kind, h.fd, h.dev, h.ino) for h in handles} == {
+            (HandleKind.TORCH_FD, h.fd, h.dev, h.ino) for h in handles[:1]
+        }
+        assert len(sender._torch_files) == 1
+        del t
+        assert len(sender._torch_files) == 0

@@ -10,14 +10,18 @@ transports of this process, the sweep called by hand.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from tensorrpc import _release
 from tensorrpc.transports._shared import share
+from tensorrpc.transports._shm_pool import pid as current_pid
+from tensorrpc.transports._shm_recv import PRUNE_PER_MAP
 from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
 
 pytestmark = pytest.mark.skipif(
@@ -105,3 +109,78 @@ def test_a_live_sender_segment_stays_mapped_and_tensors_keep_theirs() -> None:
         engine.sweep()
         assert engine.statistics().mapped_segments == 0
         assert torch.equal(got, torch.arange(4096, dtype=torch.float32))  # still valid
+
+
+def _torch_shared(value: float) -> torch.Tensor:
+    t = torch.full((4096,), value)
+    t.share_memory_()  # type: ignore[no-untyped-call]
+    return t
+
+
+def _mappings_of(ino: int) -> int:
+    """How many mappings of torch's shared file ``ino`` this process has now."""
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        rows = [line.split(maxsplit=5) for line in f]
+    return sum(
+        len(r) == 6 and r[5].startswith("/dev/shm/torch_") and int(r[4]) == ino for r in rows
+    )
+
+
+def test_a_torch_file_named_once_is_not_kept_mapped_and_twice_is() -> None:
+    """A DataLoader batch is sent once: its mapping dies with the received tensor, so the
+    sender's free is what releases its pages (a kept mapping made the receiver pay for
+    freeing them later); a tensor sent again is kept mapped."""
+    with TorchShmTransport() as client, TorchShmTransport() as engine:
+        client.set_peer("engine", process="engine", alias_unsealed=True)
+        for value in (1.0, 2.0):
+            t = _torch_shared(value)  # (a new file each time, like a batch)
+            for sent in (1, 2):
+                placer = client.placer("engine")
+                placed = placer.place(t)
+                assert placed is not None
+                h = _unpack(placed[1])
+                got = engine.resolver(None, unsealed=True).resolve(*placed, torch.float32, (4096,))
+                assert engine.statistics().tensors_received_aliased == 2 * (value - 1) + sent
+                assert float(got[-1]) == value
+                assert engine.statistics().mapped_segments == sent - 1
+                assert placer.lease is not None
+                client.release(placer.lease)
+                del got, placer
+                # The client's own mapping, and the engine's only once kept.
+                assert _mappings_of(h.ino) == sent
+            del t
+            engine.sweep()  # freed by the client: its kept mapping goes too
+            assert engine.statistics().mapped_segments == 0
+
+
+def test_a_new_mapping_checks_a_bounded_number_of_kept_ones_in_turn() -> None:
+    """Before keeping a new mapping, the receiver stats only `PRUNE_PER_MAP` of the
+    peer's kept ones, those checked longest ago: a new segment costs O(1), not O(kept),
+    and every kept mapping is still looked at in turn (and all at each sweep)."""
+    with TorchShmTransport() as client, TorchShmTransport() as engine:
+        resolver = engine.resolver(None)
+        held = []
+        stats: list[str] = []
+        real_stat = os.stat
+
+        def counting_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+            stats.append(str(path))
+            return real_stat(path, *args, **kwargs)
+
+        for i in range(12):
+            t = share(torch.full((1024,), float(i)))
+            placed = client.placer("engine").place(t)
+            assert placed is not None
+            stats.clear()
+            os.stat = counting_stat
+            try:
+                held.append(resolver.resolve(*placed, torch.float32, (1024,)))
+            finally:
+                os.stat = real_stat
+            # one stat of the new file itself, at most PRUNE_PER_MAP of the kept ones
+            assert len(stats) <= 1 + PRUNE_PER_MAP
+        assert engine.statistics().mapped_segments == 12  # all still open in the client
+        maps = engine._receiver.maps
+        first = maps.oldest_checked(current_pid(), 3)
+        second = maps.oldest_checked(current_pid(), 3)
+        assert not {k for k, _ in first} & {k for k, _ in second}  # in turn
