@@ -552,3 +552,35 @@ async def test_the_engine_window_bounds_what_a_client_sends_ahead(
             instance.gate.set()
             with anyio.fail_after(WAIT):
                 assert [x async for x in slow] == list(range(1, 100))
+
+
+async def test_an_engine_killed_mid_stream_frees_the_clients_item_leases(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """The engine holding request items by handle is killed (SIGKILL): the call fails and
+    the client's pool has no lease left (the engine's end drops them all)."""
+    big = [torch.arange(256 * 1024, dtype=torch.float32) + i for i in range(3)]
+    async with Client(Streams, bind=f"ipc://{tmp_path}/d.sock") as client:
+        with EngineProcess(
+            "d1", workdir=tmp_path, connect=tuple(client.addresses), service="streams"
+        ) as proc:
+            with anyio.fail_after(60):
+                await client.wait_for_engines(1)
+            failed: list[BaseException] = []
+
+            async def call() -> None:
+                try:
+                    await client.stub().hold(iter(big))
+                except EngineDeadError as exc:
+                    failed.append(exc)
+
+            with anyio.fail_after(WAIT):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    while client.statistics().transports.torch_shm.tensors_sent < 3:  # noqa: ASYNC110 - bounded by fail_after
+                        await anyio.sleep(0.01)
+                    proc.kill()
+            detail = client.statistics().transports.torch_shm_detail
+    assert len(failed) == 1
+    assert detail is not None
+    assert detail.leases_active == 0
