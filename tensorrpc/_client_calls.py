@@ -10,16 +10,18 @@ wake-ups and the clock belong to `tensorrpc._client_io.ClientIO`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from tensorrpc import _codec, _observe, _release
 from tensorrpc._client_protocol import Dropped, reply_error
-from tensorrpc._compression import ZSTD
+from tensorrpc._compression import OFF_LOOP_BYTES, ZSTD
 from tensorrpc._exceptions import (
     BroadcastError,
     CallTimeoutError,
@@ -222,9 +224,11 @@ class CallRunner:
             placer = policy.placer(
                 options.transport, engine.peer, peer_receives=bool(shm and shm.to_engine)
             )
-            encoded = self._encode(spec, wire, engine, placer, options.compression)
-            if placer is not None and placer.pending_bytes:
-                now = await self._fill(placer, engine)
+            encoded = self._encode_here(spec, wire, engine, placer, options.compression)
+            if encoded is None or (placer is not None and placer.pending_bytes):
+                # Copies into the pool, or large frames to compress: on a worker thread.
+                encoded = await self._off_loop(spec, wire, engine, placer, encoded, options)
+                now = self._io.now()
         holds = self._holds
         # Results freed since: the engine may reuse their memory (the CALL says so).
         returns = policy.memory.releasable(engine.peer) if holds is not None and holds.ready else ()
@@ -268,6 +272,56 @@ class CallRunner:
             self._io.observer, spec.service, spec.name, engine.engine_id,
             bool(flags & _STREAM_FLAG), nbytes, shm, len(encoded.buffers),
         )  # fmt: skip
+
+    def _encode_here(
+        self,
+        spec: MethodSpec,
+        wire: object,
+        engine: Engine,
+        placer: PolicyPlacer | None,
+        compression: Compression | None,
+    ) -> _codec.Encoded | None:
+        """`_encode` on the loop; None when it has frames to compress too large for it."""
+        try:
+            return self._encode(spec, wire, engine, placer, compression, OFF_LOOP_BYTES)
+        except _codec.OffLoop:
+            return None
+
+    async def _off_loop(
+        self,
+        spec: MethodSpec,
+        wire: object,
+        engine: Engine,
+        placer: PolicyPlacer | None,
+        encoded: _codec.Encoded | None,
+        options: CallOptions,
+    ) -> _codec.Encoded:
+        """The work of a CALL that runs on a worker thread: the copies into the pool
+        (`_fill`), or the encoding of arguments with large frames to compress (``encoded``
+        None; compression never goes with a placer). zstd and the copies release the
+        GIL: the loop keeps serving meanwhile. Not abandoned on cancellation (nothing was
+        sent yet: the call just ends once the thread is done).
+
+        Raises:
+            EngineDeadError: ``engine`` died meanwhile (nothing was sent to it).
+        """
+        if encoded is not None:
+            assert placer is not None
+            await self._fill(placer, engine)
+            return encoded
+        encode = functools.partial(
+            _codec.encode, wire, self._io.codec, compression=options.compression
+        )
+        encoded = await anyio.to_thread.run_sync(encode)
+        # Cancelled meanwhile: the thread ran to its end, but the CALL is not sent.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        self._check_sizes(spec, encoded, engine)
+        if not engine.alive:
+            raise EngineDeadError(
+                f"engine {engine.engine_id!r} died before the call was sent",
+                engine_id=engine.engine_id,
+            )
+        return encoded
 
     async def _fill(self, placer: PolicyPlacer, engine: Engine) -> float:
         """Copy the large argument tensors placed by handle into the pool, on a worker
@@ -399,12 +453,34 @@ class CallRunner:
                 raise call.error
             if call.reply_kind is not _RESULT:
                 raise reply_error(call.reply_payload)
-            value = self._decode(call, call.reply_payload, call.reply_buffers)
+            payload, buffers = call.reply_payload, call.reply_buffers
+            if _codec.compressed_bytes(payload, buffers) >= OFF_LOOP_BYTES:
+                value = await self._decode_off_loop(call, payload, buffers)
+            else:
+                value = self._decode(call, payload, buffers)
         except BaseException as exc:
             self.ended(call, exc)
             raise
         self.ended(call, None)
         return value
+
+    async def _decode_off_loop(self, call: Call, payload: Buffer, buffers: Sequence[Buffer]) -> Any:
+        """`_decode` of a reply with large compressed frames: the decompression runs on a
+        worker thread (zstd releases the GIL), the rest on the loop. An engine that may
+        send torch_shm handles never compresses (docs/protocol.md §6): its replies are
+        decoded on the loop, with the resolver; elsewhere a handle is refused."""
+        shm = call.engine.shm
+        if shm is not None and shm.from_engine:
+            return self._decode(call, payload, buffers)
+        if buffers:
+            self._policy.received_frames(buffers)
+        decode = functools.partial(_codec.decode, payload, buffers, self._io.codec)
+        try:
+            value = await anyio.to_thread.run_sync(decode)
+            return call.spec.decode_result(value)
+        except TensorRPCError:
+            self._protocol.undecodable(call)
+            raise
 
     def _decode(self, call: Call, payload: Buffer, buffers: Sequence[Buffer]) -> Any:
         """Decode a RESULT or stream item and release the torch_shm leases it carried."""
@@ -580,6 +656,8 @@ class CallRunner:
         if call.observed is not None:  # observe: a stream item is taken
             call.observed.item()
         self._io.flush()
+        if _codec.compressed_bytes(payload, buffers) >= OFF_LOOP_BYTES:
+            return await self._decode_off_loop(call, payload, buffers)
         return self._decode(call, payload, buffers)
 
     def _resolver(self, engine: Engine, frame: object) -> LazyResolver | None:
@@ -602,15 +680,22 @@ class CallRunner:
         engine: Engine | None,
         placer: PolicyPlacer | None = None,
         compression: Compression | None = None,
+        off_loop: int = 0,
     ) -> _codec.Encoded:
         """Encode arguments and refuse a frame over our ``maxmsgsize`` or the engine's
         (``placer``: released if the arguments are refused). ``compression`` only for an
         engine that decodes zstd and shares no memory with us (another host, or not
-        attested): never where torch_shm is in use."""
+        attested): never where torch_shm is in use.
+
+        Raises:
+            OffLoop: ``off_loop`` bytes or more to compress (see `_codec.encode`).
+        """
         if engine is None or engine.shm is not None or ZSTD not in engine.info.compression:
             compression = None
         try:
-            encoded = _codec.encode(wire, self._io.codec, placer=placer, compression=compression)
+            encoded = _codec.encode(
+                wire, self._io.codec, placer=placer, compression=compression, off_loop=off_loop
+            )
             self._check_sizes(spec, encoded, engine)
         except BaseException:
             if placer is not None:

@@ -46,7 +46,9 @@ __all__ = [
     "Encoded",
     "ExtCode",
     "Location",
+    "OffLoop",
     "check_message_size",
+    "compressed_bytes",
     "decode",
     "frame_limit",
     "encode",
@@ -117,6 +119,12 @@ class Encoded:
     #: Objects owning the memory of ``buffers`` (the tensors, or their contiguous/host
     #: temporaries). Hold them until the transport is done with the buffers (ZMQ tracker).
     keepalive: list[object] = field(default_factory=list)
+
+
+class OffLoop(Exception):
+    """`encode` met at least its ``off_loop`` bytes to compress (payload and frames
+    together): the shell encodes again on a worker thread, without a placer (nothing was
+    placed: compression never goes by torch_shm)."""
 
 
 # Wire limits that do not depend on the configuration.
@@ -270,18 +278,30 @@ class _Replaying:
 class _Encoder(_Replaying):
     """Per-call state of `encode`: the ormsgpack ``default=`` hook and what it collects."""
 
-    __slots__ = ("_compression", "_config", "_count", "_placer", "buffers", "keepalive")
+    __slots__ = (
+        "_compression",
+        "_config",
+        "_count",
+        "_off_loop",
+        "_placed",
+        "_placer",
+        "buffers",
+        "keepalive",
+    )
 
     def __init__(
         self,
         config: CodecConfig,
         placer: TensorPlacer | None,
         compression: Compression | None = None,
+        off_loop: int = 0,
     ) -> None:
         super().__init__()
         self._config = config
         self._placer = placer
         self._compression = compression
+        self._off_loop = off_loop
+        self._placed = 0
         self._count = 0
         self.buffers: list[memoryview] = []
         self.keepalive: list[object] = []
@@ -334,6 +354,7 @@ class _Encoder(_Replaying):
         if nbytes >= self._config.inline_threshold and self._placer is not None:
             placed = self._placer.place(tensor)
             if placed is not None:
+                self._placed += 1
                 self.keepalive.append(tensor)
                 return ormsgpack.Ext(_TORCH, _handle_descriptor(name, shape, placed))
         if not tensor.is_cpu:
@@ -365,6 +386,10 @@ class _Encoder(_Replaying):
             return ormsgpack.packb([name, shape, _INLINE, view.tobytes()])
         compression = self._compression
         if compression is not None and nbytes >= compression.min_bytes:
+            if self._off_loop:
+                self._off_loop -= nbytes  # left to compress on the loop
+                if self._off_loop <= 0 and not self._placed:
+                    raise OffLoop
             packed = _compression.compress(view, compression)
             if packed is not None:
                 self.buffers.append(memoryview(packed))
@@ -401,6 +426,7 @@ class _Encoder(_Replaying):
         ):
             placed = self._placer.place(torch.from_numpy(array))
             if placed is not None:
+                self._placed += 1
                 self.keepalive.append(array)
                 return ormsgpack.Ext(_NUMPY, _handle_descriptor(name, shape, placed))
         view = array.reshape(-1).view(np.uint8).data
@@ -501,6 +527,7 @@ def encode(
     *,
     placer: TensorPlacer | None = None,
     compression: Compression | None = None,
+    off_loop: int = 0,
 ) -> Encoded:
     """Encode ``value`` into a msgpack payload and out-of-band tensor buffers.
 
@@ -510,11 +537,14 @@ def encode(
     the buffers have been sent.
 
     Raises:
+        OffLoop: ``off_loop`` is positive, the payload and frames to compress add up to
+            at least ``off_loop`` bytes and ``placer`` placed nothing (then encode again,
+            off the loop, without a placer). At most ``off_loop`` bytes were compressed.
         EncodeError: Unsupported type or dtype, sparse/quantized/meta tensor, a device
             tensor without ``allow_cuda_copy``, or a limit exceeded.
         TensorTransportError: The placer failed.
     """
-    encoder = _Encoder(config, placer, compression)
+    encoder = _Encoder(config, placer, compression, off_loop if compression else 0)
     try:
         payload = ormsgpack.packb(value, default=encoder.default, option=_PACK_OPTIONS)
     except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
@@ -537,6 +567,8 @@ def encode(
             "refuses it (send long lists of numbers as a tensor)"
         )
     if compression is not None and len(payload) >= compression.min_bytes:
+        if encoder._off_loop and encoder._off_loop <= len(payload) and not encoder._placed:
+            raise OffLoop
         packed = _compression.compress(payload, compression)
         if packed is not None:
             payload = ormsgpack.packb(ormsgpack.Ext(_ZSTD_EXT, packed))
@@ -803,6 +835,25 @@ def _compressed_payload(view: memoryview) -> memoryview | None:
     if length != view.nbytes - 2 - width:
         raise DecodeError("a compressed payload must be one ext, with nothing after it")
     return view[2 + width :]
+
+
+def compressed_bytes(payload: Buffer, buffers: Sequence[Buffer]) -> int:
+    """How many bytes decoding this message would decompress, as far as its bytes tell
+    without decoding it: the size a compressed payload declares, plus the size each
+    buffer that looks like a zstd frame declares. The shell decodes a message worth it
+    off the loop; a wrong guess costs only that, `decode` checks everything itself."""
+    total = 0
+    try:
+        view = memoryview(payload)
+        if view.ndim == 1 and view.itemsize == 1:
+            packed = _compressed_payload(view)
+            if packed is not None:
+                total += _compression.content_size(packed)
+    except (TypeError, DecodeError):
+        pass
+    for buffer in buffers:
+        total += _compression.content_size(buffer)
+    return total
 
 
 def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memoryview:

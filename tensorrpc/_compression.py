@@ -22,10 +22,12 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "OFF_LOOP_BYTES",
     "ZSTD",
     "Compression",
     "available",
     "compress",
+    "content_size",
     "declared_size",
     "decompress_exact",
     "resolve",
@@ -36,6 +38,12 @@ ZSTD: Final = "zstd"
 #: A compressed frame is sent only when it saves at least this fraction of the bytes;
 #: otherwise the receiver would pay the decompression for nothing.
 _MIN_SAVING: Final = 1 / 16
+#: Payloads and frames from this many bytes (uncompressed) are compressed and
+#: decompressed on a worker thread, not on the event loop: below it the thread hop costs
+#: about as much as decompressing (docs/compression.md has the measurement).
+OFF_LOOP_BYTES: Final = 128 * 1024
+#: The first bytes of every zstd frame (RFC 8878, 3.1.1).
+_MAGIC: Final = b"\x28\xb5\x2f\xfd"
 #: zstd's own level bounds (negative levels are its fast modes).
 _LEVELS: Final = range(-7, 23)
 
@@ -125,6 +133,19 @@ def compress(data: Buffer, compression: Compression) -> bytes | None:
     if len(out) > view.nbytes * (1 - _MIN_SAVING):
         return None
     return out
+
+
+def content_size(data: Buffer) -> int:
+    """The decompressed size ``data`` declares if it looks like a zstd frame, else 0
+    (unchecked: `declared_size` checks it where it counts)."""
+    view = memoryview(data)
+    if view.nbytes < 6 or view.ndim != 1 or view.itemsize != 1 or view[:4].tobytes() != _MAGIC:
+        return 0
+    try:
+        size: int = _module().frame_content_size(view)
+    except Exception:  # no zstandard, a malformed header: decode says what is wrong
+        return 0
+    return max(size, 0)
 
 
 def declared_size(data: Buffer, limit: int) -> int:

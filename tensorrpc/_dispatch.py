@@ -33,6 +33,7 @@ import functools
 import logging
 import math
 import traceback
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
@@ -41,7 +42,7 @@ import anyio.to_thread
 
 from tensorrpc import _codec, _context
 from tensorrpc._batching import ItemRefused
-from tensorrpc._compression import ZSTD
+from tensorrpc._compression import OFF_LOOP_BYTES, ZSTD
 from tensorrpc._exceptions import (
     DecodeError,
     EncodeError,
@@ -105,6 +106,20 @@ def type_name(exc: BaseException) -> str:
     (``builtins.ValueError``), docs/protocol.md §4."""
     cls = type(exc)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _inflates(call: Call) -> bool:
+    """Whether decoding the CALL's arguments decompresses enough to leave the loop."""
+    payload = call.payload
+    return payload is not None and _codec.compressed_bytes(payload, call.buffers) >= OFF_LOOP_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class _OffLoop:
+    """A result to encode on a worker thread (its frames to compress are large)."""
+
+    wire: object
+    compression: Compression | None
 
 
 class Dispatcher:
@@ -301,7 +316,7 @@ class Dispatcher:
         if (finite or call.cancelled or self._proto.hard_stop) and self._refused(call, deadline):
             return
         size = nbytes(call.buffers) if call.buffers else 0
-        args = self._decode(call)
+        args = await self._decode_off_loop(call) if _inflates(call) else self._decode(call)
         if args is None:
             return
         if call.request is not None:  # the handler's one argument: its request items
@@ -374,19 +389,60 @@ class Dispatcher:
                     # Tensors may sit on the client's regions under these leases.
                     self._proto.args_resolved(call, lazy.inner.leases)
             return call.spec.decode_args(wire)
-        except ValidationError as exc:
-            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc), path=path_parts(exc.path))
-        except DecodeError as exc:
-            self._error(call, ErrorCode.DECODE, str(exc))
-        except TensorTransportError as exc:
-            self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
+        except (ValidationError, DecodeError, TensorTransportError) as exc:
+            self._undecodable(call, exc)
         return None
 
-    def _encode(
-        self, call: Call, value: object
+    async def _decode_off_loop(self, call: Call) -> list[Any] | None:
+        """`_decode` of arguments with large compressed frames: the decompression runs on
+        a worker thread (zstd releases the GIL), the rest on the loop. A client that may
+        send torch_shm handles never compresses (docs/protocol.md §6): its CALLs are
+        decoded on the loop, with the resolver; elsewhere a handle is refused."""
+        shm = call.session.shm
+        if shm is not None and shm.we_receive:
+            return self._decode(call)
+        payload, buffers = call.take_args()
+        if buffers:
+            self._policy.received_frames(buffers)
+        decode = functools.partial(_codec.decode, payload, buffers, self._codec)
+        try:
+            return call.spec.decode_args(await anyio.to_thread.run_sync(decode))
+        except (ValidationError, DecodeError, TensorTransportError) as exc:
+            self._undecodable(call, exc)
+        return None
+
+    def _undecodable(
+        self, call: Call, exc: ValidationError | DecodeError | TensorTransportError
+    ) -> None:
+        if isinstance(exc, ValidationError):
+            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc), path=path_parts(exc.path))
+        elif isinstance(exc, DecodeError):
+            self._error(call, ErrorCode.DECODE, str(exc))
+        else:
+            self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
+
+    async def _encode_off_loop(
+        self, call: Call, job: _OffLoop
     ) -> tuple[_codec.Encoded, PolicyPlacer | None] | None:
+        """`_encode` of a result with large frames to compress, on a worker thread (zstd
+        releases the GIL: the loop keeps serving meanwhile)."""
+        encode = functools.partial(
+            _codec.encode, job.wire, self._codec, compression=job.compression
+        )
+        del job
+        try:
+            encoded = await anyio.to_thread.run_sync(encode)
+        except EncodeError as exc:
+            self._bad_result(call, exc)
+            return None
+        return self._encoded(call, encoded, None)
+
+    def _encode(
+        self, call: Call, value: object, off_loop: int = 0
+    ) -> tuple[_codec.Encoded, PolicyPlacer | None] | _OffLoop | None:
         """Check and encode a result or stream item (and its placer, to abort if it does
-        not go); on failure reply ERROR, return None."""
+        not go); on failure reply ERROR, return None; `_OffLoop` when ``off_loop`` bytes
+        or more are to be compressed (then `_encode_off_loop` encodes them)."""
         placer = self._placer(call)
         try:
             wire = call.spec.check_result(value)
@@ -395,7 +451,36 @@ class Dispatcher:
             # Compressed results when asked, never with torch_shm.
             if results & _COMPRESS and not results & _SHM_BITS and ZSTD in call.session.compression:
                 compression = self._compression
-            encoded = _codec.encode(wire, self._codec, placer=placer, compression=compression)
+            try:
+                encoded = _codec.encode(
+                    wire, self._codec, placer=placer, compression=compression, off_loop=off_loop
+                )
+            except _codec.OffLoop:  # only without a placer: nothing to abort
+                return _OffLoop(wire, compression)
+        except (ValidationError, EncodeError) as exc:
+            if placer is not None:
+                placer.abort()
+            self._bad_result(call, exc)
+            return None
+        except TensorTransportError as exc:
+            self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
+            return None
+        return self._encoded(call, encoded, placer)
+
+    def _bad_result(self, call: Call, exc: ValidationError | EncodeError) -> None:
+        self._error(
+            call,
+            ErrorCode.BAD_RESULT,
+            bad_result_message(call.spec.qualname, exc),
+            type_name(exc),
+            path=path_parts(exc.path) if isinstance(exc, ValidationError) else (),
+        )
+
+    def _encoded(
+        self, call: Call, encoded: _codec.Encoded, placer: PolicyPlacer | None
+    ) -> tuple[_codec.Encoded, PolicyPlacer | None] | None:
+        """An encoded result, checked against the client's message size limit."""
+        try:
             # A frame over the client's MAXMSGSIZE makes its ZMQ drop the connection
             # (and every call on it) without a word: refuse it here instead.
             _codec.check_message_size(
@@ -411,13 +496,7 @@ class Dispatcher:
         except (ValidationError, EncodeError) as exc:
             if placer is not None:
                 placer.abort()
-            self._error(
-                call,
-                ErrorCode.BAD_RESULT,
-                bad_result_message(call.spec.qualname, exc),
-                type_name(exc),
-                path=path_parts(exc.path) if isinstance(exc, ValidationError) else (),
-            )
+            self._bad_result(call, exc)
         except TensorTransportError as exc:
             self._error(call, ErrorCode.TENSOR_TRANSPORT, str(exc))
         return None
@@ -574,8 +653,11 @@ class Dispatcher:
         if call.result is MISSING:
             self._reply_stopped(call)
             return
-        done = self._encode(call, call.result)
-        call.result = None  # the send keeps what it needs; a large result dies with it
+        result, call.result = call.result, None  # the send keeps what it needs
+        done = self._encode(call, result, OFF_LOOP_BYTES)
+        del result  # a large result dies with the send
+        if isinstance(done, _OffLoop):
+            done = await self._encode_off_loop(call, done)
         if done is None:
             return
         encoded, placer = done
@@ -692,7 +774,10 @@ class Dispatcher:
                 item = await gen.__anext__()
             except StopAsyncIteration:
                 return True
-            done = self._encode(call, item)
+            done = self._encode(call, item, OFF_LOOP_BYTES)
+            del item
+            if isinstance(done, _OffLoop):
+                done = await self._encode_off_loop(call, done)
             if done is None:
                 return False  # the ERROR is sent: nothing more
             encoded, placer = done

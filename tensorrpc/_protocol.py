@@ -191,7 +191,7 @@ MAX_BODY_BYTES: Final[Mapping[MessageKind, int]] = MappingProxyType(
 
 
 class Flags(IntFlag):
-    """Header flag bits (header bytes 4-5); only CALL may set any."""
+    """Header flag bits (header bytes 4-5); only CALL may set any, but ``METADATA``."""
 
     #: The CALL expects a stream (STREAM_ITEM… STREAM_END) instead of one RESULT.
     STREAM = 1
@@ -275,6 +275,7 @@ _CONNECTION_KINDS: Final = frozenset(
         MessageKind.REJECT,
         MessageKind.BYE,
         MessageKind.RELEASE,
+        MessageKind.ATTACH,
     }
 )
 _CALL_KINDS: Final = frozenset(
@@ -297,9 +298,9 @@ class Header:
     Args:
         kind: What the message is.
         call_id: The call it belongs to; 0 for connection-level kinds (HELLO, WELCOME,
-            REJECT, BYE; and ERROR about the connection rather than a call). PING/PONG
-            carry an opaque nonce.
-        flags: `Flags`; only CALL may set any.
+            REJECT, BYE, RELEASE, ATTACH; and ERROR about the connection rather than a
+            call). PING/PONG carry an opaque nonce.
+        flags: `Flags`; only CALL may set any, but ``METADATA`` (RESULT, STREAM_END).
         timeout_ms: CALL only: relative deadline in milliseconds, 0 for none.
         method: CALL only: the method name (non-empty).
         trace: CALL with the ``TRACE`` flag only: the binary W3C trace context

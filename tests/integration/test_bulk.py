@@ -237,6 +237,34 @@ async def test_a_killed_engine_leaves_no_bulk_connection(tmp_path: Path) -> None
             await until(lambda: not client.engines and not client._io.bulk._dialed)
 
 
+async def test_the_bulk_sockets_take_the_control_sockets_options(tmp_path: Path) -> None:
+    """A bulk socket with smaller buffers, queues or another copy threshold than its
+    control socket would make large calls slower than before the bulk connection."""
+    from tensorrpc._zmq import SocketOptions
+
+    options = SocketOptions(sndhwm=321, rcvhwm=123, linger_ms=7, copy_threshold=4096)
+    names = (zmq.SNDHWM, zmq.RCVHWM, zmq.MAXMSGSIZE, zmq.LINGER, zmq.SNDBUF, zmq.RCVBUF)
+
+    def same(bulk: Any, control: Any) -> None:
+        for name in names:
+            assert bulk.socket.getsockopt(name) == control.socket.getsockopt(name), name
+        assert bulk.socket.copy_threshold == control.socket.copy_threshold == 4096
+
+    address = f"ipc://{tmp_path}/bulk-options.sock"
+    async with (
+        Server(Bulky(), bind=address, engine_id="e1", socket_options=options) as server,
+        Client(Bulky, connect=address, socket_options=options) as client,
+    ):
+        await client.wait_for_engines(1, timeout=WAIT)
+        assert server._bulk.router is not None
+        assert server._router is not None
+        same(server._bulk.router, server._router)
+        await until(lambda: any(d.bound for d in client._io.bulk._dialed.values()))
+        assert client._io.sock is not None
+        for dialed in client._io.bulk._dialed.values():
+            same(dialed.sock, client._io.sock)
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("what", ["file", "symlink", "directory"])
 async def test_a_path_taken_at_dot_bulk_is_left_alone(

@@ -212,3 +212,54 @@ def test_the_engine_learns_the_clients_codecs_and_each_calls_wish() -> None:
     plain = engine.call(b"c1", 2, flags=int(Flags.NO_WAIT))
     assert plain is not None
     assert plain.results == 0
+
+
+# -- what the shells move off the event loop (OFF_LOOP_BYTES) --------------------------------
+
+
+class _Declines:
+    """A placer that places the tensors it is told to (a stand-in for torch_shm)."""
+
+    def __init__(self, take: bool) -> None:
+        self.take = take
+
+    def place(self, tensor: torch.Tensor) -> tuple[str, bytes] | None:
+        return ("torch_shm", b"h") if self.take else None
+
+
+def test_encode_stops_at_off_loop_bytes_to_compress_over_the_whole_message() -> None:
+    x = activations()  # 256 KiB
+    quarter = x.nbytes // 4
+    # One frame, several frames adding up, or a payload: over the bound, the shell
+    # encodes again on a worker thread.
+    for value in (x, [x[:16], x[16:32], x[32:48]]):
+        with pytest.raises(_codec.OffLoop):
+            _codec.encode(value, compression=ZSTD, off_loop=x.nbytes // 2)
+    with pytest.raises(_codec.OffLoop):
+        _codec.encode("z" * quarter, compression=ZSTD, off_loop=quarter)
+    # Below it, without compression, or without a bound: encoded here, as before.
+    small = _codec.encode(x[:16], compression=ZSTD, off_loop=x.nbytes // 2)
+    assert torch.equal(decode(small), x[:16])  # type: ignore[arg-type]
+    assert len(_codec.encode(x, off_loop=1).buffers[0]) == x.nbytes
+    assert torch.equal(decode(_codec.encode(x, compression=ZSTD)), x)  # type: ignore[arg-type]
+    # A placer that declines everything changes nothing; once one placed a tensor, the
+    # encode is never repeated (it would place it twice).
+    with pytest.raises(_codec.OffLoop):
+        _codec.encode(x, compression=ZSTD, off_loop=quarter, placer=_Declines(False))
+    config = CodecConfig()
+    placed = _codec.encode(
+        [x[:32], x[32:].numpy()], config, compression=ZSTD, off_loop=1, placer=_Declines(True)
+    )
+    assert placed.buffers == []
+
+
+def test_compressed_bytes_is_what_a_message_says_it_expands_to() -> None:
+    x = activations()
+    encoded = _codec.encode([x, x[:8]], compression=ZSTD)
+    assert _codec.compressed_bytes(encoded.payload, encoded.buffers) == x.nbytes + x[:8].nbytes
+    payload = _codec.encode("z" * 100_000, compression=ZSTD).payload
+    assert _codec.compressed_bytes(payload, ()) == len(ormsgpack.packb("z" * 100_000))
+    plain = _codec.encode(x)
+    assert _codec.compressed_bytes(plain.payload, plain.buffers) == 0
+    # A stranger's bytes: a guess at most, never an error (decode checks them).
+    assert _codec.compressed_bytes(b"\xc7\x05\x03\x28\xb5\x2f\xfd\x00", [b"\x28\xb5\x2f\xfd"]) == 0

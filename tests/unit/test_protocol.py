@@ -193,6 +193,7 @@ def test_every_valid_header_round_trips(kind, call_id, flags, timeout_ms, method
         MessageKind.REJECT,
         MessageKind.BYE,
         MessageKind.RELEASE,
+        MessageKind.ATTACH,
     ):
         header = Header(kind)
     else:
@@ -265,7 +266,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(version=0), "unsupported protocol version 0"),
         (raw_header(kind=0), "unknown message kind 0"),
         (raw_header(kind=17), "unknown message kind 17"),
-        (raw_header(kind=15), "unknown message kind 15"),  # PROOF, no longer used
+        (raw_header(kind=15), "unknown message kind 15"),  # unassigned
         (raw_header(kind=255), "unknown message kind 255"),
         (raw_header(reserved=1), "reserved"),
         (raw_header(flags=1), "only CALL"),
@@ -275,6 +276,7 @@ def test_reply_headers_without_call_id_are_cached():
         (raw_header(kind=MessageKind.CANCEL, call_id=0), "CANCEL with call_id 0"),
         (raw_header(kind=MessageKind.CREDIT, call_id=0), "CREDIT with call_id 0"),
         (raw_header(kind=MessageKind.HELLO, call_id=3), "connection-level"),
+        (raw_header(kind=MessageKind.ATTACH, call_id=3), "connection-level"),
         (raw_header(kind=MessageKind.CALL, tail=b""), "without a method name"),
         (raw_header(kind=MessageKind.CALL, call_id=0, tail=b"m"), "CALL with call_id 0"),
         (raw_header(kind=MessageKind.CALL, flags=512, tail=b"m"), "unknown flag bits 0x200"),
@@ -466,6 +468,7 @@ def test_a_hello_needs_one_signature_per_method_and_streams_only_methods() -> No
         (lambda: pack_reply_header(99, 1), "unknown message kind"),  # type: ignore[arg-type]
         (lambda: pack_reply_header(MessageKind.RESULT, 0), "non-zero call_id"),
         (lambda: pack_reply_header(MessageKind.HELLO, 1), "call_id must be 0"),
+        (lambda: pack_reply_header(MessageKind.ATTACH, 1), "call_id must be 0"),
         (lambda: pack_reply_header(MessageKind.RESULT, 2**64), "out of range"),
         (lambda: encode_control(MessageKind.RESULT, None, 1), "codec payload"),
         (lambda: encode_control(MessageKind.HELLO, Bye()), "needs a Hello body"),
