@@ -625,7 +625,9 @@ class CallRunner:
     def _sending(self, call: Call, source: RequestSource | None, options: CallOptions) -> Call:
         """Start the sender of a request stream's items (its own task)."""
         if source is not None:
-            args = (self._io, call, source, options.compression, self._maxmsgsize)
+            args = (
+                self._io, call, source, options.compression, self._maxmsgsize, options.transport
+            )  # fmt: skip
             self._io.spawn(send_request, *args)
         return call
 

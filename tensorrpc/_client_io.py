@@ -474,6 +474,9 @@ class ClientIO:
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
             self.policy.memory.release_one(self.protocol.take_lease(call))
+        if request is not None and request.leases:  # its request items' too
+            for lease in self.protocol.take_item_leases(call):
+                self.policy.memory.release_one(lease)
         waiters = self.waiters
         if waiters is None:
             return

@@ -62,7 +62,7 @@ from tensorrpc._zmq import Waiters, loop_clock
 from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Awaitable, Callable
+    from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
     from contextvars import Token
 
     from anyio.abc import TaskGroup
@@ -88,6 +88,11 @@ _FAIRNESS_STREAK: Final = 32
 
 #: The calls this pool runs (the protocol's record carries the shell's slots too).
 Call = ServerCall
+
+
+def _items_kept(call: Call) -> bool:
+    """Whether request item tensors of ``call`` may sit on the client's regions."""
+    return call.request is not None and call.request.keep is not None
 
 
 def _gone(call: Call) -> bool:
@@ -265,7 +270,7 @@ class Dispatcher:
         return not self._closed and self._workers - self._parked <= self._capacity
 
     def _done(self, call: Call) -> None:
-        if call.keep is not None or call.cancelled:
+        if call.keep is not None or call.cancelled or _items_kept(call):
             self._end_args(call)
             self._flush()
         self._proto.done(call, self._now())
@@ -283,7 +288,7 @@ class Dispatcher:
         tb: str = "",
         path: tuple[str | int, ...] = (),
     ) -> None:
-        self._detach(call)
+        self._detach(call, final=True)
         if self._proto.error_reply(call, code, message, type_name, tb, path):
             self._flush()
             if call.observed is not None:  # observe: an ERROR reply to an observed call
@@ -323,7 +328,8 @@ class Dispatcher:
         if args is None:
             return
         if call.request is not None:  # the handler's one argument: its request items
-            args.append(RequestItems(self._proto, call, self._codec, self._flush))
+            items = RequestItems(self._proto, call, self._codec, self._flush, self._item_resolver)
+            args.append(items)
         self._proto.started(call, self._now())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
@@ -526,35 +532,59 @@ class Dispatcher:
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
-    def _detach(self, call: Call) -> None:
-        """The client takes its argument regions back with our first reply (the protocol
-        ends its leases when it builds that reply): argument tensors still alive get
-        pages of their own first."""
+    def _item_resolver(self, call: Call, payload: object) -> LazyResolver | None:
+        # A request item's handles, resolved like the arguments' (`_resolver`) but kept
+        # under a key of their own until the call's final reply (`_streams` rule 6).
+        shm = call.session.shm
+        if shm is None:
+            return None
+        return self._policy.peers.lazy_resolver(
+            call.session, frame=payload, keep=(call.session, call.call_id, "items")
+        )
+
+    def _detach(self, call: Call, *, final: bool = False) -> None:
+        """The client takes its argument regions back with our first reply, and its
+        request items' regions with the ``final`` one (the protocol ends their leases
+        when it builds that reply): tensors still alive on them get pages of their own
+        first."""
         keep = call.keep
         if keep is not None:
             self._policy.memory.detach(keep)
+        if final and call.request is not None and call.request.keep is not None:
+            self._policy.memory.detach(call.request.keep)
 
-    def _copied_inline(self, call: Call, placer: PolicyPlacer | None) -> bool:
+    def _copied_inline(
+        self, call: Call, placer: PolicyPlacer | None, *, final: bool = False
+    ) -> bool:
         """`_detach` here when neither it nor the reply's pool copies move a large buffer
         (the common case: no coroutine); False: `_copy_off_loop` has it to do."""
         keep = call.keep
+        memory = self._policy.memory
         if (placer is not None and placer.pending_bytes) or (
-            keep is not None and self._policy.memory.detach_bytes(keep) >= release_threshold()
+            keep is not None and memory.detach_bytes(keep) >= release_threshold()
         ):
             return False
-        self._detach(call)
+        items = call.request.keep if final and call.request is not None else None
+        if items is not None and memory.detach_bytes(items) >= release_threshold():
+            return False
+        self._detach(call, final=final)
         return True
 
-    async def _copy_off_loop(self, call: Call, placer: PolicyPlacer | None) -> bool:
+    async def _copy_off_loop(
+        self, call: Call, placer: PolicyPlacer | None, *, final: bool = False
+    ) -> bool:
         """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`),
         on a worker thread (the copies release the GIL), so the loop keeps serving small
         calls meanwhile. False: it failed, ERROR sent."""
         keep = call.keep
+        items = call.request.keep if final and call.request is not None else None
         memory = self._policy.memory
 
         def copy() -> None:
             if keep is not None:
                 memory.detach(keep)
+            if items is not None:
+                memory.detach(items)
             if placer is not None:
                 placer.fill()
 
@@ -583,18 +613,26 @@ class Dispatcher:
         if call.session.shm is None:  # the session ended: its regions are forgotten
             self._proto.args_done(call)
             return
-        keep = call.keep
-        if keep is not None:
-            self._policy.memory.detach(keep)
+        self._detach(call, final=True)
         unread: tuple[int, ...] = ()
         if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
-            collector = LeaseCollector()
-            try:
-                _codec.decode(call.payload, call.buffers, self._codec, resolver=collector)
-            except TensorRPCError:  # undecodable: it named no lease we could release
-                logger.debug("lease ids of a cancelled call unreadable", exc_info=True)
-            unread = tuple(collector.leases)
-        self._proto.args_done(call, unread)
+            unread = self._lease_ids(call.payload, call.buffers)
+        unread_items: list[int] = []
+        stream = call.request
+        if call.cancelled and stream is not None:  # items never taken: their lease ids
+            for payload, buffers in stream.items:
+                unread_items.extend(self._lease_ids(payload, buffers))
+            stream.items.clear()
+        self._proto.args_done(call, unread, unread_items)
+
+    def _lease_ids(self, payload: Buffer, buffers: Sequence[Buffer]) -> tuple[int, ...]:
+        """The lease ids the handles of a message never decoded name (nothing attached)."""
+        collector = LeaseCollector()
+        try:
+            _codec.decode(payload, buffers, self._codec, resolver=collector)
+        except TensorRPCError:  # undecodable: it named no lease we could release
+            logger.debug("lease ids of a cancelled call unreadable", exc_info=True)
+        return tuple(collector.leases)
 
     def _reply_stopped(self, call: Call) -> None:
         """The call's scope was cancelled: say why, unless the client gave up on it."""
@@ -630,7 +668,9 @@ class Dispatcher:
         if done is None:
             return
         encoded, placer = done
-        if not self._copied_inline(call, placer) and not await self._copy_off_loop(call, placer):
+        if not self._copied_inline(call, placer, final=True) and not await self._copy_off_loop(
+            call, placer, final=True
+        ):
             return
         frames = self._proto.result(call, encoded.payload, encoded.buffers)
         if frames is None:  # cancelled meanwhile: no reply
@@ -723,7 +763,7 @@ class Dispatcher:
         if failure is not None:
             self._reply_exception(call, failure)
         elif finished:
-            self._detach(call)
+            self._detach(call, final=True)
             if self._proto.stream_end(call):
                 self._flush()
         else:
