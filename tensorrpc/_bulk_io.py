@@ -126,6 +126,9 @@ class BulkLinks:
             (``frames``: after any routing id).
         threshold: Out-of-band bytes from which a CALL or unary RESULT goes on the bulk
             connection.
+        on_lost: ``on_lost(key, epoch)``: the bound bulk connection this side dialed for
+            the session ``key`` of ``epoch`` (the listener's) broke (rule 5; the
+            listener cannot tell one ROUTER peer's loss, so the dialer decides).
     """
 
     def __init__(
@@ -135,8 +138,10 @@ class BulkLinks:
         deliver: Callable[[Hashable, list[zmq.Frame], int], None],
         *,
         threshold: int = BULK_THRESHOLD,
+        on_lost: Callable[[Hashable, int], None] | None = None,
     ) -> None:
         self._options = options
+        self._on_lost = on_lost
         self._curve = curve
         self._deliver = deliver
         self.threshold = threshold
@@ -237,7 +242,11 @@ class BulkLinks:
         try:
             attach = encode_control(_ATTACH, Attach(epoch, token))
             sock = create_socket(
-                zmq.DEALER, options=self._options, routing_id=_pipe_id(), curve=self._curve
+                zmq.DEALER,
+                options=self._options,
+                routing_id=_pipe_id(),
+                curve=self._curve,
+                watch_disconnects=self._on_lost is not None,
             )
         except (TensorRPCError, ValueError) as exc:
             logger.debug("no bulk connection to %s: %s", peer_text(announced), exc)
@@ -251,6 +260,8 @@ class BulkLinks:
             return
         dialed = self._dialed[peer] = _Dialed(sock, epoch)
         tg.start_soon(self._dealer_reader, peer, dialed, name="tensorrpc bulk reader")
+        if self._on_lost is not None:
+            tg.start_soon(self._dealer_watch, peer, dialed, name="tensorrpc bulk watch")
 
     def forget(self, peer: Hashable) -> None:
         """The session ``peer`` ended (or starts anew): its bulk connection goes."""
@@ -398,3 +409,18 @@ class BulkLinks:
                 logger.exception("error handling a bulk message")
             later_if_large(frames, size)
             del frames
+
+    async def _dealer_watch(self, peer: Hashable, dialed: _Dialed) -> None:
+        """Rule 5: the dialed connection broke after its ATTACH was answered: the
+        session is over (``on_lost``); one that breaks before carried nothing."""
+        on_lost = self._on_lost
+        assert on_lost is not None
+        while True:
+            try:
+                await dialed.sock.disconnected()
+            except ClosedError:
+                return
+            if dialed.bound and self._dialed.get(peer) is dialed:
+                self._close_dialed(peer)
+                on_lost(peer, dialed.epoch)
+                return

@@ -625,7 +625,9 @@ class CallRunner:
     def _sending(self, call: Call, source: RequestSource | None, options: CallOptions) -> Call:
         """Start the sender of a request stream's items (its own task)."""
         if source is not None:
-            args = (self._io, call, source, options.compression, self._maxmsgsize)
+            args = (
+                self._io, call, source, options.compression, self._maxmsgsize, options.transport
+            )  # fmt: skip
             self._io.spawn(send_request, *args)
         return call
 
@@ -710,8 +712,10 @@ class CallRunner:
             encoded,
             self._maxmsgsize,
             0 if engine is None else engine.info.max_message_bytes,
-            what=f"{spec.qualname}: the arguments",
-            peer="engine" if engine is None else f"engine {engine.engine_id!r}",
+            lambda: (
+                f"{spec.qualname}: the arguments",
+                "engine" if engine is None else f"engine {engine.engine_id!r}",
+            ),
         )
 
     def _shm_failed(self, engine: Engine, *, sending: bool) -> None:

@@ -14,7 +14,6 @@ the heartbeat nonces and the callers' deadlines alike.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import logging
@@ -23,7 +22,6 @@ import time
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import anyio
-import anyio.lowlevel
 import zmq
 
 from tensorrpc import _codec
@@ -54,6 +52,7 @@ from tensorrpc._zmq import (
     AsyncSocket,
     PendingSends,
     SocketOptions,
+    Waiters,
     connection_voucher,
     create_socket,
     loop_clock,
@@ -72,78 +71,11 @@ if TYPE_CHECKING:
     from tensorrpc.transports._policy import TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
 
-__all__ = ["ClientIO", "RefusalLog", "Waiters", "current_backend"]
+__all__ = ["ClientIO", "RefusalLog"]
 
 logger = logging.getLogger("tensorrpc.client")
 
 _REPLIED = CallState.REPLIED
-
-
-class Waiters:
-    """Backend-specific one-shot wake-ups: an asyncio Future or a trio Event per wait.
-
-    A bare future costs far less than ``anyio.Event`` on the hot path; both are awaited
-    inside anyio cancel scopes, which cancel them like any other await.
-    """
-
-    __slots__ = ("new", "soon", "wait", "wake", "woken")
-
-    def __init__(self, backend: str) -> None:
-        self.new: Callable[[], Any]
-        self.wake: Callable[[Any], None]
-        self.wait: Callable[[Any], Awaitable[Any]]
-        self.woken: Callable[[Any], bool]
-        #: Run a plain function once the running task next yields to the event loop.
-        self.soon: Callable[[Callable[[], None]], object]
-        if backend == "asyncio":
-            loop = asyncio.get_running_loop()
-            self.new = loop.create_future
-            self.wake = _wake_future
-            self.wait = _identity
-            self.woken = _future_woken
-            self.soon = loop.call_soon
-        else:
-            import trio
-
-            self.new = trio.Event
-            self.wake = _set_event
-            self.wait = _event_wait
-            self.woken = _event_woken
-            self.soon = trio.lowlevel.current_trio_token().run_sync_soon
-
-
-def current_backend() -> str:
-    # anyio runs either on an asyncio loop or on trio; trio runs no asyncio loop.
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return "trio"
-    return "asyncio"
-
-
-def _wake_future(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _future_woken(fut: asyncio.Future[None]) -> bool:
-    return fut.done() and not fut.cancelled()
-
-
-def _identity(fut: Awaitable[Any]) -> Awaitable[Any]:
-    return fut
-
-
-def _set_event(event: Any) -> None:
-    event.set()
-
-
-def _event_woken(event: Any) -> bool:
-    return bool(event.is_set())
-
-
-def _event_wait(event: Any) -> Awaitable[Any]:
-    return cast("Awaitable[Any]", event.wait())
 
 
 def _user_id(frame: zmq.Frame) -> str | None:
@@ -274,7 +206,12 @@ class ClientIO:
         self.orphans: collections.deque[Call] = collections.deque()
         self.tracked = PendingSends()
         #: The bulk connections (docs/design.md, "a bulk connection per peer").
-        self.bulk = BulkLinks(options=socket_options, curve=curve, deliver=self._on_bulk_message)
+        self.bulk = BulkLinks(
+            options=socket_options,
+            curve=curve,
+            deliver=self._on_bulk_message,
+            on_lost=self._on_bulk_lost,
+        )
         # What vouches for the connection of the HELLO being handled (the bulk binding).
         self._hello_voucher: tuple[bytes, Voucher] | None = None
         self.sock: AsyncSocket | None = None
@@ -288,7 +225,7 @@ class ClientIO:
 
     def open(self) -> None:
         """Open the socket (in the client's event loop)."""
-        self.waiters = Waiters(current_backend())
+        self.waiters = Waiters()
         self.now = loop_clock()
         self.engines_changed = anyio.Event()
         self.tick = anyio.Event()
@@ -537,6 +474,9 @@ class ClientIO:
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
             self.policy.memory.release_one(self.protocol.take_lease(call))
+        if request is not None and request.leases:  # its request items' too
+            for lease in self.protocol.take_item_leases(call):
+                self.policy.memory.release_one(lease)
         waiters = self.waiters
         if waiters is None:
             return
@@ -601,7 +541,8 @@ class ClientIO:
         assert sock is not None
         recv = sock.recv
         recv_nowait = sock.recv_nowait
-        checkpoint = anyio.lowlevel.checkpoint
+        assert self.waiters is not None
+        checkpoint = self.waiters.checkpoint
         on_message = self._on_message
         yield_due = sock.yield_due  # a busy (or flooded) socket must not starve the callers
         # A message taken off the socket is handled before any yield: the housekeeping
@@ -665,6 +606,10 @@ class ClientIO:
                 self._hello_voucher = None
             return
         self._handle(event)
+
+    def _on_bulk_lost(self, peer: object, epoch: int) -> None:
+        """The bulk connection we dialed to an engine broke: its session is over."""
+        self._handle(self.protocol.bulk_lost(cast("bytes", peer), epoch))
 
     def _on_bulk_message(self, peer: object, frames: list[zmq.Frame], size: int) -> None:
         """A message on an engine's bound bulk connection (its RESULTs)."""

@@ -34,6 +34,8 @@ Rules the machine keeps (with those of `tensorrpc._calls` and
    next CALL to their engine (``RELEASES``, at most `MAX_CALL_RELEASES`, for an engine
    that reads them), else go in RELEASE messages of at most `MAX_RELEASE_LEASES` ids.
    A RELEASE naming anything else is refused and counted; an engine's end drops all.
+   A request stream's item leases end with the call's end, kept the same way when we
+   gave up on it (`tensorrpc._streams` rule 6).
 """
 
 from __future__ import annotations
@@ -394,9 +396,10 @@ class ClientProtocol(Machine[bytes, Event]):
         #: again at once: the calls not yet sent to them wait for that instead of failing.
         self.rejoining = Rejoins(config.heartbeat.dead_after)
         self.closed = False
-        # The lease table (rule 6): argument leases kept for calls we gave up on, by
-        # (engine peer, call id) and back; engines with result leases to return.
-        self._held: dict[tuple[bytes, int], int] = {}
+        # The lease table (rule 6): argument and request item leases kept for calls we
+        # gave up on, by (engine peer, call id) and back; engines with result leases to
+        # return.
+        self._held: dict[tuple[bytes, int], list[int]] = {}
         self._held_by_lease: dict[int, tuple[bytes, int]] = {}
         self._returning: list[Engine] = []
         self._release_due = False
@@ -649,12 +652,16 @@ class ClientProtocol(Machine[bytes, Event]):
             engine.errors += 1
         if engine.alive and not self.closed:
             self._queue(engine, engine.peer, MessageKind.CANCEL, None, call.call_id, now)
-            lease = call.lease
-            if lease is not None:
-                call.lease = None
+            leases = [] if call.lease is None else [call.lease]
+            call.lease = None
+            if call.request is not None and call.request.leases:
+                leases.extend(call.request.leases)
+                call.request.leases = []
+            if leases:
                 key = (engine.peer, call.call_id)
-                self._held[key] = lease
-                self._held_by_lease[lease] = key
+                self._held[key] = leases
+                for lease in leases:
+                    self._held_by_lease[lease] = key
         return True
 
     def undecodable(self, call: Call) -> None:
@@ -685,18 +692,29 @@ class ClientProtocol(Machine[bytes, Event]):
         lease, call.lease = call.lease, None
         return lease
 
+    def take_item_leases(self, call: Call) -> list[int]:
+        """The request item leases to free now that ``call`` ended (the engine replied
+        for the last time, or never will): `tensorrpc._streams` rule 6."""
+        request = call.request
+        if request is None or not request.leases:
+            return []
+        leases, request.leases = request.leases, []
+        return leases
+
     @property
     def held_leases(self) -> int:
-        """Argument leases kept for calls we gave up on (awaiting the engine's RELEASE)."""
-        return len(self._held)
+        """Argument and request item leases kept for calls we gave up on (awaiting the
+        engine's RELEASE)."""
+        return len(self._held_by_lease)
 
     def _free_held(self, engine: Engine, call_id: int) -> LeasesFreed | None:
         """A late reply to call ``call_id``: the engine is done with its arguments."""
-        lease = self._held.pop((engine.peer, call_id), None)
-        if lease is None:
+        leases = self._held.pop((engine.peer, call_id), None)
+        if leases is None:
             return None
-        del self._held_by_lease[lease]
-        return LeasesFreed(engine, (lease,))
+        for lease in leases:
+            del self._held_by_lease[lease]
+        return LeasesFreed(engine, tuple(leases))
 
     def _on_release(self, engine: Engine, header: Header, payload: Buffer) -> Event | None:
         """The engine's RELEASE of argument leases kept for calls we gave up on; any other
@@ -715,7 +733,10 @@ class ClientProtocol(Machine[bytes, Event]):
                 refused += 1
                 continue
             del by_lease[lease]
-            del held[key]
+            kept = held[key]
+            kept.remove(lease)
+            if not kept:
+                del held[key]
             freed.append(lease)
         return LeasesFreed(engine, tuple(freed), refused)
 
@@ -1135,7 +1156,8 @@ class ClientProtocol(Machine[bytes, Event]):
         engine.releases = []  # its session is over: it dropped our leases itself
         if self._held:  # ours it kept end with it (the shell frees the peer's leases)
             for key in [k for k in self._held if k[0] == engine.peer]:
-                del self._held_by_lease[self._held.pop(key)]
+                for lease in self._held.pop(key):
+                    del self._held_by_lease[lease]
         calls = self.calls.fail_engine(engine, why)
         self.engines.remove(engine)  # after the calls: its counters include their errors
         counters = self.counters
@@ -1182,6 +1204,19 @@ class ClientProtocol(Machine[bytes, Event]):
         if rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
         return None
+
+    def bulk_lost(self, peer: bytes, epoch: int) -> EngineLost | None:
+        """Rule 5 (docs/design.md, "a bulk connection per peer"): the bulk connection we
+        dialed for ``peer``'s session of ``epoch`` broke while control may live. The
+        session is over, as if control had broken: its calls fail with
+        `EngineDeadError` at once (what they had on the bulk connection is lost with
+        it), and the engine's next HELLO starts a new session with a new bulk
+        connection. None: that session is over already."""
+        rec = self._peers.get(peer)
+        engine = rec.engine if rec is not None else None
+        if engine is None or engine.epoch != epoch:
+            return None
+        return self._lose(engine, "lost its bulk connection")
 
     def tick(self, now: float) -> list[EngineLost]:
         """Timers: end silent or forgotten sessions, send heartbeats and hello requests."""

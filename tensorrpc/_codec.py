@@ -134,13 +134,10 @@ _MAX_EXTENT_BYTES: Final = 1 << 62
 _MAX_TRANSPORT_NAME: Final = 64
 _MAX_HANDLE_BYTES: Final = 4096
 
-#: An Ext code never used on the wire: decode appends ``Ext(_END_CODE, _END_NONCE)``
-#: after the payload to detect trailing bytes. The nonce is random per process, so a
-#: peer cannot forge the marker.
-_END_CODE: Final = 127
+#: Decode appends this bin after the payload to detect trailing bytes (a marker that
+#: needs no ``ext_hook`` call). The nonce is random per process, so a peer cannot forge it.
 _END_NONCE: Final = os.urandom(16)
-_END_MARK: Final = ormsgpack.packb(ormsgpack.Ext(_END_CODE, _END_NONCE))
-_END: Final = object()
+_END_MARK: Final = ormsgpack.packb(_END_NONCE)
 
 _TORCH: Final = int(ExtCode.TORCH)
 _NUMPY: Final = int(ExtCode.NUMPY)
@@ -493,32 +490,36 @@ def frame_limit(config: CodecConfig) -> int:
 
 
 def check_message_size(
-    encoded: Encoded, own_limit: int, peer_limit: int, *, what: str, peer: str
+    encoded: Encoded, own_limit: int, peer_limit: int, describe: Callable[[], tuple[str, str]]
 ) -> None:
     """Refuse (`EncodeError`) a message with a frame over the smaller positive
     ``maxmsgsize`` of both ends (ZMQ would drop the whole connection without a word).
 
     ``own_limit`` is our socket's (<= 0: none), ``peer_limit`` the peer's handshake's (0:
-    none); ``what`` (``"Calc.add: the arguments"``) and ``peer`` (``"engine 'e1'"``) name
-    them in the error.
+    none); ``describe`` is called only to word the error: what the message carries
+    (``"Calc.add: the arguments"``) and how to name the peer (``"engine 'e1'"``).
     """
-    limit = own_limit
-    why = f"socket_options.maxmsgsize={own_limit}"
-    if peer_limit > 0 and (limit <= 0 or peer_limit < limit):
-        limit = peer_limit
-        why = f"{peer} takes at most its maxmsgsize={peer_limit}"
+    peer_wins = peer_limit > 0 and (own_limit <= 0 or peer_limit < own_limit)
+    limit = peer_limit if peer_wins else own_limit
     if limit <= 0:
         return
+    size = len(encoded.payload)
+    if size <= limit:
+        for buffer in encoded.buffers:
+            if buffer.nbytes > limit:
+                size = buffer.nbytes
+                break
+        else:
+            return
+    what, peer = describe()
+    why = (
+        f"{peer} takes at most its maxmsgsize={peer_limit}"
+        if peer_wins
+        else f"socket_options.maxmsgsize={own_limit}"
+    )
     if len(encoded.payload) > limit:
-        raise EncodeError(
-            f"{what} take {len(encoded.payload)} encoded bytes, over the largest message ({why})"
-        )
-    for buffer in encoded.buffers:
-        if buffer.nbytes > limit:
-            raise EncodeError(
-                f"{what} include a tensor of {buffer.nbytes} bytes, over the largest "
-                f"message ({why})"
-            )
+        raise EncodeError(f"{what} take {size} encoded bytes, over the largest message ({why})")
+    raise EncodeError(f"{what} include a tensor of {size} bytes, over the largest message ({why})")
 
 
 def encode(
@@ -696,8 +697,6 @@ class _Decoder(_Replaying):
             as_numpy = False
         elif code == _NUMPY:
             as_numpy = True
-        elif code == _END_CODE and data == _END_NONCE:
-            return _END
         else:
             raise DecodeError(f"unknown msgpack ext code {code}")
         self._count += 1
@@ -941,7 +940,8 @@ def decode(
         framed_value = _decode_int_keys(exc, decoder, framed)
     if decoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
         raise decoder.error
-    if framed_value[1] is not _END:
+    end = framed_value[1]
+    if type(end) is not bytes or end != _END_NONCE:
         raise DecodeError("trailing bytes after the msgpack payload")
     if len(decoder.used) != len(buffers):
         raise DecodeError(f"message has {len(buffers)} buffers but references {len(decoder.used)}")

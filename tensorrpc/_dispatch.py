@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 from tensorrpc import _codec, _context
@@ -59,10 +58,11 @@ from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall
 from tensorrpc._stream_io import RequestItems
+from tensorrpc._zmq import Waiters, loop_clock
 from tensorrpc.transports._shm_memory import LeaseCollector
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncGenerator, Awaitable, Callable
+    from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
     from contextvars import Token
 
     from anyio.abc import TaskGroup
@@ -89,6 +89,11 @@ _FAIRNESS_STREAK: Final = 32
 
 #: The calls this pool runs (the protocol's record carries the shell's slots too).
 Call = ServerCall
+
+
+def _items_kept(call: Call) -> bool:
+    """Whether request item tensors of ``call`` may sit on the client's regions."""
+    return call.request is not None and call.request.keep is not None
 
 
 def _gone(call: Call) -> bool:
@@ -172,7 +177,9 @@ class Dispatcher:
         self._flush = flush
         self._send_reply = send_reply
         self._interceptors = interceptors
-        self._idle: list[anyio.Event] = []
+        self._idle: list[Any] = []  # the parked workers' wake-ups (`Waiters`)
+        self._waiters: Waiters | None = None
+        self._now: Callable[[], float] = anyio.current_time
         self._closed = False
         self._workers = 0
         self._parked = 0
@@ -180,8 +187,10 @@ class Dispatcher:
         self.done = anyio.Event()
 
     def start(self, tg: TaskGroup) -> None:
-        """Start the pool in ``tg``."""
+        """Start the pool in ``tg`` (inside the event loop)."""
         self._tg = tg
+        self._waiters = Waiters()
+        self._now = loop_clock()
         for _ in range(self._capacity):
             self._spawn()
 
@@ -194,7 +203,8 @@ class Dispatcher:
         """A call was queued: wake one idle worker, or start one if parked calls left the
         pool short (rule 5)."""
         if self._idle:
-            self._idle.pop().set()
+            assert self._waiters is not None
+            self._waiters.wake(self._idle.pop())
         elif self._parked and not self._closed and self._workers - self._parked < self._capacity:
             self._spawn()
 
@@ -202,8 +212,9 @@ class Dispatcher:
         """Workers finish what is queued, then exit (`done` is set when all have)."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for event in idle:
-            event.set()
+        if self._waiters is not None:
+            for waiter in idle:
+                self._waiters.wake(waiter)
         if self._workers == 0:
             self.done.set()
 
@@ -223,6 +234,8 @@ class Dispatcher:
         stopped: Call | None = None
         streak = 0
         queue = self._proto.queue
+        waiters = self._waiters
+        assert waiters is not None
         try:
             with anyio.CancelScope() as scope:
                 while stopped is None:
@@ -230,9 +243,9 @@ class Dispatcher:
                         if not self._may_park():
                             return False
                         # Park until a call is queued (inline: one coroutine less per call).
-                        event = anyio.Event()
-                        self._idle.append(event)
-                        await event.wait()
+                        waiter = waiters.new()
+                        self._idle.append(waiter)
+                        await waiters.wait(waiter)
                         streak = 0
                         continue
                     call = self._proto.next_call()
@@ -252,7 +265,7 @@ class Dispatcher:
                         # Handlers that never wait would otherwise keep this worker from
                         # yielding while the queue stays full.
                         streak = 0
-                        await anyio.lowlevel.checkpoint()
+                        await waiters.checkpoint()
             if stopped is not None:
                 await self._reply(stopped)
         finally:
@@ -265,12 +278,12 @@ class Dispatcher:
         return not self._closed and self._workers - self._parked <= self._capacity
 
     def _done(self, call: Call) -> None:
-        if call.request is not None:  # the items its handler did not take
-            _drop_request_items(call.request)
-        if call.keep is not None or call.cancelled:
+        if call.keep is not None or call.cancelled or _items_kept(call):
             self._end_args(call)
             self._flush()
-        self._proto.done(call, anyio.current_time())
+        if call.request is not None:  # the items its handler did not take
+            _drop_request_items(call.request)
+        self._proto.done(call, self._now())
         if call.observed is not None:  # observe: the worker is done with the call
             call.observed.finished("cancelled" if call.cancelled else "ok", 0)
 
@@ -285,7 +298,7 @@ class Dispatcher:
         tb: str = "",
         path: tuple[str | int, ...] = (),
     ) -> None:
-        self._detach(call)
+        self._detach(call, final=True)
         if self._proto.error_reply(call, code, message, type_name, tb, path):
             self._flush()
             if call.observed is not None:  # observe: an ERROR reply to an observed call
@@ -299,7 +312,7 @@ class Dispatcher:
             self._proto.stop(call)
             self._reply_stopped(call)
             return True
-        if deadline != math.inf and anyio.current_time() >= deadline:
+        if deadline != math.inf and self._now() >= deadline:
             self._error(
                 call,
                 ErrorCode.DEADLINE_EXCEEDED,
@@ -325,8 +338,9 @@ class Dispatcher:
         if args is None:
             return
         if call.request is not None:  # the handler's one argument: its request items
-            args.append(RequestItems(self._proto, call, self._codec, self._flush))
-        self._proto.started(call, anyio.current_time())
+            items = RequestItems(self._proto, call, self._codec, self._flush, self._item_resolver)
+            args.append(items)
+        self._proto.started(call, self._now())
         if call.observed is not None:  # observe: the handler starts (in this task)
             call.observed.started()
         token = _context.enter(call, self._engine_id)  # call_context() sees it
@@ -491,8 +505,7 @@ class Dispatcher:
                 encoded,
                 self._maxmsgsize,
                 call.session.max_message_bytes,
-                what="the results",
-                peer=f"client {call.session.name!r}",
+                lambda: ("the results", f"client {call.session.name!r}"),
             )
             if encoded.buffers:
                 self._policy.sent_frames(encoded.buffers)
@@ -529,35 +542,59 @@ class Dispatcher:
             call.session, frame=payload, keep=(call.session, call.call_id)
         )
 
-    def _detach(self, call: Call) -> None:
-        """The client takes its argument regions back with our first reply (the protocol
-        ends its leases when it builds that reply): argument tensors still alive get
-        pages of their own first."""
+    def _item_resolver(self, call: Call, payload: object) -> LazyResolver | None:
+        # A request item's handles, resolved like the arguments' (`_resolver`) but kept
+        # under a key of their own until the call's final reply (`_streams` rule 6).
+        shm = call.session.shm
+        if shm is None:
+            return None
+        return self._policy.peers.lazy_resolver(
+            call.session, frame=payload, keep=(call.session, call.call_id, "items")
+        )
+
+    def _detach(self, call: Call, *, final: bool = False) -> None:
+        """The client takes its argument regions back with our first reply, and its
+        request items' regions with the ``final`` one (the protocol ends their leases
+        when it builds that reply): tensors still alive on them get pages of their own
+        first."""
         keep = call.keep
         if keep is not None:
             self._policy.memory.detach(keep)
+        if final and call.request is not None and call.request.keep is not None:
+            self._policy.memory.detach(call.request.keep)
 
-    def _copied_inline(self, call: Call, placer: PolicyPlacer | None) -> bool:
+    def _copied_inline(
+        self, call: Call, placer: PolicyPlacer | None, *, final: bool = False
+    ) -> bool:
         """`_detach` here when neither it nor the reply's pool copies move a large buffer
         (the common case: no coroutine); False: `_copy_off_loop` has it to do."""
         keep = call.keep
+        memory = self._policy.memory
         if (placer is not None and placer.pending_bytes) or (
-            keep is not None and self._policy.memory.detach_bytes(keep) >= release_threshold()
+            keep is not None and memory.detach_bytes(keep) >= release_threshold()
         ):
             return False
-        self._detach(call)
+        items = call.request.keep if final and call.request is not None else None
+        if items is not None and memory.detach_bytes(items) >= release_threshold():
+            return False
+        self._detach(call, final=final)
         return True
 
-    async def _copy_off_loop(self, call: Call, placer: PolicyPlacer | None) -> bool:
+    async def _copy_off_loop(
+        self, call: Call, placer: PolicyPlacer | None, *, final: bool = False
+    ) -> bool:
         """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`),
         on a worker thread (the copies release the GIL), so the loop keeps serving small
         calls meanwhile. False: it failed, ERROR sent."""
         keep = call.keep
+        items = call.request.keep if final and call.request is not None else None
         memory = self._policy.memory
 
         def copy() -> None:
             if keep is not None:
                 memory.detach(keep)
+            if items is not None:
+                memory.detach(items)
             if placer is not None:
                 placer.fill()
 
@@ -586,18 +623,29 @@ class Dispatcher:
         if call.session.shm is None:  # the session ended: its regions are forgotten
             self._proto.args_done(call)
             return
-        keep = call.keep
-        if keep is not None:
-            self._policy.memory.detach(keep)
+        self._detach(call, final=True)
         unread: tuple[int, ...] = ()
         if call.cancelled and call.payload is not None:  # never decoded: read its lease ids
-            collector = LeaseCollector()
-            try:
-                _codec.decode(call.payload, call.buffers, self._codec, resolver=collector)
-            except TensorRPCError:  # undecodable: it named no lease we could release
-                logger.debug("lease ids of a cancelled call unreadable", exc_info=True)
-            unread = tuple(collector.leases)
-        self._proto.args_done(call, unread)
+            unread = self._lease_ids(call.payload, call.buffers)
+        unread_items: list[int] = []
+        stream = call.request
+        if call.cancelled and stream is not None:  # items never taken: their lease ids
+            unread_items = [
+                lease
+                for payload, buffers in stream.items
+                for lease in self._lease_ids(payload, buffers)
+            ]
+            _drop_request_items(stream)  # a large one is freed off the loop
+        self._proto.args_done(call, unread, unread_items)
+
+    def _lease_ids(self, payload: Buffer, buffers: Sequence[Buffer]) -> tuple[int, ...]:
+        """The lease ids the handles of a message never decoded name (nothing attached)."""
+        collector = LeaseCollector()
+        try:
+            _codec.decode(payload, buffers, self._codec, resolver=collector)
+        except TensorRPCError:  # undecodable: it named no lease we could release
+            logger.debug("lease ids of a cancelled call unreadable", exc_info=True)
+        return tuple(collector.leases)
 
     def _reply_stopped(self, call: Call) -> None:
         """The call's scope was cancelled: say why, unless the client gave up on it."""
@@ -633,7 +681,9 @@ class Dispatcher:
         if done is None:
             return
         encoded, placer = done
-        if not self._copied_inline(call, placer) and not await self._copy_off_loop(call, placer):
+        if not self._copied_inline(call, placer, final=True) and not await self._copy_off_loop(
+            call, placer, final=True
+        ):
             return
         frames = self._proto.result(call, encoded.payload, encoded.buffers)
         if frames is None:  # cancelled meanwhile: no reply
@@ -726,7 +776,7 @@ class Dispatcher:
         if failure is not None:
             self._reply_exception(call, failure)
         elif finished:
-            self._detach(call)
+            self._detach(call, final=True)
             if self._proto.stream_end(call):
                 self._flush()
         else:

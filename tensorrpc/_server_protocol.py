@@ -1040,6 +1040,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         if call.cancelled or call.answered:  # `may_reply`, inline (the hot path)
             return None
         call.answered = True
+        if call.request is not None:  # the client takes its item regions back
+            call.request.end_leases()
         return self._reply_frames(call, _RESULT, payload, buffers)
 
     def stream_item(
@@ -1081,6 +1083,8 @@ class ServerProtocol(Machine[Hashable, Event]):
             return False
         if call.keep is not None:
             self._replied(call)
+        if call.request is not None:  # the client takes its item regions back
+            call.request.end_leases()
         if call.reply_metadata:
             block = encode_block(call.reply_metadata)
             self._send(
@@ -1104,6 +1108,8 @@ class ServerProtocol(Machine[Hashable, Event]):
             return False
         if call.keep is not None:
             self._replied(call)
+        if call.request is not None:  # the client takes its item regions back
+            call.request.end_leases()
         call.session.errors += 1
         self.errors_total += 1
         call.outcome = code.name
@@ -1137,16 +1143,28 @@ class ServerProtocol(Machine[Hashable, Event]):
         if leases:
             self._arg_leases[call] = leases
 
-    def args_done(self, call: ServerCall, unread: Sequence[int] = ()) -> None:
+    def items_resolved(self, call: ServerCall, leases: Sequence[int]) -> None:
+        """A request item of ``call`` resolved handles under these leases: its tensors
+        may sit on the client's regions until the call's final reply (`_streams` rule 6:
+        the shell detaches ``call.request.keep`` before it)."""
+        stream = call.request
+        assert stream is not None
+        stream.resolved((call.session, call.call_id, "items"), leases)
+
+    def args_done(
+        self, call: ServerCall, unread: Sequence[int] = (), unread_items: Sequence[int] = ()
+    ) -> None:
         """A worker is done with a call that may still hold argument leases (one that
         resolved handles, or was cancelled); the shell detached what used the regions.
 
         A call the client gave up on that ends without a reply owes it a RELEASE of its
-        argument leases (queued here), since the client keeps them until then; ``unread``
-        are the lease ids of arguments never decoded. A call whose session ended owes
+        argument and request item leases (queued here), since the client keeps them until
+        then; ``unread`` are the lease ids of arguments never decoded, ``unread_items``
+        those of request items the handler never took. A call whose session ended owes
         nothing: the client frees them when it loses the session.
         """
         call.keep = None
+        item_leases = call.request.end_leases() if call.request is not None else []
         leases = self._arg_leases.pop(call, ())
         session = call.session
         if session.shm is None or call.answered or not call.cancelled:
@@ -1157,6 +1175,8 @@ class ServerProtocol(Machine[Hashable, Event]):
             leases = tuple(unread)
             call.payload = None
             call.buffers = ()
+        if item_leases or unread_items:
+            leases = (*leases, *item_leases, *unread_items)
         for frames in release_frames(leases):
             self._send(session.key, frames)
 

@@ -26,6 +26,7 @@ from tensorrpc._exceptions import (
     ErrorCode,
     PeerUnreachableError,
     TensorRPCError,
+    TensorTransportError,
     ValidationError,
     path_parts,
 )
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from tensorrpc._server_calls import ServerCall
     from tensorrpc._server_protocol import ServerProtocol
     from tensorrpc._service import MethodSpec
+    from tensorrpc.transports._links import LazyResolver
+    from tensorrpc.transports._policy import PolicyPlacer
 
 __all__ = ["RequestItems", "RequestSource", "request_source", "send_request"]
 
@@ -94,8 +97,12 @@ async def send_request(
     source: RequestSource,
     compression: Compression | None,
     maxmsgsize: int,
+    transport: str = "auto",
 ) -> None:
     """Send ``source``'s items on ``call`` as credit allows, then half-close.
+
+    ``transport`` is the call's tensor transport: an item's tensors go by handle under
+    the same rules as a unary call's arguments, their lease held until the call ends.
 
     Runs as a task of its own; it ends when the items do or when the call ends (the
     call's end cancels its scope). An item that fails its check or encoding, or an
@@ -109,7 +116,7 @@ async def send_request(
             return
         iterator = aiter(source)
         try:
-            await _send_items(io, call, iterator, compression, maxmsgsize)
+            await _send_items(io, call, iterator, compression, maxmsgsize, transport)
         except Exception as exc:
             if not call.ended:
                 call.error = exc
@@ -131,6 +138,7 @@ async def _send_items(
     iterator: AsyncIterator[Any],
     compression: Compression | None,
     maxmsgsize: int,
+    transport: str,
 ) -> None:
     request = call.request
     assert request is not None
@@ -153,16 +161,34 @@ async def _send_items(
             break
         wire = check_item(value, index)
         index += 1
-        encoded = _codec.encode(wire, io.codec, compression=compression)
-        _codec.check_message_size(
-            encoded,
-            maxmsgsize,
-            engine.info.max_message_bytes,
-            what=f"{spec.qualname}: request item {index - 1}",
-            peer=f"engine {engine.engine_id!r}",
+        shm = engine.shm
+        placer = io.policy.placer(transport, engine.peer, peer_receives=bool(shm and shm.to_engine))
+        try:
+            encoded = _codec.encode(wire, io.codec, placer=placer, compression=compression)
+            _codec.check_message_size(
+                encoded,
+                maxmsgsize,
+                engine.info.max_message_bytes,
+                lambda: (  # called here, before the loop moves on
+                    f"{spec.qualname}: request item {index - 1}",  # noqa: B023
+                    f"engine {engine.engine_id!r}",
+                ),
+            )
+        except BaseException:
+            if placer is not None:
+                placer.abort()
+            raise
+        lease = None
+        if placer is not None:
+            if placer.pending_bytes:
+                await _fill(placer)
+            lease = placer.outcome()[0]
+        frames = _streams.item_frames(
+            io.protocol, call, encoded.payload, encoded.buffers, io.now(), lease
         )
-        frames = _streams.item_frames(io.protocol, call, encoded.payload, encoded.buffers, io.now())
         if frames is None:
+            if placer is not None:
+                placer.abort()
             return  # the call ended meanwhile
         await _send(io, call, frames, encoded)
         # Not held while the caller makes the next item: the sent item's last
@@ -170,6 +196,22 @@ async def _send_items(
         del value, wire, encoded, frames
     if _streams.half_close(io.protocol, call, io.now()):
         io.flush()
+
+
+async def _fill(placer: PolicyPlacer) -> None:
+    """Copy an item's large tensors into the pool off the loop (as a CALL's arguments);
+    ``placer`` is released on any failure or cancellation."""
+    try:
+        # Not abandoned on cancellation: the region must not be released mid-copy.
+        await anyio.to_thread.run_sync(placer.fill)
+    except OSError as exc:
+        placer.abort()
+        raise TensorTransportError(
+            f"cannot copy a request item into shared memory: {exc.strerror}"
+        ) from None
+    except BaseException:
+        placer.abort()
+        raise
 
 
 async def _send(io: ClientIO, call: Call, frames: list[Any], encoded: _codec.Encoded) -> None:
@@ -202,7 +244,7 @@ class RequestItems:
     the handler does with the exception.
     """
 
-    __slots__ = ("_call", "_codec", "_flush", "_proto")
+    __slots__ = ("_call", "_codec", "_flush", "_proto", "_resolver")
 
     def __init__(
         self,
@@ -210,11 +252,13 @@ class RequestItems:
         call: ServerCall,
         codec: _codec.CodecConfig,
         flush: Callable[[], None],
+        resolver: Callable[[ServerCall, object], LazyResolver | None] | None = None,
     ) -> None:
         self._proto = proto
         self._call = call
         self._codec = codec
         self._flush = flush
+        self._resolver = resolver
 
     def __aiter__(self) -> RequestItems:
         return self
@@ -224,7 +268,8 @@ class RequestItems:
         stream = call.request
         assert stream is not None
         while True:
-            if stream.refused is not None:
+            # After the final reply the client has its item regions back: nothing more.
+            if stream.refused is not None or call.answered or call.cancelled:
                 raise StopAsyncIteration
             item = _streams.take_item(self._proto, call)
             if item is not None:
@@ -242,8 +287,15 @@ class RequestItems:
         index = stream.taken - 1
         decode_item = call.spec.decode_item
         assert decode_item is not None
+        lazy = self._resolver(call, payload) if self._resolver is not None else None
         try:
-            return decode_item(_codec.decode(payload, buffers, self._codec), index)
+            try:
+                wire = _codec.decode(payload, buffers, self._codec, resolver=lazy)
+            finally:
+                if lazy is not None and lazy.inner is not None:
+                    # Its tensors may sit on the client's regions until the final reply.
+                    self._proto.items_resolved(call, lazy.inner.leases)
+            return decode_item(wire, index)
         except ValidationError as exc:
             stream.refused = (ErrorCode.INVALID_ARGUMENT, str(exc), path_parts(exc.path))
             raise

@@ -23,6 +23,12 @@ Rules (numbered as the tests cite them):
    up): request items and the half-close stop, except the one CANCEL.
 5. The engine's buffer of request items the handler has not taken is bounded by the
    window: a slow handler stalls only its own stream's client.
+6. ``torch_shm`` request items: an item's tensors may go by handle under leases of the
+   client's pool, like a unary CALL's arguments. Every item lease of a call ends with
+   the call: its final reply (RESULT, STREAM_END, ERROR; the engine detaches item
+   tensors its handler kept before building it), or, for a call the client gave up
+   on, the engine's RELEASE naming them (sent when the cancelled call ends, for the
+   items it decoded and those it never took), a late reply, or the engine's end.
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ class RequestStream:
         "credit",
         "half_closed",
         "items",
+        "keep",
+        "leases",
         "refused",
         "taken",
         "waiter",
@@ -103,6 +111,22 @@ class RequestStream:
         self.waiter: Settable | None = None
         #: Shell: why an item was refused, ``(ErrorCode, message, path)``: the call's reply.
         self.refused: tuple[Any, str, tuple[str | int, ...]] | None = None
+        #: torch_shm: the key item tensors on the client's regions are kept under (the
+        #: shell detaches it before the call's final reply; rule 6); None: none resolved.
+        self.keep: Hashable | None = None
+        #: torch_shm: the client's leases of the items decoded so far (rule 6).
+        self.leases: list[int] = []
+
+    def resolved(self, keep: Hashable, leases: Sequence[int]) -> None:
+        """An item resolved handles under ``leases``; its tensors are kept under ``keep``."""
+        self.keep = keep
+        self.leases.extend(leases)
+
+    def end_leases(self) -> list[int]:
+        """The call ends: the item leases it holds (the shell detached ``keep``)."""
+        leases, self.leases = self.leases, []
+        self.keep = None
+        return leases
 
     def push(self, payload: Buffer, buffers: Sequence[Buffer]) -> str | None:
         """One request item arrived; the reason it is malformed (rule 2), or None."""
@@ -231,7 +255,7 @@ class RequestCredit:
         window: The engine's HELLO ``stream_window``.
     """
 
-    __slots__ = ("closed", "credit", "scope", "sent", "waiter")
+    __slots__ = ("closed", "credit", "leases", "scope", "sent", "waiter")
 
     def __init__(self, window: int) -> None:
         #: Items the engine still accepts before its next CREDIT.
@@ -244,6 +268,8 @@ class RequestCredit:
         self.waiter: Any = None
         #: Shell: the sender's cancel scope (cancelled when the call ends).
         self.scope: Any = None
+        #: The torch_shm leases of the items sent: they end with the call (rule 6).
+        self.leases: list[int] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,16 +302,24 @@ def on_engine_credit(
 
 
 def item_frames(
-    proto: ClientProtocol, call: Call, payload: Buffer, buffers: Sequence[Buffer], now: float
+    proto: ClientProtocol,
+    call: Call,
+    payload: Buffer,
+    buffers: Sequence[Buffer],
+    now: float,
+    lease: int | None = None,
 ) -> list[Any] | None:
     """The message ``[peer, header, payload, *buffers]`` of the next request item,
-    counted against the credit; None when it may not go (no credit, ended: rule 4)."""
+    counted against the credit; None when it may not go (no credit, ended: rule 4).
+    ``lease``: the item's torch_shm lease, held until the call ends (rule 6)."""
     request = call.request
     assert request is not None
     if call.ended or request.closed or request.credit <= 0:
         return None
     request.credit -= 1
     request.sent += 1
+    if lease is not None:
+        request.leases.append(lease)
     engine = call.engine
     header = pack_reply_header(_STREAM_ITEM, call.call_id)
     size = len(header) + memoryview(payload).nbytes

@@ -202,8 +202,6 @@ def _add_call(sub: Any) -> None:
     _opt(call, "--bind", bind, action="store_true")
     _cli_ops.add_curve_flags(call, listens=True)
     _opt(call, "--list", "list the engine's methods instead of calling", action="store_true")
-    stream = "treat the method as streaming (only needed for engines that do not say)"
-    _opt(call, "--stream", stream, action="store_true")
     _opt(call, "--json", "print every value as JSON", action="store_true")
     shown = f"tensor elements to print (default {DEFAULT_MAX_VALUES})"
     _opt(call, "--max-values", shown, type=_positive_int, default=DEFAULT_MAX_VALUES, metavar="N")
@@ -271,7 +269,7 @@ def _add_health(sub: Any) -> None:
     _opt(health, "--json", "print the engine as JSON", action="store_true")
     _cli_ops.add_curve_flags(health, listens=True)
     # What `_call` reads of a `call` command line, for a handshake only.
-    health.set_defaults(health=True, list=False, stream=False, method=None)
+    health.set_defaults(health=True, list=False, method=None)
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
@@ -509,7 +507,7 @@ def describe_text(spec: tensorrpc.ServiceSpec) -> str:
 def _cmd_describe(args: argparse.Namespace) -> int:
     if args.target.startswith(_SCHEMES):  # a running engine: what its HELLO says
         args.list, args.method, args.engine, args.bind = True, None, None, False
-        args.health = args.stream = False
+        args.health = False
         return _call_command(args, normalize_address(args.target), {})
     spec, _ = service_of(args.target, instantiate=False)
     if args.json:
@@ -812,11 +810,11 @@ async def _call(args: argparse.Namespace, address: str, arguments: dict[str, obj
             raise CommandError(
                 f"unknown method {method!r}; the engine offers: {', '.join(info.methods)}"
             )
-        types: dict[str, str] = {}
-        streaming = args.stream
-        if info.signatures:  # announced: the engine says the types and which methods stream
-            types = split_signature(info.signatures[info.methods.index(method)])
-            streaming = method in info.streaming
+        if method in info.request_streaming:
+            raise CommandError(f"{method} takes a stream of requests; call it from Python")
+        # the engine's HELLO says each method's types and which methods stream
+        types = split_signature(info.signatures[info.methods.index(method)])
+        streaming = method in info.streaming
         view = client.with_options(
             engine=info.engine_id, timeout=max(0.001, deadline - anyio.current_time())
         )

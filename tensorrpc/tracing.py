@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 try:
-    from opentelemetry import context as otel_context, trace
+    from opentelemetry import context as otel_context, trace as otel_trace
     from opentelemetry.trace import (
         Link,
         NonRecordingSpan,
@@ -136,7 +136,7 @@ class _EngineSpan(CallObservation):
     def started(self) -> None:
         # In the worker task that runs the handler: its calls become children.
         self._span.add_event("handler.start")
-        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        self._token = otel_context.attach(otel_trace.set_span_in_context(self._span))
 
     def item(self) -> None:
         self._items += 1
@@ -165,7 +165,7 @@ class _BatchSpan(CallObservation):
 
 def _current_trace() -> bytes:
     """The binary trace context of the current span (``b""`` for none)."""
-    context = trace.get_current_span().get_span_context()
+    context = otel_trace.get_current_span().get_span_context()
     return encode_trace_context(context) if context.is_valid else b""
 
 
@@ -181,12 +181,12 @@ class TracingObserver(Observer):
 
     def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
         self._provider = tracer_provider
-        self._tracer: Tracer = trace.get_tracer("tensorrpc", tracer_provider=tracer_provider)
+        self._tracer: Tracer = otel_trace.get_tracer("tensorrpc", tracer_provider=tracer_provider)
 
     def _idle(self) -> bool:
         # No SDK configured (the global provider is still the API's proxy) and none given:
         # every span would be a no-op, so make none and send no context (one type test).
-        return self._provider is None and type(trace.get_tracer_provider()) is _PROXY
+        return self._provider is None and type(otel_trace.get_tracer_provider()) is _PROXY
 
     def client_call(
         self, service: str, method: str, engine: str, stream: bool, nbytes: int, transport: str
@@ -209,15 +209,15 @@ class TracingObserver(Observer):
         engine: str,
         client: str,
         stream: bool,
-        trace_bytes: bytes,
+        trace: bytes,
         nbytes: int,
     ) -> CallObservation | None:
         if self._idle():
             return None
-        parent = decode_trace_context(trace_bytes) if trace_bytes else None
+        parent = decode_trace_context(trace) if trace else None
         ctx: Any = None
         if parent is not None:
-            ctx = trace.set_span_in_context(NonRecordingSpan(parent), otel_context.Context())
+            ctx = otel_trace.set_span_in_context(NonRecordingSpan(parent), otel_context.Context())
         span = self._span(
             service, method, engine, SpanKind.SERVER,
             {"tensorrpc.client_id": client, "tensorrpc.request_bytes": nbytes,

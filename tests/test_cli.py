@@ -373,12 +373,14 @@ def test_bench_and_demo_say_when_the_checkout_is_missing(
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, *args: str) -> Iterator[tuple[_forkserver.Forked, Path]]:
+def serving(
+    tmp_path: Path, *args: str, service: str = SERVICE
+) -> Iterator[tuple[_forkserver.Forked, Path]]:
     """``tensorrpc serve`` in a child process; always killed and reaped."""
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = _forkserver.popen(
-            [*COMMAND, "serve", SERVICE, *args],
+            [*COMMAND, "serve", service, *args],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -508,6 +510,18 @@ def test_serve_dials_a_client_that_binds(
         )
         assert status == 0, err
         assert out == f"{proc.pid}\n"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=PROC_WAIT_S) == 0
+
+
+def test_a_method_whose_request_streams_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    address = f"ipc://{tmp_path}/streams.sock"
+    streams = "tests.integration.services:Streams"
+    with serving(tmp_path, "--bind", address, service=streams) as (proc, _):
+        status, _, err = run_cli(capsys, "call", address, "upload", "--timeout", str(PROC_WAIT_S))
+        assert_one_line_error(status, err, 1, "upload takes a stream of requests")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=PROC_WAIT_S) == 0
 

@@ -121,6 +121,7 @@ class Streams:
         self.taken: list[int] = []
         self.closed: list[str] = []
         self.gated_closed = anyio.Event()
+        self.kept: list[torch.Tensor] = []
 
     @rpc
     async def upload(self, chunks: AsyncIterator[Chunk]) -> int:
@@ -165,6 +166,24 @@ class Streams:
     async def tensors(self, xs: AsyncIterator[torch.Tensor]) -> AsyncIterator[torch.Tensor]:
         async for x in xs:
             yield x * 2
+
+    @rpc
+    async def keep(self, xs: AsyncIterator[torch.Tensor]) -> int:
+        """Keeps its items past the call (they must keep their values: torch_shm)."""
+        self.kept = [x async for x in xs]
+        return len(self.kept)
+
+    @rpc
+    async def recall(self) -> torch.Tensor:
+        return torch.stack(self.kept)
+
+    @rpc
+    async def hold(self, xs: AsyncIterator[torch.Tensor]) -> int:
+        """Takes one item, keeps it and never ends (the client gives up)."""
+        async for x in xs:
+            self.kept = [x]
+            await anyio.sleep(3600)
+        return 0
 
     @rpc
     async def fails_at(self, xs: AsyncIterator[int]) -> int:

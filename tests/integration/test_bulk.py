@@ -24,7 +24,9 @@ import zmq
 
 from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._client import Client
+from tensorrpc._exceptions import EngineDeadError
 from tensorrpc._protocol import Attach, MessageKind, encode_control
+from tensorrpc._security import CurveClientConfig, CurveServerConfig, generate_keypair
 from tensorrpc._server import Server
 from tensorrpc._service import rpc, service
 from tests.engine_proc import EngineProcess
@@ -326,3 +328,70 @@ async def test_a_session_that_ends_takes_its_bulk_connection(
             assert (await stub.echo(torch.ones(LARGE, dtype=torch.uint8))).numel() == LARGE
             assert holds_bulk(links)
         await until(lambda: not holds_bulk(links))
+
+
+@service(name="Holding")
+class Holding:
+    def __init__(self) -> None:
+        self.started = anyio.Event()
+        self.release = anyio.Event()
+
+    @rpc
+    async def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """Send the tensor back once released."""
+        self.started.set()
+        await self.release.wait()
+        return t
+
+
+async def test_a_broken_bulk_connection_fails_its_calls_at_once() -> None:
+    """Rule 5 over tcp+CURVE: the bulk connection breaks while control lives (here the
+    engine's bulk socket closes); the large call whose CALL it carried ends with
+    EngineDeadError at once instead of waiting for a reply that cannot come."""
+    keys = {name: generate_keypair() for name in ("engine", "client")}
+    server_curve = CurveServerConfig(keys["engine"], allowed_clients=[keys["client"].public_key])
+    client_curve = CurveClientConfig(keys["client"], keys["engine"].public_key)
+    holding = Holding()
+    server = Server(
+        holding,
+        engine_id="e1",
+        bind="tcp://127.0.0.1:0",
+        curve=server_curve,
+        heartbeat_interval=0.1,
+    )
+    async with server:
+        assert server.endpoint is not None
+        client = Client(
+            Holding, connect=server.endpoint, curve=client_curve, heartbeat_interval=0.1
+        )
+        async with client:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            await bulk_bound(client, server)  # type: ignore[arg-type]
+            stub = client.with_options(transport="frames").stub()
+            t = torch.ones(LARGE, dtype=torch.uint8)
+            failed: list[BaseException] = []
+
+            async def call() -> None:
+                try:
+                    await stub.hold(t)
+                except EngineDeadError as exc:
+                    failed.append(exc)
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    with anyio.fail_after(WAIT):
+                        await holding.started.wait()  # its CALL came on the bulk connection
+                    router = server._bulk.router
+                    assert router is not None
+                    router.close()  # the bulk connection breaks; control lives on
+                    with anyio.fail_after(WAIT):  # generous: not a timing assertion
+                        await until(lambda: failed)
+            finally:
+                holding.release.set()
+            assert "lost its bulk connection" in str(failed[0])
+            # The session starts anew over control (without a bulk connection now).
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+                assert await client.stub().hold(torch.ones(4)) is not None

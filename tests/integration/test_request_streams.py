@@ -86,7 +86,8 @@ async def test_the_engine_hello_names_its_request_streaming_methods(
     async with running(tmp_path) as (client, _):
         info = client._protocol.engines.engines["e1"].info
     assert set(info.request_streaming) == {
-        "upload", "first", "echo", "gated", "doubles", "sleepy", "fails_at", "tensors"
+        "upload", "first", "echo", "gated", "doubles", "sleepy", "fails_at", "tensors",
+        "keep", "hold",
     }  # fmt: skip
     assert set(info.streaming) == {"echo", "gated", "doubles", "tensors"}
     assert info.stream_window == 16
@@ -135,8 +136,8 @@ async def test_bidirectional_stream_carries_tensors_both_ways(
 async def test_tensors_travel_in_request_items_and_back_on_both_transports(
     anyio_backend: str, tmp_path: Path, transport: str
 ) -> None:
-    """Request items go as frames; responses by torch_shm from an engine process the kernel
-    attests (ipc), as frames over tcp."""
+    """Request items and responses go by torch_shm handle to and from an engine process
+    the kernel attests (ipc), as frames over tcp."""
     address = f"ipc://{tmp_path}/t.sock" if transport == "ipc" else "tcp://127.0.0.1:0"
     big = [torch.arange(256 * 1024, dtype=torch.float32) + i for i in range(4)]
     async with Client(Streams, bind=address) as client:
@@ -150,11 +151,72 @@ async def test_tensors_travel_in_request_items_and_back_on_both_transports(
             stats = client.statistics().transports
     for i, x in enumerate(got):
         assert torch.equal(x, big[i] * 2)
-    assert stats.frames.tensors_sent == 4  # the request items
     if transport == "ipc":
+        assert stats.torch_shm.tensors_sent == 4  # the request items, by handle
+        assert stats.frames.tensors_sent == 0
         assert stats.torch_shm.tensors_received == 4  # the responses, by handle
+        # The items' leases ended with the call.
+        assert stats.torch_shm_detail is not None
+        assert stats.torch_shm_detail.leases_active == 0
     else:
+        assert stats.frames.tensors_sent == 4
         assert stats.frames.tensors_received == 4
+
+
+async def test_request_items_by_handle_keep_their_values_in_a_handler_past_the_call(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """A handler that keeps its items' tensors past the call gets pages of their own
+    before the RESULT: the client reuses its pool regions at once, the values stay."""
+    big = [torch.arange(256 * 1024, dtype=torch.float32) + i for i in range(3)]
+    async with Client(Streams, bind=f"ipc://{tmp_path}/k.sock") as client:
+        with EngineProcess(
+            "k1", workdir=tmp_path, connect=tuple(client.addresses), service="streams"
+        ):
+            with anyio.fail_after(60):
+                await client.wait_for_engines(1)
+            stub = client.stub()
+            with anyio.fail_after(WAIT):
+                assert await stub.keep(iter(big)) == 3
+                sent = client.statistics().transports.torch_shm.tensors_sent
+                # The same pool regions carry other values now.
+                other = [torch.full((256 * 1024,), -7.0) for _ in range(3)]
+                got = [x async for x in stub.tensors(iter(other))]
+                kept = await stub.recall()
+            detail = client.statistics().transports.torch_shm_detail
+    assert sent == 3  # the kept items went by handle
+    assert all(torch.equal(x, torch.full((256 * 1024,), -14.0)) for x in got)
+    assert torch.equal(kept, torch.stack(big))
+    assert detail is not None
+    assert detail.leases_active == 0
+
+
+async def test_a_cancelled_request_stream_by_handle_gets_its_item_leases_back(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """The client gives up on a request stream whose items went by handle: it keeps their
+    leases until the engine, done with the handler, RELEASEs them (those it decoded and
+    those it never took), then its pool has no lease left."""
+    big = [torch.arange(256 * 1024, dtype=torch.float32) + i for i in range(3)]
+    async with Client(Streams, bind=f"ipc://{tmp_path}/c.sock") as client:
+        with EngineProcess(
+            "c1", workdir=tmp_path, connect=tuple(client.addresses), service="streams"
+        ):
+            with anyio.fail_after(60):
+                await client.wait_for_engines(1)
+            stub = client.stub()
+            with pytest.raises(CallTimeoutError):
+                await client.with_options(timeout=1.0).stub().hold(iter(big))
+            sent = client.statistics().transports.torch_shm.tensors_sent
+            with anyio.fail_after(WAIT):
+                while (  # noqa: ASYNC110 - bounded by fail_after; the engine RELEASEs
+                    client.statistics().transports.torch_shm_detail.leases_active  # type: ignore[union-attr]
+                ):
+                    await anyio.sleep(0.01)
+                # The engine still serves by handle afterwards.
+                got = [x async for x in stub.tensors(iter(big))]
+    assert sent == 3
+    assert all(torch.equal(x, y * 2) for x, y in zip(got, big, strict=True))
 
 
 async def test_a_bad_request_item_ends_the_call_with_its_path(
@@ -490,3 +552,35 @@ async def test_the_engine_window_bounds_what_a_client_sends_ahead(
             instance.gate.set()
             with anyio.fail_after(WAIT):
                 assert [x async for x in slow] == list(range(1, 100))
+
+
+async def test_an_engine_killed_mid_stream_frees_the_clients_item_leases(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """The engine holding request items by handle is killed (SIGKILL): the call fails and
+    the client's pool has no lease left (the engine's end drops them all)."""
+    big = [torch.arange(256 * 1024, dtype=torch.float32) + i for i in range(3)]
+    async with Client(Streams, bind=f"ipc://{tmp_path}/d.sock") as client:
+        with EngineProcess(
+            "d1", workdir=tmp_path, connect=tuple(client.addresses), service="streams"
+        ) as proc:
+            with anyio.fail_after(60):
+                await client.wait_for_engines(1)
+            failed: list[BaseException] = []
+
+            async def call() -> None:
+                try:
+                    await client.stub().hold(iter(big))
+                except EngineDeadError as exc:
+                    failed.append(exc)
+
+            with anyio.fail_after(WAIT):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call)
+                    while client.statistics().transports.torch_shm.tensors_sent < 3:  # noqa: ASYNC110 - bounded by fail_after
+                        await anyio.sleep(0.01)
+                    proc.kill()
+            detail = client.statistics().transports.torch_shm_detail
+    assert len(failed) == 1
+    assert detail is not None
+    assert detail.leases_active == 0

@@ -708,3 +708,67 @@ async def test_a_receive_that_timed_out_does_not_steal_a_later_message(
             assert scope.cancelled_caught
         await router.send([peer, b"reply"])
         assert [f.bytes for f in await dealer.recv()] == [b"reply"]
+
+
+def count_events_reads(sock: AsyncSocket) -> list[int]:
+    """Count the socket's EVENTS reads from now on (each is two system calls in libzmq)."""
+    reads: list[int] = []
+    get = sock._get
+
+    def counting(option: int) -> int:
+        if option == zmq.EVENTS:
+            reads.append(option)
+        return get(option)
+
+    sock._get = counting
+    sock._waiter._get = counting
+    return reads
+
+
+async def test_a_run_of_messages_is_received_without_reading_events_for_each(
+    anyio_backend, make_socket
+):
+    # inproc: no I/O thread, so the 20 messages are all queued once sent.
+    router, dealer, _ = bound_pair(make_socket, f"inproc://run-{os.getpid()}-{anyio_backend}")
+    with anyio.fail_after(10):
+        await dealer.send([b"first"])
+        peer = (await router.recv())[0]
+        for i in range(20):
+            await router.send([peer, b"%d" % i])
+        reads = count_events_reads(dealer)
+        got = [dealer.recv_nowait()[0].bytes for _ in range(20)]
+        # The first two receives read EVENTS (two in a row make a run); the rest of the
+        # run is taken without.
+        assert len(reads) == 2
+        with pytest.raises(anyio.WouldBlock):
+            dealer.recv_nowait()
+    assert got == [b"%d" % i for i in range(20)]
+
+
+async def test_a_receive_after_a_run_ran_dry_still_wakes_for_the_next_message(
+    anyio_backend, make_socket, endpoint
+):
+    # The failed receive that ends a run reads the socket's commands (it may eat the
+    # FD's edge); a receive that then waits must still be woken.
+    router, dealer, _ = bound_pair(make_socket, endpoint)
+    received: list[bytes] = []
+
+    async def receive() -> None:
+        received.append((await dealer.recv())[0].bytes)
+
+    with anyio.fail_after(10):
+        await dealer.send([b"hello"])
+        peer = (await router.recv())[0]
+        await router.send([peer, b"one"])
+        await router.send([peer, b"two"])
+        assert dealer.socket.poll(5000, zmq.POLLIN) == zmq.POLLIN
+        assert (await dealer.recv())[0].bytes == b"one"
+        with anyio.fail_after(5):  # the second may still be in the I/O thread
+            assert (await dealer.recv())[0].bytes == b"two"
+        with pytest.raises(anyio.WouldBlock):
+            dealer.recv_nowait()  # the run ends: a failed receive, no EVENTS read
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            await anyio.wait_all_tasks_blocked()
+            await router.send([peer, b"three"])
+    assert received == [b"three"]

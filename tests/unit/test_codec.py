@@ -687,10 +687,11 @@ def test_trailing_bytes_after_the_payload_are_a_decode_error(trailer: bytes) -> 
         decode(encoded.payload + trailer, [])
 
 
-def test_forged_end_marker_is_an_unknown_ext_code() -> None:
-    forged = ormsgpack.packb(ormsgpack.Ext(127, bytes(16)))
-    with pytest.raises(DecodeError, match="ext code 127"):
-        decode(ormsgpack.packb(1) + forged, [])
+def test_a_forged_end_marker_is_trailing_bytes() -> None:
+    # The marker is a bin of a per-process random nonce: a guessed one is trailing bytes.
+    for forged in (bytes(16), _codec._END_NONCE[:-1] + b"?"):
+        with pytest.raises(DecodeError, match="trailing bytes"):
+            decode(ormsgpack.packb(1) + ormsgpack.packb(forged), [])
     with pytest.raises(DecodeError, match="ext code 127"):
         decode(ormsgpack.packb([ormsgpack.Ext(127, bytes(16))]), [])
 
@@ -884,17 +885,17 @@ def test_check_message_size_uses_the_smaller_positive_limit() -> None:
     encoded = _codec.encode({"x": torch.zeros(1024, dtype=torch.uint8)})
     assert len(encoded.buffers) == 1
     # No limit on either side, or limits that fit: nothing raised.
-    _codec.check_message_size(encoded, -1, 0, what="w", peer="engine 'e'")
-    _codec.check_message_size(encoded, 4096, 2048, what="w", peer="engine 'e'")
+    _codec.check_message_size(encoded, -1, 0, lambda: ("w", "engine 'e'"))
+    _codec.check_message_size(encoded, 4096, 2048, lambda: ("w", "engine 'e'"))
     # Our own limit applies when the peer announced none.
     with pytest.raises(EncodeError, match=r"w include a tensor of 1024 bytes.*maxmsgsize=512\)"):
-        _codec.check_message_size(encoded, 512, 0, what="w", peer="engine 'e'")
+        _codec.check_message_size(encoded, 512, 0, lambda: ("w", "engine 'e'"))
     # The peer's smaller limit wins and is named.
     with pytest.raises(EncodeError, match=r"engine 'e' takes at most its maxmsgsize=1000\)"):
-        _codec.check_message_size(encoded, 4096, 1000, what="w", peer="engine 'e'")
+        _codec.check_message_size(encoded, 4096, 1000, lambda: ("w", "engine 'e'"))
     # The payload frame is checked too.
     with pytest.raises(EncodeError, match=r"w take \d+ encoded bytes"):
-        _codec.check_message_size(encoded, 4, 0, what="w", peer="engine 'e'")
+        _codec.check_message_size(encoded, 4, 0, lambda: ("w", "engine 'e'"))
 
 
 # --- maps keyed by ints (dict[int, T]) -------------------------------------------------

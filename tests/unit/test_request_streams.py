@@ -11,17 +11,21 @@ import pytest
 
 from tensorrpc import _streams
 from tensorrpc._calls import Call, CallState
-from tensorrpc._client_protocol import ClientProtocol
+from tensorrpc._client_protocol import ClientProtocol, LeasesFreed
 from tensorrpc._exceptions import ErrorCode, LocalProtocolError, RemoteProtocolError
 from tensorrpc._protocol import (
+    Bye,
     Credit,
     Flags,
     Hello,
     MessageKind,
+    Release,
     decode_control,
     encode_control,
     split_frames,
 )
+from tensorrpc._server_calls import ServerCall
+from tensorrpc._server_protocol import ShmPeer
 
 from .client_script import ADD, CHAT, UPLOAD, control, join, make_protocol, result, sent
 from .server_helpers import Engine
@@ -252,6 +256,130 @@ def test_credit_for_an_unknown_call_or_a_call_without_a_request_stream_is_droppe
     zero = encode_control(K.CREDIT, Credit(1), chat.call_id)
     zero[1] = b"\x81\xa1n\x00"  # n = 0: malformed, dropped
     assert not isinstance(protocol.receive(b"p", zero, 0.0), _streams.CreditGranted)
+
+
+# -- rule 6: torch_shm item leases end with the call ----------------------------------------
+
+
+def shm_upload(method: str = "upload") -> tuple[Engine, ServerCall]:
+    """A live torch_shm session and a request stream whose handler took it."""
+    engine = live_engine(window=4)
+    engine.proto.shm_decided(engine.proto.sessions[KEY], ShmPeer(9, True, True))
+    return engine, engine.open_upload(KEY, 1, method)
+
+
+def held_by(stream: _streams.RequestStream) -> tuple[object, list[int]]:
+    """What the engine holds of a request stream's item leases (its detach key, leases)."""
+    return stream.keep, stream.leases
+
+
+def releases(engine: Engine) -> list[tuple[int, ...]]:
+    engine.collect()
+    return [s.body.leases for s in engine.take() if s.kind is K.RELEASE]
+
+
+@pytest.mark.parametrize("reply", ["result", "stream_end", "error"])
+def test_the_final_reply_ends_every_item_lease_and_owes_no_release(reply: str) -> None:
+    engine, call = shm_upload("chat" if reply == "stream_end" else "upload")
+    for _ in range(2):
+        engine.item(KEY, 1)
+        assert _streams.take_item(engine.proto, call) is not None
+    engine.proto.items_resolved(call, (3,))
+    engine.proto.items_resolved(call, (4, 5))
+    stream = call.request
+    assert stream is not None
+    assert stream.keep == (engine.proto.sessions[KEY], 1, "items")  # for the shell's detach
+    assert stream.leases == [3, 4, 5]
+    # A response item is not the final reply: the items' leases stay (unlike arguments').
+    if reply == "stream_end":
+        assert engine.proto.stream_item(call, b"\x01", ()) is not None
+        assert stream.leases == [3, 4, 5]
+        assert engine.proto.stream_end(call)
+    elif reply == "result":
+        assert engine.proto.result(call, b"\x01", ()) is not None
+    else:
+        assert engine.proto.error_reply(call, ErrorCode.REMOTE, "boom")
+    assert held_by(stream) == (None, [])
+    call.cancelled = True  # a CANCEL that crossed the final reply
+    engine.proto.args_done(call)
+    assert releases(engine) == []
+
+
+def test_a_cancelled_request_stream_releases_the_items_it_decoded_and_never_took() -> None:
+    engine, call = shm_upload()
+    engine.item(KEY, 1)
+    assert _streams.take_item(engine.proto, call) is not None
+    engine.proto.items_resolved(call, (3, 4))
+    engine.item(KEY, 1)  # buffered, never taken: the shell reads its lease ids
+    engine.control(KEY, K.CANCEL, None, 1)
+    assert call.cancelled
+    engine.proto.args_done(call, (), [7])
+    assert releases(engine) == [(3, 4, 7)]
+    stream = call.request
+    assert stream is not None
+    assert held_by(stream) == (None, [])
+
+
+def test_a_request_stream_of_an_ended_session_owes_no_release() -> None:
+    engine, call = shm_upload()
+    engine.item(KEY, 1)
+    assert _streams.take_item(engine.proto, call) is not None
+    engine.proto.items_resolved(call, (3,))
+    engine.control(KEY, K.BYE, Bye("closed"))
+    engine.proto.args_done(call, (), [8])
+    assert releases(engine) == []
+
+
+def test_the_client_keeps_item_leases_until_the_call_ends() -> None:
+    protocol, call = open_client(window=3)
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11) is not None
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is not None  # frames
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12) is not None
+    # A response or CREDIT ends nothing; only the call's end does (rule 6).
+    protocol.receive(b"p", control(K.CREDIT, Credit(1), call.call_id), 0.1)
+    assert protocol.take_item_leases(call) == [11, 12]
+    assert protocol.take_item_leases(call) == []
+
+
+def test_an_item_that_may_not_go_takes_no_lease() -> None:
+    protocol, call = open_client(window=1)
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11) is not None
+    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12) is None
+    assert protocol.take_item_leases(call) == [11]  # the shell aborts 12's placer
+
+
+def test_a_request_stream_given_up_on_keeps_its_item_leases_until_the_engines_release() -> None:
+    protocol, call = open_client()
+    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11)
+    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12)
+    assert protocol.cancel(call, 0.5)
+    assert protocol.take_item_leases(call) == []  # not freed: the engine may read them
+    assert protocol.held_leases == 2
+    freed = protocol.receive(b"p", control(K.RELEASE, Release((11,))), 1.0)
+    assert isinstance(freed, LeasesFreed)
+    assert freed.leases == (11,)
+    assert protocol.held_leases == 1
+    freed = protocol.receive(b"p", control(K.RELEASE, Release((12, 11))), 1.0)
+    assert isinstance(freed, LeasesFreed)
+    assert (freed.leases, freed.refused) == ((12,), 1)
+    assert protocol.held_leases == 0
+
+
+@pytest.mark.parametrize("end", ["late_reply", "engine_end"])
+def test_a_given_up_request_streams_item_leases_end_with_a_late_reply_or_the_engine(
+    end: str,
+) -> None:
+    protocol, call = open_client()
+    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11)
+    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12)
+    protocol.cancel(call, 0.5)
+    if end == "late_reply":
+        freed = protocol.receive(b"p", control(K.STREAM_END, None, call.call_id), 1.0)
+        assert isinstance(freed, LeasesFreed)
+        assert freed.leases == (11, 12)
+    else:
+        protocol.receive(b"p", control(K.BYE, Bye("shutdown")), 1.0)
+    assert protocol.held_leases == 0
 
 
 def test_drop_hands_back_the_buffers_of_untaken_items() -> None:
