@@ -312,8 +312,7 @@ class ClientIO:
     # -- output and events ----------------------------------------------------------------
 
     def flush(self) -> None:
-        """Do what the protocol handed out: act on its events, send its frames (without
-        waiting); until it has nothing more."""
+        """Act on the protocol's events and send its frames (no waiting) until it is done."""
         protocol = self.protocol
         while protocol.pending:
             for event in protocol.next_events():
@@ -334,25 +333,20 @@ class ClientIO:
                     logger.debug("could not send to %r: %s", peer, exc)
 
     def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
-        """RELEASE now the engine's result leases we are done with: those waiting for a
-        CALL and those whose tensors died since (``resolver``: a reply just decoded)."""
+        """RELEASE the engine's result leases we are done with (``resolver``: just decoded)."""
         leases = self.policy.memory.releasable(engine.peer, resolver)
         self.protocol.release(engine, leases, self.now())
         self.flush()
 
     def release_later(self, engine: Engine, resolver: ShmResolver) -> None:
-        """A reply was decoded: the protocol returns its finished leases in the header of
-        the next CALL to the engine if the caller makes one before it yields (one message
-        instead of two), else in a RELEASE once it yields (`_release_pending`)."""
+        """A reply was decoded: its finished leases ride in the next CALL to the engine if
+        the caller makes one before it yields, else in a RELEASE (`_release_pending`)."""
         leases = self.policy.memory.releasable(engine.peer, resolver)
         if self.protocol.return_leases(engine, leases) and self.waiters is not None:
             self.waiters.soon(self._release_pending)
 
     def _release_pending(self) -> None:
-        """The caller yielded: RELEASE the decoded leases no CALL took (`release_later`).
-
-        Runs as a plain callback of the event loop, so it must not raise.
-        """
+        """The caller yielded: RELEASE the decoded leases no CALL took (a loop callback)."""
         try:
             self.protocol.release_pending(self.now())
             if self.sock is not None:  # (closed: the engines drop our leases themselves)
@@ -485,19 +479,11 @@ class ClientIO:
         waiters.wake(call.waiter)
 
     def abandon(self, call: Call, *, error: bool = False) -> None:
-        """The caller gave up (cancelled, timed out, closed a stream): tell the engine
-        (``error``: count it as one of the engine's errors)."""
-        items = call.items
+        """The caller gave up: tell the engine (``error``: count it as the engine's error)."""
         now = self.now()
         protocol = self.protocol
-        if items:  # stream items nobody will read
-            left = list(items)
-            items.clear()
-            for payload, buffers in left:
-                protocol.release(call.engine, self.leases(call.engine, payload, buffers), now)
-            del payload, buffers
-            later_if_large(left, sum(nbytes(item[1]) for item in left))  # off the loop
-            del left
+        if call.items:
+            _drop_unread(self, call, now)
         # The engine may still be reading the arguments on our regions: the protocol keeps
         # their lease until its RELEASE (or a late reply, or its end).
         if protocol.cancel(call, now, error=error):
@@ -664,3 +650,15 @@ class ClientIO:
                 next_sweep = now + interval
                 self.tracked.prune()
                 self.policy.memory.sweep()
+
+
+def _drop_unread(io: ClientIO, call: Call, now: float) -> None:
+    """Stream items nobody will read: their leases go back, their frames die off the loop."""
+    items = call.items
+    assert items is not None
+    left = list(items)
+    items.clear()
+    for payload, buffers in left:
+        io.protocol.release(call.engine, io.leases(call.engine, payload, buffers), now)
+    del payload, buffers
+    later_if_large(left, sum(nbytes(item[1]) for item in left))

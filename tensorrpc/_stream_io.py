@@ -161,41 +161,54 @@ async def _send_items(
             break
         wire = check_item(value, index)
         index += 1
-        shm = engine.shm
-        placer = io.policy.placer(transport, engine.peer, peer_receives=bool(shm and shm.to_engine))
-        try:
-            encoded = _codec.encode(wire, io.codec, placer=placer, compression=compression)
-            _codec.check_message_size(
-                encoded,
-                maxmsgsize,
-                engine.info.max_message_bytes,
-                lambda: (  # called here, before the loop moves on
-                    f"{spec.qualname}: request item {index - 1}",  # noqa: B023
-                    f"engine {engine.engine_id!r}",
-                ),
-            )
-        except BaseException:
-            if placer is not None:
-                placer.abort()
-            raise
-        lease = None
-        if placer is not None:
-            if placer.pending_bytes:
-                await _fill(placer)
-            lease = placer.outcome()[0]
-        frames = _streams.item_frames(
-            io.protocol, call, encoded.payload, encoded.buffers, io.now(), lease
-        )
-        if frames is None:
-            if placer is not None:
-                placer.abort()
+        if not await _send_item(io, call, wire, index - 1, compression, maxmsgsize, transport):
             return  # the call ended meanwhile
-        await _send(io, call, frames, encoded)
         # Not held while the caller makes the next item: the sent item's last
         # references are the pending send's (released off the loop once ZMQ is done).
-        del value, wire, encoded, frames
+        del value, wire
     if _streams.half_close(io.protocol, call, io.now()):
         io.flush()
+
+
+async def _send_item(
+    io: ClientIO,
+    call: Call,
+    wire: Any,
+    index: int,
+    compression: Compression | None,
+    maxmsgsize: int,
+    transport: str,
+) -> bool:
+    """Encode, place and send one request item; False when the call ended meanwhile."""
+    engine = call.engine
+    shm = engine.shm
+    placer = io.policy.placer(transport, engine.peer, peer_receives=bool(shm and shm.to_engine))
+    try:
+        encoded = _codec.encode(wire, io.codec, placer=placer, compression=compression)
+        _codec.check_message_size(
+            encoded,
+            maxmsgsize,
+            engine.info.max_message_bytes,
+            lambda: (f"{call.spec.qualname}: request item {index}", f"engine {engine.engine_id!r}"),
+        )
+    except BaseException:
+        if placer is not None:
+            placer.abort()
+        raise
+    lease = None
+    if placer is not None:
+        if placer.pending_bytes:
+            await _fill(placer)
+        lease = placer.outcome()[0]
+    frames = _streams.item_frames(
+        io.protocol, call, encoded.payload, encoded.buffers, io.now(), lease
+    )
+    if frames is None:
+        if placer is not None:
+            placer.abort()
+        return False
+    await _send(io, call, frames, encoded)
+    return True
 
 
 async def _fill(placer: PolicyPlacer) -> None:
