@@ -12,7 +12,7 @@ def test_quick_codec_bench_reports_every_case_and_system() -> None:
     assert result["unit"] == "us"
     assert set(result["cases"]) == {"ids-list", "ids-tensor", "embeds"}
     for row in result["cases"].values():
-        assert {"tensorrpc", "msgspec", "pickle5"} <= set(row)
+        assert {"tensorrpc", "msgspec", "pickle5", "tensorrpc+recv", "tensorrpc+schema"} <= set(row)
         assert row["msgspec"]["ratio_to_msgspec"] == 1.0
         for figures in row.values():
             assert figures["encode"] > 0
