@@ -447,6 +447,34 @@ def _handle_descriptor(name: str, shape: list[int], placed: object) -> bytes:
     return ormsgpack.packb([name, shape, _HANDLE, list(placed)])
 
 
+class _EncodeHook:
+    """The ``default=`` hook of one `encode`: makes its `_Encoder` when first called, so
+    that a payload without tensors or arrays (most small calls) makes none."""
+
+    __slots__ = ("_compression", "_config", "_off_loop", "_placer", "encoder")
+
+    def __init__(
+        self,
+        config: CodecConfig,
+        placer: TensorPlacer | None,
+        compression: Compression | None,
+        off_loop: int,
+    ) -> None:
+        self._config = config
+        self._placer = placer
+        self._compression = compression
+        self._off_loop = off_loop
+        self.encoder: _Encoder | None = None
+
+    def __call__(self, obj: object) -> ormsgpack.Ext:
+        encoder = self.encoder
+        if encoder is None:
+            encoder = self.encoder = _Encoder(
+                self._config, self._placer, self._compression, self._off_loop
+            )
+        return encoder.default(obj)
+
+
 def _type_name(obj: object) -> str:
     cls = type(obj)
     if cls.__module__ == "builtins":
@@ -545,17 +573,17 @@ def encode(
             tensor without ``allow_cuda_copy``, or a limit exceeded.
         TensorTransportError: The placer failed.
     """
-    encoder = _Encoder(config, placer, compression, off_loop if compression else 0)
+    off_loop = off_loop if compression else 0
+    hook = _EncodeHook(config, placer, compression, off_loop)
     try:
-        payload = ormsgpack.packb(value, default=encoder.default, option=_PACK_OPTIONS)
+        payload = ormsgpack.packb(value, default=hook, option=_PACK_OPTIONS)
     except TypeError as exc:  # MsgpackEncodeError is TypeError in ormsgpack 1.13
-        if encoder.error is not None:
-            raise encoder.error from None
+        if hook.encoder is not None and hook.encoder.error is not None:
+            raise hook.encoder.error from None
         if str(exc) != _NOT_STR_KEY:
             raise EncodeError(f"cannot encode value: {exc}") from exc
-        payload = _encode_int_keys(value, encoder)
-    if encoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
-        raise encoder.error
+        payload = _encode_int_keys(value, hook)
+    encoder = hook.encoder
     if len(payload) > config.max_payload_bytes:
         raise EncodeError(
             f"payload of {len(payload)} bytes is over max_payload_bytes="
@@ -568,11 +596,17 @@ def encode(
             "refuses it (send long lists of numbers as a tensor)"
         )
     if compression is not None and len(payload) >= compression.min_bytes:
-        if encoder._off_loop and encoder._off_loop <= len(payload) and not encoder._placed:
+        if encoder is not None:
+            off_loop, placed = encoder._off_loop, encoder._placed
+        else:
+            placed = 0
+        if off_loop and off_loop <= len(payload) and not placed:
             raise OffLoop
         packed = _compression.compress(payload, compression)
         if packed is not None:
             payload = ormsgpack.packb(ormsgpack.Ext(_ZSTD_EXT, packed))
+    if encoder is None:
+        return Encoded(payload, [], [])
     return Encoded(payload, encoder.buffers, encoder.keepalive)
 
 
@@ -580,7 +614,7 @@ def encode(
 _NOT_STR_KEY: Final = "Dict key must be str"
 
 
-def _encode_int_keys(value: object, encoder: _Encoder) -> bytes:
+def _encode_int_keys(value: object, hook: _EncodeHook) -> bytes:
     """The cold second pass for a value with int map keys (``dict[int, T]``), which cost
     ormsgpack more per key; the tensors the first pass met are replayed, not placed again."""
     bad = _bad_key(value)
@@ -588,12 +622,13 @@ def _encode_int_keys(value: object, encoder: _Encoder) -> bytes:
         raise EncodeError(
             f"cannot encode a map key of type {_type_name(bad[0])}; map keys are str or int"
         )
-    encoder.again()
+    if hook.encoder is not None:
+        hook.encoder.again()
     try:
-        return ormsgpack.packb(value, default=encoder.default, option=_INT_KEY_OPTIONS)
+        return ormsgpack.packb(value, default=hook, option=_INT_KEY_OPTIONS)
     except TypeError as exc:
-        if encoder.error is not None:
-            raise encoder.error from None
+        if hook.encoder is not None and hook.encoder.error is not None:
+            raise hook.encoder.error from None
         raise EncodeError(f"cannot encode value: {exc}") from exc
 
 
@@ -825,6 +860,27 @@ class _Decoder(_Replaying):
         return tensor.numpy()
 
 
+class _DecodeHook:
+    """The ``ext_hook`` of one `decode`: makes its `_Decoder` when first called, so that a
+    payload without tensors or arrays (most small calls) makes none."""
+
+    __slots__ = ("_buffers", "_config", "_resolver", "decoder")
+
+    def __init__(
+        self, buffers: Sequence[Buffer], config: CodecConfig, resolver: TensorResolver | None
+    ) -> None:
+        self._buffers = buffers
+        self._config = config
+        self._resolver = resolver
+        self.decoder: _Decoder | None = None
+
+    def __call__(self, code: int, data: bytes) -> object:
+        decoder = self.decoder
+        if decoder is None:
+            decoder = self.decoder = _Decoder(self._buffers, self._config, self._resolver)
+        return decoder.ext_hook(code, data)
+
+
 def _compressed_payload(view: memoryview) -> memoryview | None:
     """The zstd frame of a compressed payload (one ``ExtCode.ZSTD`` Ext), or None."""
     width = _EXT_HEADERS.get(view[0]) if view.nbytes else None
@@ -885,20 +941,20 @@ def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memor
     return view
 
 
-def _decode_int_keys(exc: ValueError, decoder: _Decoder, framed: bytes) -> Any:
+def _decode_int_keys(exc: ValueError, hook: _DecodeHook, framed: bytes) -> Any:
     """The cold second pass for a payload ormsgpack refused, which may have int map keys:
     admits them, replaying the tensors the first pass built. Any other key is a value the
     peer may not send (``ValidationError``: ``INVALID_ARGUMENT``), not a corrupt one."""
-    if decoder.error is not None:
-        raise decoder.error from None
-    decoder.again()
-    try:
-        value = ormsgpack.unpackb(
-            framed, ext_hook=decoder.ext_hook, option=ormsgpack.OPT_NON_STR_KEYS
-        )
-    except (ValueError, TypeError) as again:
+    decoder = hook.decoder
+    if decoder is not None:
         if decoder.error is not None:
             raise decoder.error from None
+        decoder.again()
+    try:
+        value = ormsgpack.unpackb(framed, ext_hook=hook, option=ormsgpack.OPT_NON_STR_KEYS)
+    except (ValueError, TypeError) as again:
+        if hook.decoder is not None and hook.decoder.error is not None:
+            raise hook.decoder.error from None
         raise DecodeError(f"malformed msgpack payload: {exc}") from again
     bad = _bad_key(value)
     if bad is not None:
@@ -930,19 +986,18 @@ def decode(
         TensorTransportError: The resolver failed.
     """
     view = _payload_view(payload, len(buffers), config)
-    decoder = _Decoder(buffers, config, resolver)
+    hook = _DecodeHook(buffers, config, resolver)
     # ormsgpack ignores bytes after the first object; frame the payload as the array
     # [payload, END] so that anything after the object (or a truncated object) fails.
     framed = b"".join((b"\x92", view, _END_MARK))
     try:
-        framed_value = ormsgpack.unpackb(framed, ext_hook=decoder.ext_hook)
+        framed_value = ormsgpack.unpackb(framed, ext_hook=hook)
     except ValueError as exc:  # MsgpackDecodeError is ValueError in ormsgpack 1.13
-        framed_value = _decode_int_keys(exc, decoder, framed)
-    if decoder.error is not None:  # pragma: no cover - ormsgpack always propagates it
-        raise decoder.error
+        framed_value = _decode_int_keys(exc, hook, framed)
     end = framed_value[1]
     if type(end) is not bytes or end != _END_NONCE:
         raise DecodeError("trailing bytes after the msgpack payload")
-    if len(decoder.used) != len(buffers):
-        raise DecodeError(f"message has {len(buffers)} buffers but references {len(decoder.used)}")
+    used = 0 if hook.decoder is None else len(hook.decoder.used)
+    if used != len(buffers):
+        raise DecodeError(f"message has {len(buffers)} buffers but references {used}")
     return framed_value[0]
