@@ -900,7 +900,8 @@ def compressed_bytes(payload: Buffer, buffers: Sequence[Buffer]) -> int:
     total = 0
     try:
         view = memoryview(payload)
-        if view.ndim == 1 and view.itemsize == 1:
+        # a compressed payload starts with an ext header (checked here: the hot path)
+        if view.ndim == 1 and view.itemsize == 1 and view.nbytes and view[0] in _EXT_HEADERS:
             packed = _compressed_payload(view)
             if packed is not None:
                 total += _compression.content_size(packed)
@@ -919,7 +920,7 @@ def _payload_view(payload: Buffer, n_buffers: int, config: CodecConfig) -> memor
         raise DecodeError(f"payload of type {type(payload).__qualname__} is not a buffer") from exc
     if view.ndim != 1 or view.itemsize != 1:
         view = _byte_view(view)
-    packed = _compressed_payload(view)
+    packed = _compressed_payload(view) if view.nbytes and view[0] in _EXT_HEADERS else None
     if packed is not None:
         size = _compression.declared_size(packed, config.max_payload_bytes)
         view = memoryview(_compression.decompress_exact(packed, size))

@@ -289,6 +289,8 @@ _CALL_KINDS: Final = frozenset(
     }
 )
 _KIND_BY_VALUE: Final = {int(k): k for k in MessageKind}
+#: The kinds `pack_reply_header` packs with a non-zero call id.
+_REPLY_CALL_KINDS: Final = _CALL_KINDS - {MessageKind.CALL}
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,6 +491,14 @@ def pack_reply_header(kind: MessageKind, call_id: int = 0) -> bytes:
         cached = _reply_header_cache.get(kind)
         if cached is not None:
             return cached
+    elif (
+        type(kind) is MessageKind
+        and kind in _REPLY_CALL_KINDS
+        and type(call_id) is int
+        and 0 < call_id <= _U64_MAX
+    ):
+        # The hot path (a RESULT, STREAM_ITEM, ...): `_check_kind_call_id` would pass.
+        return _pack(MAGIC, PROTOCOL_VERSION, kind, 0, 0, call_id, 0)
     kind = _check_kind_call_id(kind, call_id)
     try:
         packed = _pack(MAGIC, PROTOCOL_VERSION, kind, 0, 0, call_id, 0)

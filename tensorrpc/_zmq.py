@@ -871,13 +871,20 @@ class AsyncSocket:
 
     def _send_once(self, parts: Sequence[Buffer | zmq.Frame], copy: bool) -> bool:
         sock = self._sock
+        threshold = self._threshold
         try:
             # NOBLOCK multipart sends are atomic: once the first frame is queued, the others
-            # are too (ZMQ checks the high-water mark on the first frame only).
+            # are too (ZMQ checks the high-water mark on the first frame only). Small bytes
+            # (routing id, header, a small payload) go by pyzmq's copying path, which pyzmq
+            # would take for them anyway, after a memoryview and two lookups more.
             last = len(parts) - 1
             for i in range(last):
-                _BASE_SEND(sock, parts[i], _SNDMORE_NOBLOCK, copy)
-            _BASE_SEND(sock, parts[last], _NOBLOCK, copy)
+                part = parts[i]
+                small = type(part) is bytes and len(part) < threshold
+                _BASE_SEND(sock, part, _SNDMORE_NOBLOCK, copy or small)
+            part = parts[last]
+            small = type(part) is bytes and len(part) < threshold
+            _BASE_SEND(sock, part, _NOBLOCK, copy or small)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
