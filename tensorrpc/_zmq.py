@@ -7,9 +7,10 @@ the socket's internal mailbox has commands, and any ``send``, ``recv`` or ``EVEN
 may consume that edge. The rules this module follows:
 
 1. A send is tried first with ``NOBLOCK``. A receive in a run (the last two receives got
-   a message) is tried at once; any other first reads ``EVENTS`` (two system calls; a
-   failed receive costs the same and raises, twice the cost in all), so a lone message,
-   as a sequential call's, costs no failed receive. Only when that fails do we wait.
+   a message), or one woken by an ``EVENTS`` read that showed a message, is tried at
+   once; any other first reads ``EVENTS`` (two system calls; a failed receive costs the
+   same and raises, twice the cost in all), so a lone message, as a sequential call's,
+   costs no failed receive. Only when that fails do we wait.
 2. Before waiting on the FD we read ``EVENTS``; we never wait while it already shows the
    condition we want (the classic lost wake-up).
 3. On asyncio the FD is registered once per socket with ``loop.add_reader`` and stays
@@ -512,7 +513,7 @@ class _FdWaiter:
 
     async def _wait_asyncio(
         self, loop: asyncio.AbstractEventLoop, mask: int, patience: float | None
-    ) -> None:
+    ) -> bool:
         if self._loop is not loop:
             self._register(loop)
         fut: asyncio.Future[None] = loop.create_future()
@@ -535,8 +536,11 @@ class _FdWaiter:
                     amask |= m
                 self.amask = amask
                 fut.cancel()
+        # Woken only by an EVENTS read that showed ``mask`` (or by close, which the
+        # caller checks first).
+        return fut.done() and not fut.cancelled()
 
-    async def wait(self, mask: int, events: int, patience: float | None = None) -> None:
+    async def wait(self, mask: int, events: int, patience: float | None = None) -> bool:
         """Wait until ``EVENTS & mask`` may be true; the caller then retries its operation.
 
         Args:
@@ -544,24 +548,31 @@ class _FdWaiter:
             events: ``EVENTS`` as read after the operation failed with ``Again``.
             patience: Give up waiting after this many seconds (None: no limit).
 
+        Returns:
+            True when an EVENTS read that showed ``mask`` ended the wait (the operation
+            will most likely succeed: it may be tried before reading EVENTS again), False
+            when only the FD (or another task) said something changed.
+
         Raises:
             ClosedError: The socket is closed (also while waiting).
         """
         self.poke(events)  # reading ``events`` may have eaten the FD waiter's edge
         if patience is None and events & mask:
             await anyio.lowlevel.checkpoint()
-            return
+            return False
         if self.closed:
             raise ClosedError("the socket was closed")
         loop = _get_running_loop()
+        shown = False
         if loop is not None:
-            await self._wait_asyncio(loop, mask, patience)
+            shown = await self._wait_asyncio(loop, mask, patience)
         elif self.fd_scope is None:
             await self._wait_fd(mask, patience)
         else:
             await self._wait_parked(mask, patience)
         if self.closed:
             raise ClosedError("the socket was closed while waiting")
+        return shown
 
     async def _wait_fd(self, mask: int, patience: float | None) -> None:
         """Not asyncio: this task waits on the FD for everyone."""
@@ -1037,9 +1048,14 @@ class AsyncSocket:
             # receives from this socket meanwhile must not get the messages after it first.
             await anyio.lowlevel.cancel_shielded_checkpoint()
         get = self._get
+        shown = False
         while True:
             try:
-                if self._run >= 2:  # rule 1: in a run of messages, try the next at once
+                # Rule 1: in a run of messages, or woken by an EVENTS read that showed a
+                # message, try to take it at once (a failed receive reads the commands
+                # as an EVENTS read does: it costs only the exception).
+                if shown or self._run >= 2:
+                    shown = False
                     try:
                         return self._took(self._recv_frames())
                     except zmq.Again:
@@ -1047,7 +1063,7 @@ class AsyncSocket:
                 events = get(_EVENTS)
                 if not events & _POLLIN:
                     self._run = 0
-                    await self._wait(_POLLIN, events)
+                    shown = await self._wait(_POLLIN, events)
                     continue
                 return self._took(self._recv_frames())
             except zmq.Again:
@@ -1081,7 +1097,7 @@ class AsyncSocket:
         if waiter.fd_mask or waiter.amask:
             waiter.poke(self._get(_EVENTS))
 
-    def _wait(self, mask: int, events: int, patience: float | None = None) -> Awaitable[None]:
+    def _wait(self, mask: int, events: int, patience: float | None = None) -> Awaitable[bool]:
         """Wait until ``EVENTS & mask`` may be true (see `_FdWaiter.wait`).
 
         A plain function returning the waiter's coroutine: no extra coroutine per wait.

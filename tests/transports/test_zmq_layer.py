@@ -772,3 +772,54 @@ async def test_a_receive_after_a_run_ran_dry_still_wakes_for_the_next_message(
             await anyio.wait_all_tasks_blocked()
             await router.send([peer, b"three"])
     assert received == [b"three"]
+
+
+async def test_a_receive_woken_by_a_read_that_showed_a_message_takes_it_at_once(
+    anyio_backend, make_socket
+):
+    # asyncio: the FD callback reads EVENTS and wakes the receive only when they show a
+    # message, so the receive takes it without reading EVENTS a third time.
+    router, dealer, _ = bound_pair(make_socket, f"inproc://woken-{os.getpid()}-{anyio_backend}")
+    received: list[bytes] = []
+
+    async def receive() -> None:
+        received.append((await dealer.recv())[0].bytes)
+
+    with anyio.fail_after(10):
+        await dealer.send([b"hello"])
+        peer = (await router.recv())[0]
+        reads = count_events_reads(dealer)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            await anyio.wait_all_tasks_blocked()
+            assert len(reads) == 1  # found nothing, then waited
+            await router.send([peer, b"one"])
+    assert received == [b"one"]
+    # trio has no FD callback: its waiter learns only that the FD is readable, and the
+    # receive reads EVENTS itself (also two reads in all).
+    assert len(reads) == 2
+
+
+async def test_a_receive_woken_for_a_message_another_task_took_waits_again(
+    anyio_backend, make_socket
+):
+    # Two receivers wait; one message wakes both (asyncio) and only one gets it: the
+    # other's attempt at once fails and it must wait again, then get the next message.
+    router, dealer, _ = bound_pair(make_socket, f"inproc://woken2-{os.getpid()}-{anyio_backend}")
+    send, got = anyio.create_memory_object_stream[bytes](2)
+
+    async def receive() -> None:
+        await send.send((await dealer.recv())[0].bytes)
+
+    with anyio.fail_after(10):
+        await dealer.send([b"hello"])
+        peer = (await router.recv())[0]
+        async with send, got, anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            tg.start_soon(receive)
+            await anyio.wait_all_tasks_blocked()
+            await router.send([peer, b"one"])
+            assert await got.receive() == b"one"
+            await anyio.wait_all_tasks_blocked()  # the other receiver waits again
+            await router.send([peer, b"two"])
+            assert await got.receive() == b"two"
