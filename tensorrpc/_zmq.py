@@ -114,6 +114,7 @@ _get_running_loop: Final = asyncio._get_running_loop
 _FAIRNESS_STREAK: Final = 32
 _FAIRNESS_S: Final = 0.002
 _monotonic = time.monotonic
+_INF: Final = math.inf
 _security_logger = logging.getLogger("tensorrpc.security")
 # Handshake failures an AsyncSocket remembers (the most recent), and distinct reasons it
 # counts (a peer retrying every 100 ms repeats the same one).
@@ -925,8 +926,12 @@ class AsyncSocket:
             PeerUnreachableError: ROUTER: no peer with that routing id is connected.
             TransportError: Any other ZMQ failure.
         """
-        self._check_open()
-        parts, tracker = self._prepare(frames, track, copy)
+        if self._closed:  # `_check_open` and `_prepare`, inline: the small reply's path
+            raise ClosedError("the socket is closed")
+        if track:
+            parts, tracker = self._prepare(frames, track, copy)
+        else:
+            parts, tracker = frames, None
         sent = self._send_once(parts, copy)
         self._after_op()
         if not sent:
@@ -1091,7 +1096,7 @@ class AsyncSocket:
 
     def _after_op(self) -> None:
         self._streak += 1
-        if self._since == math.inf:  # the first operation since a wait or a yield
+        if self._since == _INF:  # the first operation since a wait or a yield
             self._since = _monotonic()
         waiter = self._waiter
         if waiter.fd_mask or waiter.amask:
