@@ -211,6 +211,7 @@ class ClientIO:
             curve=curve,
             deliver=self._on_bulk_message,
             on_lost=self._on_bulk_lost,
+            on_bound=self._on_bulk_bound,
         )
         # What vouches for the connection of the HELLO being handled (the bulk binding).
         self._hello_voucher: tuple[bytes, Voucher] | None = None
@@ -593,16 +594,20 @@ class ClientIO:
             return
         self._handle(event)
 
-    def _on_bulk_lost(self, peer: object, epoch: int) -> None:
-        """The bulk connection we dialed to an engine broke: its session is over."""
-        self._handle(self.protocol.bulk_lost(cast("bytes", peer), epoch))
+    def _on_bulk_lost(self, peer: object, epoch: int, ours: bool) -> None:
+        """An engine session's bound bulk connection broke: the session is over."""
+        self._handle(self.protocol.bulk_lost(cast("bytes", peer), epoch, self.now(), ours=ours))
+
+    def _on_bulk_bound(self, peer: object, epoch: int, ours: bool) -> None:
+        """An engine session's bulk connection is bound: its BYE comes on it too."""
+        self.protocol.bulk_bound(cast("bytes", peer), epoch, ours=ours)
 
     def _on_bulk_message(self, peer: object, frames: list[zmq.Frame], size: int) -> None:
-        """A message on an engine's bound bulk connection (its RESULTs)."""
+        """A message on an engine's bound bulk connection (its large RESULTs, its BYE)."""
         protocol = self.protocol
         body = cast("list[Buffer]", frames)
         key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
-        self._handle(protocol.receive(cast("bytes", peer), body, self.now(), key))
+        self._handle(protocol.receive(cast("bytes", peer), body, self.now(), key, bulk=True))
 
     def _handle(self, event: Call | Event | None) -> None:
         protocol = self.protocol

@@ -62,10 +62,12 @@ from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
     MAX_SIGNATURE_CHARS,
     PROTOCOL_VERSION,
+    Bye,
     ErrorInfo,
     Hello,
     MessageKind,
     Welcome,
+    encode_control,
 )
 from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._server_protocol import (
@@ -677,6 +679,8 @@ class Server:
                 await done.wait()
         proto.goodbye()  # also to clients whose WELCOME may still be on its way
         self._flush()
+        # ... and on every bound bulk connection, behind the RESULTs on it (rule 4).
+        self._bulk.goodbye(encode_control(MessageKind.BYE, Bye("shutdown")))
         logger.info("engine %r stopped", self._engine_id)
 
     # -- sockets ----------------------------------------------------------------------------
