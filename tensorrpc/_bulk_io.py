@@ -33,6 +33,7 @@ each.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -239,14 +240,21 @@ class BulkLinks:
             tg.start_soon(self._read, router, self._on_router_message, name="tensorrpc bulk reader")
             tg.start_soon(self._router_watch, router, name="tensorrpc bulk watch")
 
-    def close(self) -> None:
-        """Close every bulk socket (their readers end)."""
+    def close(self, linger_ms: int | None = None) -> None:
+        """Close every bulk socket (their readers end); ``linger_ms``: let ZMQ flush what
+        is queued on them (the last RESULTs and BYEs) that long (None: the sockets'
+        own linger)."""
         self._closed = True
-        for peer in list(self._dialed):
-            self._close_dialed(peer)
+        sockets = [d.sock for d in self._dialed.values()]
+        self._dialed.clear()
         router, self.router = self.router, None
         if router is not None:
-            router.close()
+            sockets.append(router)
+        for sock in sockets:
+            if linger_ms is not None and not sock.closed:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.socket.setsockopt(zmq.LINGER, linger_ms)
+            sock.close()
 
     # -- sessions ---------------------------------------------------------------------------
 

@@ -1228,6 +1228,8 @@ class ClientProtocol(Machine[bytes, Event]):
         if rec is None:
             return None
         if rec.engine is not None:
+            if rec.engine.byes:  # it said BYE: its control connection may be gone
+                return None
             return self._lose(rec.engine, "is unreachable (its connection closed)")
         if rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
@@ -1280,7 +1282,7 @@ class ClientProtocol(Machine[bytes, Event]):
             why = f"sent nothing for {now - engine.heard:.1f} s (dead_after)"
             lost.append(self._lose(engine, f"said BYE and then {why}" if engine.byes else why))
         for engine in list(self.engines.engines.values()):
-            if now >= engine.next_ping:
+            if now >= engine.next_ping and not engine.byes:
                 nonce = max(HEARTBEAT_NONCE + 1, int(now * 1e9))
                 self._queue(engine, engine.peer, _PING, None, nonce, now)
                 engine.next_ping = now + engine.ping_every

@@ -720,7 +720,7 @@ class Server:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
                 sock.close()
-        self._bulk.close()
+        self._bulk.close(linger_ms=_CLOSE_LINGER_MS)
         self._pending.clear()
 
     async def _receive_loop(self, sock: AsyncSocket, address: str | None) -> None:
