@@ -13,14 +13,17 @@ around them on both sides:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 
 from tensorrpc import _codec, _release, _streams
-from tensorrpc._compression import ZSTD
+from tensorrpc._compression import OFF_LOOP_BYTES, ZSTD
 from tensorrpc._exceptions import (
     DecodeError,
     ErrorCode,
@@ -184,7 +187,16 @@ async def _send_item(
     shm = engine.shm
     placer = io.policy.placer(transport, engine.peer, peer_receives=bool(shm and shm.to_engine))
     try:
-        encoded = _codec.encode(wire, io.codec, placer=placer, compression=compression)
+        try:
+            encoded = _codec.encode(
+                wire, io.codec, placer=placer, compression=compression, off_loop=OFF_LOOP_BYTES
+            )
+        except _codec.OffLoop:
+            # Large frames to compress (nothing placed): on a worker thread, as a CALL's
+            # arguments are. Not abandoned on cancellation; the item is then not sent.
+            encode = functools.partial(_codec.encode, wire, io.codec, compression=compression)
+            encoded = await anyio.to_thread.run_sync(encode)
+            await anyio.lowlevel.checkpoint_if_cancelled()
         _codec.check_message_size(
             encoded,
             maxmsgsize,
