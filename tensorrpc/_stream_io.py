@@ -288,6 +288,20 @@ class RequestItems:
     def __aiter__(self) -> RequestItems:
         return self
 
+    async def _decode(
+        self, call: ServerCall, payload: Any, buffers: Any, lazy: LazyResolver | None
+    ) -> Any:
+        """An item's wire value; one with large frames to decompress is decoded on a
+        worker thread, as a CALL's arguments are (a client that may send torch_shm
+        handles never compresses; elsewhere a handle is then refused)."""
+        shm = call.session.shm
+        if (shm is None or not shm.we_receive) and _codec.compressed_bytes(
+            payload, buffers
+        ) >= OFF_LOOP_BYTES:
+            decode = functools.partial(_codec.decode, payload, buffers, self._codec)
+            return await anyio.to_thread.run_sync(decode)
+        return _codec.decode(payload, buffers, self._codec, resolver=lazy)
+
     async def __anext__(self) -> Any:
         call = self._call
         stream = call.request
@@ -315,7 +329,7 @@ class RequestItems:
         lazy = self._resolver(call, payload) if self._resolver is not None else None
         try:
             try:
-                wire = _codec.decode(payload, buffers, self._codec, resolver=lazy)
+                wire = await self._decode(call, payload, buffers, lazy)
             finally:
                 if lazy is not None and lazy.inner is not None:
                     # Its tensors may sit on the client's regions until the final reply.

@@ -163,8 +163,9 @@ async def test_a_call_cancelled_while_its_frame_is_compressed_ends_cleanly(
 
 
 async def test_large_request_items_are_compressed_off_the_loop(threads: Threads) -> None:
-    """The items of a client stream are compressed as a CALL's arguments are: one with
-    frames of at least ``OFF_LOOP_BYTES`` on a worker thread, a small one inline."""
+    """The items of a client stream are compressed and decompressed as a CALL's
+    arguments are: one with frames of at least ``OFF_LOOP_BYTES`` on a worker thread, a
+    small one inline."""
     async with (
         Server(Streams(), bind=TCP, engine_id="e1") as server,
         Client(Streams, connect=server.endpoint) as client,
@@ -173,5 +174,6 @@ async def test_large_request_items_are_compressed_off_the_loop(threads: Threads)
             await client.wait_for_engines(1)
             stub = client.with_options(compression="zstd").stub()
             assert await stub.keep([LARGE, SMALL]) == 2
-    compressed = [(size, on_loop) for what, size, on_loop in threads.records if what == "compress"]
-    assert compressed == [(LARGE.nbytes, False), (SMALL.nbytes, True)]
+    for what in ("compress", "decompress"):
+        done = [(size, on_loop) for w, size, on_loop in threads.records if w == what]
+        assert done == [(LARGE.nbytes, False), (SMALL.nbytes, True)], what
