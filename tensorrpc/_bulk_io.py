@@ -56,7 +56,14 @@ from tensorrpc._bulk import (
     listen_endpoint,
 )
 from tensorrpc._exceptions import ClosedError, RemoteProtocolError, TensorRPCError
-from tensorrpc._protocol import Attach, MessageKind, decode_control, encode_control, split_frames
+from tensorrpc._protocol import (
+    Attach,
+    Bye,
+    MessageKind,
+    decode_control,
+    encode_control,
+    split_frames,
+)
 from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._text import peer_text
 from tensorrpc._zmq import (
@@ -240,10 +247,13 @@ class BulkLinks:
             tg.start_soon(self._read, router, self._on_router_message, name="tensorrpc bulk reader")
             tg.start_soon(self._router_watch, router, name="tensorrpc bulk watch")
 
-    def close(self, linger_ms: int | None = None) -> None:
+    def close(self, linger_ms: int | None = None, *, bye: str = "") -> None:
         """Close every bulk socket (their readers end); ``linger_ms``: let ZMQ flush what
         is queued on them (the last RESULTs and BYEs) that long (None: the sockets'
-        own linger)."""
+        own linger); ``bye``: first say BYE with that reason on each bound one
+        (`goodbye`)."""
+        if bye and not self._closed:
+            self.goodbye(bye)
         self._closed = True
         sockets = [d.sock for d in self._dialed.values()]
         self._dialed.clear()
@@ -363,10 +373,11 @@ class BulkLinks:
             return None
         return self.router, [pipe, *frames]  # type: ignore[list-item]
 
-    def goodbye(self, frames: Sequence[Buffer]) -> None:
-        """Rule 4: a draining side's BYE ``frames`` go on every bound bulk connection too,
-        behind any RESULT still on it (one that cannot be queued is left out: the
-        connection's end says the same)."""
+    def goodbye(self, reason: str) -> None:
+        """Rule 4: a draining side's BYE goes on every bound bulk connection too, behind
+        any RESULT still on it (one that cannot be queued is left out: the connection's
+        end says the same)."""
+        frames = encode_control(MessageKind.BYE, Bye(reason))
         targets: list[tuple[AsyncSocket, list[Buffer]]] = [
             (d.sock, list(frames)) for d in self._dialed.values() if d.bound
         ]
@@ -549,7 +560,7 @@ class BulkLinks:
                     self._on_bound(peer, dialed.epoch, False)
 
     async def _dealer_watch(self, peer: Hashable, dialed: _Dialed, handle: _Handler) -> None:
-        """Rule 5, dialing: the connection broke after its ATTACH was answered: the
+        """Rule 5, dialling: the connection broke after its ATTACH was answered: the
         session is over (``on_lost``, once what it carried last is handled); one that
         breaks before carried nothing."""
         on_lost = self._on_lost

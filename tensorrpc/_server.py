@@ -62,12 +62,10 @@ from tensorrpc._logonce import Said
 from tensorrpc._protocol import (
     MAX_SIGNATURE_CHARS,
     PROTOCOL_VERSION,
-    Bye,
     ErrorInfo,
     Hello,
     MessageKind,
     Welcome,
-    encode_control,
 )
 from tensorrpc._release import later_if_large, nbytes
 from tensorrpc._server_protocol import (
@@ -679,8 +677,6 @@ class Server:
                 await done.wait()
         proto.goodbye()  # also to clients whose WELCOME may still be on its way
         self._flush()
-        # ... and on every bound bulk connection, behind the RESULTs on it (rule 4).
-        self._bulk.goodbye(encode_control(MessageKind.BYE, Bye("shutdown")))
         logger.info("engine %r stopped", self._engine_id)
 
     # -- sockets ----------------------------------------------------------------------------
@@ -720,7 +716,7 @@ class Server:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
                 sock.close()
-        self._bulk.close(linger_ms=_CLOSE_LINGER_MS)
+        self._bulk.close(_CLOSE_LINGER_MS, bye="shutdown")  # BYE on each bulk connection too
         self._pending.clear()
 
     async def _receive_loop(self, sock: AsyncSocket, address: str | None) -> None:
