@@ -572,11 +572,12 @@ class BulkLinks:
             except ClosedError:
                 return
             sock.connection_events()  # not needed here: not kept
+            if self._dialed.get(peer) is not dialed:
+                return
+            _drain(sock, handle)  # the answer, or a BYE that ends the session first
             if dialed.bound and self._dialed.get(peer) is dialed:
-                _drain(sock, handle)  # a BYE among them may end the session first
-                if self._dialed.get(peer) is dialed:
-                    self._close_dialed(peer)
-                    on_lost(peer, dialed.epoch, False)
+                self._close_dialed(peer)
+                on_lost(peer, dialed.epoch, False)
                 return
 
 
