@@ -290,20 +290,8 @@ class BlockingCallView(Generic[S]):
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
 
-        An option not given keeps this view's value (views chain); ``None`` clears one.
-
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
-            metadata: Request metadata sent with each call (see `CallOptions`).
-            compression: ``"zstd"`` or a `Compression` (see `CallOptions`).
-
-        Returns:
-            The new view.
+        As [`CallView.with_options`][tensorrpc.CallView.with_options]: an option not
+        given keeps this view's value (views chain); ``None`` clears one.
         """
         view = self._view.with_options(
             engine=engine,
@@ -365,25 +353,11 @@ class BlockingCallView(Generic[S]):
         """Call one method with one result and wait for it, typed from the service's method.
 
         ``client.call(Calculator.add, 1, 2)`` checks the arguments against
-        ``Calculator.add`` and returns its result type. Interrupting the wait (Ctrl-C)
-        cancels the call on the engine.
-
-        Args:
-            method: The method, taken from the service class (``Calculator.add``).
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            The method's result.
-
-        A client-streaming method takes a plain iterable of its request items
-        (``client.call(Files.upload, chunks)``), pulled in a worker thread as the engine's
-        credit allows.
-
-        Raises:
-            TypeError: ``method`` is not a unary method of this client's service.
-            ClosedError: The client is closed.
-            TensorRPCError: As [`CallView.call`][tensorrpc.CallView.call].
+        ``Calculator.add`` and returns its result, raising as
+        [`CallView.call`][tensorrpc.CallView.call] does. Interrupting the wait (Ctrl-C)
+        cancels the call on the engine. A client-streaming method takes a plain iterable
+        of its request items (``client.call(Files.upload, chunks)``), pulled in a worker
+        thread as the engine's credit allows.
         """
         view = self._view
         args, kwargs = _request_items(self._runner, method, args, kwargs)
@@ -421,20 +395,6 @@ class BlockingCallView(Generic[S]):
 
         ``value, metadata = client.call_with_metadata(Greeter.hello, "ada")``; the metadata
         is empty when the engine sent none (docs/context.md).
-
-        Args:
-            method: The method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            ``(result, response metadata)``.
-
-        Raises:
-            TypeError: ``method`` is not a unary method of this client's service.
-            ClosedError: The client is closed.
-            TensorRPCError: As
-                [`CallView.call_with_metadata`][tensorrpc.CallView.call_with_metadata].
         """
         view = self._view
         args, kwargs = _request_items(self._runner, method, args, kwargs)
@@ -450,21 +410,9 @@ class BlockingCallView(Generic[S]):
     ) -> BlockingStream[T]:
         """Start a streaming call: ``for item in client.stream(Calc.count, 5): ...``.
 
-        Args:
-            method: The streaming method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            The stream of items, a plain iterator.
-
         A bidirectional method takes a plain iterable of its request items
         (``client.stream(Chat.talk, lines)``), pulled in a worker thread as the engine's
         credit allows while the response is read.
-
-        Raises:
-            TypeError: ``method`` is not a streaming method of this client's service.
-            ClosedError: The client is closed.
         """
         view = self._view
         given, named = _request_items(self._runner, method, args, kwargs)
@@ -474,33 +422,15 @@ class BlockingCallView(Generic[S]):
     def broadcast(self, method: str, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call a unary method on every live engine concurrently; ``{engine id: result}``.
 
-        Args:
-            method: The method name.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            ``{engine_id: result}`` for every engine live when the broadcast started.
-
-        Raises:
-            BroadcastError: At least one engine failed.
-            EngineNotFoundError: No engine is live.
-            ClosedError: The client is closed.
+        As [`CallView.broadcast`][tensorrpc.CallView.broadcast], waiting for the results.
         """
         view = self._view
         return self._runner.run(functools.partial(view.broadcast, method, *args, **kwargs))
 
     def call_by_name(self, method: str, arguments: Mapping[str, Any] | None = None, /) -> Any:
-        """Call a unary method by name, with its arguments given by name.
+        """Call a unary method by name, with its arguments given by name, and wait.
 
         See [`CallView.call_by_name`][tensorrpc.CallView.call_by_name].
-
-        Args:
-            method: The method name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The method's result.
         """
         view = self._view
         return self._runner.run(functools.partial(view.call_by_name, method, arguments))
@@ -508,15 +438,7 @@ class BlockingCallView(Generic[S]):
     def stream_by_name(
         self, method: str, arguments: Mapping[str, Any] | None = None, /
     ) -> BlockingStream[Any]:
-        """Start a streaming call by name, with its arguments given by name.
-
-        Args:
-            method: The streaming method's name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The stream of items, a plain iterator.
-        """
+        """Start a streaming call by name, with its arguments given by name."""
         view = self._view
         return _open_stream(self._runner, functools.partial(view.stream_by_name, method, arguments))
 
@@ -637,14 +559,8 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     ) -> BlockingClient[Any]:
         """A blocking schemaless client (see [`Client.dynamic`][tensorrpc.Client.dynamic]).
 
-        Args:
-            bind: Address(es) to bind; engines dial in.
-            connect: Address(es) of engines that listen.
-            backend: The background loop: ``"asyncio"`` (default) or ``"trio"``.
-            **options: Any other keyword argument of [`Client`][tensorrpc.Client].
-
-        Returns:
-            The open client; call it with ``call_by_name`` and ``stream_by_name``.
+        Takes the arguments of the constructor less ``service``; call it with
+        ``call_by_name`` and ``stream_by_name``.
         """
         self: BlockingClient[Any] = cls.__new__(cls)
 
@@ -709,19 +625,9 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     def wait_for_engines(
         self, count: int = 1, *, timeout: float | None = None
     ) -> Mapping[str, EngineInfo]:
-        """Wait until at least ``count`` engines are live.
+        """Wait until at least ``count`` engines are live; the live engines.
 
-        Args:
-            count: How many live engines to wait for.
-            timeout: Seconds to wait at most; ``None`` waits without bound, but not for
-                refused engines (see `Client.wait_for_engines`).
-
-        Returns:
-            The live engines (as [`engines`][tensorrpc.BlockingClient.engines]).
-
-        Raises:
-            EnginesUnavailableError: The timeout passed first (also a ``TimeoutError``).
-            ClosedError: The client is closed.
+        As [`Client.wait_for_engines`][tensorrpc.Client.wait_for_engines].
         """
         client = self._runner.client
         return self._runner.run(functools.partial(client.wait_for_engines, count, timeout=timeout))
@@ -729,21 +635,7 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     def health(
         self, engine: str | None = None, *, service: str = "", timeout: float | None = 5.0
     ) -> HealthStatus:
-        """Ask one engine for its health (see [`Client.health`][tensorrpc.Client.health]).
-
-        Args:
-            engine: The engine's id; ``None``: any live engine.
-            service: The service asked about; ``""``: the engine as a whole.
-            timeout: Seconds for the answer (``None``: no deadline).
-
-        Returns:
-            ``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN``.
-
-        Raises:
-            EngineNotFoundError: The engine is not live (or none is).
-            CallTimeoutError: No answer in time.
-            ClosedError: The client is closed.
-        """
+        """Ask one engine for its health (see [`Client.health`][tensorrpc.Client.health])."""
         client = self._runner.client
         return self._runner.run(
             functools.partial(client.health, engine, service=service, timeout=timeout)
