@@ -181,18 +181,14 @@ def _plain(items: object) -> bool:
     return isinstance(items, Iterable) and not isinstance(items, str | bytes | AsyncIterable)
 
 
-def _as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Args:
-    return args, kwargs
-
-
 def _request_items(
     runner: _Runner, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> _Args:
     """``method``'s arguments, its request items pulled in a worker thread if it takes them."""
     spec = runner.client.service.methods.get(getattr(method, "__name__", ""))
-    if spec is None or not spec.request_streaming:
-        return args, kwargs
-    return _threaded(args, kwargs)
+    return (
+        _threaded(args, kwargs) if spec is not None and spec.request_streaming else (args, kwargs)
+    )
 
 
 class _ClosesOnExit:
@@ -359,9 +355,8 @@ class BlockingCallView(Generic[S]):
         of its request items (``client.call(Files.upload, chunks)``), pulled in a worker
         thread as the engine's credit allows.
         """
-        view = self._view
         args, kwargs = _request_items(self._runner, method, args, kwargs)
-        return self._runner.run(functools.partial(view.call, method, *args, **kwargs))
+        return self._runner.run(functools.partial(self._view.call, method, *args, **kwargs))
 
     @overload
     def call_with_metadata(
@@ -396,9 +391,8 @@ class BlockingCallView(Generic[S]):
         ``value, metadata = client.call_with_metadata(Greeter.hello, "ada")``; the metadata
         is empty when the engine sent none (docs/context.md).
         """
-        view = self._view
         args, kwargs = _request_items(self._runner, method, args, kwargs)
-        call = functools.partial(view.call_with_metadata, method, *args, **kwargs)
+        call = functools.partial(self._view.call_with_metadata, method, *args, **kwargs)
         return self._runner.run(call)
 
     def stream(
@@ -414,9 +408,8 @@ class BlockingCallView(Generic[S]):
         (``client.stream(Chat.talk, lines)``), pulled in a worker thread as the engine's
         credit allows while the response is read.
         """
-        view = self._view
         given, named = _request_items(self._runner, method, args, kwargs)
-        start: Callable[[], CallStream[T]] = functools.partial(view.stream, method, *given, **named)
+        start = functools.partial(self._view.stream, method, *given, **named)
         return _open_stream(self._runner, start)
 
     def broadcast(self, method: str, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -424,23 +417,21 @@ class BlockingCallView(Generic[S]):
 
         As [`CallView.broadcast`][tensorrpc.CallView.broadcast], waiting for the results.
         """
-        view = self._view
-        return self._runner.run(functools.partial(view.broadcast, method, *args, **kwargs))
+        return self._runner.run(functools.partial(self._view.broadcast, method, *args, **kwargs))
 
     def call_by_name(self, method: str, arguments: Mapping[str, Any] | None = None, /) -> Any:
         """Call a unary method by name, with its arguments given by name, and wait.
 
         See [`CallView.call_by_name`][tensorrpc.CallView.call_by_name].
         """
-        view = self._view
-        return self._runner.run(functools.partial(view.call_by_name, method, arguments))
+        return self._runner.run(functools.partial(self._view.call_by_name, method, arguments))
 
     def stream_by_name(
         self, method: str, arguments: Mapping[str, Any] | None = None, /
     ) -> BlockingStream[Any]:
         """Start a streaming call by name, with its arguments given by name."""
-        view = self._view
-        return _open_stream(self._runner, functools.partial(view.stream_by_name, method, arguments))
+        start = functools.partial(self._view.stream_by_name, method, arguments)
+        return _open_stream(self._runner, start)
 
 
 class BlockingStub(Generic[S]):
@@ -475,19 +466,12 @@ class _BlockingStub(BlockingStub[Any]):
             raise AttributeError(f"service {self._spec.name!r} has no rpc method {name!r}")
         async_fn: Callable[..., Any] = getattr(self._async_stub, name)
         runner = self._runner
-        fn: Callable[..., Any]
-        threaded = _threaded if method.request_streaming else _as_given
-        if method.streaming:
 
-            def fn(*args: Any, **kwargs: Any) -> BlockingStream[Any]:
-                args, kwargs = threaded(args, kwargs)
-                return _open_stream(runner, functools.partial(async_fn, *args, **kwargs))
-
-        else:
-
-            def fn(*args: Any, **kwargs: Any) -> Any:
-                args, kwargs = threaded(args, kwargs)
-                return runner.run(functools.partial(async_fn, *args, **kwargs))
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            if method.request_streaming:
+                args, kwargs = _threaded(args, kwargs)
+            call = functools.partial(async_fn, *args, **kwargs)
+            return _open_stream(runner, call) if method.streaming else runner.run(call)
 
         fn.__name__ = name
         fn.__qualname__ = async_fn.__qualname__
