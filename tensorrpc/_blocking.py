@@ -1,15 +1,9 @@
-"""A blocking client for scripts and notebooks: the async `Client` on a background loop.
+"""A blocking client for scripts and notebooks: the async `Client` on a background loop
+(docs/client.md, "Blocking client").
 
-`BlockingClient` starts one daemon thread that runs an event loop (asyncio by default,
-or trio) with an anyio ``BlockingPortal``, opens an ordinary `Client` inside it, and turns
-each call into "run this coroutine on that loop and wait for its result". The caller's
-thread never runs the client's loop, so it works the same from a plain script, from a
-thread, and from code whose own thread already runs an event loop (Jupyter, an asyncio
-application calling a library that blocks).
-
-Lifetime: ``with BlockingClient(...) as client:`` or ``close()``; a client that is neither
-closed nor in a ``with`` is closed when it is garbage-collected or when the interpreter
-exits (a ``weakref.finalize``), so no thread, socket or engine lease outlives it.
+`BlockingClient` runs an anyio ``BlockingPortal`` on a daemon thread of its own and turns
+each call into "run this coroutine on that loop and wait for its result"; a client that
+is neither closed nor in a ``with`` is closed by a ``weakref.finalize`` (at GC or exit).
 """
 
 from __future__ import annotations

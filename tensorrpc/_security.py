@@ -1,34 +1,11 @@
 """CURVE encryption and authentication for tensorrpc sockets, and the exposure warning.
 
-ZMQ's CURVE mechanism (CurveZMQ: Curve25519 key exchange, then every frame encrypted and
-authenticated) protects ``tcp://`` and ``ipc://`` connections. Its roles are **ZMQ roles,
-independent of bind/connect**:
-
-* the *CURVE server* holds a keypair whose public key its peers know in advance, and
-  decides which clients it accepts ([`CurveServerConfig`][tensorrpc.CurveServerConfig], with an
-  allow-list);
-* a *CURVE client* holds its own keypair and the server's public key
-  ([`CurveClientConfig`][tensorrpc.CurveClientConfig]); it refuses any peer that cannot prove it
-  holds the
-  server's secret key.
-
-The simplest rule, and the one the docs recommend: **the binding side is the CURVE
-server**. A CURVE-server socket may also ``connect`` (ZMQ allows either pairing), which is
-how a socket that both binds and connects keeps one role.
-
-Client keys are checked by a ZAP handler (`ZapAuthenticator`): one background thread
-per ZMQ context, because the ZAP endpoint ``inproc://zeromq.zap.01`` is per context.
-Each CURVE-server socket registers its own ZAP domain with its own allow-list, so servers
-in one process can accept different clients. The handler starts with the first secured
-socket of a context and stops when the last one closes. pyzmq's ``ThreadAuthenticator``
-was not used: its "allow any client" switch is global to the context rather than per
-domain, and it runs an asyncio loop inside its thread; the handler here is a plain
-blocking poll loop of about forty lines, independent of the caller's event loop (asyncio
-or trio).
-
-Keys are z85-encoded bytes (40 characters), as `zmq.curve_keypair` returns them.
-Key files use ZMQ's certificate format (readable by `zmq.auth.load_certificate`):
-``NAME.key`` holds the public key, ``NAME.key_secret`` both keys, written with mode 0600.
+The roles (the CURVE server is a ZMQ role, independent of bind/connect), the ZAP handler
+(`ZapAuthenticator`: one thread per ZMQ context, one domain and allow-list per
+CURVE-server socket, fail-closed) and the key files (ZMQ certificates, z85 keys,
+``NAME.key`` / ``NAME.key_secret`` mode 0600) are described in docs/security.md. pyzmq's
+``ThreadAuthenticator`` is not used: its "allow any client" switch is global to the
+context rather than per domain, and it runs an asyncio loop inside its thread.
 """
 
 from __future__ import annotations
@@ -379,20 +356,9 @@ class ZapAuthenticator:
     """The ZAP handler of one ZMQ context, shared by all its CURVE-server sockets.
 
     Obtain it with `acquire` (which starts it on first use) and give it back with
-    `release` (which stops it when no socket uses it any more); `apply_curve`
-    does both for you. Decisions, per request:
-
-    1. ``NULL`` mechanism: accepted (libzmq only asks for NULL sockets that set a ZAP domain).
-    2. ``CURVE`` on a registered domain: accepted if the domain accepts any client or the
-       client's key is on its allow-list, else denied.
-    3. Anything else (an unregistered domain, PLAIN, GSSAPI, a malformed request): denied.
-
-    The handler owns the context's ZAP endpoint: a context can have only one, so another
-    handler (e.g. pyzmq's ``ThreadAuthenticator``) on the same context makes
-    `acquire` fail.
-
-    Args:
-        context: The ZMQ context whose ZAP requests this handler answers.
+    `release` (which stops it with its last user); `apply_curve` does both. It accepts
+    NULL (libzmq asks only for NULL sockets that set a ZAP domain), CURVE on a registered
+    domain whose allow-list has the key (or allows any), and denies anything else.
     """
 
     _lock: Final = threading.Lock()

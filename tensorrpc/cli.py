@@ -1,18 +1,5 @@
-"""The ``tensorrpc`` command: run engines, inspect services, make calls from a shell.
-
-Subcommands (``tensorrpc SUBCOMMAND --help`` for each):
-
-* ``serve module:Class``: run an engine that serves an instance of a ``@service`` class
-  until SIGINT/SIGTERM, which drain it gracefully (exit status 0).
-* ``describe module:Class``: print the service (methods, signatures, types, fingerprint).
-* ``call ADDR method k=v ...`` (or ``--arg k=v``, ``-d JSON``): call a method of a running
-  engine without its class.
-* ``health ADDR``: exit 0 when an engine at ADDR answers SERVING in time (a probe).
-
-``serve`` takes ``--metrics-port``, ``--tracing`` and CURVE flags, each also from a
-``TENSORRPC_*`` environment variable (see ``tensorrpc._cli_ops``); ``call``, ``describe
-ADDR``, ``health`` and ``top`` take the CURVE flags.
-* ``bench`` / ``demo``: run the benchmark / the multi-engine demo of a repository checkout.
+"""The ``tensorrpc`` command (docs/cli.md): ``serve``, ``describe``, ``call``, ``health``,
+``top``, ``bench`` and ``demo``.
 
 User mistakes (a bad address, an unknown method or class, a malformed ``--arg``, an engine
 that does not answer in time) are reported as one line on stderr, never a traceback. The
