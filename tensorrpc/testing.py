@@ -59,7 +59,6 @@ __all__ = [
 ]
 
 S = TypeVar("S")
-S_co = TypeVar("S_co", covariant=True)
 
 #: Where engines run: tasks of the caller's event loop, or one subprocess each.
 Isolation = Literal["task", "process"]
