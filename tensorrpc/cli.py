@@ -72,14 +72,11 @@ def _build_parser() -> _Parser:
         epilog="Run 'tensorrpc SUBCOMMAND --help' for the options of each subcommand.",
     )
     parser.add_argument("--version", action="version", version=tensorrpc.__version__)
-    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
-    sub.required = True
-    _add_serve(sub)
-    _add_describe(sub)
-    _add_call(sub)
-    _add_health(sub)
-    _add_top(sub)
-    _add_runners(sub)
+    sub = parser.add_subparsers(
+        dest="command", metavar="SUBCOMMAND", parser_class=_Parser, required=True
+    )
+    for add in (_add_serve, _add_describe, _add_call, _add_health, _add_top, _add_runners):
+        add(sub)
     return parser
 
 
