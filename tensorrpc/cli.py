@@ -338,15 +338,12 @@ def load_target(target: str) -> object:
         sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (
-            module_name == exc.name or module_name.startswith(exc.name + ".")
-        ):
-            raise CommandError(
-                f"cannot import {module_name!r}: no module named {exc.name!r}"
-            ) from exc
-        raise CommandError(f"importing {module_name!r} failed: {_one_line(exc)}") from exc
     except Exception as exc:
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise CommandError(
+                f"cannot import {module_name!r}: no module named {missing!r}"
+            ) from exc
         raise CommandError(f"importing {module_name!r} failed: {_one_line(exc)}") from exc
     obj: object = module
     for part in attr.split("."):
@@ -416,8 +413,7 @@ def describe_dict(spec: tensorrpc.ServiceSpec) -> dict[str, Any]:
     for m in spec.methods.values():
         params = []
         for name, tp in zip(m.params, m.param_types, strict=True):
-            param: dict[str, Any] = {"name": name, "type": tp.description}
-            param["schema"] = next(next_schema)
+            param = {"name": name, "type": tp.description, "schema": next(next_schema)}
             if name in m.defaults:
                 param["default"] = to_json(m.defaults[name])
             params.append(param)
