@@ -109,7 +109,7 @@ def main() -> None:
             rows = asyncio.run(_measure(peer, addr, args))
     keys = ("wall_us", "calls_per_s", "client_cpu_us", "engine_cpu_us")
     load = os.getloadavg()[0]
-    print(f"{args.system}: {args.calls} calls, {args.inflight} in flight; load {load:.2f}")
+    print(f"{args.calls} calls, {args.inflight} in flight; load {load:.2f}; {args.system}")
     for row in rows:
         print("  ".join(f"{k} {row[k]:.1f}" for k in keys))
     print("median  " + "  ".join(f"{k} {statistics.median(r[k] for r in rows):.1f}" for k in keys))

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests import _forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,9 +138,14 @@ def test_report_has_the_other_direction_when_measured(tmp_path: Path) -> None:
     assert paths["chart"].stat().st_size > 0
 
 
-def test_call_cpu_reports_client_and_engine_cpu_per_call() -> None:
-    lines = _bench("bench.call_cpu", "--calls", "2000", "--runs", "2").stdout.splitlines()
-    assert lines[0].startswith("2000 calls, 64 in flight")
+@pytest.mark.parametrize(("system", "inflight"), [("tensorrpc", "64"), ("pyzmq", "1")])
+def test_call_cpu_reports_client_and_engine_cpu_per_call(system: str, inflight: str) -> None:
+    lines = _bench(
+        "bench.call_cpu", "--calls", "2000", "--runs", "2", "--system", system,
+        "--inflight", inflight,
+    ).stdout.splitlines()  # fmt: skip
+    assert lines[0].startswith(f"2000 calls, {inflight} in flight")
+    assert lines[0].endswith(f"; {system}")
     runs = [line for line in lines[1:] if not line.startswith("median")]
     assert len(runs) == 2
     for line in [*runs, lines[-1]]:
