@@ -293,9 +293,12 @@ class Pong:
 class FactsNeeded:
     """A HELLO came while torch_shm is on here and ``receive`` was given no facts: the
     shell gathers what the kernel says about the connection it came on and gives the
-    same message to ``receive`` again with them (nothing was done with it yet)."""
+    same message (``frames``, ``key``) to ``receive`` again with them (nothing was done
+    with it yet)."""
 
     peer: bytes
+    frames: Sequence[Buffer]
+    key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,9 +309,12 @@ class Ignored:
     why: str
 
 
-#: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
+#: What `ClientProtocol.next_events` gives; a `Call` there is one a reply (or the
+#: client's end) concerned: its state says what happened (the hot path allocates no
+#: event for it).
 Event = (
-    _streams.CreditGranted
+    Call
+    | _streams.CreditGranted
     | EngineJoined
     | EngineLost
     | EngineRefused
@@ -566,8 +572,8 @@ class ClientProtocol(Machine[bytes, Event]):
         placed: tuple[int, int] = (0, 0),
         returns: Sequence[int] = (),
         metadata: bytes = b"",
-    ) -> tuple[Call, list[Any]]:
-        """Enter a call to ``engine`` in the table and build its CALL.
+    ) -> Call:
+        """Enter a call to ``engine`` in the table and queue its CALL.
 
         Args:
             engine: Where it goes (`select`); spec: the method; waiter: the shell's
@@ -582,9 +588,8 @@ class ClientProtocol(Machine[bytes, Event]):
             metadata: The request metadata block (`tensorrpc._metadata.encode_block`).
 
         Returns:
-            The call and the CALL message ``[peer, header, payload, *buffers]``; the shell
-            sends it after what `frames_to_send` holds (a RELEASE may have to go first),
-            and tells `call_unsent` if it cannot.
+            The call. Its CALL is the last message in `frames_to_send` (a RELEASE may
+            have to go before it); the shell tells `call_unsent` if it cannot send it.
         """
         if self.closed:
             raise ClosedError("the client is closed")
@@ -611,7 +616,8 @@ class ClientProtocol(Machine[bytes, Event]):
         for buffer in buffers:
             size += memoryview(buffer).nbytes
         engine.bytes_sent += size
-        return call, [engine.peer, header, payload, *buffers]
+        self._sends.append((engine.peer, [header, payload, *buffers]))
+        return call
 
     def call_ended(self, call: Call, outcome: str, now: float) -> bool:
         """The caller is done with ``call`` (result, error, or the stream's end or close),
@@ -810,7 +816,7 @@ class ClientProtocol(Machine[bytes, Event]):
         now: float,
         key: str | None = None,
         facts: PeerFacts | None = None,
-    ) -> Call | Event | None:
+    ) -> None:
         """Handle one message from ``peer`` (its frames after the routing id).
 
         Args:
@@ -823,10 +829,21 @@ class ClientProtocol(Machine[bytes, Event]):
                 (the shell gathers them when told so by `FactsNeeded`: the hot path
                 never pays for them).
 
-        Returns:
-            The `Call` a reply concerns (its state says what happened), an event,
-            or ``None``. Further events, if any, wait in `next_events`.
+        What happened goes to `next_events` (the `Call` a reply concerns, first among
+        the events of a reply), what to send to `frames_to_send`.
         """
+        event = self._receive(peer, frames, now, key, facts)
+        if event is not None:
+            self._events.append(event)
+
+    def _receive(
+        self,
+        peer: bytes,
+        frames: Sequence[Buffer],
+        now: float,
+        key: str | None,
+        facts: PeerFacts | None,
+    ) -> Call | Event | None:
         try:
             header, payload, buffers = split_frames(frames)
         except RemoteProtocolError as exc:
@@ -835,7 +852,7 @@ class ClientProtocol(Machine[bytes, Event]):
         rec = self._peers.get(peer)
         state = PeerState.NONE if rec is None else rec.state
         if kind is _HELLO and facts is None and self._facts_needed:
-            return FactsNeeded(peer)  # the shell gathers them for HELLOs only
+            return FactsNeeded(peer, frames, key)  # the shell gathers them for HELLOs only
         if state is PeerState.LIVE:
             engine = rec.engine  # type: ignore[union-attr]
             assert engine is not None
@@ -1184,43 +1201,49 @@ class ClientProtocol(Machine[bytes, Event]):
             "stall?)",
         )
 
-    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> EngineLost | None:
-        """End the session of ``engine_id`` if its engine runs as process ``pid``.
+    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> bool:
+        """End the session of ``engine_id`` if its engine runs as process ``pid``
+        (`EngineLost` in `next_events`); False: nothing happened.
 
         For supervisors that saw the process die before its heartbeats stopped.
         """
         engine = self.engines.engines.get(engine_id)
         if engine is None or engine.info.pid != pid:
-            return None
-        return self._lose(engine, reason)
+            return False
+        self._events.append(self._lose(engine, reason))
+        return True
 
-    def send_failed(self, peer: bytes, now: float) -> EngineLost | None:
-        """A send to ``peer`` failed because no connection to it exists (yet)."""
+    def send_failed(self, peer: bytes, now: float) -> None:
+        """A send to ``peer`` failed because no connection to it exists (yet): its
+        session ends (`EngineLost` in `next_events`), or a dialled address is asked
+        again after a backoff."""
         rec = self._peers.get(peer)
         if rec is None:
-            return None
+            return
         if rec.engine is not None:
-            return self._lose(rec.engine, "is unreachable (its connection closed)")
-        if rec.dial is not None:
+            self._events.append(self._lose(rec.engine, "is unreachable (its connection closed)"))
+        elif rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
-        return None
 
-    def bulk_lost(self, peer: bytes, epoch: int) -> EngineLost | None:
+    def bulk_lost(self, peer: bytes, epoch: int) -> None:
         """Rule 5 (docs/design.md, "a bulk connection per peer"): the bulk connection we
         dialed for ``peer``'s session of ``epoch`` broke while control may live. The
         session is over, as if control had broken: its calls fail with
         `EngineDeadError` at once (what they had on the bulk connection is lost with
         it), and the engine's next HELLO starts a new session with a new bulk
-        connection. None: that session is over already."""
+        connection (`EngineLost` in `next_events`). Nothing: that session is over
+        already."""
         rec = self._peers.get(peer)
         engine = rec.engine if rec is not None else None
-        if engine is None or engine.epoch != epoch:
-            return None
-        return self._lose(engine, "lost its bulk connection")
+        if engine is not None and engine.epoch == epoch:
+            self._events.append(self._lose(engine, "lost its bulk connection"))
 
-    def tick(self, now: float) -> list[EngineLost]:
-        """Timers: end silent or forgotten sessions, send heartbeats and hello requests."""
-        lost = [self._forgotten(engine, now) for engine in self.engines.forgot_us(now)]
+    def tick(self, now: float) -> None:
+        """Timers: end silent or forgotten sessions (`EngineLost` in `next_events`),
+        send heartbeats and hello requests."""
+        lost = self._events
+        for engine in self.engines.forgot_us(now):
+            lost.append(self._forgotten(engine, now))
         dead_after = self.config.heartbeat.dead_after
         for engine in self.engines.expired(now, dead_after):
             lost.append(
@@ -1235,7 +1258,6 @@ class ClientProtocol(Machine[bytes, Event]):
             dial = rec.dial
             if rec.state is PeerState.DIALING and dial is not None and now >= dial.due:
                 self._hello_request(alias, dial, now)
-        return lost
 
     def next_tick(self, now: float) -> float:
         """Seconds until `tick` has something to do (at most the heartbeat interval)."""
@@ -1250,21 +1272,18 @@ class ClientProtocol(Machine[bytes, Event]):
         due = min(due, self.rejoining.due(now))
         return max(_MIN_TICK_S, due - now)
 
-    def close(self, now: float) -> list[Call]:
-        """Say BYE to every engine and fail every call with ClosedError (idempotent).
-
-        Returns:
-            The calls that ended here.
-        """
+    def close(self, now: float) -> None:
+        """Say BYE to every engine and fail every call with ClosedError (idempotent):
+        the calls that ended here are in `next_events`."""
         if self.closed:
-            return []
+            return
         for engine in list(self.engines.engines.values()):
             self._queue(engine, engine.peer, _BYE, Bye("closed"), 0, now)
         self._held.clear()
         self._held_by_lease.clear()
         self._peers.clear()
         self.closed = True
-        return self.calls.fail_all(ClosedError, "the client was closed")
+        self._events += self.calls.fail_all(ClosedError, "the client was closed")
 
 
 def _same_session(engine: Engine, hello: Hello) -> bool:

@@ -1,8 +1,8 @@
 """`ProtocolPair`: one ClientProtocol and its engines' ServerProtocols, wired in memory.
 
 In the style of h11's ``tests/helpers.py`` ``ConnectionPair``: both ends are the real
-sans-I/O machines, and every frame on the wire is one a machine built
-(`ClientProtocol.start_call`, ``frames_to_send``; `ServerProtocol.result`,
+sans-I/O machines, and every frame on the wire is one a machine queued in
+``frames_to_send`` (the CALLs of ``start_call``, the replies of ``result``,
 ``stream_item``, ``stream_end``, ``error_reply``). The pair only moves messages, adds the
 routing identities the sockets would, answers the machines' questions as a shell would
 (a peer is reachable while its process is up; torch_shm is never negotiated) and keeps a
@@ -50,6 +50,7 @@ from tensorrpc._server_protocol import (
     ServerProtocol,
     SessionStarted,
     ShmPeer,
+    Wake,
 )
 from tensorrpc._service import ServiceSpec, describe, rpc, service
 
@@ -263,7 +264,8 @@ class ProtocolPair:
     def _route(self, peer: bytes, message: list[Any]) -> None:
         end = self.end_by_peer(peer)
         if end is None or not end.up:  # ROUTER_MANDATORY: no connection, the send fails
-            self._event(self.client.send_failed(peer, self.now))
+            self.client.send_failed(peer, self.now)
+            self._event(None)
         else:
             self.client_sent.append(Wire(end.name, message))
             end.inbox.append(message)
@@ -280,7 +282,7 @@ class ProtocolPair:
         for event in end.proto.next_events():  # calls to wake: nothing waits here
             if isinstance(event, SessionStarted):
                 end.proto.shm_decided(event.session, ShmPeer())
-            if not isinstance(event, ServerCall):
+            if not isinstance(event, (ServerCall, Wake)):
                 end.events.append(event)
 
     def _event(self, event: Any) -> None:
@@ -306,7 +308,8 @@ class ProtocolPair:
             self.to_client.clear()
             return False
         wire = self.to_client.popleft()
-        self._event(self.client.receive(self.engines[wire.end].peer, wire.frames, self.now))
+        self.client.receive(self.engines[wire.end].peer, wire.frames, self.now)
+        self._collect_client()
         return True
 
     def flush(self) -> None:
@@ -325,8 +328,8 @@ class ProtocolPair:
         """Time passes: every timer runs (then, by default, everything is delivered)."""
         self.now += seconds
         if not self._closed:
-            for lost in self.client.tick(self.now):
-                self._event(lost)
+            self.client.tick(self.now)
+            self._collect_client()
         for end in self.engines.values():
             if end.up and not end.frozen:
                 end.proto.tick(self.now)
@@ -358,13 +361,12 @@ class ProtocolPair:
         assert target is not None, f"no engine can take a call now ({engine!r})"
         encoded = _codec.encode(spec.encode_args(args, kwargs))
         flags = (int(Flags.STREAM) if spec.streaming else 0) | (int(Flags.NO_WAIT) * no_wait)
-        call, frames = self.client.start_call(
+        call = self.client.start_call(
             target, spec, None, stream=spec.streaming, now=self.now, payload=encoded.payload,
             buffers=encoded.buffers, flags=flags, timeout_ms=timeout_ms, lease=lease,
             metadata=metadata,
         )  # fmt: skip
-        self._collect_client()  # what the protocol queued goes first
-        self._route(frames[0], frames[1:])
+        self._collect_client()
         return call
 
     def cancel(self, call: Call) -> bool:

@@ -21,7 +21,7 @@ import anyio
 import pytest
 import torch
 
-from tensorrpc import _codec
+from tensorrpc import _calls, _codec
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import Dropped, LeasesFreed
 from tensorrpc._dispatch import Dispatcher
@@ -102,11 +102,16 @@ class _Client:
 
     def from_engine(self, frames: list[Any], engine: str = "e1") -> Any:
         """Hand one engine message to the client's machine and its shell."""
-        event = self.pair.client.receive(self.engine(engine).peer, frames, self.pair.now)
-        if event is not None:
-            self.io.event(event)
+        client = self.pair.client
+        client.receive(self.engine(engine).peer, frames, self.pair.now)
+        events = client.next_events()
+        for event in events:  # as `ClientIO.flush` acts on them
+            if isinstance(event, _calls.Call):
+                self.io._on_call(event)
+            else:
+                self.io.event(event)
         self.io.flush()
-        return event
+        return events[0] if len(events) == 1 else (events or None)
 
     @property
     def held(self) -> int:
@@ -184,7 +189,10 @@ def test_a_late_reply_to_a_cancelled_call_ends_its_kept_lease(client):
     assert client.shm.leased(lease)
     # The engine had replied before it read the CANCEL (so it made the arguments private).
     payload = _codec.encode(3).payload
-    event = client.from_engine([pack_reply_header(MessageKind.RESULT, call.call_id), payload])
+    freed, event = client.from_engine(
+        [pack_reply_header(MessageKind.RESULT, call.call_id), payload]
+    )
+    assert isinstance(freed, LeasesFreed)
     assert isinstance(event, Dropped)
     assert event.call_id == call.call_id
     assert not client.shm.leased(lease)
@@ -211,7 +219,8 @@ def test_kept_leases_end_with_the_engine_and_count_against_its_limit():
         assert placer is not None
         assert placer.place(torch.ones(N)) is None  # the engine's share is used up: frames
         assert c.shm.statistics().peer_limited >= 1
-        c.io.event(c.pair.client.send_failed(peer, c.pair.now))  # the engine is gone
+        c.pair.client.send_failed(peer, c.pair.now)  # the engine is gone
+        c.io.flush()
         assert c.held == 0
         assert c.shm.statistics().leases_held == 0
     finally:
@@ -233,7 +242,7 @@ class _Engine:
         def flush() -> None:
             self.sent += [frames for _key, frames in self.end.proto.frames_to_send()]
 
-        async def send_reply(_call: Any, _frames: Any, _keep: Any) -> None:
+        async def send_reply(_call: Any, _keep: Any) -> None:
             raise AssertionError("no reply expected")
 
         self.dispatcher = Dispatcher(
