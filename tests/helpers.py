@@ -1,18 +1,13 @@
 """`ProtocolPair`: one ClientProtocol and its engines' ServerProtocols, wired in memory.
 
-In the style of h11's ``tests/helpers.py`` ``ConnectionPair``: both ends are the real
-sans-I/O machines, and every frame on the wire is one a machine queued in
-``frames_to_send`` (the CALLs of ``start_call``, the replies of ``result``,
-``stream_item``, ``stream_end``, ``error_reply``). The pair only moves messages, adds the
-routing identities the sockets would, answers the machines' questions as a shell would
+h11's ``ConnectionPair`` shape: both ends are the real sans-I/O machines, configured as
+`tensorrpc.Server` and `tensorrpc.Client` configure them (the HELLO is the engine's own),
+and every frame on the wire is one a machine queued in ``frames_to_send``. The pair only
+moves messages (adding the routing ids the sockets would), answers the shells' questions
 (a peer is reachable while its process is up; torch_shm is never negotiated) and keeps a
-fake clock (``now``). A test decides when messages are delivered, when time passes and
-what an engine's handlers answer; no sockets, sleeps or threads.
-
-Topologies as in production: ``dial_in=False`` (default), the client dials listening
-engines under the alias ``b"@pair/<name>"`` (kept across restarts) and they name it
-`CLIENT_ID`; ``dial_in=True``, engines dial the client from ``b"<name>/<incarnation>"``
-and name it `CLIENT_ADDRESS`.
+fake clock (``now``). ``dial_in=False``: the client dials listening engines as
+``b"@pair/<name>"``, they name it `CLIENT_ID`; ``dial_in=True``: engines dial from
+``b"<name>/<incarnation>"`` and name it `CLIENT_ADDRESS`.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tensorrpc import _codec
+from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._calls import Call
 from tensorrpc._client_protocol import (
     CheckReachable,
@@ -35,36 +31,18 @@ from tensorrpc._client_protocol import (
 )
 from tensorrpc._dispatch import type_name
 from tensorrpc._exceptions import ErrorCode
-from tensorrpc._liveness import to_ms
-from tensorrpc._protocol import (
-    PROTOCOL_VERSION,
-    Flags,
-    Hello,
-    MessageKind,
-    decode_control,
-    split_frames,
-)
-from tensorrpc._server_protocol import (
-    ProtocolSettings,
-    ServerCall,
-    ServerProtocol,
-    SessionStarted,
-    ShmPeer,
-    Wake,
-)
+from tensorrpc._protocol import Flags, MessageKind, decode_control, split_frames
+from tensorrpc._server import ServerConfig, _protocol_settings
+from tensorrpc._server_protocol import ServerCall, ServerProtocol, SessionStarted, ShmPeer, Wake
 from tensorrpc._service import ServiceSpec, describe, rpc, service
+from tensorrpc.transports._policy import TransportPolicy
 
-__all__ = ["CLIENT_ADDRESS", "CLIENT_ID", "SPEC", "EngineEnd", "Pair", "ProtocolPair", "Wire"]
-
-CLIENT_ID = b"client-routing-id"  # the client's ROUTER routing id, to a listening engine
-CLIENT_ADDRESS = "tcp://client:5555"  # the client's address, to an engine dialling in
+CLIENT_ID, CLIENT_ADDRESS = b"client-routing-id", "tcp://client:5555"
 DEFAULT_HEARTBEAT = Heartbeat(1.0, 5.0)
 
 
 @service
 class Pair:
-    """The service both ends speak (handlers never run here)."""
-
     @rpc
     async def add(self, a: int, b: int = 1) -> int:
         return a + b
@@ -89,14 +67,13 @@ class Wire:
     call_id = property(lambda self: int(self.header.call_id))
 
     def body(self) -> Any:
-        header, payload, _ = split_frames(self.frames)
-        return decode_control(header, payload)
+        return decode_control(*split_frames(self.frames)[:2])
 
 
 class EngineEnd:
-    """One engine process: its ServerProtocol and its place on the wire (``up``: alive;
-    ``frozen``: SIGSTOPped, messages to it wait). Its worker methods answer as the
-    dispatcher does, with the frames the machine builds."""
+    """One engine process (``up``: alive; ``frozen``: stopped, messages to it wait); its
+    worker methods answer as the dispatcher does. ``settings``: `ServerConfig` fields,
+    ``hello``: HELLO fields this engine lies about."""
 
     def __init__(self, pair: ProtocolPair, name: str, engine_id: str | None, **settings: Any):
         self.pair, self.name, self.engine_id = pair, name, engine_id or name
@@ -104,48 +81,41 @@ class EngineEnd:
         self.proto = self._start()
 
     def _start(self) -> ServerProtocol:
-        self.incarnation += 1
-        self.up, self.frozen = True, False
+        self.incarnation, self.up, self.frozen = self.incarnation + 1, True, False
         self.inbox: collections.deque[list[Any]] = collections.deque()  # client -> engine
         self.sent: list[Wire] = []  # everything it sent (tests clear it at will)
         self.events: list[Any] = []  # its session news
         self.running: list[ServerCall] = []  # calls a worker took and has not finished
-        hb, opts = self.pair.engine_heartbeat, dict(self.settings)
-        hello = Hello(
-            self.engine_id, SPEC.name, SPEC.fingerprint, PROTOCOL_VERSION, "pair-host",
-            1000 + self.incarnation, concurrency=opts.get("max_concurrency", 64),
-            heartbeat_ms=to_ms(hb.interval), methods=tuple(SPEC.methods),
-            streaming=tuple(m.name for m in SPEC.methods.values() if m.streaming),
-            signatures=tuple(m.signature for m in SPEC.methods.values()),
-        )  # fmt: skip
-        hello = replace(hello, **opts.pop("hello", {}))
-        methods = {name: (m, getattr(Pair(), name)) for name, m in SPEC.methods.items()}
-        epochs = itertools.count(self.incarnation * 1_000_000 + 1)  # a restart: new epochs
-        settings = {"heartbeat_interval": hb.interval, "dead_after": hb.dead_after, **opts}
-        proto = ServerProtocol(
-            ProtocolSettings(hello, methods, listen=not self.pair.dial_in, **settings),
-            new_epoch=lambda: next(epochs),
+        hb, opts, pair = self.pair.engine_heartbeat, dict(self.settings), self.pair
+        lies = opts.pop("hello", {})
+        where: dict[str, Any] = {"bind": f"tcp://{self.name}:7000"}
+        if pair.dial_in:
+            where = {"connect": CLIENT_ADDRESS}
+        cfg = ServerConfig(
+            **where, heartbeat_interval=hb.interval, dead_after=hb.dead_after, **opts
         )
-        if self.pair.dial_in:
-            proto.add_client(CLIENT_ADDRESS, self.pair.now)
+        runners = BatchRunners(SPEC, Pair(), self.engine_id, lambda: None)
+        policy, codec = TransportPolicy(), _codec.CodecConfig()
+        settings = _protocol_settings(cfg, SPEC, self.engine_id, Pair(), policy, runners, codec, 0)
+        epochs = itertools.count(self.incarnation * 1_000_000 + 1)  # a restart: new epochs
+        settings = replace(settings, hello=replace(settings.hello, **lies))
+        proto = ServerProtocol(settings, new_epoch=lambda: next(epochs))
+        if pair.dial_in:
+            proto.add_client(CLIENT_ADDRESS, pair.now)
         return proto
 
     @property
     def peer(self) -> bytes:  # how the client's ROUTER names it
-        return (
-            f"{self.name}/{self.incarnation}".encode()
-            if self.pair.dial_in
-            else b"@pair/" + self.name.encode()
-        )
+        dialled = f"{self.name}/{self.incarnation}" if self.pair.dial_in else f"@pair/{self.name}"
+        return dialled.encode()
 
     key = property(lambda s: CLIENT_ADDRESS if s.pair.dial_in else CLIENT_ID)  # its client
     session = property(lambda s: s.proto.sessions.get(s.key))  # None: no session
 
     def kill(self) -> None:
         """The process dies: its connection closes, messages to and from it are lost."""
-        self.up = False
+        self.up, pair = False, self.pair
         self.inbox.clear()
-        pair = self.pair
         pair.to_client = collections.deque(w for w in pair.to_client if w.end != self.name)
 
     def restart(self) -> None:
@@ -166,13 +136,11 @@ class EngineEnd:
         self.running.remove(call)
         self.proto.done(call, self.pair.now)
 
-    def _out(self, frames: Any, call: ServerCall | None = None, done: bool = False) -> bool:
-        if isinstance(frames, list):  # RESULT / STREAM_ITEM: the worker sends them
-            self.pair.inject(self, frames)
+    def _out(self, queued: bool, call: ServerCall, done: bool = False) -> bool:
         self.pair._collect(self)
-        if done and call is not None:
+        if done:
             self.done(call)
-        return frames is not None and frames is not False
+        return queued
 
     def _value(self, call: ServerCall, value: object) -> tuple[Any, Any]:
         encoded = _codec.encode(call.spec.check_result(value))
@@ -182,19 +150,18 @@ class EngineEnd:
         return self._out(self.proto.result(call, *self._value(call, value)), call, done)
 
     def item(self, call: ServerCall, value: object) -> bool:
-        return self._out(self.proto.stream_item(call, *self._value(call, value)))
+        return self._out(self.proto.stream_item(call, *self._value(call, value)), call)
 
     def end_stream(self, call: ServerCall, *, done: bool = True) -> bool:
         return self._out(self.proto.stream_end(call), call, done)
 
-    def error(
-        self, call: ServerCall, code: ErrorCode, message: str = "", *, done: bool = True
-    ) -> bool:
+    def error(self, call: ServerCall, code: ErrorCode, msg: str = "", *, done: bool = True) -> bool:
+        message = msg
         return self._out(self.proto.error_reply(call, code, message or code.name), call, done)
 
     def raised(self, call: ServerCall, exc: BaseException, *, done: bool = True) -> bool:
-        sent = self.proto.error_reply(call, ErrorCode.REMOTE, str(exc), type_name(exc))
-        return self._out(sent, call, done)
+        queued = self.proto.error_reply(call, ErrorCode.REMOTE, str(exc), type_name(exc))
+        return self._out(queued, call, done)
 
     def kinds(self) -> list[MessageKind]:
         """Kinds of what it sent since the last look (forgotten)."""
@@ -203,33 +170,25 @@ class EngineEnd:
 
 
 class ProtocolPair:
-    """A `ClientProtocol` and engines' `ServerProtocol`s (`EngineEnd`); ``**client``:
-    more `ClientConfig` fields; ``engine_settings``: more `ProtocolSettings` fields."""
+    """A `ClientProtocol` and engines (`EngineEnd`); ``**client``: more `ClientConfig`
+    fields; ``engine_settings``: each engine's `EngineEnd` settings."""
 
     def __init__(
-        self,
-        engine_ids: Iterable[str] = ("e1",),
-        *,
-        dial_in: bool = False,
-        heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
-        engine_heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
-        now: float = 100.0,
-        engine_settings: dict[str, Any] | None = None,
-        **client: Any,
-    ) -> None:
-        self.now, self.dial_in, self._closed = now, dial_in, False
-        self.engine_heartbeat = engine_heartbeat
+        self, engine_ids: Iterable[str] = ("e1",), *, dial_in: bool = False,
+        heartbeat: Heartbeat = DEFAULT_HEARTBEAT, engine_heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
+        now: float = 100.0, engine_settings: dict[str, Any] | None = None, **client: Any,
+    ) -> None:  # fmt: skip
+        self.now, self.dial_in, self.engine_heartbeat = now, dial_in, engine_heartbeat
         signatures = {name: m.signature for name, m in SPEC.methods.items()}
         config = ClientConfig(**{
             "service": SPEC.name, "fingerprint": SPEC.fingerprint, "client_id": "pair-client",
-            "host_id": "pair-host", "pid": 7, "heartbeat": heartbeat, "stream_window": 4,
-            "signatures": signatures, **client,
+            "heartbeat": heartbeat, "stream_window": 4, "signatures": signatures, **client,
         })  # fmt: skip
         epochs = itertools.count(1)
         self.client = ClientProtocol(config, epochs=lambda: next(epochs))
         self.to_client: collections.deque[Wire] = collections.deque()  # engine -> client
         self.client_sent: list[Wire] = []  # everything the client sent
-        self.events: list[Any] = []  # the client's events
+        self.events: list[Any] = []  # the client's events (not its calls)
         self.engines: dict[str, EngineEnd] = {}
         for engine_id in engine_ids:
             self.add_engine(engine_id, **(engine_settings or {}))
@@ -254,21 +213,25 @@ class ProtocolPair:
         return self.engines[name]
 
     def _collect_client(self) -> None:
-        while self.client.pending:
-            for event in self.client.next_events():
-                self._event(event)
-            for peer, frames in self.client.frames_to_send():
+        """Do what a client shell does after an input, until the machine is done."""
+        client = self.client
+        while client.pending:
+            for event in client.next_events():
+                if isinstance(event, CheckReachable):  # its PING goes while the peer is up
+                    end = self.end_by_peer(event.peer)
+                    client.reachable(event, end is not None and end.up, self.now)
+                elif not isinstance(event, Call):
+                    self.events.append(event)
+            for peer, frames in client.frames_to_send():
                 self._route(peer, frames)
-        self._closed = self._closed or self.client.closed  # its socket closes after BYE
 
-    def _route(self, peer: bytes, message: list[Any]) -> None:
+    def _route(self, peer: bytes, frames: list[Any]) -> None:
         end = self.end_by_peer(peer)
         if end is None or not end.up:  # ROUTER_MANDATORY: no connection, the send fails
             self.client.send_failed(peer, self.now)
-            self._event(None)
         else:
-            self.client_sent.append(Wire(end.name, message))
-            end.inbox.append(message)
+            self.client_sent.append(Wire(end.name, frames))
+            end.inbox.append(frames)
 
     def inject(self, end: EngineEnd, frames: list[Any]) -> None:
         """Engine ``end`` sends ``frames``."""
@@ -279,19 +242,11 @@ class ProtocolPair:
     def _collect(self, end: EngineEnd) -> None:
         for _key, frames in end.proto.frames_to_send():
             self.inject(end, frames)
-        for event in end.proto.next_events():  # calls to wake: nothing waits here
+        for event in end.proto.next_events():  # calls to take or wake: nothing waits here
             if isinstance(event, SessionStarted):
                 end.proto.shm_decided(event.session, ShmPeer())
-            if not isinstance(event, (ServerCall, Wake)):
+            if not isinstance(event, ServerCall | Wake):
                 end.events.append(event)
-
-    def _event(self, event: Any) -> None:
-        if isinstance(event, CheckReachable):  # a PING to that peer goes if it is up
-            end = self.end_by_peer(event.peer)
-            self.client.reachable(event, end is not None and end.up, self.now)
-        elif event is not None and not isinstance(event, Call):
-            self.events.append(event)
-        self._collect_client()
 
     def deliver_to_engine(self, name: str) -> bool:
         """Deliver the oldest message for engine ``name``; False if none could go."""
@@ -303,8 +258,8 @@ class ProtocolPair:
         return True
 
     def deliver_to_client(self) -> bool:
-        """Deliver the oldest message for the client; False if none."""
-        if not self.to_client or self._closed:
+        """Deliver the oldest message for the client; False if none (or it closed)."""
+        if not self.to_client or self.client.closed:
             self.to_client.clear()
             return False
         wire = self.to_client.popleft()
@@ -315,19 +270,13 @@ class ProtocolPair:
     def flush(self) -> None:
         """Deliver everything both ways until nothing moves (frozen engines hold theirs)."""
         self._collect_client()
-        moved = True
-        while moved:
-            moved = False
-            for name in list(self.engines):
-                while self.deliver_to_engine(name):
-                    moved = True
-            while self.deliver_to_client():
-                moved = True
+        while any([self.deliver_to_engine(n) for n in self.engines] + [self.deliver_to_client()]):
+            pass
 
     def advance(self, seconds: float, *, deliver: bool = True) -> None:
         """Time passes: every timer runs (then, by default, everything is delivered)."""
         self.now += seconds
-        if not self._closed:
+        if not self.client.closed:
             self.client.tick(self.now)
             self._collect_client()
         for end in self.engines.values():
@@ -338,8 +287,7 @@ class ProtocolPair:
             self.flush()
 
     def run(self, seconds: float, step: float = 0.1) -> None:
-        end = self.now + seconds
-        while self.now + step <= end + 1e-9:
+        for _ in range(round(seconds / step)):
             self.advance(step)
 
     def connect(self) -> None:
@@ -355,7 +303,7 @@ class ProtocolPair:
         self, method: str = "add", *args: Any, engine: str | None = None, timeout_ms: int = 0,
         no_wait: bool = False, lease: int | None = None, metadata: bytes = b"", **kwargs: Any,
     ) -> Call:  # fmt: skip
-        """Start a call as `tensorrpc.Client` does and put its CALL on the wire."""
+        """Start a call as `tensorrpc.Client` does; its CALL goes on the wire."""
         spec = SPEC.methods[method]
         target = self.client.select(engine)
         assert target is not None, f"no engine can take a call now ({engine!r})"
