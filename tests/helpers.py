@@ -2,58 +2,36 @@
 
 h11's ``ConnectionPair`` shape: both ends are the real sans-I/O machines, configured as
 `tensorrpc.Server` and `tensorrpc.Client` configure them (the HELLO is the engine's own),
-and every frame on the wire is one a machine queued in ``frames_to_send``. The pair only
-moves messages (adding the routing ids the sockets would), answers the shells' questions
-(a peer is reachable while its process is up; torch_shm is never negotiated) and keeps a
-fake clock (``now``). ``dial_in=False``: the client dials listening engines as
-``b"@pair/<name>"``, they name it `CLIENT_ID`; ``dial_in=True``: engines dial from
-``b"<name>/<incarnation>"`` and name it `CLIENT_ADDRESS`.
+and every message on the wire is one a machine queued in ``frames_to_send``. The pair
+only moves messages, answers the shells' questions (a peer is reachable while its
+process is up; torch_shm is never negotiated) and keeps a fake clock (``now``). A test
+feeds the machines as their users would (`tests.pair_work`). ``dial_in=False``: the
+client dials listening engines as ``b"@pair/<name>"``; ``dial_in=True``: engines dial
+`CLIENT_ADDRESS` from ``b"<name>/<incarnation>"``.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
-from collections.abc import AsyncIterator, Iterable
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tensorrpc import _codec
 from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._calls import Call
-from tensorrpc._client_protocol import (
-    CheckReachable,
-    ClientConfig,
-    ClientProtocol,
-    EngineLost,
-    Heartbeat,
-    reply_error,
-)
-from tensorrpc._dispatch import type_name
-from tensorrpc._exceptions import ErrorCode
-from tensorrpc._protocol import Flags, MessageKind, decode_control, split_frames
+from tensorrpc._client_protocol import CheckReachable, ClientConfig, ClientProtocol, Heartbeat
+from tensorrpc._codec import CodecConfig
+from tensorrpc._protocol import decode_control, split_frames
 from tensorrpc._server import ServerConfig, _protocol_settings
 from tensorrpc._server_protocol import ServerCall, ServerProtocol, SessionStarted, ShmPeer, Wake
-from tensorrpc._service import ServiceSpec, describe, rpc, service
 from tensorrpc.transports._policy import TransportPolicy
 
+from .unit.server_helpers import SPEC, Tiny
+
+__all__ = ["CLIENT_ADDRESS", "CLIENT_ID", "SPEC", "EngineEnd", "ProtocolPair", "Wire"]
 CLIENT_ID, CLIENT_ADDRESS = b"client-routing-id", "tcp://client:5555"
-DEFAULT_HEARTBEAT = Heartbeat(1.0, 5.0)
-
-
-@service
-class Pair:
-    @rpc
-    async def add(self, a: int, b: int = 1) -> int:
-        return a + b
-
-    @rpc
-    async def count(self, n: int) -> AsyncIterator[int]:
-        for i in range(n):
-            yield i
-
-
-SPEC: ServiceSpec = describe(Pair)
+HEARTBEAT = Heartbeat(1.0, 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +49,8 @@ class Wire:
 
 
 class EngineEnd:
-    """One engine process (``up``: alive; ``frozen``: stopped, messages to it wait); its
-    worker methods answer as the dispatcher does. ``settings``: `ServerConfig` fields,
-    ``hello``: HELLO fields this engine lies about."""
+    """One engine process (``up``: alive; ``frozen``: stopped, messages to it wait).
+    ``settings``: `ServerConfig` fields; ``hello``: HELLO fields it lies about."""
 
     def __init__(self, pair: ProtocolPair, name: str, engine_id: str | None, **settings: Any):
         self.pair, self.name, self.engine_id = pair, name, engine_id or name
@@ -82,32 +59,31 @@ class EngineEnd:
 
     def _start(self) -> ServerProtocol:
         self.incarnation, self.up, self.frozen = self.incarnation + 1, True, False
-        self.inbox: collections.deque[list[Any]] = collections.deque()  # client -> engine
+        self.inbox: deque[list[Any]] = deque()  # client -> engine
         self.sent: list[Wire] = []  # everything it sent (tests clear it at will)
         self.events: list[Any] = []  # its session news
         self.running: list[ServerCall] = []  # calls a worker took and has not finished
-        hb, opts, pair = self.pair.engine_heartbeat, dict(self.settings), self.pair
+        pair, engine_id, opts = self.pair, self.engine_id, dict(self.settings)
+        hb = pair.engine_heartbeat
         lies = opts.pop("hello", {})
-        where: dict[str, Any] = {"bind": f"tcp://{self.name}:7000"}
-        if pair.dial_in:
-            where = {"connect": CLIENT_ADDRESS}
-        cfg = ServerConfig(
-            **where, heartbeat_interval=hb.interval, dead_after=hb.dead_after, **opts
+        opts |= {"connect": CLIENT_ADDRESS} if pair.dial_in else {"bind": f"tcp://{self.name}:7000"}
+        cfg = ServerConfig(heartbeat_interval=hb.interval, dead_after=hb.dead_after, **opts)
+        batches, policy = BatchRunners(SPEC, Tiny(), engine_id, lambda: None), TransportPolicy()
+        settings = _protocol_settings(
+            cfg, SPEC, engine_id, Tiny(), policy, batches, CodecConfig(), 0
         )
-        runners = BatchRunners(SPEC, Pair(), self.engine_id, lambda: None)
-        policy, codec = TransportPolicy(), _codec.CodecConfig()
-        settings = _protocol_settings(cfg, SPEC, self.engine_id, Pair(), policy, runners, codec, 0)
-        epochs = itertools.count(self.incarnation * 1_000_000 + 1)  # a restart: new epochs
         settings = replace(settings, hello=replace(settings.hello, **lies))
+        epochs = itertools.count(self.incarnation * 1_000_000 + 1)  # a restart: new epochs
         proto = ServerProtocol(settings, new_epoch=lambda: next(epochs))
         if pair.dial_in:
-            proto.add_client(CLIENT_ADDRESS, pair.now)
+            proto.add_client(CLIENT_ADDRESS, pair.now)  # its HELLO goes at the first tick
         return proto
 
     @property
     def peer(self) -> bytes:  # how the client's ROUTER names it
-        dialled = f"{self.name}/{self.incarnation}" if self.pair.dial_in else f"@pair/{self.name}"
-        return dialled.encode()
+        return (
+            f"{self.name}/{self.incarnation}" if self.pair.dial_in else f"@pair/{self.name}"
+        ).encode()
 
     key = property(lambda s: CLIENT_ADDRESS if s.pair.dial_in else CLIENT_ID)  # its client
     session = property(lambda s: s.proto.sessions.get(s.key))  # None: no session
@@ -116,67 +92,23 @@ class EngineEnd:
         """The process dies: its connection closes, messages to and from it are lost."""
         self.up, pair = False, self.pair
         self.inbox.clear()
-        pair.to_client = collections.deque(w for w in pair.to_client if w.end != self.name)
+        pair.to_client = deque(w for w in pair.to_client if w.end != self.name)
 
     def restart(self) -> None:
         """A new process under the same engine id (listening: at the same address)."""
         self.kill()
         self.proto = self._start()
-        self.pair._started(self)
-
-    def next_call(self) -> ServerCall | None:
-        if (call := self.proto.next_call()) is not None:
-            self.running.append(call)
-        return call
-
-    def take_all(self) -> list[ServerCall]:
-        return list(iter(self.next_call, None))
-
-    def done(self, call: ServerCall) -> None:
-        self.running.remove(call)
-        self.proto.done(call, self.pair.now)
-
-    def _out(self, queued: bool, call: ServerCall, done: bool = False) -> bool:
-        self.pair._collect(self)
-        if done:
-            self.done(call)
-        return queued
-
-    def _value(self, call: ServerCall, value: object) -> tuple[Any, Any]:
-        encoded = _codec.encode(call.spec.check_result(value))
-        return encoded.payload, encoded.buffers
-
-    def reply(self, call: ServerCall, value: object, *, done: bool = True) -> bool:
-        return self._out(self.proto.result(call, *self._value(call, value)), call, done)
-
-    def item(self, call: ServerCall, value: object) -> bool:
-        return self._out(self.proto.stream_item(call, *self._value(call, value)), call)
-
-    def end_stream(self, call: ServerCall, *, done: bool = True) -> bool:
-        return self._out(self.proto.stream_end(call), call, done)
-
-    def error(self, call: ServerCall, code: ErrorCode, msg: str = "", *, done: bool = True) -> bool:
-        message = msg
-        return self._out(self.proto.error_reply(call, code, message or code.name), call, done)
-
-    def raised(self, call: ServerCall, exc: BaseException, *, done: bool = True) -> bool:
-        queued = self.proto.error_reply(call, ErrorCode.REMOTE, str(exc), type_name(exc))
-        return self._out(queued, call, done)
-
-    def kinds(self) -> list[MessageKind]:
-        """Kinds of what it sent since the last look (forgotten)."""
-        sent, self.sent = self.sent, []
-        return [m.kind for m in sent]
+        self.pair._tick(self)
 
 
 class ProtocolPair:
     """A `ClientProtocol` and engines (`EngineEnd`); ``**client``: more `ClientConfig`
-    fields; ``engine_settings``: each engine's `EngineEnd` settings."""
+    fields; ``engine_settings``: each engine's settings."""
 
     def __init__(
-        self, engine_ids: Iterable[str] = ("e1",), *, dial_in: bool = False,
-        heartbeat: Heartbeat = DEFAULT_HEARTBEAT, engine_heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
-        now: float = 100.0, engine_settings: dict[str, Any] | None = None, **client: Any,
+        self, engine_ids: Iterable[str] = ("e1",), *, dial_in: bool = False, now: float = 100.0,
+        heartbeat: Heartbeat = HEARTBEAT, engine_heartbeat: Heartbeat = HEARTBEAT,
+        engine_settings: dict[str, Any] | None = None, **client: Any,
     ) -> None:  # fmt: skip
         self.now, self.dial_in, self.engine_heartbeat = now, dial_in, engine_heartbeat
         signatures = {name: m.signature for name, m in SPEC.methods.items()}
@@ -186,7 +118,7 @@ class ProtocolPair:
         })  # fmt: skip
         epochs = itertools.count(1)
         self.client = ClientProtocol(config, epochs=lambda: next(epochs))
-        self.to_client: collections.deque[Wire] = collections.deque()  # engine -> client
+        self.to_client: deque[Wire] = deque()  # engine -> client
         self.client_sent: list[Wire] = []  # everything the client sent
         self.events: list[Any] = []  # the client's events (not its calls)
         self.engines: dict[str, EngineEnd] = {}
@@ -198,37 +130,31 @@ class ProtocolPair:
         end = self.engines[name] = EngineEnd(self, name, engine_id, **settings)
         if not self.dial_in:
             self.client.dial(end.peer, f"tcp://{name}:7000", self.now)
-        self._started(end)
+        self._tick(end)
         return end
-
-    def _started(self, end: EngineEnd) -> None:  # its shell runs the timers once
-        end.proto.tick(self.now)
-        self._collect(end)
-        self._collect_client()
-
-    def end_by_peer(self, peer: bytes) -> EngineEnd | None:
-        return next((e for e in self.engines.values() if e.peer == peer), None)
 
     def __getitem__(self, name: str) -> EngineEnd:
         return self.engines[name]
 
+    def end_by_peer(self, peer: bytes) -> EngineEnd | None:
+        return next((e for e in self.engines.values() if e.peer == peer), None)
+
     def _collect_client(self) -> None:
-        """Do what a client shell does after an input, until the machine is done."""
-        client = self.client
-        while client.pending:
-            for event in client.next_events():
+        """What a client shell does after each input, until its machine is done."""
+        while self.client.pending:
+            for event in self.client.next_events():
                 if isinstance(event, CheckReachable):  # its PING goes while the peer is up
                     end = self.end_by_peer(event.peer)
-                    client.reachable(event, end is not None and end.up, self.now)
+                    self.client.reachable(event, end is not None and end.up, self.now)
                 elif not isinstance(event, Call):
                     self.events.append(event)
-            for peer, frames in client.frames_to_send():
-                self._route(peer, frames)
+            for peer, frames in self.client.frames_to_send():
+                self.client_send(peer, frames)
 
-    def _route(self, peer: bytes, frames: list[Any]) -> None:
-        end = self.end_by_peer(peer)
-        if end is None or not end.up:  # ROUTER_MANDATORY: no connection, the send fails
-            self.client.send_failed(peer, self.now)
+    def client_send(self, peer: bytes, frames: list[Any]) -> None:
+        """The client's socket sends ``frames`` to ``peer``."""
+        if (end := self.end_by_peer(peer)) is None or not end.up:
+            self.client.send_failed(peer, self.now)  # ROUTER_MANDATORY: no connection
         else:
             self.client_sent.append(Wire(end.name, frames))
             end.inbox.append(frames)
@@ -240,13 +166,19 @@ class ProtocolPair:
             self.to_client.append(wire)
 
     def _collect(self, end: EngineEnd) -> None:
+        """What an engine shell does after each input (calls wait for `pair_work`)."""
         for _key, frames in end.proto.frames_to_send():
             self.inject(end, frames)
-        for event in end.proto.next_events():  # calls to take or wake: nothing waits here
+        for event in end.proto.next_events():
             if isinstance(event, SessionStarted):
                 end.proto.shm_decided(event.session, ShmPeer())
             if not isinstance(event, ServerCall | Wake):
                 end.events.append(event)
+
+    def _tick(self, end: EngineEnd) -> None:
+        end.proto.tick(self.now)
+        self._collect(end)
+        self._collect_client()
 
     def deliver_to_engine(self, name: str) -> bool:
         """Deliver the oldest message for engine ``name``; False if none could go."""
@@ -289,61 +221,3 @@ class ProtocolPair:
     def run(self, seconds: float, step: float = 0.1) -> None:
         for _ in range(round(seconds / step)):
             self.advance(step)
-
-    def connect(self) -> None:
-        """Deliver until every engine that is up is welcomed."""
-        for _ in range(4):
-            self.flush()
-            if all(n in self.client.engines.engines for n, e in self.engines.items() if e.up):
-                return
-            self.advance(self.engine_heartbeat.interval)
-        raise AssertionError(f"handshake did not complete: {self.events}")
-
-    def call(
-        self, method: str = "add", *args: Any, engine: str | None = None, timeout_ms: int = 0,
-        no_wait: bool = False, lease: int | None = None, metadata: bytes = b"", **kwargs: Any,
-    ) -> Call:  # fmt: skip
-        """Start a call as `tensorrpc.Client` does; its CALL goes on the wire."""
-        spec = SPEC.methods[method]
-        target = self.client.select(engine)
-        assert target is not None, f"no engine can take a call now ({engine!r})"
-        encoded = _codec.encode(spec.encode_args(args, kwargs))
-        flags = (int(Flags.STREAM) if spec.streaming else 0) | (int(Flags.NO_WAIT) * no_wait)
-        call = self.client.start_call(
-            target, spec, None, stream=spec.streaming, now=self.now, payload=encoded.payload,
-            buffers=encoded.buffers, flags=flags, timeout_ms=timeout_ms, lease=lease,
-            metadata=metadata,
-        )  # fmt: skip
-        self._collect_client()
-        return call
-
-    def cancel(self, call: Call) -> bool:
-        ended = self.client.cancel(call, self.now)
-        self._collect_client()
-        return ended
-
-    def outcome(self, call: Call) -> Any:
-        """A RESULT's value, else raise what the caller sees."""
-        assert call.ended, f"{call!r} has not ended"
-        if call.error is not None:
-            raise call.error
-        if call.reply_kind is not MessageKind.RESULT:
-            raise reply_error(call.reply_payload)
-        return call.spec.decode_result(_codec.decode(call.reply_payload, call.reply_buffers))
-
-    def take_item(self, call: Call) -> Any:
-        payload, buffers = self.client.take_item(call, self.now)
-        self._collect_client()
-        return call.spec.decode_result(_codec.decode(payload, buffers))
-
-    def items(self, call: Call) -> list[Any]:
-        return [self.take_item(call) for _ in range(len(call.items or ()))]
-
-    def lost(self) -> list[EngineLost]:
-        return [e for e in self.events if isinstance(e, EngineLost)]
-
-    def client_kinds(self, name: str | None = None) -> list[MessageKind]:
-        """Kinds the client sent (to ``name``) since the last look (forgotten)."""
-        taken = [w for w in self.client_sent if name in (None, w.end)]
-        self.client_sent = [w for w in self.client_sent if name not in (None, w.end)]
-        return [w.kind for w in taken]

@@ -39,6 +39,7 @@ from tensorrpc._server_protocol import ShmPeer
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports._policy import TransportPolicy
 from tensorrpc.transports.torch_shm import TorchShmTransport
+from tests import pair_work as work
 from tests.helpers import ProtocolPair
 
 pytestmark = pytest.mark.skipif(
@@ -55,7 +56,7 @@ class _PairSocket:
         self.pair = pair
 
     def send_nowait(self, frames: list[Any]) -> None:
-        self.pair._route(frames[0], list(frames[1:]))
+        self.pair.client_send(frames[0], list(frames[1:]))
 
 
 class _Client:
@@ -63,7 +64,7 @@ class _Client:
 
     def __init__(self, engines: tuple[str, ...] = ("e1",), **shm: Any) -> None:
         self.pair = ProtocolPair(engines)
-        self.pair.connect()
+        work.connect(self.pair)
         self.policy = TransportPolicy()
         assert self.policy.shm is not None
         if shm:
@@ -97,7 +98,7 @@ class _Client:
         assert placer is not None
         placed = placer.place(value)
         assert placed is not None
-        call = self.pair.call("add", 1, engine=engine, lease=placer.lease)
+        call = work.call(self.pair, "add", 1, engine=engine, lease=placer.lease)
         return call, placed
 
     def from_engine(self, frames: list[Any], engine: str = "e1") -> Any:
@@ -266,9 +267,9 @@ class _Engine:
         )
         assert placer is not None
         encoded = _codec.encode([value, 1], placer=placer)
-        call = self.client.pair.call("add", 1, lease=placer.lease)
+        call = work.call(self.client.pair, "add", 1, lease=placer.lease)
         self.client.pair.deliver_to_engine("e1")
-        server_call = self.end.next_call()
+        server_call = work.next_call(self.end)
         assert server_call is not None
         server_call.payload, server_call.buffers = encoded.payload, encoded.buffers
         return call, server_call
