@@ -638,6 +638,18 @@ def test_reply_frames_are_built_and_counted_by_the_protocol() -> None:
 # -- queued deadlines (issue 21 item 4) -------------------------------------------------------
 
 
+def test_an_accepted_call_is_the_event_and_the_machine_moves_its_timer() -> None:
+    engine = Engine.make()
+    engine.join()
+    engine.advance(0.0)
+    before = engine.proto.wake_at
+    engine.proto.receive(b"c1", [pack_call_header(1, "add", 0, 100), PAYLOAD], engine.now)
+    [call] = engine.proto.next_events()  # no event object on the hot path: the call itself
+    assert isinstance(call, ServerCall)
+    assert call.deadline == pytest.approx(engine.now + 0.1)
+    assert engine.proto.wake_at == call.deadline < before  # not the shell's to write
+
+
 def test_a_queued_call_is_answered_when_its_deadline_passes_not_when_taken() -> None:
     engine = Engine.make(max_concurrency=1)
     engine.join()
