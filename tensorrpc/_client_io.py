@@ -384,8 +384,11 @@ class ClientIO:
         elif isinstance(event, EngineJoined):
             self._on_joined(event)
         elif isinstance(event, CheckReachable):
-            reachable = self._reachable(event.peer, event.frames)
-            self.protocol.reachable(event, reachable, self.now())
+            # Its PING waits in frames_to_send: a send that finds no connection ends the
+            # live engine's session (send_failed), so it is reachable if still alive.
+            sends = self.protocol.frames_to_send()
+            sent = _send_all(self, sends) if sends else self.sock is not None
+            self.protocol.reachable(event, sent and event.current.alive, self.now())
         elif isinstance(event, Dropped):
             self._on_dropped(event)
         elif isinstance(event, LeasesFreed):
@@ -497,19 +500,6 @@ class ClientIO:
             self.abandon(orphans.popleft())
 
     # -- tensor transports -----------------------------------------------------------------
-
-    def _reachable(self, peer: bytes, ping: list[bytes]) -> bool:
-        """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
-        sock = self.sock
-        if sock is None:
-            return False
-        try:
-            sock.send_nowait([peer, *ping])
-        except PeerUnreachableError:
-            return False
-        except (anyio.WouldBlock, TensorRPCError):
-            return True
-        return True
 
     def leases(self, engine: Engine, payload: Buffer, buffers: Sequence[Buffer]) -> list[int]:
         """The torch_shm leases a reply nobody will decode carries (to release)."""

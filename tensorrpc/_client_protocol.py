@@ -265,13 +265,13 @@ class LeasesFreed:
 class CheckReachable:
     """A HELLO names an engine id live on another peer: is that peer still reachable?
 
-    The shell tries to send ``frames`` (a PING) to ``peer`` without waiting and answers
-    `ClientProtocol.reachable`: a live engine keeps its id (the HELLO is refused as
-    ``duplicate_id``), a gone one is replaced.
+    A PING to ``peer`` is queued in `frames_to_send`; the shell sends what is queued
+    without waiting and answers `ClientProtocol.reachable` with whether that PING went:
+    a live engine keeps its id (the HELLO is refused as ``duplicate_id``), a gone one is
+    replaced.
     """
 
     peer: bytes
-    frames: list[bytes]
     #: The peer whose HELLO waits for the answer, and what it said.
     hello_peer: bytes
     hello: Hello
@@ -1007,7 +1007,7 @@ class ClientProtocol(Machine[bytes, Event]):
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
             if current is not None:  # the shell answers whether it is reachable
-                return self._check_reachable(peer, hello, info, current, facts)
+                return self._check_reachable(peer, hello, info, current, facts, now)
         return self._decided(peer, info, hello, refusal, now, facts)
 
     def _engine_at(self, peer: bytes) -> Engine | None:
@@ -1021,9 +1021,10 @@ class ClientProtocol(Machine[bytes, Event]):
         info: EngineInfo,
         current: Engine,
         facts: PeerFacts | None,
+        now: float,
     ) -> CheckReachable:
-        ping = encode_control(_PING, None, HEARTBEAT_NONCE)
-        return CheckReachable(current.peer, ping, peer, hello, info, current, facts)
+        self._queue(current, current.peer, _PING, None, HEARTBEAT_NONCE, now)
+        return CheckReachable(current.peer, peer, hello, info, current, facts)
 
     def reachable(self, check: CheckReachable, reachable: bool, now: float) -> None:
         """The shell's answer to `CheckReachable`: the HELLO is refused as
@@ -1035,7 +1036,9 @@ class ClientProtocol(Machine[bytes, Event]):
         current = self.engines.engines.get(info.engine_id)
         refusal = None
         if current is not None and current is not check.current:  # changed meanwhile
-            again = self._check_reachable(check.hello_peer, check.hello, info, current, check.facts)
+            again = self._check_reachable(
+                check.hello_peer, check.hello, info, current, check.facts, now
+            )
             self._events.append(again)
             return
         if current is not None:

@@ -144,8 +144,9 @@ class ProtocolPair:
         while self.client.pending:
             for event in self.client.next_events():
                 if isinstance(event, CheckReachable):  # its PING goes while the peer is up
-                    end = self.end_by_peer(event.peer)
-                    self.client.reachable(event, end is not None and end.up, self.now)
+                    for peer, frames in self.client.frames_to_send():
+                        self.client_send(peer, frames)
+                    self.client.reachable(event, event.current.alive, self.now)
                 elif not isinstance(event, Call):
                     self.events.append(event)
             for peer, frames in self.client.frames_to_send():
