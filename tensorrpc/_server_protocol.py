@@ -4,10 +4,10 @@
 and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
 dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
 I/O shell (`_server`) feeds it messages, its workers' results and the time, sends the
-frames it hands out (`frames_to_send`, and the reply frames `result` and `stream_item`
-return to a worker), runs the calls `receive` returns and acts on `next_events` (the
-calls to wake among them): the output convention both machines share
-(`tensorrpc._machine.Machine`). It builds every frame it sends, counts every byte and
+frames it queues (`frames_to_send`; a worker sends its RESULT or STREAM_ITEM, the last
+one queued, itself), and acts on `next_events`: calls accepted for the workers, calls to
+wake, session news. That is the output convention both machines share
+(`tensorrpc._machine.Machine`): no input returns frames or events. It builds every frame it sends, counts every byte and
 drop, and owns the ``torch_shm`` argument leases of its calls (what a call that ends
 without a reply owes the client: RELEASE). Nothing here imports zmq, anyio, asyncio,
 trio, threading or ``time``.
@@ -492,8 +492,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         new_token: Draws a session's bulk token (128 bits).
 
     After each input the shell takes `frames_to_send` (``(key, frames)``) and
-    `next_events` (session news, and calls whose cancellation or credit their workers
-    must see); `pending` is True while either holds anything.
+    `next_events` (accepted calls, `Wake` for calls whose cancellation or credit their
+    workers must see, session news); `pending` is True while either holds anything.
     """
 
     def __init__(
