@@ -4,9 +4,9 @@
 in; what happened comes out of `next_events` (the `tensorrpc._calls.Call` a reply
 resolved, or an event) and what to send out of `frames_to_send`, the output convention
 both machines share (`tensorrpc._machine.Machine`): no input returns either. It never
-touches a socket, a clock or an event loop, and never calls back into the shell; `tensorrpc.Client` is the I/O shell around it. The
-transition table (`TRANSITIONS`) is also the one in docs/protocol.md §13; a test
-keeps the two equal.
+touches a socket, a clock or an event loop, and never calls back into the shell;
+`tensorrpc.Client` is the I/O shell around it. The transition table (`TRANSITIONS`) is
+also the one in docs/protocol.md §13; a test keeps the two equal.
 
 Rules the machine keeps (with those of `tensorrpc._calls` and
 `tensorrpc._engines`):

@@ -8,9 +8,9 @@ frames it queues (`frames_to_send`; a worker sends its RESULT or STREAM_ITEM, th
 one queued, itself), and acts on `next_events`: calls accepted for the workers, calls to
 wake, session news. That is the output convention both machines share
 (`tensorrpc._machine.Machine`): no input returns frames or events. It builds every
-frame it sends, counts every byte and drop, and owns the ``torch_shm`` argument leases of its calls (what a call that ends
-without a reply owes the client: RELEASE). Nothing here imports zmq, anyio, asyncio,
-trio, threading or ``time``.
+frame it sends, counts every byte and drop, and owns the ``torch_shm`` argument leases
+of its calls (what a call that ends without a reply owes the client: RELEASE). Nothing
+here imports zmq, anyio, asyncio, trio, threading or ``time``.
 
 The call side (admission by method and capacity, the queue of accepted calls, the busy
 workers, reply legality, stream credit) is `tensorrpc._server_calls.CallQueue`; the
