@@ -315,7 +315,13 @@ class ClientIO:
         while protocol.pending:
             for event in protocol.next_events():
                 if type(event) is Call:  # a reply (the hot path), or the client's end
-                    self._on_call(event)
+                    if event.state >= _REPLIED:
+                        self.ended(event)
+                    else:  # a stream item: the engine has attached to the arguments
+                        if event.lease is not None:
+                            self.policy.memory.release_one(protocol.take_lease(event))
+                        assert self.waiters is not None
+                        self.waiters.wake(event.waiter)
                 elif type(event) is CreditGranted:  # a request stream's sender may go on
                     waiter = event.call.request.waiter  # type: ignore[union-attr]
                     if waiter is not None and self.waiters is not None:
@@ -569,7 +575,10 @@ class ClientIO:
         # Who the engine is comes from its CURVE key (with engine_keys).
         key = _user_id(frames[1]) if protocol.config.engine_keys is not None else None
         protocol.receive(peer, body, self.now(), key)
-        self._handled()
+        if protocol.pending:  # `_handled`, inline (the hot path)
+            self.flush()
+        if self.orphans:
+            self.reap_orphans()
 
     def _on_bulk_lost(self, peer: object, epoch: int) -> None:
         """The bulk connection we dialed to an engine broke: its session is over."""
@@ -590,16 +599,6 @@ class ClientIO:
             self.flush()
         if self.orphans:
             self.reap_orphans()
-
-    def _on_call(self, call: Call) -> None:
-        """A call a reply (or the client's end) concerned: its state says what happened."""
-        if call.state >= _REPLIED:
-            self.ended(call)
-        else:  # a stream item: the engine has attached to the arguments
-            if call.lease is not None:
-                self.policy.memory.release_one(self.protocol.take_lease(call))
-            assert self.waiters is not None
-            self.waiters.wake(call.waiter)
 
     async def _housekeeping(self) -> None:
         protocol = self.protocol

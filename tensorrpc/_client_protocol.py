@@ -832,32 +832,23 @@ class ClientProtocol(Machine[bytes, Event]):
         What happened goes to `next_events` (the `Call` a reply concerns, first among
         the events of a reply), what to send to `frames_to_send`.
         """
-        event = self._receive(peer, frames, now, key, facts)
-        if event is not None:
-            self._events.append(event)
-
-    def _receive(
-        self,
-        peer: bytes,
-        frames: Sequence[Buffer],
-        now: float,
-        key: str | None,
-        facts: PeerFacts | None,
-    ) -> Call | Event | None:
+        events = self._events
         try:
             header, payload, buffers = split_frames(frames)
         except RemoteProtocolError as exc:
-            return self._malformed(peer, frames, exc, now)
+            events.append(self._malformed(peer, frames, exc, now))
+            return
         kind = header.kind
         rec = self._peers.get(peer)
         state = PeerState.NONE if rec is None else rec.state
         if kind is _HELLO and facts is None and self._facts_needed:
-            return FactsNeeded(peer, frames, key)  # the shell gathers them for HELLOs only
+            events.append(FactsNeeded(peer, frames, key))  # the shell gathers them for HELLOs
+            return
         if state is PeerState.LIVE:
             engine = rec.engine  # type: ignore[union-attr]
             assert engine is not None
             if now - engine.sent > engine.dead_after:  # it forgot the session
-                self._events.append(self._forgotten(engine, now))
+                events.append(self._forgotten(engine, now))
                 rec = self._peers.get(peer)
                 state = PeerState.NONE if rec is None else rec.state
             else:
@@ -867,14 +858,22 @@ class ClientProtocol(Machine[bytes, Event]):
                     size += len(frame)  # type: ignore[arg-type]
                 engine.bytes_received += size
                 if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
-                    return self._reply(engine, kind, header, payload, buffers, now)
+                    event = self._reply(engine, kind, header, payload, buffers, now)
+                    if event is not None:
+                        events.append(event)
+                    return
         handler = _DISPATCH.get((state, kind))
         if handler is None:
-            if kind in _SILENT_DROPS:  # a reply of a session that ended; a stray PING
-                return None
-            return Ignored(peer, f"unexpected {kind.name} from a peer in state {state.value}")
-        engine = rec.engine if rec is not None else None
-        return handler(self, peer, engine, header, payload, now, key, facts)
+            if kind not in _SILENT_DROPS:  # (a reply of a session that ended; a stray PING)
+                events.append(
+                    Ignored(peer, f"unexpected {kind.name} from a peer in state {state.value}")
+                )
+            return
+        event = handler(
+            self, peer, None if rec is None else rec.engine, header, payload, now, key, facts
+        )
+        if event is not None:
+            events.append(event)
 
     def _malformed(
         self, peer: bytes, frames: Sequence[Buffer], exc: Exception, now: float

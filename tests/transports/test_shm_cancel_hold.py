@@ -21,7 +21,7 @@ import anyio
 import pytest
 import torch
 
-from tensorrpc import _calls, _codec
+from tensorrpc import _codec
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import Dropped, LeasesFreed
 from tensorrpc._dispatch import Dispatcher
@@ -105,12 +105,7 @@ class _Client:
         """Hand one engine message to the client's machine and its shell."""
         client = self.pair.client
         client.receive(self.engine(engine).peer, frames, self.pair.now)
-        events = client.next_events()
-        for event in events:  # as `ClientIO.flush` acts on them
-            if isinstance(event, _calls.Call):
-                self.io._on_call(event)
-            else:
-                self.io.event(event)
+        events = list(client._events)  # what the shell's flush is about to act on
         self.io.flush()
         return events[0] if len(events) == 1 else (events or None)
 
