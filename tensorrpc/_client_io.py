@@ -312,7 +312,7 @@ class ClientIO:
     def flush(self) -> None:
         """Act on the protocol's events and send its frames (no waiting) until it is done."""
         protocol = self.protocol
-        while protocol.pending:
+        while True:  # (callers on the hot path check `pending` first)
             for event in protocol.next_events():
                 if type(event) is Call:  # a reply (the hot path), or the client's end
                     if event.state >= _REPLIED:
@@ -329,7 +329,7 @@ class ClientIO:
                 else:
                     self.event(event)
             sends = protocol.frames_to_send()
-            if sends and not _send_all(self, sends):
+            if (sends and not _send_all(self, sends)) or not protocol.pending:
                 return
 
     def take_sent(self) -> list[Any]:

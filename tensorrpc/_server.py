@@ -851,12 +851,10 @@ class Server:
         self._proto.builtin_reply(event, _codec.encode(body, self._codec).payload)
 
     def _flush(self, size: int = 0) -> None:
-        """Do what the protocol handed out: send its frames, then act on its events (hand
-        accepted calls to the workers, wake or stop calls, session news); until it has
-        nothing more. ``size``: the bytes of the message just received (a CALL accepted
-        from it is observed with that size)."""
+        """Send the protocol's frames, act on its events (accepted calls, wakes, session
+        news) until it is done; ``size``: the received message's (an accepted CALL's)."""
         proto = self._proto
-        while proto.pending:
+        while True:  # (callers on the hot path check `pending` first)
             sends = proto.frames_to_send()
             if sends:
                 _send_all(self, sends)
@@ -867,6 +865,8 @@ class Server:
                     event.call.wake()
                 else:
                     self._on_event(event)
+            if not proto.pending:
+                return
 
     def _on_event(self, event: object) -> None:
         if isinstance(event, BuiltinCall):
