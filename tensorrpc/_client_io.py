@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -208,8 +209,9 @@ class ClientIO:
         self.bulk = BulkLinks(
             options=socket_options,
             curve=curve,
-            deliver=self._on_bulk_message,
-            on_lost=self._on_bulk_lost,
+            deliver=functools.partial(_bulk_message, self),
+            on_lost=functools.partial(_bulk_lost, self),
+            on_bound=functools.partial(_bulk_bound, self),
         )
         # What vouches for the connection of the HELLO being handled (the bulk binding).
         self._hello_voucher: tuple[bytes, Voucher] | None = None
@@ -580,19 +582,6 @@ class ClientIO:
         if self.orphans:
             self.reap_orphans()
 
-    def _on_bulk_lost(self, peer: object, epoch: int) -> None:
-        """The bulk connection we dialed to an engine broke: its session is over."""
-        self.protocol.bulk_lost(cast("bytes", peer), epoch)
-        self._handled()
-
-    def _on_bulk_message(self, peer: object, frames: list[zmq.Frame], size: int) -> None:
-        """A message on an engine's bound bulk connection (its RESULTs)."""
-        protocol = self.protocol
-        body = cast("list[Buffer]", frames)
-        key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
-        protocol.receive(cast("bytes", peer), body, self.now(), key)
-        self._handled()
-
     def _handled(self) -> None:
         """After an input: do what the protocol handed out."""
         if self.protocol.pending:
@@ -678,3 +667,23 @@ def _with_facts(io: ClientIO, event: FactsNeeded) -> None:
     finally:
         io.policy.peers.settle(peer, facts)
         io._hello_voucher = None
+
+
+def _bulk_message(io: ClientIO, peer: object, frames: list[zmq.Frame], size: int) -> None:
+    """A message on an engine's bound bulk connection (its large RESULTs, its BYE)."""
+    protocol = io.protocol
+    body = cast("list[Buffer]", frames)
+    key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
+    protocol.receive(cast("bytes", peer), body, io.now(), key, bulk=True)
+    io._handled()
+
+
+def _bulk_lost(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
+    """An engine session's bound bulk connection broke: the session is over."""
+    io.protocol.bulk_lost(cast("bytes", peer), epoch, io.now(), ours=ours)
+    io._handled()
+
+
+def _bulk_bound(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
+    """An engine session's bulk connection is bound: its BYE comes on it too."""
+    io.protocol.bulk_bound(cast("bytes", peer), epoch, ours=ours)

@@ -50,6 +50,8 @@ from tensorrpc import _streams
 from tensorrpc._bulk import TOKEN_BYTES
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
+    BYE_BULK,
+    BYE_CONTROL,
     MAX_PAST,
     Balancing,
     CapacityWaiters,
@@ -816,6 +818,8 @@ class ClientProtocol(Machine[bytes, Event]):
         now: float,
         key: str | None = None,
         facts: PeerFacts | None = None,
+        *,
+        bulk: bool = False,
     ) -> None:
         """Handle one message from ``peer`` (its frames after the routing id).
 
@@ -828,6 +832,8 @@ class ClientProtocol(Machine[bytes, Event]):
             facts: For a HELLO: what the kernel says about the connection it came on
                 (the shell gathers them when told so by `FactsNeeded`: the hot path
                 never pays for them).
+            bulk: It came on the session's bound bulk connection, not on control (only
+                a RESULT or a BYE may: docs/design.md, "a bulk connection per peer").
 
         What happened goes to `next_events` (the `Call` a reply concerns, first among
         the events of a reply), what to send to `frames_to_send`.
@@ -850,30 +856,48 @@ class ClientProtocol(Machine[bytes, Event]):
             if now - engine.sent > engine.dead_after:  # it forgot the session
                 events.append(self._forgotten(engine, now))
                 rec = self._peers.get(peer)
-                state = PeerState.NONE if rec is None else rec.state
             else:
                 engine.heard = now
                 size = 0
                 for frame in frames:
                     size += len(frame)  # type: ignore[arg-type]
                 engine.bytes_received += size
-                if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
+                if bulk and kind is not _RESULT:  # only a RESULT or a BYE may come there
+                    event = self._on_bulk(engine, kind)
+                elif (
+                    kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END
+                ):
                     event = self._reply(engine, kind, header, payload, buffers, now)
-                    if event is not None:
-                        events.append(event)
-                    return
+                else:
+                    event = self._dispatch(peer, rec, header, payload, now, key, facts)
+                if event is not None:
+                    events.append(event)
+                return
+        if not bulk:  # (on the bulk connection: the session it was bound to is over)
+            event = self._dispatch(peer, rec, header, payload, now, key, facts)
+            if event is not None:
+                events.append(event)
+
+    def _dispatch(
+        self,
+        peer: bytes,
+        rec: _Peer | None,
+        header: Header,
+        payload: Buffer,
+        now: float,
+        key: str | None,
+        facts: PeerFacts | None,
+    ) -> Event | None:
+        """`TRANSITIONS` by (peer state, kind), past the hot path."""
+        kind = header.kind
+        state = PeerState.NONE if rec is None else rec.state
         handler = _DISPATCH.get((state, kind))
         if handler is None:
-            if kind not in _SILENT_DROPS:  # (a reply of a session that ended; a stray PING)
-                events.append(
-                    Ignored(peer, f"unexpected {kind.name} from a peer in state {state.value}")
-                )
-            return
-        event = handler(
-            self, peer, None if rec is None else rec.engine, header, payload, now, key, facts
-        )
-        if event is not None:
-            events.append(event)
+            if kind in _SILENT_DROPS:  # a reply of a session that ended; a stray PING
+                return None
+            return Ignored(peer, f"unexpected {kind.name} from a peer in state {state.value}")
+        engine = None if rec is None else rec.engine
+        return handler(self, peer, engine, header, payload, now, key, facts)
 
     def _malformed(
         self, peer: bytes, frames: Sequence[Buffer], exc: Exception, now: float
@@ -946,6 +970,22 @@ class ClientProtocol(Machine[bytes, Event]):
 
     def _on_bye(self, peer: bytes, engine: Engine | None, *rest: Any) -> Event | None:
         assert engine is not None
+        return self._bye(engine, BYE_CONTROL)
+
+    def _on_bulk(self, engine: Engine, kind: MessageKind) -> Event | None:
+        """A live session's bulk connection carried ``kind`` (not a RESULT)."""
+        if kind is _BYE:
+            return self._bye(engine, BYE_BULK)
+        return Ignored(engine.peer, f"unexpected {kind.name} on the bulk connection")
+
+    def _bye(self, engine: Engine, via: int) -> Event | None:
+        """Rule 4 of the bulk connection: a draining engine says BYE on both of a
+        session's connections, each behind what it sent there last; the session ends
+        once both came (or the bulk connection is lost, or was never bound). Until then
+        the engine takes no new calls."""
+        engine.byes |= via
+        if engine.bulk_bound and engine.byes != BYE_CONTROL | BYE_BULK:
+            return None
         return self._lose(engine, "said BYE")
 
     def _on_release_message(
@@ -1223,22 +1263,48 @@ class ClientProtocol(Machine[bytes, Event]):
         if rec is None:
             return
         if rec.engine is not None:
-            self._events.append(self._lose(rec.engine, "is unreachable (its connection closed)"))
+            if not rec.engine.byes:  # (after its BYE, its control connection may be gone)
+                self._events.append(
+                    self._lose(rec.engine, "is unreachable (its connection closed)")
+                )
         elif rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
 
-    def bulk_lost(self, peer: bytes, epoch: int) -> None:
-        """Rule 5 (docs/design.md, "a bulk connection per peer"): the bulk connection we
-        dialed for ``peer``'s session of ``epoch`` broke while control may live. The
-        session is over, as if control had broken: its calls fail with
-        `EngineDeadError` at once (what they had on the bulk connection is lost with
-        it), and the engine's next HELLO starts a new session with a new bulk
-        connection (`EngineLost` in `next_events`). Nothing: that session is over
-        already."""
+    def _session_of(self, peer: bytes, epoch: int, ours: bool) -> Engine | None:
+        """The live session of ``peer`` whose epoch (ours, or the engine's) is ``epoch``."""
         rec = self._peers.get(peer)
         engine = rec.engine if rec is not None else None
-        if engine is not None and engine.epoch == epoch:
-            self._events.append(self._lose(engine, "lost its bulk connection"))
+        if engine is None or epoch != (engine.client_epoch if ours else engine.epoch):
+            return None
+        return engine
+
+    def bulk_bound(self, peer: bytes, epoch: int, *, ours: bool = False) -> None:
+        """The bulk connection of ``peer``'s session of ``epoch`` (our WELCOME's epoch
+        when ``ours``: the engine dialed our bulk endpoint; else its HELLO's) is bound: a
+        BYE of that session comes on it too (rule 4)."""
+        engine = self._session_of(peer, epoch, ours)
+        if engine is not None:
+            engine.bulk_bound = True
+
+    def bulk_lost(self, peer: bytes, epoch: int, now: float, *, ours: bool = False) -> None:
+        """Rule 5 (docs/design.md, "a bulk connection per peer"): the bound bulk
+        connection of ``peer``'s session of ``epoch`` (as in `bulk_bound`) broke while
+        control may live. The session is over, as if control had broken: its calls fail
+        with `EngineDeadError` at once (what they had on the bulk connection is lost
+        with it), and a new session starts over control: we ask the engine for a HELLO
+        (the address we dial), or (the engine dialed us) tell it BYE and ask for a new
+        one (`EngineLost` in `next_events`). After the engine's BYE on control, the end of
+        its bulk connection is the other BYE. Nothing: that session is over already."""
+        engine = self._session_of(peer, epoch, ours)
+        if engine is None:
+            return
+        if engine.byes:
+            self._events.append(self._lose(engine, "said BYE"))
+            return
+        self._events.append(self._lose(engine, "lost its bulk connection"))
+        if self._peers.get(peer) is None:  # the engine dialed us: it ends its side, HELLOs anew
+            self._queue(None, peer, _BYE, Bye("lost the bulk connection"), 0, now)
+            self._queue(None, peer, _PING, None, HELLO_REQUEST, now)
 
     def tick(self, now: float) -> None:
         """Timers: end silent or forgotten sessions (`EngineLost` in `next_events`),
@@ -1248,11 +1314,10 @@ class ClientProtocol(Machine[bytes, Event]):
             lost.append(self._forgotten(engine, now))
         dead_after = self.config.heartbeat.dead_after
         for engine in self.engines.expired(now, dead_after):
-            lost.append(
-                self._lose(engine, f"sent nothing for {now - engine.heard:.1f} s (dead_after)")
-            )
+            why = f"sent nothing for {now - engine.heard:.1f} s (dead_after)"
+            lost.append(self._lose(engine, f"said BYE and then {why}" if engine.byes else why))
         for engine in list(self.engines.engines.values()):
-            if now >= engine.next_ping:
+            if now >= engine.next_ping and not engine.byes:
                 nonce = max(HEARTBEAT_NONCE + 1, int(now * 1e9))
                 self._queue(engine, engine.peer, _PING, None, nonce, now)
                 engine.next_ping = now + engine.ping_every
@@ -1384,6 +1449,13 @@ TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
        "end the argument leases it names that were kept for calls we gave up on; refuse "
        "and count any other id", _S.LIVE),
     _T(_S.LIVE, (_K.BYE,), "BYE", "end the session (its calls fail: EngineDeadError)", _S.NONE),
+    _T(_S.LIVE, (_K.BYE,), "BYE, the first of two (a bound bulk connection)",
+       "no new calls; wait for the BYE on the other connection (bulk rule 4)", _S.LIVE),
+    _T(_S.LIVE, (), "a message other than RESULT or BYE on the bulk connection", "drop",
+       _S.LIVE),
+    _T(_S.LIVE, (), "the bound bulk connection is lost, the engine connected to us",
+       "end the session (its calls fail: EngineDeadError); BYE, PING 0 (a new session)",
+       _S.NONE),
     _T(_S.LIVE, (_K.REJECT,), "REJECT",
        "end the session (its calls fail); remember the refusal", _S.NONE),
     _T(_S.LIVE, (), "timer: heartbeat due", "PING (nonce: the send time in ns)", _S.LIVE),
