@@ -67,7 +67,6 @@ SLOW: tuple[tuple[str, float], ...] = (
     ("tests/test_bench_smoke.py::test_quick_batching_section", 40.0),
     ("tests/test_bench_smoke.py::test_quick_compression_section", 30.1),
     ("tests/transports/test_shm_torch_alias.py::test_an_engine_that_fails_the_gate", 29.3),
-    ("tests/transports/test_shm_copy_threads.py::test_large_results_and_an_echoed", 27.0),
     ("tests/test_demo.py::test_demo_runs_small_and_leaves_nothing_behind", 24.1),
     ("tests/test_bench_smoke.py::test_startup_measures_the_commands", 24.0),
     ("tests/test_bench_smoke.py::test_quick_mixed_load_reports_tails", 21.5),
