@@ -305,6 +305,11 @@ def test_socket_options_name_the_curve_role(make_socket, server_keys, client_key
         auth_statistics(client.socket)
 
 
+def test_create_socket_refuses_a_non_curve_config():
+    with pytest.raises(TypeError, match="CurveServerConfig or CurveClientConfig"):
+        create_socket(zmq.DEALER, curve=object())  # type: ignore[arg-type]
+
+
 @contextlib.asynccontextmanager
 async def tcp_relay(target_port: int) -> AsyncIterator[tuple[int, bytearray]]:
     """Forward 127.0.0.1:PORT to ``target_port`` and record every byte on the wire."""

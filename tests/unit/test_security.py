@@ -28,7 +28,6 @@ from tensorrpc._security import (
     load_public_keys,
     save_keypair,
 )
-from tensorrpc._zmq import create_socket
 
 # -- ZAP decisions, without sockets ----------------------------------------------------------
 
@@ -60,11 +59,6 @@ def test_zap_decisions_fail_closed():
     assert auth.statistics(anyone) == AuthStatistics(accepted=1, denied=0)
     auth.unregister(listed)
     assert ask(listed, b"CURVE", raw)[0] == b"400"
-
-
-def test_create_socket_refuses_a_non_curve_config():
-    with pytest.raises(TypeError, match="CurveServerConfig or CurveClientConfig"):
-        create_socket(zmq.DEALER, curve=object())  # type: ignore[arg-type]
 
 
 # -- keys and key files ----------------------------------------------------------------------
