@@ -32,7 +32,6 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
-import gc
 import io
 import json
 import os
@@ -466,10 +465,6 @@ def _serve(address: str) -> dict[str, Any]:
     """Fork a child per request until the lifeline (stdin) closes; in a child, its request."""
     for name in PRELOAD:
         __import__(name)
-    # The imports' ~200k objects out of the collector's sight (and their pages out of
-    # its writes): a child's full collection scans only what the child made.
-    gc.collect()
-    gc.freeze()
     base_path = sys.path[1:]  # after the zygote's own directory: no PYTHONPATH was set
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)

@@ -88,6 +88,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     collection would scan (0.4 s on this machine, each explicit ``gc.collect()`` in a test
     and each of the interpreter's own full passes); frozen, they are never scanned (nor
     freed: they live as long as the modules). Objects the tests make are not frozen.
+    (Not in the zygote of tests/_forkserver.py: a child must behave as a fresh
+    interpreter, and ``gc.get_referrers`` does not see frozen objects: hypothesis, imported
+    late in a child, then warns that trio's registered random has no referrer.)
     """
     gc.collect()
     gc.freeze()
