@@ -39,6 +39,8 @@ class Batched:
         self.seen_cancelled: list[frozenset[int]] = []
         self.threads: set[str] = set()
         self.steps = 0
+        #: Set once `count` has run ``stepped[0]`` steps (a test waits on it).
+        self.stepped: tuple[int, anyio.Event] | None = None
 
     @rpc(batch=Batching(max_size=8, max_delay=0.02))
     async def square(self, x: list[int], tag: list[str]) -> list[str]:
@@ -97,6 +99,8 @@ class Batched:
     @rpc(batch=Continuous(max_size=4, max_delay=0.0))
     async def count(self, start: list[int], n: list[int]) -> list[int]:
         self.steps += 1
+        if self.stepped is not None and self.steps >= self.stepped[0]:
+            self.stepped[1].set()
         batch = current_batch()
         out = []
         for i, item in enumerate(batch.items):
@@ -492,12 +496,13 @@ async def test_an_item_that_joins_gets_its_first_output_before_the_others(
 
     woken: list[tuple[int, int, int]] = []  # (step, the item's start, its outputs so far)
     svc = Batched()
+    three_steps = anyio.Event()
+    svc.stepped = (3, three_steps)
+    original = _Item.wake
 
     def wake(self: _Item) -> None:
         woken.append((svc.steps, self.args[0], self.handle.steps))
-        event = self.event
-        if event is not None:
-            event.set()
+        original(self)
 
     monkeypatch.setattr(_Item, "wake", wake)
     async with _running(tmp_path, svc) as (_svc, _, c), anyio.create_task_group() as tg:
@@ -508,8 +513,8 @@ async def test_an_item_that_joins_gets_its_first_output_before_the_others(
 
         for start in (100, 200, 300):
             tg.start_soon(read, start)
-        while svc.steps < 3:  # noqa: ASYNC110 - the batch runs steps meanwhile
-            await anyio.sleep(0.01)
+        with anyio.fail_after(10):
+            await three_steps.wait()  # the batch of three runs steps
         # A joiner may find the others paused for credit in its step (then it runs alone
         # and shows no order): join several times, check every step that had company.
         joiners = (1, 3, 5, 7, 9, 11)
