@@ -11,9 +11,11 @@ ERROR, or stream items with the stream's own credit). What the entry point adds:
   to the waiting items.
 * stream (``Continuous``): an async generator per item. A step loop per running batch
   calls the handler once per step with the active items; each output waits in the
-  item's one-slot buffer until its worker takes it. An item whose slot is full (its
-  stream has no credit) sits out the steps until its reader catches up: a stalled reader
-  never stalls the others, and costs one buffered output and its place in the batch.
+  item's buffer until its worker takes it. The next step starts at once, and an item
+  whose worker is waiting for its output takes part (the worker takes it and sends it
+  while the step runs); an item whose worker is away (its stream has no credit) sits
+  out with one output buffered until its reader catches up: a stalled reader never
+  stalls the others, and costs one buffered output and its place in the batch.
 
 A unary item does not hold one of the engine's ``max_concurrency`` workers while it
 waits: the pool parks its task (`tensorrpc._dispatch`, rule 5) and hands us its deadline,
@@ -485,9 +487,16 @@ class _Runner:
     async def _run_steps(self, run: _Run) -> None:
         self._started(run.items, run)
         max_size = self.batcher.config.max_size
+        waiters = run.waiters
+        yielded = [False]
+
+        def mark() -> None:
+            yielded[0] = True
+
         try:
             while True:
-                await anyio.lowlevel.checkpoint()  # a handler that never waits starves no one
+                if not yielded[0]:  # a handler that never waits starves no one
+                    await waiters.checkpoint()
                 # Step boundary: the gone and the ended leave, the queue joins.
                 kept = []
                 for it in run.items:
@@ -504,12 +513,20 @@ class _Runner:
                     run.items.extend(joined.batch)
                 if not run.items:
                     return
-                ready = [it for it in run.items if not it.outputs]
+                # An item takes part while its worker is waiting for its next output
+                # (``event`` set: it takes the one buffered first, while this step runs).
+                ready = [
+                    it
+                    for it in run.items
+                    if not it.outputs or (len(it.outputs) == 1 and it.event is not None)
+                ]
                 if not ready:  # every reader is behind: wait for one to take its output
-                    run.wake = wake = run.waiters.new()
-                    await run.waiters.wait(wake)
+                    run.wake = wake = waiters.new()
+                    await waiters.wait(wake)
                     run.wake = None
                     continue
+                yielded[0] = False
+                waiters.soon(mark)  # runs once this task yields (the handler waits)
                 await self._step(run, ready)
         finally:
             for it in run.items:
