@@ -381,7 +381,7 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
         f"{_ms(bt.get('late_ttft_ms'))} (median; slowest {_ms(bt.get('late_ttft_max_ms'))}): "
         f"{_steps(bt.get('late_ttft_steps'))} running steps (min / median / max of "
         f"{_get(bt.get('late_ttft_steps'), 'n')}), the running batch's step taking "
-        f"{_ms(bt.get('running_step_ms'))} here (handler plus delivering its outputs).",
+        f"{_ms(bt.get('running_step_ms'))} here (the engine's steps ÷ the time they took).",
         "",
         "| case | tokens/s | time to first token, median | p99 |",
         "|---|---:|---:|---:|",

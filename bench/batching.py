@@ -303,7 +303,7 @@ async def _late_ttft(stub: Any) -> tuple[list[float], float]:
     """Times to first token of ``LATE_STREAMS`` streams that arrive, one after the other,
     each at a random point of a step, while a batch of streams runs; and the running
     batch's step as it runs on the engine meanwhile (the time the late streams took ÷ the
-    steps the engine ran in it: handler step plus delivering the outputs)."""
+    steps the engine ran in it)."""
     lates: list[float] = []
     async with anyio.create_task_group() as tg:
         started = anyio.Event()
