@@ -1,15 +1,9 @@
-"""A blocking client for scripts and notebooks: the async `Client` on a background loop.
+"""A blocking client for scripts and notebooks: the async `Client` on a background loop
+(docs/client.md, "Blocking client").
 
-`BlockingClient` starts one daemon thread that runs an event loop (asyncio by default,
-or trio) with an anyio ``BlockingPortal``, opens an ordinary `Client` inside it, and turns
-each call into "run this coroutine on that loop and wait for its result". The caller's
-thread never runs the client's loop, so it works the same from a plain script, from a
-thread, and from code whose own thread already runs an event loop (Jupyter, an asyncio
-application calling a library that blocks).
-
-Lifetime: ``with BlockingClient(...) as client:`` or ``close()``; a client that is neither
-closed nor in a ``with`` is closed when it is garbage-collected or when the interpreter
-exits (a ``weakref.finalize``), so no thread, socket or engine lease outlives it.
+`BlockingClient` runs an anyio ``BlockingPortal`` on a daemon thread of its own and turns
+each call into "run this coroutine on that loop and wait for its result"; a client that
+is neither closed nor in a ``with`` is closed by a ``weakref.finalize`` (at GC or exit).
 """
 
 from __future__ import annotations
@@ -181,18 +175,14 @@ def _plain(items: object) -> bool:
     return isinstance(items, Iterable) and not isinstance(items, str | bytes | AsyncIterable)
 
 
-def _as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Args:
-    return args, kwargs
-
-
 def _request_items(
     runner: _Runner, method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> _Args:
     """``method``'s arguments, its request items pulled in a worker thread if it takes them."""
     spec = runner.client.service.methods.get(getattr(method, "__name__", ""))
-    if spec is None or not spec.request_streaming:
-        return args, kwargs
-    return _threaded(args, kwargs)
+    return (
+        _threaded(args, kwargs) if spec is not None and spec.request_streaming else (args, kwargs)
+    )
 
 
 class _ClosesOnExit:
@@ -290,20 +280,8 @@ class BlockingCallView(Generic[S]):
     ) -> BlockingCallView[S]:
         """A view on the same client whose calls use these options.
 
-        An option not given keeps this view's value (views chain); ``None`` clears one.
-
-        Args:
-            engine: Target engine id, or ``None`` to balance.
-            timeout: Per-call deadline in seconds, or ``None``.
-            wait: Wait for an in-flight slot (``False``: fail with OverloadedError).
-            transport: ``"auto"``, ``"frames"`` or ``"torch_shm"``.
-            wait_for_ready: With no live engine, wait for one within ``timeout``
-                (``None``: only when a timeout is given; see `CallOptions`).
-            metadata: Request metadata sent with each call (see `CallOptions`).
-            compression: ``"zstd"`` or a `Compression` (see `CallOptions`).
-
-        Returns:
-            The new view.
+        As [`CallView.with_options`][tensorrpc.CallView.with_options]: an option not
+        given keeps this view's value (views chain); ``None`` clears one.
         """
         view = self._view.with_options(
             engine=engine,
@@ -365,29 +343,14 @@ class BlockingCallView(Generic[S]):
         """Call one method with one result and wait for it, typed from the service's method.
 
         ``client.call(Calculator.add, 1, 2)`` checks the arguments against
-        ``Calculator.add`` and returns its result type. Interrupting the wait (Ctrl-C)
-        cancels the call on the engine.
-
-        Args:
-            method: The method, taken from the service class (``Calculator.add``).
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            The method's result.
-
-        A client-streaming method takes a plain iterable of its request items
-        (``client.call(Files.upload, chunks)``), pulled in a worker thread as the engine's
-        credit allows.
-
-        Raises:
-            TypeError: ``method`` is not a unary method of this client's service.
-            ClosedError: The client is closed.
-            TensorRPCError: As [`CallView.call`][tensorrpc.CallView.call].
+        ``Calculator.add`` and returns its result, raising as
+        [`CallView.call`][tensorrpc.CallView.call] does. Interrupting the wait (Ctrl-C)
+        cancels the call on the engine. A client-streaming method takes a plain iterable
+        of its request items (``client.call(Files.upload, chunks)``), pulled in a worker
+        thread as the engine's credit allows.
         """
-        view = self._view
         args, kwargs = _request_items(self._runner, method, args, kwargs)
-        return self._runner.run(functools.partial(view.call, method, *args, **kwargs))
+        return self._runner.run(functools.partial(self._view.call, method, *args, **kwargs))
 
     @overload
     def call_with_metadata(
@@ -421,24 +384,9 @@ class BlockingCallView(Generic[S]):
 
         ``value, metadata = client.call_with_metadata(Greeter.hello, "ada")``; the metadata
         is empty when the engine sent none (docs/context.md).
-
-        Args:
-            method: The method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            ``(result, response metadata)``.
-
-        Raises:
-            TypeError: ``method`` is not a unary method of this client's service.
-            ClosedError: The client is closed.
-            TensorRPCError: As
-                [`CallView.call_with_metadata`][tensorrpc.CallView.call_with_metadata].
         """
-        view = self._view
         args, kwargs = _request_items(self._runner, method, args, kwargs)
-        call = functools.partial(view.call_with_metadata, method, *args, **kwargs)
+        call = functools.partial(self._view.call_with_metadata, method, *args, **kwargs)
         return self._runner.run(call)
 
     def stream(
@@ -450,75 +398,34 @@ class BlockingCallView(Generic[S]):
     ) -> BlockingStream[T]:
         """Start a streaming call: ``for item in client.stream(Calc.count, 5): ...``.
 
-        Args:
-            method: The streaming method, taken from the service class.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            The stream of items, a plain iterator.
-
         A bidirectional method takes a plain iterable of its request items
         (``client.stream(Chat.talk, lines)``), pulled in a worker thread as the engine's
         credit allows while the response is read.
-
-        Raises:
-            TypeError: ``method`` is not a streaming method of this client's service.
-            ClosedError: The client is closed.
         """
-        view = self._view
         given, named = _request_items(self._runner, method, args, kwargs)
-        start: Callable[[], CallStream[T]] = functools.partial(view.stream, method, *given, **named)
+        start = functools.partial(self._view.stream, method, *given, **named)
         return _open_stream(self._runner, start)
 
     def broadcast(self, method: str, /, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call a unary method on every live engine concurrently; ``{engine id: result}``.
 
-        Args:
-            method: The method name.
-            *args: Positional arguments.
-            **kwargs: Keyword arguments.
-
-        Returns:
-            ``{engine_id: result}`` for every engine live when the broadcast started.
-
-        Raises:
-            BroadcastError: At least one engine failed.
-            EngineNotFoundError: No engine is live.
-            ClosedError: The client is closed.
+        As [`CallView.broadcast`][tensorrpc.CallView.broadcast], waiting for the results.
         """
-        view = self._view
-        return self._runner.run(functools.partial(view.broadcast, method, *args, **kwargs))
+        return self._runner.run(functools.partial(self._view.broadcast, method, *args, **kwargs))
 
     def call_by_name(self, method: str, arguments: Mapping[str, Any] | None = None, /) -> Any:
-        """Call a unary method by name, with its arguments given by name.
+        """Call a unary method by name, with its arguments given by name, and wait.
 
         See [`CallView.call_by_name`][tensorrpc.CallView.call_by_name].
-
-        Args:
-            method: The method name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The method's result.
         """
-        view = self._view
-        return self._runner.run(functools.partial(view.call_by_name, method, arguments))
+        return self._runner.run(functools.partial(self._view.call_by_name, method, arguments))
 
     def stream_by_name(
         self, method: str, arguments: Mapping[str, Any] | None = None, /
     ) -> BlockingStream[Any]:
-        """Start a streaming call by name, with its arguments given by name.
-
-        Args:
-            method: The streaming method's name.
-            arguments: Parameter name -> value.
-
-        Returns:
-            The stream of items, a plain iterator.
-        """
-        view = self._view
-        return _open_stream(self._runner, functools.partial(view.stream_by_name, method, arguments))
+        """Start a streaming call by name, with its arguments given by name."""
+        start = functools.partial(self._view.stream_by_name, method, arguments)
+        return _open_stream(self._runner, start)
 
 
 class BlockingStub(Generic[S]):
@@ -553,19 +460,12 @@ class _BlockingStub(BlockingStub[Any]):
             raise AttributeError(f"service {self._spec.name!r} has no rpc method {name!r}")
         async_fn: Callable[..., Any] = getattr(self._async_stub, name)
         runner = self._runner
-        fn: Callable[..., Any]
-        threaded = _threaded if method.request_streaming else _as_given
-        if method.streaming:
 
-            def fn(*args: Any, **kwargs: Any) -> BlockingStream[Any]:
-                args, kwargs = threaded(args, kwargs)
-                return _open_stream(runner, functools.partial(async_fn, *args, **kwargs))
-
-        else:
-
-            def fn(*args: Any, **kwargs: Any) -> Any:
-                args, kwargs = threaded(args, kwargs)
-                return runner.run(functools.partial(async_fn, *args, **kwargs))
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            if method.request_streaming:
+                args, kwargs = _threaded(args, kwargs)
+            call = functools.partial(async_fn, *args, **kwargs)
+            return _open_stream(runner, call) if method.streaming else runner.run(call)
 
         fn.__name__ = name
         fn.__qualname__ = async_fn.__qualname__
@@ -637,14 +537,8 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     ) -> BlockingClient[Any]:
         """A blocking schemaless client (see [`Client.dynamic`][tensorrpc.Client.dynamic]).
 
-        Args:
-            bind: Address(es) to bind; engines dial in.
-            connect: Address(es) of engines that listen.
-            backend: The background loop: ``"asyncio"`` (default) or ``"trio"``.
-            **options: Any other keyword argument of [`Client`][tensorrpc.Client].
-
-        Returns:
-            The open client; call it with ``call_by_name`` and ``stream_by_name``.
+        Takes the arguments of the constructor less ``service``; call it with
+        ``call_by_name`` and ``stream_by_name``.
         """
         self: BlockingClient[Any] = cls.__new__(cls)
 
@@ -709,19 +603,9 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     def wait_for_engines(
         self, count: int = 1, *, timeout: float | None = None
     ) -> Mapping[str, EngineInfo]:
-        """Wait until at least ``count`` engines are live.
+        """Wait until at least ``count`` engines are live; the live engines.
 
-        Args:
-            count: How many live engines to wait for.
-            timeout: Seconds to wait at most; ``None`` waits without bound, but not for
-                refused engines (see `Client.wait_for_engines`).
-
-        Returns:
-            The live engines (as [`engines`][tensorrpc.BlockingClient.engines]).
-
-        Raises:
-            EnginesUnavailableError: The timeout passed first (also a ``TimeoutError``).
-            ClosedError: The client is closed.
+        As [`Client.wait_for_engines`][tensorrpc.Client.wait_for_engines].
         """
         client = self._runner.client
         return self._runner.run(functools.partial(client.wait_for_engines, count, timeout=timeout))
@@ -729,21 +613,7 @@ class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     def health(
         self, engine: str | None = None, *, service: str = "", timeout: float | None = 5.0
     ) -> HealthStatus:
-        """Ask one engine for its health (see [`Client.health`][tensorrpc.Client.health]).
-
-        Args:
-            engine: The engine's id; ``None``: any live engine.
-            service: The service asked about; ``""``: the engine as a whole.
-            timeout: Seconds for the answer (``None``: no deadline).
-
-        Returns:
-            ``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN``.
-
-        Raises:
-            EngineNotFoundError: The engine is not live (or none is).
-            CallTimeoutError: No answer in time.
-            ClosedError: The client is closed.
-        """
+        """Ask one engine for its health (see [`Client.health`][tensorrpc.Client.health])."""
         client = self._runner.client
         return self._runner.run(
             functools.partial(client.health, engine, service=service, timeout=timeout)

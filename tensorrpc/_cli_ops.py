@@ -39,63 +39,42 @@ class OptionError(ValueError):
 def add_curve_flags(parser: argparse.ArgumentParser, *, listens: bool) -> None:
     """The CURVE flags: our keypair, the server's key (dialling) and, for a command that can
     listen, the allow-list."""
-    parser.add_argument(
-        "--curve-keypair",
-        metavar="FILE",
-        help="CURVE: our secret key file, NAME.key_secret (env TENSORRPC_CURVE_KEYPAIR)",
+    add = parser.add_argument
+    ours = "CURVE: our secret key file, NAME.key_secret (env TENSORRPC_CURVE_KEYPAIR)"
+    add("--curve-keypair", metavar="FILE", help=ours)
+    theirs = (
+        "CURVE, when dialling: the public key file of the side that listens "
+        "(env TENSORRPC_CURVE_SERVER_KEY)"
     )
-    parser.add_argument(
-        "--curve-server-key",
-        metavar="FILE",
-        help=(
-            "CURVE, when dialling: the public key file of the side that listens "
-            "(env TENSORRPC_CURVE_SERVER_KEY)"
-        ),
-    )
+    add("--curve-server-key", metavar="FILE", help=theirs)
     if listens:
-        parser.add_argument(
-            "--curve-allow",
-            metavar="PATH",
-            action="append",
-            help=(
-                "CURVE, when listening: a client's public key file, or a directory of "
-                "*.key files, allowed to connect (repeat; env TENSORRPC_CURVE_ALLOW, "
-                "paths separated by ':')"
-            ),
+        allow = (
+            "CURVE, when listening: a client's public key file, or a directory of *.key "
+            "files, allowed to connect (repeat; env TENSORRPC_CURVE_ALLOW, paths separated "
+            "by ':')"
         )
-        parser.add_argument(
-            "--curve-allow-any",
-            action="store_true",
-            default=None,
-            help=(
-                "CURVE, when listening: accept any client that knows our public key "
-                "(env TENSORRPC_CURVE_ALLOW_ANY=1)"
-            ),
+        add("--curve-allow", metavar="PATH", action="append", help=allow)
+        anyone = (
+            "CURVE, when listening: accept any client that knows our public key "
+            "(env TENSORRPC_CURVE_ALLOW_ANY=1)"
         )
+        add("--curve-allow-any", action="store_true", default=None, help=anyone)
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """``serve``'s metrics and tracing flags (CURVE: `add_curve_flags`)."""
-    parser.add_argument(
-        "--metrics-port",
-        metavar="PORT",
-        help=(
-            "export Prometheus metrics on http://127.0.0.1:PORT/metrics (0: a free port; "
-            "one port per engine process; env TENSORRPC_METRICS_PORT; needs the "
-            "'metrics' extra)"
-        ),
+    metrics = (
+        "export Prometheus metrics on http://127.0.0.1:PORT/metrics (0: a free port; one "
+        "port per engine process; env TENSORRPC_METRICS_PORT; needs the 'metrics' extra)"
     )
-    parser.add_argument(
-        "--tracing",
-        action="store_true",
-        default=None,
-        help=(
-            "trace calls with OpenTelemetry; the standard OTEL_* variables configure the "
-            "SDK (OTEL_TRACES_EXPORTER, default otlp; OTEL_EXPORTER_OTLP_ENDPOINT; "
-            "OTEL_SERVICE_NAME, default the service's name; OTEL_TRACES_SAMPLER) "
-            "(env TENSORRPC_TRACING=1; needs opentelemetry-sdk)"
-        ),
+    parser.add_argument("--metrics-port", metavar="PORT", help=metrics)
+    tracing = (
+        "trace calls with OpenTelemetry; the standard OTEL_* variables configure the SDK "
+        "(OTEL_TRACES_EXPORTER, default otlp; OTEL_EXPORTER_OTLP_ENDPOINT; OTEL_SERVICE_NAME, "
+        "default the service's name; OTEL_TRACES_SAMPLER) (env TENSORRPC_TRACING=1; needs "
+        "opentelemetry-sdk)"
     )
+    parser.add_argument("--tracing", action="store_true", default=None, help=tracing)
 
 
 def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:

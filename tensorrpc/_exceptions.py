@@ -226,7 +226,8 @@ class CallTimeoutError(CallError, TimeoutError):
 
 
 class OverloadedError(CallError):
-    """A concurrency or queue bound was hit and the caller asked not to wait."""
+    """The engine refused the call for capacity: its queue was full, or every worker was
+    busy and the call asked not to wait (docs/protocol.md, ERROR codes)."""
 
 
 class EngineNotFoundError(CallError):
@@ -287,7 +288,8 @@ class ErrorCode(IntEnum):
     DECODE = 4
     #: The deadline had passed (before or while running).
     DEADLINE_EXCEEDED = 5
-    #: The engine's bounded queue is full.
+    #: Refused for capacity: the queue is full, or every worker is busy and the CALL said
+    #: ``NO_WAIT``.
     OVERLOADED = 6
     #: The engine is draining and refuses new calls.
     DRAINING = 7

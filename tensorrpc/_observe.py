@@ -267,13 +267,7 @@ def installed() -> tuple[Observer, ...]:
 
 
 def resolve(observer: Observer | Sequence[Observer] | None) -> Observer | None:
-    """The observer a new client or engine uses: its own and the installed ones.
-
-    Args:
-        observer: What the user passed as ``observer=``.
-
-    Returns:
-        The combined observer, or None when there is nothing to observe.
+    """The observer a new client or engine uses: its ``observer=`` and the installed ones.
 
     Raises:
         TypeError: ``observer`` is not an Observer (or a sequence of them).
@@ -327,11 +321,7 @@ def outcome_of(exc: BaseException | None) -> str:
         return "cancelled"  # the caller's task was cancelled (or the process is exiting)
     if isinstance(exc, _e.RemoteError):
         return exc.code.name
-    for cls in type(exc).__mro__:
-        outcome = _OUTCOMES.get(cls)
-        if outcome is not None:
-            return outcome
-    return "INTERNAL"
+    return next((_OUTCOMES[c] for c in type(exc).__mro__ if c in _OUTCOMES), "INTERNAL")
 
 
 class _Reply(Protocol):
@@ -341,10 +331,7 @@ class _Reply(Protocol):
 
 def reply_bytes(call: _Reply) -> int:
     """Bytes of the reply a client call holds (payload and tensor frames)."""
-    n = memoryview(call.reply_payload).nbytes
-    for b in call.reply_buffers:
-        n += memoryview(b).nbytes
-    return n
+    return sum(memoryview(b).nbytes for b in (call.reply_payload, *call.reply_buffers))
 
 
 def client_call(
@@ -357,27 +344,11 @@ def client_call(
     shm_tensors: int,
     frames: int,
 ) -> tuple[CallObservation | None, bytes]:
-    """Client call site: observe a CALL about to be sent; its trace context if any.
-
-    Args:
-        observer: The client's observer.
-        service: The service name.
-        method: The method name.
-        engine: The engine id.
-        stream: Whether the call streams.
-        nbytes: Bytes of payload and tensor frames.
-        shm_tensors: Argument tensors sent by ``torch_shm`` handle.
-        frames: Argument tensor frames.
-
-    Returns:
-        The observation (or None) and the trace context the CALL carries (``TRACE``):
-        the observation's, when it has one; else ``b""``.
-    """
+    """Client call site: the observation of a CALL about to be sent (or None) and the
+    trace context the CALL carries (the observation's, else ``b""``)."""
     transport = "torch_shm" if shm_tensors else "frames" if frames else "inline"
     observation = observer.client_call(service, method, engine, stream, nbytes, transport)
-    if observation is not None:
-        return observation, observation.trace_context()
-    return observation, b""
+    return observation, b"" if observation is None else observation.trace_context()
 
 
 def statistics_allowed(curve: CurveConfig | None) -> bool:
@@ -388,10 +359,7 @@ def statistics_allowed(curve: CurveConfig | None) -> bool:
     so it refuses; with an allow-list, or as a CURVE client (the peer proved the server
     key we asked for), every peer is authenticated.
     """
-    if curve is None:
-        return True
-    allowed = getattr(curve, "allowed_clients", ())
-    return allowed is not None
+    return curve is None or getattr(curve, "allowed_clients", ()) is not None
 
 
 # -- the built-in statistics method -------------------------------------------------------
@@ -407,20 +375,11 @@ def _counters(c: Any) -> dict[str, int]:
     }
 
 
-def _releases_refused(detail: Any) -> int:
-    return 0 if detail is None else int(detail.releases_refused)
-
-
 def statistics_body(stats: Any, *, service: str, pid: int, started: float) -> dict[str, Any]:
-    """The map the statistics method answers with (documented in docs/protocol.md).
-
-    Args:
-        stats: The engine's ``ServerStatistics``.
-        service: Its service name.
-        pid: Its process id.
-        started: ``time.time()`` when it started.
-    """
+    """The map the statistics method answers with (documented in docs/protocol.md), from
+    the engine's ``ServerStatistics``; ``started`` is its ``time.time()`` at start."""
     clients = stats.clients
+    detail = stats.transports.torch_shm_detail
     return {
         "engine_id": stats.engine_id,
         "service": service,
@@ -440,7 +399,7 @@ def statistics_body(stats: Any, *, service: str, pid: int, started: float) -> di
             "frames": _counters(stats.transports.frames),
             "torch_shm": {
                 **_counters(stats.transports.torch_shm),
-                "releases_refused": _releases_refused(stats.transports.torch_shm_detail),
+                "releases_refused": 0 if detail is None else int(detail.releases_refused),
             },
         },
         "latency_buckets_per_octave": LATENCY_BUCKETS_PER_OCTAVE,

@@ -1,34 +1,11 @@
 """CURVE encryption and authentication for tensorrpc sockets, and the exposure warning.
 
-ZMQ's CURVE mechanism (CurveZMQ: Curve25519 key exchange, then every frame encrypted and
-authenticated) protects ``tcp://`` and ``ipc://`` connections. Its roles are **ZMQ roles,
-independent of bind/connect**:
-
-* the *CURVE server* holds a keypair whose public key its peers know in advance, and
-  decides which clients it accepts ([`CurveServerConfig`][tensorrpc.CurveServerConfig], with an
-  allow-list);
-* a *CURVE client* holds its own keypair and the server's public key
-  ([`CurveClientConfig`][tensorrpc.CurveClientConfig]); it refuses any peer that cannot prove it
-  holds the
-  server's secret key.
-
-The simplest rule, and the one the docs recommend: **the binding side is the CURVE
-server**. A CURVE-server socket may also ``connect`` (ZMQ allows either pairing), which is
-how a socket that both binds and connects keeps one role.
-
-Client keys are checked by a ZAP handler (`ZapAuthenticator`): one background thread
-per ZMQ context, because the ZAP endpoint ``inproc://zeromq.zap.01`` is per context.
-Each CURVE-server socket registers its own ZAP domain with its own allow-list, so servers
-in one process can accept different clients. The handler starts with the first secured
-socket of a context and stops when the last one closes. pyzmq's ``ThreadAuthenticator``
-was not used: its "allow any client" switch is global to the context rather than per
-domain, and it runs an asyncio loop inside its thread; the handler here is a plain
-blocking poll loop of about forty lines, independent of the caller's event loop (asyncio
-or trio).
-
-Keys are z85-encoded bytes (40 characters), as `zmq.curve_keypair` returns them.
-Key files use ZMQ's certificate format (readable by `zmq.auth.load_certificate`):
-``NAME.key`` holds the public key, ``NAME.key_secret`` both keys, written with mode 0600.
+The roles (the CURVE server is a ZMQ role, independent of bind/connect), the ZAP handler
+(`ZapAuthenticator`: one thread per ZMQ context, one domain and allow-list per
+CURVE-server socket, fail-closed) and the key files (ZMQ certificates, z85 keys,
+``NAME.key`` / ``NAME.key_secret`` mode 0600) are described in docs/security.md. pyzmq's
+``ThreadAuthenticator`` is not used: its "allow any client" switch is global to the
+context rather than per domain, and it runs an asyncio loop inside its thread.
 """
 
 from __future__ import annotations
@@ -215,18 +192,20 @@ _BANNER: Final = """#   ****  Generated on {now} by tensorrpc  ****
 """
 
 
+_CERT_KINDS: Final = {
+    True: (
+        "**Secret** Certificate",
+        "DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
+    ),
+    False: (
+        "Public Certificate",
+        "Give this file to the peers; check its contents after exchange.",
+    ),
+}
+
+
 def _cert_text(keypair: CurveKeyPair, *, secret: bool) -> str:
-    kind, advice = (
-        (
-            "**Secret** Certificate",
-            "DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
-        )
-        if secret
-        else (
-            "Public Certificate",
-            "Give this file to the peers; check its contents after exchange.",
-        )
-    )
+    kind, advice = _CERT_KINDS[secret]
     now = datetime.now().isoformat(timespec="seconds")
     text = _BANNER.format(now=now, kind=kind, advice=advice) + "metadata\ncurve\n"
     text += f'    public-key = "{keypair.public_key.decode("ascii")}"\n'
@@ -377,20 +356,9 @@ class ZapAuthenticator:
     """The ZAP handler of one ZMQ context, shared by all its CURVE-server sockets.
 
     Obtain it with `acquire` (which starts it on first use) and give it back with
-    `release` (which stops it when no socket uses it any more); `apply_curve`
-    does both for you. Decisions, per request:
-
-    1. ``NULL`` mechanism: accepted (libzmq only asks for NULL sockets that set a ZAP domain).
-    2. ``CURVE`` on a registered domain: accepted if the domain accepts any client or the
-       client's key is on its allow-list, else denied.
-    3. Anything else (an unregistered domain, PLAIN, GSSAPI, a malformed request): denied.
-
-    The handler owns the context's ZAP endpoint: a context can have only one, so another
-    handler (e.g. pyzmq's ``ThreadAuthenticator``) on the same context makes
-    `acquire` fail.
-
-    Args:
-        context: The ZMQ context whose ZAP requests this handler answers.
+    `release` (which stops it with its last user); `apply_curve` does both. It accepts
+    NULL (libzmq asks only for NULL sockets that set a ZAP domain), CURVE on a registered
+    domain whose allow-list has the key (or allows any), and denies anything else.
     """
 
     _lock: Final = threading.Lock()
@@ -513,21 +481,10 @@ class ZapAuthenticator:
     # -- domains ----------------------------------------------------------------------------
 
     def register(self, allowed_clients: Collection[bytes] | None) -> str:
-        """Register a new ZAP domain with its allow-list; return the domain name.
-
-        Args:
-            allowed_clients: z85 client public keys, or None for any client.
-
-        Returns:
-            The domain to set as the socket's ``ZAP_DOMAIN``.
-        """
-        allowed = None
-        if allowed_clients is not None:
-            allowed = frozenset(
-                z85.decode(check_public_key(k, "client key")) for k in allowed_clients
-            )
+        """Register a new ZAP domain with its allow-list (z85 client public keys, None for
+        any client); return the domain to set as the socket's ``ZAP_DOMAIN``."""
         domain = f"tensorrpc.{secrets.token_hex(8)}"
-        self._domains[domain] = _Domain(allowed)
+        self._domains[domain] = _Domain(None if allowed_clients is None else _raw(allowed_clients))
         return domain
 
     def allow(self, domain: str, keys: Collection[bytes]) -> None:
@@ -541,7 +498,7 @@ class ZapAuthenticator:
             ValueError: A key is malformed.
         """
         entry = self._domains[domain]
-        raw = frozenset(z85.decode(check_public_key(k, "client key")) for k in keys)
+        raw = _raw(keys)
         if entry.allowed is None:
             return
         new = raw - entry.allowed
@@ -555,7 +512,7 @@ class ZapAuthenticator:
         entry = self._domains.get(domain)
         if entry is None or entry.allowed is None:
             return
-        gone = frozenset(z85.decode(check_public_key(k, "client key")) for k in keys) & entry.added
+        gone = _raw(keys) & entry.added
         entry.added -= gone
         entry.allowed = entry.allowed - gone
 
@@ -594,26 +551,24 @@ class ZapAuthenticator:
         entry = self._domains.get(domain)
         if entry is None or mechanism != b"CURVE" or len(credentials) != 1:
             reason = "unknown domain" if entry is None else "only CURVE is accepted"
-            logger.warning(
-                "%s handshake from %s refused: %s",
-                mechanism.decode("ascii", "replace"),
-                peer,
-                reason,
-            )
+            kind = mechanism.decode("ascii", "replace")
+            logger.warning("%s handshake from %s refused: %s", kind, peer, reason)
             if entry is not None:
                 entry.denied += 1
             return _zap_reply(request_id, b"400", reason.encode())
         key = credentials[0]
         if entry.allowed is not None and key not in entry.allowed:
             entry.denied += 1
-            logger.info(
-                "CURVE client %s from %s refused: key not on the allow-list",
-                z85.encode(key).decode("ascii"),
-                peer,
-            )
+            client = z85.encode(key).decode("ascii")
+            logger.info("CURVE client %s from %s refused: key not on the allow-list", client, peer)
             return _zap_reply(request_id, b"400", b"unknown key")
         entry.accepted += 1
         return _zap_reply(request_id, b"200", b"OK", z85.encode(key))
+
+
+def _raw(keys: Collection[bytes]) -> frozenset[bytes]:
+    """z85 client keys, checked, as the raw 32-byte keys ZAP requests carry."""
+    return frozenset(z85.decode(check_public_key(k, "client key")) for k in keys)
 
 
 def _zap_reply(request_id: bytes, status: bytes, text: bytes, user: bytes = b"") -> list[bytes]:
@@ -630,11 +585,7 @@ def _server_domain(sock: zmq.Socket[bytes]) -> tuple[ZapAuthenticator, str]:
 
 
 def allow_clients(sock: zmq.Socket[bytes], keys: Collection[bytes]) -> None:
-    """Let more client keys through a CURVE-server socket's allow-list, at run time.
-
-    Args:
-        sock: A socket configured with a [`CurveServerConfig`][tensorrpc.CurveServerConfig].
-        keys: z85 client public keys.
+    """Let more client keys (z85) through a CURVE-server socket's allow-list, at run time.
 
     Raises:
         ValueError: The socket is not a tensorrpc CURVE server, or a key is malformed.
@@ -654,11 +605,7 @@ def disallow_clients(sock: zmq.Socket[bytes], keys: Collection[bytes]) -> None:
 
 
 def auth_statistics(sock: zmq.Socket[bytes]) -> AuthStatistics:
-    """The handshakes a CURVE-server socket accepted and denied so far.
-
-    Args:
-        sock: A socket configured with a [`CurveServerConfig`][tensorrpc.CurveServerConfig]
-            (``AsyncSocket.socket``).
+    """The handshakes a CURVE-server socket (``AsyncSocket.socket``) accepted and denied.
 
     Raises:
         ValueError: The socket is not a tensorrpc CURVE server.
@@ -693,18 +640,9 @@ _PROTOCOL_ERRORS: Final = {
 
 
 def describe_handshake_failure(event: int, value: int, endpoint: str) -> str:
-    """Say in words why a handshake failed, from a socket-monitor event.
-
-    Args:
-        event: ``EVENT_HANDSHAKE_FAILED_AUTH`` (``value`` is the ZAP status code),
-            ``EVENT_HANDSHAKE_FAILED_PROTOCOL`` (``value`` is a ``PROTOCOL_ERROR_*`` code)
-            or ``EVENT_HANDSHAKE_FAILED_NO_DETAIL`` (``value`` is an errno).
-        value: The event's value.
-        endpoint: The endpoint the event is about.
-
-    Returns:
-        ``"handshake on tcp://...: authentication failed (ZAP status 400: ...)"`` and so on.
-    """
+    """Say in words why a handshake on ``endpoint`` failed, from a socket-monitor event:
+    ``EVENT_HANDSHAKE_FAILED_AUTH`` (``value`` is the ZAP status code), ``..._PROTOCOL``
+    (a ``PROTOCOL_ERROR_*`` code) or ``..._NO_DETAIL`` (an errno)."""
     where = f"handshake on {endpoint}"
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         status = _ZAP_STATUS.get(value, "refused")
@@ -733,16 +671,8 @@ def apply_curve(
 
     For a server this registers a ZAP domain with the context's `ZapAuthenticator`
     (starting it if needed) and returns the function that unregisters it; call that once
-    the socket is closed. If a server's handler is ever missing, libzmq refuses its clients
-    (``ZAP_ENFORCE_DOMAIN``) rather than accepting everyone.
-
-    Args:
-        sock: A new, unconnected socket.
-        config: The socket's CURVE role and keys.
-        context: The socket's context.
-
-    Returns:
-        The clean-up function for a server, None for a client.
+    the socket is closed (a client: None). If a server's handler is ever missing, libzmq
+    refuses its clients (``ZAP_ENFORCE_DOMAIN``) rather than accepting everyone.
 
     Raises:
         TypeError: ``config`` is not a CURVE configuration.
@@ -761,8 +691,7 @@ def apply_curve(
         domain = auth.register(config.allowed_clients)
         try:
             sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode("ascii"))
-            with contextlib.suppress(AttributeError, zmq.ZMQError):  # older libzmq
-                sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, config.keypair.public_key)
             sock.setsockopt(zmq.CURVE_SECRETKEY, config.keypair.secret_key)
@@ -806,12 +735,7 @@ def is_loopback(endpoint: str) -> bool:
     host = _bound_host(endpoint)
     if host is None:
         return endpoint.partition("://")[0].lower() in {"ipc", "inproc"}
-    if host.lower() in {"localhost", "lo"}:
-        return True
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
+    return host.lower() in {"localhost", "lo"} or _ip(host, "is_loopback")
 
 
 def is_all_interfaces(endpoint: str) -> bool:
@@ -822,26 +746,20 @@ def is_all_interfaces(endpoint: str) -> bool:
     name, and non-TCP transports.
     """
     host = _bound_host(endpoint)
-    if host is None:
-        return False
-    if host in {"*", ""}:
-        return True
+    return host is not None and (host in {"*", ""} or _ip(host, "is_unspecified"))
+
+
+def _ip(host: str, test: str) -> bool:
+    """``ip_address(host).<test>`` (a scope ``%eth0`` aside); False for a name."""
     try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_unspecified
+        return bool(getattr(ipaddress.ip_address(host.split("%", 1)[0]), test))
     except ValueError:
         return False
 
 
 def warn_if_exposed(endpoint: str, sock: zmq.Socket[bytes]) -> bool:
-    """Log one warning if ``sock`` is about to bind a non-loopback interface without CURVE.
-
-    Args:
-        endpoint: The endpoint about to be bound.
-        sock: The socket (its ``MECHANISM`` option tells whether CURVE is on).
-
-    Returns:
-        Whether the warning was logged.
-    """
+    """Log one warning (and say so) if ``sock`` is about to bind a non-loopback interface
+    without CURVE (its ``MECHANISM`` option)."""
     if _bound_host(endpoint) is None or is_loopback(endpoint):
         return False
     if sock.getsockopt(zmq.MECHANISM) == zmq.CURVE:

@@ -420,10 +420,11 @@ def _request_stream(
     A method whose request is a stream takes exactly one parameter, annotated
     ``AsyncIterator[X]`` or ``AsyncIterable[X]``, without a default.
     """
-    streamed = [p for p in params if typing.get_origin(_bare(hints[p.name])) in _STREAM_ORIGINS]
-    if not streamed:
+    param = next(
+        (p for p in params if typing.get_origin(_bare(hints[p.name])) in _STREAM_ORIGINS), None
+    )
+    if param is None:
         return None
-    param = streamed[0]
     if len(params) != 1 or param.default is not _P.empty:
         raise ServiceDefinitionError(
             f"{where}: a method whose request is a stream takes exactly one parameter, "
@@ -473,9 +474,7 @@ def _item_fields(where: str, item: tuple[str, CompiledType] | None) -> dict[str,
 
 def _batch_item(where: str, what: str, tp: object, config: Batching | Continuous) -> object:
     """``T`` of a batched handler's ``list[T]`` / ``Sequence[T]`` annotation."""
-    bare = tp
-    while typing.get_origin(bare) is typing.Annotated:
-        bare = typing.get_args(bare)[0]
+    bare = _bare(tp)
     args = typing.get_args(bare)
     if typing.get_origin(bare) not in _BATCH_ORIGINS or len(args) != 1:
         kind = type(config).__name__
@@ -519,8 +518,7 @@ def _batch_hints(
 
 def _result_annotation(fn: Callable[..., Any], where: str, ret: object) -> tuple[object, bool]:
     """The type of a method's result (of each item, for a stream) and whether it streams."""
-    while typing.get_origin(ret) is typing.Annotated:
-        ret = typing.get_args(ret)[0]
+    ret = _bare(ret)
     ret_origin = typing.get_origin(ret)
     is_asyncgen = inspect.isasyncgenfunction(fn)
     streams = ret_origin in _STREAM_ORIGINS
@@ -609,10 +607,7 @@ def _message_types(
         slots=True,
     )
     response_type = dataclasses.make_dataclass(
-        f"{qual}_Response",
-        [("value", result_tp)],
-        frozen=True,
-        slots=True,
+        f"{qual}_Response", [("value", result_tp)], frozen=True, slots=True
     )
     # The generated types live beside the service (make_dataclass has no module= in 3.11).
     for generated in (request_type, response_type):
@@ -642,8 +637,8 @@ def _default_repr(value: object, where: str) -> str:
     """A stable text for a default; refuses mutable or untravelled defaults."""
     if value is None or type(value) in (bool, int, str, bytes):
         return repr(value)
-    if type(value) is float:
-        return repr(value)  # repr(float) is the shortest round-tripping text: stable
+    if type(value) is float:  # repr(float) is the shortest round-tripping text: stable
+        return repr(value)
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}={_default_repr(value.value, where)}"
     if type(value) is tuple:

@@ -1,18 +1,5 @@
-"""The ``tensorrpc`` command: run engines, inspect services, make calls from a shell.
-
-Subcommands (``tensorrpc SUBCOMMAND --help`` for each):
-
-* ``serve module:Class``: run an engine that serves an instance of a ``@service`` class
-  until SIGINT/SIGTERM, which drain it gracefully (exit status 0).
-* ``describe module:Class``: print the service (methods, signatures, types, fingerprint).
-* ``call ADDR method k=v ...`` (or ``--arg k=v``, ``-d JSON``): call a method of a running
-  engine without its class.
-* ``health ADDR``: exit 0 when an engine at ADDR answers SERVING in time (a probe).
-
-``serve`` takes ``--metrics-port``, ``--tracing`` and CURVE flags, each also from a
-``TENSORRPC_*`` environment variable (see ``tensorrpc._cli_ops``); ``call``, ``describe
-ADDR``, ``health`` and ``top`` take the CURVE flags.
-* ``bench`` / ``demo``: run the benchmark / the multi-engine demo of a repository checkout.
+"""The ``tensorrpc`` command (docs/cli.md): ``serve``, ``describe``, ``call``, ``health``,
+``top``, ``bench`` and ``demo``.
 
 User mistakes (a bad address, an unknown method or class, a malformed ``--arg``, an engine
 that does not answer in time) are reported as one line on stderr, never a traceback. The
@@ -85,14 +72,11 @@ def _build_parser() -> _Parser:
         epilog="Run 'tensorrpc SUBCOMMAND --help' for the options of each subcommand.",
     )
     parser.add_argument("--version", action="version", version=tensorrpc.__version__)
-    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
-    sub.required = True
-    _add_serve(sub)
-    _add_describe(sub)
-    _add_call(sub)
-    _add_health(sub)
-    _add_top(sub)
-    _add_runners(sub)
+    sub = parser.add_subparsers(
+        dest="command", metavar="SUBCOMMAND", parser_class=_Parser, required=True
+    )
+    for add in (_add_serve, _add_describe, _add_call, _add_health, _add_top, _add_runners):
+        add(sub)
     return parser
 
 
@@ -119,22 +103,15 @@ def _add_serve(sub: Any) -> None:
             "--bind (the engine listens; clients dial it)."
         ),
     )
-    serve.add_argument("target", metavar="module:Class", help="the service class or factory")
+    _opt(serve, "target", "the service class or factory", metavar="module:Class")
     where = serve.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--connect",
-        metavar="ADDR",
-        action="append",
-        help="a client's bound address to dial (repeat for several clients)",
+    dial = "a client's bound address to dial (repeat for several clients)"
+    _opt(where, "--connect", dial, metavar="ADDR", action="append")
+    listen = (
+        "address to listen on: tcp://HOST:PORT, ipc://PATH, or a bare PORT (meaning "
+        "tcp://127.0.0.1:PORT); binding every interface without CURVE logs a warning"
     )
-    where.add_argument(
-        "--bind",
-        metavar="ADDR",
-        help=(
-            "address to listen on: tcp://HOST:PORT, ipc://PATH, or a bare PORT (meaning "
-            "tcp://127.0.0.1:PORT); binding every interface without CURVE logs a warning"
-        ),
-    )
+    _opt(where, "--bind", listen, metavar="ADDR")
     _opt(serve, "--engine-id", "engine id (default: hostname-pid)", metavar="ID")
     _opt(serve, "--workers", "calls run at once", type=_positive_int, default=64, metavar="N")
     sync = "threads running sync handlers"
@@ -158,11 +135,8 @@ def _add_describe(sub: Any) -> None:
             "there announces (as 'call ADDR --list')."
         ),
     )
-    describe.add_argument(
-        "target",
-        metavar="module:Class|ADDR",
-        help="the service class or factory, or a running engine's tcp:// or ipc:// address",
-    )
+    what = "the service class or factory, or a running engine's tcp:// or ipc:// address"
+    _opt(describe, "target", what, metavar="module:Class|ADDR")
     _opt(describe, "--json", "print JSON", action="store_true")
     _seconds(describe, "--timeout", 10.0, "ADDR: seconds for the engine to answer (default 10)")
     _cli_ops.add_curve_flags(describe, listens=False)
@@ -183,10 +157,10 @@ def _add_call(sub: Any) -> None:
         ),
     )
     address = "the engine's address (tcp://HOST:PORT, ipc://PATH, or a bare PORT)"
-    call.add_argument("address", metavar="ADDR", help=address)
-    call.add_argument("method", nargs="?", help="the method to call")
+    _opt(call, "address", address, metavar="ADDR")
+    _opt(call, "method", "the method to call", nargs="?")
     items = "arguments, as after httpie: add a=2 b=5 (same values as --arg)"
-    call.add_argument("items", nargs="*", metavar="NAME=VALUE", help=items)
+    _opt(call, "items", items, nargs="*", metavar="NAME=VALUE")
     each = "an argument (repeat for each)"
     _opt(call, "--arg", each, dest="args", action="append", metavar="NAME=VALUE")
     call.set_defaults(args=[], health=False)
@@ -221,7 +195,7 @@ def _add_runners(sub: Any) -> None:
                 f"passed on: 'tensorrpc {name} -- --help' shows its own options."
             ),
         )
-        runner.add_argument("extra", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments")
+        _opt(runner, "extra", "arguments", nargs=argparse.REMAINDER, metavar="ARGS")
         runner.set_defaults(module=module)
 
 
@@ -237,7 +211,7 @@ def _add_top(sub: Any) -> None:
             "extra)."
         ),
     )
-    top.add_argument("addresses", nargs="+", metavar="ADDR", help="engine addresses")
+    _opt(top, "addresses", "engine addresses", nargs="+", metavar="ADDR")
     _seconds(top, "--interval", 1.0, "seconds (default 1)")
     wait = "seconds to wait for an engine and for each answer (default 10)"
     _seconds(top, "--timeout", 10.0, wait)
@@ -259,7 +233,7 @@ def _add_health(sub: Any) -> None:
             "--timeout (refused engines are named)."
         ),
     )
-    health.add_argument("address", metavar="ADDR", help="the engine's address")
+    _opt(health, "address", "the engine's address", metavar="ADDR")
     _opt(health, "--engine", "require this engine id", metavar="ID")
     service = "ask about this service (default: the engine as a whole)"
     _opt(health, "--service", service, default="", metavar="NAME")
@@ -287,11 +261,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
     try:
         return _run(
             lambda: top.run(
-                addresses,
-                interval=args.interval,
-                wait=args.timeout,
-                count=args.count,
-                curve=curve,
+                addresses, interval=args.interval, wait=args.timeout, count=args.count, curve=curve
             )
         )
     except tensorrpc.EnginesUnavailableError:
@@ -301,13 +271,8 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 
 def _add_log_level(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--log-level",
-        choices=_LOG_LEVELS,
-        default="info",
-        type=str.lower,
-        help="logging level (default info; debug also prints tracebacks)",
-    )
+    level = "logging level (default info; debug also prints tracebacks)"
+    _opt(parser, "--log-level", level, choices=_LOG_LEVELS, default="info", type=str.lower)
 
 
 def _positive(kind: Callable[[str], T], what: str) -> Callable[[str], T]:
@@ -373,15 +338,12 @@ def load_target(target: str) -> object:
         sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (
-            module_name == exc.name or module_name.startswith(exc.name + ".")
-        ):
-            raise CommandError(
-                f"cannot import {module_name!r}: no module named {exc.name!r}"
-            ) from exc
-        raise CommandError(f"importing {module_name!r} failed: {_one_line(exc)}") from exc
     except Exception as exc:
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise CommandError(
+                f"cannot import {module_name!r}: no module named {missing!r}"
+            ) from exc
         raise CommandError(f"importing {module_name!r} failed: {_one_line(exc)}") from exc
     obj: object = module
     for part in attr.split("."):
@@ -451,8 +413,7 @@ def describe_dict(spec: tensorrpc.ServiceSpec) -> dict[str, Any]:
     for m in spec.methods.values():
         params = []
         for name, tp in zip(m.params, m.param_types, strict=True):
-            param: dict[str, Any] = {"name": name, "type": tp.description}
-            param["schema"] = next(next_schema)
+            param = {"name": name, "type": tp.description, "schema": next(next_schema)}
             if name in m.defaults:
                 param["default"] = to_json(m.defaults[name])
             params.append(param)
@@ -479,11 +440,8 @@ def describe_dict(spec: tensorrpc.ServiceSpec) -> dict[str, Any]:
 
 def describe_text(spec: tensorrpc.ServiceSpec) -> str:
     """The text form of ``tensorrpc describe``."""
-    lines = [
-        f"service {spec.name}",
-        f"fingerprint {spec.fingerprint}",
-        f"methods ({len(spec.methods)}):",
-    ]
+    lines = [f"service {spec.name}", f"fingerprint {spec.fingerprint}"]
+    lines.append(f"methods ({len(spec.methods)}):")
     for m in spec.methods.values():
         params = []
         for name, tp in zip(m.params, m.param_types, strict=True):
@@ -506,8 +464,7 @@ def describe_text(spec: tensorrpc.ServiceSpec) -> str:
 
 def _cmd_describe(args: argparse.Namespace) -> int:
     if args.target.startswith(_SCHEMES):  # a running engine: what its HELLO says
-        args.list, args.method, args.engine, args.bind = True, None, None, False
-        args.health = False
+        args.list, args.method, args.engine, args.bind, args.health = True, None, None, False, False
         return _call_command(args, normalize_address(args.target), {})
     spec, _ = service_of(args.target, instantiate=False)
     if args.json:
@@ -542,10 +499,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             )
             logger.info(
                 "engine %r serves %s (%d methods), %s; stop with Ctrl-C or SIGTERM",
-                server.engine_id,
-                spec.name,
-                len(spec.methods),
-                where,
+                *(server.engine_id, spec.name, len(spec.methods), where),
             )
             if args.metrics_port is not None:
                 from tensorrpc import metrics
@@ -856,13 +810,8 @@ async def _pick_engine(
 
 
 def _engine_json(info: tensorrpc.EngineInfo) -> dict[str, Any]:
-    return {
-        "engine_id": info.engine_id,
-        "service": info.service,
-        "fingerprint": info.fingerprint,
-        "pid": info.pid,
-        "protocol_version": info.protocol_version,
-    }
+    keys = ("engine_id", "service", "fingerprint", "pid", "protocol_version")
+    return {k: getattr(info, k) for k in keys}
 
 
 def _print_methods(info: tensorrpc.EngineInfo, *, as_json: bool) -> None:
@@ -951,8 +900,7 @@ def _cmd_run_module(args: argparse.Namespace) -> int:
             "checkout (run it from the checkout, or install tensorrpc from one)"
         )
     extra = list(args.extra)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+    extra = extra[1:] if extra[:1] == ["--"] else extra
     import subprocess
 
     proc = subprocess.Popen([sys.executable, "-m", module, *extra], cwd=root)

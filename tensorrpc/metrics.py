@@ -158,12 +158,8 @@ class _Store:
 
     def _expire(self, now: float) -> None:
         """Remove the series of the engines gone for `FORGET_AFTER_S`."""
-        gone = self.gone
-        while gone:
-            oldest, when = next(iter(gone.items()))
-            if now - when < FORGET_AFTER_S:
-                break
-            self.forget(oldest)
+        while self.gone and now - next(iter(self.gone.values())) >= FORGET_AFTER_S:
+            self.forget(next(iter(self.gone)))
 
     def forget(self, engine_id: str) -> None:
         """Remove the series of ``engine_id`` and free its slot."""
@@ -178,11 +174,10 @@ class _Store:
 
     def method_key(self, method: str) -> str:
         """``method`` while fewer than `MAX_METHOD_LABELS` have series, else `OTHER`."""
-        methods = self.methods
-        if method not in methods:
-            if len(methods) >= MAX_METHOD_LABELS:
+        if method not in self.methods:
+            if len(self.methods) >= MAX_METHOD_LABELS:
                 return OTHER
-            methods.add(method)
+            self.methods.add(method)
         return method
 
 
@@ -456,10 +451,8 @@ def _engine_call_families(engines: list[Any]) -> Iterator[Metric]:
             e_started.add_metric(labels, m["calls"])
             for outcome, n in m["outcomes"].items():
                 e_finished.add_metric([*labels, outcome], n)
-            wait = _rebin(m["queue_wait"], DEFAULT_BUCKETS, bucket_upper_seconds)
-            queue.add_metric(labels, wait, m["queue_wait_sum_s"])
-            run = _rebin(m["run_time"], DEFAULT_BUCKETS, bucket_upper_seconds)
-            handler.add_metric(labels, run, m["run_time_sum_s"])
+            queue.add_metric(labels, _latency(m["queue_wait"]), m["queue_wait_sum_s"])
+            handler.add_metric(labels, _latency(m["run_time"]), m["run_time_sum_s"])
             if m["items"]:
                 e_items.add_metric(labels, m["items"])
     yield from (e_started, e_finished, queue, handler, e_items)
@@ -519,6 +512,11 @@ def _rebin(pairs: Sequence[Sequence[float]], bounds: tuple[float, ...], upper: A
     return out
 
 
+def _latency(pairs: Sequence[Sequence[float]]) -> list[Any]:
+    """`_rebin` of a statistics latency histogram into `DEFAULT_BUCKETS`."""
+    return _rebin(pairs, DEFAULT_BUCKETS, bucket_upper_seconds)
+
+
 def _batch_families(engines: list[Any]) -> Iterator[Metric]:
     """Batched methods, from ``statistics()``: sizes, queue wait and run time."""
     sizes = _histogram(
@@ -541,43 +539,35 @@ def _batch_families(engines: list[Any]) -> Iterator[Metric]:
             labels = [method, es.engine_id]
             total = sum(k * n for k, n in b["sizes"])
             sizes.add_metric(labels, _rebin(b["sizes"], BATCH_SIZE_BUCKETS, float), total)
-            upper = bucket_upper_seconds
-            wait.add_metric(
-                labels, _rebin(b["queue_wait"], DEFAULT_BUCKETS, upper), b["queue_wait_sum_s"]
-            )
-            run.add_metric(
-                labels, _rebin(b["run_time"], DEFAULT_BUCKETS, upper), b["run_time_sum_s"]
-            )
+            wait.add_metric(labels, _latency(b["queue_wait"]), b["queue_wait_sum_s"])
+            run.add_metric(labels, _latency(b["run_time"]), b["run_time_sum_s"])
             queued.add_metric(labels, b["queued"])
     yield from (sizes, wait, run, queued)
 
 
 def _transport_families(side: str, stats: list[Any], with_samples: bool) -> Iterator[Metric]:
-    tensors = CounterMetricFamily(
-        f"tensorrpc_{side}_tensors",
-        "Out-of-band tensors moved, by transport and direction.",
-        labels=["transport", "direction"],
+    way = ["transport", "direction"]
+    tensors = _counter(
+        f"tensorrpc_{side}_tensors", "Out-of-band tensors moved, by transport and direction.", way
     )
-    tensor_bytes = CounterMetricFamily(
+    tensor_bytes = _counter(
         f"tensorrpc_{side}_tensor_bytes",
         "Bytes of out-of-band tensors moved, by transport and direction.",
-        labels=["transport", "direction"],
+        way,
     )
-    fallbacks = CounterMetricFamily(
+    fallbacks = _counter(
         f"tensorrpc_{side}_transport_fallbacks",
         "Tensors meant for a transport that went as frames instead.",
-        labels=["transport"],
+        ["transport"],
     )
-    if with_samples:
-        for transport in ("frames", "torch_shm"):
-            counters = [getattr(s, transport) for s in stats]
-            tensors.add_metric([transport, "sent"], sum(c.tensors_sent for c in counters))
-            tensors.add_metric([transport, "received"], sum(c.tensors_received for c in counters))
-            tensor_bytes.add_metric([transport, "sent"], sum(c.bytes_sent for c in counters))
-            tensor_bytes.add_metric(
-                [transport, "received"], sum(c.bytes_received for c in counters)
-            )
-            fallbacks.add_metric([transport], sum(c.fallbacks for c in counters))
+    for transport in ("frames", "torch_shm") if with_samples else ():
+        counters = [getattr(s, transport) for s in stats]
+        for direction in ("sent", "received"):
+            n = sum(getattr(c, f"tensors_{direction}") for c in counters)
+            tensors.add_metric([transport, direction], n)
+            n = sum(getattr(c, f"bytes_{direction}") for c in counters)
+            tensor_bytes.add_metric([transport, direction], n)
+        fallbacks.add_metric([transport], sum(c.fallbacks for c in counters))
     yield from (tensors, tensor_bytes, fallbacks)
 
 
@@ -588,12 +578,12 @@ class _HttpServers:
     """HTTP exporters started for `exporter`: one per requested port, ref-counted."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._by_port: dict[int, tuple[WSGIServer, threading.Thread, set[int]]] = {}
-        self._target_port: dict[int, int] = {}
+        self.target_port: dict[int, int] = {}
 
     def acquire(self, target: Any, port: int) -> None:
-        with self._lock:
+        with self.lock:
             entry = self._by_port.get(port) if port else None
             if entry is None:
                 try:
@@ -609,12 +599,12 @@ class _HttpServers:
                 entry = (server, thread, set())
                 self._by_port[port or server.server_port] = entry
             entry[2].add(id(target))
-            self._target_port[id(target)] = entry[0].server_port
+            self.target_port[id(target)] = entry[0].server_port
 
     def release(self, target: Any) -> None:
-        with self._lock:
+        with self.lock:
             # Servers are kept under their bound port (a requested 0 included).
-            bound = self._target_port.pop(id(target), None)
+            bound = self.target_port.pop(id(target), None)
             entry = None if bound is None else self._by_port.get(bound)
             if entry is None:
                 return
@@ -626,10 +616,6 @@ class _HttpServers:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
-
-    def port_of(self, target: Any) -> int | None:
-        with self._lock:
-            return self._target_port.get(id(target))
 
 
 _http = _HttpServers()
@@ -655,13 +641,8 @@ def exporter(port: int) -> Observer:
     ask for the same port; ``0`` starts one on a free port, see
     [`bound_port`][tensorrpc.metrics.bound_port]). To export on other interfaces, use
     prometheus_client's ``start_http_server(port, addr=...)`` with a
-    [`PrometheusObserver`][tensorrpc.metrics.PrometheusObserver].
-
-    Args:
-        port: TCP port, 0 for a free one.
-
-    Returns:
-        The observer to give as ``observer=`` (alone or with others).
+    [`PrometheusObserver`][tensorrpc.metrics.PrometheusObserver]. Give the result as
+    ``observer=`` (alone or with others).
 
     Raises:
         ValueError: ``port`` is out of range.
@@ -676,12 +657,7 @@ def exporter(port: int) -> Observer:
 
 
 def bound_port(target: Client[Any] | Server) -> int | None:
-    """The port of the HTTP `exporter` started for an open client or engine.
-
-    Args:
-        target: The client or engine.
-
-    Returns:
-        The TCP port, or None when it has none (closed, or no `exporter`).
-    """
-    return _http.port_of(target)
+    """The port of the HTTP `exporter` started for an open client or engine (None when it
+    has none: closed, or no `exporter`)."""
+    with _http.lock:
+        return _http.target_port.get(id(target))

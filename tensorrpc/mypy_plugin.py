@@ -415,13 +415,6 @@ class TensorRPCPlugin(Plugin):
 
 
 def plugin(version: str) -> type[Plugin]:
-    """mypy's entry point: the plugin class for any mypy version (the hooks used are stable).
-
-    Args:
-        version: The running mypy's version.
-
-    Returns:
-        The plugin class.
-    """
+    """mypy's entry point: the plugin class for any mypy version (the hooks used are stable)."""
     del version
     return TensorRPCPlugin

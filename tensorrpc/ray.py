@@ -306,14 +306,9 @@ def _wait_placed(pg: Any, timeout: float) -> bool | str:
 
 def _wait_any(refs: list[Any], timeout: float) -> list[tuple[Any, Any, BaseException | None]]:
     """Blocking: the refs that finish within ``timeout`` (at least one, if any does)."""
-    ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
-    if ready:
-        more, _ = (
-            ray.wait([r for r in refs if r not in ready], num_returns=len(refs) - 1, timeout=0)
-            if len(refs) > 1
-            else ([], [])
-        )
-        ready = [*ready, *more]
+    ready, rest = ray.wait(refs, num_returns=1, timeout=timeout)
+    if ready and rest:
+        ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
     out: list[tuple[Any, Any, BaseException | None]] = []
     for ref in ready:
         try:
@@ -388,16 +383,8 @@ class EngineGroup:
                 state = "live" if info is not None and info.pid == slot.pid else "joining"
             else:
                 state = slot.phase
-            out[engine_id] = RayEngine(
-                engine_id,
-                slot.node_id,
-                slot.node_address,
-                slot.pid,
-                slot.address,
-                state,
-                slot.restarts,
-                slot.error,
-            )
+            where = (slot.node_id, slot.node_address, slot.pid, slot.address)
+            out[engine_id] = RayEngine(engine_id, *where, state, slot.restarts, slot.error)
         return MappingProxyType(out)
 
     def actor(self, engine_id: str) -> Any:
@@ -526,10 +513,9 @@ class EngineGroup:
         self._stopped = True
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
-        wait = grace_period
-        if wait is None:
-            wait = float(self._plan.serve_options.get("grace_period", 5.0)) + 10.0
-        await self._teardown(drain=True, wait=wait)
+        if grace_period is None:
+            grace_period = float(self._plan.serve_options.get("grace_period", 5.0)) + 10.0
+        await self._teardown(drain=True, wait=grace_period)
 
     # -- start ------------------------------------------------------------------------------
 
@@ -554,10 +540,10 @@ class EngineGroup:
 
     async def _place(self) -> None:
         """Create the placement group (one bundle per engine) and wait until it is placed."""
-        bundle: dict[str, float] = {"CPU": float(self._plan.num_cpus)}
-        if self._plan.num_gpus:
-            bundle["GPU"] = float(self._plan.num_gpus)
         plan = self._plan
+        bundle: dict[str, float] = {"CPU": float(plan.num_cpus)}
+        if plan.num_gpus:
+            bundle["GPU"] = float(plan.num_gpus)
         strategy = _STRATEGIES[plan.placement]
         self._pg = placement_group([dict(bundle) for _ in range(plan.n)], strategy=strategy)
         placed = await anyio.to_thread.run_sync(_wait_placed, self._pg, plan.timeout)
@@ -862,30 +848,18 @@ def _exposure(
     here: str,
 ) -> str:
     """Why the engines' link to the client may cross hosts or reach the network (``""``:
-    every socket of the launch stays on this host). The launcher needs CURVE when it is
-    not ``""``.
-
-    Args:
-        bind: The launch's ``bind=``.
-        client_binds: The addresses the client is bound to.
-        client_address: The launch's ``client_address=``.
-        node_addresses: The alive Ray nodes' addresses.
-        here: This process's node address (``ray.util.get_node_ip_address()``).
-    """
+    every socket of the launch stays on this host): the launcher then needs CURVE.
+    ``node_addresses`` are the alive Ray nodes', ``here`` this process's node address."""
     others = sorted({a for a in node_addresses if a and a != here and not _loopback_host(a)})
     if others:
         return f"the Ray cluster has nodes on other hosts ({', '.join(others)})"
     if bind:
         hosts = sorted({a for a in [*node_addresses, here] if a and not _loopback_host(a)})
-        if hosts:
-            return f"the engines listen on their node's address ({', '.join(hosts)})"
-        return ""
+        return f"the engines listen on their node's address ({', '.join(hosts)})" if hosts else ""
     if client_address is not None and not is_loopback(client_address):
         return f"the engines dial the client at {client_address}"
     exposed = [a for a in client_binds if not is_loopback(a)]
-    if exposed:
-        return f"the client listens on {', '.join(exposed)}"
-    return ""
+    return f"the client listens on {', '.join(exposed)}" if exposed else ""
 
 
 def _loopback_host(host: str) -> bool:

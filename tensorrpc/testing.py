@@ -47,7 +47,6 @@ from tensorrpc._server import serve
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-    from contextlib import AbstractAsyncContextManager
 
 __all__ = [
     "ASYNCIO_ON_TRIO",
@@ -59,7 +58,6 @@ __all__ = [
 ]
 
 S = TypeVar("S")
-S_co = TypeVar("S_co", covariant=True)
 
 #: Where engines run: tasks of the caller's event loop, or one subprocess each.
 Isolation = Literal["task", "process"]
@@ -330,27 +328,28 @@ async def serve_engines(
             process exited while starting (the message has its output).
         ValueError: Bad arguments (a factory that is not importable for processes, ...).
     """
-    engines = _engines(
-        service,
-        _engine_ids(count, engine_ids),
-        factory if factory is not None else service,
-        isolation,
-        dict(engine_options or {}),
-        client_options,
-        address,
-        start_timeout,
-        stop_timeout,
-    )
-    async with _started(engines) as client:
-        yield client
-
-
-@contextlib.asynccontextmanager
-async def _started(engines: AbstractAsyncContextManager[Client[S]]) -> AsyncIterator[Client[S]]:
-    """Enter ``engines``, raising a failed start as itself (not in an exception group)."""
+    if isolation not in ("task", "process"):
+        raise ValueError(f"isolation must be 'task' or 'process', not {isolation!r}")
+    ids = _engine_ids(count, engine_ids)
+    make = factory if factory is not None else service
+    options = dict(engine_options or {})
     started = False
     try:
-        async with engines as client:
+        async with contextlib.AsyncExitStack() as stack:
+            if address is None:
+                address = _default_address(isolation, stack)
+            client = await stack.enter_async_context(
+                Client(service, bind=address, **dict(client_options or {}))
+            )
+            bound = client.addresses[0]
+            if isolation == "task":
+                await _start_tasks(stack, client, make, bound, ids, options, start_timeout)
+            else:
+                processes = engine_processes(
+                    make, bound, count, engine_ids=ids, engine_options=options,
+                    stop_timeout=stop_timeout,
+                )  # fmt: skip
+                await _wait_live(client, stack.enter_context(processes), start_timeout)
             started = True
             yield client
     except BaseExceptionGroup as group:
@@ -363,62 +362,36 @@ async def _started(engines: AbstractAsyncContextManager[Client[S]]) -> AsyncIter
         raise leaf from None
 
 
+async def _start_tasks(
+    stack: contextlib.AsyncExitStack,
+    client: Client[Any],
+    make: Callable[[], object],
+    bound: str,
+    ids: list[str],
+    options: dict[str, Any],
+    start_timeout: float,
+) -> None:
+    """Start the engines as tasks of a task group on ``stack``; wait until they are live."""
+    options.setdefault("grace_period", 1.0)
+    tg = await stack.enter_async_context(anyio.create_task_group())
+    # Registered after the task group: runs first on exit, so that the engines are
+    # stopped (their scope cancelled) before the task group waits for them.
+    stack.callback(tg.cancel_scope.cancel)
+    for engine_id in ids:
+        tg.start_soon(partial(serve, make(), connect=bound, engine_id=engine_id, **options))
+    with anyio.fail_after(start_timeout + 1):
+        try:
+            await client.wait_for_engines(len(ids), timeout=start_timeout)
+        except EnginesUnavailableError as exc:
+            raise EngineStartError(str(exc)) from exc
+
+
 def _default_address(isolation: Isolation, stack: contextlib.AsyncExitStack) -> str:
     """An ipc:// socket in a private temporary directory for processes, else loopback tcp."""
     if isolation != "process" or sys.platform == "win32":
         return "tcp://127.0.0.1:0"
     workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tensorrpc-engines-"))
     return f"ipc://{workdir}/client.sock"
-
-
-@contextlib.asynccontextmanager
-async def _engines(
-    service: type[S],
-    ids: list[str],
-    make: Callable[[], object],
-    isolation: Isolation,
-    options: dict[str, Any],
-    client_options: Mapping[str, Any] | None,
-    address: str | None,
-    start_timeout: float,
-    stop_timeout: float,
-) -> AsyncIterator[Client[S]]:
-    if isolation not in ("task", "process"):
-        raise ValueError(f"isolation must be 'task' or 'process', not {isolation!r}")
-    count = len(ids)
-    async with contextlib.AsyncExitStack() as stack:
-        if address is None:
-            address = _default_address(isolation, stack)
-        client = await stack.enter_async_context(
-            Client(service, bind=address, **dict(client_options or {}))
-        )
-        bound = client.addresses[0]
-        if isolation == "task":
-            options.setdefault("grace_period", 1.0)
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            # Registered after the task group: runs first on exit, so that the engines are
-            # stopped (their scope cancelled) before the task group waits for them.
-            stack.callback(tg.cancel_scope.cancel)
-            for engine_id in ids:
-                tg.start_soon(partial(serve, make(), connect=bound, engine_id=engine_id, **options))
-            with anyio.fail_after(start_timeout + 1):
-                try:
-                    await client.wait_for_engines(count, timeout=start_timeout)
-                except EnginesUnavailableError as exc:
-                    raise EngineStartError(str(exc)) from exc
-        else:
-            engines = stack.enter_context(
-                engine_processes(
-                    make,
-                    bound,
-                    count,
-                    engine_ids=ids,
-                    engine_options=options,
-                    stop_timeout=stop_timeout,
-                )
-            )
-            await _wait_live(client, engines, start_timeout)
-        yield client
 
 
 # --------------------------------------------------------------------------- pytest plugin

@@ -71,12 +71,6 @@ def check_statistics(body: object) -> dict[str, Any]:
     ``latency_buckets_per_octave`` of 1..64; methods mapping names to ``latency`` lists
     of ``[bucket, count]`` integer pairs (bounded in number).
 
-    Args:
-        body: The decoded answer.
-
-    Returns:
-        ``body``, unchanged.
-
     Raises:
         ValueError: The answer is not what the statistics method documents (the
             message names the first field at fault; it holds no engine-written text).
@@ -128,16 +122,9 @@ def _check_batching(batching: object, per_octave: int) -> None:
 
 
 def percentile(counts: dict[int, int], q: float, per_octave: int) -> float | None:
-    """The ``q`` quantile (0..1), in seconds, of a statistics latency histogram.
-
-    Args:
-        counts: Bucket index -> calls.
-        q: The quantile.
-        per_octave: The histogram's buckets per octave.
-
-    Returns:
-        The upper bound of the bucket holding the quantile, or None for no calls.
-    """
+    """The ``q`` quantile (0..1) of a statistics latency histogram (bucket index -> calls,
+    ``per_octave`` buckets an octave): the upper bound in seconds of the bucket holding
+    it, or None for no calls."""
     total = sum(counts.values())
     if total <= 0:
         return None
@@ -186,21 +173,17 @@ class EngineView:
         if dt <= 0:
             return
 
-        def rate(new: float, old: float) -> float:
-            return max(0.0, (new - old) / dt)
+        def rate(new: dict[str, Any], old: dict[str, Any], *keys: str) -> float:
+            return max(0.0, float(sum(new[k] - old[k] for k in keys)) / dt)
 
         self.rates = {
-            "calls": rate(stats["calls"], prev["calls"]),
-            "errors": rate(stats["errors"], prev["errors"]),
-            "bytes": rate(
-                stats["bytes_in"] + stats["bytes_out"], prev["bytes_in"] + prev["bytes_out"]
-            ),
+            "calls": rate(stats, prev, "calls"),
+            "errors": rate(stats, prev, "errors"),
+            "bytes": rate(stats, prev, "bytes_in", "bytes_out"),
         }
         for name in ("frames", "torch_shm"):
             new, old = stats["transports"][name], prev["transports"][name]
-            self.rates[name] = rate(
-                new["bytes_sent"] + new["bytes_received"], old["bytes_sent"] + old["bytes_received"]
-            )
+            self.rates[name] = rate(new, old, "bytes_sent", "bytes_received")
         window: dict[int, int] = {}
         for method, m in stats["methods"].items():
             _grown(m["latency"], prev["methods"].get(method, {}).get("latency", []), window)
@@ -308,22 +291,15 @@ def _build(rows: list[list[Any]], title: str, columns: list[int], caps: dict[int
     from rich.table import Table
 
     t = Table(
-        title=title,
-        title_justify="left",
-        expand=False,
-        box=box.SIMPLE_HEAD,
-        collapse_padding=True,
-        pad_edge=False,
-    )
+        title=title, title_justify="left", expand=False, box=box.SIMPLE_HEAD,
+        collapse_padding=True, pad_edge=False,
+    )  # fmt: skip
     for i in columns:
         name, justify = _COLUMNS[i]
         t.add_column(
-            name,
-            justify=justify,  # type: ignore[arg-type,unused-ignore]
-            no_wrap=True,
-            overflow="ellipsis",
-            max_width=caps.get(i),
-        )
+            name, justify=justify,  # type: ignore[arg-type,unused-ignore]
+            no_wrap=True, overflow="ellipsis", max_width=caps.get(i),
+        )  # fmt: skip
     for row in rows:
         t.add_row(*(row[i] for i in columns))
     return t
@@ -414,18 +390,9 @@ async def run(
     curve: CurveConfig | None = None,
     console: Console | None = None,
 ) -> int:
-    """Watch the engines at ``addresses`` until ``q``, Ctrl-C or ``count`` refreshes.
-
-    Args:
-        addresses: Engine addresses to connect to.
-        interval: Seconds between refreshes.
-        wait: Seconds to wait for the first engine, and for each statistics answer.
-        count: Stop after this many refreshes (None: until ``q`` or Ctrl-C).
-        curve: CURVE configuration for the connection (a ``CurveClientConfig``).
-        console: Where to draw (default: a rich console on stdout).
-
-    Returns:
-        The exit status (0).
+    """Watch the engines at ``addresses`` until ``q``, Ctrl-C or ``count`` refreshes,
+    every ``interval`` seconds; ``wait`` bounds the wait for the first engine and for each
+    answer. Returns the exit status (0).
 
     Raises:
         EnginesUnavailableError: No engine answered within ``wait``.

@@ -96,50 +96,51 @@ def decode_trace_context(data: bytes) -> SpanContext | None:
     return span_context if span_context.is_valid else None
 
 
-def _end(span: Span, outcome: str) -> None:
-    span.set_attribute("tensorrpc.outcome", outcome)
-    if outcome not in _NO_OUTCOME_ERROR:
-        span.set_status(Status(StatusCode.ERROR, outcome))
-    span.end()
+class _Span(CallObservation):
+    """A call's (or a batch's) span: counts stream items, ends with the outcome."""
 
-
-class _ClientSpan(CallObservation):
     __slots__ = ("_items", "_span")
 
     def __init__(self, span: Span) -> None:
         self._span = span
         self._items = 0
 
-    def trace_context(self) -> bytes:
-        return encode_trace_context(self._span.get_span_context())
-
     def item(self) -> None:
         self._items += 1
 
     def finished(self, outcome: str, nbytes: int) -> None:
         span = self._span
-        span.set_attribute("tensorrpc.response_bytes", nbytes)
         if self._items:
             span.set_attribute("tensorrpc.stream_items", self._items)
-        _end(span, outcome)
+        span.set_attribute("tensorrpc.outcome", outcome)
+        if outcome not in _NO_OUTCOME_ERROR:
+            span.set_status(Status(StatusCode.ERROR, outcome))
+        span.end()
 
 
-class _EngineSpan(CallObservation):
-    __slots__ = ("_code", "_items", "_span", "_token")
+class _ClientSpan(_Span):
+    __slots__ = ()
+
+    def trace_context(self) -> bytes:
+        return encode_trace_context(self._span.get_span_context())
+
+    def finished(self, outcome: str, nbytes: int) -> None:
+        self._span.set_attribute("tensorrpc.response_bytes", nbytes)
+        super().finished(outcome, nbytes)
+
+
+class _EngineSpan(_Span):
+    __slots__ = ("_code", "_token")
 
     def __init__(self, span: Span) -> None:
-        self._span = span
+        super().__init__(span)
         self._token: object = None
-        self._items = 0
         self._code = ""
 
     def started(self) -> None:
         # In the worker task that runs the handler: its calls become children.
         self._span.add_event("handler.start")
         self._token = otel_context.attach(otel_trace.set_span_in_context(self._span))
-
-    def item(self) -> None:
-        self._items += 1
 
     def error(self, code: str) -> None:
         self._code = code
@@ -148,19 +149,7 @@ class _EngineSpan(CallObservation):
         token, self._token = self._token, None
         if token is not None:
             otel_context.detach(token)  # type: ignore[arg-type]
-        if self._items:
-            self._span.set_attribute("tensorrpc.stream_items", self._items)
-        _end(self._span, self._code or outcome)
-
-
-class _BatchSpan(CallObservation):
-    __slots__ = ("_span",)
-
-    def __init__(self, span: Span) -> None:
-        self._span = span
-
-    def finished(self, outcome: str, nbytes: int) -> None:
-        _end(self._span, outcome)
+        super().finished(self._code or outcome, nbytes)
 
 
 def _current_trace() -> bytes:
@@ -231,16 +220,13 @@ class TracingObserver(Observer):
     ) -> CallObservation | None:
         if self._idle():
             return None
-        links = []
-        for data in items:
-            context = decode_trace_context(data) if data else None
-            if context is not None:
-                links.append(Link(context))
+        contexts = (decode_trace_context(data) for data in items if data)
+        links = [Link(context) for context in contexts if context is not None]
         span = self._span(
             service, method, engine, SpanKind.INTERNAL, {"tensorrpc.batch_size": size},
             context=otel_context.Context(), links=links, suffix=" batch",
         )  # fmt: skip
-        return _BatchSpan(span)
+        return _Span(span)
 
     def _span(
         self,
@@ -268,14 +254,9 @@ _instrumented: TracingObserver | None = None
 
 def instrument(tracer_provider: TracerProvider | None = None) -> TracingObserver:
     """Trace every [`Client`][tensorrpc.Client] and [`Server`][tensorrpc.Server] created
-    from now on (idempotent: a second call returns the first observer).
-
-    Args:
-        tracer_provider: Where spans go (default: the global provider).
-
-    Returns:
-        The installed observer (also usable as ``observer=`` of peers made earlier).
-    """
+    from now on (idempotent: a second call returns the first observer); spans go to
+    ``tracer_provider`` (default: the global provider). Returns the installed observer
+    (also usable as ``observer=`` of peers made earlier)."""
     global _instrumented
     if _instrumented is None:
         _instrumented = TracingObserver(tracer_provider)

@@ -223,6 +223,23 @@ def test_describe_mistakes_are_one_line(
     assert_one_line_error(status, err, code, fragment)
 
 
+def test_a_module_that_fails_to_import_is_named_with_its_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its own missing dependency is not "no module named <the target>"; its error is shown.
+    (tmp_path / "cli_needs_missing.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "cli_raises.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run_cli(capsys, "describe", "cli_needs_missing:Calc")
+    assert_one_line_error(
+        code, err, 1, "importing 'cli_needs_missing' failed: No module named 'no_such_dependency"
+    )
+    code, _, err = run_cli(capsys, "describe", "cli_raises:Calc")
+    assert_one_line_error(code, err, 1, "importing 'cli_raises' failed: boom at import")
+    code, _, err = run_cli(capsys, "describe", "cli_raises.sub:Calc")
+    assert_one_line_error(code, err, 1, "importing 'cli_raises.sub' failed: boom at import")
+
+
 # ---------------------------------------------------------------------- call parsing
 
 

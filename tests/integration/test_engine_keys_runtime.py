@@ -72,7 +72,7 @@ async def test_only_keys_bound_at_run_time_join_each_with_its_own_id() -> None:
             with pytest.raises(HandshakeRejectedError, match="not bound to a key"):
                 await serve(Calculator("other"), connect=address, engine_id="e2", curve=mine)
             async with Server(Calculator("real"), connect=address, engine_id="e1", curve=mine):
-                await client.wait_for_engines(1)
+                await client.wait_for_engines(1, timeout=30)  # e2 was just refused
                 assert await client.stub().whoami() == "real"
 
                 # Unbound: the live engine stays; the key's next handshake is refused.
