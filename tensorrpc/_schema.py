@@ -125,14 +125,8 @@ def _render_segment(seg: str | int | tuple[object]) -> str:
 
 def too_deep(method: str, root: str) -> ValidationError:
     """The error for a value nested beyond Python's recursion limit (recursive dataclasses)."""
-    text = f"{root}: value is nested too deeply to validate"
-    return ValidationError(
-        f"{method}: {text}" if method else text,
-        method=method,
-        path=root,
-        expected="a less deeply nested value",
-        field_path=root.split(".") if root else [],
-    )
+    reason = "value is nested too deeply to validate"
+    return _Invalid("a less deeply nested value", None, reason).to_error(method, root)
 
 
 def guarded(conv: Converter, method: str, root: str) -> Callable[[object], object]:
@@ -334,7 +328,8 @@ def _register_arrays() -> None:
         )
         _INLINE_NAMESPACE[alias] = cls
         _INLINE_TYPE_NAMES[cls] = alias
-    _BY_ORIGIN[np.ndarray] = _compile_ndarray
+    # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
+    _BY_ORIGIN[np.ndarray] = lambda *_: _SCALARS[np.ndarray]
     _arrays_registered = True
 
 
@@ -1192,10 +1187,6 @@ def _compile_union(
     tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
 ) -> CompiledType:
     return _union_node([_compile(a, ctx, _type_name(tp)) for a in args])
-
-
-def _compile_ndarray(*_: object) -> CompiledType:
-    return _SCALARS[np.ndarray]  # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
 
 
 #: How each generic origin compiles: ``(tp, args, ctx, inside) -> node``.
