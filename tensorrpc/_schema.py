@@ -233,7 +233,7 @@ def _float_from_wire(v: Any) -> Any:
 
 
 def _plain_or_subclass(cls: type, accepts: tuple[type, ...], convert: Converter) -> Converter:
-    """Send side of ``str``/``bytes``: the value itself, or an accepted subclass converted."""
+    """``str``/``bytes``: the value itself, or an accepted subclass converted (send side)."""
 
     def check(v: Any) -> Any:
         if type(v) is cls:
@@ -243,15 +243,6 @@ def _plain_or_subclass(cls: type, accepts: tuple[type, ...], convert: Converter)
         raise _Invalid(cls.__name__, v)
 
     return check
-
-
-def _exactly(cls: type) -> Converter:
-    def exact(v: Any) -> Any:
-        if type(v) is cls:
-            return v
-        raise _Invalid(cls.__name__, v)
-
-    return exact
 
 
 def _instance_of(cls: type, name: str) -> Converter:
@@ -286,14 +277,14 @@ _FLOAT = CompiledType(
 _STR = CompiledType(
     "str",
     _plain_or_subclass(str, (str,), str.__str__),
-    _exactly(str),
+    _plain_or_subclass(str, (), str),
     frozenset({str}),
     "type({x}) is str",
 )
 _BYTES = CompiledType(
     "bytes",
     _plain_or_subclass(bytes, (bytes, bytearray), bytes),
-    _exactly(bytes),
+    _plain_or_subclass(bytes, (), bytes),
     frozenset({bytes}),
     "type({x}) is bytes",
 )
