@@ -13,6 +13,11 @@ little on a loaded machine (compare two trees by running both, alternately).
 * ``tiny_in``: ``consume`` of a 16-element float32 tensor (inline in the payload);
 * ``in``: ``consume`` of a 64 MiB tensor already in tensorrpc shared memory
   (``tensorrpc.share``), sent by alias (``transport="torch_shm"``: a handle travels);
+* ``torch_in``: the same with a ``share_memory_()`` tensor (torch's shared memory; both
+  ends pass the unsealed-alias gate here);
+* ``torch_new``: ``consume`` of a ``share_memory_()`` tensor not sent before, each call
+  (what a ``DataLoader`` batch is to the transport); ``--number`` ÷ 20 calls a round,
+  the tensors made and freed outside the timed steps;
 * ``out``: ``produce(64 MiB, shared=True)``, the result sent back by alias.
 
 Each row gives the client's CPU (``cli``) and the engine's (``eng``) per call. The
@@ -54,7 +59,7 @@ class _SelfLinks(PeerLinks):
         keep: Hashable = None,
     ) -> ShmResolver | None:
         assert self.shm is not None
-        return self.shm.resolver(None, hold=hold, keep=keep)
+        return self.shm.resolver(None, hold=hold, keep=keep, unsealed=True)
 
 
 def _self_policy() -> TransportPolicy:
@@ -83,6 +88,9 @@ class Pair:
         self.engine = _self_policy()
         assert self.client.shm is not None, "torch_shm is not available"
         assert self.engine.shm is not None, "torch_shm is not available"
+        # (both ends passed the unsealed-alias gate: torch's shared files go by alias)
+        self.client.shm.set_peer("engine", process="engine", alias_unsealed=True)
+        self.engine.shm.set_peer("client", process="client", alias_unsealed=True)
         self.methods = describe(BenchService).methods
         self.service = BenchService()
         self._ids = itertools.count()
@@ -144,6 +152,12 @@ class Pair:
         return done
 
 
+def _new_shared() -> torch.Tensor:
+    t = torch.arange(SIZE // 4, dtype=torch.float32)
+    t.share_memory_()  # type: ignore[no-untyped-call]
+    return t
+
+
 def measure(number: int = 2000, rounds: int = 15) -> dict[str, tuple[float, float]]:
     """``{kind: (client µs, engine µs)}``, each the minimum over ``rounds`` of the mean."""
     pair = Pair()
@@ -155,19 +169,33 @@ def measure(number: int = 2000, rounds: int = 15) -> dict[str, tuple[float, floa
         "in": lambda: pair.call("consume", (shared,)),
         "out": lambda: pair.call("produce", (SIZE, True)),
     }
+    torch_shared = torch.arange(SIZE // 4, dtype=torch.float32)
+    torch_shared.share_memory_()  # type: ignore[no-untyped-call]
+    kinds["torch_in"] = lambda: pair.call("consume", (torch_shared,))
+    new: list[torch.Tensor] = []
+    kinds["torch_new"] = lambda: pair.call("consume", (new.pop(),))
     best: dict[str, tuple[float, float]] = {}
     try:
-        for fn in kinds.values():
-            for _ in range(50):
-                fn()
+        for kind, fn in kinds.items():
+            if kind != "torch_new":
+                for _ in range(50):
+                    fn()
         for _ in range(rounds):
             for kind, fn in kinds.items():
+                n = number
+                if kind == "torch_new":
+                    n = max(1, number // 20)
+                    new[:] = [_new_shared() for _ in range(n)]
                 pair.cli = pair.eng = 0.0
-                for _ in range(number):
+                for _ in range(n):
                     fn()
-                cli, eng = pair.cli / number * 1e6, pair.eng / number * 1e6
+                cli, eng = pair.cli / n * 1e6, pair.eng / n * 1e6
                 old = best.get(kind)
                 best[kind] = (cli, eng) if old is None else (min(old[0], cli), min(old[1], eng))
+        assert pair.client.shm is not None
+        stats = pair.client.shm.statistics()
+        if stats.tensors_aliased != stats.tensors_sent:  # (every argument here is shared)
+            raise RuntimeError(f"arguments were copied, not aliased: {stats}")
     finally:
         pair.close()
     return best

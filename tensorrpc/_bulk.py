@@ -13,6 +13,9 @@ connection and acts on its answers:
   vouched for by the **same** key (CURVE) or the **same** process (kernel credentials
   over ``ipc://``) as the session's control connection. Nothing vouches over plain
   ``tcp://``, and the bulk path is then off.
+* `Wires`: which connection (the descriptor the socket monitor and ``ZMQ_SRCFD`` name)
+  carries each listening pipe that sent an ATTACH, so that a pipe's loss is seen (rule
+  5) and a pipe that breaks the rules is closed (rule 2).
 * `EarlyCancels`: a CANCEL that overtook its CALL (rule 4).
 * `listen_endpoint` / `dial_endpoint`: where the listener binds its bulk socket, and
   what the dialer accepts to dial (rule 1).
@@ -37,12 +40,14 @@ if TYPE_CHECKING:
 __all__ = [
     "BULK_THRESHOLD",
     "MAX_IPC_PATH",
+    "MAX_ATTACH_BYTES",
     "TOKEN_BYTES",
     "Attached",
     "BulkBinder",
     "EarlyCancels",
     "Pipe",
     "Voucher",
+    "Wires",
     "dial_endpoint",
     "listen_endpoint",
     "pipe_for",
@@ -52,6 +57,9 @@ __all__ = [
 BULK_THRESHOLD: Final = 1 << 20
 #: Size of a session's attach token (128 bits).
 TOKEN_BYTES: Final = 16
+#: The most bytes an ATTACH may take (header and body; it is some 60): a larger first
+#: message of a pipe is no ATTACH, and its connection is closed.
+MAX_ATTACH_BYTES: Final = 256
 #: Longest ``ipc://`` path a unix socket address holds (``sun_path`` less its NUL).
 MAX_IPC_PATH: Final = 107
 
@@ -297,6 +305,10 @@ class BulkBinder:
         """The session a bulk pipe is bound to; None: drop what it sent (constant cost)."""
         return self._bound.get(pipe)
 
+    def bound(self) -> list[Hashable]:
+        """The bound bulk pipes."""
+        return list(self._bound)
+
     def pipe_of(self, session: Hashable) -> Hashable | None:
         """The session's bound bulk pipe, if any (`pipe_for`'s ``bound``)."""
         return self._pipes.get(session)
@@ -320,6 +332,86 @@ class BulkBinder:
         if pipe is not None:
             self._bound.pop(pipe, None)
         return pipe
+
+
+class Wires:
+    """The listening side's connections, by the descriptor libzmq holds for each.
+
+    A ROUTER names a peer by routing id, but its monitor names connections by
+    descriptor (accepted, disconnected), and a message tells its descriptor
+    (``ZMQ_SRCFD``). The shell feeds both here in the order libzmq reported them:
+    libzmq reports a connection before any message of it can be received, and its end
+    before it closes (and may reuse) the descriptor. So, read just after a message, a
+    descriptor that is still up carries the connection that message came on (unless that
+    one ended and a new one took the number in between: then the new one is the one
+    `wire` ties to the pipe, and a later message of the pipe on another descriptor shows
+    the mix-up: `moved`).
+
+    Bounded by the connections open: a descriptor is forgotten when its connection ends.
+    """
+
+    __slots__ = ("_fds", "_live", "_pipes")
+
+    def __init__(self) -> None:
+        self._live: set[int] = set()
+        #: descriptor -> the pipe whose ATTACH came on it
+        self._pipes: dict[int, Hashable] = {}
+        #: pipe -> its descriptor
+        self._fds: dict[Hashable, int] = {}
+
+    def up(self, fd: int) -> None:
+        """The monitor reported a connection on ``fd``."""
+        self._live.add(fd)
+
+    def down(self, fd: int) -> Hashable | None:
+        """The monitor reported the connection on ``fd`` ended; returns the pipe it
+        carried (None: none that sent an ATTACH)."""
+        self._live.discard(fd)
+        pipe = self._pipes.pop(fd, None)
+        if pipe is not None:
+            del self._fds[pipe]
+        return pipe
+
+    def live(self, fd: int) -> bool:
+        """Whether ``fd`` carries a connection now (one the monitor reported, not ended)."""
+        return fd in self._live
+
+    def fd_of(self, pipe: Hashable) -> int:
+        """The descriptor ``pipe``'s ATTACH came on (-1: none known)."""
+        return self._fds.get(pipe, -1)
+
+    def pipe_on(self, fd: int) -> Hashable | None:
+        """The pipe whose ATTACH came on ``fd`` (None: none)."""
+        return self._pipes.get(fd)
+
+    def wire(self, pipe: Hashable, fd: int) -> bool:
+        """Tie ``pipe`` (its ATTACH came on ``fd``) to that connection; False: the
+        connection has ended already (the pipe is gone)."""
+        if fd not in self._live:
+            return False
+        self.drop(pipe)
+        old = self._pipes.get(fd)
+        if old is not None:
+            del self._fds[old]
+        self._pipes[fd] = pipe
+        self._fds[pipe] = fd
+        return True
+
+    def moved(self, pipe: Hashable, fd: int) -> bool:
+        """A message of ``pipe`` came on ``fd``: True when that is not the connection its
+        ATTACH came on (the dialer reconnected: what the first connection carried last
+        may be lost, as on its loss)."""
+        wired = self._fds.get(pipe)
+        return wired is not None and wired != fd
+
+    def drop(self, pipe: Hashable) -> None:
+        """Forget ``pipe`` (its session ended, or it was refused)."""
+        fd = self._fds.pop(pipe, None)
+        if fd is not None:
+            del self._pipes[fd]
+
+    def __len__(self) -> int:
+        return len(self._fds)
 
 
 class EarlyCancels:

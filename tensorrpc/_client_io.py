@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -209,8 +210,9 @@ class ClientIO:
         self.bulk = BulkLinks(
             options=socket_options,
             curve=curve,
-            deliver=self._on_bulk_message,
-            on_lost=self._on_bulk_lost,
+            deliver=functools.partial(_bulk_message, self),
+            on_lost=functools.partial(_bulk_lost, self),
+            on_bound=functools.partial(_bulk_bound, self),
         )
         # What vouches for the connection of the HELLO being handled (the bulk binding).
         self._hello_voucher: tuple[bytes, Voucher] | None = None
@@ -593,17 +595,6 @@ class ClientIO:
             return
         self._handle(event)
 
-    def _on_bulk_lost(self, peer: object, epoch: int) -> None:
-        """The bulk connection we dialed to an engine broke: its session is over."""
-        self._handle(self.protocol.bulk_lost(cast("bytes", peer), epoch))
-
-    def _on_bulk_message(self, peer: object, frames: list[zmq.Frame], size: int) -> None:
-        """A message on an engine's bound bulk connection (its RESULTs)."""
-        protocol = self.protocol
-        body = cast("list[Buffer]", frames)
-        key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
-        self._handle(protocol.receive(cast("bytes", peer), body, self.now(), key))
-
     def _handle(self, event: Call | Event | None) -> None:
         protocol = self.protocol
         if type(event) is Call:
@@ -662,3 +653,21 @@ def _drop_unread(io: ClientIO, call: Call, now: float) -> None:
         io.protocol.release(call.engine, io.leases(call.engine, payload, buffers), now)
     del payload, buffers
     later_if_large(left, sum(nbytes(item[1]) for item in left))
+
+
+def _bulk_message(io: ClientIO, peer: object, frames: list[zmq.Frame], size: int) -> None:
+    """A message on an engine's bound bulk connection (its large RESULTs, its BYE)."""
+    protocol = io.protocol
+    body = cast("list[Buffer]", frames)
+    key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
+    io._handle(protocol.receive(cast("bytes", peer), body, io.now(), key, bulk=True))
+
+
+def _bulk_lost(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
+    """An engine session's bound bulk connection broke: the session is over."""
+    io._handle(io.protocol.bulk_lost(cast("bytes", peer), epoch, io.now(), ours=ours))
+
+
+def _bulk_bound(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
+    """An engine session's bulk connection is bound: its BYE comes on it too."""
+    io.protocol.bulk_bound(cast("bytes", peer), epoch, ours=ours)

@@ -50,6 +50,8 @@ from tensorrpc import _streams
 from tensorrpc._bulk import TOKEN_BYTES
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
+    BYE_BULK,
+    BYE_CONTROL,
     MAX_PAST,
     Balancing,
     CapacityWaiters,
@@ -810,6 +812,8 @@ class ClientProtocol(Machine[bytes, Event]):
         now: float,
         key: str | None = None,
         facts: PeerFacts | None = None,
+        *,
+        bulk: bool = False,
     ) -> Call | Event | None:
         """Handle one message from ``peer`` (its frames after the routing id).
 
@@ -822,6 +826,8 @@ class ClientProtocol(Machine[bytes, Event]):
             facts: For a HELLO: what the kernel says about the connection it came on
                 (the shell gathers them when told so by `FactsNeeded`: the hot path
                 never pays for them).
+            bulk: It came on the session's bound bulk connection, not on control (only
+                a RESULT or a BYE may: docs/design.md, "a bulk connection per peer").
 
         Returns:
             The `Call` a reply concerns (its state says what happened), an event,
@@ -849,8 +855,14 @@ class ClientProtocol(Machine[bytes, Event]):
                 for frame in frames:
                     size += len(frame)  # type: ignore[arg-type]
                 engine.bytes_received += size
+                if kind is _RESULT and bulk:
+                    return self._reply(engine, kind, header, payload, buffers, now)
+                if bulk:
+                    return self._on_bulk(engine, kind)
                 if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
                     return self._reply(engine, kind, header, payload, buffers, now)
+        if bulk:
+            return None  # the session it was bound to is over
         handler = _DISPATCH.get((state, kind))
         if handler is None:
             if kind in _SILENT_DROPS:  # a reply of a session that ended; a stray PING
@@ -930,6 +942,22 @@ class ClientProtocol(Machine[bytes, Event]):
 
     def _on_bye(self, peer: bytes, engine: Engine | None, *rest: Any) -> Event | None:
         assert engine is not None
+        return self._bye(engine, BYE_CONTROL)
+
+    def _on_bulk(self, engine: Engine, kind: MessageKind) -> Event | None:
+        """A live session's bulk connection carried ``kind`` (not a RESULT)."""
+        if kind is _BYE:
+            return self._bye(engine, BYE_BULK)
+        return Ignored(engine.peer, f"unexpected {kind.name} on the bulk connection")
+
+    def _bye(self, engine: Engine, via: int) -> Event | None:
+        """Rule 4 of the bulk connection: a draining engine says BYE on both of a
+        session's connections, each behind what it sent there last; the session ends
+        once both came (or the bulk connection is lost, or was never bound). Until then
+        the engine takes no new calls."""
+        engine.byes |= via
+        if engine.bulk_bound and engine.byes != BYE_CONTROL | BYE_BULK:
+            return None
         return self._lose(engine, "said BYE")
 
     def _on_release_message(
@@ -1200,34 +1228,61 @@ class ClientProtocol(Machine[bytes, Event]):
         if rec is None:
             return None
         if rec.engine is not None:
+            if rec.engine.byes:  # it said BYE: its control connection may be gone
+                return None
             return self._lose(rec.engine, "is unreachable (its connection closed)")
         if rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
         return None
 
-    def bulk_lost(self, peer: bytes, epoch: int) -> EngineLost | None:
-        """Rule 5 (docs/design.md, "a bulk connection per peer"): the bulk connection we
-        dialed for ``peer``'s session of ``epoch`` broke while control may live. The
-        session is over, as if control had broken: its calls fail with
-        `EngineDeadError` at once (what they had on the bulk connection is lost with
-        it), and the engine's next HELLO starts a new session with a new bulk
-        connection. None: that session is over already."""
+    def _session_of(self, peer: bytes, epoch: int, ours: bool) -> Engine | None:
+        """The live session of ``peer`` whose epoch (ours, or the engine's) is ``epoch``."""
         rec = self._peers.get(peer)
         engine = rec.engine if rec is not None else None
-        if engine is None or engine.epoch != epoch:
+        if engine is None or epoch != (engine.client_epoch if ours else engine.epoch):
             return None
-        return self._lose(engine, "lost its bulk connection")
+        return engine
+
+    def bulk_bound(self, peer: bytes, epoch: int, *, ours: bool = False) -> None:
+        """The bulk connection of ``peer``'s session of ``epoch`` (our WELCOME's epoch
+        when ``ours``: the engine dialed our bulk endpoint; else its HELLO's) is bound: a
+        BYE of that session comes on it too (rule 4)."""
+        engine = self._session_of(peer, epoch, ours)
+        if engine is not None:
+            engine.bulk_bound = True
+
+    def bulk_lost(
+        self, peer: bytes, epoch: int, now: float, *, ours: bool = False
+    ) -> EngineLost | None:
+        """Rule 5 (docs/design.md, "a bulk connection per peer"): the bound bulk
+        connection of ``peer``'s session of ``epoch`` (as in `bulk_bound`) broke while
+        control may live. The session is over, as if control had broken: its calls fail
+        with `EngineDeadError` at once (what they had on the bulk connection is lost
+        with it), and a new session starts over control: we ask the engine for a HELLO
+        (the address we dial), or (the engine dialed us) tell it BYE and ask for a new
+        one. After the engine's BYE on control, the end of its bulk connection is the
+        other BYE. None: that session is over already."""
+        engine = self._session_of(peer, epoch, ours)
+        if engine is None:
+            return None
+        if engine.byes:
+            return self._lose(engine, "said BYE")
+        lost = self._lose(engine, "lost its bulk connection")
+        rec = self._peers.get(peer)
+        if rec is None:  # the engine dialed us: it ends its side and HELLOs anew
+            self._queue(None, peer, _BYE, Bye("lost the bulk connection"), 0, now)
+            self._queue(None, peer, _PING, None, HELLO_REQUEST, now)
+        return lost
 
     def tick(self, now: float) -> list[EngineLost]:
         """Timers: end silent or forgotten sessions, send heartbeats and hello requests."""
         lost = [self._forgotten(engine, now) for engine in self.engines.forgot_us(now)]
         dead_after = self.config.heartbeat.dead_after
         for engine in self.engines.expired(now, dead_after):
-            lost.append(
-                self._lose(engine, f"sent nothing for {now - engine.heard:.1f} s (dead_after)")
-            )
+            why = f"sent nothing for {now - engine.heard:.1f} s (dead_after)"
+            lost.append(self._lose(engine, f"said BYE and then {why}" if engine.byes else why))
         for engine in list(self.engines.engines.values()):
-            if now >= engine.next_ping:
+            if now >= engine.next_ping and not engine.byes:
                 nonce = max(HEARTBEAT_NONCE + 1, int(now * 1e9))
                 self._queue(engine, engine.peer, _PING, None, nonce, now)
                 engine.next_ping = now + engine.ping_every
@@ -1363,6 +1418,13 @@ TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
        "end the argument leases it names that were kept for calls we gave up on; refuse "
        "and count any other id", _S.LIVE),
     _T(_S.LIVE, (_K.BYE,), "BYE", "end the session (its calls fail: EngineDeadError)", _S.NONE),
+    _T(_S.LIVE, (_K.BYE,), "BYE, the first of two (a bound bulk connection)",
+       "no new calls; wait for the BYE on the other connection (bulk rule 4)", _S.LIVE),
+    _T(_S.LIVE, (), "a message other than RESULT or BYE on the bulk connection", "drop",
+       _S.LIVE),
+    _T(_S.LIVE, (), "the bound bulk connection is lost, the engine connected to us",
+       "end the session (its calls fail: EngineDeadError); BYE, PING 0 (a new session)",
+       _S.NONE),
     _T(_S.LIVE, (_K.REJECT,), "REJECT",
        "end the session (its calls fail); remember the refusal", _S.NONE),
     _T(_S.LIVE, (), "timer: heartbeat due", "PING (nonce: the send time in ns)", _S.LIVE),

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from collections.abc import Hashable, Mapping, Sequence
 
 __all__ = [
+    "BYE_BULK",
+    "BYE_CONTROL",
     "MAX_PAST",
     "MAX_REJECTED",
     "Balancing",
@@ -56,6 +58,9 @@ Balancing = Literal["least_outstanding", "round_robin"]
 MAX_REJECTED: Final = 64
 #: Most departed engine ids whose counters are kept for statistics.
 MAX_PAST: Final = 1024
+#: `Engine.byes`: a BYE came on the control connection, on the bulk connection.
+BYE_CONTROL: Final = 1
+BYE_BULK: Final = 2
 #: Longest engine id kept as a key of the refusals, and longest refusal text, in chars.
 MAX_REJECTED_KEY: Final = 128
 MAX_REJECTED_TEXT: Final = 2048
@@ -286,6 +291,11 @@ class Engine:
     bulk_token: bytes = b""
     #: The engine's HELLO ``(bulk, bulk_token)``: its bulk endpoint and our token there.
     bulk_offer: tuple[str, str] = ("", "")
+    #: The session's bulk connection is bound: a draining engine's BYE comes on it too.
+    bulk_bound: bool = False
+    #: The connections a BYE came on (`BYE_CONTROL`, `BYE_BULK`): non-zero, the engine is
+    #: leaving (no new calls) and waits for the other BYE (design rule 4).
+    byes: int = 0
     #: Result leases we are done with and have not returned yet (protocol §4 RELEASE,
     #: or the ``RELEASES`` bits of our next CALL).
     releases: list[int] = field(default_factory=list)
@@ -451,7 +461,7 @@ class EngineTable:
         if self.balancing == "round_robin":
             for offset in range(count):
                 engine = order[(start + offset) % count]
-                if len(engine.calls) < limit:
+                if len(engine.calls) < limit and not engine.byes:
                     self._cursor = start + offset + 1
                     return engine
             return None
@@ -462,7 +472,7 @@ class EngineTable:
         for offset in range(count):
             engine = order[(start + offset) % count]
             load = len(engine.calls)
-            if load < best_load:
+            if load < best_load and not engine.byes:
                 best, best_load = engine, load
                 if load == 0:
                     break

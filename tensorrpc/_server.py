@@ -716,7 +716,7 @@ class Server:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.socket.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
                 sock.close()
-        self._bulk.close()
+        self._bulk.close(_CLOSE_LINGER_MS, bye="shutdown")  # BYE on each bulk connection too
         self._pending.clear()
 
     async def _receive_loop(self, sock: AsyncSocket, address: str | None) -> None:

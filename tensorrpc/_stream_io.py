@@ -13,14 +13,17 @@ around them on both sides:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 
 from tensorrpc import _codec, _release, _streams
-from tensorrpc._compression import ZSTD
+from tensorrpc._compression import OFF_LOOP_BYTES, ZSTD
 from tensorrpc._exceptions import (
     DecodeError,
     ErrorCode,
@@ -184,7 +187,16 @@ async def _send_item(
     shm = engine.shm
     placer = io.policy.placer(transport, engine.peer, peer_receives=bool(shm and shm.to_engine))
     try:
-        encoded = _codec.encode(wire, io.codec, placer=placer, compression=compression)
+        try:
+            encoded = _codec.encode(
+                wire, io.codec, placer=placer, compression=compression, off_loop=OFF_LOOP_BYTES
+            )
+        except _codec.OffLoop:
+            # Large frames to compress (nothing placed): on a worker thread, as a CALL's
+            # arguments are. Not abandoned on cancellation; the item is then not sent.
+            encode = functools.partial(_codec.encode, wire, io.codec, compression=compression)
+            encoded = await anyio.to_thread.run_sync(encode)
+            await anyio.lowlevel.checkpoint_if_cancelled()
         _codec.check_message_size(
             encoded,
             maxmsgsize,
@@ -276,6 +288,20 @@ class RequestItems:
     def __aiter__(self) -> RequestItems:
         return self
 
+    async def _decode(
+        self, call: ServerCall, payload: Any, buffers: Any, lazy: LazyResolver | None
+    ) -> Any:
+        """An item's wire value; one with large frames to decompress is decoded on a
+        worker thread, as a CALL's arguments are (a client that may send torch_shm
+        handles never compresses; elsewhere a handle is then refused)."""
+        shm = call.session.shm
+        if (shm is None or not shm.we_receive) and _codec.compressed_bytes(
+            payload, buffers
+        ) >= OFF_LOOP_BYTES:
+            decode = functools.partial(_codec.decode, payload, buffers, self._codec)
+            return await anyio.to_thread.run_sync(decode)
+        return _codec.decode(payload, buffers, self._codec, resolver=lazy)
+
     async def __anext__(self) -> Any:
         call = self._call
         stream = call.request
@@ -303,7 +329,7 @@ class RequestItems:
         lazy = self._resolver(call, payload) if self._resolver is not None else None
         try:
             try:
-                wire = _codec.decode(payload, buffers, self._codec, resolver=lazy)
+                wire = await self._decode(call, payload, buffers, lazy)
             finally:
                 if lazy is not None and lazy.inner is not None:
                     # Its tensors may sit on the client's regions until the final reply.

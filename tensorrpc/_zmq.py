@@ -83,6 +83,8 @@ __all__ = [
     "SocketOptions",
     "Waiters",
     "connection_voucher",
+    "shut_connection",
+    "source_fd",
     "create_socket",
     "loop_clock",
     "map_zmq_errors",
@@ -330,7 +332,7 @@ def create_socket(
     options: SocketOptions = DEFAULT_OPTIONS,
     routing_id: bytes | None = None,
     curve: CurveConfig | None = None,
-    watch_disconnects: bool = False,
+    watch_connections: bool = False,
 ) -> AsyncSocket:
     """Create a socket with safe defaults and wrap it in an `AsyncSocket`.
 
@@ -347,8 +349,8 @@ def create_socket(
             or a `CurveClientConfig`. The role does not depend
             on bind/connect; usually the binding side is the server. ``inproc://``
             connections are not encrypted. None: no CURVE (plaintext).
-        watch_disconnects: Also watch for established connections that end
-            (`AsyncSocket.disconnected`).
+        watch_connections: Also watch connections come and go (accepted, connected,
+            disconnected: `AsyncSocket.disconnected`, `AsyncSocket.connection_events`).
 
     Returns:
         The wrapped socket; close it with `AsyncSocket.aclose`.
@@ -370,13 +372,13 @@ def create_socket(
             _configure(sock, socket_type, options, routing_id)
             if curve is not None:
                 on_close = apply_curve(sock, curve, ctx)
-        monitor = _handshake_monitor(sock, watch_disconnects=watch_disconnects)
+        monitor = _handshake_monitor(sock, watch_connections=watch_connections)
     except BaseException:
         sock.close(linger=0)
         if on_close is not None:
             on_close()
         raise
-    return AsyncSocket(sock, on_close=on_close, monitor=monitor)
+    return AsyncSocket(sock, on_close=on_close, monitor=monitor, keep_connections=watch_connections)
 
 
 def _configure(
@@ -400,14 +402,19 @@ def _configure(
     sock.copy_threshold = options.copy_threshold
 
 
+#: The monitor events `AsyncSocket.connection_events` reports (value: the descriptor).
+_CONNECTION_UP: Final = frozenset({int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_CONNECTED)})
+_CONNECTION_EVENTS: Final = int(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+
+
 def _handshake_monitor(
-    sock: zmq.Socket[bytes], *, watch_disconnects: bool = False
+    sock: zmq.Socket[bytes], *, watch_connections: bool = False
 ) -> zmq.Socket[bytes] | None:
-    """The socket's monitor for failed handshakes (and, if asked, lost connections); None
-    for a libzmq without monitor events."""
+    """The socket's monitor for failed handshakes (and, if asked, connections coming and
+    going); None for a libzmq without monitor events."""
     events = HANDSHAKE_FAILURE_EVENTS
-    if watch_disconnects:
-        events |= int(zmq.EVENT_DISCONNECTED)
+    if watch_connections:
+        events |= _CONNECTION_EVENTS
     try:
         monitor = sock.get_monitor_socket(events)
     except zmq.ZMQError:
@@ -622,15 +629,32 @@ class _HandshakeLog:
         monitor: Its monitor socket.
     """
 
-    __slots__ = ("_counts", "_failures", "_monitor", "_sock", "_waiting", "disconnects")
+    __slots__ = (
+        "_counts",
+        "_failures",
+        "_monitor",
+        "_sock",
+        "_waiting",
+        "connections",
+        "disconnects",
+    )
 
-    def __init__(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes] | None,
+        *,
+        keep_connections: bool = False,
+    ) -> None:
         self._sock = sock
         self._monitor = monitor
         self._failures: deque[str] = deque(maxlen=_MAX_FAILURES)
         self._counts: dict[str, int] = {}
-        #: Established connections that ended (with ``watch_disconnects`` only).
+        #: Established connections that ended (with ``watch_connections`` only).
         self.disconnects = 0
+        #: ``(up, fd)`` per connection event not taken yet (``keep_connections``: the
+        #: taker reads them all each time it is woken, so the monitor's queue bounds it).
+        self.connections: deque[tuple[bool, int]] | None = deque() if keep_connections else None
         self._waiting = False
 
     def read(self) -> tuple[str, ...]:
@@ -647,8 +671,12 @@ class _HandshakeLog:
                 event = parse_monitor_message(message)
             except Exception:  # a malformed event must not break the caller
                 continue
-            if int(event["event"]) == zmq.EVENT_DISCONNECTED:
-                self.disconnects += 1
+            kind = int(event["event"])
+            if kind & _CONNECTION_EVENTS:
+                if kind == zmq.EVENT_DISCONNECTED:
+                    self.disconnects += 1
+                if self.connections is not None:
+                    self.connections.append((kind in _CONNECTION_UP, int(event["value"])))
                 continue
             endpoint = bytes(event["endpoint"]).decode("utf-8", "replace")
             self._record(
@@ -746,10 +774,11 @@ class AsyncSocket:
         *,
         on_close: Callable[[], None] | None = None,
         monitor: zmq.Socket[bytes] | None = None,
+        keep_connections: bool = False,
     ) -> None:
         self._sock = sock
         self._on_close = on_close
-        self._handshakes = _HandshakeLog(sock, monitor)
+        self._handshakes = _HandshakeLog(sock, monitor, keep_connections=keep_connections)
         self._fd: int = sock.FD
         self._get = cast("Callable[[int], int]", sock.get)
         self._threshold: int = sock.copy_threshold
@@ -1101,12 +1130,31 @@ class AsyncSocket:
 
     async def disconnected(self) -> None:
         """Wait until one of this socket's established connections ends (ZMQ's
-        ``EVENT_DISCONNECTED``): a socket created with ``watch_disconnects`` only.
+        ``EVENT_DISCONNECTED``): a socket created with ``watch_connections`` only.
 
         Raises:
             ClosedError: The socket was closed (or has no monitor).
         """
         await self._handshakes.disconnected()
+
+    def connection_events(self) -> list[tuple[bool, int]]:
+        """The connections that came (``(True, fd)``) and went (``(False, fd)``) since
+        the last call, in the order libzmq reported them, without waiting (a socket
+        created with ``watch_connections`` only; else always empty).
+
+        libzmq reports a connection's end before it closes the descriptor, and a new
+        connection before any message of it can be received: read after a message, these
+        say whether the descriptor that message came on (``ZMQ_SRCFD``) still carries
+        its connection.
+        """
+        log = self._handshakes
+        log.read()
+        kept = log.connections
+        if not kept:
+            return []
+        events = list(kept)
+        kept.clear()
+        return events
 
     # -- closing ----------------------------------------------------------------------------
 
@@ -1240,6 +1288,43 @@ def _start_time(pid: int) -> int:
         return int(stat[stat.rindex(b")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return -1
+
+
+def source_fd(frame: object) -> int:
+    """The descriptor of the connection ``frame`` came on (``ZMQ_SRCFD``; -1: none)."""
+    try:
+        fd = cast("zmq.Frame", frame).get(_SRCFD)
+    except (zmq.ZMQError, TypeError, ValueError, AttributeError):
+        return -1
+    return fd if isinstance(fd, int) else -1
+
+
+def shut_connection(fd: int) -> bool:
+    """Shut down both ways the connection libzmq holds on descriptor ``fd``.
+
+    libzmq then sees its connection end and tears it down as on any disconnect (it
+    closes the descriptor; this only shuts a duplicate of it). How a ROUTER closes one
+    peer's connection, which its API cannot. The caller must know that ``fd`` still
+    carries the connection it means (`AsyncSocket.connection_events`).
+
+    Returns:
+        False: ``fd`` is no socket (any more).
+    """
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return False
+    with sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
 
 
 def connection_voucher(frame: object) -> Voucher:

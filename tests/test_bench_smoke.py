@@ -302,8 +302,23 @@ def test_the_tensor_call_cpu_bench_runs_every_kind() -> None:
     from bench.tensor_call_cpu import measure
 
     got = measure(number=3, rounds=1)
-    assert sorted(got) == ["add", "in", "out", "tiny_in"]
+    assert sorted(got) == ["add", "in", "out", "tiny_in", "torch_in", "torch_new"]
     assert all(cli > 0 and eng > 0 for cli, eng in got.values())
+
+
+def test_the_shm_alias_cpu_bench_reports_both_ends_of_every_alias_kind() -> None:
+    proc = _forkserver.run(
+        [sys.executable, "-m", "bench.shm_alias_cpu", "--calls", "3", "--rounds", "1",
+         "--new-calls", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
+    assert sorted(rows) == ["share", "small", "torch_new", "torch_shared"]
+    for row in rows.values():  # client X µs  engine Y µs (CPU per call)  wall Z µs
+        assert float(row[2]) > 0
+        assert float(row[5]) > 0
+        assert float(row[11]) > 0
 
 
 def test_quick_compression_section_measures_zstd_against_none(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ async def pair(
         yield client, server
 
 
-async def bulk_bound(client: Client[Bulky], server: Server) -> None:
+async def bulk_bound(client: Client[Any], server: Server) -> None:
     """Wait (bounded) until the session's bulk connection is bound on both sides."""
 
     def bound(links: BulkLinks) -> bool:
@@ -119,9 +119,11 @@ async def test_large_calls_and_results_go_on_the_bulk_connection(
         assert await stub.add(1, 2) == 3
         small = torch.ones(SMALL, dtype=torch.uint8)
         assert torch.equal(await stub.echo(small), small)
-    # Exactly the large CALL (engine side) and the large RESULT (client side).
+    # Exactly the large CALL (engine side) and the large RESULT (client side); besides,
+    # an engine that leaves first may say BYE there too (rule 4: a small message).
     assert [s >= LARGE for s in seen.sizes["engine"]] == [True]
-    assert [s >= LARGE for s in seen.sizes["client"]] == [True]
+    assert [s >= LARGE for s in seen.sizes["client"]][:1] == [True]
+    assert all(s < SMALL for s in seen.sizes["client"][1:])
 
 
 _ATTACKER = """
@@ -373,7 +375,7 @@ async def test_a_broken_bulk_connection_fails_its_calls_at_once() -> None:
         async with client:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
-            await bulk_bound(client, server)  # type: ignore[arg-type]
+            await bulk_bound(client, server)
             stub = client.with_options(transport="frames").stub()
             t = torch.ones(LARGE, dtype=torch.uint8)
             failed: list[BaseException] = []
@@ -401,3 +403,153 @@ async def test_a_broken_bulk_connection_fails_its_calls_at_once() -> None:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
                 assert await client.stub().hold(torch.ones(4)) is not None
+
+
+@asynccontextmanager
+async def curve_session(
+    topology: str, service: object, **server_kw: Any
+) -> AsyncIterator[tuple[Client[Any], Server]]:
+    """A tcp+CURVE session whose bulk connection is bound on both sides."""
+    keys = {name: generate_keypair() for name in ("engine", "client")}
+    engine_curve = CurveClientConfig(keys["engine"], keys["client"].public_key)
+    client_curve = CurveClientConfig(keys["client"], keys["engine"].public_key)
+    common: dict[str, Any] = {"heartbeat_interval": 0.1}
+    if topology == "listen":
+        server = Server(
+            service,
+            engine_id="e1",
+            bind="tcp://127.0.0.1:0",
+            curve=CurveServerConfig(keys["engine"], allowed_clients=[keys["client"].public_key]),
+            **common,
+            **server_kw,
+        )
+        async with server:
+            assert server.endpoint is not None
+            async with Client(
+                type(service), connect=server.endpoint, curve=client_curve, **common
+            ) as client:
+                with anyio.fail_after(WAIT):
+                    await client.wait_for_engines(1)
+                await bulk_bound(client, server)
+                yield client, server
+        return
+    async with Client(
+        type(service),
+        bind="tcp://127.0.0.1:0",
+        curve=CurveServerConfig(keys["client"], allowed_clients=[keys["engine"].public_key]),
+        **common,
+    ) as client:
+        (address,) = client.addresses
+        server = Server(service, engine_id="e1", connect=address, curve=engine_curve, **common)
+        async with server:
+            with anyio.fail_after(WAIT):
+                await client.wait_for_engines(1)
+            await bulk_bound(client, server)
+            yield client, server
+
+
+async def test_a_broken_bulk_connection_to_the_client_fails_its_calls_at_once() -> None:
+    """Rule 5 in the dial-in layout over tcp+CURVE: the engine dialed the client's bulk
+    endpoint and that connection breaks while control lives (here the engine's bulk
+    socket closes). The client's bulk ROUTER cannot tell one peer's routing id gone, but
+    its monitor reports the connection's end: the call whose RESULT would have come on
+    it fails with EngineDeadError at once, and a new session starts."""
+    holding = Holding()
+    async with curve_session("dialin", holding) as (client, server):
+        stub = client.with_options(transport="frames").stub()
+        t = torch.ones(LARGE, dtype=torch.uint8)
+        failed: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await stub.hold(t)
+            except EngineDeadError as exc:
+                failed.append(exc)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                with anyio.fail_after(WAIT):
+                    await holding.started.wait()
+                [dialed] = server._bulk._dialed.values()
+                dialed.sock.close()  # the bulk connection breaks; control lives on
+                await until(lambda: failed)  # bounded: not a timing assertion
+        finally:
+            holding.release.set()
+        assert "lost its bulk connection" in str(failed[0])
+        # A new session over the living control connection, with a new bulk connection.
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+        await bulk_bound(client, server)
+        assert torch.equal(await stub.hold(t), t)
+
+
+@service(name="Draining")
+class Draining:
+    def __init__(self) -> None:
+        self.started = anyio.Event()
+        self.release = anyio.Event()
+
+    @rpc
+    async def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """Send the tensor back once released."""
+        self.started.set()
+        await self.release.wait()
+        return t
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+async def test_a_draining_engines_large_result_arrives(topology: str) -> None:
+    """Rule 4 over tcp+CURVE: the engine drains while a large call runs; its RESULT goes
+    on the bulk connection and its BYE right behind on both connections. The control BYE
+    (a few bytes) overtakes the RESULT (32 MiB, encrypted); the client ends the session
+    only once the bulk BYE came too, so the RESULT arrives."""
+    draining = Draining()
+    async with curve_session(topology, draining, grace_period=WAIT) as (client, server):
+        stub = client.with_options(transport="frames").stub()
+        t = torch.arange((32 << 20) // 4, dtype=torch.int32)
+        got: list[torch.Tensor] = []
+
+        async def call() -> None:
+            got.append(await stub.hold(t))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            with anyio.fail_after(WAIT):
+                await draining.started.wait()
+            tg.start_soon(server.aclose)  # drains: the running call may finish
+            await until(lambda: server._proto.draining)
+            draining.release.set()
+        assert torch.equal(got[0], t)
+        await until(lambda: not client.engines)  # both BYEs came: the session is over
+
+
+async def test_a_bulk_pipe_that_sends_anything_but_attach_is_cut_off(tmp_path: Path) -> None:
+    """A pipe's first message on the listening bulk socket must be a (small) ATTACH; one
+    that sends a large message instead is refused and its connection closed, so it does
+    not get to send more (each up to ``maxmsgsize``) at the cost of the listener."""
+    async with pair(tmp_path, "listen") as (client, server):
+        await bulk_bound(client, server)
+        listener = server._bulk
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 60_000)  # no reconnection within the test
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            sock.connect(listener.address)
+            big = bytes(2 << 20)
+            for _ in range(3):
+                sock.send_multipart([big])
+            await until(lambda: monitor.poll(0))  # the listener closed the connection
+            assert listener.shut >= 1
+            assert listener.refused >= 1
+            # The session's own bulk connection goes on.
+            stub = client.with_options(transport="frames").stub()
+            t = torch.ones(LARGE, dtype=torch.uint8)
+            assert torch.equal(await stub.echo(t), t)
+            assert len(listener.binder.bound()) == 1
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close()

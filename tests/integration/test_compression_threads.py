@@ -23,7 +23,7 @@ from tensorrpc._client import Client
 from tensorrpc._compression import OFF_LOOP_BYTES
 from tensorrpc._server import Server
 
-from .services import Calculator
+from .services import Calculator, Streams
 
 pytest.importorskip("zstandard")
 
@@ -160,3 +160,20 @@ async def test_a_call_cancelled_while_its_frame_is_compressed_ends_cleanly(
     # A call cancelled while the client compressed its arguments was never sent.
     assert server.statistics().methods["scale"]["calls"] == (1 if side == "client" else 2)
     assert seen == [LARGE.nbytes] * (3 if side == "client" else 4)
+
+
+async def test_large_request_items_are_compressed_off_the_loop(threads: Threads) -> None:
+    """The items of a client stream are compressed and decompressed as a CALL's
+    arguments are: one with frames of at least ``OFF_LOOP_BYTES`` on a worker thread, a
+    small one inline."""
+    async with (
+        Server(Streams(), bind=TCP, engine_id="e1") as server,
+        Client(Streams, connect=server.endpoint) as client,
+    ):
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+            stub = client.with_options(compression="zstd").stub()
+            assert await stub.keep([LARGE, SMALL]) == 2
+    for what in ("compress", "decompress"):
+        done = [(size, on_loop) for w, size, on_loop in threads.records if w == what]
+        assert done == [(LARGE.nbytes, False), (SMALL.nbytes, True)], what

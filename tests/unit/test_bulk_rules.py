@@ -11,6 +11,7 @@ from tensorrpc._bulk import (
     EarlyCancels,
     Pipe,
     Voucher,
+    Wires,
     dial_endpoint,
     pipe_for,
 )
@@ -240,3 +241,54 @@ def test_early_cancels_are_bounded_oldest_first() -> None:
     assert not early.take(1)
     assert early.take(2)
     assert early.take(3)
+
+
+# -- which connection carries which pipe (rules 2 and 5) --------------------------------------
+
+
+def test_a_pipe_is_tied_to_the_connection_its_attach_came_on() -> None:
+    wires = Wires()
+    wires.up(7)
+    assert wires.wire("pipe-1", 7)
+    assert wires.fd_of("pipe-1") == 7
+    assert wires.pipe_on(7) == "pipe-1"
+    assert not wires.moved("pipe-1", 7)
+    assert wires.down(7) == "pipe-1"  # its connection ended: the pipe is lost
+    assert not wires.live(7)
+    assert wires.fd_of("pipe-1") == -1
+    assert len(wires) == 0
+
+
+def test_an_attach_whose_connection_ended_ties_nothing() -> None:
+    wires = Wires()
+    wires.up(7)
+    assert wires.down(7) is None
+    assert not wires.wire("pipe-1", 7)
+    assert len(wires) == 0
+
+
+def test_a_reused_descriptor_belongs_to_the_new_connection() -> None:
+    # libzmq reports the old connection's end before the number can be reused, and the
+    # new connection before any message of it: in that order, nothing is mixed up.
+    wires = Wires()
+    wires.up(7)
+    wires.wire("pipe-1", 7)
+    assert wires.down(7) == "pipe-1"
+    wires.up(7)
+    assert wires.wire("pipe-2", 7)
+    assert wires.pipe_on(7) == "pipe-2"
+    assert wires.down(7) == "pipe-2"
+
+
+def test_a_pipe_heard_on_another_connection_moved() -> None:
+    # The dialer reconnected under the same routing id: what the first connection
+    # carried last may be lost, so the pipe counts as lost.
+    wires = Wires()
+    wires.up(7)
+    wires.up(9)
+    wires.wire("pipe-1", 7)
+    assert wires.moved("pipe-1", 9)
+    assert not wires.moved("pipe-2", 9)  # not tied: nothing to compare
+    wires.drop("pipe-1")
+    assert wires.pipe_on(7) is None
+    assert wires.live(7)

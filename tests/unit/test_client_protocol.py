@@ -422,16 +422,16 @@ def test_a_lost_bulk_connection_ends_its_session_and_fails_its_calls_at_once() -
     protocol = make_protocol()
     engine = join(protocol, "e1", b"p", epoch=7)
     call = start(protocol, engine)
-    assert protocol.bulk_lost(b"p", 6) is None  # an older session's connection: nothing
+    assert protocol.bulk_lost(b"p", 6, 0.1) is None  # an older session's connection: nothing
     assert "e1" in protocol.engines.engines
-    lost = protocol.bulk_lost(b"p", 7)
+    lost = protocol.bulk_lost(b"p", 7, 0.1)
     assert isinstance(lost, EngineLost)
     assert lost.calls == (call,)
     assert isinstance(call.error, EngineDeadError)
     assert "lost its bulk connection" in str(call.error)
     assert "e1" in protocol.engines.past
-    assert protocol.bulk_lost(b"p", 7) is None  # over already
-    assert protocol.bulk_lost(b"stranger", 7) is None
+    assert protocol.bulk_lost(b"p", 7, 0.1) is None  # over already
+    assert protocol.bulk_lost(b"stranger", 7, 0.1) is None
 
 
 # -- dialling --------------------------------------------------------------------------------

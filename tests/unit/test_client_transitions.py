@@ -66,6 +66,10 @@ def _enter(row: Transition[PeerState]) -> Any:
         join(protocol, "e1", PEER, dead_after_ms=bound)
     if "another peer" in row.input:
         join(protocol, "e1", b"other", dead_after_ms=LONG)
+    if "bulk" in row.input:
+        engine = protocol.engines.engines["e1"]
+        protocol.bulk_bound(PEER, engine.client_epoch, ours=True)
+        assert engine.bulk_bound
     assert _state(protocol) is row.state
     return protocol
 
@@ -89,6 +93,7 @@ def _message(label: str) -> list[Any]:
         "RESULT/ERROR/STREAM_ITEM/STREAM_END": result(1, 3),
         "RELEASE": control(K.RELEASE, Release((4,))),
         "BYE": bye(),
+        "BYE, the first of two (a bound bulk connection)": bye(),
         "the session ends, at a dialled address": bye(),
     }[label]
 
@@ -138,6 +143,11 @@ def _apply(protocol: Any, row: Transition[PeerState]) -> list[K]:
         protocol.send_failed(PEER, 0.5)
     elif label == "close()":
         protocol.close(0.5)
+    elif label.startswith("the bound bulk connection is lost"):
+        epoch = protocol.engines.engines["e1"].client_epoch
+        protocol.bulk_lost(PEER, epoch, 0.5, ours=True)
+    elif label.startswith("a message other than RESULT or BYE on the bulk"):
+        protocol.receive(PEER, control(K.PING, None, 5), 0.5, bulk=True)
     elif "live on another peer" in label:
         check = protocol.receive(PEER, hello("e1", epoch=99), 0.5)
         assert isinstance(check, CheckReachable)
@@ -161,6 +171,9 @@ SENDS: dict[tuple[PeerState, str], list[K]] = {
     (S.LIVE, "PING n"): [K.PONG],
     (S.LIVE, "timer: heartbeat due"): [K.PING],
     (S.LIVE, "close()"): [K.BYE],
+    (S.LIVE, "BYE, the first of two (a bound bulk connection)"): [],
+    (S.LIVE, "a message other than RESULT or BYE on the bulk connection"): [],
+    (S.LIVE, "the bound bulk connection is lost, the engine connected to us"): [K.BYE, K.PING],
     (S.LIVE, "CREDIT for a request stream"): [],
     (S.LIVE, "a request item is due"): [],  # the shell sends the frames it returns
     (S.LIVE, "the request stream is exhausted"): [K.STREAM_END],

@@ -1,0 +1,137 @@
+"""Rule 4 of the bulk connection in the client machine: a draining engine says BYE on
+both connections of a session, and the session ends once both came, so a RESULT still on
+the bulk connection behind the control BYE is delivered, not failed as an engine death
+(docs/design.md, "a bulk connection per peer"). Sans-I/O: the shell says which
+connection a message came on (``receive(..., bulk=True)``) and when the bulk connection
+is bound or lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensorrpc._calls import CallState
+from tensorrpc._client_protocol import EngineLost, Ignored
+from tensorrpc._engines import Engine
+from tensorrpc._exceptions import EngineDeadError
+from tensorrpc._protocol import MessageKind
+
+from .client_script import bye, control, error, join, make_protocol, result, sent, start
+
+PEER = b"p"
+
+
+def bound_session(protocol: object, *, ours: bool = False) -> Engine:
+    engine = join(protocol, "e1", PEER, epoch=7, dead_after_ms=3_600_000)  # type: ignore[arg-type]
+    epoch = engine.client_epoch if ours else engine.epoch
+    protocol.bulk_bound(PEER, epoch, ours=ours)  # type: ignore[attr-defined]
+    assert engine.bulk_bound
+    return engine
+
+
+@pytest.mark.parametrize("ours", [False, True])
+def test_a_result_on_the_bulk_connection_behind_the_control_bye_arrives(ours: bool) -> None:
+    protocol = make_protocol()
+    engine = bound_session(protocol, ours=ours)
+    call = start(protocol, engine)
+    assert protocol.receive(PEER, bye(), 0.1) is None  # the first BYE: the session goes on
+    assert "e1" in protocol.engines.engines
+    got = protocol.receive(PEER, result(call.call_id, 3), 0.2, bulk=True)
+    assert got is call
+    assert call.state is CallState.REPLIED
+    lost = protocol.receive(PEER, bye(), 0.3, bulk=True)
+    assert isinstance(lost, EngineLost)
+    assert lost.calls == ()
+    assert "said BYE" in lost.why
+    assert "e1" not in protocol.engines.engines
+
+
+def test_the_bulk_bye_may_come_first() -> None:
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    call = start(protocol, engine)
+    assert protocol.receive(PEER, bye(), 0.1, bulk=True) is None
+    assert protocol.receive(PEER, result(call.call_id, 3), 0.2) is call  # a small one
+    lost = protocol.receive(PEER, bye(), 0.3)
+    assert isinstance(lost, EngineLost)
+    assert "e1" not in protocol.engines.engines
+
+
+def test_without_a_bound_bulk_connection_one_bye_ends_the_session() -> None:
+    protocol = make_protocol()
+    engine = join(protocol, "e1", PEER, epoch=7)
+    protocol.bulk_bound(PEER, 6)  # an older session's connection binds nothing
+    assert not engine.bulk_bound
+    call = start(protocol, engine)
+    lost = protocol.receive(PEER, bye(), 0.1)
+    assert isinstance(lost, EngineLost)
+    assert lost.calls == (call,)
+    assert isinstance(call.error, EngineDeadError)
+
+
+def test_a_leaving_engine_takes_no_new_calls() -> None:
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    other = join(protocol, "e2", b"q")
+    protocol.receive(PEER, bye(), 0.1)
+    picked = {protocol.select(None, 0.2).engine_id for _ in range(4)}  # type: ignore[union-attr]
+    assert picked == {"e2"}
+    protocol.receive(b"q", bye(), 0.2)  # e2 leaves (no bulk connection): gone at once
+    assert "e2" not in protocol.engines.engines
+    assert protocol.select(None, 0.3) is None  # only a leaving engine: wait
+    assert engine.byes
+    assert not other.alive
+
+
+def test_the_bulk_connection_lost_after_the_control_bye_is_the_other_bye() -> None:
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    call = start(protocol, engine)
+    protocol.receive(PEER, bye(), 0.1)
+    lost = protocol.bulk_lost(PEER, engine.epoch, 0.2)
+    assert isinstance(lost, EngineLost)
+    assert "said BYE" in lost.why
+    assert lost.calls == (call,)
+    assert sent(protocol) == []  # nothing asks a leaving engine for a new session
+
+
+def test_a_leaving_engine_whose_bulk_bye_never_comes_ends_at_dead_after() -> None:
+    protocol = make_protocol()  # heartbeat 1 s, dead_after 5 s
+    bound_session(protocol)
+    protocol.receive(PEER, bye(), 0.1)
+    [lost] = protocol.tick(5.2)
+    assert "said BYE and then sent nothing" in lost.why
+
+
+def test_only_a_result_or_a_bye_may_come_on_the_bulk_connection() -> None:
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    call = start(protocol, engine)
+    for frames in (
+        control(MessageKind.PING, None, 5),
+        control(MessageKind.STREAM_END, None, call.call_id),
+        error(call.call_id),
+        result(call.call_id, 3, MessageKind.STREAM_ITEM),
+    ):
+        assert isinstance(protocol.receive(PEER, frames, 0.1, bulk=True), Ignored)
+    assert call.state is CallState.IN_FLIGHT
+    assert sent(protocol) == []  # not even a PONG
+    assert protocol.receive(b"stranger", bye(), 0.1, bulk=True) is None
+
+
+def test_a_lost_bulk_connection_to_us_ends_the_session_and_asks_for_a_new_one() -> None:
+    # The engine dialed our bulk endpoint (dial-in): the client tells it BYE (it ends its
+    # side of the session) and asks for a HELLO, so a new session starts at once.
+    protocol = make_protocol()
+    engine = bound_session(protocol, ours=True)
+    call = start(protocol, engine)
+    sent(protocol)
+    assert protocol.bulk_lost(PEER, engine.epoch, 0.2, ours=True) is None  # not ours
+    lost = protocol.bulk_lost(PEER, engine.client_epoch, 0.2, ours=True)
+    assert isinstance(lost, EngineLost)
+    assert lost.calls == (call,)
+    assert "lost its bulk connection" in str(call.error)
+    out = sent(protocol)
+    assert [(s.peer, s.kind, s.call_id) for s in out] == [
+        (PEER, MessageKind.BYE, 0),
+        (PEER, MessageKind.PING, 0),
+    ]
