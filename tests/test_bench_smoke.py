@@ -137,8 +137,8 @@ def test_report_has_the_other_direction_when_measured(tmp_path: Path) -> None:
 
 
 def test_call_cpu_reports_client_and_engine_cpu_per_call() -> None:
-    lines = _bench("bench.call_cpu", "--calls", "2000", "--runs", "2").stdout.splitlines()
-    assert lines[0].startswith("2000 calls, 64 in flight")
+    lines = _bench("bench.call_cpu", "--calls", "500", "--runs", "2").stdout.splitlines()
+    assert lines[0].startswith("500 calls, 64 in flight")
     runs = [line for line in lines[1:] if not line.startswith("median")]
     assert len(runs) == 2
     for line in [*runs, lines[-1]]:
@@ -240,7 +240,7 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     for case in ("unbatched", "tensorrpc", "asyncio batcher"):
         assert bt[case]["client_cpu_us"] > 0
         assert bt[case]["engine_cpu_us"] > 0
-        assert bt[case]["engine_full_gc"] >= 0
+        assert type(bt[case]["engine_full_gc"]) is int  # a count: present, whole
     ids = {t["id"] for t in results["targets"]}
     assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms"} <= ids
     assert "## Batching" in md
