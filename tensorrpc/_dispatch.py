@@ -356,8 +356,7 @@ class Dispatcher:
             if call.spec.is_async and not self._interceptors and not batched:  # the hot path
                 call.result = await call.fn(*args)  # type: ignore[misc]
             else:  # sync, batched, or interceptors around the handler
-                handler = functools.partial(self._handler, call, args, deadline)
-                call.result = await intercept(self._interceptors, _context.call_context(), handler)
+                call.result = await self._proceed(call, args, deadline)
         except Exception as exc:
             call.failure = exc
         finally:
@@ -382,6 +381,14 @@ class Dispatcher:
         finally:
             self._parked -= 1
             self._proto.batch_back(call)
+
+    def _proceed(self, call: Call, args: list[Any], deadline: float) -> Awaitable[Any]:
+        """The handler through the interceptors (none: the handler itself, without the
+        call context and partial that only interceptors need)."""
+        if not self._interceptors:
+            return self._handler(call, args, deadline)
+        handler = functools.partial(self._handler, call, args, deadline)
+        return intercept(self._interceptors, _context.call_context(), handler)
 
     async def _handler(self, call: Call, args: list[Any], deadline: float) -> Any:
         """Run a unary handler (the innermost ``proceed`` of the interceptors)."""

@@ -322,11 +322,9 @@ def send_item(
         request.leases.append(lease)
     engine = call.engine
     header = pack_reply_header(_STREAM_ITEM, call.call_id)
-    size = len(header) + memoryview(payload).nbytes
-    for buffer in buffers:
-        size += memoryview(buffer).nbytes
     engine.sent = now
-    engine.bytes_sent += size
+    engine.bytes_sent += len(header) + memoryview(payload).nbytes
+    engine.bytes_sent += sum([memoryview(b).nbytes for b in buffers])
     proto._sends.append((engine.peer, [header, payload, *buffers]))
     return True
 
