@@ -7,6 +7,9 @@ device do not). The client (this process) measures:
 * ``unbatched``: 64 concurrent callers of a plain method, one step per call;
 * ``tensorrpc``: the same callers on ``@rpc(batch=Batching(max_size=64,
   max_delay=MAX_DELAY_S))``, one step per batch;
+* ``tensorrpc, max_delay 10 ms``: the same with ``max_delay=WIDE_DELAY_S``, longer than the
+  callers' turnaround (64 times the client's CPU per call): whether a batch then waits for
+  every caller instead of closing with those that came back in time;
 * ``Ray Serve``: the peer, Ray Serve's ``@serve.batch`` with the same handler and settings
   in one replica, the same 64 callers each awaiting ``handle.batched.remote(x)`` on its
   ``DeploymentHandle`` (``bench.peers.ray_serve_batch``, a child process: a private Ray on
@@ -20,7 +23,8 @@ device do not). The client (this process) measures:
 * ``continuous``: 32 concurrent streams of ``TOKENS`` tokens, one step (``TOKEN_STEP_S``)
   per token for every active stream, ``@rpc(batch=Continuous(max_size=32))``, against one
   stream at a time (a plain streaming method, one step per token); and the time to first
-  token of a stream that arrives while a batch is running.
+  token of streams that arrive while a batch is running, in the running batch's steps
+  (min / median / max of ``LATE_STREAMS``).
 
 Each case is warmed up (a quarter of its budget, not recorded), then reports calls
 (tokens) per second and the median and p99 latency per call (time to first token for
@@ -53,6 +57,7 @@ import anyio
 
 import tensorrpc
 from bench._common import Progress, guarded
+from bench._report import WIDE_CASE
 from bench.peers._suite import run_json_child
 from tensorrpc import Batching, Continuous, current_batch, rpc, service
 
@@ -60,6 +65,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_S = 0.005
 TOKEN_STEP_S = 0.002
 MAX_DELAY_S = 0.002
+#: A ``max_delay`` longer than the 64 callers take to come back (their turnaround).
+WIDE_DELAY_S = 0.010
 CALLERS = 64
 STREAMS = 32
 TOKENS = 32
@@ -139,7 +146,8 @@ class Model:
 
     def __init__(self) -> None:
         self._device = asyncio.Lock()
-        self._counts = [0, 0, 0, 0]  # batches and items of `batched`, then of `peer`
+        # Batches and items of each batched method (and of the peer).
+        self._counts = {"batched": [0, 0], "batched_wide": [0, 0], "peer": [0, 0]}
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
         self.server: tensorrpc.Server | None = None
         self._collections = _FullCollections()
@@ -153,16 +161,26 @@ class Model:
         await self._step(STEP_S)
         return x + 1
 
-    @rpc(batch=Batching(max_size=CALLERS, max_delay=MAX_DELAY_S))
-    async def batched(self, x: list[int]) -> list[int]:
-        self._counts[0] += 1
-        self._counts[1] += len(x)
+    async def _batch(self, method: str, x: list[int]) -> list[int]:
+        counts = self._counts[method]
+        counts[0] += 1
+        counts[1] += len(x)
         await self._step(STEP_S)
         return [v + 1 for v in x]
 
+    @rpc(batch=Batching(max_size=CALLERS, max_delay=MAX_DELAY_S))
+    async def batched(self, x: list[int]) -> list[int]:
+        return await self._batch("batched", x)
+
+    @rpc(batch=Batching(max_size=CALLERS, max_delay=WIDE_DELAY_S))
+    async def batched_wide(self, x: list[int]) -> list[int]:
+        return await self._batch("batched_wide", x)
+
     @rpc
-    async def counts(self, peer: bool = False) -> tuple[int, int]:
-        return (self._counts[2], self._counts[3]) if peer else (self._counts[0], self._counts[1])
+    async def counts(self, method: str) -> tuple[int, int]:
+        """Batches and items of a batched method (``peer``: of the asyncio batcher)."""
+        batches, items = self._counts[method]
+        return batches, items
 
     @rpc
     async def batch_stats(self, method: str = "batched") -> dict[str, float]:
@@ -180,10 +198,7 @@ class Model:
         return (time.process_time(), *self._collections.take())
 
     async def _peer_batch(self, xs: list[int]) -> list[int]:
-        self._counts[2] += 1
-        self._counts[3] += len(xs)
-        await self._step(STEP_S)
-        return [v + 1 for v in xs]
+        return await self._batch("peer", xs)
 
     @rpc
     async def peer(self, x: int) -> int:
@@ -281,15 +296,14 @@ async def _streams(stub: Any, method: str, concurrent: int) -> dict[str, Any]:
     return out
 
 
-LATE_STREAMS = 9
+LATE_STREAMS = 15
 
 
-async def _late_ttft(stub: Any) -> tuple[float, float]:
-    """Time to first token of a stream that arrives while a batch of streams runs (the
-    median of ``LATE_STREAMS`` such streams, one after the other, each at a random point
-    of a step), and the running batch's step as it runs on the engine meanwhile (the
-    time the late streams took ÷ the steps the engine ran in it: handler step plus
-    delivering the outputs)."""
+async def _late_ttft(stub: Any) -> tuple[list[float], float]:
+    """Times to first token of ``LATE_STREAMS`` streams that arrive, one after the other,
+    each at a random point of a step, while a batch of streams runs; and the running
+    batch's step as it runs on the engine meanwhile (the time the late streams took ÷ the
+    steps the engine ran in it)."""
     lates: list[float] = []
     async with anyio.create_task_group() as tg:
         started = anyio.Event()
@@ -314,17 +328,34 @@ async def _late_ttft(stub: Any) -> tuple[float, float]:
         steps = (await stub.batch_stats("generate_batched"))["batches"] - steps
         elapsed = time.perf_counter() - since
         tg.cancel_scope.cancel()  # the running streams
-    return statistics.median(lates), elapsed / steps if steps else math.nan
+    return lates, elapsed / steps if steps else math.nan
 
 
-async def _batches(client: tensorrpc.Client[Model], peer: bool = False) -> tuple[int, int]:
-    """The engine's batches and items of ``batched`` (``peer``: of the peer) so far."""
-    return await client.stub().counts(peer)
+def _late_figures(lates: list[float], step: float) -> dict[str, Any]:
+    """The late streams' first tokens: median in ms, and min / median / max in running
+    steps (what the bound is written in: the rest of the running step, then one step)."""
+    in_steps = sorted(t / step for t in lates) if step > 0 else []
+    return {
+        "late_ttft_ms": statistics.median(lates) * 1e3,
+        "late_ttft_max_ms": max(lates) * 1e3,
+        "late_ttft_steps": {
+            "min": in_steps[0] if in_steps else None,
+            "median": statistics.median(in_steps) if in_steps else None,
+            "max": in_steps[-1] if in_steps else None,
+            "n": len(in_steps),
+        },
+        "running_step_ms": step * 1e3,
+    }
 
 
-async def _engine_batching(client: tensorrpc.Client[Model]) -> dict[str, Any]:
-    """The engine's own histograms of ``batched`` (its ``statistics()``)."""
-    return dict(await client.stub().batch_stats())
+async def _batches(client: tensorrpc.Client[Model], method: str) -> tuple[int, int]:
+    """The engine's batches and items of a batched method (``peer``: the peer) so far."""
+    return await client.stub().counts(method)
+
+
+async def _engine_batching(client: tensorrpc.Client[Model], method: str) -> dict[str, Any]:
+    """The engine's own histograms of a batched method (its ``statistics()``)."""
+    return dict(await client.stub().batch_stats(method))
 
 
 def _engine_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -352,13 +383,16 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
         for name, method in (
             ("unbatched", "one"),
             ("tensorrpc", "batched"),
+            (WIDE_CASE, "batched_wide"),
             ("asyncio batcher", "peer"),
         ):
             progress(f"batching: {name}")
             await unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
-            peer = method == "peer"
-            before = await _batches(client, peer)
-            engine_before = await _engine_batching(client)
+            batched = method.startswith("batched")
+            if method != "one":
+                before = await _batches(client, method)
+            if batched:
+                engine_before = await _engine_batching(client, method)
             engine_cpu, _, _ = await stub.engine_figures()
             cpu = time.process_time()
             out[name] = await unary(stub, method, cfg.seconds)
@@ -374,18 +408,17 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
                 }
             )
             if method != "one":
-                after = await _batches(client, peer)
+                after = await _batches(client, method)
                 runs = after[0] - before[0]
                 out[name]["mean_batch"] = (after[1] - before[1]) / runs if runs else None
-            if method == "batched":
-                out[name].update(_engine_split(engine_before, await _engine_batching(client)))
+            if batched:
+                after_stats = await _engine_batching(client, method)
+                out[name].update(_engine_split(engine_before, after_stats))
         progress("batching: streams")
         await _streams(stub, "generate_batched", STREAMS)  # warm-up, not recorded
         out["streams one at a time"] = await _streams(stub, "generate", 1)
         out["streams continuous"] = await _streams(stub, "generate_batched", STREAMS)
-        late, step = await _late_ttft(stub)
-        out["late_ttft_ms"] = late * 1e3
-        out["running_step_ms"] = step * 1e3
+        out.update(_late_figures(*await _late_ttft(stub)))
         return out
 
 
@@ -438,6 +471,7 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
             "step_ms": STEP_S * 1e3,
             "token_step_ms": TOKEN_STEP_S * 1e3,
             "max_delay_ms": MAX_DELAY_S * 1e3,
+            "wide_delay_ms": WIDE_DELAY_S * 1e3,
             "callers": CALLERS,
             "streams": STREAMS,
             "tokens": TOKENS,

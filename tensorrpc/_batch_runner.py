@@ -11,9 +11,11 @@ ERROR, or stream items with the stream's own credit). What the entry point adds:
   to the waiting items.
 * stream (``Continuous``): an async generator per item. A step loop per running batch
   calls the handler once per step with the active items; each output waits in the
-  item's one-slot buffer until its worker takes it. An item whose slot is full (its
-  stream has no credit) sits out the steps until its reader catches up: a stalled reader
-  never stalls the others, and costs one buffered output and its place in the batch.
+  item's buffer until its worker takes it. The next step starts at once, and an item
+  whose worker is waiting for its output takes part (the worker takes it and sends it
+  while the step runs); an item whose worker is away (its stream has no credit) sits
+  out with one output buffered until its reader catches up: a stalled reader never
+  stalls the others, and costs one buffered output and its place in the batch.
 
 A unary item does not hold one of the engine's ``max_concurrency`` workers while it
 waits: the pool parks its task (`tensorrpc._dispatch`, rule 5) and hands us its deadline,
@@ -41,7 +43,7 @@ from tensorrpc import _context, _observe
 from tensorrpc._batching import Batcher, Continuous, ItemRefused
 from tensorrpc._exceptions import ErrorCode
 from tensorrpc._statistics import LatencyHistogram
-from tensorrpc._zmq import loop_clock
+from tensorrpc._zmq import Waiters, loop_clock
 from tensorrpc.batching import _CURRENT, BatchContext, BatchItem
 
 if TYPE_CHECKING:
@@ -112,9 +114,17 @@ class _Item:
         "result",
         "settled",
         "trace",
+        "waiters",
     )
 
-    def __init__(self, args: tuple[Any, ...], now: float, deadline: float) -> None:
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        now: float,
+        deadline: float,
+        waiters: Waiters,
+        outputs: deque[Any] | None,
+    ) -> None:
         self.args = args
         self.queued_at = now
         self.deadline = deadline
@@ -122,9 +132,12 @@ class _Item:
         self.error: BaseException | None = None
         self.settled = False  # unary: result or error is set; stream: no more outputs
         self.gone = False  # the caller cancelled, its deadline passed, or it is done
-        self.event: anyio.Event | None = None
+        #: The one-shot wake-up its worker waits on (`Waiters`: a bare future on asyncio).
+        self.event: Any = None
+        self.waiters = waiters
         self.handle = BatchItem(_context.current_or_none())  # the item's call
-        self.outputs: deque[Any] = deque()
+        #: A stream item's outputs not yet taken by its worker (None: a unary item).
+        self.outputs = outputs
         self.owner: _Run | None = None
         #: The trace context of the item's call span (``b""``: not traced).
         self.trace = _observe.current_trace()
@@ -132,7 +145,7 @@ class _Item:
     def wake(self) -> None:
         event = self.event
         if event is not None:
-            event.set()
+            self.waiters.wake(event)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -143,19 +156,20 @@ class _Item:
 class _Run:
     """A running batch: its items, the scope its handler runs in, what wakes its loop."""
 
-    __slots__ = ("ctx", "items", "scope", "step", "wake")
+    __slots__ = ("ctx", "items", "scope", "step", "waiters", "wake")
 
-    def __init__(self, items: list[_Item]) -> None:
+    def __init__(self, items: list[_Item], waiters: Waiters) -> None:
         self.items = items
         #: The items of the running handler call, in the order of its lists.
         self.step: list[_Item] = []
         self.scope: anyio.CancelScope | None = None
         self.ctx: BatchContext | None = None
-        self.wake: anyio.Event | None = None
+        self.wake: Any = None
+        self.waiters = waiters
 
     def poke(self) -> None:
         if self.wake is not None:
-            self.wake.set()
+            self.waiters.wake(self.wake)
 
     def clear(self) -> None:
         """The batch ended: drop the item <-> run links, so that its items (and their
@@ -201,13 +215,13 @@ class _Runner:
         self.batcher: Batcher[_Item] = Batcher(batch.config)
         self._continuous = isinstance(batch.config, Continuous)
         self._tg: TaskGroup | None = None
-        self._wake: anyio.Event | None = None
+        self._wake: Any = None
         self._runs: list[_Run] = []
         self.stats = BatchStatistics()
-        # Set in `start` (inside the event loop): its clock, and its Event class (an
+        # Set in `start` (inside the event loop): its clock, and its one-shot wake-ups (an
         # ``anyio.Event()`` looks the backend up on every call, once per item here).
         self._clock: Callable[[], float] = time.monotonic
-        self._event: Callable[[], anyio.Event] = anyio.Event
+        self._waiters: Waiters | None = None
 
     # -- the entry points the worker pool calls ---------------------------------------
 
@@ -227,10 +241,11 @@ class _Runner:
         return unary
 
     def _offer(self, args: tuple[Any, ...], deadline: float) -> _Item:
-        now = self._clock()
-        item = _Item(args, now, deadline)
-        if self._tg is None:
+        waiters = self._waiters
+        if self._tg is None or waiters is None:
             raise ItemRefused(ErrorCode.DRAINING, f"{self._spec.qualname}: the engine is stopping")
+        now = self._clock()
+        item = _Item(args, now, deadline, waiters, deque() if self._continuous else None)
         if not self.batcher.offer(item, now, deadline):
             raise ItemRefused(
                 ErrorCode.OVERLOADED,
@@ -240,7 +255,7 @@ class _Runner:
         if self._continuous:
             self._kick()  # running batches take it at their next step
         elif self.batcher.poll_sooner and self._wake is not None:
-            self._wake.set()  # else the loop's timer covers it (one wake per batch)
+            waiters.wake(self._wake)  # else the loop's timer covers it (one wake per batch)
         return item
 
     def _abandon(self, item: _Item) -> None:
@@ -255,9 +270,10 @@ class _Runner:
     async def _unary(self, args: tuple[Any, ...], deadline: float) -> Any:
         item = self._offer(args, deadline)
         try:
-            if not item.settled:  # settled once: one event
-                item.event = self._event()
-                await item.event.wait()
+            if not item.settled:  # settled once: one wake-up
+                waiters = item.waiters
+                item.event = waiter = waiters.new()
+                await waiters.wait(waiter)
         finally:
             item.event = None
             if not item.settled:
@@ -272,10 +288,13 @@ class _Runner:
     async def _stream(self, args: tuple[Any, ...]) -> AsyncIterator[Any]:
         # The worker's stream scope carries the call's deadline (`_dispatch`).
         item = self._offer(args, anyio.current_effective_deadline())
+        outputs = item.outputs
+        assert outputs is not None
+        waiters = item.waiters
         try:
             while True:
-                if item.outputs:
-                    out = item.outputs.popleft()
+                if outputs:
+                    out = outputs.popleft()
                     if item.owner is not None:
                         item.owner.poke()  # its slot is free: it takes part again
                     yield out
@@ -284,8 +303,8 @@ class _Runner:
                     if item.error is not None:
                         raise item.error
                     return
-                item.event = self._event()
-                await item.event.wait()
+                item.event = waiter = waiters.new()
+                await waiters.wait(waiter)
                 item.event = None
         finally:
             item.event = None
@@ -298,17 +317,20 @@ class _Runner:
     def start(self, tg: TaskGroup) -> None:
         self._tg = tg
         self._clock = loop_clock()
-        self._event = type(anyio.Event())
+        self._waiters = Waiters()
         tg.start_soon(self._loop)
 
     def _kick(self) -> None:
         if self._wake is not None:
-            self._wake.set()
+            assert self._waiters is not None
+            self._waiters.wake(self._wake)
         for run in self._runs:
             run.poke()
 
     async def _loop(self) -> None:
         batcher = self.batcher
+        waiters = self._waiters
+        assert waiters is not None
         while True:
             now = self._clock()
             if self._continuous and any(len(r.items) < batcher.config.max_size for r in self._runs):
@@ -319,13 +341,13 @@ class _Runner:
             self._expire(poll.expired, poll.late)
             if poll.batch:
                 assert self._tg is not None
-                run = _Run(poll.batch)
+                run = _Run(poll.batch, waiters)
                 self._runs.append(run)
                 self._tg.start_soon(self._run_steps if self._continuous else self._run_once, run)
                 continue
-            self._wake = self._event()
+            self._wake = wake = waiters.new()
             with anyio.move_on_after(max(0.0, poll.wake_at - now)):
-                await self._wake.wait()
+                await waiters.wait(wake)
             self._wake = None
 
     def _expire(self, queued: list[_Item], running: list[_Item]) -> None:
@@ -353,9 +375,10 @@ class _Runner:
 
     def _started(self, items: list[_Item], run: _Run) -> None:
         now = self._clock()
+        waited = self.stats.waited
         for item in items:
             item.owner = run
-            self.stats.waited(now - item.queued_at)
+            waited(now - item.queued_at)
 
     async def _call(self, run: _Run, items: list[_Item]) -> Any:
         """One handler call over ``items`` (a batch, or a step); the outcome is checked by
@@ -464,9 +487,16 @@ class _Runner:
     async def _run_steps(self, run: _Run) -> None:
         self._started(run.items, run)
         max_size = self.batcher.config.max_size
+        waiters = run.waiters
+        yielded = [False]
+
+        def mark() -> None:
+            yielded[0] = True
+
         try:
             while True:
-                await anyio.lowlevel.checkpoint()  # a handler that never waits starves no one
+                if not yielded[0]:  # a handler that never waits starves no one
+                    await waiters.checkpoint()
                 # Step boundary: the gone and the ended leave, the queue joins.
                 kept = []
                 for it in run.items:
@@ -483,12 +513,20 @@ class _Runner:
                     run.items.extend(joined.batch)
                 if not run.items:
                     return
-                ready = [it for it in run.items if not it.outputs]
+                # An item takes part while its worker is waiting for its next output
+                # (``event`` set: it takes the one buffered first, while this step runs).
+                ready = [
+                    it
+                    for it in run.items
+                    if not it.outputs or (len(it.outputs) == 1 and it.event is not None)
+                ]
                 if not ready:  # every reader is behind: wait for one to take its output
-                    run.wake = self._event()
-                    await run.wake.wait()
+                    run.wake = wake = waiters.new()
+                    await waiters.wait(wake)
                     run.wake = None
                     continue
+                yielded[0] = False
+                waiters.soon(mark)  # runs once this task yields (the handler waits)
                 await self._step(run, ready)
         finally:
             for it in run.items:
@@ -531,6 +569,7 @@ class _Runner:
                 continue
             send = ended.get(i, True)
             if send and not it.gone:
+                assert it.outputs is not None
                 it.outputs.append(outputs[i])
             it.handle.steps += 1
             if i in ended:

@@ -616,8 +616,8 @@ class Client(CallView[S]):
             True when an engine was taken out.
         """
         lost = self._protocol.declare_dead(engine_id, pid=pid, reason=reason)
-        self._io.event(lost)
-        return lost is not None
+        self._io.flush()
+        return lost
 
     @property
     def engine_keys(self) -> Mapping[str, str] | None:

@@ -241,7 +241,7 @@ class CallRunner:
         if self._io.observer is not None:  # observe: a CALL goes out (may carry trace context)
             observed, trace = self._observe_start(spec, engine, flags, encoded, placed[0])
         assert self._io.waiters is not None
-        call, frames = protocol.start_call(
+        call = protocol.start_call(
             engine, spec, self._io.waiters.new(), stream=bool(flags & _STREAM_FLAG), now=now,
             payload=encoded.payload, buffers=encoded.buffers, flags=flags,
             timeout_ms=timeout_ms, trace=trace, lease=lease, placed=placed, returns=returns,
@@ -250,8 +250,7 @@ class CallRunner:
         call.observed = observed
         if details is not None:
             details.sent(call)
-        if protocol.pending:  # a RELEASE its header could not carry goes first
-            self._io.flush()
+        frames = self._io.take_sent()  # the CALL (a RELEASE it could not carry went first)
         # A large CALL goes on the engine's bulk connection, if bound: the small calls
         # behind it do not wait for its bytes (docs/design.md).
         route = self._io.bulk.route(
@@ -410,7 +409,8 @@ class CallRunner:
         by RELEASE; the exception to raise."""
         engine = call.engine
         if isinstance(exc, PeerUnreachableError):
-            self._io.event(self._protocol.send_failed(engine.peer, self._io.now()))
+            self._protocol.send_failed(engine.peer, self._io.now())
+            self._io.flush()
             error = call.error or EngineDeadError(
                 f"engine {engine.engine_id!r} is unreachable", engine_id=engine.engine_id
             )

@@ -37,7 +37,6 @@ from tensorrpc._client_protocol import (
     EngineJoined,
     EngineLost,
     EngineRefused,
-    Event,
     FactsNeeded,
     Ignored,
     LeasesFreed,
@@ -262,8 +261,7 @@ class ClientIO:
     def close(self) -> None:
         """BYE to every engine, fail the calls in flight, wake everyone, stop the tasks."""
         protocol = self.protocol
-        for call in protocol.close(self.now()):
-            self.ended(call)
+        protocol.close(self.now())
         self.flush()
         if self.waiters is not None:
             for token in protocol.capacity.everyone():
@@ -316,23 +314,36 @@ class ClientIO:
     def flush(self) -> None:
         """Act on the protocol's events and send its frames (no waiting) until it is done."""
         protocol = self.protocol
-        while protocol.pending:
+        while True:  # (callers on the hot path check `pending` first)
             for event in protocol.next_events():
-                self.event(event)
-            for peer, frames in protocol.frames_to_send():
-                sock = self.sock
-                if sock is None:
-                    return
-                try:
-                    sock.send_nowait([peer, *frames])
-                except PeerUnreachableError:
-                    self.event(protocol.send_failed(peer, self.now()))
-                    if self.tick is not None:
-                        self.tick.set()  # a hello request to retry soon
-                except anyio.WouldBlock:
-                    logger.debug("dropped a message to %r: peer pipe full", peer)
-                except TensorRPCError as exc:
-                    logger.debug("could not send to %r: %s", peer, exc)
+                if type(event) is Call:  # a reply (the hot path), or the client's end
+                    if event.state >= _REPLIED:
+                        self.ended(event)
+                    else:  # a stream item: the engine has attached to the arguments
+                        if event.lease is not None:
+                            self.policy.memory.release_one(protocol.take_lease(event))
+                        assert self.waiters is not None
+                        self.waiters.wake(event.waiter)
+                elif type(event) is CreditGranted:  # a request stream's sender may go on
+                    waiter = event.call.request.waiter  # type: ignore[union-attr]
+                    if waiter is not None and self.waiters is not None:
+                        self.waiters.wake(waiter)
+                else:
+                    self.event(event)
+            sends = protocol.frames_to_send()
+            if (sends and not _send_all(self, sends)) or not protocol.pending:
+                return
+
+    def take_sent(self) -> list[Any]:
+        """The message the protocol queued last, ``[peer, *frames]``, for the caller to
+        send itself (zero-copy, perhaps waiting); what was queued before it goes now."""
+        sends = self.protocol.frames_to_send()
+        peer, frames = sends.pop()
+        if sends:
+            _send_all(self, sends)
+        if self.protocol.pending:
+            self.flush()
+        return [peer, *frames]
 
     def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
         """RELEASE the engine's result leases we are done with (``resolver``: just decoded)."""
@@ -368,8 +379,10 @@ class ClientIO:
                 policy.memory.releasable(peer)
 
     def event(self, event: object) -> None:
-        """Act on what the protocol reported (other than a resolved call)."""
-        if isinstance(event, EngineLost):
+        """Act on what the protocol reported (other than a call or credit)."""
+        if isinstance(event, FactsNeeded):
+            _with_facts(self, event)
+        elif isinstance(event, EngineLost):
             self._on_lost(event)
         elif isinstance(event, Pong):
             if self.observer is not None:  # observe: heartbeat round trip
@@ -379,19 +392,15 @@ class ClientIO:
         elif isinstance(event, EngineJoined):
             self._on_joined(event)
         elif isinstance(event, CheckReachable):
-            reachable = self._reachable(event.peer, event.frames)
-            self.protocol.reachable(event, reachable, self.now())
+            # Its PING waits in frames_to_send: a send that finds no connection ends the
+            # live engine's session (send_failed), so it is reachable if still alive.
+            sends = self.protocol.frames_to_send()
+            sent = _send_all(self, sends) if sends else self.sock is not None
+            self.protocol.reachable(event, sent and event.current.alive, self.now())
         elif isinstance(event, Dropped):
             self._on_dropped(event)
         elif isinstance(event, LeasesFreed):
-            policy = self.policy
-            for lease in event.leases:
-                policy.memory.release_one(lease)
-            if event.refused:
-                policy.memory.refuse_release(event.refused)
-                logger.debug(
-                    "engine %r: %d RELEASEd leases refused", event.engine.engine_id, event.refused
-                )
+            _on_freed(self, event)
         elif isinstance(event, EngineRefused):
             self._refusals.log(event, self.now())
             self.notify_engines()
@@ -500,19 +509,6 @@ class ClientIO:
 
     # -- tensor transports -----------------------------------------------------------------
 
-    def _reachable(self, peer: bytes, ping: list[bytes]) -> bool:
-        """Whether a connection to ``peer`` exists: its ``ping`` can be queued."""
-        sock = self.sock
-        if sock is None:
-            return False
-        try:
-            sock.send_nowait([peer, *ping])
-        except PeerUnreachableError:
-            return False
-        except (anyio.WouldBlock, TensorRPCError):
-            return True
-        return True
-
     def leases(self, engine: Engine, payload: Buffer, buffers: Sequence[Buffer]) -> list[int]:
         """The torch_shm leases a reply nobody will decode carries (to release)."""
         if engine.shm is None:
@@ -580,39 +576,15 @@ class ClientIO:
         peer, body = frames[0].bytes, cast("list[Buffer]", frames[1:])
         # Who the engine is comes from its CURVE key (with engine_keys).
         key = _user_id(frames[1]) if protocol.config.engine_keys is not None else None
-        event = protocol.receive(peer, body, self.now(), key)
-        if type(event) is FactsNeeded:
-            # A HELLO: torch_shm and the bulk binding are decided from what the kernel
-            # (or a key) says about its connection.
-            if self.bulk.router is not None:
-                self._hello_voucher = (peer, connection_voucher(body[1]))
-            facts = self.policy.peers.facts(peer_credentials(body[1]))
-            try:
-                self._handle(protocol.receive(peer, body, self.now(), key, facts))
-            finally:
-                self.policy.peers.settle(peer, facts)
-                self._hello_voucher = None
-            return
-        self._handle(event)
+        protocol.receive(peer, body, self.now(), key)
+        if protocol.pending:  # `_handled`, inline (the hot path)
+            self.flush()
+        if self.orphans:
+            self.reap_orphans()
 
-    def _handle(self, event: Call | Event | None) -> None:
-        protocol = self.protocol
-        if type(event) is Call:
-            call = event
-            if call.state >= _REPLIED:
-                self.ended(call)
-            else:  # a stream item: the engine has attached to the arguments
-                if call.lease is not None:
-                    self.policy.memory.release_one(protocol.take_lease(call))
-                assert self.waiters is not None
-                self.waiters.wake(call.waiter)
-        elif type(event) is CreditGranted:  # a request stream's sender may go on
-            waiter = event.call.request.waiter  # type: ignore[union-attr]
-            if waiter is not None and self.waiters is not None:
-                self.waiters.wake(waiter)
-        elif event is not None:
-            self.event(event)
-        if protocol.pending:
+    def _handled(self) -> None:
+        """After an input: do what the protocol handed out."""
+        if self.protocol.pending:
             self.flush()
         if self.orphans:
             self.reap_orphans()
@@ -631,8 +603,7 @@ class ClientIO:
                 self.sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
             self._drain()  # messages already here prove life: read them before judging
             now = clock()
-            for lost in protocol.tick(now):
-                self.event(lost)
+            protocol.tick(now)
             self.wake_all(protocol.expire_rejoins(now))
             self.flush()
             self.reap_orphans()
@@ -655,17 +626,62 @@ def _drop_unread(io: ClientIO, call: Call, now: float) -> None:
     later_if_large(left, sum(nbytes(item[1]) for item in left))
 
 
+def _send_all(io: ClientIO, sends: list[tuple[bytes, list[Any]]]) -> bool:
+    """Send the protocol's messages without waiting; False: the socket is closed."""
+    for peer, frames in sends:
+        sock = io.sock
+        if sock is None:
+            return False
+        try:
+            sock.send_nowait([peer, *frames])
+        except PeerUnreachableError:
+            io.protocol.send_failed(peer, io.now())
+            if io.tick is not None:
+                io.tick.set()  # a hello request to retry soon
+        except anyio.WouldBlock:
+            logger.debug("dropped a message to %r: peer pipe full", peer)
+        except TensorRPCError as exc:
+            logger.debug("could not send to %r: %s", peer, exc)
+    return True
+
+
+def _on_freed(io: ClientIO, event: LeasesFreed) -> None:
+    memory = io.policy.memory
+    for lease in event.leases:
+        memory.release_one(lease)
+    if event.refused:
+        memory.refuse_release(event.refused)
+        logger.debug("engine %r: %d RELEASEd leases refused", event.engine.engine_id, event.refused)
+
+
+def _with_facts(io: ClientIO, event: FactsNeeded) -> None:
+    """A HELLO: torch_shm and the bulk binding are decided from what the kernel (or a
+    key) says about its connection; the protocol takes it again with them."""
+    peer, body = event.peer, event.frames
+    if io.bulk.router is not None:
+        io._hello_voucher = (peer, connection_voucher(body[1]))
+    facts = io.policy.peers.facts(peer_credentials(body[1]))
+    try:
+        io.protocol.receive(peer, body, io.now(), event.key, facts)
+        io.flush()
+    finally:
+        io.policy.peers.settle(peer, facts)
+        io._hello_voucher = None
+
+
 def _bulk_message(io: ClientIO, peer: object, frames: list[zmq.Frame], size: int) -> None:
     """A message on an engine's bound bulk connection (its large RESULTs, its BYE)."""
     protocol = io.protocol
     body = cast("list[Buffer]", frames)
     key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
-    io._handle(protocol.receive(cast("bytes", peer), body, io.now(), key, bulk=True))
+    protocol.receive(cast("bytes", peer), body, io.now(), key, bulk=True)
+    io._handled()
 
 
 def _bulk_lost(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
     """An engine session's bound bulk connection broke: the session is over."""
-    io._handle(io.protocol.bulk_lost(cast("bytes", peer), epoch, io.now(), ours=ours))
+    io.protocol.bulk_lost(cast("bytes", peer), epoch, io.now(), ours=ours)
+    io._handled()
 
 
 def _bulk_bound(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:

@@ -1,12 +1,12 @@
 """The client's side of the protocol as a state machine, sans-I/O.
 
 `ClientProtocol` takes frames, the shell's answers to its events and the current time
-in, and gives back what happened (the `tensorrpc._calls.Call` a reply resolved, or an
-event) and the frames to send, in the output convention both machines share
-(`tensorrpc._machine.Machine`). It never touches a socket, a clock or an event loop,
-and never calls back into the shell; `tensorrpc.Client` is the I/O shell around it. The
-transition table (`TRANSITIONS`) is also the one in docs/protocol.md §13; a test
-keeps the two equal.
+in; what happened comes out of `next_events` (the `tensorrpc._calls.Call` a reply
+resolved, or an event) and what to send out of `frames_to_send`, the output convention
+both machines share (`tensorrpc._machine.Machine`): no input returns either. It never
+touches a socket, a clock or an event loop, and never calls back into the shell;
+`tensorrpc.Client` is the I/O shell around it. The transition table (`TRANSITIONS`) is
+also the one in docs/protocol.md §13; a test keeps the two equal.
 
 Rules the machine keeps (with those of `tensorrpc._calls` and
 `tensorrpc._engines`):
@@ -267,13 +267,13 @@ class LeasesFreed:
 class CheckReachable:
     """A HELLO names an engine id live on another peer: is that peer still reachable?
 
-    The shell tries to send ``frames`` (a PING) to ``peer`` without waiting and answers
-    `ClientProtocol.reachable`: a live engine keeps its id (the HELLO is refused as
-    ``duplicate_id``), a gone one is replaced.
+    A PING to ``peer`` is queued in `frames_to_send`; the shell sends what is queued
+    without waiting and answers `ClientProtocol.reachable` with whether that PING went:
+    a live engine keeps its id (the HELLO is refused as ``duplicate_id``), a gone one is
+    replaced.
     """
 
     peer: bytes
-    frames: list[bytes]
     #: The peer whose HELLO waits for the answer, and what it said.
     hello_peer: bytes
     hello: Hello
@@ -295,9 +295,12 @@ class Pong:
 class FactsNeeded:
     """A HELLO came while torch_shm is on here and ``receive`` was given no facts: the
     shell gathers what the kernel says about the connection it came on and gives the
-    same message to ``receive`` again with them (nothing was done with it yet)."""
+    same message (``frames``, ``key``) to ``receive`` again with them (nothing was done
+    with it yet)."""
 
     peer: bytes
+    frames: Sequence[Buffer]
+    key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,9 +311,12 @@ class Ignored:
     why: str
 
 
-#: What `ClientProtocol.receive` and `ClientProtocol.tick` report.
+#: What `ClientProtocol.next_events` gives; a `Call` there is one a reply (or the
+#: client's end) concerned: its state says what happened (the hot path allocates no
+#: event for it).
 Event = (
-    _streams.CreditGranted
+    Call
+    | _streams.CreditGranted
     | EngineJoined
     | EngineLost
     | EngineRefused
@@ -568,8 +574,8 @@ class ClientProtocol(Machine[bytes, Event]):
         placed: tuple[int, int] = (0, 0),
         returns: Sequence[int] = (),
         metadata: bytes = b"",
-    ) -> tuple[Call, list[Any]]:
-        """Enter a call to ``engine`` in the table and build its CALL.
+    ) -> Call:
+        """Enter a call to ``engine`` in the table and queue its CALL.
 
         Args:
             engine: Where it goes (`select`); spec: the method; waiter: the shell's
@@ -584,9 +590,8 @@ class ClientProtocol(Machine[bytes, Event]):
             metadata: The request metadata block (`tensorrpc._metadata.encode_block`).
 
         Returns:
-            The call and the CALL message ``[peer, header, payload, *buffers]``; the shell
-            sends it after what `frames_to_send` holds (a RELEASE may have to go first),
-            and tells `call_unsent` if it cannot.
+            The call. Its CALL is the last message in `frames_to_send` (a RELEASE may
+            have to go before it); the shell tells `call_unsent` if it cannot send it.
         """
         if self.closed:
             raise ClosedError("the client is closed")
@@ -613,7 +618,8 @@ class ClientProtocol(Machine[bytes, Event]):
         for buffer in buffers:
             size += memoryview(buffer).nbytes
         engine.bytes_sent += size
-        return call, [engine.peer, header, payload, *buffers]
+        self._sends.append((engine.peer, [header, payload, *buffers]))
+        return call
 
     def call_ended(self, call: Call, outcome: str, now: float) -> bool:
         """The caller is done with ``call`` (result, error, or the stream's end or close),
@@ -814,7 +820,7 @@ class ClientProtocol(Machine[bytes, Event]):
         facts: PeerFacts | None = None,
         *,
         bulk: bool = False,
-    ) -> Call | Event | None:
+    ) -> None:
         """Handle one message from ``peer`` (its frames after the routing id).
 
         Args:
@@ -829,46 +835,68 @@ class ClientProtocol(Machine[bytes, Event]):
             bulk: It came on the session's bound bulk connection, not on control (only
                 a RESULT or a BYE may: docs/design.md, "a bulk connection per peer").
 
-        Returns:
-            The `Call` a reply concerns (its state says what happened), an event,
-            or ``None``. Further events, if any, wait in `next_events`.
+        What happened goes to `next_events` (the `Call` a reply concerns, first among
+        the events of a reply), what to send to `frames_to_send`.
         """
+        events = self._events
         try:
             header, payload, buffers = split_frames(frames)
         except RemoteProtocolError as exc:
-            return self._malformed(peer, frames, exc, now)
+            events.append(self._malformed(peer, frames, exc, now))
+            return
         kind = header.kind
         rec = self._peers.get(peer)
         state = PeerState.NONE if rec is None else rec.state
         if kind is _HELLO and facts is None and self._facts_needed:
-            return FactsNeeded(peer)  # the shell gathers them for HELLOs only
+            events.append(FactsNeeded(peer, frames, key))  # the shell gathers them for HELLOs
+            return
         if state is PeerState.LIVE:
             engine = rec.engine  # type: ignore[union-attr]
             assert engine is not None
             if now - engine.sent > engine.dead_after:  # it forgot the session
-                self._events.append(self._forgotten(engine, now))
+                events.append(self._forgotten(engine, now))
                 rec = self._peers.get(peer)
-                state = PeerState.NONE if rec is None else rec.state
             else:
                 engine.heard = now
                 size = 0
                 for frame in frames:
                     size += len(frame)  # type: ignore[arg-type]
                 engine.bytes_received += size
-                if kind is _RESULT and bulk:
-                    return self._reply(engine, kind, header, payload, buffers, now)
-                if bulk:
-                    return self._on_bulk(engine, kind)
-                if kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END:
-                    return self._reply(engine, kind, header, payload, buffers, now)
-        if bulk:
-            return None  # the session it was bound to is over
+                if bulk and kind is not _RESULT:  # only a RESULT or a BYE may come there
+                    event = self._on_bulk(engine, kind)
+                elif (
+                    kind is _RESULT or kind is _STREAM_ITEM or kind is _ERROR or kind is _STREAM_END
+                ):
+                    event = self._reply(engine, kind, header, payload, buffers, now)
+                else:
+                    event = self._dispatch(peer, rec, header, payload, now, key, facts)
+                if event is not None:
+                    events.append(event)
+                return
+        if not bulk:  # (on the bulk connection: the session it was bound to is over)
+            event = self._dispatch(peer, rec, header, payload, now, key, facts)
+            if event is not None:
+                events.append(event)
+
+    def _dispatch(
+        self,
+        peer: bytes,
+        rec: _Peer | None,
+        header: Header,
+        payload: Buffer,
+        now: float,
+        key: str | None,
+        facts: PeerFacts | None,
+    ) -> Event | None:
+        """`TRANSITIONS` by (peer state, kind), past the hot path."""
+        kind = header.kind
+        state = PeerState.NONE if rec is None else rec.state
         handler = _DISPATCH.get((state, kind))
         if handler is None:
             if kind in _SILENT_DROPS:  # a reply of a session that ended; a stray PING
                 return None
             return Ignored(peer, f"unexpected {kind.name} from a peer in state {state.value}")
-        engine = rec.engine if rec is not None else None
+        engine = None if rec is None else rec.engine
         return handler(self, peer, engine, header, payload, now, key, facts)
 
     def _malformed(
@@ -1018,7 +1046,7 @@ class ClientProtocol(Machine[bytes, Event]):
         if refusal is None:
             current = self.engines.engines.get(info.engine_id)
             if current is not None:  # the shell answers whether it is reachable
-                return self._check_reachable(peer, hello, info, current, facts)
+                return self._check_reachable(peer, hello, info, current, facts, now)
         return self._decided(peer, info, hello, refusal, now, facts)
 
     def _engine_at(self, peer: bytes) -> Engine | None:
@@ -1032,9 +1060,10 @@ class ClientProtocol(Machine[bytes, Event]):
         info: EngineInfo,
         current: Engine,
         facts: PeerFacts | None,
+        now: float,
     ) -> CheckReachable:
-        ping = encode_control(_PING, None, HEARTBEAT_NONCE)
-        return CheckReachable(current.peer, ping, peer, hello, info, current, facts)
+        self._queue(current, current.peer, _PING, None, HEARTBEAT_NONCE, now)
+        return CheckReachable(current.peer, peer, hello, info, current, facts)
 
     def reachable(self, check: CheckReachable, reachable: bool, now: float) -> None:
         """The shell's answer to `CheckReachable`: the HELLO is refused as
@@ -1046,7 +1075,9 @@ class ClientProtocol(Machine[bytes, Event]):
         current = self.engines.engines.get(info.engine_id)
         refusal = None
         if current is not None and current is not check.current:  # changed meanwhile
-            again = self._check_reachable(check.hello_peer, check.hello, info, current, check.facts)
+            again = self._check_reachable(
+                check.hello_peer, check.hello, info, current, check.facts, now
+            )
             self._events.append(again)
             return
         if current is not None:
@@ -1212,28 +1243,32 @@ class ClientProtocol(Machine[bytes, Event]):
             "stall?)",
         )
 
-    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> EngineLost | None:
-        """End the session of ``engine_id`` if its engine runs as process ``pid``.
+    def declare_dead(self, engine_id: str, *, pid: int, reason: str) -> bool:
+        """End the session of ``engine_id`` if its engine runs as process ``pid``
+        (`EngineLost` in `next_events`); False: nothing happened.
 
         For supervisors that saw the process die before its heartbeats stopped.
         """
         engine = self.engines.engines.get(engine_id)
         if engine is None or engine.info.pid != pid:
-            return None
-        return self._lose(engine, reason)
+            return False
+        self._events.append(self._lose(engine, reason))
+        return True
 
-    def send_failed(self, peer: bytes, now: float) -> EngineLost | None:
-        """A send to ``peer`` failed because no connection to it exists (yet)."""
+    def send_failed(self, peer: bytes, now: float) -> None:
+        """A send to ``peer`` failed because no connection to it exists (yet): its
+        session ends (`EngineLost` in `next_events`), or a dialled address is asked
+        again after a backoff."""
         rec = self._peers.get(peer)
         if rec is None:
-            return None
+            return
         if rec.engine is not None:
-            if rec.engine.byes:  # it said BYE: its control connection may be gone
-                return None
-            return self._lose(rec.engine, "is unreachable (its connection closed)")
-        if rec.dial is not None:
+            if not rec.engine.byes:  # (after its BYE, its control connection may be gone)
+                self._events.append(
+                    self._lose(rec.engine, "is unreachable (its connection closed)")
+                )
+        elif rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
-        return None
 
     def _session_of(self, peer: bytes, epoch: int, ours: bool) -> Engine | None:
         """The live session of ``peer`` whose epoch (ours, or the engine's) is ``epoch``."""
@@ -1251,32 +1286,32 @@ class ClientProtocol(Machine[bytes, Event]):
         if engine is not None:
             engine.bulk_bound = True
 
-    def bulk_lost(
-        self, peer: bytes, epoch: int, now: float, *, ours: bool = False
-    ) -> EngineLost | None:
+    def bulk_lost(self, peer: bytes, epoch: int, now: float, *, ours: bool = False) -> None:
         """Rule 5 (docs/design.md, "a bulk connection per peer"): the bound bulk
         connection of ``peer``'s session of ``epoch`` (as in `bulk_bound`) broke while
         control may live. The session is over, as if control had broken: its calls fail
         with `EngineDeadError` at once (what they had on the bulk connection is lost
         with it), and a new session starts over control: we ask the engine for a HELLO
         (the address we dial), or (the engine dialed us) tell it BYE and ask for a new
-        one. After the engine's BYE on control, the end of its bulk connection is the
-        other BYE. None: that session is over already."""
+        one (`EngineLost` in `next_events`). After the engine's BYE on control, the end of
+        its bulk connection is the other BYE. Nothing: that session is over already."""
         engine = self._session_of(peer, epoch, ours)
         if engine is None:
-            return None
+            return
         if engine.byes:
-            return self._lose(engine, "said BYE")
-        lost = self._lose(engine, "lost its bulk connection")
-        rec = self._peers.get(peer)
-        if rec is None:  # the engine dialed us: it ends its side and HELLOs anew
+            self._events.append(self._lose(engine, "said BYE"))
+            return
+        self._events.append(self._lose(engine, "lost its bulk connection"))
+        if self._peers.get(peer) is None:  # the engine dialed us: it ends its side, HELLOs anew
             self._queue(None, peer, _BYE, Bye("lost the bulk connection"), 0, now)
             self._queue(None, peer, _PING, None, HELLO_REQUEST, now)
-        return lost
 
-    def tick(self, now: float) -> list[EngineLost]:
-        """Timers: end silent or forgotten sessions, send heartbeats and hello requests."""
-        lost = [self._forgotten(engine, now) for engine in self.engines.forgot_us(now)]
+    def tick(self, now: float) -> None:
+        """Timers: end silent or forgotten sessions (`EngineLost` in `next_events`),
+        send heartbeats and hello requests."""
+        lost = self._events
+        for engine in self.engines.forgot_us(now):
+            lost.append(self._forgotten(engine, now))
         dead_after = self.config.heartbeat.dead_after
         for engine in self.engines.expired(now, dead_after):
             why = f"sent nothing for {now - engine.heard:.1f} s (dead_after)"
@@ -1290,7 +1325,6 @@ class ClientProtocol(Machine[bytes, Event]):
             dial = rec.dial
             if rec.state is PeerState.DIALING and dial is not None and now >= dial.due:
                 self._hello_request(alias, dial, now)
-        return lost
 
     def next_tick(self, now: float) -> float:
         """Seconds until `tick` has something to do (at most the heartbeat interval)."""
@@ -1305,21 +1339,18 @@ class ClientProtocol(Machine[bytes, Event]):
         due = min(due, self.rejoining.due(now))
         return max(_MIN_TICK_S, due - now)
 
-    def close(self, now: float) -> list[Call]:
-        """Say BYE to every engine and fail every call with ClosedError (idempotent).
-
-        Returns:
-            The calls that ended here.
-        """
+    def close(self, now: float) -> None:
+        """Say BYE to every engine and fail every call with ClosedError (idempotent):
+        the calls that ended here are in `next_events`."""
         if self.closed:
-            return []
+            return
         for engine in list(self.engines.engines.values()):
             self._queue(engine, engine.peer, _BYE, Bye("closed"), 0, now)
         self._held.clear()
         self._held_by_lease.clear()
         self._peers.clear()
         self.closed = True
-        return self.calls.fail_all(ClosedError, "the client was closed")
+        self._events += self.calls.fail_all(ClosedError, "the client was closed")
 
 
 def _same_session(engine: Engine, hello: Hello) -> bool:

@@ -161,7 +161,7 @@ class Dispatcher:
         maxmsgsize: int,
         grace_period: float,
         flush: Callable[[], None],
-        send_reply: Callable[[Call, list[Buffer], list[object] | None], Awaitable[None]],
+        send_reply: Callable[[Call, list[object] | None], Awaitable[None]],
         compression: Compression | None = None,
         interceptors: tuple[Any, ...] = (),
     ) -> None:
@@ -356,8 +356,7 @@ class Dispatcher:
             if call.spec.is_async and not self._interceptors and not batched:  # the hot path
                 call.result = await call.fn(*args)  # type: ignore[misc]
             else:  # sync, batched, or interceptors around the handler
-                handler = functools.partial(self._handler, call, args, deadline)
-                call.result = await intercept(self._interceptors, _context.call_context(), handler)
+                call.result = await self._proceed(call, args, deadline)
         except Exception as exc:
             call.failure = exc
         finally:
@@ -382,6 +381,14 @@ class Dispatcher:
         finally:
             self._parked -= 1
             self._proto.batch_back(call)
+
+    def _proceed(self, call: Call, args: list[Any], deadline: float) -> Awaitable[Any]:
+        """The handler through the interceptors (none: the handler itself, without the
+        call context and partial that only interceptors need)."""
+        if not self._interceptors:
+            return self._handler(call, args, deadline)
+        handler = functools.partial(self._handler, call, args, deadline)
+        return intercept(self._interceptors, _context.call_context(), handler)
 
     async def _handler(self, call: Call, args: list[Any], deadline: float) -> Any:
         """Run a unary handler (the innermost ``proceed`` of the interceptors)."""
@@ -685,12 +692,11 @@ class Dispatcher:
             call, placer, final=True
         ):
             return
-        frames = self._proto.result(call, encoded.payload, encoded.buffers)
-        if frames is None:  # cancelled meanwhile: no reply
-            if placer is not None:
+        if not self._proto.result(call, encoded.payload, encoded.buffers):
+            if placer is not None:  # cancelled meanwhile: no reply
                 placer.abort()
             return
-        await self._send_encoded(call, frames, encoded)
+        await self._send_encoded(call, encoded)
 
     def _refused_item(self, call: Call) -> bool:
         """A request item was refused: the call's answer is that ERROR, whatever the
@@ -717,14 +723,12 @@ class Dispatcher:
             "".join(traceback.format_exception(exc)),
         )
 
-    async def _send_encoded(
-        self, call: Call, frames: list[Buffer], encoded: _codec.Encoded
-    ) -> None:
-        """Send the reply frames the protocol built for ``encoded``."""
+    async def _send_encoded(self, call: Call, encoded: _codec.Encoded) -> None:
+        """Send the reply the protocol just queued for ``encoded``."""
         if encoded.buffers:
-            await self._send_reply(call, frames, encoded.keepalive)
+            await self._send_reply(call, encoded.keepalive)
         else:
-            await self._send_reply(call, frames, None)
+            await self._send_reply(call, None)
             if encoded.keepalive:  # torch_shm: tensors already copied into the pool
                 later_if_large(encoded.keepalive, held_nbytes(encoded.keepalive))
 
@@ -805,15 +809,14 @@ class Dispatcher:
                 call, placer
             ):
                 return False  # the ERROR is sent: nothing more
-            frames = proto.stream_item(call, encoded.payload, encoded.buffers)
-            if frames is None:  # cancelled while the generator ran: nothing more
-                if placer is not None:
+            if not proto.stream_item(call, encoded.payload, encoded.buffers):
+                if placer is not None:  # cancelled while the generator ran: nothing more
                     placer.abort()
                 return False
-            await self._send_encoded(call, frames, encoded)
+            await self._send_encoded(call, encoded)
             # Not held until the next item: the sent item's last references are the
             # pending send's (released off the loop once ZMQ is done with it).
-            del done, encoded, placer, frames
+            del done, encoded, placer
             if call.observed is not None:  # observe: a stream item went out
                 call.observed.item()
 

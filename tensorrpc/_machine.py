@@ -2,20 +2,22 @@
 
 `tensorrpc._client_protocol.ClientProtocol` and
 `tensorrpc._server_protocol.ServerProtocol` take inputs (a message from a peer, the
-shell's answer to one of their events, a worker's result) and ``now``, and hand back
-what to do in one way:
+shell's answer to one of their events or its decision, a worker's result) and ``now``,
+and hand back what to do in one way only:
 
-- ``receive`` returns the call a message concerns, when there is one (the hot path:
-  no queue), or None (the client's also returns its first event);
 - `Machine.frames_to_send` gives every frame to send, as ``(peer, frames)`` in order;
-- `Machine.next_events` gives everything else that happened, in order (the engine's
-  includes the calls whose workers must look at them again: cancelled, credited);
+  a message the shell sends itself, zero-copy and perhaps waiting (a CALL, a RESULT,
+  a STREAM_ITEM), is the last one queued by the input that made it;
+- `Machine.next_events` gives everything else that happened, in order: the call a
+  message concerned is itself the event (the client's resolved `Call`, the engine's
+  accepted `ServerCall`: the hot path allocates nothing more);
 - `Machine.pending` says whether either holds anything.
 
-A send that fails is fed back (`send_failed` on each machine). The machines build every
-frame they hand out, never call back into the shell, and the shell writes none of
-their fields or counters: it encodes payloads, asks the machine, sends, wakes.
-Payloads and tensor buffers stay opaque, so zero copy is kept.
+No input returns frames or events (methods answer questions only). A send that fails
+is fed back (`send_failed` on each machine). The machines build every frame they hand
+out, never call back into the shell, and the shell writes none of their fields or
+counters: it encodes payloads, asks the machine, sends, wakes, and drains both lists
+after each input. Payloads and tensor buffers stay opaque, so zero copy is kept.
 """
 
 from __future__ import annotations

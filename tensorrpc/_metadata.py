@@ -75,13 +75,6 @@ def _value_fault(key: str, value: object) -> str | None:
     return None
 
 
-def _entries_size(metadata: Mapping[str, str]) -> int:
-    size = 0
-    for key, value in metadata.items():
-        size += 3 + len(key) + len(value.encode("utf-8", "surrogatepass"))
-    return size
-
-
 def check_metadata(metadata: Mapping[str, str] | None, what: str = "metadata") -> dict[str, str]:
     """A validated copy of ``metadata`` we are asked to send.
 
@@ -105,6 +98,7 @@ def check_metadata(metadata: Mapping[str, str] | None, what: str = "metadata") -
         raise MetadataError(
             f"{what} has {len(items)} keys; at most {MAX_METADATA_ENTRIES} are allowed"
         )
+    total = 0  # bytes on the wire: two lengths, the key and the value
     for key, value in items.items():
         fault = _key_fault(key) or _value_fault(key, value)
         if fault is not None:
@@ -117,10 +111,10 @@ def check_metadata(metadata: Mapping[str, str] | None, what: str = "metadata") -
             raise MetadataError(
                 f"{what}: the value of {key!r} is {size} bytes; at most {MAX_VALUE_BYTES}"
             )
-    size = _entries_size(items)
-    if size > MAX_METADATA_BYTES:
+        total += 3 + len(key) + size
+    if total > MAX_METADATA_BYTES:
         raise MetadataError(
-            f"{what} takes {size} bytes on the wire; at most {MAX_METADATA_BYTES} are allowed"
+            f"{what} takes {total} bytes on the wire; at most {MAX_METADATA_BYTES} are allowed"
         )
     return items
 

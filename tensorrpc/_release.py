@@ -118,20 +118,14 @@ def set_release_threshold(nbytes: int, *, max_queued: int | None = None) -> None
 
 def nbytes(buffers: Iterable[object]) -> int:
     """Total size of ``buffers`` (anything with the buffer protocol)."""
-    total = 0
-    for buffer in buffers:
-        total += memoryview(buffer).nbytes  # type: ignore[arg-type]
-    return total
+    sizes: list[int] = [memoryview(b).nbytes for b in buffers]  # type: ignore[arg-type]
+    return sum(sizes)
 
 
 def held_nbytes(objects: Iterable[object]) -> int:
     """Total ``nbytes`` of ``objects`` (tensors, arrays, memoryviews; others count 0)."""
-    total = 0
-    for obj in objects:
-        size = getattr(obj, "nbytes", 0)
-        if type(size) is int:
-            total += size
-    return total
+    sizes = [getattr(obj, "nbytes", 0) for obj in objects]
+    return sum([size for size in sizes if type(size) is int])
 
 
 def _run(q: queue.Queue[object]) -> None:
@@ -253,13 +247,6 @@ def release_later(obj: object) -> bool:
     return later(obj)
 
 
-def _drain_at_exit() -> None:
-    # A daemon thread still freeing a tensor while the interpreter finalizes can run
-    # into torch's static destructors (the process aborts: "terminate called without an
-    # active exception"): let the thread finish what it was given first, bounded.
-    drained(_EXIT_WAIT)
-
-
 def _after_fork_in_child() -> None:
     global _queue, _thread, _lock
     _lock = threading.Lock()  # the parent's may have been held by a thread gone here
@@ -268,4 +255,4 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_drain_at_exit)
+atexit.register(drained, _EXIT_WAIT)  # rule 5

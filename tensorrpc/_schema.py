@@ -125,14 +125,8 @@ def _render_segment(seg: str | int | tuple[object]) -> str:
 
 def too_deep(method: str, root: str) -> ValidationError:
     """The error for a value nested beyond Python's recursion limit (recursive dataclasses)."""
-    text = f"{root}: value is nested too deeply to validate"
-    return ValidationError(
-        f"{method}: {text}" if method else text,
-        method=method,
-        path=root,
-        expected="a less deeply nested value",
-        field_path=root.split(".") if root else [],
-    )
+    reason = "value is nested too deeply to validate"
+    return _Invalid("a less deeply nested value", None, reason).to_error(method, root)
 
 
 def guarded(conv: Converter, method: str, root: str) -> Callable[[object], object]:
@@ -239,7 +233,7 @@ def _float_from_wire(v: Any) -> Any:
 
 
 def _plain_or_subclass(cls: type, accepts: tuple[type, ...], convert: Converter) -> Converter:
-    """Send side of ``str``/``bytes``: the value itself, or an accepted subclass converted."""
+    """``str``/``bytes``: the value itself, or an accepted subclass converted (send side)."""
 
     def check(v: Any) -> Any:
         if type(v) is cls:
@@ -249,15 +243,6 @@ def _plain_or_subclass(cls: type, accepts: tuple[type, ...], convert: Converter)
         raise _Invalid(cls.__name__, v)
 
     return check
-
-
-def _exactly(cls: type) -> Converter:
-    def exact(v: Any) -> Any:
-        if type(v) is cls:
-            return v
-        raise _Invalid(cls.__name__, v)
-
-    return exact
 
 
 def _instance_of(cls: type, name: str) -> Converter:
@@ -292,14 +277,14 @@ _FLOAT = CompiledType(
 _STR = CompiledType(
     "str",
     _plain_or_subclass(str, (str,), str.__str__),
-    _exactly(str),
+    _plain_or_subclass(str, (), str),
     frozenset({str}),
     "type({x}) is str",
 )
 _BYTES = CompiledType(
     "bytes",
     _plain_or_subclass(bytes, (bytes, bytearray), bytes),
-    _exactly(bytes),
+    _plain_or_subclass(bytes, (), bytes),
     frozenset({bytes}),
     "type({x}) is bytes",
 )
@@ -334,7 +319,8 @@ def _register_arrays() -> None:
         )
         _INLINE_NAMESPACE[alias] = cls
         _INLINE_TYPE_NAMES[cls] = alias
-    _BY_ORIGIN[np.ndarray] = _compile_ndarray
+    # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
+    _BY_ORIGIN[np.ndarray] = lambda *_: _SCALARS[np.ndarray]
     _arrays_registered = True
 
 
@@ -453,12 +439,8 @@ def _var_tuple_node(elem: CompiledType) -> CompiledType:
 
 def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
     desc = "tuple[" + (", ".join(e.description for e in elems) if elems else "()") + "]"
-    checks = tuple(e.fast_check for e in elems)
-    froms = tuple(e.fast_from_wire for e in elems)
     n = len(elems)
-
-    apply_checks = _tuple_apply(checks)
-    apply_froms = _tuple_apply(froms)
+    apply_checks = _tuple_apply(tuple(e.fast_check for e in elems))
 
     def check(v: Any) -> Any:
         if not isinstance(v, tuple):
@@ -467,21 +449,31 @@ def _fixed_tuple_node(elems: list[CompiledType]) -> CompiledType:
             raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
         return apply_checks(v)
 
+    froms = _tuple_apply(tuple(e.fast_from_wire for e in elems))
+    return CompiledType(desc, check, _array_of(desc, n, froms))
+
+
+def _array_of(desc: str, n: int, apply: Converter) -> Converter:
+    """``from_wire`` of an array of ``n`` elements that ``apply`` converts."""
+
     def from_wire(v: Any) -> Any:
         if type(v) is not list and type(v) is not tuple:
             raise _Invalid(desc, v)
         if len(v) != n:
             raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
-        return apply_froms(v)
+        return apply(v)
 
-    return CompiledType(desc, check, from_wire)
+    return from_wire
 
 
-def _tuple_apply(convs: tuple[Converter, ...], as_list: bool = False) -> Converter:
+def _tuple_apply(
+    convs: tuple[Converter, ...], as_list: bool = False, labels: tuple[str, ...] = ()
+) -> Converter:
     """``(convs[0](v[0]), ..., convs[n-1](v[n-1]))`` (a list with ``as_list``) as
     straight-line code (half the cost of ``map`` for a few elements); an ``_Invalid`` gets
-    the failing index. The source is built from integers only."""
+    the failing index, or its name in ``labels``. The source is built from integers only."""
     n = len(convs)
+    segment: Any = labels or range(n)
     if n > 32 or n == 0:
         build = list if as_list else tuple
 
@@ -490,7 +482,7 @@ def _tuple_apply(convs: tuple[Converter, ...], as_list: bool = False) -> Convert
             try:
                 return build(map(operator.call, convs, it))
             except _Invalid as exc:  # one pass, as in _map_indexed
-                exc.segments.append(n - operator.length_hint(it) - 1)
+                exc.segments.append(segment[n - operator.length_hint(it) - 1])
                 raise
 
         return apply
@@ -502,12 +494,12 @@ def _tuple_apply(convs: tuple[Converter, ...], as_list: bool = False) -> Convert
             lines.append(f"        i = {i + 1}")
     lines += [
         "    except _Invalid as exc:",
-        "        exc.segments.append(i)",
+        "        exc.segments.append(_segment[i])",
         "        raise",
         f"    return [{items}]" if as_list else f"    return ({items})",
     ]
     namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
-    namespace["_Invalid"] = _Invalid
+    namespace.update(_Invalid=_Invalid, _segment=segment)
     exec("\n".join(lines) + "\n", namespace)
     fn: Converter = namespace["apply"]
     return fn
@@ -930,22 +922,11 @@ def _namedtuple_converters(
     cls: type, fields: list[_Field], desc: str
 ) -> tuple[Converter, Converter]:
     """A ``NamedTuple`` travels as the array of its fields; it is rebuilt on receipt."""
-    n = len(fields)
-
-    def named(convs: tuple[Converter, ...]) -> Converter:
-        apply = _tuple_apply(convs)
-
-        def each(v: Any) -> Any:
-            try:
-                return apply(v)
-            except _Invalid as exc:  # the failing index becomes the field's name
-                exc.segments[-1] = fields[exc.segments[-1]].name  # type: ignore[index]
-                raise
-
-        return each
-
-    checks = named(tuple(f.check for f in fields))
-    froms = named(tuple(f.from_wire for f in fields))
+    names = tuple(f.name for f in fields)
+    checks = _tuple_apply(tuple(f.check for f in fields), labels=names)
+    froms = _array_of(
+        desc, len(fields), _tuple_apply(tuple(f.from_wire for f in fields), labels=names)
+    )
 
     def check(v: Any) -> Any:
         if not isinstance(v, cls):
@@ -953,10 +934,6 @@ def _namedtuple_converters(
         return checks(v)  # a plain tuple: ormsgpack encodes no subclass
 
     def from_wire(v: Any) -> Any:
-        if type(v) is not list and type(v) is not tuple:
-            raise _Invalid(desc, v)
-        if len(v) != n:
-            raise _Invalid(desc, v, f"expected {desc} of length {n}, got length {len(v)}")
         values = froms(v)
         try:
             return cls(*values)
@@ -1192,10 +1169,6 @@ def _compile_union(
     tp: object, args: tuple[Any, ...], ctx: _Ctx, inside: str | None
 ) -> CompiledType:
     return _union_node([_compile(a, ctx, _type_name(tp)) for a in args])
-
-
-def _compile_ndarray(*_: object) -> CompiledType:
-    return _SCALARS[np.ndarray]  # numpy.typing.NDArray[...] and np.ndarray[shape, dtype]
 
 
 #: How each generic origin compiles: ``(tp, args, ctx, inside) -> node``.

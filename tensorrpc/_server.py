@@ -80,6 +80,7 @@ from tensorrpc._server_protocol import (
     SessionEnded,
     SessionStarted,
     ShmPeer,
+    Wake,
 )
 from tensorrpc._service import describe
 from tensorrpc._text import CONTROL, peer_text
@@ -736,15 +737,12 @@ class Server:
                 if address is None:
                     route = frames[0].bytes
                     body = cast("list[Buffer]", frames[1:])
-                    call = receive(route, body, clock(), size - len(route))
+                    receive(route, body, clock(), size - len(route))
                     del body
                 else:
-                    call = receive(address, cast("list[Buffer]", frames), clock(), size)
-                if call is not None:
-                    self._accepted(call, size)
-                    del call
+                    receive(address, cast("list[Buffer]", frames), clock(), size)
                 if proto.pending:
-                    self._flush()
+                    self._flush(size)
             except Exception:  # one bad message must never stop the loop
                 proto.unhandled(address)
                 logger.exception("error handling a message from %s", address or "a peer")
@@ -772,17 +770,21 @@ class Server:
             return False
         return True
 
-    async def _send_reply(
-        self, call: Call, frames: list[Buffer], keepalive: list[object] | None
-    ) -> None:
-        """Send a (possibly large, zero-copy) reply from a worker, waiting a bounded time.
+    async def _send_reply(self, call: Call, keepalive: list[object] | None) -> None:
+        """Send the reply the protocol just queued for ``call`` (the last message of
+        `frames_to_send`; any before it go first, without waiting) from a worker:
+        possibly large, zero-copy, waiting a bounded time.
 
         The wait (ZMQ full, or a DEALER whose client is not connected) ends after
         ``dead_after``, or when the call is cancelled (CANCEL, its session ended); a
         reply that could not go is counted by the protocol (``send_failed``).
         """
-        sock = self._router
+        sends = self._proto.frames_to_send()
+        frames = sends.pop()[1]
+        if sends:
+            _send_all(self, sends)
         key: Any = call.key  # a routing id (ROUTER) or a client address (DEALERs)
+        sock = self._router
         if keepalive is not None and await _send_bulk(self, call, frames, keepalive):
             return
         if sock is not None:
@@ -830,9 +832,7 @@ class Server:
 
     def _accepted(self, call: Call, size: int) -> None:
         self._dispatch.wake_one()
-        proto = self._proto
-        if call.deadline < proto.wake_at:  # the timer that refuses it if it waits too long
-            proto.wake_at = call.deadline
+        if call.deadline <= self._proto.wake_at:  # the timer moved to its deadline
             self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
             call.observed = self._observer.engine_call(
@@ -850,22 +850,23 @@ class Server:
         )
         self._proto.builtin_reply(event, _codec.encode(body, self._codec).payload)
 
-    def _flush(self) -> None:
-        """Do what the protocol handed out: send its frames, then act on its events (wake
-        or stop calls, session news); until it has nothing more."""
+    def _flush(self, size: int = 0) -> None:
+        """Send the protocol's frames, act on its events (accepted calls, wakes, session
+        news) until it is done; ``size``: the received message's (an accepted CALL's)."""
         proto = self._proto
-        send_now = self._send_now
-        while proto.pending:
-            for key, frames in proto.frames_to_send():
-                if not send_now(key, frames):
-                    # Counted as dropped; a dial-in HELLO is retried soon.
-                    proto.send_failed(key, frames, self._now())
-                    self._wake_housekeeping()
+        while True:  # (callers on the hot path check `pending` first)
+            sends = proto.frames_to_send()
+            if sends:
+                _send_all(self, sends)
             for event in proto.next_events():
                 if isinstance(event, ServerCall):
-                    event.wake()
+                    self._accepted(event, size)
+                elif type(event) is Wake:
+                    event.call.wake()
                 else:
                     self._on_event(event)
+            if not proto.pending:
+                return
 
     def _on_event(self, event: object) -> None:
         if isinstance(event, BuiltinCall):
@@ -942,16 +943,23 @@ class Server:
                 await poke.wait()
 
 
+def _send_all(server: Server, sends: list[tuple[Hashable, list[Any]]]) -> None:
+    """Send the protocol's messages without waiting; one that cannot go is counted
+    dropped (a dial-in HELLO is retried soon)."""
+    send_now = server._send_now
+    for key, frames in sends:
+        if not send_now(key, frames):
+            server._proto.send_failed(key, frames, server._now())
+            server._wake_housekeeping()
+
+
 def _bulk_feed(server: Server, key: Hashable, frames: list[zmq.Frame], size: int) -> None:
     """A message on a bound bulk connection, as if it came on the session's control
     connection (its large CALLs)."""
     proto = server._proto
-    call = proto.receive(key, cast("list[Buffer]", frames), server._now(), size)
-    if call is not None:
-        server._accepted(call, size)
-        del call
+    proto.receive(key, cast("list[Buffer]", frames), server._now(), size)
     if proto.pending:
-        server._flush()
+        server._flush(size)
 
 
 async def _send_bulk(

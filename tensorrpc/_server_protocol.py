@@ -4,13 +4,13 @@
 and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
 dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
 I/O shell (`_server`) feeds it messages, its workers' results and the time, sends the
-frames it hands out (`frames_to_send`, and the reply frames `result` and `stream_item`
-return to a worker), runs the calls `receive` returns and acts on `next_events` (the
-calls to wake among them): the output convention both machines share
-(`tensorrpc._machine.Machine`). It builds every frame it sends, counts every byte and
-drop, and owns the ``torch_shm`` argument leases of its calls (what a call that ends
-without a reply owes the client: RELEASE). Nothing here imports zmq, anyio, asyncio,
-trio, threading or ``time``.
+frames it queues (`frames_to_send`; a worker sends its RESULT or STREAM_ITEM, the last
+one queued, itself), and acts on `next_events`: calls accepted for the workers, calls to
+wake, session news. That is the output convention both machines share
+(`tensorrpc._machine.Machine`): no input returns frames or events. It builds every
+frame it sends, counts every byte and drop, and owns the ``torch_shm`` argument leases
+of its calls (what a call that ends without a reply owes the client: RELEASE). Nothing
+here imports zmq, anyio, asyncio, trio, threading or ``time``.
 
 The call side (admission by method and capacity, the queue of accepted calls, the busy
 workers, reply legality, stream credit) is `tensorrpc._server_calls.CallQueue`; the
@@ -116,6 +116,7 @@ __all__ = [
     "SessionState",
     "Settable",
     "ShmPeer",
+    "Wake",
     "readable_call_id",
 ]
 
@@ -357,10 +358,28 @@ class CallExpired:
     call: ServerCall
 
 
-#: What `ServerProtocol.next_events` gives; a `ServerCall` there is a call to wake
-#: (`ServerCall.wake`): it was cancelled, stopped or given credit.
+class Wake:
+    """A call whose worker must look at it again (the shell wakes it): it was
+    cancelled, stopped, given credit, or given a request item."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: ServerCall) -> None:
+        self.call = call
+
+
+#: What `ServerProtocol.next_events` gives; a `ServerCall` there is a call just
+#: accepted (it waits in `ServerProtocol.queue` for a worker: the hot path allocates
+#: no event for it).
 Event = (
-    SessionStarted | SessionEnded | AllRejected | Released | BuiltinCall | CallExpired | ServerCall
+    SessionStarted
+    | SessionEnded
+    | AllRejected
+    | Released
+    | BuiltinCall
+    | CallExpired
+    | Wake
+    | ServerCall
 )
 
 
@@ -473,8 +492,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         new_token: Draws a session's bulk token (128 bits).
 
     After each input the shell takes `frames_to_send` (``(key, frames)``) and
-    `next_events` (session news, and calls whose cancellation or credit their workers
-    must see); `pending` is True while either holds anything.
+    `next_events` (accepted calls, `Wake` for calls whose cancellation or credit their
+    workers must see, session news); `pending` is True while either holds anything.
     """
 
     def __init__(
@@ -659,9 +678,7 @@ class ServerProtocol(Machine[Hashable, Event]):
 
     # -- input ------------------------------------------------------------------------------
 
-    def receive(
-        self, key: Hashable, frames: Sequence[Buffer], now: float, size: int = -1
-    ) -> ServerCall | None:
+    def receive(self, key: Hashable, frames: Sequence[Buffer], now: float, size: int = -1) -> None:
         """Take one message from the client at ``key``: `TRANSITIONS` by (state, kind).
 
         Args:
@@ -670,21 +687,20 @@ class ServerProtocol(Machine[Hashable, Event]):
             now: The current time on the shell's monotonic clock, in seconds.
             size: The message's size in bytes, when the shell knows it cheaply.
 
-        Returns:
-            The call to queue for a worker when the message is an accepted CALL (it is
-            already in `queue`), else None.
+        An accepted CALL is queued (`queue`) and reported in `next_events` as the
+        `ServerCall` itself; `wake_at` moves to its deadline if that is earlier.
         """
         session = self.sessions.get(key)
         try:
             header, payload, buffers = split_frames(frames, max_buffers=self._max_buffers)
         except RemoteProtocolError as exc:
             self._malformed(key, session, readable_call_id(frames[0]) if frames else None, exc)
-            return None
+            return
         kind = header.kind
         if session is None:
             if not self._listen:  # dial-in: only the addresses we dial have entries
                 self.dropped += 1
-                return None
+                return
             state = SessionState.NONE
         else:
             session.bytes_in += size if size >= 0 else _bytes_of(frames)
@@ -694,16 +710,16 @@ class ServerProtocol(Machine[Hashable, Event]):
                 if kind is _CALL:  # the hot path, inline
                     if header.releases:  # result leases returned with the CALL (RELEASE)
                         self._events.append(Released(session, header.releases))
-                    return self._admit(session, header, payload, buffers, now)
+                    self._admit(session, header, payload, buffers, now)
+                    return
                 if kind is _STREAM_ITEM:  # a request item (it has buffers)
                     _streams.on_request_item(self, session, header, payload, buffers)
-                    return None
+                    return
         handler = _DISPATCH.get((state, kind))
         if handler is None:
             self.dropped += 1
         else:
             handler(self, key, session, header, payload, now)
-        return None
 
     def _malformed(
         self, key: Hashable, session: Session | None, call_id: int | None, exc: Exception
@@ -737,7 +753,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         payload: Buffer,
         buffers: Sequence[Buffer],
         now: float,
-    ) -> ServerCall | None:
+    ) -> None:
         """The admission table (`ADMISSION`) for a CALL of a live session."""
         call_id: int = header.call_id
         calls = session.calls
@@ -746,28 +762,30 @@ class ServerProtocol(Machine[Hashable, Event]):
             self._cancel(original)
             message = f"call id {call_id} is already in flight: both calls are cancelled"
             self._refuse(session, call_id, ErrorCode.PROTOCOL, message)
-            return None
+            return
         early = session.early
         if early is not None and early and early.take(call_id):
-            return None  # its CANCEL came first (rule 4 of the bulk connection)
+            return  # its CANCEL came first (rule 4 of the bulk connection)
         if header.method == HEALTH_METHOD:
             self._answer_health(session, header, payload, buffers)
-            return None
+            return
         if self.draining:
             message = f"engine {self._hello.engine_id!r} is shutting down"
             self._refuse(session, call_id, ErrorCode.DRAINING, message)
-            return None
+            return
         verdict = self.calls.admit(session, header, payload, buffers, now)
         if verdict is None:
             self._events.append(BuiltinCall(session, call_id, header.method))
-            return None
+            return
         if isinstance(verdict, tuple):
             self._refuse(session, call_id, *verdict)
-            return None
+            return
         calls[call_id] = verdict
         session.calls_total += 1
         self.calls_total += 1
-        return verdict
+        if verdict.deadline < self.wake_at:  # the timer that refuses it if it waits too long
+            self.wake_at = verdict.deadline
+        self._events.append(verdict)
 
     def health(self, service: str = "") -> HealthStatus:
         """The engine's health as the built-in health method answers it for ``service``
@@ -799,10 +817,13 @@ class ServerProtocol(Machine[Hashable, Event]):
         answer = encode_answer(service, self.health(service))
         self._send(session.key, [pack_reply_header(_RESULT, call_id), answer])
 
+    def _wake(self, call: ServerCall) -> None:
+        self._events.append(Wake(call))
+
     def _cancel(self, call: ServerCall) -> None:
         if not call.cancelled:
             call.cancelled = True
-            self._events.append(call)
+            self._events.append(Wake(call))
 
     # -- the handlers `TRANSITIONS` dispatches to: (key, session, header, payload, now) ------
 
@@ -873,7 +894,7 @@ class ServerProtocol(Machine[Hashable, Event]):
             return  # the stream already ended
         call.credits += body.n
         if call.parked:
-            self._events.append(call)
+            self._events.append(Wake(call))
 
     def _on_release(
         self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
@@ -1028,37 +1049,35 @@ class ServerProtocol(Machine[Hashable, Event]):
 
     # -- replies, for the workers -------------------------------------------------------------
     #
-    # A worker encodes a result and asks for its frames: RESULT and STREAM_ITEM come back to
-    # it (it sends them itself, zero-copy, waiting a bounded time); ERROR and STREAM_END
-    # are queued in `frames_to_send`. The first reply ends the client's argument leases:
-    # the shell detaches argument tensors still on the client's regions before asking.
+    # A worker encodes a result and asks the machine to reply: every reply is queued in
+    # `frames_to_send`, the reply last (the worker takes them and sends that one itself,
+    # zero-copy, waiting a bounded time). The first reply ends the client's argument
+    # leases: the shell detaches argument tensors still on the client's regions first.
 
-    def result(
-        self, call: ServerCall, payload: Buffer, buffers: Sequence[Buffer]
-    ) -> list[Buffer] | None:
-        """The RESULT frames that end ``call``, or None when it must get no reply."""
+    def result(self, call: ServerCall, payload: Buffer, buffers: Sequence[Buffer]) -> bool:
+        """Queue the RESULT that ends ``call``; False when it must get no reply."""
         if call.cancelled or call.answered:  # `may_reply`, inline (the hot path)
-            return None
+            return False
         call.answered = True
         if call.request is not None:  # the client takes its item regions back
             call.request.end_leases()
-        return self._reply_frames(call, _RESULT, payload, buffers)
+        self._reply_frames(call, _RESULT, payload, buffers)
+        return True
 
-    def stream_item(
-        self, call: ServerCall, payload: Buffer, buffers: Sequence[Buffer]
-    ) -> list[Buffer] | None:
-        """The STREAM_ITEM frames of a stream's next item, counted against its credit;
-        None when the stream may not send it (no credit, cancelled, ended)."""
+    def stream_item(self, call: ServerCall, payload: Buffer, buffers: Sequence[Buffer]) -> bool:
+        """Queue the STREAM_ITEM of a stream's next item, counted against its credit;
+        False when the stream may not send it (no credit, cancelled, ended)."""
         if call.credits <= 0 or call.cancelled or call.answered:
-            return None
+            return False
         call.credits -= 1
         if call.stats is not None:
             call.stats.items += 1
-        return self._reply_frames(call, _STREAM_ITEM, payload, buffers)
+        self._reply_frames(call, _STREAM_ITEM, payload, buffers)
+        return True
 
     def _reply_frames(
         self, call: ServerCall, kind: MessageKind, payload: Buffer, buffers: Sequence[Buffer]
-    ) -> list[Buffer]:
+    ) -> None:
         if call.keep is not None:
             self._replied(call)
         if call.reply_metadata and kind is _RESULT:
@@ -1070,7 +1089,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         for buffer in buffers:
             size += memoryview(buffer).nbytes
         call.session.bytes_out += size
-        return frames
+        self._sends.append((call.key, frames))
 
     def _replied(self, call: ServerCall) -> None:
         """The call's first reply goes: the client takes its argument regions back."""
@@ -1193,7 +1212,7 @@ class ServerProtocol(Machine[Hashable, Event]):
             for call in session.calls.values():
                 if not call.shutdown:
                     call.shutdown = True
-                    self._events.append(call)
+                    self._events.append(Wake(call))
 
     def goodbye(self) -> None:
         """Queue BYE to every client that has or may get a session (not refused, parted)."""

@@ -212,14 +212,11 @@ async def _send_item(
         if placer.pending_bytes:
             await _fill(placer)
         lease = placer.outcome()[0]
-    frames = _streams.item_frames(
-        io.protocol, call, encoded.payload, encoded.buffers, io.now(), lease
-    )
-    if frames is None:
+    if not _streams.send_item(io.protocol, call, encoded.payload, encoded.buffers, io.now(), lease):
         if placer is not None:
             placer.abort()
         return False
-    await _send(io, call, frames, encoded)
+    await _send(io, call, io.take_sent(), encoded)
     return True
 
 
@@ -252,7 +249,8 @@ async def _send(io: ClientIO, call: Call, frames: list[Any], encoded: _codec.Enc
         except anyio.WouldBlock:
             tracker = await sock.send(frames, track=track)
     except PeerUnreachableError:
-        io.event(io.protocol.send_failed(call.engine.peer, io.now()))
+        io.protocol.send_failed(call.engine.peer, io.now())
+        io.flush()
         return
     if track:
         io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))

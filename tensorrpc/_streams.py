@@ -63,7 +63,7 @@ __all__ = [
     "RequestCredit",
     "RequestStream",
     "half_close",
-    "item_frames",
+    "send_item",
     "on_engine_credit",
     "on_half_close",
     "on_request_item",
@@ -211,7 +211,7 @@ def on_request_item(
     if fault is not None:
         proto._malformed(session.key, session, header.call_id, RemoteProtocolError(fault))
     elif stream.waiter is not None:
-        proto._events.append(call)  # wake the handler waiting for an item
+        proto._wake(call)  # wake the handler waiting for an item
 
 
 def on_half_close(
@@ -231,7 +231,7 @@ def on_half_close(
     if fault is not None:
         proto._malformed(key, session, header.call_id, RemoteProtocolError(fault))
     elif stream.waiter is not None:
-        proto._events.append(call)
+        proto._wake(call)
 
 
 def take_item(proto: ServerProtocol, call: ServerCall) -> tuple[Buffer, Sequence[Buffer]] | None:
@@ -301,33 +301,32 @@ def on_engine_credit(
     return CreditGranted(call)
 
 
-def item_frames(
+def send_item(
     proto: ClientProtocol,
     call: Call,
     payload: Buffer,
     buffers: Sequence[Buffer],
     now: float,
     lease: int | None = None,
-) -> list[Any] | None:
-    """The message ``[peer, header, payload, *buffers]`` of the next request item,
-    counted against the credit; None when it may not go (no credit, ended: rule 4).
-    ``lease``: the item's torch_shm lease, held until the call ends (rule 6)."""
+) -> bool:
+    """Queue the STREAM_ITEM of the next request item, counted against the credit;
+    False when it may not go (no credit, ended: rule 4). ``lease``: the item's
+    torch_shm lease, held until the call ends (rule 6)."""
     request = call.request
     assert request is not None
     if call.ended or request.closed or request.credit <= 0:
-        return None
+        return False
     request.credit -= 1
     request.sent += 1
     if lease is not None:
         request.leases.append(lease)
     engine = call.engine
     header = pack_reply_header(_STREAM_ITEM, call.call_id)
-    size = len(header) + memoryview(payload).nbytes
-    for buffer in buffers:
-        size += memoryview(buffer).nbytes
     engine.sent = now
-    engine.bytes_sent += size
-    return [engine.peer, header, payload, *buffers]
+    engine.bytes_sent += len(header) + memoryview(payload).nbytes
+    engine.bytes_sent += sum([memoryview(b).nbytes for b in buffers])
+    proto._sends.append((engine.peer, [header, payload, *buffers]))
+    return True
 
 
 def half_close(proto: ClientProtocol, call: Call, now: float) -> bool:

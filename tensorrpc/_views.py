@@ -59,8 +59,6 @@ T = TypeVar("T")
 
 #: Tensor transport names a call may ask for.
 Transport = TransportName
-_TRANSPORTS: frozenset[str] = TRANSPORTS
-_NO_TRANSPORT_STATISTICS = TransportStatistics()
 
 
 class Keep(enum.Enum):
@@ -120,9 +118,9 @@ class CallOptions:
             object.__setattr__(self, "_block", encode_block(checked))
         if self.timeout is not None and not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout!r}")
-        if self.transport not in _TRANSPORTS:
+        if self.transport not in TRANSPORTS:
             raise ValueError(
-                f"unknown transport {self.transport!r}; expected one of {sorted(_TRANSPORTS)}"
+                f"unknown transport {self.transport!r}; expected one of {sorted(TRANSPORTS)}"
             )
 
 
@@ -182,7 +180,7 @@ class ClientStatistics:
     rejected: Mapping[str, str]
     overload_retries: int = 0
     #: Per tensor transport: tensors and bytes moved, and fallbacks to frames.
-    transports: TransportStatistics = _NO_TRANSPORT_STATISTICS
+    transports: TransportStatistics = field(default_factory=TransportStatistics)
     #: Engines refused at handshake since the client opened (``rejected`` keeps only
     #: the latest 64, each text cut to 2048 characters).
     rejected_total: int = 0

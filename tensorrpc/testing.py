@@ -162,11 +162,17 @@ def _engine_command(
     return args, env
 
 
-def _stop_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM (the engine drains), then SIGKILL past ``timeout``; always reaped."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+def _stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
+    """One SIGTERM each (they drain together), SIGKILL past ``timeout``; always reaped.
+
+    Never a second SIGTERM: ``tensorrpc serve`` drains on the first and a second one
+    would kill it mid-drain, before its BYE.
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    for proc in procs:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -242,12 +248,7 @@ def engine_processes(
                 engines.append(EngineProcess(engine_id, proc, path))
             yield engines
         finally:
-            for engine in engines:
-                if engine.process.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        engine.process.send_signal(signal.SIGTERM)
-            for engine in engines:
-                _stop_process(engine.process, stop_timeout)
+            _stop_processes([engine.process for engine in engines], stop_timeout)
 
 
 async def _wait_live(client: Client[Any], engines: Sequence[EngineProcess], seconds: float) -> None:

@@ -55,35 +55,50 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("tests/test_exports.py", "fresh-interpreter"),
 )
 
-#: ``(nodeid prefix, seconds)``: the single tests that take long (serial run on a quiet
-#: 2-core machine, 2026-12-01, property tests at their share of examples, tests/conftest.py;
-#: the grouped ones go first anyway); they start first, the longest first. Only the order
-#: depends on it: a stale entry costs time, never a result.
+#: ``(nodeid prefix, seconds)``: the single tests that take long (``pytest -n 2
+#: --durations`` of the whole suite on the 2-core machine at load 7-9, 2026-12-02, property
+#: tests at their share of examples, tests/conftest.py; the grouped ones go first anyway);
+#: they start first, the longest first. Only the order depends on it: a stale entry costs
+#: time, never a result.
 SLOW: tuple[tuple[str, float], ...] = (
-    ("tests/hardening/test_soak_short.py::test_short_soak", 10.6),
-    ("tests/test_demo.py::test_demo_stops_cleanly_on_ctrl_c", 7.5),
-    ("tests/test_docs.py::test_python_block_runs[docs/testing.md:", 7.1),
-    ("tests/test_bench_smoke.py::test_quick_roundtrip_writes_json_and_markdown", 7.1),
-    ("tests/test_service_main.py::test_fingerprint_matches_between_import_and_main", 6.8),
-    ("tests/test_docs.py::test_python_block_runs[docs/quickstart.md:", 6.5),
-    ("tests/test_blocking_client.py::test_plain_script", 6.4),
-    ("tests/observe/test_top.py::test_top_in_a_pseudo_terminal_refreshes_and_quits", 5.8),
-    ("tests/test_cli.py::test_serve_and_call_end_to_end", 5.3),
-    ("tests/hardening/test_faults.py::test_client_killed_mid_call_cancels_the_handler", 5.3),
-    ("tests/test_docs.py::test_python_block_runs[docs/client.md:", 4.9),
-    ("tests/test_demo.py::test_demo_runs_small_and_leaves_nothing_behind", 4.9),
-    ("tests/transports/test_shm_lifetimes.py::test_2000_calls", 4.6),
-    ("tests/test_example_shared_memory.py::test_shared_memory_recipe_runs", 3.7),
-    ("tests/hardening/test_fuzz_live.py::test_engine_memory_stays_bounded", 3.7),
-    ("tests/test_testing_plugin.py::test_an_engine_that_cannot_start_fails", 3.6),
-    ("tests/test_blocking_client.py::test_under_a_running_event_loop", 3.4),
+    # mypy strict without the plugin, on a cache of its own (cold in a fresh clone)
+    ("tests/typing/test_typed_stub.py::test_mypy_without_the_plugin", 135.6),
+    # with Ray Serve installed (make bench's extra) it runs that peer too
+    ("tests/test_bench_smoke.py::test_quick_batching_section", 40.0),
+    ("tests/test_bench_smoke.py::test_quick_compression_section", 30.1),
+    ("tests/transports/test_shm_torch_alias.py::test_an_engine_that_fails_the_gate", 29.3),
+    ("tests/test_demo.py::test_demo_runs_small_and_leaves_nothing_behind", 24.1),
+    ("tests/test_bench_smoke.py::test_startup_measures_the_commands", 24.0),
+    ("tests/test_bench_smoke.py::test_quick_mixed_load_reports_tails", 21.5),
+    ("tests/test_bench_smoke.py::test_dataloader_batches_are_shared", 20.7),
+    ("tests/hardening/test_soak_short.py::test_short_soak", 20.5),
+    ("tests/hardening/test_fuzz_live.py::test_engine_survives_hostile_frames", 19.1),
+    ("tests/test_demo.py::test_demo_stops_cleanly_on_ctrl_c", 15.9),
+    ("tests/test_example_shared_memory.py::test_shared_memory_recipe_runs", 15.5),
+    ("tests/transports/test_torch_shm.py::test_pool_segments_are_reused", 13.5),
+    ("tests/test_blocking_client.py::test_plain_script", 13.0),
+    ("tests/test_bench_smoke.py::test_call_cpu_reports_client_and_engine_cpu", 12.0),
+    ("tests/test_docs.py::test_python_block_runs[docs/testing.md:", 11.8),
+    ("tests/test_bench_smoke.py::test_shm_held_reports", 11.5),
+    ("tests/test_bench_smoke.py::test_quick_roundtrip_writes_json_and_markdown", 11.2),
+    ("tests/hardening/test_faults.py::test_kill_9_mid_transfer_of_large_tensors", 10.6),
+    ("tests/test_testing_plugin.py::test_asyncio_handler_on_trio_fails", 8.8),
+    ("tests/transports/test_torch_shm.py::test_two_thousand_transfers", 8.5),
+    ("tests/transports/test_shm_lifetimes.py::test_2000_calls", 8.3),
+    ("tests/transports/test_shm_lifetimes.py::test_normal_shutdown_leaves_nothing", 6.8),
+    ("tests/transports/test_shm_one_copy.py::test_many_one_copy_transfers", 6.3),
+    ("tests/test_docs.py::test_python_block_runs[docs/quickstart.md:", 5.4),
+    ("tests/hardening/test_fuzz_live.py::test_engine_memory_stays_bounded", 5.4),
+    ("tests/test_code_size.py::", 5.3),
+    ("tests/integration/test_bulk.py::test_a_session_that_ends_takes_its_bulk", 5.3),
+    ("tests/test_docs.py::test_messages_spell_dialling_one_way", 5.2),
+    ("tests/test_docs.py::test_docstrings_have_no_rst_literal_markers", 5.1),
+    ("tests/hardening/test_faults.py::test_client_killed_mid_call_cancels_the_handler", 4.1),
+    ("tests/transports/test_shm_lifetimes.py::test_client_killed_mid_transfer", 3.5),
+    ("tests/test_docs.py::test_python_block_runs[docs/client.md:", 3.5),
     ("tests/test_docs.py::test_python_block_runs[README.md:", 3.2),
-    ("tests/hardening/test_faults.py::test_kill_9_mid_transfer_of_large_tensors", 3.1),
-    ("tests/transports/test_torch_shm.py::test_pool_segments_are_reused", 2.9),
-    ("tests/test_testing_plugin.py::test_process_engines_are_separate_and_reaped", 2.9),
-    ("tests/transports/test_shm_lifetimes.py::test_client_killed_mid_transfer", 2.6),
-    ("tests/test_cli.py::test_serve_dials_a_client_that_binds", 2.5),
-    ("tests/transports/test_shm_lifetimes.py::test_engine_killed_mid_transfer", 2.3),
+    ("tests/test_testing_plugin.py::test_an_engine_that_cannot_start_fails", 2.8),
+    ("tests/test_cli.py::test_serve_and_call_end_to_end", 1.9),
 )
 
 

@@ -39,6 +39,8 @@ class Batched:
         self.seen_cancelled: list[frozenset[int]] = []
         self.threads: set[str] = set()
         self.steps = 0
+        #: Set once `count` has run ``stepped[0]`` steps (a test waits on it).
+        self.stepped: tuple[int, anyio.Event] | None = None
 
     @rpc(batch=Batching(max_size=8, max_delay=0.02))
     async def square(self, x: list[int], tag: list[str]) -> list[str]:
@@ -97,6 +99,8 @@ class Batched:
     @rpc(batch=Continuous(max_size=4, max_delay=0.0))
     async def count(self, start: list[int], n: list[int]) -> list[int]:
         self.steps += 1
+        if self.stepped is not None and self.steps >= self.stepped[0]:
+            self.stepped[1].set()
         batch = current_batch()
         out = []
         for i, item in enumerate(batch.items):
@@ -365,6 +369,50 @@ async def test_a_stalled_reader_does_not_stall_the_other_streams(tmp_path: Path)
             assert rest == list(range(1, 100))
 
 
+async def test_the_next_step_runs_while_the_last_outputs_go_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step starts without waiting for the last step's outputs to be taken by workers
+    that are waiting for them (they take them while it runs); an item whose worker is
+    away (sending, or waiting for credit) holds at most one output and sits out; none
+    holds more than two."""
+    from tensorrpc._batch_runner import _Item, _Run, _Runner
+
+    pending: list[int] = []  # outputs still buffered per item, as each step starts
+    held: list[int] = []  # after each step: the most an item whose worker is away holds
+    most: list[int] = []  # after each step: the most any item holds
+    original = _Runner._step
+
+    async def step(self: _Runner, run: _Run, items: list[_Item]) -> None:
+        pending.extend(len(it.outputs or ()) for it in items)
+        await original(self, run, items)
+        away = [len(it.outputs or ()) for it in run.items if it.event is None]
+        held.append(max(away, default=0))
+        most.append(max((len(it.outputs or ()) for it in run.items), default=0))
+
+    monkeypatch.setattr(_Runner, "_step", step)
+    svc, address = await _serve(tmp_path)
+    async with (
+        Server(svc, bind=address, engine_id="e1"),
+        Client(Batched, connect=address, stream_window=2) as c,
+    ):
+        with anyio.fail_after(20):
+            await c.wait_for_engines(1)
+            stalled = c.stub().count(0, 100)
+            assert await stalled.__anext__() == 0  # then nobody reads it for a while
+            async with anyio.create_task_group() as tg:
+                for start in (1000, 2000, 3000):
+                    tg.start_soon(_read_all, c, start, 60)
+            assert [v async for v in stalled] == list(range(1, 100))
+    assert 1 in pending, "every step waited for the last outputs to be taken"
+    assert max(held) <= 1, held
+    assert max(most) <= 2, most
+
+
+async def _read_all(c: Client[Batched], start: int, n: int) -> None:
+    assert [v async for v in c.stub().count(start, n)] == list(range(start, start + n))
+
+
 async def test_items_that_leave_a_continuous_batch_early_free_their_place(tmp_path: Path) -> None:
     async with _running(tmp_path) as (_svc, _, c):
         for _ in range(6):  # more than max_size streams, each closed early
@@ -492,12 +540,13 @@ async def test_an_item_that_joins_gets_its_first_output_before_the_others(
 
     woken: list[tuple[int, int, int]] = []  # (step, the item's start, its outputs so far)
     svc = Batched()
+    three_steps = anyio.Event()
+    svc.stepped = (3, three_steps)
+    original = _Item.wake
 
     def wake(self: _Item) -> None:
         woken.append((svc.steps, self.args[0], self.handle.steps))
-        event = self.event
-        if event is not None:
-            event.set()
+        original(self)
 
     monkeypatch.setattr(_Item, "wake", wake)
     async with _running(tmp_path, svc) as (_svc, _, c), anyio.create_task_group() as tg:
@@ -508,8 +557,8 @@ async def test_an_item_that_joins_gets_its_first_output_before_the_others(
 
         for start in (100, 200, 300):
             tg.start_soon(read, start)
-        while svc.steps < 3:  # noqa: ASYNC110 - the batch runs steps meanwhile
-            await anyio.sleep(0.01)
+        with anyio.fail_after(10):
+            await three_steps.wait()  # the batch of three runs steps
         # A joiner may find the others paused for credit in its step (then it runs alone
         # and shows no order): join several times, check every step that had company.
         joiners = (1, 3, 5, 7, 9, 11)

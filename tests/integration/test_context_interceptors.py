@@ -324,6 +324,31 @@ async def test_an_engine_interceptor_times_calls_and_streams(
         assert stream.response_metadata["items"] == "2"
 
 
+async def test_an_engine_interceptor_runs_around_each_batched_item(
+    anyio_backend: str, tmp_path: Path
+) -> None:
+    """Each item of a batch is a call: the engine's interceptors see it alone, and what
+    they return is that caller's result."""
+    seen: list[tuple[str, str]] = []
+
+    async def wrap(ctx: CallContext, proceed: Callable[[], Awaitable[Any]]) -> Any:
+        seen.append((ctx.method, ctx.metadata["tag"]))
+        return f"<{await proceed()}>"
+
+    async with running(tmp_path, engine_interceptors=(wrap,)) as client:
+        results: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            results[i] = await client.with_options(metadata={"tag": f"t{i}"}).stub().tag(i)
+
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+    assert results == {i: f"<{i}:t{i}>" for i in range(4)}
+    assert sorted(seen) == [("tag", f"t{i}") for i in range(4)]
+
+
 async def test_an_exception_in_an_engine_interceptor_is_a_remote_error(
     anyio_backend: str, tmp_path: Path
 ) -> None:

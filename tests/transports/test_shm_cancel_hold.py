@@ -39,6 +39,7 @@ from tensorrpc._server_protocol import ShmPeer
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports._policy import TransportPolicy
 from tensorrpc.transports.torch_shm import TorchShmTransport
+from tests import pair_work as work
 from tests.helpers import ProtocolPair
 
 pytestmark = pytest.mark.skipif(
@@ -55,7 +56,7 @@ class _PairSocket:
         self.pair = pair
 
     def send_nowait(self, frames: list[Any]) -> None:
-        self.pair._route(frames[0], list(frames[1:]))
+        self.pair.client_send(frames[0], list(frames[1:]))
 
 
 class _Client:
@@ -63,7 +64,7 @@ class _Client:
 
     def __init__(self, engines: tuple[str, ...] = ("e1",), **shm: Any) -> None:
         self.pair = ProtocolPair(engines)
-        self.pair.connect()
+        work.connect(self.pair)
         self.policy = TransportPolicy()
         assert self.policy.shm is not None
         if shm:
@@ -97,16 +98,16 @@ class _Client:
         assert placer is not None
         placed = placer.place(value)
         assert placed is not None
-        call = self.pair.call("add", 1, engine=engine, lease=placer.lease)
+        call = work.call(self.pair, "add", 1, engine=engine, lease=placer.lease)
         return call, placed
 
     def from_engine(self, frames: list[Any], engine: str = "e1") -> Any:
         """Hand one engine message to the client's machine and its shell."""
-        event = self.pair.client.receive(self.engine(engine).peer, frames, self.pair.now)
-        if event is not None:
-            self.io.event(event)
+        client = self.pair.client
+        client.receive(self.engine(engine).peer, frames, self.pair.now)
+        events = list(client._events)  # what the shell's flush is about to act on
         self.io.flush()
-        return event
+        return events[0] if len(events) == 1 else (events or None)
 
     @property
     def held(self) -> int:
@@ -184,7 +185,10 @@ def test_a_late_reply_to_a_cancelled_call_ends_its_kept_lease(client):
     assert client.shm.leased(lease)
     # The engine had replied before it read the CANCEL (so it made the arguments private).
     payload = _codec.encode(3).payload
-    event = client.from_engine([pack_reply_header(MessageKind.RESULT, call.call_id), payload])
+    freed, event = client.from_engine(
+        [pack_reply_header(MessageKind.RESULT, call.call_id), payload]
+    )
+    assert isinstance(freed, LeasesFreed)
     assert isinstance(event, Dropped)
     assert event.call_id == call.call_id
     assert not client.shm.leased(lease)
@@ -211,7 +215,8 @@ def test_kept_leases_end_with_the_engine_and_count_against_its_limit():
         assert placer is not None
         assert placer.place(torch.ones(N)) is None  # the engine's share is used up: frames
         assert c.shm.statistics().peer_limited >= 1
-        c.io.event(c.pair.client.send_failed(peer, c.pair.now))  # the engine is gone
+        c.pair.client.send_failed(peer, c.pair.now)  # the engine is gone
+        c.io.flush()
         assert c.held == 0
         assert c.shm.statistics().leases_held == 0
     finally:
@@ -233,7 +238,7 @@ class _Engine:
         def flush() -> None:
             self.sent += [frames for _key, frames in self.end.proto.frames_to_send()]
 
-        async def send_reply(_call: Any, _frames: Any, _keep: Any) -> None:
+        async def send_reply(_call: Any, _keep: Any) -> None:
             raise AssertionError("no reply expected")
 
         self.dispatcher = Dispatcher(
@@ -257,9 +262,9 @@ class _Engine:
         )
         assert placer is not None
         encoded = _codec.encode([value, 1], placer=placer)
-        call = self.client.pair.call("add", 1, lease=placer.lease)
+        call = work.call(self.client.pair, "add", 1, lease=placer.lease)
         self.client.pair.deliver_to_engine("e1")
-        server_call = self.end.next_call()
+        server_call = work.next_call(self.end)
         assert server_call is not None
         server_call.payload, server_call.buffers = encoded.payload, encoded.buffers
         return call, server_call

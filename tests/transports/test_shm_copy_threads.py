@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tensorrpc import _codec
 from tensorrpc._client import Client
 from tensorrpc._server import Server
 from tensorrpc.transports import _shm_recv, torch_shm
+from tests import _forkserver
 from tests.engine_proc import ROOT, EngineProcess
 from tests.transports._engine import TensorService, digest
 
@@ -157,10 +159,17 @@ async def test_large_results_and_an_echoed_argument_are_copied_off_the_loop(
     address = f"ipc://{tmp_path}/engine.sock"
     with anyio.fail_after(WAIT):
         async with Server(TensorService(), engine_id="e1", bind=address):
-            done = await anyio.run_process(
-                [sys.executable, "-m", "tests.transports._copy_client", address, str(LARGE)],
-                cwd=ROOT,
-                check=False,
+            # Forked from the zygote (tests/_forkserver.py): a process of its own, without
+            # a fresh interpreter's torch import; waited for on a thread, as the engine
+            # it calls runs on this loop.
+            done = await anyio.to_thread.run_sync(
+                partial(
+                    _forkserver.run,
+                    [sys.executable, "-m", "tests.transports._copy_client", address, str(LARGE)],
+                    cwd=ROOT,
+                    capture_output=True,
+                    timeout=WAIT,
+                )
             )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.strip() == b"ok"

@@ -12,7 +12,7 @@ from tensorrpc._client_protocol import EngineJoined, FactsNeeded
 from tensorrpc._protocol import MessageKind
 from tensorrpc.transports._peer import UNSEALED_OFFER, KernelPeer, PeerFacts, shm_terms
 from tensorrpc.transports.torch_shm import TRANSPORT_NAME
-from tests.unit.client_script import hello, make_protocol, sent
+from tests.unit.client_script import feed, hello, make_protocol, sent
 
 OURS = 1000
 OFFERS = ("frames", TRANSPORT_NAME, UNSEALED_OFFER)
@@ -68,7 +68,8 @@ def test_the_unsealed_gate_goes_out_only_where_the_peer_offered_it() -> None:
 def test_the_client_machine_takes_a_hellos_facts_as_input() -> None:
     protocol = make_protocol(shm_transports=SHM_TRANSPORTS)
     kernel = attested()
-    event = protocol.receive(
+    event = feed(
+        protocol,
         b"e1/x",
         hello(transports=OFFERS, pid=7),
         0.0,
@@ -86,8 +87,9 @@ def test_the_client_machine_takes_a_hellos_facts_as_input() -> None:
 
 def test_a_hello_without_facts_asks_for_them_and_does_nothing_else() -> None:
     protocol = make_protocol(shm_transports=SHM_TRANSPORTS)
-    event = protocol.receive(b"e1/x", hello(transports=OFFERS), 0.0)
-    assert event == FactsNeeded(b"e1/x")
+    event = feed(protocol, b"e1/x", hello(transports=OFFERS), 0.0)
+    assert isinstance(event, FactsNeeded)
+    assert (event.peer, event.key) == (b"e1/x", None)  # the shell gives it back with facts
     assert not protocol.pending
     assert not protocol.engines.engines
 
@@ -95,7 +97,7 @@ def test_a_hello_without_facts_asks_for_them_and_does_nothing_else() -> None:
 def test_a_hello_whose_facts_are_not_usable_gets_frames_only() -> None:
     protocol = make_protocol(shm_transports=SHM_TRANSPORTS)
     unusable = PeerFacts(None, OURS, usable=False)
-    event = protocol.receive(b"e1/x", hello(transports=OFFERS), 0.0, facts=unusable)
+    event = feed(protocol, b"e1/x", hello(transports=OFFERS), 0.0, facts=unusable)
     assert isinstance(event, EngineJoined)
     assert event.shm is None
     assert event.engine.shm is None
@@ -105,4 +107,4 @@ def test_a_hello_whose_facts_are_not_usable_gets_frames_only() -> None:
 
 def test_with_torch_shm_off_here_no_facts_are_asked_for() -> None:
     protocol = make_protocol()  # shm_transports: frames only
-    assert isinstance(protocol.receive(b"e1/x", hello(transports=OFFERS), 0.0), EngineJoined)
+    assert isinstance(feed(protocol, b"e1/x", hello(transports=OFFERS), 0.0), EngineJoined)

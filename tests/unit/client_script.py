@@ -122,6 +122,9 @@ def sent(protocol: ClientProtocol) -> list[Sent]:
     """Drain and decode what the protocol queued."""
     out = []
     for peer, frames in protocol.frames_to_send():
+        if memoryview(frames[0])[3] == MessageKind.CALL:  # (its payload may be empty here)
+            out.append(Sent(peer, MessageKind.CALL, 0, None))
+            continue
         header, payload, _ = split_frames(frames)
         body = None
         if header.kind in (
@@ -150,6 +153,7 @@ def join(
     """Admit an engine and drain the WELCOME."""
     peer = peer if peer is not None else f"{engine_id}/x".encode()
     protocol.receive(peer, hello(engine_id, **kw), now)
+    assert type(protocol.next_events()[-1]).__name__ == "EngineJoined"
     out = sent(protocol)
     assert [s.kind for s in out] == [MessageKind.WELCOME], out
     return protocol.engines.engines[engine_id]
@@ -159,4 +163,23 @@ def start(
     protocol: ClientProtocol, engine: Engine, *, stream: bool = False, now: float = 0.0
 ) -> Call:
     spec = COUNT if stream else ADD
-    return protocol.start_call(engine, spec, object(), stream=stream, now=now)[0]
+    call = protocol.start_call(engine, spec, object(), stream=stream, now=now, payload=b"\x90")
+    [(peer, frames)] = protocol.frames_to_send()  # the CALL (the scripted engine reads none)
+    assert (peer, split_frames(frames)[0].kind) == (engine.peer, MessageKind.CALL)
+    return call
+
+
+def feed(
+    protocol: ClientProtocol, peer: bytes, frames: list[Any], now: float, *a: Any, **kw: Any
+) -> Any:
+    """``receive`` one message; what `next_events` then gives: None, its one event (a
+    `Call` a reply concerned, among them), or the list of several."""
+    protocol.receive(peer, frames, now, *a, **kw)
+    events = protocol.next_events()
+    return events[0] if len(events) == 1 else (events or None)
+
+
+def tick(protocol: ClientProtocol, now: float) -> list[Any]:
+    """``tick``; the events it made (sessions it ended)."""
+    protocol.tick(now)
+    return protocol.next_events()

@@ -21,7 +21,7 @@ from tensorrpc._protocol import (
     pack_reply_header,
     split_frames,
 )
-from tensorrpc._server_protocol import ProtocolSettings, ServerCall, ServerProtocol
+from tensorrpc._server_protocol import ProtocolSettings, ServerCall, ServerProtocol, Wake
 from tensorrpc._service import describe, rpc, service
 
 PAYLOAD = b"\x90"  # any non-empty payload: the protocol never decodes it
@@ -89,8 +89,10 @@ class Engine:
     proto: ServerProtocol
     now: float = 100.0
     sent: list[Sent] = field(default_factory=list)
-    #: Everything `ServerProtocol.next_events` gave (calls to wake included), in order.
+    #: What `ServerProtocol.next_events` gave, in order: calls to wake (`Wake`) as the
+    #: call itself, accepted calls apart (`accepted`).
     events: list[Any] = field(default_factory=list)
+    accepted: list[ServerCall] = field(default_factory=list)
 
     @classmethod
     def make(cls, *, listen: bool = True, **settings: Any) -> Engine:
@@ -111,9 +113,11 @@ class Engine:
         self.collect()
 
     def send(self, key: object, frames: list[bytes]) -> ServerCall | None:
-        call = self.proto.receive(key, frames, self.now)
+        """``receive`` the message; the call it queued for a worker (None: none)."""
+        before = len(self.accepted)
+        self.proto.receive(key, frames, self.now)
         self.collect()
-        return call
+        return self.accepted[before] if len(self.accepted) > before else None
 
     def control(self, key: object, kind: MessageKind, body: Any = None, call_id: int = 0) -> None:
         self.send(key, encode_control(kind, body, call_id))
@@ -167,7 +171,11 @@ class Engine:
             if header.kind not in (MessageKind.RESULT, MessageKind.STREAM_ITEM):
                 body = decode_control(header, payload)
             self.sent.append(Sent(key, header, body, header.kind is MessageKind.HELLO))
-        self.events += proto.next_events()
+        for event in proto.next_events():
+            if isinstance(event, ServerCall):
+                self.accepted.append(event)
+            else:
+                self.events.append(event.call if isinstance(event, Wake) else event)
 
     def take(self) -> list[Sent]:
         sent, self.sent = self.sent, []

@@ -15,7 +15,7 @@ from tensorrpc._engines import Engine
 from tensorrpc._exceptions import EngineDeadError
 from tensorrpc._protocol import MessageKind
 
-from .client_script import bye, control, error, join, make_protocol, result, sent, start
+from .client_script import bye, control, error, feed, join, make_protocol, result, sent, start, tick
 
 PEER = b"p"
 
@@ -33,12 +33,12 @@ def test_a_result_on_the_bulk_connection_behind_the_control_bye_arrives(ours: bo
     protocol = make_protocol()
     engine = bound_session(protocol, ours=ours)
     call = start(protocol, engine)
-    assert protocol.receive(PEER, bye(), 0.1) is None  # the first BYE: the session goes on
+    assert feed(protocol, PEER, bye(), 0.1) is None  # the first BYE: the session goes on
     assert "e1" in protocol.engines.engines
-    got = protocol.receive(PEER, result(call.call_id, 3), 0.2, bulk=True)
+    got = feed(protocol, PEER, result(call.call_id, 3), 0.2, bulk=True)
     assert got is call
     assert call.state is CallState.REPLIED
-    lost = protocol.receive(PEER, bye(), 0.3, bulk=True)
+    lost = feed(protocol, PEER, bye(), 0.3, bulk=True)
     assert isinstance(lost, EngineLost)
     assert lost.calls == ()
     assert "said BYE" in lost.why
@@ -49,9 +49,9 @@ def test_the_bulk_bye_may_come_first() -> None:
     protocol = make_protocol()
     engine = bound_session(protocol)
     call = start(protocol, engine)
-    assert protocol.receive(PEER, bye(), 0.1, bulk=True) is None
-    assert protocol.receive(PEER, result(call.call_id, 3), 0.2) is call  # a small one
-    lost = protocol.receive(PEER, bye(), 0.3)
+    assert feed(protocol, PEER, bye(), 0.1, bulk=True) is None
+    assert feed(protocol, PEER, result(call.call_id, 3), 0.2) is call  # a small one
+    lost = feed(protocol, PEER, bye(), 0.3)
     assert isinstance(lost, EngineLost)
     assert "e1" not in protocol.engines.engines
 
@@ -62,7 +62,7 @@ def test_without_a_bound_bulk_connection_one_bye_ends_the_session() -> None:
     protocol.bulk_bound(PEER, 6)  # an older session's connection binds nothing
     assert not engine.bulk_bound
     call = start(protocol, engine)
-    lost = protocol.receive(PEER, bye(), 0.1)
+    lost = feed(protocol, PEER, bye(), 0.1)
     assert isinstance(lost, EngineLost)
     assert lost.calls == (call,)
     assert isinstance(call.error, EngineDeadError)
@@ -72,10 +72,10 @@ def test_a_leaving_engine_takes_no_new_calls() -> None:
     protocol = make_protocol()
     engine = bound_session(protocol)
     other = join(protocol, "e2", b"q")
-    protocol.receive(PEER, bye(), 0.1)
+    feed(protocol, PEER, bye(), 0.1)
     picked = {protocol.select(None, 0.2).engine_id for _ in range(4)}  # type: ignore[union-attr]
     assert picked == {"e2"}
-    protocol.receive(b"q", bye(), 0.2)  # e2 leaves (no bulk connection): gone at once
+    feed(protocol, b"q", bye(), 0.2)  # e2 leaves (no bulk connection): gone at once
     assert "e2" not in protocol.engines.engines
     assert protocol.select(None, 0.3) is None  # only a leaving engine: wait
     assert engine.byes
@@ -86,8 +86,9 @@ def test_the_bulk_connection_lost_after_the_control_bye_is_the_other_bye() -> No
     protocol = make_protocol()
     engine = bound_session(protocol)
     call = start(protocol, engine)
-    protocol.receive(PEER, bye(), 0.1)
-    lost = protocol.bulk_lost(PEER, engine.epoch, 0.2)
+    feed(protocol, PEER, bye(), 0.1)
+    protocol.bulk_lost(PEER, engine.epoch, 0.2)
+    [lost] = protocol.next_events()
     assert isinstance(lost, EngineLost)
     assert "said BYE" in lost.why
     assert lost.calls == (call,)
@@ -97,8 +98,8 @@ def test_the_bulk_connection_lost_after_the_control_bye_is_the_other_bye() -> No
 def test_a_leaving_engine_whose_bulk_bye_never_comes_ends_at_dead_after() -> None:
     protocol = make_protocol()  # heartbeat 1 s, dead_after 5 s
     bound_session(protocol)
-    protocol.receive(PEER, bye(), 0.1)
-    [lost] = protocol.tick(5.2)
+    feed(protocol, PEER, bye(), 0.1)
+    [lost] = tick(protocol, 5.2)
     assert "said BYE and then sent nothing" in lost.why
 
 
@@ -112,10 +113,10 @@ def test_only_a_result_or_a_bye_may_come_on_the_bulk_connection() -> None:
         error(call.call_id),
         result(call.call_id, 3, MessageKind.STREAM_ITEM),
     ):
-        assert isinstance(protocol.receive(PEER, frames, 0.1, bulk=True), Ignored)
+        assert isinstance(feed(protocol, PEER, frames, 0.1, bulk=True), Ignored)
     assert call.state is CallState.IN_FLIGHT
     assert sent(protocol) == []  # not even a PONG
-    assert protocol.receive(b"stranger", bye(), 0.1, bulk=True) is None
+    assert feed(protocol, b"stranger", bye(), 0.1, bulk=True) is None
 
 
 def test_a_lost_bulk_connection_to_us_ends_the_session_and_asks_for_a_new_one() -> None:
@@ -125,8 +126,10 @@ def test_a_lost_bulk_connection_to_us_ends_the_session_and_asks_for_a_new_one() 
     engine = bound_session(protocol, ours=True)
     call = start(protocol, engine)
     sent(protocol)
-    assert protocol.bulk_lost(PEER, engine.epoch, 0.2, ours=True) is None  # not ours
-    lost = protocol.bulk_lost(PEER, engine.client_epoch, 0.2, ours=True)
+    protocol.bulk_lost(PEER, engine.epoch, 0.2, ours=True)  # not ours: nothing
+    assert not protocol.pending
+    protocol.bulk_lost(PEER, engine.client_epoch, 0.2, ours=True)
+    [lost] = protocol.next_events()
     assert isinstance(lost, EngineLost)
     assert lost.calls == (call,)
     assert "lost its bulk connection" in str(call.error)

@@ -14,7 +14,7 @@ from tensorrpc._client_protocol import HELLO_REQUEST, EngineJoined, EngineLost
 from tensorrpc._exceptions import EngineDeadError, EngineNotFoundError
 from tensorrpc._protocol import MessageKind
 
-from .client_script import hello, join, kinds, make_protocol, sent, start
+from .client_script import feed, hello, join, kinds, make_protocol, sent, start
 
 K = MessageKind
 
@@ -51,7 +51,7 @@ def test_callers_wait_through_the_rejoin_instead_of_failing() -> None:
     assert protocol.select(None, 10.1) is None
     assert protocol.select("e1", 10.1, woken=True) is None
     assert protocol.next_tick(10.1) <= 5.0
-    event = protocol.receive(b"p", hello("e1", epoch=8, dead_after_ms=2000), 11.0)
+    event = feed(protocol, b"p", hello("e1", epoch=8, dead_after_ms=2000), 11.0)
     assert isinstance(event, EngineJoined)
     assert protocol.rejoining.until == {}
     assert protocol.capacity.joined("e1", 8) == ["targeted", "first"]
@@ -63,7 +63,7 @@ def test_a_dialled_engine_that_forgot_us_is_asked_for_hello_at_once() -> None:
     protocol = make_protocol()
     protocol.dial(b"@a/0", "ipc://x", 0.0)
     sent(protocol)
-    protocol.receive(b"@a/0", hello("e1", dead_after_ms=2000), 0.0)
+    feed(protocol, b"@a/0", hello("e1", dead_after_ms=2000), 0.0)
     sent(protocol)
     assert protocol.select(None, 10.0) is None
     assert protocol.next_tick(10.0) == pytest.approx(0.0005)

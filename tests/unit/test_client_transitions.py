@@ -14,12 +14,13 @@ import pytest
 from tensorrpc import _streams
 from tensorrpc._client_protocol import _DISPATCH, _REPLIES, TRANSITIONS, CheckReachable, PeerState
 from tensorrpc._machine import Transition, render_transitions
-from tensorrpc._protocol import Credit, MessageKind, Release, pack_reply_header, split_frames
+from tensorrpc._protocol import Credit, MessageKind, Release, pack_reply_header
 
 from .client_script import (
     UPLOAD,
     bye,
     control,
+    feed,
     hello,
     join,
     kinds,
@@ -100,7 +101,8 @@ def _message(label: str) -> list[Any]:
 
 def _open_upload(protocol: Any) -> Any:
     engine = protocol.engines.engines["e1"]
-    call, _ = protocol.start_call(engine, UPLOAD, object(), stream=False, now=0.5)
+    call = protocol.start_call(engine, UPLOAD, object(), stream=False, now=0.5)
+    protocol.frames_to_send()  # the CALL
     return call
 
 
@@ -108,13 +110,11 @@ def _request_row(protocol: Any, label: str) -> list[K]:
     call = _open_upload(protocol)
     if label == "CREDIT for a request stream":
         before = call.request.credit
-        event = protocol.receive(PEER, control(K.CREDIT, Credit(3), call.call_id), 0.5)
+        event = feed(protocol, PEER, control(K.CREDIT, Credit(3), call.call_id), 0.5)
         assert event == _streams.CreditGranted(call)
         assert call.request.credit == before + 3
     elif label == "a request item is due":
-        frames = _streams.item_frames(protocol, call, b"\x01", (), 0.5)
-        assert frames is not None
-        assert split_frames(frames[1:])[0].kind is K.STREAM_ITEM
+        assert _streams.send_item(protocol, call, b"\x01", (), 0.5)
     else:
         assert _streams.half_close(protocol, call, 0.5)
     return [s.kind for s in sent(protocol) if s.peer == PEER]
@@ -138,7 +138,7 @@ def _apply(protocol: Any, row: Transition[PeerState]) -> list[K]:
     elif label == "timer: engine silent past our dead_after":
         protocol.tick(5.1)
     elif label.startswith("timer, message or new call"):
-        protocol.receive(PEER, control(K.PONG, None, 1), 2.5)
+        feed(protocol, PEER, control(K.PONG, None, 1), 2.5)
     elif label.startswith("send fails"):
         protocol.send_failed(PEER, 0.5)
     elif label == "close()":
@@ -149,11 +149,11 @@ def _apply(protocol: Any, row: Transition[PeerState]) -> list[K]:
     elif label.startswith("a message other than RESULT or BYE on the bulk"):
         protocol.receive(PEER, control(K.PING, None, 5), 0.5, bulk=True)
     elif "live on another peer" in label:
-        check = protocol.receive(PEER, hello("e1", epoch=99), 0.5)
+        check = feed(protocol, PEER, hello("e1", epoch=99), 0.5)
         assert isinstance(check, CheckReachable)
         protocol.reachable(check, "unreachable" not in label, 0.5)
     else:
-        protocol.receive(PEER, _message(label), 0.5)
+        feed(protocol, PEER, _message(label), 0.5)
     return [s.kind for s in sent(protocol) if s.peer == PEER]
 
 
@@ -175,7 +175,7 @@ SENDS: dict[tuple[PeerState, str], list[K]] = {
     (S.LIVE, "a message other than RESULT or BYE on the bulk connection"): [],
     (S.LIVE, "the bound bulk connection is lost, the engine connected to us"): [K.BYE, K.PING],
     (S.LIVE, "CREDIT for a request stream"): [],
-    (S.LIVE, "a request item is due"): [],  # the shell sends the frames it returns
+    (S.LIVE, "a request item is due"): [K.STREAM_ITEM],
     (S.LIVE, "the request stream is exhausted"): [K.STREAM_END],
 }
 
@@ -194,7 +194,7 @@ def test_each_row_leads_to_its_next_state(row: Transition[PeerState]) -> None:
 
 def test_a_hello_of_another_version_is_refused_naming_both() -> None:
     protocol = make_protocol()
-    protocol.receive(PEER, _message("HELLO of another protocol version"), 0.0)
+    feed(protocol, PEER, _message("HELLO of another protocol version"), 0.0)
     [out] = sent(protocol)
     assert (out.kind, out.body.reason) == (K.REJECT, "version")
     assert "version 2" in out.body.message

@@ -34,6 +34,7 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._text import CONTROL
 
+from .. import pair_work as work
 from ..helpers import ProtocolPair
 
 K = MessageKind
@@ -202,60 +203,60 @@ def test_decode_block_reports_where_the_block_ends() -> None:
 
 def test_request_metadata_reaches_the_engine_call_and_response_metadata_the_caller() -> None:
     pair = ProtocolPair()
-    pair.connect()
-    call = pair.call("add", 1, 2, metadata=encode_block({"authorization": "Bearer t"}))
+    work.connect(pair)
+    call = work.call(pair, "add", 1, 2, metadata=encode_block({"authorization": "Bearer t"}))
     pair.flush()
-    server_call = pair["e1"].next_call()
+    server_call = work.next_call(pair["e1"])
     assert server_call is not None
     assert dict(server_call.metadata) == {"authorization": "Bearer t"}
     server_call.reply_metadata = {"x-served-by": "e1"}
-    pair["e1"].reply(server_call, 3)
+    work.reply(pair["e1"], server_call, 3)
     pair.flush()
-    assert pair.outcome(call) == 3
+    assert work.outcome(call) == 3
     assert dict(call.reply_metadata or {}) == {"x-served-by": "e1"}
 
 
 def test_a_call_without_metadata_gets_a_plain_reply() -> None:
     pair = ProtocolPair()
-    pair.connect()
-    call = pair.call("add", 1, 2)
+    work.connect(pair)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
-    server_call = pair["e1"].next_call()
+    server_call = work.next_call(pair["e1"])
     assert server_call is not None
     assert not server_call.metadata
-    pair["e1"].reply(server_call, 3)
+    work.reply(pair["e1"], server_call, 3)
     sent = pair["e1"].sent[-1].frames
     assert len(sent[0]) == HEADER_SIZE
     pair.flush()
-    assert pair.outcome(call) == 3
+    assert work.outcome(call) == 3
     assert call.reply_metadata is None
 
 
 def test_stream_end_carries_the_response_metadata() -> None:
     pair = ProtocolPair()
-    pair.connect()
-    call = pair.call("count", 2, metadata=encode_block({"k": "v"}))
+    work.connect(pair)
+    call = work.call(pair, "count", 2, metadata=encode_block({"k": "v"}))
     pair.flush()
-    server_call = pair["e1"].next_call()
+    server_call = work.next_call(pair["e1"])
     assert server_call is not None
     assert dict(server_call.metadata) == {"k": "v"}
-    pair["e1"].item(server_call, 0)
+    work.item(pair["e1"], server_call, 0)
     server_call.reply_metadata = {"tokens": "2"}
-    pair["e1"].end_stream(server_call)
+    work.end_stream(pair["e1"], server_call)
     pair.flush()
-    assert pair.items(call) == [0]
+    assert work.items(pair, call) == [0]
     assert call.ended
     assert dict(call.reply_metadata or {}) == {"tokens": "2"}
 
 
 def test_a_hostile_call_metadata_block_is_answered_protocol_error_and_runs_nothing() -> None:
     pair = ProtocolPair()
-    pair.connect()
-    call = pair.call("add", 1, 2, metadata=block([(b"k", b"\x1b[2Jx")]))
+    work.connect(pair)
+    call = work.call(pair, "add", 1, 2, metadata=block([(b"k", b"\x1b[2Jx")]))
     pair.flush()
-    assert pair["e1"].next_call() is None
+    assert work.next_call(pair["e1"]) is None
     with pytest.raises(RemoteProtocolError, match="control character") as info:
-        pair.outcome(call)
+        work.outcome(call)
     assert "\x1b" not in str(info.value)
 
 

@@ -78,7 +78,7 @@ def test_stream_items_count_per_method() -> None:
     call = engine.call(b"c1", 1, "count", int(Flags.STREAM))
     assert call is not None
     proto = engine.proto
-    while proto.stream_item(call, b"\x01", []) is not None:
+    while proto.stream_item(call, b"\x01", []):
         pass
     assert proto.calls.methods["count"].snapshot()["items"] == 3
 

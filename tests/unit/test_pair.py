@@ -37,6 +37,7 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._server_protocol import AllRejected, Session, SessionEnded, SessionState
 
+from .. import pair_work as work
 from ..helpers import SPEC, EngineEnd, ProtocolPair, Wire
 
 K = MessageKind
@@ -55,7 +56,7 @@ def state_of(end: EngineEnd) -> SessionState:
 
 def connected(*engines: str, **kw: Any) -> ProtocolPair:
     pair = ProtocolPair(engines or ("e1",), **kw)
-    pair.connect()
+    work.connect(pair)
     return pair
 
 
@@ -71,7 +72,7 @@ def test_handshake_names_both_sessions_and_announces_both_bounds(dial_in: bool) 
         engine_heartbeat=Heartbeat(1.0, 7.0),
         stream_window=6,
     )
-    pair.connect()
+    work.connect(pair)
     assert [type(e) for e in pair.events] == [EngineJoined, EngineJoined]
     for engine_id in ("e1", "e2"):
         engine = pair.client.engines.engines[engine_id]
@@ -104,14 +105,14 @@ def test_a_refused_hello_gets_a_reject_and_the_engine_stops(
     pair.flush()
     refused = [e for e in pair.events if isinstance(e, EngineRefused)]
     assert [(e.engine_id, e.reason, e.by_client) for e in refused] == [("e1", reason, True)]
-    assert pair["e1"].kinds() == [K.HELLO]
+    assert work.kinds(pair["e1"]) == [K.HELLO]
     assert pair.client.engines.engines == {}
     assert pair.client.engines.rejected["e1"].startswith(reason)
     assert pair["e1"].session.state is SessionState.REJECTED  # both topologies
     if dial_in:  # its only client refused it: the engine stops (serve raises)
         assert [type(e) for e in pair["e1"].events] == [SessionEnded, AllRejected]
         pair.run(10.0)
-        assert pair["e1"].kinds() == []  # it does not try again
+        assert work.kinds(pair["e1"]) == []  # it does not try again
 
 
 def test_a_malformed_welcome_gets_a_reject_that_ends_the_clients_session() -> None:
@@ -123,12 +124,12 @@ def test_a_malformed_welcome_gets_a_reject_that_ends_the_clients_session() -> No
     header, payload = end.inbox[0]
     end.inbox[0] = [header, payload[:-3]]  # truncated on the way
     pair.flush()
-    assert end.kinds()[-1] is K.REJECT
+    assert work.kinds(end)[-1] is K.REJECT
     refused = [e for e in pair.events if isinstance(e, EngineRefused)]
     assert [(e.reason, e.by_client) for e in refused] == [("protocol", False)]
     assert "malformed WELCOME" in refused[0].message
     assert pair.client.engines.engines == {}
-    assert isinstance(pair.lost()[0], EngineLost)
+    assert isinstance(work.lost(pair)[0], EngineLost)
 
 
 # -- unary calls ---------------------------------------------------------------------------
@@ -136,21 +137,25 @@ def test_a_malformed_welcome_gets_a_reject_that_ends_the_clients_session() -> No
 
 def test_unary_result_error_and_remote_exception_reach_their_callers() -> None:
     pair = connected("e1")
-    ok, failed, unknown = pair.call("add", 1, 2), pair.call("add", 3, 4), pair.call("add", 5)
+    ok, failed, unknown = (
+        work.call(pair, "add", 1, 2),
+        work.call(pair, "add", 3, 4),
+        work.call(pair, "add", 5),
+    )
     pair.flush()
     end = pair["e1"]
-    first, second, third = end.take_all()
+    first, second, third = work.take_all(end)
     assert (first.call_id, second.call_id, third.call_id) == (ok.call_id, failed.call_id, 3)
-    end.reply(first, 3)
-    end.raised(second, ValueError("nope"))
-    end.error(third, ErrorCode.METHOD_NOT_FOUND, "no such method")
+    work.reply(end, first, 3)
+    work.raised(end, second, ValueError("nope"))
+    work.error(end, third, ErrorCode.METHOD_NOT_FOUND, "no such method")
     pair.flush()
-    assert pair.outcome(ok) == 3
+    assert work.outcome(ok) == 3
     with pytest.raises(RemoteError, match="nope") as info:
-        pair.outcome(failed)
+        work.outcome(failed)
     assert info.value.remote_type == "builtins.ValueError"
     with pytest.raises(MethodNotFoundError):
-        pair.outcome(unknown)
+        work.outcome(unknown)
     assert pair.client.calls.get(ok.call_id) is None
     assert end.proto.in_flight() == 0
     assert pair.client.engines.engines["e1"].calls == set()
@@ -158,33 +163,33 @@ def test_unary_result_error_and_remote_exception_reach_their_callers() -> None:
 
 def test_an_unknown_method_is_refused_by_the_engines_admission() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     end = pair["e1"]
     _header, *rest = end.inbox[0]
     end.inbox[0] = [pack_call_header(call.call_id, "nope"), *rest]
     pair.flush()
     with pytest.raises(MethodNotFoundError, match="no method 'nope'"):
-        pair.outcome(call)
+        work.outcome(call)
     assert end.proto.in_flight() == 0
 
 
 def test_replies_are_routed_by_engine_and_call_id_and_a_late_one_is_dropped() -> None:
     pair = connected("e1", "e2")
-    on_e1 = pair.call("add", 1, 1, engine="e1")
-    on_e2 = pair.call("add", 2, 2, engine="e2")
+    on_e1 = work.call(pair, "add", 1, 1, engine="e1")
+    on_e2 = work.call(pair, "add", 2, 2, engine="e2")
     pair.flush()
     assert on_e1.call_id != on_e2.call_id
-    (c1,) = pair["e1"].take_all()
-    (c2,) = pair["e2"].take_all()
-    pair["e2"].reply(c2, 4)
-    pair["e1"].reply(c1, 2)
+    (c1,) = work.take_all(pair["e1"])
+    (c2,) = work.take_all(pair["e2"])
+    work.reply(pair["e2"], c2, 4)
+    work.reply(pair["e1"], c1, 2)
     pair.flush()
-    assert (pair.outcome(on_e1), pair.outcome(on_e2)) == (2, 4)
+    assert (work.outcome(on_e1), work.outcome(on_e2)) == (2, 4)
     # A reply nobody waits for (e2 answering e1's call id again) changes nothing.
     pair.inject(pair["e2"], encode_control(K.STREAM_END, None, 1))
     pair.flush()
     assert on_e1.state is CallState.REPLIED
-    assert pair.outcome(on_e1) == 2
+    assert work.outcome(on_e1) == 2
 
 
 # -- streams and credit --------------------------------------------------------------------
@@ -193,20 +198,20 @@ def test_replies_are_routed_by_engine_and_call_id_and_a_late_one_is_dropped() ->
 @pytest.mark.parametrize("window", [1, 2, 5])
 def test_a_stream_keeps_items_sent_within_window_plus_credit(window: int) -> None:
     pair = connected("e1", stream_window=window)
-    stream = pair.call("count", 100)
+    stream = work.call(pair, "count", 100)
     pair.flush()
     end = pair["e1"]
-    (call,) = end.take_all()
+    (call,) = work.take_all(end)
     sent = taken = 0
     credits = 0
     for _ in range(40):
-        while end.item(call, sent):
+        while work.item(end, call, sent):
             sent += 1
         credits_now = [w for w in pair.client_sent if w.kind is K.CREDIT]
         credits = sum(w.body().n for w in credits_now)
         assert sent <= window + credits  # the spec's inequality, at every step
         pair.flush()
-        got = pair.items(stream)
+        got = work.items(pair, stream)
         assert got == list(range(taken, taken + len(got)))
         taken += len(got)
         pair.flush()
@@ -215,7 +220,7 @@ def test_a_stream_keeps_items_sent_within_window_plus_credit(window: int) -> Non
     assert credit is not None
     assert credit.remaining >= 0
     assert credit.granted == sum(w.body().n for w in pair.client_sent if w.kind is K.CREDIT)
-    end.end_stream(call)
+    work.end_stream(end, call)
     pair.flush()
     assert stream.state is CallState.REPLIED
     assert stream.reply_kind is K.STREAM_END
@@ -224,78 +229,78 @@ def test_a_stream_keeps_items_sent_within_window_plus_credit(window: int) -> Non
 
 def test_a_stream_without_credit_parks_and_credit_wakes_it() -> None:
     pair = connected("e1", stream_window=2)
-    stream = pair.call("count", 10)
+    stream = work.call(pair, "count", 10)
     pair.flush()
     end = pair["e1"]
-    (call,) = end.take_all()
-    assert end.item(call, 0)
-    assert end.item(call, 1)
-    assert not end.item(call, 2)
+    (call,) = work.take_all(end)
+    assert work.item(end, call, 0)
+    assert work.item(end, call, 1)
+    assert not work.item(end, call, 2)
     assert end.proto.park(call) is None  # waits without holding a worker
     assert end.proto.busy == 0
     assert end.proto.in_flight() == 1
     pair.flush()
-    pair.take_item(stream)  # half a window consumed: CREDIT(1) goes back
+    work.take_item(pair, stream)  # half a window consumed: CREDIT(1) goes back
     pair.flush()
     assert call.credits == 1
     assert call.parked
     end.proto.unpark(call)
     assert end.proto.busy == 1
-    assert end.item(call, 2)
+    assert work.item(end, call, 2)
 
 
 def test_window_zero_sends_no_item_before_the_first_credit() -> None:
     pair = connected("e1")
-    stream = pair.call("count", 3)
+    stream = work.call(pair, "count", 3)
     end = pair["e1"]
     pair.flush()
-    (call,) = end.take_all()
+    (call,) = work.take_all(end)
     call.credits = 0  # as a WELCOME with stream_window 0 (a foreign client) leaves it
-    assert not end.item(call, 0)
+    assert not work.item(end, call, 0)
     end.inbox.append(encode_control(K.CREDIT, Credit(1), stream.call_id))
     pair.flush()
-    assert end.item(call, 0)
-    assert not end.item(call, 1)
+    assert work.item(end, call, 0)
+    assert not work.item(end, call, 1)
 
 
 def test_an_item_beyond_the_credit_fails_the_stream_and_cancels_it() -> None:
     pair = connected("e1", stream_window=1)
-    stream = pair.call("count", 3)
+    stream = work.call(pair, "count", 3)
     pair.flush()
     end = pair["e1"]
-    (call,) = end.take_all()
-    assert end.item(call, 0)
+    (call,) = work.take_all(end)
+    assert work.item(end, call, 0)
     call.credits = 5  # an engine that breaks the rule
-    assert end.item(call, 1)
+    assert work.item(end, call, 1)
     pair.flush()
     assert stream.state is CallState.FAILED
     assert isinstance(stream.error, RemoteProtocolError)
-    assert K.CANCEL in pair.client_kinds()
+    assert K.CANCEL in work.client_kinds(pair)
     assert call.cancelled
-    assert not end.item(call, 2)
-    assert not end.end_stream(call)
+    assert not work.item(end, call, 2)
+    assert not work.end_stream(end, call)
 
 
 def test_closing_a_stream_early_stops_the_engine_and_drops_items_in_flight() -> None:
     pair = connected("e1", stream_window=4)
-    stream = pair.call("count", 100)
+    stream = work.call(pair, "count", 100)
     pair.flush()
     end = pair["e1"]
-    (call,) = end.take_all()
-    assert end.item(call, 0)
-    assert end.item(call, 1)
+    (call,) = work.take_all(end)
+    assert work.item(end, call, 0)
+    assert work.item(end, call, 1)
     pair.flush()
-    assert pair.take_item(stream) == 0
-    assert end.item(call, 2)  # in flight while the consumer closes the stream
-    assert pair.cancel(stream)
+    assert work.take_item(pair, stream) == 0
+    assert work.item(end, call, 2)  # in flight while the consumer closes the stream
+    assert work.cancel(pair, stream)
     assert stream.state is CallState.CANCELLED
     pair.flush()
     assert call.cancelled
-    assert not end.item(call, 3)
-    assert not end.end_stream(call)  # no final reply either
-    assert pair.client_kinds()[-1] is K.CANCEL
-    assert not pair.cancel(stream)  # one CANCEL only
-    assert pair.client_kinds() == []
+    assert not work.item(end, call, 3)
+    assert not work.end_stream(end, call)  # no final reply either
+    assert work.client_kinds(pair)[-1] is K.CANCEL
+    assert not work.cancel(pair, stream)  # one CANCEL only
+    assert work.client_kinds(pair) == []
     assert end.proto.in_flight() == 0
 
 
@@ -304,25 +309,25 @@ def test_closing_a_stream_early_stops_the_engine_and_drops_items_in_flight() -> 
 
 def test_cancel_reaches_the_engine_and_the_handlers_result_is_not_sent() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
-    (running,) = pair["e1"].take_all()
-    pair.cancel(call)
+    (running,) = work.take_all(pair["e1"])
+    work.cancel(pair, call)
     pair.flush()
     assert running.cancelled
-    assert not pair["e1"].reply(running, 3)
+    assert not work.reply(pair["e1"], running, 3)
     assert call.state is CallState.CANCELLED
-    assert K.RESULT not in pair["e1"].kinds()
+    assert K.RESULT not in work.kinds(pair["e1"])
     assert pair["e1"].proto.in_flight() == 0
 
 
 def test_a_cancel_that_crosses_the_result_changes_nothing() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
-    (running,) = pair["e1"].take_all()
-    assert pair["e1"].reply(running, 3)  # on its way
-    pair.cancel(call)
+    (running,) = work.take_all(pair["e1"])
+    assert work.reply(pair["e1"], running, 3)  # on its way
+    work.cancel(pair, call)
     pair.flush()  # the RESULT of an ended call is dropped; the CANCEL finds nothing
     assert call.state is CallState.CANCELLED
     assert pair["e1"].proto.errors_total == 0
@@ -330,26 +335,26 @@ def test_a_cancel_that_crosses_the_result_changes_nothing() -> None:
 
 def test_a_deadline_travels_with_the_call_and_is_kept_on_the_engines_clock() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2, timeout_ms=1500)
+    call = work.call(pair, "add", 1, 2, timeout_ms=1500)
     pair.advance(0.25)  # delivered a little later
-    (running,) = pair["e1"].take_all()
+    (running,) = work.take_all(pair["e1"])
     assert running.deadline == pytest.approx(pair.now + 1.5)
     # The engine's shell cancels the handler at the deadline and says so.
     pair.advance(1.5)
-    assert pair["e1"].error(running, ErrorCode.DEADLINE_EXCEEDED, "ran past its deadline")
+    assert work.error(pair["e1"], running, ErrorCode.DEADLINE_EXCEEDED, "ran past its deadline")
     pair.flush()
     with pytest.raises(CallTimeoutError, match="past its deadline"):
-        pair.outcome(call)
+        work.outcome(call)
 
 
 def test_a_caller_that_times_out_first_cancels_and_the_late_reply_is_dropped() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2, timeout_ms=100)
+    call = work.call(pair, "add", 1, 2, timeout_ms=100)
     pair.flush()
-    (running,) = pair["e1"].take_all()
+    (running,) = work.take_all(pair["e1"])
     pair.advance(0.1, deliver=False)
-    pair.cancel(call)  # the caller's own timeout
-    assert pair["e1"].error(running, ErrorCode.DEADLINE_EXCEEDED)  # crosses the CANCEL
+    work.cancel(pair, call)  # the caller's own timeout
+    assert work.error(pair["e1"], running, ErrorCode.DEADLINE_EXCEEDED)  # crosses the CANCEL
     pair.flush()
     assert call.state is CallState.CANCELLED
     assert pair.client.engines.engines["e1"].calls == set()
@@ -371,10 +376,10 @@ def test_each_side_pings_often_enough_for_the_others_bound(
     dial_in: bool, client: Heartbeat, engine: Heartbeat
 ) -> None:
     pair = ProtocolPair(("e1",), dial_in=dial_in, heartbeat=client, engine_heartbeat=engine)
-    pair.connect()
-    call = pair.call("add", 1, 2)
+    work.connect(pair)
+    call = work.call(pair, "add", 1, 2)
     pair.run(30.0, step=0.05)
-    assert pair.lost() == []
+    assert work.lost(pair) == []
     assert pair["e1"].session.state is SessionState.LIVE
     assert not call.ended  # a long call survives on heartbeats alone
     assert [e for e in pair["e1"].events if isinstance(e, SessionEnded)] == []
@@ -383,18 +388,18 @@ def test_each_side_pings_often_enough_for_the_others_bound(
 @pytest.mark.parametrize("nonce", [0, 1, 2**32 - 1])
 def test_a_ping_with_any_nonce_gets_a_pong_echoing_it_and_keeps_the_session(nonce: int) -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
     pair.advance(1.0)  # (at most one HELLO per heartbeat interval)
-    end.kinds()
+    work.kinds(end)
     end.inbox.append(encode_control(K.PING, None, nonce))
     pair.flush()
     pongs = [w for w in end.sent if w.kind is K.PONG]
     assert [w.call_id for w in pongs] == [nonce]
     if nonce == 0:  # the hello request: the same HELLO again, answered by the same WELCOME
-        assert K.HELLO in end.kinds()
-    assert pair.lost() == []
+        assert K.HELLO in work.kinds(end)
+    assert work.lost(pair) == []
     assert not call.ended
     assert end.session.state is SessionState.LIVE
     # and the engine answers the client's heartbeat PINGs the same way
@@ -404,13 +409,13 @@ def test_a_ping_with_any_nonce_gets_a_pong_echoing_it_and_keeps_the_session(nonc
 
 def test_a_frozen_engine_is_declared_dead_then_rejoins_with_a_new_session() -> None:
     pair = connected("e1", heartbeat=Heartbeat(0.2, 1.0))
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
-    end.take_all()
+    work.take_all(end)
     end.frozen = True  # SIGSTOP: the connection stays, nothing is read or sent
     pair.run(1.2, step=0.1)
-    (lost,) = pair.lost()
+    (lost,) = work.lost(pair)
     assert call.state is CallState.FAILED
     assert isinstance(call.error, EngineDeadError)
     assert lost.calls == (call,)
@@ -425,10 +430,10 @@ def test_a_frozen_engine_is_declared_dead_then_rejoins_with_a_new_session() -> N
 
 def test_a_stalled_client_loses_its_sessions_and_learns_it_when_it_wakes() -> None:
     pair = connected("e1", engine_heartbeat=Heartbeat(0.2, 1.0))
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
-    (running,) = end.take_all()
+    (running,) = work.take_all(end)
     # The client's loop stalls for 3 s: the engine hears nothing and ends the session.
     for _ in range(30):
         pair.now += 0.1
@@ -436,7 +441,7 @@ def test_a_stalled_client_loses_its_sessions_and_learns_it_when_it_wakes() -> No
         pair._collect(end)
     assert running.cancelled
     assert end.session is None
-    assert not end.reply(running, 3)  # no reply for a call of a lost session
+    assert not work.reply(end, running, 3)  # no reply for a call of a lost session
     # The client wakes: its first look at the engine says it was forgotten.
     pair.advance(0.0)
     assert call.state is CallState.FAILED
@@ -449,7 +454,7 @@ def test_a_stalled_client_loses_its_sessions_and_learns_it_when_it_wakes() -> No
 @pytest.mark.parametrize("dial_in", TOPOLOGIES)
 def test_a_restart_under_the_same_id_fails_the_old_calls_at_once(dial_in: bool) -> None:
     pair = connected("e1", dial_in=dial_in, heartbeat=Heartbeat(0.5, 30.0))
-    calls = [pair.call("add", 1, 2), pair.call("count", 3)]
+    calls = [work.call(pair, "add", 1, 2), work.call(pair, "count", 3)]
     pair.flush()
     old_epoch = pair.client.engines.engines["e1"].epoch
     pair["e1"].restart()  # kill -9, then a new process with the same id
@@ -457,44 +462,44 @@ def test_a_restart_under_the_same_id_fails_the_old_calls_at_once(dial_in: bool) 
     for call in calls:
         assert call.state is CallState.FAILED
         assert isinstance(call.error, EngineDeadError)
-    (lost,) = pair.lost()
+    (lost,) = work.lost(pair)
     assert set(lost.calls) == set(calls)
     engine = pair.client.engines.engines["e1"]
     assert engine.epoch != old_epoch
     assert engine.epoch == pair["e1"].session.epoch
-    fresh = pair.call("add", 2, 2)
+    fresh = work.call(pair, "add", 2, 2)
     pair.flush()
-    (running,) = pair["e1"].take_all()
-    pair["e1"].reply(running, 4)
+    (running,) = work.take_all(pair["e1"])
+    work.reply(pair["e1"], running, 4)
     pair.flush()
-    assert pair.outcome(fresh) == 4
+    assert work.outcome(fresh) == 4
 
 
 def test_a_repeated_hello_of_the_same_session_keeps_the_calls() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
     pair.inject(end, end.session.hello_frames)  # a re-sent HELLO
     pair.flush()
-    assert pair.lost() == []
+    assert work.lost(pair) == []
     assert not call.ended
     assert [w.kind for w in pair.client_sent].count(K.WELCOME) == 2
 
 
 def test_an_impostor_cannot_displace_a_live_engine() -> None:
     pair = connected("e1", dial_in=True)
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
     pair.add_engine("impostor", "e1")  # claims the live id from another connection
     pair.flush()
     refused = [e for e in pair.events if isinstance(e, EngineRefused)]
     assert [e.reason for e in refused] == ["duplicate_id"]
     assert not call.ended
-    (running,) = pair["e1"].take_all()
-    pair["e1"].reply(running, 3)
+    (running,) = work.take_all(pair["e1"])
+    work.reply(pair["e1"], running, 3)
     pair.flush()
-    assert pair.outcome(call) == 3
+    assert work.outcome(call) == 3
 
 
 # -- BYE and drain -------------------------------------------------------------------------
@@ -502,7 +507,10 @@ def test_an_impostor_cannot_displace_a_live_engine() -> None:
 
 def test_an_engines_bye_fails_its_calls_at_once() -> None:
     pair = connected("e1", "e2")
-    on_e1, on_e2 = pair.call("add", 1, 2, engine="e1"), pair.call("add", 1, 2, engine="e2")
+    on_e1, on_e2 = (
+        work.call(pair, "add", 1, 2, engine="e1"),
+        work.call(pair, "add", 1, 2, engine="e2"),
+    )
     pair.flush()
     pair["e1"].proto.goodbye()
     pair._collect(pair["e1"])
@@ -515,54 +523,54 @@ def test_an_engines_bye_fails_its_calls_at_once() -> None:
 
 def test_after_the_clients_bye_a_dial_in_engine_waits_until_it_speaks() -> None:
     pair = connected("e1", dial_in=True)
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
-    (running,) = pair["e1"].take_all()
-    (ended,) = pair.client.close(pair.now)
-    assert ended is call
+    (running,) = work.take_all(pair["e1"])
+    pair.client.close(pair.now)
+    assert pair.client.next_events() == [call]  # the call it ended
     pair.flush()
     end = pair["e1"]
     assert end.session.state is SessionState.PARTED
     assert running.cancelled
-    end.kinds()
+    work.kinds(end)
     pair.run(3.0)  # below dead_after: no HELLO to a client that said BYE
-    assert K.HELLO not in end.kinds()
+    assert K.HELLO not in work.kinds(end)
     end.inbox.append(encode_control(K.PING, None, 5))  # it speaks again
     pair.flush()
-    assert end.kinds()[-1] is K.HELLO
+    assert work.kinds(end)[-1] is K.HELLO
     assert state_of(end) is SessionState.GREETING
 
 
 def test_drain_answers_new_calls_draining_lets_running_ones_finish_and_says_bye() -> None:
     pair = connected("e1")
-    running_call = pair.call("add", 1, 2)
+    running_call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
-    (running,) = end.take_all()
+    (running,) = work.take_all(end)
     end.proto.start_drain()
-    refused = pair.call("add", 3, 4)
+    refused = work.call(pair, "add", 3, 4)
     pair.flush()
     with pytest.raises(DrainingError, match="shutting down"):
-        pair.outcome(refused)
-    end.reply(running, 3)  # a running call finishes within the grace period
+        work.outcome(refused)
+    work.reply(end, running, 3)  # a running call finishes within the grace period
     pair.flush()
-    assert pair.outcome(running_call) == 3
-    late = pair.call("add", 5, 6)
+    assert work.outcome(running_call) == 3
+    late = work.call(pair, "add", 5, 6)
     end.proto.draining = False  # (admitted just before the drain, say)
     pair.flush()
     end.proto.start_drain()
-    (stuck,) = end.take_all()
+    (stuck,) = work.take_all(end)
     end.proto.stop_all()  # the grace period is over
     pair._collect(end)
     assert stuck.shutdown
-    assert end.error(stuck, ErrorCode.DRAINING, "shut down before it finished")
+    assert work.error(end, stuck, ErrorCode.DRAINING, "shut down before it finished")
     end.proto.goodbye()
     pair._collect(end)
     pair.flush()
     with pytest.raises(DrainingError):
-        pair.outcome(late)
+        work.outcome(late)
     assert "e1" not in pair.client.engines.engines
-    assert "said BYE" in pair.lost()[0].why
+    assert "said BYE" in work.lost(pair)[0].why
 
 
 # -- overload ------------------------------------------------------------------------------
@@ -570,46 +578,50 @@ def test_drain_answers_new_calls_draining_lets_running_ones_finish_and_says_bye(
 
 def test_a_full_engine_answers_overloaded_and_a_retry_succeeds_once_it_has_room() -> None:
     pair = connected("e1", engine_settings={"max_concurrency": 1, "max_queued": 1})
-    first, second, third = pair.call("add", 1, 1), pair.call("add", 2, 2), pair.call("add", 3, 3)
+    first, second, third = (
+        work.call(pair, "add", 1, 1),
+        work.call(pair, "add", 2, 2),
+        work.call(pair, "add", 3, 3),
+    )
     pair.flush()
     with pytest.raises(OverloadedError, match="is full"):
-        pair.outcome(third)
+        work.outcome(third)
     end = pair["e1"]
     assert end.proto.overloaded == 1
-    (running,) = [end.next_call()]
+    (running,) = [work.next_call(end)]
     assert running is not None
-    end.reply(running, 2)
-    retry = pair.call("add", 3, 3)  # the client's retry after its backoff
+    work.reply(end, running, 2)
+    retry = work.call(pair, "add", 3, 3)  # the client's retry after its backoff
     pair.flush()
-    queued, retried = end.take_all()
+    queued, retried = work.take_all(end)
     assert (queued.call_id, retried.call_id) == (second.call_id, retry.call_id)
-    end.reply(queued, 4)
-    end.reply(retried, 6)
+    work.reply(end, queued, 4)
+    work.reply(end, retried, 6)
     pair.flush()
-    assert [pair.outcome(c) for c in (first, second, retry)] == [2, 4, 6]
+    assert [work.outcome(c) for c in (first, second, retry)] == [2, 4, 6]
 
 
 def test_no_wait_is_refused_while_every_worker_is_busy() -> None:
     pair = connected("e1", engine_settings={"max_concurrency": 1, "max_queued": 8})
-    pair.call("add", 1, 1)
+    work.call(pair, "add", 1, 1)
     pair.flush()
-    pair["e1"].take_all()
-    waiting, hasty = pair.call("add", 2, 2), pair.call("add", 3, 3, no_wait=True)
+    work.take_all(pair["e1"])
+    waiting, hasty = work.call(pair, "add", 2, 2), work.call(pair, "add", 3, 3, no_wait=True)
     pair.flush()
     assert not waiting.ended
     with pytest.raises(OverloadedError, match="busy"):
-        pair.outcome(hasty)
+        work.outcome(hasty)
 
 
 def test_the_client_holds_calls_beyond_its_in_flight_limit() -> None:
     pair = connected("e1", max_in_flight=2)
-    pair.call("add", 1, 1)
-    pair.call("add", 2, 2)
+    work.call(pair, "add", 1, 1)
+    work.call(pair, "add", 2, 2)
     assert pair.client.select("e1") is None  # the shell waits for capacity
     pair.flush()
-    call = pair["e1"].next_call()
+    call = work.next_call(pair["e1"])
     assert call is not None
-    pair["e1"].reply(call, 2)
+    work.reply(pair["e1"], call, 2)
     pair.flush()
     assert pair.client.select("e1") is not None
 
@@ -619,18 +631,18 @@ def test_the_client_holds_calls_beyond_its_in_flight_limit() -> None:
 
 def test_a_reused_call_id_gets_one_protocol_error_and_no_result() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     end = pair["e1"]
     end.inbox.append(list(end.inbox[0]))  # the same CALL twice
     pair.flush()
-    (original,) = end.take_all()
+    (original,) = work.take_all(end)
     assert original.cancelled
-    assert not end.reply(original, 3)
+    assert not work.reply(end, original, 3)
     pair.flush()
     errors = [w for w in end.sent if w.kind is K.ERROR]
     assert [w.call_id for w in errors] == [call.call_id]
     with pytest.raises(RemoteProtocolError, match="already in flight"):
-        pair.outcome(call)
+        work.outcome(call)
     assert K.RESULT not in [w.kind for w in end.sent]
 
 
@@ -644,14 +656,14 @@ def test_a_reused_call_id_gets_one_protocol_error_and_no_result() -> None:
 )
 def test_every_readable_call_id_gets_an_answer(corrupt: Any) -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     end = pair["e1"]
     header, *rest = end.inbox[0]
     end.inbox[0] = [corrupt(bytes(header)), *rest]
     pair.flush()
     assert call.state is CallState.REPLIED  # answered, not left to its timeout
     with pytest.raises(RemoteProtocolError):
-        pair.outcome(call)
+        work.outcome(call)
     assert end.proto.in_flight() == 0
 
 
@@ -668,7 +680,7 @@ def test_a_call_before_the_handshake_is_answered_with_a_protocol_error() -> None
 
 def test_a_reject_from_the_engine_ends_the_session_and_is_remembered() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
     pair.inject(end, encode_control(K.REJECT, Reject("other", "go away")))
@@ -679,26 +691,26 @@ def test_a_reject_from_the_engine_ends_the_session_and_is_remembered() -> None:
 
 def test_a_new_client_session_cancels_the_engines_calls_of_the_old_one() -> None:
     pair = connected("e1")
-    pair.call("add", 1, 2)
+    work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
-    (running,) = end.take_all()
+    (running,) = work.take_all(end)
     end.inbox.append(encode_control(K.WELCOME, Welcome("pair-client", "h", epoch=999)))
     pair.flush()
     assert running.cancelled
     assert end.session.client_epoch == 999
-    assert not end.reply(running, 3)
+    assert not work.reply(end, running, 3)
 
 
 def test_stream_flag_mismatch_is_refused() -> None:
     pair = connected("e1")
-    call = pair.call("add", 1, 2)
+    call = work.call(pair, "add", 1, 2)
     end = pair["e1"]
     _header, *rest = end.inbox[0]
     end.inbox[0] = [pack_call_header(call.call_id, "add", int(Flags.STREAM)), *rest]
     pair.flush()
     with pytest.raises(Exception, match="must be called as a unary call"):
-        pair.outcome(call)
+        work.outcome(call)
 
 
 @pytest.mark.parametrize("dial_in", TOPOLOGIES)
@@ -706,12 +718,12 @@ def test_a_parked_stream_of_an_ended_session_counts_in_flight_until_its_worker_i
     dial_in: bool,
 ) -> None:
     pair = connected("e1", dial_in=dial_in, stream_window=1)
-    pair.call("count", 5)
+    work.call(pair, "count", 5)
     pair.flush()
     end = pair["e1"]
-    (call,) = end.take_all()
-    assert end.item(call, 0)
-    assert not end.item(call, 1)
+    (call,) = work.take_all(end)
+    assert work.item(end, call, 0)
+    assert not work.item(end, call, 1)
     assert end.proto.park(call) is None
     assert end.proto.in_flight() == 1
     end.inbox.append(encode_control(K.BYE, Bye("closed")))  # the session ends
@@ -719,7 +731,7 @@ def test_a_parked_stream_of_an_ended_session_counts_in_flight_until_its_worker_i
     assert call.cancelled
     assert end.proto.in_flight() == 1  # its worker still waits on it
     end.proto.unpark(call)  # woken: cancelled
-    assert not end.end_stream(call)
+    assert not work.end_stream(end, call)
     assert end.proto.in_flight() == 0
 
 

@@ -25,6 +25,7 @@ from tensorrpc._exceptions import EngineDeadError, ErrorCode
 from tensorrpc._protocol import MessageKind, encode_control
 from tensorrpc._server_protocol import ServerCall
 
+from .. import pair_work as work
 from ..helpers import EngineEnd, ProtocolPair
 
 K = MessageKind
@@ -61,7 +62,7 @@ class PairMachine(RuleBasedStateMachine):
             max_in_flight=4,
             engine_settings={"max_concurrency": 2, "max_queued": 1, "max_parked_streams": 2},
         )
-        self.pair.connect()
+        work.connect(self.pair)
         self.check_wire()
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -118,16 +119,16 @@ class PairMachine(RuleBasedStateMachine):
         if pair.client.select(target) is None:
             return
         if stream:
-            self.calls.append(pair.call("count", 50, engine=target))
+            self.calls.append(work.call(pair, "count", 50, engine=target))
         else:
-            self.calls.append(pair.call("add", 1, 2, engine=target))
+            self.calls.append(work.call(pair, "add", 1, 2, engine=target))
         self.check_wire()
 
     @precondition(lambda self: any(not c.ended for c in self.calls))
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         call = data.draw(st.sampled_from([c for c in self.calls if not c.ended]))
-        assert self.pair.cancel(call)
+        assert work.cancel(self.pair, call)
         assert call.state is CallState.CANCELLED
         self.check_wire()
 
@@ -135,7 +136,7 @@ class PairMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def take_item(self, data: st.DataObject) -> None:
         call = data.draw(st.sampled_from([c for c in self.calls if c.items]))
-        assert isinstance(self.pair.take_item(call), int)
+        assert isinstance(work.take_item(self.pair, call), int)
         self.check_wire()
 
     # -- the wire ---------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class PairMachine(RuleBasedStateMachine):
     def worker_takes(self, data: st.DataObject) -> None:
         end = data.draw(st.sampled_from(self.ends()))
         if end.up:
-            end.next_call()
+            work.next_call(end)
         self.check_wire()
 
     @precondition(lambda self: self.running(streaming=False))
@@ -179,11 +180,11 @@ class PairMachine(RuleBasedStateMachine):
         end, call = data.draw(st.sampled_from(self.running(streaming=False)))
         gone = call.cancelled
         if outcome == "result":
-            sent = end.reply(call, 3)
+            sent = work.reply(end, call, 3)
         elif outcome == "raise":
-            sent = end.raised(call, ValueError("x"))
+            sent = work.raised(end, call, ValueError("x"))
         else:
-            sent = end.error(call, ErrorCode.DEADLINE_EXCEEDED)
+            sent = work.error(end, call, ErrorCode.DEADLINE_EXCEEDED)
         assert not (gone and sent), "a reply for a cancelled call"
         self.check_wire()
 
@@ -195,14 +196,14 @@ class PairMachine(RuleBasedStateMachine):
             return
         for i in range(n):
             allowed = end.proto.may_send_item(call)
-            sent = end.item(call, i)
+            sent = work.item(end, call, i)
             assert sent == allowed
             assert not (sent and call.cancelled)
             if not sent and not call.cancelled and not call.answered:
                 # out of credit: the stream parks (or is refused, as the shell does)
                 reason = end.proto.park(call)
                 if reason is not None:
-                    end.error(call, ErrorCode.OVERLOADED, reason)
+                    work.error(end, call, ErrorCode.OVERLOADED, reason)
                 break
         self.check_wire()
 
@@ -222,7 +223,11 @@ class PairMachine(RuleBasedStateMachine):
         if call.parked:
             end.proto.unpark(call)  # (cancelled or shut down while waiting for credit)
         gone = call.cancelled
-        sent = end.raised(call, RuntimeError("stream failed")) if error else end.end_stream(call)
+        sent = (
+            work.raised(end, call, RuntimeError("stream failed"))
+            if error
+            else work.end_stream(end, call)
+        )
         assert not (gone and sent)
         self.check_wire()
 

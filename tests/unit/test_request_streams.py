@@ -27,7 +27,7 @@ from tensorrpc._protocol import (
 from tensorrpc._server_calls import ServerCall
 from tensorrpc._server_protocol import ShmPeer
 
-from .client_script import ADD, CHAT, UPLOAD, control, join, make_protocol, result, sent
+from .client_script import ADD, CHAT, UPLOAD, control, feed, join, make_protocol, result, sent
 from .server_helpers import Engine
 
 K = MessageKind
@@ -210,27 +210,28 @@ def open_client(window: int = 3) -> tuple[ClientProtocol, Call]:
     protocol = make_protocol()
     engine = join(protocol, "e1", b"p", stream_window=window)
     flags = int(Flags.REQUEST_STREAM)
-    call, _ = protocol.start_call(engine, UPLOAD, object(), stream=False, now=0.0, flags=flags)
+    call = protocol.start_call(engine, UPLOAD, object(), stream=False, now=0.0, flags=flags)
+    protocol.frames_to_send()  # the CALL
     return protocol, call
 
 
 def test_the_client_sends_at_most_the_window_then_waits_for_credit() -> None:
     protocol, call = open_client(window=3)
     for _ in range(3):
-        assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is not None
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is None  # rule 1
-    event = protocol.receive(b"p", control(K.CREDIT, Credit(2), call.call_id), 0.1)
+        assert _streams.send_item(protocol, call, b"\x01", (), 0.0)
+    assert not _streams.send_item(protocol, call, b"\x01", (), 0.0)  # rule 1
+    event = feed(protocol, b"p", control(K.CREDIT, Credit(2), call.call_id), 0.1)
     assert event == _streams.CreditGranted(call)
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.1) is not None
+    assert _streams.send_item(protocol, call, b"\x01", (), 0.1)
     assert call.request is not None
     assert call.request.sent == 4
 
 
 def test_nothing_is_sent_for_a_request_stream_after_its_call_ended() -> None:
     protocol, call = open_client()
-    protocol.receive(b"p", result(call.call_id, 5), 0.1)
+    feed(protocol, b"p", result(call.call_id, 5), 0.1)
     assert call.state is CallState.REPLIED
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.1) is None  # rule 4
+    assert not _streams.send_item(protocol, call, b"\x01", (), 0.1)  # rule 4
     assert not _streams.half_close(protocol, call, 0.1)
     assert sent(protocol) == []
 
@@ -240,22 +241,22 @@ def test_the_half_close_goes_once_and_ends_the_items() -> None:
     assert _streams.half_close(protocol, call, 0.0)
     assert not _streams.half_close(protocol, call, 0.0)
     assert [s.kind for s in sent(protocol)] == [K.STREAM_END]
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is None
+    assert not _streams.send_item(protocol, call, b"\x01", (), 0.0)
 
 
 def test_credit_for_an_unknown_call_or_a_call_without_a_request_stream_is_dropped() -> None:
     protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
-    assert protocol.receive(b"p", control(K.CREDIT, Credit(1), 77), 0.0) is None
-    chat, _ = protocol.start_call(engine, CHAT, object(), stream=True, now=0.0)
+    assert feed(protocol, b"p", control(K.CREDIT, Credit(1), 77), 0.0) is None
+    chat = protocol.start_call(engine, CHAT, object(), stream=True, now=0.0)
     assert chat.request is not None  # both ways
     assert chat.credit is not None
-    unary, _ = protocol.start_call(engine, ADD, object(), stream=False, now=0.0)
+    unary = protocol.start_call(engine, ADD, object(), stream=False, now=0.0)
     assert unary.request is None
-    assert protocol.receive(b"p", control(K.CREDIT, Credit(1), unary.call_id), 0.0) is None
+    assert feed(protocol, b"p", control(K.CREDIT, Credit(1), unary.call_id), 0.0) is None
     zero = encode_control(K.CREDIT, Credit(1), chat.call_id)
     zero[1] = b"\x81\xa1n\x00"  # n = 0: malformed, dropped
-    assert not isinstance(protocol.receive(b"p", zero, 0.0), _streams.CreditGranted)
+    assert not isinstance(feed(protocol, b"p", zero, 0.0), _streams.CreditGranted)
 
 
 # -- rule 6: torch_shm item leases end with the call ----------------------------------------
@@ -292,11 +293,11 @@ def test_the_final_reply_ends_every_item_lease_and_owes_no_release(reply: str) -
     assert stream.leases == [3, 4, 5]
     # A response item is not the final reply: the items' leases stay (unlike arguments').
     if reply == "stream_end":
-        assert engine.proto.stream_item(call, b"\x01", ()) is not None
+        assert engine.proto.stream_item(call, b"\x01", ())
         assert stream.leases == [3, 4, 5]
         assert engine.proto.stream_end(call)
     elif reply == "result":
-        assert engine.proto.result(call, b"\x01", ()) is not None
+        assert engine.proto.result(call, b"\x01", ())
     else:
         assert engine.proto.error_reply(call, ErrorCode.REMOTE, "boom")
     assert held_by(stream) == (None, [])
@@ -332,34 +333,34 @@ def test_a_request_stream_of_an_ended_session_owes_no_release() -> None:
 
 def test_the_client_keeps_item_leases_until_the_call_ends() -> None:
     protocol, call = open_client(window=3)
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11) is not None
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0) is not None  # frames
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12) is not None
+    assert _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=11)
+    assert _streams.send_item(protocol, call, b"\x01", (), 0.0)  # frames
+    assert _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=12)
     # A response or CREDIT ends nothing; only the call's end does (rule 6).
-    protocol.receive(b"p", control(K.CREDIT, Credit(1), call.call_id), 0.1)
+    feed(protocol, b"p", control(K.CREDIT, Credit(1), call.call_id), 0.1)
     assert protocol.take_item_leases(call) == [11, 12]
     assert protocol.take_item_leases(call) == []
 
 
 def test_an_item_that_may_not_go_takes_no_lease() -> None:
     protocol, call = open_client(window=1)
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11) is not None
-    assert _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12) is None
+    assert _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=11)
+    assert not _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=12)
     assert protocol.take_item_leases(call) == [11]  # the shell aborts 12's placer
 
 
 def test_a_request_stream_given_up_on_keeps_its_item_leases_until_the_engines_release() -> None:
     protocol, call = open_client()
-    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11)
-    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12)
+    _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=11)
+    _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=12)
     assert protocol.cancel(call, 0.5)
     assert protocol.take_item_leases(call) == []  # not freed: the engine may read them
     assert protocol.held_leases == 2
-    freed = protocol.receive(b"p", control(K.RELEASE, Release((11,))), 1.0)
+    freed = feed(protocol, b"p", control(K.RELEASE, Release((11,))), 1.0)
     assert isinstance(freed, LeasesFreed)
     assert freed.leases == (11,)
     assert protocol.held_leases == 1
-    freed = protocol.receive(b"p", control(K.RELEASE, Release((12, 11))), 1.0)
+    freed = feed(protocol, b"p", control(K.RELEASE, Release((12, 11))), 1.0)
     assert isinstance(freed, LeasesFreed)
     assert (freed.leases, freed.refused) == ((12,), 1)
     assert protocol.held_leases == 0
@@ -370,15 +371,15 @@ def test_a_given_up_request_streams_item_leases_end_with_a_late_reply_or_the_eng
     end: str,
 ) -> None:
     protocol, call = open_client()
-    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=11)
-    _streams.item_frames(protocol, call, b"\x01", (), 0.0, lease=12)
+    _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=11)
+    _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=12)
     protocol.cancel(call, 0.5)
     if end == "late_reply":
-        freed = protocol.receive(b"p", control(K.STREAM_END, None, call.call_id), 1.0)
+        freed = feed(protocol, b"p", control(K.STREAM_END, None, call.call_id), 1.0)
         assert isinstance(freed, LeasesFreed)
         assert freed.leases == (11, 12)
     else:
-        protocol.receive(b"p", control(K.BYE, Bye("shutdown")), 1.0)
+        feed(protocol, b"p", control(K.BYE, Bye("shutdown")), 1.0)
     assert protocol.held_leases == 0
 
 

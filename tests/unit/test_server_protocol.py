@@ -581,8 +581,7 @@ def test_a_cancelled_call_that_ends_without_a_reply_releases_its_argument_leases
 def test_a_reply_ends_the_argument_leases_and_owes_no_release() -> None:
     engine = Engine.make()
     call = shm_call(engine, 1, (3,))
-    frames = engine.proto.result(call, b"\x01", ())
-    assert frames is not None
+    assert engine.proto.result(call, b"\x01", ())
     assert call.keep is None
     call.cancelled = True  # a CANCEL that crossed the RESULT
     engine.proto.args_done(call)
@@ -619,13 +618,14 @@ def test_reply_frames_are_built_and_counted_by_the_protocol() -> None:
     assert call is not None
     session = engine.proto.sessions[b"c1"]
     before = session.bytes_out
-    item = engine.proto.stream_item(call, b"\x01", [b"abcd"])
-    assert item is not None
+    assert engine.proto.stream_item(call, b"\x01", [b"abcd"])
+    [(key, item)] = engine.proto.frames_to_send()  # queued like every other frame
     header = split_frames(item)[0]
-    assert (header.kind, header.call_id) == (MessageKind.STREAM_ITEM, 1)
+    assert (key, header.kind, header.call_id) == (b"c1", MessageKind.STREAM_ITEM, 1)
     assert session.bytes_out == before + 20 + 1 + 4
     call.credits = 0
-    assert engine.proto.stream_item(call, b"\x01", ()) is None  # no credit: nothing
+    assert not engine.proto.stream_item(call, b"\x01", ())  # no credit: nothing
+    assert not engine.proto.pending
     assert engine.proto.stream_end(call)
     assert engine.kinds() == []
     engine.collect()
@@ -636,6 +636,18 @@ def test_reply_frames_are_built_and_counted_by_the_protocol() -> None:
 
 
 # -- queued deadlines (issue 21 item 4) -------------------------------------------------------
+
+
+def test_an_accepted_call_is_the_event_and_the_machine_moves_its_timer() -> None:
+    engine = Engine.make()
+    engine.join()
+    engine.advance(0.0)
+    before = engine.proto.wake_at
+    engine.proto.receive(b"c1", [pack_call_header(1, "add", 0, 100), PAYLOAD], engine.now)
+    [call] = engine.proto.next_events()  # no event object on the hot path: the call itself
+    assert isinstance(call, ServerCall)
+    assert call.deadline == pytest.approx(engine.now + 0.1)
+    assert engine.proto.wake_at == call.deadline < before  # not the shell's to write
 
 
 def test_a_queued_call_is_answered_when_its_deadline_passes_not_when_taken() -> None:

@@ -23,7 +23,6 @@ from bench.transfer import _transport_check
 from tensorrpc import _codec
 from tensorrpc.transports._shared import lookup, share
 from tensorrpc.transports._shm_handle import HandleKind
-from tensorrpc.transports._shm_pool import pid as current_pid
 from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
 
 pytestmark = pytest.mark.skipif(
@@ -118,41 +117,6 @@ def test_the_benchmark_flags_shared_results_that_were_copied() -> None:
         got = _transport_check("torch_shm", kind, before, batches)["warning"]
         assert "5 shared tensors were copied, not aliased" in got
     assert "warning" not in _transport_check("torch_shm", "new", before, batches)
-
-
-def test_a_forked_child_sends_nothing_of_its_parent() -> None:
-    """The transport knows its pid without a system call per tensor (``_shm_pool.pid``,
-    refreshed at fork): a child neither sends its parent's shared blocks by alias nor
-    names its parent's pid in handles."""
-    parent_block = share(torch.arange(1024, dtype=torch.float32))
-    with TorchShmTransport() as shm:
-        shm.placer("warm-up")  # the parent has used it
-        rfd, wfd = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                os.close(rfd)
-                placed = shm.placer("x").place(parent_block)
-                h = None if placed is None else _unpack(placed[1])
-                ok = (
-                    current_pid() == os.getpid()
-                    and lookup(parent_block.untyped_storage()) is None
-                    and h is not None
-                    and h.pid == os.getpid()
-                    and h.kind == HandleKind.POOL
-                )
-                os.write(wfd, b"ok" if ok else b"no")
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(wfd)
-        with os.fdopen(rfd, "rb") as r:
-            answer = r.read()
-        _, status = os.waitpid(child, 0)
-    assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)
-    assert current_pid() == os.getpid()
-    assert lookup(parent_block.untyped_storage()) is not None
 
 
 def test_the_handle_cost_bench_runs_both_sides_of_a_call() -> None:
