@@ -52,6 +52,7 @@ from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._engines import (
     BYE_BULK,
     BYE_CONTROL,
+    CONTROL_GONE,
     MAX_PAST,
     Balancing,
     CapacityWaiters,
@@ -984,7 +985,7 @@ class ClientProtocol(Machine[bytes, Event]):
         once both came (or the bulk connection is lost, or was never bound). Until then
         the engine takes no new calls."""
         engine.byes |= via
-        if engine.bulk_bound and engine.byes != BYE_CONTROL | BYE_BULK:
+        if engine.bulk_bound and not (engine.byes & BYE_BULK and engine.byes & ~BYE_BULK):
             return None
         return self._lose(engine, "said BYE")
 
@@ -1262,11 +1263,14 @@ class ClientProtocol(Machine[bytes, Event]):
         rec = self._peers.get(peer)
         if rec is None:
             return
-        if rec.engine is not None:
-            if not rec.engine.byes:  # (after its BYE, its control connection may be gone)
-                self._events.append(
-                    self._lose(rec.engine, "is unreachable (its connection closed)")
-                )
+        engine = rec.engine
+        if engine is not None:
+            if engine.bulk_bound and not engine.byes & BYE_BULK:
+                # Its control BYE may be queued unread behind the closed connection (rule
+                # 4): the bulk connection's BYE or loss, or dead_after, ends the session.
+                engine.byes |= CONTROL_GONE
+            elif not engine.byes:  # (after its BYE, its control connection may be gone)
+                self._events.append(self._lose(engine, "is unreachable (its connection closed)"))
         elif rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
 
@@ -1298,8 +1302,11 @@ class ClientProtocol(Machine[bytes, Event]):
         engine = self._session_of(peer, epoch, ours)
         if engine is None:
             return
-        if engine.byes:
+        if engine.byes & BYE_CONTROL:
             self._events.append(self._lose(engine, "said BYE"))
+            return
+        if engine.byes & CONTROL_GONE:
+            self._events.append(self._lose(engine, "is unreachable (its connections closed)"))
             return
         self._events.append(self._lose(engine, "lost its bulk connection"))
         if self._peers.get(peer) is None:  # the engine dialed us: it ends its side, HELLOs anew
@@ -1315,7 +1322,8 @@ class ClientProtocol(Machine[bytes, Event]):
         dead_after = self.config.heartbeat.dead_after
         for engine in self.engines.expired(now, dead_after):
             why = f"sent nothing for {now - engine.heard:.1f} s (dead_after)"
-            lost.append(self._lose(engine, f"said BYE and then {why}" if engine.byes else why))
+            said = engine.byes & (BYE_CONTROL | BYE_BULK)
+            lost.append(self._lose(engine, f"said BYE and then {why}" if said else why))
         for engine in list(self.engines.engines.values()):
             if now >= engine.next_ping and not engine.byes:
                 nonce = max(HEARTBEAT_NONCE + 1, int(now * 1e9))

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BYE_BULK",
     "BYE_CONTROL",
+    "CONTROL_GONE",
     "MAX_PAST",
     "MAX_REJECTED",
     "Balancing",
@@ -58,9 +59,11 @@ Balancing = Literal["least_outstanding", "round_robin"]
 MAX_REJECTED: Final = 64
 #: Most departed engine ids whose counters are kept for statistics.
 MAX_PAST: Final = 1024
-#: `Engine.byes`: a BYE came on the control connection, on the bulk connection.
+#: `Engine.byes`: a BYE came on the control connection, on the bulk connection; a send
+#: on control failed while a bulk connection was bound (its BYE may be unread behind it).
 BYE_CONTROL: Final = 1
 BYE_BULK: Final = 2
+CONTROL_GONE: Final = 4
 #: Longest engine id kept as a key of the refusals, and longest refusal text, in chars.
 MAX_REJECTED_KEY: Final = 128
 MAX_REJECTED_TEXT: Final = 2048

@@ -138,3 +138,34 @@ def test_a_lost_bulk_connection_to_us_ends_the_session_and_asks_for_a_new_one() 
         (PEER, MessageKind.BYE, 0),
         (PEER, MessageKind.PING, 0),
     ]
+
+
+def test_a_failed_send_before_the_control_bye_is_read_waits_for_the_bulk_connection() -> None:
+    """Seen in CI: the draining engine said BYE on control and closed it; a heartbeat to
+    it failed before the client had read that BYE. With a bulk connection bound, the
+    failed send stops new calls and PINGs but the session waits for the bulk
+    connection's BYE (the RESULT behind it arrives) or its loss."""
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    call = start(protocol, engine)
+    protocol.send_failed(PEER, 0.1)
+    assert "e1" in protocol.engines.engines
+    assert protocol.select(None, 0.1) is None  # no new calls to it
+    assert feed(protocol, PEER, result(call.call_id, 3), 0.2, bulk=True) is call
+    assert call.state is CallState.REPLIED
+    lost = feed(protocol, PEER, bye(), 0.3, bulk=True)  # the control BYE was never read
+    assert isinstance(lost, EngineLost)
+    assert "said BYE" in lost.why
+
+
+def test_a_failed_send_then_the_bulk_connection_lost_is_an_engine_death() -> None:
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    call = start(protocol, engine)
+    protocol.send_failed(PEER, 0.1)
+    protocol.bulk_lost(PEER, engine.epoch, 0.2)
+    lost = [e for e in protocol.next_events() if isinstance(e, EngineLost)]
+    assert len(lost) == 1
+    assert lost[0].calls == (call,)
+    assert "said BYE" not in lost[0].why
+    assert isinstance(call.error, EngineDeadError)
