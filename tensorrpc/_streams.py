@@ -323,9 +323,7 @@ def send_item(
     engine = call.engine
     header = pack_reply_header(_STREAM_ITEM, call.call_id)
     engine.sent = now
-    engine.bytes_sent += len(header) + memoryview(payload).nbytes
-    engine.bytes_sent += sum([memoryview(b).nbytes for b in buffers])
-    proto._sends.append((engine.peer, [header, payload, *buffers]))
+    proto._send_data(engine, header, payload, buffers)
     return True
 
 
