@@ -1262,8 +1262,10 @@ class ClientProtocol(Machine[bytes, Event]):
 
     def send_failed(self, peer: bytes, now: float) -> None:
         """A send to ``peer`` failed because no connection to it exists (yet): its
-        session ends (`EngineLost` in `next_events`), or a dialled address is asked
-        again after a backoff."""
+        session ends (`EngineLost` in `next_events`), unless it said BYE already or a
+        bound bulk connection has not yet carried its BYE (rule 4: that BYE, the bulk
+        connection's loss or ``dead_after`` ends it); a dialled address is asked again
+        after a backoff."""
         rec = self._peers.get(peer)
         if rec is None:
             return
@@ -1478,6 +1480,8 @@ TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
        "end the session: the engine forgot us (calls in flight fail: EngineDeadError; "
        "calls not yet sent wait up to our dead_after for it to rejoin)", _S.NONE),
     _T(_S.LIVE, (), "send fails: peer unreachable", "end the session (calls fail)", _S.NONE),
+    _T(_S.LIVE, (), "send fails on control, a bulk connection bound, no BYE on it yet",
+       "wait: its BYE, its loss or our dead_after ends the session (bulk rule 4)", _S.LIVE),
     _T(_S.LIVE, (), "the session ends, at a dialled address",
        "PING 0 at once (ask for HELLO)", _S.DIALING),
     _T(_S.LIVE, (), "close()", "BYE; calls fail: ClosedError", _S.NONE),
