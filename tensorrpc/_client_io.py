@@ -156,7 +156,6 @@ class ClientIO:
         "_bind",
         "_connect",
         "_curve",
-        "_hello_voucher",
         "_refusals",
         "_scopes",
         "_socket_options",
@@ -164,6 +163,7 @@ class ClientIO:
         "bulk",
         "codec",
         "engines_changed",
+        "hello_voucher",
         "now",
         "observer",
         "orphans",
@@ -214,7 +214,7 @@ class ClientIO:
             on_bound=functools.partial(_bulk_bound, self),
         )
         # What vouches for the connection of the HELLO being handled (the bulk binding).
-        self._hello_voucher: tuple[bytes, Voucher] | None = None
+        self.hello_voucher: tuple[bytes, Voucher] | None = None
         self.sock: AsyncSocket | None = None
         self.waiters: Waiters | None = None
         self.engines_changed: anyio.Event | None = None
@@ -445,7 +445,7 @@ class ClientIO:
         bulk = self.bulk
         bulk.forget(engine.peer)
         if engine.bulk_token:
-            seen = self._hello_voucher
+            seen = self.hello_voucher
             voucher = seen[1] if seen is not None and seen[0] == engine.peer else Voucher("none")
             bulk.offer(engine.peer, engine.client_epoch, voucher, engine.bulk_token)
         announced, token = engine.bulk_offer
@@ -582,7 +582,7 @@ class ClientIO:
         if self.orphans:
             self.reap_orphans()
 
-    def _handled(self) -> None:
+    def handled(self) -> None:
         """After an input: do what the protocol handed out."""
         if self.protocol.pending:
             self.flush()
@@ -659,14 +659,14 @@ def _with_facts(io: ClientIO, event: FactsNeeded) -> None:
     key) says about its connection; the protocol takes it again with them."""
     peer, body = event.peer, event.frames
     if io.bulk.router is not None:
-        io._hello_voucher = (peer, connection_voucher(body[1]))
+        io.hello_voucher = (peer, connection_voucher(body[1]))
     facts = io.policy.peers.facts(peer_credentials(body[1]))
     try:
         io.protocol.receive(peer, body, io.now(), event.key, facts)
         io.flush()
     finally:
         io.policy.peers.settle(peer, facts)
-        io._hello_voucher = None
+        io.hello_voucher = None
 
 
 def _bulk_message(io: ClientIO, peer: object, frames: list[zmq.Frame], size: int) -> None:
@@ -675,13 +675,13 @@ def _bulk_message(io: ClientIO, peer: object, frames: list[zmq.Frame], size: int
     body = cast("list[Buffer]", frames)
     key = _user_id(frames[0]) if protocol.config.engine_keys is not None else None
     protocol.receive(cast("bytes", peer), body, io.now(), key, bulk=True)
-    io._handled()
+    io.handled()
 
 
 def _bulk_lost(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
     """An engine session's bound bulk connection broke: the session is over."""
     io.protocol.bulk_lost(cast("bytes", peer), epoch, io.now(), ours=ours)
-    io._handled()
+    io.handled()
 
 
 def _bulk_bound(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
