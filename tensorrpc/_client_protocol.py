@@ -615,15 +615,22 @@ class ClientProtocol(Machine[bytes, Event]):
             call.call_id, spec.name, flags, timeout_ms, trace=trace, releases=releases,
             metadata=metadata,
         )  # fmt: skip
-        self._send_data(engine, header, payload, buffers)
+        # Inline, not `_send_data`: the hot path saves the call.
+        size = len(header) + memoryview(payload).nbytes
+        for buffer in buffers:
+            size += memoryview(buffer).nbytes
+        engine.bytes_sent += size
+        self._sends.append((engine.peer, [header, payload, *buffers]))
         return call
 
     def _send_data(
         self, engine: Engine, header: bytes, payload: Buffer, buffers: Sequence[Buffer]
     ) -> None:
-        """Queue a CALL or request STREAM_ITEM (the shell sends it itself), counted."""
-        engine.bytes_sent += len(header) + memoryview(payload).nbytes
-        engine.bytes_sent += sum([memoryview(b).nbytes for b in buffers])
+        """Queue a request STREAM_ITEM (the shell sends it itself), counted."""
+        size = len(header) + memoryview(payload).nbytes
+        for buffer in buffers:
+            size += memoryview(buffer).nbytes
+        engine.bytes_sent += size
         self._sends.append((engine.peer, [header, payload, *buffers]))
 
     def call_ended(self, call: Call, outcome: str, now: float) -> bool:
