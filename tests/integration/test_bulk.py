@@ -513,13 +513,13 @@ async def test_a_draining_engines_large_result_arrives(topology: str) -> None:
         async def call() -> None:
             got.append(await stub.hold(t))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(call)
-            with anyio.fail_after(WAIT):
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
                 await draining.started.wait()
-            tg.start_soon(server.aclose)  # drains: the running call may finish
-            await until(lambda: server._proto.draining)
-            draining.release.set()
+                tg.start_soon(server.aclose)  # drains: the running call may finish
+                await until(lambda: server._proto.draining)
+                draining.release.set()
         assert torch.equal(got[0], t)
         await until(lambda: not client.engines)  # both BYEs came: the session is over
 
