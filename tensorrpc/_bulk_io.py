@@ -225,7 +225,9 @@ class BulkLinks:
             return self.address
         # A bound routing id is never handed over to a newer connection that claims it.
         options = dataclasses.replace(self._options, router_handover=False)
-        sock = create_socket(zmq.ROUTER, options=options, curve=self._curve, watch_connections=True)
+        sock = create_socket(
+            zmq.ROUTER, options=options, curve=self._curve, watch_connections=True, bulk=True
+        )
         try:
             self.address = sock.bind(endpoint)
         except TensorRPCError as exc:
@@ -306,6 +308,7 @@ class BulkLinks:
                 routing_id=_pipe_id(),
                 curve=self._curve,
                 watch_connections=self._on_lost is not None,
+                bulk=True,
             )
         except (TensorRPCError, ValueError) as exc:
             logger.debug("no bulk connection to %s: %s", peer_text(announced), exc)

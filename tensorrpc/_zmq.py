@@ -203,6 +203,11 @@ class SocketOptions:
 
 #: The default [`SocketOptions`][tensorrpc.SocketOptions].
 DEFAULT_OPTIONS: Final = SocketOptions()
+#: I/O threads of the process-wide context when tensorrpc makes it, and the affinity
+#: masks of control and bulk sockets (`create_socket`'s ``bulk``).
+_IO_THREADS: Final = 2
+_CONTROL_THREAD: Final = 1
+_BULK_THREAD: Final = 2
 
 
 def loop_clock() -> Callable[[], float]:
@@ -335,6 +340,7 @@ def create_socket(
     routing_id: bytes | None = None,
     curve: CurveConfig | None = None,
     watch_connections: bool = False,
+    bulk: bool = False,
 ) -> AsyncSocket:
     """Create a socket with safe defaults and wrap it in an `AsyncSocket`.
 
@@ -353,6 +359,10 @@ def create_socket(
             connections are not encrypted. None: no CURVE (plaintext).
         watch_connections: Also watch connections come and go (accepted, connected,
             disconnected: `AsyncSocket.disconnected`, `AsyncSocket.connection_events`).
+        bulk: A bulk connection's socket: where the context has two I/O threads (the
+            process-wide one tensorrpc makes has), its connections use the second and
+            every other socket's the first, so the bytes of a large message never hold
+            up a small one's reads and writes.
 
     Returns:
         The wrapped socket; close it with `AsyncSocket.aclose`.
@@ -365,13 +375,15 @@ def create_socket(
     """
     if routing_id is not None:
         _check_routing_id(routing_id)
-    ctx = context if context is not None else zmq.Context.instance()
+    ctx = context if context is not None else zmq.Context.instance(io_threads=_IO_THREADS)
     with map_zmq_errors("create socket"):
         sock = ctx.socket(socket_type)
     on_close: Callable[[], None] | None = None
     try:
         with map_zmq_errors("configure socket"):
             _configure(sock, socket_type, options, routing_id)
+            if ctx.get(zmq.IO_THREADS) >= _IO_THREADS:
+                sock.setsockopt(zmq.AFFINITY, _BULK_THREAD if bulk else _CONTROL_THREAD)
             if curve is not None:
                 on_close = apply_curve(sock, curve, ctx)
         monitor = _handshake_monitor(sock, watch_connections=watch_connections)

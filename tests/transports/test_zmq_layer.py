@@ -823,3 +823,23 @@ async def test_a_receive_woken_for_a_message_another_task_took_waits_again(
             await anyio.wait_all_tasks_blocked()  # the other receiver waits again
             await router.send([peer, b"two"])
             assert await got.receive() == b"two"
+
+
+def test_bulk_sockets_get_an_io_thread_of_their_own():
+    """Where the context has two I/O threads, a bulk connection's socket uses the second
+    and every other socket the first, so a large message's bytes never hold up a small
+    one's; a context of one thread (a user's) is left as it is."""
+    two: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=2)
+    one: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+    made = [
+        create_socket(zmq.ROUTER, context=two),
+        create_socket(zmq.ROUTER, context=two, bulk=True),
+        create_socket(zmq.ROUTER, context=one, bulk=True),
+    ]
+    try:
+        assert [s.socket.getsockopt(zmq.AFFINITY) for s in made] == [1, 2, 0]
+    finally:
+        for sock in made:
+            sock.close()
+        two.term()
+        one.term()
