@@ -1278,12 +1278,16 @@ class ClientProtocol(Machine[bytes, Event]):
             return
         engine = rec.engine
         if engine is not None:
+            if engine.byes & BYE_CONTROL:  # (after its BYE, its control connection may go)
+                return
             if engine.bulk_bound and not engine.byes & BYE_BULK:
                 # Its control BYE may be queued unread behind the closed connection (rule
                 # 4): the bulk connection's BYE or loss, or dead_after, ends the session.
                 engine.byes |= CONTROL_GONE
-            elif not engine.byes:  # (after its BYE, its control connection may be gone)
-                self._events.append(self._lose(engine, "is unreachable (its connection closed)"))
+                return
+            said = engine.byes & BYE_BULK  # the bulk BYE came: this is the other end
+            why = "said BYE" if said else "is unreachable (its connection closed)"
+            self._events.append(self._lose(engine, why))
         elif rec.dial is not None:
             rec.dial.due = now + rec.dial.backoff.failed()
 

@@ -169,3 +169,17 @@ def test_a_failed_send_then_the_bulk_connection_lost_is_an_engine_death() -> Non
     assert lost[0].calls == (call,)
     assert "said BYE" not in lost[0].why
     assert isinstance(call.error, EngineDeadError)
+
+
+def test_a_failed_control_send_after_the_bulk_bye_ends_the_session_as_a_bye() -> None:
+    """The bulk BYE came first and then control closed (its BYE unread): the session
+    ends at once, as having said BYE, not at dead_after or as a lost connection."""
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    assert feed(protocol, PEER, bye(), 0.1, bulk=True) is None
+    protocol.send_failed(PEER, 0.2)
+    [lost] = protocol.next_events()
+    assert isinstance(lost, EngineLost)
+    assert "said BYE" in lost.why
+    assert "e1" not in protocol.engines.engines
+    assert engine.byes
