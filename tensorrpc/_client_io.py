@@ -530,7 +530,7 @@ class ClientIO:
         on_message = self._on_message
         yield_due = sock.yield_due  # a busy (or flooded) socket must not starve the callers
         # A message taken off the socket is handled before any yield: the housekeeping
-        # tick also handles received messages (`_drain`) and may run at any yield, so a
+        # tick also handles received messages (`drain_received`) and may run at any yield, so a
         # message held across one would be overtaken by the ones after it.
         while True:
             try:
@@ -550,7 +550,7 @@ class ClientIO:
             if yield_due():  # after 32 messages or 2 ms of handling them
                 await checkpoint()
 
-    def _drain(self, limit: int = 4096) -> None:
+    def drain_received(self, limit: int = 4096) -> None:
         """Handle the messages already received (the reader may not have run yet)."""
         sock = self.sock
         for _ in range(limit):
@@ -601,7 +601,7 @@ class ClientIO:
             self.tick = anyio.Event()
             if self.sock is not None:
                 self.sock.handshake_failures()  # logs failed CURVE handshakes at WARNING
-            self._drain()  # messages already here prove life: read them before judging
+            self.drain_received()  # messages already here prove life: read them before judging
             now = clock()
             protocol.tick(now)
             self.wake_all(protocol.expire_rejoins(now))
@@ -679,7 +679,10 @@ def _bulk_message(io: ClientIO, peer: object, frames: list[zmq.Frame], size: int
 
 
 def _bulk_lost(io: ClientIO, peer: object, epoch: int, ours: bool) -> None:
-    """An engine session's bound bulk connection broke: the session is over."""
+    """An engine session's bound bulk connection broke: the session is over, once what
+    control already received is handled (a RESULT or BYE the engine sent there before
+    it closed both: the two connections' I/O threads report in no common order)."""
+    io.drain_received()
     io.protocol.bulk_lost(cast("bytes", peer), epoch, io.now(), ours=ours)
     io.handled()
 

@@ -1315,9 +1315,14 @@ class ClientProtocol(Machine[bytes, Event]):
         with it), and a new session starts over control: we ask the engine for a HELLO
         (the address we dial), or (the engine dialed us) tell it BYE and ask for a new
         one (`EngineLost` in `next_events`). After the engine's BYE on control, the end of
-        its bulk connection is the other BYE. Nothing: that session is over already."""
+        its bulk connection is the other BYE; after its BYE on the bulk connection, that
+        connection's end is expected and the control BYE still ends the session (what
+        control carried before it, a RESULT, is delivered). Nothing: that session is
+        over already."""
         engine = self._session_of(peer, epoch, ours)
         if engine is None:
+            return
+        if engine.byes == BYE_BULK:
             return
         if engine.byes & BYE_CONTROL:
             self._events.append(self._lose(engine, "said BYE"))
@@ -1491,6 +1496,8 @@ TRANSITIONS: Final[tuple[Transition[PeerState], ...]] = (
        "end the session: the engine forgot us (calls in flight fail: EngineDeadError; "
        "calls not yet sent wait up to our dead_after for it to rejoin)", _S.NONE),
     _T(_S.LIVE, (), "send fails: peer unreachable", "end the session (calls fail)", _S.NONE),
+    _T(_S.LIVE, (), "the bound bulk connection is lost after its BYE (none on control yet)",
+       "wait: the control BYE or our dead_after ends the session (bulk rule 4)", _S.LIVE),
     _T(_S.LIVE, (), "send fails on control, a bulk connection bound, no BYE on it yet",
        "wait: its BYE, its loss or our dead_after ends the session (bulk rule 4)", _S.LIVE),
     _T(_S.LIVE, (), "the session ends, at a dialled address",

@@ -1,7 +1,7 @@
 """Stream items reach the consumer in the order the engine sent them, whoever reads them.
 
 The client's socket has two readers: the reader task and the housekeeping tick, which
-first handles the messages already received (``ClientIO._drain``: messages prove an
+first handles the messages already received (``ClientIO.drain_received``: messages prove an
 engine alive). The tick may run at any point where the reader yields, so the reader must
 never hold a message it took off the socket across a yield; else the tick handles the
 later messages first (seen as ``[1, 2, 3, 0, 4, ...]`` from a stream under load).
@@ -42,7 +42,7 @@ def tick_at_every_yield(
 
     def tick() -> None:
         for client in clients:
-            client._io._drain()
+            client._io.drain_received()
 
     async def ticking_checkpoint() -> None:
         tick()

@@ -183,3 +183,20 @@ def test_a_failed_control_send_after_the_bulk_bye_ends_the_session_as_a_bye() ->
     assert "said BYE" in lost.why
     assert "e1" not in protocol.engines.engines
     assert engine.byes
+
+
+def test_the_bulk_connection_closing_after_its_bye_waits_for_the_control_bye() -> None:
+    """Seen in CI: a draining engine's RESULT and BYE on control, then BYE on bulk, then
+    both connections closed; the bulk connection's end was handled before control's
+    messages and failed the call. After the bulk BYE that end is expected."""
+    protocol = make_protocol()
+    engine = bound_session(protocol)
+    call = start(protocol, engine)
+    assert feed(protocol, PEER, bye(), 0.1, bulk=True) is None
+    protocol.bulk_lost(PEER, engine.epoch, 0.2)
+    assert protocol.next_events() == []
+    assert feed(protocol, PEER, result(call.call_id, 3), 0.3) is call
+    assert call.state is CallState.REPLIED
+    lost = feed(protocol, PEER, bye(), 0.4)
+    assert isinstance(lost, EngineLost)
+    assert "said BYE" in lost.why

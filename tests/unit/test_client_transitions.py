@@ -71,6 +71,9 @@ def _enter(row: Transition[PeerState]) -> Any:
         engine = protocol.engines.engines["e1"]
         protocol.bulk_bound(PEER, engine.client_epoch, ours=True)
         assert engine.bulk_bound
+        if "after its BYE" in row.input:
+            protocol.receive(PEER, bye(), 0.2, bulk=True)
+            assert protocol.next_events() == []
     assert _state(protocol) is row.state
     return protocol
 
