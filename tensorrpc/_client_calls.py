@@ -36,7 +36,7 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._protocol import Flags, MessageKind
 from tensorrpc._service import schemaless_method
-from tensorrpc._stream_io import RequestSource, request_source, send_request
+from tensorrpc._stream_io import RequestSource, fill_off_loop, request_source, send_request
 from tensorrpc._views import CallOptions
 
 if TYPE_CHECKING:
@@ -323,9 +323,7 @@ class CallRunner:
         return encoded
 
     async def _fill(self, placer: PolicyPlacer, engine: Engine) -> float:
-        """Copy the large argument tensors placed by handle into the pool, on a worker
-        thread (the copies release the GIL: the loop keeps serving meanwhile); on any
-        failure or cancellation ``placer`` is released.
+        """Copy the large argument tensors into the pool off the loop (`fill_off_loop`).
 
         Returns:
             The clock once the copies are done.
@@ -334,17 +332,7 @@ class CallRunner:
             TensorTransportError: the kernel refused the copy's pages.
             EngineDeadError: ``engine`` died meanwhile (nothing was sent to it).
         """
-        try:
-            # Not abandoned on cancellation: the region must not be released mid-copy.
-            await anyio.to_thread.run_sync(placer.fill)
-        except OSError as exc:
-            placer.abort()
-            raise TensorTransportError(
-                f"cannot copy the arguments into shared memory: {exc.strerror}"
-            ) from None
-        except BaseException:
-            placer.abort()
-            raise
+        await fill_off_loop(placer, "the arguments")
         if not engine.alive:  # it died during the copy: nothing to send it
             placer.abort()
             raise EngineDeadError(

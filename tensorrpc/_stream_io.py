@@ -210,7 +210,7 @@ async def _send_item(
     lease = None
     if placer is not None:
         if placer.pending_bytes:
-            await _fill(placer)
+            await fill_off_loop(placer, "a request item")
         lease = placer.outcome()[0]
     if not _streams.send_item(io.protocol, call, encoded.payload, encoded.buffers, io.now(), lease):
         if placer is not None:
@@ -220,16 +220,22 @@ async def _send_item(
     return True
 
 
-async def _fill(placer: PolicyPlacer) -> None:
-    """Copy an item's large tensors into the pool off the loop (as a CALL's arguments);
-    ``placer`` is released on any failure or cancellation."""
+async def fill_off_loop(placer: PolicyPlacer, what: str) -> None:
+    """Copy the large tensors ``placer`` placed by handle (``what``: a CALL's arguments, a
+    request item) into the pool on a worker thread (the copies release the GIL: the
+    loop keeps serving meanwhile); ``placer`` is released on any failure or
+    cancellation.
+
+    Raises:
+        TensorTransportError: the kernel refused the copy's pages.
+    """
     try:
         # Not abandoned on cancellation: the region must not be released mid-copy.
         await anyio.to_thread.run_sync(placer.fill)
     except OSError as exc:
         placer.abort()
         raise TensorTransportError(
-            f"cannot copy a request item into shared memory: {exc.strerror}"
+            f"cannot copy {what} into shared memory: {exc.strerror}"
         ) from None
     except BaseException:
         placer.abort()
