@@ -352,57 +352,47 @@ class Holding:
         return t
 
 
+async def _fails_when_the_bulk_connection_breaks(
+    client: Client[Any], holding: Holding, break_it: Callable[[], None]
+) -> BaseException:
+    """Start a large call (its CALL on the bulk connection), break that connection with
+    ``break_it`` while the handler holds the call, and return the call's error."""
+    stub = client.with_options(transport="frames").stub()
+    t = torch.ones(LARGE, dtype=torch.uint8)
+    failed: list[BaseException] = []
+
+    async def call() -> None:
+        try:
+            await stub.hold(t)
+        except EngineDeadError as exc:
+            failed.append(exc)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            with anyio.fail_after(WAIT):  # generous: not a timing assertion
+                await holding.started.wait()  # its CALL came on the bulk connection
+                break_it()  # the bulk connection breaks; control lives on
+                await until(lambda: failed)
+    finally:
+        holding.release.set()
+    return failed[0]
+
+
 async def test_a_broken_bulk_connection_fails_its_calls_at_once() -> None:
     """Rule 5 over tcp+CURVE: the bulk connection breaks while control lives (here the
     engine's bulk socket closes); the large call whose CALL it carried ends with
     EngineDeadError at once instead of waiting for a reply that cannot come."""
-    keys = {name: generate_keypair() for name in ("engine", "client")}
-    server_curve = CurveServerConfig(keys["engine"], allowed_clients=[keys["client"].public_key])
-    client_curve = CurveClientConfig(keys["client"], keys["engine"].public_key)
     holding = Holding()
-    server = Server(
-        holding,
-        engine_id="e1",
-        bind="tcp://127.0.0.1:0",
-        curve=server_curve,
-        heartbeat_interval=0.1,
-    )
-    async with server:
-        assert server.endpoint is not None
-        client = Client(
-            Holding, connect=server.endpoint, curve=client_curve, heartbeat_interval=0.1
-        )
-        async with client:
-            with anyio.fail_after(WAIT):
-                await client.wait_for_engines(1)
-            await bulk_bound(client, server)
-            stub = client.with_options(transport="frames").stub()
-            t = torch.ones(LARGE, dtype=torch.uint8)
-            failed: list[BaseException] = []
-
-            async def call() -> None:
-                try:
-                    await stub.hold(t)
-                except EngineDeadError as exc:
-                    failed.append(exc)
-
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(call)
-                    with anyio.fail_after(WAIT):
-                        await holding.started.wait()  # its CALL came on the bulk connection
-                    router = server._bulk.router
-                    assert router is not None
-                    router.close()  # the bulk connection breaks; control lives on
-                    with anyio.fail_after(WAIT):  # generous: not a timing assertion
-                        await until(lambda: failed)
-            finally:
-                holding.release.set()
-            assert "lost its bulk connection" in str(failed[0])
-            # The session starts anew over control (without a bulk connection now).
-            with anyio.fail_after(WAIT):
-                await client.wait_for_engines(1)
-                assert await client.stub().hold(torch.ones(4)) is not None
+    async with curve_session("listen", holding) as (client, server):
+        router = server._bulk.router
+        assert router is not None
+        error = await _fails_when_the_bulk_connection_breaks(client, holding, router.close)
+        assert "lost its bulk connection" in str(error)
+        # The session starts anew over control (without a bulk connection now).
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+            assert await client.stub().hold(torch.ones(4)) is not None
 
 
 @asynccontextmanager
@@ -440,7 +430,9 @@ async def curve_session(
         **common,
     ) as client:
         (address,) = client.addresses
-        server = Server(service, engine_id="e1", connect=address, curve=engine_curve, **common)
+        server = Server(
+            service, engine_id="e1", connect=address, curve=engine_curve, **common, **server_kw
+        )
         async with server:
             with anyio.fail_after(WAIT):
                 await client.wait_for_engines(1)
@@ -456,46 +448,15 @@ async def test_a_broken_bulk_connection_to_the_client_fails_its_calls_at_once() 
     it fails with EngineDeadError at once, and a new session starts."""
     holding = Holding()
     async with curve_session("dialin", holding) as (client, server):
-        stub = client.with_options(transport="frames").stub()
-        t = torch.ones(LARGE, dtype=torch.uint8)
-        failed: list[BaseException] = []
-
-        async def call() -> None:
-            try:
-                await stub.hold(t)
-            except EngineDeadError as exc:
-                failed.append(exc)
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(call)
-                with anyio.fail_after(WAIT):
-                    await holding.started.wait()
-                [dialed] = server._bulk._dialed.values()
-                dialed.sock.close()  # the bulk connection breaks; control lives on
-                await until(lambda: failed)  # bounded: not a timing assertion
-        finally:
-            holding.release.set()
-        assert "lost its bulk connection" in str(failed[0])
+        [dialed] = server._bulk._dialed.values()
+        error = await _fails_when_the_bulk_connection_breaks(client, holding, dialed.sock.close)
+        assert "lost its bulk connection" in str(error)
         # A new session over the living control connection, with a new bulk connection.
         with anyio.fail_after(WAIT):
             await client.wait_for_engines(1)
         await bulk_bound(client, server)
-        assert torch.equal(await stub.hold(t), t)
-
-
-@service(name="Draining")
-class Draining:
-    def __init__(self) -> None:
-        self.started = anyio.Event()
-        self.release = anyio.Event()
-
-    @rpc
-    async def hold(self, t: torch.Tensor) -> torch.Tensor:
-        """Send the tensor back once released."""
-        self.started.set()
-        await self.release.wait()
-        return t
+        t = torch.ones(LARGE, dtype=torch.uint8)
+        assert torch.equal(await client.with_options(transport="frames").stub().hold(t), t)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -504,7 +465,7 @@ async def test_a_draining_engines_large_result_arrives(topology: str) -> None:
     on the bulk connection and its BYE right behind on both connections. The control BYE
     (a few bytes) overtakes the RESULT (32 MiB, encrypted); the client ends the session
     only once the bulk BYE came too, so the RESULT arrives."""
-    draining = Draining()
+    draining = Holding()
     async with curve_session(topology, draining, grace_period=WAIT) as (client, server):
         stub = client.with_options(transport="frames").stub()
         t = torch.arange((32 << 20) // 4, dtype=torch.int32)
