@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -94,3 +94,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def make_socket() -> Iterator[Callable[..., Any]]:
+    """Create sockets through ``tensorrpc._zmq.create_socket`` and close every one of
+    them afterwards (tests that open real sockets: not in tests/unit)."""
+    from tensorrpc._zmq import AsyncSocket, create_socket
+
+    made: list[AsyncSocket] = []
+
+    def factory(socket_type: int, **kwargs: Any) -> AsyncSocket:
+        sock = create_socket(socket_type, **kwargs)
+        made.append(sock)
+        return sock
+
+    yield factory
+    for sock in made:
+        sock.close()

@@ -43,19 +43,11 @@ HANDSHAKE_FAILED = (
 )
 
 
-@pytest.fixture
-def make_socket() -> Iterator[SocketFactory]:
-    """Create sockets through create_socket and close every one of them afterwards."""
-    made: list[AsyncSocket] = []
-
-    def factory(socket_type: int, **kwargs: object) -> AsyncSocket:
-        sock = create_socket(socket_type, **kwargs)  # type: ignore[arg-type]
-        made.append(sock)
-        return sock
-
-    yield factory
-    for sock in made:
-        sock.close()
+@pytest.fixture(autouse=True)
+def _no_zap_handler_left() -> Iterator[None]:
+    """Torn down after ``make_socket`` (autouse fixtures are set up first): once every
+    socket is closed, no ZAP handler is left on the process-wide context."""
+    yield
     assert ZapAuthenticator.for_context(zmq.Context.instance()) is None
 
 

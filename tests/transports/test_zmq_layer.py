@@ -6,7 +6,7 @@ import os
 import re
 import select
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -30,21 +30,6 @@ from tensorrpc._zmq import (
 )
 
 SocketFactory = Callable[..., AsyncSocket]
-
-
-@pytest.fixture
-def make_socket() -> Iterator[SocketFactory]:
-    """Create sockets through create_socket and close every one of them afterwards."""
-    made: list[AsyncSocket] = []
-
-    def factory(socket_type: int, **kwargs: object) -> AsyncSocket:
-        sock = create_socket(socket_type, **kwargs)  # type: ignore[arg-type]
-        made.append(sock)
-        return sock
-
-    yield factory
-    for sock in made:
-        sock.close()
 
 
 @pytest.fixture(params=["ipc", "tcp"])
