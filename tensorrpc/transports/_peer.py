@@ -5,9 +5,12 @@ kernel knows the peer of every connection: libzmq reads ``SO_PEERCRED`` when the
 connection is made and attaches it to each message of that connection as the
 ``Peer-Address`` property (``"<host>:<uid>:<gid>:<pid>"``); the shell takes a pidfd of the
 very process at the handshake (`tensorrpc._zmq.peer_credentials`). A `KernelPeer`
-holds both. Handles from the peer are resolved against its pid only, and every
-descriptor opened through ``/proc/<pid>/fd`` is used only after the pidfd says that
-process is still alive, so a reused pid can never stand in for it.
+holds both, and a descriptor of that process's ``/proc/<pid>/fd`` directory opened while
+the pidfd said it lived. Handles from the peer are resolved against its pid only, and
+its descriptors are looked up relative to that directory: once the process has exited,
+every lookup there fails, whoever has taken its pid since (the directory belongs to the
+process, not to the number). Each message is also checked against the pidfd before any
+of its handles is resolved, kept mappings included.
 
 `alias_gate` decides whether torch's own shared files (``share_memory_()``, both
 sharing strategies), which cannot be sealed, may be mapped between us and the peer (see
@@ -23,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
 
 from tensorrpc.transports._shm_handle import TRANSPORT_NAME
@@ -72,6 +75,9 @@ def parse_peer_address(address: str | None) -> tuple[int, int, int] | None:
     return pid, uid, gid
 
 
+_FD_DIR_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+
+
 def _pidfd_pid(pidfd: int) -> int:
     """The pid a pidfd refers to, in our pid namespace (-1: it exited; 0: not visible)."""
     try:
@@ -105,6 +111,14 @@ class KernelPeer:
     pidfd: int = -1
     #: The pidfd's inode (unique per process while it lives, on pidfs); -1: unknown.
     ino: int = -1
+    #: An ``O_PATH`` descriptor of the process's ``/proc/<pid>/fd``, opened while the
+    #: pidfd said it lived (`pinned`); -1: none (its descriptors are opened by path,
+    #: each checked against the pidfd afterwards).
+    fd_dir: int = -1
+    #: `alive`'s poll object on the pidfd (made on first use: a ``select`` per message
+    #: cost three times as much).
+    _poller: select.poll | None = field(default=None, repr=False)
+    _closed: bool = field(default=False, repr=False)
 
     @property
     def attested(self) -> bool:
@@ -121,23 +135,30 @@ class KernelPeer:
     def alive(self) -> bool:
         """Whether the pinned process still runs (its pid cannot have been reused then).
 
-        A peer without a pidfd (not attested) counts as alive: nothing pins it.
+        A peer without a pidfd (not attested) counts as alive: nothing pins it; a
+        closed one (its session ended) never does.
         """
         fd = self.pidfd
         if fd < 0:
-            return True
+            return not self._closed
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(fd, select.POLLIN)
         try:
-            ready, _, _ = select.select([fd], [], [], 0)
+            return not poller.poll(0)  # a pidfd polls readable once its process has exited
         except (OSError, ValueError):
             return False
-        return not ready  # a pidfd polls readable once its process has exited
 
     def close(self) -> None:
-        """Close the pidfd (the session ended). Idempotent."""
-        fd, self.pidfd = self.pidfd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close the pidfd and the ``/proc`` directory (the session ended). Idempotent."""
+        self._closed = True
+        self._poller = None
+        for fd in (self.pidfd, self.fd_dir):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.pidfd = self.fd_dir = -1
 
     @classmethod
     def pinned(cls, address: str, pidfd: int) -> KernelPeer | None:
@@ -156,8 +177,13 @@ class KernelPeer:
             ino = os.fstat(pidfd).st_ino
         except OSError:
             ino = -1
-        peer = cls(creds[0], creds[1], creds[2], address, pidfd, ino)
-        if not peer.alive():
+        try:
+            # O_PATH: no read permission needed here; each lookup in it is checked.
+            fd_dir = os.open(f"/proc/{creds[0]}/fd", _FD_DIR_FLAGS)
+        except OSError:
+            fd_dir = -1
+        peer = cls(creds[0], creds[1], creds[2], address, pidfd, ino, fd_dir)
+        if not peer.alive():  # (alive after the open: the directory is that process's)
             peer.close()
             return None
         return peer

@@ -157,7 +157,9 @@ def _tensor_over(
     return torch.frombuffer(array, dtype=torch.uint8)
 
 
-def map_shared(fd: int, length: int, offset: int = 0, *, populate: bool = False) -> torch.Tensor:
+def map_shared(
+    fd: int, length: int, offset: int = 0, *, populate: bool = False, unmap_later: bool = False
+) -> torch.Tensor:
     """Map ``length`` bytes of ``fd`` from ``offset`` (a page multiple), shared and writable.
 
     Args:
@@ -165,6 +167,9 @@ def map_shared(fd: int, length: int, offset: int = 0, *, populate: bool = False)
         length: bytes to map (> 0).
         offset: file offset, a multiple of `PAGE_SIZE`.
         populate: fault every page in now (one system call instead of one fault per page).
+        unmap_later: when the last view dies, a mapping of at least the release
+            threshold is unmapped by the release thread (`tensorrpc._release`), not
+            by the thread that dropped it.
 
     Returns:
         A ``uint8`` tensor over the mapping; the mapping lives as long as it or any view.
@@ -173,7 +178,12 @@ def map_shared(fd: int, length: int, offset: int = 0, *, populate: bool = False)
         OSError: the kernel refused the mapping.
     """
     flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
-    return _tensor_over(_mmap(fd, length, offset, flags), length)
+    return _tensor_over(_mmap(fd, length, offset, flags), length, _later if unmap_later else None)
+
+
+def _later(addr: int, length: int) -> bool:
+    # (an unmapper of its own, handed to the release thread: it unmaps when dropped there)
+    return later_if_large(_Unmapper(addr, length, None), length)
 
 
 def map_shared_owned(fd: int, length: int, *, on_unmap: Callable[[int, int], None]) -> torch.Tensor:

@@ -94,6 +94,7 @@ SHARED_RE: Final = re.compile(r"/memfd:tensorrpc-shared-[0-9]+-[0-9]+ \(deleted\
 #: unlinked already (``file_descriptor``) or not (``file_system``).
 TORCH_RE: Final = re.compile(r"/dev/shm/torch_[0-9]+_[0-9]+_[0-9]+( \(deleted\))?")
 _SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_OPEN_FLAGS: Final = os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
 _TORCH_NAME_RE = re.compile(r"/torch_[0-9]+_[0-9]+_[0-9]+")
 # (module constants: an enum member read from its class costs ~0.1 µs, per handle)
 _EMPTY: Final = HandleKind.EMPTY
@@ -417,24 +418,31 @@ class Receiver:
     ) -> tuple[int, os.stat_result]:
         """Open ``/proc/<pid>/fd/<fd>`` if it is the file described; generic errors only.
 
-        With ``peer``, the file is kept only if ``peer``'s pidfd says the process is still
-        alive after the open: the pid cannot have been reused by another process then.
+        With ``peer``, the descriptor is looked up in the ``/proc/<pid>/fd`` directory
+        taken when the peer was pinned (`KernelPeer.fd_dir`), which fails once that
+        process has exited, whoever has its pid now; a peer without one has the file
+        kept only if its pidfd says the process is still alive after the open.
         """
         if not 0 <= fd < MAX_FD or pid <= 0:
             raise fail(_NO_ATTACH)
-        path = f"/proc/{pid}/fd/{fd}"
+        fd_dir = -1
+        if peer is not None and peer.fd_dir >= 0:
+            if pid != peer.pid:
+                raise fail(_NO_ATTACH)
+            fd_dir = peer.fd_dir
+        name, dir_fd = (str(fd), fd_dir) if fd_dir >= 0 else (f"/proc/{pid}/fd/{fd}", None)
         device = self._shm_dev if pattern is TORCH_RE else self._memfd_dev
         try:
-            target = os.readlink(path)
+            target = os.readlink(name, dir_fd=dir_fd)
             if not pattern.fullmatch(target):
                 raise fail(_NO_ATTACH)
             # stat() follows the magic link without opening anything: check before open().
-            self._check_file(os.stat(path), dev, ino, device)
-            ofd = os.open(path, flags | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+            self._check_file(os.stat(name, dir_fd=dir_fd), dev, ino, device)
+            ofd = os.open(name, flags | _OPEN_FLAGS, dir_fd=dir_fd)
         except OSError:
             raise fail(_NO_ATTACH) from None
         try:
-            if peer is not None and not peer.alive():
+            if fd_dir < 0 and peer is not None and not peer.alive():
                 raise fail(_NO_ATTACH)
             st = os.fstat(ofd)
             self._check_file(st, dev, ino, device)
@@ -481,9 +489,11 @@ class Receiver:
             if end > size:
                 raise fail("the handle reaches past the end of its segment")
             if size <= self.maps.max_bytes_per_peer:
-                view = map_shared(ofd, size)
-                if not sealed and not self._seen_twice(key):
-                    return view, first  # (not kept: dies with its tensors)
+                once = not sealed and not self._seen_twice(key)
+                # (not kept: dies with its tensors, unmapped off the thread that drops them)
+                view = map_shared(ofd, size, unmap_later=once)
+                if once:
+                    return view, first
                 # Before keeping one more of this peer's segments, drop some it freed.
                 self.prune(h.pid, PRUNE_PER_MAP)
                 with self._lock:

@@ -98,6 +98,49 @@ def test_a_handle_of_an_exited_process_never_reaches_the_process_that_reused_its
             live.close()
 
 
+def test_descriptors_are_looked_up_only_in_the_directory_of_the_pinned_process() -> None:
+    """The ``/proc/<pid>/fd`` directory is taken when the peer is pinned: once that
+    process has exited, no lookup there reaches whoever has its pid now (here: the
+    number is ours, the directory a dead child's), even while a pidfd says alive."""
+    src = tensorrpc.share(torch.arange(4096, dtype=torch.uint8))
+    with TorchShmTransport() as sender, TorchShmTransport() as receiver:
+        placed = sender.placer("p").place(src)
+        assert placed is not None
+        with child() as proc:
+            gone = KernelPeer.pinned(f"localhost:0:0:{proc.pid}", os.pidfd_open(proc.pid))
+            assert gone is not None
+            assert gone.fd_dir >= 0
+            proc.kill()
+            proc.wait(30)
+        with child() as other:
+            # Alive by its pidfd (another child's), the pid ours: only the directory
+            # stands between the handle and this process's own descriptors.
+            reused = KernelPeer(
+                os.getpid(), 0, 0, "a", *_pidfd(other.pid), fd_dir=os.dup(gone.fd_dir)
+            )
+            gone.close()
+            assert reused.alive()
+            with pytest.raises(TensorTransportError, match=NO_ATTACH):
+                receiver.resolver(os.getpid(), peer=reused).resolve(
+                    TRANSPORT_NAME, placed[1], torch.uint8, (4096,)
+                )
+            assert receiver.statistics().mapped_segments == 0
+            reused.close()
+        # Pinned while it lives, the same handle resolves (our own directory).
+        own = KernelPeer.pinned(f"localhost:0:0:{os.getpid()}", os.pidfd_open(os.getpid()))
+        assert own is not None
+        assert own.fd_dir >= 0
+        got = receiver.resolver(os.getpid(), peer=own).resolve(
+            TRANSPORT_NAME, placed[1], torch.uint8, (4096,)
+        )
+        assert torch.equal(got, src)
+        dir_fd = own.fd_dir
+        own.close()
+        assert not own.alive()
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(dir_fd)
+
+
 def _pidfd(pid: int) -> tuple[int, int]:
     fd = os.pidfd_open(pid)
     return fd, os.fstat(fd).st_ino

@@ -184,3 +184,37 @@ def test_a_new_mapping_checks_a_bounded_number_of_kept_ones_in_turn() -> None:
         first = maps.oldest_checked(current_pid(), 3)
         second = maps.oldest_checked(current_pid(), 3)
         assert not {k for k, _ in first} & {k for k, _ in second}  # in turn
+
+
+def test_a_torch_file_mapped_once_is_unmapped_by_the_release_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one-off mapping of a large torch file (a DataLoader batch) is not unmapped
+    where its tensor dies (on the engine: the event loop, before the reply) but handed
+    to the release thread; small ones and kept ones are unaffected."""
+    from tensorrpc.transports import _shm_pool
+
+    _release.set_release_threshold(1 << 20)
+    handed: list[tuple[object, int]] = []
+
+    def hand(obj: object, size: int) -> bool:
+        handed.append((obj, size))
+        return True
+
+    monkeypatch.setattr(_shm_pool, "later_if_large", hand)
+    n = (2 << 20) // 4
+    with TorchShmTransport() as client, TorchShmTransport() as engine:
+        client.set_peer("engine", process="engine", alias_unsealed=True)
+        t = torch.full((n,), 5.0)
+        t.share_memory_()  # type: ignore[no-untyped-call]
+        placed = client.placer("engine").place(t)
+        assert placed is not None
+        ino = _unpack(placed[1]).ino
+        got = engine.resolver(None, unsealed=True).resolve(*placed, torch.float32, (n,))
+        assert float(got[-1]) == 5.0
+        assert _mappings_of(ino) == 2  # the client's and the engine's
+        del got
+        assert [size for _, size in handed] == [2 << 20]
+        assert _mappings_of(ino) == 2  # still mapped: the release thread's to unmap
+        handed.clear()  # (what the release thread does: drop it)
+        assert _mappings_of(ino) == 1
