@@ -32,6 +32,10 @@ _MAGIC = b"TRSH"
 _VERSION = 1
 # magic, version, kind, ndim, pid, fd, dev, ino, lease, tag, base, span, elem_offset
 _HEAD = struct.Struct("<4sBBHiiQQQQQQq")
+#: Where the lease id lies in a handle: the only field that differs between two handles
+#: of one tensor in shared memory (`without_lease`).
+LEASE_AT: Final = struct.calcsize("<4sBBHiiQQ")
+LEASE_END: Final = LEASE_AT + 8
 CUDA_TAIL: Final = struct.Struct("<iQQQB")
 U16: Final = struct.Struct("<H")
 _MAX_NDIM = 64
@@ -179,6 +183,16 @@ def unpack(handle: bytes) -> Handle:
     return Handle(
         _KINDS[kind], pid, fd, dev, ino, lease, tag, base, span, elem_offset, strides, data[end:]
     )
+
+
+def without_lease(handle: bytes) -> bytes:
+    """``handle`` less its lease id: equal for every handle of one view of one storage."""
+    return handle[:LEASE_AT] + handle[LEASE_END:]
+
+
+def lease_of(handle: bytes) -> int:
+    """The lease id of a well-formed handle (`unpack` checked one with these bytes)."""
+    return int.from_bytes(handle[LEASE_AT:LEASE_END], "little")
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import fcntl
+import itertools
 import logging
 import math
 import os
@@ -64,7 +65,9 @@ from tensorrpc.transports._shm_handle import (
     check_bounds,
     contiguous_strides,
     fail,
+    lease_of,
     unpack,
+    without_lease,
 )
 from tensorrpc.transports._shm_holds import Hold, Holds
 from tensorrpc.transports._shm_pool import (
@@ -113,6 +116,10 @@ _NO_ATTACH = "cannot attach to the handle (not a live tensorrpc segment of the p
 PRUNE_PER_MAP: Final = 2
 #: torch shared files seen once, remembered so that the second handle keeps its mapping.
 _SEEN_ONCE_MAX = 1024
+#: Alias handles remembered for `Receiver.known` (all forgotten past this many).
+_KNOWN_MAX = 4096
+_SERIALS = itertools.count(1)
+_ALIAS_KINDS: Final = frozenset({HandleKind.SHARED, HandleKind.TORCH_FD, HandleKind.TORCH_FILE})
 
 
 def _shm_device() -> int:
@@ -142,14 +149,46 @@ def _read_u64(addr: int) -> int:
 class _Mapped:
     """A kept mapping and its typed views (made on first use, dropped with the mapping)."""
 
-    __slots__ = ("fd", "typed", "view")
+    __slots__ = ("fd", "serial", "typed", "view")
 
     def __init__(self, view: torch.Tensor, fd: int) -> None:
         self.view = view
+        #: Unique per mapping ever kept: a `_Known` handle names the mapping it was
+        #: checked against by it.
+        self.serial = next(_SERIALS)
         #: The descriptor number in the sender that names the file (for `Receiver.prune`).
         self.fd = fd
         #: dtype -> (``view`` reinterpreted as that dtype, its storage offset).
         self.typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+
+
+class _Known:
+    """What a handle resolved by alias before needs to be resolved again (see
+    `Receiver.known`): the mapping it was checked against and the view it made."""
+
+    __slots__ = ("dtype", "elem", "key", "nbytes", "serial", "shape", "strides", "unsealed")
+
+    def __init__(
+        self,
+        key: tuple[int, int, int],
+        serial: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        elem: int,
+        nbytes: int,
+        unsealed: bool,
+    ) -> None:
+        self.key = key
+        self.serial = serial
+        self.dtype = dtype
+        self.shape = shape
+        self.strides = strides
+        #: Elements from the mapping's start to the tensor's.
+        self.elem = elem
+        self.nbytes = nbytes
+        #: A torch file: only for a resolver allowed to map those.
+        self.unsealed = unsealed
 
 
 class SegmentMaps:
@@ -188,6 +227,13 @@ class SegmentMaps:
             return None
         self._maps.move_to_end(key)
         return entry.view
+
+    def entry(self, key: tuple[int, int, int]) -> _Mapped | None:
+        """The kept mapping of ``key`` (marked most recently used), or None."""
+        entry = self._maps.get(key)
+        if entry is not None:
+            self._maps.move_to_end(key)
+        return entry
 
     def typed(
         self, key: tuple[int, int, int], dtype: torch.dtype
@@ -312,6 +358,66 @@ class Receiver:
         self.holds = Holds()
         #: torch shared files mapped once and not kept (see the module docstring).
         self._seen_once: OrderedDict[tuple[int, int, int], None] = OrderedDict()
+        #: Alias handles resolved on a kept mapping, by their bytes less the lease id.
+        self._known: dict[bytes, _Known] = {}
+
+    # -- handles resolved before -----------------------------------------------------------
+
+    def known(
+        self,
+        handle: bytes,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        peer_pid: int | None,
+        unsealed: bool,
+    ) -> torch.Tensor | None:
+        """The tensor of a handle whose bytes (its lease id aside) were resolved by alias
+        before, on a mapping still kept; None: not known (`resolve` it).
+
+        Its checks passed then for the very bytes, dtype and shape, and against the very
+        mapping (its serial): they would pass again. The sender's pid must be the
+        resolver's, and a torch file needs ``unsealed``, as in `resolve`.
+        """
+        k = self._known.get(without_lease(handle))
+        if (
+            k is None
+            or k.dtype is not dtype
+            or k.shape != shape
+            or (k.unsealed and not unsealed)
+            or (peer_pid is not None and peer_pid != k.key[0])
+        ):
+            return None
+        with self._lock:
+            entry = self.maps.entry(k.key)
+            if entry is None or entry.serial != k.serial:
+                return None
+            typed = entry.typed[dtype]
+            self.tensors_received += 1
+            self.bytes_received += k.nbytes
+            self.tensors_aliased += 1
+        return torch.as_strided(typed[0], shape, k.strides, typed[1] + k.elem)
+
+    def learn(self, handle: bytes, h: Handle, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """Remember ``handle``, just resolved from ``h``, for `known` if it went by alias on
+        a kept mapping (a window, a one-off mapping or a pool region is not remembered)."""
+        if h.kind not in _ALIAS_KINDS or type(handle) is not bytes:
+            return
+        size = dtype.itemsize
+        start = h.base + h.elem_offset * size
+        key = (h.pid, h.dev, h.ino)
+        with self._lock:
+            entry = self.maps.entry(key)
+            if entry is None or start % size:
+                return
+            got = self.maps.typed(key, dtype)
+            if got is None or got[1] is None:
+                return
+            if len(self._known) >= _KNOWN_MAX:
+                self._known.clear()
+            nbytes = math.prod(shape) * size
+            self._known[without_lease(handle)] = _Known(
+                key, entry.serial, dtype, shape, h.strides, start // size, nbytes, h.kind != _SHARED
+            )
 
     # -- mappings the sender freed ---------------------------------------------------------
 
@@ -746,20 +852,36 @@ class ShmResolver:
         if transport != TRANSPORT_NAME:
             raise fail(f"cannot resolve a {transport!r} handle")
         self._check()
-        h = unpack(handle)
         peer = self._peer
         if peer is not None and not self._leases and not peer.alive():
-            # (once per message: the process that sent it exited, its pid may be reused)
+            # (once per message, before anything is looked up: the process that sent it
+            # exited, its pid may be reused, its connection's address with it)
             raise fail(_NO_ATTACH)
+        receiver = self._receiver
+        shape = shape if type(shape) is tuple else tuple(shape)
+        known = (
+            receiver.known(handle, dtype, shape, self._peer_pid, self._unsealed)
+            if type(handle) is bytes
+            else None
+        )
+        if known is not None:
+            self._hold(lease_of(handle))
+            return known
+        h = unpack(handle)
+        self._hold(h.lease)
+        got = receiver.resolve(
+            h, dtype, shape, self._peer_pid, owner=self._owner, peer=peer, unsealed=self._unsealed
+        )
+        receiver.learn(handle, h, dtype, shape)
+        return got
+
+    def _hold(self, lease: int) -> None:
         owner = self._owner
-        if owner is not None and owner[0] and h.lease not in self._leases:
+        if owner is not None and owner[0] and lease not in self._leases:
             # The decode itself holds each lease until close(): a tensor that dies
             # before its message's last tensor is resolved cannot release it early.
-            self._receiver.holds.add(owner[1], h.lease)
-        self._leases[h.lease] = None
-        return self._receiver.resolve(
-            h, dtype, tuple(shape), self._peer_pid, owner=owner, peer=peer, unsealed=self._unsealed
-        )
+            self._receiver.holds.add(owner[1], lease)
+        self._leases[lease] = None
 
     def close(self) -> tuple[int, ...]:
         """The message is decoded: the lease ids to RELEASE now.
