@@ -460,8 +460,9 @@ class _Runner:
                 error = self._mismatch(results, len(items))
                 if error is not None:
                     logger.error("%s", error)
-            # The slot is free: the next batch starts before this one's items are
-            # answered (its task runs first; their replies go out while it runs).
+            # The slot is free: a due batch closes before this one's items are woken, so
+            # its task is scheduled ahead of their workers and their replies go out
+            # while its handler runs, not before it starts.
             self._finished(run, close=True)
             if error is not None:
                 for it in items:
