@@ -431,7 +431,7 @@ def _late_md(bt: dict[str, Any]) -> list[str]:
 
     n = _get(bt.get("late_ttft_steps"), "n")
     return [
-        f"{n} streams joining a running batch of {_num(bt.get('streams', 0)) or 0:.0f} ÷ 2 "
+        f"{n} streams joining a running batch of {bt.get('late_batch')} streams "
         "(median / slowest): from the client's call to the batcher "
         f"{part('in')}; the rest of the step running at arrival {part('residual')}; from its "
         f"end to the start of the joiner's first step {part('boundary')} (`max_delay` "

@@ -428,6 +428,7 @@ def _late_figures(
         else None,
         "running_step_ms": step * 1e3,
         "stream_delay_ms": STREAM_DELAY_S * 1e3,
+        "late_batch": STREAMS // 2,
     }
 
 
