@@ -49,16 +49,12 @@ __all__ = [
     "CallView",
     "ClientStatistics",
     "EngineStatistics",
-    "Transport",
 ]
 
 S = TypeVar("S")
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
-
-#: Tensor transport names a call may ask for.
-Transport = TransportName
 
 
 class Keep(enum.Enum):
@@ -104,7 +100,7 @@ class CallOptions:
     engine: str | None = None
     timeout: float | None = None
     wait: bool = True
-    transport: Transport = "auto"
+    transport: TransportName = "auto"
     wait_for_ready: bool | None = None
     compression: Compression | None = None
     metadata: Mapping[str, str] | None = field(default=None, hash=False)
@@ -218,7 +214,7 @@ class CallView(Generic[S]):
         engine: str | Keep | None = KEEP,
         timeout: float | Keep | None = KEEP,
         wait: bool | Keep = KEEP,
-        transport: Transport | Keep = KEEP,
+        transport: TransportName | Keep = KEEP,
         wait_for_ready: bool | Keep | None = KEEP,
         metadata: Mapping[str, str] | Keep | None = KEEP,
         compression: Compression | Literal["zstd"] | Keep | None = KEEP,

@@ -1,37 +1,14 @@
-"""Launch tensorrpc engines as Ray actors, placed over a Ray cluster, and join them to a client.
+"""Launch tensorrpc engines as Ray actors and join them to a client (docs/scale-out.md).
 
 ```python
 curve = tensorrpc.ray.client_curve()  # CURVE server, allow-list grown by each launch
 async with tensorrpc.Client(LM, bind="tcp://0.0.0.0:0", curve=curve) as client:
     async with tensorrpc.ray.launch(LM, 4, client=client, placement="spread") as group:
-        await client.wait_for_engines(4, timeout=60)
         print(group.engines)  # engine id -> RayEngine(node_id, pid, address, state, ...)
-        print(await group.health())  # engine id -> HealthStatus (the standard method)
 ```
 
-Each engine is one Ray actor. The actor constructs the service instance on its node and
-runs [`serve`][tensorrpc.serve] in a thread of its own, either dialling the client's
-address (``bind=False``, the default: the client binds) or listening on its node's address
-(``bind=True``: the client dials the addresses the actors report). The actors are placed
-with a Ray placement group (``"spread"``: one bundle per node where possible, ``"pack"``:
-as few nodes as possible). Leaving the ``async with`` drains every engine (its calls
-finish, it says BYE), then kills the actors and removes the placement group.
-
-Engines on other hosts are secured by default. With a client whose ``curve`` is a
-``CurveServerConfig`` (as [`client_curve`][tensorrpc.ray.client_curve] makes), the launcher
-makes one CURVE keypair per engine, hands each actor its own secret key through Ray's task
-arguments, binds each engine id to its public key on the client and lets only those keys
-in. A client without CURVE is refused (`LaunchError`) when engines may run on another host
-or a socket of the launch listens beyond loopback, unless ``allow_plaintext=True``.
-
-Deaths are seen twice: by the client's heartbeats, and by Ray, whose report takes the
-engine out of the client at once (``Client.declare_dead``) so that its calls fail with
-[`EngineDeadError`][tensorrpc.EngineDeadError] without waiting for ``dead_after``. With
-``max_restarts``, Ray restarts a dead actor and it rejoins under the same engine id.
-
-Ray is an optional dependency: ``pip install 'tensorrpc[ray]'``. ``import tensorrpc``
-never imports it; importing this module without Ray raises ``ImportError`` naming the
-extra.
+Ray is the ``ray`` extra: ``import tensorrpc`` never imports it; importing this module
+without Ray raises ``ImportError`` naming the extra.
 """
 
 from __future__ import annotations
