@@ -277,15 +277,10 @@ async def serve_engines(
 ) -> AsyncIterator[Client[S]]:
     """Start ``count`` engines of ``service`` and yield a client connected to all of them.
 
-    The client binds ``address`` and the engines dial in. By default that is an ``ipc://``
-    socket in a temporary directory of its own (removed afterwards) with
-    ``isolation="process"``, so that torch_shm works between the processes (the kernel
-    attests an ``ipc://`` peer; over tcp torch_shm is off), and an ephemeral loopback tcp
-    port with ``isolation="task"``. With ``isolation="task"`` each engine is a task of the
-    current event loop (fast; the handlers share the test's process), with ``"process"`` a
-    subprocess running ``tensorrpc serve`` (real isolation: its own memory, torch shared
-    memory across processes, kill -9 possible through the yielded client's
-    ``engines[id].pid``).
+    The client binds ``address`` and the engines dial in: tasks of the current event loop
+    (``isolation="task"``, on loopback tcp) or ``tensorrpc serve`` subprocesses
+    (``"process"``, on an ``ipc://`` socket in a private temporary directory, so that
+    torch_shm works between them).
 
     Args:
         service: The ``@service`` class.
@@ -298,7 +293,7 @@ async def serve_engines(
         engine_options: Keyword arguments of [`serve`][tensorrpc.serve]
             (``"process"``: only ``grace_period``, ``max_concurrency``, ``sync_workers``).
         client_options: Keyword arguments of [`Client`][tensorrpc.Client].
-        address: The address the client binds (default: see above).
+        address: The address the client binds (default: as above).
         start_timeout: Seconds to wait for the engines to be live.
         stop_timeout: Seconds each engine process gets to stop before it is killed.
 
