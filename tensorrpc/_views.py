@@ -246,19 +246,8 @@ class CallView(Generic[S]):
         return CallView(self._client, replace(self._options, **changes))
 
     def stub(self) -> Stub[S]:
-        """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
-
-        ``await stub.add(1, 2)`` calls ``add``, whether the handler is ``async def`` or a
-        sync ``def``; ``stub.count(5)`` returns a [`CallStream`][tensorrpc.CallStream]
-        for ``async for``. The mypy plugin ``tensorrpc.mypy_plugin`` types each method
-        exactly (see [`Stub`][tensorrpc.Stub]); [`call`][tensorrpc.CallView.call] is
-        exact under any type checker.
-
-        Its calls use this view's options: ``client.with_options(timeout=5).stub()``.
-
-        Returns:
-            The stub.
-        """
+        """A [`Stub`][tensorrpc.Stub] of the service whose calls use this view's options:
+        ``await stub.add(1, 2)``; ``stub.count(5)`` is a [`CallStream`][tensorrpc.CallStream]."""
         return _Stub(self._client, self._options)
 
     @overload
