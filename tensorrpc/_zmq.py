@@ -972,23 +972,8 @@ class AsyncSocket:
     async def send(
         self, frames: Sequence[Buffer | zmq.Frame], *, track: bool = False, copy: bool = False
     ) -> zmq.MessageTracker | None:
-        """Send one multipart message, waiting while the high-water mark is reached.
-
-        Cancellation-safe: if cancelled, either the whole message was sent or none of it.
-
-        Args:
-            frames: The message's frames (on a ROUTER the first is the peer's routing id).
-            track: Return a tracker that is done once ZMQ no longer needs the buffers.
-            copy: Copy every frame instead of referencing large buffers.
-
-        Returns:
-            The tracker when ``track`` is true, else None.
-
-        Raises:
-            ClosedError: The socket is closed (also while waiting).
-            PeerUnreachableError: ROUTER: no peer with that routing id is connected.
-            TransportError: Any other ZMQ failure.
-        """
+        """`send_nowait`, waiting while the high-water mark is reached (`ClosedError` also
+        while waiting). Cancellation-safe: the whole message was sent or none of it."""
         self._check_open()
         parts, tracker = self._prepare(frames, track, copy)
         backoff = _PEER_FULL_BACKOFF_S
