@@ -358,8 +358,12 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
     for name in ("tensorrpc", MID_CASE, WIDE_CASE):
         e = bt.get(name)
         wait, run = _get(e, "engine_queue_wait_ms"), _get(e, "engine_run_ms")
+        due, busy = _get(e, "due_start_ms"), _num(_get(e, "device_busy"))
         inside.append(
-            f"{name}: waited {_ms(wait)} in the queue, its batch's handler ran {_ms(run)}"
+            f"{name}: waited {_ms(wait)} in the queue, its batch's handler ran {_ms(run)}; a "
+            f"batch due when the last one ended started {_ms(_get(due, 'median'))} after it "
+            f"(median; p90 {_ms(_get(due, 'p90'))}, {_get(due, 'n')} batches), the device "
+            f"busy {'n/a' if busy is None else f'{busy:.0%}'} of the time"
         )
     lines += [
         "",

@@ -73,6 +73,8 @@ MAX_DELAY_S = 0.002
 MID_DELAY_S = 0.005
 #: A ``max_delay`` longer than the 64 callers take to come back (their turnaround).
 WIDE_DELAY_S = 0.010
+#: The ``max_delay`` of each batched method.
+DELAYS = {"batched": MAX_DELAY_S, "batched_mid": MID_DELAY_S, "batched_wide": WIDE_DELAY_S}
 #: The continuous method's ``max_delay`` (a stream joining a running batch never waits it).
 STREAM_DELAY_S = 0.0
 CALLERS = 64
@@ -163,6 +165,8 @@ class Model:
         # step of each late stream: seed -> (arrival, start, end) (see `_late`).
         self._steps: deque[tuple[float, float]] = deque(maxlen=100_000)
         self._joins: dict[int, tuple[float, float, float]] = {}
+        # Each batched method's batches: (its oldest item's arrival, start, end, size).
+        self._log = {m: deque[tuple[float, float, float, int]](maxlen=100_000) for m in DELAYS}
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
         self.server: tensorrpc.Server | None = None
         self._collections = _FullCollections()
@@ -180,8 +184,20 @@ class Model:
         counts = self._counts[method]
         counts[0] += 1
         counts[1] += len(x)
+        start = time.monotonic()
         await self._step(STEP_S)
+        if method in self._log:  # the items' waits: the oldest one's arrival
+            waited = max(item.waited for item in current_batch().items)
+            self._log[method].append((start - waited, start, time.monotonic(), len(x)))
         return [v + 1 for v in x]
+
+    @rpc
+    async def batch_log(self, method: str) -> list[tuple[float, float, float, int]]:
+        """A batched method's batches since the last call: its oldest item's arrival, its
+        start and end (monotonic clock), and its size."""
+        log = list(self._log[method])
+        self._log[method].clear()
+        return log
 
     @rpc(batch=Batching(max_size=CALLERS, max_delay=MAX_DELAY_S))
     async def batched(self, x: list[int]) -> list[int]:
@@ -459,6 +475,26 @@ def _engine_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     }
 
 
+def _due_starts(log: list[tuple[float, float, float, int]], delay: float) -> dict[str, Any]:
+    """Whether a batch waits longer than the rules say: for each batch that was due when
+    the one before it ended (its oldest item had waited ``max_delay``), the time from that
+    end to its start, which the rules make 0; and the share of the time the device ran a
+    batch. (A batch that filled to ``max_size`` is due too, from when it filled, which
+    the log does not hold: it counts only if it was due by its delay.)"""
+    due = sorted(b[1] - a[2] for a, b in itertools.pairwise(log) if b[0] + delay <= a[2])
+    span = log[-1][2] - log[0][1] if log else 0.0
+    return {
+        "due_start_ms": {
+            "median": statistics.median(due) * 1e3,
+            "p90": due[int(0.9 * (len(due) - 1))] * 1e3,
+            "n": len(due),
+        }
+        if due
+        else None,
+        "device_busy": sum(e - s for _, s, e, _ in log) / span if span > 0 else None,
+    }
+
+
 async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, Any]:
     async with tensorrpc.Client(Model, bind=address) as client:
         await client.wait_for_engines(1, timeout=cfg.ready_timeout)
@@ -478,6 +514,7 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
                 before = await _batches(client, method)
             if batched:
                 engine_before = await _engine_batching(client, method)
+                await stub.batch_log(method)  # from now on
             engine_cpu, _, _ = await stub.engine_figures()
             cpu = time.process_time()
             out[name] = await unary(stub, method, cfg.seconds)
@@ -499,6 +536,7 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             if batched:
                 after_stats = await _engine_batching(client, method)
                 out[name].update(_engine_split(engine_before, after_stats))
+                out[name].update(_due_starts(await stub.batch_log(method), DELAYS[method]))
         progress("batching: streams")
         await _streams(stub, "generate_batched", STREAMS)  # warm-up, not recorded
         out["streams one at a time"] = await _streams(stub, "generate", 1)

@@ -248,6 +248,9 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     late = bt["late_ttft_steps"]
     assert late["n"] > 0
     assert 0 < late["min"] <= late["median"] <= late["max"]
+    for case in ("tensorrpc", "tensorrpc, max_delay 5 ms", "tensorrpc, max_delay 10 ms"):
+        assert 0 < bt[case]["device_busy"] <= 1, bt[case]  # each batch logged by the engine
+        assert "due_start_ms" in bt[case]  # None when no batch was due as the last ended
     parts = bt["late_parts_ms"]  # every late stream placed against the engine's steps
     assert set(parts) == {"in", "residual", "boundary", "own", "out", "first_output", "ttft"}
     assert 0 < parts["own"]["median"] <= parts["own"]["max"]
