@@ -29,6 +29,7 @@ from tensorrpc import _codec
 from tensorrpc._bulk import Voucher
 from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._calls import Call, CallState
+from tensorrpc._client_leases import take_item_leases, take_lease
 from tensorrpc._client_protocol import (
     CheckReachable,
     ClientConfig,
@@ -321,7 +322,7 @@ class ClientIO:
                         self.ended(event)
                     else:  # a stream item: the engine has attached to the arguments
                         if event.lease is not None:
-                            self.policy.memory.release_one(protocol.take_lease(event))
+                            self.policy.memory.release_one(take_lease(event))
                         assert self.waiters is not None
                         self.waiters.wake(event.waiter)
                 elif type(event) is CreditGranted:  # a request stream's sender may go on
@@ -348,20 +349,20 @@ class ClientIO:
     def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
         """RELEASE the engine's result leases we are done with (``resolver``: just decoded)."""
         leases = self.policy.memory.releasable(engine.peer, resolver)
-        self.protocol.release(engine, leases, self.now())
+        self.protocol.leases.release(engine, leases, self.now())
         self.flush()
 
     def release_later(self, engine: Engine, resolver: ShmResolver) -> None:
         """A reply was decoded: its finished leases ride in the next CALL to the engine if
         the caller makes one before it yields, else in a RELEASE (`_release_pending`)."""
         leases = self.policy.memory.releasable(engine.peer, resolver)
-        if self.protocol.return_leases(engine, leases) and self.waiters is not None:
+        if self.protocol.leases.give_back(engine, leases) and self.waiters is not None:
             self.waiters.soon(self._release_pending)
 
     def _release_pending(self) -> None:
         """The caller yielded: RELEASE the decoded leases no CALL took (a loop callback)."""
         try:
-            self.protocol.release_pending(self.now())
+            self.protocol.leases.release_pending(self.now())
             if self.sock is not None:  # (closed: the engines drop our leases themselves)
                 self.flush()
         except Exception:  # pragma: no cover - flush logs send errors itself
@@ -411,7 +412,7 @@ class ClientIO:
         """A RESULT or stream item nobody decodes: its torch_shm leases go back now."""
         engine = event.engine
         leases = self.leases(engine, event.payload, event.buffers)
-        self.protocol.release(engine, leases, self.now())
+        self.protocol.leases.release(engine, leases, self.now())
         if event.call is not None:
             self.ended(event.call)
 
@@ -478,9 +479,9 @@ class ClientIO:
             request.scope.cancel()
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
-            self.policy.memory.release_one(self.protocol.take_lease(call))
+            self.policy.memory.release_one(take_lease(call))
         if request is not None and request.leases:  # its request items' too
-            for lease in self.protocol.take_item_leases(call):
+            for lease in take_item_leases(call):
                 self.policy.memory.release_one(lease)
         waiters = self.waiters
         if waiters is None:
@@ -621,7 +622,7 @@ def _drop_unread(io: ClientIO, call: Call, now: float) -> None:
     left = list(items)
     items.clear()
     for payload, buffers in left:
-        io.protocol.release(call.engine, io.leases(call.engine, payload, buffers), now)
+        io.protocol.leases.release(call.engine, io.leases(call.engine, payload, buffers), now)
     del payload, buffers
     later_if_large(left, sum(nbytes(item[1]) for item in left))
 

@@ -112,7 +112,7 @@ class _Client:
     @property
     def held(self) -> int:
         """Argument leases the client's protocol keeps for calls it gave up on."""
-        return self.pair.client.held_leases
+        return len(self.pair.client.leases)
 
     def close(self) -> None:
         self.policy.close()
