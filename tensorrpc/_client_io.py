@@ -1,12 +1,12 @@
-"""The client's I/O loop: one ROUTER socket, a reader, a timer task, one flush, wake-ups.
+"""The client's one shell: one ROUTER socket, a reader, a timer task, one flush, wake-ups.
 
 `ClientIO` owns the client's `tensorrpc._client_protocol.ClientProtocol`, its socket
 and its tensor transport policy. It feeds every message to the protocol, sends the
 frames it hands out (without waiting), runs its timers (heartbeats, dead engines, hello
 requests, rejoins), acts on the events it reports (engines joined and lost, dropped
 replies and the leases they carry, refusals, reachability questions) and wakes the
-callers whose calls it resolved or who wait for capacity. The calls themselves run in
-`tensorrpc._client_calls.CallRunner`, on the same objects.
+callers whose calls it resolved or who wait for capacity. The calls run in their
+callers' tasks as functions of this shell (`tensorrpc._client_calls`).
 
 One clock: the event loop's (`tensorrpc._zmq.loop_clock`, ``now``), for the protocol,
 the heartbeat nonces and the callers' deadlines alike.
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from tensorrpc._engines import Engine
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
+    from tensorrpc._service import ServiceSpec
     from tensorrpc.transports._policy import TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
 
@@ -145,6 +146,7 @@ class ClientIO:
     Args:
         config: The protocol machine's configuration (the machine is made here).
         policy: The tensor transport policy (torch_shm, frames).
+        spec: The service the client calls.
         codec: Codec limits.
         bind: Addresses to bind.
         connect: Addresses of listening engines to dial.
@@ -165,12 +167,17 @@ class ClientIO:
         "codec",
         "engines_changed",
         "hello_voucher",
+        "holds",
+        "maxmsgsize",
         "now",
         "observer",
         "orphans",
         "policy",
         "protocol",
+        "retries",
+        "schemaless",
         "sock",
+        "spec",
         "tg",
         "tick",
         "tracked",
@@ -181,6 +188,7 @@ class ClientIO:
         self,
         config: ClientConfig,
         policy: TransportPolicy,
+        spec: ServiceSpec,
         codec: _codec.CodecConfig,
         *,
         bind: list[str],
@@ -191,7 +199,14 @@ class ClientIO:
     ) -> None:
         self.protocol = ClientProtocol(config)
         self.policy = policy
+        self.holds = policy.memory.holds
+        self.spec = spec
+        self.schemaless = config.schemaless
         self.codec = codec
+        #: The largest frame we send or accept (our socket's; <= 0: none).
+        self.maxmsgsize = socket_options.maxmsgsize
+        #: Calls retried after an engine's OVERLOADED refusal.
+        self.retries = 0
         #: The one clock (the event loop's once open).
         self.now: Callable[[], float] = time.monotonic
         self.observer = observer

@@ -15,6 +15,7 @@ through ``/proc/self/fd`` as the one-copy tests do.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import Any, cast
 
 import anyio
@@ -36,6 +37,7 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._server_calls import ServerCall
 from tensorrpc._server_protocol import ShmPeer
+from tensorrpc._service import ServiceSpec
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports._policy import TransportPolicy
 from tensorrpc.transports.torch_shm import TorchShmTransport
@@ -73,6 +75,7 @@ class _Client:
         self.io = ClientIO(
             self.pair.client.config,
             self.policy,
+            ServiceSpec(name="S", methods=MappingProxyType({}), fingerprint=""),
             _codec.CodecConfig(),
             bind=[],
             connect=[],
