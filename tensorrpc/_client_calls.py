@@ -613,6 +613,10 @@ def _check_sizes(
 ) -> None:
     """A frame over the receiver's MAXMSGSIZE makes its ZMQ drop the whole connection
     without a word, so it is refused here, before sending."""
+    if engine is not None and not encoded.buffers:  # the small call's path
+        limit = engine.frame_limit
+        if limit == 0 or 0 < len(encoded.payload) <= limit:
+            return
     _codec.check_message_size(
         encoded,
         io.maxmsgsize,

@@ -256,6 +256,8 @@ def _admit(
     )
     engine.next_ping = now + engine.ping_every
     config = proto.config
+    limits = [n for n in (config.max_message_bytes, info.max_message_bytes) if n > 0]
+    engine.frame_limit = min(limits, default=0)
     if config.bulk_address:
         engine.bulk_token = proto._tokens()
     engine.bulk_offer = (hello.bulk, hello.bulk_token)

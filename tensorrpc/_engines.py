@@ -302,6 +302,8 @@ class Engine:
     #: Result leases we are done with and have not returned yet (protocol §4 RELEASE,
     #: or the ``RELEASES`` bits of our next CALL).
     releases: list[int] = field(default_factory=list)
+    #: The largest frame both ends take (0: no limit; -1: not known, check in full).
+    frame_limit: int = -1
     #: The engine's id (``info.engine_id``; a field: read on every call).
     engine_id: str = field(init=False)
     #: The engine's announced bound in seconds: how long we may send it nothing before
