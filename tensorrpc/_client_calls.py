@@ -491,7 +491,7 @@ def _send_failed(io: ClientIO, call: Call, exc: BaseException) -> BaseException:
 def ended(io: ClientIO, call: Call, exc: BaseException | None) -> None:
     """The caller is done with ``call`` (``exc``: how it failed): count its outcome and
     tell its observer, once."""
-    outcome = _observe.outcome_of(exc)
+    outcome = "ok" if exc is None else _observe.outcome_of(exc)
     observed = call.observed
     if io.protocol.call_ended(call, outcome, io.now()) and observed is not None:
         observed.finished(outcome, 0 if call.stream else _observe.reply_bytes(call))
