@@ -68,30 +68,11 @@ _DEFAULT_HEARTBEAT: Final = Heartbeat()
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
-    """What a client says and expects in handshakes, and its bounds.
-
-    Attributes:
-        service: The service name engines must serve (ignored when ``schemaless``).
-        fingerprint: The schema fingerprint engines must have (ignored when schemaless).
-        client_id: Sent in WELCOME.
-        host_id: Sent in WELCOME.
-        pid: Sent in WELCOME.
-        heartbeat: Our heartbeat interval and dead-after bound.
-        stream_window: Stream items an engine may send ahead of the consumer.
-        max_message_bytes: Our largest accepted frame (0: no limit), sent in WELCOME.
-        balancing: How calls without a target pick an engine.
-        max_in_flight: Calls in flight per engine.
-        schemaless: Admit any service and fingerprint (protocol version still checked).
-        signatures: Our methods (name → signature), so that a fingerprint refusal names
-            the methods that differ.
-        compression: The compression codecs we decode, sent in WELCOME.
-        engine_keys: Engine id → the z85 CURVE public key its HELLO must come with; a
-            HELLO with an id not listed, or from another key, is refused (None: ids are
-            first come).
-        shm_transports: What our WELCOME lists to an engine we may use torch_shm with
-            (the transports we can receive).
-        shm_trust_unattested: torch_shm also with engines the kernel cannot attest,
-            taking the pid they claim (``shm_trust_unattested``, docs/security.md).
+    """What a client says in its WELCOMEs and expects of HELLOs, and its bounds (the
+    `tensorrpc.Client` keywords of the same names). ``signatures`` (name → signature)
+    let a fingerprint refusal name the methods that differ; ``engine_keys`` binds
+    engine ids to the z85 CURVE key their HELLO must come with (None: first come);
+    ``shm_transports`` is what our WELCOME lists to an engine we may use torch_shm with.
     """
 
     service: str
