@@ -141,19 +141,8 @@ class RefusalLog:
 
 
 class ClientIO:
-    """The I/O around one `ClientProtocol`: socket, reader, timers, flush, wake-ups.
-
-    Args:
-        config: The protocol machine's configuration (the machine is made here).
-        policy: The tensor transport policy (torch_shm, frames).
-        spec: The service the client calls.
-        codec: Codec limits.
-        bind: Addresses to bind.
-        connect: Addresses of listening engines to dial.
-        socket_options: The ROUTER's ZMQ options.
-        curve: CURVE configuration of the socket (None: plaintext).
-        observer: Told about heartbeats and engine events (None: nobody).
-    """
+    """The client's one shell around its `ClientProtocol` (made here from ``config``):
+    socket, reader, timers, flush, wake-ups, and the state its calls run on."""
 
     __slots__ = (
         "_bind",

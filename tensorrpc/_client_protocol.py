@@ -247,23 +247,12 @@ class ClientProtocol(Machine[bytes, Event]):
         woken: bool = False,
         wait_for_ready: bool = False,
     ) -> Engine | None:
-        """The engine for a new call (see `EngineTable.select`); None: wait for capacity.
-
-        Args:
-            engine_id: The engine the call targets, or ``None`` to balance.
-            now: The clock. An engine we left silent past its bound (our loop stalled)
-                forgot the session: it is ended here (`EngineLost` in `next_events`), not
-                sent a call, and the caller waits for it to rejoin (`rejoining`).
-            woken: The caller was woken from the capacity queue (it does not requeue).
-            wait_for_ready: gRPC's wait-for-ready: with no live engine for the call, the
-                caller waits (an engine that joins wakes it) instead of failing; its
-                deadline bounds the wait, and `absence` then says why none came.
-
-        Raises:
-            EngineNotFoundError: As `EngineTable.select`, unless the engine (or any
-                engine, to balance) is expected back or ``wait_for_ready``: the caller
-                waits.
-        """
+        """The engine for a call to ``engine_id`` (None: balanced), as `EngineTable.select`
+        says; None: the caller waits, for capacity (``woken``: it was woken from that
+        queue and does not requeue), for an engine expected back, or (``wait_for_ready``)
+        for any engine to join, instead of `EngineNotFoundError`. An engine we left
+        silent past its bound (our loop stalled) forgot the session: it is ended here
+        (`EngineLost` in `next_events`) and expected back (`rejoining`)."""
         if not woken and self.capacity.queued(engine_id):
             return None  # earlier callers wait for this capacity: queue behind them
         engines = self.engines
