@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
     import torch
+
+    from tensorrpc.transports._shm_copy import Copier
 else:
     torch = LazyModule("torch", globals())
 
@@ -522,7 +524,13 @@ class Warmer:
 
 
 def fill(
-    seg: Segment, view: torch.Tensor, off: int, src: torch.Tensor, fd: int, warmer: Warmer
+    seg: Segment,
+    view: torch.Tensor,
+    off: int,
+    src: torch.Tensor,
+    fd: int,
+    warmer: Warmer,
+    copier: Copier | None = None,
 ) -> None:
     """Copy the contiguous ``src`` into ``seg`` at byte ``off``.
 
@@ -530,14 +538,19 @@ def fill(
     caller while it held the pool's lock (a concurrent close can neither unmap the one nor
     redirect the other); ``fd`` is -1 where every chunk was warm then.
 
-    Where the segment's chunks are warm (our mapping has the pages): one ``memmove``.
-    Otherwise ``pwrite`` through ``fd``, which allocates the pages already filled instead
-    of zeroing each in a fault before the copy, and ``warmer`` maps them in afterwards.
+    Where the segment's chunks are warm (our mapping has the pages): a ``memmove``, split
+    over ``copier``'s threads when it is large. Otherwise ``pwrite`` through ``fd``, which
+    allocates the pages already filled instead of zeroing each in a fault before the copy
+    (one thread: the kernel writes a file under its inode lock), and ``warmer`` maps them
+    in afterwards.
     """
     nbytes = src.numel() * src.element_size()
     first, last = off // WARM_CHUNK, (off + nbytes - 1) // WARM_CHUNK
     if fd < 0 or all(seg.warm[first : last + 1]):
-        ctypes.memmove(view.data_ptr() + off, src.data_ptr(), nbytes)
+        if copier is None:
+            ctypes.memmove(view.data_ptr() + off, src.data_ptr(), nbytes)
+        else:
+            copier.copy(view.data_ptr() + off, src.data_ptr(), nbytes)
         return
     data = memoryview((ctypes.c_char * nbytes).from_address(src.data_ptr())).cast("B")
     done = 0
