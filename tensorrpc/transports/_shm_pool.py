@@ -466,9 +466,9 @@ class Warmer:
 
     `fill` writes a region's cold pages with ``pwrite`` (our own mapping of them stays
     empty) and hands the range here; the thread maps those pages in
-    (``MADV_POPULATE_WRITE``) and marks the segment's chunks warm, so the next copy into
-    them is a ``memmove`` that faults nothing. The thread lives while there is work and
-    is joined by `close`. Thread-safe.
+    (``MADV_POPULATE_WRITE``, one `WARM_CHUNK` per call) and marks the segment's chunks
+    warm, so the next copy into them is a ``memmove`` that faults nothing. The thread
+    lives while there is work and is joined by `close`. Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -497,12 +497,18 @@ class Warmer:
                     self._thread = None
                     return
                 seg, view, start, end = self._jobs.pop(0)
-            if view.numel() >= end:  # (a closed segment's view is empty: nothing to do)
-                # The job holds `view`, so the mapping outlives this call. A failure
-                # (a kernel without MADV_POPULATE_WRITE) leaves the pages to fault in on
-                # the next memmove, as they would without this thread.
-                _libc.madvise(view.data_ptr() + start, end - start, _MADV_POPULATE_WRITE)
-            mark_warm(seg, start, end - start)
+            if view.numel() < end:  # (a closed segment's view is empty: nothing to do)
+                continue
+            # The job holds `view`, so the mapping outlives this loop. One chunk per call:
+            # the kernel holds the process's memory map while it populates, and an
+            # mmap or munmap in any other thread (a new segment on the event loop) waits
+            # for the whole call, and every page fault behind it. A failure (a kernel
+            # without MADV_POPULATE_WRITE) leaves the pages to fault in on the next
+            # memmove, as they would without this thread.
+            for at in range(start, end, WARM_CHUNK):
+                n = min(WARM_CHUNK, end - at)
+                _libc.madvise(view.data_ptr() + at, n, _MADV_POPULATE_WRITE)
+                mark_warm(seg, at, n)
 
     def idle(self, timeout: float) -> bool:
         """Wait (bounded) until no job is pending; whether that happened (for tests)."""
