@@ -26,13 +26,21 @@ Systems (each one's peer module says how it is set up):
   timed); a ``tensorrpc.share()`` tensor; and the **first call of a new size** (64 MiB
   column only: each sample a size the pool has no segment for). Each line also times,
   in the same run and the same process, one ``Tensor.copy_`` of the very sources it
-  sends into a preallocated tensor (one thread), and the report divides by it;
+  sends into a preallocated tensor in shared memory (a memfd's pages, already faulted
+  in: what the pool copies into), on one thread, and the report divides by it. The
+  transport's own copy of 8 MiB or more is split over up to four threads (the cores
+  the client may use): on an idle machine with more than one core a line that copies
+  can come out faster than that one-thread ``copy_``;
 * ``mp.Queue (shared)`` / ``mp.Queue (fresh)``: torch.multiprocessing queues;
 * ``grpc.aio``: the tensor's bytes through a generic bytes handler;
 * ``torch.distributed.rpc``: TensorPipe on CPU;
 * ``Ray actor (torch)`` / ``Ray actor (numpy)``: a local Ray instance and one actor, the
   payload as a torch tensor (pickled) and as a numpy array (zero-copy from Ray's object
   store: Ray at its best); optional, only if Ray is installed.
+
+Run on its own: ``python -m bench.transfer [--quick] [--line KEY] [--size BYTES]``, the
+chosen tensorrpc lines (keys of `TORCH_SHM_LINES`) at the chosen sizes, each divided by
+its own ``copy_`` (for old and new builds alternating on a quiet machine).
 
 Tensor out (small request, the server answers a tensor it already holds): the in-process
 lines (the same copy), tensorrpc (frames, torch_shm from a fresh tensor, torch_shm from a
@@ -665,7 +673,8 @@ NOTES = {
     "Tensor.clone (in-process)": "allocate + copy in one process, one thread",
     "tensorrpc frames": "the same tensor each call, an out-of-band zero-copy ZMQ frame, ipc://",
     "tensorrpc torch_shm (new tensor each call)": "a tensor not sent before (pre-made, 640 MiB "
-    "of them or one per call, cycled, all held): copied into tensorrpc's pool",
+    "of them or one per call, cycled, all held: their allocation and free are not timed): "
+    "copied into tensorrpc's pool, from 8 MiB on by up to 4 threads",
     "tensorrpc torch_shm (same tensor each call)": "one tensor sent again and again: copied "
     "into tensorrpc's pool each call",
     "tensorrpc torch_shm (share_memory_)": "a share_memory_() tensor (torch's shared memory), "
