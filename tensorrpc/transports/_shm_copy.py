@@ -66,12 +66,15 @@ class _Copy:
         """Copy pieces until none is left to take."""
         while (i := next(self.next)) < self.pieces:
             off = i * self.step
-            if off < self.nbytes:
-                ctypes.memmove(self.dst + off, self.src + off, min(self.step, self.nbytes - off))
-            with self.lock:
-                self.left -= 1
-                if not self.left:
-                    self.done.set()
+            try:
+                if off < self.nbytes:
+                    n = min(self.step, self.nbytes - off)
+                    ctypes.memmove(self.dst + off, self.src + off, n)
+            finally:  # (counted whatever happens: the caller waits for every piece)
+                with self.lock:
+                    self.left -= 1
+                    if not self.left:
+                        self.done.set()
 
 
 class Copier:

@@ -260,6 +260,18 @@ class ShmPlacer:
             self._transport.release(self._lease.id)
 
 
+#: The sending half's counters (see `TorchShmStatistics`).
+_SENDER_COUNTERS = (
+    "tensors_sent",
+    "bytes_sent",
+    "tensors_aliased",
+    "fallbacks",
+    "leases_expired",
+    "peer_limited",
+    "releases_refused",
+)
+
+
 class TorchShmTransport(ShmReceiving):
     """The ``torch_shm`` tensor transport of one process: a memfd pool, leases, mappings.
 
@@ -337,18 +349,7 @@ class TorchShmTransport(ShmReceiving):
         self._cuda = cuda
         self._clock = clock
         self._closed = False
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "tensors_sent",
-                "bytes_sent",
-                "tensors_aliased",
-                "fallbacks",
-                "leases_expired",
-                "peer_limited",
-                "releases_refused",
-            ),
-            0,
-        )
+        self._stats: dict[str, int] = dict.fromkeys(_SENDER_COUNTERS, 0)
 
     # -- lifecycle -------------------------------------------------------------------------
 
