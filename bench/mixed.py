@@ -26,7 +26,11 @@ reported on its own. Then, per size, a small call made right after each large ca
 nothing else in flight (the case of issue 26: what freeing the large call's buffers costs
 the next call). Every loop is bounded by a count and a time budget.
 
-Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]``.
+Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]
+[--huge-pages]``. ``--huge-pages`` runs the client (this process, started again) and the
+engines with their large buffers on transparent huge pages (``GLIBC_TUNABLES=
+glibc.malloc.hugetlb=1 THP_MEM_ALLOC_ENABLE=1``, what ``tensorrpc.testing`` gives the
+engines it starts; docs/transports.md, "Huge pages").
 """
 
 from __future__ import annotations
@@ -446,6 +450,18 @@ def report(mixed: dict[str, Any]) -> list[str]:
     return lines
 
 
+_HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def _restart_with_huge_pages() -> None:
+    """Start this process again with `_HUGE_PAGES` set (malloc reads them at start-up)."""
+    if all(os.environ.get(k) == v for k, v in _HUGE_PAGES.items()):
+        return
+    env = {**os.environ, **_HUGE_PAGES}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "bench.mixed", *sys.argv[1:]], env)
+
+
 def main() -> None:
     """Run the section alone; print its markdown (and ``--json`` the raw results)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -453,7 +469,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="per case (default 2)")
     parser.add_argument("--system", action="append", help="only this system (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
+    parser.add_argument(
+        "--huge-pages", action="store_true", help="large buffers on transparent huge pages"
+    )
     args = parser.parse_args()
+    if args.huge_pages:
+        _restart_with_huge_pages()
 
     def progress(msg: str) -> None:
         print(f"[mixed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -466,10 +487,13 @@ def main() -> None:
             systems=args.system,
             seconds=args.seconds,
         )
+    results["huge_pages"] = args.huge_pages
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
     print("\n".join(report(results)))
-    print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    pages = "transparent huge pages" if args.huge_pages else "the processes' default pages"
+    print(f"\nlarge buffers on {pages}")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
