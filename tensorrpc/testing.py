@@ -211,7 +211,10 @@ def engine_processes(
     Each runs ``tensorrpc serve MODULE:FACTORY --connect ADDRESS`` (the factory, a
     ``@service`` class or a function returning an instance, must be importable). The
     caller waits for them with its client's ``wait_for_engines``. On exit every process
-    gets SIGTERM (it drains), SIGKILL past ``stop_timeout``, and is reaped.
+    gets SIGTERM (it drains), SIGKILL past ``stop_timeout``, and is reaped. The engines
+    get this process's environment, with their large buffers on transparent huge pages
+    unless it says otherwise (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``,
+    ``THP_MEM_ALLOC_ENABLE=1``; docs/transports.md, "Huge pages").
 
     Args:
         factory: The service class, or a zero-argument factory of instances.
