@@ -16,7 +16,7 @@ pause); many, and it was released. (A free of well under a millisecond may end b
 the spinner is scheduled at all, so none there proves nothing.) The free time is
 measured in other drops with no spinner: the cost of the free itself.
 
-Kinds: a tensor from torch's CPU allocator (``torch.empty`` filled), a ZMQ frame
+Kinds: a tensor from torch's CPU allocator (``torch.ones``), a ZMQ frame
 received zero-copy over ``ipc://`` (libzmq's ``malloc``), a tensor on such a frame
 (what tensorrpc decodes: ``torch.frombuffer``), a ``bytearray``, a ``bytearray``
 whose pages are given back with ``madvise(MADV_DONTNEED)`` through ctypes (the GIL is
