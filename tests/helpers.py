@@ -60,7 +60,7 @@ class ProtocolPair:
         self, names: tuple[str, ...] | list[str] = ("e1",), *, dial_in: bool = False,
         engine: dict[str, Any] | None = None, **client: Any,
     ) -> None:  # fmt: skip
-        self.now, self.dial_in, self.engine = 100.0, dial_in, engine or {}
+        self.now, self.dial_in, self.engine = 100.0, dial_in, {"torch_shm": False, **(engine or {})}
         options = {"client_id": "pair-client", "stream_window": 4, "torch_shm": False, **client}
         self.client = Client(Tiny, bind=CLIENT, **options)._protocol
         self.to_client: deque[Wire] = deque()  # engine -> client
