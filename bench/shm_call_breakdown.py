@@ -74,8 +74,8 @@ def _instrument() -> None:
     run = torch_shm._Fill.run
     torch_shm.TorchShmTransport._place = _stamp("place0", _stamp_end("place1", place))  # type: ignore[method-assign]
     torch_shm._Fill.run = _stamp("copy0", _stamp_end("copy1", run))  # type: ignore[method-assign]
-    send = client_calls.CallRunner._send_call
-    client_calls.CallRunner._send_call = _stamp("send", send)  # type: ignore[method-assign]
+    send = client_calls._send_call
+    client_calls._send_call = _stamp("send", send)
 
 
 def _ms(xs: list[float]) -> str:
