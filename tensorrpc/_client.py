@@ -1,25 +1,16 @@
-"""The client's I/O shell: one ROUTER socket multiplexing typed calls over many engines.
+"""The public client: one ROUTER socket multiplexing typed calls over many engines.
 
 Every decision (handshake, sessions, the call table, reply legality, credit, liveness,
-capacity) is made by `tensorrpc._client_protocol.ClientProtocol`; `Client` is the public
-surface of a shell split by job in two more modules:
-
-* `tensorrpc._client_io.ClientIO`: the protocol, its one clock and the tensor transport
-  policy; one ROUTER socket for both topologies (engines dial in with ``bind=``; the
-  client dials engines with ``connect=``), one reader task that feeds every message to
-  the protocol and wakes the caller whose call it resolved, one timer task (heartbeats,
-  dead engines, hello requests, rejoins, stream orphans, sent tensor memory), one flush
-  of the control frames the protocol queues, and the wake-ups of callers waiting for an
-  in-flight slot (one per freed slot).
-* `tensorrpc._client_calls.CallRunner`: each call in its caller's task: admission,
-  encoding (torch_shm or frames, the engine's frame limit), the zero-copy CALL, the
-  reply (decoded by the caller, so the reader stays lean), retries, streams and
-  broadcast.
+capacity) is made by `tensorrpc._client_protocol.ClientProtocol`. `Client` is the public
+surface of its one shell, `tensorrpc._client_io.ClientIO` (the socket, the reader and
+timer tasks, the wake-ups), whose calls run in their callers' tasks as the functions
+of `tensorrpc._client_calls`, bound to it once here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 from dataclasses import replace
@@ -29,8 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import anyio
 import anyio.lowlevel
 
-from tensorrpc import _codec, _compression, _observe
-from tensorrpc._client_calls import CallRunner
+from tensorrpc import _client_calls as _calls, _codec, _compression, _observe
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import ClientConfig, Heartbeat
 from tensorrpc._engines import EngineInfo, unavailable_message
@@ -180,7 +170,6 @@ class Client(CallView[S]):
         "_opened",
         "_orphans",
         "_protocol",
-        "_runner",
         "_runtime_keys",
         "_spec",
         "_start_stream",
@@ -237,35 +226,35 @@ class Client(CallView[S]):
         self._opened = False
         self._tg: anyio.abc.TaskGroup | None = None
         io = self._io = ClientIO(
-            config, policy, codec or _codec.DEFAULT, bind=binds, connect=connects,
+            config, policy, self._spec, codec or _codec.DEFAULT, bind=binds, connect=connects,
             socket_options=options, curve=curve, observer=_observe.resolve(observer),
         )  # fmt: skip
         self._protocol: ClientProtocol = io.protocol
-        self._runner = CallRunner(
-            io, self._spec, schemaless=self.schemaless, maxmsgsize=options.maxmsgsize
-        )
-        self._entry_points(self._runner, io)
+        self._bind_calls(io, interceptors)
+
+    def _bind_calls(self, io: ClientIO, interceptors: Sequence[ClientInterceptor]) -> None:
+        # What CallView, stubs and CallStream call, bound once to the shell.
+        bind = functools.partial
+        self._call: Callable[..., Awaitable[Any]] = bind(_calls.call, io)
+        self._method = bind(_calls.method, io)
+        self._by_name = bind(_calls.by_name, io)
+        self._broadcast = bind(_calls.broadcast, io)
+        self._start_stream = bind(_calls.start_stream, io)
+        self._next_item = bind(_calls.next_item, io)
+        self._abandon = io.abandon
+        self._ended = bind(_calls.ended, io)
+        self._orphans = io.orphans
         self._open_stream: Callable[..., Awaitable[tuple[Call | None, Any]]] | None = None
         if interceptors:
             chain = ClientInterception(
-                self._runner,
+                self._call,
+                self._start_stream,
+                self._next_item,
                 io.abandon,
                 self._spec.name,
                 check_interceptors(interceptors, "client"),
             )
             self._call, self._open_stream = chain.call, chain.open_stream
-
-    def _entry_points(self, runner: CallRunner, io: ClientIO) -> None:
-        # What CallView, stubs and CallStream call, bound once (no extra frame per call).
-        self._call = runner.call
-        self._method = runner.method
-        self._by_name = runner.by_name
-        self._broadcast = runner.broadcast
-        self._start_stream = runner.start_stream
-        self._next_item = runner.next_item
-        self._abandon = io.abandon
-        self._ended = runner.ended
-        self._orphans = io.orphans
 
     @classmethod
     def dynamic(
@@ -383,7 +372,7 @@ class Client(CallView[S]):
 
     def statistics(self) -> ClientStatistics:
         """Counters per engine and for the whole client (a frozen snapshot)."""
-        return _statistics(self._protocol, self._runner.retries, self._io.policy.statistics())
+        return _statistics(self._protocol, self._io.retries, self._io.policy.statistics())
 
     async def wait_for_engines(
         self,
@@ -519,7 +508,7 @@ class Client(CallView[S]):
             self._io.check_open()
             changed = self._io.engines_changed
             live = sorted(self._protocol.engines.engines)
-            now = await self._health_round(live, service, timeout)
+            now = await _health_round(self, live, service, timeout)
             for engine_id in seen.keys() - now.keys():
                 now[engine_id] = HealthStatus.UNKNOWN  # it left
             for engine_id in sorted(now):
@@ -532,25 +521,6 @@ class Client(CallView[S]):
             if changed is not None:
                 with anyio.move_on_after(interval):
                     await changed.wait()
-
-    async def _health_round(
-        self, engine_ids: list[str], service: str, bound: float
-    ) -> dict[str, HealthStatus]:
-        """One health answer per engine (``UNKNOWN`` for those that gave none in time)."""
-        answers: dict[str, HealthStatus] = {}
-
-        async def one(engine_id: str) -> None:
-            try:
-                answers[engine_id] = await self.health(engine_id, service=service, timeout=bound)
-            except ClosedError:
-                raise
-            except TensorRPCError:
-                answers[engine_id] = HealthStatus.UNKNOWN
-
-        async with anyio.create_task_group() as tg:
-            for engine_id in engine_ids:
-                tg.start_soon(one, engine_id)
-        return answers
 
     # -- membership hooks (used by launchers such as tensorrpc.ray) ------------------------
 
@@ -653,7 +623,7 @@ class Client(CallView[S]):
         new = {k: v for k, v in checked.items() if k not in current}
         allow_clients(sock.socket, [v.encode("ascii") for v in new.values()])
         self._runtime_keys.update(new)
-        self._set_engine_keys()
+        _set_engine_keys(self._protocol, self._built_keys, self._runtime_keys)
 
     def unbind_engine_keys(self, engine_ids: Iterable[str]) -> None:
         """Undo `bind_engine_keys` for ``engine_ids``: their keys leave the allow-list
@@ -664,7 +634,7 @@ class Client(CallView[S]):
         gone = {k: self._runtime_keys.pop(k) for k in engine_ids if k in self._runtime_keys}
         if not gone:
             return
-        self._set_engine_keys()
+        _set_engine_keys(self._protocol, self._built_keys, self._runtime_keys)
         sock = self._io.sock
         if sock is not None:
             still = set(self._runtime_keys.values()) | set((self._built_keys or {}).values())
@@ -672,11 +642,35 @@ class Client(CallView[S]):
                 sock.socket, [v.encode("ascii") for v in gone.values() if v not in still]
             )
 
-    def _set_engine_keys(self) -> None:
-        keys: Mapping[str, str] | None = None
-        if self._built_keys is not None or self._runtime_keys:
-            keys = MappingProxyType({**(self._built_keys or {}), **self._runtime_keys})
-        self._protocol.config = replace(self._protocol.config, engine_keys=keys)
+
+async def _health_round(
+    client: Client[Any], engine_ids: list[str], service: str, bound: float
+) -> dict[str, HealthStatus]:
+    """One health answer per engine (``UNKNOWN`` for those that gave none in time)."""
+    answers: dict[str, HealthStatus] = {}
+
+    async def one(engine_id: str) -> None:
+        try:
+            answers[engine_id] = await client.health(engine_id, service=service, timeout=bound)
+        except ClosedError:
+            raise
+        except TensorRPCError:
+            answers[engine_id] = HealthStatus.UNKNOWN
+
+    async with anyio.create_task_group() as tg:
+        for engine_id in engine_ids:
+            tg.start_soon(one, engine_id)
+    return answers
+
+
+def _set_engine_keys(
+    protocol: ClientProtocol, built: Mapping[str, str] | None, runtime: Mapping[str, str]
+) -> None:
+    """The machine admits ids by ``engine_keys=`` and those bound at run time."""
+    keys: Mapping[str, str] | None = None
+    if built is not None or runtime:
+        keys = MappingProxyType({**(built or {}), **runtime})
+    protocol.config = replace(protocol.config, engine_keys=keys)
 
 
 def _client_config(

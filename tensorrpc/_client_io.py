@@ -1,12 +1,12 @@
-"""The client's I/O loop: one ROUTER socket, a reader, a timer task, one flush, wake-ups.
+"""The client's one shell: one ROUTER socket, a reader, a timer task, one flush, wake-ups.
 
 `ClientIO` owns the client's `tensorrpc._client_protocol.ClientProtocol`, its socket
 and its tensor transport policy. It feeds every message to the protocol, sends the
 frames it hands out (without waiting), runs its timers (heartbeats, dead engines, hello
 requests, rejoins), acts on the events it reports (engines joined and lost, dropped
 replies and the leases they carry, refusals, reachability questions) and wakes the
-callers whose calls it resolved or who wait for capacity. The calls themselves run in
-`tensorrpc._client_calls.CallRunner`, on the same objects.
+callers whose calls it resolved or who wait for capacity. The calls run in their
+callers' tasks as functions of this shell (`tensorrpc._client_calls`).
 
 One clock: the event loop's (`tensorrpc._zmq.loop_clock`, ``now``), for the protocol,
 the heartbeat nonces and the callers' deadlines alike.
@@ -29,6 +29,7 @@ from tensorrpc import _codec
 from tensorrpc._bulk import Voucher
 from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._calls import Call, CallState
+from tensorrpc._client_leases import take_item_leases, take_lease
 from tensorrpc._client_protocol import (
     CheckReachable,
     ClientConfig,
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
     from tensorrpc._engines import Engine
     from tensorrpc._observe import Observer
     from tensorrpc._security import CurveConfig
+    from tensorrpc._service import ServiceSpec
     from tensorrpc.transports._policy import TransportPolicy
     from tensorrpc.transports.torch_shm import ShmResolver
 
@@ -139,18 +141,8 @@ class RefusalLog:
 
 
 class ClientIO:
-    """The I/O around one `ClientProtocol`: socket, reader, timers, flush, wake-ups.
-
-    Args:
-        config: The protocol machine's configuration (the machine is made here).
-        policy: The tensor transport policy (torch_shm, frames).
-        codec: Codec limits.
-        bind: Addresses to bind.
-        connect: Addresses of listening engines to dial.
-        socket_options: The ROUTER's ZMQ options.
-        curve: CURVE configuration of the socket (None: plaintext).
-        observer: Told about heartbeats and engine events (None: nobody).
-    """
+    """The client's one shell around its `ClientProtocol` (made here from ``config``):
+    socket, reader, timers, flush, wake-ups, and the state its calls run on."""
 
     __slots__ = (
         "_bind",
@@ -164,12 +156,17 @@ class ClientIO:
         "codec",
         "engines_changed",
         "hello_voucher",
+        "holds",
+        "maxmsgsize",
         "now",
         "observer",
         "orphans",
         "policy",
         "protocol",
+        "retries",
+        "schemaless",
         "sock",
+        "spec",
         "tg",
         "tick",
         "tracked",
@@ -180,6 +177,7 @@ class ClientIO:
         self,
         config: ClientConfig,
         policy: TransportPolicy,
+        spec: ServiceSpec,
         codec: _codec.CodecConfig,
         *,
         bind: list[str],
@@ -190,7 +188,14 @@ class ClientIO:
     ) -> None:
         self.protocol = ClientProtocol(config)
         self.policy = policy
+        self.holds = policy.memory.holds
+        self.spec = spec
+        self.schemaless = config.schemaless
         self.codec = codec
+        #: The largest frame we send or accept (our socket's; <= 0: none).
+        self.maxmsgsize = socket_options.maxmsgsize
+        #: Calls retried after an engine's OVERLOADED refusal.
+        self.retries = 0
         #: The one clock (the event loop's once open).
         self.now: Callable[[], float] = time.monotonic
         self.observer = observer
@@ -321,7 +326,7 @@ class ClientIO:
                         self.ended(event)
                     else:  # a stream item: the engine has attached to the arguments
                         if event.lease is not None:
-                            self.policy.memory.release_one(protocol.take_lease(event))
+                            self.policy.memory.release_one(take_lease(event))
                         assert self.waiters is not None
                         self.waiters.wake(event.waiter)
                 elif type(event) is CreditGranted:  # a request stream's sender may go on
@@ -348,20 +353,20 @@ class ClientIO:
     def release_held(self, engine: Engine, resolver: ShmResolver | None = None) -> None:
         """RELEASE the engine's result leases we are done with (``resolver``: just decoded)."""
         leases = self.policy.memory.releasable(engine.peer, resolver)
-        self.protocol.release(engine, leases, self.now())
+        self.protocol.leases.release(engine, leases, self.now())
         self.flush()
 
     def release_later(self, engine: Engine, resolver: ShmResolver) -> None:
         """A reply was decoded: its finished leases ride in the next CALL to the engine if
         the caller makes one before it yields, else in a RELEASE (`_release_pending`)."""
         leases = self.policy.memory.releasable(engine.peer, resolver)
-        if self.protocol.return_leases(engine, leases) and self.waiters is not None:
+        if self.protocol.leases.give_back(engine, leases) and self.waiters is not None:
             self.waiters.soon(self._release_pending)
 
     def _release_pending(self) -> None:
         """The caller yielded: RELEASE the decoded leases no CALL took (a loop callback)."""
         try:
-            self.protocol.release_pending(self.now())
+            self.protocol.leases.release_pending(self.now())
             if self.sock is not None:  # (closed: the engines drop our leases themselves)
                 self.flush()
         except Exception:  # pragma: no cover - flush logs send errors itself
@@ -411,7 +416,7 @@ class ClientIO:
         """A RESULT or stream item nobody decodes: its torch_shm leases go back now."""
         engine = event.engine
         leases = self.leases(engine, event.payload, event.buffers)
-        self.protocol.release(engine, leases, self.now())
+        self.protocol.leases.release(engine, leases, self.now())
         if event.call is not None:
             self.ended(event.call)
 
@@ -478,9 +483,9 @@ class ClientIO:
             request.scope.cancel()
         if call.lease is not None:
             # The engine replied (so it attached to the arguments), or never will.
-            self.policy.memory.release_one(self.protocol.take_lease(call))
+            self.policy.memory.release_one(take_lease(call))
         if request is not None and request.leases:  # its request items' too
-            for lease in self.protocol.take_item_leases(call):
+            for lease in take_item_leases(call):
                 self.policy.memory.release_one(lease)
         waiters = self.waiters
         if waiters is None:
@@ -621,7 +626,7 @@ def _drop_unread(io: ClientIO, call: Call, now: float) -> None:
     left = list(items)
     items.clear()
     for payload, buffers in left:
-        io.protocol.release(call.engine, io.leases(call.engine, payload, buffers), now)
+        io.protocol.leases.release(call.engine, io.leases(call.engine, payload, buffers), now)
     del payload, buffers
     later_if_large(left, sum(nbytes(item[1]) for item in left))
 

@@ -128,22 +128,10 @@ def check_hello(
     protocol_version: int,
     signatures: Mapping[str, str] | None = None,
 ) -> tuple[str, str] | None:
-    """Compare an engine's HELLO against what the client expects.
-
-    Args:
-        info: What the engine said.
-        service: The client's service name.
-        fingerprint: The client's schema fingerprint.
-        protocol_version: The client's protocol version.
-        signatures: The client's methods (name → signature); when given, a fingerprint
-            mismatch names the methods that differ (see `schema_diff`).
-
-    Returns:
-        ``None`` when the engine is acceptable, else ``(reason, message)`` where ``reason``
-        is a REJECT code (``"version"``, ``"service"``, ``"fingerprint"``) and ``message``
-        says what differs (``"engine 'e1' has a different schema: engine lacks: ...
-        (fingerprint 408b7dc5edbb, client expects 5d6db7120570)"``).
-    """
+    """Compare an engine's HELLO against what the client expects: None when it is
+    acceptable, else ``(reason, message)``, a REJECT code (``"version"``, ``"service"``,
+    ``"fingerprint"``) and what differs (with ``signatures``, the client's methods by
+    name, a fingerprint mismatch names the methods that differ: `schema_diff`)."""
     if info.protocol_version != protocol_version:
         return (
             "version",
@@ -180,19 +168,10 @@ _DIFF_NAMES = 8
 
 
 def schema_diff(ours: Mapping[str, str], info: EngineInfo) -> str:
-    """Say which methods differ between the client's service and an engine's HELLO.
-
-    Args:
-        ours: The client's methods: name → signature (``MethodSpec.signature``).
-        info: The engine's HELLO (its ``methods`` and, from engines that announce them,
-            ``signatures``).
-
-    Returns:
-        ``"engine adds: ...; engine lacks: ...; changed: name: engine `...`, client
-        `...`"`` (the parts that apply, at most 8 names each), or a sentence saying that
-        the names and announced signatures are the same (the difference is then in types
-        they name, such as a dataclass's fields).
-    """
+    """Which methods differ between ours (name → signature) and an engine's HELLO:
+    ``"engine adds: ...; engine lacks: ...; changed: name: engine `...`, client `...`"``
+    (the parts that apply, at most 8 names each), or a sentence saying that names and
+    signatures are the same (the difference is in types they name)."""
     theirs = dict(zip(info.methods, info.signatures, strict=True))
     parts: list[str] = []
     added = [name for name in theirs if name not in ours]
@@ -302,6 +281,8 @@ class Engine:
     #: Result leases we are done with and have not returned yet (protocol §4 RELEASE,
     #: or the ``RELEASES`` bits of our next CALL).
     releases: list[int] = field(default_factory=list)
+    #: The largest frame both ends take (0: no limit; -1: not known, check in full).
+    frame_limit: int = -1
     #: The engine's id (``info.engine_id``; a field: read on every call).
     engine_id: str = field(init=False)
     #: The engine's announced bound in seconds: how long we may send it nothing before
@@ -751,23 +732,9 @@ def unavailable_message(
     failures: Sequence[str] = (),
     earlier: int = 0,
 ) -> str:
-    """The text of the error ``wait_for_engines`` raises when it gives up.
-
-    Args:
-        live: Engines live now.
-        count: Engines waited for.
-        timeout: The wait's timeout (seconds).
-        rejected: Refused engine id → ``"reason: message"``.
-        failures: Failed handshakes on the client's socket (CURVE refusals), most recent
-            last; the last three distinct ones are named.
-        earlier: Refusals no longer in ``rejected`` (it keeps the latest
-            [`MAX_REJECTED`][tensorrpc._engines.MAX_REJECTED]).
-
-    Returns:
-        ``"0 of 2 engines live after 5.0 s; refused: e1: fingerprint: ..."``, or, when
-        none is live and engines were refused, ``"0 of 2 engines live: every engine
-        that tried to join was refused; refused: ..."``.
-    """
+    """The text of the error ``wait_for_engines`` raises when it gives up: ``live`` of
+    ``count`` engines, the refusals (engine id → ``"reason: message"``; ``earlier``: those
+    no longer kept) and the last three distinct failed CURVE handshakes (``failures``)."""
     if rejected and not live:
         text = f"{live} of {count} engines live: every engine that tried to join was refused"
     else:

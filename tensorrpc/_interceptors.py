@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
     from tensorrpc._calls import Call
-    from tensorrpc._client_calls import CallRunner
     from tensorrpc._codec import Encoded
     from tensorrpc._context import CallContext
     from tensorrpc._service import MethodSpec
@@ -151,25 +150,31 @@ class StreamItems:
 
 class ClientInterception:
     """A client's calls through its interceptors (what its stubs and views call instead
-    of `tensorrpc._client_calls.CallRunner` when it has interceptors).
+    of `tensorrpc._client_calls` when it has interceptors).
 
     Args:
-        runner: The client's calls.
+        call: Runs a call (`tensorrpc._client_calls.call`, bound to the client's shell).
+        start_stream: Starts a stream (`tensorrpc._client_calls.start_stream`, bound).
+        next_item: A stream's next item (`tensorrpc._client_calls.next_item`, bound).
         abandon: Gives up on a call (`tensorrpc._client_io.ClientIO.abandon`).
         service: The service's name.
         interceptors: Outermost first.
     """
 
-    __slots__ = ("_abandon", "_interceptors", "_runner", "_service")
+    __slots__ = ("_abandon", "_call", "_interceptors", "_next_item", "_service", "_start_stream")
 
     def __init__(
         self,
-        runner: CallRunner,
+        call: Callable[..., Awaitable[Any]],
+        start_stream: Callable[..., Awaitable[Call]],
+        next_item: Callable[[Call, float | None], Awaitable[Any]],
         abandon: Callable[[Call], None],
         service: str,
         interceptors: tuple[Any, ...],
     ) -> None:
-        self._runner = runner
+        self._call = call
+        self._start_stream = start_stream
+        self._next_item = next_item
         self._abandon = abandon
         self._service = service
         self._interceptors = interceptors
@@ -183,13 +188,11 @@ class ClientInterception:
         encoded: Encoded | None = None,
         details: ClientCall | None = None,
     ) -> Any:
-        """A unary call through the interceptors (as `CallRunner.call`; ``details``: the
-        call as they see it, made here when not given)."""
+        """A unary call through the interceptors (as `tensorrpc._client_calls.call`;
+        ``details``: the call as they see it, made here when not given)."""
         if details is None:
             details = ClientCall(spec, self._service, options)
-        proceed = functools.partial(
-            self._runner.call, spec, args, kwargs, options, encoded, details
-        )
+        proceed = functools.partial(self._call, spec, args, kwargs, options, encoded, details)
         return await intercept(self._interceptors, details, proceed)
 
     async def open_stream(
@@ -203,13 +206,12 @@ class ClientInterception:
         """Start a stream through the interceptors: its call (None when an interceptor
         answered without proceeding) and the iterator of its items they returned."""
         details = ClientCall(spec, self._service, options)
-        runner = self._runner
         opened: list[Call] = []
 
         async def proceed() -> AsyncIterator[Any]:
-            call = await runner.start_stream(spec, wire, options, deadline, encoded, details)
+            call = await self._start_stream(spec, wire, options, deadline, encoded, details)
             opened.append(call)
-            return StreamItems(runner.next_item, call, deadline)
+            return StreamItems(self._next_item, call, deadline)
 
         items = await intercept(self._interceptors, details, proceed)
         if not hasattr(items, "__anext__"):

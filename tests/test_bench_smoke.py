@@ -319,6 +319,17 @@ def test_mixed_report_renders_unavailable_systems() -> None:
     assert "| pyzmq | RuntimeError: boom |||||||||" in lines
 
 
+def test_the_release_gil_bench_drops_every_kind() -> None:
+    proc = _bench("bench.release_gil", "--mib", "4", "--runs", "1", "--switch", "0.05")
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    kinds = {row[0].removeprefix("| "): row for row in rows[1:]}  # past the header
+    assert len(kinds) == 6, proc.stdout
+    assert "bytearray" in kinds
+    for row in kinds.values():  # drop (ms) | final del (ms) | spinner steps | "k of n"
+        assert float(row[1]) >= float(row[2]) >= 0
+        assert row[4].endswith("of 1 |")
+
+
 def test_the_tensor_call_cpu_bench_runs_every_kind() -> None:
     from bench.tensor_call_cpu import measure
 

@@ -15,6 +15,7 @@ through ``/proc/self/fd`` as the one-copy tests do.
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import Any, cast
 
 import anyio
@@ -36,6 +37,7 @@ from tensorrpc._protocol import (
 )
 from tensorrpc._server_calls import ServerCall
 from tensorrpc._server_protocol import ShmPeer
+from tensorrpc._service import ServiceSpec
 from tensorrpc._zmq import SocketOptions
 from tensorrpc.transports._policy import TransportPolicy
 from tensorrpc.transports.torch_shm import TorchShmTransport
@@ -56,15 +58,14 @@ class _PairSocket:
         self.pair = pair
 
     def send_nowait(self, frames: list[Any]) -> None:
-        self.pair.client_send(frames[0], list(frames[1:]))
+        self.pair.peers[frames[0]].inbox.append(list(frames[1:]))
 
 
 class _Client:
     """A client I/O shell (no socket) over a connected pair, with a torch_shm policy."""
 
     def __init__(self, engines: tuple[str, ...] = ("e1",), **shm: Any) -> None:
-        self.pair = ProtocolPair(engines)
-        work.connect(self.pair)
+        self.pair = ProtocolPair(engines).connect()
         self.policy = TransportPolicy()
         assert self.policy.shm is not None
         if shm:
@@ -73,6 +74,7 @@ class _Client:
         self.io = ClientIO(
             self.pair.client.config,
             self.policy,
+            ServiceSpec(name="S", methods=MappingProxyType({}), fingerprint=""),
             _codec.CodecConfig(),
             bind=[],
             connect=[],
@@ -112,7 +114,7 @@ class _Client:
     @property
     def held(self) -> int:
         """Argument leases the client's protocol keeps for calls it gave up on."""
-        return self.pair.client.held_leases
+        return len(self.pair.client.leases)
 
     def close(self) -> None:
         self.policy.close()
@@ -264,7 +266,7 @@ class _Engine:
         encoded = _codec.encode([value, 1], placer=placer)
         call = work.call(self.client.pair, "add", 1, lease=placer.lease)
         self.client.pair.deliver_to_engine("e1")
-        server_call = work.next_call(self.end)
+        server_call = self.end.proto.next_call()
         assert server_call is not None
         server_call.payload, server_call.buffers = encoded.payload, encoded.buffers
         return call, server_call

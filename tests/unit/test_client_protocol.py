@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tensorrpc._calls import Call, CallState
+from tensorrpc._client_events import DIAL_RETRY_MIN_S
+from tensorrpc._client_leases import take_lease
 from tensorrpc._client_protocol import (
-    DIAL_RETRY_MIN_S,
     HELLO_REQUEST,
     CheckReachable,
     ClientProtocol,
@@ -536,11 +537,11 @@ def test_a_cancelled_calls_argument_lease_is_kept_until_the_engines_release() ->
     call = leased(protocol, engine, 5)
     assert protocol.cancel(call, 1.0)
     assert kinds(protocol) == [K.CANCEL]
-    assert protocol.take_lease(call) is None  # not freed: the engine may still read it
-    assert protocol.held_leases == 1
+    assert take_lease(call) is None  # not freed: the engine may still read it
+    assert len(protocol.leases) == 1
     freed = feed(protocol, b"p", control(K.RELEASE, Release((5, 99))), 1.0)
     assert freed == LeasesFreed(engine, (5,), refused=1)  # 99 was never kept: refused
-    assert protocol.held_leases == 0
+    assert len(protocol.leases) == 0
     again = feed(protocol, b"p", control(K.RELEASE, Release((5,))), 1.0)
     assert again == LeasesFreed(engine, (), refused=1)  # twice: refused
 
@@ -559,7 +560,7 @@ def test_a_release_from_another_engine_or_for_a_running_call_frees_nothing() -> 
     assert isinstance(freed, LeasesFreed)
     assert (freed.leases, freed.refused) == ((), 1)
     assert running.lease == 7
-    assert protocol.held_leases == 1
+    assert len(protocol.leases) == 1
 
 
 @pytest.mark.parametrize("late", ["result", "error", "end"])
@@ -576,27 +577,27 @@ def test_a_late_reply_to_a_cancelled_call_ends_its_kept_lease(late: str) -> None
         assert isinstance(dropped, Dropped)
         assert dropped.call_id == cid
     assert event == LeasesFreed(engine, (9,))
-    assert protocol.held_leases == 0
+    assert len(protocol.leases) == 0
 
 
 def test_an_engines_end_drops_the_leases_kept_for_it_and_those_to_return() -> None:
     protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
     protocol.cancel(leased(protocol, engine, 3), 1.0)
-    assert protocol.return_leases(engine, [40, 41])
+    assert protocol.leases.give_back(engine, [40, 41])
     feed(protocol, b"p", bye(), 1.0)
-    assert protocol.held_leases == 0
+    assert len(protocol.leases) == 0
     assert engine.releases == []
     sent(protocol)
-    protocol.release_pending(2.0)
+    protocol.leases.release_pending(2.0)
     assert kinds(protocol) == []  # it dropped our leases itself
 
 
 def test_result_leases_ride_in_the_next_call() -> None:
     protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
-    assert protocol.return_leases(engine, [4, 5])
-    assert not protocol.return_leases(engine, [5, 6])  # already due: no second flush
+    assert protocol.leases.give_back(engine, [4, 5])
+    assert not protocol.leases.give_back(engine, [5, 6])  # already due: no second flush
     call = protocol.start_call(
         engine, ADD, object(), stream=False, now=1.0, payload=b"\x90", returns=(7,)
     )
@@ -605,7 +606,7 @@ def test_result_leases_ride_in_the_next_call() -> None:
     assert header.releases == (4, 5, 6, 7)  # each once
     assert call.releases == (4, 5, 6, 7)
     assert kinds(protocol) == []
-    protocol.release_pending(1.0)
+    protocol.leases.release_pending(1.0)
     assert kinds(protocol) == []  # the CALL took them
     # Not sent after all: they go in a RELEASE instead.
     protocol.call_unsent(call, 1.0)
@@ -617,7 +618,7 @@ def test_result_leases_a_call_cannot_carry_go_in_a_release_first() -> None:
     count = MAX_CALL_RELEASES + 1
     protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
-    protocol.return_leases(engine, range(1, count + 1))
+    protocol.leases.give_back(engine, range(1, count + 1))
     protocol.start_call(engine, ADD, object(), stream=False, now=1.0, payload=b"\x90")
     (_, release), (_, call) = protocol.frames_to_send()  # the CALL is queued last
     header, payload, _ = split_frames(release)
@@ -629,8 +630,8 @@ def test_result_leases_a_call_cannot_carry_go_in_a_release_first() -> None:
 def test_a_release_is_split_at_the_protocol_limit_and_names_each_lease_once() -> None:
     protocol = make_protocol()
     engine = join(protocol, "e1", b"p")
-    protocol.return_leases(engine, [1, 1, 2])
-    protocol.release(engine, range(2, MAX_RELEASE_LEASES + 10), 1.0)
+    protocol.leases.give_back(engine, [1, 1, 2])
+    protocol.leases.release(engine, range(2, MAX_RELEASE_LEASES + 10), 1.0)
     first, second = sent(protocol)
     assert first.body.leases == tuple(range(1, MAX_RELEASE_LEASES + 1))
     assert second.body.leases == tuple(range(MAX_RELEASE_LEASES + 1, MAX_RELEASE_LEASES + 10))

@@ -11,6 +11,7 @@ import pytest
 
 from tensorrpc import _streams
 from tensorrpc._calls import Call, CallState
+from tensorrpc._client_leases import take_item_leases
 from tensorrpc._client_protocol import ClientProtocol, LeasesFreed
 from tensorrpc._exceptions import ErrorCode, LocalProtocolError, RemoteProtocolError
 from tensorrpc._protocol import (
@@ -28,7 +29,7 @@ from tensorrpc._server_calls import ServerCall
 from tensorrpc._server_protocol import ShmPeer
 
 from .client_script import ADD, CHAT, UPLOAD, control, feed, join, make_protocol, result, sent
-from .server_helpers import Engine
+from .server_helpers import Engine, make_hello
 
 K = MessageKind
 KEY = b"c1"
@@ -36,9 +37,7 @@ KEY = b"c1"
 
 def live_engine(window: int = 4) -> Engine:
     """An engine whose HELLO announces ``window`` for request streams, with a client."""
-    engine = Engine.make()
-    engine.proto._hello = replace(engine.proto.hello, stream_window=window)
-    engine.proto.calls._window = window
+    engine = Engine.make(hello=replace(make_hello(), stream_window=window))
     engine.join()
     return engine
 
@@ -338,15 +337,15 @@ def test_the_client_keeps_item_leases_until_the_call_ends() -> None:
     assert _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=12)
     # A response or CREDIT ends nothing; only the call's end does (rule 6).
     feed(protocol, b"p", control(K.CREDIT, Credit(1), call.call_id), 0.1)
-    assert protocol.take_item_leases(call) == [11, 12]
-    assert protocol.take_item_leases(call) == []
+    assert take_item_leases(call) == [11, 12]
+    assert take_item_leases(call) == []
 
 
 def test_an_item_that_may_not_go_takes_no_lease() -> None:
     protocol, call = open_client(window=1)
     assert _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=11)
     assert not _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=12)
-    assert protocol.take_item_leases(call) == [11]  # the shell aborts 12's placer
+    assert take_item_leases(call) == [11]  # the shell aborts 12's placer
 
 
 def test_a_request_stream_given_up_on_keeps_its_item_leases_until_the_engines_release() -> None:
@@ -354,16 +353,16 @@ def test_a_request_stream_given_up_on_keeps_its_item_leases_until_the_engines_re
     _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=11)
     _streams.send_item(protocol, call, b"\x01", (), 0.0, lease=12)
     assert protocol.cancel(call, 0.5)
-    assert protocol.take_item_leases(call) == []  # not freed: the engine may read them
-    assert protocol.held_leases == 2
+    assert take_item_leases(call) == []  # not freed: the engine may read them
+    assert len(protocol.leases) == 2
     freed = feed(protocol, b"p", control(K.RELEASE, Release((11,))), 1.0)
     assert isinstance(freed, LeasesFreed)
     assert freed.leases == (11,)
-    assert protocol.held_leases == 1
+    assert len(protocol.leases) == 1
     freed = feed(protocol, b"p", control(K.RELEASE, Release((12, 11))), 1.0)
     assert isinstance(freed, LeasesFreed)
     assert (freed.leases, freed.refused) == ((12,), 1)
-    assert protocol.held_leases == 0
+    assert len(protocol.leases) == 0
 
 
 @pytest.mark.parametrize("end", ["late_reply", "engine_end"])
@@ -380,7 +379,7 @@ def test_a_given_up_request_streams_item_leases_end_with_a_late_reply_or_the_eng
         assert freed.leases == (11, 12)
     else:
         feed(protocol, b"p", control(K.BYE, Bye("shutdown")), 1.0)
-    assert protocol.held_leases == 0
+    assert len(protocol.leases) == 0
 
 
 def test_drop_hands_back_the_buffers_of_untaken_items() -> None:
