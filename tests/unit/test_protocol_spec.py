@@ -1,0 +1,208 @@
+"""docs/protocol.md read as a second implementer reads it, against the code.
+
+Each test takes a rule from the page itself (a table or a stated example) and checks the
+code does exactly that, so a change on either side without the other fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ormsgpack
+import pytest
+
+from tensorrpc import ValidationError, describe, rpc, service
+from tensorrpc._exceptions import RemoteProtocolError
+from tensorrpc._protocol import (
+    _SCHEMAS,
+    MAX_BODY_BYTES,
+    Header,
+    MessageKind,
+    decode_control,
+)
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+TEXT = PAGE.read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------- ErrorInfo.path, §4 and §10
+
+
+@dataclass
+class Point:
+    x: float
+
+
+@service(name="paths")
+class Paths:
+    @rpc
+    async def track(self, points: AsyncIterator[Point]) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("helper", ["check_item", "decode_item"])
+def test_a_request_items_field_path_starts_with_the_parameter_and_the_index(
+    helper: str,
+) -> None:
+    # §10 request credit rule 6: `path` is ["chunks", 3, "x"], the message says chunks[3].x.
+    item = getattr(describe(Paths).methods["track"], helper)
+    bad = Point("no") if helper == "check_item" else {"x": "no"}  # type: ignore[arg-type]
+    with pytest.raises(ValidationError) as info:
+        item(bad, 3)
+    assert info.value.path == "points[3].x"
+    assert info.value.field_path == ["points", 3, "x"]
+
+
+def test_a_validation_error_without_a_field_path_names_no_place() -> None:
+    # No place parsed back from text: a path is data where it is made, or there is none.
+    assert ValidationError("bad", path="req.items[3]").field_path == []
+
+
+# ------------------------------------------------------------------- §4 control bodies
+
+SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
+#: The page's range dash and minus sign, read as ASCII: ``int 1..2³²-1``.
+ASCII = str.maketrans({"\u2013": "..", "\u2212": "-"})
+
+
+def section(number: str) -> str:
+    start = TEXT.index(f"\n## {number}. ")
+    return TEXT[start : TEXT.index("\n## ", start + 1)]
+
+
+def number(text: str) -> int:
+    """``65,536``, ``2³²-1`` (the page writes a minus sign), ``255`` as ints."""
+    text = text.replace(",", "").strip()
+    power = re.fullmatch(r"2([⁰¹²³⁴⁵⁶⁷⁸⁹]+)-1", text)
+    return 2 ** int(power.group(1).translate(SUPERSCRIPT)) - 1 if power else int(text)
+
+
+def body_tables() -> dict[str, dict[str, str]]:
+    """Each §4 body (``**Hello** (HELLO)``) with its table: key → the type column."""
+    tables: dict[str, dict[str, str]] = {}
+    pattern = r"^\*\*(\w+)\*\* \((\w+)\):[^\n]*\n\n((?:\|[^\n]*\n)+)"
+    for match in re.finditer(pattern, section("4"), re.M):
+        rows = [line.split(" | ") for line in match.group(3).splitlines()[2:]]
+        tables[match.group(1)] = {row[0].strip("| `"): row[1].translate(ASCII) for row in rows}
+    return tables
+
+
+CLASSES = {cls.__name__: cls for cls in _SCHEMAS}
+KIND_OF = {
+    "Hello": MessageKind.HELLO,
+    "Welcome": MessageKind.WELCOME,
+    "Reject": MessageKind.REJECT,
+    "Bye": MessageKind.BYE,
+    "Credit": MessageKind.CREDIT,
+    "Attach": MessageKind.ATTACH,
+    "Release": MessageKind.RELEASE,
+    "ErrorInfo": MessageKind.ERROR,
+}
+
+
+def test_every_body_and_field_of_the_code_has_its_row_in_section_4() -> None:
+    tables = body_tables()
+    assert set(tables) == set(CLASSES)
+    for name, cls in CLASSES.items():
+        assert list(tables[name]) == [f[0] for f in _SCHEMAS[cls]], name
+
+
+def test_the_body_size_caps_are_the_codes() -> None:
+    caps = re.search(r"\| kind \| cap \(bytes\) \|\n.*?\n((?:\s*\|.*\n)+)", section("4"))
+    assert caps is not None
+    stated = {}
+    for line in caps.group(1).splitlines():
+        kind, cap = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        stated[MessageKind[kind]] = number(cap.split()[0])
+    assert stated == dict(MAX_BODY_BYTES)
+
+
+Case = tuple[object, bool]  # a value for the field, and whether the page allows it
+
+
+def cases(spec: str) -> list[Case]:
+    """Values at and just past the bounds of a type the page writes (§4's notation)."""
+    if m := re.fullmatch(r"int (\S+)\.\.(\S+)", spec):
+        low, high = number(m.group(1)), number(m.group(2))
+        out: list[Case] = [(low, True), (high, True), (True, False), (1.0, False), ("1", False)]
+        if high < 2**64 - 1:  # msgpack holds no larger integer
+            out.append((high + 1, False))
+        return [*out, *([(low - 1, False)] if low > 0 else [])]
+    if m := re.fullmatch(r"(str|name)(?: ≤ (\S+))?", spec):
+        is_str = m.group(1) == "str"
+        assert m.group(2) or not is_str, "a str states its limit"
+        limit = number(m.group(2)) if m.group(2) else 1024
+        out = [("é" * limit, True), ("x" * (limit + 1), False), (1, False), (b"x", False)]
+        return [*out, ("", True), ("a\x1bb", is_str), ("a\u202eb", is_str)]
+    if m := re.fullmatch(r"list\[(.*)\](?:, at (least|most) (\d+) entr(?:y|ies))?", spec):
+        inner, bound, count = m.group(1), m.group(2), int(m.group(3) or 4096)
+        most = count if bound == "most" else 4096
+        if inner == "name or int 0..2⁶³-1":  # ErrorInfo.path: either kind of entry
+            names = [(v, ok) for v, ok in cases("name") if not isinstance(v, int)]
+            items = [*names, *((v, ok) for v, ok in cases("int 0..2⁶³-1") if type(v) is not str)]
+        else:
+            items = cases(inner)
+        first = items[0][0]
+        out = [([], bound != "least"), ({}, False), ("x", False)]
+        out += [([value], ok) for value, ok in items]
+        return [*out, ([first] * most, True), ([first] * (most + 1), False)]
+    raise AssertionError(f"the page writes a type §4 does not define: {spec!r}")
+
+
+def hello_lists(wire: dict[str, Any], name: str) -> None:
+    """Keep HELLO's cross-field rules while one list field takes a test value."""
+    if name in ("methods", "streaming", "request_streaming") and isinstance(wire[name], list):
+        names = [v for v in wire[name] if isinstance(v, str)]
+        if name != "methods":
+            wire["methods"] = names
+        wire["signatures"] = [""] * len(wire["methods"])
+    elif name == "signatures" and isinstance(wire[name], list):
+        wire["methods"] = [f"m{i}" for i in range(len(wire[name]))]
+
+
+def valid_wire(cls: type) -> dict[str, Any]:
+    wire: dict[str, Any] = {}
+    for name, ftype, _ in _SCHEMAS[cls]:
+        wire[name] = {"int": 1, "ints": [1], "strs": [], "names": [], "path": []}.get(ftype, "")
+    return wire
+
+
+def decodes(kind: MessageKind, wire: dict[str, Any]) -> bool:
+    try:
+        decode_control(Header(kind), ormsgpack.packb(wire))
+    except RemoteProtocolError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("body", sorted(KIND_OF))
+def test_each_field_takes_exactly_the_values_its_row_allows(body: str) -> None:
+    cls, kind = CLASSES[body], KIND_OF[body]
+    assert decodes(kind, valid_wire(cls))
+    rows = body_tables()[body]
+    if body == "Hello":  # §4: a HELLO's request window of 0 is refused
+        assert rows["stream_window"].startswith("int 1..")
+    for name, spec in rows.items():
+        for value, allowed in cases(spec):
+            wire = valid_wire(cls)
+            wire[name] = value
+            if body == "Hello":
+                hello_lists(wire, name)
+            if len(ormsgpack.packb(wire)) > MAX_BODY_BYTES[kind]:
+                continue  # over the body's cap: refused whole, not by this field's rule
+            assert decodes(kind, wire) is allowed, (body, name, repr(value)[:60], allowed)
+        missing = valid_wire(cls)
+        del missing[name]
+        assert not decodes(kind, missing), (body, name)
+    extra = {**valid_wire(cls), "later": [1, {"x": None}]}
+    assert decodes(kind, extra)  # unknown keys are ignored (§12)
+
+
+def test_a_body_that_is_not_a_map_is_refused() -> None:
+    for payload in (ormsgpack.packb([]), ormsgpack.packb(None), b"", b"\x81"):
+        with pytest.raises(RemoteProtocolError):
+            decode_control(Header(MessageKind.BYE), payload)
