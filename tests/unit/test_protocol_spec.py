@@ -6,7 +6,9 @@ code does exactly that, so a change on either side without the other fails here.
 
 from __future__ import annotations
 
+import math
 import re
+import unicodedata
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 import ormsgpack
 import pytest
+from hypothesis import example, given, strategies as st
 
 from tensorrpc import ValidationError, describe, rpc, service
 from tensorrpc._exceptions import RemoteProtocolError
@@ -24,6 +27,7 @@ from tensorrpc._protocol import (
     MessageKind,
     decode_control,
 )
+from tensorrpc._service import _default_repr
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 TEXT = PAGE.read_text(encoding="utf-8")
@@ -206,3 +210,85 @@ def test_a_body_that_is_not_a_map_is_refused() -> None:
     for payload in (ormsgpack.packb([]), ormsgpack.packb(None), b"", b"\x81"):
         with pytest.raises(RemoteProtocolError):
             decode_control(Header(MessageKind.BYE), payload)
+
+
+# --------------------------------------------------- Appendix A.3: VALUE text, by its rules
+
+NOT_PRINTABLE = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"}
+
+
+def spec_escape(c: str) -> str:
+    """A.3: one character of a str VALUE that is neither the quote nor a backslash."""
+    named = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+    if c in named:
+        return named[c]
+    code = ord(c)
+    if code < 0x20 or code == 0x7F or (c != " " and unicodedata.category(c) in NOT_PRINTABLE):
+        if code <= 0xFF:
+            return f"\\x{code:02x}"
+        return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+    return c
+
+
+def spec_str(text: str) -> str:
+    quote = '"' if "'" in text and '"' not in text else "'"
+    body = "".join("\\" + c if c in ("\\", quote) else spec_escape(c) for c in text)
+    return quote + body + quote
+
+
+def spec_bytes(data: bytes) -> str:
+    quote = '"' if b"'" in data and b'"' not in data else "'"
+    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    out = []
+    for b in data:
+        if chr(b) in ("\\", quote):
+            out.append("\\" + chr(b))
+        elif b in named:
+            out.append(named[b])
+        else:
+            out.append(chr(b) if 0x20 <= b <= 0x7E else f"\\x{b:02x}")
+    return "b" + quote + "".join(out) + quote
+
+
+def spec_float(x: float) -> str:
+    """A.3: the shortest decimal that reads back as ``x``, with a . or an exponent."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    digits, exponent = "", 0
+    for precision in range(17):
+        mantissa, _, exp = f"{x:.{precision}e}".partition("e")
+        if float(f"{mantissa}e{exp}") == x:
+            digits, exponent = mantissa.lstrip("-").replace(".", ""), int(exp)
+            break
+    digits = digits.rstrip("0") or "0"
+    sign = "-" if math.copysign(1.0, x) < 0 else ""
+    if exponent < -4 or exponent >= 16:
+        mantissa = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        return f"{sign}{mantissa}e{'-' if exponent < 0 else '+'}{abs(exponent):02d}"
+    if exponent < 0:
+        return f"{sign}0.{'0' * (-exponent - 1)}{digits}"
+    whole, frac = digits[: exponent + 1].ljust(exponent + 1, "0"), digits[exponent + 1 :]
+    return f"{sign}{whole}.{frac or '0'}"
+
+
+@given(st.text())
+def test_a_str_value_is_written_as_appendix_a3_says(text: str) -> None:
+    assert _default_repr(text, "w") == spec_str(text)
+
+
+@given(st.binary())
+def test_a_bytes_value_is_written_as_appendix_a3_says(data: bytes) -> None:
+    assert _default_repr(data, "w") == spec_bytes(data)
+
+
+@given(st.floats())
+@example(1.0)
+@example(-0.0)
+@example(1e16)
+@example(1.5e-05)
+@example(0.0001)
+@example(123456789012345.6)
+def test_a_float_value_is_written_as_appendix_a3_says(x: float) -> None:
+    assert _default_repr(x, "w") == spec_float(x)
