@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 import unicodedata
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import example, given, strategies as st
 
 from tensorrpc import ValidationError, describe, rpc, service
-from tensorrpc._exceptions import RemoteProtocolError
+from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._protocol import (
     _SCHEMAS,
     MAX_BODY_BYTES,
@@ -27,7 +28,10 @@ from tensorrpc._protocol import (
     MessageKind,
     decode_control,
 )
+from tensorrpc._server_protocol import _NAMES_A_CALL, readable_call_id
 from tensorrpc._service import _default_repr
+
+from .server_helpers import Engine
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 TEXT = PAGE.read_text(encoding="utf-8")
@@ -292,3 +296,45 @@ def test_a_bytes_value_is_written_as_appendix_a3_says(data: bytes) -> None:
 @example(123456789012345.6)
 def test_a_float_value_is_written_as_appendix_a3_says(x: float) -> None:
     assert _default_repr(x, "w") == spec_float(x)
+
+
+# ------------------------------------------------------------ §8 sessions, §11 one rule
+
+
+def test_a_new_client_session_keeps_the_engines_epoch() -> None:
+    # §8, Sessions: a WELCOME with a new epoch starts a new session; the engine's own
+    # epoch does not change, and a repeated HELLO still carries it.
+    engine = Engine.make()
+    engine.join(epoch=5)
+    before = engine.proto.sessions[b"c1"].epoch
+    engine.welcome(b"c1", epoch=6)
+    assert engine.take() == []
+    assert engine.proto.sessions[b"c1"].client_epoch == 6
+    engine.now += 2.0  # past the heartbeat: a HELLO may go again
+    engine.control(b"c1", MessageKind.PING, None, 0)
+    hello = [s.body for s in engine.take() if s.kind is MessageKind.HELLO]
+    assert [h.epoch for h in hello] == [before]
+
+
+def test_the_kinds_that_name_a_call_are_those_section_11_lists() -> None:
+    rule = section("11")
+    listed = re.search(r"a kind a client sends about a call \(([^)]*)\)", rule.replace("\n", " "))
+    assert listed is not None
+    stated = {int(n) for n in re.findall(r"\d+", listed.group(1))}
+    assert stated == set(_NAMES_A_CALL)
+    assert {MessageKind[k].value for k in re.findall(r"[A-Z_]{4,}", listed.group(1))} == stated
+    # ... and the engine answers exactly those: ERROR(id, PROTOCOL), whatever the version.
+    for kind in MessageKind:
+        frame = struct.pack("<2sBBHHQI", b"TR", 9, kind, 0, 0, 11, 0)
+        assert (readable_call_id(frame) == 11) is (kind in stated), kind
+        engine = Engine.make()
+        engine.join()
+        engine.send(b"c1", [frame, b""])
+        sent = engine.take()
+        if kind in stated:
+            assert [(s.kind, s.header.call_id, s.body.code) for s in sent] == [
+                (MessageKind.ERROR, 11, ErrorCode.PROTOCOL)
+            ]
+        else:
+            assert sent == []
+            assert engine.proto.dropped == 1
