@@ -13,6 +13,7 @@ import unicodedata
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import ormsgpack
@@ -21,6 +22,7 @@ from hypothesis import example, given, strategies as st
 
 from tensorrpc import ValidationError, describe, rpc, service
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
+from tensorrpc._observe import statistics_body
 from tensorrpc._protocol import (
     _SCHEMAS,
     MAX_BODY_BYTES,
@@ -338,3 +340,42 @@ def test_the_kinds_that_name_a_call_are_those_section_11_lists() -> None:
         else:
             assert sent == []
             assert engine.proto.dropped == 1
+
+
+# ------------------------------------------------------ §10 the statistics method's map
+
+
+def test_the_statistics_map_has_the_keys_section_10_lists() -> None:
+    calls = section("10")
+    table = calls[calls.index("| key | type | meaning |") :].split("\n\n")[0]
+    keys = {k for row in table.splitlines()[2:] for k in re.findall(r"`(\w+)`", row.split("|")[1])}
+    counters = SimpleNamespace(
+        tensors_sent=1, bytes_sent=2, tensors_received=3, bytes_received=4, fallbacks=5
+    )
+    stats = SimpleNamespace(
+        engine_id="e1",
+        clients=[SimpleNamespace(state="live", bytes_in=1, bytes_out=2)],
+        transports=SimpleNamespace(
+            frames=counters,
+            torch_shm=counters,
+            torch_shm_detail=SimpleNamespace(releases_refused=7),
+        ),
+        calls=1,
+        errors=0,
+        in_flight=0,
+        queued=0,
+        overloaded=0,
+        dropped=0,
+        methods={"add": {"calls": 1, "errors": 0, "latency": [[3, 1]]}},
+        batching={},
+    )
+    body = statistics_body(stats, service="s", pid=1, started=0.0)
+    assert set(body) == keys
+    shm_row = next(row for row in table.splitlines() if row.startswith("| `transports`"))
+    per_transport = set(re.findall(r"`(\w+)`", shm_row.split("|")[3])) - {"frames", "torch_shm"}
+    assert set(body["transports"]["frames"]) | {"releases_refused"} == per_transport
+    assert set(body["transports"]["torch_shm"]) == per_transport
+    assert body["transports"]["torch_shm"]["releases_refused"] == 7
+    method_row = next(row for row in table.splitlines() if row.startswith("| `methods`"))
+    assert {"calls", "errors", "latency"} <= set(re.findall(r"`(\w+)`", method_row))
+    assert set(body["methods"]["add"]) == {"calls", "errors", "latency"}
