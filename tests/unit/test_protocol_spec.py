@@ -16,19 +16,24 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import ormsgpack
 import pytest
+import torch
 from hypothesis import example, given, strategies as st
 
-from tensorrpc import ValidationError, describe, rpc, service
+from tensorrpc import ValidationError, _codec, describe, rpc, service
+from tensorrpc._codec import ExtCode, Location
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
 from tensorrpc._observe import statistics_body
 from tensorrpc._protocol import (
     _SCHEMAS,
     MAX_BODY_BYTES,
+    Flags,
     Header,
     MessageKind,
     decode_control,
+    unpack_header,
 )
 from tensorrpc._server_protocol import _NAMES_A_CALL, readable_call_id
 from tensorrpc._service import _default_repr
@@ -379,3 +384,73 @@ def test_the_statistics_map_has_the_keys_section_10_lists() -> None:
     method_row = next(row for row in table.splitlines() if row.startswith("| `methods`"))
     assert {"calls", "errors", "latency"} <= set(re.findall(r"`(\w+)`", method_row))
     assert set(body["methods"]["add"]) == {"calls", "errors", "latency"}
+
+
+# ------------------------------------------------------------------ §3 kinds and flags
+
+
+def table_rows(text: str, head: str) -> list[list[str]]:
+    start = text.index(head)
+    block = text[start:].split("\n\n")[0].splitlines()[2:]
+    return [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in block]
+
+
+def test_the_kinds_and_their_call_ids_are_the_codes() -> None:
+    rows = table_rows(section("3"), "| value | kind | direction | `call_id` | payload |")
+    assert {int(r[0]): r[1] for r in rows} == {k.value: k.name for k in MessageKind}
+    for value, _, _, call_id, _ in rows:
+        kind = MessageKind(int(value))
+        method = b"m" if kind is MessageKind.CALL else b""
+        accepted = []
+        for cid in (0, 5):
+            frame = struct.pack("<2sBBHHQI", b"TR", 1, kind, 0, 0, cid, 0) + method
+            try:
+                unpack_header(frame)
+            except RemoteProtocolError:
+                accepted.append(False)
+            else:
+                accepted.append(True)
+        expected = [True, False] if call_id == "0" else None
+        if call_id.startswith("≠ 0"):
+            expected = [False, True]
+        if expected is None:  # "any", "the call's, or 0"
+            expected = [True, True]
+        assert accepted == expected, (kind, call_id)
+
+
+def test_the_flag_bits_are_the_codes() -> None:
+    rows = table_rows(section("3"), "| bit | name | meaning |")
+    assert {int(r[0].strip("`"), 16): r[1].strip("`") for r in rows} == {
+        f.value: f.name for f in Flags
+    }
+
+
+# ------------------------------------------------------------- §6 tensor descriptors
+
+
+def test_the_ext_types_locations_and_dtypes_are_the_codecs() -> None:
+    tensors = section("6")
+    exts = table_rows(tensors, "| ext type | name | decodes to |")
+    assert {int(r[0]): r[1].strip("`") for r in exts} == {e.value: e.name for e in ExtCode}
+    locs = table_rows(tensors, "| loc | name | `ref` |")
+    assert {int(r[0]): r[1].strip("`") for r in locs} == {loc.value: loc.name for loc in Location}
+    sizes = table_rows(tensors, "| names | itemsize |")
+    stated = {name: int(size) for names, size in sizes for name in re.findall(r"`(\w+)`", names)}
+    assert set(stated) == set(_codec._TORCH_DTYPE_NAMES)
+    numpy_line = re.search(r"`NUMPY` descriptors accept only (.*?)\.", tensors, re.S)
+    assert numpy_line is not None
+    numpy_names: set[str] = set()
+    for part in re.findall(r"`(\w+)`(?:\.\.`(\w+)`)?", numpy_line.group(1).translate(ASCII)):
+        first, last = part
+        if not last:
+            numpy_names.add(first)
+            continue
+        stem = first.rstrip("0123456789")
+        numpy_names |= {f"{stem}{bits}" for bits in (8, 16, 32, 64)}
+    assert numpy_names == set(_codec._NUMPY_DTYPE_NAMES)
+    for name in _codec._NUMPY_DTYPE_NAMES:
+        assert np.dtype(name).itemsize == stated[name], name
+    for name, size in stated.items():
+        dtype = getattr(torch, name, None)
+        if dtype is not None:  # the float8/float4/bits types only where torch has them
+            assert dtype.itemsize == size, name
