@@ -6,21 +6,23 @@ code does exactly that, so a change on either side without the other fails here.
 
 from __future__ import annotations
 
+import enum
 import math
 import re
 import struct
 import unicodedata
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Annotated, Any, Literal, NamedTuple, NewType, TypedDict
 
 import numpy as np
 import ormsgpack
 import pytest
 import torch
 from hypothesis import example, given, strategies as st
+from numpy.typing import NDArray
 
 from tensorrpc import ValidationError, _codec, describe, rpc, service
 from tensorrpc._codec import ExtCode, Location
@@ -35,6 +37,7 @@ from tensorrpc._protocol import (
     decode_control,
     unpack_header,
 )
+from tensorrpc._schema import compile_type
 from tensorrpc._server_protocol import _NAMES_A_CALL, readable_call_id
 from tensorrpc._service import _default_repr
 
@@ -454,3 +457,196 @@ def test_the_ext_types_locations_and_dtypes_are_the_codecs() -> None:
         dtype = getattr(torch, name, None)
         if dtype is not None:  # the float8/float4/bits types only where torch has them
             assert dtype.itemsize == size, name
+
+
+# ------------------------------------------------- Appendix A.2: the TYPE grammar, parsed
+
+
+class Grammar:
+    """A recursive-descent reader of A.2's TYPE (and A.3's VALUE), from the page's rules."""
+
+    SCALARS = ("None", "bool", "int", "float", "str", "bytes", "Tensor", "ndarray")
+    RECORDS = ("dataclass", "typeddict", "namedtuple", "struct", "model")
+
+    def __init__(self, text: str) -> None:
+        self.text, self.pos = text, 0
+
+    def eat(self, literal: str) -> bool:
+        if self.text.startswith(literal, self.pos):
+            self.pos += len(literal)
+            return True
+        return False
+
+    def need(self, literal: str) -> None:
+        assert self.eat(literal), (literal, self.text[self.pos :], self.text)
+
+    def ident(self) -> str:
+        match = re.compile(r"[A-Za-z_][A-Za-z0-9_]*").match(self.text, self.pos)
+        assert match is not None, self.text[self.pos :]
+        self.pos = match.end()
+        return match.group()
+
+    def sep_list(self, item: Callable[[], object], end: str) -> int:
+        count = 1
+        item()
+        while self.eat(", "):
+            item()
+            count += 1
+        self.need(end)
+        return count
+
+    def type_(self) -> None:
+        for head in ("list[", "Optional["):
+            if self.eat(head):
+                self.type_()
+                return self.need("]")
+        if self.eat("tuple["):
+            if self.eat("()]"):
+                return None
+            self.type_()
+            if self.eat(", ...]"):
+                return None
+            while self.eat(", "):
+                self.type_()
+            return self.need("]")
+        if self.eat("dict["):
+            assert self.eat("str, ") or self.eat("int, ")
+            self.type_()
+            return self.need("]")
+        if self.eat("Union["):
+            assert self.sep_list(self.type_, "]") >= 2
+            return None
+        if self.eat("Literal["):
+            self.sep_list(self.literal, "]")
+            return None
+        if self.eat("enum ") or self.eat("flag "):
+            self.ident()
+            self.need("{")
+            self.sep_list(self.member, "}")
+            return None
+        for record in self.RECORDS:
+            if self.eat(record + " "):
+                self.ident()
+                if self.eat("{") and not self.eat("}"):
+                    self.sep_list(self.field, "}")
+                return None
+        for scalar in self.SCALARS:
+            if self.eat(scalar):
+                return None
+        raise AssertionError(f"not a TYPE at {self.text[self.pos :]!r} in {self.text!r}")
+
+    def field(self) -> None:
+        self.ident()
+        self.need(": ")
+        self.type_()
+        self.eat(" = ...")
+
+    def member(self) -> None:
+        self.ident()
+        self.need("=")
+        self.value()
+
+    def literal(self) -> None:
+        start = self.pos
+        if re.compile(r"[A-Za-z_]\w*\.").match(self.text, self.pos) and not self.eat("None"):
+            self.ident()
+            self.need(".")
+            self.member()
+            return
+        self.pos = start
+        self.value()
+
+    def value(self) -> None:
+        for word in ("None", "True", "False", "inf", "-inf", "nan"):
+            if self.eat(word):
+                return
+        if self.eat("("):
+            if self.eat(")"):
+                return
+            self.value()
+            if self.eat(",)"):
+                return
+            self.sep_list(self.value, ")")
+            return
+        number = re.compile(r"-?\d+(\.\d+)?(e[+-]\d{2,})?").match(self.text, self.pos)
+        if number is not None:
+            self.pos = number.end()
+            return
+        self.eat("b")
+        quote = self.text[self.pos]
+        assert quote in "'\"", self.text[self.pos :]
+        self.pos += 1
+        while self.text[self.pos] != quote:
+            self.pos += 2 if self.text[self.pos] == "\\" else 1
+        self.pos += 1
+
+
+class Colour(enum.Enum):
+    RED = "red"
+    CRIMSON = "red"  # noqa: PIE796  (an alias: A.2 lists it too)
+    DARK = 2.5
+
+
+class Perm(enum.Flag):
+    R = 1
+    W = 2
+
+
+class Pair(NamedTuple):
+    a: int
+    b: str = "x"
+
+
+class Opts(TypedDict, total=False):
+    depth: int
+
+
+@dataclass
+class Tree:
+    label: str
+    children: list[Tree] = field(default_factory=list)
+
+
+UserId = NewType("UserId", int)
+
+
+@pytest.mark.parametrize(
+    "tp",
+    [
+        int | str | None,
+        None | int,  # Optional wherever None stands
+        tuple[()],
+        tuple[int, ...],
+        tuple[int, str, bytes],
+        dict[str, list[float]],
+        dict[int, Tree | None],
+        Literal["a", 1, b"x", None, True],
+        Literal[Colour.RED, "b"],
+        Colour,
+        Perm,
+        Pair,
+        Opts,
+        Tree,
+        Annotated[list[UserId], "meta"],
+        list[NDArray[np.float32]],
+        list[torch.Tensor],
+    ],
+    ids=repr,
+)
+def test_each_type_description_is_a_sentence_of_appendix_a2(tp: object) -> None:
+    whole(compile_type(tp, where="w").description)
+
+
+def whole(text: str) -> None:
+    """``text`` is one TYPE of A.2, all of it."""
+    reader = Grammar(text)
+    reader.type_()
+    assert reader.pos == len(text), text
+
+
+@pytest.mark.parametrize(
+    "text", ["List[int]", "tuple[int,...]", "dict[float, int]", "Union[int]", "enum E{}", "int]"]
+)
+def test_the_grammar_reader_refuses_what_a2_does_not_allow(text: str) -> None:
+    with pytest.raises(AssertionError):
+        whole(text)
