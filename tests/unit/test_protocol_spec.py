@@ -27,14 +27,17 @@ from numpy.typing import NDArray
 from tensorrpc import ValidationError, _codec, describe, rpc, service
 from tensorrpc._codec import ExtCode, Location
 from tensorrpc._exceptions import ErrorCode, RemoteProtocolError
+from tensorrpc._metadata import decode_block, encode_block
 from tensorrpc._observe import statistics_body
 from tensorrpc._protocol import (
     _SCHEMAS,
     MAX_BODY_BYTES,
+    Bye,
     Flags,
     Header,
     MessageKind,
     decode_control,
+    encode_control,
     unpack_header,
 )
 from tensorrpc._schema import compile_type
@@ -650,3 +653,25 @@ def whole(text: str) -> None:
 def test_the_grammar_reader_refuses_what_a2_does_not_allow(text: str) -> None:
     with pytest.raises(AssertionError):
         whole(text)
+
+
+# ------------------------------------------------------------- the page's byte examples
+
+
+def hex_bytes(text: str) -> bytes:
+    return bytes.fromhex(text.replace(" ", ""))
+
+
+def test_the_bye_and_metadata_examples_are_what_the_code_writes() -> None:
+    bye = re.search(
+        r"a BYE is the header `([0-9a-f ]+)` \+ (\d+) zero bytes, and the payload\s+"
+        r"`([0-9a-f ]+)`",
+        TEXT,
+    )
+    assert bye is not None
+    header = hex_bytes(bye.group(1)) + bytes(int(bye.group(2)))
+    assert encode_control(MessageKind.BYE, Bye("shutdown")) == [header, hex_bytes(bye.group(3))]
+    block = re.search(r"the block of `\{\"k\": \"v\"\}` is\s+`([0-9a-f ]+)`", TEXT)
+    assert block is not None
+    assert encode_block({"k": "v"}) == hex_bytes(block.group(1))
+    assert decode_block(memoryview(hex_bytes(block.group(1))), 0, 7) == ({"k": "v"}, 7)
