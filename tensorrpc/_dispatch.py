@@ -50,7 +50,6 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TensorTransportError,
     ValidationError,
-    path_parts,
 )
 from tensorrpc._interceptors import intercept
 from tensorrpc._protocol import Flags
@@ -440,7 +439,7 @@ class Dispatcher:
         self, call: Call, exc: ValidationError | DecodeError | TensorTransportError
     ) -> None:
         if isinstance(exc, ValidationError):
-            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc), path=path_parts(exc.path))
+            self._error(call, ErrorCode.INVALID_ARGUMENT, str(exc), path=tuple(exc.field_path))
         elif isinstance(exc, DecodeError):
             self._error(call, ErrorCode.DECODE, str(exc))
         else:
@@ -498,7 +497,7 @@ class Dispatcher:
             ErrorCode.BAD_RESULT,
             bad_result_message(call.spec.qualname, exc),
             type_name(exc),
-            path=path_parts(exc.path) if isinstance(exc, ValidationError) else (),
+            path=tuple(exc.field_path) if isinstance(exc, ValidationError) else (),
         )
 
     def _encoded(

@@ -387,9 +387,10 @@ def readable_call_id(frame: Buffer) -> int | None:
     """The call a malformed message names, if its header says so (rule 5).
 
     A header frame of at least 20 bytes with the magic, a kind a client sends about a
-    call (CALL, CANCEL, CREDIT) and a non-zero ``call_id`` at bytes 8-15 names one,
-    whatever else is wrong with the message (another version included: bytes 0-2 keep
-    their place in every version); any other is dropped unanswered.
+    call (CALL, CANCEL, STREAM_ITEM, STREAM_END, CREDIT) and a non-zero ``call_id`` at
+    bytes 8-15 names one, whatever else is wrong with the message (another version
+    included: bytes 0-2 keep their place in every version); any other is dropped
+    unanswered.
     """
     view = memoryview(frame)
     if view.ndim != 1 or view.itemsize != 1 or view.nbytes < HEADER_SIZE:

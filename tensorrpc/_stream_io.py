@@ -31,7 +31,6 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     TensorTransportError,
     ValidationError,
-    path_parts,
 )
 
 if TYPE_CHECKING:
@@ -340,7 +339,7 @@ class RequestItems:
                     self._proto.items_resolved(call, lazy.inner.leases)
             return decode_item(wire, index)
         except ValidationError as exc:
-            stream.refused = (ErrorCode.INVALID_ARGUMENT, str(exc), path_parts(exc.path))
+            stream.refused = (ErrorCode.INVALID_ARGUMENT, str(exc), tuple(exc.field_path))
             raise
         except DecodeError as exc:
             stream.refused = (ErrorCode.DECODE, f"request item {index}: {exc}", ())
