@@ -42,11 +42,10 @@ from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
 import anyio
 import zmq
 
-from tensorrpc import _codec, _compression, _observe
+from tensorrpc import _codec, _compression, _dispatch, _observe
 from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._compression import Compression
-from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import (
     ClosedError,
     ErrorCode,
@@ -89,6 +88,7 @@ from tensorrpc._zmq import (
     AsyncSocket,
     PendingSends,
     SocketOptions,
+    Waiters,
     create_socket,
     loop_clock,
     message_peer_address,
@@ -475,20 +475,18 @@ class Server:
         self._pending = PendingSends()
         self._bulk = BulkLinks(self._socket_options, cfg.curve, partial(_bulk_feed, self))
         self._now = time.monotonic  # the event loop's clock once entered
-        self._dispatch = Dispatcher(
-            self._proto,
-            engine_id=engine_id,
-            max_concurrency=cfg.max_concurrency,
-            sync_workers=cfg.sync_workers,
-            codec=self._codec,
-            policy=self._policy,
-            maxmsgsize=self._socket_options.maxmsgsize,
-            grace_period=cfg.grace_period,
-            flush=self._flush,
-            send_reply=self._send_reply,
-            compression=cfg.compression if _compression.available() else None,
-            interceptors=check_interceptors(cfg.interceptors, "engine"),
-        )
+        # The worker pool (`tensorrpc._dispatch`).
+        self._capacity = cfg.max_concurrency
+        self._limiter = anyio.CapacityLimiter(cfg.sync_workers)
+        self._compression = cfg.compression if _compression.available() else None
+        self._interceptors = check_interceptors(cfg.interceptors, "engine")
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._waiters: Waiters | None = None
+        self._idle: list[Any] = []  # the parked workers' wake-ups
+        self._workers = 0
+        self._parked = 0  # calls waiting for credit or for their batch, holding no worker
+        self._pool_closed = False
+        self._pool_done = anyio.Event()
         self._started = False
         self._closed = False
         self._fatal: BaseException | None = None
@@ -652,7 +650,7 @@ class Server:
         with anyio.CancelScope(shield=True) as scope:
             self._inner_scope = scope
             async with anyio.create_task_group() as tg:
-                self._dispatch.start(tg)
+                _dispatch.start(self, tg)
                 self._batches.start(tg)
                 self._bulk.start(tg)
                 if self._router is not None:
@@ -666,8 +664,8 @@ class Server:
         cfg = self._config
         proto = self._proto
         proto.start_drain()
-        self._dispatch.close()  # workers finish what is queued, then exit
-        done = self._dispatch.done
+        _dispatch.close(self)  # workers finish what is queued, then exit
+        done = self._pool_done
         if self._fatal is None:
             with anyio.move_on_after(cfg.grace_period):
                 await done.wait()
@@ -770,7 +768,7 @@ class Server:
             return False
         return True
 
-    async def _send_reply(self, call: Call, keepalive: list[object] | None) -> None:
+    async def _send_reply(self, call: ServerCall, keepalive: list[object] | None) -> None:
         """Send the reply the protocol just queued for ``call`` (the last message of
         `frames_to_send`; any before it go first, without waiting) from a worker:
         possibly large, zero-copy, waiting a bounded time.
@@ -813,7 +811,7 @@ class Server:
             self._pending.add(tracker, keepalive, nbytes(frames))
 
     async def _send_waiting(
-        self, call: Call, sock: AsyncSocket, parts: list[Buffer], track: bool
+        self, call: ServerCall, sock: AsyncSocket, parts: list[Buffer], track: bool
     ) -> zmq.MessageTracker | None:
         if call.cancelled:
             raise anyio.WouldBlock
@@ -830,8 +828,8 @@ class Server:
 
     # -- receiving --------------------------------------------------------------------------
 
-    def _accepted(self, call: Call, size: int) -> None:
-        self._dispatch.wake_one()
+    def _accepted(self, call: ServerCall, size: int) -> None:
+        _dispatch.wake_one(self)
         if call.deadline <= self._proto.wake_at:  # the timer moved to its deadline
             self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
@@ -963,7 +961,7 @@ def _bulk_feed(server: Server, key: Hashable, frames: list[zmq.Frame], size: int
 
 
 async def _send_bulk(
-    server: Server, call: Call, frames: list[Buffer], keepalive: list[object]
+    server: Server, call: ServerCall, frames: list[Buffer], keepalive: list[object]
 ) -> bool:
     """Send a large RESULT on the session's bulk connection, if bound, so that the small
     replies behind it do not wait for its bytes (docs/design.md); False: it goes on the
