@@ -28,8 +28,6 @@ KNOWN_OVERSIZE: dict[str, str] = {
     "_client_calls.py::CallRunner": "issue 23: the client shell",
     "_client_calls.py::CallRunner._start": "issue 23: the client shell",
     "_client_protocol.py::ClientProtocol": "issue 23: the client machine",
-    "_server_calls.py::ServerCall.__init__": "issue 23: the engine's calls",
-    "_server_protocol.py::ServerProtocol": "issue 23: the engine machine",
     "transports/torch_shm.py::TorchShmTransport": "issue 23: the torch_shm transport",
 }
 
