@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     from tensorrpc._compression import Compression
     from tensorrpc._server import Server
     from tensorrpc._streams import RequestStream
-    from tensorrpc.transports._links import LazyResolver
     from tensorrpc.transports._policy import PolicyPlacer
 
 __all__ = ["RequestItems", "close", "start", "type_name", "wake_one"]
@@ -93,12 +92,6 @@ def type_name(exc: BaseException) -> str:
     """How ``ErrorInfo.type`` spells an exception's type: ``module.qualname`` (§4)."""
     cls = type(exc)
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _gone(call: Call) -> bool:
-    # A function, not an attribute test, so that mypy does not keep a narrowing of
-    # ``call.cancelled`` from before an await (other tasks set it meanwhile).
-    return call.cancelled
 
 
 def _drop_request_items(stream: RequestStream) -> None:
@@ -291,7 +284,7 @@ async def _run(server: Server, call: Call, scope: anyio.CancelScope) -> None:
     token = _context.enter(call, server._engine_id)  # call_context() sees it
     if call.spec.streaming:
         await _stream(server, call, args, deadline, token)
-        later_if_large(args, size)
+        later_if_large(args, size)  # a large CALL's frames are freed off the loop
         return
     call.scope = scope
     batched = call.spec.batch is not None
@@ -355,7 +348,14 @@ def _decode(server: Server, call: Call) -> list[Any] | None:
     payload, buffers = call.take_args()
     if buffers:
         server._policy.received_frames(buffers)
-    lazy = _resolver(server, call, payload)
+    # Handles are resolved against the process the kernel attested for the session, and
+    # only from a message on that connection (``payload``'s); the argument tensors are
+    # kept under ``(session, call_id)`` until the first reply.
+    session = call.session
+    lazy = None
+    if session.shm is not None:
+        keep = (session, call.call_id)
+        lazy = server._policy.peers.lazy_resolver(session, frame=payload, keep=keep)
     try:
         try:
             wire = _codec.decode(payload, buffers, server._codec, resolver=lazy)
@@ -388,43 +388,21 @@ async def _decode_off_loop(server: Server, call: Call) -> list[Any] | None:
     return None
 
 
-def _resolver(
-    server: Server, call: Call, payload: object, items: bool = False
-) -> LazyResolver | None:
-    """The resolver of the handles in a message of ``call`` (None: no torch_shm).
-
-    Handles are resolved against the process the kernel attested for the session, and
-    only from a message on that connection (``payload``'s). The argument tensors are kept
-    under ``(session, call_id)`` until the first reply, request items' (``items``) under a
-    key of their own until the final one (`_streams` rule 6).
-    """
-    session = call.session
-    if session.shm is None:
-        return None
-    keep = (session, call.call_id, "items") if items else (session, call.call_id)
-    return server._policy.peers.lazy_resolver(session, frame=payload, keep=keep)
-
-
-def _placer(server: Server, call: Call) -> PolicyPlacer | None:
-    # The CALL's flags say how the client wants result tensors; it only asks for
-    # torch_shm when it can attach to ours, and shm.peer_receives says it told us so.
-    results = call.results
-    shm = call.session.shm
-    if not results & _SHM_BITS or shm is None:
-        return None
-    mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
-    return server._policy.placer(mode, call.session, peer_receives=shm.peer_receives)
-
-
 def _encode(server: Server, call: Call, value: object) -> _Encoded | _OffLoop | None:
     """Check and encode a result or stream item (and its placer, to abort if it does not
     go); on failure reply ERROR, return None; `_OffLoop` when large frames are to be
     compressed (then `_encode_off_loop` encodes them)."""
-    placer = _placer(server, call)
+    # The CALL's flags say how the client wants result tensors; it only asks for
+    # torch_shm when it can attach to ours, and shm.peer_receives says it told us so.
+    results = call.results
+    shm = call.session.shm
+    placer = None
+    if results & _SHM_BITS and shm is not None:
+        mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
+        placer = server._policy.placer(mode, call.session, peer_receives=shm.peer_receives)
     try:
         wire = call.spec.check_result(value)
         compression = None
-        results = call.results
         # Compressed results when asked, never with torch_shm.
         if results & _COMPRESS and not results & _SHM_BITS and ZSTD in call.session.compression:
             compression = server._compression
@@ -505,15 +483,17 @@ def _placed_inline(
 ) -> bool:
     """`_detach` here when neither it nor the reply's pool copies move a large buffer (the
     common case: no coroutine); False: `_place_off_loop` has it to do."""
+    if placer is not None and placer.pending_bytes:
+        return False
     keep = call.keep
+    items = call.request.keep if final and call.request is not None else None
+    if keep is None and items is None:
+        return True  # nothing to detach (the small call)
     memory = server._policy.memory
     large = release_threshold()
-    if (placer is not None and placer.pending_bytes) or (
-        keep is not None and memory.detach_bytes(keep) >= large
+    if (keep is not None and memory.detach_bytes(keep) >= large) or (
+        items is not None and memory.detach_bytes(items) >= large
     ):
-        return False
-    items = call.request.keep if final and call.request is not None else None
-    if items is not None and memory.detach_bytes(items) >= large:
         return False
     _detach(server, call, final=final)
     return True
@@ -601,7 +581,7 @@ def _reply_stopped(server: Server, call: Call) -> None:
 
 async def _reply(server: Server, call: Call) -> None:
     """Answer a unary call from its outcome (nothing if the client gave up on it)."""
-    if _gone(call) or _refused_item(server, call):
+    if call.cancelled or (call.request is not None and _refused_item(server, call)):
         return
     if call.failure is not None:
         _reply_exception(server, call, call.failure)
@@ -625,7 +605,9 @@ async def _reply(server: Server, call: Call) -> None:
         if placer is not None:  # cancelled meanwhile: no reply
             placer.abort()
         return
-    await _send_encoded(server, call, encoded)
+    await server._send_reply(call, encoded.keepalive if encoded.buffers else None)
+    if encoded.keepalive and not encoded.buffers:
+        _copied_sent(encoded.keepalive)
 
 
 def _refused_item(server: Server, call: Call) -> bool:
@@ -649,14 +631,10 @@ def _reply_exception(server: Server, call: Call, exc: BaseException) -> None:
         _error(server, call, ErrorCode.REMOTE, str(exc), type_name(exc), tb)
 
 
-async def _send_encoded(server: Server, call: Call, encoded: _codec.Encoded) -> None:
-    """Send the reply the protocol just queued for ``encoded``."""
-    if encoded.buffers:
-        await server._send_reply(call, encoded.keepalive)
-    else:
-        await server._send_reply(call, None)
-        if encoded.keepalive:  # torch_shm: tensors already copied into the pool
-            later_if_large(encoded.keepalive, held_nbytes(encoded.keepalive))
+def _copied_sent(keepalive: list[object]) -> None:
+    """A reply whose tensors were copied into the pool went: free their sources (a large
+    one off the loop)."""
+    later_if_large(keepalive, held_nbytes(keepalive))
 
 
 # -- streams ----------------------------------------------------------------------------------
@@ -739,7 +717,9 @@ async def _pump(server: Server, call: Call, gen: AsyncGenerator[Any, None]) -> b
             if placer is not None:  # cancelled while the generator ran: nothing more
                 placer.abort()
             return False
-        await _send_encoded(server, call, encoded)
+        await server._send_reply(call, encoded.keepalive if encoded.buffers else None)
+        if encoded.keepalive and not encoded.buffers:
+            _copied_sent(encoded.keepalive)
         # Not held until the next item: the sent item's last references are the
         # pending send's (released off the loop once ZMQ is done with it).
         del done, encoded, placer
@@ -833,7 +813,13 @@ class RequestItems:
             payload, buffers
         ) >= OFF_LOOP_BYTES:
             return await anyio.to_thread.run_sync(_codec.decode, payload, buffers, codec)
-        lazy = _resolver(server, call, payload, items=True)
+        # Resolved as the arguments are (`_decode`), kept under a key of their own until
+        # the final reply (`_streams` rule 6).
+        session = call.session
+        lazy = None
+        if session.shm is not None:
+            keep = (session, call.call_id, "items")
+            lazy = server._policy.peers.lazy_resolver(session, frame=payload, keep=keep)
         try:
             return _codec.decode(payload, buffers, codec, resolver=lazy)
         finally:

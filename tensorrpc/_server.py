@@ -734,11 +734,11 @@ class Server:
                 size = sum(map(len, frames))  # no loop variable left holding a frame
                 if address is None:
                     route = frames[0].bytes
-                    body = cast("list[Buffer]", frames[1:])
+                    body: list[Buffer] = frames[1:]  # type: ignore[assignment]
                     receive(route, body, clock(), size - len(route))
                     del body
                 else:
-                    receive(address, cast("list[Buffer]", frames), clock(), size)
+                    receive(address, frames, clock(), size)  # type: ignore[arg-type]
                 if proto.pending:
                     self._flush(size)
             except Exception:  # one bad message must never stop the loop
@@ -829,7 +829,11 @@ class Server:
     # -- receiving --------------------------------------------------------------------------
 
     def _accepted(self, call: ServerCall, size: int) -> None:
-        _dispatch.wake_one(self)
+        if self._idle:  # `_dispatch.wake_one`, inline (the hot path)
+            assert self._waiters is not None
+            self._waiters.wake(self._idle.pop())
+        else:
+            _dispatch.wake_one(self)
         if call.deadline <= self._proto.wake_at:  # the timer moved to its deadline
             self._wake_housekeeping()
         if self._observer is not None:  # observe: a CALL was accepted
@@ -837,16 +841,6 @@ class Server:
                 call.spec.service, call.spec.name, self._engine_id, call.session.name,
                 call.spec.streaming, call.trace, size,
             )  # fmt: skip
-
-    def _answer_statistics(self, event: BuiltinCall) -> None:
-        """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
-        if not _observe.statistics_allowed(self._config.curve):
-            self._proto.builtin_refused(event, _STATISTICS_REFUSED)
-            return
-        body = _observe.statistics_body(
-            self.statistics(), service=self._spec.name, pid=os.getpid(), started=self._started_at
-        )
-        self._proto.builtin_reply(event, _codec.encode(body, self._codec).payload)
 
     def _flush(self, size: int = 0) -> None:
         """Send the protocol's frames, act on its events (accepted calls, wakes, session
@@ -862,58 +856,9 @@ class Server:
                 elif type(event) is Wake:
                     event.call.wake()
                 else:
-                    self._on_event(event)
+                    _on_event(self, event)
             if not proto.pending:
                 return
-
-    def _on_event(self, event: object) -> None:
-        if isinstance(event, BuiltinCall):
-            self._answer_statistics(event)
-        elif isinstance(event, Released):
-            self._policy.memory.release(event.leases, event.session)
-        elif isinstance(event, SessionStarted):
-            self._negotiate_shm(event.session, event.welcome, event.frame)
-            self._bulk.session_started(event.session, event.welcome, event.frame)
-            logger.info(
-                "engine %r joined client %s", self._engine_id, peer_text(event.session.name)
-            )
-            self._wake_housekeeping()  # its PING interval may be shorter than ours
-        elif isinstance(event, SessionEnded):
-            self._bulk.forget(event.session.key)
-            policy = self._policy
-            policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
-            log = logger.warning if event.warn else logger.info
-            if event.why.startswith("refused") and not self._said.first(
-                (event.session.name, event.why)
-            ):
-                log = logger.debug  # the same refusal again (a HELLO retried every second)
-            log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
-        elif isinstance(event, CallExpired):
-            observed = event.call.observed
-            if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
-                observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
-                observed.finished("ok", 0)
-        elif isinstance(event, AllRejected):  # stop serving: serve_forever raises it
-            self._fatal = self._fatal or HandshakeRejectedError(
-                f"every client refused engine {self._engine_id!r}: "
-                + peer_text(event.message, _WHY_CHARS),
-                reason=event.reason,
-                engine_id=self._engine_id,
-            )
-            if self._stopped is not None:
-                self._stopped.set()
-
-    def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
-        # torch_shm only with the process the kernel says is at the other end of the
-        # connection the WELCOME came on (docs/security.md); its claims are hints.
-        pid, send, receive = self._policy.peers.attest(
-            session,
-            peer_credentials(frame),
-            offers=welcome.transports,
-            claimed_pid=welcome.pid,
-            same_host=welcome.host_id == _host_id(),
-        )
-        self._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -939,6 +884,69 @@ class Server:
             self._poke = poke = anyio.Event()
             with anyio.move_on_after(wait):
                 await poke.wait()
+
+
+# -- session news and the built-in statistics method ------------------------------------
+
+
+def _on_event(server: Server, event: object) -> None:
+    if isinstance(event, BuiltinCall):
+        _answer_statistics(server, event)
+    elif isinstance(event, Released):
+        server._policy.memory.release(event.leases, event.session)
+    elif isinstance(event, SessionStarted):
+        _negotiate_shm(server, event.session, event.welcome, event.frame)
+        server._bulk.session_started(event.session, event.welcome, event.frame)
+        logger.info("engine %r joined client %s", server._engine_id, peer_text(event.session.name))
+        server._wake_housekeeping()  # its PING interval may be shorter than ours
+    elif isinstance(event, SessionEnded):
+        server._bulk.forget(event.session.key)
+        policy = server._policy
+        policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
+        log = logger.warning if event.warn else logger.info
+        if event.why.startswith("refused") and not server._said.first(
+            (event.session.name, event.why)
+        ):
+            log = logger.debug  # the same refusal again (a HELLO retried every second)
+        log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
+    elif isinstance(event, CallExpired):
+        observed = event.call.observed
+        if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
+            observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
+            observed.finished("ok", 0)
+    elif isinstance(event, AllRejected):  # stop serving: serve_forever raises it
+        server._fatal = server._fatal or HandshakeRejectedError(
+            f"every client refused engine {server._engine_id!r}: "
+            + peer_text(event.message, _WHY_CHARS),
+            reason=event.reason,
+            engine_id=server._engine_id,
+        )
+        if server._stopped is not None:
+            server._stopped.set()
+
+
+def _negotiate_shm(server: Server, session: Session, welcome: Welcome, frame: object) -> None:
+    # torch_shm only with the process the kernel says is at the other end of the
+    # connection the WELCOME came on (docs/security.md); its claims are hints.
+    pid, send, receive = server._policy.peers.attest(
+        session,
+        peer_credentials(frame),
+        offers=welcome.transports,
+        claimed_pid=welcome.pid,
+        same_host=welcome.host_id == _host_id(),
+    )
+    server._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
+
+
+def _answer_statistics(server: Server, event: BuiltinCall) -> None:
+    """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
+    if not _observe.statistics_allowed(server._config.curve):
+        server._proto.builtin_refused(event, _STATISTICS_REFUSED)
+        return
+    body = _observe.statistics_body(
+        server.statistics(), service=server._spec.name, pid=os.getpid(), started=server._started_at
+    )
+    server._proto.builtin_reply(event, _codec.encode(body, server._codec).payload)
 
 
 def _send_all(server: Server, sends: list[tuple[Hashable, list[Any]]]) -> None:

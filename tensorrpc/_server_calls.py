@@ -352,7 +352,9 @@ class CallQueue:
         outcome = call.outcome
         if outcome == "ok" and call.cancelled:
             outcome = "cancelled"
-        self._ended(call, outcome, now)
+        stats = call.stats
+        if stats is not None:
+            stats.ended(outcome, call.received, call.started, now)
 
     @staticmethod
     def _ended(call: ServerCall, outcome: str, now: float) -> None:
