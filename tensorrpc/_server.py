@@ -1,30 +1,23 @@
 """The engine side: ``serve()`` / ``Server`` run a service instance behind ZMQ.
 
-This module is the engine's I/O shell: every decision is
-``_server_protocol.ServerProtocol``'s and the worker pool is ``_dispatch``'s. Here:
+`Server` is the engine's one I/O shell: the configuration, the lifecycle (start, drain,
+close), the sockets and the worker pool's state (the workers' code is `tensorrpc._dispatch`).
+Every decision is `ServerProtocol`'s: a receive loop per socket feeds it each message and
+``now``, then sends the frames it queued and acts on its events (calls to run or wake,
+session news); a housekeeping task runs its timers. **Dial-in** (``connect=``): one DEALER
+per client address, routing id ``engine_id + "/" + nonce``, with ``ZMQ_IMMEDIATE`` (a HELLO
+is only queued on a live connection). **Listen** (``bind=``): one ROUTER on every address.
 
-* The configuration, the lifecycle (start, drain, close) and the statistics.
-* The sockets. **Dial-in** (``connect=``): one DEALER per client address, routing id
-  ``engine_id + "/" + nonce`` (unique per incarnation), with ``ZMQ_IMMEDIATE`` so that a
-  HELLO is only queued on a live connection. **Listen** (``bind=``): one ROUTER bound to
-  every address; a client is keyed by its routing id.
-* One receive loop per socket feeds each message and ``now`` to the protocol, wakes a
-  worker when it accepted a call, and flushes what the protocol handed out: frames to
-  send, then its events (calls to stop or wake, session news: torch_shm negotiation,
-  freed leases).
-* One housekeeping task runs the protocol's timers and releases the memory of tensors
-  ZMQ has finished sending.
-
-Rules this module keeps:
+Rules:
 
 1. Every socket operation happens on the event-loop thread; a receive loop never waits
-   on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full); a
-   worker's reply may wait a bounded time (``dead_after``).
+   on a send (``send_nowait``; dropped when ZMQ is full); a worker's reply may wait up
+   to ``dead_after``.
 2. The memory of every zero-copy send is held until ZMQ's tracker says it is done.
 3. Shutdown drains: new CALLs get DRAINING, running calls get ``grace_period`` to finish,
    then are cancelled (and get an ERROR), BYE goes to every client, sockets close.
 4. One clock: the event loop's (`tensorrpc._zmq.loop_clock`), for the protocol's ``now``,
-   call deadlines and the workers' cancel scopes alike.
+   deadlines and the workers' cancel scopes alike.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ import os
 import secrets
 import socket as _socket
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
 
@@ -246,16 +239,6 @@ class ServerOptions(TypedDict, total=False):
     interceptors: Sequence[ServerInterceptor]
 
 
-_CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
-
-
-def _config(options: dict[str, object]) -> ServerConfig:
-    unknown = set(options) - _CONFIG_FIELDS
-    if unknown:
-        raise TypeError(f"unknown server option(s): {', '.join(sorted(unknown))}")
-    return ServerConfig(**options)  # type: ignore[arg-type]
-
-
 @dataclass(frozen=True, slots=True)
 class PeerStatistics:
     """What one client did on this engine."""
@@ -444,7 +427,7 @@ class Server:
     """
 
     def __init__(self, instance: object, /, **options: Unpack[ServerOptions]) -> None:
-        self._config = cfg = _config(dict(options))
+        self._config = cfg = ServerConfig(**options)  # an unknown option: TypeError
         self._spec: ServiceSpec = describe(instance)
         self._engine_id = engine_id = _engine_id(cfg.engine_id)
         self._addresses = _addresses_of(cfg.connect)

@@ -1,24 +1,16 @@
 """The engine's side of the protocol as a state machine, sans-I/O: frames and ``now`` in.
 
-`ServerProtocol` holds every decision an engine makes about its clients: sessions
-and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
-dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
-I/O shell (`_server`) feeds it messages, its workers' results and the time, sends the
-frames it queues (`frames_to_send`; a worker sends its RESULT or STREAM_ITEM, the last
-one queued, itself), and acts on `next_events`: calls accepted for the workers, calls to
-wake, session news. That is the output convention both machines share
-(`tensorrpc._machine.Machine`): no input returns frames or events. It builds every
-frame it sends, counts every byte and drop, and owns the ``torch_shm`` argument leases
-of its calls (what a call that ends without a reply owes the client: RELEASE). Nothing
-here imports zmq, anyio, asyncio, trio, threading or ``time``.
-
-The call side (admission by method and capacity, the queue of accepted calls, the busy
-workers, reply legality, stream credit) is `tensorrpc._server_calls.CallQueue`; the
-workers' methods (`next_call`, `done`, `may_reply`, `park` ...) are bound to it. A
-listening engine's peers without a session are `Strangers`.
-
-A client is named by an opaque hashable *key*: its routing id on a listening engine, the
-address it is dialled at on a dial-in engine.
+`ServerProtocol` holds every decision an engine makes about its clients: sessions and
+their epochs, the admission of CALLs, reply legality, stream credit, liveness, strangers,
+drain and BYE. It builds every frame it sends, counts every byte and drop, and owns the
+``torch_shm`` argument leases of its calls; its output is `tensorrpc._machine.Machine`'s
+(`frames_to_send`, `next_events`). `receive` dispatches on (session state, kind) through
+`_DISPATCH`, whose handlers are the functions below the class (`TRANSITIONS` is the table).
+The call side (admission by method and capacity, the queue, the busy workers) is
+`tensorrpc._server_calls.CallQueue`; a listening engine's peers without a session are
+`Strangers`. A client is named by an opaque hashable *key*: its routing id on a listening
+engine, the address it is dialled at on a dial-in one. Nothing here imports zmq, anyio,
+asyncio, trio, threading or ``time``.
 
 Rules this module keeps (numbered as the tests cite them):
 
