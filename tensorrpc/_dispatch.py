@@ -59,10 +59,11 @@ if TYPE_CHECKING:
 
     from tensorrpc._compression import Compression
     from tensorrpc._server import Server
+    from tensorrpc._service import ServiceSpec
     from tensorrpc._streams import RequestStream
     from tensorrpc.transports._policy import PolicyPlacer
 
-__all__ = ["RequestItems", "close", "start", "type_name", "wake_one"]
+__all__ = ["RequestItems", "close", "scalar_results", "start", "type_name", "wake_one"]
 
 logger = logging.getLogger("tensorrpc.server")
 
@@ -73,6 +74,8 @@ _COMPRESS: Final = int(Flags.COMPRESS)
 _ACLOSE_TIMEOUT_S: Final = 1.0
 # A worker yields to the event loop after this many calls in a row without waiting.
 _FAIRNESS_STREAK: Final = 32
+# Values of these types hold no tensor.
+_SCALARS: Final = frozenset({int, float, str, bytes, bool, type(None)})
 
 #: A checked, encoded reply and its placer (to abort if the reply does not go).
 _Encoded = tuple[_codec.Encoded, "PolicyPlacer | None"]
@@ -86,6 +89,16 @@ class _OffLoop:
     def __init__(self, wire: object, compression: Compression | None) -> None:
         self.wire = wire
         self.compression = compression
+
+
+def scalar_results(spec: ServiceSpec) -> frozenset[str]:
+    """The methods whose results (or stream items) can hold no tensor: a reply of theirs
+    needs no placer."""
+    return frozenset(
+        name
+        for name, method in spec.methods.items()
+        if method.result_type.exact is not None and method.result_type.exact <= _SCALARS
+    )
 
 
 def type_name(exc: BaseException) -> str:
@@ -397,7 +410,7 @@ def _encode(server: Server, call: Call, value: object) -> _Encoded | _OffLoop | 
     results = call.results
     shm = call.session.shm
     placer = None
-    if results & _SHM_BITS and shm is not None:
+    if results & _SHM_BITS and shm is not None and call.spec.name not in server._scalar_results:
         mode = "torch_shm" if results & _SHM_RESULTS_ALL else "auto"
         placer = server._policy.placer(mode, call.session, peer_receives=shm.peer_receives)
     try:

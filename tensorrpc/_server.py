@@ -463,6 +463,7 @@ class Server:
         self._limiter = anyio.CapacityLimiter(cfg.sync_workers)
         self._compression = cfg.compression if _compression.available() else None
         self._interceptors = check_interceptors(cfg.interceptors, "engine")
+        self._scalar_results = _dispatch.scalar_results(self._spec)
         self._tg: anyio.abc.TaskGroup | None = None
         self._waiters: Waiters | None = None
         self._idle: list[Any] = []  # the parked workers' wake-ups
