@@ -812,20 +812,6 @@ class Server:
 
     # -- receiving --------------------------------------------------------------------------
 
-    def _accepted(self, call: ServerCall, size: int) -> None:
-        if self._idle:  # `_dispatch.wake_one`, inline (the hot path)
-            assert self._waiters is not None
-            self._waiters.wake(self._idle.pop())
-        else:
-            _dispatch.wake_one(self)
-        if call.deadline <= self._proto.wake_at:  # the timer moved to its deadline
-            self._wake_housekeeping()
-        if self._observer is not None:  # observe: a CALL was accepted
-            call.observed = self._observer.engine_call(
-                call.spec.service, call.spec.name, self._engine_id, call.session.name,
-                call.spec.streaming, call.trace, size,
-            )  # fmt: skip
-
     def _flush(self, size: int = 0) -> None:
         """Send the protocol's frames, act on its events (accepted calls, wakes, session
         news) until it is done; ``size``: the received message's (an accepted CALL's)."""
@@ -835,8 +821,16 @@ class Server:
             if sends:
                 _send_all(self, sends)
             for event in proto.next_events():
-                if isinstance(event, ServerCall):
-                    self._accepted(event, size)
+                if type(event) is ServerCall:  # accepted: wake a worker (the hot path)
+                    if self._idle:
+                        assert self._waiters is not None
+                        self._waiters.wake(self._idle.pop())
+                    else:
+                        _dispatch.wake_one(self)
+                    if event.deadline <= proto.wake_at:  # the timer moved to its deadline
+                        self._wake_housekeeping()
+                    if self._observer is not None:  # observe: a CALL was accepted
+                        _observe_call(self, event, size)
                 elif type(event) is Wake:
                     event.call.wake()
                 else:
@@ -931,6 +925,15 @@ def _answer_statistics(server: Server, event: BuiltinCall) -> None:
         server.statistics(), service=server._spec.name, pid=os.getpid(), started=server._started_at
     )
     server._proto.builtin_reply(event, _codec.encode(body, server._codec).payload)
+
+
+def _observe_call(server: Server, call: ServerCall, size: int) -> None:
+    assert server._observer is not None
+    spec = call.spec
+    call.observed = server._observer.engine_call(
+        spec.service, spec.name, server._engine_id, call.session.name, spec.streaming,
+        call.trace, size,
+    )  # fmt: skip
 
 
 def _send_all(server: Server, sends: list[tuple[Hashable, list[Any]]]) -> None:
