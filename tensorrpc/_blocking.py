@@ -254,12 +254,8 @@ def _open_stream(runner: _Runner, make: Callable[[], CallStream[T]]) -> Blocking
 
 
 class BlockingCallView(Generic[S]):
-    """Blocking calls on a [`BlockingClient`][tensorrpc.BlockingClient] with fixed options.
-
-    The blocking twin of [`CallView`][tensorrpc.CallView]: the same methods, returning
-    results instead of awaitables and [`BlockingStream`][tensorrpc.BlockingStream]s
-    instead of async iterators.
-    """
+    """The blocking twin of [`CallView`][tensorrpc.CallView]: the same methods, returning
+    results and [`BlockingStream`][tensorrpc.BlockingStream]s."""
 
     __slots__ = ("__weakref__", "_runner", "_view")
 
@@ -278,11 +274,8 @@ class BlockingCallView(Generic[S]):
         metadata: Mapping[str, str] | Keep | None = KEEP,
         compression: Compression | Literal["zstd"] | Keep | None = KEEP,
     ) -> BlockingCallView[S]:
-        """A view on the same client whose calls use these options.
-
-        As [`CallView.with_options`][tensorrpc.CallView.with_options]: an option not
-        given keeps this view's value (views chain); ``None`` clears one.
-        """
+        """A view whose calls use these options (as
+        [`CallView.with_options`][tensorrpc.CallView.with_options])."""
         view = self._view.with_options(
             engine=engine,
             timeout=timeout,
@@ -295,21 +288,9 @@ class BlockingCallView(Generic[S]):
         return BlockingCallView(self._runner, view)
 
     def stub(self) -> BlockingStub[S]:
-        """A [`BlockingStub`][tensorrpc.BlockingStub]: methods that call the engines and wait.
-
-        ``stub.add(1, 2)`` returns the result, whether the handler is ``async def`` or a
-        sync ``def``; ``stub.count(5)`` returns a
-        [`BlockingStream`][tensorrpc.BlockingStream]. The mypy plugin
-        ``tensorrpc.mypy_plugin`` types each method from the service's (the result type,
-        or ``BlockingStream[T]`` for a stream); without it, attributes are untyped:
-        [`call`][tensorrpc.BlockingCallView.call] and
-        [`stream`][tensorrpc.BlockingCallView.stream] are exact under any checker.
-
-        Its calls use this view's options: ``client.with_options(timeout=5).stub()``.
-
-        Returns:
-            The stub, typed as the service class.
-        """
+        """A [`BlockingStub`][tensorrpc.BlockingStub] whose calls use this view's options:
+        ``stub.add(1, 2)`` is the result, ``stub.count(5)`` a
+        [`BlockingStream`][tensorrpc.BlockingStream]."""
         return _BlockingStub(self._runner, self._view, self._runner.client.service)
 
     @overload
@@ -429,14 +410,8 @@ class BlockingCallView(Generic[S]):
 
 
 class BlockingStub(Generic[S]):
-    """A proxy whose attributes call the ``@rpc`` methods of the service ``S`` and wait.
-
-    Returned by [`BlockingCallView.stub`][tensorrpc.BlockingCallView.stub]:
-    ``stub.add(1, 2)`` is the result, ``stub.count(5)`` a
-    [`BlockingStream`][tensorrpc.BlockingStream]. With the mypy plugin
-    ``tensorrpc.mypy_plugin`` each attribute is typed from the service method; an
-    attribute that is not an ``@rpc`` method raises `AttributeError`.
-    """
+    """The blocking twin of [`Stub`][tensorrpc.Stub]: attributes call the ``@rpc``
+    methods of ``S`` and wait (typed by the mypy plugin ``tensorrpc.mypy_plugin``)."""
 
     __slots__ = ()
 
@@ -480,12 +455,9 @@ class _BlockingStub(BlockingStub[Any]):
 class BlockingClient(_ClosesOnExit, BlockingCallView[S]):
     """A blocking [`Client`][tensorrpc.Client] for scripts, notebooks and sync code.
 
-    It runs an ordinary async client on an event loop in a background thread and waits
-    for each call, so ``client.call(Calc.add, 1, 2)`` returns ``3`` and streams are plain
-    iterators. It works from any thread, including one whose event loop is already
-    running (a Jupyter cell, an asyncio application): the caller's loop is never used.
-    The client is open as soon as it is made; close it with ``close()`` or a ``with``
-    block. One left open is closed when it is garbage-collected or at interpreter exit.
+    An async client on an event loop of its own in a background thread (docs/client.md,
+    "Blocking client"): usable from any thread, even one whose loop runs. It is open once
+    made; close it with ``close()`` or ``with`` (else at garbage collection or exit).
 
         with BlockingClient(Calculator, connect="tcp://127.0.0.1:5555") as client:
             client.wait_for_engines(1, timeout=10)

@@ -78,11 +78,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_environment(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:
-    """Fill each flag the command line left out from its ``TENSORRPC_*`` variable.
-
-    Raises:
-        OptionError: A value (from a flag or a variable) is malformed.
-    """
+    """Fill each flag the command line left out from its ``TENSORRPC_*`` variable
+    (`OptionError` for a malformed value)."""
     env = os.environ if environ is None else environ
     where = "--metrics-port"  # or the variable that gave it
     for dest, name in ENVIRONMENT.items():
@@ -123,18 +120,9 @@ def _port(text: str, where: str) -> int:
 
 
 def curve_config(args: argparse.Namespace, *, listening: bool) -> CurveConfig | None:
-    """The CURVE configuration the flags ask for (``None``: plaintext).
-
-    Args:
-        args: Parsed flags, after `apply_environment`.
-        listening: Our socket binds (we are the CURVE server) rather than dials.
-
-    Raises:
-        OptionError: A CURVE flag without a keypair, or a keypair without what the role
-            needs (the allow-list when listening, the server's key when dialling).
-        OSError, ValueError: A key file cannot be read or holds no valid key (the
-            caller reports it in one line).
-    """
+    """The CURVE configuration the flags ask for (``None``: plaintext); ``listening``: we
+    are the CURVE server. `OptionError` for flags that do not fit the role; OSError or
+    ValueError for a key file that cannot be used."""
     from tensorrpc._security import CurveClientConfig, load_keypair, load_public_key
 
     keypair_path = getattr(args, "curve_keypair", None)
@@ -196,23 +184,9 @@ def _server_config(keypair_path: str, allow: list[str], allow_any: bool) -> Curv
 
 
 def configure_tracing(service_name: str) -> Any:
-    """Configure the OpenTelemetry SDK from the ``OTEL_*`` variables and trace every call.
-
-    Like OpenTelemetry's own tools: ``OTEL_SDK_DISABLED=true`` turns it off;
-    ``OTEL_TRACES_EXPORTER`` (comma-separated, default ``otlp``; ``none`` for none)
-    names exporters registered under the ``opentelemetry_traces_exporter`` entry
-    point (``console`` ships with the SDK, ``otlp`` with opentelemetry-exporter-otlp),
-    which read their own variables (``OTEL_EXPORTER_OTLP_ENDPOINT``...); the resource
-    comes from ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, the service name
-    defaulting to ``service_name``; the sampler from ``OTEL_TRACES_SAMPLER``.
-
-    Returns:
-        The tracer provider (call its ``shutdown()`` at exit to flush), or None when
-        ``OTEL_SDK_DISABLED`` is true.
-
-    Raises:
-        OptionError: The SDK is not installed, or an exporter name is unknown.
-    """
+    """Configure the OpenTelemetry SDK from the ``OTEL_*`` variables as its own tools do
+    (docs/cli.md) and trace every call; the provider to ``shutdown()`` at exit, or None
+    with ``OTEL_SDK_DISABLED=true``. `OptionError`: no SDK, or an unknown exporter."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     try:

@@ -51,7 +51,6 @@ from tensorrpc._views import (
     CallView,
     ClientStatistics,
     EngineStatistics,
-    Transport,
 )
 from tensorrpc._zmq import SocketOptions, message_peer_address
 from tensorrpc.transports._policy import DEFAULT_SHM_THRESHOLD, TransportPolicy
@@ -77,7 +76,6 @@ __all__ = [
     "ClientStatistics",
     "EngineInfo",
     "EngineStatistics",
-    "Transport",
 ]
 
 S = TypeVar("S")

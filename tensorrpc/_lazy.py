@@ -1,22 +1,9 @@
 """Modules imported on first use, so that ``import tensorrpc`` does not import torch.
 
-torch takes seconds to import (numpy a fifth of one), and a process that never sees a
-tensor (the command line, a client of plain values) never needs either. A module that
-uses torch only inside functions binds the name to a `LazyModule`:
-
-```python
-if TYPE_CHECKING:
-    import torch
-else:
-    torch = LazyModule("torch", globals())
-```
-
-The first attribute read (``torch.Tensor``) imports torch and rebinds the module's global
-``torch`` to torch itself, so later reads cost what they did with a top-level import.
-Only a path that involves a tensor reads the name: one that asks "is this a tensor?" of
-a value that may be anything checks ``"torch" in sys.modules`` first (no value can be a
-tensor of a module not yet imported).
-"""
+A module that uses torch only inside functions binds ``torch = LazyModule("torch",
+globals())`` (under ``if not TYPE_CHECKING``); the first attribute read imports torch and
+rebinds the global to it. A value that may be anything is asked "is this a tensor?" only
+once ``"torch" in sys.modules``."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ Rules:
 1. A side pings each peer at least `PINGS_PER_BOUND` times per the dead-after bound
    the *peer* announced, and never less often than its own heartbeat interval, so that no
    peer declares it dead while both are healthy.
-2. A bound of 0 (an older peer that announced none) imposes nothing.
-3. Backoff doubles from its minimum up to its cap and starts again from the minimum after
+2. Backoff doubles from its minimum up to its cap and starts again from the minimum after
    `Backoff.reset`.
 """
 
@@ -55,15 +54,13 @@ def ping_interval(own_interval: float, peer_dead_after_ms: int) -> float:
 
     Args:
         own_interval: This side's heartbeat interval in seconds.
-        peer_dead_after_ms: The peer's dead-after bound in milliseconds (0: none announced).
+        peer_dead_after_ms: The peer's dead-after bound in milliseconds (at least 1).
 
     Returns:
         ``own_interval``, shortened so that the peer hears at least
         `PINGS_PER_BOUND` PINGs per its bound; never below
         `MIN_PING_INTERVAL_S`.
     """
-    if peer_dead_after_ms <= 0:
-        return own_interval
     bound = peer_dead_after_ms / 1000 / PINGS_PER_BOUND
     return max(MIN_PING_INTERVAL_S, min(own_interval, bound))
 

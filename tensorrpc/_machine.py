@@ -1,24 +1,7 @@
 """The output convention both protocol machines share (h11's shape), sans-I/O.
 
-`tensorrpc._client_protocol.ClientProtocol` and
-`tensorrpc._server_protocol.ServerProtocol` take inputs (a message from a peer, the
-shell's answer to one of their events or its decision, a worker's result) and ``now``,
-and hand back what to do in one way only:
-
-- `Machine.frames_to_send` gives every frame to send, as ``(peer, frames)`` in order;
-  a message the shell sends itself, zero-copy and perhaps waiting (a CALL, a RESULT,
-  a STREAM_ITEM), is the last one queued by the input that made it;
-- `Machine.next_events` gives everything else that happened, in order: the call a
-  message concerned is itself the event (the client's resolved `Call`, the engine's
-  accepted `ServerCall`: the hot path allocates nothing more);
-- `Machine.pending` says whether either holds anything.
-
-No input returns frames or events (methods answer questions only). A send that fails
-is fed back (`send_failed` on each machine). The machines build every frame they hand
-out, never call back into the shell, and the shell writes none of their fields or
-counters: it encodes payloads, asks the machine, sends, wakes, and drains both lists
-after each input. Payloads and tensor buffers stay opaque, so zero copy is kept.
-"""
+Inputs return nothing; every frame comes out of `Machine.frames_to_send` and every event
+out of `Machine.next_events`, in order (docs/internals.md, "One output convention")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
 """The static type of a client stub: [`Stub`][tensorrpc.Stub], generic in the service class.
 
-A stub is not typed as the service class itself, because its methods do not behave like
-the class's methods: every unary call returns an awaitable, even for a sync ``def``
-handler, and a streaming method returns a [`CallStream`][tensorrpc.CallStream]. Plain
-typing cannot map "the methods of ``S``" to "the same signatures returning awaitables",
-so the exact method types come from the mypy plugin ``tensorrpc.mypy_plugin``
-(``plugins = ["tensorrpc.mypy_plugin"]`` in the mypy configuration). The plugin types
-``stub.name`` from the service's ``@rpc`` method ``name``:
-
-* ``async def name(...) -> R`` and ``def name(...) -> R`` give ``(...) -> Coroutine[Any, Any, R]``;
-* ``async def name(...) -> AsyncIterator[T]`` (with ``yield``) gives ``(...) -> CallStream[T]``;
-* any other attribute is an error.
-
-Without the plugin (other type checkers), stub attributes are ``Callable[..., Any]``:
-nothing wrong is asserted, nothing is checked. [`CallView.call`][tensorrpc.CallView.call]
-and [`CallView.stream`][tensorrpc.CallView.stream] are exact under any checker.
-"""
+Its methods do not behave like the class's (a unary call is awaited even for a sync
+``def``; a streaming one returns a [`CallStream`][tensorrpc.CallStream]), so the exact
+types come from the mypy plugin ``tensorrpc.mypy_plugin``; without it, attributes are
+``Callable[..., Any]`` (docs/client.md)."""
 
 from __future__ import annotations
 

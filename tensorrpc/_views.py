@@ -49,16 +49,12 @@ __all__ = [
     "CallView",
     "ClientStatistics",
     "EngineStatistics",
-    "Transport",
 ]
 
 S = TypeVar("S")
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
-
-#: Tensor transport names a call may ask for.
-Transport = TransportName
 
 
 class Keep(enum.Enum):
@@ -104,7 +100,7 @@ class CallOptions:
     engine: str | None = None
     timeout: float | None = None
     wait: bool = True
-    transport: Transport = "auto"
+    transport: TransportName = "auto"
     wait_for_ready: bool | None = None
     compression: Compression | None = None
     metadata: Mapping[str, str] | None = field(default=None, hash=False)
@@ -218,7 +214,7 @@ class CallView(Generic[S]):
         engine: str | Keep | None = KEEP,
         timeout: float | Keep | None = KEEP,
         wait: bool | Keep = KEEP,
-        transport: Transport | Keep = KEEP,
+        transport: TransportName | Keep = KEEP,
         wait_for_ready: bool | Keep | None = KEEP,
         metadata: Mapping[str, str] | Keep | None = KEEP,
         compression: Compression | Literal["zstd"] | Keep | None = KEEP,
@@ -250,19 +246,8 @@ class CallView(Generic[S]):
         return CallView(self._client, replace(self._options, **changes))
 
     def stub(self) -> Stub[S]:
-        """A proxy whose methods call the engines: a [`Stub`][tensorrpc.Stub] of the service.
-
-        ``await stub.add(1, 2)`` calls ``add``, whether the handler is ``async def`` or a
-        sync ``def``; ``stub.count(5)`` returns a [`CallStream`][tensorrpc.CallStream]
-        for ``async for``. The mypy plugin ``tensorrpc.mypy_plugin`` types each method
-        exactly (see [`Stub`][tensorrpc.Stub]); [`call`][tensorrpc.CallView.call] is
-        exact under any type checker.
-
-        Its calls use this view's options: ``client.with_options(timeout=5).stub()``.
-
-        Returns:
-            The stub.
-        """
+        """A [`Stub`][tensorrpc.Stub] of the service whose calls use this view's options:
+        ``await stub.add(1, 2)``; ``stub.count(5)`` is a [`CallStream`][tensorrpc.CallStream]."""
         return _Stub(self._client, self._options)
 
     @overload

@@ -347,25 +347,15 @@ def create_socket(
     Args:
         socket_type: ``zmq.ROUTER``, ``zmq.DEALER``, ...
         context: The ZMQ context; the process-wide ``zmq.Context.instance()`` by default.
-        options: Socket options (HWMs, MAXMSGSIZE, linger, keepalive, ROUTER behaviour).
-        routing_id: This socket's routing id as its peers' ROUTERs will see it (1-255
-            bytes, not starting with a zero byte, which ZMQ reserves).
-        curve: Encrypt and authenticate every ``tcp://``/``ipc://`` connection with
-            CURVE: a `CurveServerConfig` (this socket holds
-            the server key and checks clients against its allow-list; a per-socket ZAP
-            domain is registered with the context's ZAP handler until the socket closes)
-            or a `CurveClientConfig`. The role does not depend
-            on bind/connect; usually the binding side is the server. ``inproc://``
-            connections are not encrypted. None: no CURVE (plaintext).
-        watch_connections: Also watch connections come and go (accepted, connected,
-            disconnected: `AsyncSocket.disconnected`, `AsyncSocket.connection_events`).
-        bulk: A bulk connection's socket: where the context has two I/O threads (the
-            process-wide one tensorrpc makes has), its connections use the second and
-            every other socket's the first, so the bytes of a large message never hold
-            up a small one's reads and writes.
-
-    Returns:
-        The wrapped socket; close it with `AsyncSocket.aclose`.
+        options: Socket options.
+        routing_id: This socket's routing id (1-255 bytes, no leading zero byte).
+        curve: CURVE for every ``tcp://``/``ipc://`` connection: a `CurveServerConfig`
+            (a per-socket ZAP domain until the socket closes) or a `CurveClientConfig`;
+            None: plaintext.
+        watch_connections: Also watch connections come and go
+            (`AsyncSocket.disconnected`, `AsyncSocket.connection_events`).
+        bulk: A bulk connection's socket: on the context's second I/O thread, so a
+            large message's bytes never hold up a small one's.
 
     Raises:
         ValueError: ``routing_id`` or a CURVE key is malformed.
@@ -982,23 +972,8 @@ class AsyncSocket:
     async def send(
         self, frames: Sequence[Buffer | zmq.Frame], *, track: bool = False, copy: bool = False
     ) -> zmq.MessageTracker | None:
-        """Send one multipart message, waiting while the high-water mark is reached.
-
-        Cancellation-safe: if cancelled, either the whole message was sent or none of it.
-
-        Args:
-            frames: The message's frames (on a ROUTER the first is the peer's routing id).
-            track: Return a tracker that is done once ZMQ no longer needs the buffers.
-            copy: Copy every frame instead of referencing large buffers.
-
-        Returns:
-            The tracker when ``track`` is true, else None.
-
-        Raises:
-            ClosedError: The socket is closed (also while waiting).
-            PeerUnreachableError: ROUTER: no peer with that routing id is connected.
-            TransportError: Any other ZMQ failure.
-        """
+        """`send_nowait`, waiting while the high-water mark is reached (`ClosedError` also
+        while waiting). Cancellation-safe: the whole message was sent or none of it."""
         self._check_open()
         parts, tracker = self._prepare(frames, track, copy)
         backoff = _PEER_FULL_BACKOFF_S

@@ -295,15 +295,7 @@ _positive_float = _positive(float, "number")
 
 
 def normalize_address(text: str) -> str:
-    """Turn a command-line address into a ZMQ endpoint.
-
-    ``5555`` and ``:5555`` mean ``tcp://127.0.0.1:5555`` (loopback: safe by default),
-    ``HOST:PORT`` means ``tcp://HOST:PORT``; ``tcp://``, ``ipc://`` and ``inproc://``
-    endpoints are taken as they are.
-
-    Raises:
-        UsageError: The text is none of these.
-    """
+    """A command-line address as a ZMQ endpoint: a bare port is on loopback (UsageError)."""
     if text.startswith(_SCHEMES):
         if text.partition("://")[2]:
             return text
@@ -324,12 +316,7 @@ def normalize_address(text: str) -> str:
 
 
 def load_target(target: str) -> object:
-    """Import ``module:attr`` (``attr`` may be dotted) with the current directory on sys.path.
-
-    Raises:
-        UsageError: ``target`` is not ``module:name``.
-        CommandError: The module cannot be imported or has no such attribute.
-    """
+    """Import ``module:attr`` (``attr`` may be dotted) with the current directory on sys.path."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise UsageError(f"expected module:Class, got {target!r}")
@@ -355,15 +342,8 @@ def load_target(target: str) -> object:
 
 
 def service_of(target: str, *, instantiate: bool) -> tuple[tensorrpc.ServiceSpec, object]:
-    """Load a service class (or factory) and return its spec and an instance (or the class).
-
-    With ``instantiate`` false a class is described without creating an instance; a
-    factory is always called.
-
-    Raises:
-        CommandError: Not a ``@service`` class or a factory returning an instance of one,
-            or creating the instance failed.
-    """
+    """A service class's (or factory's) spec and an instance (the class itself when not
+    ``instantiate``; a factory is always called)."""
     obj = load_target(target)
     if isinstance(obj, type):
         try:
@@ -557,11 +537,7 @@ async def _serve(
 
 
 def parse_value(text: str) -> object:
-    """A ``--arg`` value: JSON when it parses, else the text itself (``@FILE.npy`` aside).
-
-    Raises:
-        UsageError: ``@FILE`` names a file that cannot be loaded.
-    """
+    """A ``--arg`` value: JSON when it parses, else the text itself (``@FILE.npy`` aside)."""
     if text.startswith("@"):
         return _load_npy(text[1:])
     try:
@@ -572,17 +548,7 @@ def parse_value(text: str) -> object:
 
 
 def parse_args(items: Sequence[str], data: str | None = None) -> dict[str, object]:
-    """Parse ``NAME=VALUE`` items (and a ``-d`` JSON object) into one argument map.
-
-    Args:
-        items: ``NAME=VALUE`` strings, from positional arguments and ``--arg``.
-        data: The ``-d`` text: a JSON object, ``@FILE`` holding one, or ``@-`` (stdin).
-
-    Raises:
-        UsageError: An item lacks ``=``, a name is not an identifier or is given twice
-            (in the items or in both the items and the object), or ``data`` is not a
-            JSON object.
-    """
+    """``NAME=VALUE`` items and the ``-d`` text (see `parse_data`) as one argument map."""
     out: dict[str, object] = parse_data(data) if data is not None else {}
     from_data = set(out)
     for item in items:
@@ -599,12 +565,7 @@ def parse_args(items: Sequence[str], data: str | None = None) -> dict[str, objec
 
 
 def parse_data(data: str) -> dict[str, object]:
-    """The ``-d`` argument map: a JSON object given inline, as ``@FILE``, or ``@-`` (stdin).
-
-    Raises:
-        UsageError: The file cannot be read, the text is not JSON, or not an object whose
-            keys are parameter names.
-    """
+    """The ``-d`` argument map: a JSON object given inline, as ``@FILE``, or ``@-`` (stdin)."""
     # How errors name the argument: "-d", "-d from stdin" or "-d from 'args.json'".
     source = "-d"
     if data.startswith("@"):
@@ -815,21 +776,15 @@ def _engine_json(info: tensorrpc.EngineInfo) -> dict[str, Any]:
 
 
 def _print_methods(info: tensorrpc.EngineInfo, *, as_json: bool) -> None:
-    signatures = info.signatures or tuple(f"{m}(...)" for m in info.methods)
     if as_json:
-        known = bool(info.signatures)  # else the engine said nothing of signatures, streams
         methods = [
-            {
-                "name": name,
-                "signature": sig if known else None,
-                "streaming": (name in info.streaming) if known else None,
-            }
-            for name, sig in zip(info.methods, signatures, strict=True)
+            {"name": name, "signature": sig, "streaming": name in info.streaming}
+            for name, sig in zip(info.methods, info.signatures, strict=True)
         ]
         print(json.dumps({**_engine_json(info), "methods": methods}, indent=2))
         return
     print(_engine_text(info))
-    for sig in signatures:
+    for sig in info.signatures:
         print(f"  {sig}")
 
 
@@ -967,14 +922,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tensorrpc`` command.
-
-    Args:
-        argv: The arguments after the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status: 0 on success, 1 when the command failed, 2 for a usage error.
-    """
+    """Run the ``tensorrpc`` command on ``argv`` (default ``sys.argv[1:]``); the exit status."""
     try:
         args = _parse(argv)
     except SystemExit as exc:

@@ -12,23 +12,10 @@ async with Client(Calculator, connect=..., observer=metrics) as client:
 print(generate_latest(registry).decode())
 ```
 
-Or let tensorrpc serve them: ``Client(..., observer=exporter(9464))`` /
-``serve(..., observer=exporter(9464))`` export the default registry over HTTP on
-127.0.0.1 (see `exporter`).
-The names, units and labels are listed in docs/observability.md. Labels are bounded:
-``method`` and ``engine`` (ids), plus the small fixed sets ``outcome``, ``transport``,
-``direction``, ``event`` and ``state``; never call ids or arguments. Engine ids come from
-peers, so at most `MAX_ENGINE_LABELS` of them have series of their own (escaped and cut):
-an engine seen when every slot is held by a live one is counted under
-``engine="other"``, and the series of an engine gone for `FORGET_AFTER_S`, or gone the
-longest when a slot is needed, are removed (see `_Store`). Method labels are the names of
-the service definition the call used, at most `MAX_METHOD_LABELS` of them (then
-``"other"``).
-
-This module counts nothing: clients and engines count their own calls
-(`tensorrpc._statistics`), and every family is read from their ``statistics()`` when
-Prometheus scrapes.
-"""
+Or ``observer=exporter(9464)`` to serve the default registry over HTTP on 127.0.0.1. This
+module counts nothing: every family is read from the clients' and engines'
+``statistics()`` at scrape time. Names, units and the bounded labels are listed in
+docs/observability.md."""
 
 from __future__ import annotations
 

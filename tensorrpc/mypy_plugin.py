@@ -1,45 +1,12 @@
-"""mypy plugin: exact types for client stubs (``client.stub().method``).
+"""mypy plugin: exact types for client stubs and ``client.call`` (docs/client.md).
 
-Enable it in the mypy configuration of the code that calls tensorrpc services:
-
-```toml
-[tool.mypy]
-plugins = ["tensorrpc.mypy_plugin"]
-```
-
-What it does:
-
-* ``@service`` classes: records, in the class's mypy metadata, which methods carry
-  ``@rpc`` and whether each is sync, async or streaming (the metadata survives mypy's
-  incremental cache).
-* [`Stub[S]`][tensorrpc.Stub] attributes: ``stub.name`` gets the signature of ``S.name``
-  without ``self``, returning ``Coroutine[Any, Any, R]`` for a unary method (sync or async,
-  as the stub's call is awaited either way) and [`CallStream[T]`][tensorrpc.CallStream]
-  for a streaming method. A name that is not an ``@rpc`` method is an error, as it is at
-  run time.
-* Batched methods (``@rpc(batch=Batching(...))`` / ``@rpc(batch=Continuous(...))``,
-  written inline in the decorator): callers see one item, so ``list[T]`` parameters
-  become ``T`` and the ``list[R]`` result becomes ``R`` (a ``CallStream[R]`` for
-  ``Continuous``). The same per-item signature types ``Service.method`` read from the
-  class, which is what ``client.call(Service.method, ...)`` and ``client.stream`` take.
-* [`BlockingStub[S]`][tensorrpc.BlockingStub] attributes (a
-  [`BlockingClient`][tensorrpc.BlockingClient]'s stub): the same signatures, returning
-  the result ``R`` itself for a unary method and
-  [`BlockingStream[T]`][tensorrpc.BlockingStream] for a streaming one.
-* Request streams (``async def upload(self, chunks: AsyncIterator[X]) -> Y`` and
-  ``async def chat(self, msgs: AsyncIterator[X]) -> AsyncIterator[Y]``): the stub method
-  (and ``client.call``) takes ``AsyncIterable[X] | Iterable[X]``, as the client does at
-  run time, and returns ``Y`` (client streaming) or a ``CallStream[Y]``
-  (bidirectional).
-* ``client.call(Service.method, ...)`` (and a blocking client's): the arguments are
-  checked against ``Service.method``'s own parameters and the call returns its result
-  type, so that mypy names what is wrong (an argument's type, a missing or unknown
-  argument, a result assigned to the wrong type, a streaming method passed to ``call``)
-  instead of ``No overload variant of "call"`` (the overloads, which other type checkers
-  read, infer the result type from the assignment's context and then blame the arguments).
-
-This module imports mypy; ``import tensorrpc`` never imports it.
-"""
+Enable it with ``plugins = ["tensorrpc.mypy_plugin"]`` in the mypy configuration. It
+records which methods of a ``@service`` class carry ``@rpc`` (in the class's mypy
+metadata), types [`Stub[S]`][tensorrpc.Stub] and [`BlockingStub[S]`][tensorrpc.BlockingStub]
+attributes from ``S``'s methods, gives batched methods their per-item signature, and
+checks ``client.call(Service.method, ...)`` against the method's own parameters so that
+mypy names the wrong argument instead of ``No overload variant``. ``import tensorrpc``
+never imports this module."""
 
 from __future__ import annotations
 

@@ -1,37 +1,14 @@
-"""Launch tensorrpc engines as Ray actors, placed over a Ray cluster, and join them to a client.
+"""Launch tensorrpc engines as Ray actors and join them to a client (docs/scale-out.md).
 
 ```python
 curve = tensorrpc.ray.client_curve()  # CURVE server, allow-list grown by each launch
 async with tensorrpc.Client(LM, bind="tcp://0.0.0.0:0", curve=curve) as client:
     async with tensorrpc.ray.launch(LM, 4, client=client, placement="spread") as group:
-        await client.wait_for_engines(4, timeout=60)
         print(group.engines)  # engine id -> RayEngine(node_id, pid, address, state, ...)
-        print(await group.health())  # engine id -> HealthStatus (the standard method)
 ```
 
-Each engine is one Ray actor. The actor constructs the service instance on its node and
-runs [`serve`][tensorrpc.serve] in a thread of its own, either dialling the client's
-address (``bind=False``, the default: the client binds) or listening on its node's address
-(``bind=True``: the client dials the addresses the actors report). The actors are placed
-with a Ray placement group (``"spread"``: one bundle per node where possible, ``"pack"``:
-as few nodes as possible). Leaving the ``async with`` drains every engine (its calls
-finish, it says BYE), then kills the actors and removes the placement group.
-
-Engines on other hosts are secured by default. With a client whose ``curve`` is a
-``CurveServerConfig`` (as [`client_curve`][tensorrpc.ray.client_curve] makes), the launcher
-makes one CURVE keypair per engine, hands each actor its own secret key through Ray's task
-arguments, binds each engine id to its public key on the client and lets only those keys
-in. A client without CURVE is refused (`LaunchError`) when engines may run on another host
-or a socket of the launch listens beyond loopback, unless ``allow_plaintext=True``.
-
-Deaths are seen twice: by the client's heartbeats, and by Ray, whose report takes the
-engine out of the client at once (``Client.declare_dead``) so that its calls fail with
-[`EngineDeadError`][tensorrpc.EngineDeadError] without waiting for ``dead_after``. With
-``max_restarts``, Ray restarts a dead actor and it rejoins under the same engine id.
-
-Ray is an optional dependency: ``pip install 'tensorrpc[ray]'``. ``import tensorrpc``
-never imports it; importing this module without Ray raises ``ImportError`` naming the
-extra.
+Ray is the ``ray`` extra: ``import tensorrpc`` never imports it; importing this module
+without Ray raises ``ImportError`` naming the extra.
 """
 
 from __future__ import annotations
@@ -439,12 +416,8 @@ class EngineGroup:
         *,
         timeout: float = 10.0,  # noqa: ASYNC109 - bounds the actor call
     ) -> None:
-        """Set what one engine's health method answers (`Server.set_health` in its actor).
-
-        For a supervisor that takes an engine out of rotation (its dependency is down, it
-        is being upgraded) without stopping it: probes and
-        [`health`][tensorrpc.ray.EngineGroup.health] then see ``NOT_SERVING``; calls
-        are still accepted.
+        """Set what one engine's health method answers (`Server.set_health` in its actor):
+        ``NOT_SERVING`` takes it out of rotation while it still accepts calls.
 
         Args:
             engine_id: An engine of this group.
@@ -824,14 +797,9 @@ def _reachable_address(client: Client[Any]) -> str:
 def client_curve() -> CurveServerConfig:
     """The CURVE configuration of a client that launched engines dial into.
 
-    A fresh keypair and an allow-list that starts empty: nobody can join until
-    [`launch`][tensorrpc.ray.launch] adds its engines' keys (one keypair per engine, made
-    by the launcher, the secret handed to each actor through Ray), and each key leaves the
-    list when its group stops:
-
-    ```python
-    Client(LM, bind="tcp://0.0.0.0:0", curve=tensorrpc.ray.client_curve())
-    ```
+    A fresh keypair and an empty allow-list: [`launch`][tensorrpc.ray.launch] adds one
+    key per engine it starts (the secret handed to the actor through Ray) and removes
+    them when its group stops.
 
     Returns:
         A ``CurveServerConfig`` for ``Client(curve=...)``.
@@ -981,12 +949,8 @@ def launch(
             port on this node's Ray address) is not reachable from the nodes (NAT, a
             Kubernetes service).
         engine_keys: ``bind=True`` with CURVE: the engines' keypair, whose public key the
-            client's ``CurveClientConfig`` names. Dial-in takes none: with a client whose
-            ``curve`` is a ``CurveServerConfig`` (see
-            [`client_curve`][tensorrpc.ray.client_curve]) the launcher makes one keypair
-            per engine, hands each actor its own through Ray's task arguments, binds the
-            engine ids to the public keys (``Client.bind_engine_keys``) and lets only
-            those keys through the client's allow-list until the group stops.
+            client's ``CurveClientConfig`` names. Dial-in takes none: the launcher makes
+            one keypair per engine (see [`client_curve`][tensorrpc.ray.client_curve]).
         allow_plaintext: Launch without CURVE even when engines may run on other hosts or
             a socket of the launch listens beyond loopback (a network you trust);
             otherwise such a launch raises `LaunchError`.
@@ -1003,10 +967,8 @@ def launch(
     Raises:
         ValueError: Bad arguments (sizes, ids, CURVE roles, a client not bound to tcp://).
         RuntimeError: Ray is not initialised.
-        LaunchError: The client has no CURVE and engines may run on other hosts (a Ray
-            node on another host), or a socket of the launch listens beyond loopback (the
-            client's address, ``client_address``, or with ``bind=True`` the nodes'
-            addresses); see ``allow_plaintext``.
+        LaunchError: The client has no CURVE and engines may run on other hosts or a
+            socket of the launch listens beyond loopback (see ``allow_plaintext``).
     """
     _check_launch(n, placement, max_restarts, timeout, join_timeout)
     ids = _launch_ids(client, n, engine_ids, bind)

@@ -1,29 +1,10 @@
 """Test helpers and a pytest plugin: engines of a service, started and reaped for a test.
 
-Helpers (usable without pytest):
-
-* [`serve_engines`][tensorrpc.testing.serve_engines]: an async context manager that binds a
-  [`Client`][tensorrpc.Client], starts ``count`` engines of a service that dial in (as
-  tasks of the current event loop, or as subprocesses), waits until they are live and
-  hands back the connected client. On exit it closes the client and stops every engine;
-  subprocesses are terminated, killed past ``stop_timeout`` and reaped.
-* [`engine_processes`][tensorrpc.testing.engine_processes]: the same engines as
-  subprocesses, as a plain (sync) context manager, for code without an event loop (a
-  [`BlockingClient`][tensorrpc.BlockingClient], a notebook).
-
-The pytest plugin (enable it with ``pytest_plugins = ["tensorrpc.testing"]`` in a
-``conftest.py``, or ``-p tensorrpc.testing``) adds fixtures on top of them, for async tests
-run by anyio's pytest plugin on asyncio and trio:
-
-* ``tensorrpc_client``: a client connected to ``tensorrpc_engine_count`` engines of
-  ``tensorrpc_service`` (override these fixtures, and ``tensorrpc_isolation``, in your
-  tests);
-* ``tensorrpc_engines``: a factory, ``await tensorrpc_engines(Service, count=2,
-  isolation="process")``, for tests that need several services or settings.
-
-Every wait is bounded (``start_timeout``, ``stop_timeout``), and an engine process that
-exits while starting fails the start at once with its output.
-"""
+[`serve_engines`][tensorrpc.testing.serve_engines] (async) and
+[`engine_processes`][tensorrpc.testing.engine_processes] (sync, subprocesses) work
+without pytest; the plugin (``pytest_plugins = ["tensorrpc.testing"]``) adds the
+``tensorrpc_client`` and ``tensorrpc_engines`` fixtures (docs/testing.md). Every wait is
+bounded, and an engine process that exits while starting fails the start with its output."""
 
 from __future__ import annotations
 
@@ -296,15 +277,10 @@ async def serve_engines(
 ) -> AsyncIterator[Client[S]]:
     """Start ``count`` engines of ``service`` and yield a client connected to all of them.
 
-    The client binds ``address`` and the engines dial in. By default that is an ``ipc://``
-    socket in a temporary directory of its own (removed afterwards) with
-    ``isolation="process"``, so that torch_shm works between the processes (the kernel
-    attests an ``ipc://`` peer; over tcp torch_shm is off), and an ephemeral loopback tcp
-    port with ``isolation="task"``. With ``isolation="task"`` each engine is a task of the
-    current event loop (fast; the handlers share the test's process), with ``"process"`` a
-    subprocess running ``tensorrpc serve`` (real isolation: its own memory, torch shared
-    memory across processes, kill -9 possible through the yielded client's
-    ``engines[id].pid``).
+    The client binds ``address`` and the engines dial in: tasks of the current event loop
+    (``isolation="task"``, on loopback tcp) or ``tensorrpc serve`` subprocesses
+    (``"process"``, on an ``ipc://`` socket in a private temporary directory, so that
+    torch_shm works between them).
 
     Args:
         service: The ``@service`` class.
@@ -317,7 +293,7 @@ async def serve_engines(
         engine_options: Keyword arguments of [`serve`][tensorrpc.serve]
             (``"process"``: only ``grace_period``, ``max_concurrency``, ``sync_workers``).
         client_options: Keyword arguments of [`Client`][tensorrpc.Client].
-        address: The address the client binds (default: see above).
+        address: The address the client binds (default: as above).
         start_timeout: Seconds to wait for the engines to be live.
         stop_timeout: Seconds each engine process gets to stop before it is killed.
 

@@ -23,7 +23,6 @@ import anyio
 from tensorrpc import _observe
 from tensorrpc._client import Client
 from tensorrpc._exceptions import TensorRPCError
-from tensorrpc._statistics import LATENCY_BUCKETS_PER_OCTAVE
 from tensorrpc._text import peer_text
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ def check_statistics(body: object) -> dict[str, Any]:
         raise ValueError("time is not a finite number")
     for name in (*_COUNTERS, "in_flight", "queued"):
         _count(name, body.get(name))
-    per_octave = body.get("latency_buckets_per_octave", LATENCY_BUCKETS_PER_OCTAVE)
+    per_octave = body.get("latency_buckets_per_octave")
     if type(per_octave) is not int or not 1 <= per_octave <= 64:
         raise ValueError("latency_buckets_per_octave is not in 1..64")
     transports = body.get("transports")
@@ -99,12 +98,12 @@ def check_statistics(body: object) -> dict[str, Any]:
         raise ValueError("methods is not a map of at most 4096 entries")
     for method in methods.values():
         _check_latency(method.get("latency") if isinstance(method, dict) else None, per_octave)
-    _check_batching(body.get("batching", {}), per_octave)
+    _check_batching(body.get("batching"), per_octave)
     return body
 
 
 def _check_batching(batching: object, per_octave: int) -> None:
-    """The optional ``batching`` map: per method, ``sizes`` and ``queue_wait`` pairs."""
+    """The ``batching`` map: per method, ``sizes`` and ``queue_wait`` pairs."""
     if not isinstance(batching, dict) or len(batching) > _MAX_METHODS:
         raise ValueError("batching is not a map of at most 4096 entries")
     for b in batching.values():
@@ -187,10 +186,10 @@ class EngineView:
         window: dict[int, int] = {}
         for method, m in stats["methods"].items():
             _grown(m["latency"], prev["methods"].get(method, {}).get("latency", []), window)
-        per_octave = int(stats.get("latency_buckets_per_octave", LATENCY_BUCKETS_PER_OCTAVE))
+        per_octave = int(stats["latency_buckets_per_octave"])
         self.p50 = percentile(window, 0.50, per_octave)
         self.p99 = percentile(window, 0.99, per_octave)
-        self._batching(stats.get("batching", {}), prev.get("batching", {}), per_octave)
+        self._batching(stats["batching"], prev["batching"], per_octave)
 
     def _batching(self, new: dict[str, Any], old: dict[str, Any], per_octave: int) -> None:
         sizes: dict[int, int] = {}

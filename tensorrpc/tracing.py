@@ -1,10 +1,4 @@
-"""OpenTelemetry traces across tensorrpc calls (the ``otel`` extra: ``opentelemetry-api``).
-
-A client call becomes a CLIENT span, child of the caller's current span; its context
-travels in the CALL (the ``TRACE`` header flag, docs/protocol.md §3) and the engine runs
-the handler inside a SERVER span, child of the client's. Calls the handler makes (to other
-engines, through another client) are children of that span, so one trace follows a
-request through every engine it touches.
+"""OpenTelemetry traces across tensorrpc calls (the ``otel`` extra; docs/observability.md).
 
 ```python
 # sketch: configure an OpenTelemetry SDK as usual, then
@@ -13,24 +7,10 @@ import tensorrpc.tracing
 tensorrpc.tracing.instrument()  # every Client and Server created from now on
 ```
 
-or pass ``observer=tensorrpc.tracing.TracingObserver()`` to the ones you want. With the
-API alone (no SDK configured, no ``tracer_provider`` given) no span is made and no
-context is sent: each hook is one type test.
-
-Span names follow the OpenTelemetry RPC conventions, ``Service/method``. Span attributes:
-``rpc.system`` (``"tensorrpc"``), ``rpc.service``, ``rpc.method``, ``tensorrpc.engine_id``,
-``tensorrpc.client_id`` (engine spans), ``tensorrpc.transport`` (client spans: how the
-arguments' tensors travelled: ``torch_shm``, ``frames`` or ``inline``),
-``tensorrpc.request_bytes``, ``tensorrpc.response_bytes`` (client spans),
-``tensorrpc.stream_items`` (streams), ``tensorrpc.outcome`` (``ok``, ``cancelled`` or an
-ERROR code name, alike on client and engine: see ``tensorrpc.Observer``); the status is
-ERROR for any outcome but ``ok`` and ``cancelled``. Engine spans start when the CALL is
-accepted and carry a ``handler.start`` event when a worker takes it.
-
-Batched methods (docs/batching.md): each batch (each step of a continuous batch) the
-engine runs is an INTERNAL span ``Service/method batch`` with ``tensorrpc.batch_size``, linked
-to the engine span of every item's call in it.
-"""
+or pass ``observer=tensorrpc.tracing.TracingObserver()`` to the ones you want. A client
+call is a CLIENT span whose context travels in the CALL; the engine runs the handler in a
+SERVER span, its child; each batch of a batched method is an INTERNAL span linked to its
+items' calls. With the API alone (no SDK, no ``tracer_provider``) no span is made."""
 
 from __future__ import annotations
 

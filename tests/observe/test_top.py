@@ -52,6 +52,7 @@ def _stats(
         "transports": {"frames": counters, "torch_shm": dict(counters, bytes_sent=0)},
         "latency_buckets_per_octave": 4,
         "methods": {"add": {"calls": calls, "errors": errors, "latency": latency}},
+        "batching": {},
     }
 
 

@@ -46,6 +46,8 @@ def test_engine_strings_are_drawn_as_plain_text() -> None:
     ("change", "why"),
     [
         ({"latency_buckets_per_octave": 0}, "latency_buckets_per_octave"),
+        ({"latency_buckets_per_octave": None}, "latency_buckets_per_octave"),
+        ({"batching": None}, "batching"),
         ({"calls": None}, "calls"),
         ({"time": float("nan")}, "time"),
         ({"queued": -1}, "queued"),
@@ -59,8 +61,8 @@ def test_a_malformed_statistics_answer_becomes_the_note(change: dict[str, Any], 
     view = EngineView("e1")
     view.update(_stats(100.0, 10, 0, 1000, [[40, 10]]))
     bad = {**_stats(101.0, 20, 0, 1000, [[40, 20]]), **change}
-    if change.get("calls", 0) is None:
-        del bad["calls"]
+    for key in [k for k, v in change.items() if v is None]:
+        del bad[key]  # None: the field is missing
     with pytest.raises(ValueError, match=why):
         check_statistics(bad)
     view.update(bad)

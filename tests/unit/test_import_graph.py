@@ -129,3 +129,42 @@ def test_the_graph_sees_lazy_and_relative_imports_and_skips_type_checking(tmp_pa
     assert graph["pkg.sub.d"] == {"pkg.a"}
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.d", "pkg.a"]
     assert find_cycle({"x": {"y"}, "y": set()}) is None
+
+
+#: The client's and the engine's I/O shells (those that exist): statistics are read
+#: without them.
+SHELLS = frozenset(
+    {
+        "tensorrpc._client",
+        "tensorrpc._client_calls",
+        "tensorrpc._client_io",
+        "tensorrpc._dispatch",
+        "tensorrpc._server",
+        "tensorrpc._server_calls",
+    }
+)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (lazy imports included)."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_metrics_and_observe_reach_no_shell():
+    graph = import_graph(PACKAGE)
+    shells = SHELLS & set(graph)
+    assert {"tensorrpc._client", "tensorrpc._server"} <= shells
+    for module in ("tensorrpc.metrics", "tensorrpc._observe", "tensorrpc._statistics"):
+        assert reachable(graph, module) & shells == set(), module
+
+
+def test_reachable_follows_imports_through_other_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert reachable(graph, "a") == {"a", "b", "c"}
+    assert reachable(graph, "d") == set()
