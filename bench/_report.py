@@ -19,7 +19,9 @@ TIMES = "\u00d7"
 FLOOR = "pyzmq"
 #: the reference of the transfer table's ratios
 TRANSFER_REF = "tensorrpc frames"
-#: The batching case whose ``max_delay`` exceeds the callers' turnaround (bench.batching).
+#: The batching cases with a longer ``max_delay`` than the first's 2 ms (bench.batching):
+#: about the callers' turnaround on a quiet machine, and well above it.
+MID_CASE = "tensorrpc, max_delay 5 ms"
 WIDE_CASE = "tensorrpc, max_delay 10 ms"
 #: the torch_shm lines of bench.transfer that targets refer to
 NEW = "tensorrpc torch_shm (new tensor each call)"
@@ -269,6 +271,7 @@ def _batching_targets(bt: dict[str, Any]) -> list[dict[str, Any]]:
     target("batch_speedup", f"{bt.get('callers')} callers, batched ÷ unbatched calls/s", r,
            "≥ 10", None if r is None else r >= 10)  # fmt: skip
     for tid, case, delay_key in (("batch_median_ms", "tensorrpc", "max_delay_ms"),
+                                 ("batch_median_mid_ms", MID_CASE, "mid_delay_ms"),
                                  ("batch_median_wide_ms", WIDE_CASE, "wide_delay_ms")):  # fmt: skip
         median = _num(_get(bt.get(case), "median_ms"))
         delay = _num(bt.get(delay_key, 0)) or 0.0
@@ -287,15 +290,32 @@ def _batching_targets(bt: dict[str, Any]) -> list[dict[str, Any]]:
     r = _ratio(_num(_get(cont, "per_s")), _num(_get(one, "per_s")))
     target("batch_tokens", f"{bt.get('streams')} streams, continuous ÷ one at a time tokens/s",
            r, "≥ 5", None if r is None else r >= 5)  # fmt: skip
-    late, step = _num(bt.get("late_ttft_max_ms")), _num(bt.get("running_step_ms"))
-    # It waits for the rest of the running step, then runs in the next one: two running
-    # steps at most (the issue's "one step + max_delay" would need the step pre-empted).
-    extra = None if late is None or step is None else late - 2 * step - 1.0
+    parts, step = bt.get("late_parts_ms"), _num(bt.get("running_step_ms"))
+    stream_delay = _delay(bt.get("stream_delay_ms"))
+    # What the rules promise: a stream that arrives while a step runs starts at the next
+    # boundary (after the rest of that step, and max_delay): 1 ms for the runner's own work
+    # there; a missed boundary or wake-up costs a whole step.
+    extra = _num(bt.get("late_join_extra_ms"))
     desc = (
-        "slowest first token of a stream joining a running batch minus (two running steps + 1 ms)"
+        "slowest stream joining a running batch: its first step's start minus (arrival + "
+        "rest of the running step + max_delay), engine clock"
     )
-    ok = None if extra is None else extra <= 0
-    target("batch_late_ttft_ms", desc, extra, "≤ 0 (max_delay 0)", ok)
+    target("batch_late_join_ms", desc, extra, "≤ 1 ms", None if extra is None else extra <= 1.0)
+    # The issue's wording: the first token within one step plus max_delay of arrival. The
+    # first output comes at the end of the joiner's own first step, after the rest of the
+    # running one: up to two steps; one only if the running step were pre-empted.
+    first = _num(_get(parts, "first_output", "max"))
+    extra = (
+        None
+        if first is None or step is None or stream_delay is None
+        else first - step - stream_delay
+    )
+    desc = (
+        "slowest stream joining a running batch: arrival to first output minus (one running "
+        "step + max_delay), engine clock (the issue's wording; the rules give rest of the "
+        "running step + max_delay + its own step)"
+    )
+    target("batch_late_ttft_ms", desc, extra, "≤ 0", None if extra is None else extra <= 0)
     return out
 
 
@@ -316,13 +336,15 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
     lines += [
         f"One engine process; a handler whose cost is flat in the batch size (one "
         f"{bt.get('step_ms')} ms step on one device per call or per batch); "
-        f"{bt.get('callers')} concurrent callers; `max_delay` {bt.get('max_delay_ms')} ms. "
+        f"{bt.get('callers')} concurrent callers; `max_delay` {bt.get('max_delay_ms')} ms "
+        f"(and {bt.get('mid_delay_ms')} and {bt.get('wide_delay_ms')} ms in the lines that "
+        "say so). "
         f"Peer: {bt.get('peer')}.",
         "",
         "| case | calls/s | median | p99 | mean batch |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name in ("unbatched", "tensorrpc", WIDE_CASE, "Ray Serve", "asyncio batcher"):
+    for name in ("unbatched", "tensorrpc", MID_CASE, WIDE_CASE, "Ray Serve", "asyncio batcher"):
         e = bt.get(name) or {}
         if "unavailable" in e:
             lines.append(f"| {name} | unavailable: {_cell(e['unavailable'])} | | | |")
@@ -333,11 +355,15 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
             f"| {_ms(e.get('p99_ms'))} | {'' if mean is None else f'{mean:.1f}'} |"
         )
     inside = []
-    for name in ("tensorrpc", WIDE_CASE):
+    for name in ("tensorrpc", MID_CASE, WIDE_CASE):
         e = bt.get(name)
         wait, run = _get(e, "engine_queue_wait_ms"), _get(e, "engine_run_ms")
+        due, busy = _get(e, "due_start_ms"), _num(_get(e, "device_busy"))
         inside.append(
-            f"{name}: waited {_ms(wait)} in the queue, its batch's handler ran {_ms(run)}"
+            f"{name}: waited {_ms(wait)} in the queue, its batch's handler ran {_ms(run)}; a "
+            f"batch due when the last one ended started {_ms(_get(due, 'median'))} after it "
+            f"(median; p90 {_ms(_get(due, 'p90'))}, {_get(due, 'n')} batches), the device "
+            f"busy {'n/a' if busy is None else f'{busy:.0%}'} of the time"
         )
     lines += [
         "",
@@ -355,7 +381,7 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
             "(mean batch below 64).",
         ]
     cpu = []
-    for name in ("unbatched", "tensorrpc", WIDE_CASE, "asyncio batcher"):
+    for name in ("unbatched", "tensorrpc", MID_CASE, WIDE_CASE, "asyncio batcher"):
         e = bt.get(name) or {}
         client, engine = _num(e.get("client_cpu_us")), _num(e.get("engine_cpu_us"))
         if client is None or engine is None:
@@ -377,11 +403,9 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
         "",
         f"{bt.get('streams')} streams of {bt.get('tokens')} tokens, one "
         f"{bt.get('token_step_ms')} ms step per token (for every active stream at once when "
-        f"batched). Streams joining a running batch got their first token after "
-        f"{_ms(bt.get('late_ttft_ms'))} (median; slowest {_ms(bt.get('late_ttft_max_ms'))}): "
-        f"{_steps(bt.get('late_ttft_steps'))} running steps (min / median / max of "
-        f"{_get(bt.get('late_ttft_steps'), 'n')}), the running batch's step taking "
-        f"{_ms(bt.get('running_step_ms'))} here (the engine's steps ÷ the time they took).",
+        "batched).",
+        "",
+        *_late_md(bt),
         "",
         "| case | tokens/s | time to first token, median | p99 |",
         "|---|---:|---:|---:|",
@@ -393,6 +417,34 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
             f"| {_ms(e.get('ttft_p99_ms'))} |"
         )
     return lines
+
+
+def _delay(value: object) -> float | None:
+    """A ``max_delay`` in ms (0 is one)."""
+    return float(value) if isinstance(value, int | float) and value >= 0 else None
+
+
+def _late_md(bt: dict[str, Any]) -> list[str]:
+    """The streams that join a running batch: where their first token's time goes."""
+    parts = bt.get("late_parts_ms")
+    if not isinstance(parts, dict):
+        return ["Streams joining a running batch: not measured."]
+
+    def part(key: str) -> str:
+        return f"{_ms(_get(parts, key, 'median'))} / {_ms(_get(parts, key, 'max'))}"
+
+    n = _get(bt.get("late_ttft_steps"), "n")
+    return [
+        f"{n} streams joining a running batch of {bt.get('late_batch')} streams "
+        "(median / slowest): from the client's call to the batcher "
+        f"{part('in')}; the rest of the step running at arrival {part('residual')}; from its "
+        f"end to the start of the joiner's first step {part('boundary')} (`max_delay` "
+        f"{_delay(bt.get('stream_delay_ms'))} ms); that step {part('own')}; its first output to "
+        f"the client {part('out')}. Arrival to first output, on the engine: "
+        f"{part('first_output')}; call to first token, at the client: {part('ttft')} = "
+        f"{_steps(bt.get('late_ttft_steps'))} running steps (min / median / max), the running "
+        f"batch's step taking {_ms(bt.get('running_step_ms'))} here (start to next start).",
+    ]
 
 
 def _ms(value: Any) -> str:

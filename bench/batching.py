@@ -7,9 +7,10 @@ device do not). The client (this process) measures:
 * ``unbatched``: 64 concurrent callers of a plain method, one step per call;
 * ``tensorrpc``: the same callers on ``@rpc(batch=Batching(max_size=64,
   max_delay=MAX_DELAY_S))``, one step per batch;
-* ``tensorrpc, max_delay 10 ms``: the same with ``max_delay=WIDE_DELAY_S``, longer than the
-  callers' turnaround (64 times the client's CPU per call): whether a batch then waits for
-  every caller instead of closing with those that came back in time;
+* ``tensorrpc, max_delay 5 ms`` and ``tensorrpc, max_delay 10 ms``: the same with
+  ``max_delay=MID_DELAY_S`` (about the callers' turnaround, 64 times the client's CPU per
+  call, on a quiet machine) and ``WIDE_DELAY_S`` (well above it): whether a batch waits
+  for every caller instead of closing with those that came back in time;
 * ``Ray Serve``: the peer, Ray Serve's ``@serve.batch`` with the same handler and settings
   in one replica, the same 64 callers each awaiting ``handle.batched.remote(x)`` on its
   ``DeploymentHandle`` (``bench.peers.ray_serve_batch``, a child process: a private Ray on
@@ -22,9 +23,9 @@ device do not). The client (this process) measures:
   batching;
 * ``continuous``: 32 concurrent streams of ``TOKENS`` tokens, one step (``TOKEN_STEP_S``)
   per token for every active stream, ``@rpc(batch=Continuous(max_size=32))``, against one
-  stream at a time (a plain streaming method, one step per token); and the time to first
-  token of streams that arrive while a batch is running, in the running batch's steps
-  (min / median / max of ``LATE_STREAMS``).
+  stream at a time (a plain streaming method, one step per token); and
+  ``LATE_STREAMS`` streams that arrive while a batch is running, their first token's time
+  split at the engine's step boundaries (`_late_figures`).
 
 Each case is warmed up (a quarter of its budget, not recorded), then reports calls
 (tokens) per second and the median and p99 latency per call (time to first token for
@@ -38,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import gc
 import importlib
 import importlib.util
+import itertools
 import math
 import os
 import random
@@ -48,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +61,7 @@ import anyio
 
 import tensorrpc
 from bench._common import Progress, guarded
-from bench._report import WIDE_CASE
+from bench._report import MID_CASE, WIDE_CASE
 from bench.peers._suite import run_json_child
 from tensorrpc import Batching, Continuous, current_batch, rpc, service
 
@@ -65,11 +69,20 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_S = 0.005
 TOKEN_STEP_S = 0.002
 MAX_DELAY_S = 0.002
+#: A ``max_delay`` about the 64 callers' turnaround on a quiet machine.
+MID_DELAY_S = 0.005
 #: A ``max_delay`` longer than the 64 callers take to come back (their turnaround).
 WIDE_DELAY_S = 0.010
+#: The ``max_delay`` of each batched method.
+DELAYS = {"batched": MAX_DELAY_S, "batched_mid": MID_DELAY_S, "batched_wide": WIDE_DELAY_S}
+#: The continuous method's ``max_delay`` (a stream joining a running batch never waits it).
+STREAM_DELAY_S = 0.0
 CALLERS = 64
 STREAMS = 32
 TOKENS = 32
+LATE_STREAMS = 15
+#: The seeds of the late streams (the engine logs their first step).
+LATE_SEED = 999_000
 
 
 class _ServeBatch:
@@ -147,7 +160,13 @@ class Model:
     def __init__(self) -> None:
         self._device = asyncio.Lock()
         # Batches and items of each batched method (and of the peer).
-        self._counts = {"batched": [0, 0], "batched_wide": [0, 0], "peer": [0, 0]}
+        self._counts = {m: [0, 0] for m in ("batched", "batched_mid", "batched_wide", "peer")}
+        # The continuous method's steps, (start, end) on the monotonic clock, and the first
+        # step of each late stream: seed -> (arrival, start, end) (see `_late`).
+        self._steps: deque[tuple[float, float]] = deque(maxlen=100_000)
+        self._joins: dict[int, tuple[float, float, float]] = {}
+        # Each batched method's batches: (its oldest item's arrival, start, end, size).
+        self._log = {m: deque[tuple[float, float, float, int]](maxlen=100_000) for m in DELAYS}
         self._peer = _ServeBatch(self._peer_batch, CALLERS, MAX_DELAY_S)
         self.server: tensorrpc.Server | None = None
         self._collections = _FullCollections()
@@ -165,12 +184,28 @@ class Model:
         counts = self._counts[method]
         counts[0] += 1
         counts[1] += len(x)
+        start = time.monotonic()
         await self._step(STEP_S)
+        if method in self._log:  # the items' waits: the oldest one's arrival
+            waited = max(item.waited for item in current_batch().items)
+            self._log[method].append((start - waited, start, time.monotonic(), len(x)))
         return [v + 1 for v in x]
+
+    @rpc
+    async def batch_log(self, method: str) -> list[tuple[float, float, float, int]]:
+        """A batched method's batches since the last call: its oldest item's arrival, its
+        start and end (monotonic clock), and its size."""
+        log = list(self._log[method])
+        self._log[method].clear()
+        return log
 
     @rpc(batch=Batching(max_size=CALLERS, max_delay=MAX_DELAY_S))
     async def batched(self, x: list[int]) -> list[int]:
         return await self._batch("batched", x)
+
+    @rpc(batch=Batching(max_size=CALLERS, max_delay=MID_DELAY_S))
+    async def batched_mid(self, x: list[int]) -> list[int]:
+        return await self._batch("batched_mid", x)
 
     @rpc(batch=Batching(max_size=CALLERS, max_delay=WIDE_DELAY_S))
     async def batched_wide(self, x: list[int]) -> list[int]:
@@ -210,16 +245,35 @@ class Model:
             await self._step(TOKEN_STEP_S)
             yield seed + i
 
-    @rpc(batch=Continuous(max_size=STREAMS, max_delay=0.0))
+    @rpc(batch=Continuous(max_size=STREAMS, max_delay=STREAM_DELAY_S))
     async def generate_batched(self, seed: list[int], n: list[int]) -> list[int]:
+        start = time.monotonic()
         batch = current_batch()
         out = []
+        joined = []
         for i, item in enumerate(batch.items):
             out.append(seed[i] + item.steps)
+            if item.first and seed[i] >= LATE_SEED:
+                joined.append((seed[i], start - item.waited))
             if item.steps + 1 >= n[i]:
                 batch.end(i)
         await self._step(TOKEN_STEP_S)
+        end = time.monotonic()
+        self._steps.append((start, end))
+        for s, arrival in joined:
+            self._joins[s] = (arrival, start, end)
         return out
+
+    @rpc
+    async def step_log(
+        self,
+    ) -> tuple[list[tuple[float, float]], list[tuple[int, float, float, float]]]:
+        """The continuous method's steps since the last call, ``(start, end)``, and the
+        late streams' first steps, ``(seed, arrival, start, end)`` (monotonic clock)."""
+        steps, joins = list(self._steps), [(k, *v) for k, v in self._joins.items()]
+        self._steps.clear()
+        self._joins.clear()
+        return steps, joins
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,15 +350,11 @@ async def _streams(stub: Any, method: str, concurrent: int) -> dict[str, Any]:
     return out
 
 
-LATE_STREAMS = 15
-
-
-async def _late_ttft(stub: Any) -> tuple[list[float], float]:
-    """Times to first token of ``LATE_STREAMS`` streams that arrive, one after the other,
-    each at a random point of a step, while a batch of streams runs; and the running
-    batch's step as it runs on the engine meanwhile (the time the late streams took ÷ the
-    steps the engine ran in it)."""
-    lates: list[float] = []
+async def _late(stub: Any) -> dict[str, Any]:
+    """``LATE_STREAMS`` streams arrive, one after the other, each at a random point of a
+    step, while a batch of ``STREAMS // 2`` streams runs; each reads its first token and
+    closes. Their figures from `_late_figures`."""
+    calls: list[tuple[int, float, float]] = []  # seed, call, first token (monotonic)
     async with anyio.create_task_group() as tg:
         started = anyio.Event()
 
@@ -316,35 +366,85 @@ async def _late_ttft(stub: Any) -> tuple[list[float], float]:
         for k in range(STREAMS // 2):
             tg.start_soon(running, k)
         await started.wait()
-        steps = (await stub.batch_stats("generate_batched"))["batches"]
-        since = time.perf_counter()
+        await stub.step_log()  # from now on
         for i in range(LATE_STREAMS):
             await anyio.sleep(random.uniform(0.0, 2 * TOKEN_STEP_S))
-            t0 = time.perf_counter()
-            stream = stub.generate_batched(999_000 + i, 2)
+            t0 = time.monotonic()
+            stream = stub.generate_batched(LATE_SEED + i, 2)
             await stream.__anext__()
-            lates.append(time.perf_counter() - t0)
+            calls.append((LATE_SEED + i, t0, time.monotonic()))
             await stream.aclose()
-        steps = (await stub.batch_stats("generate_batched"))["batches"] - steps
-        elapsed = time.perf_counter() - since
+        steps, joins = await stub.step_log()
         tg.cancel_scope.cancel()  # the running streams
-    return lates, elapsed / steps if steps else math.nan
+    return _late_figures(calls, steps, {j[0]: j[1:] for j in joins})
 
 
-def _late_figures(lates: list[float], step: float) -> dict[str, Any]:
-    """The late streams' first tokens: median in ms, and min / median / max in running
-    steps (what the bound is written in: the rest of the running step, then one step)."""
-    in_steps = sorted(t / step for t in lates) if step > 0 else []
+def _late_figures(
+    calls: list[tuple[int, float, float]],
+    steps: list[tuple[float, float]],
+    joins: dict[int, tuple[float, float, float]],
+) -> dict[str, Any]:
+    """Where a late stream's first token goes, from the client's call (``t0``) and first
+    token (``t1``) and the engine's steps (one monotonic clock: the same machine):
+
+    * ``in``: the call's way to the batcher (client send, engine receive, dispatch):
+      arrival - t0, the arrival being the first step's start - the item's queue wait;
+    * ``residual``: the rest of the step that was running at its arrival (0 at a
+      boundary);
+    * ``boundary``: from the end of that step to the start of its own first step: the
+      runner's work at the boundary, plus ``max_delay`` and any step it missed if the
+      runner made it wait (the rules say it joins at the first boundary, without waiting);
+    * ``own``: its first step; ``out``: from the end of that step to its first token at
+      the client (the worker's send, the client's receive).
+
+    ``t1 - t0 = in + residual + boundary + own + out``. The running step is the median
+    time from one step's start to the next (the handler's step and the boundary)."""
+    starts = [s for s, _ in steps]
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("in", "residual", "boundary", "own", "out", "first_output", "ttft")
+    }
+    for seed, t0, t1 in calls:
+        if seed not in joins:
+            continue
+        arrival, start, end = joins[seed]
+        running = bisect.bisect_right(starts, arrival) - 1
+        residual = max(0.0, steps[running][1] - arrival) if running >= 0 else 0.0
+        for key, value in (
+            ("in", arrival - t0),
+            ("residual", residual),
+            ("boundary", start - arrival - residual),
+            ("own", end - start),
+            ("out", t1 - end),
+            ("first_output", end - arrival),
+            ("ttft", t1 - t0),
+        ):
+            parts[key].append(value)
+    periods = [b - a for a, b in itertools.pairwise(starts)]
+    step = statistics.median(periods) if periods else math.nan
+    ttft = parts["ttft"]
+    in_steps = sorted(t / step for t in ttft) if step > 0 else []
     return {
-        "late_ttft_ms": statistics.median(lates) * 1e3,
-        "late_ttft_max_ms": max(lates) * 1e3,
+        "late_ttft_ms": statistics.median(ttft) * 1e3 if ttft else None,
+        "late_ttft_max_ms": max(ttft) * 1e3 if ttft else None,
         "late_ttft_steps": {
             "min": in_steps[0] if in_steps else None,
             "median": statistics.median(in_steps) if in_steps else None,
             "max": in_steps[-1] if in_steps else None,
             "n": len(in_steps),
         },
+        "late_parts_ms": {
+            k: {"median": statistics.median(v) * 1e3, "max": max(v) * 1e3}
+            for k, v in parts.items()
+            if v
+        },
+        # The bound of the rules: its first step starts after the rest of the running
+        # step and max_delay; what exceeds it (slowest late stream).
+        "late_join_extra_ms": (max(parts["boundary"]) - STREAM_DELAY_S) * 1e3
+        if parts["boundary"]
+        else None,
         "running_step_ms": step * 1e3,
+        "stream_delay_ms": STREAM_DELAY_S * 1e3,
+        "late_batch": STREAMS // 2,
     }
 
 
@@ -375,6 +475,26 @@ def _engine_split(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     }
 
 
+def _due_starts(log: list[tuple[float, float, float, int]], delay: float) -> dict[str, Any]:
+    """Whether a batch waits longer than the rules say: for each batch that was due when
+    the one before it ended (its oldest item had waited ``max_delay``), the time from that
+    end to its start, which the rules make 0; and the share of the time the device ran a
+    batch. (A batch that filled to ``max_size`` is due too, from when it filled, which
+    the log does not hold: it counts only if it was due by its delay.)"""
+    due = sorted(b[1] - a[2] for a, b in itertools.pairwise(log) if b[0] + delay <= a[2])
+    span = log[-1][2] - log[0][1] if log else 0.0
+    return {
+        "due_start_ms": {
+            "median": statistics.median(due) * 1e3,
+            "p90": due[int(0.9 * (len(due) - 1))] * 1e3,
+            "n": len(due),
+        }
+        if due
+        else None,
+        "device_busy": sum(e - s for _, s, e, _ in log) / span if span > 0 else None,
+    }
+
+
 async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, Any]:
     async with tensorrpc.Client(Model, bind=address) as client:
         await client.wait_for_engines(1, timeout=cfg.ready_timeout)
@@ -383,6 +503,7 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
         for name, method in (
             ("unbatched", "one"),
             ("tensorrpc", "batched"),
+            (MID_CASE, "batched_mid"),
             (WIDE_CASE, "batched_wide"),
             ("asyncio batcher", "peer"),
         ):
@@ -393,6 +514,7 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
                 before = await _batches(client, method)
             if batched:
                 engine_before = await _engine_batching(client, method)
+                await stub.batch_log(method)  # from now on
             engine_cpu, _, _ = await stub.engine_figures()
             cpu = time.process_time()
             out[name] = await unary(stub, method, cfg.seconds)
@@ -414,11 +536,12 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             if batched:
                 after_stats = await _engine_batching(client, method)
                 out[name].update(_engine_split(engine_before, after_stats))
+                out[name].update(_due_starts(await stub.batch_log(method), DELAYS[method]))
         progress("batching: streams")
         await _streams(stub, "generate_batched", STREAMS)  # warm-up, not recorded
         out["streams one at a time"] = await _streams(stub, "generate", 1)
         out["streams continuous"] = await _streams(stub, "generate_batched", STREAMS)
-        out.update(_late_figures(*await _late_ttft(stub)))
+        out.update(await _late(stub))
         return out
 
 
@@ -471,6 +594,7 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
             "step_ms": STEP_S * 1e3,
             "token_step_ms": TOKEN_STEP_S * 1e3,
             "max_delay_ms": MAX_DELAY_S * 1e3,
+            "mid_delay_ms": MID_DELAY_S * 1e3,
             "wide_delay_ms": WIDE_DELAY_S * 1e3,
             "callers": CALLERS,
             "streams": STREAMS,

@@ -7,7 +7,9 @@ moves large tensors through the same client and engine, one call at a time, cycl
 through the directions ``in`` (the client sends the tensor), ``out`` (the engine sends
 one it holds) and ``echo`` (both ways). It reports the small calls' p50/p99/p999 under
 that load beside the same small calls alone, and the large calls' throughput per
-direction.
+direction. Per size, slices of small calls alone alternate with slices under the load
+(three of each), and the ratio is against that size's own slices alone: on a shared
+host whose other load comes and goes, both sides of the ratio see the same machine.
 
 Systems (one engine process each, ``ipc://``): tensorrpc with ``transport="frames"``
 and ``"torch_shm"``, each in both topologies (the engine dials in to the client's bind,
@@ -26,7 +28,11 @@ reported on its own. Then, per size, a small call made right after each large ca
 nothing else in flight (the case of issue 26: what freeing the large call's buffers costs
 the next call). Every loop is bounded by a count and a time budget.
 
-Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]``.
+Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]
+[--huge-pages]``. ``--huge-pages`` runs the client (this process, started again) and the
+engines with their large buffers on transparent huge pages (``GLIBC_TUNABLES=
+glibc.malloc.hugetlb=1 THP_MEM_ALLOC_ENABLE=1``, what ``tensorrpc.testing`` gives the
+engines it starts; docs/transports.md, "Huge pages").
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,19 +66,20 @@ class Config:
     """Budgets of the mixed-load section."""
 
     sizes: tuple[int, ...]
-    seconds: float  # per case: small calls alone, and each size under load
+    seconds: float  # per size: small calls alone, and as long under load
     rate: float  # small calls per second
-    max_small: int  # small calls per case, at most
-    max_large: int  # large calls per case, at most
+    max_small: int  # small calls per slice, at most
+    max_large: int  # large calls per size, at most
     max_after: int  # large calls each followed by one small call, at most
     case_timeout: float
     ready_timeout: float
+    slices: int = 3  # per size: alternating slices alone and under load, each
 
 
 def config(quick: bool, seconds: float | None = None) -> Config:
     """The full or the reduced (``--quick``) budgets."""
     if quick:
-        return Config(QUICK_SIZES, seconds or 0.4, 500.0, 1_000, 50, 12, 120.0, 60.0)
+        return Config(QUICK_SIZES, seconds or 0.4, 500.0, 1_000, 50, 12, 120.0, 60.0, 2)
     return Config(SIZES, seconds or 2.0, 500.0, 5_000, 400, 60, 240.0, 60.0)
 
 
@@ -95,16 +102,23 @@ def small_summary(lat: list[float], lag: list[float]) -> dict[str, Any]:
     }
 
 
+@dataclass(slots=True)
+class Small:
+    """The small calls' latencies and wake-up lags (s) of one condition, over its slices."""
+
+    lat: list[float] = dataclasses.field(default_factory=list)
+    lag: list[float] = dataclasses.field(default_factory=list)
+
+
 async def small_loop(
-    call: Callable[[], Awaitable[Any]], cfg: Config, stop: asyncio.Event
-) -> dict[str, Any]:
-    """Small calls every ``1/rate`` s until ``stop`` (or the budgets) ends them."""
+    call: Callable[[], Awaitable[Any]], cfg: Config, stop: asyncio.Event, into: Small
+) -> None:
+    """Small calls every ``1/rate`` s into ``into`` until ``stop`` (or the budgets)."""
     interval = 1.0 / cfg.rate
-    lat: list[float] = []
-    lag: list[float] = []
     end_at = time.perf_counter() + cfg.seconds + 30.0  # a hard stop if `stop` never comes
     next_at = time.perf_counter()
-    while not stop.is_set() and len(lat) < cfg.max_small and time.perf_counter() < end_at:
+    made = 0
+    while not stop.is_set() and made < cfg.max_small and time.perf_counter() < end_at:
         now = time.perf_counter()
         if next_at > now:
             await asyncio.sleep(next_at - now)
@@ -112,36 +126,76 @@ async def small_loop(
         if await call() != 3:
             raise RuntimeError("wrong reply to add(1, 2)")
         done = time.perf_counter()
-        lat.append(done - start)
-        lag.append(max(0.0, start - next_at))
+        into.lat.append(done - start)
+        into.lag.append(max(0.0, start - next_at))
+        made += 1
         next_at = max(next_at + interval, done)
-    return small_summary(lat, lag)
 
 
-async def large_loop(
-    ops: dict[str, Callable[[], Awaitable[Any]]], size: int, cfg: Config
-) -> dict[str, Any]:
-    """Large calls one at a time, cycling through ``ops``, for ``cfg.seconds``."""
-    spent = dict.fromkeys(ops, 0.0)
-    calls = dict.fromkeys(ops, 0)
-    stop_at = time.perf_counter() + cfg.seconds
-    for n, direction in enumerate(itertools.cycle(ops)):
-        if n >= cfg.max_large or time.perf_counter() >= stop_at:
+@dataclass(slots=True)
+class Large:
+    """The large calls of one size over its slices: calls and seconds per direction."""
+
+    ops: dict[str, Callable[[], Awaitable[Any]]]
+    order: Iterator[str]
+    calls: dict[str, int]
+    spent: dict[str, float]
+
+    @classmethod
+    def of(cls, ops: dict[str, Callable[[], Awaitable[Any]]]) -> Large:
+        return cls(ops, itertools.cycle(ops), dict.fromkeys(ops, 0), dict.fromkeys(ops, 0.0))
+
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+async def large_loop(large: Large, seconds: float, cfg: Config, *, last: bool) -> None:
+    """Large calls one at a time, cycling through the directions, for ``seconds`` (the
+    ``last`` slice of a size goes on until every direction has had a call)."""
+    stop_at = time.perf_counter() + seconds
+    while large.total() < cfg.max_large:
+        short = last and not all(large.calls.values())
+        if time.perf_counter() >= stop_at and not short:
             break
+        direction = next(large.order)
         start = time.perf_counter()
-        await ops[direction]()
-        spent[direction] += time.perf_counter() - start
-        calls[direction] += 1
+        await large.ops[direction]()
+        large.spent[direction] += time.perf_counter() - start
+        large.calls[direction] += 1
+
+
+def large_summary(large: Large, size: int) -> dict[str, Any]:
+    """Calls, ms per call and MiB/s per direction (echo moves ``size`` both ways)."""
     out: dict[str, Any] = {}
-    for direction in ops:
-        moved = size * calls[direction] * (2 if direction == "echo" else 1)
-        secs = spent[direction]
+    for direction, calls in large.calls.items():
+        moved = size * calls * (2 if direction == "echo" else 1)
+        secs = large.spent[direction]
         out[direction] = {
-            "calls": calls[direction],
-            "ms_per_call": secs / calls[direction] * 1e3 if calls[direction] else None,
+            "calls": calls,
+            "ms_per_call": secs / calls * 1e3 if calls else None,
             "mib_per_s": moved / secs / (1 << 20) if secs > 0 else None,
         }
     return out
+
+
+async def _alone_slice(small: Callable[[], Awaitable[Any]], cfg: Config, into: Small) -> None:
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(small_loop(small, cfg, stop, into))
+    await asyncio.sleep(cfg.seconds / cfg.slices)
+    stop.set()
+    await task
+
+
+async def _loaded_slice(
+    small: Callable[[], Awaitable[Any]], large: Large, cfg: Config, into: Small, last: bool
+) -> None:
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(small_loop(small, cfg, stop, into))
+    try:
+        await large_loop(large, cfg.seconds / cfg.slices, cfg, last=last)
+    finally:
+        stop.set()
+        await task
 
 
 async def measure(
@@ -149,14 +203,13 @@ async def measure(
     large_ops: Callable[[int], dict[str, Callable[[], Awaitable[Any]]]],
     cfg: Config,
 ) -> dict[str, Any]:
-    """Small calls alone, then under each size's large load; one system, one setup."""
+    """Per size, slices of small calls alone alternating with slices under that size's
+    large load (``cfg.slices`` of each), so that both see the same machine: a load that
+    comes and goes on a shared host lands on both sides of the ratio."""
     for _ in range(200):  # warm-up
         await small()
-    stop = asyncio.Event()
-    alone_task = asyncio.ensure_future(small_loop(small, cfg, stop))
-    await asyncio.sleep(cfg.seconds)
-    stop.set()
-    result: dict[str, Any] = {"alone": await alone_task, "sizes": {}}
+    every_alone = Small()
+    result: dict[str, Any] = {"sizes": {}}
     for size in cfg.sizes:
         ops = large_ops(size)
         first: dict[str, float] = {}
@@ -164,21 +217,23 @@ async def measure(
             start = time.perf_counter()
             await op()
             first[direction] = (time.perf_counter() - start) * 1e3
-        stop = asyncio.Event()
-        small_task = asyncio.ensure_future(small_loop(small, cfg, stop))
-        try:
-            large = await large_loop(ops, size, cfg)
-        finally:
-            stop.set()
-            under = await small_task
-        alone_p99 = result["alone"]["p99_us"]
+        alone, under, large = Small(), Small(), Large.of(ops)
+        for n in range(cfg.slices):
+            await _alone_slice(small, cfg, alone)
+            await _loaded_slice(small, large, cfg, under, last=n == cfg.slices - 1)
+        every_alone.lat += alone.lat
+        every_alone.lag += alone.lag
+        alone_s = small_summary(alone.lat, alone.lag)
+        under_s = small_summary(under.lat, under.lag)
         result["sizes"][str(size)] = {
-            "small": under,
-            "p99_vs_alone": under["p99_us"] / alone_p99 if alone_p99 else None,
-            "large": large,
+            "alone": alone_s,
+            "small": under_s,
+            "p99_vs_alone": under_s["p99_us"] / alone_s["p99_us"],
+            "large": large_summary(large, size),
             "first_call_ms": first,
             "after_large": await after_large(small, ops, cfg),
         }
+    result["alone"] = small_summary(every_alone.lat, every_alone.lag)
     return result
 
 
@@ -397,8 +452,9 @@ def report(mixed: dict[str, Any]) -> list[str]:
         "",
         f"`add(1, 2)` at {rate}/s from one task while another task of the same client moves "
         "large tensors one call at a time (cycling in, out, echo). Small-call latency under "
-        "load beside the same calls alone; large throughput in MiB/s per direction (echo "
-        "counts both ways).",
+        "load beside the same calls alone (per size: its own slices alone, alternating "
+        "with those under load; the alone row pools them); large throughput in MiB/s per "
+        "direction (echo counts both ways).",
         "",
         "| system | size | small p50 | p99 | p999 | p99 / alone | wake lag p99 "
         "| in MiB/s | out MiB/s | echo MiB/s |",
@@ -417,10 +473,12 @@ def report(mixed: dict[str, Any]) -> list[str]:
             s = cell["small"]
             large = cell["large"]
             rates = [large.get(d, {}).get("mib_per_s") for d in DIRECTIONS]
-            ratio = cell["p99_vs_alone"]
+            ratio = f"{cell['p99_vs_alone']:.1f}"
+            if "alone" in cell:  # against this size's own slices alone
+                ratio += f" (of {cell['alone']['p99_us']:.0f} µs)"
             lines.append(
                 f"| {name} | {int(size) >> 20} MiB | {s['p50_us']:.0f} µs | {s['p99_us']:.0f} µs "
-                f"| {s['p999_us']:.0f} µs | {ratio:.1f} | {s['lag_p99_us']:.0f} µs | "
+                f"| {s['p999_us']:.0f} µs | {ratio} | {s['lag_p99_us']:.0f} µs | "
                 + " | ".join("-" if r is None else f"{r:.0f}" for r in rates)
                 + " |"
             )
@@ -446,6 +504,18 @@ def report(mixed: dict[str, Any]) -> list[str]:
     return lines
 
 
+_HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def _restart_with_huge_pages() -> None:
+    """Start this process again with `_HUGE_PAGES` set (malloc reads them at start-up)."""
+    if all(os.environ.get(k) == v for k, v in _HUGE_PAGES.items()):
+        return
+    env = {**os.environ, **_HUGE_PAGES}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "bench.mixed", *sys.argv[1:]], env)
+
+
 def main() -> None:
     """Run the section alone; print its markdown (and ``--json`` the raw results)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -453,7 +523,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="per case (default 2)")
     parser.add_argument("--system", action="append", help="only this system (repeatable)")
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
+    parser.add_argument(
+        "--huge-pages", action="store_true", help="large buffers on transparent huge pages"
+    )
     args = parser.parse_args()
+    if args.huge_pages:
+        _restart_with_huge_pages()
 
     def progress(msg: str) -> None:
         print(f"[mixed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -466,10 +541,13 @@ def main() -> None:
             systems=args.system,
             seconds=args.seconds,
         )
+    results["huge_pages"] = args.huge_pages
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
     print("\n".join(report(results)))
-    print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    pages = "transparent huge pages" if args.huge_pages else "the processes' default pages"
+    print(f"\nlarge buffers on {pages}")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

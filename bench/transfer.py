@@ -26,13 +26,21 @@ Systems (each one's peer module says how it is set up):
   timed); a ``tensorrpc.share()`` tensor; and the **first call of a new size** (64 MiB
   column only: each sample a size the pool has no segment for). Each line also times,
   in the same run and the same process, one ``Tensor.copy_`` of the very sources it
-  sends into a preallocated tensor (one thread), and the report divides by it;
+  sends into a preallocated tensor in shared memory (a memfd's pages, already faulted
+  in: what the pool copies into), on one thread, and the report divides by it. The
+  transport's own copy of 8 MiB or more is split over up to four threads (the cores
+  the client may use): on an idle machine with more than one core a line that copies
+  can come out faster than that one-thread ``copy_``;
 * ``mp.Queue (shared)`` / ``mp.Queue (fresh)``: torch.multiprocessing queues;
 * ``grpc.aio``: the tensor's bytes through a generic bytes handler;
 * ``torch.distributed.rpc``: TensorPipe on CPU;
 * ``Ray actor (torch)`` / ``Ray actor (numpy)``: a local Ray instance and one actor, the
   payload as a torch tensor (pickled) and as a numpy array (zero-copy from Ray's object
   store: Ray at its best); optional, only if Ray is installed.
+
+Run on its own: ``python -m bench.transfer [--quick] [--line KEY] [--size BYTES]``, the
+chosen tensorrpc lines (keys of `TORCH_SHM_LINES`) at the chosen sizes, each divided by
+its own ``copy_`` (for old and new builds alternating on a quiet machine).
 
 Tensor out (small request, the server answers a tensor it already holds): the in-process
 lines (the same copy), tensorrpc (frames, torch_shm from a fresh tensor, torch_shm from a
@@ -77,6 +85,8 @@ class Config:
     small: Budget
     case_timeout: float
     ready_timeout: float
+    #: Keys of the `TORCH_SHM_LINES` to run (None: all of them).
+    lines: tuple[str, ...] | None = None
 
 
 def config(quick: bool) -> Config:
@@ -409,8 +419,11 @@ def _first_sizes(size: int, count: int) -> list[int]:
 
 def _copy_ref(sources: list[torch.Tensor], budget: Budget) -> dict[str, Any]:
     """One ``Tensor.copy_`` of the line's own sources (cycled) into a preallocated tensor,
-    on one thread (see `_in_process`)."""
-    dst = torch.empty_like(sources[0])
+    on one thread (see `_in_process`). The destination is what the pool copies into:
+    pages of a memfd, shared, already faulted in (`tensorrpc.share` of a tensor)."""
+    import tensorrpc
+
+    dst = tensorrpc.share(torch.zeros_like(sources[0]))
     it = iter(range(1 << 62))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -512,6 +525,8 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
                 raise RuntimeError("wrong reply")
             small = summarize(await time_async(lambda: plain.add(1, 2), cfg.small))
             for key, name, transport, kind in TORCH_SHM_LINES:
+                if cfg.lines is not None and key not in cfg.lines:
+                    continue
                 try:
                     stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
                     before = _counters(client)
@@ -531,7 +546,9 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
             stats = _stats(client)
         if not peer.alive():
             raise RuntimeError(peer.failure())
-        out["tensorrpc frames"]["statistics"] = stats
+        first = next(iter(out.values()), None)
+        if isinstance(first, dict) and "unavailable" not in first:
+            first["statistics"] = stats
         return out
 
     batches = Batches(window=4)
@@ -656,7 +673,8 @@ NOTES = {
     "Tensor.clone (in-process)": "allocate + copy in one process, one thread",
     "tensorrpc frames": "the same tensor each call, an out-of-band zero-copy ZMQ frame, ipc://",
     "tensorrpc torch_shm (new tensor each call)": "a tensor not sent before (pre-made, 640 MiB "
-    "of them or one per call, cycled, all held): copied into tensorrpc's pool",
+    "of them or one per call, cycled, all held: their allocation and free are not timed): "
+    "copied into tensorrpc's pool, from 8 MiB on by up to 4 threads",
     "tensorrpc torch_shm (same tensor each call)": "one tensor sent again and again: copied "
     "into tensorrpc's pool each call",
     "tensorrpc torch_shm (share_memory_)": "a share_memory_() tensor (torch's shared memory), "
@@ -705,6 +723,53 @@ def run(
     return {"config": conf, "sizes": list(SIZES), "notes": dict(NOTES), "systems": out}
 
 
+def _cell_ms(cell: Any) -> str:
+    value = cell.get("median_us") if isinstance(cell, dict) else None
+    return "-" if not isinstance(value, int | float) else f"{value / 1000:.3f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.transfer``: chosen tensorrpc lines at chosen sizes, each divided by
+    its own ``copy_`` (for reruns on a quiet machine, old and new builds alternating)."""
+    import argparse
+    import os
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m bench.transfer", description=main.__doc__)
+    parser.add_argument("--quick", action="store_true", help="reduced budgets")
+    keys = [key for key, _, _, _ in TORCH_SHM_LINES]
+    parser.add_argument("--line", action="append", choices=keys, help="only this line")
+    parser.add_argument("--size", action="append", type=int, choices=SIZES, help="bytes")
+    args = parser.parse_args(argv)
+    cfg = config(args.quick)
+    sizes = args.size or list(SIZES)
+    cfg = dataclasses.replace(
+        cfg,
+        sizes={size: budget for size, budget in cfg.sizes.items() if size in sizes},
+        lines=tuple(args.line) if args.line else None,
+    )
+    with tempfile.TemporaryDirectory(prefix="trpc-transfer-") as tmp:
+        out = _tensorrpc(cfg, Path(tmp))
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    for name, entry in out.items():
+        if "unavailable" in entry:
+            print(f"{name}: unavailable: {entry['unavailable']}")
+            continue
+        print(f"{name} (small call {_cell_ms(entry.get('small'))})")
+        for size in cfg.sizes:
+            cell = entry["sizes"].get(str(size))
+            ref = entry["copy_"].get(str(size))
+            if cell is None:
+                continue
+            med, one = (c.get("median_us") if isinstance(c, dict) else None for c in (cell, ref))
+            ratio = f"{med / one:.2f}x" if med and one else "-"
+            print(f"  {size} B: {_cell_ms(cell)}; one copy_ {_cell_ms(ref)}; ratio {ratio}")
+        if entry.get("warning"):
+            print(f"  warning: {entry['warning']}")
+    print(f"load average at the end: {load}")
+    return 0
+
+
 __all__ = [
     "CASES",
     "SIZES",
@@ -717,3 +782,7 @@ __all__ = [
     "make_tensor",
     "run",
 ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

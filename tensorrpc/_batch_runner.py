@@ -327,26 +327,35 @@ class _Runner:
         for run in self._runs:
             run.poke()
 
-    async def _loop(self) -> None:
+    def _close(self, now: float) -> float:
+        """Poll the batcher once: fail what expired and start a batch if one closes.
+        Returns when to poll again at the latest (``-inf``: at once, a batch started)."""
         batcher = self.batcher
+        if self._continuous and any(len(r.items) < batcher.config.max_size for r in self._runs):
+            # A running batch with room takes the queue at its next step.
+            poll = batcher.join(0, now)
+        else:
+            poll = batcher.poll(now)
+        self._expire(poll.expired, poll.late)
+        if not poll.batch:
+            return poll.wake_at
+        assert self._tg is not None
+        assert self._waiters is not None
+        run = _Run(poll.batch, self._waiters)
+        self._runs.append(run)
+        self._tg.start_soon(self._run_steps if self._continuous else self._run_once, run)
+        return -_INF
+
+    async def _loop(self) -> None:
         waiters = self._waiters
         assert waiters is not None
         while True:
             now = self._clock()
-            if self._continuous and any(len(r.items) < batcher.config.max_size for r in self._runs):
-                # A running batch with room takes the queue at its next step.
-                poll = batcher.join(0, now)
-            else:
-                poll = batcher.poll(now)
-            self._expire(poll.expired, poll.late)
-            if poll.batch:
-                assert self._tg is not None
-                run = _Run(poll.batch, waiters)
-                self._runs.append(run)
-                self._tg.start_soon(self._run_steps if self._continuous else self._run_once, run)
+            wake_at = self._close(now)
+            if wake_at == -_INF:
                 continue
             self._wake = wake = waiters.new()
-            with anyio.move_on_after(max(0.0, poll.wake_at - now)):
+            with anyio.move_on_after(max(0.0, wake_at - now)):
                 await waiters.wait(wake)
             self._wake = None
 
@@ -375,10 +384,11 @@ class _Runner:
 
     def _started(self, items: list[_Item], run: _Run) -> None:
         now = self._clock()
-        waited = self.stats.waited
+        record = self.stats.waited
         for item in items:
             item.owner = run
-            waited(now - item.queued_at)
+            item.handle.waited = waited = now - item.queued_at
+            record(waited)
 
     async def _call(self, run: _Run, items: list[_Item]) -> Any:
         """One handler call over ``items`` (a batch, or a step); the outcome is checked by
@@ -435,6 +445,8 @@ class _Runner:
     async def _run_once(self, run: _Run) -> None:
         items = run.items
         self._started(items, run)
+        results: Any = None
+        error: BaseException | None = None
         try:
             with anyio.CancelScope() as scope:
                 run.scope = scope
@@ -443,23 +455,27 @@ class _Runner:
                 try:
                     results = await self._call(run, items)
                 except Exception as exc:
-                    for it in items:
-                        it.fail(exc)
-                    return
-            if scope.cancelled_caught:
-                return  # every caller is gone
-            bad = self._mismatch(results, len(items))
-            if bad is not None:
-                logger.error("%s", bad)
+                    error = exc
+            if not scope.cancelled_caught and error is None:
+                error = self._mismatch(results, len(items))
+                if error is not None:
+                    logger.error("%s", error)
+            # The slot is free: a due batch closes before this one's items are woken, so
+            # its task is scheduled ahead of their workers and their replies go out
+            # while its handler runs, not before it starts.
+            self._finished(run, close=True)
+            if error is not None:
                 for it in items:
-                    it.fail(bad)
-                return
-            self._deliver(run, results)
+                    it.fail(error)
+            elif not scope.cancelled_caught:  # else every caller is gone
+                self._deliver(run, results)
         finally:
             for it in items:
                 if not it.settled:
                     it.fail(ItemRefused(ErrorCode.INTERNAL, f"{self._spec.qualname}: batch lost"))
-            self._finished(run)
+            if run in self._runs:  # cancelled (the engine stops): no new batch
+                self._finished(run)
+            run.clear()
 
     @staticmethod
     def _deliver(run: _Run, results: list[Any]) -> None:
@@ -476,11 +492,14 @@ class _Runner:
                 it.settled = True
                 it.wake()
 
-    def _finished(self, run: _Run) -> None:
+    def _finished(self, run: _Run, *, close: bool = False) -> None:
+        """``run`` ended: its slot is free. ``close``: start the next batch now, if one
+        can close, rather than when the runner task next runs."""
         self._runs.remove(run)
         self.batcher.finished()
-        run.clear()
-        self._kick()
+        if close:
+            self._close(self._clock())
+        self._kick()  # the runner task polls again (and sets its timer)
 
     # -- continuous batching -------------------------------------------------------------
 
@@ -533,6 +552,7 @@ class _Runner:
                 if not it.settled:
                     it.fail(ItemRefused(ErrorCode.INTERNAL, f"{self._spec.qualname}: batch lost"))
             self._finished(run)
+            run.clear()
 
     async def _step(self, run: _Run, items: list[_Item]) -> None:
         with anyio.CancelScope() as scope:

@@ -401,11 +401,3 @@ class Batcher(Generic[T]):
         batch = self._take(room) if room > 0 else []
         self._reported = wake = self._wake()
         return Poll(batch, expired, wake, late)
-
-    def drain(self) -> list[T]:
-        """Take every queued item out (the engine stops): the shell fails them."""
-        out = [e.item for e in self._entries if e.queued]
-        self._entries.clear()
-        self._index.clear()
-        self._finite = 0
-        return out

@@ -8,8 +8,9 @@ buffer (a received message once it is handled, a worker's decoded arguments once
 handler returned, the objects behind a zero-copy send once ZMQ is done with them (a
 stream item's too), stream items nobody will read or take, a pool segment or a cached
 mapping it drops) hand that reference to `later` instead, and
-a daemon thread drops it. The unmapping itself runs without the GIL (``zmq_msg_close``
-and ctypes' ``munmap`` release it), so the loop keeps running meanwhile.
+a daemon thread drops it. The unmapping itself runs without the GIL (``zmq_msg_close``,
+torch's tensor free and ctypes' ``munmap`` release it; a ``bytearray``'s free does not:
+``python -m bench.release_gil``), so the loop keeps running meanwhile.
 
 Rules:
 

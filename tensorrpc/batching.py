@@ -44,14 +44,17 @@ class BatchItem:
         context: The item's call ([`CallContext`][tensorrpc.CallContext]: its caller,
             metadata, deadline; set its response metadata here); None outside an engine
             (a batch built by hand).
+        waited: Seconds the item waited in the queue, from its arrival to the start of
+            its batch (continuous batching: of the step it joined).
     """
 
-    __slots__ = ("context", "state", "steps")
+    __slots__ = ("context", "state", "steps", "waited")
 
     def __init__(self, context: CallContext | None = None) -> None:
         self.state: Any = None
         self.steps = 0
         self.context = context
+        self.waited = 0.0
 
     @property
     def first(self) -> bool:

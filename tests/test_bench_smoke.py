@@ -230,7 +230,8 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     results, md, _ = _quick(tmp_path / "results", "--only", "batching", timeout=180)
     bt = results["batching"]
     assert "unavailable" not in bt, bt
-    cases = ["unbatched", "tensorrpc", "tensorrpc, max_delay 10 ms", "asyncio batcher"]
+    cases = ["unbatched", "tensorrpc", "tensorrpc, max_delay 5 ms", "tensorrpc, max_delay 10 ms"]
+    cases.append("asyncio batcher")
     # the peer is measured wherever ray.serve imports (in a child: it warns on import)
     probe = [sys.executable, "-c", "import ray.serve"]
     if subprocess.run(probe, capture_output=True, timeout=120, check=False).returncode == 0:
@@ -247,12 +248,22 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     late = bt["late_ttft_steps"]
     assert late["n"] > 0
     assert 0 < late["min"] <= late["median"] <= late["max"]
+    for case in ("tensorrpc", "tensorrpc, max_delay 5 ms", "tensorrpc, max_delay 10 ms"):
+        assert 0 < bt[case]["device_busy"] <= 1, bt[case]  # each batch logged by the engine
+        assert "due_start_ms" in bt[case]  # None when no batch was due as the last ended
+    parts = bt["late_parts_ms"]  # every late stream placed against the engine's steps
+    assert set(parts) == {"in", "residual", "boundary", "own", "out", "first_output", "ttft"}
+    assert 0 < parts["own"]["median"] <= parts["own"]["max"]
+    assert parts["boundary"]["max"] == pytest.approx(
+        bt["late_join_extra_ms"] + bt["stream_delay_ms"]
+    )
     for case in ("unbatched", "tensorrpc", "tensorrpc, max_delay 10 ms", "asyncio batcher"):
         assert bt[case]["client_cpu_us"] > 0
         assert bt[case]["engine_cpu_us"] > 0
         assert type(bt[case]["engine_full_gc"]) is int  # a count: present, whole
     ids = {t["id"] for t in results["targets"]}
-    assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms", "batch_median_wide_ms"} <= ids
+    assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms", "batch_late_join_ms"} <= ids
+    assert {"batch_median_ms", "batch_median_mid_ms", "batch_median_wide_ms"} <= ids
     assert "## Batching" in md
 
 
@@ -306,6 +317,17 @@ def test_mixed_report_renders_unavailable_systems() -> None:
         {"rate_per_s": 500.0, "systems": {"pyzmq": {"unavailable": "RuntimeError: boom"}}}
     )
     assert "| pyzmq | RuntimeError: boom |||||||||" in lines
+
+
+def test_the_release_gil_bench_drops_every_kind() -> None:
+    proc = _bench("bench.release_gil", "--mib", "4", "--runs", "1", "--switch", "0.05")
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    kinds = {row[0].removeprefix("| "): row for row in rows[1:]}  # past the header
+    assert len(kinds) == 6, proc.stdout
+    assert "bytearray" in kinds
+    for row in kinds.values():  # drop (ms) | final del (ms) | spinner steps | "k of n"
+        assert float(row[1]) >= float(row[2]) >= 0
+        assert row[4].endswith("of 1 |")
 
 
 def test_the_tensor_call_cpu_bench_runs_every_kind() -> None:

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Hashable
 
     import torch
+
+    from tensorrpc.transports._shm_copy import Copier
 else:
     torch = LazyModule("torch", globals())
 
@@ -464,9 +466,9 @@ class Warmer:
 
     `fill` writes a region's cold pages with ``pwrite`` (our own mapping of them stays
     empty) and hands the range here; the thread maps those pages in
-    (``MADV_POPULATE_WRITE``) and marks the segment's chunks warm, so the next copy into
-    them is a ``memmove`` that faults nothing. The thread lives while there is work and
-    is joined by `close`. Thread-safe.
+    (``MADV_POPULATE_WRITE``, one `WARM_CHUNK` per call) and marks the segment's chunks
+    warm, so the next copy into them is a ``memmove`` that faults nothing. The thread
+    lives while there is work and is joined by `close`. Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -495,12 +497,18 @@ class Warmer:
                     self._thread = None
                     return
                 seg, view, start, end = self._jobs.pop(0)
-            if view.numel() >= end:  # (a closed segment's view is empty: nothing to do)
-                # The job holds `view`, so the mapping outlives this call. A failure
-                # (a kernel without MADV_POPULATE_WRITE) leaves the pages to fault in on
-                # the next memmove, as they would without this thread.
-                _libc.madvise(view.data_ptr() + start, end - start, _MADV_POPULATE_WRITE)
-            mark_warm(seg, start, end - start)
+            if view.numel() < end:  # (a closed segment's view is empty: nothing to do)
+                continue
+            # The job holds `view`, so the mapping outlives this loop. One chunk per call:
+            # the kernel holds the process's memory map while it populates, and an
+            # mmap or munmap in any other thread (a new segment on the event loop) waits
+            # for the whole call, and every page fault behind it. A failure (a kernel
+            # without MADV_POPULATE_WRITE) leaves the pages to fault in on the next
+            # memmove, as they would without this thread.
+            for at in range(start, end, WARM_CHUNK):
+                n = min(WARM_CHUNK, end - at)
+                _libc.madvise(view.data_ptr() + at, n, _MADV_POPULATE_WRITE)
+                mark_warm(seg, at, n)
 
     def idle(self, timeout: float) -> bool:
         """Wait (bounded) until no job is pending; whether that happened (for tests)."""
@@ -522,7 +530,13 @@ class Warmer:
 
 
 def fill(
-    seg: Segment, view: torch.Tensor, off: int, src: torch.Tensor, fd: int, warmer: Warmer
+    seg: Segment,
+    view: torch.Tensor,
+    off: int,
+    src: torch.Tensor,
+    fd: int,
+    warmer: Warmer,
+    copier: Copier | None = None,
 ) -> None:
     """Copy the contiguous ``src`` into ``seg`` at byte ``off``.
 
@@ -530,14 +544,19 @@ def fill(
     caller while it held the pool's lock (a concurrent close can neither unmap the one nor
     redirect the other); ``fd`` is -1 where every chunk was warm then.
 
-    Where the segment's chunks are warm (our mapping has the pages): one ``memmove``.
-    Otherwise ``pwrite`` through ``fd``, which allocates the pages already filled instead
-    of zeroing each in a fault before the copy, and ``warmer`` maps them in afterwards.
+    Where the segment's chunks are warm (our mapping has the pages): a ``memmove``, split
+    over ``copier``'s threads when it is large. Otherwise ``pwrite`` through ``fd``, which
+    allocates the pages already filled instead of zeroing each in a fault before the copy
+    (one thread: the kernel writes a file under its inode lock), and ``warmer`` maps them
+    in afterwards.
     """
     nbytes = src.numel() * src.element_size()
     first, last = off // WARM_CHUNK, (off + nbytes - 1) // WARM_CHUNK
     if fd < 0 or all(seg.warm[first : last + 1]):
-        ctypes.memmove(view.data_ptr() + off, src.data_ptr(), nbytes)
+        if copier is None:
+            ctypes.memmove(view.data_ptr() + off, src.data_ptr(), nbytes)
+        else:
+            copier.copy(view.data_ptr() + off, src.data_ptr(), nbytes)
         return
     data = memoryview((ctypes.c_char * nbytes).from_address(src.data_ptr())).cast("B")
     done = 0

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, ClassVar
 from tensorrpc._lazy import LazyModule
 from tensorrpc.transports import _shared
 from tensorrpc.transports._shm_budget import PeerBudget, StorageKey
+from tensorrpc.transports._shm_copy import Copier
 from tensorrpc.transports._shm_handle import (
     CUDA_TAIL,
     TRANSPORT_NAME,
@@ -259,6 +260,18 @@ class ShmPlacer:
             self._transport.release(self._lease.id)
 
 
+#: The sending half's counters (see `TorchShmStatistics`).
+_SENDER_COUNTERS = (
+    "tensors_sent",
+    "bytes_sent",
+    "tensors_aliased",
+    "fallbacks",
+    "leases_expired",
+    "peer_limited",
+    "releases_refused",
+)
+
+
 class TorchShmTransport(ShmReceiving):
     """The ``torch_shm`` tensor transport of one process: a memfd pool, leases, mappings.
 
@@ -277,6 +290,8 @@ class TorchShmTransport(ShmReceiving):
             segment is mapped only over the range a handle needs, and not kept.
         max_segment_bytes: a peer's segment larger than this is refused.
         lease_timeout: seconds after which `sweep` drops an unreleased lease.
+        copy_threads: most threads one large copy into the pool uses, the caller's
+            included (None: the cores this process may use, at most 4; 1: one thread).
         cuda: send CUDA tensors through CUDA IPC (else they fall back to frames).
         clock: monotonic clock, for tests.
     """
@@ -298,6 +313,7 @@ class TorchShmTransport(ShmReceiving):
         mapped_bytes_per_peer: int = 2 << 30,
         max_segment_bytes: int = 32 << 30,
         lease_timeout: float = 300.0,
+        copy_threads: int | None = None,
         cuda: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -316,6 +332,7 @@ class TorchShmTransport(ShmReceiving):
             max_segment_bytes,
         )
         self._warmer = Warmer()
+        self._copier = Copier(copy_threads)
         self._leases: dict[int, _Lease] = {}
         self._budget = PeerBudget(peer_max_bytes, peer_max_leases)
         self._next_lease = 1
@@ -332,18 +349,7 @@ class TorchShmTransport(ShmReceiving):
         self._cuda = cuda
         self._clock = clock
         self._closed = False
-        self._stats: dict[str, int] = dict.fromkeys(
-            (
-                "tensors_sent",
-                "bytes_sent",
-                "tensors_aliased",
-                "fallbacks",
-                "leases_expired",
-                "peer_limited",
-                "releases_refused",
-            ),
-            0,
-        )
+        self._stats: dict[str, int] = dict.fromkeys(_SENDER_COUNTERS, 0)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -372,6 +378,7 @@ class TorchShmTransport(ShmReceiving):
             self._alias.clear()
             self._torch_files.clear()
         self._warmer.close()
+        self._copier.close()
         self._receiver.buffers.close()
 
     def __enter__(self) -> TorchShmTransport:
@@ -645,7 +652,7 @@ class TorchShmTransport(ShmReceiving):
                 fd = os.dup(seg.fd)
             except OSError:
                 fd = -1
-        job = _Fill(seg, seg.view, data, nbytes, t, fd)
+        job = _Fill(seg, seg.view, data, nbytes, t, fd, self._copier)
         strides = contiguous_strides(tuple(t.shape))
         h = Handle(
             HandleKind.POOL,
@@ -862,12 +869,20 @@ class _Fill:
     (``fd``), so that nothing a concurrent close does can move the copy elsewhere.
     """
 
-    __slots__ = ("fd", "nbytes", "off", "seg", "src", "view")
+    __slots__ = ("copier", "fd", "nbytes", "off", "seg", "src", "view")
 
     def __init__(
-        self, seg: Segment, view: torch.Tensor, off: int, nbytes: int, src: torch.Tensor, fd: int
+        self,
+        seg: Segment,
+        view: torch.Tensor,
+        off: int,
+        nbytes: int,
+        src: torch.Tensor,
+        fd: int,
+        copier: Copier,
     ) -> None:
         self.seg = seg
+        self.copier = copier
         self.view = view
         self.off = off
         self.nbytes = nbytes
@@ -877,14 +892,15 @@ class _Fill:
     def run(self, warmer: Warmer) -> None:
         """Copy ``src`` into the region.
 
-        Contiguous sources go through one ``memmove`` or ``pwrite`` (GIL released, no
-        thread pool: ``Tensor.copy_`` hands a copy to the OpenMP pool, whose wake-up costs
-        milliseconds on a busy host even for 1 MiB); see `fill`.
+        Contiguous sources go through ``memmove`` (split over the copier's threads when
+        large) or ``pwrite``, with the GIL released; not ``Tensor.copy_``, which hands a
+        copy to the OpenMP pool, whose wake-up costs milliseconds on a busy host even for
+        1 MiB, and whose static split waits for a thread the host does not run; see `fill`.
         """
         src = self.src
         try:
             if src.is_contiguous():
-                fill(self.seg, self.view, self.off, src, self.fd, warmer)
+                fill(self.seg, self.view, self.off, src, self.fd, warmer, self.copier)
             else:
                 dst = self.view[self.off : self.off + self.nbytes].view(src.dtype)
                 with torch.no_grad():

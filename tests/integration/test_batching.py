@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -604,3 +605,48 @@ async def test_tensor_results_of_a_batch_reach_their_callers(tmp_path: Path) -> 
     for i, t in got.items():
         assert torch.equal(t, torch.full((1024,), 2.0 * i))
     assert len(got) == 6
+
+
+@service
+class Pairs:
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.waited: list[list[float]] = []
+
+    @rpc(batch=Batching(max_size=2, max_delay=0.0))
+    async def echo(self, x: list[int]) -> list[int]:
+        self.batches.append(list(x))
+        self.waited.append([item.waited for item in current_batch().items])
+        await anyio.lowlevel.checkpoint()
+        return x
+
+
+async def test_the_next_batch_starts_before_the_last_one_is_answered() -> None:
+    """A batch that is queued when the running one's handler returns takes the free slot
+    before that batch's items are answered: the device does not wait for their replies
+    (the runners alone, in one process: no engine, no socket)."""
+    from tensorrpc._batch_runner import BatchRunners
+
+    svc = Pairs()
+    runners = BatchRunners(describe(Pairs), svc, "e1", lambda: None)
+    entry = runners.entry("echo", svc.echo)
+    seen: dict[int, tuple[int, int]] = {}  # item: (queued, running) as its result came
+
+    async def call(x: int) -> None:
+        assert await entry(math.inf, x) == x
+        stats = runners.statistics()["echo"]
+        seen[x] = (stats["queued"], stats["running"])
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            runners.start(tg)
+            async with anyio.create_task_group() as calls:
+                for x in range(4):  # two batches of two: one runs, one waits
+                    calls.start_soon(call, x)
+            tg.cancel_scope.cancel()
+    assert len(svc.batches) == 2, svc.batches
+    # The first batch's items were answered with the second batch running, none queued.
+    assert [seen[x] for x in svc.batches[0]] == [(0, 1), (0, 1)], seen
+    # Each item knows its wait: the second batch queued from before the first one started.
+    assert min(svc.waited[0]) >= 0
+    assert min(svc.waited[1]) >= max(svc.waited[0]), svc.waited

@@ -150,75 +150,64 @@ async def test_server_without_allow_list_accepts_any_client_knowing_its_key(
     assert frames[1].get("User-Id") == client_keys.public_key.decode()
 
 
+async def refused(
+    make_socket: SocketFactory,
+    server: CurveServerConfig | None,
+    client: CurveClientConfig | None,
+) -> tuple[int, AsyncSocket]:
+    """A DEALER (``client``) offers a message to a ROUTER (``server``) that must refuse its
+    handshake: the failure event, and the ROUTER, once nothing got through."""
+    router = make_socket(zmq.ROUTER, curve=server)
+    with monitored(router, HANDSHAKE_FAILED) as monitor:
+        dealer = make_socket(zmq.DEALER, curve=client)
+        dealer.connect(router.bind(LOOPBACK))
+        offer(dealer, [b"let me in"])
+        event = await next_event(monitor, HANDSHAKE_FAILED)
+    await assert_nothing_arrives(router)
+    return event, router
+
+
 async def test_unlisted_client_is_refused_and_its_message_never_arrives(
     anyio_backend, make_socket, server_keys, client_keys
 ):
-    router = make_socket(
-        zmq.ROUTER, curve=CurveServerConfig(server_keys, [generate_keypair().public_key])
-    )
-    with monitored(router, HANDSHAKE_FAILED) as monitor:
-        dealer = make_socket(
-            zmq.DEALER, curve=CurveClientConfig(client_keys, server_keys.public_key)
-        )
-        dealer.connect(router.bind(LOOPBACK))
-        offer(dealer, [b"let me in"])
-        assert await next_event(monitor, HANDSHAKE_FAILED) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    server = CurveServerConfig(server_keys, [generate_keypair().public_key])
+    client = CurveClientConfig(client_keys, server_keys.public_key)
+    event, router = await refused(make_socket, server, client)
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
     assert auth_statistics(router.socket).denied >= 1
     assert auth_statistics(router.socket).accepted == 0
-    await assert_nothing_arrives(router)
 
 
 async def test_empty_allow_list_refuses_everyone(
     anyio_backend, make_socket, server_keys, client_keys
 ):
-    router = make_socket(zmq.ROUTER, curve=CurveServerConfig(server_keys, []))
-    with monitored(router, HANDSHAKE_FAILED) as monitor:
-        dealer = make_socket(
-            zmq.DEALER, curve=CurveClientConfig(client_keys, server_keys.public_key)
-        )
-        dealer.connect(router.bind(LOOPBACK))
-        offer(dealer, [b"let me in"])
-        assert await next_event(monitor, HANDSHAKE_FAILED) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    await assert_nothing_arrives(router)
+    server = CurveServerConfig(server_keys, [])
+    client = CurveClientConfig(client_keys, server_keys.public_key)
+    event, _ = await refused(make_socket, server, client)
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 async def test_client_with_the_wrong_server_key_cannot_talk(
     anyio_backend, make_socket, server_keys, client_keys
 ):
-    router = make_socket(zmq.ROUTER, curve=CurveServerConfig(server_keys, None))
-    with monitored(router, HANDSHAKE_FAILED) as monitor:
-        impostor_target = generate_keypair().public_key
-        dealer = make_socket(zmq.DEALER, curve=CurveClientConfig(client_keys, impostor_target))
-        dealer.connect(router.bind(LOOPBACK))
-        offer(dealer, [b"hello?"])
-        await next_event(monitor, HANDSHAKE_FAILED)
-    await assert_nothing_arrives(router)
+    impostor_target = generate_keypair().public_key
+    server = CurveServerConfig(server_keys, None)
+    await refused(make_socket, server, CurveClientConfig(client_keys, impostor_target))
 
 
 async def test_plaintext_client_cannot_talk_to_a_curve_server(
     anyio_backend, make_socket, server_keys
 ):
-    router = make_socket(zmq.ROUTER, curve=CurveServerConfig(server_keys, None))
-    with monitored(router, HANDSHAKE_FAILED) as monitor:
-        dealer = make_socket(zmq.DEALER)
-        dealer.connect(router.bind(LOOPBACK))
-        offer(dealer, [b"plaintext"])
-        assert await next_event(monitor, HANDSHAKE_FAILED) == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    await assert_nothing_arrives(router)
+    event, _ = await refused(make_socket, CurveServerConfig(server_keys, None), None)
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 async def test_curve_client_does_not_talk_to_a_plaintext_server(
     anyio_backend, make_socket, server_keys, client_keys
 ):
-    router = make_socket(zmq.ROUTER)
-    with monitored(router, HANDSHAKE_FAILED) as monitor:
-        dealer = make_socket(
-            zmq.DEALER, curve=CurveClientConfig(client_keys, server_keys.public_key)
-        )
-        dealer.connect(router.bind(LOOPBACK))
-        offer(dealer, [b"secret"])
-        assert await next_event(monitor, HANDSHAKE_FAILED) == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    await assert_nothing_arrives(router)
+    client = CurveClientConfig(client_keys, server_keys.public_key)
+    event, _ = await refused(make_socket, None, client)
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 async def test_servers_in_one_process_keep_separate_allow_lists(anyio_backend, make_socket):

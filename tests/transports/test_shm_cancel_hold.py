@@ -56,15 +56,14 @@ class _PairSocket:
         self.pair = pair
 
     def send_nowait(self, frames: list[Any]) -> None:
-        self.pair.client_send(frames[0], list(frames[1:]))
+        self.pair.peers[frames[0]].inbox.append(list(frames[1:]))
 
 
 class _Client:
     """A client I/O shell (no socket) over a connected pair, with a torch_shm policy."""
 
     def __init__(self, engines: tuple[str, ...] = ("e1",), **shm: Any) -> None:
-        self.pair = ProtocolPair(engines)
-        work.connect(self.pair)
+        self.pair = ProtocolPair(engines).connect()
         self.policy = TransportPolicy()
         assert self.policy.shm is not None
         if shm:
@@ -257,7 +256,7 @@ class _Engine:
         encoded = _codec.encode([value, 1], placer=placer)
         call = work.call(self.client.pair, "add", 1, lease=placer.lease)
         self.client.pair.deliver_to_engine("e1")
-        server_call = work.next_call(self.end)
+        server_call = self.end.proto.next_call()
         assert server_call is not None
         server_call.payload, server_call.buffers = encoded.payload, encoded.buffers
         return call, server_call

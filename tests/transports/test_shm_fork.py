@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
 import torch
 
 from tensorrpc.transports._shared import lookup, share
+from tensorrpc.transports._shm_copy import SPLIT_BYTES, Copier
 from tensorrpc.transports._shm_handle import HandleKind
 from tensorrpc.transports._shm_pool import pid as current_pid
 from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
@@ -50,3 +52,40 @@ def test_a_forked_child_sends_nothing_of_its_parent() -> None:
     assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)
     assert current_pid() == os.getpid()
     assert lookup(parent_block.untyped_storage()) is not None
+
+
+def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
+    """The parent's copy helpers do not exist in a forked child: the child's large copies
+    start helpers of their own (and would finish on the caller's thread without them).
+    (No torch operation in the child: torch's OpenMP pool does not survive a fork.)"""
+    nbytes = 2 * SPLIT_BYTES
+    src = bytearray(os.urandom(nbytes))
+    dst = bytearray(nbytes)
+    src_at = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    dst_at = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    copier = Copier(2)
+    try:
+        copier.copy(dst_at, src_at, nbytes)  # the parent's helper starts
+        parents = list(copier._helpers)
+        rfd, wfd = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                os.close(rfd)
+                ctypes.memset(dst_at, 0, nbytes)
+                copier.copy(dst_at, src_at, nbytes)
+                ours = copier._helpers
+                ok = dst == src and len(ours) == 1 and ours[0] is not parents[0]
+                os.write(wfd, b"ok" if ok and ours[0].is_alive() else b"no")
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as r:
+            answer = r.read()
+        _, status = os.waitpid(child, 0)
+    finally:
+        copier.close()
+    assert dst == src
+    assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)

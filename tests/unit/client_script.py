@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,31 +22,11 @@ from tensorrpc._protocol import (
     pack_reply_header,
     split_frames,
 )
-from tensorrpc._service import MethodSpec, describe, rpc, service
+from tensorrpc._service import MethodSpec, describe
 
+from .server_helpers import Tiny
 
-@service
-class Calc:
-    @rpc
-    async def add(self, a: int, b: int) -> int:
-        return a + b
-
-    @rpc
-    async def count(self, n: int) -> AsyncIterator[int]:
-        for i in range(n):
-            yield i
-
-    @rpc
-    async def upload(self, xs: AsyncIterator[int]) -> int:
-        return sum([x async for x in xs])
-
-    @rpc
-    async def chat(self, xs: AsyncIterator[int]) -> AsyncIterator[int]:
-        async for x in xs:
-            yield x
-
-
-SPEC = describe(Calc)
+SPEC = describe(Tiny)  # the engine-side tests' service
 ADD: MethodSpec = SPEC.methods["add"]
 COUNT: MethodSpec = SPEC.methods["count"]
 UPLOAD: MethodSpec = SPEC.methods["upload"]

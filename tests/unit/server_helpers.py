@@ -99,8 +99,9 @@ class Engine:
         instance = Tiny()
         methods = {name: (spec, getattr(instance, name)) for name, spec in SPEC.methods.items()}
         counter = itertools.count(1000)
+        settings = {"hello": make_hello(), **settings}
         proto = ServerProtocol(
-            ProtocolSettings(hello=make_hello(), methods=methods, listen=listen, **settings),
+            ProtocolSettings(methods=methods, listen=listen, **settings),
             new_epoch=lambda: next(counter),
         )
         return cls(proto)

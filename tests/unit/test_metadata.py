@@ -202,11 +202,10 @@ def test_decode_block_reports_where_the_block_ends() -> None:
 
 
 def test_request_metadata_reaches_the_engine_call_and_response_metadata_the_caller() -> None:
-    pair = ProtocolPair()
-    work.connect(pair)
+    pair = ProtocolPair().connect()
     call = work.call(pair, "add", 1, 2, metadata=encode_block({"authorization": "Bearer t"}))
     pair.flush()
-    server_call = work.next_call(pair["e1"])
+    server_call = pair["e1"].proto.next_call()
     assert server_call is not None
     assert dict(server_call.metadata) == {"authorization": "Bearer t"}
     server_call.reply_metadata = {"x-served-by": "e1"}
@@ -217,11 +216,10 @@ def test_request_metadata_reaches_the_engine_call_and_response_metadata_the_call
 
 
 def test_a_call_without_metadata_gets_a_plain_reply() -> None:
-    pair = ProtocolPair()
-    work.connect(pair)
+    pair = ProtocolPair().connect()
     call = work.call(pair, "add", 1, 2)
     pair.flush()
-    server_call = work.next_call(pair["e1"])
+    server_call = pair["e1"].proto.next_call()
     assert server_call is not None
     assert not server_call.metadata
     work.reply(pair["e1"], server_call, 3)
@@ -233,11 +231,10 @@ def test_a_call_without_metadata_gets_a_plain_reply() -> None:
 
 
 def test_stream_end_carries_the_response_metadata() -> None:
-    pair = ProtocolPair()
-    work.connect(pair)
+    pair = ProtocolPair().connect()
     call = work.call(pair, "count", 2, metadata=encode_block({"k": "v"}))
     pair.flush()
-    server_call = work.next_call(pair["e1"])
+    server_call = pair["e1"].proto.next_call()
     assert server_call is not None
     assert dict(server_call.metadata) == {"k": "v"}
     work.item(pair["e1"], server_call, 0)
@@ -250,11 +247,10 @@ def test_stream_end_carries_the_response_metadata() -> None:
 
 
 def test_a_hostile_call_metadata_block_is_answered_protocol_error_and_runs_nothing() -> None:
-    pair = ProtocolPair()
-    work.connect(pair)
+    pair = ProtocolPair().connect()
     call = work.call(pair, "add", 1, 2, metadata=block([(b"k", b"\x1b[2Jx")]))
     pair.flush()
-    assert work.next_call(pair["e1"]) is None
+    assert pair["e1"].proto.next_call() is None
     with pytest.raises(RemoteProtocolError, match="control character") as info:
         work.outcome(call)
     assert "\x1b" not in str(info.value)

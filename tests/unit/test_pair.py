@@ -38,7 +38,8 @@ from tensorrpc._protocol import (
 from tensorrpc._server_protocol import AllRejected, Session, SessionEnded, SessionState
 
 from .. import pair_work as work
-from ..helpers import SPEC, EngineEnd, ProtocolPair, Wire
+from ..helpers import EngineEnd, ProtocolPair, Wire
+from .server_helpers import SPEC
 
 K = MessageKind
 TOPOLOGIES = [pytest.param(False, id="client-dials"), pytest.param(True, id="engines-dial-in")]
@@ -55,9 +56,23 @@ def state_of(end: EngineEnd) -> SessionState:
 
 
 def connected(*engines: str, **kw: Any) -> ProtocolPair:
-    pair = ProtocolPair(engines or ("e1",), **kw)
-    work.connect(pair)
-    return pair
+    return ProtocolPair(engines or ("e1",), **kw).connect()
+
+
+def kinds(end: EngineEnd) -> list[MessageKind]:
+    """Kinds of what the engine sent since the last look (forgotten)."""
+    sent, end.sent = end.sent, []
+    return [m.kind for m in sent]
+
+
+def client_kinds(pair: ProtocolPair) -> list[MessageKind]:
+    """Kinds the client sent since the last look (forgotten)."""
+    sent, pair.client_sent = pair.client_sent, []
+    return [m.kind for m in sent]
+
+
+def engines_lost(pair: ProtocolPair) -> list[EngineLost]:
+    return [e for e in pair.events if isinstance(e, EngineLost)]
 
 
 # -- handshake and refusals ----------------------------------------------------------------
@@ -68,11 +83,12 @@ def test_handshake_names_both_sessions_and_announces_both_bounds(dial_in: bool) 
     pair = ProtocolPair(
         ("e1", "e2"),
         dial_in=dial_in,
-        heartbeat=Heartbeat(0.5, 3.0),
-        engine_heartbeat=Heartbeat(1.0, 7.0),
+        heartbeat_interval=0.5,
+        dead_after=3.0,
+        engine={"heartbeat_interval": 1.0, "dead_after": 7.0},
         stream_window=6,
     )
-    work.connect(pair)
+    pair.connect()
     assert [type(e) for e in pair.events] == [EngineJoined, EngineJoined]
     for engine_id in ("e1", "e2"):
         engine = pair.client.engines.engines[engine_id]
@@ -91,7 +107,7 @@ def test_handshake_names_both_sessions_and_announces_both_bounds(dial_in: bool) 
 
 @pytest.mark.parametrize("dial_in", TOPOLOGIES)
 @pytest.mark.parametrize(
-    ("hello", "reason"),
+    ("lie", "reason"),
     [
         ({"fingerprint": "0" * 16}, "fingerprint"),
         ({"protocol_version": PROTOCOL_VERSION + 1}, "version"),
@@ -99,20 +115,24 @@ def test_handshake_names_both_sessions_and_announces_both_bounds(dial_in: bool) 
     ],
 )
 def test_a_refused_hello_gets_a_reject_and_the_engine_stops(
-    dial_in: bool, hello: dict[str, Any], reason: str
+    dial_in: bool, lie: dict[str, Any], reason: str
 ) -> None:
-    pair = ProtocolPair(("e1",), dial_in=dial_in, engine_settings={"hello": hello})
+    pair = ProtocolPair(("e1",), dial_in=dial_in)
+    pair.deliver_to_engine("e1")  # listening: the client's hello request
+    hello = pair.to_client.pop()  # the engine's HELLO: it lies
+    lying = encode_control(K.HELLO, dataclasses.replace(hello.body, **lie))
+    pair.to_client.append(dataclasses.replace(hello, frames=lying))
     pair.flush()
     refused = [e for e in pair.events if isinstance(e, EngineRefused)]
     assert [(e.engine_id, e.reason, e.by_client) for e in refused] == [("e1", reason, True)]
-    assert work.kinds(pair["e1"]) == [K.HELLO]
+    assert kinds(pair["e1"]) == [K.HELLO]
     assert pair.client.engines.engines == {}
     assert pair.client.engines.rejected["e1"].startswith(reason)
     assert pair["e1"].session.state is SessionState.REJECTED  # both topologies
     if dial_in:  # its only client refused it: the engine stops (serve raises)
         assert [type(e) for e in pair["e1"].events] == [SessionEnded, AllRejected]
-        pair.run(10.0)
-        assert work.kinds(pair["e1"]) == []  # it does not try again
+        pair.advance(10.0, 0.1)
+        assert kinds(pair["e1"]) == []  # it does not try again
 
 
 def test_a_malformed_welcome_gets_a_reject_that_ends_the_clients_session() -> None:
@@ -124,12 +144,12 @@ def test_a_malformed_welcome_gets_a_reject_that_ends_the_clients_session() -> No
     header, payload = end.inbox[0]
     end.inbox[0] = [header, payload[:-3]]  # truncated on the way
     pair.flush()
-    assert work.kinds(end)[-1] is K.REJECT
+    assert kinds(end)[-1] is K.REJECT
     refused = [e for e in pair.events if isinstance(e, EngineRefused)]
     assert [(e.reason, e.by_client) for e in refused] == [("protocol", False)]
     assert "malformed WELCOME" in refused[0].message
     assert pair.client.engines.engines == {}
-    assert isinstance(work.lost(pair)[0], EngineLost)
+    assert engines_lost(pair)
 
 
 # -- unary calls ---------------------------------------------------------------------------
@@ -147,7 +167,7 @@ def test_unary_result_error_and_remote_exception_reach_their_callers() -> None:
     first, second, third = work.take_all(end)
     assert (first.call_id, second.call_id, third.call_id) == (ok.call_id, failed.call_id, 3)
     work.reply(end, first, 3)
-    work.raised(end, second, ValueError("nope"))
+    work.error(end, second, ErrorCode.REMOTE, "nope", "builtins.ValueError")
     work.error(end, third, ErrorCode.METHOD_NOT_FOUND, "no such method")
     pair.flush()
     assert work.outcome(ok) == 3
@@ -208,7 +228,7 @@ def test_a_stream_keeps_items_sent_within_window_plus_credit(window: int) -> Non
         while work.item(end, call, sent):
             sent += 1
         credits_now = [w for w in pair.client_sent if w.kind is K.CREDIT]
-        credits = sum(w.body().n for w in credits_now)
+        credits = sum(w.body.n for w in credits_now)
         assert sent <= window + credits  # the spec's inequality, at every step
         pair.flush()
         got = work.items(pair, stream)
@@ -219,7 +239,7 @@ def test_a_stream_keeps_items_sent_within_window_plus_credit(window: int) -> Non
     credit = stream.credit
     assert credit is not None
     assert credit.remaining >= 0
-    assert credit.granted == sum(w.body().n for w in pair.client_sent if w.kind is K.CREDIT)
+    assert credit.granted == sum(w.body.n for w in pair.client_sent if w.kind is K.CREDIT)
     work.end_stream(end, call)
     pair.flush()
     assert stream.state is CallState.REPLIED
@@ -240,7 +260,7 @@ def test_a_stream_without_credit_parks_and_credit_wakes_it() -> None:
     assert end.proto.busy == 0
     assert end.proto.in_flight() == 1
     pair.flush()
-    work.take_item(pair, stream)  # half a window consumed: CREDIT(1) goes back
+    work.items(pair, stream, 1)  # half a window consumed: CREDIT(1) goes back
     pair.flush()
     assert call.credits == 1
     assert call.parked
@@ -275,7 +295,7 @@ def test_an_item_beyond_the_credit_fails_the_stream_and_cancels_it() -> None:
     pair.flush()
     assert stream.state is CallState.FAILED
     assert isinstance(stream.error, RemoteProtocolError)
-    assert K.CANCEL in work.client_kinds(pair)
+    assert K.CANCEL in client_kinds(pair)
     assert call.cancelled
     assert not work.item(end, call, 2)
     assert not work.end_stream(end, call)
@@ -290,7 +310,7 @@ def test_closing_a_stream_early_stops_the_engine_and_drops_items_in_flight() -> 
     assert work.item(end, call, 0)
     assert work.item(end, call, 1)
     pair.flush()
-    assert work.take_item(pair, stream) == 0
+    assert work.items(pair, stream, 1)[0] == 0
     assert work.item(end, call, 2)  # in flight while the consumer closes the stream
     assert work.cancel(pair, stream)
     assert stream.state is CallState.CANCELLED
@@ -298,9 +318,9 @@ def test_closing_a_stream_early_stops_the_engine_and_drops_items_in_flight() -> 
     assert call.cancelled
     assert not work.item(end, call, 3)
     assert not work.end_stream(end, call)  # no final reply either
-    assert work.client_kinds(pair)[-1] is K.CANCEL
+    assert client_kinds(pair)[-1] is K.CANCEL
     assert not work.cancel(pair, stream)  # one CANCEL only
-    assert work.client_kinds(pair) == []
+    assert client_kinds(pair) == []
     assert end.proto.in_flight() == 0
 
 
@@ -317,7 +337,7 @@ def test_cancel_reaches_the_engine_and_the_handlers_result_is_not_sent() -> None
     assert running.cancelled
     assert not work.reply(pair["e1"], running, 3)
     assert call.state is CallState.CANCELLED
-    assert K.RESULT not in work.kinds(pair["e1"])
+    assert K.RESULT not in kinds(pair["e1"])
     assert pair["e1"].proto.in_flight() == 0
 
 
@@ -375,11 +395,17 @@ def test_a_caller_that_times_out_first_cancels_and_the_late_reply_is_dropped() -
 def test_each_side_pings_often_enough_for_the_others_bound(
     dial_in: bool, client: Heartbeat, engine: Heartbeat
 ) -> None:
-    pair = ProtocolPair(("e1",), dial_in=dial_in, heartbeat=client, engine_heartbeat=engine)
-    work.connect(pair)
+    pair = ProtocolPair(
+        ("e1",),
+        dial_in=dial_in,
+        heartbeat_interval=client.interval,
+        dead_after=client.dead_after,
+        engine={"heartbeat_interval": engine.interval, "dead_after": engine.dead_after},
+    )
+    pair.connect()
     call = work.call(pair, "add", 1, 2)
-    pair.run(30.0, step=0.05)
-    assert work.lost(pair) == []
+    pair.advance(30.0, 0.05)
+    assert engines_lost(pair) == []
     assert pair["e1"].session.state is SessionState.LIVE
     assert not call.ended  # a long call survives on heartbeats alone
     assert [e for e in pair["e1"].events if isinstance(e, SessionEnded)] == []
@@ -392,14 +418,14 @@ def test_a_ping_with_any_nonce_gets_a_pong_echoing_it_and_keeps_the_session(nonc
     pair.flush()
     end = pair["e1"]
     pair.advance(1.0)  # (at most one HELLO per heartbeat interval)
-    work.kinds(end)
+    kinds(end)
     end.inbox.append(encode_control(K.PING, None, nonce))
     pair.flush()
     pongs = [w for w in end.sent if w.kind is K.PONG]
     assert [w.call_id for w in pongs] == [nonce]
     if nonce == 0:  # the hello request: the same HELLO again, answered by the same WELCOME
-        assert K.HELLO in work.kinds(end)
-    assert work.lost(pair) == []
+        assert K.HELLO in kinds(end)
+    assert engines_lost(pair) == []
     assert not call.ended
     assert end.session.state is SessionState.LIVE
     # and the engine answers the client's heartbeat PINGs the same way
@@ -408,20 +434,20 @@ def test_a_ping_with_any_nonce_gets_a_pong_echoing_it_and_keeps_the_session(nonc
 
 
 def test_a_frozen_engine_is_declared_dead_then_rejoins_with_a_new_session() -> None:
-    pair = connected("e1", heartbeat=Heartbeat(0.2, 1.0))
+    pair = connected("e1", heartbeat_interval=0.2, dead_after=1.0)
     call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
     work.take_all(end)
     end.frozen = True  # SIGSTOP: the connection stays, nothing is read or sent
-    pair.run(1.2, step=0.1)
-    (lost,) = work.lost(pair)
+    pair.advance(1.2, 0.1)
+    (lost,) = engines_lost(pair)
     assert call.state is CallState.FAILED
     assert isinstance(call.error, EngineDeadError)
     assert lost.calls == (call,)
     assert "e1" not in pair.client.engines.engines
     end.frozen = False  # SIGCONT: it reads the backlog and finds its client silent
-    pair.run(6.0, step=0.1)
+    pair.advance(6.0, 0.1)
     engine = pair.client.engines.engines["e1"]
     assert engine.epoch == end.session.epoch
     assert end.session.state is SessionState.LIVE
@@ -429,7 +455,7 @@ def test_a_frozen_engine_is_declared_dead_then_rejoins_with_a_new_session() -> N
 
 
 def test_a_stalled_client_loses_its_sessions_and_learns_it_when_it_wakes() -> None:
-    pair = connected("e1", engine_heartbeat=Heartbeat(0.2, 1.0))
+    pair = connected("e1", engine={"heartbeat_interval": 0.2, "dead_after": 1.0})
     call = work.call(pair, "add", 1, 2)
     pair.flush()
     end = pair["e1"]
@@ -438,7 +464,7 @@ def test_a_stalled_client_loses_its_sessions_and_learns_it_when_it_wakes() -> No
     for _ in range(30):
         pair.now += 0.1
         end.proto.tick(pair.now)
-        pair._collect(end)
+        pair.collect()
     assert running.cancelled
     assert end.session is None
     assert not work.reply(end, running, 3)  # no reply for a call of a lost session
@@ -447,22 +473,23 @@ def test_a_stalled_client_loses_its_sessions_and_learns_it_when_it_wakes() -> No
     assert call.state is CallState.FAILED
     assert isinstance(call.error, EngineDeadError)
     assert "lost this client's session" in str(call.error)
-    pair.run(3.0)  # and it joins again
+    pair.advance(3.0, 0.1)  # and it joins again
     assert pair.client.engines.engines["e1"].epoch == session_of(end).epoch
 
 
 @pytest.mark.parametrize("dial_in", TOPOLOGIES)
 def test_a_restart_under_the_same_id_fails_the_old_calls_at_once(dial_in: bool) -> None:
-    pair = connected("e1", dial_in=dial_in, heartbeat=Heartbeat(0.5, 30.0))
+    pair = connected("e1", dial_in=dial_in, heartbeat_interval=0.5, dead_after=30.0)
     calls = [work.call(pair, "add", 1, 2), work.call(pair, "count", 3)]
     pair.flush()
     old_epoch = pair.client.engines.engines["e1"].epoch
-    pair["e1"].restart()  # kill -9, then a new process with the same id
-    pair.run(1.0, step=0.1)  # far below the client's 30 s bound
+    pair["e1"].up = False  # kill -9, then a new process with the same id
+    pair.add_engine("e1")
+    pair.advance(1.0, 0.1)  # far below the client's 30 s bound
     for call in calls:
         assert call.state is CallState.FAILED
         assert isinstance(call.error, EngineDeadError)
-    (lost,) = work.lost(pair)
+    (lost,) = engines_lost(pair)
     assert set(lost.calls) == set(calls)
     engine = pair.client.engines.engines["e1"]
     assert engine.epoch != old_epoch
@@ -482,7 +509,7 @@ def test_a_repeated_hello_of_the_same_session_keeps_the_calls() -> None:
     end = pair["e1"]
     pair.inject(end, end.session.hello_frames)  # a re-sent HELLO
     pair.flush()
-    assert work.lost(pair) == []
+    assert engines_lost(pair) == []
     assert not call.ended
     assert [w.kind for w in pair.client_sent].count(K.WELCOME) == 2
 
@@ -491,7 +518,7 @@ def test_an_impostor_cannot_displace_a_live_engine() -> None:
     pair = connected("e1", dial_in=True)
     call = work.call(pair, "add", 1, 2)
     pair.flush()
-    pair.add_engine("impostor", "e1")  # claims the live id from another connection
+    pair.add_engine("impostor", engine_id="e1")  # claims the live id from another connection
     pair.flush()
     refused = [e for e in pair.events if isinstance(e, EngineRefused)]
     assert [e.reason for e in refused] == ["duplicate_id"]
@@ -513,7 +540,6 @@ def test_an_engines_bye_fails_its_calls_at_once() -> None:
     )
     pair.flush()
     pair["e1"].proto.goodbye()
-    pair._collect(pair["e1"])
     pair.flush()
     assert on_e1.state is CallState.FAILED
     assert isinstance(on_e1.error, EngineDeadError)
@@ -532,12 +558,12 @@ def test_after_the_clients_bye_a_dial_in_engine_waits_until_it_speaks() -> None:
     end = pair["e1"]
     assert end.session.state is SessionState.PARTED
     assert running.cancelled
-    work.kinds(end)
-    pair.run(3.0)  # below dead_after: no HELLO to a client that said BYE
-    assert K.HELLO not in work.kinds(end)
+    kinds(end)
+    pair.advance(3.0, 0.1)  # below dead_after: no HELLO to a client that said BYE
+    assert K.HELLO not in kinds(end)
     end.inbox.append(encode_control(K.PING, None, 5))  # it speaks again
     pair.flush()
-    assert work.kinds(end)[-1] is K.HELLO
+    assert kinds(end)[-1] is K.HELLO
     assert state_of(end) is SessionState.GREETING
 
 
@@ -561,23 +587,21 @@ def test_drain_answers_new_calls_draining_lets_running_ones_finish_and_says_bye(
     end.proto.start_drain()
     (stuck,) = work.take_all(end)
     end.proto.stop_all()  # the grace period is over
-    pair._collect(end)
     assert stuck.shutdown
     assert work.error(end, stuck, ErrorCode.DRAINING, "shut down before it finished")
     end.proto.goodbye()
-    pair._collect(end)
     pair.flush()
     with pytest.raises(DrainingError):
         work.outcome(late)
     assert "e1" not in pair.client.engines.engines
-    assert "said BYE" in work.lost(pair)[0].why
+    assert "said BYE" in engines_lost(pair)[0].why
 
 
 # -- overload ------------------------------------------------------------------------------
 
 
 def test_a_full_engine_answers_overloaded_and_a_retry_succeeds_once_it_has_room() -> None:
-    pair = connected("e1", engine_settings={"max_concurrency": 1, "max_queued": 1})
+    pair = connected("e1", engine={"max_concurrency": 1, "max_queued": 1})
     first, second, third = (
         work.call(pair, "add", 1, 1),
         work.call(pair, "add", 2, 2),
@@ -588,7 +612,7 @@ def test_a_full_engine_answers_overloaded_and_a_retry_succeeds_once_it_has_room(
         work.outcome(third)
     end = pair["e1"]
     assert end.proto.overloaded == 1
-    (running,) = [work.next_call(end)]
+    running = end.proto.next_call()
     assert running is not None
     work.reply(end, running, 2)
     retry = work.call(pair, "add", 3, 3)  # the client's retry after its backoff
@@ -602,7 +626,7 @@ def test_a_full_engine_answers_overloaded_and_a_retry_succeeds_once_it_has_room(
 
 
 def test_no_wait_is_refused_while_every_worker_is_busy() -> None:
-    pair = connected("e1", engine_settings={"max_concurrency": 1, "max_queued": 8})
+    pair = connected("e1", engine={"max_concurrency": 1, "max_queued": 8})
     work.call(pair, "add", 1, 1)
     pair.flush()
     work.take_all(pair["e1"])
@@ -619,7 +643,7 @@ def test_the_client_holds_calls_beyond_its_in_flight_limit() -> None:
     work.call(pair, "add", 2, 2)
     assert pair.client.select("e1") is None  # the shell waits for capacity
     pair.flush()
-    call = work.next_call(pair["e1"])
+    call = pair["e1"].proto.next_call()
     assert call is not None
     work.reply(pair["e1"], call, 2)
     pair.flush()
@@ -675,7 +699,7 @@ def test_a_call_before_the_handshake_is_answered_with_a_protocol_error() -> None
     pair.deliver_to_engine("e1")
     (error,) = end.sent
     assert (error.kind, error.call_id) == (K.ERROR, 9)
-    assert error.body().code == ErrorCode.PROTOCOL
+    assert error.body.code == ErrorCode.PROTOCOL
 
 
 def test_a_reject_from_the_engine_ends_the_session_and_is_remembered() -> None:
@@ -739,7 +763,7 @@ def test_an_engine_refuses_a_welcome_with_another_fingerprint() -> None:
     pair = ProtocolPair(("e1",), dial_in=True)
     pair.deliver_to_client()  # HELLO -> the client queues WELCOME
     end = pair["e1"]
-    welcome = Wire("e1", end.inbox[0]).body()
+    welcome = Wire(end, end.inbox[0]).body
     assert isinstance(welcome, Welcome)
     assert welcome.fingerprint == SPEC.fingerprint  # the client says which schema it has
     end.inbox[0] = encode_control(K.WELCOME, dataclasses.replace(welcome, fingerprint="f" * 64))

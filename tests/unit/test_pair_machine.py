@@ -20,7 +20,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tensorrpc._calls import Call, CallState
-from tensorrpc._client_protocol import EngineLost, Heartbeat
+from tensorrpc._client_protocol import EngineLost
 from tensorrpc._exceptions import EngineDeadError, ErrorCode
 from tensorrpc._protocol import MessageKind, encode_control
 from tensorrpc._server_protocol import ServerCall
@@ -43,8 +43,8 @@ class PairMachine(RuleBasedStateMachine):
         self.items_sent: dict[int, int] = {}  # call id -> STREAM_ITEMs on the wire
         self.cancels: dict[int, int] = {}  # call id -> CANCELs the client sent
         self.seen_client = 0
-        self.seen_engine: dict[str, int] = {}  # engine end -> messages looked at
-        self.server_calls: list[tuple[EngineEnd, int, ServerCall]] = []
+        self.seen_engine: dict[EngineEnd, int] = {}  # engine process -> messages looked at
+        self.taken: list[tuple[EngineEnd, ServerCall]] = []  # taken by a worker, not done
 
     @initialize(
         engines=st.integers(1, 3),
@@ -52,17 +52,22 @@ class PairMachine(RuleBasedStateMachine):
         short_engine_bound=st.booleans(),
     )
     def start(self, engines: int, dial_in: bool, short_engine_bound: bool) -> None:
-        engine_heartbeat = Heartbeat(0.2, 1.0) if short_engine_bound else Heartbeat(1.0, 5.0)
+        bound = (0.2, 1.0) if short_engine_bound else (1.0, 5.0)
         self.pair = ProtocolPair(
             [f"e{i}" for i in range(engines)],
             dial_in=dial_in,
-            heartbeat=Heartbeat(0.5, 2.0),
-            engine_heartbeat=engine_heartbeat,
+            heartbeat_interval=0.5,
+            dead_after=2.0,
             stream_window=WINDOW,
             max_in_flight=4,
-            engine_settings={"max_concurrency": 2, "max_queued": 1, "max_parked_streams": 2},
-        )
-        work.connect(self.pair)
+            engine={
+                "heartbeat_interval": bound[0],
+                "dead_after": bound[1],
+                "max_concurrency": 2,
+                "max_queued": 1,
+                "max_parked_streams": 2,
+            },
+        ).connect()
         self.check_wire()
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -83,8 +88,8 @@ class PairMachine(RuleBasedStateMachine):
             elif wire.kind is K.CALL:
                 assert wire.call_id not in ended_before, "CALL for a call that had ended"
         self.seen_client = len(pair.client_sent)
-        for end in self.ends():
-            start = self.seen_engine.get(end.name, 0)
+        for end in self.pair.peers.values():
+            start = self.seen_engine.get(end, 0)
             for wire in end.sent[start:]:
                 if wire.kind in FINAL and wire.call_id:
                     count = self.final_replies.get(wire.call_id, 0) + 1
@@ -93,19 +98,22 @@ class PairMachine(RuleBasedStateMachine):
                 elif wire.kind is K.STREAM_ITEM:
                     assert not self.final_replies.get(wire.call_id), "an item after the end"
                     self.items_sent[wire.call_id] = self.items_sent.get(wire.call_id, 0) + 1
-            self.seen_engine[end.name] = len(end.sent)
+            self.seen_engine[end] = len(end.sent)
         for call in self.calls:
             if call.ended:
                 first = self.ended.setdefault(call.call_id, call.state)
                 assert first is call.state, f"{call!r} ended twice"
 
     def running(self, streaming: bool | None = None) -> list[tuple[EngineEnd, ServerCall]]:
-        out = []
-        for end in self.ends():
-            for call in end.running:
-                if streaming is None or call.spec.streaming == streaming:
-                    out.append((end, call))
-        return out
+        """Calls a worker of a live process took and is not done with."""
+        return [
+            (end, call)
+            for end, call in self.taken
+            if end.up and (streaming is None or call.spec.streaming == streaming)
+        ]
+
+    def done(self, end: EngineEnd, call: ServerCall) -> None:
+        self.taken.remove((end, call))
 
     # -- the caller -------------------------------------------------------------------------
 
@@ -136,7 +144,7 @@ class PairMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def take_item(self, data: st.DataObject) -> None:
         call = data.draw(st.sampled_from([c for c in self.calls if c.items]))
-        assert isinstance(work.take_item(self.pair, call), int)
+        assert isinstance(work.items(self.pair, call, 1)[0], int)
         self.check_wire()
 
     # -- the wire ---------------------------------------------------------------------------
@@ -170,8 +178,8 @@ class PairMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def worker_takes(self, data: st.DataObject) -> None:
         end = data.draw(st.sampled_from(self.ends()))
-        if end.up:
-            work.next_call(end)
+        if end.up and (call := end.proto.next_call()) is not None:
+            self.taken.append((end, call))
         self.check_wire()
 
     @precondition(lambda self: self.running(streaming=False))
@@ -182,10 +190,11 @@ class PairMachine(RuleBasedStateMachine):
         if outcome == "result":
             sent = work.reply(end, call, 3)
         elif outcome == "raise":
-            sent = work.raised(end, call, ValueError("x"))
+            sent = work.error(end, call, ErrorCode.REMOTE, "x", "builtins.ValueError")
         else:
             sent = work.error(end, call, ErrorCode.DEADLINE_EXCEEDED)
         assert not (gone and sent), "a reply for a cancelled call"
+        self.done(end, call)
         self.check_wire()
 
     @precondition(lambda self: self.running(streaming=True))
@@ -204,6 +213,7 @@ class PairMachine(RuleBasedStateMachine):
                 reason = end.proto.park(call)
                 if reason is not None:
                     work.error(end, call, ErrorCode.OVERLOADED, reason)
+                    self.done(end, call)
                 break
         self.check_wire()
 
@@ -224,11 +234,12 @@ class PairMachine(RuleBasedStateMachine):
             end.proto.unpark(call)  # (cancelled or shut down while waiting for credit)
         gone = call.cancelled
         sent = (
-            work.raised(end, call, RuntimeError("stream failed"))
+            work.error(end, call, ErrorCode.REMOTE, "stream failed", "builtins.RuntimeError")
             if error
             else work.end_stream(end, call)
         )
         assert not (gone and sent)
+        self.done(end, call)
         self.check_wire()
 
     # -- time and processes -----------------------------------------------------------------
@@ -240,12 +251,14 @@ class PairMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def kill(self, data: st.DataObject) -> None:
-        data.draw(st.sampled_from(self.ends())).kill()
+        data.draw(st.sampled_from(self.ends())).up = False
         self.check_wire()
 
     @rule(data=st.data())
     def restart(self, data: st.DataObject) -> None:
-        data.draw(st.sampled_from(self.ends())).restart()
+        end = data.draw(st.sampled_from(self.ends()))
+        end.up = False  # kill -9, then a new process under the same name
+        self.pair.add_engine(end.name)
         self.check_wire()
 
     @rule(data=st.data(), frozen=st.booleans())
@@ -270,10 +283,11 @@ class PairMachine(RuleBasedStateMachine):
     def engine_in_flight_counts_equal_the_tables(self) -> None:
         for end in self.ends():
             proto = end.proto
-            parked = [c for c in end.running if c.parked]
-            assert proto.busy == len(end.running) - len(parked)
-            assert proto.in_flight() == len(proto.queue) + len(end.running)
-            taken = {id(c) for c in end.running} | {id(c) for c in proto.queue}
+            running = [c for e, c in self.taken if e is end]
+            parked = [c for c in running if c.parked]
+            assert proto.busy == len(running) - len(parked)
+            assert proto.in_flight() == len(proto.queue) + len(running)
+            taken = {id(c) for c in running} | {id(c) for c in proto.queue}
             for session in proto.sessions.values():
                 for call_id, call in session.calls.items():
                     assert call.call_id == call_id

@@ -28,7 +28,7 @@ from tensorrpc._server_calls import ServerCall
 from tensorrpc._server_protocol import ShmPeer
 
 from .client_script import ADD, CHAT, UPLOAD, control, feed, join, make_protocol, result, sent
-from .server_helpers import Engine
+from .server_helpers import Engine, make_hello
 
 K = MessageKind
 KEY = b"c1"
@@ -36,9 +36,7 @@ KEY = b"c1"
 
 def live_engine(window: int = 4) -> Engine:
     """An engine whose HELLO announces ``window`` for request streams, with a client."""
-    engine = Engine.make()
-    engine.proto._hello = replace(engine.proto.hello, stream_window=window)
-    engine.proto.calls._window = window
+    engine = Engine.make(hello=replace(make_hello(), stream_window=window))
     engine.join()
     return engine
 

@@ -1,0 +1,162 @@
+"""Large copies split over threads: the sender's copy of a tensor into its pool.
+
+One ``memmove`` of 64 MiB keeps one core busy for several milliseconds while the others
+idle, and one core does not reach the machine's memory bandwidth. `Copier` cuts a large
+copy into a few pieces that the calling thread and helper threads take in turn (each
+piece is one ``memmove``, without the GIL). The caller copies too and takes whatever no
+helper has taken yet, so a helper the scheduler does not run (a busy host) holds the copy
+up by nothing; one that stalls in the middle of its piece holds it up by that piece at
+most. A copy never takes longer than one thread's copy plus a piece, and on an idle
+machine it runs on up to `Copier.threads` cores at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import queue
+import threading
+import weakref
+from typing import Final
+
+__all__ = ["MIN_PIECE", "SPLIT_BYTES", "Copier", "default_threads"]
+
+#: Copies smaller than this are one ``memmove`` on the calling thread (waking a helper
+#: costs more than it saves).
+SPLIT_BYTES: Final = 8 << 20
+#: The smallest piece: each piece costs its thread one turn of the GIL.
+MIN_PIECE: Final = 4 << 20
+#: Pieces per thread: enough for the caller to take over a helper's share that has not
+#: started, few enough that the GIL is taken only a handful of times per copy.
+PIECES_PER_THREAD: Final = 2
+#: Most threads one copy uses (caller included): beyond about four, cores share the
+#: memory bandwidth and a copy gets no faster.
+MAX_THREADS: Final = 4
+
+
+def default_threads() -> int:
+    """Threads a copy may use: the cores this process may run on, at most `MAX_THREADS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cpus))
+
+
+class _Copy:
+    """One copy, cut into ``pieces``; each thread that joins takes pieces until none is
+    left. ``done`` is set once every piece is copied."""
+
+    __slots__ = ("done", "dst", "left", "lock", "nbytes", "next", "pieces", "src", "step")
+
+    def __init__(self, dst: int, src: int, nbytes: int, pieces: int) -> None:
+        self.dst = dst
+        self.src = src
+        self.nbytes = nbytes
+        self.pieces = pieces
+        step = -(-nbytes // pieces)
+        self.step = step + (-step % 64)  # pieces start on a cache line of the destination
+        self.next = itertools.count()  # (next() on it is atomic: one thread per piece)
+        self.left = pieces
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+
+    def work(self) -> None:
+        """Copy pieces until none is left to take."""
+        while (i := next(self.next)) < self.pieces:
+            off = i * self.step
+            try:
+                if off < self.nbytes:
+                    n = min(self.step, self.nbytes - off)
+                    ctypes.memmove(self.dst + off, self.src + off, n)
+            finally:  # (counted whatever happens: the caller waits for every piece)
+                with self.lock:
+                    self.left -= 1
+                    if not self.left:
+                        self.done.set()
+
+
+class Copier:
+    """Copies large ranges of memory on the calling thread and up to ``threads - 1``
+    helper threads (see the module docstring). Thread-safe.
+
+    Helpers start with the first large copy and wait for work on a queue; `close` joins
+    them (a copier dropped without it stops them too), and a forked child starts its own.
+
+    Args:
+        threads: most threads one copy uses, the caller's included (None:
+            `default_threads`; 1: every copy is one ``memmove`` on the caller's thread).
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        #: Most threads one copy uses, the caller's included.
+        self.threads = default_threads() if threads is None else max(1, threads)
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
+        self._helpers: list[threading.Thread] = []
+        self._pid = os.getpid()
+        self._closed = False
+        self._stop: weakref.finalize[..., Copier] | None = None
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from address ``src`` to address ``dst`` (ranges must not
+        overlap, and both must stay mapped until this returns)."""
+        pieces = min(self.threads * PIECES_PER_THREAD, nbytes // MIN_PIECE)
+        helpers = self._started() if nbytes >= SPLIT_BYTES and pieces > 1 else 0
+        if not helpers:
+            ctypes.memmove(dst, src, nbytes)
+            return
+        job = _Copy(dst, src, nbytes, pieces)
+        for _ in range(helpers):
+            self._queue.put(job)
+        job.work()
+        # Pieces taken by helpers finish in bounded time (a memmove between mapped pages).
+        job.done.wait()
+
+    def _started(self) -> int:
+        """The number of helpers, started if need be (0: closed, or one thread)."""
+        with self._lock:
+            if self._closed or self.threads < 2:
+                return 0
+            if self._pid != os.getpid():  # a forked child: its parent's helpers are not here
+                self._pid = os.getpid()
+                self._helpers = []
+                self._queue = queue.SimpleQueue()
+                self._stop = None
+            if not self._helpers:
+                for _ in range(self.threads - 1):
+                    thread = threading.Thread(
+                        target=self._help,
+                        args=(self._queue,),
+                        name="tensorrpc-shm-copy",
+                        daemon=True,
+                    )
+                    thread.start()
+                    self._helpers.append(thread)
+                # (the helpers hold the queue, not the copier: it may die without `close`)
+                self._stop = weakref.finalize(self, _stop, self._queue, len(self._helpers))
+            return len(self._helpers)
+
+    @staticmethod
+    def _help(jobs: queue.SimpleQueue[_Copy | None]) -> None:
+        while (job := jobs.get()) is not None:
+            job.work()  # (a job already done: no piece is left, nothing happens)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the helpers (bounded); later copies run on the caller's thread alone."""
+        with self._lock:
+            self._closed = True
+            helpers, self._helpers = self._helpers, []
+            stop, self._stop = self._stop, None
+            if self._pid != os.getpid():
+                return  # a forked child: none of these threads exists here
+        if stop is not None:
+            stop()
+        for thread in helpers:
+            thread.join(timeout)
+
+
+def _stop(jobs: queue.SimpleQueue[_Copy | None], helpers: int) -> None:
+    for _ in range(helpers):
+        jobs.put(None)
