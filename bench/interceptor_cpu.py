@@ -16,7 +16,7 @@ On a loaded host the end-to-end figures move by tens of microseconds from round 
 round, more than the interceptors cost. ``--micro`` measures only what interceptors add,
 without sockets: the client's `ClientInterception.call` around a runner that answers at
 once (the runner's own per-call metadata step included), against that runner alone; and
-the engine's interceptor chain around its handler step (`Dispatcher._handler`), against
+the engine's interceptor chain around its handler step (`tensorrpc._dispatch._handler`), against
 awaiting the handler directly, as the engine does without interceptors.
 """
 
@@ -36,8 +36,7 @@ from typing import Any
 
 import tensorrpc
 from bench.peers.tensorrpc_peer import BenchService
-from tensorrpc import _context
-from tensorrpc._dispatch import Dispatcher
+from tensorrpc import _context, _dispatch
 from tensorrpc._interceptors import ClientCall, ClientInterception, intercept
 from tensorrpc._views import CallOptions
 
@@ -138,7 +137,6 @@ async def _micro(calls: int, rounds: int) -> dict[str, list[float]]:
     )
     service = BenchService()
     handler_call = SimpleNamespace(spec=spec, fn=service.add, deadline=math.inf)
-    dispatcher = Dispatcher.__new__(Dispatcher)  # only _handler runs: no pool, no sockets
 
     async def client_plain() -> None:
         for _ in range(calls):
@@ -162,7 +160,7 @@ async def _micro(calls: int, rounds: int) -> dict[str, list[float]]:
 
     async def engine_intercepted() -> None:
         for _ in range(calls):
-            step = functools.partial(dispatcher._handler, handler_call, [1, 2], math.inf)  # type: ignore[arg-type]
+            step = functools.partial(_dispatch._handler, None, handler_call, [1, 2], math.inf)  # type: ignore[arg-type]
             context = _context.CallContext(handler_call, "e", math.inf)  # type: ignore[arg-type]
             await intercept((passthrough,), context, step)
 

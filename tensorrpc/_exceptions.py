@@ -113,7 +113,7 @@ class ValidationError(SerializationError):
         method: str = "",
         path: str = "",
         expected: str = "",
-        field_path: Sequence[str | int] | None = None,
+        field_path: Sequence[str | int] = (),
     ) -> None:
         super().__init__(message)
         #: ``Service.method`` the value belongs to ("" when unknown).
@@ -123,9 +123,7 @@ class ValidationError(SerializationError):
         #: The same place as data: names of fields and parameters (``str``), list and tuple
         #: indices (``int``) and map keys (``str``, or ``int`` for ``dict[int, T]``), e.g.
         #: ``["req", "items", 3, "x"]``; empty when unknown.
-        self.field_path: list[str | int] = list(
-            field_path if field_path is not None else path.split(".") if path else ()
-        )
+        self.field_path: list[str | int] = list(field_path)
         #: A description of the expected type.
         self.expected = expected
 

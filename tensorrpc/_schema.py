@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from tensorrpc._exceptions import ServiceDefinitionError, ValidationError
+from tensorrpc._exceptions import ServiceDefinitionError, ValidationError, path_parts
 from tensorrpc._lazy import LazyModule
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class _Invalid(Exception):
         return root + "".join(map(_render_segment, reversed(self.segments)))
 
     def field_path(self, root: str) -> list[str | int]:
-        head: list[str | int] = [*root.split(".")] if root else []
+        head = list(path_parts(root))  # "req.items", "chunks[3]": the root's own parts
         for seg in reversed(self.segments):
             head.append(seg[0] if isinstance(seg, tuple) else seg)  # type: ignore[arg-type]
         return head

@@ -1,30 +1,23 @@
 """The engine side: ``serve()`` / ``Server`` run a service instance behind ZMQ.
 
-This module is the engine's I/O shell: every decision is
-``_server_protocol.ServerProtocol``'s and the worker pool is ``_dispatch``'s. Here:
+`Server` is the engine's one I/O shell: the configuration, the lifecycle (start, drain,
+close), the sockets and the worker pool's state (the workers' code is `tensorrpc._dispatch`).
+Every decision is `ServerProtocol`'s: a receive loop per socket feeds it each message and
+``now``, then sends the frames it queued and acts on its events (calls to run or wake,
+session news); a housekeeping task runs its timers. **Dial-in** (``connect=``): one DEALER
+per client address, routing id ``engine_id + "/" + nonce``, with ``ZMQ_IMMEDIATE`` (a HELLO
+is only queued on a live connection). **Listen** (``bind=``): one ROUTER on every address.
 
-* The configuration, the lifecycle (start, drain, close) and the statistics.
-* The sockets. **Dial-in** (``connect=``): one DEALER per client address, routing id
-  ``engine_id + "/" + nonce`` (unique per incarnation), with ``ZMQ_IMMEDIATE`` so that a
-  HELLO is only queued on a live connection. **Listen** (``bind=``): one ROUTER bound to
-  every address; a client is keyed by its routing id.
-* One receive loop per socket feeds each message and ``now`` to the protocol, wakes a
-  worker when it accepted a call, and flushes what the protocol handed out: frames to
-  send, then its events (calls to stop or wake, session news: torch_shm negotiation,
-  freed leases).
-* One housekeeping task runs the protocol's timers and releases the memory of tensors
-  ZMQ has finished sending.
-
-Rules this module keeps:
+Rules:
 
 1. Every socket operation happens on the event-loop thread; a receive loop never waits
-   on a send (it sends with ``send_nowait`` and drops the message when ZMQ is full); a
-   worker's reply may wait a bounded time (``dead_after``).
+   on a send (``send_nowait``; dropped when ZMQ is full); a worker's reply may wait up
+   to ``dead_after``.
 2. The memory of every zero-copy send is held until ZMQ's tracker says it is done.
 3. Shutdown drains: new CALLs get DRAINING, running calls get ``grace_period`` to finish,
    then are cancelled (and get an ERROR), BYE goes to every client, sockets close.
 4. One clock: the event loop's (`tensorrpc._zmq.loop_clock`), for the protocol's ``now``,
-   call deadlines and the workers' cancel scopes alike.
+   deadlines and the workers' cancel scopes alike.
 """
 
 from __future__ import annotations
@@ -35,18 +28,17 @@ import os
 import secrets
 import socket as _socket
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypedDict, cast
 
 import anyio
 import zmq
 
-from tensorrpc import _codec, _compression, _observe
+from tensorrpc import _codec, _compression, _dispatch, _observe
 from tensorrpc._batch_runner import BatchRunners
 from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._compression import Compression
-from tensorrpc._dispatch import Call, Dispatcher
 from tensorrpc._exceptions import (
     ClosedError,
     ErrorCode,
@@ -89,6 +81,7 @@ from tensorrpc._zmq import (
     AsyncSocket,
     PendingSends,
     SocketOptions,
+    Waiters,
     create_socket,
     loop_clock,
     message_peer_address,
@@ -244,16 +237,6 @@ class ServerOptions(TypedDict, total=False):
     observer: Observer | Sequence[Observer] | None
     compression: Compression | None
     interceptors: Sequence[ServerInterceptor]
-
-
-_CONFIG_FIELDS: Final = frozenset(f.name for f in fields(ServerConfig))
-
-
-def _config(options: dict[str, object]) -> ServerConfig:
-    unknown = set(options) - _CONFIG_FIELDS
-    if unknown:
-        raise TypeError(f"unknown server option(s): {', '.join(sorted(unknown))}")
-    return ServerConfig(**options)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,7 +427,7 @@ class Server:
     """
 
     def __init__(self, instance: object, /, **options: Unpack[ServerOptions]) -> None:
-        self._config = cfg = _config(dict(options))
+        self._config = cfg = ServerConfig(**options)  # an unknown option: TypeError
         self._spec: ServiceSpec = describe(instance)
         self._engine_id = engine_id = _engine_id(cfg.engine_id)
         self._addresses = _addresses_of(cfg.connect)
@@ -475,20 +458,19 @@ class Server:
         self._pending = PendingSends()
         self._bulk = BulkLinks(self._socket_options, cfg.curve, partial(_bulk_feed, self))
         self._now = time.monotonic  # the event loop's clock once entered
-        self._dispatch = Dispatcher(
-            self._proto,
-            engine_id=engine_id,
-            max_concurrency=cfg.max_concurrency,
-            sync_workers=cfg.sync_workers,
-            codec=self._codec,
-            policy=self._policy,
-            maxmsgsize=self._socket_options.maxmsgsize,
-            grace_period=cfg.grace_period,
-            flush=self._flush,
-            send_reply=self._send_reply,
-            compression=cfg.compression if _compression.available() else None,
-            interceptors=check_interceptors(cfg.interceptors, "engine"),
-        )
+        # The worker pool (`tensorrpc._dispatch`).
+        self._capacity = cfg.max_concurrency
+        self._limiter = anyio.CapacityLimiter(cfg.sync_workers)
+        self._compression = cfg.compression if _compression.available() else None
+        self._interceptors = check_interceptors(cfg.interceptors, "engine")
+        self._scalar_results = _dispatch.scalar_results(self._spec)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._waiters: Waiters | None = None
+        self._idle: list[Any] = []  # the parked workers' wake-ups
+        self._workers = 0
+        self._parked = 0  # calls waiting for credit or for their batch, holding no worker
+        self._pool_closed = False
+        self._pool_done = anyio.Event()
         self._started = False
         self._closed = False
         self._fatal: BaseException | None = None
@@ -652,7 +634,7 @@ class Server:
         with anyio.CancelScope(shield=True) as scope:
             self._inner_scope = scope
             async with anyio.create_task_group() as tg:
-                self._dispatch.start(tg)
+                _dispatch.start(self, tg)
                 self._batches.start(tg)
                 self._bulk.start(tg)
                 if self._router is not None:
@@ -666,8 +648,8 @@ class Server:
         cfg = self._config
         proto = self._proto
         proto.start_drain()
-        self._dispatch.close()  # workers finish what is queued, then exit
-        done = self._dispatch.done
+        _dispatch.close(self)  # workers finish what is queued, then exit
+        done = self._pool_done
         if self._fatal is None:
             with anyio.move_on_after(cfg.grace_period):
                 await done.wait()
@@ -736,11 +718,11 @@ class Server:
                 size = sum(map(len, frames))  # no loop variable left holding a frame
                 if address is None:
                     route = frames[0].bytes
-                    body = cast("list[Buffer]", frames[1:])
+                    body: list[Buffer] = frames[1:]  # type: ignore[assignment]
                     receive(route, body, clock(), size - len(route))
                     del body
                 else:
-                    receive(address, cast("list[Buffer]", frames), clock(), size)
+                    receive(address, frames, clock(), size)  # type: ignore[arg-type]
                 if proto.pending:
                     self._flush(size)
             except Exception:  # one bad message must never stop the loop
@@ -770,7 +752,7 @@ class Server:
             return False
         return True
 
-    async def _send_reply(self, call: Call, keepalive: list[object] | None) -> None:
+    async def _send_reply(self, call: ServerCall, keepalive: list[object] | None) -> None:
         """Send the reply the protocol just queued for ``call`` (the last message of
         `frames_to_send`; any before it go first, without waiting) from a worker:
         possibly large, zero-copy, waiting a bounded time.
@@ -813,7 +795,7 @@ class Server:
             self._pending.add(tracker, keepalive, nbytes(frames))
 
     async def _send_waiting(
-        self, call: Call, sock: AsyncSocket, parts: list[Buffer], track: bool
+        self, call: ServerCall, sock: AsyncSocket, parts: list[Buffer], track: bool
     ) -> zmq.MessageTracker | None:
         if call.cancelled:
             raise anyio.WouldBlock
@@ -830,26 +812,6 @@ class Server:
 
     # -- receiving --------------------------------------------------------------------------
 
-    def _accepted(self, call: Call, size: int) -> None:
-        self._dispatch.wake_one()
-        if call.deadline <= self._proto.wake_at:  # the timer moved to its deadline
-            self._wake_housekeeping()
-        if self._observer is not None:  # observe: a CALL was accepted
-            call.observed = self._observer.engine_call(
-                call.spec.service, call.spec.name, self._engine_id, call.session.name,
-                call.spec.streaming, call.trace, size,
-            )  # fmt: skip
-
-    def _answer_statistics(self, event: BuiltinCall) -> None:
-        """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
-        if not _observe.statistics_allowed(self._config.curve):
-            self._proto.builtin_refused(event, _STATISTICS_REFUSED)
-            return
-        body = _observe.statistics_body(
-            self.statistics(), service=self._spec.name, pid=os.getpid(), started=self._started_at
-        )
-        self._proto.builtin_reply(event, _codec.encode(body, self._codec).payload)
-
     def _flush(self, size: int = 0) -> None:
         """Send the protocol's frames, act on its events (accepted calls, wakes, session
         news) until it is done; ``size``: the received message's (an accepted CALL's)."""
@@ -859,63 +821,22 @@ class Server:
             if sends:
                 _send_all(self, sends)
             for event in proto.next_events():
-                if isinstance(event, ServerCall):
-                    self._accepted(event, size)
+                if type(event) is ServerCall:  # accepted: wake a worker (the hot path)
+                    if self._idle:
+                        assert self._waiters is not None
+                        self._waiters.wake(self._idle.pop())
+                    else:
+                        _dispatch.wake_one(self)
+                    if event.deadline <= proto.wake_at:  # the timer moved to its deadline
+                        self._wake_housekeeping()
+                    if self._observer is not None:  # observe: a CALL was accepted
+                        _observe_call(self, event, size)
                 elif type(event) is Wake:
                     event.call.wake()
                 else:
-                    self._on_event(event)
+                    _on_event(self, event)
             if not proto.pending:
                 return
-
-    def _on_event(self, event: object) -> None:
-        if isinstance(event, BuiltinCall):
-            self._answer_statistics(event)
-        elif isinstance(event, Released):
-            self._policy.memory.release(event.leases, event.session)
-        elif isinstance(event, SessionStarted):
-            self._negotiate_shm(event.session, event.welcome, event.frame)
-            self._bulk.session_started(event.session, event.welcome, event.frame)
-            logger.info(
-                "engine %r joined client %s", self._engine_id, peer_text(event.session.name)
-            )
-            self._wake_housekeeping()  # its PING interval may be shorter than ours
-        elif isinstance(event, SessionEnded):
-            self._bulk.forget(event.session.key)
-            policy = self._policy
-            policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
-            log = logger.warning if event.warn else logger.info
-            if event.why.startswith("refused") and not self._said.first(
-                (event.session.name, event.why)
-            ):
-                log = logger.debug  # the same refusal again (a HELLO retried every second)
-            log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
-        elif isinstance(event, CallExpired):
-            observed = event.call.observed
-            if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
-                observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
-                observed.finished("ok", 0)
-        elif isinstance(event, AllRejected):  # stop serving: serve_forever raises it
-            self._fatal = self._fatal or HandshakeRejectedError(
-                f"every client refused engine {self._engine_id!r}: "
-                + peer_text(event.message, _WHY_CHARS),
-                reason=event.reason,
-                engine_id=self._engine_id,
-            )
-            if self._stopped is not None:
-                self._stopped.set()
-
-    def _negotiate_shm(self, session: Session, welcome: Welcome, frame: object) -> None:
-        # torch_shm only with the process the kernel says is at the other end of the
-        # connection the WELCOME came on (docs/security.md); its claims are hints.
-        pid, send, receive = self._policy.peers.attest(
-            session,
-            peer_credentials(frame),
-            offers=welcome.transports,
-            claimed_pid=welcome.pid,
-            same_host=welcome.host_id == _host_id(),
-        )
-        self._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
 
     # -- housekeeping -----------------------------------------------------------------------
 
@@ -943,6 +864,78 @@ class Server:
                 await poke.wait()
 
 
+# -- session news and the built-in statistics method ------------------------------------
+
+
+def _on_event(server: Server, event: object) -> None:
+    if isinstance(event, BuiltinCall):
+        _answer_statistics(server, event)
+    elif isinstance(event, Released):
+        server._policy.memory.release(event.leases, event.session)
+    elif isinstance(event, SessionStarted):
+        _negotiate_shm(server, event.session, event.welcome, event.frame)
+        server._bulk.session_started(event.session, event.welcome, event.frame)
+        logger.info("engine %r joined client %s", server._engine_id, peer_text(event.session.name))
+        server._wake_housekeeping()  # its PING interval may be shorter than ours
+    elif isinstance(event, SessionEnded):
+        server._bulk.forget(event.session.key)
+        policy = server._policy
+        policy.memory.peer_gone(event.session, policy.peers.drop(event.session))
+        log = logger.warning if event.warn else logger.info
+        if event.why.startswith("refused") and not server._said.first(
+            (event.session.name, event.why)
+        ):
+            log = logger.debug  # the same refusal again (a HELLO retried every second)
+        log("client %s %s", peer_text(event.session.name), peer_text(event.why, _WHY_CHARS))
+    elif isinstance(event, CallExpired):
+        observed = event.call.observed
+        if observed is not None:  # observe: answered DEADLINE_EXCEEDED from the queue
+            observed.error(ErrorCode.DEADLINE_EXCEEDED.name)
+            observed.finished("ok", 0)
+    elif isinstance(event, AllRejected):  # stop serving: serve_forever raises it
+        server._fatal = server._fatal or HandshakeRejectedError(
+            f"every client refused engine {server._engine_id!r}: "
+            + peer_text(event.message, _WHY_CHARS),
+            reason=event.reason,
+            engine_id=server._engine_id,
+        )
+        if server._stopped is not None:
+            server._stopped.set()
+
+
+def _negotiate_shm(server: Server, session: Session, welcome: Welcome, frame: object) -> None:
+    # torch_shm only with the process the kernel says is at the other end of the
+    # connection the WELCOME came on (docs/security.md); its claims are hints.
+    pid, send, receive = server._policy.peers.attest(
+        session,
+        peer_credentials(frame),
+        offers=welcome.transports,
+        claimed_pid=welcome.pid,
+        same_host=welcome.host_id == _host_id(),
+    )
+    server._proto.shm_decided(session, ShmPeer(pid=pid, peer_receives=send, we_receive=receive))
+
+
+def _answer_statistics(server: Server, event: BuiltinCall) -> None:
+    """Answer the built-in statistics method (``tensorrpc top``): a RESULT map."""
+    if not _observe.statistics_allowed(server._config.curve):
+        server._proto.builtin_refused(event, _STATISTICS_REFUSED)
+        return
+    body = _observe.statistics_body(
+        server.statistics(), service=server._spec.name, pid=os.getpid(), started=server._started_at
+    )
+    server._proto.builtin_reply(event, _codec.encode(body, server._codec).payload)
+
+
+def _observe_call(server: Server, call: ServerCall, size: int) -> None:
+    assert server._observer is not None
+    spec = call.spec
+    call.observed = server._observer.engine_call(
+        spec.service, spec.name, server._engine_id, call.session.name, spec.streaming,
+        call.trace, size,
+    )  # fmt: skip
+
+
 def _send_all(server: Server, sends: list[tuple[Hashable, list[Any]]]) -> None:
     """Send the protocol's messages without waiting; one that cannot go is counted
     dropped (a dial-in HELLO is retried soon)."""
@@ -963,7 +956,7 @@ def _bulk_feed(server: Server, key: Hashable, frames: list[zmq.Frame], size: int
 
 
 async def _send_bulk(
-    server: Server, call: Call, frames: list[Buffer], keepalive: list[object]
+    server: Server, call: ServerCall, frames: list[Buffer], keepalive: list[object]
 ) -> bool:
     """Send a large RESULT on the session's bulk connection, if bound, so that the small
     replies behind it do not wait for its bytes (docs/design.md); False: it goes on the

@@ -14,7 +14,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Final, Protocol
 
 from tensorrpc._exceptions import ErrorCode
-from tensorrpc._metadata import EMPTY
 from tensorrpc._protocol import Flags
 from tensorrpc._statistics import MethodStatistics
 from tensorrpc._streams import RequestStream
@@ -129,27 +128,24 @@ class ServerCall:
     def __init__(
         self,
         session: Session,
-        call_id: int,
-        spec: MethodSpec,
-        fn: Callable[..., object],
+        header: Header,
+        entry: tuple[MethodSpec, Callable[..., object]],
+        flags: int,
         deadline: float,
         payload: Buffer | None,
         buffers: Sequence[Buffer],
-        results: int,
-        trace: bytes = b"",
-        metadata: Mapping[str, str] = EMPTY,
+        now: float,
     ) -> None:
         self.session = session
         self.key = session.key
-        self.call_id = call_id
-        self.spec = spec
-        self.fn = fn
+        self.call_id: int = header.call_id
+        self.spec, self.fn = entry
         #: Absolute deadline on the shell's clock, ``inf`` for none.
         self.deadline = deadline
         self.payload = payload
         self.buffers = buffers
-        #: The CALL's SHM_RESULTS / SHM_RESULTS_ALL bits.
-        self.results = results
+        #: The CALL's SHM_RESULTS, SHM_RESULTS_ALL and COMPRESS bits.
+        self.results = flags & _RESULT_BITS
         #: The client cancelled the call or lost its session: no reply at all.
         self.cancelled = False
         #: Shutdown stopped the call: the reply is DRAINING.
@@ -163,31 +159,29 @@ class ServerCall:
         #: The stream waits for credit.
         self.parked = False
         #: The binary W3C trace context the CALL carried (``Flags.TRACE``), or ``b""``.
-        self.trace = trace
+        self.trace: bytes = header.trace
         #: The request metadata the CALL carried (``Flags.METADATA``; read-only).
-        self.metadata = metadata
+        self.metadata: Mapping[str, str] = header.metadata
         #: The response metadata its RESULT or STREAM_END carries (None: none; checked
         #: against the bounds as it is set: `tensorrpc._metadata.merge_metadata`).
         self.reply_metadata: dict[str, str] | None = None
         #: When it was accepted and its handler started (0: not yet), on the shell's clock.
-        self.received = 0.0
+        self.received = now
         self.started = 0.0
         #: ``"ok"`` or the name of the ERROR code that answered it.
         self.outcome = "ok"
         #: Its method's counters (set when it is accepted).
         self.stats: MethodStatistics | None = None
-        #: Shell: the cancel scope the handler runs in, while it runs.
+        # The shell's: the handler's cancel scope while it runs, what a stream waiting for
+        # credit waits on, the handler's return value (or exception), what an observer
+        # watches of the call.
         self.scope: Cancellable | None = None
-        #: Shell: what a stream waiting for credit waits on.
         self.credit_event: Settable | None = None
-        #: Shell: the handler's return value (``MISSING`` until it returns).
         self.result: object = MISSING
-        #: Shell: the exception the handler raised.
         self.failure: BaseException | None = None
-        #: Shell: what the engine's observer watches of this call (None: no observer).
         self.observed: CallObservation | None = None
-        #: Shell: the argument tensors' torch_shm key while they may be on the client's
-        #: regions (detach before the first reply); None: no handle was resolved.
+        #: The argument tensors' torch_shm key while they may be on the client's regions
+        #: (detached before the first reply); None: no handle was resolved.
         self.keep: tuple[Session, int] | None = None
 
     def take_args(self) -> tuple[Buffer, Sequence[Buffer]]:
@@ -218,12 +212,10 @@ class CallQueue:
 
     Args:
         settings: The engine's methods and limits.
-        call_factory: Builds accepted calls (the shell's `ServerCall` subclass).
     """
 
     __slots__ = (
         "_builtins",
-        "_call_factory",
         "_capacity",
         "_engine",
         "_limit",
@@ -239,7 +231,7 @@ class CallQueue:
         "queue",
     )
 
-    def __init__(self, settings: ProtocolSettings, call_factory: Callable[..., ServerCall]) -> None:
+    def __init__(self, settings: ProtocolSettings) -> None:
         self._methods = settings.methods
         self._builtins = settings.builtins
         self._engine = settings.hello.engine_id
@@ -248,7 +240,6 @@ class CallQueue:
         self._limit = settings.max_concurrency + settings.max_queued
         self._max_parked = settings.max_parked_streams
         self._window = settings.hello.stream_window
-        self._call_factory = call_factory
         #: Accepted calls waiting for a worker.
         self.queue: deque[ServerCall] = deque()
         #: Calls taken by a worker and not done (parked streams excluded).
@@ -284,7 +275,7 @@ class CallQueue:
             return ErrorCode.METHOD_NOT_FOUND, (
                 f"service {self._service!r} has no method {method!r}"
             )
-        spec, fn = entry
+        spec = entry[0]
         flags = int(header.flags)
         if (
             bool(flags & _STREAM) != spec.streaming
@@ -295,11 +286,7 @@ class CallQueue:
             return ErrorCode.OVERLOADED, self._full_message(flags)
         timeout_ms: int = header.timeout_ms
         deadline = now + timeout_ms / 1000 if timeout_ms else _INF
-        call = self._call_factory(
-            session, header.call_id, spec, fn, deadline, payload, buffers, flags & _RESULT_BITS,
-            header.trace, header.metadata,
-        )  # fmt: skip
-        call.received = now
+        call = ServerCall(session, header, entry, flags, deadline, payload, buffers, now)
         if spec.request_streaming:
             call.request = RequestStream(self._window)
         call.stats = stats = self.methods[method]
@@ -365,7 +352,9 @@ class CallQueue:
         outcome = call.outcome
         if outcome == "ok" and call.cancelled:
             outcome = "cancelled"
-        self._ended(call, outcome, now)
+        stats = call.stats
+        if stats is not None:
+            stats.ended(outcome, call.received, call.started, now)
 
     @staticmethod
     def _ended(call: ServerCall, outcome: str, now: float) -> None:

@@ -1,24 +1,16 @@
 """The engine's side of the protocol as a state machine, sans-I/O: frames and ``now`` in.
 
-`ServerProtocol` holds every decision an engine makes about its clients: sessions
-and their epochs, the admission of CALLs, reply legality, stream credit, liveness (who is
-dead at ``now``, whom to ping, when to say HELLO again), strangers, drain and BYE. The
-I/O shell (`_server`) feeds it messages, its workers' results and the time, sends the
-frames it queues (`frames_to_send`; a worker sends its RESULT or STREAM_ITEM, the last
-one queued, itself), and acts on `next_events`: calls accepted for the workers, calls to
-wake, session news. That is the output convention both machines share
-(`tensorrpc._machine.Machine`): no input returns frames or events. It builds every
-frame it sends, counts every byte and drop, and owns the ``torch_shm`` argument leases
-of its calls (what a call that ends without a reply owes the client: RELEASE). Nothing
-here imports zmq, anyio, asyncio, trio, threading or ``time``.
-
-The call side (admission by method and capacity, the queue of accepted calls, the busy
-workers, reply legality, stream credit) is `tensorrpc._server_calls.CallQueue`; the
-workers' methods (`next_call`, `done`, `may_reply`, `park` ...) are bound to it. A
-listening engine's peers without a session are `Strangers`.
-
-A client is named by an opaque hashable *key*: its routing id on a listening engine, the
-address it is dialled at on a dial-in engine.
+`ServerProtocol` holds every decision an engine makes about its clients: sessions and
+their epochs, the admission of CALLs, reply legality, stream credit, liveness, strangers,
+drain and BYE. It builds every frame it sends, counts every byte and drop, and owns the
+``torch_shm`` argument leases of its calls; its output is `tensorrpc._machine.Machine`'s
+(`frames_to_send`, `next_events`). `receive` dispatches on (session state, kind) through
+`_DISPATCH`, whose handlers are the functions below the class (`TRANSITIONS` is the table).
+The call side (admission by method and capacity, the queue, the busy workers) is
+`tensorrpc._server_calls.CallQueue`; a listening engine's peers without a session are
+`Strangers`. A client is named by an opaque hashable *key*: its routing id on a listening
+engine, the address it is dialled at on a dial-in one. Nothing here imports zmq, anyio,
+asyncio, trio, threading or ``time``.
 
 Rules this module keeps (numbered as the tests cite them):
 
@@ -125,10 +117,8 @@ _CANCEL: Final = MessageKind.CANCEL
 _CREDIT: Final = MessageKind.CREDIT
 _PING: Final = MessageKind.PING
 _PONG: Final = MessageKind.PONG
-_WELCOME: Final = MessageKind.WELCOME
 _REJECT: Final = MessageKind.REJECT
 _BYE: Final = MessageKind.BYE
-_RELEASE: Final = MessageKind.RELEASE
 _RESULT: Final = MessageKind.RESULT
 _STREAM_ITEM: Final = MessageKind.STREAM_ITEM
 _STREAM_END: Final = MessageKind.STREAM_END
@@ -387,9 +377,10 @@ def readable_call_id(frame: Buffer) -> int | None:
     """The call a malformed message names, if its header says so (rule 5).
 
     A header frame of at least 20 bytes with the magic, a kind a client sends about a
-    call (CALL, CANCEL, CREDIT) and a non-zero ``call_id`` at bytes 8-15 names one,
-    whatever else is wrong with the message (another version included: bytes 0-2 keep
-    their place in every version); any other is dropped unanswered.
+    call (CALL, CANCEL, STREAM_ITEM, STREAM_END, CREDIT) and a non-zero ``call_id`` at
+    bytes 8-15 names one, whatever else is wrong with the message (another version
+    included: bytes 0-2 keep their place in every version); any other is dropped
+    unanswered.
     """
     view = memoryview(frame)
     if view.ndim != 1 or view.itemsize != 1 or view.nbytes < HEADER_SIZE:
@@ -487,7 +478,6 @@ class ServerProtocol(Machine[Hashable, Event]):
 
     Args:
         settings: The engine's identity and limits.
-        call_factory: Builds accepted calls (the shell's `ServerCall` subclass).
         new_epoch: Draws a session epoch (non-zero u64); tests pass a counter.
         new_token: Draws a session's bulk token (128 bits).
 
@@ -500,7 +490,6 @@ class ServerProtocol(Machine[Hashable, Event]):
         self,
         settings: ProtocolSettings,
         *,
-        call_factory: Callable[..., ServerCall] = ServerCall,
         new_epoch: Callable[[], int] = _new_epoch,
         new_token: Callable[[], bytes] = _new_token,
     ) -> None:
@@ -508,7 +497,6 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.settings = settings
         self._hello = replace(settings.hello, dead_after_ms=to_ms(settings.dead_after))
         self._listen = settings.listen
-        self._methods = settings.methods
         self._heartbeat = settings.heartbeat_interval
         self._dead_after = settings.dead_after
         self._max_buffers = settings.max_buffers
@@ -518,11 +506,10 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.sessions: dict[Hashable, Session] = {}
         self._strangers = Strangers(self.sessions, settings.max_strangers, settings.dead_after)
         #: The call side: admission by method and capacity, the queue, the workers.
-        self.calls = calls = CallQueue(settings, call_factory)
+        self.calls = calls = CallQueue(settings)
         #: Accepted calls waiting for a worker.
         self.queue = calls.queue
-        # The workers' side of the calls, bound straight to the call queue (no extra call
-        # on the hot path): see `CallQueue` for each.
+        # The workers' side of the calls, bound to the call queue (no extra call per call).
         self.next_call = calls.next_call
         self.started = calls.started
         self.done = calls.done
@@ -533,9 +520,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.unpark = calls.unpark
         self.batch_wait = calls.batch_wait
         self.batch_back = calls.batch_back
-        #: torch_shm: the argument leases of calls whose arguments resolved handles and
-        #: that have no reply yet (the client keeps them until our first reply, or our
-        #: RELEASE if it gave the call up).
+        #: torch_shm: the argument leases of calls without a reply yet (`args_resolved`).
         self._arg_leases: dict[ServerCall, tuple[int, ...]] = {}
         #: New CALLs are refused with DRAINING (and health answers NOT_SERVING).
         self.draining = False
@@ -552,14 +537,14 @@ class ServerProtocol(Machine[Hashable, Event]):
         self._ping_nonce = 0
 
     @property
-    def busy(self) -> int:
-        """Calls taken by a worker and not done (parked streams excluded)."""
-        return self.calls.busy
-
-    @property
     def strangers_evicted(self) -> int:
         """Listening engine: peers without a session forgotten because the table was full."""
         return self._strangers.evicted
+
+    @property
+    def busy(self) -> int:
+        """Calls taken by a worker and not done (parked streams excluded)."""
+        return self.calls.busy
 
     @property
     def hello(self) -> Hello:
@@ -608,11 +593,8 @@ class ServerProtocol(Machine[Hashable, Event]):
             session.bytes_out += _bytes_of(frames)
 
     def send_failed(self, key: Hashable, frames: Sequence[Buffer], now: float) -> None:
-        """The shell could not send ``frames`` to ``key`` (ZMQ full, no connection).
-
-        The message counts as dropped, not as sent; a HELLO of a dial-in engine not
-        connected yet is tried again soon, backing off.
-        """
+        """The shell could not send ``frames`` to ``key`` (ZMQ full, no connection): they
+        count as dropped; a dial-in HELLO is tried again soon, backing off."""
         session = self.sessions.get(key)
         if session is not None:
             session.bytes_out -= _bytes_of(frames)
@@ -642,11 +624,8 @@ class ServerProtocol(Machine[Hashable, Event]):
     def _end(
         self, session: Session, why: str, now: float, then: SessionState, *, warn: bool = False
     ) -> None:
-        """End a session: cancel its calls (no replies) and enter ``then``.
-
-        Both topologies keep the entry; a listening engine's joins the strangers, so it
-        is forgotten after ``dead_after`` unless the client completes a new handshake.
-        """
+        """End a session: cancel its calls (no replies) and enter ``then``; a listening
+        engine's entry joins the strangers (forgotten unless a new handshake ends)."""
         calls, session.calls = session.calls, {}
         for call in calls.values():
             self._cancel(call)
@@ -710,7 +689,7 @@ class ServerProtocol(Machine[Hashable, Event]):
                 if kind is _CALL:  # the hot path, inline
                     if header.releases:  # result leases returned with the CALL (RELEASE)
                         self._events.append(Released(session, header.releases))
-                    self._admit(session, header, payload, buffers, now)
+                    _admit(self, session, header, payload, buffers, now)
                     return
                 if kind is _STREAM_ITEM:  # a request item (it has buffers)
                     _streams.on_request_item(self, session, header, payload, buffers)
@@ -746,47 +725,6 @@ class ServerProtocol(Machine[Hashable, Event]):
             self.overloaded += 1
         self._error(session.key, call_id, code, message)
 
-    def _admit(
-        self,
-        session: Session,
-        header: Header,
-        payload: Buffer,
-        buffers: Sequence[Buffer],
-        now: float,
-    ) -> None:
-        """The admission table (`ADMISSION`) for a CALL of a live session."""
-        call_id: int = header.call_id
-        calls = session.calls
-        original = calls.get(call_id)
-        if original is not None:  # rule 6
-            self._cancel(original)
-            message = f"call id {call_id} is already in flight: both calls are cancelled"
-            self._refuse(session, call_id, ErrorCode.PROTOCOL, message)
-            return
-        early = session.early
-        if early is not None and early and early.take(call_id):
-            return  # its CANCEL came first (rule 4 of the bulk connection)
-        if header.method == HEALTH_METHOD:
-            self._answer_health(session, header, payload, buffers)
-            return
-        if self.draining:
-            message = f"engine {self._hello.engine_id!r} is shutting down"
-            self._refuse(session, call_id, ErrorCode.DRAINING, message)
-            return
-        verdict = self.calls.admit(session, header, payload, buffers, now)
-        if verdict is None:
-            self._events.append(BuiltinCall(session, call_id, header.method))
-            return
-        if isinstance(verdict, tuple):
-            self._refuse(session, call_id, *verdict)
-            return
-        calls[call_id] = verdict
-        session.calls_total += 1
-        self.calls_total += 1
-        if verdict.deadline < self.wake_at:  # the timer that refuses it if it waits too long
-            self.wake_at = verdict.deadline
-        self._events.append(verdict)
-
     def health(self, service: str = "") -> HealthStatus:
         """The engine's health as the built-in health method answers it for ``service``
         (``""``: the engine as a whole; the engine serves one service, so both agree)."""
@@ -800,23 +738,6 @@ class ServerProtocol(Machine[Hashable, Event]):
             raise ValueError(f"an engine is SERVING or NOT_SERVING, not {status.value}")
         self.serving = status
 
-    def _answer_health(
-        self, session: Session, header: Header, payload: Buffer, buffers: Sequence[Buffer]
-    ) -> None:
-        """Answer the built-in health method here, without a worker (also while draining)."""
-        call_id: int = header.call_id
-        if int(header.flags) & int(Flags.STREAM) or buffers:
-            message = f"{HEALTH_METHOD} is a unary call without tensors"
-            self._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, message)
-            return
-        try:
-            service = parse_request(payload)
-        except ValueError as exc:
-            self._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, str(exc))
-            return
-        answer = encode_answer(service, self.health(service))
-        self._send(session.key, [pack_reply_header(_RESULT, call_id), answer])
-
     def _wake(self, call: ServerCall) -> None:
         self._events.append(Wake(call))
 
@@ -824,170 +745,6 @@ class ServerProtocol(Machine[Hashable, Event]):
         if not call.cancelled:
             call.cancelled = True
             self._events.append(Wake(call))
-
-    # -- the handlers `TRANSITIONS` dispatches to: (key, session, header, payload, now) ------
-
-    def _on_stranger(
-        self, key: Hashable, session: Session | None, header: Header, payload: Buffer, now: float
-    ) -> None:
-        """A PING or WELCOME from a peer without an entry: HELLO with a new epoch."""
-        if self.draining:
-            self.dropped += 1
-            return
-        self._send_hello(self._stranger(key, now), now)
-
-    def _no_session_call(
-        self, key: Hashable, session: Session | None, header: Header, payload: Buffer, now: float
-    ) -> None:
-        """A CALL without a session: ERROR(id, PROTOCOL) (rule 5)."""
-        self.dropped += 1
-        if session is not None:
-            session.errors += 1
-        message = "no session: the handshake (PING, HELLO, WELCOME) is not complete"
-        self._error(key, header.call_id, ErrorCode.PROTOCOL, message)
-
-    def _on_ping(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        """PING: PONG echoing its nonce; the hello request (nonce 0) also gets the HELLO."""
-        self._send(key, encode_control(_PONG, None, header.call_id))
-        if header.call_id == 0:
-            self._send_hello(session, now)  # rule 3
-
-    def _on_greeting_ping(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        """PING before WELCOME: the HELLO again (rate-limited, rule 3)."""
-        self._send_hello(session, now)
-
-    def _on_pong(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        """PONG: the life it shows is all it says."""
-
-    def _on_call(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        """A live CALL without buffers (`receive` admits live CALLs inline)."""
-        self._admit(session, header, payload, (), now)
-
-    def _on_cancel(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        call = session.calls.get(header.call_id)
-        if call is not None:
-            self._cancel(call)
-        elif session.early is not None:  # its CALL may still be on the bulk connection
-            session.early.cancelled(header.call_id)
-
-    def _on_credit(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        try:
-            body = decode_control(header, payload)
-        except RemoteProtocolError as exc:  # CREDIT n=0 among them: malformed (rule 5)
-            self._malformed(key, session, header.call_id, exc)
-            return
-        assert isinstance(body, Credit)
-        call = session.calls.get(header.call_id)
-        if call is None or call.cancelled:
-            return  # the stream already ended
-        call.credits += body.n
-        if call.parked:
-            self._events.append(Wake(call))
-
-    def _on_release(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        try:
-            body = decode_control(header, payload)
-        except RemoteProtocolError:
-            self.dropped += 1
-            return
-        assert isinstance(body, Release)
-        self._events.append(Released(session, body.leases))
-
-    def _on_bye(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        self._end(session, "said BYE", now, SessionState.PARTED)
-
-    def _on_parted(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        """The parted client speaks again: a new session, HELLO (new epoch); a CALL also
-        gets its ERROR (rule 5)."""
-        if header.kind is _CALL:
-            self._no_session_call(key, session, header, payload, now)
-        if self.draining:
-            return
-        self._greet(session, now)
-        self._send_hello(session, now)
-
-    def _on_welcome(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        try:
-            welcome = decode_control(header, payload)
-        except RemoteProtocolError as exc:
-            self.dropped += 1
-            self._refuse_session(session, RejectReason.PROTOCOL, f"malformed WELCOME: {exc}", now)
-            return
-        assert isinstance(welcome, Welcome)
-        ours = self._hello.fingerprint
-        if welcome.fingerprint and welcome.fingerprint != ours:
-            self._refuse_session(
-                session,
-                RejectReason.FINGERPRINT,
-                f"client has a different schema (fingerprint {welcome.fingerprint[:12]}, "
-                f"engine's {ours[:12]})",
-                now,
-            )
-            return
-        if session.state is SessionState.LIVE:
-            if welcome.epoch == session.client_epoch:
-                return  # a repeated WELCOME of this session
-            # The client started a new session (it lost the old one): the old calls go,
-            # without replies; our epoch stays, since the client welcomed it.
-            calls, session.calls = session.calls, {}
-            for call in calls.values():
-                self._cancel(call)
-            shm, session.shm = session.shm, None
-            self._events.append(SessionEnded(session, "started a new session", shm=shm))
-        self._start(session, welcome, now, payload)
-
-    def _on_reject(
-        self, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
-    ) -> None:
-        try:
-            body = decode_control(header, payload)
-        except RemoteProtocolError as exc:
-            body = Reject(RejectReason.OTHER, f"malformed REJECT: {exc}")
-        assert isinstance(body, Reject)
-        why = f"refused engine {self._hello.engine_id!r}: {body.reason}: {body.message}"
-        if body.reason == RejectReason.DUPLICATE_ID and not self._listen:
-            self._duplicate(session, why, now)
-            return
-        session.reject = body
-        self._end(session, why, now, SessionState.REJECTED, warn=True)
-        self._check_all_rejected()
-
-    def _duplicate(self, session: Session, why: str, now: float) -> None:
-        """Dial-in: another engine holds our id at this client (first come, without
-        CURVE keys bound to ids). Not final: HELLO again after a growing delay (up to
-        ``dead_after``), so we take the id once its holder is gone."""
-        backoff = session.duplicate_backoff
-        if backoff is None:
-            heartbeat = self._heartbeat
-            backoff = Backoff(heartbeat, max(heartbeat, self._dead_after))
-        delay = backoff.failed()
-        self._end(
-            session, f"{why}; HELLO again in {delay:g} s", now, SessionState.REJECTED, warn=True
-        )
-        self._greet(session, now)
-        session.duplicate_backoff = backoff
-        session.next_hello = now + delay
-        self.wake_at = min(self.wake_at, session.next_hello)
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -1096,21 +853,27 @@ class ServerProtocol(Machine[Hashable, Event]):
         call.keep = None
         self._arg_leases.pop(call, None)
 
-    def stream_end(self, call: ServerCall) -> bool:
-        """Queue the STREAM_END that ends a stream; False when it must get no reply."""
+    def _final(self, call: ServerCall) -> bool:
+        """Claim the call's final reply (rule 7), with which the client takes its argument
+        and request item regions back; False when it has one or must get none."""
         if not self.may_reply(call):
             return False
         if call.keep is not None:
             self._replied(call)
-        if call.request is not None:  # the client takes its item regions back
+        if call.request is not None:
             call.request.end_leases()
+        return True
+
+    def stream_end(self, call: ServerCall) -> bool:
+        """Queue the STREAM_END that ends a stream; False when it must get no reply."""
+        if not self._final(call):
+            return False
         if call.reply_metadata:
             block = encode_block(call.reply_metadata)
-            self._send(
-                call.key, [pack_metadata_reply_header(_STREAM_END, call.call_id, block), b""]
-            )
+            frames = [pack_metadata_reply_header(_STREAM_END, call.call_id, block), b""]
         else:
-            self._send(call.key, encode_control(_STREAM_END, None, call.call_id))
+            frames = encode_control(_STREAM_END, None, call.call_id)
+        self._send(call.key, frames)
         return True
 
     def error_reply(
@@ -1123,12 +886,8 @@ class ServerProtocol(Machine[Hashable, Event]):
         path: tuple[str | int, ...] = (),
     ) -> bool:
         """Queue the ERROR that ends ``call``; False when it must get no reply."""
-        if not self.may_reply(call):
+        if not self._final(call):
             return False
-        if call.keep is not None:
-            self._replied(call)
-        if call.request is not None:  # the client takes its item regions back
-            call.request.end_leases()
         call.session.errors += 1
         self.errors_total += 1
         call.outcome = code.name
@@ -1163,9 +922,8 @@ class ServerProtocol(Machine[Hashable, Event]):
             self._arg_leases[call] = leases
 
     def items_resolved(self, call: ServerCall, leases: Sequence[int]) -> None:
-        """A request item of ``call`` resolved handles under these leases: its tensors
-        may sit on the client's regions until the call's final reply (`_streams` rule 6:
-        the shell detaches ``call.request.keep`` before it)."""
+        """A request item of ``call`` resolved handles under these leases: its tensors may
+        sit on the client's regions until the final reply (`_streams` rule 6)."""
         stream = call.request
         assert stream is not None
         stream.resolved((call.session, call.call_id, "items"), leases)
@@ -1173,15 +931,10 @@ class ServerProtocol(Machine[Hashable, Event]):
     def args_done(
         self, call: ServerCall, unread: Sequence[int] = (), unread_items: Sequence[int] = ()
     ) -> None:
-        """A worker is done with a call that may still hold argument leases (one that
-        resolved handles, or was cancelled); the shell detached what used the regions.
-
-        A call the client gave up on that ends without a reply owes it a RELEASE of its
-        argument and request item leases (queued here), since the client keeps them until
-        then; ``unread`` are the lease ids of arguments never decoded, ``unread_items``
-        those of request items the handler never took. A call whose session ended owes
-        nothing: the client frees them when it loses the session.
-        """
+        """A worker is done with a call that may hold argument leases (the shell detached
+        what used the regions). One the client gave up on and that ends without a reply
+        owes it a RELEASE of them (``unread``: those of arguments never decoded,
+        ``unread_items``: of items never taken); one whose session ended owes nothing."""
         call.keep = None
         item_leases = call.request.end_leases() if call.request is not None else []
         leases = self._arg_leases.pop(call, ())
@@ -1228,11 +981,250 @@ class ServerProtocol(Machine[Hashable, Event]):
         return calls.busy + len(self.queue) + calls.parked + calls.batched
 
 
+def _admit(
+    p: ServerProtocol,
+    session: Session,
+    header: Header,
+    payload: Buffer,
+    buffers: Sequence[Buffer],
+    now: float,
+) -> None:
+    """The admission table (`ADMISSION`) for a CALL of a live session."""
+    call_id: int = header.call_id
+    calls = session.calls
+    original = calls.get(call_id)
+    if original is not None:  # rule 6
+        p._cancel(original)
+        message = f"call id {call_id} is already in flight: both calls are cancelled"
+        p._refuse(session, call_id, ErrorCode.PROTOCOL, message)
+        return
+    early = session.early
+    if early is not None and early and early.take(call_id):
+        return  # its CANCEL came first (rule 4 of the bulk connection)
+    if header.method == HEALTH_METHOD:
+        _answer_health(p, session, header, payload, buffers)
+        return
+    if p.draining:
+        message = f"engine {p._hello.engine_id!r} is shutting down"
+        p._refuse(session, call_id, ErrorCode.DRAINING, message)
+        return
+    verdict = p.calls.admit(session, header, payload, buffers, now)
+    if verdict is None:
+        p._events.append(BuiltinCall(session, call_id, header.method))
+        return
+    if isinstance(verdict, tuple):
+        p._refuse(session, call_id, *verdict)
+        return
+    calls[call_id] = verdict
+    session.calls_total += 1
+    p.calls_total += 1
+    if verdict.deadline < p.wake_at:  # the timer that refuses it if it waits too long
+        p.wake_at = verdict.deadline
+    p._events.append(verdict)
+
+
+def _answer_health(
+    p: ServerProtocol, session: Session, header: Header, payload: Buffer, buffers: Sequence[Buffer]
+) -> None:
+    """Answer the built-in health method here, without a worker (also while draining)."""
+    call_id: int = header.call_id
+    if int(header.flags) & int(Flags.STREAM) or buffers:
+        message = f"{HEALTH_METHOD} is a unary call without tensors"
+        p._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, message)
+        return
+    try:
+        service = parse_request(payload)
+    except ValueError as exc:
+        p._refuse(session, call_id, ErrorCode.INVALID_ARGUMENT, str(exc))
+        return
+    answer = encode_answer(service, p.health(service))
+    p._send(session.key, [pack_reply_header(_RESULT, call_id), answer])
+
+
+# -- the handlers `TRANSITIONS` dispatches to: (machine, key, session, header, payload, now)
+
+
+def _on_stranger(
+    p: ServerProtocol,
+    key: Hashable,
+    session: Session | None,
+    header: Header,
+    payload: Buffer,
+    now: float,
+) -> None:
+    """A PING or WELCOME from a peer without an entry: HELLO with a new epoch."""
+    if p.draining:
+        p.dropped += 1
+        return
+    p._send_hello(p._stranger(key, now), now)
+
+
+def _no_session_call(
+    p: ServerProtocol,
+    key: Hashable,
+    session: Session | None,
+    header: Header,
+    payload: Buffer,
+    now: float,
+) -> None:
+    """A CALL without a session: ERROR(id, PROTOCOL) (rule 5)."""
+    p.dropped += 1
+    if session is not None:
+        session.errors += 1
+    message = "no session: the handshake (PING, HELLO, WELCOME) is not complete"
+    p._error(key, header.call_id, ErrorCode.PROTOCOL, message)
+
+
+def _on_ping(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    """PING: PONG echoing its nonce; the hello request (nonce 0) also gets the HELLO."""
+    p._send(key, encode_control(_PONG, None, header.call_id))
+    if header.call_id == 0:
+        p._send_hello(session, now)  # rule 3
+
+
+def _on_greeting_ping(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    """PING before WELCOME: the HELLO again (rate-limited, rule 3)."""
+    p._send_hello(session, now)
+
+
+def _on_pong(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    """PONG: the life it shows is all it says."""
+
+
+def _on_cancel(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    call = session.calls.get(header.call_id)
+    if call is not None:
+        p._cancel(call)
+    elif session.early is not None:  # its CALL may still be on the bulk connection
+        session.early.cancelled(header.call_id)
+
+
+def _on_credit(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    try:
+        body = decode_control(header, payload)
+    except RemoteProtocolError as exc:  # CREDIT n=0 among them: malformed (rule 5)
+        p._malformed(key, session, header.call_id, exc)
+        return
+    assert isinstance(body, Credit)
+    call = session.calls.get(header.call_id)
+    if call is None or call.cancelled:
+        return  # the stream already ended
+    call.credits += body.n
+    if call.parked:
+        p._events.append(Wake(call))
+
+
+def _on_release(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    try:
+        body = decode_control(header, payload)
+    except RemoteProtocolError:
+        p.dropped += 1
+        return
+    assert isinstance(body, Release)
+    p._events.append(Released(session, body.leases))
+
+
+def _on_bye(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    p._end(session, "said BYE", now, SessionState.PARTED)
+
+
+def _on_parted(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    """The parted client speaks again: a new session, HELLO (new epoch); a CALL also
+    gets its ERROR (rule 5)."""
+    if header.kind is _CALL:
+        _no_session_call(p, key, session, header, payload, now)
+    if p.draining:
+        return
+    p._greet(session, now)
+    p._send_hello(session, now)
+
+
+def _on_welcome(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    try:
+        welcome = decode_control(header, payload)
+    except RemoteProtocolError as exc:
+        p.dropped += 1
+        p._refuse_session(session, RejectReason.PROTOCOL, f"malformed WELCOME: {exc}", now)
+        return
+    assert isinstance(welcome, Welcome)
+    ours = p._hello.fingerprint
+    if welcome.fingerprint and welcome.fingerprint != ours:
+        p._refuse_session(
+            session,
+            RejectReason.FINGERPRINT,
+            f"client has a different schema (fingerprint {welcome.fingerprint[:12]}, "
+            f"engine's {ours[:12]})",
+            now,
+        )
+        return
+    if session.state is SessionState.LIVE:
+        if welcome.epoch == session.client_epoch:
+            return  # a repeated WELCOME of this session
+        # The client started a new session (it lost the old one): the old calls go,
+        # without replies; our epoch stays, since the client welcomed it.
+        calls, session.calls = session.calls, {}
+        for call in calls.values():
+            p._cancel(call)
+        shm, session.shm = session.shm, None
+        p._events.append(SessionEnded(session, "started a new session", shm=shm))
+    p._start(session, welcome, now, payload)
+
+
+def _on_reject(
+    p: ServerProtocol, key: Hashable, session: Session, header: Header, payload: Buffer, now: float
+) -> None:
+    try:
+        body = decode_control(header, payload)
+    except RemoteProtocolError as exc:
+        body = Reject(RejectReason.OTHER, f"malformed REJECT: {exc}")
+    assert isinstance(body, Reject)
+    why = f"refused engine {p._hello.engine_id!r}: {body.reason}: {body.message}"
+    if body.reason == RejectReason.DUPLICATE_ID and not p._listen:
+        _duplicate(p, session, why, now)
+        return
+    session.reject = body
+    p._end(session, why, now, SessionState.REJECTED, warn=True)
+    p._check_all_rejected()
+
+
+def _duplicate(p: ServerProtocol, session: Session, why: str, now: float) -> None:
+    """Dial-in: another engine holds our id at this client (first come, without
+    CURVE keys bound to ids). Not final: HELLO again after a growing delay (up to
+    ``dead_after``), so we take the id once its holder is gone."""
+    backoff = session.duplicate_backoff
+    if backoff is None:
+        heartbeat = p._heartbeat
+        backoff = Backoff(heartbeat, max(heartbeat, p._dead_after))
+    delay = backoff.failed()
+    p._end(session, f"{why}; HELLO again in {delay:g} s", now, SessionState.REJECTED, warn=True)
+    p._greet(session, now)
+    session.duplicate_backoff = backoff
+    session.next_hello = now + delay
+    p.wake_at = min(p.wake_at, session.next_hello)
+
+
 _S = SessionState
 _T = Transition
 _K = MessageKind
 _Handler = Callable[[ServerProtocol, Hashable, Any, Header, Any, float], None]
-_P = ServerProtocol
 
 #: The engine's transition table towards one client: what ``receive`` and ``tick`` do,
 #: by state and input. ``kinds`` are the message kinds a row dispatches on (empty: a
@@ -1306,23 +1298,22 @@ TRANSITIONS: Final[tuple[Transition[SessionState], ...]] = (
 
 #: The handler of each (state, kind) ``receive`` acts on; any other pair is dropped.
 _DISPATCH: Final[dict[tuple[SessionState, MessageKind], _Handler]] = {
-    (_S.NONE, _K.PING): _P._on_stranger,
-    (_S.NONE, _K.WELCOME): _P._on_stranger,
-    (_S.NONE, _K.CALL): _P._no_session_call,
-    (_S.GREETING, _K.PING): _P._on_greeting_ping,
-    (_S.GREETING, _K.WELCOME): _P._on_welcome,
-    (_S.GREETING, _K.CALL): _P._no_session_call,
-    (_S.GREETING, _K.REJECT): _P._on_reject,
-    (_S.GREETING, _K.BYE): _P._on_bye,
-    (_S.LIVE, _K.PING): _P._on_ping,
-    (_S.LIVE, _K.PONG): _P._on_pong,
-    (_S.LIVE, _K.CALL): _P._on_call,
-    (_S.LIVE, _K.CANCEL): _P._on_cancel,
-    (_S.LIVE, _K.CREDIT): _P._on_credit,
+    (_S.NONE, _K.PING): _on_stranger,
+    (_S.NONE, _K.WELCOME): _on_stranger,
+    (_S.NONE, _K.CALL): _no_session_call,
+    (_S.GREETING, _K.PING): _on_greeting_ping,
+    (_S.GREETING, _K.WELCOME): _on_welcome,
+    (_S.GREETING, _K.CALL): _no_session_call,
+    (_S.GREETING, _K.REJECT): _on_reject,
+    (_S.GREETING, _K.BYE): _on_bye,
+    (_S.LIVE, _K.PING): _on_ping,
+    (_S.LIVE, _K.PONG): _on_pong,
+    (_S.LIVE, _K.CANCEL): _on_cancel,
+    (_S.LIVE, _K.CREDIT): _on_credit,
     (_S.LIVE, _K.STREAM_END): _streams.on_half_close,
-    (_S.LIVE, _K.RELEASE): _P._on_release,
-    (_S.LIVE, _K.WELCOME): _P._on_welcome,
-    (_S.LIVE, _K.BYE): _P._on_bye,
-    (_S.LIVE, _K.REJECT): _P._on_reject,
-    **{(_S.PARTED, kind): _P._on_parted for kind in MessageKind},
+    (_S.LIVE, _K.RELEASE): _on_release,
+    (_S.LIVE, _K.WELCOME): _on_welcome,
+    (_S.LIVE, _K.BYE): _on_bye,
+    (_S.LIVE, _K.REJECT): _on_reject,
+    **{(_S.PARTED, kind): _on_parted for kind in MessageKind},
 }

@@ -88,12 +88,19 @@ class MethodStatistics:
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         if outcome != "ok" and outcome != "cancelled":
             self.errors += 1
+        # `LatencyHistogram.add`, inline: this runs for every call an engine answers.
+        latency = now - received
+        wait = started - received if started else latency
+        histogram = self.queue_wait
+        histogram.counts[bisect_left(_BOUNDS, wait)] += 1
+        histogram.total += wait
         if started:
-            self.queue_wait.add(started - received)
-            self.run_time.add(now - started)
-        else:
-            self.queue_wait.add(now - received)
-        self.latency.add(now - received)
+            histogram = self.run_time
+            histogram.counts[bisect_left(_BOUNDS, now - started)] += 1
+            histogram.total += now - started
+        histogram = self.latency
+        histogram.counts[bisect_left(_BOUNDS, latency)] += 1
+        histogram.total += latency
 
     def snapshot(self) -> dict[str, Any]:
         """``calls`` accepted, ``errors`` (ERROR replies), ``items`` (stream items sent),

@@ -1,14 +1,10 @@
-"""The I/O of request streams (client streaming and bidirectional calls).
+"""The client's request streams (client streaming and bidirectional calls), the I/O.
 
-The rules live in `tensorrpc._streams` (sans-I/O); this module is the thin shell
-around them on both sides:
-
-* the client's *sender* (`send_request`): a task per request stream that takes the
-  caller's items as the engine's credit allows, checks and encodes each one, sends it
-  and half-closes once the caller's iterable is exhausted. It stops when the call ends
-  (the call's end cancels its scope), so a slow engine stalls only this stream;
-* the engine's `RequestItems`: the async iterator a handler reads, decoding and
-  validating each item as the handler takes it (credit goes back as it does).
+`send_request` is a task per request stream: it takes the caller's items as the engine's
+credit allows (the rules are `tensorrpc._streams`'), checks, encodes and sends each one,
+and half-closes once the caller's iterable is exhausted. It stops when the call ends (the
+call's end cancels its scope), so a slow engine stalls only this stream. The engine's side
+is `tensorrpc._dispatch.RequestItems`.
 """
 
 from __future__ import annotations
@@ -25,28 +21,20 @@ import anyio.to_thread
 from tensorrpc import _codec, _release, _streams
 from tensorrpc._compression import OFF_LOOP_BYTES, ZSTD
 from tensorrpc._exceptions import (
-    DecodeError,
-    ErrorCode,
     PeerUnreachableError,
-    TensorRPCError,
     TensorTransportError,
-    ValidationError,
-    path_parts,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
     from tensorrpc._calls import Call
     from tensorrpc._client_io import ClientIO
     from tensorrpc._compression import Compression
-    from tensorrpc._server_calls import ServerCall
-    from tensorrpc._server_protocol import ServerProtocol
     from tensorrpc._service import MethodSpec
-    from tensorrpc.transports._links import LazyResolver
     from tensorrpc.transports._policy import PolicyPlacer
 
-__all__ = ["RequestItems", "RequestSource", "request_source", "send_request"]
+__all__ = ["RequestSource", "fill_off_loop", "request_source", "send_request"]
 
 logger = logging.getLogger("tensorrpc")
 
@@ -260,91 +248,3 @@ async def _send(io: ClientIO, call: Call, frames: list[Any], encoded: _codec.Enc
         return
     if track:
         io.tracked.add(tracker, encoded.keepalive, _release.nbytes(encoded.buffers))
-
-
-# -- the engine's request items ------------------------------------------------------------
-
-
-class RequestItems:
-    """What a request-streaming handler iterates: the call's items, validated one by one.
-
-    An item that fails to decode or validate ends the iteration with its error; the call
-    is then answered with it (``DECODE``, or ``INVALID_ARGUMENT`` with its path), whatever
-    the handler does with the exception.
-    """
-
-    __slots__ = ("_call", "_codec", "_flush", "_proto", "_resolver")
-
-    def __init__(
-        self,
-        proto: ServerProtocol,
-        call: ServerCall,
-        codec: _codec.CodecConfig,
-        flush: Callable[[], None],
-        resolver: Callable[[ServerCall, object], LazyResolver | None] | None = None,
-    ) -> None:
-        self._proto = proto
-        self._call = call
-        self._codec = codec
-        self._flush = flush
-        self._resolver = resolver
-
-    def __aiter__(self) -> RequestItems:
-        return self
-
-    async def _decode(
-        self, call: ServerCall, payload: Any, buffers: Any, lazy: LazyResolver | None
-    ) -> Any:
-        """An item's wire value; one with large frames to decompress is decoded on a
-        worker thread, as a CALL's arguments are (a client that may send torch_shm
-        handles never compresses; elsewhere a handle is then refused)."""
-        shm = call.session.shm
-        if (shm is None or not shm.we_receive) and _codec.compressed_bytes(
-            payload, buffers
-        ) >= OFF_LOOP_BYTES:
-            decode = functools.partial(_codec.decode, payload, buffers, self._codec)
-            return await anyio.to_thread.run_sync(decode)
-        return _codec.decode(payload, buffers, self._codec, resolver=lazy)
-
-    async def __anext__(self) -> Any:
-        call = self._call
-        stream = call.request
-        assert stream is not None
-        while True:
-            # After the final reply the client has its item regions back: nothing more.
-            if stream.refused is not None or call.answered or call.cancelled:
-                raise StopAsyncIteration
-            item = _streams.take_item(self._proto, call)
-            if item is not None:
-                break
-            if stream.half_closed:
-                raise StopAsyncIteration
-            event = stream.waiter = anyio.Event()
-            try:
-                await event.wait()
-            finally:
-                stream.waiter = None
-        if self._proto.pending:
-            self._flush()  # the CREDIT it earned
-        payload, buffers = item
-        index = stream.taken - 1
-        decode_item = call.spec.decode_item
-        assert decode_item is not None
-        lazy = self._resolver(call, payload) if self._resolver is not None else None
-        try:
-            try:
-                wire = await self._decode(call, payload, buffers, lazy)
-            finally:
-                if lazy is not None and lazy.inner is not None:
-                    # Its tensors may sit on the client's regions until the final reply.
-                    self._proto.items_resolved(call, lazy.inner.leases)
-            return decode_item(wire, index)
-        except ValidationError as exc:
-            stream.refused = (ErrorCode.INVALID_ARGUMENT, str(exc), path_parts(exc.path))
-            raise
-        except DecodeError as exc:
-            stream.refused = (ErrorCode.DECODE, f"request item {index}: {exc}", ())
-            raise
-        except TensorRPCError as exc:
-            stream.refused = (ErrorCode.TENSOR_TRANSPORT, f"request item {index}: {exc}", ())
-            raise

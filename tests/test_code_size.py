@@ -23,9 +23,6 @@ FUNCTION_LIMIT = 60
 
 #: ``path::qualified.name`` -> the open work that brings it within the limits.
 KNOWN_OVERSIZE: dict[str, str] = {
-    "_dispatch.py::Dispatcher": "issue 23: the engine shell",
-    "_server_calls.py::ServerCall.__init__": "issue 23: the engine's calls",
-    "_server_protocol.py::ServerProtocol": "issue 23: the engine machine",
     "transports/torch_shm.py::TorchShmTransport": "issue 23: the torch_shm transport",
 }
 

@@ -8,24 +8,23 @@ without a reply is done (after giving surviving argument tensors pages of their 
 
 In one process and without sockets: the client's I/O shell runs over a `ProtocolPair`'s
 client machine (what it sends goes onto the pair's wire), the engine's side is the
-dispatcher of a `ProtocolPair` engine, and the "engine" resolves the client's handles
+workers' code over a `ProtocolPair` engine, and the "engine" resolves the client's handles
 through ``/proc/self/fd`` as the one-copy tests do.
 """
 
 from __future__ import annotations
 
 import os
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, cast
 
 import anyio
 import pytest
 import torch
 
-from tensorrpc import _codec
+from tensorrpc import _codec, _dispatch
 from tensorrpc._client_io import ClientIO
 from tensorrpc._client_protocol import Dropped, LeasesFreed
-from tensorrpc._dispatch import Dispatcher
 from tensorrpc._protocol import (
     Bye,
     MessageKind,
@@ -229,7 +228,7 @@ def test_kept_leases_end_with_the_engine_and_count_against_its_limit():
 
 
 class _Engine:
-    """A dispatcher over a `ProtocolPair` engine whose session has torch_shm."""
+    """The workers' code over a `ProtocolPair` engine whose session has torch_shm."""
 
     def __init__(self, client: _Client) -> None:
         self.client = client
@@ -237,24 +236,17 @@ class _Engine:
         self.end.proto.shm_decided(self.end.session, ShmPeer(os.getpid() + 1, True, True))
         self.sent: list[list[Any]] = []
 
-        def flush() -> None:
-            self.sent += [frames for _key, frames in self.end.proto.frames_to_send()]
-
-        async def send_reply(_call: Any, _keep: Any) -> None:
-            raise AssertionError("no reply expected")
-
-        self.dispatcher = Dispatcher(
-            self.end.proto,
-            engine_id="e1",
-            max_concurrency=1,
-            sync_workers=1,
-            codec=_codec.CodecConfig(),
-            policy=TransportPolicy(torch_shm=False),
-            maxmsgsize=0,
-            grace_period=1.0,
-            flush=flush,
-            send_reply=send_reply,
+        # What the workers read of the engine shell (`tensorrpc._dispatch`).
+        self.shell = SimpleNamespace(
+            _proto=self.end.proto,
+            _policy=TransportPolicy(torch_shm=False),
+            _codec=_codec.CodecConfig(),
+            _flush=self.flush,
+            _now=anyio.current_time,
         )
+
+    def flush(self) -> None:
+        self.sent += [frames for _key, frames in self.end.proto.frames_to_send()]
 
     def take(self, value: torch.Tensor) -> tuple[Any, Any]:
         """The client sends a call carrying ``value`` by region; a worker takes it."""
@@ -283,10 +275,10 @@ class _Engine:
 
 
 def worker_done(engine: _Engine, call: ServerCall) -> None:
-    """A worker is done with ``call`` (on an event loop: the dispatcher reads its clock)."""
+    """A worker is done with ``call`` (on an event loop: the shell reads its clock)."""
 
     async def done() -> None:
-        engine.dispatcher._done(call)
+        _dispatch._done(engine.shell, call)  # type: ignore[arg-type]
 
     anyio.run(done)
 

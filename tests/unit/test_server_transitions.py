@@ -35,8 +35,8 @@ def test_the_page_shows_the_table_the_engine_runs() -> None:
 def test_every_dispatched_pair_has_a_row_and_every_message_row_a_handler() -> None:
     rows = {(t.state, kind) for t in TRANSITIONS for kind in t.kinds}
     dispatched = {pair for pair in _DISPATCH if pair[0] is not S.PARTED}
-    # A live request STREAM_ITEM (it has buffers) is dispatched in `receive` itself.
-    assert rows == dispatched | {(S.LIVE, K.STREAM_ITEM)}
+    # A live CALL and request STREAM_ITEM (the hot path) are handled in `receive` itself.
+    assert rows == dispatched | {(S.LIVE, K.STREAM_ITEM), (S.LIVE, K.CALL)}
     # PARTED answers every kind alike (its row is about any message)
     assert {kind for state, kind in _DISPATCH if state is S.PARTED} == set(MessageKind)
 
