@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Hashable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +205,13 @@ async def test_the_session_process_with_the_token_attaches(
 
 
 def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+    """The process's descriptors with what each is open on, less the one the listing
+    itself used (gone by the time it is read; its number would hide another's)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with suppress(FileNotFoundError):
+            fds.add(f"{fd} {os.readlink(f'/proc/self/fd/{fd}')}")
+    return fds
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -228,7 +234,10 @@ async def test_nothing_is_left_open_after_close(tmp_path: Path, topology: str) -
     for links in (client._io.bulk, server._bulk):
         assert links.router is None
         assert not links._dialed
-    await until(lambda: not open_fds() - before)
+    try:
+        await until(lambda: not open_fds() - before)
+    except TimeoutError:
+        raise AssertionError(f"left open: {sorted(open_fds() - before)}") from None
     assert not list(tmp_path.glob("*.bulk"))  # noqa: ASYNC240 - a tiny directory
 
 
