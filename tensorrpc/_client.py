@@ -21,8 +21,8 @@ import anyio
 import anyio.lowlevel
 
 from tensorrpc import _client_calls as _calls, _codec, _compression, _observe
+from tensorrpc._client_events import ClientConfig, Heartbeat
 from tensorrpc._client_io import ClientIO
-from tensorrpc._client_protocol import ClientConfig, Heartbeat
 from tensorrpc._engines import EngineInfo, unavailable_message
 from tensorrpc._exceptions import (
     ClosedError,

@@ -29,11 +29,9 @@ from tensorrpc import _codec
 from tensorrpc._bulk import Voucher
 from tensorrpc._bulk_io import BulkLinks
 from tensorrpc._calls import Call, CallState
-from tensorrpc._client_leases import take_item_leases, take_lease
-from tensorrpc._client_protocol import (
+from tensorrpc._client_events import (
     CheckReachable,
     ClientConfig,
-    ClientProtocol,
     Dropped,
     EngineJoined,
     EngineLost,
@@ -43,6 +41,8 @@ from tensorrpc._client_protocol import (
     LeasesFreed,
     Pong,
 )
+from tensorrpc._client_leases import take_item_leases, take_lease
+from tensorrpc._client_protocol import ClientProtocol
 from tensorrpc._engines import MAX_REJECTED_KEY
 from tensorrpc._exceptions import ClosedError, PeerUnreachableError, TensorRPCError
 from tensorrpc._logonce import Said

@@ -49,20 +49,13 @@ from tensorrpc import _client_sessions as _sessions, _streams
 from tensorrpc._bulk import TOKEN_BYTES
 from tensorrpc._calls import Call, CallState, CallTable
 from tensorrpc._client_events import (
-    CheckReachable,
     ClientConfig,
     Dropped,
-    EngineJoined,
-    EngineLost,
-    EngineRefused,
     Event,
     FactsNeeded,
-    Heartbeat,
     Ignored,
-    LeasesFreed,
     Peer,
     PeerState,
-    Pong,
 )
 from tensorrpc._client_leases import LeaseTable
 from tensorrpc._client_sessions import HEARTBEAT_NONCE, HELLO_REQUEST
@@ -105,20 +98,7 @@ __all__ = [
     "HELLO_REQUEST",
     "MAX_RELEASE_LEASES",
     "TRANSITIONS",
-    "CheckReachable",
-    "ClientConfig",
     "ClientProtocol",
-    "Dropped",
-    "EngineJoined",
-    "EngineLost",
-    "EngineRefused",
-    "Event",
-    "FactsNeeded",
-    "Heartbeat",
-    "Ignored",
-    "LeasesFreed",
-    "PeerState",
-    "Pong",
     "reply_error",
 ]
 

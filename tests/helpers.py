@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorrpc import Client, Server
-from tensorrpc._client_protocol import CheckReachable
+from tensorrpc._client_events import CheckReachable
 from tensorrpc._protocol import decode_control, split_frames
 
 from .unit.server_helpers import Tiny

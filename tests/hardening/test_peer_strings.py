@@ -17,8 +17,8 @@ import ormsgpack
 import pytest
 
 from tensorrpc import RemoteError
+from tensorrpc._client_events import EngineRefused
 from tensorrpc._client_io import RefusalLog
-from tensorrpc._client_protocol import EngineRefused
 from tensorrpc._engines import EngineTable
 from tensorrpc._exceptions import (
     ErrorCode,

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tensorrpc import _codec, _dispatch
+from tensorrpc._client_events import Dropped, LeasesFreed
 from tensorrpc._client_io import ClientIO
-from tensorrpc._client_protocol import Dropped, LeasesFreed
 from tensorrpc._protocol import (
     Bye,
     MessageKind,

@@ -8,7 +8,7 @@ The facts are data: a `KernelPeer` here carries numbers the kernel would have gi
 
 from __future__ import annotations
 
-from tensorrpc._client_protocol import EngineJoined, FactsNeeded
+from tensorrpc._client_events import EngineJoined, FactsNeeded
 from tensorrpc._protocol import MessageKind
 from tensorrpc.transports._peer import UNSEALED_OFFER, KernelPeer, PeerFacts, shm_terms
 from tensorrpc.transports.torch_shm import TRANSPORT_NAME

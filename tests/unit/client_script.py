@@ -7,7 +7,8 @@ from typing import Any
 
 from tensorrpc import _codec
 from tensorrpc._calls import Call
-from tensorrpc._client_protocol import ClientConfig, ClientProtocol, Heartbeat
+from tensorrpc._client_events import ClientConfig, Heartbeat
+from tensorrpc._client_protocol import ClientProtocol
 from tensorrpc._engines import Engine
 from tensorrpc._protocol import (
     PROTOCOL_VERSION,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tensorrpc._calls import CallState
-from tensorrpc._client_protocol import EngineLost, Ignored
+from tensorrpc._client_events import EngineLost, Ignored
 from tensorrpc._engines import Engine
 from tensorrpc._exceptions import EngineDeadError
 from tensorrpc._protocol import MessageKind

@@ -10,7 +10,7 @@ import pytest
 
 from tensorrpc import _codec
 from tensorrpc._client_calls import _check_sizes
-from tensorrpc._client_protocol import EngineJoined
+from tensorrpc._client_events import EngineJoined
 from tensorrpc._exceptions import EncodeError
 
 from .client_script import ADD, feed, hello, make_protocol

@@ -5,12 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tensorrpc._calls import Call, CallState
-from tensorrpc._client_events import DIAL_RETRY_MIN_S
-from tensorrpc._client_leases import take_lease
-from tensorrpc._client_protocol import (
-    HELLO_REQUEST,
+from tensorrpc._client_events import (
+    DIAL_RETRY_MIN_S,
     CheckReachable,
-    ClientProtocol,
     Dropped,
     EngineJoined,
     EngineLost,
@@ -18,6 +15,8 @@ from tensorrpc._client_protocol import (
     Ignored,
     LeasesFreed,
 )
+from tensorrpc._client_leases import take_lease
+from tensorrpc._client_protocol import HELLO_REQUEST, ClientProtocol
 from tensorrpc._engines import MAX_PAST, MAX_REJECTED, MAX_REJECTED_KEY, MAX_REJECTED_TEXT, Engine
 from tensorrpc._exceptions import ClosedError, EngineDeadError, RemoteProtocolError
 from tensorrpc._machine import MAX_RELEASE_LEASES

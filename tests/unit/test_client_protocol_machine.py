@@ -7,7 +7,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tensorrpc._calls import Call, CallState
-from tensorrpc._client_protocol import EngineLost
+from tensorrpc._client_events import EngineLost
 from tensorrpc._exceptions import EngineDeadError
 from tensorrpc._protocol import MessageKind
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
+from tensorrpc._client_events import EngineRefused
 from tensorrpc._client_io import RefusalLog as _RefusalLog
-from tensorrpc._client_protocol import EngineRefused
 
 
 def refused(i: int) -> EngineRefused:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tensorrpc._client_protocol import HELLO_REQUEST, EngineJoined, EngineLost
+from tensorrpc._client_events import EngineJoined, EngineLost
+from tensorrpc._client_protocol import HELLO_REQUEST
 from tensorrpc._exceptions import EngineDeadError, EngineNotFoundError
 from tensorrpc._protocol import MessageKind
 

@@ -12,7 +12,8 @@ import ormsgpack
 import pytest
 
 from tensorrpc import _streams
-from tensorrpc._client_protocol import _DISPATCH, _REPLIES, TRANSITIONS, CheckReachable, PeerState
+from tensorrpc._client_events import CheckReachable, PeerState
+from tensorrpc._client_protocol import _DISPATCH, _REPLIES, TRANSITIONS
 from tensorrpc._machine import Transition, render_transitions
 from tensorrpc._protocol import Credit, MessageKind, Release, pack_reply_header
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tensorrpc._calls import CallState
-from tensorrpc._client_protocol import EngineJoined, EngineLost, EngineRefused, Heartbeat, Pong
+from tensorrpc._client_events import EngineJoined, EngineLost, EngineRefused, Heartbeat, Pong
 from tensorrpc._exceptions import (
     CallTimeoutError,
     DrainingError,

@@ -20,7 +20,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tensorrpc._calls import Call, CallState
-from tensorrpc._client_protocol import EngineLost
+from tensorrpc._client_events import EngineLost
 from tensorrpc._exceptions import EngineDeadError, ErrorCode
 from tensorrpc._protocol import MessageKind, encode_control
 from tensorrpc._server_protocol import ServerCall

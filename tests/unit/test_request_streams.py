@@ -11,8 +11,9 @@ import pytest
 
 from tensorrpc import _streams
 from tensorrpc._calls import Call, CallState
+from tensorrpc._client_events import LeasesFreed
 from tensorrpc._client_leases import take_item_leases
-from tensorrpc._client_protocol import ClientProtocol, LeasesFreed
+from tensorrpc._client_protocol import ClientProtocol
 from tensorrpc._exceptions import ErrorCode, LocalProtocolError, RemoteProtocolError
 from tensorrpc._protocol import (
     Bye,
