@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,6 +20,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def in_child(check: Callable[[], bool]) -> None:
+    """Run ``check`` in a forked child; it must answer True and the child exit 0."""
+    rfd, wfd = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(rfd)
+            os.write(wfd, b"ok" if check() else b"no")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as r:
+        answer = r.read()
+    _, status = os.waitpid(child, 0)
+    assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)
+
+
 def test_a_forked_child_sends_nothing_of_its_parent() -> None:
     """The transport knows its pid without a system call per tensor (``_shm_pool.pid``,
     refreshed at fork): a child neither sends its parent's shared blocks by alias nor
@@ -26,30 +46,19 @@ def test_a_forked_child_sends_nothing_of_its_parent() -> None:
     parent_block = share(torch.arange(1024, dtype=torch.float32))
     with TorchShmTransport() as shm:
         shm.placer("warm-up")  # the parent has used it
-        rfd, wfd = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                os.close(rfd)
-                placed = shm.placer("x").place(parent_block)
-                h = None if placed is None else _unpack(placed[1])
-                ok = (
-                    current_pid() == os.getpid()
-                    and lookup(parent_block.untyped_storage()) is None
-                    and h is not None
-                    and h.pid == os.getpid()
-                    and h.kind == HandleKind.POOL
-                )
-                os.write(wfd, b"ok" if ok else b"no")
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(wfd)
-        with os.fdopen(rfd, "rb") as r:
-            answer = r.read()
-        _, status = os.waitpid(child, 0)
-    assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)
+
+        def check() -> bool:
+            placed = shm.placer("x").place(parent_block)
+            h = None if placed is None else _unpack(placed[1])
+            return (
+                current_pid() == os.getpid()
+                and lookup(parent_block.untyped_storage()) is None
+                and h is not None
+                and h.pid == os.getpid()
+                and h.kind == HandleKind.POOL
+            )
+
+        in_child(check)
     assert current_pid() == os.getpid()
     assert lookup(parent_block.untyped_storage()) is not None
 
@@ -67,25 +76,16 @@ def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
     try:
         copier.copy(dst_at, src_at, nbytes)  # the parent's helper starts
         parents = list(copier._helpers)
-        rfd, wfd = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child
-            code = 1
-            try:
-                os.close(rfd)
-                ctypes.memset(dst_at, 0, nbytes)
-                copier.copy(dst_at, src_at, nbytes)
-                ours = copier._helpers
-                ok = dst == src and len(ours) == 1 and ours[0] is not parents[0]
-                os.write(wfd, b"ok" if ok and ours[0].is_alive() else b"no")
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(wfd)
-        with os.fdopen(rfd, "rb") as r:
-            answer = r.read()
-        _, status = os.waitpid(child, 0)
+
+        def check() -> bool:
+            ctypes.memset(dst_at, 0, nbytes)
+            copier.copy(dst_at, src_at, nbytes)
+            ours = copier._helpers
+            return (
+                dst == src and len(ours) == 1 and ours[0] is not parents[0] and ours[0].is_alive()
+            )
+
+        in_child(check)
     finally:
         copier.close()
     assert dst == src
-    assert (answer, os.waitstatus_to_exitcode(status)) == (b"ok", 0)
