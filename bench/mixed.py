@@ -29,8 +29,8 @@ nothing else in flight (the case of issue 26: what freeing the large call's buff
 the next call). Every loop is bounded by a count and a time budget.
 
 Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]
-[--huge-pages]``. ``--huge-pages`` runs the client (this process, started again) and the
-engines with their large buffers on transparent huge pages (``GLIBC_TUNABLES=
+[--size MIB] [--huge-pages]``. ``--huge-pages`` runs the client (this process, started
+again) and the engines with their large buffers on transparent huge pages (``GLIBC_TUNABLES=
 glibc.malloc.hugetlb=1 THP_MEM_ALLOC_ENABLE=1``, what ``tensorrpc.testing`` gives the
 engines it starts; docs/transports.md, "Huge pages").
 """
@@ -76,11 +76,15 @@ class Config:
     slices: int = 3  # per size: alternating slices alone and under load, each
 
 
-def config(quick: bool, seconds: float | None = None) -> Config:
-    """The full or the reduced (``--quick``) budgets."""
+def config(
+    quick: bool, seconds: float | None = None, sizes: tuple[int, ...] | None = None
+) -> Config:
+    """The full or the reduced (``--quick``) budgets (``sizes``: only these, in bytes)."""
     if quick:
-        return Config(QUICK_SIZES, seconds or 0.4, 500.0, 1_000, 50, 12, 120.0, 60.0, 2)
-    return Config(SIZES, seconds or 2.0, 500.0, 5_000, 400, 60, 240.0, 60.0)
+        cfg = Config(QUICK_SIZES, seconds or 0.4, 500.0, 1_000, 50, 12, 120.0, 60.0, 2)
+    else:
+        cfg = Config(SIZES, seconds or 2.0, 500.0, 5_000, 400, 60, 240.0, 60.0)
+    return cfg if not sizes else dataclasses.replace(cfg, sizes=sizes)
 
 
 def _percentile(sorted_s: list[float], q: float) -> float:
@@ -426,9 +430,10 @@ def run(
     progress: Progress,
     systems: list[str] | None = None,
     seconds: float | None = None,
+    sizes: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Measure every system (or those named in ``systems``); failures become entries."""
-    cfg = config(quick, seconds)
+    cfg = config(quick, seconds, sizes)
     results: dict[str, Any] = {
         "sizes": list(cfg.sizes),
         "seconds": cfg.seconds,
@@ -522,6 +527,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seconds", type=float, default=None, help="per case (default 2)")
     parser.add_argument("--system", action="append", help="only this system (repeatable)")
+    parser.add_argument(
+        "--size", type=int, action="append", help="only this tensor size in MiB (repeatable)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the raw results here")
     parser.add_argument(
         "--huge-pages", action="store_true", help="large buffers on transparent huge pages"
@@ -540,6 +548,7 @@ def main() -> None:
             progress=progress,
             systems=args.system,
             seconds=args.seconds,
+            sizes=tuple(mib << 20 for mib in args.size) if args.size else None,
         )
     results["huge_pages"] = args.huge_pages
     if args.json is not None:

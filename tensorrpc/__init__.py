@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 # that ``import tensorrpc`` (and ``tensorrpc --version``) costs milliseconds, not the
 # seconds of torch's import; type checkers and the API reference read the imports here.
 if TYPE_CHECKING:
+    from tensorrpc._background import set_background_nice
     from tensorrpc._batching import Batching, Continuous
     from tensorrpc._blocking import BlockingCallView, BlockingClient, BlockingStream, BlockingStub
     from tensorrpc._client import (
@@ -97,6 +98,7 @@ __version__ = "0.1.0"
 #: Where each public name is defined: module -> the names, separated by spaces.
 _MODULES: dict[str, str] = {
     "tensorrpc._batching": "Batching Continuous",
+    "tensorrpc._background": "set_background_nice",
     "tensorrpc._blocking": "BlockingCallView BlockingClient BlockingStream BlockingStub",
     "tensorrpc._client": (
         "CallOptions CallStream CallView Client ClientStatistics EngineInfo EngineStatistics"
@@ -241,6 +243,7 @@ __all__ = [
     "save_keypair",
     "serve",
     "service",
+    "set_background_nice",
     "set_release_threshold",
     "share",
     "shared_empty",

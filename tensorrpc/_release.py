@@ -26,6 +26,7 @@ Rules:
 5. The interpreter's exit waits (up to 2 s) for the thread to drop what it was given:
    a daemon thread still freeing a tensor while the interpreter finalizes can abort
    the process in torch's static destructors.
+6. The thread runs below the event loop's priority (`tensorrpc._background`).
 
 Backend-neutral: nothing here knows about asyncio or trio.
 """
@@ -39,6 +40,8 @@ import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Final
+
+from tensorrpc._background import lower_this_thread
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -130,6 +133,7 @@ def held_nbytes(objects: Iterable[object]) -> int:
 
 
 def _run(q: queue.Queue[object]) -> None:
+    lower_this_thread()
     get = q.get
     getrefcount = sys.getrefcount
     monotonic = time.monotonic

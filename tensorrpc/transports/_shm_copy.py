@@ -2,12 +2,17 @@
 
 One ``memmove`` of 64 MiB keeps one core busy for several milliseconds while the others
 idle, and one core does not reach the machine's memory bandwidth. `Copier` cuts a large
-copy into a few pieces that the calling thread and helper threads take in turn (each
-piece is one ``memmove``, without the GIL). The caller copies too and takes whatever no
-helper has taken yet, so a helper the scheduler does not run (a busy host) holds the copy
-up by nothing; one that stalls in the middle of its piece holds it up by that piece at
-most. A copy never takes longer than one thread's copy plus a piece, and on an idle
-machine it runs on up to `Copier.threads` cores at once.
+copy into a few pieces that helper threads (and, at times, the calling thread) take in
+turn (each piece is one ``memmove``, without the GIL). On an idle machine a copy runs on
+up to `Copier.threads` cores at once.
+
+The helpers run below the event loop's priority (`tensorrpc._background`), so that a
+small call's wake-up on a busy host does not wait for a core behind the copy; the caller
+(a worker thread at the normal priority) then leaves the pieces to them and only joins
+in when they copy slower than `SLOWEST` (a host whose threads at the normal priority
+leave them no core). With the lowering off, the caller takes pieces from the start, as
+one of the threads. Either way a helper the scheduler does not run holds the copy up by
+a bounded wait at most, and one that stalls in the middle of its piece by that piece.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import threading
 import weakref
 from typing import Final
 
-__all__ = ["MIN_PIECE", "SPLIT_BYTES", "Copier", "default_threads"]
+from tensorrpc._background import background_nice, lower_this_thread
+
+__all__ = ["MIN_PIECE", "SLOWEST", "SPLIT_BYTES", "Copier", "default_threads"]
 
 #: Copies smaller than this are one ``memmove`` on the calling thread (waking a helper
 #: costs more than it saves).
@@ -30,9 +37,13 @@ MIN_PIECE: Final = 4 << 20
 #: Pieces per thread: enough for the caller to take over a helper's share that has not
 #: started, few enough that the GIL is taken only a handful of times per copy.
 PIECES_PER_THREAD: Final = 2
-#: Most threads one copy uses (caller included): beyond about four, cores share the
+#: Most threads one copy uses: beyond about four, cores share the
 #: memory bandwidth and a copy gets no faster.
 MAX_THREADS: Final = 4
+#: Bytes per second below which lowered helpers are deemed starved: the caller waits for
+#: them ``nbytes / SLOWEST`` seconds at most before it takes the pieces left (1 GiB/s:
+#: a single core copies several times faster).
+SLOWEST: Final = 1 << 30
 
 
 def default_threads() -> int:
@@ -78,23 +89,27 @@ class _Copy:
 
 
 class Copier:
-    """Copies large ranges of memory on the calling thread and up to ``threads - 1``
-    helper threads (see the module docstring). Thread-safe.
+    """Copies large ranges of memory on helper threads and the calling thread (see the
+    module docstring). Thread-safe.
 
-    Helpers start with the first large copy and wait for work on a queue; `close` joins
-    them (a copier dropped without it stops them too), and a forked child starts its own.
+    Helpers start with the first large copy and wait for work on a queue: ``threads``
+    of them, lowered (`tensorrpc._background`), when the lowering is on as they start,
+    else ``threads - 1`` beside the caller. `close` joins them (a copier dropped without
+    it stops them too), and a forked child starts its own.
 
     Args:
-        threads: most threads one copy uses, the caller's included (None:
-            `default_threads`; 1: every copy is one ``memmove`` on the caller's thread).
+        threads: most threads one copy uses (None: `default_threads`; 1: every copy is
+            one ``memmove`` on the caller's thread).
     """
 
     def __init__(self, threads: int | None = None) -> None:
-        #: Most threads one copy uses, the caller's included.
+        #: Most threads one copy uses.
         self.threads = default_threads() if threads is None else max(1, threads)
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Copy | None] = queue.SimpleQueue()
         self._helpers: list[threading.Thread] = []
+        #: Whether the caller leaves the pieces to the helpers (they are lowered).
+        self._yields = False
         self._pid = os.getpid()
         self._closed = False
         self._stop: weakref.finalize[..., Copier] | None = None
@@ -110,6 +125,8 @@ class Copier:
         job = _Copy(dst, src, nbytes, pieces)
         for _ in range(helpers):
             self._queue.put(job)
+        if self._yields:  # lowered helpers: theirs, unless they are starved
+            job.done.wait(nbytes / SLOWEST)
         job.work()
         # Pieces taken by helpers finish in bounded time (a memmove between mapped pages).
         job.done.wait()
@@ -125,7 +142,8 @@ class Copier:
                 self._queue = queue.SimpleQueue()
                 self._stop = None
             if not self._helpers:
-                for _ in range(self.threads - 1):
+                self._yields = background_nice() is not None
+                for _ in range(self.threads if self._yields else self.threads - 1):
                     thread = threading.Thread(
                         target=self._help,
                         args=(self._queue,),
@@ -140,6 +158,7 @@ class Copier:
 
     @staticmethod
     def _help(jobs: queue.SimpleQueue[_Copy | None]) -> None:
+        lower_this_thread()
         while (job := jobs.get()) is not None:
             job.work()  # (a job already done: no piece is left, nothing happens)
 

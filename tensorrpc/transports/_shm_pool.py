@@ -34,6 +34,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
+from tensorrpc._background import lower_this_thread
 from tensorrpc._lazy import LazyModule
 from tensorrpc._release import later_if_large
 
@@ -478,7 +479,8 @@ class Warmer:
     empty) and hands the range here; the thread maps those pages in
     (``MADV_POPULATE_WRITE``, one `WARM_CHUNK` per call) and marks the segment's chunks
     warm, so the next copy into them is a ``memmove`` that faults nothing. The thread
-    lives while there is work and is joined by `close`. Thread-safe.
+    lives while there is work and is joined by `close`, and runs below the event loop's
+    priority (`tensorrpc._background`). Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -500,6 +502,7 @@ class Warmer:
                 self._thread.start()
 
     def _run(self) -> None:
+        lower_this_thread()
         while True:
             with self._lock:
                 if not self._jobs or self._closed:

@@ -1,0 +1,180 @@
+"""tensorrpc's bulk threads run below the event loop's priority (issue 26, tail latency).
+
+The copier's helpers, the pool's warmer and the release thread lower their own nice
+value when they start (`tensorrpc._background`); `set_background_nice(None)` leaves them
+at their creator's. Each test reads the nice value the kernel reports for the thread
+that did the work. Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import tensorrpc
+from tensorrpc import _background, _release
+from tensorrpc.transports import _shm_copy, _shm_pool
+from tensorrpc.transports._shm_copy import SPLIT_BYTES, Copier
+from tensorrpc.transports._shm_pool import WARM_CHUNK, Segment, Warmer
+from tensorrpc.transports.torch_shm import TorchShmTransport
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's"
+)
+
+WAIT = 30.0
+
+
+def _nice() -> int:
+    """The calling thread's nice value, as the kernel has it."""
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.fixture
+def restore() -> Iterator[None]:
+    before = _background.background_nice()
+    yield
+    tensorrpc.set_background_nice(before)
+
+
+def _nice_in_new_thread() -> int:
+    got: list[int] = []
+
+    def run() -> None:
+        _background.lower_this_thread()
+        got.append(_nice())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(WAIT)
+    return got[0]
+
+
+@pytest.mark.usefixtures("restore")
+def test_a_thread_takes_the_nice_value_set_and_none_leaves_it() -> None:
+    assert _background.background_nice() == _background.DEFAULT_NICE == 19
+    start = _nice()
+    tensorrpc.set_background_nice(max(start, 7))
+    assert _nice_in_new_thread() == max(start, 7)
+    assert _nice() == start  # the caller's own thread is never touched
+    tensorrpc.set_background_nice(None)
+    assert _background.lower_this_thread() is None
+    assert _nice_in_new_thread() == start
+
+
+@pytest.mark.usefixtures("restore")
+def test_a_thread_is_never_raised() -> None:
+    def run() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        tensorrpc.set_background_nice(3)
+        got.append(_background.lower_this_thread())
+
+    got: list[int | None] = []
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(WAIT)
+    assert got == [19]
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 1.5, True, "19"])
+def test_values_outside_0_to_19_are_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="nice"):
+        tensorrpc.set_background_nice(bad)
+    assert _background.background_nice() == _background.DEFAULT_NICE
+
+
+@pytest.mark.usefixtures("restore")
+@pytest.mark.parametrize("nice", [None, 19])
+def test_the_copiers_helpers_run_at_the_setting_and_the_caller_leaves_them_the_pieces(
+    monkeypatch: pytest.MonkeyPatch, nice: int | None
+) -> None:
+    tensorrpc.set_background_nice(nice)
+    # (the caller's patience, `nbytes / SLOWEST`: WAIT at most, so a loaded host's late
+    # helpers do not make the caller join in)
+    monkeypatch.setattr(_shm_copy, "SLOWEST", 4 * SPLIT_BYTES / WAIT)
+    copied: dict[int, int] = {}
+    memmove = ctypes.memmove
+
+    def watched(dst: int, src: int, n: int) -> Any:
+        copied[threading.get_native_id()] = _nice()
+        return memmove(dst, src, n)
+
+    monkeypatch.setattr(ctypes, "memmove", watched)
+    src = bytearray(os.urandom(1024)) * (4 * SPLIT_BYTES // 1024)
+    dst = bytearray(len(src))
+    copier = Copier(2)
+    try:
+        s = (ctypes.c_char * len(src)).from_buffer(src)
+        d = (ctypes.c_char * len(dst)).from_buffer(dst)
+        copier.copy(ctypes.addressof(d), ctypes.addressof(s), len(src))
+        helpers = {t.native_id for t in copier._helpers}
+        del s, d
+    finally:
+        copier.close()
+    assert dst == src
+    caller = threading.get_native_id()
+    if nice is None:  # the caller is one of the two threads, at its own priority
+        assert len(helpers) == 1
+        assert copied.get(caller) == _nice()
+        assert all(copied[h] == _nice() for h in helpers if h in copied)
+    else:  # two lowered helpers; the caller only waited
+        assert len(helpers) == 2
+        assert caller not in copied
+        assert copied
+        assert set(copied) <= helpers
+        assert set(copied.values()) == {max(_nice(), nice)}
+
+
+@pytest.mark.skipif(not TorchShmTransport.available(), reason="needs Linux memfd and /proc")
+def test_the_warmer_runs_at_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _shm_pool._libc
+    seen: list[int] = []
+
+    class Recording:
+        def madvise(self, addr: int, n: int, advice: int) -> int:
+            seen.append(_nice())
+            return int(libc.madvise(addr, n, advice))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(libc, name)
+
+    monkeypatch.setattr(_shm_pool, "_libc", Recording())
+    seg = Segment("tensorrpc-test-nice", 2 * WARM_CHUNK)
+    warmer = Warmer()
+    try:
+        warmer.submit(seg, 0, 2 * WARM_CHUNK)
+        assert warmer.idle(WAIT)
+    finally:
+        warmer.close()
+        seg.close()
+    assert seen
+    assert set(seen) == {max(_nice(), _background.DEFAULT_NICE)}
+
+
+class _Box:
+    """A weakly referenceable stand-in for a large buffer."""
+
+
+def test_the_release_thread_runs_at_the_setting() -> None:
+    box = _Box()
+    dropped = threading.Event()
+    seen: list[int] = []
+
+    def record() -> None:
+        seen.append(_nice())
+        dropped.set()
+
+    weakref.finalize(box, record)
+    assert _release.later(box)
+    del box
+    assert dropped.wait(WAIT)
+    # (the thread took the value in force when it started: the default, which the tests
+    # that change it restore)
+    assert seen == [max(_nice(), _background.DEFAULT_NICE)]
