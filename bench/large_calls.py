@@ -1,6 +1,7 @@
-"""Large calls alone: 64 MiB in / out / echo over ``transport="frames"``, both topologies.
+"""Large calls alone: 64 MiB in / out / echo over frames (or torch_shm), both topologies.
 
-``python -m bench.large_calls [--calls N] [--topology T]``: an engine in its own process
+``python -m bench.large_calls [--calls N] [--topology T] [--transport torch_shm]``: an
+engine in its own process
 (``bench.peers.tensorrpc_peer``, ``ipc://`` in a temporary directory); after two warm-up
 calls, ``N`` sequential calls per direction (``in``: the client sends the tensor; ``out``:
 the engine sends one; ``echo``: both ways). Prints the throughput (tensor bytes carried
@@ -34,7 +35,7 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(workdir: str, topology: str, calls: int) -> dict[str, Any]:
+def measure(workdir: str, topology: str, calls: int, transport: str = "frames") -> dict[str, Any]:
     """``{direction: (MiB/s, client CPU ms/call, engine CPU ms/call)}`` for one topology."""
     import tensorrpc
 
@@ -48,7 +49,7 @@ def measure(workdir: str, topology: str, calls: int) -> dict[str, Any]:
         where = {"connect": addr} if listen else {"bind": addr}
         async with client_cls(BenchService, **where) as client:
             await wait_engine(client, peer, 60)
-            stub = client.with_options(engine=ENGINE_ID, transport="frames").stub()
+            stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
             t = torch.ones(SIZE // 4)
 
             async def send_in() -> None:
@@ -87,14 +88,17 @@ def measure(workdir: str, topology: str, calls: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    """Entry point: ``python -m bench.large_calls [--calls N] [--topology T]``."""
+    """Entry point: ``python -m bench.large_calls [--calls N] [--topology T] [--transport]``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=8, help="calls per direction (default 8)")
     parser.add_argument("--topology", choices=TOPOLOGIES, action="append")
+    parser.add_argument("--transport", choices=("frames", "torch_shm"), default="frames")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         for topology in args.topology or TOPOLOGIES:
-            for name, (mib, client, engine) in measure(workdir, topology, args.calls).items():
+            for name, (mib, client, engine) in measure(
+                workdir, topology, args.calls, args.transport
+            ).items():
                 print(
                     f"{topology:16s} {name:5s} {mib:8.0f} MiB/s  client CPU {client:6.1f} "
                     f"ms/call  engine CPU {engine:6.1f} ms/call",

@@ -26,7 +26,8 @@ Rules:
 5. The interpreter's exit waits (up to 2 s) for the thread to drop what it was given:
    a daemon thread still freeing a tensor while the interpreter finalizes can abort
    the process in torch's static destructors.
-6. The thread runs below the event loop's priority (`tensorrpc._background`).
+6. With `tensorrpc.set_background_nice`, the thread runs below the event loop's priority
+   (`tensorrpc._background`).
 
 Backend-neutral: nothing here knows about asyncio or trio.
 """
@@ -133,7 +134,6 @@ def held_nbytes(objects: Iterable[object]) -> int:
 
 
 def _run(q: queue.Queue[object]) -> None:
-    lower_this_thread()
     get = q.get
     getrefcount = sys.getrefcount
     monotonic = time.monotonic
@@ -149,6 +149,7 @@ def _run(q: queue.Queue[object]) -> None:
                 markers.append(item)
             else:
                 held.append([monotonic() + _PATIENCE, item])
+                lower_this_thread()  # (a no-op unless set_background_nice asked for it)
             del item
         now = monotonic()
         i = 0

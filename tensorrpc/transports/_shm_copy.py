@@ -6,13 +6,14 @@ copy into a few pieces that helper threads (and, at times, the calling thread) t
 turn (each piece is one ``memmove``, without the GIL). On an idle machine a copy runs on
 up to `Copier.threads` cores at once.
 
-The helpers run below the event loop's priority (`tensorrpc._background`), so that a
-small call's wake-up on a busy host does not wait for a core behind the copy; the caller
-(a worker thread at the normal priority) then leaves the pieces to them and only joins
-in when they copy slower than `SLOWEST` (a host whose threads at the normal priority
-leave them no core). With the lowering off, the caller takes pieces from the start, as
-one of the threads. Either way a helper the scheduler does not run holds the copy up by
-a bounded wait at most, and one that stalls in the middle of its piece by that piece.
+By default the caller copies too, as one of the threads, and takes whatever no helper
+has taken yet: a helper the scheduler does not run (a busy host) holds the copy up by
+nothing, one that stalls in the middle of its piece by that piece at most. With
+`tensorrpc.set_background_nice` the helpers run below the event loop's priority
+(`tensorrpc._background`), so that a small call's wake-up does not wait for a core
+behind the copy; the caller (a worker thread at the normal priority) then leaves the
+pieces to them and joins in only when they copy slower than `SLOWEST` (threads at the
+normal priority leave them no core).
 """
 
 from __future__ import annotations

@@ -479,8 +479,8 @@ class Warmer:
     empty) and hands the range here; the thread maps those pages in
     (``MADV_POPULATE_WRITE``, one `WARM_CHUNK` per call) and marks the segment's chunks
     warm, so the next copy into them is a ``memmove`` that faults nothing. The thread
-    lives while there is work and is joined by `close`, and runs below the event loop's
-    priority (`tensorrpc._background`). Thread-safe.
+    lives while there is work and is joined by `close` (with `tensorrpc.set_background_nice`
+    it runs below the event loop's priority). Thread-safe.
     """
 
     def __init__(self) -> None:
