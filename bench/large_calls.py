@@ -1,7 +1,7 @@
 """Large calls alone: 64 MiB in / out / echo over frames (or torch_shm), both topologies.
 
-``python -m bench.large_calls [--calls N] [--topology T] [--transport torch_shm]``: an
-engine in its own process
+``python -m bench.large_calls [--calls N] [--topology T] [--transport torch_shm]
+[--background-nice N]``: an engine in its own process
 (``bench.peers.tensorrpc_peer``, ``ipc://`` in a temporary directory); after two warm-up
 calls, ``N`` sequential calls per direction (``in``: the client sends the tensor; ``out``:
 the engine sends one; ``echo``: both ways). Prints the throughput (tensor bytes carried
@@ -23,7 +23,13 @@ import torch
 
 from bench._common import run_async
 from bench.peers._proc import PeerProcess
-from bench.peers.tensorrpc_peer import ENGINE_ID, BenchService, runtime, wait_engine
+from bench.peers.tensorrpc_peer import (
+    ENGINE_ID,
+    BenchService,
+    apply_background_nice,
+    runtime,
+    wait_engine,
+)
 
 SIZE = 64 << 20
 TOPOLOGIES = ("client dials", "engine dials in")
@@ -93,7 +99,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=8, help="calls per direction (default 8)")
     parser.add_argument("--topology", choices=TOPOLOGIES, action="append")
     parser.add_argument("--transport", choices=("frames", "torch_shm"), default="frames")
+    parser.add_argument(
+        "--background-nice",
+        type=int,
+        default=None,
+        help="tensorrpc.set_background_nice(N) in the client and the engine",
+    )
     args = parser.parse_args()
+    if args.background_nice is not None:
+        apply_background_nice(args.background_nice)
     with tempfile.TemporaryDirectory() as workdir:
         for topology in args.topology or TOPOLOGIES:
             for name, (mib, client, engine) in measure(

@@ -29,7 +29,9 @@ nothing else in flight (the case of issue 26: what freeing the large call's buff
 the next call). Every loop is bounded by a count and a time budget.
 
 Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]
-[--size MIB] [--huge-pages]``. ``--huge-pages`` runs the client (this process, started
+[--size MIB] [--huge-pages] [--background-nice N]``. ``--background-nice`` lowers
+tensorrpc's bulk threads in the client and the engines (`tensorrpc.set_background_nice`).
+``--huge-pages`` runs the client (this process, started
 again) and the engines with their large buffers on transparent huge pages (``GLIBC_TUNABLES=
 glibc.malloc.hugetlb=1 THP_MEM_ALLOC_ENABLE=1``, what ``tensorrpc.testing`` gives the
 engines it starts; docs/transports.md, "Huge pages").
@@ -534,9 +536,19 @@ def main() -> None:
     parser.add_argument(
         "--huge-pages", action="store_true", help="large buffers on transparent huge pages"
     )
+    parser.add_argument(
+        "--background-nice",
+        type=int,
+        default=None,
+        help="tensorrpc.set_background_nice(N) in the client and the engines",
+    )
     args = parser.parse_args()
     if args.huge_pages:
         _restart_with_huge_pages()
+    if args.background_nice is not None:
+        from bench.peers.tensorrpc_peer import apply_background_nice
+
+        apply_background_nice(args.background_nice)
 
     def progress(msg: str) -> None:
         print(f"[mixed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -556,6 +568,8 @@ def main() -> None:
     print("\n".join(report(results)))
     pages = "transparent huge pages" if args.huge_pages else "the processes' default pages"
     print(f"\nlarge buffers on {pages}")
+    if args.background_nice is not None:
+        print(f"tensorrpc's bulk threads at nice {args.background_nice}")
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import os
 import time
 from typing import Any
 
@@ -25,6 +26,19 @@ from bench.peers._proc import PeerProcess
 from tensorrpc._service import rpc, service
 
 ENGINE_ID = "bench"
+#: ``tensorrpc.set_background_nice(N)`` in this process and the engines it starts.
+BACKGROUND_NICE_ENV = "BENCH_BACKGROUND_NICE"
+
+
+def apply_background_nice(nice: int | None = None) -> None:
+    """Lower tensorrpc's bulk threads to ``nice`` (None: what `BACKGROUND_NICE_ENV` says,
+    which the engine processes started afterwards inherit)."""
+    if nice is not None:
+        os.environ[BACKGROUND_NICE_ENV] = str(nice)
+    value = os.environ.get(BACKGROUND_NICE_ENV)
+    setter = getattr(tensorrpc, "set_background_nice", None)
+    if value and setter is not None:
+        setter(int(value))
 
 
 @service(name="BenchService")
@@ -119,6 +133,7 @@ def main() -> None:
     parser.add_argument("addr")
     parser.add_argument("--listen", action="store_true", help="bind ADDR (clients dial in)")
     args = parser.parse_args()
+    apply_background_nice()
     asyncio.run(serve_main(args.addr, listen=args.listen))
 
 
