@@ -290,8 +290,8 @@ class TorchShmTransport(ShmReceiving):
             segment is mapped only over the range a handle needs, and not kept.
         max_segment_bytes: a peer's segment larger than this is refused.
         lease_timeout: seconds after which `sweep` drops an unreleased lease.
-        copy_threads: most threads one large copy into the pool uses, the caller's
-            included (None: the cores this process may use, at most 4; 1: one thread).
+        copy_threads: most threads one large copy into the pool uses (None: the cores
+            this process may use, at most 4; 1: the caller's thread alone).
         cuda: send CUDA tensors through CUDA IPC (else they fall back to frames).
         clock: monotonic clock, for tests.
     """
