@@ -48,12 +48,18 @@ SLOWEST: Final = 1 << 30
 
 
 def default_threads() -> int:
-    """Threads a copy may use: the cores this process may run on, at most `MAX_THREADS`."""
+    """Threads a copy may use: the cores this process may run on less one, at most
+    `MAX_THREADS` and at least one.
+
+    The core left is the event loops': a copy on every core of a small host delays each
+    small call that wakes meanwhile, for little gain (on 2 cores under a mixed load, one
+    thread copied as fast as two).
+    """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cpus))
+    return max(1, min(MAX_THREADS, cpus - 1))
 
 
 class _Copy:
@@ -100,7 +106,7 @@ class Copier:
 
     Args:
         threads: most threads one copy uses (None: `default_threads`; 1: every copy is
-            one ``memmove`` on the caller's thread).
+            one ``memmove`` on one thread: the caller's, or a lowered helper's).
     """
 
     def __init__(self, threads: int | None = None) -> None:
@@ -133,9 +139,9 @@ class Copier:
         job.done.wait()
 
     def _started(self) -> int:
-        """The number of helpers, started if need be (0: closed, or one thread)."""
+        """The number of helpers, started if need be (0: closed, or the caller alone)."""
         with self._lock:
-            if self._closed or self.threads < 2:
+            if self._closed:
                 return 0
             if self._pid != os.getpid():  # a forked child: its parent's helpers are not here
                 self._pid = os.getpid()
@@ -143,8 +149,12 @@ class Copier:
                 self._queue = queue.SimpleQueue()
                 self._stop = None
             if not self._helpers:
-                self._yields = background_nice() is not None
-                for _ in range(self.threads if self._yields else self.threads - 1):
+                yields = background_nice() is not None
+                count = self.threads if yields else self.threads - 1
+                if not count:
+                    return 0
+                self._yields = yields
+                for _ in range(count):
                     thread = threading.Thread(
                         target=self._help,
                         args=(self._queue,),

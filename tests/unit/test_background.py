@@ -92,9 +92,9 @@ def test_values_outside_0_to_19_are_refused(bad: Any) -> None:
 
 
 @pytest.mark.usefixtures("restore")
-@pytest.mark.parametrize("nice", [None, 19])
+@pytest.mark.parametrize(("nice", "threads"), [(None, 2), (19, 2), (19, 1)])
 def test_the_copiers_helpers_run_at_the_setting_and_the_caller_leaves_them_the_pieces(
-    monkeypatch: pytest.MonkeyPatch, nice: int | None
+    monkeypatch: pytest.MonkeyPatch, nice: int | None, threads: int
 ) -> None:
     tensorrpc.set_background_nice(nice)
     # (the caller's patience, `nbytes / SLOWEST`: WAIT at most, so a loaded host's late
@@ -110,7 +110,7 @@ def test_the_copiers_helpers_run_at_the_setting_and_the_caller_leaves_them_the_p
     monkeypatch.setattr(ctypes, "memmove", watched)
     src = bytearray(os.urandom(1024)) * (4 * SPLIT_BYTES // 1024)
     dst = bytearray(len(src))
-    copier = Copier(2)
+    copier = Copier(threads)
     try:
         s = (ctypes.c_char * len(src)).from_buffer(src)
         d = (ctypes.c_char * len(dst)).from_buffer(dst)
@@ -125,8 +125,8 @@ def test_the_copiers_helpers_run_at_the_setting_and_the_caller_leaves_them_the_p
         assert len(helpers) == 1
         assert copied.get(caller) == _nice()
         assert all(copied[h] == _nice() for h in helpers if h in copied)
-    else:  # two lowered helpers; the caller only waited
-        assert len(helpers) == 2
+    else:  # one lowered helper per thread; the caller only waited
+        assert len(helpers) == threads
         assert caller not in copied
         assert copied
         assert set(copied) <= helpers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import threading
 from typing import Any
 
@@ -118,6 +119,11 @@ def test_a_copier_dropped_without_close_stops_its_helpers() -> None:
         assert not thread.is_alive()
 
 
-def test_the_default_uses_the_cores_this_process_may_run_on() -> None:
-    assert 1 <= _shm_copy.default_threads() <= _shm_copy.MAX_THREADS
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
+def test_the_default_leaves_one_of_the_processs_cores_to_the_event_loops(
+    monkeypatch: pytest.MonkeyPatch, cores: int, threads: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    assert _shm_copy.default_threads() == threads
+    assert Copier().threads == threads
     assert Copier(0).threads == 1
