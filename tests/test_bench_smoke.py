@@ -235,9 +235,10 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     # the peer is measured wherever ray.serve imports (in a child: it warns on import)
     probe = [sys.executable, "-c", "import ray.serve"]
     if subprocess.run(probe, capture_output=True, timeout=120, check=False).returncode == 0:
-        cases.append("Ray Serve")
+        cases += ["Ray Serve", "Ray Serve, throughput-optimized"]
     else:
         assert "unavailable" in bt["Ray Serve"], bt["Ray Serve"]
+        assert "unavailable" in bt["Ray Serve, throughput-optimized"]
     for case in cases:
         assert bt[case]["n"] > 0, bt[case]
         assert 0 < bt[case]["median_ms"] <= bt[case]["p99_ms"]
