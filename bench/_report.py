@@ -25,6 +25,8 @@ MID_CASE = "tensorrpc, max_delay 5 ms"
 WIDE_CASE = "tensorrpc, max_delay 10 ms"
 SERVE_CASE = "Ray Serve"
 SERVE_FAST_CASE = "Ray Serve, throughput-optimized"
+#: The same callers on a plain method with no step: the CPU of a small call, beside.
+SMALL_CASE = "small call, no step"
 #: the torch_shm lines of bench.transfer that targets refer to
 NEW = "tensorrpc torch_shm (new tensor each call)"
 SAME = "tensorrpc torch_shm (same tensor each call)"
@@ -386,8 +388,20 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
             "with the callers that came back in time and the others wait for its whole run "
             "(mean batch below 64).",
         ]
+        small = bt.get(SMALL_CASE) or {}
+        small_client = _num(small.get("client_cpu_us"))
+        small_engine, engine_cpu = (
+            _num(small.get("engine_cpu_us")),
+            _num(_get(bt.get("tensorrpc"), "engine_cpu_us")),
+        )
+        if None not in (small_client, small_engine, engine_cpu):
+            lines[-1] += (
+                f" Per call, a batched call costs the client {client_cpu:.0f} µs and the "
+                f"engine {engine_cpu:.0f} µs of CPU; a small call with no step, by the same "
+                f"callers, {small_client:.0f} and {small_engine:.0f} µs."
+            )
     cpu = []
-    for name in cases:
+    for name in (*cases, SMALL_CASE):
         e = bt.get(name) or {}
         client, engine = _num(e.get("client_cpu_us")), _num(e.get("engine_cpu_us"))
         if client is None:

@@ -23,6 +23,8 @@ device do not). The client (this process) measures:
   waits up to ``batch_wait_timeout_s`` for up to ``max_batch_size`` items and resolves one
   future per item), inside a plain tensorrpc method: what a user writes without built-in
   batching;
+* ``small call``: the same 64 callers of a plain method with no step, for its CPU per
+  call beside the batched call's (both ends);
 * ``continuous``: 32 concurrent streams of ``TOKENS`` tokens, one step (``TOKEN_STEP_S``)
   per token for every active stream, ``@rpc(batch=Continuous(max_size=32))``, against one
   stream at a time (a plain streaming method, one step per token); and
@@ -64,7 +66,7 @@ import anyio
 
 import tensorrpc
 from bench._common import Progress, guarded
-from bench._report import MID_CASE, SERVE_CASE, SERVE_FAST_CASE, WIDE_CASE
+from bench._report import MID_CASE, SERVE_CASE, SERVE_FAST_CASE, SMALL_CASE, WIDE_CASE
 from bench.peers._suite import run_json_child
 from tensorrpc import Batching, Continuous, current_batch, rpc, service
 
@@ -179,6 +181,11 @@ class Model:
     async def _step(self, seconds: float) -> None:
         async with self._device:
             await asyncio.sleep(seconds)
+
+    @rpc
+    async def echo(self, x: int) -> int:
+        """The small call: no step (what a call costs the client and the engine)."""
+        return x + 1
 
     @rpc
     async def one(self, x: int) -> int:
@@ -511,11 +518,13 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             (MID_CASE, "batched_mid"),
             (WIDE_CASE, "batched_wide"),
             ("asyncio batcher", "peer"),
+            (SMALL_CASE, "echo"),
         ):
             progress(f"batching: {name}")
             await unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
             batched = method.startswith("batched")
-            if method != "one":
+            counted = batched or method == "peer"
+            if counted:
                 before = await _batches(client, method)
             if batched:
                 engine_before = await _engine_batching(client, method)
@@ -534,7 +543,7 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
                     "engine_full_gc_longest_ms": longest * 1e3,
                 }
             )
-            if method != "one":
+            if counted:
                 after = await _batches(client, method)
                 runs = after[0] - before[0]
                 out[name]["mean_batch"] = (after[1] - before[1]) / runs if runs else None
