@@ -124,6 +124,8 @@ def _start_ray(temp_dir: str) -> None:
 
 def _driver(seconds: float, temp_dir: str, mode: str) -> dict[str, Any]:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Without it Ray swaps a loopback _node_ip_address for this host's outward address.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.update(MODES[mode])
     import ray
     from ray import serve
