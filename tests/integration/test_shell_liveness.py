@@ -1,4 +1,8 @@
-"""A peer whose messages already wait in our socket is alive, whatever our timer says.
+"""Liveness in the shells: one clock, and a peer whose messages wait in our socket is alive.
+
+Both shells feed their machines the event loop's clock (`tensorrpc._zmq.loop_clock`),
+the clock of anyio's cancel scopes too: on trio it is offset from ``time.monotonic`` by
+hours, so a shell on another clock shows there.
 
 Each shell has two readers of its socket: the receive loop and the housekeeping timer.
 When both are due at once (a loop that stalled or was starved: both wake together, and
@@ -30,6 +34,7 @@ from tensorrpc import _client_io, _server
 from tensorrpc._client import Client
 from tensorrpc._protocol import MessageKind, encode_control, split_frames
 from tensorrpc._server import Server
+from tensorrpc._server_protocol import SessionState
 from tensorrpc._service import describe
 from tensorrpc._zmq import AsyncSocket
 
@@ -102,6 +107,28 @@ async def reader_asleep(sock: AsyncSocket) -> None:
 def queued(sock: AsyncSocket) -> None:
     """Wait (bounded) until a message waits in ``sock``, without taking it or yielding."""
     assert sock.socket.poll(int(WAIT * 1000), zmq.POLLIN), "the message never arrived"
+
+
+# -- one clock -------------------------------------------------------------------------------
+
+
+async def test_both_shells_feed_their_machines_the_event_loops_clock(tmp_path: Path) -> None:
+    address = f"ipc://{tmp_path}/sock"
+    async with (
+        Server(Calculator("e1"), bind=address, engine_id="e1") as server,
+        Client(Calculator, connect=address) as client,
+    ):
+        with anyio.fail_after(WAIT):
+            await client.wait_for_engines(1)
+            before = anyio.current_time()
+            assert await client.stub().add(1) == 2
+            after = anyio.current_time()
+        # When each machine last heard its peer: during the call, on the loop's clock.
+        [heard] = [
+            s.last_heard for s in server._proto.sessions.values() if s.state is SessionState.LIVE
+        ]
+        assert before <= heard <= after
+        assert before <= client._protocol.engines.engines["e1"].heard <= after
 
 
 # -- the engine ------------------------------------------------------------------------------
