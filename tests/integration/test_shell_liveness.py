@@ -185,6 +185,28 @@ async def test_the_engine_takes_queued_pings_before_declaring_a_client_dead(
         assert await answer(peer, PONG, HELLO) == (PONG, 8)  # no HELLO of a new session
 
 
+@pytest.mark.parametrize("listen", [True, False], ids=["listen", "dial-in"])
+async def test_a_call_sent_within_the_bound_is_answered_though_taken_after_it(
+    tmp_path: Path, clock: Clock, listen: bool
+) -> None:
+    # The flake this guards against: a client whose loop stalled for just under the
+    # engine's bound sends a CALL; the engine's timer fires before its receive loop took
+    # it, and the call met a HELLO of a new session ("replaced by a new session").
+    async with engine(tmp_path, listen) as (server, peer, sock):
+        assert await peer.result(peer.call("add", 1)) == 2
+        ticked = Ticked(server._proto)
+        await reader_asleep(sock)
+        call_id = peer.call("add", 2)
+        queued(sock)
+        clock.advance(DEAD_AFTER + 1.0)
+        ticked.arm()
+        server._wake_housekeeping()
+        await ticked.wait()
+        assert [c.state for c in server.statistics().clients] == ["live"]
+        kind, answered = await answer(peer, MessageKind.RESULT, MessageKind.ERROR, HELLO)
+        assert (kind, answered) == (MessageKind.RESULT, call_id)
+
+
 # -- the client ------------------------------------------------------------------------------
 
 
