@@ -32,7 +32,7 @@ from tensorrpc._protocol import MessageKind
 from tensorrpc._streams import RequestCredit
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -199,9 +199,6 @@ class CallTable:
 
     def __len__(self) -> int:
         return len(self._calls)
-
-    def __iter__(self) -> Iterator[Call]:
-        return iter(list(self._calls.values()))
 
     def get(self, call_id: int) -> Call | None:
         """The call in flight with this id, if any."""

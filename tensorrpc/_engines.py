@@ -588,9 +588,6 @@ class FifoSet:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, token: object) -> bool:
-        return token in self._live
-
     def add(self, token: Hashable) -> None:
         """Append ``token`` (each token is added once; a member stays where it is)."""
         if token not in self._live:

@@ -546,11 +546,6 @@ class ServerProtocol(Machine[Hashable, Event]):
         """Calls taken by a worker and not done (parked streams excluded)."""
         return self.calls.busy
 
-    @property
-    def hello(self) -> Hello:
-        """The HELLO body this engine announces (``epoch`` 0: filled in per session)."""
-        return self._hello
-
     def announce_bulk(self, address: str) -> None:
         """Listening: HELLOs of new sessions announce this bulk endpoint, each with a
         token of its own (docs/design.md, "a bulk connection per peer")."""

@@ -107,11 +107,6 @@ class ShmMemory:
             if pid > 0:
                 shm.forget_peer(pid)
 
-    def disable_peer(self, peer: Hashable) -> None:
-        """Stop sending torch_shm handles to ``peer`` (it failed to attach to one)."""
-        if self.shm is not None:
-            self.shm.disable_peer(peer)
-
     def sweep(self) -> None:
         """Drop leases older than the transport's lease timeout (a backstop)."""
         shm = self.shm
