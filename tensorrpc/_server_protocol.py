@@ -515,7 +515,6 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.done = calls.done
         self.may_reply = calls.may_reply
         self.may_send_item = calls.may_send_item
-        self.item_sent = calls.item_sent
         self.park = calls.park
         self.unpark = calls.unpark
         self.batch_wait = calls.batch_wait
