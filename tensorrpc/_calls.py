@@ -303,9 +303,7 @@ class CallTable:
         """
         ended: list[Call] = []
         for call_id in sorted(engine.calls):
-            call = self._calls.get(call_id)
-            if call is None:
-                continue
+            call = self._calls[call_id]  # rule 1: the engine's calls are all in the table
             self.end(
                 call,
                 _FAILED,
@@ -315,7 +313,6 @@ class CallTable:
                 ),
             )
             ended.append(call)
-        engine.calls.clear()
         return ended
 
     def fail_all(self, error_factory: type[BaseException], message: str) -> list[Call]:
