@@ -41,7 +41,11 @@ decoded values (int accepted for float, as msgspec does) and the codec also vali
 tensor descriptor (dtype allowlist, shape against bytes, frame references). msgspec's
 payload is smaller (``array_like``, ``omit_defaults``); tensorrpc's is maps of every field.
 
-Run: ``python -m bench.codec_bench`` (``--quick`` for a short run).
+Run: ``python -m bench.codec_bench`` (``--quick`` for a short run). To compare an older
+checkout's codec and schema with this benchmark, run this file with that checkout on
+``PYTHONPATH``, alternating with the current one::
+
+    cd OLD && PYTHONPATH=$PWD python /path/to/bench/codec_bench.py
 """
 
 from __future__ import annotations
