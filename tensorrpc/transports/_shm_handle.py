@@ -54,9 +54,11 @@ class HandleKind(IntEnum):
     EMPTY = 0
     #: A region of the sender's memfd pool (a sealed memfd).
     POOL = 1
-    #: Formerly a torch ``file_descriptor`` storage; refused (its file can shrink: SIGBUS).
+    #: A storage in torch's shared memory, ``file_descriptor`` strategy (unsealed: mapped
+    #: only past the unsealed-alias gate, docs/security.md).
     TORCH_FD = 2
-    #: Formerly a torch ``file_system`` storage; refused (its file can shrink: SIGBUS).
+    #: A storage in torch's shared memory, ``file_system`` strategy (unsealed, as above;
+    #: its data starts at byte 64 of the file, after torch's reference count).
     TORCH_FILE = 3
     #: A CUDA storage shared through torch's CUDA IPC.
     CUDA = 4
