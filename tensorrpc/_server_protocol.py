@@ -516,7 +516,6 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.done = calls.done
         self.may_reply = calls.may_reply
         self.may_send_item = calls.may_send_item
-        self.item_sent = calls.item_sent
         self.park = calls.park
         self.unpark = calls.unpark
         self.batch_wait = calls.batch_wait
@@ -550,11 +549,6 @@ class ServerProtocol(Machine[Hashable, Event]):
     def busy(self) -> int:
         """Calls taken by a worker and not done (parked streams excluded)."""
         return self.calls.busy
-
-    @property
-    def hello(self) -> Hello:
-        """The HELLO body this engine announces (``epoch`` 0: filled in per session)."""
-        return self._hello
 
     def announce_bulk(self, address: str) -> None:
         """Listening: HELLOs of new sessions announce this bulk endpoint, each with a

@@ -498,7 +498,7 @@ def test_a_stream_sends_at_most_window_plus_credit(window: int) -> None:
             engine.credit(b"c1", 1, credit)
             granted += credit
         while proto.may_send_item(call):
-            proto.item_sent(call)
+            assert proto.stream_item(call, b"\xc0", ())
             sent += 1
         assert sent == window + granted
     assert call.credits == 0
