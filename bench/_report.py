@@ -23,6 +23,10 @@ TRANSFER_REF = "tensorrpc frames"
 #: about the callers' turnaround on a quiet machine, and well above it.
 MID_CASE = "tensorrpc, max_delay 5 ms"
 WIDE_CASE = "tensorrpc, max_delay 10 ms"
+SERVE_CASE = "Ray Serve"
+SERVE_FAST_CASE = "Ray Serve, throughput-optimized"
+#: The same callers on a plain method with no step: the CPU of a small call, beside.
+SMALL_CASE = "small call, no step"
 #: the torch_shm lines of bench.transfer that targets refer to
 NEW = "tensorrpc torch_shm (new tensor each call)"
 SAME = "tensorrpc torch_shm (same tensor each call)"
@@ -279,7 +283,9 @@ def _batching_targets(bt: dict[str, Any]) -> list[dict[str, Any]]:
         extra = None if median is None else median - bound
         desc = f"batched median, max_delay {delay:g} ms, minus (max_delay + one step + 1 ms)"
         target(tid, desc, extra, "≤ 0", None if extra is None else extra <= 0)
-    peers = (("serve", "Ray Serve's @serve.batch", bt.get("Ray Serve")),
+    peers = (("serve", "Ray Serve's @serve.batch", bt.get(SERVE_CASE)),
+             ("serve_fast", "Ray Serve's @serve.batch, throughput-optimized",
+              bt.get(SERVE_FAST_CASE)),
              ("peer", "asyncio batcher (Ray Serve's design)", floor))  # fmt: skip
     for tid, label, peer in peers:
         for key, goal_text in (("per_s", "> 1"), ("median_ms", "< 1"), ("p99_ms", "< 1")):
@@ -344,7 +350,9 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
         "| case | calls/s | median | p99 | mean batch |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name in ("unbatched", "tensorrpc", MID_CASE, WIDE_CASE, "Ray Serve", "asyncio batcher"):
+    cases = ("unbatched", "tensorrpc", MID_CASE, WIDE_CASE, SERVE_CASE, SERVE_FAST_CASE,
+             "asyncio batcher")  # fmt: skip
+    for name in cases:
         e = bt.get(name) or {}
         if "unavailable" in e:
             lines.append(f"| {name} | unavailable: {_cell(e['unavailable'])} | | | |")
@@ -380,11 +388,26 @@ def _batching_md(bt: dict[str, Any]) -> list[str]:
             "with the callers that came back in time and the others wait for its whole run "
             "(mean batch below 64).",
         ]
+        small = bt.get(SMALL_CASE) or {}
+        small_client = _num(small.get("client_cpu_us"))
+        small_engine, engine_cpu = (
+            _num(small.get("engine_cpu_us")),
+            _num(_get(bt.get("tensorrpc"), "engine_cpu_us")),
+        )
+        if None not in (small_client, small_engine, engine_cpu):
+            lines[-1] += (
+                f" Per call, a batched call costs the client {client_cpu:.0f} µs and the "
+                f"engine {engine_cpu:.0f} µs of CPU; a small call with no step, by the same "
+                f"callers, {small_client:.0f} and {small_engine:.0f} µs."
+            )
     cpu = []
-    for name in ("unbatched", "tensorrpc", MID_CASE, WIDE_CASE, "asyncio batcher"):
+    for name in (*cases, SMALL_CASE):
         e = bt.get(name) or {}
         client, engine = _num(e.get("client_cpu_us")), _num(e.get("engine_cpu_us"))
-        if client is None or engine is None:
+        if client is None:
+            continue
+        if engine is None:  # Ray Serve: the driver's CPU only
+            cpu.append(f"{name} {client:.0f} µs (the driver's; Ray's own processes not counted)")
             continue
         gcs = e.get("engine_full_gc")
         longest = _num(e.get("engine_full_gc_longest_ms"))

@@ -11,16 +11,20 @@ device do not). The client (this process) measures:
   ``max_delay=MID_DELAY_S`` (about the callers' turnaround, 64 times the client's CPU per
   call, on a quiet machine) and ``WIDE_DELAY_S`` (well above it): whether a batch waits
   for every caller instead of closing with those that came back in time;
-* ``Ray Serve``: the peer, Ray Serve's ``@serve.batch`` with the same handler and settings
-  in one replica, the same 64 callers each awaiting ``handle.batched.remote(x)`` on its
-  ``DeploymentHandle`` (``bench.peers.ray_serve_batch``, a child process: a private Ray on
-  loopback, Serve's HTTP proxy off); reported unavailable when ``ray.serve`` cannot be
-  imported (``pip install 'tensorrpc[bench-ray]'``);
+* ``Ray Serve`` and ``Ray Serve, throughput-optimized``: the peer, Ray Serve's
+  ``@serve.batch`` with the same handler and settings in one replica, the same 64 callers
+  each awaiting ``handle.batched.remote(x)`` on its ``DeploymentHandle`` from an asyncio
+  loop (``bench.peers.ray_serve_batch``, a child process: a private Ray on loopback,
+  Serve's HTTP proxy off), with Serve's defaults and with its documented high-throughput
+  mode; reported unavailable when ``ray.serve`` cannot be imported (``pip install
+  'tensorrpc[bench-ray]'``);
 * ``asyncio batcher``: the floor, a plain asyncio batcher written the way Ray Serve's
   documentation describes ``@serve.batch`` (a queue; a task takes the first item, then
   waits up to ``batch_wait_timeout_s`` for up to ``max_batch_size`` items and resolves one
   future per item), inside a plain tensorrpc method: what a user writes without built-in
   batching;
+* ``small call``: the same 64 callers of a plain method with no step, for its CPU per
+  call beside the batched call's (both ends);
 * ``continuous``: 32 concurrent streams of ``TOKENS`` tokens, one step (``TOKEN_STEP_S``)
   per token for every active stream, ``@rpc(batch=Continuous(max_size=32))``, against one
   stream at a time (a plain streaming method, one step per token); and
@@ -54,6 +58,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +66,7 @@ import anyio
 
 import tensorrpc
 from bench._common import Progress, guarded
-from bench._report import MID_CASE, WIDE_CASE
+from bench._report import MID_CASE, SERVE_CASE, SERVE_FAST_CASE, SMALL_CASE, WIDE_CASE
 from bench.peers._suite import run_json_child
 from tensorrpc import Batching, Continuous, current_batch, rpc, service
 
@@ -83,6 +88,8 @@ TOKENS = 32
 LATE_STREAMS = 15
 #: The seeds of the late streams (the engine logs their first step).
 LATE_SEED = 999_000
+#: Ray Serve's lines: `bench.peers.ray_serve_batch`'s ``--mode`` of each.
+SERVE_CASES = {SERVE_CASE: "default", SERVE_FAST_CASE: "throughput"}
 
 
 class _ServeBatch:
@@ -174,6 +181,11 @@ class Model:
     async def _step(self, seconds: float) -> None:
         async with self._device:
             await asyncio.sleep(seconds)
+
+    @rpc
+    async def echo(self, x: int) -> int:
+        """The small call: no step (what a call costs the client and the engine)."""
+        return x + 1
 
     @rpc
     async def one(self, x: int) -> int:
@@ -506,11 +518,13 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
             (MID_CASE, "batched_mid"),
             (WIDE_CASE, "batched_wide"),
             ("asyncio batcher", "peer"),
+            (SMALL_CASE, "echo"),
         ):
             progress(f"batching: {name}")
             await unary(stub, method, cfg.seconds / 4)  # warm-up, not recorded
             batched = method.startswith("batched")
-            if method != "one":
+            counted = batched or method == "peer"
+            if counted:
                 before = await _batches(client, method)
             if batched:
                 engine_before = await _engine_batching(client, method)
@@ -529,7 +543,7 @@ async def _measure(cfg: Config, address: str, progress: Progress) -> dict[str, A
                     "engine_full_gc_longest_ms": longest * 1e3,
                 }
             )
-            if method != "one":
+            if counted:
                 after = await _batches(client, method)
                 runs = after[0] - before[0]
                 out[name]["mean_batch"] = (after[1] - before[1]) / runs if runs else None
@@ -550,7 +564,7 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
     cfg = config(quick)
     address = f"ipc://{workdir}/batching.sock"
 
-    def serve_case() -> dict[str, Any]:
+    def serve_case(mode: str) -> dict[str, Any]:
         if importlib.util.find_spec("ray") is None:
             raise RuntimeError(
                 "ray is not installed (optional: pip install 'tensorrpc[bench-ray]')"
@@ -561,10 +575,10 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
             raise RuntimeError(
                 f"ray.serve cannot be imported ({exc}; pip install 'tensorrpc[bench-ray]')"
             ) from None
-        args = ["--seconds", str(cfg.seconds), "--temp-dir", str(workdir / "ray-serve")]
-        return run_json_child(
-            "bench.peers.ray_serve_batch", args, timeout=cfg.ready_timeout + 20 * cfg.seconds + 120
-        )
+        temp = str(workdir / "ray-serve")
+        args = ["--seconds", str(cfg.seconds), "--temp-dir", temp, "--mode", mode]
+        bound = 2 * cfg.ready_timeout + 20 * cfg.seconds + 120  # two starts of Ray at most
+        return run_json_child("bench.peers.ray_serve_batch", args, timeout=bound)
 
     def case() -> dict[str, Any]:
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -588,7 +602,8 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
 
     result = guarded(progress, "batching", case)
     if "unavailable" not in result:
-        result["Ray Serve"] = guarded(progress, "batching: Ray Serve", serve_case)
+        for name, mode in SERVE_CASES.items():
+            result[name] = guarded(progress, f"batching: {name}", partial(serve_case, mode))
     result.update(
         {
             "step_ms": STEP_S * 1e3,
@@ -600,8 +615,10 @@ def run(quick: bool, *, workdir: Path, progress: Progress) -> dict[str, Any]:
             "streams": STREAMS,
             "tokens": TOKENS,
             "peer": "Ray Serve's @serve.batch in one replica, called through its "
-            "DeploymentHandle (await handle.batched.remote(x)); the asyncio batcher is the "
-            "floor: @serve.batch as its docs describe it, hand-written in a tensorrpc method",
+            "DeploymentHandle (await handle.batched.remote(x)) from an asyncio loop, with "
+            "Serve's defaults and with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (its documented "
+            "high-throughput mode); the asyncio batcher is the floor: @serve.batch as its "
+            "docs describe it, hand-written in a tensorrpc method",
         }
     )
     return result

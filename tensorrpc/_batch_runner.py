@@ -613,9 +613,6 @@ class BatchRunners:
             if m.batch is not None
         }
 
-    def __bool__(self) -> bool:
-        return bool(self._runners)
-
     def entry(self, name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         """What the method table calls for ``name``: the runner's entry point, or
         ``handler`` for a method that is not batched."""

@@ -32,7 +32,7 @@ from tensorrpc._protocol import MessageKind
 from tensorrpc._streams import RequestCredit
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
     from typing_extensions import Buffer
 
@@ -200,9 +200,6 @@ class CallTable:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def __iter__(self) -> Iterator[Call]:
-        return iter(list(self._calls.values()))
-
     def get(self, call_id: int) -> Call | None:
         """The call in flight with this id, if any."""
         return self._calls.get(call_id)
@@ -306,9 +303,7 @@ class CallTable:
         """
         ended: list[Call] = []
         for call_id in sorted(engine.calls):
-            call = self._calls.get(call_id)
-            if call is None:
-                continue
+            call = self._calls[call_id]  # rule 1: the engine's calls are all in the table
             self.end(
                 call,
                 _FAILED,
@@ -318,7 +313,6 @@ class CallTable:
                 ),
             )
             ended.append(call)
-        engine.calls.clear()
         return ended
 
     def fail_all(self, error_factory: type[BaseException], message: str) -> list[Call]:

@@ -303,10 +303,6 @@ class _Encoder(_Replaying):
         self.buffers: list[memoryview] = []
         self.keepalive: list[object] = []
 
-    def default(self, obj: object) -> ormsgpack.Ext:
-        ext: ormsgpack.Ext = self._once(self._ext, obj)
-        return ext
-
     def _ext(self, obj: object) -> ormsgpack.Ext:
         if not _arrays_loaded:
             # No value is a tensor or an array before torch or numpy is imported.
@@ -339,7 +335,8 @@ class _Encoder(_Replaying):
 
     def _tensor(self, tensor: torch.Tensor) -> ormsgpack.Ext:
         self._one_more()
-        name = _TORCH_NAMES.get(tensor.dtype)
+        dtype = tensor.dtype
+        name = _TORCH_NAMES.get(dtype)
         if name is None or tensor.layout is not _STRIDED or tensor.is_nested:
             raise EncodeError(_tensor_kind_error(tensor))
         if tensor.requires_grad:
@@ -359,6 +356,13 @@ class _Encoder(_Replaying):
         elif nbytes < self._config.inline_threshold:
             data = _inline_bytes(tensor, nbytes)
             return ormsgpack.Ext(_TORCH, ormsgpack.packb([name, shape, _INLINE, data]))
+        elif nbytes and dtype in _CASTABLE and tensor.is_contiguous():
+            try:  # _host_bytes's first route, in place (the common case)
+                view = tensor.numpy().data.cast("B")
+            except RuntimeError:
+                pass
+            else:
+                return ormsgpack.Ext(_TORCH, self._descriptor(name, shape, nbytes, tensor, view))
         owner, view = _host_bytes(tensor)
         return ormsgpack.Ext(_TORCH, self._descriptor(name, shape, nbytes, owner, view))
 
@@ -472,7 +476,8 @@ class _EncodeHook:
             encoder = self.encoder = _Encoder(
                 self._config, self._placer, self._compression, self._off_loop
             )
-        return encoder.default(obj)
+        ext: ormsgpack.Ext = encoder._once(encoder._ext, obj)
+        return ext
 
 
 def _type_name(obj: object) -> str:
@@ -780,12 +785,17 @@ class _Decoder(_Replaying):
         torch_dtype, np_dtype, itemsize, align = entry
         nbytes = numel * itemsize
         data: bytes | memoryview
-        if loc == _INLINE:
+        if loc == _FRAME:
+            data = self._frame(ref)
+        elif loc == _INLINE:
             if type(ref) is not bytes:
                 raise DecodeError("inline tensor data must be bytes")
             data = ref
+        elif loc == _ZSTD_FRAME:
+            # Into exactly the tensor's size: a frame that would expand further is refused.
+            data = memoryview(_compression.decompress_exact(self._frame(ref), nbytes))
         else:
-            data = self._located(loc, ref, nbytes)
+            raise DecodeError(f"unknown tensor location {loc}")
         if len(data) != nbytes:
             raise DecodeError(
                 f"tensor of dtype {dtype_name} and shape {list(shape)} needs {nbytes} bytes, "
@@ -806,15 +816,6 @@ class _Decoder(_Replaying):
             array = np.frombuffer(bytearray(view), dtype=np_dtype)
         array = array.reshape(shape)
         return array if as_numpy else torch.from_numpy(array)
-
-    def _located(self, loc: int, ref: object, nbytes: int) -> memoryview:
-        """The bytes of a tensor sent in a frame, plain or compressed."""
-        if loc == _FRAME:
-            return self._frame(ref)
-        if loc == _ZSTD_FRAME:
-            # Into exactly the tensor's size: a frame that would expand further is refused.
-            return memoryview(_compression.decompress_exact(self._frame(ref), nbytes))
-        raise DecodeError(f"unknown tensor location {loc}")
 
     def _frame(self, ref: object) -> memoryview:
         if type(ref) is not int or not 0 <= ref < len(self._buffers):
@@ -878,7 +879,7 @@ class _DecodeHook:
         decoder = self.decoder
         if decoder is None:
             decoder = self.decoder = _Decoder(self._buffers, self._config, self._resolver)
-        return decoder.ext_hook(code, data)
+        return decoder._once(decoder._ext, code, data)
 
 
 def _compressed_payload(view: memoryview) -> memoryview | None:

@@ -495,13 +495,6 @@ class EngineTable:
             )
         return "; ".join(reasons) or "no engine has joined yet"
 
-    def has_capacity(self, engine_id: str | None) -> bool:
-        """Whether a call (targeted or balanced) could start now, without side effects."""
-        if engine_id is not None:
-            engine = self._engines.get(engine_id)
-            return engine is None or len(engine.calls) < self.max_in_flight
-        return not self._order or any(len(e.calls) < self.max_in_flight for e in self._order)
-
 
 #: Engines named in an `EngineTable.absence` text (the latest; the rest are counted).
 _ABSENT_NAMES: Final = 3
@@ -587,9 +580,6 @@ class FifoSet:
 
     def __len__(self) -> int:
         return len(self._live)
-
-    def __contains__(self, token: object) -> bool:
-        return token in self._live
 
     def add(self, token: Hashable) -> None:
         """Append ``token`` (each token is added once; a member stays where it is)."""

@@ -35,7 +35,7 @@ from tensorrpc._exceptions import (
     TensorRPCError,
     error_from_wire,
 )
-from tensorrpc._metadata import EMPTY as _NO_METADATA, decode_block, encode_block
+from tensorrpc._metadata import EMPTY as _NO_METADATA, decode_block
 from tensorrpc._text import CONTROL
 
 if TYPE_CHECKING:
@@ -79,7 +79,6 @@ __all__ = [
     "encode_error",
     "header_version",
     "pack_call_header",
-    "pack_header",
     "pack_metadata_reply_header",
     "pack_reply_header",
     "split_frames",
@@ -543,52 +542,6 @@ def _check_kind_call_id(kind: object, call_id: object) -> MessageKind:
     if call_id == 0 and kind in _CALL_KINDS:
         raise LocalProtocolError(f"{kind.name} needs a non-zero call_id")
     return kind
-
-
-def pack_header(header: Header) -> bytes:
-    """Pack a `Header` into its frame.
-
-    Args:
-        header: The header to pack.
-
-    Returns:
-        ``HEADER_SIZE`` bytes, followed by the UTF-8 method name (and the trace context
-        with the ``TRACE`` flag) for CALL.
-
-    Raises:
-        LocalProtocolError: A field is out of range or does not fit the kind (a method,
-            flags or deadline on anything but CALL; a call id where none belongs, or none
-            where one is needed).
-    """
-    kind = header.kind
-    if kind is MessageKind.CALL:
-        _check_int("call_id", header.call_id, _U64_MAX)
-        _check_int("flags", header.flags, _U16_MAX)
-        _check_int("timeout_ms", header.timeout_ms, _U32_MAX)
-        flags = header.flags & ~_TRACE & ~_RELEASES & ~_METADATA
-        if bool(header.flags & _TRACE) != bool(header.trace):
-            raise LocalProtocolError("the TRACE flag is set exactly when a trace is given")
-        if bool(header.flags & _RELEASES) != bool(header.releases):
-            raise LocalProtocolError("the RELEASES flag is set exactly when leases are given")
-        if bool(header.flags & _METADATA) != bool(header.metadata):
-            raise LocalProtocolError("the METADATA flag is set exactly when metadata is given")
-        return pack_call_header(
-            header.call_id, header.method, flags, header.timeout_ms, header.trace,
-            header.releases, encode_block(header.metadata),
-        )  # fmt: skip
-    if header.metadata and header.flags == _METADATA:
-        return pack_metadata_reply_header(kind, header.call_id, encode_block(header.metadata))
-    if header.method:
-        raise LocalProtocolError(f"{kind!r} carries no method name")
-    if header.flags:
-        raise LocalProtocolError(f"{kind!r} carries no flags")
-    if header.timeout_ms:
-        raise LocalProtocolError(f"{kind!r} carries no timeout")
-    if header.trace:
-        raise LocalProtocolError(f"{kind!r} carries no trace context")
-    if header.releases:
-        raise LocalProtocolError(f"{kind!r} carries no lease ids")
-    return pack_reply_header(kind, header.call_id)
 
 
 # -- header unpacking ----------------------------------------------------------------------

@@ -703,34 +703,57 @@ class Server:
         self._pending.clear()
 
     async def _receive_loop(self, sock: AsyncSocket, address: str | None) -> None:
-        """Feed every message of ``sock`` to the protocol: a ROUTER's (``address`` None)
-        keyed by its routing id frame, a DEALER's by the client ``address``."""
+        """Feed every message of ``sock`` to the protocol (`_take`)."""
         recv = sock.recv
-        proto = self._proto
-        receive = proto.receive
-        clock = self._now
+        take = self._take
         while True:
             try:
                 frames = await recv()
             except ClosedError:
                 return
-            try:
-                size = sum(map(len, frames))  # no loop variable left holding a frame
-                if address is None:
-                    route = frames[0].bytes
-                    body: list[Buffer] = frames[1:]  # type: ignore[assignment]
-                    receive(route, body, clock(), size - len(route))
-                    del body
-                else:
-                    receive(address, frames, clock(), size)  # type: ignore[arg-type]
-                if proto.pending:
-                    self._flush(size)
-            except Exception:  # one bad message must never stop the loop
-                proto.unhandled(address)
-                logger.exception("error handling a message from %s", address or "a peer")
-            # Not held until the next message arrives: a large one is freed off the loop.
-            later_if_large(frames, size)
-            del frames
+            take(frames, address)
+            del frames  # not held until the next message arrives
+
+    def _take(self, frames: list[zmq.Frame], address: str | None) -> None:
+        """Feed one message to the protocol and act on what it queued: a ROUTER's
+        (``address`` None) keyed by its routing id frame, a DEALER's by the client
+        ``address``. Never awaits: a message taken off a socket is handled at once, so
+        that the housekeeping's `_take_received` never overtakes it."""
+        proto = self._proto
+        size = sum(map(len, frames))  # no loop variable left holding a frame
+        try:
+            if address is None:
+                route = frames[0].bytes
+                body: list[Buffer] = frames[1:]  # type: ignore[assignment]
+                proto.receive(route, body, self._now(), size - len(route))
+                del body
+            else:
+                proto.receive(address, frames, self._now(), size)  # type: ignore[arg-type]
+            if proto.pending:
+                self._flush(size)
+        except Exception:  # one bad message must never stop the loop
+            proto.unhandled(address)
+            logger.exception("error handling a message from %s", address or "a peer")
+        # Not held until the next message arrives: a large one is freed off the loop.
+        later_if_large(frames, size)
+
+    def _take_received(self, limit: int = 4096) -> None:
+        """Take what the sockets already hold (at most ``limit`` messages each), without
+        waiting: their receive loops may not have run yet (a stalled or starved loop wakes
+        them and the timer together), and a client whose PINGs wait there is alive."""
+        sockets: list[tuple[AsyncSocket, str | None]] = [
+            (sock, address) for address, sock in self._dealers.items()
+        ]
+        if self._router is not None:
+            sockets.append((self._router, None))
+        for sock, address in sockets:
+            for _ in range(limit):
+                try:
+                    frames = sock.recv_nowait()
+                except (anyio.WouldBlock, ClosedError, TransportError):
+                    break  # (an error is the receive loop's to meet)
+                self._take(frames, address)
+                del frames
 
     def _send_now(self, key: object, frames: list[bytes]) -> bool:
         """Send a small message without waiting; False when it could not go (ZMQ full,
@@ -850,6 +873,9 @@ class Server:
         next_sweep = clock() + interval
         while True:
             now = clock()
+            if now >= self._proto.silent_at:  # a silence verdict may be due
+                self._take_received()
+                now = clock()
             self._proto.tick(now)
             self._flush()
             if now >= next_sweep:

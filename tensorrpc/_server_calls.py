@@ -373,12 +373,6 @@ class CallQueue:
         """Whether a stream may send its next item now (rule 8)."""
         return call.credits > 0 and not call.cancelled and not call.answered
 
-    def item_sent(self, call: ServerCall) -> None:
-        """Count one STREAM_ITEM sent against the stream's credit."""
-        call.credits -= 1
-        if call.stats is not None:
-            call.stats.items += 1
-
     def park(self, call: ServerCall) -> str | None:
         """A stream waits for credit; it stops counting as busy.
 

@@ -19,7 +19,8 @@ Rules this module keeps (numbered as the tests cite them):
    a new epoch.
 2. Any well-formed message from a client with a session counts as life, PING included.
    A client silent for ``dead_after`` loses its session; its calls are cancelled and
-   get no reply.
+   get no reply. Silence is judged on what the shell took: before a `tick` at or past
+   `silent_at` it takes what its sockets already hold.
 3. A PING gets a PONG echoing its nonce (0 included) when the peer has a session; a PING
    with nonce 0 (the hello request) also gets the HELLO, and a PING from a peer without
    a session gets the HELLO only. At most one HELLO per peer per heartbeat interval.
@@ -515,7 +516,6 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.done = calls.done
         self.may_reply = calls.may_reply
         self.may_send_item = calls.may_send_item
-        self.item_sent = calls.item_sent
         self.park = calls.park
         self.unpark = calls.unpark
         self.batch_wait = calls.batch_wait
@@ -530,6 +530,10 @@ class ServerProtocol(Machine[Hashable, Event]):
         self.hard_stop = False
         #: The earliest time `tick` has something to do.
         self.wake_at = 0.0
+        #: No session can be found silent before this time (a lower bound: messages
+        #: since the last `tick` only move the truth later). The shell takes what its
+        #: sockets already hold before a `tick` at or past it (rule 2).
+        self.silent_at = _INF
         self.calls_total = 0
         self.errors_total = 0
         self.overloaded = 0
@@ -545,11 +549,6 @@ class ServerProtocol(Machine[Hashable, Event]):
     def busy(self) -> int:
         """Calls taken by a worker and not done (parked streams excluded)."""
         return self.calls.busy
-
-    @property
-    def hello(self) -> Hello:
-        """The HELLO body this engine announces (``epoch`` 0: filled in per session)."""
-        return self._hello
 
     def announce_bulk(self, address: str) -> None:
         """Listening: HELLOs of new sessions announce this bulk endpoint, each with a
@@ -619,6 +618,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         session.start(welcome, now, now + ping_interval(self._heartbeat, welcome.dead_after_ms))
         self._strangers.pop(session.key)
         self.wake_at = min(self.wake_at, session.next_ping)
+        self.silent_at = min(self.silent_at, now + self._dead_after)
         self._events.append(SessionStarted(session, welcome, frame))
 
     def _end(
@@ -758,6 +758,7 @@ class ServerProtocol(Machine[Hashable, Event]):
         """
         wake = now + self._heartbeat
         dead_after = self._dead_after
+        silent_at = _INF
         for session in list(self.sessions.values()):
             state = session.state
             if state is SessionState.LIVE:
@@ -770,7 +771,8 @@ class ServerProtocol(Machine[Hashable, Event]):
                     continue
                 if now >= session.next_ping:
                     self._ping(session, now)
-                wake = min(wake, session.next_ping, session.last_heard + dead_after)
+                silent_at = min(silent_at, session.last_heard + dead_after)
+                wake = min(wake, session.next_ping, silent_at)
             elif self._listen:
                 continue  # strangers: purged below
             elif state is SessionState.GREETING and not self.draining:
@@ -783,21 +785,10 @@ class ServerProtocol(Machine[Hashable, Event]):
                 self._send_hello(session, now)
         if self._listen:
             wake = min(wake, self._strangers.purge(now))
-        wake = min(wake, self._expire_queued(now))
+        wake = min(wake, _expire_queued(self, now))
         self.wake_at = wake
+        self.silent_at = silent_at
         return wake
-
-    def _expire_queued(self, now: float) -> float:
-        """Answer DEADLINE_EXCEEDED to the queued calls whose deadline passed (when it
-        passes, not when a worker frees up); the time the next one may pass."""
-        for call in self.calls.expire(now):
-            self.error_reply(
-                call,
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"{call.spec.qualname} waited in the queue past its deadline",
-            )
-            self._events.append(CallExpired(call))
-        return self.calls.expiry
 
     def _ping(self, session: Session, now: float) -> None:
         self._ping_nonce = self._ping_nonce % _U32 + 1
@@ -979,6 +970,19 @@ class ServerProtocol(Machine[Hashable, Event]):
         of a session that ended while they waited: their workers are not done with them)."""
         calls = self.calls
         return calls.busy + len(self.queue) + calls.parked + calls.batched
+
+
+def _expire_queued(p: ServerProtocol, now: float) -> float:
+    """Answer DEADLINE_EXCEEDED to the queued calls whose deadline passed (when it
+    passes, not when a worker frees up); the time the next one may pass."""
+    for call in p.calls.expire(now):
+        p.error_reply(
+            call,
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"{call.spec.qualname} waited in the queue past its deadline",
+        )
+        p._events.append(CallExpired(call))
+    return p.calls.expiry
 
 
 def _admit(

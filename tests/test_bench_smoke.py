@@ -235,9 +235,10 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     # the peer is measured wherever ray.serve imports (in a child: it warns on import)
     probe = [sys.executable, "-c", "import ray.serve"]
     if subprocess.run(probe, capture_output=True, timeout=120, check=False).returncode == 0:
-        cases.append("Ray Serve")
+        cases += ["Ray Serve", "Ray Serve, throughput-optimized"]
     else:
         assert "unavailable" in bt["Ray Serve"], bt["Ray Serve"]
+        assert "unavailable" in bt["Ray Serve, throughput-optimized"]
     for case in cases:
         assert bt[case]["n"] > 0, bt[case]
         assert 0 < bt[case]["median_ms"] <= bt[case]["p99_ms"]
@@ -257,7 +258,8 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     assert parts["boundary"]["max"] == pytest.approx(
         bt["late_join_extra_ms"] + bt["stream_delay_ms"]
     )
-    for case in ("unbatched", "tensorrpc", "tensorrpc, max_delay 10 ms", "asyncio batcher"):
+    cpu_cases = ("unbatched", "tensorrpc", "tensorrpc, max_delay 10 ms", "asyncio batcher")
+    for case in (*cpu_cases, "small call, no step"):
         assert bt[case]["client_cpu_us"] > 0
         assert bt[case]["engine_cpu_us"] > 0
         assert type(bt[case]["engine_full_gc"]) is int  # a count: present, whole
@@ -265,6 +267,7 @@ def test_quick_batching_section_measures_every_case(tmp_path: Path) -> None:
     assert {"batch_speedup", "batch_tokens", "batch_late_ttft_ms", "batch_late_join_ms"} <= ids
     assert {"batch_median_ms", "batch_median_mid_ms", "batch_median_wide_ms"} <= ids
     assert "## Batching" in md
+    assert "a small call with no step, by the same callers" in md
 
 
 def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:

@@ -116,11 +116,6 @@ class Holds:
             kept = self._kept.get(key)
             return sum(hold.nbytes for hold in kept) if kept else 0
 
-    def kept(self) -> int:
-        """Messages with tracked tensors (not yet detached)."""
-        with self._lock:
-            return len(self._kept)
-
     # -- peers ------------------------------------------------------------------------------
 
     def forget(self, peer: Hashable) -> list[Hashable]:

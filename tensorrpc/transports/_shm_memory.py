@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc._lazy import LazyModule
-from tensorrpc.transports.torch_shm import TRANSPORT_NAME, _unpack
+from tensorrpc.transports._shm_handle import unpack
+from tensorrpc.transports.torch_shm import TRANSPORT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Sequence
@@ -107,11 +108,6 @@ class ShmMemory:
             if pid > 0:
                 shm.forget_peer(pid)
 
-    def disable_peer(self, peer: Hashable) -> None:
-        """Stop sending torch_shm handles to ``peer`` (it failed to attach to one)."""
-        if self.shm is not None:
-            self.shm.disable_peer(peer)
-
     def sweep(self) -> None:
         """Drop leases older than the transport's lease timeout (a backstop)."""
         shm = self.shm
@@ -139,5 +135,5 @@ class LeaseCollector:
         """Record the handle's lease id; return a stand-in of the right dtype and shape."""
         if transport == TRANSPORT_NAME:
             with contextlib.suppress(TensorTransportError):  # forged: nothing to release
-                self.leases.append(_unpack(handle).lease)
+                self.leases.append(unpack(handle).lease)
         return torch.zeros((), dtype=dtype).expand(shape)

@@ -32,14 +32,8 @@ from tensorrpc._client import Client
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc._protocol import Flags, Hello, MessageKind, Welcome, pack_call_header
 from tensorrpc._server import Server
-from tensorrpc.transports.torch_shm import (
-    TRANSPORT_NAME,
-    HandleKind,
-    TorchShmTransport,
-    _Handle,
-    _pack,
-    _unpack,
-)
+from tensorrpc.transports._shm_handle import Handle, pack, unpack
+from tensorrpc.transports.torch_shm import TRANSPORT_NAME, HandleKind, TorchShmTransport
 from tests.engine_proc import EngineProcess
 from tests.integration.server_peer import Msg, Peer, open_peer
 from tests.integration.server_services import Probe
@@ -82,7 +76,7 @@ def _forge(**fields: Any) -> bytes:
         "tail": b"",
     }
     values.update(fields)
-    return _pack(_Handle(**values))
+    return pack(Handle(**values))
 
 
 def _call_with_handle(peer: Peer, call_id: int, handle: bytes, n: int, flags: int = 0) -> None:
@@ -141,7 +135,7 @@ async def test_item1_a_peer_cannot_read_another_clients_released_tensor(tmp_path
         placed = placer.place(secret)
         assert placed is not None
         assert placer.lease is not None
-        h = _unpack(placed[1])
+        h = unpack(placed[1])
         assert shm.release(placer.lease)
         # The attacker names that region with the freed tag (0), the live tag and a
         # guessed one, under the engine's own pid as its WELCOME claimed.
@@ -282,16 +276,16 @@ def test_item13_a_stride_0_view_cannot_stand_for_a_huge_tensor() -> None:
         ):
             placed = shm.placer("p").place(source)
             assert placed is not None
-            fields = {n: getattr(_unpack(placed[1]), n) for n in _Handle.__slots__}
+            fields = {n: getattr(unpack(placed[1]), n) for n in Handle.__slots__}
             fields["strides"] = (0,)
-            forged = _pack(_Handle(**fields))
+            forged = pack(Handle(**fields))
             with pytest.raises(TensorTransportError):
                 shm.resolver(os.getpid()).resolve(TRANSPORT_NAME, forged, torch.float32, shape)
         # The sender never aliases an overlapping view either: it copies it.
         expanded = tensorrpc.share(torch.arange(4.0))[:1].expand(1 << 10)
         placed = shm.placer("p").place(expanded)
         assert placed is not None
-        assert _unpack(placed[1]).kind == HandleKind.POOL
+        assert unpack(placed[1]).kind == HandleKind.POOL
 
 
 def test_item3_sealed_shared_memory_cannot_shrink() -> None:
@@ -299,7 +293,7 @@ def test_item3_sealed_shared_memory_cannot_shrink() -> None:
     with TorchShmTransport() as shm:
         placed = shm.placer("p").place(t)
         assert placed is not None
-        h = _unpack(placed[1])
+        h = unpack(placed[1])
         assert h.kind == HandleKind.SHARED
         with pytest.raises(PermissionError):
             os.ftruncate(h.fd, 0)

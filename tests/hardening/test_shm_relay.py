@@ -41,7 +41,8 @@ from tensorrpc._protocol import (
     split_frames,
 )
 from tensorrpc._service import describe
-from tensorrpc.transports.torch_shm import TRANSPORT_NAME, HandleKind, TorchShmTransport, _unpack
+from tensorrpc.transports._shm_handle import unpack
+from tensorrpc.transports.torch_shm import TRANSPORT_NAME, HandleKind, TorchShmTransport
 from tests.engine_proc import ROOT, EngineProcess
 from tests.transports._engine import TensorService, digest
 
@@ -115,7 +116,7 @@ async def test_a_relay_of_the_handshake_gains_the_relay_nothing(anyio_backend: s
                 placed = shm.placer("anyone").place(secret)
                 assert placed is not None
                 handle = placed[1]
-                assert _unpack(handle).kind == HandleKind.SHARED
+                assert unpack(handle).kind == HandleKind.SHARED
                 job = {
                     "client": client_address,
                     "engine": engine_address,

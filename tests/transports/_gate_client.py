@@ -22,13 +22,18 @@ N = 1 << 16
 
 
 async def main(address: str) -> None:
+    # Made before the session: the first file_system tensor starts torch's shm manager,
+    # which blocks this thread (the event loop) for seconds under load, longer than the
+    # engine's bound on a silent client.
+    tensors = []
+    for strategy in ("file_descriptor", "file_system"):
+        tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
+        tensors.append(torch.zeros(N).share_memory_())  # type: ignore[no-untyped-call]
     async with Client(TensorService, connect=address, heartbeat_interval=0.2) as client:
         await client.wait_for_engines(1, timeout=60)
         stub = client.with_options(transport="torch_shm").stub()
         sums, untouched = [], []
-        for strategy in ("file_descriptor", "file_system"):
-            tmp.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
-            x = torch.zeros(N).share_memory_()  # type: ignore[no-untyped-call]
+        for x in tensors:
             sums.append(await stub.fill(x, 3.0))
             untouched.append(int(torch.count_nonzero(x)) == 0)
         detail = client.statistics().transports.torch_shm_detail

@@ -11,9 +11,9 @@ import torch
 
 from tensorrpc.transports._shared import lookup, share
 from tensorrpc.transports._shm_copy import SPLIT_BYTES, Copier
-from tensorrpc.transports._shm_handle import HandleKind
+from tensorrpc.transports._shm_handle import HandleKind, unpack
 from tensorrpc.transports._shm_pool import pid as current_pid
-from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+from tensorrpc.transports.torch_shm import TorchShmTransport
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
@@ -49,7 +49,7 @@ def test_a_forked_child_sends_nothing_of_its_parent() -> None:
 
         def check() -> bool:
             placed = shm.placer("x").place(parent_block)
-            h = None if placed is None else _unpack(placed[1])
+            h = None if placed is None else unpack(placed[1])
             return (
                 current_pid() == os.getpid()
                 and lookup(parent_block.untyped_storage()) is None

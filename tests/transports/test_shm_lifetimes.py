@@ -43,7 +43,8 @@ from tensorrpc._protocol import (
     pack_call_header,
     split_frames,
 )
-from tensorrpc.transports.torch_shm import HandleKind, TorchShmStatistics, _Handle, _pack
+from tensorrpc.transports._shm_handle import Handle, pack
+from tensorrpc.transports.torch_shm import HandleKind, TorchShmStatistics
 from tests import _forkserver
 from tests.engine_proc import ROOT, EngineProcess
 from tests.transports._engine import TensorService
@@ -431,7 +432,7 @@ def test_forged_handle_gets_a_clear_error_and_the_engine_keeps_serving(engine: E
         h: dict[str, int] = {"kind": HandleKind.POOL, "pid": os.getpid(), "fd": 0, "dev": 0}
         h.update(ino=0, lease=1, tag=1, base=64, span=4096, elem_offset=0)
         h.update(fields)
-        return _pack(_Handle(strides=(1,), tail=b"", **h))  # type: ignore[arg-type]
+        return pack(Handle(strides=(1,), tail=b"", **h))  # type: ignore[arg-type]
 
     class Forger:
         def __init__(self, handle: bytes) -> None:

@@ -19,7 +19,8 @@ import torch
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc.transports._policy import TransportPolicy
 from tensorrpc.transports._shared import shared_empty
-from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+from tensorrpc.transports._shm_handle import unpack
+from tensorrpc.transports.torch_shm import TorchShmTransport
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
@@ -38,7 +39,7 @@ def shm():
 
 
 def _segment_bytes(shm: TorchShmTransport, handle: bytes) -> torch.Tensor:
-    h = _unpack(handle)
+    h = unpack(handle)
     seg = next(s for s in shm._pool.segments if s.ino == h.ino)
     return seg.view[h.base : h.base + h.span]
 
@@ -235,8 +236,8 @@ def test_bad_releases_are_refused_counted_and_free_nothing(shm):
     # Nothing was freed early: a new tensor cannot land on the held region.
     other = shm.placer("client-a").place(torch.full((1 << 14,), -1.0))
     assert other is not None
-    assert _unpack(other[1]).base != _unpack(placed[1]).base or (
-        _unpack(other[1]).ino != _unpack(placed[1]).ino
+    assert unpack(other[1]).base != unpack(placed[1]).base or (
+        unpack(other[1]).ino != unpack(placed[1]).ino
     )
     assert torch.equal(y, x)
     assert shm.release(lease, peer="client-a")
@@ -264,7 +265,7 @@ def test_detach_gives_live_tensors_pages_of_their_own_before_the_region_is_reuse
     assert shm.release(lease)
     again = shm.placer("client").place(torch.full((3000,), -1.0, dtype=torch.float64))
     assert again is not None
-    assert _unpack(again[1]).base == _unpack(placed[1]).base  # the same region, rewritten
+    assert unpack(again[1]).base == unpack(placed[1]).base  # the same region, rewritten
     assert torch.equal(kept, x)  # private pages: the sender's new bytes do not show
     fresh = shm.resolver(os.getpid()).resolve(*again, torch.float64, (3000,))
     assert bool((fresh == -1.0).all())  # later resolves see the shared pages again

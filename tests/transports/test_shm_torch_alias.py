@@ -57,6 +57,19 @@ def sharing(strategy: str) -> Iterator[None]:
         tmp.set_sharing_strategy(before)  # type: ignore[no-untyped-call]
 
 
+def shared_zeros(strategy: str) -> torch.Tensor:
+    """``N`` zeros in torch's shared memory, made before any session is open.
+
+    The first use of ``file_system`` in a process starts torch's shm manager (a program
+    that loads libtorch) and blocks until it is up: 0.3 to 3 s here, more under load.
+    Made inside a session, that blocks the client's event loop past the engine's 2 s
+    bound: the engine forgets the silent client (and its next call fails, "replaced by
+    a new session").
+    """
+    with sharing(strategy):
+        return torch.zeros(N).share_memory_()  # type: ignore[no-untyped-call,no-any-return]
+
+
 @contextlib.asynccontextmanager
 async def connected(address: str, **kw: object) -> AsyncIterator[Client[TensorService]]:
     async with Client(TensorService, connect=address, heartbeat_interval=0.2, **kw) as client:  # type: ignore[arg-type]
@@ -68,10 +81,9 @@ async def connected(address: str, **kw: object) -> AsyncIterator[Client[TensorSe
 async def test_share_memory_tensors_go_by_alias_when_the_gate_holds(
     anyio_backend: str, engine: EngineProcess, strategy: str
 ) -> None:
+    x = shared_zeros(strategy)
     async with connected(engine.address()) as client:
         stub = client.with_options(transport="torch_shm").stub()
-        with sharing(strategy):
-            x = torch.zeros(N).share_memory_()  # type: ignore[no-untyped-call]
         assert await stub.fill(x, 3.0) == 3.0 * N
         # The engine wrote into the very memory we hold: it mapped torch's file.
         assert bool(torch.all(x == 3.0))
@@ -87,10 +99,9 @@ async def test_share_memory_tensors_go_by_alias_when_the_gate_holds(
 async def test_with_never_share_memory_tensors_are_copied(
     anyio_backend: str, engine: EngineProcess, strategy: str
 ) -> None:
+    x = shared_zeros(strategy)
     async with connected(engine.address(), shm_alias_unsealed="never") as client:
         stub = client.with_options(transport="torch_shm").stub()
-        with sharing(strategy):
-            x = torch.zeros(N).share_memory_()  # type: ignore[no-untyped-call]
         assert await stub.fill(x, 3.0) == 3.0 * N
         assert torch.count_nonzero(x) == 0  # a copy went: the engine's write stayed there
         detail = client.statistics().transports.torch_shm_detail

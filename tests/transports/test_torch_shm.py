@@ -27,15 +27,9 @@ from bench._measure import shm_files_of, shm_names_of
 from tensorrpc._exceptions import TensorTransportError
 from tensorrpc.transports import TensorPlacer, TensorResolver
 from tensorrpc.transports._shared import share
+from tensorrpc.transports._shm_handle import Handle, pack, unpack
 from tensorrpc.transports._shm_pool import Segment
-from tensorrpc.transports.torch_shm import (
-    TRANSPORT_NAME,
-    HandleKind,
-    TorchShmTransport,
-    _Handle,
-    _pack,
-    _unpack,
-)
+from tensorrpc.transports.torch_shm import TRANSPORT_NAME, HandleKind, TorchShmTransport
 from tests import _forkserver
 
 pytestmark = pytest.mark.skipif(
@@ -468,7 +462,7 @@ def _forge(kind: HandleKind, **fields: Any) -> bytes:
         "tail": b"",
     }
     values.update(fields)
-    return _pack(_Handle(**values))
+    return pack(Handle(**values))
 
 
 def _valid_pool_handle(shm: TorchShmTransport, n: int = 1024) -> tuple[bytes, torch.Tensor]:
@@ -777,7 +771,7 @@ def test_handles_naming_torch_shared_files_are_refused_whatever_they_name(shm):
 
 def test_forged_handle_to_a_genuine_segment_with_wrong_identity_is_refused(shm):
     handle, _ = _valid_pool_handle(shm)
-    h = _unpack(handle)
+    h = unpack(handle)
     cases = {
         "inode": {"ino": h.ino + 1},
         "device": {"dev": h.dev + 1},
@@ -788,11 +782,11 @@ def test_forged_handle_to_a_genuine_segment_with_wrong_identity_is_refused(shm):
     for _what, change in cases.items():
         fields = {**_fields(h), **change}
         with pytest.raises(TensorTransportError):
-            _resolve(shm, _pack(_Handle(**fields)))
+            _resolve(shm, pack(Handle(**fields)))
 
 
-def _fields(h: _Handle) -> dict[str, Any]:
-    return {name: getattr(h, name) for name in _Handle.__slots__}
+def _fields(h: Handle) -> dict[str, Any]:
+    return {name: getattr(h, name) for name in Handle.__slots__}
 
 
 @pytest.mark.parametrize(
@@ -818,21 +812,21 @@ def _fields(h: _Handle) -> dict[str, Any]:
 )
 def test_forged_handle_with_out_of_range_fields_is_refused(shm, change, shape):
     handle, _ = _valid_pool_handle(shm)
-    fields = _fields(_unpack(handle))
+    fields = _fields(unpack(handle))
     fields.update(change)
     with pytest.raises(TensorTransportError):
-        _resolve(shm, _pack(_Handle(**fields)), shape)
+        _resolve(shm, pack(Handle(**fields)), shape)
 
 
 def test_forged_shared_handle_with_out_of_range_fields_is_refused(shm):
     shared = share(torch.arange(1024, dtype=torch.uint8))
     placed = shm.placer("p").place(shared)
     assert placed is not None
-    fields = _fields(_unpack(placed[1]))
+    fields = _fields(unpack(placed[1]))
     assert fields["kind"] == HandleKind.SHARED
     for change in ({"elem_offset": 3073}, {"span": 8192}, {"base": 64}, {"tail": b"x"}):
         with pytest.raises(TensorTransportError):
-            _resolve(shm, _pack(_Handle(**{**fields, **change})))
+            _resolve(shm, pack(Handle(**{**fields, **change})))
     assert torch.equal(_resolve(shm, placed[1]), shared)
 
 

@@ -113,7 +113,6 @@ def test_balanced_with_no_engines_fails() -> None:
     table = EngineTable(max_in_flight=4)
     with pytest.raises(EngineNotFoundError, match="no live engines"):
         table.select(None)
-    assert table.has_capacity(None)
 
 
 def test_least_outstanding_prefers_idle_engine() -> None:
@@ -147,7 +146,6 @@ def test_round_robin_cycles_and_skips_full() -> None:
     a.calls.add(2)
     c.calls.add(3)
     assert table.select(None) is None
-    assert not table.has_capacity(None)
 
 
 def test_targeted_engine_at_bound_returns_none() -> None:
@@ -155,7 +153,6 @@ def test_targeted_engine_at_bound_returns_none() -> None:
     a = admit(table, "a", b"a")
     a.calls.update({1, 2})
     assert table.select("a") is None
-    assert not table.has_capacity("a")
     a.calls.discard(1)
     assert table.select("a") is a
 

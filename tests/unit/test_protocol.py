@@ -41,7 +41,6 @@ from tensorrpc._protocol import (
     encode_error,
     header_version,
     pack_call_header,
-    pack_header,
     pack_reply_header,
     split_frames,
     unpack_header,
@@ -187,6 +186,7 @@ def test_header_byte_layout_matches_the_spec():
 def test_every_valid_header_round_trips(kind, call_id, flags, timeout_ms, method):
     if kind is MessageKind.CALL:
         header = Header(kind, call_id, flags, timeout_ms, method)
+        frame = pack_call_header(call_id, method, flags, timeout_ms)
     elif kind in (
         MessageKind.HELLO,
         MessageKind.WELCOME,
@@ -196,9 +196,11 @@ def test_every_valid_header_round_trips(kind, call_id, flags, timeout_ms, method
         MessageKind.ATTACH,
     ):
         header = Header(kind)
+        frame = pack_reply_header(kind)
     else:
         header = Header(kind, call_id)
-    assert unpack_header(pack_header(header)) == header
+        frame = pack_reply_header(kind, call_id)
+    assert unpack_header(frame) == header
 
 
 def test_unpack_header_accepts_any_buffer_and_does_not_need_bytes():
@@ -558,7 +560,6 @@ def test_a_call_header_carries_a_trace_context_after_the_method():
     assert header.trace == trace
     assert header.flags == Flags.STREAM | Flags.TRACE
     assert header.timeout_ms == 1500
-    assert pack_header(header) == frame
     plain = unpack_header(pack_call_header(7, "add"))
     assert plain.trace == b""
     assert not plain.flags & Flags.TRACE
@@ -583,7 +584,6 @@ def test_a_call_header_carries_lease_ids_before_the_method():
     assert header.method == "add"
     assert header.trace == trace
     assert header.flags == Flags.NO_WAIT | Flags.TRACE | Flags.RELEASES
-    assert pack_header(header) == frame
     full = tuple(range(1, MAX_CALL_RELEASES + 1))
     assert unpack_header(pack_call_header(8, "m", releases=full)).releases == full
     plain = unpack_header(pack_call_header(7, "add"))

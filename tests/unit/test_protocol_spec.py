@@ -13,6 +13,7 @@ import struct
 import unicodedata
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal, NamedTuple, NewType, TypedDict
@@ -273,13 +274,7 @@ def spec_float(x: float) -> str:
         return "nan"
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
-    digits, exponent = "", 0
-    for precision in range(17):
-        mantissa, _, exp = f"{x:.{precision}e}".partition("e")
-        if float(f"{mantissa}e{exp}") == x:
-            digits, exponent = mantissa.lstrip("-").replace(".", ""), int(exp)
-            break
-    digits = digits.rstrip("0") or "0"
+    digits, exponent = _shortest(abs(x))
     sign = "-" if math.copysign(1.0, x) < 0 else ""
     if exponent < -4 or exponent >= 16:
         mantissa = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
@@ -288,6 +283,28 @@ def spec_float(x: float) -> str:
         return f"{sign}0.{'0' * (-exponent - 1)}{digits}"
     whole, frac = digits[: exponent + 1].ljust(exponent + 1, "0"), digits[exponent + 1 :]
     return f"{sign}{whole}.{frac or '0'}"
+
+
+def _shortest(x: float) -> tuple[str, int]:
+    """The digits and decimal exponent of the shortest decimal that reads back as ``x``
+    (>= 0); of two as short, the nearer. At each length the correctly rounded decimal may
+    not read back while its neighbour in the last digit does (2**-24), so both are tried."""
+    if x == 0:
+        return "0", 0
+    exact = Decimal(x)
+    for precision in range(17):
+        mantissa, _, exp = f"{x:.{precision}e}".partition("e")
+        rounded = Decimal(f"{mantissa}e{exp}")
+        unit = Decimal(1).scaleb(int(exp) - precision)
+        fits = [d for d in (rounded, rounded - unit, rounded + unit) if float(d) == x]
+        if fits:
+            _, digit_tuple, exponent = (
+                min(fits, key=lambda d: abs(d - exact)).normalize().as_tuple()
+            )
+            assert isinstance(exponent, int)
+            digits = "".join(map(str, digit_tuple))
+            return digits, exponent + len(digits) - 1
+    raise AssertionError(f"{x!r} has no decimal of at most 17 digits")  # pragma: no cover
 
 
 @given(st.text())
@@ -307,6 +324,7 @@ def test_a_bytes_value_is_written_as_appendix_a3_says(data: bytes) -> None:
 @example(1.5e-05)
 @example(0.0001)
 @example(123456789012345.6)
+@example(2.0**-24)  # 5.9604644775390625e-08: ...062e-08 does not read back, ...063e-08 does
 def test_a_float_value_is_written_as_appendix_a3_says(x: float) -> None:
     assert _default_repr(x, "w") == spec_float(x)
 

@@ -156,6 +156,16 @@ def test_the_send_side_wants_the_record_type_itself() -> None:
         compile_type(Sampling, where="w").check(Sampling("x"), "p")  # type: ignore[arg-type]
 
 
+def test_a_field_named_by_a_keyword_is_checked_too() -> None:
+    # The generated check loads identifiers as attributes; ``class`` cannot be one.
+    Keyworded = msgspec.defstruct("Keyworded", [("class", str), ("n", int)])
+    node = compile_type(Keyworded, where="w")
+    value = Keyworded(**{"class": "c", "n": 1})
+    assert node.from_wire(wire(node.check(value, "p")), "p") == value
+    with pytest.raises(ValidationError, match=r"p\.class: expected str"):
+        node.check(Keyworded(**{"class": 1, "n": 1}), "p")
+
+
 def test_a_model_that_refuses_the_value_is_a_validation_error() -> None:
     class Positive(pydantic.BaseModel):
         n: int

@@ -220,6 +220,34 @@ def test_a_silent_client_loses_its_session_and_calls_and_gets_a_new_epoch() -> N
     assert states == [SessionState.GREETING, SessionState.LIVE]
 
 
+@pytest.mark.parametrize("listen", [True, False], ids=["listen", "dial-in"])
+def test_no_session_is_found_silent_before_silent_at(listen: bool) -> None:
+    # The shell takes what its sockets hold before a tick at or past silent_at (rule 2):
+    # a tick before it must end no session, and the first session moves it from never.
+    engine = Engine.make(listen=listen, heartbeat_interval=0.5, dead_after=2.0)
+    assert engine.proto.silent_at == float("inf")
+    key: object = b"c1"
+    if listen:
+        engine.join()
+    else:
+        key = "addr"
+        engine.proto.add_client(key, engine.now)
+        engine.advance(0)
+        engine.welcome(key)
+    assert engine.proto.silent_at == engine.now + 2.0  # set by the WELCOME itself
+    for _ in range(3):  # PINGs heard: the next tick finds the bound later
+        engine.advance(0.9)
+        engine.control(key, PING, None, 1)
+    heard = engine.now
+    engine.advance(0.1)
+    assert engine.proto.silent_at == heard + 2.0
+    engine.advance(engine.proto.silent_at - engine.now - 1e-6)  # just before it: alive
+    assert engine.proto.sessions[key].state is SessionState.LIVE
+    engine.advance(0.01)  # past it, nothing heard: silent
+    assert engine.proto.sessions[key].state is SessionState.GREETING
+    assert engine.proto.silent_at == float("inf")
+
+
 def test_dial_in_silence_greets_again_at_once_with_a_new_epoch() -> None:
     engine = Engine.make(listen=False, heartbeat_interval=0.5, dead_after=2.0)
     engine.proto.add_client("addr", engine.now)
@@ -263,20 +291,30 @@ def test_dial_in_hello_backs_off_while_not_connected() -> None:
 # -- BYE and REJECT -------------------------------------------------------------------------
 
 
-def test_a_clients_bye_ends_the_session_and_no_hello_follows_until_it_speaks() -> None:
-    engine = Engine.make(listen=False, heartbeat_interval=0.5, dead_after=2.0)
-    engine.proto.add_client("addr", engine.now)
-    engine.advance(0)
+@pytest.mark.parametrize("listen", [True, False], ids=["listen", "dial-in"])
+def test_a_clients_bye_ends_the_session_and_no_hello_follows_until_it_speaks(
+    listen: bool,
+) -> None:
+    # Both topologies alike (issue 23): BYE parts, silence until the client speaks, then
+    # a HELLO of a new session.
+    engine = Engine.make(listen=listen, heartbeat_interval=0.5, dead_after=2.0)
+    key: object = b"c1" if listen else "addr"
+    if listen:
+        engine.control(key, PING, None, 1)
+    else:
+        engine.proto.add_client(key, engine.now)
+        engine.advance(0)
     first = hello_of(engine).epoch
-    engine.welcome("addr")
-    call = engine.call("addr", 1)
+    engine.take()
+    engine.welcome(key)
+    call = engine.call(key, 1)
     assert call is not None
-    engine.control("addr", MessageKind.BYE, Bye("closed"))
+    engine.control(key, MessageKind.BYE, Bye("closed"))
     assert call.cancelled
-    assert engine.proto.sessions["addr"].state is SessionState.PARTED
+    assert engine.proto.sessions[key].state is SessionState.PARTED
     engine.advance(1.0)
     assert engine.take() == []
-    engine.control("addr", PING, None, 1)
+    engine.control(key, PING, None, 1)
     assert hello_of(engine).epoch not in (0, first)
 
 
@@ -460,7 +498,7 @@ def test_a_stream_sends_at_most_window_plus_credit(window: int) -> None:
             engine.credit(b"c1", 1, credit)
             granted += credit
         while proto.may_send_item(call):
-            proto.item_sent(call)
+            assert proto.stream_item(call, b"\xc0", ())
             sent += 1
         assert sent == window + granted
     assert call.credits == 0

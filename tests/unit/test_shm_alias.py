@@ -22,8 +22,8 @@ from bench.shm_handle_cost import Pair, measure
 from bench.transfer import _transport_check
 from tensorrpc import _codec
 from tensorrpc.transports._shared import lookup, share
-from tensorrpc.transports._shm_handle import HandleKind
-from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+from tensorrpc.transports._shm_handle import HandleKind, unpack
+from tensorrpc.transports.torch_shm import TorchShmTransport
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
@@ -157,7 +157,7 @@ def test_a_torch_shared_storage_is_looked_up_once_while_it_lives(
             placer = sender.placer("engine")
             placed = placer.place(t)
             assert placed is not None
-            handles.append(_unpack(placed[1]))
+            handles.append(unpack(placed[1]))
             assert placer.lease is not None
             sender.release(placer.lease)
         monkeypatch.undo()

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from tensorrpc.transports._shm_handle import unpack
 from tensorrpc.transports._shm_pool import (
     WARM_CHUNK,
     Segment,
@@ -22,7 +23,7 @@ from tensorrpc.transports._shm_pool import (
     cold,
     fill,
 )
-from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+from tensorrpc.transports.torch_shm import TorchShmTransport
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
@@ -47,7 +48,7 @@ def test_an_engine_cannot_reach_a_region_the_same_client_leased_to_another_engin
         got_b = b.resolver(os.getpid(), keep=("client", 1)).resolve(*to_b, torch.uint8, (4096,))
         assert torch.equal(got_b, secret)
         assert int(got_a.sum()) == 0
-        assert _unpack(to_a[1]).ino != _unpack(to_b[1]).ino
+        assert unpack(to_a[1]).ino != unpack(to_b[1]).ino
         # Everything engine A maps of the client's memory: its cached segment mappings.
         held = [m.view for m in a._receiver.maps._maps.values()]
         assert held, "engine A keeps its segment mapped"

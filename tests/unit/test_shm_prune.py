@@ -20,9 +20,10 @@ import torch
 
 from tensorrpc import _release
 from tensorrpc.transports._shared import share
+from tensorrpc.transports._shm_handle import unpack
 from tensorrpc.transports._shm_pool import pid as current_pid
 from tensorrpc.transports._shm_recv import PRUNE_PER_MAP
-from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+from tensorrpc.transports.torch_shm import TorchShmTransport
 
 pytestmark = pytest.mark.skipif(
     not TorchShmTransport.available(), reason="torch_shm needs Linux memfd and /proc"
@@ -59,7 +60,7 @@ def test_freed_shared_tensors_are_unmapped_at_the_next_mapping_and_the_sweep() -
             placer = client.placer("engine")
             placed = placer.place(t)
             assert placed is not None
-            sent.add(_unpack(placed[1]).ino)
+            sent.add(unpack(placed[1]).ino)
             got = resolver.resolve(*placed, torch.float32, (1024,))
             assert float(got[0]) == i
             assert placer.lease is not None
@@ -82,7 +83,7 @@ def test_a_trimmed_pool_segment_is_unmapped_at_the_sweep() -> None:
         placer = client.placer("engine")
         placed = placer.place(big)
         assert placed is not None
-        ino = _unpack(placed[1]).ino
+        ino = unpack(placed[1]).ino
         got = engine.resolver(None).resolve(*placed, torch.float32, tuple(big.shape))
         assert torch.equal(got, big)
         assert placer.lease is not None
@@ -138,7 +139,7 @@ def test_a_torch_file_named_once_is_not_kept_mapped_and_twice_is() -> None:
                 placer = client.placer("engine")
                 placed = placer.place(t)
                 assert placed is not None
-                h = _unpack(placed[1])
+                h = unpack(placed[1])
                 got = engine.resolver(None, unsealed=True).resolve(*placed, torch.float32, (4096,))
                 assert engine.statistics().tensors_received_aliased == 2 * (value - 1) + sent
                 assert float(got[-1]) == value
@@ -209,7 +210,7 @@ def test_a_torch_file_mapped_once_is_unmapped_by_the_release_thread(
         t.share_memory_()  # type: ignore[no-untyped-call]
         placed = client.placer("engine").place(t)
         assert placed is not None
-        ino = _unpack(placed[1]).ino
+        ino = unpack(placed[1]).ino
         got = engine.resolver(None, unsealed=True).resolve(*placed, torch.float32, (n,))
         assert float(got[-1]) == 5.0
         assert _mappings_of(ino) == 2  # the client's and the engine's

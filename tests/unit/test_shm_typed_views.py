@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from tensorrpc.transports._shared import share
+from tensorrpc.transports._shm_handle import unpack
 from tensorrpc.transports._shm_pool import privatize
 from tensorrpc.transports._shm_recv import SegmentMaps
-from tensorrpc.transports.torch_shm import TorchShmTransport, _unpack
+from tensorrpc.transports.torch_shm import TorchShmTransport
 from tests.transports._shm_local import send_local
 
 pytestmark = pytest.mark.skipif(
@@ -104,7 +105,7 @@ def test_a_handle_resolved_after_its_mapping_was_evicted_sees_the_shared_pages()
         assert float(first[0]) == 0.0
         placed = sender.placer("client").place(t)
         assert placed is not None
-        h = _unpack(placed[1])
+        h = unpack(placed[1])
         key = (h.pid, h.dev, h.ino)
         mapping = receiver._receiver.maps.get(key)
         assert mapping is not None

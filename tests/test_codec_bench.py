@@ -1,4 +1,8 @@
-"""The codec benchmark runs and reports every case and system (figures are not judged)."""
+"""The codec benchmark runs and reports every case and system (figures are not judged).
+
+A quick run is about a second of timed loops, so it sits with the benchmark smoke tests
+rather than in tests/unit.
+"""
 
 from __future__ import annotations
 
