@@ -48,18 +48,19 @@ SLOWEST: Final = 1 << 30
 
 
 def default_threads() -> int:
-    """Threads a copy may use: the cores this process may run on less one, at most
-    `MAX_THREADS` and at least one.
+    """Threads a copy may use: the cores this process may run on, at most `MAX_THREADS`.
 
-    The core left is the event loops': a copy on every core of a small host delays each
-    small call that wakes meanwhile, for little gain (on 2 cores under a mixed load, one
-    thread copied as fast as two).
+    Every core: one thread's ``memmove`` does not reach the memory bandwidth, and a new
+    64 MiB tensor each call is copied in 0.95x the time of one thread's ``copy_`` with two
+    threads on two cores, 1.23x with one. The price is the small calls' tail under a
+    mixed load on a small host (docs/transports.md, *Large copies use several cores*);
+    ``TorchShmTransport(copy_threads=1)`` pays the other way.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cpus - 1))
+    return max(1, min(MAX_THREADS, cpus))
 
 
 class _Copy:

@@ -119,8 +119,8 @@ def test_a_copier_dropped_without_close_stops_its_helpers() -> None:
         assert not thread.is_alive()
 
 
-@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)])
-def test_the_default_leaves_one_of_the_processs_cores_to_the_event_loops(
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 2), (3, 3), (5, 4), (64, 4)])
+def test_the_default_is_the_processs_cores_at_most_four(
     monkeypatch: pytest.MonkeyPatch, cores: int, threads: int
 ) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)))
