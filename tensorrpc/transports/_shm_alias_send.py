@@ -80,29 +80,8 @@ class AliasSending:
             return self._place_torch(placer, t, storage, strides)
         if not (t.is_contiguous() or non_overlapping(tuple(t.shape), strides)):
             return None
-        nbytes = storage.nbytes()
-        key = (block.dev, block.ino)
-        account = self._account(placer._peer)
-        if not self._budget.try_pin(account, key, nbytes, new_lease=self._needs_lease(placer)):
-            self._stats["peer_limited"] += 1
-            return LIMITED
-        lease = self._new_lease(placer)
-        lease.keep.append(storage)
-        lease.pins.append(key)
-        return pack_fields(
-            _SHARED,
-            self._pid,
-            block.fd,
-            block.dev,
-            block.ino,
-            lease.id,
-            0,
-            0,
-            nbytes,
-            int(t.storage_offset()),
-            strides,
-            b"",
-        )
+        shared = (_SHARED, block.fd, block.dev, block.ino, 0, None)
+        return self._pin(placer, t, storage, storage.nbytes(), strides, shared)
 
     def _place_torch(
         self,
@@ -130,7 +109,20 @@ class AliasSending:
             if facts is None:
                 return None  # not one of torch's shared files after all: the pool
             self._torch_files[storage] = facts
-        kind, fd, dev, ino, base, owned = facts
+        return self._pin(placer, t, storage, nbytes, strides, facts)
+
+    def _pin(
+        self,
+        placer: ShmPlacer,
+        t: torch.Tensor,
+        storage: torch.UntypedStorage,
+        nbytes: int,
+        strides: tuple[int, ...],
+        file: _TorchFile,
+    ) -> bytes:
+        """Charge ``storage`` (``nbytes``, in ``file``) to the peer's process and pin it
+        under the message's lease; its handle, or `LIMITED` when the peer is over its cap."""
+        kind, fd, dev, ino, base, owned = file
         key = (dev, ino)
         account = self._account(placer._peer)
         if not self._budget.try_pin(account, key, nbytes, new_lease=self._needs_lease(placer)):
