@@ -43,7 +43,15 @@ from tensorrpc._exceptions import (
 )
 from tensorrpc._interceptors import intercept
 from tensorrpc._protocol import Flags
-from tensorrpc._release import held_nbytes, later_if_large, nbytes, threshold as release_threshold
+from tensorrpc._release import (
+    held_nbytes,
+    hold_back,
+    later,
+    later_if_large,
+    nbytes,
+    resume,
+    threshold as release_threshold,
+)
 from tensorrpc._schema import bad_result_message
 from tensorrpc._server_calls import MISSING, ServerCall as Call
 from tensorrpc._zmq import Waiters
@@ -314,10 +322,36 @@ async def _run(server: Server, call: Call, scope: anyio.CancelScope) -> None:
         call.scope = None
         if finite:
             scope.deadline = math.inf
-    later_if_large(args, size)  # a large CALL's frames are freed off the loop
-    del args  # argument tensors on the client's regions die here, before the reply
-    if not scope.cancel_called:
-        await _reply(server, call)
+    held = _drop_args(args, size)  # before the reply, which then releases their leases
+    del args
+    await _reply_and_free(server, call, scope, held)
+
+
+def _drop_args(args: list[Any], size: int) -> list[object]:
+    """Drop a call's arguments (tensors on the client's regions die now); what must die
+    off the loop (a large CALL's frames, one-off mappings) is held back and returned,
+    for `_reply_and_free` to hand to the release thread once the reply is sent."""
+    held = hold_back()
+    try:
+        later_if_large(args.copy(), size)
+        args.clear()
+    finally:
+        resume()
+    return held
+
+
+async def _reply_and_free(
+    server: Server, call: Call, scope: anyio.CancelScope, held: list[object]
+) -> None:
+    """Reply (unless ``scope`` was cancelled for the call), then free ``held`` off the loop:
+    the release thread's wake-up and unmapping never delay the reply."""
+    try:
+        if not scope.cancel_called:
+            await _reply(server, call)
+    finally:
+        if held:
+            later(held)
+        del held
 
 
 def _proceed(server: Server, call: Call, args: list[Any], deadline: float) -> Awaitable[Any]:

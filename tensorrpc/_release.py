@@ -28,6 +28,10 @@ Rules:
    the process in torch's static destructors.
 6. With `tensorrpc.set_background_nice`, the thread runs below the event loop's priority
    (`tensorrpc._background`).
+7. What dies between `hold_back` and `resume` on a thread is handed over in one batch
+   by the caller, later: an engine drops a call's arguments before it replies (so that
+   the reply can release their leases) and hands them over once the reply is sent, so
+   that the thread's wake-up and its unmapping never delay the reply.
 
 Backend-neutral: nothing here knows about asyncio or trio.
 """
@@ -50,11 +54,13 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_THRESHOLD",
     "held_nbytes",
+    "hold_back",
     "later",
     "later_if_large",
     "max_queued",
     "nbytes",
     "release_later",
+    "resume",
     "set_release_threshold",
     "threshold",
 ]
@@ -76,6 +82,7 @@ _max_queued = _DEFAULT_MAX_QUEUED
 _lock = threading.Lock()
 _queue: queue.Queue[object] | None = None
 _thread: threading.Thread | None = None
+_local = threading.local()  # .held: this thread's hand-overs held back (rule 7), or None
 
 
 def threshold() -> int:
@@ -208,6 +215,10 @@ def later(obj: object) -> bool:
         True when the thread took it; False when its queue is full (then ``obj`` dies
         wherever its last reference drops, as if this had not been called).
     """
+    held: list[object] | None = getattr(_local, "held", None)
+    if held is not None:
+        held.append(obj)
+        return True
     q = _queue
     if q is None:
         q = _start()
@@ -216,6 +227,23 @@ def later(obj: object) -> bool:
     except queue.Full:
         return False
     return True
+
+
+def hold_back() -> list[object]:
+    """Hold this thread's hand-overs back (rule 7) until `resume`.
+
+    Returns:
+        The list they are appended to; the caller hands it to `later` when the moment
+        is right (and drops its own reference right after, as rule 2 asks).
+    """
+    held: list[object] = []
+    _local.held = held
+    return held
+
+
+def resume() -> None:
+    """Hand-overs on this thread go to the release thread again (see `hold_back`)."""
+    _local.held = None
 
 
 def later_if_large(obj: object, size: int) -> bool:

@@ -197,3 +197,43 @@ def test_a_send_done_at_once_is_released_after_its_frames() -> None:
     assert pending.prune() == 0  # the next send or housekeeping tick
     assert done.wait(WAIT)
     assert names == ["tensorrpc-release"]
+
+
+def test_hand_overs_held_back_reach_the_thread_only_when_handed_on() -> None:
+    box = Box()
+    done, names = died_in(box)
+    held = _release.hold_back()
+    try:
+        assert _release.later_if_large(box, _release.threshold())
+        assert not _release.later_if_large(Box(), 0)  # small: not held, dies inline
+    finally:
+        _release.resume()
+    del box
+    assert len(held) == 1
+    assert not done.is_set()
+    other = Box()
+    other_done, _ = died_in(other)
+    assert _release.later(other)  # after resume(): straight to the thread again
+    del other
+    assert other_done.wait(WAIT)
+    assert not done.is_set()
+    assert _release.later(held)
+    del held
+    assert done.wait(WAIT)
+    assert names == ["tensorrpc-release"]
+
+
+def test_holding_back_is_per_thread() -> None:
+    held = _release.hold_back()
+    try:
+        box = Box()
+        done, names = died_in(box)
+        worker = threading.Thread(target=_release.later, args=(box,))
+        worker.start()
+        worker.join(WAIT)
+        del box
+        assert done.wait(WAIT)  # another thread's hand-over went to the thread
+        assert names == ["tensorrpc-release"]
+        assert held == []
+    finally:
+        _release.resume()
