@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import fcntl
 import itertools
 import logging
@@ -120,6 +121,36 @@ _SEEN_ONCE_MAX = 1024
 _KNOWN_MAX = 4096
 _SERIALS = itertools.count(1)
 _ALIAS_KINDS: Final = frozenset({HandleKind.SHARED, HandleKind.TORCH_FD, HandleKind.TORCH_FILE})
+
+
+#: ``pidfd_getfd(2)`` (Linux 5.6; the same number on every architecture since 5.1).
+_SYS_PIDFD_GETFD: Final = 438
+#: Whether `_getfd` may be tried: False once the kernel (or Yama, seccomp, an LSM)
+#: refused it; then descriptors are opened through ``/proc/<pid>/fd`` as before.
+_getfd_usable = True
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _getfd(pidfd: int, fd: int) -> int:
+    """A duplicate of descriptor ``fd`` of the process of ``pidfd`` (close-on-exec), or
+    -1 when this way is not available here (the caller opens it through ``/proc``).
+
+    One system call instead of three path walks through ``/proc`` (``readlink``,
+    ``stat``, ``open``), and no ``open`` of the file at all: nothing a file's ``open``
+    could do (a FIFO, a device) happens; the caller checks what it got with ``fstat``.
+
+    Raises:
+        OSError: the process has exited (``ESRCH``) or has no such descriptor (``EBADF``).
+    """
+    global _getfd_usable
+    got = int(_libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0))
+    if got >= 0:
+        return got
+    err = ctypes.get_errno()
+    if err in (errno.ESRCH, errno.EBADF):
+        raise OSError(err, os.strerror(err))
+    _getfd_usable = False  # ENOSYS, EPERM (Yama's ptrace_scope, seccomp, an LSM), ...
+    return -1
 
 
 def _shm_device() -> int:
@@ -536,8 +567,15 @@ class Receiver:
             if pid != peer.pid:
                 raise fail(_NO_ATTACH)
             fd_dir = peer.fd_dir
-        name, dir_fd = (str(fd), fd_dir) if fd_dir >= 0 else (f"/proc/{pid}/fd/{fd}", None)
         device = self._shm_dev if pattern is TORCH_RE else self._memfd_dev
+        if pattern is TORCH_RE and peer is not None and fd_dir >= 0 and _getfd_usable:
+            # torch's files: a regular file on /dev/shm's device with the handle's inode
+            # is all the name would tell (tensorrpc's memfds keep the name check, which
+            # tells a pool segment from a shared tensor's).
+            got = self._getfd(peer, fd, dev, ino, device)
+            if got is not None:
+                return got
+        name, dir_fd = (str(fd), fd_dir) if fd_dir >= 0 else (f"/proc/{pid}/fd/{fd}", None)
         try:
             target = os.readlink(name, dir_fd=dir_fd)
             if not pattern.fullmatch(target):
@@ -550,6 +588,24 @@ class Receiver:
         try:
             if fd_dir < 0 and peer is not None and not peer.alive():
                 raise fail(_NO_ATTACH)
+            st = os.fstat(ofd)
+            self._check_file(st, dev, ino, device)
+        except BaseException:
+            os.close(ofd)
+            raise
+        return ofd, st
+
+    def _getfd(
+        self, peer: KernelPeer, fd: int, dev: int, ino: int, device: int
+    ) -> tuple[int, os.stat_result] | None:
+        """`_open` by ``pidfd_getfd``: None when that is not available here."""
+        try:
+            ofd = _getfd(peer.pidfd, fd)
+        except OSError:
+            raise fail(_NO_ATTACH) from None
+        if ofd < 0:
+            return None
+        try:
             st = os.fstat(ofd)
             self._check_file(st, dev, ino, device)
         except BaseException:
