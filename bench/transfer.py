@@ -23,7 +23,8 @@ Systems (each one's peer module says how it is set up):
   out of the timing); the **same tensor** each call; a tensor in torch's shared memory
   (``share_memory_()``); a **``DataLoader`` batch** (one worker; each call sends a batch
   not sent before, fetched untimed between calls, the worker idle while calls are
-  timed); a ``tensorrpc.share()`` tensor; and the **first call of a new size** (64 MiB
+  timed, two untimed small calls after each fetch: see `_next_batch`); a
+  ``tensorrpc.share()`` tensor; and the **first call of a new size** (64 MiB
   column only: each sample a size the pool has no segment for). Each line also times,
   in the same run and the same process, one ``Tensor.copy_`` of the very sources it
   sends into a preallocated tensor in shared memory (a memfd's pages, already faulted
@@ -54,7 +55,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -387,6 +388,10 @@ class Batches:
         self._ready: list[torch.Tensor] = []
         self._sent: list[torch.Tensor] = []
 
+    def needs_fetch(self, size: int) -> bool:
+        """Whether `take` of ``size`` fetches a new window."""
+        return not self._ready or self._ready[0].nbytes != size
+
     def take(self, size: int) -> torch.Tensor:
         """The next batch of ``size`` bytes, never handed out before (fetched untimed
         when the window is used up; the batches of the last window are freed then)."""
@@ -449,8 +454,27 @@ def _sources(kind: str, size: int, budget: Budget) -> list[torch.Tensor]:
     return [make_tensor(size)]
 
 
-async def _next_batch(batches: Batches, size: int) -> torch.Tensor:
-    return await asyncio.to_thread(batches.take, size)
+#: Untimed small calls made after each window is fetched (see `_next_batch`).
+WAKE_CALLS = 2
+
+
+async def _next_batch(
+    batches: Batches, size: int, wake: Callable[[], Awaitable[Any]] | None
+) -> torch.Tensor:
+    """The next batch; after a fetch, `WAKE_CALLS` untimed small calls first.
+
+    A fetch leaves the client's loop and the engine idle for 100 ms or more (the worker
+    writes the window); on this VM the first call after 50 ms of idle takes about 1 ms
+    and the second 0.4 ms, a small call as much as a batch (``bench.idle_wake``), while
+    the small call this line is compared with is timed back to back. The wake-up calls
+    keep that idle cost out of both sides of the comparison.
+    """
+    fetch = batches.needs_fetch(size)
+    batch = await asyncio.to_thread(batches.take, size)
+    if fetch and wake is not None:
+        for _ in range(WAKE_CALLS):
+            await wake()
+    return batch
 
 
 async def _next_source(sources: list[torch.Tensor], it: Any) -> torch.Tensor:
@@ -463,8 +487,11 @@ async def _line(
     send: Callable[[torch.Tensor], Any],
     kind: str,
     batches: Batches | None,
+    wake: Callable[[], Awaitable[Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Time one tensorrpc line at every size; return its cells and its ``copy_`` cells.
+
+    ``wake``: the small call, made untimed after each window of batches is fetched.
 
     Everything that blocks (making the sources, fetching batches, timing the ``copy_``)
     runs in a thread, so that the client's event loop keeps answering the engine's
@@ -496,7 +523,7 @@ async def _line(
                 continue
             check(await send(sources[0]), size)
             prepare = (
-                functools.partial(_next_batch, batches, size)
+                functools.partial(_next_batch, batches, size, wake)
                 if kind == "loader" and batches is not None
                 else functools.partial(_next_source, sources, iter(range(1 << 62)))
             )
@@ -530,7 +557,9 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
                 try:
                     stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
                     before = _counters(client)
-                    sizes, ref = await _line(cfg, stub.consume, kind, batches)
+                    sizes, ref = await _line(
+                        cfg, stub.consume, kind, batches, lambda: plain.add(1, 2)
+                    )
                     entry: dict[str, Any] = {"small": small, "sizes": sizes, "copy_": ref}
                     if key in ("frames", "shm_same", "shm_shared"):
                         # The other direction: the engine answers a tensor it holds (in
@@ -680,7 +709,8 @@ NOTES = {
     "tensorrpc torch_shm (share_memory_)": "a share_memory_() tensor (torch's shared memory), "
     "the same each call: by alias where the receiver's gate allows, else copied",
     "tensorrpc torch_shm (DataLoader batch)": "a batch from a DataLoader with one worker, a "
-    "new batch each call (fetched untimed): by alias where the gate allows, else copied",
+    "new batch each call (fetched untimed, a window of 4; two untimed small calls after a "
+    "fetch wake both ends): by alias where the gate allows, else copied",
     "tensorrpc torch_shm (tensorrpc.share)": "a tensorrpc.share() tensor: only the handle travels",
     "tensorrpc torch_shm (first call of a new size)": "64 MiB + 2k MiB, each sample a size "
     "the pool has no segment for: a new segment made and filled",

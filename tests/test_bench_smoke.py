@@ -205,6 +205,32 @@ def test_dataloader_batches_are_shared_new_each_call_and_of_the_size_asked() -> 
         batches.close()
 
 
+def test_dataloader_line_wakes_both_ends_after_each_fetch_only() -> None:
+    import asyncio
+
+    from bench.transfer import WAKE_CALLS, Batches, _next_batch
+
+    batches = Batches(window=2)
+    woken: list[int] = []
+
+    async def wake() -> None:
+        woken.append(len(woken))
+
+    async def five() -> list[bool]:
+        fetched = []
+        for _ in range(5):
+            fetched.append(batches.needs_fetch(4096))
+            await _next_batch(batches, 4096, wake)
+        return fetched
+
+    try:
+        fetched = asyncio.run(five())
+    finally:
+        batches.close()
+    assert fetched == [True, False, True, False, True]
+    assert len(woken) == 3 * WAKE_CALLS
+
+
 def test_startup_measures_the_commands_and_none_imports_torch() -> None:
     # Start-up time is measured by bench.startup, never asserted here; what a test can
     # hold is that it runs and that none of the commands imports torch.
