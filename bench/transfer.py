@@ -461,7 +461,8 @@ WAKE_CALLS = 2
 async def _next_batch(
     batches: Batches, size: int, wake: Callable[[], Awaitable[Any]] | None
 ) -> torch.Tensor:
-    """The next batch; after a fetch, `WAKE_CALLS` untimed small calls first.
+    """The next batch; a fetch runs in a thread, and `WAKE_CALLS` untimed small calls
+    follow it.
 
     A fetch leaves the client's loop and the engine idle for 100 ms or more (the worker
     writes the window); on this VM the first call after 50 ms of idle takes about 1 ms
@@ -469,9 +470,10 @@ async def _next_batch(
     the small call this line is compared with is timed back to back. The wake-up calls
     keep that idle cost out of both sides of the comparison.
     """
-    fetch = batches.needs_fetch(size)
+    if not batches.needs_fetch(size):
+        return batches.take(size)  # (no thread hop: the other lines pay none either)
     batch = await asyncio.to_thread(batches.take, size)
-    if fetch and wake is not None:
+    if wake is not None:
         for _ in range(WAKE_CALLS):
             await wake()
     return batch
