@@ -546,7 +546,12 @@ def _placed_inline(
 
 
 async def _place_off_loop(
-    server: Server, call: Call, placer: PolicyPlacer | None, *, final: bool = False
+    server: Server,
+    call: Call,
+    placer: PolicyPlacer | None,
+    encoded: _codec.Encoded,
+    *,
+    final: bool = False,
 ) -> bool:
     """`_detach`, and copy the reply's large tensors into the pool (`PolicyPlacer.fill`),
     on a worker thread (the copies release the GIL: the loop keeps serving). False: it
@@ -554,14 +559,24 @@ async def _place_off_loop(
     keep = call.keep
     items = call.request.keep if final and call.request is not None else None
     memory = server._policy.memory
+    # A reply without frames holds its tensors only for their copies into the pool.
+    sources = encoded.keepalive if not encoded.buffers else None
 
     def copy() -> None:
-        if keep is not None:
-            memory.detach(keep)
-        if items is not None:
-            memory.detach(items)
-        if placer is not None:
-            placer.fill()
+        # The reply's copies first, then its sources go (here, off the loop): a result
+        # that is an argument (an echo) is copied out of the client's region while that
+        # region is still leased to us, and is dead by the detach, which then has no
+        # private pages to make for it (64 MiB of fresh pages cost tens of ms of faults).
+        try:
+            if placer is not None:
+                placer.fill()
+                if sources is not None:
+                    sources.clear()
+        finally:
+            if keep is not None:
+                memory.detach(keep)
+            if items is not None:
+                memory.detach(items)
 
     try:
         # Not abandoned on cancellation: the region must not be released mid-copy.
@@ -644,7 +659,7 @@ async def _reply(server: Server, call: Call) -> None:
         return
     encoded, placer = done
     if not _placed_inline(server, call, placer, final=True) and not await _place_off_loop(
-        server, call, placer, final=True
+        server, call, placer, encoded, final=True
     ):
         return
     if not server._proto.result(call, encoded.payload, encoded.buffers):
@@ -756,7 +771,7 @@ async def _pump(server: Server, call: Call, gen: AsyncGenerator[Any, None]) -> b
             return False  # the ERROR is sent: nothing more
         encoded, placer = done
         if not _placed_inline(server, call, placer) and not await _place_off_loop(
-            server, call, placer
+            server, call, placer, encoded
         ):
             return False  # the ERROR is sent: nothing more
         if not proto.stream_item(call, encoded.payload, encoded.buffers):

@@ -1,8 +1,9 @@
 """A client program for tests/transports/test_shm_copy_threads.py (not a test module).
 
 ``python -m tests.transports._copy_client ADDRESS NBYTES`` dials the engine at ADDRESS,
-asks it for a fresh tensor of NBYTES (``make``) and for an echo of one (``echo``), both
-by torch_shm, checks the bytes, prints ``ok`` and exits.
+asks it for a fresh tensor of NBYTES (``make``), for an echo of one (``echo``) and for an
+echo whose argument the engine keeps (``echo_kept``), all by torch_shm, checks the bytes,
+prints ``ok`` and exits.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ async def main(address: str, nbytes: int) -> None:
             x = pattern("uint8", [nbytes], 8)
             if digest(await stub.echo(x)) != digest(x):
                 raise SystemExit("echo: wrong bytes")
+            y = pattern("uint8", [nbytes], 9)
+            if digest(await stub.echo_kept(y)) != digest(y):
+                raise SystemExit("echo_kept: wrong bytes")
     print("ok", flush=True)
 
 

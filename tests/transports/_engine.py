@@ -63,9 +63,16 @@ class TensorService:
         self.board: torch.Tensor = tensorrpc.shared_empty(1 << 16, dtype=torch.float32)
         self.board.zero_()
         self._events: dict[str, anyio.Event] = {}
+        self.kept: torch.Tensor | None = None
 
     @rpc
     async def echo(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @rpc
+    async def echo_kept(self, x: torch.Tensor) -> torch.Tensor:
+        """Send the argument back and keep it (alive past the reply) until the next call."""
+        self.kept = x
         return x
 
     @rpc
