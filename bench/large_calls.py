@@ -27,6 +27,7 @@ from bench.peers.tensorrpc_peer import (
     ENGINE_ID,
     BenchService,
     apply_background_nice,
+    background_nice_arg,
     runtime,
     wait_engine,
 )
@@ -101,9 +102,9 @@ def main() -> None:
     parser.add_argument("--transport", choices=("frames", "torch_shm"), default="frames")
     parser.add_argument(
         "--background-nice",
-        type=int,
+        type=background_nice_arg,
         default=None,
-        help="tensorrpc.set_background_nice(N) in the client and the engine",
+        help="tensorrpc.set_background_nice(N or idle) in the client and the engine",
     )
     args = parser.parse_args()
     if args.background_nice is not None:

@@ -282,15 +282,31 @@ def _drop_later() -> Callable[[Any], None]:
     return drop
 
 
-def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dict[str, Any]:
+def _tensorrpc(
+    cfg: Config, workdir: Path, transport: str, topology: str, idle: bool = False
+) -> dict[str, Any]:
+    """tensorrpc with ``transport``; ``idle``: its bulk threads (copies, release) under
+    ``SCHED_IDLE`` in the client and the engine (``tensorrpc.set_background_nice("idle")``;
+    the release thread stays so for the rest of this process: these cases run last)."""
     import torch
 
+    import tensorrpc
     from bench.peers._proc import PeerProcess
-    from bench.peers.tensorrpc_peer import ENGINE_ID, BenchService, runtime, wait_engine
+    from bench.peers.tensorrpc_peer import (
+        BACKGROUND_NICE_ENV,
+        ENGINE_ID,
+        BenchService,
+        runtime,
+        wait_engine,
+    )
 
     client_cls, _ = runtime()
     listen = topology == "client dials"
-    addr = f"ipc://{workdir}/mixed-{transport}-{'listen' if listen else 'dialin'}.sock"
+    where = "listen" if listen else "dialin"
+    addr = f"ipc://{workdir}/mixed-{transport}-{where}{'-idle' if idle else ''}.sock"
+    if idle:
+        tensorrpc.set_background_nice("idle")
+        os.environ[BACKGROUND_NICE_ENV] = "idle"  # (the engine it starts inherits it)
     drop = _drop_later()
 
     async def case(peer: PeerProcess) -> dict[str, Any]:
@@ -324,8 +340,15 @@ def _tensorrpc(cfg: Config, workdir: Path, transport: str, topology: str) -> dic
             return await measure(lambda: plain.add(1, 2), large_ops, cfg)
 
     args = [addr, "--listen"] if listen else [addr]
-    with PeerProcess("bench.peers.tensorrpc_peer", args, ready_timeout=cfg.ready_timeout) as peer:
-        result: dict[str, Any] = run_async(lambda: case(peer), cfg.case_timeout)
+    try:
+        with PeerProcess(
+            "bench.peers.tensorrpc_peer", args, ready_timeout=cfg.ready_timeout
+        ) as peer:
+            result: dict[str, Any] = run_async(lambda: case(peer), cfg.case_timeout)
+    finally:
+        if idle:
+            tensorrpc.set_background_nice(None)
+            os.environ.pop(BACKGROUND_NICE_ENV, None)
     return result
 
 
@@ -412,7 +435,9 @@ def _ray(cfg: Config, workdir: Path) -> dict[str, Any]:
 def system_names() -> list[str]:
     """Every system this section measures, as named in its results."""
     names = [f"tensorrpc {tr} ({topo})" for tr in ("frames", "torch_shm") for topo in TOPOLOGIES]
-    return [*names, "pyzmq", "pyzmq bulk socket", "ray"]
+    # (last: the idle setting leaves this process's release thread under SCHED_IDLE)
+    idle = [f"tensorrpc {tr} idle ({t})" for tr in ("frames", "torch_shm") for t in TOPOLOGIES]
+    return [*names, "pyzmq", "pyzmq bulk socket", "ray", *idle]
 
 
 def _case(name: str, cfg: Config, workdir: Path) -> dict[str, Any]:
@@ -420,9 +445,9 @@ def _case(name: str, cfg: Config, workdir: Path) -> dict[str, Any]:
         return _pyzmq(cfg, workdir, bulk=name != "pyzmq")
     if name == "ray":
         return _ray(cfg, workdir)
-    transport = name.split()[1]
+    words = name.split(" (")[0].split()  # tensorrpc TRANSPORT [idle]
     topology = name.split(" (")[1].rstrip(")")
-    return _tensorrpc(cfg, workdir, transport, topology)
+    return _tensorrpc(cfg, workdir, words[1], topology, idle=words[2:] == ["idle"])
 
 
 def run(
@@ -523,6 +548,11 @@ def _restart_with_huge_pages() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "bench.mixed", *sys.argv[1:]], env)
 
 
+def _nice_arg(text: str) -> int | str:
+    """``--background-nice``'s value: ``0`` .. ``19`` or ``idle``."""
+    return text if text == "idle" else int(text)
+
+
 def main() -> None:
     """Run the section alone; print its markdown (and ``--json`` the raw results)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -538,9 +568,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--background-nice",
-        type=int,
+        type=_nice_arg,
         default=None,
-        help="tensorrpc.set_background_nice(N) in the client and the engines",
+        help="tensorrpc.set_background_nice(N or idle) in the client and the engines",
     )
     args = parser.parse_args()
     if args.huge_pages:

@@ -339,6 +339,25 @@ def test_quick_mixed_load_reports_tails_and_throughput(tmp_path: Path) -> None:
     assert f"| {tensorrpc_frames} | 16 MiB |" in md
 
 
+def test_mixed_idle_systems_run_last_with_sched_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import mixed
+
+    names = mixed.system_names()
+    idle = [n for n in names if " idle (" in n]
+    assert len(idle) == 4
+    assert names[-4:] == idle  # (they leave the release thread idle: last)
+    seen: list[tuple[str, str, bool]] = []
+
+    def fake(cfg: Any, workdir: Any, transport: str, topology: str, idle: bool = False) -> Any:
+        seen.append((transport, topology, idle))
+        return {}
+
+    monkeypatch.setattr(mixed, "_tensorrpc", fake)
+    for name in ("tensorrpc torch_shm idle (client dials)", "tensorrpc frames (engine dials in)"):
+        mixed._case(name, None, None)  # type: ignore[arg-type]
+    assert seen == [("torch_shm", "client dials", True), ("frames", "engine dials in", False)]
+
+
 def test_mixed_report_renders_unavailable_systems() -> None:
     from bench import mixed
 

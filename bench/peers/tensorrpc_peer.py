@@ -30,15 +30,20 @@ ENGINE_ID = "bench"
 BACKGROUND_NICE_ENV = "BENCH_BACKGROUND_NICE"
 
 
-def apply_background_nice(nice: int | None = None) -> None:
-    """Lower tensorrpc's bulk threads to ``nice`` (None: what `BACKGROUND_NICE_ENV` says,
-    which the engine processes started afterwards inherit)."""
+def background_nice_arg(text: str) -> int | str:
+    """``--background-nice``'s value: ``0`` .. ``19`` or ``idle``."""
+    return text if text == "idle" else int(text)
+
+
+def apply_background_nice(nice: int | str | None = None) -> None:
+    """Lower tensorrpc's bulk threads to ``nice`` (``idle``: ``SCHED_IDLE``; None: what
+    `BACKGROUND_NICE_ENV` says, which the engine processes started afterwards inherit)."""
     if nice is not None:
         os.environ[BACKGROUND_NICE_ENV] = str(nice)
     value = os.environ.get(BACKGROUND_NICE_ENV)
     setter = getattr(tensorrpc, "set_background_nice", None)
     if value and setter is not None:
-        setter(int(value))
+        setter(background_nice_arg(value))
 
 
 @service(name="BenchService")

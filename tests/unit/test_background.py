@@ -77,14 +77,60 @@ def test_a_thread_is_never_raised() -> None:
         tensorrpc.set_background_nice(3)
         got.append(_background.lower_this_thread())
 
-    got: list[int | None] = []
+    got: list[int | str | None] = []
     thread = threading.Thread(target=run)
     thread.start()
     thread.join(WAIT)
     assert got == [19]
 
 
-@pytest.mark.parametrize("bad", [-1, 20, 1.5, True, "19"])
+@pytest.mark.usefixtures("restore")
+def test_idle_puts_a_new_thread_under_sched_idle_and_never_the_caller() -> None:
+    tensorrpc.set_background_nice("idle")
+    got: list[object] = []
+
+    def run() -> None:
+        got.append(_background.lower_this_thread())
+        got.append(os.sched_getscheduler(0))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(WAIT)
+    assert got == ["idle", os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is untouched
+
+
+@pytest.mark.usefixtures("restore")
+def test_under_idle_the_copier_leaves_its_pieces_to_idle_helpers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tensorrpc.set_background_nice("idle")
+    monkeypatch.setattr(_shm_copy, "SLOWEST", 4 * SPLIT_BYTES / WAIT)
+    policies: dict[int, int] = {}
+    memmove = ctypes.memmove
+
+    def watched(dst: int, src: int, n: int) -> Any:
+        policies[threading.get_native_id()] = os.sched_getscheduler(0)
+        return memmove(dst, src, n)
+
+    monkeypatch.setattr(ctypes, "memmove", watched)
+    src = bytearray(os.urandom(1024)) * (4 * SPLIT_BYTES // 1024)
+    dst = bytearray(len(src))
+    copier = Copier(2)
+    try:
+        s = (ctypes.c_char * len(src)).from_buffer(src)
+        d = (ctypes.c_char * len(dst)).from_buffer(dst)
+        copier.copy(ctypes.addressof(d), ctypes.addressof(s), len(src))
+        del s, d
+    finally:
+        copier.close()
+    assert dst == src
+    assert policies
+    assert threading.get_native_id() not in policies
+    assert set(policies.values()) == {os.SCHED_IDLE}
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 1.5, True, "19", "IDLE"])
 def test_values_outside_0_to_19_are_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="nice"):
         tensorrpc.set_background_nice(bad)
