@@ -111,6 +111,12 @@ async def eventually(check, what: str, within: float = 30.0) -> None:
     raise AssertionError(f"never happened within {within} s: {what}")
 
 
+async def bulk_bound(client: Client[TensorService]) -> bool:
+    """Whether every bulk connection the client dialed is bound (ATTACH answered)."""
+    dialed = client._io.bulk._dialed.values()
+    return bool(dialed) and all(d.bound for d in dialed)
+
+
 def settle() -> None:
     """Let earlier releases finish before a descriptor baseline is taken."""
     gc.collect()
@@ -341,6 +347,10 @@ async def test_client_killed_mid_transfer(anyio_backend: str, engine: EngineProc
         # socket, /proc reads). A baseline taken then holds a descriptor that is gone a
         # moment later, and the engine never "gets back" to it.
         await stub.shm_state()
+        # And our own bulk connection (a DEALER the client dials to the engine's bulk
+        # endpoint, libzmq connecting it in the background) bound first: one that the
+        # engine accepts after the baseline is a descriptor it never "gives back".
+        await eventually(lambda: bulk_bound(client), "our bulk connection bound")
         baseline = non_pool(fds(engine.pid))
         proc = _forkserver.popen(
             [sys.executable, "-m", "tests.transports._client_proc", address],
