@@ -29,8 +29,10 @@ nothing else in flight (the case of issue 26: what freeing the large call's buff
 the next call). Every loop is bounded by a count and a time budget.
 
 Run on its own: ``python -m bench.mixed [--quick] [--seconds S] [--system NAME]
-[--size MIB] [--huge-pages] [--background-nice N]``. ``--background-nice`` lowers
-tensorrpc's bulk threads in the client and the engines (`tensorrpc.set_background_nice`).
+[--size MIB] [--huge-pages] [--background-nice N|idle] [--copy-threads N]``.
+``--background-nice`` lowers tensorrpc's bulk threads in the client and the engines
+(`tensorrpc.set_background_nice`), ``--copy-threads`` sets how many threads a large
+torch_shm copy uses there (`tensorrpc.set_copy_threads`).
 ``--huge-pages`` runs the client (this process, started
 again) and the engines with their large buffers on transparent huge pages (``GLIBC_TUNABLES=
 glibc.malloc.hugetlb=1 THP_MEM_ALLOC_ENABLE=1``, what ``tensorrpc.testing`` gives the
@@ -572,7 +574,17 @@ def main() -> None:
         default=None,
         help="tensorrpc.set_background_nice(N or idle) in the client and the engines",
     )
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="tensorrpc.set_copy_threads(N) in the client and the engines",
+    )
     args = parser.parse_args()
+    if args.copy_threads is not None:
+        from bench.peers.tensorrpc_peer import apply_copy_threads
+
+        apply_copy_threads(args.copy_threads)
     if args.huge_pages:
         _restart_with_huge_pages()
     if args.background_nice is not None:

@@ -92,6 +92,7 @@ if TYPE_CHECKING:
         TransportStatistics,
     )
     from tensorrpc.transports._shared import share, shared_empty
+    from tensorrpc.transports._shm_copy import set_copy_threads
 
 __version__ = "0.1.0"
 
@@ -128,6 +129,7 @@ _MODULES: dict[str, str] = {
     "tensorrpc._service": "BatchSpec MethodSpec ServiceSpec describe rpc service",
     "tensorrpc._stub": "Stub",
     "tensorrpc._typed_stub": "StreamingMethod TypedStub UnaryMethod streaming unary",
+    "tensorrpc.transports._shm_copy": "set_copy_threads",
     "tensorrpc._zmq": "SocketOptions",
     "tensorrpc.batching": "BatchContext BatchItem current_batch",
     "tensorrpc.transports": (
@@ -244,6 +246,7 @@ __all__ = [
     "serve",
     "service",
     "set_background_nice",
+    "set_copy_threads",
     "set_release_threshold",
     "share",
     "shared_empty",

@@ -46,6 +46,20 @@ def apply_background_nice(nice: int | str | None = None) -> None:
         setter(background_nice_arg(value))
 
 
+#: ``tensorrpc.set_copy_threads(N)`` in this process and the engines it starts.
+COPY_THREADS_ENV = "BENCH_COPY_THREADS"
+
+
+def apply_copy_threads(threads: int | None = None) -> None:
+    """Large torch_shm copies on ``threads`` threads (None: what `COPY_THREADS_ENV` says,
+    which the engine processes started afterwards inherit)."""
+    if threads is not None:
+        os.environ[COPY_THREADS_ENV] = str(threads)
+    value = os.environ.get(COPY_THREADS_ENV)
+    if value:
+        tensorrpc.set_copy_threads(int(value))
+
+
 @service(name="BenchService")
 class BenchService:
     """The benchmark's service: a small call, a tensor sink and a tensor source."""
@@ -139,6 +153,7 @@ def main() -> None:
     parser.add_argument("--listen", action="store_true", help="bind ADDR (clients dial in)")
     args = parser.parse_args()
     apply_background_nice()
+    apply_copy_threads()
     asyncio.run(serve_main(args.addr, listen=args.listen))
 
 

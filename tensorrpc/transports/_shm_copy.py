@@ -28,7 +28,7 @@ from typing import Final
 
 from tensorrpc._background import background_nice, lower_this_thread
 
-__all__ = ["MIN_PIECE", "SLOWEST", "SPLIT_BYTES", "Copier", "default_threads"]
+__all__ = ["MIN_PIECE", "SLOWEST", "SPLIT_BYTES", "Copier", "default_threads", "set_copy_threads"]
 
 #: Copies smaller than this are one ``memmove`` on the calling thread (waking a helper
 #: costs more than it saves).
@@ -47,8 +47,41 @@ MAX_THREADS: Final = 4
 SLOWEST: Final = 1 << 30
 
 
+_threads: int | None = None  # `set_copy_threads`
+
+
+def set_copy_threads(threads: int | None) -> None:
+    """How many threads one large torch_shm copy uses, in every transport made after this.
+
+    A copy into the shared-memory pool of 8 MiB or more is split over several threads,
+    by default as many as the cores this process may run on, at most four: one thread's
+    ``memmove`` does not reach the memory bandwidth. On a host with few cores those
+    threads take every core for the milliseconds of a large copy, and small calls beside
+    it wait, even with ``set_background_nice("idle")``: the copies saturate the memory
+    bandwidth the loops need too. ``1`` leaves the cores but one to everything else (on
+    the 2-core benchmark machine, with ``"idle"``, the small calls' p99 under a 64 MiB
+    torch_shm load fell from 4.1-5.2 ms to 2.0-2.4 ms, for 10-25 % of the large calls'
+    throughput; docs/transports.md, "Tail latency under a mixed load").
+
+    Process-wide, like `tensorrpc.set_background_nice`: a `Client` or `serve` made
+    afterwards uses it; ``TorchShmTransport(copy_threads=...)`` still decides for one
+    transport.
+
+    Args:
+        threads: ``1`` to `MAX_THREADS` (4); None (the default): the cores, at most four.
+
+    Raises:
+        ValueError: Any other value.
+    """
+    global _threads
+    if threads is not None and (type(threads) is not int or not 1 <= threads <= MAX_THREADS):
+        raise ValueError(f"copy threads must be 1 .. {MAX_THREADS} or None, not {threads!r}")
+    _threads = threads
+
+
 def default_threads() -> int:
-    """Threads a copy may use: the cores this process may run on, at most `MAX_THREADS`.
+    """Threads a copy may use: what `set_copy_threads` set, else the cores this process
+    may run on, at most `MAX_THREADS`.
 
     Every core: one thread's ``memmove`` does not reach the memory bandwidth, and a new
     64 MiB tensor each call is copied in 0.95x the time of one thread's ``copy_`` with two
@@ -56,6 +89,8 @@ def default_threads() -> int:
     mixed load on a small host (docs/transports.md, *Large copies use several cores*);
     ``TorchShmTransport(copy_threads=1)`` pays the other way.
     """
+    if _threads is not None:
+        return _threads
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux

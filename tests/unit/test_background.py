@@ -234,3 +234,35 @@ def test_the_release_thread_runs_at_the_setting() -> None:
     # normal priority where the process may raise it again (root), else it stays lowered.
     with contextlib.suppress(PermissionError):
         os.setpriority(os.PRIO_PROCESS, thread.native_id, _nice())
+
+
+@pytest.fixture
+def copy_threads() -> Iterator[None]:
+    yield
+    tensorrpc.set_copy_threads(None)
+
+
+@pytest.mark.usefixtures("copy_threads")
+def test_copy_threads_set_the_default_of_copiers_made_afterwards() -> None:
+    cores = _shm_copy.default_threads()
+    tensorrpc.set_copy_threads(1)
+    assert _shm_copy.default_threads() == 1
+    copier = Copier()
+    try:
+        assert copier.threads == 1
+    finally:
+        copier.close()
+    explicit = Copier(2)  # (a transport's own choice still wins)
+    try:
+        assert explicit.threads == 2
+    finally:
+        explicit.close()
+    tensorrpc.set_copy_threads(None)
+    assert _shm_copy.default_threads() == cores
+
+
+@pytest.mark.parametrize("bad", [0, 5, 1.0, True, "1"])
+def test_copy_threads_outside_1_to_4_are_refused(bad: Any) -> None:
+    with pytest.raises(ValueError, match="copy threads"):
+        tensorrpc.set_copy_threads(bad)
+    assert _shm_copy._threads is None
