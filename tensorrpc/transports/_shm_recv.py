@@ -572,9 +572,12 @@ class Receiver:
             # torch's files: a regular file on /dev/shm's device with the handle's inode
             # is all the name would tell (tensorrpc's memfds keep the name check, which
             # tells a pool segment from a shared tensor's).
-            got = self._getfd(peer, fd, dev, ino, device)
-            if got is not None:
-                return got
+            try:
+                ofd = _getfd(peer.pidfd, fd)
+            except OSError:
+                raise fail(_NO_ATTACH) from None
+            if ofd >= 0:
+                return self._checked(ofd, dev, ino, device)
         name, dir_fd = (str(fd), fd_dir) if fd_dir >= 0 else (f"/proc/{pid}/fd/{fd}", None)
         try:
             target = os.readlink(name, dir_fd=dir_fd)
@@ -585,26 +588,14 @@ class Receiver:
             ofd = os.open(name, flags | _OPEN_FLAGS, dir_fd=dir_fd)
         except OSError:
             raise fail(_NO_ATTACH) from None
-        try:
-            if fd_dir < 0 and peer is not None and not peer.alive():
-                raise fail(_NO_ATTACH)
-            st = os.fstat(ofd)
-            self._check_file(st, dev, ino, device)
-        except BaseException:
+        if fd_dir < 0 and peer is not None and not peer.alive():
             os.close(ofd)
-            raise
-        return ofd, st
+            raise fail(_NO_ATTACH)
+        return self._checked(ofd, dev, ino, device)
 
-    def _getfd(
-        self, peer: KernelPeer, fd: int, dev: int, ino: int, device: int
-    ) -> tuple[int, os.stat_result] | None:
-        """`_open` by ``pidfd_getfd``: None when that is not available here."""
-        try:
-            ofd = _getfd(peer.pidfd, fd)
-        except OSError:
-            raise fail(_NO_ATTACH) from None
-        if ofd < 0:
-            return None
+    def _checked(self, ofd: int, dev: int, ino: int, device: int) -> tuple[int, os.stat_result]:
+        """``(ofd, its fstat)`` if the file we hold is the one described; else ``ofd`` is
+        closed and the generic error raised."""
         try:
             st = os.fstat(ofd)
             self._check_file(st, dev, ino, device)
