@@ -322,9 +322,9 @@ async def _run(server: Server, call: Call, scope: anyio.CancelScope) -> None:
         call.scope = None
         if finite:
             scope.deadline = math.inf
-    held = _drop_args(args, size)  # before the reply, which then releases their leases
-    del args
-    await _reply_and_free(server, call, scope, held)
+    # The arguments go before the reply, which then releases their leases; what they hand
+    # to the release thread is owned by `_reply_and_free` alone (rule 2 of `_release`).
+    await _reply_and_free(server, call, scope, _drop_args(args, size))
 
 
 def _drop_args(args: list[Any], size: int) -> list[object]:
