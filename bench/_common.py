@@ -61,3 +61,9 @@ def run_async(coro_fn: Callable[[], Coroutine[Any, Any, dict[str, Any]]], timeou
             raise TimeoutError(f"case did not finish within {timeout:.0f}s") from None
 
     return asyncio.run(bounded())
+
+
+def background_nice_arg(text: str) -> int | str:
+    """A ``--background-nice`` value: ``0`` .. ``19`` or ``idle``
+    (`tensorrpc.set_background_nice`)."""
+    return text if text == "idle" else int(text)

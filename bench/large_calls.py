@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from bench._common import run_async
+from bench._common import background_nice_arg, run_async
 from bench.peers._proc import PeerProcess
 from bench.peers.tensorrpc_peer import (
     ENGINE_ID,
     BenchService,
     apply_background_nice,
-    background_nice_arg,
     runtime,
     wait_engine,
 )

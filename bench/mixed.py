@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._common import Progress, guarded, run_async
+from bench._common import Progress, background_nice_arg, guarded, run_async
 
 SIZES = (1 << 20, 16 << 20, 64 << 20)
 QUICK_SIZES = (1 << 20, 16 << 20)
@@ -550,11 +550,6 @@ def _restart_with_huge_pages() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "bench.mixed", *sys.argv[1:]], env)
 
 
-def _nice_arg(text: str) -> int | str:
-    """``--background-nice``'s value: ``0`` .. ``19`` or ``idle``."""
-    return text if text == "idle" else int(text)
-
-
 def main() -> None:
     """Run the section alone; print its markdown (and ``--json`` the raw results)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -570,7 +565,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--background-nice",
-        type=_nice_arg,
+        type=background_nice_arg,
         default=None,
         help="tensorrpc.set_background_nice(N or idle) in the client and the engines",
     )

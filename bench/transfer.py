@@ -395,9 +395,8 @@ class Batches:
     def take(self, size: int) -> torch.Tensor:
         """The next batch of ``size`` bytes, never handed out before (fetched untimed
         when the window is used up; the batches of the last window are freed then)."""
-        if self._ready and self._ready[0].nbytes != size:
-            self._ready.clear()  # the last window was of another size
-        if not self._ready:
+        if self.needs_fetch(size):
+            self._ready.clear()  # (what is left of a window of another size)
             self._sent.clear()
             self._sampler.indices = [size] * self.window
             self._ready = list(self._loader)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import tensorrpc
+from bench._common import background_nice_arg
 from bench.peers._child import ready, wait_stdin_eof
 from bench.peers._proc import PeerProcess
 from tensorrpc._service import rpc, service
@@ -28,11 +29,6 @@ from tensorrpc._service import rpc, service
 ENGINE_ID = "bench"
 #: ``tensorrpc.set_background_nice(N)`` in this process and the engines it starts.
 BACKGROUND_NICE_ENV = "BENCH_BACKGROUND_NICE"
-
-
-def background_nice_arg(text: str) -> int | str:
-    """``--background-nice``'s value: ``0`` .. ``19`` or ``idle``."""
-    return text if text == "idle" else int(text)
 
 
 def apply_background_nice(nice: int | str | None = None) -> None:
