@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -300,10 +301,14 @@ def test_shm_held_reports_an_engine_that_unmaps_what_the_client_freed() -> None:
     proc = _bench("bench.shm_held", "--count", "12", "--mib", "1", "--wait", "30", timeout=180)
     lines = proc.stdout.splitlines()
     assert lines[0] == "12 share() tensors of 1 MiB sent and freed; aliased 12 of 12", lines
-    # Each new mapping first drops those the client freed: the one just received, and at
-    # most one on its way out (unmapped by the engine's release thread, off its loop).
-    peak = lines[2].removeprefix("engine, most during the run: ")
-    assert peak in ("1 mappings, 1 MiB", "2 mappings, 2 MiB"), lines
+    # Each new mapping first drops those the client freed, so the engine maps the one just
+    # received and those on their way out: its release thread unmaps them (off the loop)
+    # once it gets a core, which on a busy machine can take a call or two. Keeping what
+    # was freed (the bug this guards) maps one more per call: 12 or more by the end.
+    peak = re.fullmatch(r"engine, most during the run: (\d+) mappings, (\d+) MiB", lines[2])
+    assert peak is not None, lines
+    assert 1 <= int(peak[1]) <= 12 // 2, lines
+    assert int(peak[2]) == int(peak[1]), lines  # 1 MiB each
     # The engine's periodic sweep (once per heartbeat interval) drops the last one.
     assert lines[4] == "engine after its sweep (waited up to 30 s): 0 mappings, 0 MiB", lines
 

@@ -135,7 +135,9 @@ async def test_both_shells_feed_their_machines_the_event_loops_clock(tmp_path: P
 
 
 @contextlib.asynccontextmanager
-async def engine(tmp_path: Path, listen: bool) -> AsyncIterator[tuple[Server, Peer, AsyncSocket]]:
+async def engine(
+    tmp_path: Path, listen: bool, clock: Clock
+) -> AsyncIterator[tuple[Server, Peer, AsyncSocket]]:
     """An engine with a session with a scripted peer, and the engine's socket to it."""
     address = f"ipc://{tmp_path}/sock"
     options: dict[str, Any] = {"engine_id": "e1", "heartbeat_interval": 0.1}
@@ -152,7 +154,13 @@ async def engine(tmp_path: Path, listen: bool) -> AsyncIterator[tuple[Server, Pe
             open_peer(spec, bind=address) as (peer, _),
             Server(Probe(), connect=address, **options) as server,
         ):
-            await peer.handshake()
+            # A HELLO sent before the connection is up fails (ZMQ_IMMEDIATE) and is sent
+            # again after a delay on the engine's clock, which stands still until moved.
+            def nudge() -> None:
+                clock.advance(0.1)
+                server._wake_housekeeping()
+
+            await peer.handshake(nudge=nudge)
             yield server, peer, server._dealers[address]
 
 
@@ -170,7 +178,7 @@ async def answer(peer: Peer, *kinds: MessageKind) -> tuple[MessageKind, int]:
 async def test_the_engine_takes_queued_pings_before_declaring_a_client_dead(
     tmp_path: Path, clock: Clock, listen: bool
 ) -> None:
-    async with engine(tmp_path, listen) as (server, peer, sock):
+    async with engine(tmp_path, listen, clock) as (server, peer, sock):
         peer.control(PING, None, 7)  # after the WELCOME: its PONG says the session is live
         assert await answer(peer, PONG) == (PONG, 7)
         ticked = Ticked(server._proto)
@@ -192,7 +200,7 @@ async def test_a_call_sent_within_the_bound_is_answered_though_taken_after_it(
     # The flake this guards against: a client whose loop stalled for just under the
     # engine's bound sends a CALL; the engine's timer fires before its receive loop took
     # it, and the call met a HELLO of a new session ("replaced by a new session").
-    async with engine(tmp_path, listen) as (server, peer, sock):
+    async with engine(tmp_path, listen, clock) as (server, peer, sock):
         assert await peer.result(peer.call("add", 1)) == 2
         ticked = Ticked(server._proto)
         await reader_asleep(sock)
