@@ -1,9 +1,9 @@
 """examples/data_pipeline.py, a DataLoader with workers feeding an engine, runs as promised.
 
 The example checks every answer against the same computation done in the client, and
-exits 0 only if every batch went by alias (the client's torch_shm statistics: tensors
-sent with no copy). Here it runs small, as a real program, in its own process, once for
-both tests.
+exits 0 only if every batch was written into one of `SharedBatches`' slots and went by
+alias (the client's torch_shm statistics: tensors sent with no copy). Here it runs
+small, as a real program, in its own process, once for both tests.
 """
 
 from __future__ import annotations
@@ -67,4 +67,5 @@ def test_the_engine_reads_every_batch_and_nothing_is_left_behind(run: Run) -> No
 
 def test_every_batch_goes_by_alias(run: Run) -> None:
     assert f"{BATCHES} of {BATCHES} image batches went by alias" in run.out, run.out
+    assert f"{BATCHES} of {BATCHES} batches were written into a slot (0 missed one)" in run.out
     assert run.returncode == 0, run.out
