@@ -33,6 +33,7 @@ SAME = "tensorrpc torch_shm (same tensor each call)"
 SHARED = "tensorrpc torch_shm (tensorrpc.share)"
 TORCH = "tensorrpc torch_shm (share_memory_)"
 LOADER = "tensorrpc torch_shm (DataLoader batch)"
+SLOTS = "tensorrpc torch_shm (DataLoader batch, SharedBatches)"
 
 
 def _get(d: Any, *keys: str) -> Any:
@@ -223,6 +224,7 @@ def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             ("tx_shm_shared_64m_ms", SHARED, "tensorrpc.share"),
             ("tx_shm_torch_64m_ms", TORCH, "share_memory_"),
             ("tx_shm_loader_64m_ms", LOADER, "DataLoader batch"),
+            ("tx_shm_slots_64m_ms", SLOTS, "DataLoader batch, SharedBatches"),
         ):
             line = tx.get(name)
             med = _num(_get(line, "sizes", big, "median_us"))

@@ -331,6 +331,12 @@ TORCH_SHM_LINES: tuple[tuple[str, str, str, str], ...] = (
     ("shm_same", "tensorrpc torch_shm (same tensor each call)", "torch_shm", "same"),
     ("shm_torch", "tensorrpc torch_shm (share_memory_)", "torch_shm", "torch_shared"),
     ("shm_loader", "tensorrpc torch_shm (DataLoader batch)", "torch_shm", "loader"),
+    (
+        "shm_slots",
+        "tensorrpc torch_shm (DataLoader batch, SharedBatches)",
+        "torch_shm",
+        "loader_slots",
+    ),
     ("shm_shared", "tensorrpc torch_shm (tensorrpc.share)", "torch_shm", "share"),
     ("shm_first", "tensorrpc torch_shm (first call of a new size)", "torch_shm", "first"),
     ("auto", "tensorrpc auto (default)", "auto", "new"),
@@ -339,7 +345,9 @@ TORCH_SHM_LINES: tuple[tuple[str, str, str, str], ...] = (
 #: than the sender's pool keeps idle (``pool_keep_bytes``, 512 MiB).
 NEW_TENSOR_BYTES = 640 * MIB
 #: Lines whose source is already in shared memory: sent by alias, or flagged.
-ALIASED_KINDS = ("share", "torch_shared", "loader")
+ALIASED_KINDS = ("share", "torch_shared", "loader", "loader_slots")
+#: Lines whose tensors are a DataLoader's batches (`Batches`).
+LOADER_KINDS = ("loader", "loader_slots")
 
 
 class _SizedArange(torch.utils.data.Dataset[torch.Tensor]):
@@ -370,12 +378,18 @@ class Batches:
 
     Each window is one epoch of ``window`` items, so that once it is fetched the worker
     is idle (nothing prefetched) while the calls are timed; the batches arrive the way a
-    training loop gets them, in torch's shared memory. `close` shuts the worker down.
+    training loop gets them, in torch's shared memory (a new file each), or with
+    ``slots`` through `tensorrpc.loader.SharedBatches` (written into its slots, each
+    batch sent before now held until the next fetch). `close` shuts the worker down.
     """
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, *, slots: bool = False) -> None:
+        from tensorrpc.loader import SharedBatches
+
         self.window = window
         self._sampler = _Sizes()
+        # (the window in hand, the one sent, and a call whose release is still on its way)
+        self._slots = SharedBatches(max(SIZES), hold=2 * window + 1) if slots else None
         self._loader = torch.utils.data.DataLoader(
             _SizedArange(),
             batch_size=None,
@@ -384,6 +398,7 @@ class Batches:
             persistent_workers=True,
             prefetch_factor=1,
             multiprocessing_context="spawn",
+            collate_fn=None if self._slots is None else self._slots.collate,
         )
         self._ready: list[torch.Tensor] = []
         self._sent: list[torch.Tensor] = []
@@ -399,8 +414,13 @@ class Batches:
             self._ready.clear()  # (what is left of a window of another size)
             self._sent.clear()
             self._sampler.indices = [size] * self.window
-            self._ready = list(self._loader)
-            if not self._ready[0].is_shared():  # type: ignore[no-untyped-call]
+            if self._slots is None:
+                self._ready = list(self._loader)
+            else:
+                self._ready = list(self._slots.iterate(self._loader))
+                if self._slots.fallbacks:
+                    raise RuntimeError(f"{self._slots.fallbacks} batches missed a slot")
+            if not _in_shared_memory(self._ready[0]):
                 raise RuntimeError("a DataLoader batch is not in shared memory")
         batch = self._ready.pop()
         self._sent.append(batch)  # held past its call: its free is never timed
@@ -414,6 +434,15 @@ class Batches:
         if iterator is not None:
             iterator._shutdown_workers()
         del self._loader
+        if self._slots is not None:
+            self._slots.close()
+
+
+def _in_shared_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is in torch's shared memory or in tensorrpc's."""
+    from tensorrpc.transports._shared import lookup
+
+    return bool(t.is_shared()) or lookup(t.untyped_storage()) is not None  # type: ignore[no-untyped-call]
 
 
 def _first_sizes(size: int, count: int) -> list[int]:
@@ -505,7 +534,7 @@ async def _line(
             continue
         sources: list[torch.Tensor] = []
         try:
-            if kind == "loader":
+            if kind in LOADER_KINDS:
                 assert batches is not None
                 sources = [await asyncio.to_thread(batches.take, size)]
             else:
@@ -525,7 +554,7 @@ async def _line(
             check(await send(sources[0]), size)
             prepare = (
                 functools.partial(_next_batch, batches, size, wake)
-                if kind == "loader" and batches is not None
+                if kind in LOADER_KINDS and batches is not None
                 else functools.partial(_next_source, sources, iter(range(1 << 62)))
             )
             out[str(size)] = summarize(await time_async_each(prepare, send, budget))
@@ -544,7 +573,7 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
     client_cls, _ = runtime()
     addr = f"ipc://{workdir}/tensorrpc-tx.sock"
 
-    async def case(peer: PeerProcess, batches: Batches) -> dict[str, Any]:
+    async def case(peer: PeerProcess, loaders: dict[str, Batches]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         async with client_cls(BenchService, bind=addr) as client:
             await wait_engine(client, peer, cfg.ready_timeout)
@@ -559,7 +588,7 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
                     stub = client.with_options(engine=ENGINE_ID, transport=transport).stub()
                     before = _counters(client)
                     sizes, ref = await _line(
-                        cfg, stub.consume, kind, batches, lambda: plain.add(1, 2)
+                        cfg, stub.consume, kind, loaders.get(kind), lambda: plain.add(1, 2)
                     )
                     entry: dict[str, Any] = {"small": small, "sizes": sizes, "copy_": ref}
                     if key in ("frames", "shm_same", "shm_shared"):
@@ -581,14 +610,15 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
             first["statistics"] = stats
         return out
 
-    batches = Batches(window=4)
+    loaders = {"loader": Batches(window=4), "loader_slots": Batches(window=4, slots=True)}
     try:
         with PeerProcess(
             "bench.peers.tensorrpc_peer", [addr], ready_timeout=cfg.ready_timeout
         ) as peer:
-            result: dict[str, Any] = run_async(lambda: case(peer, batches), cfg.case_timeout)
+            result: dict[str, Any] = run_async(lambda: case(peer, loaders), cfg.case_timeout)
     finally:
-        batches.close()
+        for batches in loaders.values():
+            batches.close()
     return result
 
 
@@ -712,6 +742,9 @@ NOTES = {
     "tensorrpc torch_shm (DataLoader batch)": "a batch from a DataLoader with one worker, a "
     "new batch each call (fetched untimed, a window of 4; two untimed small calls after a "
     "fetch wake both ends): by alias where the gate allows, else copied",
+    "tensorrpc torch_shm (DataLoader batch, SharedBatches)": "as the line above, the loader's "
+    "collate_fn tensorrpc.loader.SharedBatches: each batch written into one of its slots, "
+    "which the engine has mapped since the slot's first batch",
     "tensorrpc torch_shm (tensorrpc.share)": "a tensorrpc.share() tensor: only the handle travels",
     "tensorrpc torch_shm (first call of a new size)": "64 MiB + 2k MiB, each sample a size "
     "the pool has no segment for: a new segment made and filled",
@@ -791,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
             cell = entry["sizes"].get(str(size))
             ref = entry["copy_"].get(str(size))
             if cell is None:
+                continue
+            if isinstance(cell, dict) and "unavailable" in cell:
+                print(f"  {size} B: unavailable: {cell['unavailable']}")
                 continue
             med, one = (c.get("median_us") if isinstance(c, dict) else None for c in (cell, ref))
             ratio = f"{med / one:.2f}x" if med and one else "-"
