@@ -11,8 +11,10 @@ value only weighs the share: a waking loop may still wait a slice for a core. A
 ``SCHED_IDLE`` thread gives its core up at once to any other thread that wakes, so the
 loop never waits for it; measured on the 2-core benchmark machine it took the client's
 wake-up lag under a 64 MiB torch_shm load from 5 ms to the idle machine's 1.2 ms. Only
-threads tensorrpc starts for bulk work are lowered: never the caller's, the user's,
-anyio's worker threads or libzmq's.
+threads that do bulk work are lowered: the threads tensorrpc starts for it, and
+libzmq's second I/O thread, to which tensorrpc pins its bulk connections (the large
+frames' bytes cross the socket there); never the caller's, the user's, anyio's worker
+threads, or libzmq's first I/O thread, which carries the control connections.
 
 Off by default: the kernel shares the CPU between cgroups (and sessions' autogroups) by
 the weight of their runnable threads, so a process whose only runnable threads are
@@ -31,14 +33,26 @@ import sys
 import threading
 from typing import Final, Literal
 
-__all__ = ["IDLE", "LOWEST", "background_nice", "lower_this_thread", "set_background_nice"]
+__all__ = [
+    "IDLE",
+    "LOWEST",
+    "background_nice",
+    "lower_this_thread",
+    "lower_zmq_bulk_thread",
+    "set_background_nice",
+]
 
 #: The lowest nice value.
 LOWEST: Final = 19
 #: Below every nice value: the ``SCHED_IDLE`` policy.
 IDLE: Final = "idle"
+#: libzmq's name for its second I/O thread, where tensorrpc pins bulk sockets
+#: (``ZMQ_AFFINITY`` 2, `tensorrpc._zmq.create_socket`'s ``bulk``).
+ZMQ_BULK_THREAD: Final = "ZMQbg/IO/1"
 
 _nice: int | Literal["idle"] | None = None
+#: Whether this process lowered libzmq's bulk I/O thread(s) (`lower_zmq_bulk_thread`).
+_zmq_lowered = False
 
 
 def background_nice() -> int | Literal["idle"] | None:
@@ -51,7 +65,9 @@ def set_background_nice(nice: int | Literal["idle"] | None) -> None:
     """Run tensorrpc's bulk background threads at the nice value ``nice`` (Linux).
 
     tensorrpc copies large tensors into shared memory, warms pool pages and frees large
-    buffers on threads of its own, so that an event loop never waits for them. At the
+    buffers on threads of its own, so that an event loop never waits for them, and
+    libzmq moves large frames on its second I/O thread, where tensorrpc pins its bulk
+    connections (lowered too, once a bulk connection is bound). At the
     normal priority those threads still take the cores a small call's wake-up needs; at
     a higher nice value the kernel runs the event loop first. The price: against other
     processes' work on the host the lowered threads get little CPU, and large calls slow
@@ -90,15 +106,60 @@ def lower_this_thread() -> int | Literal["idle"] | None:
     nice = background_nice()
     if nice is None:
         return None
+    return _lower(threading.get_native_id(), nice)
+
+
+def _lower(tid: int, nice: int | Literal["idle"]) -> int | Literal["idle"] | None:
+    """Lower thread ``tid`` of this process to ``nice``; what it runs at afterwards
+    (None: refused)."""
     try:
         if isinstance(nice, str):  # IDLE
-            # (pid 0: the calling thread alone; lowering a policy needs no privilege)
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            # (a thread id: that thread alone; lowering a policy needs no privilege)
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             return IDLE
-        tid = threading.get_native_id()
         # (PRIO_PROCESS with a thread id: that thread alone, on Linux)
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
         return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError:  # pragma: no cover - a seccomp profile that refuses setpriority
         return None
+
+
+def lower_zmq_bulk_thread(tasks: str = "/proc/self/task") -> bool:
+    """Lower libzmq's bulk I/O thread to `background_nice` (the bulk links call this
+    when a bulk connection is set up; after the first success it costs a flag test).
+
+    The threads of this process named `ZMQ_BULK_THREAD` (``tasks``: where the
+    kernel lists them) are lowered. libzmq serves every socket pinned to its second I/O
+    thread there: tensorrpc's bulk sockets, and a socket of your own on the same context
+    that libzmq happens to place there. Returns whether such a thread is lowered now
+    (False: turned off, not Linux, none found yet, or refused).
+    """
+    global _zmq_lowered
+    nice = background_nice()
+    if _zmq_lowered or nice is None:
+        return _zmq_lowered
+    try:
+        names = os.listdir(tasks)
+    except OSError:  # pragma: no cover - no /proc
+        return False
+    found = False
+    for name in names:
+        try:
+            with open(os.path.join(tasks, name, "comm"), encoding="utf-8") as f:
+                comm = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue  # (a thread that ended meanwhile)
+        if comm == ZMQ_BULK_THREAD and name.isdigit() and _lower(int(name), nice) is not None:
+            found = True
+    _zmq_lowered = found
+    return found
+
+
+def _after_fork_in_child() -> None:
+    global _zmq_lowered
+    _zmq_lowered = False  # (a child's libzmq threads are its own, started anew)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Final, cast
 import anyio
 import zmq
 
+from tensorrpc._background import lower_zmq_bulk_thread
 from tensorrpc._bulk import (
     BULK_THRESHOLD,
     MAX_ATTACH_BYTES,
@@ -489,6 +490,7 @@ class BulkLinks:
             logger.debug("could not answer an ATTACH: %r", exc)
             return
         self._epochs[pipe] = epoch
+        lower_zmq_bulk_thread()
         if self._on_bound is not None:
             self._on_bound(got.session, epoch, True)
 
@@ -559,6 +561,7 @@ class BulkLinks:
             body = decode_control(header, payload)
             if isinstance(body, Attach) and body.epoch == dialed.epoch:
                 dialed.bound = True  # large messages may go on it from now on
+                lower_zmq_bulk_thread()
                 if self._on_bound is not None:
                     self._on_bound(peer, dialed.epoch, False)
 

@@ -266,3 +266,42 @@ def test_copy_threads_outside_1_to_4_are_refused(bad: Any) -> None:
     with pytest.raises(ValueError, match="copy threads"):
         tensorrpc.set_copy_threads(bad)
     assert _shm_copy._threads is None
+
+
+@pytest.fixture
+def tasks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, list[Any]]]:
+    """A fake ``/proc/self/task`` (thread id -> name) and what `_lower` was asked."""
+    lowered: list[tuple[int, object]] = []
+
+    def lower(tid: int, nice: object) -> object:
+        lowered.append((tid, nice))
+        return nice
+
+    monkeypatch.setattr(_background, "_lower", lower)
+    monkeypatch.setattr(_background, "_zmq_lowered", False)
+
+    def thread(tid: int, name: str) -> None:
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "comm").write_text(name + "\n")
+
+    thread(100, "python")
+    thread(101, "ZMQbg/Reaper")
+    thread(102, "ZMQbg/IO/0")
+    yield thread, lowered
+    tensorrpc.set_background_nice(None)
+
+
+def test_the_zmq_bulk_io_thread_is_lowered_once_and_only_it(tasks: Any, tmp_path: Any) -> None:
+    thread, lowered = tasks
+    assert not _background.lower_zmq_bulk_thread(str(tmp_path))  # off by default
+    tensorrpc.set_background_nice("idle")
+    assert not _background.lower_zmq_bulk_thread(str(tmp_path))  # not started yet
+    thread(103, "ZMQbg/IO/1")
+    assert _background.lower_zmq_bulk_thread(str(tmp_path))
+    assert lowered == [(103, "idle")]  # never the control thread (IO/0) nor the others
+    thread(104, "ZMQbg/IO/1")
+    assert _background.lower_zmq_bulk_thread(str(tmp_path))
+    assert lowered == [(103, "idle")]  # done once: a flag test from then on
+    _background._after_fork_in_child()
+    assert _background.lower_zmq_bulk_thread(str(tmp_path))  # a child's own threads
+    assert sorted(lowered) == [(103, "idle"), (103, "idle"), (104, "idle")]
