@@ -33,6 +33,7 @@ here unpickles anything a peer sent.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -192,6 +193,9 @@ class SharedBatches:
         #: workers: one byte per slot in tensorrpc shared memory (and its numpy view).
         self._states: torch.Tensor | None = None
         self._state: np.ndarray[Any, Any] | None = None
+        #: The loader this serves, and its running pass (`iterate`).
+        self._loader: weakref.ref[torch.utils.data.DataLoader[Any]] | None = None
+        self._current: weakref.ref[Generator[Any, None, None]] | None = None
         #: Descriptors of the slots and states still to map (`_attach`: a spawned worker).
         self._fds: list[Any] = []
         #: Whether the loader hands over samples one by one (``batch_size=None``: each
@@ -227,15 +231,27 @@ class SharedBatches:
         workers stopped and the slots they had taken are free again.
 
         Raises:
-            ValueError: ``loader`` does not use `collate`, or this is closed.
+            ValueError: ``loader`` does not use `collate`; another loader was iterated
+                with this object (its slots belong to that loader's workers: one
+                `SharedBatches` per loader); the last pass is still running (exhaust
+                or ``close()`` it: two passes' workers would take the same slots); or
+                this is closed.
         """
         if self._closed:
             raise ValueError("SharedBatches is closed")
         if loader.collate_fn != self.collate:
             raise ValueError("the loader's collate_fn must be this SharedBatches' collate")
+        if self._loader is not None and self._loader() is not loader:
+            raise ValueError("this SharedBatches serves another DataLoader: one per loader")
+        last = self._current() if self._current is not None else None
+        if last is not None and inspect.getgeneratorstate(last) != inspect.GEN_CLOSED:
+            raise ValueError("the last pass is still running: exhaust it or close() it")
         self._make_slots(loader)
+        self._loader = weakref.ref(loader)
         self._convert = loader.batch_sampler is None
-        return self._pass(loader, iter(loader))
+        current = self._pass(loader, iter(loader))
+        self._current = weakref.ref(current)
+        return current
 
     def _pass(
         self, loader: torch.utils.data.DataLoader[Any], it: Iterator[Any]
@@ -391,7 +407,7 @@ class SharedBatches:
                 raise RuntimeError("a SharedBatches slot is not tensorrpc shared memory")
             fds.append(DupFd(block.fd))
         state = dict(self.__dict__)
-        state.update(_slots=[], _states=None, _state=None, _fds=fds)
+        state.update(_slots=[], _states=None, _state=None, _fds=fds, _loader=None, _current=None)
         return state
 
     def _attach(self) -> None:

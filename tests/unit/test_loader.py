@@ -151,9 +151,18 @@ def test_bad_arguments_and_a_foreign_loader_are_refused() -> None:
     slots = SharedBatches(1024)
     with pytest.raises(ValueError, match="collate_fn"):
         slots.iterate(torch.utils.data.DataLoader(Samples(), batch_size=2))
+    first = loader(slots)
+    running = slots.iterate(first)
+    next(running)
+    with pytest.raises(ValueError, match="still running"):
+        slots.iterate(first)  # (its workers would take the running pass's slots)
+    with pytest.raises(ValueError, match="another DataLoader"):
+        slots.iterate(loader(slots))
+    running.close()
+    assert len(list(slots.iterate(first))) == 4  # once the pass is over
     slots.close()
     with pytest.raises(ValueError, match="closed"):
-        slots.iterate(loader(slots))
+        slots.iterate(first)
 
 
 def test_after_close_batches_come_by_the_plain_collate_and_held_ones_stay() -> None:
