@@ -487,10 +487,13 @@ WAKE_CALLS = 2
 
 
 async def _next_batch(
-    batches: Batches, size: int, wake: Callable[[], Awaitable[Any]] | None
+    batches: Batches,
+    size: int,
+    wake: Callable[[], Awaitable[Any]] | None,
+    fetched: list[bool] | None = None,
 ) -> torch.Tensor:
     """The next batch; a fetch runs in a thread, and `WAKE_CALLS` untimed small calls
-    follow it.
+    follow it. ``fetched`` gets, for each batch, whether a fetch came just before it.
 
     A fetch leaves the client's loop and the engine idle for 100 ms or more (the worker
     writes the window); on this VM the first call after 50 ms of idle takes about 1 ms
@@ -498,13 +501,26 @@ async def _next_batch(
     the small call this line is compared with is timed back to back. The wake-up calls
     keep that idle cost out of both sides of the comparison.
     """
-    if not batches.needs_fetch(size):
+    fetch = batches.needs_fetch(size)
+    if fetched is not None:
+        fetched.append(fetch)
+    if not fetch:
         return batches.take(size)  # (no thread hop: the other lines pay none either)
     batch = await asyncio.to_thread(batches.take, size)
     if wake is not None:
         for _ in range(WAKE_CALLS):
             await wake()
     return batch
+
+
+def _by_fetch(samples: list[int], fetched: list[bool]) -> dict[str, Any]:
+    """A loader line's samples split: the first batch after each fetch (its caches
+    emptied by the worker's writes) and the others."""
+    first = [s for s, f in zip(samples, fetched, strict=True) if f]
+    others = [s for s, f in zip(samples, fetched, strict=True) if not f]
+    if not first or not others:
+        return {}
+    return {"first_after_fetch": summarize(first), "others": summarize(others)}
 
 
 async def _next_source(sources: list[torch.Tensor], it: Any) -> torch.Tensor:
@@ -552,12 +568,16 @@ async def _line(
                 ref[str(size)] = await asyncio.to_thread(_copy_ref, sources[:1], budget)
                 continue
             check(await send(sources[0]), size)
+            fetched: list[bool] = []
             prepare = (
-                functools.partial(_next_batch, batches, size, wake)
+                functools.partial(_next_batch, batches, size, wake, fetched)
                 if kind in LOADER_KINDS and batches is not None
                 else functools.partial(_next_source, sources, iter(range(1 << 62)))
             )
-            out[str(size)] = summarize(await time_async_each(prepare, send, budget))
+            samples = await time_async_each(prepare, send, budget)
+            out[str(size)] = summarize(samples)
+            if fetched:
+                out[str(size)].update(_by_fetch(samples, fetched[-len(samples) :]))
             ref[str(size)] = await asyncio.to_thread(_copy_ref, sources, budget)
         except Exception as exc:
             out[str(size)] = unavailable(exc)
@@ -831,6 +851,9 @@ def main(argv: list[str] | None = None) -> int:
             med, one = (c.get("median_us") if isinstance(c, dict) else None for c in (cell, ref))
             ratio = f"{med / one:.2f}x" if med and one else "-"
             print(f"  {size} B: {_cell_ms(cell)}; one copy_ {_cell_ms(ref)}; ratio {ratio}")
+            if "others" in cell:
+                first, others = _cell_ms(cell["first_after_fetch"]), _cell_ms(cell["others"])
+                print(f"    first batch after a fetch {first}; the others {others}")
         if entry.get("warning"):
             print(f"  warning: {entry['warning']}")
     print(f"load average at the end: {load}")

@@ -217,19 +217,30 @@ def test_dataloader_line_wakes_both_ends_after_each_fetch_only() -> None:
     async def wake() -> None:
         woken.append(len(woken))
 
-    async def five() -> list[bool]:
-        fetched = []
+    async def five() -> tuple[list[bool], list[bool]]:
+        fetched: list[bool] = []
+        noted: list[bool] = []
         for _ in range(5):
             fetched.append(batches.needs_fetch(4096))
-            await _next_batch(batches, 4096, wake)
-        return fetched
+            await _next_batch(batches, 4096, wake, noted)
+        return fetched, noted
 
     try:
-        fetched = asyncio.run(five())
+        fetched, noted = asyncio.run(five())
     finally:
         batches.close()
     assert fetched == [True, False, True, False, True]
+    assert noted == fetched  # (what splits the line: first after a fetch, the others)
     assert len(woken) == 3 * WAKE_CALLS
+
+
+def test_a_loader_line_splits_its_samples_by_fetch() -> None:
+    from bench.transfer import _by_fetch
+
+    got = _by_fetch([900, 500, 510, 520, 800, 505], [True, False, False, False, True, False])
+    assert got["first_after_fetch"]["median_us"] == 0.85
+    assert got["others"]["median_us"] == 0.5075
+    assert _by_fetch([1, 2], [False, False]) == {}
 
 
 def test_startup_measures_the_commands_and_none_imports_torch() -> None:
