@@ -100,6 +100,7 @@ class _Packer:
     def stack(self, batch: Sequence[torch.Tensor], **_kw: Any) -> _Leaf:
         """The collate of a list of tensors: stacked straight into the slot."""
         elem = batch[0]
+        _check_placeable(elem)
         shape = (len(batch), *elem.shape)
         offset, region = self._region(elem.numel() * len(batch) * elem.element_size())
         out = region.view(elem.dtype).view(shape)
@@ -110,8 +111,7 @@ class _Packer:
         """A tensor some collate already made: copied into the slot."""
         if isinstance(t, _Leaf):
             return t  # (stacked into the slot already)
-        if t.device.type != "cpu":
-            raise _Overflow  # (not ours to place: the plain collate's batch goes as is)
+        _check_placeable(t)
         offset, region = self._region(t.numel() * t.element_size())
         out = region.view(t.dtype).view(t.shape)
         out.copy_(t)
@@ -120,6 +120,13 @@ class _Packer:
     def tree(self, value: Any) -> Any:
         """``value`` with every tensor placed in the slot (containers rebuilt alike)."""
         return _rebuild(value, self.place)
+
+
+def _check_placeable(t: torch.Tensor) -> None:
+    """Raise `_Overflow` for a tensor that cannot lie in a byte buffer as it is (another
+    device, a sparse or quantized layout): the plain collate's batch goes as it is."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        raise _Overflow
 
 
 def _rebuild(value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -362,7 +369,9 @@ class SharedBatches:
                 tree = packer.tree(collate(samples, collate_fn_map=fns))
             else:
                 tree = packer.tree(self._collate(samples))
-        except _Overflow:
+        except (_Overflow, RuntimeError):
+            # Too large, not placeable, or samples torch cannot stack: the plain collate
+            # makes the batch (or raises the error it raises without slots).
             self._set(index, _TAKEN, _FREE)
             return self._plain(samples)
         except BaseException:

@@ -119,6 +119,23 @@ def test_no_free_slot_and_a_batch_too_large_fall_back_to_the_plain_collate() -> 
     assert states(big) == [0, 0]  # every slot taken for a batch too large went back
 
 
+def test_what_cannot_go_in_a_slot_takes_the_plain_collate_and_its_errors() -> None:
+    def first(samples: list[torch.Tensor]) -> torch.Tensor:
+        return samples[0]
+
+    slots = SharedBatches(1 << 12, collate_fn=first)
+    sparse = torch.eye(3).to_sparse()
+    got = next(slots.iterate(loader(slots, dataset=[sparse, sparse], batch_size=2)))
+    assert got.is_sparse
+    assert torch.equal(got.to_dense(), torch.eye(3))
+    assert slots.fallbacks == 1
+    ragged = SharedBatches(1 << 12)
+    odd = [torch.zeros(2), torch.zeros(3)]
+    with pytest.raises(RuntimeError, match="equal size"):
+        next(ragged.iterate(loader(ragged, dataset=odd, batch_size=2)))
+    assert states(ragged) == [0, 0, 0]  # the slot went back before the error
+
+
 def test_a_collate_fn_of_the_user_has_its_tensors_copied_into_the_slot() -> None:
     def mine(samples: list[torch.Tensor]) -> dict[str, Any]:
         return {"sum": torch.stack(samples).sum(0), "n": len(samples)}
