@@ -226,7 +226,8 @@ class SharedBatches:
 
     @property
     def fallbacks(self) -> int:
-        """Batches that came from the plain collate (no slot was free, or too large)."""
+        """Batches that came from the plain collate (no slot was free, the batch was too
+        large, or a tensor in it cannot lie in a slot)."""
         return self._fallbacks
 
     def iterate(self, loader: torch.utils.data.DataLoader[Any]) -> Generator[Any, None, None]:
