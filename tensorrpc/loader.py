@@ -357,10 +357,15 @@ class SharedBatches:
         if index is None:
             return self._plain(samples)
         packer = _Packer(self._slots[index])
+        made: Any = None
         try:
-            if self._convert and self._collate is None:
+            if self._collate is not None:
+                # (run once: its batch is the fallback too, and its errors are its own)
+                made = self._collate(samples)
+                tree = packer.tree(made)
+            elif self._convert:
                 tree = packer.tree(samples)
-            elif self._collate is None:
+            else:
                 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
                 fns: dict[type | tuple[type, ...], Callable[..., Any]] = dict(
@@ -368,12 +373,14 @@ class SharedBatches:
                 )
                 fns[torch.Tensor] = packer.stack
                 tree = packer.tree(collate(samples, collate_fn_map=fns))
-            else:
-                tree = packer.tree(self._collate(samples))
         except (_Overflow, RuntimeError):
             # Too large, not placeable, or samples torch cannot stack: the plain collate
             # makes the batch (or raises the error it raises without slots).
             self._set(index, _TAKEN, _FREE)
+            if self._collate is not None:
+                if made is None:
+                    raise  # (the user's collate itself failed)
+                return made
             return self._plain(samples)
         except BaseException:
             self._set(index, _TAKEN, _FREE)

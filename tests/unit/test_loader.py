@@ -120,7 +120,10 @@ def test_no_free_slot_and_a_batch_too_large_fall_back_to_the_plain_collate() -> 
 
 
 def test_what_cannot_go_in_a_slot_takes_the_plain_collate_and_its_errors() -> None:
+    calls = []
+
     def first(samples: list[torch.Tensor]) -> torch.Tensor:
+        calls.append(len(samples))
         return samples[0]
 
     slots = SharedBatches(1 << 12, collate_fn=first)
@@ -129,6 +132,7 @@ def test_what_cannot_go_in_a_slot_takes_the_plain_collate_and_its_errors() -> No
     assert got.is_sparse
     assert torch.equal(got.to_dense(), torch.eye(3))
     assert slots.fallbacks == 1
+    assert calls == [2]  # the user's collate ran once: its batch is the fallback
     ragged = SharedBatches(1 << 12)
     odd = [torch.zeros(2), torch.zeros(3)]
     with pytest.raises(RuntimeError, match="equal size"):
