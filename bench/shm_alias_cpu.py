@@ -10,13 +10,16 @@ little when other work shares the machine; a figure is the minimum over ``--roun
 of the mean per call, in µs (and the minimum of the rounds' median wall time). Kinds:
 
 * ``small``: ``add(1, 2)``, frames (the reference);
+* ``tiny``: the alias kinds' handler (``consume``) on a 64-byte tensor, inline in the
+  payload (frames): what any tensor argument costs both ends beside ``small``, no
+  transport involved;
 * ``torch_shared``: one 64 MiB ``share_memory_()`` tensor, sent again each call;
 * ``torch_new``: a 64 MiB ``share_memory_()`` tensor not sent before each call (what a
   ``DataLoader`` batch is to the transport; ``--new-calls`` of them), made and freed
   outside the timed CPU;
 * ``share``: one 64 MiB `tensorrpc.share` tensor, sent again each call.
 
-Every tensor goes by alias (the run fails otherwise: the counters are checked).
+Every 64 MiB tensor goes by alias (the run fails otherwise: the counters are checked).
 """
 
 from __future__ import annotations
@@ -157,8 +160,10 @@ async def _run(peer: PeerProcess, addr: str, ns: argparse.Namespace) -> None:
         small = client.with_options(engine=ENGINE_ID, transport="frames").stub()
         torch_shared = _tensor().share_memory_()  # type: ignore[no-untyped-call]
         shared = tensorrpc.share(_tensor())
+        tiny = torch.arange(16, dtype=torch.float32)
         kinds: dict[str, Callable[[int], Awaitable[Any]]] = {
             "small": lambda i: small.add(1, 2),
+            "tiny": lambda i: small.consume(tiny),
             "torch_shared": lambda i: shm.consume(torch_shared),
             "share": lambda i: shm.consume(shared),
         }

@@ -410,7 +410,7 @@ def test_the_shm_alias_cpu_bench_reports_both_ends_of_every_alias_kind() -> None
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
-    assert sorted(rows) == ["share", "small", "torch_new", "torch_shared"]
+    assert sorted(rows) == ["share", "small", "tiny", "torch_new", "torch_shared"]
     for row in rows.values():  # client X µs  engine Y µs (CPU per call)  wall Z µs
         assert float(row[2]) > 0
         assert float(row[5]) > 0
