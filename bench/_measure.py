@@ -140,6 +140,49 @@ async def time_async_each(
     return samples
 
 
+async def time_async_paired(
+    prepare: Callable[[], Awaitable[Any]],
+    fn: Callable[[Any], Awaitable[object]],
+    ref: Callable[[], Awaitable[object]],
+    budget: Budget,
+    block: int = 8,
+) -> tuple[list[int], list[int]]:
+    """`time_async_each`, in blocks of ``block`` calls, each block followed by as many
+    timed calls of ``ref`` (a small call).
+
+    The two kinds alternate every few milliseconds, so "``fn`` minus ``ref``" does not
+    move with what the machine did between two separate measurements; in blocks, not
+    one by one, so that what a call leaves running after its reply (a free handed to a
+    thread) lands on the next call of its own kind, as back to back, in all but the
+    first call of each block.
+
+    Returns:
+        ``(samples, ref_samples)``, as many of each.
+    """
+    for _ in range(budget.warmup):
+        await fn(await prepare())
+    for _ in range(budget.warmup):
+        await ref()
+    samples: list[int] = []
+    refs: list[int] = []
+    started = time.perf_counter()
+    clock = time.perf_counter_ns
+    while _keep_going(len(samples), started, budget):
+        n = 0
+        while n < block and _keep_going(len(samples), started, budget):
+            arg = await prepare()
+            t0 = clock()
+            await fn(arg)
+            samples.append(clock() - t0)
+            del arg
+            n += 1
+        for _ in range(n):
+            t0 = clock()
+            await ref()
+            refs.append(clock() - t0)
+    return samples, refs
+
+
 async def pipelined(
     fn: Callable[[], Awaitable[object]],
     *,

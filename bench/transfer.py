@@ -7,7 +7,10 @@ any timing. Each server runs in its own process on the same machine and only rea
 tensor at both ends (scanning all of it would add the same cost to every system and hide
 the transports' differences). Latency is the median of sequential calls after warm-up,
 bounded by count and time. A small call (two ints) is measured beside it in the same
-session, for the "no more than 3 times a small call" target.
+session. The tensorrpc torch_shm lines also time small calls between their own, in
+alternating blocks of eight (``small_paired`` in each cell, the "first call" line
+aside): what their targets against a small call compare with, taken under the same
+machine state as the line's own samples.
 
 Systems (each one's peer module says how it is set up):
 
@@ -68,7 +71,7 @@ from bench._measure import (
     Budget,
     summarize,
     time_async,
-    time_async_each,
+    time_async_paired,
     time_sync,
     time_sync_each,
 )
@@ -498,8 +501,9 @@ async def _next_batch(
     A fetch leaves the client's loop and the engine idle for 100 ms or more (the worker
     writes the window); on this VM the first call after 50 ms of idle takes about 1 ms
     and the second 0.4 ms, a small call as much as a batch (``bench.idle_wake``), while
-    the small call this line is compared with is timed back to back. The wake-up calls
-    keep that idle cost out of both sides of the comparison.
+    the small calls this line is compared with are timed between its batches, on ends
+    that are awake. The wake-up calls keep that idle cost out of both sides of the
+    comparison.
     """
     fetch = batches.needs_fetch(size)
     if fetched is not None:
@@ -533,11 +537,14 @@ async def _line(
     send: Callable[[torch.Tensor], Any],
     kind: str,
     batches: Batches | None,
-    wake: Callable[[], Awaitable[Any]] | None = None,
+    small: Callable[[], Awaitable[Any]],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Time one tensorrpc line at every size; return its cells and its ``copy_`` cells.
 
-    ``wake``: the small call, made untimed after each window of batches is fetched.
+    ``small``: the small call. Blocks of it are timed between blocks of the line's
+    calls (a cell's ``small_paired``: what the line is compared with, under the same
+    machine state; `time_async_paired`), and it is the untimed wake-up call after each
+    window of batches is fetched.
 
     Everything that blocks (making the sources, fetching batches, timing the ``copy_``)
     runs in a thread, so that the client's event loop keeps answering the engine's
@@ -570,12 +577,13 @@ async def _line(
             check(await send(sources[0]), size)
             fetched: list[bool] = []
             prepare = (
-                functools.partial(_next_batch, batches, size, wake, fetched)
+                functools.partial(_next_batch, batches, size, small, fetched)
                 if kind in LOADER_KINDS and batches is not None
                 else functools.partial(_next_source, sources, iter(range(1 << 62)))
             )
-            samples = await time_async_each(prepare, send, budget)
+            samples, paired = await time_async_paired(prepare, send, small, budget)
             out[str(size)] = summarize(samples)
+            out[str(size)]["small_paired"] = summarize(paired)
             if fetched:
                 out[str(size)].update(_by_fetch(samples, fetched[-len(samples) :]))
             ref[str(size)] = await asyncio.to_thread(_copy_ref, sources, budget)
@@ -851,6 +859,10 @@ def main(argv: list[str] | None = None) -> int:
             med, one = (c.get("median_us") if isinstance(c, dict) else None for c in (cell, ref))
             ratio = f"{med / one:.2f}x" if med and one else "-"
             print(f"  {size} B: {_cell_ms(cell)}; one copy_ {_cell_ms(ref)}; ratio {ratio}")
+            paired = cell.get("small_paired")
+            if isinstance(paired, dict) and med:
+                extra = (med - paired["median_us"]) / 1000
+                print(f"    small calls between {_cell_ms(paired)}; minus them {extra:+.3f} ms")
             if "others" in cell:
                 first, others = _cell_ms(cell["first_after_fetch"]), _cell_ms(cell["others"])
                 print(f"    first batch after a fetch {first}; the others {others}")

@@ -188,6 +188,62 @@ def test_report_divides_each_tensorrpc_line_by_a_copy_of_its_own_sources(tmp_pat
     assert (target["value"], target["met"]) == (1.2, True)
 
 
+def test_the_shm_targets_compare_each_line_with_its_paired_small_call(tmp_path: Path) -> None:
+    from bench import _report
+
+    big = str(64 << 20)
+
+    def line(median: float, paired: float) -> dict[str, Any]:
+        cell = {"median_us": median, "small_paired": {"median_us": paired}}
+        return {"small": {"median_us": 100.0}, "sizes": {big: cell}}
+
+    results: dict[str, Any] = {
+        "quick": True,
+        "duration_s": 1.0,
+        "machine": {"cpus_usable": 2},
+        "transfer": {
+            "sizes": [64 << 20],
+            "notes": {},
+            "systems": {
+                # (against the session's small call of 100 µs both would miss)
+                _report.SHARED: line(450.0, 400.0),
+                _report.SLOTS: line(600.0, 450.0),
+                _report.TORCH: {"small": {"median_us": 100.0}, "sizes": {big: {"median_us": 1.0}}},
+            },
+        },
+    }
+    data = json.loads(_report.write(results, tmp_path)["json"].read_text(encoding="utf-8"))
+    got = {t["id"]: (t["value"], t["met"]) for t in data["targets"]}
+    assert got["tx_shm_shared_64m_ms"] == (0.05, True)
+    assert got["tx_shm_slots_64m_ms"] == (0.15, False)
+    assert got[f"tx_shm_shared_{big}"] == (1.125, True)
+    assert got["tx_shm_torch_64m_ms"] == (None, None)  # no paired small call: no figure
+
+
+def test_paired_small_calls_alternate_with_the_line_in_blocks() -> None:
+    import asyncio
+
+    from bench._measure import Budget, time_async_paired
+
+    log: list[str] = []
+
+    async def prepare() -> int:
+        log.append("p")
+        return len(log)
+
+    async def fn(arg: int) -> None:
+        log.append("f")
+
+    async def ref() -> None:
+        log.append("r")
+
+    samples, refs = asyncio.run(
+        time_async_paired(prepare, fn, ref, Budget(warmup=2, count=5, seconds=60.0), block=2)
+    )
+    assert len(samples) == len(refs) == 5
+    assert "".join(log) == "pfpf" + "rr" + "pfpf" + "rr" + "pfpf" + "rr" + "pf" + "r"
+
+
 def test_dataloader_batches_are_shared_new_each_call_and_of_the_size_asked() -> None:
     from bench.transfer import Batches
 
