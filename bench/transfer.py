@@ -9,8 +9,8 @@ the transports' differences). Latency is the median of sequential calls after wa
 bounded by count and time. A small call (two ints) is measured beside it in the same
 session. The tensorrpc torch_shm lines also time small calls between their own, in
 alternating blocks of eight (``small_paired`` in each cell, the "first call" line
-aside): what their targets against a small call compare with, taken under the same
-machine state as the line's own samples.
+aside; in ``sizes_out`` too): what their targets against a small call compare with,
+taken under the same machine state as the line's own samples.
 
 Systems (each one's peer module says how it is set up):
 
@@ -192,13 +192,27 @@ async def _sizes_async(
     return out
 
 
-async def _sizes_out_async(cfg: Config, fetch: Callable[[int], Any]) -> dict[str, Any]:
-    """Time ``fetch(size)``, a small request answered by a tensor of ``size`` bytes."""
+async def _sizes_out_async(
+    cfg: Config,
+    fetch: Callable[[int], Any],
+    small: Callable[[], Awaitable[Any]] | None = None,
+) -> dict[str, Any]:
+    """Time ``fetch(size)``, a small request answered by a tensor of ``size`` bytes;
+    with ``small``, blocks of it timed between (``small_paired``, as `_line`)."""
     out: dict[str, Any] = {}
     for size, budget in cfg.sizes.items():
         try:
             check_tensor(await fetch(size), size)
-            out[str(size)] = summarize(await time_async(functools.partial(fetch, size), budget))
+            if small is None:
+                out[str(size)] = summarize(await time_async(functools.partial(fetch, size), budget))
+                continue
+
+            async def same_size(size: int = size) -> int:
+                return size
+
+            samples, paired = await time_async_paired(same_size, fetch, small, budget)
+            out[str(size)] = summarize(samples)
+            out[str(size)]["small_paired"] = summarize(paired)
         except Exception as exc:
             out[str(size)] = unavailable(exc)
     return out
@@ -624,7 +638,9 @@ def _tensorrpc(cfg: Config, workdir: Path) -> dict[str, Any]:
                         # tensorrpc shared memory for "shm_shared": sent by alias).
                         shared = key == "shm_shared"
                         entry["sizes_out"] = await _sizes_out_async(
-                            cfg, functools.partial(_produce, stub, shared=shared)
+                            cfg,
+                            functools.partial(_produce, stub, shared=shared),
+                            lambda: plain.add(1, 2),
                         )
                     entry.update(_transport_check(transport, kind, before, _counters(client)))
                 except Exception as exc:

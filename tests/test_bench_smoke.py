@@ -195,7 +195,7 @@ def test_the_shm_targets_compare_each_line_with_its_paired_small_call(tmp_path: 
 
     def line(median: float, paired: float) -> dict[str, Any]:
         cell = {"median_us": median, "small_paired": {"median_us": paired}}
-        return {"small": {"median_us": 100.0}, "sizes": {big: cell}}
+        return {"small": {"median_us": 100.0}, "sizes": {big: cell}, "sizes_out": {big: cell}}
 
     results: dict[str, Any] = {
         "quick": True,
@@ -215,6 +215,7 @@ def test_the_shm_targets_compare_each_line_with_its_paired_small_call(tmp_path: 
     data = json.loads(_report.write(results, tmp_path)["json"].read_text(encoding="utf-8"))
     got = {t["id"]: (t["value"], t["met"]) for t in data["targets"]}
     assert got["tx_shm_shared_64m_ms"] == (0.05, True)
+    assert got["tx_out_shm_shared_64m_ms"] == (0.05, True)
     assert got["tx_shm_slots_64m_ms"] == (0.15, False)
     assert got[f"tx_shm_shared_{big}"] == (1.125, True)
     assert got["tx_shm_torch_64m_ms"] == (None, None)  # no paired small call: no figure
