@@ -117,29 +117,6 @@ def time_sync_each(
     return samples
 
 
-async def time_async_each(
-    prepare: Callable[[], Awaitable[Any]], fn: Callable[[Any], Awaitable[object]], budget: Budget
-) -> list[int]:
-    """Async twin of :func:`time_sync_each`: ``await prepare()`` runs untimed before each
-    call (it may hand blocking work to a thread, so that the event loop keeps serving).
-
-    Whatever ``prepare`` hands out should be held by the caller past the timing (a list of
-    pre-made inputs, cycled), so that freeing an input never lands in a timed call.
-    """
-    for _ in range(budget.warmup):
-        await fn(await prepare())
-    samples: list[int] = []
-    started = time.perf_counter()
-    clock = time.perf_counter_ns
-    while _keep_going(len(samples), started, budget):
-        arg = await prepare()
-        t0 = clock()
-        await fn(arg)
-        samples.append(clock() - t0)
-        del arg
-    return samples
-
-
 async def time_async_paired(
     prepare: Callable[[], Awaitable[Any]],
     fn: Callable[[Any], Awaitable[object]],
@@ -147,8 +124,13 @@ async def time_async_paired(
     budget: Budget,
     block: int = 8,
 ) -> tuple[list[int], list[int]]:
-    """`time_async_each`, in blocks of ``block`` calls, each block followed by as many
-    timed calls of ``ref`` (a small call).
+    """Async twin of :func:`time_sync_each` (``await prepare()`` runs untimed before each
+    call of ``fn``; it may hand blocking work to a thread, so that the event loop keeps
+    serving), in blocks of ``block`` calls, each block followed by as many timed calls
+    of ``ref`` (a small call).
+
+    Whatever ``prepare`` hands out should be held by the caller past the timing (a list of
+    pre-made inputs, cycled), so that freeing an input never lands in a timed call.
 
     The two kinds alternate every few milliseconds, so "``fn`` minus ``ref``" does not
     move with what the machine did between two separate measurements; in blocks, not

@@ -193,29 +193,29 @@ async def _sizes_async(
 
 
 async def _sizes_out_async(
-    cfg: Config,
-    fetch: Callable[[int], Any],
-    small: Callable[[], Awaitable[Any]] | None = None,
+    cfg: Config, fetch: Callable[[int], Any], small: Callable[[], Awaitable[Any]]
 ) -> dict[str, Any]:
-    """Time ``fetch(size)``, a small request answered by a tensor of ``size`` bytes;
-    with ``small``, blocks of it timed between (``small_paired``, as `_line`)."""
+    """Time ``fetch(size)``, a small request answered by a tensor of ``size`` bytes, with
+    blocks of ``small`` timed between (as `_line`)."""
     out: dict[str, Any] = {}
     for size, budget in cfg.sizes.items():
         try:
             check_tensor(await fetch(size), size)
-            if small is None:
-                out[str(size)] = summarize(await time_async(functools.partial(fetch, size), budget))
-                continue
 
             async def same_size(size: int = size) -> int:
                 return size
 
-            samples, paired = await time_async_paired(same_size, fetch, small, budget)
-            out[str(size)] = summarize(samples)
-            out[str(size)]["small_paired"] = summarize(paired)
+            out[str(size)] = _paired_cell(*await time_async_paired(same_size, fetch, small, budget))
         except Exception as exc:
             out[str(size)] = unavailable(exc)
     return out
+
+
+def _paired_cell(samples: list[int], paired: list[int]) -> dict[str, Any]:
+    """A cell of a line's samples, with the small calls timed between them."""
+    cell = summarize(samples)
+    cell["small_paired"] = summarize(paired)
+    return cell
 
 
 def _in_process(cfg: Config, workdir: Path) -> dict[str, Any]:
@@ -596,8 +596,7 @@ async def _line(
                 else functools.partial(_next_source, sources, iter(range(1 << 62)))
             )
             samples, paired = await time_async_paired(prepare, send, small, budget)
-            out[str(size)] = summarize(samples)
-            out[str(size)]["small_paired"] = summarize(paired)
+            out[str(size)] = _paired_cell(samples, paired)
             if fetched:
                 out[str(size)].update(_by_fetch(samples, fetched[-len(samples) :]))
             ref[str(size)] = await asyncio.to_thread(_copy_ref, sources, budget)
