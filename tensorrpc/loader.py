@@ -281,11 +281,8 @@ class SharedBatches:
         already written into a slot and not yet rebuilt makes `iterate` raise
         ValueError."""
         self._closed = True
-        state = self._state
-        if state is not None:
-            for k in range(len(state)):
-                if state[k] == _FREE:  # (a worker taking it meanwhile: see _rebuild)
-                    state[k] = _CLOSED
+        for k in range(len(self._slots)):
+            self._set(k, _FREE, _CLOSED)  # (a worker taking it meanwhile: see _rebuild)
         self._slots = []
         self._states = self._state = None
 
@@ -391,14 +388,10 @@ class SharedBatches:
         """A free slot of this worker's, now taken; None if there is none."""
         if self._fds:
             self._attach()
-        state = self._state
-        if state is None:
-            return None
         info = torch.utils.data.get_worker_info()
         first, step = (0, 1) if info is None else (info.id, info.num_workers)
         for k in range(first, len(self._slots), step):
-            if state[k] == _FREE:
-                state[k] = _TAKEN
+            if self._set(k, _FREE, _TAKEN):
                 return k
         return None
 
